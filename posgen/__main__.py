@@ -1,0 +1,5 @@
+"""``python -m posgen`` runs the CLI."""
+
+from posgen.cli import main
+
+main()

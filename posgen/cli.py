@@ -1,0 +1,249 @@
+"""The ``posgen`` command line.
+
+Exit codes: 0 ok; 1 generated/ drifted from the specs; 2 invalid spec or usage error.
+Spec errors print ``path:line:col: field: message`` lines and never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Sequence
+from functools import wraps
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from posgen.diagnostics import SpecError
+from posgen.generate import compare, render_tree, unified_diff, write_tree
+from posgen.plan import scale_description, term_lines
+from posgen.render import SourceGateError
+from posgen.spec import Spec
+from posgen.spec_loader import LoadedSpec, expand_spec_paths, load_spec, load_specs
+
+DEFAULT_SPECS = Path("specs")
+DEFAULT_OUT = Path("generated")
+
+Command = TypeVar("Command", bound=Callable[..., Any])
+
+
+def _reports_spec_errors(command: Command) -> Command:
+    """Turn SpecError into diagnostics on stderr and exit code 2."""
+
+    @wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except SpecError as error:
+            for diagnostic in error.diagnostics:
+                click.echo(diagnostic.render(), err=True)
+            count = len(error.diagnostics)
+            click.echo(f"{count} error{'s' if count != 1 else ''}; nothing written.", err=True)
+            sys.exit(2)
+        except SourceGateError as error:
+            click.echo(f"internal error: {error}", err=True)
+            sys.exit(3)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _spec_files(arguments: Sequence[Path]) -> list[Path]:
+    paths = expand_spec_paths(list(arguments) or [DEFAULT_SPECS])
+    if not paths:
+        shown = ", ".join(str(p) for p in arguments) or str(DEFAULT_SPECS)
+        raise click.UsageError(f"no spec files (*.yaml) found in {shown}")
+    for path in paths:
+        if not path.exists():
+            raise click.UsageError(f"no such spec file: {path}")
+    return paths
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="posgen")
+def main() -> None:
+    """posgen: positional encodings from declarative specs.
+
+    \b
+    Example:
+        posgen generate --check      # is generated/ in sync with specs/?
+        posgen list                  # the catalogue
+    """
+
+
+@main.command()
+@click.argument("specs", nargs=-1, type=click.Path(path_type=Path))
+@click.option("--out", "out_dir", type=click.Path(path_type=Path), default=DEFAULT_OUT,
+              show_default=True, help="Directory of generated modules.")
+@click.option("--check", is_flag=True, help="Write nothing; exit 1 if OUT differs.")
+@click.option("--diff", "show_diff", is_flag=True, help="Print the unified diff; write nothing.")
+@_reports_spec_errors
+def generate(specs: tuple[Path, ...], out_dir: Path, check: bool, show_diff: bool) -> None:
+    """Render SPECS (files or directories; default specs/) into modules in OUT.
+
+    Only changed files are written, atomically; stale files that carry the posgen
+    header are removed. If any spec is invalid, nothing is written.
+
+    \b
+    Example:
+        posgen generate                      # specs/ -> generated/
+        posgen generate --check              # CI: exit 1 on drift
+        posgen generate specs/t5.yaml --out /tmp/gen --diff
+    """
+    loaded = load_specs(_spec_files(specs))
+    tree = render_tree(loaded)
+    if check or show_diff:
+        drift = compare(out_dir, tree)
+        if show_diff:
+            click.echo(unified_diff(out_dir, tree, drift), nl=False)
+        if drift.clean:
+            click.echo(f"{out_dir}: {len(tree)} files up to date.")
+            return
+        for line in drift.lines():
+            click.echo(line)
+        click.echo(f"{out_dir} is out of date: run `posgen generate`.", err=True)
+        sys.exit(1)
+    drift = write_tree(out_dir, tree)
+    for line in drift.lines():
+        click.echo(line.replace("changed:", "updated:").replace("missing:", "created:")
+                   .replace("extra:  ", "removed:"))
+    click.echo(f"{out_dir}: {len(tree)} files, {len(drift.lines())} written or removed.")
+
+
+@main.command()
+@click.argument("specs", nargs=-1, required=True, type=click.Path(path_type=Path))
+@_reports_spec_errors
+def validate(specs: tuple[Path, ...]) -> None:
+    """Validate SPECS (files or directories) and report every error.
+
+    \b
+    Example:
+        posgen validate specs/
+        posgen validate my_idea.yaml
+    """
+    loaded = load_specs(_spec_files(specs))
+    for item in loaded:
+        click.echo(f"ok  {item.display_path}")
+
+
+def _short_term(value: object) -> str:
+    return value if isinstance(value, str) else str(getattr(value, "form", value))
+
+
+@main.command(name="list")
+@click.option("--specs", "spec_dir", type=click.Path(path_type=Path), default=DEFAULT_SPECS,
+              show_default=True, help="Directory of specs.")
+@click.option("--models", "by_model", is_flag=True, help="List by model: which encoding each uses.")
+@_reports_spec_errors
+def list_specs(spec_dir: Path, by_model: bool) -> None:
+    """List every encoding: title, the four terms in short, the models that use it.
+
+    \b
+    Example:
+        posgen list
+        posgen list --models
+    """
+    loaded = load_specs(_spec_files([spec_dir]))
+    if by_model:
+        users: dict[str, list[str]] = {}
+        for item in loaded:
+            for model in item.spec.models:
+                users.setdefault(model, []).append(item.spec.name)
+        width = max((len(model) for model in users), default=5)
+        for model in sorted(users, key=str.lower):
+            click.echo(f"{model:<{width}}  {', '.join(users[model])}")
+        return
+    header = f"{'name':<18} {'cc':<7} {'cp':<9} {'pc':<9} {'pp':<9} title / used by"
+    click.echo(header)
+    click.echo("-" * len(header))
+    for item in loaded:
+        terms = item.spec.terms
+        click.echo(
+            f"{item.spec.name:<18} {_short_term(terms.content_content):<7} "
+            f"{_short_term(terms.content_position):<9} {_short_term(terms.position_content):<9} "
+            f"{_short_term(terms.position_position):<9} {item.spec.title}"
+        )
+        if item.spec.models:
+            click.echo(f"{'':<56}used by: {', '.join(item.spec.models)}")
+
+
+def _find_spec(name_or_path: str, spec_dir: Path) -> LoadedSpec:
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        return load_spec(path)
+    candidate = spec_dir / f"{name_or_path}.yaml"
+    if not candidate.exists():
+        known = sorted(p.stem for p in spec_dir.glob("*.yaml"))
+        raise click.UsageError(
+            f"no spec named {name_or_path!r} in {spec_dir}/ (known: {', '.join(known)})"
+        )
+    return load_spec(candidate)
+
+
+def explanation(spec: Spec) -> list[str]:
+    """The decomposition of a spec in words, as printed by ``posgen explain``."""
+    lines = [f"{spec.name}: {spec.title}", ""]
+    if spec.input is not None:
+        table = spec.input.table
+        lines.append(f"input      x_i + p_i, {table.kind} table ({_describe_table(spec)})")
+    lines.append("")
+    lines.append("a_ij = content_content + content_position + position_content + "
+                 "position_position")
+    lines.append(f"scale: {scale_description(spec)}")
+    lines.append("")
+    for row in term_lines(spec):
+        lines.append(f"  {row.term:<18} {row.form:<9} {row.formula}")
+    lines.append(f"  {'values':<18} {spec.values}")
+    lines.append("")
+    lines.append("references:")
+    lines.extend(f"  - {reference}" for reference in spec.references)
+    if spec.models:
+        lines.append(f"used by: {', '.join(spec.models)}")
+    claims = spec.claims.model_dump(exclude_none=True)
+    if claims:
+        lines.append("claims: " + ", ".join(f"{k}={str(v).lower()}" for k, v in claims.items()))
+    return lines
+
+
+def _describe_table(spec: Spec) -> str:
+    table = spec.input.table if spec.input else None
+    if table is None:
+        return ""
+    if table.kind == "learned":
+        return f"{table.max_positions} positions, no extrapolation"
+    return f"base {table.base:g}, {table.layout} sin/cos"
+
+
+@main.command()
+@click.argument("name_or_spec")
+@click.option("--specs", "spec_dir", type=click.Path(path_type=Path), default=DEFAULT_SPECS,
+              show_default=True, help="Directory to look NAME up in.")
+@_reports_spec_errors
+def explain(name_or_spec: str, spec_dir: Path) -> None:
+    """Explain one encoding: its four score terms in words, with the formula.
+
+    \b
+    Example:
+        posgen explain t5
+        posgen explain specs/rope.yaml
+    """
+    loaded = _find_spec(name_or_spec, spec_dir)
+    for line in explanation(loaded.spec):
+        click.echo(line)
+
+
+@main.command()
+@click.option("--out", "out_file", type=click.Path(path_type=Path), default=None,
+              help="Write to this file instead of stdout.")
+def schema(out_file: Path | None) -> None:
+    """Print the JSON Schema of the spec format (for editor completion).
+
+    \b
+    Example:
+        posgen schema --out specs/schema.json
+    """
+    text = json.dumps(Spec.model_json_schema(), indent=2, sort_keys=True) + "\n"
+    if out_file is None:
+        click.echo(text, nl=False)
+    else:
+        out_file.write_text(text, encoding="utf-8")

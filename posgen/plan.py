@@ -1,0 +1,377 @@
+"""The resolved decomposition: what the templates render, and nothing else.
+
+A plan holds only three kinds of value, so no spec can inject code:
+- identifiers checked against ``^[A-Za-z_][A-Za-z0-9_]*$`` (ASCII, not a keyword, soft
+  keyword or builtin);
+- Python literals already rendered with ``repr()`` (finite numbers, booleans), or one of a
+  fixed set of choice words that the spec model enumerates;
+- free text escaped for a docstring by ``docstring_lines`` (the only path for free text).
+"""
+
+from __future__ import annotations
+
+import builtins
+import json
+import keyword
+import math
+import re
+from dataclasses import dataclass, field
+
+from posgen.spec import (
+    LearnedTable,
+    LearnedTableBias,
+    LinearSlopeBias,
+    LogBuckets,
+    Rotation,
+    SinusoidalTable,
+    Spec,
+    rotary_dim_for,
+)
+
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+DOCSTRING_WIDTH = 88
+
+
+class PlanError(ValueError):
+    """A value that cannot be rendered safely (never reached by a validated spec)."""
+
+
+def identifier(name: str) -> str:
+    """Return ``name`` if it is a safe Python identifier for generated code."""
+    if not _IDENTIFIER.match(name) or not name.isascii():
+        raise PlanError(f"{name!r} is not an ASCII identifier")
+    if keyword.iskeyword(name) or keyword.issoftkeyword(name) or hasattr(builtins, name):
+        raise PlanError(f"{name!r} is a Python keyword or builtin")
+    return name
+
+
+def literal(value: bool | int | float) -> str:
+    """A finite number or boolean rendered as Python source."""
+    if isinstance(value, bool):
+        return repr(value)
+    if isinstance(value, int):
+        return repr(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise PlanError(f"non-finite number {value!r}")
+        return repr(value)
+    raise PlanError(f"{value!r} is not a number or boolean")
+
+
+def python_string(value: str) -> str:
+    """A double-quoted, pure-ASCII Python string literal for any text."""
+    return json.dumps(value, ensure_ascii=True)
+
+
+def choice(value: str, allowed: tuple[str, ...]) -> str:
+    """One of a fixed set of words (spec enums); anything else is rejected."""
+    if value not in allowed:
+        raise PlanError(f"{value!r} is not one of {allowed}")
+    return value
+
+
+def _escape_char(char: str) -> str:
+    if char == "\\":
+        return "\\\\"
+    if char == '"':
+        return '\\"'
+    if " " <= char <= "~":
+        return char
+    code = ord(char)
+    if code <= 0xFF:
+        return f"\\x{code:02x}"
+    if code <= 0xFFFF:
+        return f"\\u{code:04x}"
+    return f"\\U{code:08x}"
+
+
+def docstring_lines(text: str, width: int = DOCSTRING_WIDTH) -> list[str]:
+    """Escape free text for a docstring body and wrap it to ``width`` escaped columns.
+
+    Every character outside printable ASCII becomes an escape sequence, and backslashes
+    and double quotes are escaped, so the text cannot close the docstring, start a new
+    line of code, or smuggle a line separator. Wrapping never splits an escape.
+    """
+    lines: list[str] = []
+    current = ""
+    for raw_word in text.split():
+        pieces: list[str] = [""]
+        for token in (_escape_char(ch) for ch in raw_word):
+            if pieces[-1] and len(pieces[-1]) + len(token) > width:
+                pieces.append("")
+            pieces[-1] += token
+        for word in pieces:
+            if current and len(current) + 1 + len(word) > width:
+                lines.append(current)
+                current = word
+            else:
+                current = f"{current} {word}" if current else word
+    if current:
+        lines.append(current)
+    return lines
+
+
+# --------------------------------------------------------------------------- block plans
+
+
+@dataclass(frozen=True)
+class AbsoluteTablePlan:
+    kind: str  # learned | sinusoidal
+    max_positions: str = "None"
+    init_std: str = "None"
+    base: str = "None"
+    layout: str = "interleaved"
+
+
+@dataclass(frozen=True)
+class RotationPlan:
+    base: str
+    pairing: str  # half | interleaved
+    fraction: str
+
+
+@dataclass(frozen=True)
+class BucketIndexPlan:
+    buckets: str
+    max_distance: str
+    max_exact: str
+    bidirectional: str
+    sign: str  # key_minus_query | query_minus_key
+
+
+@dataclass(frozen=True)
+class BiasPlan:
+    kind: str  # linear_slopes | learned_table
+    placement: str  # after_scale | before_scale
+    slopes: str = ""
+    index: BucketIndexPlan | None = None
+    init_std: str = "None"
+
+    @property
+    def learnable(self) -> bool:
+        return self.kind == "learned_table"
+
+
+@dataclass(frozen=True)
+class TermLine:
+    """One row of the decomposition table, as words for docstrings and ``explain``."""
+
+    term: str
+    form: str
+    formula: str
+
+
+@dataclass(frozen=True)
+class ModulePlan:
+    module_name: str
+    class_name: str
+    spec_path: str  # repr literal
+    spec_sha256: str  # validated lowercase hex
+    title_lines: list[str]
+    reference_lines: list[list[str]]
+    model_lines: list[str]
+    decomposition_lines: list[str]
+    heads: str
+    head_dim: str
+    model_dim: str | None
+    scale_kind: str  # none | inv_sqrt_head_dim
+    scale_factor: str
+    scale_text: str
+    weight_notes: list[str]
+    absolute_table: AbsoluteTablePlan | None
+    rotation: RotationPlan | None
+    bias: BiasPlan | None
+    blocks: list[str] = field(default_factory=list)
+
+
+def class_name_for(module_name: str) -> str:
+    """``rope_gptj`` → ``RopeGptj``; a leading digit part keeps its case (``t5`` → ``T5``)."""
+    parts = [part for part in module_name.split("_") if part]
+    return identifier("".join(part[:1].upper() + part[1:] for part in parts))
+
+
+def _absolute_table_plan(table: LearnedTable | SinusoidalTable) -> AbsoluteTablePlan:
+    if isinstance(table, LearnedTable):
+        return AbsoluteTablePlan(
+            kind="learned",
+            max_positions=literal(table.max_positions),
+            init_std=literal(table.init_std),
+        )
+    return AbsoluteTablePlan(
+        kind="sinusoidal",
+        base=literal(float(table.base)),
+        layout=choice(table.layout, ("interleaved", "split")),
+    )
+
+
+def _rotation_plan(rotation: Rotation) -> RotationPlan:
+    return RotationPlan(
+        base=literal(float(rotation.base)),
+        pairing=choice(rotation.pairing, ("half", "interleaved")),
+        fraction=literal(float(rotation.rotary_dims.fraction)),
+    )
+
+
+def _bucket_plan(index: LogBuckets) -> BucketIndexPlan:
+    return BucketIndexPlan(
+        buckets=literal(index.buckets),
+        max_distance=literal(index.max_distance),
+        max_exact=literal(index.max_exact),
+        bidirectional=literal(index.bidirectional),
+        sign=choice(index.sign, ("key_minus_query", "query_minus_key")),
+    )
+
+
+def _bias_plan(bias: LinearSlopeBias | LearnedTableBias) -> BiasPlan:
+    placement = choice(bias.placement, ("after_scale", "before_scale"))
+    if isinstance(bias, LinearSlopeBias):
+        return BiasPlan(
+            kind="linear_slopes",
+            placement=placement,
+            slopes=choice(bias.slopes, ("alibi_geometric",)),
+        )
+    return BiasPlan(
+        kind="learned_table",
+        placement=placement,
+        index=_bucket_plan(bias.index),
+        init_std=literal(bias.init_std),
+    )
+
+
+def _term_lines(spec: Spec) -> list[TermLine]:
+    terms = spec.terms
+    lines: list[TermLine] = []
+    rotation = spec.rotation
+    if rotation is not None:
+        lines.append(
+            TermLine(
+                "content_content",
+                "rotate",
+                f"(R_i q_i) . (R_j k_j) = q_i R_(j-i) k_j, {rotation.pairing} pairing, "
+                f"theta_k = {_number(rotation.base)}^(-2k/d_rot)",
+            )
+        )
+    else:
+        lines.append(TermLine("content_content", "keep", "q_i . k_j"))
+    absolute = {
+        "content_position": "x_i Wq Wk^T p_j^T (via the input table)",
+        "position_content": "p_i Wq Wk^T x_j^T (via the input table)",
+        "position_position": "p_i Wq Wk^T p_j^T (via the input table)",
+    }
+    for term, value in (
+        ("content_position", terms.content_position),
+        ("position_content", terms.position_content),
+    ):
+        lines.append(TermLine(term, value, absolute[term] if value == "absolute" else "0"))
+    bias = spec.bias
+    if bias is None:
+        value = terms.position_position
+        text = absolute["position_position"] if value == "absolute" else "0"
+        lines.append(TermLine("position_position", str(value), text))
+    elif isinstance(bias, LinearSlopeBias):
+        lines.append(
+            TermLine("position_position", "bias", "-slope_h * |i - j|, slopes: alibi_geometric")
+        )
+    else:
+        index = bias.index
+        relative = "j - i" if index.sign == "key_minus_query" else "i - j"
+        direction = "bidirectional" if index.bidirectional else "unidirectional"
+        lines.append(
+            TermLine(
+                "position_position",
+                "bias",
+                f"table[bucket({relative}), h], {index.recipe} log buckets: {index.buckets} "
+                f"{direction}, max_distance {index.max_distance}",
+            )
+        )
+    return lines
+
+
+def decomposition_table(rows: list[TermLine], width: int = DOCSTRING_WIDTH) -> list[str]:
+    """The four terms as aligned, escaped, wrapped text lines."""
+    lines: list[str] = []
+    indent = 18 + 1 + 9 + 1
+    for row in rows:
+        formula = docstring_lines(row.formula, width - indent)
+        lines.append(f"{row.term:<18} {row.form:<9} {formula[0]}")
+        lines.extend(" " * indent + rest for rest in formula[1:])
+    return lines
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(value)
+
+
+def scale_description(spec: Spec) -> str:
+    """The logit scale in words."""
+    if spec.scale.kind == "none":
+        return "none (logits are not scaled)"
+    factor = spec.scale.factor
+    inner = "head_dim" if factor == 1 else f"{_number(factor)} * head_dim"
+    return f"1/sqrt({inner})"
+
+
+def build_plan(spec: Spec, spec_path: str, spec_sha256: str) -> ModulePlan:
+    """Resolve a validated spec into the plan that templates render."""
+    module_name = identifier(spec.name)
+    absolute_table = _absolute_table_plan(spec.input.table) if spec.input else None
+    rotation = _rotation_plan(spec.rotation) if spec.rotation else None
+    bias = _bias_plan(spec.bias) if spec.bias else None
+    blocks = []
+    if absolute_table is not None:
+        blocks.append("absolute_table")
+    if rotation is not None:
+        blocks.append("rotation")
+    if bias is not None:
+        blocks.append(bias.kind)
+    if rotation is not None:
+        rotary_dim_for(spec.defaults.head_dim, spec.rotation.rotary_dims.fraction)
+    return ModulePlan(
+        module_name=module_name,
+        class_name=class_name_for(module_name),
+        spec_path=python_string(str(spec_path)),
+        spec_sha256=choice_hex(spec_sha256),
+        title_lines=docstring_lines(spec.title),
+        reference_lines=[docstring_lines(ref, DOCSTRING_WIDTH - 6) for ref in spec.references],
+        model_lines=docstring_lines(", ".join(spec.models)) if spec.models else [],
+        decomposition_lines=decomposition_table(_term_lines(spec)),
+        heads=literal(spec.defaults.heads),
+        head_dim=literal(spec.defaults.head_dim),
+        model_dim=literal(spec.defaults.model_dim) if spec.defaults.model_dim else None,
+        scale_kind=choice(spec.scale.kind, ("none", "inv_sqrt_head_dim")),
+        scale_factor=literal(float(spec.scale.factor)),
+        scale_text=" ".join(docstring_lines(scale_description(spec), 10_000)),
+        weight_notes=_weight_notes(absolute_table, bias),
+        absolute_table=absolute_table,
+        rotation=rotation,
+        bias=bias,
+        blocks=blocks,
+    )
+
+
+def _weight_notes(table: AbsoluteTablePlan | None, bias: BiasPlan | None) -> list[str]:
+    """How reference checkpoints map onto the generated parameters (fixed text)."""
+    notes: list[str] = []
+    if table is not None and table.kind == "learned":
+        notes += [
+            "position_embeddings.weight [max_positions, model_dim]: copy GPT-2",
+            "``wpe.weight`` or BERT ``embeddings.position_embeddings.weight``.",
+        ]
+    if bias is not None and bias.kind == "learned_table":
+        notes += [
+            "relative_attention_bias.weight [buckets, heads]: copy Hugging Face",
+            "``T5Attention.relative_attention_bias.weight`` (first layer of each stack).",
+        ]
+    return notes
+
+
+def choice_hex(value: str) -> str:
+    """A lowercase hex digest."""
+    if not re.fullmatch(r"[0-9a-f]{64}", value):
+        raise PlanError(f"{value!r} is not a sha256 hex digest")
+    return value
+
+
+def term_lines(spec: Spec) -> list[TermLine]:
+    """The decomposition of one spec in words (used by ``posgen explain``)."""
+    return _term_lines(spec)

@@ -1,0 +1,401 @@
+"""The spec language: a strict pydantic mirror of ``specs/*.yaml``.
+
+A spec states one row of the score-decomposition table (DESIGN.md §1). With absolute
+positions added to the input, the logit between query i and key j is
+
+    a_ij = x_i Wq Wkᵀ x_jᵀ  (content_content)  + x_i Wq Wkᵀ p_jᵀ (content_position)
+         + p_i Wq Wkᵀ x_jᵀ  (position_content) + p_i Wq Wkᵀ p_jᵀ (position_position)
+
+and each encoding keeps, drops, replaces or biases each term. Every convention on which
+published implementations disagree (rotation pairing, sign of the relative position,
+bucket recipe, slope recipe, where the 1/√d scale applies) is a required field.
+
+Models are frozen, reject unknown keys (with the closest valid name), and never coerce a
+string into a number. Forms written as a single-key mapping (``{rotate: ...}``,
+``{bias: ...}``) or a bare keyword (``keep``, ``drop``) are tagged unions on that key.
+"""
+
+from __future__ import annotations
+
+import keyword
+import re
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from posgen.diagnostics import closest_name
+
+IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+MODULE_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
+
+
+class SpecModel(BaseModel):
+    """Base of every spec model: frozen, strict, unknown keys rejected with a hint."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_unknown_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            allowed = set(cls.model_fields)
+            for key in data:
+                if key not in allowed:
+                    hint = closest_name(str(key), allowed)
+                    suggestion = f" (did you mean {hint!r}?)" if hint else ""
+                    raise PydanticCustomError(
+                        "unknown_field",
+                        "unknown field '{key}'{suggestion}; allowed: {allowed}",
+                        {
+                            "key": str(key),
+                            "suggestion": suggestion,
+                            "allowed": ", ".join(sorted(allowed)),
+                        },
+                    )
+        return data
+
+
+def cross_field_error(at: str, message: str) -> PydanticCustomError:
+    """An error about a combination of fields, reported at the sub-field ``at``."""
+    return PydanticCustomError("cross_field", "{message}", {"message": message, "at": at})
+
+
+def _tagged(*tags: str, what: str) -> Discriminator:
+    """Discriminate a term written as a bare keyword or as a single-key mapping."""
+    allowed = set(tags)
+
+    def tag_of(value: Any) -> str | None:
+        if isinstance(value, str):
+            return value if value in allowed else None
+        if isinstance(value, dict) and len(value) == 1:
+            key = next(iter(value))
+            return key if key in allowed else None
+        if isinstance(value, BaseModel):
+            return getattr(value, "form", None)
+        return None
+
+    listing = ", ".join(sorted(allowed))
+    return Discriminator(
+        tag_of,
+        custom_error_type="invalid_form",
+        custom_error_message=f"{what} must be one of: {listing} (a keyword, or a mapping "
+        "with that single key)",
+        custom_error_context={"allowed": listing},
+    )
+
+
+# --------------------------------------------------------------------------- text fields
+
+Text = Annotated[str, Field(min_length=1, max_length=300, pattern=r"^[^\x00-\x1f\x7f]*$")]
+
+
+# --------------------------------------------------------------------------- scale
+
+
+class Scale(SpecModel):
+    """Logit scale: ``none`` (T5) or 1/sqrt(factor · head_dim) (Vaswani et al. 2017)."""
+
+    kind: Literal["none", "inv_sqrt_head_dim"]
+    factor: float = Field(1.0, gt=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_keyword(cls, data: Any) -> Any:
+        return {"kind": data} if isinstance(data, str) else data
+
+
+# --------------------------------------------------------------------------- input tables
+
+
+class LearnedTable(SpecModel):
+    """A trained [max_positions, model_dim] table (GPT-2 ``wpe``, BERT position ids)."""
+
+    kind: Literal["learned"]
+    max_positions: int = Field(ge=1, le=1 << 24)
+    init_std: float = Field(0.02, gt=0)
+
+
+class SinusoidalTable(SpecModel):
+    """Fixed sinusoids (Vaswani et al. 2017, arXiv:1706.03762).
+
+    ``interleaved``: PE(p, 2i) = sin(p·base^(-2i/d)), PE(p, 2i+1) = cos(p·base^(-2i/d)).
+    ``split``: the sines fill the first half of the features and the cosines the second
+    (the tensor2tensor layout).
+    """
+
+    kind: Literal["sinusoidal"]
+    base: float = Field(gt=1)
+    layout: Literal["interleaved", "split"]
+
+
+AbsoluteTable = Annotated[Union[LearnedTable, SinusoidalTable], Field(discriminator="kind")]
+
+
+class InputForm(SpecModel):
+    """Input-level positions: x + p (``add``)."""
+
+    kind: Literal["add"]
+    table: AbsoluteTable
+
+
+# --------------------------------------------------------------------------- rotations
+
+
+class RotaryDims(SpecModel):
+    """Which features rotate: a leading fraction of each head (partial RoPE)."""
+
+    fraction: float = Field(1.0, gt=0, le=1)
+    layout: Literal["leading"] = "leading"
+
+
+class StandardFrequencies(SpecModel):
+    """theta_k = base^(-2k / rotary_dim) (Su et al. 2021)."""
+
+    kind: Literal["standard"] = "standard"
+
+
+class Rotation(SpecModel):
+    """Rotary position embedding (Su et al. 2021, RoFormer, arXiv:2104.09864).
+
+    Each feature pair (a, b) of q and k is rotated by the angle position · theta_k.
+    ``half`` pairs feature k with k + d/2 (GPT-NeoX, HF Llama); ``interleaved`` pairs
+    2k with 2k+1 (GPT-J, Meta's original LLaMA).
+    """
+
+    base: float = Field(gt=1)
+    pairing: Literal["half", "interleaved"]
+    rotary_dims: RotaryDims = RotaryDims()
+    frequencies: StandardFrequencies = StandardFrequencies()
+
+
+class RotateTerm(SpecModel):
+    """content_content: rotate q and k by their positions before the product."""
+
+    rotate: Rotation
+
+    @property
+    def form(self) -> str:
+        return "rotate"
+
+
+# --------------------------------------------------------------------------- biases
+
+
+class LogBuckets(SpecModel):
+    """Relative positions mapped to log-spaced buckets (Raffel et al. 2020, T5).
+
+    Within each direction (``bidirectional``: half the buckets for each sign), distances
+    below max_exact = buckets_per_direction / 2 get their own bucket and larger ones share
+    log-spaced buckets up to ``max_distance``, past which all share the last bucket.
+    """
+
+    kind: Literal["log_buckets"]
+    recipe: Literal["t5"]
+    buckets: int = Field(ge=2, le=4096)
+    max_distance: int = Field(ge=2, le=1 << 24)
+    bidirectional: bool
+    sign: Literal["key_minus_query", "query_minus_key"]
+
+    @model_validator(mode="after")
+    def _check_ranges(self) -> LogBuckets:
+        if self.bidirectional and self.buckets % 2:
+            raise cross_field_error(
+                "buckets",
+                f"bidirectional buckets are split evenly between the two directions, so "
+                f"the count must be even (got {self.buckets})",
+            )
+        per_direction = self.buckets // 2 if self.bidirectional else self.buckets
+        max_exact = per_direction // 2
+        if max_exact < 1:
+            raise cross_field_error(
+                "buckets", f"too few buckets ({self.buckets}) for an exact range"
+            )
+        if self.max_distance <= max_exact:
+            raise cross_field_error(
+                "max_distance",
+                f"max_distance must be greater than the exact range {max_exact} "
+                f"(buckets per direction / 2); got {self.max_distance}",
+            )
+        return self
+
+    @property
+    def max_exact(self) -> int:
+        per_direction = self.buckets // 2 if self.bidirectional else self.buckets
+        return per_direction // 2
+
+
+class LinearSlopeBias(SpecModel):
+    """bias[h, i, j] = -slope_h · |i - j| (Press et al. 2022, ALiBi, arXiv:2108.12409).
+
+    ``alibi_geometric``: for n heads a power of two, slope_h = 2^(-8(h+1)/n); otherwise the
+    slopes of the closest lower power of two followed by every other slope of the next.
+    """
+
+    kind: Literal["linear_slopes"]
+    slopes: Literal["alibi_geometric"]
+    distance: Literal["absolute"]
+    placement: Literal["after_scale", "before_scale"]
+
+
+class LearnedTableBias(SpecModel):
+    """bias[h, i, j] = table[index(i, j), h]: a trained scalar per (bucket, head)."""
+
+    kind: Literal["learned_table"]
+    index: LogBuckets
+    placement: Literal["after_scale", "before_scale"]
+    init_std: float = Field(1.0, gt=0)
+
+
+Bias = Annotated[Union[LinearSlopeBias, LearnedTableBias], Field(discriminator="kind")]
+
+
+class BiasTerm(SpecModel):
+    """position_position replaced by a scalar bias of (i, j), per head."""
+
+    bias: Bias
+
+    @property
+    def form(self) -> str:
+        return "bias"
+
+
+# --------------------------------------------------------------------------- the terms
+
+
+def _keyword(name: str) -> Any:
+    return Annotated[Literal[name], Tag(name)]  # type: ignore[valid-type]
+
+
+ContentContent = Annotated[
+    Union[_keyword("keep"), Annotated[RotateTerm, Tag("rotate")]],
+    _tagged("keep", "rotate", what="content_content"),
+]
+ContentPosition = Annotated[
+    Union[_keyword("drop"), _keyword("absolute")],
+    _tagged("drop", "absolute", what="content_position"),
+]
+PositionContent = Annotated[
+    Union[_keyword("drop"), _keyword("absolute")],
+    _tagged("drop", "absolute", what="position_content"),
+]
+PositionPosition = Annotated[
+    Union[_keyword("drop"), _keyword("absolute"), Annotated[BiasTerm, Tag("bias")]],
+    _tagged("drop", "absolute", "bias", what="position_position"),
+]
+
+
+class Terms(SpecModel):
+    """The four query-key terms of the decomposition, each stated explicitly."""
+
+    content_content: ContentContent
+    content_position: ContentPosition
+    position_content: PositionContent
+    position_position: PositionPosition
+
+
+class Defaults(SpecModel):
+    """Constructor defaults of the generated module (all overridable by the caller)."""
+
+    heads: int = Field(ge=1, le=4096)
+    head_dim: int = Field(ge=1, le=1 << 16)
+    model_dim: int | None = Field(None, ge=1, le=1 << 20)
+
+
+class Claims(SpecModel):
+    """What the encoding claims; ``posgen check`` tests stated claims, measures the rest."""
+
+    unique: bool | None = None
+    relative: bool | None = None
+    decay: bool | None = None
+    extrapolates: bool | None = None
+
+
+class Spec(SpecModel):
+    """One positional encoding: its metadata and its row of the decomposition table."""
+
+    name: Annotated[str, Field(pattern=MODULE_NAME.pattern, max_length=64)]
+    title: Text
+    references: list[Text] = Field(min_length=1)
+    models: list[Text] = Field(default_factory=list)
+    defaults: Defaults
+    scale: Scale
+    input: InputForm | None = None
+    terms: Terms
+    values: Literal["plain"] = "plain"
+    claims: Claims
+
+    @model_validator(mode="after")
+    def _check_consistency(self) -> Spec:
+        if keyword.iskeyword(self.name) or keyword.issoftkeyword(self.name):
+            raise cross_field_error("name", f"{self.name!r} is a Python keyword")
+        position_terms = {
+            "content_position": self.terms.content_position,
+            "position_content": self.terms.position_content,
+            "position_position": self.terms.position_position,
+        }
+        if self.input is not None:
+            for term, value in position_terms.items():
+                if value != "absolute":
+                    raise cross_field_error(
+                        f"terms.{term}",
+                        "positions added to the input reach every position term: "
+                        f"state it as 'absolute' (got {_describe(value)!r})",
+                    )
+            if self.defaults.model_dim is None:
+                raise cross_field_error(
+                    "defaults", "an input-level table needs defaults.model_dim"
+                )
+            table = self.input.table
+            if table.kind == "sinusoidal" and self.defaults.model_dim % 2:
+                raise cross_field_error(
+                    "defaults.model_dim",
+                    f"sinusoidal tables pair sin and cos features, so model_dim must be "
+                    f"even (got {self.defaults.model_dim})",
+                )
+        else:
+            for term, value in position_terms.items():
+                if value == "absolute":
+                    raise cross_field_error(
+                        f"terms.{term}",
+                        "'absolute' terms come from an input-level table: add an "
+                        "'input' section or choose another form",
+                    )
+        rotation = self.rotation
+        if rotation is not None:
+            rotary_dim = rotary_dim_for(self.defaults.head_dim, rotation.rotary_dims.fraction)
+            if rotary_dim < 2 or rotary_dim % 2:
+                raise cross_field_error(
+                    "terms.content_content.rotate.rotary_dims.fraction",
+                    f"fraction × head_dim must round to an even number ≥ 2 of rotated "
+                    f"features (head_dim {self.defaults.head_dim} gives {rotary_dim})",
+                )
+        return self
+
+    @property
+    def rotation(self) -> Rotation | None:
+        """The rotation of content_content, if the spec rotates."""
+        term = self.terms.content_content
+        return term.rotate if isinstance(term, RotateTerm) else None
+
+    @property
+    def bias(self) -> LinearSlopeBias | LearnedTableBias | None:
+        """The position_position bias, if the spec has one."""
+        term = self.terms.position_position
+        return term.bias if isinstance(term, BiasTerm) else None
+
+
+def rotary_dim_for(head_dim: int, fraction: float) -> int:
+    """Number of rotated features: fraction · head_dim, rounded to the nearest integer."""
+    return int(round(head_dim * fraction))
+
+
+def _describe(value: object) -> str:
+    return value if isinstance(value, str) else getattr(value, "form", type(value).__name__)
