@@ -43,6 +43,11 @@ SPEC_SHA256 = "d7f8fcb72dbbaf8934b59bdf212cdfe4571578433d5ec737863fab161ba1ddd8"
 BACKENDS = ("auto", "eager", "sdpa")
 
 
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    """float64 inputs are computed in float64; everything else in float32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
 def _positive_int(value: int, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -246,11 +251,12 @@ class LearnedAbsolute(nn.Module):
         q_positions: Tensor | None = None,
         k_positions: Tensor | None = None,
     ) -> dict[str, Tensor]:
-        """The non-zero terms of the logits, each as it enters the sum (float32).
+        """The non-zero terms of the logits, each as it enters the sum.
 
         q: [batch, heads, N, head_dim], k: [batch, heads, M, head_dim]. Content terms
         are [batch, heads, N, M]; position-only terms are [heads, N, M] (or
-        [batch, heads, N, M] for batched positions) and broadcast over the batch.
+        [batch, heads, N, M] for batched positions) and broadcast over the batch. All
+        are float32, or float64 for float64 inputs.
         """
         _check_attention_inputs(q, k, None, None, self.head_dim)
         n, m = q.shape[2], k.shape[2]
@@ -261,7 +267,8 @@ class LearnedAbsolute(nn.Module):
     def _score_terms(
         self, q: Tensor, k: Tensor, q_positions: Tensor | None, k_positions: Tensor | None
     ) -> dict[str, Tensor]:
-        content = torch.matmul(q.float(), k.float().transpose(-2, -1))  # [B, H, N, M]
+        dtype = _compute_dtype(q)
+        content = torch.matmul(q.to(dtype), k.to(dtype).transpose(-2, -1))  # [B, H, N, M]
         terms = {"content_content": content * self.scale}
         return terms
 
@@ -273,7 +280,10 @@ class LearnedAbsolute(nn.Module):
         q_positions: Tensor | None = None,
         k_positions: Tensor | None = None,
     ) -> Tensor:
-        """Pre-softmax logits, the sum of ``score_terms``: [batch, heads, N, M] float32."""
+        """Pre-softmax logits, the sum of ``score_terms``: [batch, heads, N, M].
+
+        Computed in float32 (float64 for float64 inputs).
+        """
         terms = self.score_terms(q, k, q_positions=q_positions, k_positions=k_positions)
         logits = terms.pop("content_content")
         for term in terms.values():
@@ -331,7 +341,7 @@ class LearnedAbsolute(nn.Module):
         causal: bool,
         attn_mask: Tensor | None,
     ) -> Tensor:
-        """The literal decomposition in float32: the oracle the other backends match."""
+        """The literal decomposition in float32 (float64 for float64 inputs): the oracle."""
         n, m = q.shape[2], k.shape[2]
         terms = self._score_terms(q, k, q_positions, k_positions)
         logits = terms.pop("content_content")
@@ -339,7 +349,7 @@ class LearnedAbsolute(nn.Module):
             logits = logits + term  # [B, H, N, M]
         allowed = _causal_allowed(q_positions, k_positions, n, m, q.device) if causal else None
         weights = torch.softmax(_apply_masks(logits, allowed, attn_mask), dim=-1)
-        return torch.matmul(weights, v.float()).to(v.dtype)  # [B, H, N, value_dim]
+        return torch.matmul(weights, v.to(weights.dtype)).to(v.dtype)  # [B, H, N, value_dim]
 
     def _sdpa_attention(
         self,

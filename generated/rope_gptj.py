@@ -40,6 +40,11 @@ SPEC_SHA256 = "1667db6a792a7fc0888494586bbcfd2eaa8d204bbfc707128f415f46b7141b6e"
 BACKENDS = ("auto", "eager", "sdpa")
 
 
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    """float64 inputs are computed in float64; everything else in float32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
 def _positive_int(value: int, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -159,10 +164,12 @@ ROTARY_FRACTION = 1.0
 ROTARY_PAIRING = "interleaved"
 
 
-def _rotary_cos_sin(positions: Tensor, rotary_dim: int) -> tuple[Tensor, Tensor]:
+def _rotary_cos_sin(
+    positions: Tensor, rotary_dim: int, dtype: torch.dtype = torch.float32
+) -> tuple[Tensor, Tensor]:
     """cos and sin of position * theta_k, theta_k = base^(-2k / rotary_dim).
 
-    positions: [...] int64 -> two float32 tensors [..., rotary_dim], laid out for the
+    positions: [...] int64 -> two ``dtype`` tensors [..., rotary_dim], laid out for the
     interleaved pairing. The angles are formed in float64 (float32 positions
     lose integers past 2^24 and float32 angles lose ~1e-3 rad at position 10^4).
     """
@@ -171,8 +178,8 @@ def _rotary_cos_sin(positions: Tensor, rotary_dim: int) -> tuple[Tensor, Tensor]
     theta = ROTARY_BASE ** (-exponents / rotary_dim)  # [rotary_dim / 2]
     angles = positions.to(compute_device, torch.float64).unsqueeze(-1) * theta
     angles = angles.repeat_interleave(2, dim=-1)  # feature 2k pairs with 2k + 1
-    cos = angles.cos().to(positions.device, torch.float32)
-    sin = angles.sin().to(positions.device, torch.float32)
+    cos = angles.cos().to(positions.device, dtype)
+    sin = angles.sin().to(positions.device, dtype)
     return cos, sin
 
 
@@ -242,16 +249,23 @@ class RopeGptj(nn.Module):
         self, q: Tensor, k: Tensor, q_positions: Tensor | None, k_positions: Tensor | None
     ) -> tuple[Tensor, Tensor]:
         n, m = q.shape[2], k.shape[2]
-        q_cos, q_sin = self._cos_sin(q_positions, m - n, n, q.device)
-        k_cos, k_sin = self._cos_sin(k_positions, 0, m, k.device)
+        dtype = _compute_dtype(q)
+        q_cos, q_sin = self._cos_sin(q_positions, m - n, n, q.device, dtype)
+        k_cos, k_sin = self._cos_sin(k_positions, 0, m, k.device, dtype)
         return self._apply_rotation(q, q_cos, q_sin), self._apply_rotation(k, k_cos, k_sin)
 
     def _cos_sin(
-        self, positions: Tensor | None, start: int, length: int, device
+        self, positions: Tensor | None, start: int, length: int, device, dtype: torch.dtype
     ) -> tuple[Tensor, Tensor]:
-        """[length, rotary_dim] (or [batch, 1, length, rotary_dim]) float32 cos and sin."""
+        """[length, rotary_dim] (or [batch, 1, length, rotary_dim]) cos and sin.
+
+        Default positions read the float32 cache; explicit positions and float64 inputs
+        are computed directly.
+        """
+        if positions is None and dtype == torch.float64:
+            positions = torch.arange(start, start + length, device=device)
         if positions is not None:
-            cos, sin = _rotary_cos_sin(positions, self.rotary_dim)
+            cos, sin = _rotary_cos_sin(positions, self.rotary_dim, dtype)
             if positions.dim() == 2:
                 cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
             return cos, sin
@@ -263,12 +277,12 @@ class RopeGptj(nn.Module):
         return self._cos_cache[start:end], self._sin_cache[start:end]
 
     def _apply_rotation(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """x * cos + partner(x) * sin on the rotated features, in float32."""
+        """x * cos + partner(x) * sin on the rotated features, in the dtype of cos."""
         with torch.autocast(device_type=x.device.type, enabled=False):
-            rotated = x[..., : self.rotary_dim].float()
+            rotated = x[..., : self.rotary_dim].to(cos.dtype)
             out = rotated * cos + _rotate_pairs(rotated) * sin
             if self.rotary_dim < x.shape[-1]:
-                out = torch.cat((out, x[..., self.rotary_dim :].float()), dim=-1)
+                out = torch.cat((out, x[..., self.rotary_dim :].to(cos.dtype)), dim=-1)
         return out.to(x.dtype)
 
     def score_bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor | None:
@@ -288,11 +302,12 @@ class RopeGptj(nn.Module):
         q_positions: Tensor | None = None,
         k_positions: Tensor | None = None,
     ) -> dict[str, Tensor]:
-        """The non-zero terms of the logits, each as it enters the sum (float32).
+        """The non-zero terms of the logits, each as it enters the sum.
 
         q: [batch, heads, N, head_dim], k: [batch, heads, M, head_dim]. Content terms
         are [batch, heads, N, M]; position-only terms are [heads, N, M] (or
-        [batch, heads, N, M] for batched positions) and broadcast over the batch.
+        [batch, heads, N, M] for batched positions) and broadcast over the batch. All
+        are float32, or float64 for float64 inputs.
         """
         _check_attention_inputs(q, k, None, None, self.head_dim)
         n, m = q.shape[2], k.shape[2]
@@ -304,7 +319,8 @@ class RopeGptj(nn.Module):
         self, q: Tensor, k: Tensor, q_positions: Tensor | None, k_positions: Tensor | None
     ) -> dict[str, Tensor]:
         q, k = self._rotate(q, k, q_positions, k_positions)
-        content = torch.matmul(q.float(), k.float().transpose(-2, -1))  # [B, H, N, M]
+        dtype = _compute_dtype(q)
+        content = torch.matmul(q.to(dtype), k.to(dtype).transpose(-2, -1))  # [B, H, N, M]
         terms = {"content_content": content * self.scale}
         return terms
 
@@ -316,7 +332,10 @@ class RopeGptj(nn.Module):
         q_positions: Tensor | None = None,
         k_positions: Tensor | None = None,
     ) -> Tensor:
-        """Pre-softmax logits, the sum of ``score_terms``: [batch, heads, N, M] float32."""
+        """Pre-softmax logits, the sum of ``score_terms``: [batch, heads, N, M].
+
+        Computed in float32 (float64 for float64 inputs).
+        """
         terms = self.score_terms(q, k, q_positions=q_positions, k_positions=k_positions)
         logits = terms.pop("content_content")
         for term in terms.values():
@@ -374,7 +393,7 @@ class RopeGptj(nn.Module):
         causal: bool,
         attn_mask: Tensor | None,
     ) -> Tensor:
-        """The literal decomposition in float32: the oracle the other backends match."""
+        """The literal decomposition in float32 (float64 for float64 inputs): the oracle."""
         n, m = q.shape[2], k.shape[2]
         terms = self._score_terms(q, k, q_positions, k_positions)
         logits = terms.pop("content_content")
@@ -382,7 +401,7 @@ class RopeGptj(nn.Module):
             logits = logits + term  # [B, H, N, M]
         allowed = _causal_allowed(q_positions, k_positions, n, m, q.device) if causal else None
         weights = torch.softmax(_apply_masks(logits, allowed, attn_mask), dim=-1)
-        return torch.matmul(weights, v.float()).to(v.dtype)  # [B, H, N, value_dim]
+        return torch.matmul(weights, v.to(weights.dtype)).to(v.dtype)  # [B, H, N, value_dim]
 
     def _sdpa_attention(
         self,

@@ -17,6 +17,7 @@ string into a number. Forms written as a single-key mapping (``{rotate: ...}``,
 
 from __future__ import annotations
 
+import builtins
 import keyword
 import re
 from typing import Annotated, Any, Literal, Union
@@ -336,6 +337,8 @@ class Spec(SpecModel):
     def _check_consistency(self) -> Spec:
         if keyword.iskeyword(self.name) or keyword.issoftkeyword(self.name):
             raise cross_field_error("name", f"{self.name!r} is a Python keyword")
+        if hasattr(builtins, self.name):
+            raise cross_field_error("name", f"{self.name!r} is a Python builtin name")
         position_terms = {
             "content_position": self.terms.content_position,
             "position_content": self.terms.position_content,

@@ -1,0 +1,1 @@
+"""Independent float64 reference implementations of positional encodings, written from the papers."""

@@ -1,0 +1,78 @@
+"""Bad specs are reported as ``file:line:col: field: message``, exit 2, no traceback.
+
+tests/specs/invalid/ holds one broken spec per rule; expected.txt pins the first
+diagnostic of each (reviewed by hand: position of the offending value, the field path,
+what is allowed, and the closest valid name for typos).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from posgen.cli import main
+from posgen.diagnostics import SpecError
+from posgen.spec_loader import load_specs
+
+INVALID = Path(__file__).parent / "specs" / "invalid"
+EXPECTED = dict(
+    (line.split(":", 1)[0], line)
+    for line in (INVALID / "expected.txt").read_text(encoding="utf-8").splitlines()
+)
+
+
+def test_every_invalid_spec_has_a_pinned_message() -> None:
+    assert sorted(EXPECTED) == sorted(p.name for p in INVALID.glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_invalid_spec_message(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(INVALID)
+    result = CliRunner().invoke(main, ["validate", name])
+    assert result.exit_code == 2
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    lines = result.output.splitlines()
+    assert lines[0] == EXPECTED[name]
+    assert lines[-1].endswith("nothing written.")
+
+
+def test_all_errors_of_all_specs_are_reported_together(monkeypatch) -> None:
+    monkeypatch.chdir(INVALID)
+    with pytest.raises(SpecError) as caught:
+        load_specs(sorted(INVALID.glob("*.yaml")))
+    reported = {d.path for d in caught.value.diagnostics}
+    assert reported == set(EXPECTED)
+
+
+def test_real_process_prints_no_traceback() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "posgen", "validate", "unknown_key.yaml", "odd_buckets.yaml"],
+        cwd=INVALID, capture_output=True, text=True,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr + result.stdout
+    assert result.stderr.splitlines()[:2] == [EXPECTED["odd_buckets.yaml"],
+                                              EXPECTED["unknown_key.yaml"]]
+
+
+def test_several_errors_in_one_spec_are_all_reported(tmp_path: Path) -> None:
+    spec = (INVALID / "unknown_key.yaml").read_text()
+    spec = spec.replace("name: unknown_key", "name: several").replace("heads: 8", 'heads: "8"')
+    (tmp_path / "several.yaml").write_text(spec)
+    with pytest.raises(SpecError) as caught:
+        load_specs([tmp_path / "several.yaml"])
+    fields = [d.field for d in caught.value.diagnostics]
+    assert fields == ["defaults.heads", "terms.position_position.bias.index.bukets"]
+
+
+def test_usage_errors_exit_2(tmp_path: Path) -> None:
+    runner = CliRunner()
+    assert runner.invoke(main, ["validate", str(tmp_path / "nope.yaml")]).exit_code == 2
+    assert runner.invoke(main, ["generate", "--bogus"]).exit_code == 2
+    assert runner.invoke(main, ["explain", "no_such_encoding"]).exit_code == 2
