@@ -1,1 +1,1 @@
-"""Independent float64 reference implementations of positional encodings, written from the papers."""
+"""Independent float64 reference implementations of positional encodings, from the papers."""

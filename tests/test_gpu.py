@@ -1,0 +1,53 @@
+"""CUDA checks (skipped without a GPU): device moves, cache rebuilds, bf16 at long range."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import generated_class, spec_names
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+CUDA = torch.device("cuda")
+
+
+@pytest.mark.parametrize("name", spec_names())
+def test_cuda_matches_cpu_and_backends_agree(name: str) -> None:
+    pe = generated_class(name)(heads=4, head_dim=32).eval()
+    q, k, v = (torch.randn(2, 4, 64, 32) for _ in range(3))
+    expected = pe(q, k, v, causal=True, backend="eager")
+    pe = pe.to(CUDA)
+    for backend in ("eager", "sdpa"):
+        got = pe(q.to(CUDA), k.to(CUDA), v.to(CUDA), causal=True, backend=backend)
+        torch.testing.assert_close(got.cpu(), expected, atol=1e-4, rtol=1e-3)
+    half = pe(q.to(CUDA, torch.bfloat16), k.to(CUDA, torch.bfloat16),
+              v.to(CUDA, torch.bfloat16), causal=True, backend="sdpa")
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half.float().cpu(), expected, atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.parametrize("name", ["rope", "rope_gptj"])
+def test_rotary_cache_follows_the_device(name: str) -> None:
+    pe = generated_class(name)(heads=2, head_dim=16)
+    q, k = torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
+    cpu_q, _ = pe.rotate(q, k)
+    cuda_q, _ = pe.rotate(q.to(CUDA), k.to(CUDA))  # module stays on CPU: cache rebuilt
+    assert pe._cos_cache.device.type == "cuda"
+    back_q, _ = pe.rotate(q, k)
+    assert pe._cos_cache.device.type == "cpu"
+    torch.testing.assert_close(cuda_q.cpu(), cpu_q)
+    torch.testing.assert_close(back_q, cpu_q)
+
+
+@pytest.mark.parametrize("name", ["rope", "rope_gptj"])
+def test_bf16_rotation_at_long_positions(name: str) -> None:
+    """bf16 input stays within bf16 rounding of the fp32 result at positions near 2^20."""
+    pe = generated_class(name)(heads=2, head_dim=64).to(CUDA)
+    positions = torch.arange(2**20 - 256, 2**20, device=CUDA)
+    x = torch.randn(1, 2, 256, 64, device=CUDA)
+    fp32, _ = pe.rotate(x, x, positions, positions)
+    bf16, _ = pe.rotate(x.bfloat16(), x.bfloat16(), positions, positions)
+    # rotation is applied in fp32 to the bf16-rounded input, then rounded once more
+    reference, _ = pe.rotate(x.bfloat16().float(), x.bfloat16().float(), positions, positions)
+    torch.testing.assert_close(bf16.float(), reference.bfloat16().float(), atol=0, rtol=0)
+    assert (bf16.float() - fp32).abs().max() < 4 * 2**-8 * x.abs().max()
