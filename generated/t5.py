@@ -260,7 +260,7 @@ class T5(nn.Module):
             if cacheable:
                 self._cache[key] = buckets
         table = self.relative_attention_bias.weight.to(device)  # [buckets, heads]
-        return table[buckets].movedim(-1, -3).float()  # [..., heads, N, M]
+        return table[buckets].movedim(-1, -3)  # [..., heads, N, M], in the table dtype
 
     def score_terms(
         self,
