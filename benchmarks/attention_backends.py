@@ -36,18 +36,26 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """Median wall time of ``fn`` over ``repeats`` runs, after two warm-up runs."""
+def paired_seconds(
+    fn: Callable[[], object], baseline: Callable[[], object], device: torch.device, repeats: int
+) -> tuple[float, float]:
+    """Median wall times of ``fn`` and ``baseline``, timed alternately after warm-up.
+
+    Alternating the two calls exposes both to the same drift in machine load, so their
+    ratio is steadier than two separate medians.
+    """
     for _ in range(2):
         fn()
+        baseline()
     _sync(device)
-    times = []
+    times: dict[int, list[float]] = {0: [], 1: []}
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for index, call in enumerate((fn, baseline)):
+            start = time.perf_counter()
+            call()
+            _sync(device)
+            times[index].append(time.perf_counter() - start)
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def peak_bytes(fn: Callable[[], object], device: torch.device) -> int | None:
@@ -69,10 +77,9 @@ def run(args: argparse.Namespace) -> dict:
         shape = (args.batch, args.heads, length, args.head_dim)
         q, k, v = (torch.randn(shape, device=device, dtype=dtype) for _ in range(3))
 
-        def baseline() -> torch.Tensor:
+        def baseline(q=q, k=k, v=v) -> torch.Tensor:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-        base_time = median_seconds(baseline, device, args.repeats)
         base_mem = peak_bytes(baseline, device)
         for name in args.encodings:
             pe = ENCODINGS[name](heads=args.heads, head_dim=args.head_dim).to(device)
@@ -80,26 +87,39 @@ def run(args: argparse.Namespace) -> dict:
                 if backend == "eager" and length > args.max_eager_length:
                     continue
 
-                def call(pe=pe, backend=backend) -> torch.Tensor:
+                def call(pe=pe, backend=backend, q=q, k=k, v=v) -> torch.Tensor:
                     with torch.no_grad():
                         return pe(q, k, v, causal=True, backend=backend)
 
-                seconds = median_seconds(call, device, args.repeats)
+                seconds, base_time = paired_seconds(call, baseline, device, args.repeats)
                 memory = peak_bytes(call, device)
-                rows.append({
-                    "encoding": name, "backend": backend, "length": length,
-                    "seconds": seconds, "baseline_seconds": base_time,
-                    "time_ratio": seconds / base_time,
-                    "peak_bytes": memory, "baseline_peak_bytes": base_mem,
-                    "memory_ratio": (memory / base_mem) if memory and base_mem else None,
-                })
-                print(f"{name:>12} {backend:>5} N={length:<6} {seconds / base_time:7.2f}x sdpa",
-                      flush=True)
+                rows.append(
+                    {
+                        "encoding": name,
+                        "backend": backend,
+                        "length": length,
+                        "seconds": seconds,
+                        "baseline_seconds": base_time,
+                        "time_ratio": seconds / base_time,
+                        "peak_bytes": memory,
+                        "baseline_peak_bytes": base_mem,
+                        "memory_ratio": (memory / base_mem) if memory and base_mem else None,
+                    }
+                )
+                print(
+                    f"{name:>12} {backend:>5} N={length:<6} {seconds / base_time:7.2f}x sdpa",
+                    flush=True,
+                )
     return {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda"
+        "device": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
         else platform.processor() or platform.machine(),
-        "torch": torch.__version__, "dtype": args.dtype, "batch": args.batch,
-        "heads": args.heads, "head_dim": args.head_dim, "rows": rows,
+        "torch": torch.__version__,
+        "dtype": args.dtype,
+        "batch": args.batch,
+        "heads": args.heads,
+        "head_dim": args.head_dim,
+        "rows": rows,
     }
 
 
@@ -110,15 +130,17 @@ def markdown(report: dict) -> str:
         f"head_dim {report['head_dim']}, causal)",
         "",
         "Ratios to plain `F.scaled_dot_product_attention(is_causal=True)` with no position "
-        "encoding, measured in the same run (median of repeats).",
+        "encoding, measured in the same run (medians of alternating repeats).",
         "",
         "| encoding | backend | N | time ratio | peak memory ratio |",
         "|---|---|---|---|---|",
     ]
     for row in report["rows"]:
         memory = f"{row['memory_ratio']:.2f}" if row["memory_ratio"] else "n/a"
-        lines.append(f"| {row['encoding']} | {row['backend']} | {row['length']} | "
-                     f"{row['time_ratio']:.2f} | {memory} |")
+        lines.append(
+            f"| {row['encoding']} | {row['backend']} | {row['length']} | "
+            f"{row['time_ratio']:.2f} | {memory} |"
+        )
     return "\n".join(lines) + "\n"
 
 

