@@ -9,6 +9,7 @@ from .rope import Rope
 from .rope_gptj import RopeGptj
 from .sinusoidal import Sinusoidal
 from .t5 import T5
+from .t5_decoder import T5Decoder
 
 ENCODINGS = {
     "alibi": Alibi,
@@ -17,6 +18,7 @@ ENCODINGS = {
     "rope_gptj": RopeGptj,
     "sinusoidal": Sinusoidal,
     "t5": T5,
+    "t5_decoder": T5Decoder,
 }
 
 __all__ = [
@@ -27,4 +29,5 @@ __all__ = [
     "RopeGptj",
     "Sinusoidal",
     "T5",
+    "T5Decoder",
 ]

@@ -1,0 +1,168 @@
+"""Reference checkpoints load into the generated modules and give the same numbers.
+
+Each section builds a Hugging Face module (transformers 4.x) from a small random config,
+copies its weights into the generated module along the mapping documented in the module's
+"Weights:" section, and compares outputs on random inputs in float64, eval mode (no
+dropout). Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tests.conftest import generated_class
+
+transformers = pytest.importorskip("transformers")
+
+F64 = torch.float64
+
+
+def copy_weight(target: nn.Parameter, source: torch.Tensor) -> None:
+    """Copy a reference weight into a generated parameter; the shapes must already agree."""
+    assert tuple(target.shape) == tuple(source.shape), (
+        f"layout mismatch: generated {tuple(target.shape)} vs reference {tuple(source.shape)}"
+    )
+    with torch.no_grad():
+        target.copy_(source.detach().to(target.dtype))
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    torch.testing.assert_close(actual, expected, atol=1e-12, rtol=1e-10)
+
+
+def _close_float32_softmax(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """For outputs of references that run their softmax in float32 (T5Attention does,
+    even for float64 modules): float32 rounding of the attention weights."""
+    torch.testing.assert_close(actual, expected, atol=2e-6, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------ T5
+#
+# T5Attention (models/t5/modeling_t5.py): logits = q k^T + position_bias, no 1/sqrt(d)
+# scale; position_bias = relative_attention_bias(bucket(key_pos - query_pos)) permuted to
+# [1, heads, N, M]; the encoder uses bidirectional buckets, the decoder unidirectional
+# ones plus a causal mask. Generated specs: t5 (encoder) and t5_decoder.
+
+T5_HEADS, T5_DKV, T5_DMODEL = 4, 8, 24
+
+
+def _t5_attention(is_decoder: bool):
+    from transformers import T5Config
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    config = T5Config(
+        d_model=T5_DMODEL, d_kv=T5_DKV, num_heads=T5_HEADS, num_layers=1,
+        relative_attention_num_buckets=32, relative_attention_max_distance=128,
+        dropout_rate=0.0, is_decoder=is_decoder, use_cache=is_decoder,
+    )
+    attention = T5Attention(config, has_relative_attention_bias=True, layer_idx=0)
+    with torch.no_grad():  # a wide table so that every bucket is distinguishable
+        attention.relative_attention_bias.weight.normal_(0.0, 1.0)
+    return attention.double().eval()
+
+
+def _t5_generated(name: str, reference) -> nn.Module:
+    pe = generated_class(name)(heads=T5_HEADS, head_dim=T5_DKV).double().eval()
+    copy_weight(pe.relative_attention_bias.weight, reference.relative_attention_bias.weight)
+    return pe
+
+
+def _split_heads(x: torch.Tensor) -> torch.Tensor:
+    """[batch, seq, heads * d_kv] -> [batch, heads, seq, d_kv] (T5's own view)."""
+    return x.view(x.shape[0], x.shape[1], T5_HEADS, T5_DKV).transpose(1, 2)
+
+
+def _t5_qkv(reference, hidden: torch.Tensor):
+    return (_split_heads(reference.q(hidden)), _split_heads(reference.k(hidden)),
+            _split_heads(reference.v(hidden)))
+
+
+def _run_before_o(reference, hidden: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """T5Attention's output before its `o` projection, as [batch, heads, N, d_kv]."""
+    captured: list[torch.Tensor] = []
+    handle = reference.o.register_forward_pre_hook(lambda _m, args: captured.append(args[0]))
+    try:
+        with torch.no_grad():
+            outputs = reference(hidden, **kwargs)
+    finally:
+        handle.remove()
+    (merged,) = captured  # [batch, N, heads * d_kv]
+    return _split_heads(merged), outputs[1]
+
+
+def _causal_additive(n_queries: int, q_start: int, m: int) -> torch.Tensor:
+    """The decoder's extended causal mask as T5Stack builds it: 0 or finfo.min."""
+    q_pos = torch.arange(q_start, q_start + n_queries)
+    allowed = torch.arange(m)[None, :] <= q_pos[:, None]
+    mask = torch.zeros(1, 1, n_queries, m, dtype=F64)
+    return mask.masked_fill(~allowed, torch.finfo(F64).min)
+
+
+@pytest.mark.parametrize("seq", [7, 150])  # 150 > max_distance: every bucket is reached
+def test_t5_encoder_bias_and_attention_match_hugging_face(seq: int) -> None:
+    reference = _t5_attention(is_decoder=False)
+    pe = _t5_generated("t5", reference)
+    hidden = torch.randn(2, seq, T5_DMODEL, dtype=F64)
+    # T5Stack passes cache_position = 0..seq-1 to every layer
+    expected, position_bias = _run_before_o(reference, hidden, cache_position=torch.arange(seq))
+    positions = torch.arange(seq)
+    bias = pe.score_bias(positions, positions)
+    assert bias.dtype == F64
+    _close(bias, position_bias[0])
+    _close(bias, reference.compute_bias(seq, seq)[0])
+    q, k, v = _t5_qkv(reference, hidden)
+    # the logits exactly: T5 scores are q k^T + position_bias, with no 1/sqrt(d) scale
+    _close(pe.scores(q, k), torch.matmul(q, k.transpose(-2, -1)) + position_bias)
+    for backend in ("eager", "sdpa"):
+        _close_float32_softmax(pe(q, k, v, backend=backend), expected)
+
+
+def test_t5_decoder_bias_and_causal_attention_match_hugging_face() -> None:
+    reference = _t5_attention(is_decoder=True)
+    pe = _t5_generated("t5_decoder", reference)
+    seq = 140
+    hidden = torch.randn(2, seq, T5_DMODEL, dtype=F64)
+    expected, position_bias = _run_before_o(
+        reference, hidden, mask=_causal_additive(seq, 0, seq), query_length=seq
+    )
+    positions = torch.arange(seq)
+    _close(pe.score_bias(positions, positions), reference.compute_bias(seq, seq)[0])
+    q, k, v = _t5_qkv(reference, hidden)
+    for backend in ("eager", "sdpa"):
+        _close_float32_softmax(pe(q, k, v, causal=True, backend=backend), expected)
+
+
+@pytest.mark.parametrize("offset_by", ["cache_position", "query_length"])
+def test_t5_decoder_kv_cache_matches_explicit_positions(offset_by: str) -> None:
+    """A second decoding chunk against cached keys: HF's offset vs explicit positions."""
+    from transformers import DynamicCache
+
+    reference = _t5_attention(is_decoder=True)
+    pe = _t5_generated("t5_decoder", reference)
+    past, new = 9, 4
+    total = past + new
+    hidden = torch.randn(2, total, T5_DMODEL, dtype=F64)
+    cache = DynamicCache()
+    _run_before_o(reference, hidden[:, :past], mask=_causal_additive(past, 0, past),
+                  past_key_values=cache, cache_position=torch.arange(past))
+    if offset_by == "cache_position":
+        extra = {"cache_position": torch.arange(past, total)}
+    else:
+        extra = {"query_length": total}
+    expected, position_bias = _run_before_o(
+        reference, hidden[:, past:], mask=_causal_additive(new, past, total),
+        past_key_values=cache, **extra,
+    )
+    q, _, _ = _t5_qkv(reference, hidden[:, past:])
+    _, k, v = _t5_qkv(reference, hidden)
+    q_positions, k_positions = torch.arange(past, total), torch.arange(total)
+    bias = pe.score_bias(q_positions, k_positions)
+    _close(bias, reference.compute_bias(total, total)[0, :, past:])
+    for backend in ("eager", "sdpa"):
+        explicit = pe(q, k, v, q_positions=q_positions, k_positions=k_positions, causal=True,
+                      backend=backend)
+        _close_float32_softmax(explicit, expected)
+        default = pe(q, k, v, causal=True, backend=backend)  # queries = the last N keys
+        _close_float32_softmax(default, expected)
