@@ -166,3 +166,139 @@ def test_t5_decoder_kv_cache_matches_explicit_positions(offset_by: str) -> None:
         _close_float32_softmax(explicit, expected)
         default = pe(q, k, v, causal=True, backend=backend)  # queries = the last N keys
         _close_float32_softmax(default, expected)
+
+
+# ------------------------------------------------------------------------------ GPT-2
+#
+# GPT2Model: hidden = wte(input_ids) + wpe(position_ids), then dropout (`drop`). The
+# generated learned_absolute module owns `position_embeddings` [max_positions, model_dim]
+# = wpe.weight, and embed(x, positions) = x + position_embeddings(positions). GPT-2's
+# n_positions is the spec's max_positions (1024); only the width is made small.
+
+ABS_HEADS, ABS_HEAD_DIM, ABS_MAX_POSITIONS = 2, 16, 1024
+ABS_MODEL_DIM = ABS_HEADS * ABS_HEAD_DIM
+
+
+def _capture_input(module: nn.Module, run) -> torch.Tensor:
+    """The first positional input that `module` receives while `run()` executes."""
+    captured: list[torch.Tensor] = []
+    handle = module.register_forward_pre_hook(lambda _m, args: captured.append(args[0]))
+    try:
+        with torch.no_grad():
+            run()
+    finally:
+        handle.remove()
+    return captured[0]
+
+
+def _learned_absolute(position_weight: torch.Tensor) -> nn.Module:
+    pe = generated_class("learned_absolute")(
+        heads=ABS_HEADS, head_dim=ABS_HEAD_DIM, model_dim=ABS_MODEL_DIM
+    ).double().eval()
+    copy_weight(pe.position_embeddings.weight, position_weight)
+    return pe
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    from transformers import GPT2Config, GPT2Model
+
+    config = GPT2Config(
+        vocab_size=97, n_positions=ABS_MAX_POSITIONS, n_embd=ABS_MODEL_DIM, n_layer=1,
+        n_head=ABS_HEADS, embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.0,
+    )
+    torch.manual_seed(1)
+    model = GPT2Model(config).double().eval()
+    return model, _learned_absolute(model.wpe.weight)
+
+
+def test_gpt2_default_positions(gpt2) -> None:
+    model, pe = gpt2
+    ids = torch.randint(0, 97, (2, 11))
+    expected = _capture_input(model.drop, lambda: model(ids))
+    _close(pe.embed(model.wte(ids).detach()), expected)
+
+
+def test_gpt2_explicit_position_ids(gpt2) -> None:
+    model, pe = gpt2
+    ids = torch.randint(0, 97, (2, 6))
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2], [5, 6, 7, 8, 1000, 1023]])  # packed rows
+    expected = _capture_input(model.drop, lambda: model(ids, position_ids=positions))
+    tokens = model.wte(ids).detach()
+    _close(pe.embed(tokens, positions), expected)
+    shared = torch.tensor([3, 4, 5, 6, 7, 8])
+    expected = _capture_input(model.drop, lambda: model(ids, position_ids=shared[None]))
+    _close(pe.embed(tokens, shared), expected)  # [seq] positions broadcast over the batch
+
+
+def test_gpt2_past_length_offset(gpt2) -> None:
+    """After a cached prefix of P tokens, GPT-2 uses positions P..P+n-1."""
+    model, pe = gpt2
+    ids = torch.randint(0, 97, (2, 13))
+    past = 9
+    with torch.no_grad():
+        cache = model(ids[:, :past], use_cache=True).past_key_values
+    expected = _capture_input(model.drop, lambda: model(ids[:, past:], past_key_values=cache))
+    _close(pe.embed(model.wte(ids[:, past:]).detach(), torch.arange(past, 13)), expected)
+
+
+def test_gpt2_positions_past_n_positions_raise(gpt2) -> None:
+    _, pe = gpt2
+    x = torch.randn(1, 4, ABS_MODEL_DIM, dtype=F64)
+    pe.embed(x, torch.tensor([1020, 1021, 1022, 1023]))  # the last trained rows are fine
+    with pytest.raises(ValueError, match="1024"):
+        pe.embed(x, torch.tensor([1021, 1022, 1023, 1024]))
+    with pytest.raises(ValueError, match="cannot extrapolate"):
+        pe.embed(torch.randn(1, ABS_MAX_POSITIONS + 1, ABS_MODEL_DIM, dtype=F64))
+
+
+# ------------------------------------------------------------------------------- BERT
+#
+# BertEmbeddings: LayerNorm(word + token_type + position), then dropout. The token-type
+# table is zeroed, so the LayerNorm input is exactly word + position embeddings (adding
+# 0.0 is exact); position_embeddings.weight copies into the generated module unchanged.
+
+
+@pytest.fixture(scope="module")
+def bert():
+    from transformers import BertConfig
+    from transformers.models.bert.modeling_bert import BertEmbeddings
+
+    config = BertConfig(
+        vocab_size=97, hidden_size=ABS_MODEL_DIM, num_attention_heads=ABS_HEADS,
+        max_position_embeddings=ABS_MAX_POSITIONS, type_vocab_size=2,
+        hidden_dropout_prob=0.0, position_embedding_type="absolute",
+    )
+    torch.manual_seed(2)
+    embeddings = BertEmbeddings(config).double().eval()
+    with torch.no_grad():
+        embeddings.token_type_embeddings.weight.zero_()
+    return embeddings, _learned_absolute(embeddings.position_embeddings.weight)
+
+
+def test_bert_default_positions(bert) -> None:
+    embeddings, pe = bert
+    ids = torch.randint(0, 97, (3, 10))
+    expected = _capture_input(embeddings.LayerNorm, lambda: embeddings(ids))
+    _close(pe.embed(embeddings.word_embeddings(ids).detach()), expected)
+
+
+def test_bert_explicit_position_ids_and_past_length(bert) -> None:
+    embeddings, pe = bert
+    ids = torch.randint(0, 97, (2, 5))
+    tokens = embeddings.word_embeddings(ids).detach()
+    positions = torch.tensor([[4, 3, 2, 1, 0], [0, 511, 512, 1022, 1023]])
+    expected = _capture_input(
+        embeddings.LayerNorm, lambda: embeddings(ids, position_ids=positions)
+    )
+    _close(pe.embed(tokens, positions), expected)
+    expected = _capture_input(
+        embeddings.LayerNorm, lambda: embeddings(ids, past_key_values_length=7)
+    )
+    _close(pe.embed(tokens, torch.arange(7, 12)), expected)
+
+
+def test_bert_positions_past_the_table_raise(bert) -> None:
+    _, pe = bert
+    with pytest.raises(ValueError, match="out of range"):
+        pe.embed(torch.randn(2, 2, ABS_MODEL_DIM, dtype=F64), torch.tensor([0, 1024]))
