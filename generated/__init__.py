@@ -10,6 +10,8 @@ from .rope_gptj import RopeGptj
 from .sinusoidal import Sinusoidal
 from .t5 import T5
 from .t5_decoder import T5Decoder
+from .tupe_a import TupeA
+from .tupe_r import TupeR
 
 ENCODINGS = {
     "alibi": Alibi,
@@ -19,6 +21,8 @@ ENCODINGS = {
     "sinusoidal": Sinusoidal,
     "t5": T5,
     "t5_decoder": T5Decoder,
+    "tupe_a": TupeA,
+    "tupe_r": TupeR,
 }
 
 __all__ = [
@@ -30,4 +34,6 @@ __all__ = [
     "Sinusoidal",
     "T5",
     "T5Decoder",
+    "TupeA",
+    "TupeR",
 ]

@@ -1,0 +1,273 @@
+"""Untied absolute positions (TUPE, Ke, He and Liu 2021, arXiv:2006.15595).
+
+The generated tupe_a / tupe_r modules, and in-memory variants for the other conventions
+(no LayerNorm and no projection offsets, as the printed formula; a bias inside the scale),
+against the independent float64 loops in tests/reference/tupe.py, themselves pinned here to
+hand-computed values.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from posgen.inmemory import encoding_class, module_from_spec
+from tests.conftest import SPECS, generated_class
+from tests.reference import tupe as ref
+
+F64 = torch.float64
+HEADS, HEAD_DIM, MODEL_DIM = 2, 4, 6
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    torch.testing.assert_close(actual.to(F64), expected, atol=1e-12, rtol=1e-10)
+
+
+# ------------------------------------------------------------------ the reference, by hand
+
+
+def test_reference_untied_term_by_hand() -> None:
+    # p0 = [1, 0], p1 = [0, 1]; U_q = I, U_k = diag(2, 1); one head of dim 2, scale 1/2:
+    # (p_i U_q) . (p_j U_k) = [[2, 0], [0, 1]], halved.
+    table = torch.tensor([[1.0, 0.0], [0.0, 1.0]], dtype=F64)
+    eye, u_k = torch.eye(2, dtype=F64), torch.tensor([[2.0, 0.0], [0.0, 1.0]], dtype=F64)
+    scores = ref.tupe_position_scores(table, eye, u_k, 1, 2, [0, 1], [0, 1], scale=0.5)
+    _close(scores, torch.tensor([[[1.0, 0.0], [0.0, 0.5]]], dtype=F64))
+    # content q = k = I adds 1/2 on the diagonal
+    logits = ref.tupe_logits(eye[None], eye[None], scores, scale=0.5)
+    _close(logits, torch.tensor([[[1.5, 0.0], [0.0, 1.0]]], dtype=F64))
+
+
+def test_reference_layer_norm_and_offsets_by_hand() -> None:
+    # LayerNorm (eps 0) of [1, 0] is [1, -1] and of [0, 1] is [-1, 1]. U_q = U_k = I,
+    # b_q = [1, 0]: p_0 U_q + b_q = [2, -1], p_1 U_q + b_q = [0, 1]; keys [1, -1], [-1, 1].
+    table = torch.tensor([[1.0, 0.0], [0.0, 1.0]], dtype=F64)
+    eye = torch.eye(2, dtype=F64)
+    norm = (torch.ones(2, dtype=F64), torch.zeros(2, dtype=F64), 0.0)
+    scores = ref.tupe_position_scores(
+        table, eye, eye, 1, 2, [0, 1], [0, 1], scale=1.0,
+        q_bias=torch.tensor([1.0, 0.0], dtype=F64), norm=norm,
+    )
+    _close(scores, torch.tensor([[[3.0, -3.0], [-1.0, 1.0]]], dtype=F64))
+    assert ref.layer_norm_row([1.0, 3.0], [2.0, 1.0], [0.5, 0.0], 0.0) == [-1.5, 1.0]
+
+
+def test_reference_relative_bias_by_hand() -> None:
+    # T5 buckets (bidirectional, 32): j - i = 0 -> 0, +1 -> 17, -1 -> 1; table[b] = b / 100.
+    table = torch.tensor([[1.0, 0.0], [0.0, 1.0]], dtype=F64)
+    eye, u_k = torch.eye(2, dtype=F64), torch.tensor([[2.0, 0.0], [0.0, 1.0]], dtype=F64)
+    relative = (torch.arange(32, dtype=F64) / 100).unsqueeze(1)  # [buckets, heads = 1]
+    after = ref.tupe_position_scores(table, eye, u_k, 1, 2, [0, 1], [0, 1], scale=0.5,
+                                     relative_table=relative)
+    _close(after, torch.tensor([[[1.0, 0.17], [0.01, 0.5]]], dtype=F64))
+    inside = ref.tupe_position_scores(table, eye, u_k, 1, 2, [0, 1], [0, 1], scale=0.5,
+                                      relative_table=relative, bias_inside_scale=True)
+    _close(inside, torch.tensor([[[1.0, 0.085], [0.005, 0.5]]], dtype=F64))
+
+
+def test_reference_rejects_positions_past_the_table() -> None:
+    table = torch.zeros(3, 2, dtype=F64)
+    eye = torch.eye(2, dtype=F64)
+    with pytest.raises(ValueError):
+        ref.tupe_position_scores(table, eye, eye, 1, 2, [0, 3], [0, 1], scale=1.0)
+
+
+# ------------------------------------------------------------------ generated vs reference
+
+
+def _randomised(cls, seed: int = 0, **sizes) -> torch.nn.Module:
+    pe = cls(heads=HEADS, head_dim=HEAD_DIM, model_dim=MODEL_DIM, **sizes).double().eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in pe.named_parameters():
+            std = 1.0 if name.startswith(("position_embeddings", "relative")) else 0.4
+            noise = torch.randn(parameter.shape, generator=generator, dtype=F64) * std
+            if name == "position_norm.weight":
+                noise = 1.0 + noise  # a gain around 1
+            parameter.copy_(noise)
+    return pe
+
+
+def _reference_scores(pe, q_positions, k_positions, bias_inside_scale=False) -> torch.Tensor:
+    norm = None
+    if hasattr(pe, "position_norm"):
+        norm = (pe.position_norm.weight, pe.position_norm.bias, pe.position_norm.eps)
+    relative = getattr(pe, "relative_attention_bias", None)
+    return ref.tupe_position_scores(
+        pe.position_embeddings.weight, pe.position_query.weight, pe.position_key.weight,
+        HEADS, HEAD_DIM, list(q_positions), list(k_positions),
+        scale=1.0 / math.sqrt(2 * HEAD_DIM),  # the paper's 1/sqrt(2d)
+        q_bias=pe.position_query.bias, k_bias=pe.position_key.bias, norm=norm,
+        relative_table=None if relative is None else relative.weight,
+        bias_inside_scale=bias_inside_scale,
+    )
+
+
+def _reference_rows(pe, q, k, v, q_positions, k_positions, causal, bias_inside_scale=False):
+    """Per batch row: (logits [B, H, N, M], output [B, H, N, dv]) from the reference."""
+    scale = 1.0 / math.sqrt(2 * HEAD_DIM)
+    logits, outputs = [], []
+    for b in range(q.shape[0]):
+        qp = q_positions[b] if q_positions.dim() == 2 else q_positions
+        kp = k_positions[b] if k_positions.dim() == 2 else k_positions
+        qp, kp = qp.tolist(), kp.tolist()
+        position = _reference_scores(pe, qp, kp, bias_inside_scale)
+        logits.append(ref.tupe_logits(q[b], k[b], position, scale))
+        causal_positions = (qp, kp) if causal else (None, None)
+        outputs.append(ref.tupe_attention(q[b : b + 1], k[b : b + 1], v[b : b + 1], position,
+                                          scale, *causal_positions)[0])
+    return torch.stack(logits), torch.stack(outputs)
+
+
+def _qkv(batch=2, n=3, m=7):
+    return (torch.randn(batch, HEADS, n, HEAD_DIM, dtype=F64),
+            torch.randn(batch, HEADS, m, HEAD_DIM, dtype=F64),
+            torch.randn(batch, HEADS, m, 5, dtype=F64))
+
+
+POSITION_CASES = {
+    # name: (q_positions, k_positions) or None for the defaults (queries = last N keys)
+    "default_offset": None,
+    "explicit": (torch.tensor([40, 7, 300]),
+                 torch.tensor([0, 3, 7, 40, 41, 299, 511])),
+    "batched": (torch.tensor([[4, 5, 6], [100, 101, 102]]),
+                torch.tensor([[0, 1, 2, 3, 4, 5, 6], [96, 97, 98, 99, 100, 101, 102]])),
+}
+
+
+@pytest.mark.parametrize("name", ["tupe_a", "tupe_r"])
+@pytest.mark.parametrize("case", sorted(POSITION_CASES))
+@pytest.mark.parametrize("causal", [False, True])
+def test_generated_matches_reference(name: str, case: str, causal: bool) -> None:
+    pe = _randomised(generated_class(name))
+    assert pe.scale == pytest.approx(1.0 / math.sqrt(2 * HEAD_DIM), rel=1e-15)
+    q, k, v = _qkv()
+    positions = POSITION_CASES[case]
+    if positions is None:
+        kwargs, q_pos, k_pos = {}, torch.arange(4, 7), torch.arange(7)
+    else:
+        q_pos, k_pos = positions
+        kwargs = {"q_positions": q_pos, "k_positions": k_pos}
+    logits, outputs = _reference_rows(pe, q, k, v, q_pos, k_pos, causal)
+    _close(pe.scores(q, k, **kwargs), logits)
+    for backend in ("eager", "sdpa"):
+        _close(pe(q, k, v, causal=causal, backend=backend, **kwargs), outputs)
+    if q_pos.dim() == 1:
+        _close(pe.score_bias(q_pos, k_pos), _reference_scores(pe, q_pos.tolist(), k_pos.tolist()))
+
+
+def _variant(tmp_path: Path, name: str, replacements: dict[str, str]) -> type:
+    text = (SPECS / "tupe_a.yaml").read_text(encoding="utf-8").replace("name: tupe_a", f"name: {name}")
+    for old, new in replacements.items():
+        assert old in text
+        text = text.replace(old, new)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(text, encoding="utf-8")
+    return encoding_class(module_from_spec(path))
+
+
+def test_printed_formula_variant_matches_reference(tmp_path: Path) -> None:
+    """norm: none and projection_bias: false: exactly (p_i U_q)(p_j U_k)^T / sqrt(2d)."""
+    cls = _variant(tmp_path, "untied_plain", {
+        "norm: layer_norm ": "norm: none ",
+        "projection_bias: true ": "projection_bias: false ",
+        "max_positions: 512": "max_positions: 16",
+    })
+    pe = _randomised(cls)
+    assert not hasattr(pe, "position_norm") and pe.position_query.bias is None
+    q, k, v = _qkv(n=4, m=4)
+    q_pos, k_pos = torch.tensor([9, 10, 11, 15]), torch.tensor([0, 9, 10, 15])
+    logits, outputs = _reference_rows(pe, q, k, v, q_pos, k_pos, causal=True)
+    _close(pe.scores(q, k, q_positions=q_pos, k_positions=k_pos), logits)
+    for backend in ("eager", "sdpa"):
+        out = pe(q, k, v, q_positions=q_pos, k_positions=k_pos, causal=True, backend=backend)
+        _close(out, outputs)
+
+
+def test_bias_inside_the_scale_variant(tmp_path: Path) -> None:
+    """A bias placed before_scale is scaled together with the untied term."""
+    bias = ("      projection_bias: true      # the authors' pos_proj has a bias; the printed "
+            "formula has none\n")
+    cls = _variant(tmp_path, "untied_inside", {bias: bias + (
+        "    bias:\n      kind: learned_table\n      index: {kind: log_buckets, recipe: t5, "
+        "buckets: 16, max_distance: 40, bidirectional: true, sign: key_minus_query}\n"
+        "      placement: before_scale\n")})
+    pe = _randomised(cls)
+    q, k, v = _qkv()
+    q_pos, k_pos = torch.arange(4, 7), torch.arange(7)
+    expected_bias = _reference_scores_buckets(pe, q_pos, k_pos, buckets=16, max_distance=40)
+    _close(pe.score_bias(q_pos, k_pos), expected_bias)
+    scale = 1.0 / math.sqrt(2 * HEAD_DIM)
+    expected = ref.tupe_attention(q, k, v, expected_bias, scale)
+    for backend in ("eager", "sdpa"):
+        _close(pe(q, k, v, backend=backend), expected)
+
+
+def _reference_scores_buckets(pe, q_pos, k_pos, buckets, max_distance) -> torch.Tensor:
+    return ref.tupe_position_scores(
+        pe.position_embeddings.weight, pe.position_query.weight, pe.position_key.weight,
+        HEADS, HEAD_DIM, q_pos.tolist(), k_pos.tolist(), scale=1.0 / math.sqrt(2 * HEAD_DIM),
+        q_bias=pe.position_query.bias, k_bias=pe.position_key.bias,
+        norm=(pe.position_norm.weight, pe.position_norm.bias, pe.position_norm.eps),
+        relative_table=pe.relative_attention_bias.weight, num_buckets=buckets,
+        max_distance=max_distance, bias_inside_scale=True,
+    )
+
+
+# ------------------------------------------------------------------ module behaviour
+
+
+@pytest.mark.parametrize("name", ["tupe_a", "tupe_r"])
+def test_positions_past_the_table_raise(name: str) -> None:
+    pe = generated_class(name)(heads=HEADS, head_dim=HEAD_DIM, model_dim=MODEL_DIM)
+    q = torch.randn(1, HEADS, 2, HEAD_DIM)
+    with pytest.raises(ValueError, match="cannot extrapolate"):
+        pe(q, q, q, q_positions=torch.tensor([510, 512]), k_positions=torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="512"):
+        pe.score_bias(torch.tensor([0]), torch.tensor([512]))
+    long_k = torch.randn(1, HEADS, 513, HEAD_DIM)
+    for backend in ("eager", "sdpa"):
+        with pytest.raises(ValueError, match="out of range"):
+            pe(q, long_k, long_k, backend=backend)
+    pe(q, long_k[:, :, :512], long_k[:, :, :512])  # the last row is still fine
+
+
+def test_parameters_are_named_for_checkpoints_and_trained() -> None:
+    pe = generated_class("tupe_r")(heads=HEADS, head_dim=HEAD_DIM, model_dim=MODEL_DIM)
+    shapes = {name: tuple(p.shape) for name, p in pe.named_parameters()}
+    assert shapes == {
+        "relative_attention_bias.weight": (32, HEADS),
+        "position_embeddings.weight": (512, MODEL_DIM),
+        "position_norm.weight": (MODEL_DIM,),
+        "position_norm.bias": (MODEL_DIM,),
+        "position_query.weight": (HEADS * HEAD_DIM, MODEL_DIM),
+        "position_query.bias": (HEADS * HEAD_DIM,),
+        "position_key.weight": (HEADS * HEAD_DIM, MODEL_DIM),
+        "position_key.bias": (HEADS * HEAD_DIM,),
+    }
+    q, k, v = _qkv()
+    pe(q.float(), k.float(), v.float(), causal=True).square().sum().backward()
+    for name, parameter in pe.named_parameters():
+        assert parameter.grad is not None and parameter.grad.abs().sum() > 0, name
+
+
+def test_model_dim_is_a_constructor_argument() -> None:
+    cls = generated_class("tupe_a")
+    assert cls().position_embeddings.weight.shape == (512, 768)
+    with pytest.raises(ValueError, match="model_dim"):
+        cls(model_dim=0)
+
+
+def test_explain_states_the_untied_term_and_its_conventions() -> None:
+    from click.testing import CliRunner
+
+    from posgen.cli import main
+
+    output = CliRunner().invoke(main, ["explain", "tupe_r"]).output
+    assert "scale: 1/sqrt(2 * head_dim)" in output
+    assert "position_position  untied    scale * (LN(p_i) U_q + b_q) . (LN(p_j) U_k + b_k)" in output
+    assert "plus, after the scale, table[bucket(j - i), h]" in output
+    assert "content_position   drop" in output
