@@ -160,6 +160,7 @@ class UntiedPlan:
     norm: str  # none | layer_norm
     norm_eps: str
     projection_bias: str  # True | False
+    first_token: str  # shared | reset
 
 
 @dataclass(frozen=True)
@@ -272,6 +273,7 @@ def _untied_plan(untied: UntiedPositions) -> UntiedPlan:
         norm=choice(untied.norm.kind, ("none", "layer_norm")),
         norm_eps=literal(float(untied.norm.eps)),
         projection_bias=literal(untied.projection_bias),
+        first_token=choice(untied.first_token, ("shared", "reset")),
     )
 
 
@@ -301,6 +303,13 @@ def _untied_formula(spec: Spec) -> str:
     if bias is not None:
         where = "inside" if bias.placement == "before_scale" else "after"
         text += f"; plus, {where} the scale, {_bias_formula(bias)}"
+    if untied.first_token == "reset":
+        text += (
+            "; first-token reset: position t reads row t + 1, and query position 0 / key "
+            "position 0 get per-head constants from rows 0 / 1"
+        )
+        if bias is not None:
+            text += f" and bias rows {bias.index.buckets // 2} / {bias.index.buckets}"
     return text
 
 
@@ -420,18 +429,36 @@ def _weight_notes(
         ]
         if untied.norm == "layer_norm":
             notes += ["position_norm (nn.LayerNorm over model_dim): the table's LayerNorm."]
+        if untied.first_token == "reset":
+            notes += [
+                "From the TUPE authors' fairseq code (guolinke/TUPE): pos.weight ->",
+                "position_embeddings.weight (max_positions + 1 rows, row 0 the [CLS] slot),",
+            ]
+        else:
+            notes += [
+                "From the TUPE authors' fairseq code (guolinke/TUPE): pos.weight[1:] (their",
+                "row 0 is the [CLS]-reset slot, unused here) -> position_embeddings.weight,",
+            ]
         notes += [
-            "From the TUPE authors' fairseq code (guolinke/TUPE): pos.weight[1:] (row 0 is",
-            "their [CLS] slot, which this module does not implement), pos_ln -> position_norm,",
-            "pos_proj.weight[:model_dim] -> position_query.weight and",
+            "pos_ln -> position_norm, pos_proj.weight[:model_dim] -> position_query.weight,",
             "pos_proj.weight[model_dim:] -> position_key.weight (biases likewise).",
         ]
+        if untied.first_token == "reset" and bias is not None:
+            notes += [
+                "relative_attention_bias.weight [buckets + 1, heads]: their",
+                "relative_attention_bias.weight (the last row is the key-[CLS] entry).",
+            ]
+        elif bias is not None and bias.kind == "learned_table":
+            notes += [
+                "relative_attention_bias.weight [buckets, heads]: their",
+                "relative_attention_bias.weight[:buckets] (their last row is the [CLS] entry).",
+            ]
     if table is not None and table.kind == "learned":
         notes += [
             "position_embeddings.weight [max_positions, model_dim]: copy GPT-2",
             "``wpe.weight`` or BERT ``embeddings.position_embeddings.weight``.",
         ]
-    if bias is not None and bias.kind == "learned_table":
+    if bias is not None and bias.kind == "learned_table" and untied is None:
         notes += [
             "relative_attention_bias.weight [buckets, heads]: copy Hugging Face",
             "``T5Attention.relative_attention_bias.weight`` (first layer of each stack).",

@@ -303,11 +303,18 @@ class UntiedPositions(SpecModel):
     (p_i U_q)(p_j U_k)^T per head, with U_q, U_k: model_dim -> heads * head_dim,
     untied from the content projections Wq, Wk. ``projection_bias`` adds a trained
     offset to each projection (the authors' code does; the printed formula does not).
+
+    ``first_token``: ``shared`` treats position 0 like any other; ``reset`` is the paper's
+    [CLS] reset (section 3.3): the table gains a leading row, position t reads row t + 1,
+    and the scores of query position 0 against every key, and of every query against
+    key position 0, are per-head constants computed from rows 0 and 1, as the authors'
+    code does (query row wins where both hold).
     """
 
     table: AbsoluteTable
     norm: TableNorm
     projection_bias: bool
+    first_token: Literal["shared", "reset"]
 
     @model_validator(mode="after")
     def _learned_only(self) -> UntiedPositions:
@@ -325,6 +332,24 @@ class UntiedTerm(SpecModel):
 
     untied: UntiedPositions
     bias: Bias | None = None
+
+    @model_validator(mode="after")
+    def _reset_needs_a_spare_bucket(self) -> UntiedTerm:
+        if self.untied.first_token != "reset" or self.bias is None:
+            return self
+        if not isinstance(self.bias, LearnedTableBias):
+            raise cross_field_error(
+                "bias.kind",
+                "the first-token reset gives the first position its own bias entries: it "
+                f"needs a 'learned_table' bias (got {self.bias.kind!r})",
+            )
+        if not self.bias.index.bidirectional:
+            raise cross_field_error(
+                "bias.index.bidirectional",
+                "the first-token reset uses the bucket that bidirectional buckets leave "
+                "unused (buckets / 2) for the first query: set bidirectional: true",
+            )
+        return self
 
     @property
     def form(self) -> str:

@@ -68,6 +68,22 @@ def test_reference_relative_bias_by_hand() -> None:
     _close(inside, torch.tensor([[[1.0, 0.085], [0.005, 0.5]]], dtype=F64))
 
 
+def test_reference_first_token_reset_by_hand() -> None:
+    # rows r0 = [1, 0] (the first-token slot), r1 = [0, 1] (position 0), r2 = [1, 1]
+    # (position 1); U_q = I, U_k = diag(2, 3), scale 1. Query 0 -> r0 U_k r0 = 2 for every
+    # key; key 0 (other queries) -> r1 U_k r1 = 3; (1, 1) -> r2 U_k r2 = 5. The bias
+    # table b / 100 adds bucket 16 (query 0), 32 (key 0) and bucket(0) = 0.
+    table = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]], dtype=F64)
+    eye, u_k = torch.eye(2, dtype=F64), torch.tensor([[2.0, 0.0], [0.0, 3.0]], dtype=F64)
+    relative = (torch.arange(33, dtype=F64) / 100).unsqueeze(1)
+    scores = ref.tupe_position_scores(table, eye, u_k, 1, 2, [0, 1], [0, 1], scale=1.0,
+                                      relative_table=relative, first_token_reset=True)
+    _close(scores, torch.tensor([[[2.16, 2.16], [3.32, 5.0]]], dtype=F64))
+    with pytest.raises(ValueError):  # position 2 would need row 3
+        ref.tupe_position_scores(table, eye, u_k, 1, 2, [2], [0], scale=1.0,
+                                 first_token_reset=True)
+
+
 def test_reference_rejects_positions_past_the_table() -> None:
     table = torch.zeros(3, 2, dtype=F64)
     eye = torch.eye(2, dtype=F64)
@@ -91,6 +107,11 @@ def _randomised(cls, seed: int = 0, **sizes) -> torch.nn.Module:
     return pe
 
 
+def _reset(pe) -> bool:
+    """The first-token reset shows in the layout: one more table row than positions."""
+    return pe.position_embeddings.weight.shape[0] == pe.max_positions + 1
+
+
 def _reference_scores(pe, q_positions, k_positions, bias_inside_scale=False) -> torch.Tensor:
     norm = None
     if hasattr(pe, "position_norm"):
@@ -102,7 +123,7 @@ def _reference_scores(pe, q_positions, k_positions, bias_inside_scale=False) -> 
         scale=1.0 / math.sqrt(2 * HEAD_DIM),  # the paper's 1/sqrt(2d)
         q_bias=pe.position_query.bias, k_bias=pe.position_key.bias, norm=norm,
         relative_table=None if relative is None else relative.weight,
-        bias_inside_scale=bias_inside_scale,
+        bias_inside_scale=bias_inside_scale, first_token_reset=_reset(pe),
     )
 
 
@@ -131,9 +152,9 @@ def _qkv(batch=2, n=3, m=7):
 POSITION_CASES = {
     # name: (q_positions, k_positions) or None for the defaults (queries = last N keys)
     "default_offset": None,
-    "explicit": (torch.tensor([40, 7, 300]),
+    "explicit": (torch.tensor([40, 0, 300]),
                  torch.tensor([0, 3, 7, 40, 41, 299, 511])),
-    "batched": (torch.tensor([[4, 5, 6], [100, 101, 102]]),
+    "batched": (torch.tensor([[0, 5, 6], [100, 101, 102]]),
                 torch.tensor([[0, 1, 2, 3, 4, 5, 6], [96, 97, 98, 99, 100, 101, 102]])),
 }
 
@@ -159,8 +180,9 @@ def test_generated_matches_reference(name: str, case: str, causal: bool) -> None
         _close(pe.score_bias(q_pos, k_pos), _reference_scores(pe, q_pos.tolist(), k_pos.tolist()))
 
 
-def _variant(tmp_path: Path, name: str, replacements: dict[str, str]) -> type:
-    text = (SPECS / "tupe_a.yaml").read_text(encoding="utf-8").replace("name: tupe_a", f"name: {name}")
+def _variant(tmp_path: Path, name: str, replacements: dict[str, str], base: str = "tupe_a") -> type:
+    text = (SPECS / f"{base}.yaml").read_text(encoding="utf-8")
+    text = text.replace(f"name: {base}", f"name: {name}")
     for old, new in replacements.items():
         assert old in text
         text = text.replace(old, new)
@@ -169,15 +191,19 @@ def _variant(tmp_path: Path, name: str, replacements: dict[str, str]) -> type:
     return encoding_class(module_from_spec(path))
 
 
-def test_printed_formula_variant_matches_reference(tmp_path: Path) -> None:
-    """norm: none and projection_bias: false: exactly (p_i U_q)(p_j U_k)^T / sqrt(2d)."""
-    cls = _variant(tmp_path, "untied_plain", {
+@pytest.mark.parametrize("base", ["tupe_a", "tupe_r"])
+def test_printed_formula_variant_matches_reference(tmp_path: Path, base: str) -> None:
+    """norm: none, projection_bias: false, first_token: shared: (p_i U_q)(p_j U_k)^T / sqrt(2d)
+    (+ the bias for tupe_r)."""
+    cls = _variant(tmp_path, "untied_plain", base=base, replacements={
         "norm: layer_norm ": "norm: none ",
+        "first_token: reset ": "first_token: shared ",
         "projection_bias: true ": "projection_bias: false ",
         "max_positions: 512": "max_positions: 16",
     })
     pe = _randomised(cls)
     assert not hasattr(pe, "position_norm") and pe.position_query.bias is None
+    assert pe.position_embeddings.weight.shape == (16, MODEL_DIM)
     q, k, v = _qkv(n=4, m=4)
     q_pos, k_pos = torch.tensor([9, 10, 11, 15]), torch.tensor([0, 9, 10, 15])
     logits, outputs = _reference_rows(pe, q, k, v, q_pos, k_pos, causal=True)
@@ -188,22 +214,25 @@ def test_printed_formula_variant_matches_reference(tmp_path: Path) -> None:
 
 
 def test_bias_inside_the_scale_variant(tmp_path: Path) -> None:
-    """A bias placed before_scale is scaled together with the untied term."""
-    bias = ("      projection_bias: true      # the authors' pos_proj has a bias; the printed "
-            "formula has none\n")
+    """A bias placed before_scale is scaled together with the untied term (with the reset)."""
+    bias = ("      first_token: reset         # the [CLS] reset: position t reads row t + 1; "
+            "row 0 is the [CLS] slot\n")
     cls = _variant(tmp_path, "untied_inside", {bias: bias + (
         "    bias:\n      kind: learned_table\n      index: {kind: log_buckets, recipe: t5, "
         "buckets: 16, max_distance: 40, bidirectional: true, sign: key_minus_query}\n"
         "      placement: before_scale\n")})
     pe = _randomised(cls)
+    assert pe.relative_attention_bias.weight.shape == (17, HEADS)
     q, k, v = _qkv()
-    q_pos, k_pos = torch.arange(4, 7), torch.arange(7)
-    expected_bias = _reference_scores_buckets(pe, q_pos, k_pos, buckets=16, max_distance=40)
-    _close(pe.score_bias(q_pos, k_pos), expected_bias)
     scale = 1.0 / math.sqrt(2 * HEAD_DIM)
-    expected = ref.tupe_attention(q, k, v, expected_bias, scale)
-    for backend in ("eager", "sdpa"):
-        _close(pe(q, k, v, backend=backend), expected)
+    for q_pos, k_pos in ((torch.arange(4, 7), torch.arange(7)),
+                         (torch.tensor([0, 3, 60]), torch.tensor([0, 1, 2, 3, 30, 59, 60]))):
+        expected_bias = _reference_scores_buckets(pe, q_pos, k_pos, buckets=16, max_distance=40)
+        _close(pe.score_bias(q_pos, k_pos), expected_bias)
+        expected = ref.tupe_attention(q, k, v, expected_bias, scale)
+        for backend in ("eager", "sdpa"):
+            out = pe(q, k, v, q_positions=q_pos, k_positions=k_pos, backend=backend)
+            _close(out, expected)
 
 
 def _reference_scores_buckets(pe, q_pos, k_pos, buckets, max_distance) -> torch.Tensor:
@@ -213,7 +242,7 @@ def _reference_scores_buckets(pe, q_pos, k_pos, buckets, max_distance) -> torch.
         q_bias=pe.position_query.bias, k_bias=pe.position_key.bias,
         norm=(pe.position_norm.weight, pe.position_norm.bias, pe.position_norm.eps),
         relative_table=pe.relative_attention_bias.weight, num_buckets=buckets,
-        max_distance=max_distance, bias_inside_scale=True,
+        max_distance=max_distance, bias_inside_scale=True, first_token_reset=_reset(pe),
     )
 
 
@@ -239,8 +268,8 @@ def test_parameters_are_named_for_checkpoints_and_trained() -> None:
     pe = generated_class("tupe_r")(heads=HEADS, head_dim=HEAD_DIM, model_dim=MODEL_DIM)
     shapes = {name: tuple(p.shape) for name, p in pe.named_parameters()}
     assert shapes == {
-        "relative_attention_bias.weight": (32, HEADS),
-        "position_embeddings.weight": (512, MODEL_DIM),
+        "relative_attention_bias.weight": (33, HEADS),  # + the spare first-token row
+        "position_embeddings.weight": (513, MODEL_DIM),  # + the first-token slot
         "position_norm.weight": (MODEL_DIM,),
         "position_norm.bias": (MODEL_DIM,),
         "position_query.weight": (HEADS * HEAD_DIM, MODEL_DIM),
@@ -256,7 +285,7 @@ def test_parameters_are_named_for_checkpoints_and_trained() -> None:
 
 def test_model_dim_is_a_constructor_argument() -> None:
     cls = generated_class("tupe_a")
-    assert cls().position_embeddings.weight.shape == (512, 768)
+    assert cls().position_embeddings.weight.shape == (513, 768)
     with pytest.raises(ValueError, match="model_dim"):
         cls(model_dim=0)
 

@@ -12,6 +12,13 @@ map model_dim to heads * head_dim (head h owns output features h*d .. h*d + d - 
 authors' released code also normalises each table row with a LayerNorm and gives the
 projections an offset; both are optional arguments here (``norm``, ``q_bias``/``k_bias``).
 
+[CLS] reset (paper section 3.3, ``first_token_reset``): the first token's scores are not
+tied to a position. As the authors' code lays it out, the table has one leading row (row 0)
+and position t reads row t + 1; every score of query position 0 is the per-head constant
+theta_1 = (r_0 U_q)(r_0 U_k)^T, every other score against key position 0 is theta_2 =
+(r_1 U_q)(r_1 U_k)^T, and the relative bias uses the spare bucket rows num_buckets / 2
+(query 0) and num_buckets (key 0) of a [num_buckets + 1, heads] table.
+
 Written with Python loops over scalars, from the formula, not from the generated code. The
 relative bucket comes from :func:`tests.reference.formulas.t5_relative_bucket`, itself
 pinned to hand values. Nothing here imports ``posgen``, ``generated`` or ``templates``.
@@ -70,6 +77,7 @@ def tupe_position_scores(
     num_buckets: int = 32,
     max_distance: int = 128,
     bias_inside_scale: bool = False,
+    first_token_reset: bool = False,
 ) -> Tensor:
     """The position-only logits [heads, N, M]:
 
@@ -80,9 +88,10 @@ def tupe_position_scores(
     for them.
     """
     rows = _rows(table)
+    shift = 1 if first_token_reset else 0
     for pos in list(q_positions) + list(k_positions):
-        if not 0 <= pos < len(rows):
-            raise ValueError(f"position {pos} is outside the table of {len(rows)} rows")
+        if not 0 <= pos + shift < len(rows):
+            raise ValueError(f"position {pos} has no row in a table of {len(rows)} rows")
     wq, wk, bq, bk = _rows(q_weight), _rows(k_weight), _rows(q_bias), _rows(k_bias)
     rel = _rows(relative_table)
 
@@ -93,16 +102,27 @@ def tupe_position_scores(
             row = layer_norm_row(row, _rows(gain), _rows(shift), eps)
         return row
 
-    uq = [project_row(prepared(i), wq, bq) for i in q_positions]
-    uk = [project_row(prepared(j), wk, bk) for j in k_positions]
+    uq = [project_row(prepared(i + shift), wq, bq) for i in q_positions]
+    uk = [project_row(prepared(j + shift), wk, bk) for j in k_positions]
+
+    def head_dot(u: list[float], w: list[float], h: int) -> float:
+        return sum(u[h * head_dim + e] * w[h * head_dim + e] for e in range(head_dim))
+
+    slot_q = [project_row(prepared(r), wq, bq) for r in (0, 1)]
+    slot_k = [project_row(prepared(r), wk, bk) for r in (0, 1)]
     out = torch.zeros(heads, len(q_positions), len(k_positions), dtype=F64)
     for h in range(heads):
         for a, i in enumerate(q_positions):
             for b, j in enumerate(k_positions):
-                dot = sum(uq[a][h * head_dim + e] * uk[b][h * head_dim + e] for e in range(head_dim))
-                extra = 0.0
+                dot = head_dot(uq[a], uk[b], h)
+                bucket = None
                 if rel is not None:
-                    extra = rel[t5_relative_bucket(j - i, bidirectional, num_buckets, max_distance)][h]
+                    bucket = t5_relative_bucket(j - i, bidirectional, num_buckets, max_distance)
+                if first_token_reset and i == 0:
+                    dot, bucket = head_dot(slot_q[0], slot_k[0], h), num_buckets // 2
+                elif first_token_reset and j == 0:
+                    dot, bucket = head_dot(slot_q[1], slot_k[1], h), num_buckets
+                extra = rel[bucket][h] if rel is not None else 0.0
                 value = (dot + extra) * scale if bias_inside_scale else dot * scale + extra
                 out[h, a, b] = value
     return out
