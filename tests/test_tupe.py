@@ -17,6 +17,7 @@ import torch
 from posgen.inmemory import encoding_class, module_from_spec
 from tests.conftest import SPECS, generated_class
 from tests.reference import tupe as ref
+from tests.reference.formulas import t5_relative_bucket
 
 F64 = torch.float64
 HEADS, HEAD_DIM, MODEL_DIM = 2, 4, 6
@@ -297,6 +298,57 @@ def test_explain_states_the_untied_term_and_its_conventions() -> None:
 
     output = CliRunner().invoke(main, ["explain", "tupe_r"]).output
     assert "scale: 1/sqrt(2 * head_dim)" in output
-    assert "position_position  untied    scale * (LN(p_i) U_q + b_q) . (LN(p_j) U_k + b_k)" in output
+    untied = "position_position  untied    scale * (LN(p_i) U_q + b_q) . (LN(p_j) U_k + b_k)"
+    assert untied in output
     assert "plus, after the scale, table[bucket(j - i), h]" in output
     assert "content_position   drop" in output
+
+
+def test_weights_in_the_authors_layout_copy_in() -> None:
+    """The documented mapping from the authors' fairseq layout (guolinke/TUPE).
+
+    Their encoder keeps pos [max_len + 1, d] (row 0 the [CLS] slot), pos_ln, one
+    pos_proj: d -> 2d whose outputs reshape to (2, heads, head_dim) (queries first), and
+    relative_attention_bias [bins + 1, heads]. For a sequence of L tokens it forms
+    P = pos_proj(pos_ln(pos[:L + 1])), the scaled [heads, L + 1, L + 1] products, keeps
+    [1:, 1:], overwrites column 0 with the (1, 1) product and row 0 with the (0, 0) one,
+    and adds the bias of buckets whose column 0 is bins and row 0 is bins / 2.
+    """
+    heads, head_dim, bins, length = HEADS, HEAD_DIM, 32, 9
+    d = heads * head_dim  # their pos_proj maps d -> 2d, so model_dim = heads * head_dim
+    g = torch.Generator().manual_seed(5)
+    pos = torch.randn(512 + 1, d, generator=g, dtype=F64)
+    ln_gain = 1 + 0.3 * torch.randn(d, generator=g, dtype=F64)
+    ln_shift = torch.randn(d, generator=g, dtype=F64)
+    proj_w = 0.4 * torch.randn(2 * d, d, generator=g, dtype=F64)
+    proj_b = torch.randn(2 * d, generator=g, dtype=F64)
+    rel_table = torch.randn(bins + 1, heads, generator=g, dtype=F64)
+
+    # their computation, in their layout
+    normed = torch.nn.functional.layer_norm(pos[: length + 1], (d,), ln_gain, ln_shift, 1e-5)
+    projected = (normed @ proj_w.T + proj_b).reshape(length + 1, 2, heads, head_dim)
+    pos_q = projected[:, 0].permute(1, 0, 2) / math.sqrt(2 * head_dim)  # [heads, L + 1, D]
+    pos_k = projected[:, 1].permute(1, 0, 2)
+    full = torch.einsum("hid,hjd->hij", pos_q, pos_k)
+    expected = full[:, 1:, 1:].clone()
+    expected[:, :, 0] = full[:, 1, 1].unsqueeze(-1)
+    expected[:, 0, :] = full[:, 0, 0].unsqueeze(-1)
+    buckets = torch.tensor(
+        [[t5_relative_bucket(j - i, True, bins, 128) for j in range(length)] for i in range(length)]
+    )
+    buckets[:, 0] = bins
+    buckets[0, :] = bins // 2
+    expected = expected + rel_table[buckets].permute(2, 0, 1)
+
+    pe = generated_class("tupe_r")(heads=heads, head_dim=head_dim, model_dim=d).double()
+    with torch.no_grad():
+        pe.position_embeddings.weight.copy_(pos)
+        pe.position_norm.weight.copy_(ln_gain)
+        pe.position_norm.bias.copy_(ln_shift)
+        pe.position_query.weight.copy_(proj_w[:d])
+        pe.position_query.bias.copy_(proj_b[:d])
+        pe.position_key.weight.copy_(proj_w[d:])
+        pe.position_key.bias.copy_(proj_b[d:])
+        pe.relative_attention_bias.weight.copy_(rel_table)
+    positions = torch.arange(length)
+    _close(pe.score_bias(positions, positions), expected)

@@ -39,19 +39,24 @@ __all__ = ["layer_norm_row", "project_row", "tupe_attention", "tupe_logits",
            "tupe_position_scores"]
 
 
-def layer_norm_row(row: list[float], gain: list[float], shift: list[float], eps: float) -> list[float]:
+def layer_norm_row(
+    row: list[float], gain: list[float], shift: list[float], eps: float
+) -> list[float]:
     """LayerNorm of one row: (x - mean) / sqrt(var + eps) * gain + shift (biased variance)."""
     n = len(row)
     mean = sum(row) / n
     var = sum((x - mean) ** 2 for x in row) / n
-    return [(x - mean) / math.sqrt(var + eps) * g + s for x, g, s in zip(row, gain, shift)]
+    scale = 1.0 / math.sqrt(var + eps)
+    return [(x - mean) * scale * g + s for x, g, s in zip(row, gain, shift, strict=True)]
 
 
-def project_row(row: list[float], weight: list[list[float]], bias: list[float] | None) -> list[float]:
+def project_row(
+    row: list[float], weight: list[list[float]], bias: list[float] | None
+) -> list[float]:
     """u_o = sum_i weight[o][i] * row[i] (+ bias[o]): nn.Linear's [out, in] layout."""
     out = []
     for o, weights in enumerate(weight):
-        total = sum(w * x for w, x in zip(weights, row))
+        total = sum(w * x for w, x in zip(weights, row, strict=True))
         out.append(total + (bias[o] if bias is not None else 0.0))
     return out
 
