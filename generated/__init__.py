@@ -9,6 +9,9 @@ from .rope import Rope
 from .rope_gptj import RopeGptj
 from .sinusoidal import Sinusoidal
 from .t5 import T5
+from .t5_decoder import T5Decoder
+from .tupe_a import TupeA
+from .tupe_r import TupeR
 
 ENCODINGS = {
     "alibi": Alibi,
@@ -17,6 +20,9 @@ ENCODINGS = {
     "rope_gptj": RopeGptj,
     "sinusoidal": Sinusoidal,
     "t5": T5,
+    "t5_decoder": T5Decoder,
+    "tupe_a": TupeA,
+    "tupe_r": TupeR,
 }
 
 __all__ = [
@@ -27,4 +33,7 @@ __all__ = [
     "RopeGptj",
     "Sinusoidal",
     "T5",
+    "T5Decoder",
+    "TupeA",
+    "TupeR",
 ]

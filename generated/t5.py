@@ -260,7 +260,8 @@ class T5(nn.Module):
             if cacheable:
                 self._cache[key] = buckets
         table = self.relative_attention_bias.weight.to(device)  # [buckets, heads]
-        return table[buckets].movedim(-1, -3)  # [..., heads, N, M], in the table dtype
+        dtype = torch.promote_types(table.dtype, torch.float32)  # a float64 table stays float64
+        return table[buckets].movedim(-1, -3).to(dtype)  # [..., heads, N, M]
 
     def score_terms(
         self,

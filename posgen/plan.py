@@ -25,6 +25,7 @@ from posgen.spec import (
     Rotation,
     SinusoidalTable,
     Spec,
+    UntiedPositions,
     rotary_dim_for,
 )
 
@@ -153,6 +154,16 @@ class BiasPlan:
 
 
 @dataclass(frozen=True)
+class UntiedPlan:
+    max_positions: str
+    init_std: str
+    norm: str  # none | layer_norm
+    norm_eps: str
+    projection_bias: str  # True | False
+    first_token: str  # shared | reset
+
+
+@dataclass(frozen=True)
 class TermLine:
     """One row of the decomposition table, as words for docstrings and ``explain``."""
 
@@ -182,6 +193,23 @@ class ModulePlan:
     rotation: RotationPlan | None
     bias: BiasPlan | None
     blocks: list[str] = field(default_factory=list)
+    untied: UntiedPlan | None = None
+
+    @property
+    def has_position_bias(self) -> bool:
+        """Whether a position-only [heads, N, M] term exists (a bias or an untied term)."""
+        return self.bias is not None or self.untied is not None
+
+    @property
+    def scale_position_bias(self) -> bool:
+        """Whether _position_bias must still be multiplied by the logit scale.
+
+        An untied term applies the scale itself (and places its bias), so its
+        _position_bias is already in logit units.
+        """
+        return self.untied is None and self.bias is not None and (
+            self.bias.placement == "before_scale"
+        )
 
 
 def class_name_for(module_name: str) -> str:
@@ -238,6 +266,53 @@ def _bias_plan(bias: LinearSlopeBias | LearnedTableBias) -> BiasPlan:
     )
 
 
+def _untied_plan(untied: UntiedPositions) -> UntiedPlan:
+    return UntiedPlan(
+        max_positions=literal(untied.table.max_positions),
+        init_std=literal(untied.table.init_std),
+        norm=choice(untied.norm.kind, ("none", "layer_norm")),
+        norm_eps=literal(float(untied.norm.eps)),
+        projection_bias=literal(untied.projection_bias),
+        first_token=choice(untied.first_token, ("shared", "reset")),
+    )
+
+
+def _bias_formula(bias: LinearSlopeBias | LearnedTableBias) -> str:
+    if isinstance(bias, LinearSlopeBias):
+        return "-slope_h * |i - j|, slopes: alibi_geometric"
+    index = bias.index
+    relative = "j - i" if index.sign == "key_minus_query" else "i - j"
+    direction = "bidirectional" if index.bidirectional else "unidirectional"
+    return (
+        f"table[bucket({relative}), h], {index.recipe} log buckets: {index.buckets} "
+        f"{direction}, max_distance {index.max_distance}"
+    )
+
+
+def _untied_formula(spec: Spec) -> str:
+    untied = spec.untied
+    row = "LN(p_i)" if untied.norm.kind == "layer_norm" else "p_i"
+    key_row = "LN(p_j)" if untied.norm.kind == "layer_norm" else "p_j"
+    offset_q = " + b_q" if untied.projection_bias else ""
+    offset_k = " + b_k" if untied.projection_bias else ""
+    text = (
+        f"scale * ({row} U_q{offset_q}) . ({key_row} U_k{offset_k}) per head, untied "
+        f"learned table of {untied.table.max_positions} positions (no extrapolation)"
+    )
+    bias = spec.bias
+    if bias is not None:
+        where = "inside" if bias.placement == "before_scale" else "after"
+        text += f"; plus, {where} the scale, {_bias_formula(bias)}"
+    if untied.first_token == "reset":
+        text += (
+            "; first-token reset: position t reads row t + 1, and query position 0 / key "
+            "position 0 get per-head constants from rows 0 / 1"
+        )
+        if bias is not None:
+            text += f" and bias rows {bias.index.buckets // 2} / {bias.index.buckets}"
+    return text
+
+
 def _term_lines(spec: Spec) -> list[TermLine]:
     terms = spec.terms
     lines: list[TermLine] = []
@@ -264,26 +339,14 @@ def _term_lines(spec: Spec) -> list[TermLine]:
     ):
         lines.append(TermLine(term, value, absolute[term] if value == "absolute" else "0"))
     bias = spec.bias
-    if bias is None:
+    if spec.untied is not None:
+        lines.append(TermLine("position_position", "untied", _untied_formula(spec)))
+    elif bias is None:
         value = terms.position_position
         text = absolute["position_position"] if value == "absolute" else "0"
         lines.append(TermLine("position_position", str(value), text))
-    elif isinstance(bias, LinearSlopeBias):
-        lines.append(
-            TermLine("position_position", "bias", "-slope_h * |i - j|, slopes: alibi_geometric")
-        )
     else:
-        index = bias.index
-        relative = "j - i" if index.sign == "key_minus_query" else "i - j"
-        direction = "bidirectional" if index.bidirectional else "unidirectional"
-        lines.append(
-            TermLine(
-                "position_position",
-                "bias",
-                f"table[bucket({relative}), h], {index.recipe} log buckets: {index.buckets} "
-                f"{direction}, max_distance {index.max_distance}",
-            )
-        )
+        lines.append(TermLine("position_position", "bias", _bias_formula(bias)))
     return lines
 
 
@@ -317,9 +380,12 @@ def build_plan(spec: Spec, spec_path: str, spec_sha256: str) -> ModulePlan:
     absolute_table = _absolute_table_plan(spec.input.table) if spec.input else None
     rotation = _rotation_plan(spec.rotation) if spec.rotation else None
     bias = _bias_plan(spec.bias) if spec.bias else None
+    untied = _untied_plan(spec.untied) if spec.untied else None
     blocks = []
     if absolute_table is not None:
         blocks.append("absolute_table")
+    if untied is not None:
+        blocks.append("untied_absolute")
     if rotation is not None:
         blocks.append("rotation")
     if bias is not None:
@@ -341,23 +407,58 @@ def build_plan(spec: Spec, spec_path: str, spec_sha256: str) -> ModulePlan:
         scale_kind=choice(spec.scale.kind, ("none", "inv_sqrt_head_dim")),
         scale_factor=literal(float(spec.scale.factor)),
         scale_text=" ".join(docstring_lines(scale_description(spec), 10_000)),
-        weight_notes=_weight_notes(absolute_table, bias),
+        weight_notes=_weight_notes(absolute_table, bias, untied),
         absolute_table=absolute_table,
         rotation=rotation,
         bias=bias,
         blocks=blocks,
+        untied=untied,
     )
 
 
-def _weight_notes(table: AbsoluteTablePlan | None, bias: BiasPlan | None) -> list[str]:
+def _weight_notes(
+    table: AbsoluteTablePlan | None, bias: BiasPlan | None, untied: UntiedPlan | None = None
+) -> list[str]:
     """How reference checkpoints map onto the generated parameters (fixed text)."""
     notes: list[str] = []
+    if untied is not None:
+        notes += [
+            "position_embeddings.weight [max_positions, model_dim]: the untied table p.",
+            "position_query / position_key (nn.Linear, weight [heads * head_dim, model_dim]):",
+            "U_q and U_k, output feature h * head_dim + e is head h, feature e.",
+        ]
+        if untied.norm == "layer_norm":
+            notes += ["position_norm (nn.LayerNorm over model_dim): the table's LayerNorm."]
+        if untied.first_token == "reset":
+            notes += [
+                "From the TUPE authors' fairseq code (guolinke/TUPE): pos.weight ->",
+                "position_embeddings.weight (max_positions + 1 rows, row 0 the [CLS] slot),",
+            ]
+        else:
+            notes += [
+                "From the TUPE authors' fairseq code (guolinke/TUPE): pos.weight[1:] (their",
+                "row 0 is the [CLS]-reset slot, unused here) -> position_embeddings.weight,",
+            ]
+        notes += [
+            "pos_ln -> position_norm, pos_proj.weight[:model_dim] -> position_query.weight,",
+            "pos_proj.weight[model_dim:] -> position_key.weight (biases likewise).",
+        ]
+        if untied.first_token == "reset" and bias is not None:
+            notes += [
+                "relative_attention_bias.weight [buckets + 1, heads]: their",
+                "relative_attention_bias.weight (the last row is the key-[CLS] entry).",
+            ]
+        elif bias is not None and bias.kind == "learned_table":
+            notes += [
+                "relative_attention_bias.weight [buckets, heads]: their",
+                "relative_attention_bias.weight[:buckets] (their last row is the [CLS] entry).",
+            ]
     if table is not None and table.kind == "learned":
         notes += [
             "position_embeddings.weight [max_positions, model_dim]: copy GPT-2",
             "``wpe.weight`` or BERT ``embeddings.position_embeddings.weight``.",
         ]
-    if bias is not None and bias.kind == "learned_table":
+    if bias is not None and bias.kind == "learned_table" and untied is None:
         notes += [
             "relative_attention_bias.weight [buckets, heads]: copy Hugging Face",
             "``T5Attention.relative_attention_bias.weight`` (first layer of each stack).",

@@ -69,21 +69,30 @@ def cross_field_error(at: str, message: str) -> PydanticCustomError:
     return PydanticCustomError("cross_field", "{message}", {"message": message, "at": at})
 
 
-def _tagged(*tags: str, what: str) -> Discriminator:
-    """Discriminate a term written as a bare keyword or as a single-key mapping."""
+def _tagged(*tags: str, what: str, leading: tuple[str, str] | None = None) -> Discriminator:
+    """Discriminate a term written as a bare keyword or as a single-key mapping.
+
+    ``leading = (key, tag)`` names a form whose mapping may carry more keys: any mapping
+    that holds ``key`` is that form (its model then rejects keys it does not know). Its
+    tag differs from the key so that error locations keep the key as a data path.
+    """
     allowed = set(tags)
+    lead_key, lead_tag = leading if leading is not None else (None, None)
 
     def tag_of(value: Any) -> str | None:
         if isinstance(value, str):
             return value if value in allowed else None
+        if isinstance(value, dict) and lead_key is not None and lead_key in value:
+            return lead_tag
         if isinstance(value, dict) and len(value) == 1:
             key = next(iter(value))
             return key if key in allowed else None
         if isinstance(value, BaseModel):
-            return getattr(value, "form", None)
+            form = getattr(value, "form", None)
+            return lead_tag if form is not None and form == lead_key else form
         return None
 
-    listing = ", ".join(sorted(allowed))
+    listing = ", ".join(sorted(allowed | ({lead_key} if lead_key else set())))
     return Discriminator(
         tag_of,
         custom_error_type="invalid_form",
@@ -268,6 +277,85 @@ class BiasTerm(SpecModel):
         return "bias"
 
 
+# --------------------------------------------------------------------------- untied positions
+
+
+class TableNorm(SpecModel):
+    """Normalisation of the untied table rows before their projections.
+
+    ``none``: the projections see p_i itself (the formula as printed in Ke et al. 2021);
+    ``layer_norm``: LayerNorm(p_i) with a trained gain and shift, as the authors' code does.
+    """
+
+    kind: Literal["none", "layer_norm"]
+    eps: float = Field(1e-5, gt=0, le=0.1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_keyword(cls, data: Any) -> Any:
+        return {"kind": data} if isinstance(data, str) else data
+
+
+class UntiedPositions(SpecModel):
+    """An absolute table in model space, NOT added to the input, with its own projections.
+
+    Ke, He and Liu 2021 (TUPE, arXiv:2006.15595): the position-position term is
+    (p_i U_q)(p_j U_k)^T per head, with U_q, U_k: model_dim -> heads * head_dim,
+    untied from the content projections Wq, Wk. ``projection_bias`` adds a trained
+    offset to each projection (the authors' code does; the printed formula does not).
+
+    ``first_token``: ``shared`` treats position 0 like any other; ``reset`` is the paper's
+    [CLS] reset (section 3.3): the table gains a leading row, position t reads row t + 1,
+    and the scores of query position 0 against every key, and of every query against
+    key position 0, are per-head constants computed from rows 0 and 1, as the authors'
+    code does (query row wins where both hold).
+    """
+
+    table: AbsoluteTable
+    norm: TableNorm
+    projection_bias: bool
+    first_token: Literal["shared", "reset"]
+
+    @model_validator(mode="after")
+    def _learned_only(self) -> UntiedPositions:
+        if self.table.kind != "learned":
+            raise cross_field_error(
+                "table.kind",
+                f"an untied table is trained together with its projections: only kind "
+                f"'learned' is supported here (got {self.table.kind!r})",
+            )
+        return self
+
+
+class UntiedTerm(SpecModel):
+    """position_position as an untied absolute term, plus an optional bias of (i, j)."""
+
+    untied: UntiedPositions
+    bias: Bias | None = None
+
+    @model_validator(mode="after")
+    def _reset_needs_a_spare_bucket(self) -> UntiedTerm:
+        if self.untied.first_token != "reset" or self.bias is None:
+            return self
+        if not isinstance(self.bias, LearnedTableBias):
+            raise cross_field_error(
+                "bias.kind",
+                "the first-token reset gives the first position its own bias entries: it "
+                f"needs a 'learned_table' bias (got {self.bias.kind!r})",
+            )
+        if not self.bias.index.bidirectional:
+            raise cross_field_error(
+                "bias.index.bidirectional",
+                "the first-token reset uses the bucket that bidirectional buckets leave "
+                "unused (buckets / 2) for the first query: set bidirectional: true",
+            )
+        return self
+
+    @property
+    def form(self) -> str:
+        return "untied"
+
+
 # --------------------------------------------------------------------------- the terms
 
 
@@ -288,8 +376,15 @@ PositionContent = Annotated[
     _tagged("drop", "absolute", what="position_content"),
 ]
 PositionPosition = Annotated[
-    Union[_keyword("drop"), _keyword("absolute"), Annotated[BiasTerm, Tag("bias")]],
-    _tagged("drop", "absolute", "bias", what="position_position"),
+    Union[
+        _keyword("drop"),
+        _keyword("absolute"),
+        Annotated[BiasTerm, Tag("bias")],
+        Annotated[UntiedTerm, Tag("untied_term")],
+    ],
+    _tagged(
+        "drop", "absolute", "bias", what="position_position", leading=("untied", "untied_term")
+    ),
 ]
 
 
@@ -371,6 +466,11 @@ class Spec(SpecModel):
                         "'absolute' terms come from an input-level table: add an "
                         "'input' section or choose another form",
                     )
+        if self.untied is not None and self.defaults.model_dim is None:
+            raise cross_field_error(
+                "defaults",
+                "an untied position table lives in model space: it needs defaults.model_dim",
+            )
         rotation = self.rotation
         if rotation is not None:
             rotary_dim = rotary_dim_for(self.defaults.head_dim, rotation.rotary_dims.fraction)
@@ -390,9 +490,15 @@ class Spec(SpecModel):
 
     @property
     def bias(self) -> LinearSlopeBias | LearnedTableBias | None:
-        """The position_position bias, if the spec has one."""
+        """The position_position bias, if the spec has one (alone or beside an untied term)."""
         term = self.terms.position_position
-        return term.bias if isinstance(term, BiasTerm) else None
+        return term.bias if isinstance(term, (BiasTerm, UntiedTerm)) else None
+
+    @property
+    def untied(self) -> UntiedPositions | None:
+        """The untied absolute position_position term, if the spec has one."""
+        term = self.terms.position_position
+        return term.untied if isinstance(term, UntiedTerm) else None
 
 
 def rotary_dim_for(head_dim: int, fraction: float) -> int:

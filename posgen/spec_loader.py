@@ -150,7 +150,7 @@ def _is_tag(part: str) -> bool:
 
 
 _KNOWN_TAGS = {
-    "keep", "drop", "absolute", "rotate", "bias",
+    "keep", "drop", "absolute", "rotate", "bias", "untied_term",
     "learned", "sinusoidal", "log_buckets", "linear_slopes", "learned_table",
     "str", "int", "float", "bool", "none",
 }
