@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from .alibi import Alibi
 from .learned_absolute import LearnedAbsolute
+from .nope import Nope
 from .rope import Rope
 from .rope_gptj import RopeGptj
 from .sinusoidal import Sinusoidal
@@ -13,6 +14,7 @@ from .t5 import T5
 ENCODINGS = {
     "alibi": Alibi,
     "learned_absolute": LearnedAbsolute,
+    "nope": Nope,
     "rope": Rope,
     "rope_gptj": RopeGptj,
     "sinusoidal": Sinusoidal,
@@ -23,6 +25,7 @@ __all__ = [
     "ENCODINGS",
     "Alibi",
     "LearnedAbsolute",
+    "Nope",
     "Rope",
     "RopeGptj",
     "Sinusoidal",
