@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from .alibi import Alibi
 from .learned_absolute import LearnedAbsolute
+from .multiplicative_learned import MultiplicativeLearned
+from .multiplicative_sinusoidal import MultiplicativeSinusoidal
 from .nope import Nope
 from .rope import Rope
 from .rope_gptj import RopeGptj
@@ -14,6 +16,8 @@ from .t5 import T5
 ENCODINGS = {
     "alibi": Alibi,
     "learned_absolute": LearnedAbsolute,
+    "multiplicative_learned": MultiplicativeLearned,
+    "multiplicative_sinusoidal": MultiplicativeSinusoidal,
     "nope": Nope,
     "rope": Rope,
     "rope_gptj": RopeGptj,
@@ -25,6 +29,8 @@ __all__ = [
     "ENCODINGS",
     "Alibi",
     "LearnedAbsolute",
+    "MultiplicativeLearned",
+    "MultiplicativeSinusoidal",
     "Nope",
     "Rope",
     "RopeGptj",

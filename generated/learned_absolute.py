@@ -192,7 +192,8 @@ class LearnedAbsolute(nn.Module):
         # [max_positions, model_dim]; the layout of GPT-2 `wpe.weight` and BERT
         # `embeddings.position_embeddings.weight`: copy either directly.
         self.position_embeddings = nn.Embedding(MAX_POSITIONS, self.model_dim)
-        nn.init.normal_(self.position_embeddings.weight, mean=0.0, std=0.02)
+        weight = self.position_embeddings.weight
+        nn.init.normal_(weight, mean=0.0, std=0.02)
 
     def extra_repr(self) -> str:
         return f"heads={self.heads}, head_dim={self.head_dim}, scale={self.scale:.6g}"
@@ -210,19 +211,24 @@ class LearnedAbsolute(nn.Module):
             raise ValueError(f"x must be a floating-point tensor, got {x.dtype}")
         length = x.shape[1]
         positions = _check_positions(positions, length, x.shape[0], "positions", x.device)
+        table = self._position_table(positions, length, x.device).to(x.dtype)
+        return x + table  # [batch, seq, model_dim]
+
+    def _position_table(self, positions: Tensor | None, length: int, device) -> Tensor:
+        """p for each position: [length, model_dim] or [batch, length, model_dim]."""
         if positions is None:
             if length > self.max_positions:
                 raise ValueError(
                     f"sequence length {length} exceeds the learned table's "
                     f"{self.max_positions} positions; this encoding cannot extrapolate"
                 )
-            positions = torch.arange(length, device=x.device)
+            positions = torch.arange(length, device=device)
         elif positions.numel() and int(positions.max()) >= self.max_positions:
             raise ValueError(
                 f"position {int(positions.max())} is out of range for the learned table "
                 f"of {self.max_positions} positions; this encoding cannot extrapolate"
             )
-        return x + self.position_embeddings(positions).to(x.dtype)
+        return self.position_embeddings(positions)
 
     def rotate(
         self,

@@ -212,8 +212,13 @@ class Sinusoidal(nn.Module):
             raise ValueError(f"x must be a floating-point tensor, got {x.dtype}")
         length = x.shape[1]
         positions = _check_positions(positions, length, x.shape[0], "positions", x.device)
-        positions = _positions_or_default(positions, 0, length, x.device)
-        return x + _sinusoid_table(positions, self.model_dim).to(x.dtype)
+        table = self._position_table(positions, length, x.device).to(x.dtype)
+        return x + table  # [batch, seq, model_dim]
+
+    def _position_table(self, positions: Tensor | None, length: int, device) -> Tensor:
+        """p for each position: [length, model_dim] or [batch, length, model_dim], float64."""
+        positions = _positions_or_default(positions, 0, length, device)
+        return _sinusoid_table(positions, self.model_dim)
 
     def rotate(
         self,

@@ -185,7 +185,8 @@ def explanation(spec: Spec) -> list[str]:
     lines = [f"{spec.name}: {spec.title}", ""]
     if spec.input is not None:
         table = spec.input.table
-        lines.append(f"input      x_i + p_i, {table.kind} table ({_describe_table(spec)})")
+        combine = "x_i * p_i" if spec.input.kind == "multiply" else "x_i + p_i"
+        lines.append(f"input      {combine}, {table.kind} table ({_describe_table(spec)})")
     lines.append("")
     lines.append("a_ij = content_content + content_position + position_content + "
                  "position_position")

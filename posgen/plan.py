@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass, field
 
 from posgen.spec import (
+    InputForm,
     LearnedTable,
     LearnedTableBias,
     LinearSlopeBias,
@@ -117,8 +118,10 @@ def docstring_lines(text: str, width: int = DOCSTRING_WIDTH) -> list[str]:
 @dataclass(frozen=True)
 class AbsoluteTablePlan:
     kind: str  # learned | sinusoidal
+    combine: str = "add"  # add | multiply
     max_positions: str = "None"
     init_std: str = "None"
+    init_mean: str = "0.0"
     base: str = "None"
     layout: str = "interleaved"
 
@@ -190,15 +193,20 @@ def class_name_for(module_name: str) -> str:
     return identifier("".join(part[:1].upper() + part[1:] for part in parts))
 
 
-def _absolute_table_plan(table: LearnedTable | SinusoidalTable) -> AbsoluteTablePlan:
+def _absolute_table_plan(form: InputForm) -> AbsoluteTablePlan:
+    table = form.table
+    combine = choice(form.kind, ("add", "multiply"))
     if isinstance(table, LearnedTable):
         return AbsoluteTablePlan(
             kind="learned",
+            combine=combine,
             max_positions=literal(table.max_positions),
             init_std=literal(table.init_std),
+            init_mean=literal(float(table.init_mean)),
         )
     return AbsoluteTablePlan(
         kind="sinusoidal",
+        combine=combine,
         base=literal(float(table.base)),
         layout=choice(table.layout, ("interleaved", "split")),
     )
@@ -253,11 +261,7 @@ def _term_lines(spec: Spec) -> list[TermLine]:
         )
     else:
         lines.append(TermLine("content_content", "keep", "q_i . k_j"))
-    absolute = {
-        "content_position": "x_i Wq Wk^T p_j^T (via the input table)",
-        "position_content": "p_i Wq Wk^T x_j^T (via the input table)",
-        "position_position": "p_i Wq Wk^T p_j^T (via the input table)",
-    }
+    absolute = _input_term_texts(spec)
     for term, value in (
         ("content_position", terms.content_position),
         ("position_content", terms.position_content),
@@ -287,6 +291,19 @@ def _term_lines(spec: Spec) -> list[TermLine]:
     return lines
 
 
+def _input_term_texts(spec: Spec) -> dict[str, str]:
+    """How the input-level positions reach the three position terms, in words."""
+    form = spec.input
+    if form is not None and form.kind == "multiply":
+        text = "inside (x_i * p_i) Wq Wk^T (x_j * p_j)^T (input product, not a separate sum)"
+        return dict.fromkeys(("content_position", "position_content", "position_position"), text)
+    return {
+        "content_position": "x_i Wq Wk^T p_j^T (via the input table)",
+        "position_content": "p_i Wq Wk^T x_j^T (via the input table)",
+        "position_position": "p_i Wq Wk^T p_j^T (via the input table)",
+    }
+
+
 def decomposition_table(rows: list[TermLine], width: int = DOCSTRING_WIDTH) -> list[str]:
     """The four terms as aligned, escaped, wrapped text lines."""
     lines: list[str] = []
@@ -314,7 +331,7 @@ def scale_description(spec: Spec) -> str:
 def build_plan(spec: Spec, spec_path: str, spec_sha256: str) -> ModulePlan:
     """Resolve a validated spec into the plan that templates render."""
     module_name = identifier(spec.name)
-    absolute_table = _absolute_table_plan(spec.input.table) if spec.input else None
+    absolute_table = _absolute_table_plan(spec.input) if spec.input else None
     rotation = _rotation_plan(spec.rotation) if spec.rotation else None
     bias = _bias_plan(spec.bias) if spec.bias else None
     blocks = []

@@ -117,11 +117,16 @@ class Scale(SpecModel):
 
 
 class LearnedTable(SpecModel):
-    """A trained [max_positions, model_dim] table (GPT-2 ``wpe``, BERT position ids)."""
+    """A trained [max_positions, model_dim] table (GPT-2 ``wpe``, BERT position ids).
+
+    Initialised from N(init_mean, init_std²): mean 0 for a table that is added, mean 1
+    for one that multiplies (so that x ⊙ p starts near x rather than near 0).
+    """
 
     kind: Literal["learned"]
     max_positions: int = Field(ge=1, le=1 << 24)
     init_std: float = Field(0.02, gt=0)
+    init_mean: float = Field(0.0, ge=-1e6, le=1e6)
 
 
 class SinusoidalTable(SpecModel):
@@ -141,9 +146,16 @@ AbsoluteTable = Annotated[Union[LearnedTable, SinusoidalTable], Field(discrimina
 
 
 class InputForm(SpecModel):
-    """Input-level positions: x + p (``add``)."""
+    """Input-level positions, combined with the token embeddings x feature by feature.
 
-    kind: Literal["add"]
+    ``add``: x + p (Vaswani et al. 2017; GPT-2, BERT). ``multiply``: x ⊙ p, each feature
+    of x scaled by the position's table entry; a learned table then acts as a per-position
+    gain (initialise it around 1 with ``init_mean: 1``), and a sinusoidal table modulates
+    x by sin/cos waves: at position 0 every sine feature is 0, so x ⊙ p zeroes those
+    features there (half of them) while the cosine features pass x unchanged.
+    """
+
+    kind: Literal["add", "multiply"]
     table: AbsoluteTable
 
 

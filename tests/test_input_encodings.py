@@ -80,3 +80,97 @@ def test_nope_has_no_parameters_and_identity_parts() -> None:
     q, k = torch.randn(1, 8, 3, 64), torch.randn(1, 8, 3, 64)
     assert pe.rotate(q, k) == (q, k)
     assert pe.score_bias(torch.arange(3), torch.arange(3)) is None
+
+
+# ------------------------------------------------------------------------------ embed contract
+
+
+def assert_embed_contract(pe, *, seq: int = 6, bad_position: int | None = None) -> None:
+    """Shapes, dtype kept, ValueError for bad input, gradient reaches every parameter."""
+    d = pe.model_dim
+    x = torch.randn(2, seq, d)
+    out = pe.embed(x)
+    assert out.shape == (2, seq, d) and out.dtype == torch.float32
+    for dtype in (torch.float64, torch.bfloat16):
+        assert pe.embed(x.to(dtype)).dtype == dtype
+    batched = torch.stack([torch.arange(seq), torch.arange(3, 3 + seq)])
+    assert pe.embed(x, batched).shape == (2, seq, d)
+    torch.testing.assert_close(pe.embed(x, torch.arange(seq)), out)
+    bad = {
+        "2-D x": lambda: pe.embed(x[0]),
+        "wrong width": lambda: pe.embed(x[..., :-1]),
+        "integer x": lambda: pe.embed(x.long()),
+        "not a tensor": lambda: pe.embed([[0.0] * d]),
+        "float positions": lambda: pe.embed(x, torch.arange(seq, dtype=torch.float32)),
+        "negative positions": lambda: pe.embed(x, torch.arange(-1, seq - 1)),
+        "positions length": lambda: pe.embed(x, torch.arange(seq + 1)),
+        "positions batch": lambda: pe.embed(x, torch.zeros(3, seq, dtype=torch.long)),
+    }
+    if bad_position is not None:
+        bad["position out of range"] = lambda: pe.embed(
+            x, torch.full((seq,), bad_position, dtype=torch.long))
+    for label, call in bad.items():
+        with pytest.raises(ValueError):
+            call()
+            pytest.fail(f"{label} was accepted")
+    parameters = dict(pe.named_parameters())
+    if parameters:
+        pe.zero_grad()
+        pe.embed(x).square().sum().backward()
+        for name, parameter in parameters.items():
+            assert parameter.grad is not None and parameter.grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize("name", ["learned_absolute", "sinusoidal", "multiplicative_learned",
+                                  "multiplicative_sinusoidal"])
+def test_table_embed_contract(name: str) -> None:
+    pe = make(name, model_dim=16)
+    bad = pe.max_positions if hasattr(pe, "max_positions") else None
+    assert_embed_contract(pe, bad_position=bad)
+
+
+# ------------------------------------------------------------------------------ add / multiply
+
+
+@pytest.mark.parametrize("name,how", [("sinusoidal", "add"),
+                                      ("multiplicative_sinusoidal", "multiply")])
+def test_sinusoidal_embed_matches_reference(name: str, how: str) -> None:
+    pe = make(name, model_dim=12)
+    x = torch.randn(2, 7, 12, dtype=F64)
+    positions = torch.tensor([0, 1, 2, 3, 50, 999, 4096])
+    table = torch.stack([ref.sinusoidal_table(5000, 12)[int(p)] for p in positions])
+    expected = ref_abs.combine_input(x, table, how)
+    torch.testing.assert_close(pe.embed(x, positions), expected, atol=1e-12, rtol=1e-12)
+    default = ref_abs.combine_input(x, ref.sinusoidal_table(7, 12), how)
+    torch.testing.assert_close(pe.embed(x), default, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("name,how", [("learned_absolute", "add"),
+                                      ("multiplicative_learned", "multiply")])
+def test_learned_embed_matches_reference(name: str, how: str) -> None:
+    pe = make(name, model_dim=8).double()
+    x = torch.randn(2, 5, 8, dtype=F64)
+    positions = torch.tensor([[0, 1, 2, 3, 4], [7, 3, 1023, 0, 5]])
+    weight = pe.position_embeddings.weight.detach()
+    table = torch.stack([torch.stack([weight[int(p)] for p in row]) for row in positions])
+    expected = ref_abs.combine_input(x, table, how)
+    torch.testing.assert_close(pe.embed(x, positions), expected, atol=1e-14, rtol=1e-14)
+
+
+def test_multiplicative_sinusoid_zeroes_sine_features_at_position_zero() -> None:
+    """Documented behaviour: sin(0) = 0 removes the even (sine) features at position 0."""
+    pe = make("multiplicative_sinusoidal", model_dim=8)
+    x = torch.randn(1, 3, 8, dtype=F64)
+    out = pe.embed(x)
+    assert torch.equal(out[0, 0, 0::2], torch.zeros(4, dtype=F64))
+    torch.testing.assert_close(out[0, 0, 1::2], x[0, 0, 1::2])  # cos(0) = 1 keeps x
+    assert (out[0, 1, 0::2] != 0).all()
+
+
+def test_multiplicative_learned_gains_start_near_one() -> None:
+    pe = make("multiplicative_learned")
+    weight = pe.position_embeddings.weight
+    assert weight.shape == (1024, 768)
+    assert abs(weight.mean().item() - 1.0) < 1e-3 and abs(weight.std().item() - 0.02) < 1e-3
+    x = torch.randn(1, 4, 768)
+    assert (pe.embed(x) - x).abs().max() < 0.2 * x.abs().max()
