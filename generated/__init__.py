@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from .alibi import Alibi
+from .hierarchical_absolute import HierarchicalAbsolute
 from .learned_absolute import LearnedAbsolute
 from .multiplicative_learned import MultiplicativeLearned
 from .multiplicative_sinusoidal import MultiplicativeSinusoidal
@@ -15,6 +16,7 @@ from .t5 import T5
 
 ENCODINGS = {
     "alibi": Alibi,
+    "hierarchical_absolute": HierarchicalAbsolute,
     "learned_absolute": LearnedAbsolute,
     "multiplicative_learned": MultiplicativeLearned,
     "multiplicative_sinusoidal": MultiplicativeSinusoidal,
@@ -28,6 +30,7 @@ ENCODINGS = {
 __all__ = [
     "ENCODINGS",
     "Alibi",
+    "HierarchicalAbsolute",
     "LearnedAbsolute",
     "MultiplicativeLearned",
     "MultiplicativeSinusoidal",

@@ -212,6 +212,10 @@ def _describe_table(spec: Spec) -> str:
         return ""
     if table.kind == "learned":
         return f"{table.max_positions} positions, no extrapolation"
+    if table.kind == "hierarchical":
+        n = table.base_positions
+        return (f"{n} trained rows serve {n * n} positions: "
+                f"p_(i*{n}+j) = {table.alpha:g} u_i + {1 - table.alpha:g} u_j")
     return f"base {table.base:g}, {table.layout} sin/cos"
 
 

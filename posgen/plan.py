@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass, field
 
 from posgen.spec import (
+    HierarchicalTable,
     InputForm,
     LearnedTable,
     LearnedTableBias,
@@ -124,6 +125,8 @@ class AbsoluteTablePlan:
     init_mean: str = "0.0"
     base: str = "None"
     layout: str = "interleaved"
+    base_positions: str = "None"
+    alpha: str = "None"
 
 
 @dataclass(frozen=True)
@@ -203,6 +206,14 @@ def _absolute_table_plan(form: InputForm) -> AbsoluteTablePlan:
             max_positions=literal(table.max_positions),
             init_std=literal(table.init_std),
             init_mean=literal(float(table.init_mean)),
+        )
+    if isinstance(table, HierarchicalTable):
+        return AbsoluteTablePlan(
+            kind="hierarchical",
+            combine=combine,
+            base_positions=literal(table.base_positions),
+            alpha=literal(float(table.alpha)),
+            init_std=literal(table.init_std),
         )
     return AbsoluteTablePlan(
         kind="sinusoidal",
@@ -373,6 +384,14 @@ def _weight_notes(table: AbsoluteTablePlan | None, bias: BiasPlan | None) -> lis
         notes += [
             "position_embeddings.weight [max_positions, model_dim]: copy GPT-2",
             "``wpe.weight`` or BERT ``embeddings.position_embeddings.weight``.",
+        ]
+    if table is not None and table.kind == "hierarchical":
+        notes += [
+            "position_embeddings.weight [base_positions, model_dim] holds the basis u. To",
+            "extend a trained absolute table p of n rows (BERT's 512-row",
+            "``embeddings.position_embeddings.weight``), call ``load_absolute_table(p)``:",
+            "it stores u_i = (p_i - alpha p_0) / (1 - alpha), so positions below n give p",
+            "exactly and positions up to n^2 - 1 are new.",
         ]
     if bias is not None and bias.kind == "learned_table":
         notes += [

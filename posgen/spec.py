@@ -142,7 +142,33 @@ class SinusoidalTable(SpecModel):
     layout: Literal["interleaved", "split"]
 
 
-AbsoluteTable = Annotated[Union[LearnedTable, SinusoidalTable], Field(discriminator="kind")]
+class HierarchicalTable(SpecModel):
+    """Hierarchically decomposed positions (Su 2020, kexue.fm/archives/7947).
+
+    A trained table u of n = ``base_positions`` rows serves n² positions: position
+    i·n + j (0 ≤ i, j < n) is q = alpha·u_i + (1 − alpha)·u_j. alpha ≠ 0.5 keeps
+    positions i·n + j and j·n + i apart; positions ≥ n² raise.
+    """
+
+    kind: Literal["hierarchical"]
+    base_positions: int = Field(ge=2, le=1 << 20)
+    alpha: float = Field(0.4, gt=0, lt=1)
+    init_std: float = Field(0.02, gt=0)
+
+    @model_validator(mode="after")
+    def _check_alpha(self) -> HierarchicalTable:
+        if self.alpha == 0.5:
+            raise cross_field_error(
+                "alpha",
+                "alpha = 0.5 makes position i*n + j equal to position j*n + i "
+                "(q = (u_i + u_j) / 2 is symmetric); choose alpha in (0, 1) other than 0.5",
+            )
+        return self
+
+
+AbsoluteTable = Annotated[
+    Union[LearnedTable, SinusoidalTable, HierarchicalTable], Field(discriminator="kind")
+]
 
 
 class InputForm(SpecModel):

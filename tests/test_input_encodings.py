@@ -9,11 +9,14 @@ ValueError for bad input, gradients reaching the trained parameters.
 from __future__ import annotations
 
 import math
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import generated_class
+from posgen.inmemory import encoding_class, module_from_spec
+from tests.conftest import SPECS, generated_class
 from tests.reference import absolute as ref_abs
 from tests.reference import formulas as ref
 
@@ -22,6 +25,16 @@ F64 = torch.float64
 
 def make(name: str, **overrides) -> torch.nn.Module:
     return generated_class(name)(**overrides).eval()
+
+
+def spec_variant(name: str, old: str, new: str, tmp_dir: Path | None = None):
+    """The class of a catalogue spec with one text edit, built in memory."""
+    text = (SPECS / f"{name}.yaml").read_text(encoding="utf-8")
+    assert old in text, old
+    directory = Path(tempfile.mkdtemp()) if tmp_dir is None else tmp_dir
+    path = directory / f"{name}.yaml"
+    path.write_text(text.replace(old, new), encoding="utf-8")
+    return encoding_class(module_from_spec(path))
 
 
 # ------------------------------------------------------------------------------ NoPE
@@ -174,3 +187,65 @@ def test_multiplicative_learned_gains_start_near_one() -> None:
     assert abs(weight.mean().item() - 1.0) < 1e-3 and abs(weight.std().item() - 0.02) < 1e-3
     x = torch.randn(1, 4, 768)
     assert (pe.embed(x) - x).abs().max() < 0.2 * x.abs().max()
+
+
+# ------------------------------------------------------------------------------ hierarchical
+
+
+def test_hierarchical_embed_contract() -> None:
+    pe = make("hierarchical_absolute", model_dim=16)
+    assert pe.max_positions == 512 * 512
+    assert_embed_contract(pe, bad_position=512 * 512)
+
+
+def test_hierarchical_embed_matches_reference() -> None:
+    pe = make("hierarchical_absolute", model_dim=8).double()
+    u = pe.position_embeddings.weight.detach()
+    positions = torch.tensor([[0, 1, 511, 512, 513, 1024], [262143, 70000, 5, 1023, 3, 512 * 300]])
+    x = torch.randn(2, 6, 8, dtype=F64)
+    table = torch.stack([torch.stack([ref.hierarchical_position(u, int(p), 0.4) for p in row])
+                         for row in positions])
+    expected = ref_abs.combine_input(x, table, "add")
+    torch.testing.assert_close(pe.embed(x, positions), expected, atol=1e-14, rtol=1e-14)
+    with pytest.raises(ValueError, match="262144"):
+        pe.embed(x, positions + 1)
+
+
+def test_hierarchical_order_of_the_two_digits_matters() -> None:
+    """alpha != 0.5: positions i*n + j and j*n + i get different encodings."""
+    pe = make("hierarchical_absolute", model_dim=8)
+    x = torch.zeros(1, 2, 8)
+    out = pe.embed(x, torch.tensor([3 * 512 + 7, 7 * 512 + 3]))
+    assert not torch.allclose(out[0, 0], out[0, 1])
+
+
+def test_hierarchical_extends_a_trained_bert_table() -> None:
+    """BERT's learned table loads through load_absolute_table: positions < n give BERT's
+    vectors exactly, positions up to n^2 - 1 follow the reference decomposition."""
+    from transformers import BertConfig, BertModel
+
+    n, d = 16, 8
+    config = BertConfig(vocab_size=32, hidden_size=d, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=16, max_position_embeddings=n)
+    bert = BertModel(config).double().eval()
+    p = bert.embeddings.position_embeddings.weight.detach()
+    # the catalogue spec with a 16-row basis, to match this small BERT
+    pe = spec_variant("hierarchical_absolute", "base_positions: 512", f"base_positions: {n}")
+    pe = pe(model_dim=d).double()
+    pe.load_absolute_table(p)
+    torch.testing.assert_close(pe.position_embeddings.weight.detach(),
+                               ref.hierarchical_basis_from_absolute(p, 0.4),
+                               atol=1e-14, rtol=1e-14)
+    x = torch.randn(1, n, d, dtype=F64)
+    # positions below n reproduce BERT's position embeddings
+    bert_positions = bert.embeddings.position_embeddings(torch.arange(n))
+    torch.testing.assert_close(pe.embed(x), x + bert_positions, atol=1e-12, rtol=1e-12)
+    far = torch.tensor([n, n + 1, 5 * n + 3, n * n - 1])
+    expected = torch.stack([ref.hierarchical_position(ref.hierarchical_basis_from_absolute(p, 0.4),
+                                                      int(q), 0.4) for q in far])
+    torch.testing.assert_close(pe.embed(x[:, :4], far), x[:, :4] + expected, atol=1e-12,
+                               rtol=1e-12)
+    with pytest.raises(ValueError):
+        pe.embed(x[:, :1], torch.tensor([n * n]))
+    with pytest.raises(ValueError):
+        pe.load_absolute_table(p[:-1])
