@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from .alibi import Alibi
+from .convolutional import Convolutional
 from .hierarchical_absolute import HierarchicalAbsolute
 from .learned_absolute import LearnedAbsolute
 from .multiplicative_learned import MultiplicativeLearned
@@ -16,6 +17,7 @@ from .t5 import T5
 
 ENCODINGS = {
     "alibi": Alibi,
+    "convolutional": Convolutional,
     "hierarchical_absolute": HierarchicalAbsolute,
     "learned_absolute": LearnedAbsolute,
     "multiplicative_learned": MultiplicativeLearned,
@@ -30,6 +32,7 @@ ENCODINGS = {
 __all__ = [
     "ENCODINGS",
     "Alibi",
+    "Convolutional",
     "HierarchicalAbsolute",
     "LearnedAbsolute",
     "MultiplicativeLearned",

@@ -209,20 +209,20 @@ class LearnedAbsolute(nn.Module):
             raise ValueError(f"x must have shape [batch, seq, {self.model_dim}], got {shape}")
         if not x.is_floating_point():
             raise ValueError(f"x must be a floating-point tensor, got {x.dtype}")
-        length = x.shape[1]
-        positions = _check_positions(positions, length, x.shape[0], "positions", x.device)
-        table = self._position_table(positions, length, x.device).to(x.dtype)
+        positions = _check_positions(positions, x.shape[1], x.shape[0], "positions", x.device)
+        table = self._position_table(positions, x).to(x.dtype)
         return x + table  # [batch, seq, model_dim]
 
-    def _position_table(self, positions: Tensor | None, length: int, device) -> Tensor:
-        """p for each position: [length, model_dim] or [batch, length, model_dim]."""
+    def _position_table(self, positions: Tensor | None, x: Tensor) -> Tensor:
+        """p for each position: [seq, model_dim] or [batch, seq, model_dim]."""
+        length = x.shape[1]
         if positions is None:
             if length > self.max_positions:
                 raise ValueError(
                     f"sequence length {length} exceeds the learned table's "
                     f"{self.max_positions} positions; this encoding cannot extrapolate"
                 )
-            positions = torch.arange(length, device=device)
+            positions = torch.arange(length, device=x.device)
         elif positions.numel() and int(positions.max()) >= self.max_positions:
             raise ValueError(
                 f"position {int(positions.max())} is out of range for the learned table "

@@ -212,6 +212,9 @@ def _describe_table(spec: Spec) -> str:
         return ""
     if table.kind == "learned":
         return f"{table.max_positions} positions, no extrapolation"
+    if table.kind == "depthwise_conv":
+        return (f"p = DWConv(x), kernel {table.kernel_size}, {table.padding} zero padding, "
+                "content-conditioned")
     if table.kind == "hierarchical":
         n = table.base_positions
         return (f"{n} trained rows serve {n * n} positions: "

@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass, field
 
 from posgen.spec import (
+    DepthwiseConvTable,
     HierarchicalTable,
     InputForm,
     LearnedTable,
@@ -127,6 +128,9 @@ class AbsoluteTablePlan:
     layout: str = "interleaved"
     base_positions: str = "None"
     alpha: str = "None"
+    kernel_size: str = "None"
+    padding: str = "same"  # same | causal
+    conv_bias: str = "True"
 
 
 @dataclass(frozen=True)
@@ -206,6 +210,14 @@ def _absolute_table_plan(form: InputForm) -> AbsoluteTablePlan:
             max_positions=literal(table.max_positions),
             init_std=literal(table.init_std),
             init_mean=literal(float(table.init_mean)),
+        )
+    if isinstance(table, DepthwiseConvTable):
+        return AbsoluteTablePlan(
+            kind="depthwise_conv",
+            combine=combine,
+            kernel_size=literal(table.kernel_size),
+            padding=choice(table.padding, ("same", "causal")),
+            conv_bias=literal(table.bias),
         )
     if isinstance(table, HierarchicalTable):
         return AbsoluteTablePlan(
@@ -305,6 +317,11 @@ def _term_lines(spec: Spec) -> list[TermLine]:
 def _input_term_texts(spec: Spec) -> dict[str, str]:
     """How the input-level positions reach the three position terms, in words."""
     form = spec.input
+    if form is not None and form.table.kind == "depthwise_conv":
+        combined = "x_i * c_i" if form.kind == "multiply" else "x_i + c_i"
+        text = (f"inside ({combined}) Wq Wk^T (...)_j^T, c = DWConv(x): content-conditioned, "
+                "position only through the zero padding at the edges")
+        return dict.fromkeys(("content_position", "position_content", "position_position"), text)
     if form is not None and form.kind == "multiply":
         text = "inside (x_i * p_i) Wq Wk^T (x_j * p_j)^T (input product, not a separate sum)"
         return dict.fromkeys(("content_position", "position_content", "position_position"), text)
@@ -384,6 +401,12 @@ def _weight_notes(table: AbsoluteTablePlan | None, bias: BiasPlan | None) -> lis
         notes += [
             "position_embeddings.weight [max_positions, model_dim]: copy GPT-2",
             "``wpe.weight`` or BERT ``embeddings.position_embeddings.weight``.",
+        ]
+    if table is not None and table.kind == "depthwise_conv":
+        notes += [
+            "position_conv.weight [model_dim, 1, kernel_size] and position_conv.bias",
+            "[model_dim]: a depthwise torch.nn.Conv1d (groups = model_dim), the 1-D form",
+            "of CPVT's 2-D PEG ``proj`` convolution.",
         ]
     if table is not None and table.kind == "hierarchical":
         notes += [

@@ -166,8 +166,36 @@ class HierarchicalTable(SpecModel):
         return self
 
 
+class DepthwiseConvTable(SpecModel):
+    """Positions generated from the tokens by a depthwise convolution (Chu et al. 2021,
+    CPVT's position encoding generator, arXiv:2102.10882): p = DWConv(x), one kernel per
+    feature, zero padding at the sequence edges (the only source of absolute position).
+
+    ``same``: (k − 1)/2 zeros on each side, output i sees inputs i − (k−1)/2 … i + (k−1)/2
+    (CPVT's PEG; k odd ≥ 3). ``causal``: k − 1 zeros on the left, output i sees inputs
+    i − k + 1 … i only, so it can sit in a decoder (k ≥ 2). The kernel is a
+    cross-correlation, as PyTorch's Conv1d: out_i = b + Σ_t w_t · x_(i + t − left).
+    """
+
+    kind: Literal["depthwise_conv"]
+    kernel_size: int = Field(ge=2, le=4096)
+    padding: Literal["same", "causal"]
+    bias: bool = True
+
+    @model_validator(mode="after")
+    def _check_kernel(self) -> DepthwiseConvTable:
+        if self.padding == "same" and (self.kernel_size % 2 == 0 or self.kernel_size < 3):
+            raise cross_field_error(
+                "kernel_size",
+                f"'same' padding centres the kernel on each token, so kernel_size must be "
+                f"odd and at least 3 (got {self.kernel_size})",
+            )
+        return self
+
+
 AbsoluteTable = Annotated[
-    Union[LearnedTable, SinusoidalTable, HierarchicalTable], Field(discriminator="kind")
+    Union[LearnedTable, SinusoidalTable, HierarchicalTable, DepthwiseConvTable],
+    Field(discriminator="kind"),
 ]
 
 

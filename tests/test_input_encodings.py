@@ -98,7 +98,9 @@ def test_nope_has_no_parameters_and_identity_parts() -> None:
 # ------------------------------------------------------------------------------ embed contract
 
 
-def assert_embed_contract(pe, *, seq: int = 6, bad_position: int | None = None) -> None:
+def assert_embed_contract(
+    pe, *, seq: int = 6, bad_position: int | None = None, explicit_positions: bool = True
+) -> None:
     """Shapes, dtype kept, ValueError for bad input, gradient reaches every parameter."""
     d = pe.model_dim
     x = torch.randn(2, seq, d)
@@ -107,8 +109,12 @@ def assert_embed_contract(pe, *, seq: int = 6, bad_position: int | None = None) 
     for dtype in (torch.float64, torch.bfloat16):
         assert pe.embed(x.to(dtype)).dtype == dtype
     batched = torch.stack([torch.arange(seq), torch.arange(3, 3 + seq)])
-    assert pe.embed(x, batched).shape == (2, seq, d)
-    torch.testing.assert_close(pe.embed(x, torch.arange(seq)), out)
+    if explicit_positions:
+        assert pe.embed(x, batched).shape == (2, seq, d)
+        torch.testing.assert_close(pe.embed(x, torch.arange(seq)), out)
+    else:
+        with pytest.raises(ValueError, match="positions"):
+            pe.embed(x, torch.arange(seq))
     bad = {
         "2-D x": lambda: pe.embed(x[0]),
         "wrong width": lambda: pe.embed(x[..., :-1]),
@@ -249,3 +255,71 @@ def test_hierarchical_extends_a_trained_bert_table() -> None:
         pe.embed(x[:, :1], torch.tensor([n * n]))
     with pytest.raises(ValueError):
         pe.load_absolute_table(p[:-1])
+
+
+# ------------------------------------------------------------------------------ convolutional
+
+
+def conv_class(padding: str):
+    if padding == "same":
+        return generated_class("convolutional")
+    return spec_variant("convolutional", "padding: same", "padding: causal")
+
+
+@pytest.mark.parametrize("padding", ["same", "causal"])
+def test_convolutional_embed_contract(padding: str) -> None:
+    assert_embed_contract(conv_class(padding)(model_dim=16).eval(), explicit_positions=False)
+
+
+@pytest.mark.parametrize("padding", ["same", "causal"])
+@pytest.mark.parametrize("kernel", [3, 5])
+def test_convolutional_embed_matches_reference(padding: str, kernel: int) -> None:
+    cls = spec_variant("convolutional", "kernel_size: 3", f"kernel_size: {kernel}")
+    if padding == "causal":
+        cls = encoding_class(module_from_spec(_causal_spec_with_kernel(kernel)))
+    pe = cls(model_dim=6)
+    assert tuple(pe.position_conv.weight.shape) == (6, 1, kernel)
+    x = torch.randn(2, 9, 6, dtype=F64)
+    conv = pe.position_conv
+    expected = x + ref_abs.depthwise_conv1d(x, conv.weight.detach(), conv.bias.detach(), padding)
+    torch.testing.assert_close(pe.embed(x), expected, atol=1e-12, rtol=1e-12)
+    # float32 input is computed in float32 and stays float32
+    torch.testing.assert_close(pe.embed(x.float()), expected.float(), atol=1e-5, rtol=1e-5)
+
+
+def _causal_spec_with_kernel(kernel: int) -> Path:
+    text = (SPECS / "convolutional.yaml").read_text(encoding="utf-8")
+    text = text.replace("padding: same", "padding: causal").replace(
+        "kernel_size: 3", f"kernel_size: {kernel}")
+    path = Path(tempfile.mkdtemp()) / "convolutional.yaml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_causal_convolution_reads_only_earlier_tokens() -> None:
+    pe = conv_class("causal")(model_dim=4)
+    x = torch.randn(1, 8, 4, dtype=F64, requires_grad=True)
+    out = pe.embed(x)
+    for i in range(8):
+        (grad,) = torch.autograd.grad(out[0, i].sum(), x, retain_graph=True)
+        touched = grad[0].abs().sum(dim=-1) > 0
+        assert not touched[i + 1:].any(), f"output {i} reads a later token"
+        assert touched[max(0, i - 2): i + 1].all()  # kernel 3: tokens i-2 .. i
+    # and the 'same' kernel does read the next token
+    same = conv_class("same")(model_dim=4)
+    out = same.embed(x)
+    (grad,) = torch.autograd.grad(out[0, 3].sum(), x)
+    assert grad[0, 4].abs().sum() > 0
+
+
+def test_convolutional_positions_come_from_content_and_edges() -> None:
+    """Constant content: interior tokens get one encoding, only the padded edges differ."""
+    pe = conv_class("same")(model_dim=4)
+    x = torch.ones(1, 6, 4, dtype=F64)
+    c = pe.embed(x) - x
+    for i in range(2, 5):
+        torch.testing.assert_close(c[0, i], c[0, 1])
+    assert not torch.allclose(c[0, 0], c[0, 1]) and not torch.allclose(c[0, 5], c[0, 4])
+    # zero content: only the bias is left, the same at every position
+    zero = pe.embed(torch.zeros(1, 6, 4, dtype=F64))
+    torch.testing.assert_close(zero[0], pe.position_conv.bias.detach().double().expand(6, 4))

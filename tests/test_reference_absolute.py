@@ -34,3 +34,20 @@ def test_combine_input_by_hand() -> None:
     batched = torch.stack([table, -table])
     _close(ref.combine_input(x.expand(2, 2, 2), batched, "multiply")[1], [[-0.5, 0.0],
                                                                            [-6.0, 4.0]])
+
+
+# ------------------------------------------------------------------------------ depthwise conv
+
+
+def test_depthwise_conv1d_by_hand() -> None:
+    x = torch.tensor([[[1.0], [2.0], [3.0], [4.0]]])  # [1, 4, 1]
+    w = torch.tensor([[1.0, 10.0, 100.0]])  # [dim=1, k=3]
+    # same: c_i = x_(i-1) + 10 x_i + 100 x_(i+1), zeros outside
+    _close(ref.depthwise_conv1d(x, w, None, "same")[0, :, 0], [210.0, 321.0, 432.0, 43.0])
+    # causal: c_i = x_(i-2) + 10 x_(i-1) + 100 x_i
+    _close(ref.depthwise_conv1d(x, w, torch.tensor([0.5]), "causal")[0, :, 0],
+           [100.5, 210.5, 321.5, 432.5])
+    # features are independent (depthwise)
+    x2 = torch.tensor([[[1.0, 5.0], [0.0, 1.0]]])
+    w2 = torch.tensor([[0.0, 1.0, 0.0], [2.0, 0.0, 0.0]])
+    _close(ref.depthwise_conv1d(x2, w2, None, "same")[0], [[1.0, 0.0], [0.0, 10.0]])

@@ -15,7 +15,7 @@ from torch import Tensor
 
 F64 = torch.float64
 
-__all__ = ["combine_input", "plain_logits"]
+__all__ = ["combine_input", "depthwise_conv1d", "plain_logits"]
 
 
 def plain_logits(q: Tensor, k: Tensor, scale: float) -> Tensor:
@@ -57,4 +57,41 @@ def combine_input(x: Tensor, table: Tensor, how: str) -> Tensor:
             for d in range(x64.shape[2]):
                 a, p = float(x64[b, s, d]), float(t64[b, s, d])
                 out[b, s, d] = a + p if how == "add" else a * p
+    return out
+
+
+def depthwise_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None, padding: str) -> Tensor:
+    """Conditional position encoding, Chu et al. 2021 (CPVT, arXiv:2102.10882), in 1-D.
+
+    The position encoding generator is a depthwise convolution with zero padding; per
+    feature ``d`` and token ``i`` (kernel size ``k``, cross-correlation like PyTorch)::
+
+        c[b, i, d] = bias[d] + sum_{t=0}^{k-1} weight[d, t] * x[b, i + t - left, d]
+
+    with ``x`` taken as 0 outside ``[0, seq)``; ``left = (k - 1) // 2`` for ``"same"``
+    (CPVT's (k-1)/2 zero padding) and ``left = k - 1`` for ``"causal"`` (only tokens
+    ``<= i`` are read). ``x`` is ``[batch, seq, dim]``, ``weight`` ``[dim, k]`` (or
+    ``[dim, 1, k]``), ``bias`` ``[dim]`` or None. Returns ``c`` ``[batch, seq, dim]``
+    float64 (the generator's output, before it is added to ``x``). A literal loop.
+    """
+    x64 = x.to(F64)
+    w64 = weight.to(F64).reshape(weight.shape[0], -1)
+    k = w64.shape[1]
+    if padding == "same":
+        left = (k - 1) // 2
+    elif padding == "causal":
+        left = k - 1
+    else:
+        raise ValueError(f"padding must be 'same' or 'causal', got {padding!r}")
+    batch, seq, dim = x64.shape
+    out = torch.zeros(batch, seq, dim, dtype=F64)
+    for b in range(batch):
+        for i in range(seq):
+            for d in range(dim):
+                total = 0.0 if bias is None else float(bias[d])
+                for t in range(k):
+                    source = i + t - left
+                    if 0 <= source < seq:
+                        total += float(w64[d, t]) * float(x64[b, source, d])
+                out[b, i, d] = total
     return out
