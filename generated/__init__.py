@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from .alibi import Alibi
+from .complex_order import ComplexOrder
 from .convolutional import Convolutional
 from .hierarchical_absolute import HierarchicalAbsolute
 from .learned_absolute import LearnedAbsolute
@@ -17,6 +18,7 @@ from .t5 import T5
 
 ENCODINGS = {
     "alibi": Alibi,
+    "complex_order": ComplexOrder,
     "convolutional": Convolutional,
     "hierarchical_absolute": HierarchicalAbsolute,
     "learned_absolute": LearnedAbsolute,
@@ -32,6 +34,7 @@ ENCODINGS = {
 __all__ = [
     "ENCODINGS",
     "Alibi",
+    "ComplexOrder",
     "Convolutional",
     "HierarchicalAbsolute",
     "LearnedAbsolute",

@@ -183,7 +183,13 @@ def _find_spec(name_or_path: str, spec_dir: Path) -> LoadedSpec:
 def explanation(spec: Spec) -> list[str]:
     """The decomposition of a spec in words, as printed by ``posgen explain``."""
     lines = [f"{spec.name}: {spec.title}", ""]
-    if spec.input is not None:
+    if spec.input is not None and spec.input.kind == "complex_order":
+        form = spec.input
+        own = ("learned per-feature omega, theta (base "
+               f"{form.frequency_base:g}) when none are passed"
+               if form.module_parameters == "learned_per_feature" else "caller's omega, theta")
+        lines.append(f"input      (r cos(omega pos + theta), r sin(omega pos + theta)), {own}")
+    elif spec.input is not None:
         table = spec.input.table
         combine = "x_i * p_i" if spec.input.kind == "multiply" else "x_i + p_i"
         lines.append(f"input      {combine}, {table.kind} table ({_describe_table(spec)})")
@@ -207,7 +213,7 @@ def explanation(spec: Spec) -> list[str]:
 
 
 def _describe_table(spec: Spec) -> str:
-    table = spec.input.table if spec.input else None
+    table = getattr(spec.input, "table", None)
     if table is None:
         return ""
     if table.kind == "learned":

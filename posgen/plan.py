@@ -18,9 +18,9 @@ import re
 from dataclasses import dataclass, field
 
 from posgen.spec import (
+    ComplexOrderInput,
     DepthwiseConvTable,
     HierarchicalTable,
-    InputForm,
     LearnedTable,
     LearnedTableBias,
     LinearSlopeBias,
@@ -28,6 +28,7 @@ from posgen.spec import (
     Rotation,
     SinusoidalTable,
     Spec,
+    TableInput,
     rotary_dim_for,
 )
 
@@ -134,6 +135,12 @@ class AbsoluteTablePlan:
 
 
 @dataclass(frozen=True)
+class ComplexOrderPlan:
+    learned: str  # "True" | "False": module-owned per-feature frequency and phase
+    frequency_base: str = "None"
+
+
+@dataclass(frozen=True)
 class RotationPlan:
     base: str
     pairing: str  # half | interleaved
@@ -192,6 +199,7 @@ class ModulePlan:
     rotation: RotationPlan | None
     bias: BiasPlan | None
     blocks: list[str] = field(default_factory=list)
+    complex_order: ComplexOrderPlan | None = None
 
 
 def class_name_for(module_name: str) -> str:
@@ -200,7 +208,13 @@ def class_name_for(module_name: str) -> str:
     return identifier("".join(part[:1].upper() + part[1:] for part in parts))
 
 
-def _absolute_table_plan(form: InputForm) -> AbsoluteTablePlan:
+def _complex_order_plan(form: ComplexOrderInput) -> ComplexOrderPlan:
+    learned = form.module_parameters == "learned_per_feature"
+    base = literal(float(form.frequency_base)) if form.frequency_base is not None else "None"
+    return ComplexOrderPlan(learned=literal(learned), frequency_base=base)
+
+
+def _absolute_table_plan(form: TableInput) -> AbsoluteTablePlan:
     table = form.table
     combine = choice(form.kind, ("add", "multiply"))
     if isinstance(table, LearnedTable):
@@ -317,6 +331,9 @@ def _term_lines(spec: Spec) -> list[TermLine]:
 def _input_term_texts(spec: Spec) -> dict[str, str]:
     """How the input-level positions reach the three position terms, in words."""
     form = spec.input
+    if isinstance(form, ComplexOrderInput):
+        text = "inside Re/Im of r_i e^(i(omega_i pos_i + theta_i)) (position as a phase)"
+        return dict.fromkeys(("content_position", "position_content", "position_position"), text)
     if form is not None and form.table.kind == "depthwise_conv":
         combined = "x_i * c_i" if form.kind == "multiply" else "x_i + c_i"
         text = (f"inside ({combined}) Wq Wk^T (...)_j^T, c = DWConv(x): content-conditioned, "
@@ -359,12 +376,18 @@ def scale_description(spec: Spec) -> str:
 def build_plan(spec: Spec, spec_path: str, spec_sha256: str) -> ModulePlan:
     """Resolve a validated spec into the plan that templates render."""
     module_name = identifier(spec.name)
-    absolute_table = _absolute_table_plan(spec.input) if spec.input else None
+    form = spec.input
+    absolute_table = _absolute_table_plan(form) if isinstance(form, TableInput) else None
+    complex_order = (
+        _complex_order_plan(form) if isinstance(form, ComplexOrderInput) else None
+    )
     rotation = _rotation_plan(spec.rotation) if spec.rotation else None
     bias = _bias_plan(spec.bias) if spec.bias else None
     blocks = []
     if absolute_table is not None:
         blocks.append("absolute_table")
+    if complex_order is not None:
+        blocks.append("complex_order")
     if rotation is not None:
         blocks.append("rotation")
     if bias is not None:
@@ -386,11 +409,12 @@ def build_plan(spec: Spec, spec_path: str, spec_sha256: str) -> ModulePlan:
         scale_kind=choice(spec.scale.kind, ("none", "inv_sqrt_head_dim")),
         scale_factor=literal(float(spec.scale.factor)),
         scale_text=" ".join(docstring_lines(scale_description(spec), 10_000)),
-        weight_notes=_weight_notes(absolute_table, bias),
+        weight_notes=_weight_notes(absolute_table, bias) + _complex_order_notes(complex_order),
         absolute_table=absolute_table,
         rotation=rotation,
         bias=bias,
         blocks=blocks,
+        complex_order=complex_order,
     )
 
 
@@ -422,6 +446,16 @@ def _weight_notes(table: AbsoluteTablePlan | None, bias: BiasPlan | None) -> lis
             "``T5Attention.relative_attention_bias.weight`` (first layer of each stack).",
         ]
     return notes
+
+
+def _complex_order_notes(plan: ComplexOrderPlan | None) -> list[str]:
+    if plan is None or plan.learned != "True":
+        return []
+    return [
+        "frequency [model_dim] and phase [model_dim]: per-feature omega and theta, used",
+        "when embed is called without per-token ones. Per-token tables (the paper's",
+        "vocab-sized amplitude, frequency and phase embeddings) stay with the caller.",
+    ]
 
 
 def choice_hex(value: str) -> str:

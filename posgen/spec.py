@@ -199,7 +199,7 @@ AbsoluteTable = Annotated[
 ]
 
 
-class InputForm(SpecModel):
+class TableInput(SpecModel):
     """Input-level positions, combined with the token embeddings x feature by feature.
 
     ``add``: x + p (Vaswani et al. 2017; GPT-2, BERT). ``multiply``: x ⊙ p, each feature
@@ -211,6 +211,42 @@ class InputForm(SpecModel):
 
     kind: Literal["add", "multiply"]
     table: AbsoluteTable
+
+
+class ComplexOrderInput(SpecModel):
+    """Complex word-order embeddings (Wang et al. 2020, arXiv:1912.12333, eq. 3).
+
+    Each feature d of the token at position pos is r_d · exp(i(ω_d · pos + θ_d)) with
+    a per-token amplitude r (the caller's token embedding), frequency ω and phase θ.
+    The module cannot own a vocabulary, so ω and θ come from the caller per token, or,
+    with ``module_parameters: learned_per_feature``, from the module's own per-feature
+    ω [model_dim] (initialised to frequency_base^(−d / model_dim)) and θ (zeros),
+    used whenever the caller passes none.
+    """
+
+    kind: Literal["complex_order"]
+    module_parameters: Literal["learned_per_feature", "none"]
+    frequency_base: float | None = Field(None, gt=1, le=1e12)
+
+    @model_validator(mode="after")
+    def _check_frequency_base(self) -> ComplexOrderInput:
+        learned = self.module_parameters == "learned_per_feature"
+        if learned and self.frequency_base is None:
+            raise cross_field_error(
+                "frequency_base",
+                "learned per-feature frequencies need frequency_base (their initial values "
+                "are frequency_base^(-d / model_dim))",
+            )
+        if not learned and self.frequency_base is not None:
+            raise cross_field_error(
+                "frequency_base",
+                "frequency_base initialises the module's own frequencies; with "
+                "module_parameters: none there are none",
+            )
+        return self
+
+
+InputForm = Annotated[Union[TableInput, ComplexOrderInput], Field(discriminator="kind")]
 
 
 # --------------------------------------------------------------------------- rotations
@@ -422,8 +458,8 @@ class Spec(SpecModel):
                 raise cross_field_error(
                     "defaults", "an input-level table needs defaults.model_dim"
                 )
-            table = self.input.table
-            if table.kind == "sinusoidal" and self.defaults.model_dim % 2:
+            table = getattr(self.input, "table", None)
+            if table is not None and table.kind == "sinusoidal" and self.defaults.model_dim % 2:
                 raise cross_field_error(
                     "defaults.model_dim",
                     f"sinusoidal tables pair sin and cos features, so model_dim must be "

@@ -323,3 +323,124 @@ def test_convolutional_positions_come_from_content_and_edges() -> None:
     # zero content: only the bias is left, the same at every position
     zero = pe.embed(torch.zeros(1, 6, 4, dtype=F64))
     torch.testing.assert_close(zero[0], pe.position_conv.bias.detach().double().expand(6, 4))
+
+
+# ------------------------------------------------------------------------------ complex order
+
+
+def _complex_reference(r, omega, theta, positions):
+    """ref.complex_order_embedding per batch row; omega/theta [B, S, D] or [D]."""
+    reals, imags = [], []
+    for b in range(r.shape[0]):
+        row_positions = positions if positions.dim() == 1 else positions[b]
+        w = omega if omega.dim() == 1 else omega[b]
+        t = theta if theta.dim() == 1 else theta[b]
+        real, imag = ref.complex_order_embedding(r[b], w, t, row_positions)
+        reals.append(real)
+        imags.append(imag)
+    return torch.stack(reals), torch.stack(imags)
+
+
+def test_complex_order_per_token_matches_reference() -> None:
+    pe = make("complex_order", model_dim=6)
+    r = torch.randn(2, 5, 6, dtype=F64)
+    omega = torch.rand(2, 5, 6, dtype=F64) * 3
+    theta = torch.rand(2, 5, 6, dtype=F64) * 6.28
+    positions = torch.tensor([[0, 1, 2, 3, 4], [10, 11, 500, 7, 100000]])
+    real, imag = pe.embed(r, positions, frequency=omega, phase=theta)
+    exp_real, exp_imag = _complex_reference(r, omega, theta, positions)
+    torch.testing.assert_close(real, exp_real, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(imag, exp_imag, atol=1e-12, rtol=1e-12)
+    # per-feature omega / theta given by the caller broadcast over tokens
+    real, imag = pe.embed(r, frequency=omega[0, 0], phase=theta[0, 0])
+    exp_real, exp_imag = _complex_reference(r, omega[0, 0], theta[0, 0], torch.arange(5))
+    torch.testing.assert_close(torch.complex(real, imag), torch.complex(exp_real, exp_imag),
+                               atol=1e-12, rtol=1e-12)
+
+
+def test_complex_order_learned_fallbacks() -> None:
+    pe = make("complex_order", model_dim=4)
+    expected_omega = torch.tensor([10000.0 ** (-d / 4) for d in range(4)])
+    torch.testing.assert_close(pe.frequency.detach(), expected_omega)
+    assert torch.equal(pe.phase.detach(), torch.zeros(4))
+    with torch.no_grad():
+        pe.phase.copy_(torch.tensor([0.1, -0.2, 0.3, 1.0]))
+    r = torch.randn(1, 3, 4, dtype=F64)
+    real, imag = pe.embed(r)
+    exp_real, exp_imag = _complex_reference(r, pe.frequency.detach(), pe.phase.detach(),
+                                            torch.arange(3))
+    torch.testing.assert_close(real, exp_real, atol=1e-7, rtol=1e-7)  # float32 parameters
+    torch.testing.assert_close(imag, exp_imag, atol=1e-7, rtol=1e-7)
+    # gradients reach the module's fallbacks and the caller's amplitude
+    r32 = torch.randn(2, 3, 4, requires_grad=True)
+    real, imag = pe.embed(r32, torch.tensor([5, 6, 7]))
+    (real.sum() + 2 * imag.sum()).backward()
+    for tensor in (pe.frequency, pe.phase, r32):
+        assert tensor.grad is not None and tensor.grad.abs().sum() > 0
+    # and a caller's per-token frequency gets its gradient instead
+    omega = torch.rand(2, 3, 4, requires_grad=True)
+    pe.zero_grad()
+    real, _ = pe.embed(r32.detach(), torch.tensor([5, 6, 7]), frequency=omega)
+    real.sum().backward()
+    assert omega.grad is not None and omega.grad.abs().sum() > 0
+    assert pe.frequency.grad is None or pe.frequency.grad.abs().sum() == 0
+
+
+def test_complex_order_shift_is_a_phase_rotation() -> None:
+    """Wang et al. 2020: moving a word by n multiplies each feature by exp(i omega n)."""
+    pe = make("complex_order", model_dim=5)
+    r, omega, theta = (torch.rand(1, 4, 5, dtype=F64) for _ in range(3))
+    positions = torch.tensor([0, 3, 9, 20])
+    z = torch.complex(*pe.embed(r, positions, frequency=omega, phase=theta))
+    shifted = torch.complex(*pe.embed(r, positions + 7, frequency=omega, phase=theta))
+    torch.testing.assert_close(shifted, z * torch.polar(torch.ones_like(omega), omega * 7),
+                               atol=1e-12, rtol=1e-12)
+    assert torch.allclose(shifted.abs(), r)
+
+
+def test_complex_order_embed_shapes_dtypes_and_errors() -> None:
+    pe = make("complex_order", model_dim=8)
+    x = torch.randn(2, 6, 8)
+    real, imag = pe.embed(x)
+    assert real.shape == imag.shape == (2, 6, 8) and real.dtype == torch.float32
+    for dtype in (torch.float64, torch.bfloat16):
+        real, imag = pe.embed(x.to(dtype), frequency=torch.rand(2, 6, 8, dtype=dtype))
+        assert real.dtype == imag.dtype == dtype
+    # long positions stay accurate for float32 input: angles are formed in float64
+    far = torch.full((6,), 10**7)
+    real, _ = pe.embed(x, far)
+    exp_real, _ = _complex_reference(x.double(), pe.frequency.detach().double(),
+                                     pe.phase.detach().double(), far)
+    torch.testing.assert_close(real.double(), exp_real, atol=1e-5, rtol=1e-5)
+    bad = {
+        "2-D x": lambda: pe.embed(x[0]),
+        "wrong width": lambda: pe.embed(x[..., :-1]),
+        "integer x": lambda: pe.embed(x.long()),
+        "float positions": lambda: pe.embed(x, torch.arange(6.0)),
+        "negative positions": lambda: pe.embed(x, torch.arange(-1, 5)),
+        "frequency shape": lambda: pe.embed(x, frequency=torch.rand(2, 5, 8)),
+        "phase shape": lambda: pe.embed(x, phase=torch.rand(7)),
+        "integer phase": lambda: pe.embed(x, phase=torch.zeros(2, 6, 8, dtype=torch.long)),
+        "list frequency": lambda: pe.embed(x, frequency=[1.0] * 8),
+    }
+    for label, call in bad.items():
+        with pytest.raises(ValueError):
+            call()
+            pytest.fail(f"{label} was accepted")
+
+
+def test_complex_order_without_module_parameters_needs_callers_tables() -> None:
+    cls = spec_variant("complex_order",
+                       "module_parameters: learned_per_feature   # fallback omega, theta when "
+                       "the caller has none\n  frequency_base: 10000",
+                       "module_parameters: none\n  #")
+    pe = cls(model_dim=4)
+    assert list(pe.parameters()) == []
+    r = torch.randn(1, 3, 4)
+    with pytest.raises(ValueError, match="frequency is required"):
+        pe.embed(r, phase=torch.zeros(4))
+    with pytest.raises(ValueError, match="phase is required"):
+        pe.embed(r, frequency=torch.ones(4))
+    real, imag = pe.embed(r, frequency=torch.ones(4), phase=torch.zeros(4))
+    torch.testing.assert_close(real[0, 2], r[0, 2] * math.cos(2.0))
+    torch.testing.assert_close(imag[0, 2], r[0, 2] * math.sin(2.0))
