@@ -6,6 +6,7 @@ from __future__ import annotations
 from .alibi import Alibi
 from .complex_order import ComplexOrder
 from .convolutional import Convolutional
+from .floater import Floater
 from .hierarchical_absolute import HierarchicalAbsolute
 from .learned_absolute import LearnedAbsolute
 from .multiplicative_learned import MultiplicativeLearned
@@ -20,6 +21,7 @@ ENCODINGS = {
     "alibi": Alibi,
     "complex_order": ComplexOrder,
     "convolutional": Convolutional,
+    "floater": Floater,
     "hierarchical_absolute": HierarchicalAbsolute,
     "learned_absolute": LearnedAbsolute,
     "multiplicative_learned": MultiplicativeLearned,
@@ -36,6 +38,7 @@ __all__ = [
     "Alibi",
     "ComplexOrder",
     "Convolutional",
+    "Floater",
     "HierarchicalAbsolute",
     "LearnedAbsolute",
     "MultiplicativeLearned",

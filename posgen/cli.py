@@ -218,6 +218,10 @@ def _describe_table(spec: Spec) -> str:
         return ""
     if table.kind == "learned":
         return f"{table.max_positions} positions, no extrapolation"
+    if table.kind == "ode":
+        return (f"p(i * {table.position_step:g}) solving dp/dt = h(p, t), {table.activation} "
+                f"network of width {table.hidden}, {table.integrator} with "
+                f"{table.steps_per_position} step(s) per position, p(0) {table.initial}")
     if table.kind == "depthwise_conv":
         return (f"p = DWConv(x), kernel {table.kernel_size}, {table.padding} zero padding, "
                 "content-conditioned")

@@ -21,6 +21,7 @@ from posgen.spec import (
     ComplexOrderInput,
     DepthwiseConvTable,
     HierarchicalTable,
+    OdeTable,
     LearnedTable,
     LearnedTableBias,
     LinearSlopeBias,
@@ -130,6 +131,12 @@ class AbsoluteTablePlan:
     base_positions: str = "None"
     alpha: str = "None"
     kernel_size: str = "None"
+    hidden: str = "None"
+    activation: str = "relu"  # relu | tanh | gelu | sigmoid
+    integrator: str = "rk4"  # euler | rk4
+    position_step: str = "None"
+    steps_per_position: str = "None"
+    initial: str = "zero"  # learned | zero
     padding: str = "same"  # same | causal
     conv_bias: str = "True"
 
@@ -224,6 +231,19 @@ def _absolute_table_plan(form: TableInput) -> AbsoluteTablePlan:
             max_positions=literal(table.max_positions),
             init_std=literal(table.init_std),
             init_mean=literal(float(table.init_mean)),
+        )
+    if isinstance(table, OdeTable):
+        return AbsoluteTablePlan(
+            kind="ode",
+            combine=combine,
+            max_positions=literal(table.max_positions),
+            init_std=literal(table.init_std),
+            hidden=literal(table.hidden),
+            activation=choice(table.activation, ("relu", "tanh", "gelu", "sigmoid")),
+            integrator=choice(table.integrator, ("euler", "rk4")),
+            position_step=literal(float(table.position_step)),
+            steps_per_position=literal(table.steps_per_position),
+            initial=choice(table.initial, ("learned", "zero")),
         )
     if isinstance(table, DepthwiseConvTable):
         return AbsoluteTablePlan(
@@ -425,6 +445,13 @@ def _weight_notes(table: AbsoluteTablePlan | None, bias: BiasPlan | None) -> lis
         notes += [
             "position_embeddings.weight [max_positions, model_dim]: copy GPT-2",
             "``wpe.weight`` or BERT ``embeddings.position_embeddings.weight``.",
+        ]
+    if table is not None and table.kind == "ode":
+        notes += [
+            "dynamics_in [hidden, model_dim + 1] and dynamics_out [model_dim, hidden + 1]",
+            "(torch.nn.Linear, the last input column being the time t) are the two layers",
+            "of h, as the authors' ``Linear_t`` layers of ``flow_func_linear``;",
+            "initial_position [model_dim] is p_0 when it is learned.",
         ]
     if table is not None and table.kind == "depthwise_conv":
         notes += [

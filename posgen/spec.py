@@ -193,8 +193,32 @@ class DepthwiseConvTable(SpecModel):
         return self
 
 
+class OdeTable(SpecModel):
+    """Positions from a learned continuous dynamical system (Liu et al. 2020, FLOATER,
+    arXiv:2003.09229): p(t) solves dp/dt = h(p, t), p(0) = p_0, and position i gets
+    p(i · position_step).
+
+    h(p, t) = W_out [σ(W_in [p; t] + b_in); t] + b_out: a one-hidden-layer network with
+    the time appended to the input of both layers (the authors' ``flow_func_linear``).
+    The ODE is integrated with ``steps_per_position`` fixed steps of size
+    position_step / steps_per_position by ``euler`` (first order) or ``rk4`` (classic
+    fourth-order Runge-Kutta). ``initial``: p_0 is a trained vector (``learned``) or 0.
+    Positions ≥ ``max_positions`` raise (the integration cost grows with the position).
+    """
+
+    kind: Literal["ode"]
+    hidden: int = Field(ge=1, le=1 << 16)
+    activation: Literal["relu", "tanh", "gelu", "sigmoid"]
+    integrator: Literal["euler", "rk4"]
+    position_step: float = Field(gt=0, le=1e6)
+    steps_per_position: int = Field(ge=1, le=1024)
+    initial: Literal["learned", "zero"]
+    max_positions: int = Field(ge=1, le=1 << 20)
+    init_std: float = Field(0.02, gt=0)
+
+
 AbsoluteTable = Annotated[
-    Union[LearnedTable, SinusoidalTable, HierarchicalTable, DepthwiseConvTable],
+    Union[LearnedTable, SinusoidalTable, HierarchicalTable, DepthwiseConvTable, OdeTable],
     Field(discriminator="kind"),
 ]
 

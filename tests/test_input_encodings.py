@@ -27,13 +27,15 @@ def make(name: str, **overrides) -> torch.nn.Module:
     return generated_class(name)(**overrides).eval()
 
 
-def spec_variant(name: str, old: str, new: str, tmp_dir: Path | None = None):
-    """The class of a catalogue spec with one text edit, built in memory."""
+def spec_variant(name: str, old: str, new: str, *more: str):
+    """The class of a catalogue spec with text edits (old, new, old, new, ...), in memory."""
     text = (SPECS / f"{name}.yaml").read_text(encoding="utf-8")
-    assert old in text, old
-    directory = Path(tempfile.mkdtemp()) if tmp_dir is None else tmp_dir
-    path = directory / f"{name}.yaml"
-    path.write_text(text.replace(old, new), encoding="utf-8")
+    edits = (old, new, *more)
+    for before, after in zip(edits[0::2], edits[1::2], strict=True):
+        assert before in text, before
+        text = text.replace(before, after)
+    path = Path(tempfile.mkdtemp()) / f"{name}.yaml"
+    path.write_text(text, encoding="utf-8")
     return encoding_class(module_from_spec(path))
 
 
@@ -274,9 +276,8 @@ def test_convolutional_embed_contract(padding: str) -> None:
 @pytest.mark.parametrize("padding", ["same", "causal"])
 @pytest.mark.parametrize("kernel", [3, 5])
 def test_convolutional_embed_matches_reference(padding: str, kernel: int) -> None:
-    cls = spec_variant("convolutional", "kernel_size: 3", f"kernel_size: {kernel}")
-    if padding == "causal":
-        cls = encoding_class(module_from_spec(_causal_spec_with_kernel(kernel)))
+    cls = spec_variant("convolutional", "kernel_size: 3", f"kernel_size: {kernel}",
+                       "padding: same", f"padding: {padding}")
     pe = cls(model_dim=6)
     assert tuple(pe.position_conv.weight.shape) == (6, 1, kernel)
     x = torch.randn(2, 9, 6, dtype=F64)
@@ -285,15 +286,6 @@ def test_convolutional_embed_matches_reference(padding: str, kernel: int) -> Non
     torch.testing.assert_close(pe.embed(x), expected, atol=1e-12, rtol=1e-12)
     # float32 input is computed in float32 and stays float32
     torch.testing.assert_close(pe.embed(x.float()), expected.float(), atol=1e-5, rtol=1e-5)
-
-
-def _causal_spec_with_kernel(kernel: int) -> Path:
-    text = (SPECS / "convolutional.yaml").read_text(encoding="utf-8")
-    text = text.replace("padding: same", "padding: causal").replace(
-        "kernel_size: 3", f"kernel_size: {kernel}")
-    path = Path(tempfile.mkdtemp()) / "convolutional.yaml"
-    path.write_text(text, encoding="utf-8")
-    return path
 
 
 def test_causal_convolution_reads_only_earlier_tokens() -> None:
@@ -444,3 +436,86 @@ def test_complex_order_without_module_parameters_needs_callers_tables() -> None:
     real, imag = pe.embed(r, frequency=torch.ones(4), phase=torch.zeros(4))
     torch.testing.assert_close(real[0, 2], r[0, 2] * math.cos(2.0))
     torch.testing.assert_close(imag[0, 2], r[0, 2] * math.sin(2.0))
+
+
+# ------------------------------------------------------------------------------ FLOATER
+
+
+def floater_class(integrator="rk4", steps=1, initial="zero", activation="relu", hidden=5):
+    return spec_variant(
+        "floater",
+        "hidden: 512", f"hidden: {hidden}",
+        "integrator: rk4", f"integrator: {integrator}",
+        "steps_per_position: 1", f"steps_per_position: {steps}",
+        "initial: zero", f"initial: {initial}",
+        "activation: relu", f"activation: {activation}",
+    )
+
+
+def floater_reference(pe, count: int, integrator: str, steps: int, activation: str):
+    h = ref_abs.floater_dynamics(pe.dynamics_in.weight, pe.dynamics_in.bias,
+                                 pe.dynamics_out.weight, pe.dynamics_out.bias, activation)
+    p0 = (pe.initial_position.detach() if hasattr(pe, "initial_position")
+          else torch.zeros(pe.model_dim))
+    return ref_abs.ode_trajectory(h, p0, count, 0.1, steps, integrator)
+
+
+@pytest.mark.parametrize("integrator,steps,initial,activation", [
+    ("rk4", 1, "zero", "relu"), ("rk4", 3, "learned", "tanh"),
+    ("euler", 2, "learned", "gelu"), ("euler", 1, "zero", "sigmoid"),
+])
+def test_floater_embed_matches_reference(integrator, steps, initial, activation) -> None:
+    torch.manual_seed(1)
+    pe = floater_class(integrator, steps, initial, activation)(model_dim=4).double()
+    if initial == "learned":
+        with torch.no_grad():
+            pe.initial_position.normal_()  # a visible p_0
+    with torch.no_grad():  # larger weights and biases than the init, so h is not tiny
+        for layer in (pe.dynamics_in, pe.dynamics_out):
+            layer.bias.normal_()
+    x = torch.randn(2, 4, 4, dtype=F64)
+    positions = torch.tensor([[0, 1, 2, 3], [11, 5, 0, 7]])
+    path = floater_reference(pe, 12, integrator, steps, activation)
+    expected = ref_abs.combine_input(x, path[positions], "add")
+    torch.testing.assert_close(pe.embed(x, positions), expected, atol=1e-11, rtol=1e-11)
+    torch.testing.assert_close(pe.trajectory(12, F64), path, atol=1e-11, rtol=1e-11)
+
+
+def test_floater_rk4_converges_at_fourth_order() -> None:
+    """The module's own integrator: halving its step divides the error by about 16."""
+    torch.manual_seed(2)
+    cls = {steps: floater_class("rk4", steps, "learned", "tanh") for steps in (2, 4)}
+    state = cls[2](model_dim=3).double().state_dict()
+    fine = None
+    errors = []
+    for steps in (2, 4):
+        pe = cls[steps](model_dim=3).double()
+        pe.load_state_dict(state)
+        with torch.no_grad():
+            pe.initial_position.copy_(torch.tensor([1.0, -1.0, 0.5]))
+            for layer in (pe.dynamics_in, pe.dynamics_out):
+                layer.weight.mul_(3.0)
+        if fine is None:
+            fine = floater_reference(pe, 8, "rk4", 64, "tanh")
+        errors.append((pe.trajectory(8, F64).detach() - fine).abs().max().item())
+    assert errors[0] / errors[1] == pytest.approx(16.0, rel=0.3)
+
+
+def test_floater_embed_contract_and_horizon() -> None:
+    pe = floater_class(initial="learned")(model_dim=8)
+    assert_embed_contract(pe, bad_position=pe.max_positions)
+    assert set(dict(pe.named_parameters())) == {
+        "dynamics_in.weight", "dynamics_in.bias", "dynamics_out.weight", "dynamics_out.bias",
+        "initial_position"}
+    assert tuple(pe.dynamics_in.weight.shape) == (5, 9)
+    assert tuple(pe.dynamics_out.weight.shape) == (8, 6)
+    with pytest.raises(ValueError, match="horizon"):
+        pe.embed(torch.zeros(1, 1, 8), torch.tensor([8192]))
+
+
+def test_floater_zero_initial_position_is_not_a_parameter() -> None:
+    pe = make("floater", model_dim=8)
+    assert "initial_position" not in dict(pe.named_parameters())
+    x = torch.zeros(1, 3, 8)
+    torch.testing.assert_close(pe.embed(x)[0, 0], torch.zeros(8))  # p(0) = 0
+    assert pe.embed(x)[0, 2].abs().sum() > 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.reference import absolute as ref
@@ -51,3 +52,51 @@ def test_depthwise_conv1d_by_hand() -> None:
     x2 = torch.tensor([[[1.0, 5.0], [0.0, 1.0]]])
     w2 = torch.tensor([[0.0, 1.0, 0.0], [2.0, 0.0, 0.0]])
     _close(ref.depthwise_conv1d(x2, w2, None, "same")[0], [[1.0, 0.0], [0.0, 10.0]])
+
+
+# ------------------------------------------------------------------------------ ODE integrator
+
+
+def _linear_system():
+    a = torch.tensor([[0.0, 1.0, 0.0], [-1.0, -0.1, 0.3], [0.2, 0.0, -0.5]], dtype=F64)
+    p0 = torch.tensor([1.0, 0.0, -0.5], dtype=F64)
+    return (lambda p, t: a @ p), a, p0
+
+
+@pytest.mark.parametrize("method,order", [("euler", 1), ("rk4", 4)])
+def test_ode_trajectory_order_of_accuracy_on_a_linear_system(method: str, order: int) -> None:
+    """dp/dt = A p has p(t) = expm(t A) p0: halving the step divides the error by 2^order."""
+    h, a, p0 = _linear_system()
+    exact = torch.stack([torch.linalg.matrix_exp(a * (i * 0.5)) @ p0 for i in range(5)])
+    errors = []
+    for steps in (4, 8, 16):
+        path = ref.ode_trajectory(h, p0, 5, 0.5, steps, method)
+        _close(path[0], p0)
+        errors.append((path - exact).abs().max().item())
+    for coarse, fine in zip(errors, errors[1:]):
+        assert coarse / fine == pytest.approx(2**order, rel=0.15)
+    assert errors[-1] < (1e-5 if method == "rk4" else 3e-2)
+
+
+def test_ode_trajectory_time_dependence_by_hand() -> None:
+    # dp/dt = t: Euler with one step of 1 from 0 gives 0, then 1; RK4 integrates t exactly
+    h = lambda p, t: torch.full_like(p, t)  # noqa: E731
+    p0 = torch.zeros(1, dtype=F64)
+    _close(ref.ode_trajectory(h, p0, 3, 1.0, 1, "euler")[:, 0], [0.0, 0.0, 1.0])
+    _close(ref.ode_trajectory(h, p0, 3, 1.0, 1, "rk4")[:, 0], [0.0, 0.5, 2.0])
+
+
+def test_floater_dynamics_by_hand() -> None:
+    # d = 1, H = 2: a = [2p + t + 1, -p + 0t - 3]; relu -> out = 1*h0 + 3*h1 + 2t + 0.5
+    w_in = torch.tensor([[2.0, 1.0], [-1.0, 0.0]])
+    b_in = torch.tensor([1.0, -3.0])
+    w_out = torch.tensor([[1.0, 3.0, 2.0]])
+    b_out = torch.tensor([0.5])
+    h = ref.floater_dynamics(w_in, b_in, w_out, b_out, "relu")
+    # p = 1, t = 0.5: a = [3.5, -4] -> h = [3.5, 0] -> 3.5 + 0 + 1 + 0.5 = 5
+    _close(h(torch.tensor([1.0], dtype=F64), 0.5), [5.0])
+    # p = -5, t = 0: a = [-9, 2] -> h = [0, 2] -> 6 + 0.5
+    _close(h(torch.tensor([-5.0], dtype=F64), 0.0), [6.5])
+    tanh = ref.floater_dynamics(w_in, b_in, w_out, b_out, "tanh")
+    import math
+    _close(tanh(torch.tensor([1.0], dtype=F64), 0.5), [math.tanh(3.5) + 3 * math.tanh(-4.0) + 1.5])

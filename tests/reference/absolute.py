@@ -10,12 +10,21 @@ All tensors returned are ``torch.float64``.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
 F64 = torch.float64
 
-__all__ = ["combine_input", "depthwise_conv1d", "plain_logits"]
+__all__ = [
+    "combine_input",
+    "depthwise_conv1d",
+    "floater_dynamics",
+    "ode_trajectory",
+    "plain_logits",
+]
 
 
 def plain_logits(q: Tensor, k: Tensor, scale: float) -> Tensor:
@@ -95,3 +104,92 @@ def depthwise_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None, padding: st
                         total += float(w64[d, t]) * float(x64[b, source, d])
                 out[b, i, d] = total
     return out
+
+
+def ode_trajectory(
+    h: Callable[[Tensor, float], Tensor],
+    p0: Tensor,
+    count: int,
+    delta: float,
+    steps: int,
+    method: str,
+) -> Tensor:
+    """Fixed-step solution of dp/dt = h(p, t), p(0) = p0, sampled at t = 0, delta, ...
+
+    FLOATER (Liu et al. 2020, arXiv:2003.09229) takes position i's encoding as
+    p(i * delta). Each interval [i delta, (i + 1) delta] is crossed in ``steps`` equal
+    steps of size ``s = delta / steps``, by
+
+    * ``"euler"``:  p <- p + s h(p, t)
+    * ``"rk4"`` (classic Runge-Kutta)::
+
+          k1 = h(p, t)                 k2 = h(p + s/2 k1, t + s/2)
+          k3 = h(p + s/2 k2, t + s/2)  k4 = h(p + s k3, t + s)
+          p <- p + s/6 (k1 + 2 k2 + 2 k3 + k4)
+
+    with ``t`` advanced as ``start + j s`` (``start`` = the interval's left end). ``h``
+    maps a float64 state ``[d]`` and a float time to ``[d]``. Returns ``[count, d]``
+    float64: rows p(0), p(delta), ..., p((count - 1) delta).
+    """
+    if method not in ("euler", "rk4"):
+        raise ValueError(f"method must be 'euler' or 'rk4', got {method!r}")
+    if steps < 1 or delta <= 0:
+        raise ValueError("steps must be >= 1 and delta > 0")
+    p = p0.to(F64).clone()
+    s = delta / steps
+    rows = [p.clone()]
+    for interval in range(count - 1):
+        start = interval * delta
+        for j in range(steps):
+            t = start + j * s
+            if method == "euler":
+                p = p + s * h(p, t)
+            else:
+                k1 = h(p, t)
+                k2 = h(p + (s / 2) * k1, t + s / 2)
+                k3 = h(p + (s / 2) * k2, t + s / 2)
+                k4 = h(p + s * k3, t + s)
+                p = p + (s / 6) * (k1 + 2 * k2 + 2 * k3 + k4)
+        rows.append(p.clone())
+    return torch.stack(rows)
+
+
+def floater_dynamics(
+    w_in: Tensor, b_in: Tensor, w_out: Tensor, b_out: Tensor, activation: str
+) -> Callable[[Tensor, float], Tensor]:
+    """FLOATER's one-hidden-layer dynamics with time appended to each layer's input.
+
+    As the authors' ``flow_func_linear`` (``Linear_t`` layers: the time is one more
+    input feature, the last one)::
+
+        a_k     = sum_m w_in[k, m] p_m + w_in[k, d] t + b_in[k]
+        h_k     = act(a_k)
+        out_n   = sum_k w_out[n, k] h_k + w_out[n, H] t + b_out[n]
+
+    ``w_in`` is ``[H, d + 1]``, ``w_out`` ``[d, H + 1]``. Written with scalar loops
+    and ``math`` (``gelu`` is the exact erf form). Returns h(p, t) -> ``[d]`` float64.
+    """
+    wi, bi, wo, bo = (w.detach().to(F64).tolist() for w in (w_in, b_in, w_out, b_out))
+    acts = {
+        "relu": lambda a: max(a, 0.0),
+        "tanh": math.tanh,
+        "sigmoid": lambda a: 1.0 / (1.0 + math.exp(-a)),
+        "gelu": lambda a: 0.5 * a * (1.0 + math.erf(a / math.sqrt(2.0))),
+    }
+    act = acts[activation]
+
+    def h(p: Tensor, t: float) -> Tensor:
+        state = p.tolist()
+        d = len(state)
+        hidden = []
+        for k in range(len(bi)):
+            a = sum(wi[k][m] * state[m] for m in range(d)) + wi[k][d] * t + bi[k]
+            hidden.append(act(a))
+        width = len(hidden)
+        out = [
+            sum(wo[n][k] * hidden[k] for k in range(width)) + wo[n][width] * t + bo[n]
+            for n in range(len(bo))
+        ]
+        return torch.tensor(out, dtype=F64)
+
+    return h
