@@ -13,6 +13,10 @@ Score decomposition for query i and key j, scale 1/sqrt(head_dim):
     position_position  absolute  inside Re/Im of r_i e^(i(omega_i pos_i + theta_i))
                                  (position as a phase)
 
+Input-level positions (``embed``):
+    (r cos(omega pos + theta), r sin(omega pos + theta)), learned per-feature omega,
+    theta (base 10000) when none are passed
+
 References:
     - Wang et al. 2020, Encoding word order in complex embeddings, ICLR 2020,
       arXiv:1912.12333

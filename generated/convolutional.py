@@ -16,6 +16,10 @@ Score decomposition for query i and key j, scale 1/sqrt(head_dim):
                                  content-conditioned, position only through the zero padding
                                  at the edges
 
+Input-level positions (``embed``):
+    x_i + c_i, c = DWConv(x): depthwise convolution over the sequence, kernel 3, same
+    zero padding (content-conditioned)
+
 References:
     - Chu et al. 2021, Conditional Positional Encodings for Vision Transformers,
       arXiv:2102.10882 (the position encoding generator, here 1-D over the sequence)

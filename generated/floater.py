@@ -10,6 +10,10 @@ Score decomposition for query i and key j, scale 1/sqrt(head_dim):
     position_content   absolute  p_i Wq Wk^T x_j^T (via the input table)
     position_position  absolute  p_i Wq Wk^T p_j^T (via the input table)
 
+Input-level positions (``embed``):
+    x_i + p_i, ode table (p_i = p(i * 0.1) solving dp/dt = h(p, t), relu network of
+    width 512, rk4 with 1 step(s) per position, p(0) zero)
+
 References:
     - Liu et al. 2020, Learning to Encode Position for Transformer with Continuous
       Dynamical Model, ICML 2020, arXiv:2003.09229

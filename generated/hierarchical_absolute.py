@@ -10,6 +10,10 @@ Score decomposition for query i and key j, scale 1/sqrt(head_dim):
     position_content   absolute  p_i Wq Wk^T x_j^T (via the input table)
     position_position  absolute  p_i Wq Wk^T p_j^T (via the input table)
 
+Input-level positions (``embed``):
+    x_i + p_i, hierarchical table (512 trained rows serve 262144 positions: p_(i*512+j)
+    = 0.4 u_i + 0.6 u_j)
+
 References:
     - Su 2020, Hierarchical decomposition of position encodings, letting BERT handle
       very long text (in Chinese), kexue.fm/archives/7947

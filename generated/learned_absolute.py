@@ -10,6 +10,9 @@ Score decomposition for query i and key j, scale 1/sqrt(head_dim):
     position_content   absolute  p_i Wq Wk^T x_j^T (via the input table)
     position_position  absolute  p_i Wq Wk^T p_j^T (via the input table)
 
+Input-level positions (``embed``):
+    x_i + p_i, learned table (1024 positions, no extrapolation)
+
 References:
     - Gehring et al. 2017, Convolutional Sequence to Sequence Learning, arXiv:1705.03122
     - Devlin et al. 2019, BERT, arXiv:1810.04805

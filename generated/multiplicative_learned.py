@@ -13,6 +13,9 @@ Score decomposition for query i and key j, scale 1/sqrt(head_dim):
     position_position  absolute  inside (x_i * p_i) Wq Wk^T (x_j * p_j)^T (input product,
                                  not a separate sum)
 
+Input-level positions (``embed``):
+    x_i * p_i, learned table (1024 positions, no extrapolation)
+
 References:
     - Gehring et al. 2017, Convolutional Sequence to Sequence Learning, arXiv:1705.03122
       (learned position embeddings, here combined by an element-wise product instead of

@@ -13,6 +13,9 @@ Score decomposition for query i and key j, scale 1/sqrt(head_dim):
     position_position  absolute  inside (x_i * p_i) Wq Wk^T (x_j * p_j)^T (input product,
                                  not a separate sum)
 
+Input-level positions (``embed``):
+    x_i * p_i, sinusoidal table (base 10000, interleaved sin/cos)
+
 References:
     - Vaswani et al. 2017, Attention Is All You Need, arXiv:1706.03762 (the sinusoid
       table, here combined by an element-wise product instead of a sum)

@@ -10,6 +10,9 @@ Score decomposition for query i and key j, scale 1/sqrt(head_dim):
     position_content   absolute  p_i Wq Wk^T x_j^T (via the input table)
     position_position  absolute  p_i Wq Wk^T p_j^T (via the input table)
 
+Input-level positions (``embed``):
+    x_i + p_i, sinusoidal table (base 10000, interleaved sin/cos)
+
 References:
     - Vaswani et al. 2017, Attention Is All You Need, arXiv:1706.03762
 

@@ -17,7 +17,7 @@ import click
 
 from posgen.diagnostics import SpecError
 from posgen.generate import compare, render_tree, unified_diff, write_tree
-from posgen.plan import scale_description, term_lines
+from posgen.plan import input_description, scale_description, term_lines
 from posgen.render import SourceGateError
 from posgen.spec import Spec
 from posgen.spec_loader import LoadedSpec, expand_spec_paths, load_spec, load_specs
@@ -183,16 +183,9 @@ def _find_spec(name_or_path: str, spec_dir: Path) -> LoadedSpec:
 def explanation(spec: Spec) -> list[str]:
     """The decomposition of a spec in words, as printed by ``posgen explain``."""
     lines = [f"{spec.name}: {spec.title}", ""]
-    if spec.input is not None and spec.input.kind == "complex_order":
-        form = spec.input
-        own = ("learned per-feature omega, theta (base "
-               f"{form.frequency_base:g}) when none are passed"
-               if form.module_parameters == "learned_per_feature" else "caller's omega, theta")
-        lines.append(f"input      (r cos(omega pos + theta), r sin(omega pos + theta)), {own}")
-    elif spec.input is not None:
-        table = spec.input.table
-        combine = "x_i * p_i" if spec.input.kind == "multiply" else "x_i + p_i"
-        lines.append(f"input      {combine}, {table.kind} table ({_describe_table(spec)})")
+    description = input_description(spec)
+    if description is not None:
+        lines.append(f"input      {description}")
     lines.append("")
     lines.append("a_ij = content_content + content_position + position_content + "
                  "position_position")
@@ -210,26 +203,6 @@ def explanation(spec: Spec) -> list[str]:
     if claims:
         lines.append("claims: " + ", ".join(f"{k}={str(v).lower()}" for k, v in claims.items()))
     return lines
-
-
-def _describe_table(spec: Spec) -> str:
-    table = getattr(spec.input, "table", None)
-    if table is None:
-        return ""
-    if table.kind == "learned":
-        return f"{table.max_positions} positions, no extrapolation"
-    if table.kind == "ode":
-        return (f"p(i * {table.position_step:g}) solving dp/dt = h(p, t), {table.activation} "
-                f"network of width {table.hidden}, {table.integrator} with "
-                f"{table.steps_per_position} step(s) per position, p(0) {table.initial}")
-    if table.kind == "depthwise_conv":
-        return (f"p = DWConv(x), kernel {table.kernel_size}, {table.padding} zero padding, "
-                "content-conditioned")
-    if table.kind == "hierarchical":
-        n = table.base_positions
-        return (f"{n} trained rows serve {n * n} positions: "
-                f"p_(i*{n}+j) = {table.alpha:g} u_i + {1 - table.alpha:g} u_j")
-    return f"base {table.base:g}, {table.layout} sin/cos"
 
 
 @main.command()

@@ -21,13 +21,12 @@ from posgen.spec import (
     ComplexOrderInput,
     DepthwiseConvTable,
     HierarchicalTable,
-    OdeTable,
     LearnedTable,
     LearnedTableBias,
     LinearSlopeBias,
     LogBuckets,
+    OdeTable,
     Rotation,
-    SinusoidalTable,
     Spec,
     TableInput,
     rotary_dim_for,
@@ -195,6 +194,7 @@ class ModulePlan:
     reference_lines: list[list[str]]
     model_lines: list[str]
     decomposition_lines: list[str]
+    input_lines: list[str]
     heads: str
     head_dim: str
     model_dim: str | None
@@ -369,6 +369,46 @@ def _input_term_texts(spec: Spec) -> dict[str, str]:
     }
 
 
+def input_description(spec: Spec) -> str | None:
+    """The input-level form in words (``posgen explain``, module docstrings), or None."""
+    form = spec.input
+    if form is None:
+        return None
+    if isinstance(form, ComplexOrderInput):
+        own = (
+            f"learned per-feature omega, theta (base {_number(form.frequency_base)}) when "
+            "none are passed"
+            if form.module_parameters == "learned_per_feature"
+            else "the caller's per-token omega, theta"
+        )
+        return f"(r cos(omega pos + theta), r sin(omega pos + theta)), {own}"
+    table = form.table
+    if table.kind == "depthwise_conv":
+        combine = "x_i * c_i" if form.kind == "multiply" else "x_i + c_i"
+        return (
+            f"{combine}, c = DWConv(x): depthwise convolution over the sequence, kernel "
+            f"{table.kernel_size}, {table.padding} zero padding (content-conditioned)"
+        )
+    combine = "x_i * p_i" if form.kind == "multiply" else "x_i + p_i"
+    if table.kind == "learned":
+        detail = f"{table.max_positions} positions, no extrapolation"
+    elif table.kind == "hierarchical":
+        n = table.base_positions
+        detail = (
+            f"{n} trained rows serve {n * n} positions: p_(i*{n}+j) = "
+            f"{_number(table.alpha)} u_i + {_number(1 - table.alpha)} u_j"
+        )
+    elif table.kind == "ode":
+        detail = (
+            f"p_i = p(i * {_number(table.position_step)}) solving dp/dt = h(p, t), "
+            f"{table.activation} network of width {table.hidden}, {table.integrator} with "
+            f"{table.steps_per_position} step(s) per position, p(0) {table.initial}"
+        )
+    else:
+        detail = f"base {_number(table.base)}, {table.layout} sin/cos"
+    return f"{combine}, {table.kind} table ({detail})"
+
+
 def decomposition_table(rows: list[TermLine], width: int = DOCSTRING_WIDTH) -> list[str]:
     """The four terms as aligned, escaped, wrapped text lines."""
     lines: list[str] = []
@@ -423,6 +463,7 @@ def build_plan(spec: Spec, spec_path: str, spec_sha256: str) -> ModulePlan:
         reference_lines=[docstring_lines(ref, DOCSTRING_WIDTH - 6) for ref in spec.references],
         model_lines=docstring_lines(", ".join(spec.models)) if spec.models else [],
         decomposition_lines=decomposition_table(_term_lines(spec)),
+        input_lines=docstring_lines(input_description(spec) or "", DOCSTRING_WIDTH - 4),
         heads=literal(spec.defaults.heads),
         head_dim=literal(spec.defaults.head_dim),
         model_dim=literal(spec.defaults.model_dim) if spec.defaults.model_dim else None,
