@@ -6,6 +6,7 @@ from __future__ import annotations
 from .alibi import Alibi
 from .complex_order import ComplexOrder
 from .convolutional import Convolutional
+from .convolutional_grid import ConvolutionalGrid
 from .floater import Floater
 from .hierarchical_absolute import HierarchicalAbsolute
 from .learned_absolute import LearnedAbsolute
@@ -21,6 +22,7 @@ ENCODINGS = {
     "alibi": Alibi,
     "complex_order": ComplexOrder,
     "convolutional": Convolutional,
+    "convolutional_grid": ConvolutionalGrid,
     "floater": Floater,
     "hierarchical_absolute": HierarchicalAbsolute,
     "learned_absolute": LearnedAbsolute,
@@ -38,6 +40,7 @@ __all__ = [
     "Alibi",
     "ComplexOrder",
     "Convolutional",
+    "ConvolutionalGrid",
     "Floater",
     "HierarchicalAbsolute",
     "LearnedAbsolute",

@@ -138,6 +138,7 @@ class AbsoluteTablePlan:
     initial: str = "zero"  # learned | zero
     padding: str = "same"  # same | causal
     conv_bias: str = "True"
+    conv_layout: str = "sequence"  # sequence | grid_2d
 
 
 @dataclass(frozen=True)
@@ -252,6 +253,7 @@ def _absolute_table_plan(form: TableInput) -> AbsoluteTablePlan:
             kernel_size=literal(table.kernel_size),
             padding=choice(table.padding, ("same", "causal")),
             conv_bias=literal(table.bias),
+            conv_layout=choice(table.layout, ("sequence", "grid_2d")),
         )
     if isinstance(table, HierarchicalTable):
         return AbsoluteTablePlan(
@@ -385,6 +387,12 @@ def input_description(spec: Spec) -> str | None:
     table = form.table
     if table.kind == "depthwise_conv":
         combine = "x_i * c_i" if form.kind == "multiply" else "x_i + c_i"
+        if table.layout == "grid_2d":
+            return (
+                f"{combine}, c = DWConv2d(x): depthwise {table.kernel_size}x"
+                f"{table.kernel_size} convolution over the H x W token grid, same zero "
+                "padding (content-conditioned)"
+            )
         return (
             f"{combine}, c = DWConv(x): depthwise convolution over the sequence, kernel "
             f"{table.kernel_size}, {table.padding} zero padding (content-conditioned)"
@@ -494,7 +502,13 @@ def _weight_notes(table: AbsoluteTablePlan | None, bias: BiasPlan | None) -> lis
             "of h, as the authors' ``Linear_t`` layers of ``flow_func_linear``;",
             "initial_position [model_dim] is p_0 when it is learned.",
         ]
-    if table is not None and table.kind == "depthwise_conv":
+    if table is not None and table.kind == "depthwise_conv" and table.conv_layout == "grid_2d":
+        notes += [
+            "position_conv.weight [model_dim, 1, k, k] and position_conv.bias [model_dim]:",
+            "a depthwise torch.nn.Conv2d, the layout of CPVT's PEG ``proj`` (and of",
+            "Twins-PCPVT's ``PosConv.proj``): copy those weights directly.",
+        ]
+    elif table is not None and table.kind == "depthwise_conv":
         notes += [
             "position_conv.weight [model_dim, 1, kernel_size] and position_conv.bias",
             "[model_dim]: a depthwise torch.nn.Conv1d (groups = model_dim), the 1-D form",

@@ -175,15 +175,26 @@ class DepthwiseConvTable(SpecModel):
     (CPVT's PEG; k odd ≥ 3). ``causal``: k − 1 zeros on the left, output i sees inputs
     i − k + 1 … i only, so it can sit in a decoder (k ≥ 2). The kernel is a
     cross-correlation, as PyTorch's Conv1d: out_i = b + Σ_t w_t · x_(i + t − left).
+
+    ``layout: grid_2d`` is CPVT's own form: the tokens are an H × W grid in row-major
+    order (token r·W + c), given to ``embed`` as ``grid=(H, W)``, and the convolution is
+    k × k with (k − 1)/2 zeros on every side.
     """
 
     kind: Literal["depthwise_conv"]
     kernel_size: int = Field(ge=2, le=4096)
     padding: Literal["same", "causal"]
     bias: bool = True
+    layout: Literal["sequence", "grid_2d"] = "sequence"
 
     @model_validator(mode="after")
     def _check_kernel(self) -> DepthwiseConvTable:
+        if self.layout == "grid_2d" and self.padding != "same":
+            raise cross_field_error(
+                "padding",
+                "a 2-D grid has no causal order: grid_2d needs 'same' padding (CPVT's "
+                "(k - 1)/2 zeros on every side)",
+            )
         if self.padding == "same" and (self.kernel_size % 2 == 0 or self.kernel_size < 3):
             raise cross_field_error(
                 "kernel_size",

@@ -519,3 +519,48 @@ def test_floater_zero_initial_position_is_not_a_parameter() -> None:
     x = torch.zeros(1, 3, 8)
     torch.testing.assert_close(pe.embed(x)[0, 0], torch.zeros(8))  # p(0) = 0
     assert pe.embed(x)[0, 2].abs().sum() > 0
+
+
+def test_convolutional_grid_matches_reference_and_cpvt_peg_weights() -> None:
+    """The 2-D form: float64 loop reference, and CPVT's PEG (a depthwise Conv2d whose
+    output is added to the patch tokens) loads its weights directly."""
+    pe = make("convolutional_grid", model_dim=4)
+    x = torch.randn(2, 12, 4, dtype=F64)
+    conv = pe.position_conv
+    assert tuple(conv.weight.shape) == (4, 1, 3, 3)
+    expected = x + ref_abs.depthwise_conv2d_grid(x, conv.weight.detach(), conv.bias.detach(), 3, 4)
+    torch.testing.assert_close(pe.embed(x, grid=(3, 4)), expected, atol=1e-12, rtol=1e-12)
+    # a PEG as CPVT writes it: tokens -> [B, C, H, W] -> proj(feat) + feat -> tokens
+    peg = torch.nn.Conv2d(4, 4, 3, 1, 1, groups=4).double()
+    pe.position_conv.load_state_dict(peg.state_dict())
+    feat = x.transpose(1, 2).reshape(2, 4, 3, 4)
+    cpvt = (peg(feat) + feat).flatten(2).transpose(1, 2)
+    torch.testing.assert_close(pe.embed(x, grid=(3, 4)), cpvt, atol=1e-12, rtol=1e-12)
+
+
+def test_convolutional_grid_embed_errors_and_gradients() -> None:
+    pe = make("convolutional_grid", model_dim=4)
+    x = torch.randn(2, 6, 4)
+    out = pe.embed(x, grid=(2, 3))
+    assert out.shape == (2, 6, 4) and out.dtype == torch.float32
+    assert pe.embed(x.to(torch.bfloat16), grid=(3, 2)).dtype == torch.bfloat16
+    for bad in (None, (2, 2), (6,), (2.0, 3), [2, 3], (True, 6), (0, 6)):
+        with pytest.raises(ValueError, match="grid"):
+            pe.embed(x, grid=bad)
+    with pytest.raises(ValueError, match="positions"):
+        pe.embed(x, torch.arange(6), grid=(2, 3))
+    with pytest.raises(ValueError):
+        pe.embed(x[0], grid=(2, 3))
+    pe.embed(x, grid=(2, 3)).square().sum().backward()
+    assert pe.position_conv.weight.grad.abs().sum() > 0
+    assert pe.position_conv.bias.grad.abs().sum() > 0
+
+
+def test_convolutional_multiplied_into_the_input() -> None:
+    """input kind 'multiply' composes with the convolution: x * DWConv(x)."""
+    pe = spec_variant("convolutional", "kind: add                      # x + DWConv(x)",
+                      "kind: multiply")(model_dim=3)
+    x = torch.randn(1, 5, 3, dtype=F64)
+    conv = pe.position_conv
+    c = ref_abs.depthwise_conv1d(x, conv.weight.detach(), conv.bias.detach(), "same")
+    torch.testing.assert_close(pe.embed(x), x * c, atol=1e-12, rtol=1e-12)

@@ -100,3 +100,15 @@ def test_floater_dynamics_by_hand() -> None:
     tanh = ref.floater_dynamics(w_in, b_in, w_out, b_out, "tanh")
     import math
     _close(tanh(torch.tensor([1.0], dtype=F64), 0.5), [math.tanh(3.5) + 3 * math.tanh(-4.0) + 1.5])
+
+
+def test_depthwise_conv2d_grid_by_hand() -> None:
+    # 2 x 3 grid, one feature, tokens 1..6 row-major; kernel picks (up) + 10 (centre) + 100 (right)
+    x = torch.arange(1.0, 7.0).reshape(1, 6, 1)
+    w = torch.zeros(1, 3, 3)
+    w[0, 0, 1], w[0, 1, 1], w[0, 1, 2] = 1.0, 10.0, 100.0
+    out = ref.depthwise_conv2d_grid(x, w, torch.tensor([0.25]), 2, 3)[0, :, 0]
+    # row 0: no row above; right neighbour zero at the last column
+    # row 1: up = token above
+    _close(out, [10 + 200 + 0.25, 20 + 300 + 0.25, 30 + 0.25,
+                 1 + 40 + 500 + 0.25, 2 + 50 + 600 + 0.25, 3 + 60 + 0.25])

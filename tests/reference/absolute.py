@@ -21,6 +21,7 @@ F64 = torch.float64
 __all__ = [
     "combine_input",
     "depthwise_conv1d",
+    "depthwise_conv2d_grid",
     "floater_dynamics",
     "ode_trajectory",
     "plain_logits",
@@ -193,3 +194,39 @@ def floater_dynamics(
         return torch.tensor(out, dtype=F64)
 
     return h
+
+
+def depthwise_conv2d_grid(
+    x: Tensor, weight: Tensor, bias: Tensor | None, height: int, width: int
+) -> Tensor:
+    """CPVT's position encoding generator on an H x W token grid (Chu et al. 2021).
+
+    Tokens are row-major (token ``r * W + c`` sits at row r, column c). Per feature d,
+    with a ``k x k`` kernel and ``(k - 1) / 2`` zeros on every side::
+
+        c[b, r*W + col, d] = bias[d] + sum_{u, v} weight[d, u, v]
+                                       * x[b, (r + u - a)*W + (col + v - a), d]
+
+    ``a = (k - 1) // 2``, terms outside the grid being 0. ``weight`` is ``[dim, k, k]``
+    or ``[dim, 1, k, k]``. Returns ``c`` ``[batch, H*W, dim]`` float64; a literal loop.
+    """
+    x64 = x.to(F64)
+    w64 = weight.to(F64).reshape(weight.shape[0], weight.shape[-2], weight.shape[-1])
+    k = w64.shape[-1]
+    a = (k - 1) // 2
+    batch, tokens, dim = x64.shape
+    if tokens != height * width:
+        raise ValueError(f"{tokens} tokens do not fill a {height}x{width} grid")
+    out = torch.zeros(batch, tokens, dim, dtype=F64)
+    for b in range(batch):
+        for r in range(height):
+            for col in range(width):
+                for d in range(dim):
+                    total = 0.0 if bias is None else float(bias[d])
+                    for u in range(k):
+                        for v in range(k):
+                            rr, cc = r + u - a, col + v - a
+                            if 0 <= rr < height and 0 <= cc < width:
+                                total += float(w64[d, u, v]) * float(x64[b, rr * width + cc, d])
+                    out[b, r * width + col, d] = total
+    return out
