@@ -564,3 +564,52 @@ def test_convolutional_multiplied_into_the_input() -> None:
     conv = pe.position_conv
     c = ref_abs.depthwise_conv1d(x, conv.weight.detach(), conv.bias.detach(), "same")
     torch.testing.assert_close(pe.embed(x), x * c, atol=1e-12, rtol=1e-12)
+
+
+# ------------------------------------------------------------------------------ stated claims
+
+
+def _position_vectors(pe, name: str, positions: torch.Tensor) -> torch.Tensor:
+    """The per-position vectors p of an input table: embed of zeros (add) or ones (multiply)."""
+    multiply = name.startswith("multiplicative")
+    base = torch.ones if multiply else torch.zeros
+    return pe.embed(base(1, positions.numel(), pe.model_dim, dtype=F64), positions)[0]
+
+
+@pytest.mark.parametrize("name,far", [("sinusoidal", 10**6), ("multiplicative_sinusoidal", 10**6),
+                                      ("hierarchical_absolute", 512 * 512 - 1), ("floater", 2000),
+                                      ("learned_absolute", None), ("multiplicative_learned", None)])
+def test_stated_unique_and_extrapolates_claims(name: str, far: int | None) -> None:
+    """unique: distinct positions get distinct vectors; extrapolates: far positions are
+    finite, or (claim false) raise ValueError."""
+    from posgen.spec_loader import load_spec
+
+    claims = load_spec(SPECS / f"{name}.yaml").spec.claims
+    pe = make(name, model_dim=8).double()
+    positions = torch.randperm(300)[:60]
+    vectors = _position_vectors(pe, name, positions)
+    distances = torch.cdist(vectors, vectors) + torch.eye(60, dtype=F64)
+    if claims.unique is not None:  # floater leaves it unstated: it depends on training
+        assert claims.unique is True and distances.min() > 1e-9
+    if claims.extrapolates:
+        assert torch.isfinite(_position_vectors(pe, name, torch.tensor([far]))).all()
+    else:
+        assert claims.extrapolates is False
+        with pytest.raises(ValueError, match="extrapolate"):
+            _position_vectors(pe, name, torch.tensor([pe.max_positions]))
+
+
+def test_not_unique_claims_have_counterexamples() -> None:
+    """nope and the convolutions state unique: false; show two positions that coincide."""
+    from posgen.spec_loader import load_spec
+
+    for name in ("nope", "convolutional", "convolutional_grid"):
+        assert load_spec(SPECS / f"{name}.yaml").spec.claims.unique is False
+    x = torch.ones(1, 7, 4, dtype=F64)  # constant content
+    conv = make("convolutional", model_dim=4)
+    out = conv.embed(x)
+    torch.testing.assert_close(out[0, 2], out[0, 4])  # interior positions coincide
+    grid = make("convolutional_grid", model_dim=4)
+    out = grid.embed(torch.ones(1, 25, 4, dtype=F64), grid=(5, 5))
+    torch.testing.assert_close(out[0, 6], out[0, 12])  # two interior cells coincide
+    assert make("nope").embed(x) is x  # no position reaches the input at all
