@@ -4,7 +4,15 @@
 from __future__ import annotations
 
 from .alibi import Alibi
+from .complex_order import ComplexOrder
+from .convolutional import Convolutional
+from .convolutional_grid import ConvolutionalGrid
+from .floater import Floater
+from .hierarchical_absolute import HierarchicalAbsolute
 from .learned_absolute import LearnedAbsolute
+from .multiplicative_learned import MultiplicativeLearned
+from .multiplicative_sinusoidal import MultiplicativeSinusoidal
+from .nope import Nope
 from .rope import Rope
 from .rope_gptj import RopeGptj
 from .sinusoidal import Sinusoidal
@@ -15,7 +23,15 @@ from .tupe_r import TupeR
 
 ENCODINGS = {
     "alibi": Alibi,
+    "complex_order": ComplexOrder,
+    "convolutional": Convolutional,
+    "convolutional_grid": ConvolutionalGrid,
+    "floater": Floater,
+    "hierarchical_absolute": HierarchicalAbsolute,
     "learned_absolute": LearnedAbsolute,
+    "multiplicative_learned": MultiplicativeLearned,
+    "multiplicative_sinusoidal": MultiplicativeSinusoidal,
+    "nope": Nope,
     "rope": Rope,
     "rope_gptj": RopeGptj,
     "sinusoidal": Sinusoidal,
@@ -28,7 +44,15 @@ ENCODINGS = {
 __all__ = [
     "ENCODINGS",
     "Alibi",
+    "ComplexOrder",
+    "Convolutional",
+    "ConvolutionalGrid",
+    "Floater",
+    "HierarchicalAbsolute",
     "LearnedAbsolute",
+    "MultiplicativeLearned",
+    "MultiplicativeSinusoidal",
+    "Nope",
     "Rope",
     "RopeGptj",
     "Sinusoidal",

@@ -10,6 +10,9 @@ Score decomposition for query i and key j, scale 1/sqrt(head_dim):
     position_content   absolute  p_i Wq Wk^T x_j^T (via the input table)
     position_position  absolute  p_i Wq Wk^T p_j^T (via the input table)
 
+Input-level positions (``embed``):
+    x_i + p_i, learned table (1024 positions, no extrapolation)
+
 References:
     - Gehring et al. 2017, Convolutional Sequence to Sequence Learning, arXiv:1705.03122
     - Devlin et al. 2019, BERT, arXiv:1810.04805
@@ -192,7 +195,8 @@ class LearnedAbsolute(nn.Module):
         # [max_positions, model_dim]; the layout of GPT-2 `wpe.weight` and BERT
         # `embeddings.position_embeddings.weight`: copy either directly.
         self.position_embeddings = nn.Embedding(MAX_POSITIONS, self.model_dim)
-        nn.init.normal_(self.position_embeddings.weight, mean=0.0, std=0.02)
+        weight = self.position_embeddings.weight
+        nn.init.normal_(weight, mean=0.0, std=0.02)
 
     def extra_repr(self) -> str:
         return f"heads={self.heads}, head_dim={self.head_dim}, scale={self.scale:.6g}"
@@ -208,8 +212,13 @@ class LearnedAbsolute(nn.Module):
             raise ValueError(f"x must have shape [batch, seq, {self.model_dim}], got {shape}")
         if not x.is_floating_point():
             raise ValueError(f"x must be a floating-point tensor, got {x.dtype}")
+        positions = _check_positions(positions, x.shape[1], x.shape[0], "positions", x.device)
+        table = self._position_table(positions, x).to(x.dtype)
+        return x + table  # [batch, seq, model_dim]
+
+    def _position_table(self, positions: Tensor | None, x: Tensor) -> Tensor:
+        """p for each position: [seq, model_dim] or [batch, seq, model_dim]."""
         length = x.shape[1]
-        positions = _check_positions(positions, length, x.shape[0], "positions", x.device)
         if positions is None:
             if length > self.max_positions:
                 raise ValueError(
@@ -222,7 +231,7 @@ class LearnedAbsolute(nn.Module):
                 f"position {int(positions.max())} is out of range for the learned table "
                 f"of {self.max_positions} positions; this encoding cannot extrapolate"
             )
-        return x + self.position_embeddings(positions).to(x.dtype)
+        return self.position_embeddings(positions)
 
     def rotate(
         self,

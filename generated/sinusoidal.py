@@ -10,6 +10,9 @@ Score decomposition for query i and key j, scale 1/sqrt(head_dim):
     position_content   absolute  p_i Wq Wk^T x_j^T (via the input table)
     position_position  absolute  p_i Wq Wk^T p_j^T (via the input table)
 
+Input-level positions (``embed``):
+    x_i + p_i, sinusoidal table (base 10000, interleaved sin/cos)
+
 References:
     - Vaswani et al. 2017, Attention Is All You Need, arXiv:1706.03762
 
@@ -210,10 +213,14 @@ class Sinusoidal(nn.Module):
             raise ValueError(f"x must have shape [batch, seq, {self.model_dim}], got {shape}")
         if not x.is_floating_point():
             raise ValueError(f"x must be a floating-point tensor, got {x.dtype}")
-        length = x.shape[1]
-        positions = _check_positions(positions, length, x.shape[0], "positions", x.device)
-        positions = _positions_or_default(positions, 0, length, x.device)
-        return x + _sinusoid_table(positions, self.model_dim).to(x.dtype)
+        positions = _check_positions(positions, x.shape[1], x.shape[0], "positions", x.device)
+        table = self._position_table(positions, x).to(x.dtype)
+        return x + table  # [batch, seq, model_dim]
+
+    def _position_table(self, positions: Tensor | None, x: Tensor) -> Tensor:
+        """p for each position: [seq, model_dim] or [batch, seq, model_dim], float64."""
+        positions = _positions_or_default(positions, 0, x.shape[1], x.device)
+        return _sinusoid_table(positions, self.model_dim)
 
     def rotate(
         self,

@@ -17,7 +17,7 @@ import click
 
 from posgen.diagnostics import SpecError
 from posgen.generate import compare, render_tree, unified_diff, write_tree
-from posgen.plan import scale_description, term_lines
+from posgen.plan import input_description, scale_description, term_lines
 from posgen.render import SourceGateError
 from posgen.spec import Spec
 from posgen.spec_loader import LoadedSpec, expand_spec_paths, load_spec, load_specs
@@ -153,18 +153,19 @@ def list_specs(spec_dir: Path, by_model: bool) -> None:
         for model in sorted(users, key=str.lower):
             click.echo(f"{model:<{width}}  {', '.join(users[model])}")
         return
-    header = f"{'name':<18} {'cc':<7} {'cp':<9} {'pc':<9} {'pp':<9} title / used by"
+    name_width = max([18, *(len(item.spec.name) for item in loaded)])
+    header = f"{'name':<{name_width}} {'cc':<7} {'cp':<9} {'pc':<9} {'pp':<9} title / used by"
     click.echo(header)
     click.echo("-" * len(header))
     for item in loaded:
         terms = item.spec.terms
         click.echo(
-            f"{item.spec.name:<18} {_short_term(terms.content_content):<7} "
+            f"{item.spec.name:<{name_width}} {_short_term(terms.content_content):<7} "
             f"{_short_term(terms.content_position):<9} {_short_term(terms.position_content):<9} "
             f"{_short_term(terms.position_position):<9} {item.spec.title}"
         )
         if item.spec.models:
-            click.echo(f"{'':<56}used by: {', '.join(item.spec.models)}")
+            click.echo(f"{'':<{name_width + 39}}used by: {', '.join(item.spec.models)}")
 
 
 def _find_spec(name_or_path: str, spec_dir: Path) -> LoadedSpec:
@@ -183,9 +184,9 @@ def _find_spec(name_or_path: str, spec_dir: Path) -> LoadedSpec:
 def explanation(spec: Spec) -> list[str]:
     """The decomposition of a spec in words, as printed by ``posgen explain``."""
     lines = [f"{spec.name}: {spec.title}", ""]
-    if spec.input is not None:
-        table = spec.input.table
-        lines.append(f"input      x_i + p_i, {table.kind} table ({_describe_table(spec)})")
+    description = input_description(spec)
+    if description is not None:
+        lines.append(f"input      {description}")
     lines.append("")
     lines.append("a_ij = content_content + content_position + position_content + "
                  "position_position")
@@ -203,15 +204,6 @@ def explanation(spec: Spec) -> list[str]:
     if claims:
         lines.append("claims: " + ", ".join(f"{k}={str(v).lower()}" for k, v in claims.items()))
     return lines
-
-
-def _describe_table(spec: Spec) -> str:
-    table = spec.input.table if spec.input else None
-    if table is None:
-        return ""
-    if table.kind == "learned":
-        return f"{table.max_positions} positions, no extrapolation"
-    return f"base {table.base:g}, {table.layout} sin/cos"
 
 
 @main.command()

@@ -18,14 +18,18 @@ import re
 from dataclasses import dataclass, field
 
 from posgen.spec import (
+    ComplexOrderInput,
+    DepthwiseConvTable,
+    HierarchicalTable,
     LearnedTable,
     LearnedTableBias,
     LinearSlopeBias,
     LogBuckets,
+    OdeTable,
     Rotation,
-    SinusoidalTable,
     Spec,
     UntiedPositions,
+    TableInput,
     rotary_dim_for,
 )
 
@@ -118,10 +122,30 @@ def docstring_lines(text: str, width: int = DOCSTRING_WIDTH) -> list[str]:
 @dataclass(frozen=True)
 class AbsoluteTablePlan:
     kind: str  # learned | sinusoidal
+    combine: str = "add"  # add | multiply
     max_positions: str = "None"
     init_std: str = "None"
+    init_mean: str = "0.0"
     base: str = "None"
     layout: str = "interleaved"
+    base_positions: str = "None"
+    alpha: str = "None"
+    kernel_size: str = "None"
+    hidden: str = "None"
+    activation: str = "relu"  # relu | tanh | gelu | sigmoid
+    integrator: str = "rk4"  # euler | rk4
+    position_step: str = "None"
+    steps_per_position: str = "None"
+    initial: str = "zero"  # learned | zero
+    padding: str = "same"  # same | causal
+    conv_bias: str = "True"
+    conv_layout: str = "sequence"  # sequence | grid_2d
+
+
+@dataclass(frozen=True)
+class ComplexOrderPlan:
+    learned: str  # "True" | "False": module-owned per-feature frequency and phase
+    frequency_base: str = "None"
 
 
 @dataclass(frozen=True)
@@ -182,6 +206,7 @@ class ModulePlan:
     reference_lines: list[list[str]]
     model_lines: list[str]
     decomposition_lines: list[str]
+    input_lines: list[str]
     heads: str
     head_dim: str
     model_dim: str | None
@@ -210,6 +235,7 @@ class ModulePlan:
         return self.untied is None and self.bias is not None and (
             self.bias.placement == "before_scale"
         )
+    complex_order: ComplexOrderPlan | None = None
 
 
 def class_name_for(module_name: str) -> str:
@@ -218,15 +244,56 @@ def class_name_for(module_name: str) -> str:
     return identifier("".join(part[:1].upper() + part[1:] for part in parts))
 
 
-def _absolute_table_plan(table: LearnedTable | SinusoidalTable) -> AbsoluteTablePlan:
+def _complex_order_plan(form: ComplexOrderInput) -> ComplexOrderPlan:
+    learned = form.module_parameters == "learned_per_feature"
+    base = literal(float(form.frequency_base)) if form.frequency_base is not None else "None"
+    return ComplexOrderPlan(learned=literal(learned), frequency_base=base)
+
+
+def _absolute_table_plan(form: TableInput) -> AbsoluteTablePlan:
+    table = form.table
+    combine = choice(form.kind, ("add", "multiply"))
     if isinstance(table, LearnedTable):
         return AbsoluteTablePlan(
             kind="learned",
+            combine=combine,
             max_positions=literal(table.max_positions),
+            init_std=literal(table.init_std),
+            init_mean=literal(float(table.init_mean)),
+        )
+    if isinstance(table, OdeTable):
+        return AbsoluteTablePlan(
+            kind="ode",
+            combine=combine,
+            max_positions=literal(table.max_positions),
+            init_std=literal(table.init_std),
+            hidden=literal(table.hidden),
+            activation=choice(table.activation, ("relu", "tanh", "gelu", "sigmoid")),
+            integrator=choice(table.integrator, ("euler", "rk4")),
+            position_step=literal(float(table.position_step)),
+            steps_per_position=literal(table.steps_per_position),
+            initial=choice(table.initial, ("learned", "zero")),
+        )
+    if isinstance(table, DepthwiseConvTable):
+        return AbsoluteTablePlan(
+            kind="depthwise_conv",
+            combine=combine,
+            kernel_size=literal(table.kernel_size),
+            padding=choice(table.padding, ("same", "causal")),
+            conv_bias=literal(table.bias),
+            conv_layout=choice(table.layout, ("sequence", "grid_2d")),
+        )
+    if isinstance(table, HierarchicalTable):
+        return AbsoluteTablePlan(
+            kind="hierarchical",
+            combine=combine,
+            base_positions=literal(table.base_positions),
+            alpha=literal(float(table.alpha)),
             init_std=literal(table.init_std),
         )
     return AbsoluteTablePlan(
         kind="sinusoidal",
+        combine=combine,
         base=literal(float(table.base)),
         layout=choice(table.layout, ("interleaved", "split")),
     )
@@ -328,11 +395,7 @@ def _term_lines(spec: Spec) -> list[TermLine]:
         )
     else:
         lines.append(TermLine("content_content", "keep", "q_i . k_j"))
-    absolute = {
-        "content_position": "x_i Wq Wk^T p_j^T (via the input table)",
-        "position_content": "p_i Wq Wk^T x_j^T (via the input table)",
-        "position_position": "p_i Wq Wk^T p_j^T (via the input table)",
-    }
+    absolute = _input_term_texts(spec)
     for term, value in (
         ("content_position", terms.content_position),
         ("position_content", terms.position_content),
@@ -348,6 +411,73 @@ def _term_lines(spec: Spec) -> list[TermLine]:
     else:
         lines.append(TermLine("position_position", "bias", _bias_formula(bias)))
     return lines
+
+
+def _input_term_texts(spec: Spec) -> dict[str, str]:
+    """How the input-level positions reach the three position terms, in words."""
+    form = spec.input
+    if isinstance(form, ComplexOrderInput):
+        text = "inside Re/Im of r_i e^(i(omega_i pos_i + theta_i)) (position as a phase)"
+        return dict.fromkeys(("content_position", "position_content", "position_position"), text)
+    if form is not None and form.table.kind == "depthwise_conv":
+        combined = "x_i * c_i" if form.kind == "multiply" else "x_i + c_i"
+        text = (f"inside ({combined}) Wq Wk^T (...)_j^T, c = DWConv(x): content-conditioned, "
+                "position only through the zero padding at the edges")
+        return dict.fromkeys(("content_position", "position_content", "position_position"), text)
+    if form is not None and form.kind == "multiply":
+        text = "inside (x_i * p_i) Wq Wk^T (x_j * p_j)^T (input product, not a separate sum)"
+        return dict.fromkeys(("content_position", "position_content", "position_position"), text)
+    return {
+        "content_position": "x_i Wq Wk^T p_j^T (via the input table)",
+        "position_content": "p_i Wq Wk^T x_j^T (via the input table)",
+        "position_position": "p_i Wq Wk^T p_j^T (via the input table)",
+    }
+
+
+def input_description(spec: Spec) -> str | None:
+    """The input-level form in words (``posgen explain``, module docstrings), or None."""
+    form = spec.input
+    if form is None:
+        return None
+    if isinstance(form, ComplexOrderInput):
+        own = (
+            f"learned per-feature omega, theta (base {_number(form.frequency_base)}) when "
+            "none are passed"
+            if form.module_parameters == "learned_per_feature"
+            else "the caller's per-token omega, theta"
+        )
+        return f"(r cos(omega pos + theta), r sin(omega pos + theta)), {own}"
+    table = form.table
+    if table.kind == "depthwise_conv":
+        combine = "x_i * c_i" if form.kind == "multiply" else "x_i + c_i"
+        if table.layout == "grid_2d":
+            return (
+                f"{combine}, c = DWConv2d(x): depthwise {table.kernel_size}x"
+                f"{table.kernel_size} convolution over the H x W token grid, same zero "
+                "padding (content-conditioned)"
+            )
+        return (
+            f"{combine}, c = DWConv(x): depthwise convolution over the sequence, kernel "
+            f"{table.kernel_size}, {table.padding} zero padding (content-conditioned)"
+        )
+    combine = "x_i * p_i" if form.kind == "multiply" else "x_i + p_i"
+    if table.kind == "learned":
+        detail = f"{table.max_positions} positions, no extrapolation"
+    elif table.kind == "hierarchical":
+        n = table.base_positions
+        detail = (
+            f"{n} trained rows serve {n * n} positions: p_(i*{n}+j) = "
+            f"{_number(table.alpha)} u_i + {_number(1 - table.alpha)} u_j"
+        )
+    elif table.kind == "ode":
+        detail = (
+            f"p_i = p(i * {_number(table.position_step)}) solving dp/dt = h(p, t), "
+            f"{table.activation} network of width {table.hidden}, {table.integrator} with "
+            f"{table.steps_per_position} step(s) per position, p(0) {table.initial}"
+        )
+    else:
+        detail = f"base {_number(table.base)}, {table.layout} sin/cos"
+    return f"{combine}, {table.kind} table ({detail})"
 
 
 def decomposition_table(rows: list[TermLine], width: int = DOCSTRING_WIDTH) -> list[str]:
@@ -377,7 +507,11 @@ def scale_description(spec: Spec) -> str:
 def build_plan(spec: Spec, spec_path: str, spec_sha256: str) -> ModulePlan:
     """Resolve a validated spec into the plan that templates render."""
     module_name = identifier(spec.name)
-    absolute_table = _absolute_table_plan(spec.input.table) if spec.input else None
+    form = spec.input
+    absolute_table = _absolute_table_plan(form) if isinstance(form, TableInput) else None
+    complex_order = (
+        _complex_order_plan(form) if isinstance(form, ComplexOrderInput) else None
+    )
     rotation = _rotation_plan(spec.rotation) if spec.rotation else None
     bias = _bias_plan(spec.bias) if spec.bias else None
     untied = _untied_plan(spec.untied) if spec.untied else None
@@ -386,6 +520,8 @@ def build_plan(spec: Spec, spec_path: str, spec_sha256: str) -> ModulePlan:
         blocks.append("absolute_table")
     if untied is not None:
         blocks.append("untied_absolute")
+    if complex_order is not None:
+        blocks.append("complex_order")
     if rotation is not None:
         blocks.append("rotation")
     if bias is not None:
@@ -401,18 +537,21 @@ def build_plan(spec: Spec, spec_path: str, spec_sha256: str) -> ModulePlan:
         reference_lines=[docstring_lines(ref, DOCSTRING_WIDTH - 6) for ref in spec.references],
         model_lines=docstring_lines(", ".join(spec.models)) if spec.models else [],
         decomposition_lines=decomposition_table(_term_lines(spec)),
+        input_lines=docstring_lines(input_description(spec) or "", DOCSTRING_WIDTH - 4),
         heads=literal(spec.defaults.heads),
         head_dim=literal(spec.defaults.head_dim),
         model_dim=literal(spec.defaults.model_dim) if spec.defaults.model_dim else None,
         scale_kind=choice(spec.scale.kind, ("none", "inv_sqrt_head_dim")),
         scale_factor=literal(float(spec.scale.factor)),
         scale_text=" ".join(docstring_lines(scale_description(spec), 10_000)),
-        weight_notes=_weight_notes(absolute_table, bias, untied),
+        weight_notes=_weight_notes(absolute_table, bias, untied)
+        + _complex_order_notes(complex_order),
         absolute_table=absolute_table,
         rotation=rotation,
         bias=bias,
         blocks=blocks,
         untied=untied,
+        complex_order=complex_order,
     )
 
 
@@ -458,12 +597,49 @@ def _weight_notes(
             "position_embeddings.weight [max_positions, model_dim]: copy GPT-2",
             "``wpe.weight`` or BERT ``embeddings.position_embeddings.weight``.",
         ]
+    if table is not None and table.kind == "ode":
+        notes += [
+            "dynamics_in [hidden, model_dim + 1] and dynamics_out [model_dim, hidden + 1]",
+            "(torch.nn.Linear, the last input column being the time t) are the two layers",
+            "of h, as the authors' ``Linear_t`` layers of ``flow_func_linear``;",
+            "initial_position [model_dim] is p_0 when it is learned.",
+        ]
+    if table is not None and table.kind == "depthwise_conv" and table.conv_layout == "grid_2d":
+        notes += [
+            "position_conv.weight [model_dim, 1, k, k] and position_conv.bias [model_dim]:",
+            "a depthwise torch.nn.Conv2d, the layout of CPVT's PEG ``proj`` (and of",
+            "Twins-PCPVT's ``PosConv.proj``): copy those weights directly.",
+        ]
+    elif table is not None and table.kind == "depthwise_conv":
+        notes += [
+            "position_conv.weight [model_dim, 1, kernel_size] and position_conv.bias",
+            "[model_dim]: a depthwise torch.nn.Conv1d (groups = model_dim), the 1-D form",
+            "of CPVT's 2-D PEG ``proj`` convolution.",
+        ]
+    if table is not None and table.kind == "hierarchical":
+        notes += [
+            "position_embeddings.weight [base_positions, model_dim] holds the basis u. To",
+            "extend a trained absolute table p of n rows (BERT's 512-row",
+            "``embeddings.position_embeddings.weight``), call ``load_absolute_table(p)``:",
+            "it stores u_i = (p_i - alpha p_0) / (1 - alpha), so positions below n give p",
+            "exactly and positions up to n^2 - 1 are new.",
+        ]
     if bias is not None and bias.kind == "learned_table" and untied is None:
         notes += [
             "relative_attention_bias.weight [buckets, heads]: copy Hugging Face",
             "``T5Attention.relative_attention_bias.weight`` (first layer of each stack).",
         ]
     return notes
+
+
+def _complex_order_notes(plan: ComplexOrderPlan | None) -> list[str]:
+    if plan is None or plan.learned != "True":
+        return []
+    return [
+        "frequency [model_dim] and phase [model_dim]: per-feature omega and theta, used",
+        "when embed is called without per-token ones. Per-token tables (the paper's",
+        "vocab-sized amplitude, frequency and phase embeddings) stay with the caller.",
+    ]
 
 
 def choice_hex(value: str) -> str:

@@ -152,6 +152,7 @@ def _is_tag(part: str) -> bool:
 _KNOWN_TAGS = {
     "keep", "drop", "absolute", "rotate", "bias", "untied_term",
     "learned", "sinusoidal", "log_buckets", "linear_slopes", "learned_table",
+    "hierarchical", "ode", "depthwise_conv", "add", "multiply", "complex_order",
     "str", "int", "float", "bool", "none",
 }
 
