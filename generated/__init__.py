@@ -4,17 +4,23 @@
 from __future__ import annotations
 
 from .alibi import Alibi
+from .bert_relative_key import BertRelativeKey
+from .bert_relative_key_query import BertRelativeKeyQuery
 from .learned_absolute import LearnedAbsolute
 from .rope import Rope
 from .rope_gptj import RopeGptj
+from .shaw import Shaw
 from .sinusoidal import Sinusoidal
 from .t5 import T5
 
 ENCODINGS = {
     "alibi": Alibi,
+    "bert_relative_key": BertRelativeKey,
+    "bert_relative_key_query": BertRelativeKeyQuery,
     "learned_absolute": LearnedAbsolute,
     "rope": Rope,
     "rope_gptj": RopeGptj,
+    "shaw": Shaw,
     "sinusoidal": Sinusoidal,
     "t5": T5,
 }
@@ -22,9 +28,12 @@ ENCODINGS = {
 __all__ = [
     "ENCODINGS",
     "Alibi",
+    "BertRelativeKey",
+    "BertRelativeKeyQuery",
     "LearnedAbsolute",
     "Rope",
     "RopeGptj",
+    "Shaw",
     "Sinusoidal",
     "T5",
 ]

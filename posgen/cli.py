@@ -17,7 +17,7 @@ import click
 
 from posgen.diagnostics import SpecError
 from posgen.generate import compare, render_tree, unified_diff, write_tree
-from posgen.plan import scale_description, term_lines
+from posgen.plan import scale_description, term_lines, values_description
 from posgen.render import SourceGateError
 from posgen.spec import Spec
 from posgen.spec_loader import LoadedSpec, expand_spec_paths, load_spec, load_specs
@@ -193,7 +193,7 @@ def explanation(spec: Spec) -> list[str]:
     lines.append("")
     for row in term_lines(spec):
         lines.append(f"  {row.term:<18} {row.form:<9} {row.formula}")
-    lines.append(f"  {'values':<18} {spec.values}")
+    lines.append(f"  {'values':<18} {values_description(spec)}")
     lines.append("")
     lines.append("references:")
     lines.extend(f"  - {reference}" for reference in spec.references)

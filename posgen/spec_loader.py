@@ -153,6 +153,7 @@ _KNOWN_TAGS = {
     "keep", "drop", "absolute", "rotate", "bias",
     "learned", "sinusoidal", "log_buckets", "linear_slopes", "learned_table",
     "str", "int", "float", "bool", "none",
+    "relative", "global", "plain", "clip", "distance",
 }
 
 

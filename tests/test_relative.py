@@ -1,0 +1,187 @@
+"""Relative position terms read from a table (Shaw et al., BERT relative_key, DeBERTa,
+Transformer-XL): parity with independent float64 references and with the Hugging Face
+modules whose weights the generated parameters load.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from posgen.inmemory import encoding_class, module_from_spec
+from tests.conftest import SPECS, generated_class
+from tests.reference import formulas, relative
+
+F64 = torch.float64
+
+
+def variant(tmp_path: Path, base: str, name: str, *replacements: tuple[str, str]):
+    """A catalogue spec with some text replaced, built in memory under a new name."""
+    text = (SPECS / f"{base}.yaml").read_text(encoding="utf-8")
+    text = text.replace(f"name: {base}\n", f"name: {name}\n")
+    for old, new in replacements:
+        assert old in text, old
+        text = text.replace(old, new)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(text, encoding="utf-8")
+    return encoding_class(module_from_spec(path))
+
+
+def split_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """[B, L, heads * d] -> [B, heads, L, d]."""
+    return x.unflatten(-1, (heads, -1)).transpose(1, 2)
+
+
+def merge_heads(x: torch.Tensor) -> torch.Tensor:
+    """[B, heads, L, d] -> [B, L, heads * d]."""
+    return x.transpose(1, 2).flatten(-2)
+
+
+# --------------------------------------------------------------------------- references
+
+
+def test_clipped_relative_logits_by_hand() -> None:
+    # one feature: q = 1, k = 0, table rows [10, 20, 30] for d = -1, 0, 1 (clip 1)
+    q = torch.tensor([[1.0], [1.0], [1.0]])
+    k = torch.zeros(3, 1)
+    table = torch.tensor([[10.0], [20.0], [30.0]])
+    pos = torch.arange(3)
+    out = relative.clipped_relative_logits(q, k, table, pos, pos, clip=1, scale=1.0)
+    # d_ij = clip(i - j): row 0 -> [0, -1, -1], row 2 -> [1, 1, 0]
+    expected = [[20.0, 10.0, 10.0], [30.0, 20.0, 10.0], [30.0, 30.0, 20.0]]
+    torch.testing.assert_close(out, torch.tensor(expected, dtype=F64))
+    k = torch.tensor([[2.0], [0.0], [0.0]])
+    out = relative.clipped_relative_logits(q, k, table, pos, pos, clip=1, key_side=True,
+                                           scale=0.5)
+    # (q.k + q.r + k.r) / 2 at (0, 0): (2 + 20 + 40) / 2
+    assert out[0, 0].item() == pytest.approx(31.0)
+    assert out[1, 0].item() == pytest.approx((2 + 30 + 60) / 2)
+
+
+def test_disentangled_logits_by_hand() -> None:
+    # span 4 (bucket_size 4, mid 2): distances up to 2 are exact
+    q = torch.tensor([[1.0], [0.0]])
+    k = torch.tensor([[0.0], [1.0]])
+    pos_key = torch.arange(8.0).unsqueeze(-1)  # row r holds r
+    pos_query = 100 + torch.arange(8.0).unsqueeze(-1)
+    pos = torch.arange(2)
+    out = relative.disentangled_logits(q, k, pos_key, pos_query, pos, pos, 4, 8) * math.sqrt(3)
+    # (0, 0): c2p = 1 * pos_key[0 + 4] = 4; p2c = k_0 . ... = 0
+    # (0, 1): q.k = 1; c2p = pos_key[-1 + 4] = 3; p2c = 1 * pos_query[-(1) + 4] = 103
+    # (1, 1): p2c = pos_query[0 + 4] = 104; (1, 0): 0
+    expected = torch.tensor([[4.0, 1 + 3 + 103], [0.0, 104.0]], dtype=F64)
+    torch.testing.assert_close(out, expected)
+
+
+# --------------------------------------------------------------------------- Shaw et al.
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+def test_shaw_matches_the_paper_formula(causal: bool, backend: str) -> None:
+    """Key and value terms, clipped at k = 16, on 24 tokens (so the clip is reached)."""
+    pe = generated_class("shaw")(heads=2, head_dim=4).double()
+    n = 24
+    q, k, v = (torch.randn(2, 2, n, 4, dtype=F64) for _ in range(3))
+    rel_k, rel_v = torch.randn(33, 4, dtype=F64), torch.randn(33, 4, dtype=F64)
+    with torch.no_grad():
+        pe.distance_embedding.weight.copy_(rel_k)
+        pe.value_embedding.weight.copy_(rel_v)
+    expected = formulas.shaw_relative_attention(q, k, v, rel_k, rel_v, clip=16, causal=causal)
+    out = pe(q, k, v, causal=causal, backend=backend)
+    torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-10)
+
+
+def test_shaw_per_head_tables(tmp_path: Path) -> None:
+    cls = variant(tmp_path, "shaw", "shaw_per_head",
+                  ("heads: shared, init_std", "heads: per_head, init_std"),
+                  ("key_minus_query, heads: shared}", "key_minus_query, heads: per_head}"),
+                  ("max_distance: 16", "max_distance: 3"))
+    pe = cls(heads=3, head_dim=4, value_dim=5).double()
+    assert pe.distance_embedding.weight.shape == (7, 12)
+    assert pe.value_embedding.weight.shape == (7, 15)
+    q, k = (torch.randn(2, 3, 9, 4, dtype=F64) for _ in range(2))
+    v = torch.randn(2, 3, 9, 5, dtype=F64)
+    out = pe(q, k, v, backend="sdpa")
+    table_k = pe.distance_embedding.weight.detach().view(7, 3, 4)
+    table_v = pe.value_embedding.weight.detach().view(7, 3, 5)
+    for h in range(3):
+        expected = formulas.shaw_relative_attention(
+            q[:, h], k[:, h], v[:, h], table_k[:, h], table_v[:, h], clip=3
+        )
+        torch.testing.assert_close(out[:, h], expected, atol=1e-10, rtol=1e-10)
+
+
+def test_shaw_value_term_with_explicit_positions() -> None:
+    """Packed positions: each batch row matches the reference on its own positions."""
+    pe = generated_class("shaw")(heads=2, head_dim=4).double()
+    q, k, v = (torch.randn(2, 2, 6, 4, dtype=F64) for _ in range(3))
+    positions = torch.tensor([[0, 1, 2, 3, 4, 5], [0, 1, 2, 0, 1, 2]])
+    out = pe(q, k, v, q_positions=positions, k_positions=positions, backend="eager")
+    rel_k = pe.distance_embedding.weight.detach()
+    rel_v = pe.value_embedding.weight.detach()
+    expected = formulas.shaw_relative_attention(q[:1], k[:1], v[:1], rel_k, rel_v, clip=16)
+    torch.testing.assert_close(out[:1], expected)
+    # the second row holds two documents with restarted positions: mask across them
+    doc = torch.tensor([0, 0, 0, 1, 1, 1])
+    same = (doc[:, None] == doc[None, :]).expand(2, 1, 6, 6)
+    masked = pe(q, k, v, q_positions=positions, k_positions=positions, attn_mask=same)
+    for start in (0, 3):
+        part = slice(start, start + 3)
+        expected = formulas.shaw_relative_attention(
+            q[1:, :, part], k[1:, :, part], v[1:, :, part], rel_k, rel_v, clip=16
+        )
+        torch.testing.assert_close(masked[1:, :, part], expected)
+
+
+def test_shaw_rejects_a_value_width_mismatch() -> None:
+    pe = generated_class("shaw")(heads=2, head_dim=4)
+    q, k = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4)
+    with pytest.raises(ValueError, match="value_dim"):
+        pe(q, k, torch.randn(1, 2, 3, 6))
+    with pytest.raises(ValueError, match="value_dim"):
+        generated_class("shaw")(value_dim=0)
+
+
+# --------------------------------------------------------------------------- BERT relative_key
+
+
+@pytest.mark.parametrize("name", ["bert_relative_key", "bert_relative_key_query"])
+def test_bert_relative_matches_the_float64_reference(name: str) -> None:
+    pe = generated_class(name)(heads=2, head_dim=4).double()
+    q = torch.randn(2, 2, 5, 4, dtype=F64)
+    k = torch.randn(2, 2, 9, 4, dtype=F64)
+    table = pe.distance_embedding.weight.detach()
+    q_pos, k_pos = torch.arange(4, 9), torch.arange(9)
+    expected = relative.clipped_relative_logits(
+        q, k, table, q_pos, k_pos, clip=511, key_side=name.endswith("query")
+    )
+    torch.testing.assert_close(pe.scores(q, k), expected)
+
+
+@pytest.mark.parametrize("kind", ["relative_key", "relative_key_query"])
+def test_bert_relative_loads_hugging_face_weights(tmp_path: Path, kind: str) -> None:
+    from transformers import BertConfig
+    from transformers.models.bert.modeling_bert import BertSelfAttention
+
+    config = BertConfig(hidden_size=32, num_attention_heads=4, max_position_embeddings=16,
+                        position_embedding_type=kind, attention_probs_dropout_prob=0.0)
+    hf = BertSelfAttention(config).double().eval()
+    name = f"bert_{kind}"
+    cls = variant(tmp_path, name, f"{name}_16", ("max_distance: 511", "max_distance: 15"))
+    pe = cls(heads=4, head_dim=8).double()
+    with torch.no_grad():
+        pe.distance_embedding.weight.copy_(hf.distance_embedding.weight)
+    hidden = torch.randn(2, 10, 32, dtype=F64)
+    keep = torch.ones(2, 10, dtype=torch.bool)
+    keep[1, 7:] = False  # padding in the second sequence
+    additive = torch.zeros(2, 1, 1, 10, dtype=F64).masked_fill(~keep[:, None, None], -1e9)
+    with torch.no_grad():
+        expected, _ = hf(hidden, attention_mask=additive)
+        q, k, v = (split_heads(layer(hidden), 4) for layer in (hf.query, hf.key, hf.value))
+        for backend in ("eager", "sdpa"):
+            out = pe(q, k, v, attn_mask=keep[:, None, None], backend=backend)
+            torch.testing.assert_close(merge_heads(out), expected, atol=1e-10, rtol=1e-10)
