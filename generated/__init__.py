@@ -6,6 +6,8 @@ from __future__ import annotations
 from .alibi import Alibi
 from .bert_relative_key import BertRelativeKey
 from .bert_relative_key_query import BertRelativeKeyQuery
+from .deberta import Deberta
+from .deberta_absolute_input import DebertaAbsoluteInput
 from .learned_absolute import LearnedAbsolute
 from .rope import Rope
 from .rope_gptj import RopeGptj
@@ -17,6 +19,8 @@ ENCODINGS = {
     "alibi": Alibi,
     "bert_relative_key": BertRelativeKey,
     "bert_relative_key_query": BertRelativeKeyQuery,
+    "deberta": Deberta,
+    "deberta_absolute_input": DebertaAbsoluteInput,
     "learned_absolute": LearnedAbsolute,
     "rope": Rope,
     "rope_gptj": RopeGptj,
@@ -30,6 +34,8 @@ __all__ = [
     "Alibi",
     "BertRelativeKey",
     "BertRelativeKeyQuery",
+    "Deberta",
+    "DebertaAbsoluteInput",
     "LearnedAbsolute",
     "Rope",
     "RopeGptj",

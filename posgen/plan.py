@@ -484,12 +484,18 @@ def _term_lines(spec: Spec) -> list[TermLine]:
     ):
         relative = _relative_term_lines(spec, term, value)
         if relative is not None:
+            if spec.input is not None:  # the input table's absolute part is still there
+                relative = TermLine(term, relative.form, f"{absolute[term]} + {relative.formula}")
             lines.append(relative)
             continue
         lines.append(TermLine(term, value, absolute[term] if value == "absolute" else "0"))
     bias = spec.bias
     relative = _relative_term_lines(spec, "position_position", terms.position_position)
     if relative is not None:
+        if spec.input is not None:
+            relative = TermLine(
+                relative.term, relative.form, f"{absolute['position_position']} + {relative.formula}"
+            )
         lines.append(relative)
     elif bias is None:
         value = terms.position_position

@@ -185,3 +185,113 @@ def test_bert_relative_loads_hugging_face_weights(tmp_path: Path, kind: str) -> 
         for backend in ("eager", "sdpa"):
             out = pe(q, k, v, attn_mask=keep[:, None, None], backend=backend)
             torch.testing.assert_close(merge_heads(out), expected, atol=1e-10, rtol=1e-10)
+
+
+# --------------------------------------------------------------------------- DeBERTa
+
+
+def _small_deberta(tmp_path: Path):
+    return variant(tmp_path, "deberta", "deberta_small",
+                   ("buckets: 256, max_distance: 512", "buckets: 8, max_distance: 32"))
+
+
+def test_deberta_bucket_rows_match_the_reference() -> None:
+    module = __import__("generated.deberta", fromlist=["_relative_index"])
+    rel = torch.arange(-1200, 1201)
+    rows = module._relative_index(rel)
+    expected = [min(max(formulas.deberta_log_bucket_position(r, 256, 512) + 256, 0), 511)
+                for r in rel.tolist()]
+    assert rows.tolist() == expected
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+def test_deberta_matches_the_float64_reference(tmp_path: Path, backend: str) -> None:
+    pe = _small_deberta(tmp_path)(heads=2, head_dim=4, model_dim=8).double()
+    n = 40  # beyond max_distance 32, so the clamped edge rows are read
+    q, k, v = (torch.randn(2, 2, n, 4, dtype=F64) for _ in range(3))
+    with torch.no_grad():
+        pe.rel_norm.weight.normal_()
+        pe.rel_norm.bias.normal_()
+        table = torch.nn.functional.layer_norm(
+            pe.rel_embeddings.weight, (8,), pe.rel_norm.weight, pe.rel_norm.bias, 1e-7
+        )
+        pos_key = pe.pos_key_proj(table).view(16, 2, 4).transpose(0, 1)  # [H, rows, d]
+        pos_query = pe.pos_query_proj(table).view(16, 2, 4).transpose(0, 1)
+    pos = torch.arange(n)
+    expected = relative.disentangled_logits(q, k, pos_key, pos_query, pos, pos, 8, 32)
+    torch.testing.assert_close(pe.scores(q, k), expected)
+    out = pe(q, k, v, backend=backend)
+    torch.testing.assert_close(out, torch.softmax(expected, dim=-1) @ v)
+
+
+def test_deberta_loads_hugging_face_weights(tmp_path: Path) -> None:
+    from transformers import DebertaV2Config
+    from transformers.models.deberta_v2.modeling_deberta_v2 import (
+        DebertaV2Encoder,
+        DisentangledSelfAttention,
+    )
+
+    config = DebertaV2Config(
+        hidden_size=32, num_attention_heads=4, num_hidden_layers=1, intermediate_size=16,
+        relative_attention=True, pos_att_type=["p2c", "c2p"], position_buckets=8,
+        max_relative_positions=32, share_att_key=True, norm_rel_ebd="layer_norm",
+        layer_norm_eps=1e-7, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )
+    hf = DisentangledSelfAttention(config).double().eval()
+    encoder = DebertaV2Encoder(config).double().eval()
+    with torch.no_grad():
+        encoder.LayerNorm.weight.normal_()
+        encoder.LayerNorm.bias.normal_()
+    pe = _small_deberta(tmp_path)(heads=4, head_dim=8, model_dim=32).double()
+    with torch.no_grad():
+        pe.rel_embeddings.weight.copy_(encoder.rel_embeddings.weight)
+        pe.rel_norm.load_state_dict(encoder.LayerNorm.state_dict())
+        pe.pos_key_proj.load_state_dict(hf.key_proj.state_dict())  # share_att_key
+        pe.pos_query_proj.load_state_dict(hf.query_proj.state_dict())
+    n = 40
+    hidden = torch.randn(2, n, 32, dtype=F64)
+    keep = torch.ones(2, n, dtype=torch.bool)
+    keep[1, 30:] = False
+    with torch.no_grad():
+        mask = encoder.get_attention_mask(keep.long())
+        expected, _ = hf(hidden, mask, rel_embeddings=encoder.get_rel_embedding())
+        q, k, v = (split_heads(layer(hidden), 4)
+                   for layer in (hf.query_proj, hf.key_proj, hf.value_proj))
+        for backend in ("eager", "sdpa"):
+            out = merge_heads(pe(q, k, v, attn_mask=keep[:, None, None], backend=backend))
+            # Hugging Face masks padded query rows too; compare the rows it keeps. Its
+            # sqrt(3 d) is a float32 tensor even in a float64 model (relative error ~1e-8)
+            torch.testing.assert_close(out[keep], expected[keep], atol=1e-7, rtol=1e-6)
+
+
+def test_absolute_input_adds_to_the_relative_terms() -> None:
+    """With an input table the relative terms stay; the absolute part enters via embed."""
+    both = generated_class("deberta_absolute_input")(heads=2, head_dim=4, model_dim=8)
+    plain = generated_class("deberta")(heads=2, head_dim=4, model_dim=8)
+    plain.load_state_dict({k: v for k, v in both.state_dict().items()
+                           if not k.startswith("position_embeddings")})
+    q, k = torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 4)
+    torch.testing.assert_close(both.scores(q, k), plain.scores(q, k))
+    x = torch.randn(1, 6, 8)
+    torch.testing.assert_close(both.embed(x), x + both.position_embeddings.weight[:6])
+    with pytest.raises(ValueError, match="cannot extrapolate"):
+        both.embed(torch.randn(1, 513, 8))
+
+
+def test_absolute_input_rule(tmp_path: Path) -> None:
+    """Relative and global forms may sit beside an input table; drop and bias may not."""
+    from posgen.diagnostics import SpecError
+    from posgen.spec_loader import load_spec
+
+    text = (SPECS / "deberta_absolute_input.yaml").read_text(encoding="utf-8")
+    path = tmp_path / "deberta_absolute_input.yaml"
+    path.write_text(text.replace("position_position: absolute", "position_position: drop"))
+    with pytest.raises(SpecError, match="state it as 'absolute'"):
+        load_spec(path)
+    dropped = text.replace(
+        "content_position:\n    relative: {sign: query_minus_key, projection: key, "
+        "placement: before_scale}", "content_position: drop")
+    assert dropped != text
+    path.write_text(dropped)
+    with pytest.raises(SpecError, match="terms.content_position"):
+        load_spec(path)
