@@ -14,6 +14,7 @@ from .rope_gptj import RopeGptj
 from .shaw import Shaw
 from .sinusoidal import Sinusoidal
 from .t5 import T5
+from .transformer_xl import TransformerXl
 
 ENCODINGS = {
     "alibi": Alibi,
@@ -27,6 +28,7 @@ ENCODINGS = {
     "shaw": Shaw,
     "sinusoidal": Sinusoidal,
     "t5": T5,
+    "transformer_xl": TransformerXl,
 }
 
 __all__ = [
@@ -42,4 +44,5 @@ __all__ = [
     "Shaw",
     "Sinusoidal",
     "T5",
+    "TransformerXl",
 ]

@@ -310,10 +310,6 @@ class BertRelativeKeyQuery(nn.Module):
         term = _gather_rows(scores, index)  # [B, H, N, M]
         terms["content_position"] = term * self.scale
         # position_content: k_j . R[index(i - j)]
-        index, distances = self._relative_layout(
-            q_positions, k_positions, n, m, q.device, "query_minus_key"
-        )
-        rows = self._relative_rows("none", distances, dtype, q.device)
         scores = torch.einsum("bhmd,khd->bhmk", k.to(dtype), rows)  # [B, H, M, K]
         term = _gather_rows(scores, index.transpose(-1, -2)).transpose(-1, -2)  # [B, H, N, M]
         terms["position_content"] = term * self.scale

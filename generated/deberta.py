@@ -337,7 +337,7 @@ class Deberta(nn.Module):
         """
         n, m = q.shape[2], k.shape[2]
         terms: dict[str, Tensor] = {}
-        # content_position: q_i . R[index(i - j)]
+        # content_position: q_i . W_k R[index(i - j)]
         index, distances = self._relative_layout(
             q_positions, k_positions, n, m, q.device, "query_minus_key"
         )
@@ -345,10 +345,7 @@ class Deberta(nn.Module):
         scores = torch.einsum("bhnd,khd->bhnk", q.to(dtype), rows)  # [B, H, N, K]
         term = _gather_rows(scores, index)  # [B, H, N, M]
         terms["content_position"] = term * self.scale
-        # position_content: k_j . R[index(i - j)]
-        index, distances = self._relative_layout(
-            q_positions, k_positions, n, m, q.device, "query_minus_key"
-        )
+        # position_content: k_j . W_q R[index(i - j)]
         rows = self._relative_rows("query", distances, dtype, q.device)
         scores = torch.einsum("bhmd,khd->bhmk", k.to(dtype), rows)  # [B, H, M, K]
         term = _gather_rows(scores, index.transpose(-1, -2)).transpose(-1, -2)  # [B, H, N, M]

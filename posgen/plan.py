@@ -215,6 +215,11 @@ class RelativePlan:
     signs: list[str]  # sorted signs used by terms and values
     shift: bool  # distance index read with query_minus_key: the pad-and-reshape shift
 
+    @property
+    def position_only(self) -> RelativeTermPlan | None:
+        """The global position_position term, the only position-only relative term."""
+        return next((term for term in self.terms if term.side == "global"), None)
+
 
 @dataclass(frozen=True)
 class TermLine:
@@ -640,7 +645,8 @@ def _relative_weight_notes(spec: Spec) -> list[str]:
     if "relative" in projections:
         notes += [
             "r_net.weight [heads * head_dim, model_dim]: copy Transformer-XL",
-            "``RelPartialLearnableMultiHeadAttn.r_net.weight`` (W_R, no bias).",
+            "``RelPartialLearnableMultiHeadAttn.r_net.weight`` (W_R, no bias); from XLNet's",
+            "``r`` [model_dim, heads, head_dim] take ``r.flatten(1).T``.",
         ]
     if isinstance(spec.terms.position_content, GlobalContentTerm):
         notes += ["r_w_bias [heads, head_dim]: Transformer-XL ``r_w_bias`` (u)."]

@@ -295,3 +295,101 @@ def test_absolute_input_rule(tmp_path: Path) -> None:
     path.write_text(dropped)
     with pytest.raises(SpecError, match="terms.content_position"):
         load_spec(path)
+
+
+# --------------------------------------------------------------------------- Transformer-XL
+
+
+def _projected_sinusoids(pe, distances: torch.Tensor) -> torch.Tensor:
+    """W_R R_t per head, [heads, L, head_dim], from the paper's split sinusoid."""
+    table = formulas.transformer_xl_relative_sinusoid(distances, pe.model_dim)
+    rows = table @ pe.r_net.weight.detach().to(F64).T  # [L, heads * head_dim]
+    return rows.view(len(distances), pe.heads, pe.head_dim).transpose(0, 1)
+
+
+@pytest.mark.parametrize("memory", [0, 5])
+def test_transformer_xl_matches_the_paper_formula(memory: int) -> None:
+    pe = generated_class("transformer_xl")(heads=2, head_dim=4, model_dim=8).double()
+    n, m = 6, 6 + memory  # queries are the last n of m keys (memory first)
+    q = torch.randn(2, 2, n, 4, dtype=F64)
+    k, v = torch.randn(2, 2, m, 4, dtype=F64), torch.randn(2, 2, m, 3, dtype=F64)
+    r = _projected_sinusoids(pe, torch.arange(m))
+    u, vb = pe.r_w_bias.detach(), pe.r_r_bias.detach()
+    expected = formulas.transformer_xl_scores(q, k, r, u, vb, mlen=memory, scale=0.5)
+    scores = pe.scores(q, k)
+    causal = torch.isfinite(expected)
+    torch.testing.assert_close(scores[causal], expected[causal])
+    # explicit positions take the gather instead of the relative shift
+    explicit = pe.scores(q, k, q_positions=torch.arange(memory, m), k_positions=torch.arange(m))
+    torch.testing.assert_close(explicit, scores)
+    weights = torch.softmax(expected, dim=-1)
+    for backend in ("eager", "sdpa"):
+        torch.testing.assert_close(pe(q, k, v, causal=True, backend=backend), weights @ v)
+
+
+def test_transformer_xl_scores_past_the_query_use_negative_distances() -> None:
+    """Non-causal use: R_(i-j) for i < j is the same sinusoid at a negative distance."""
+    pe = generated_class("transformer_xl")(heads=1, head_dim=4, model_dim=8).double()
+    q, k = torch.randn(1, 1, 3, 4, dtype=F64), torch.randn(1, 1, 3, 4, dtype=F64)
+    terms = pe.score_terms(q, k)
+    r = _projected_sinusoids(pe, torch.tensor([-2]))[0, 0]  # W_R R_(-2)
+    assert terms["content_position"][0, 0, 0, 2].item() == pytest.approx(
+        0.5 * float(q[0, 0, 0] @ r))
+    assert terms["position_position"][0, 0, 2].item() == pytest.approx(
+        0.5 * float(pe.r_r_bias[0].detach() @ r))
+
+
+def test_transformer_xl_loads_hugging_face_weights() -> None:
+    """Attention probabilities and the layer output, with cached memory (mems).
+
+    The Hugging Face module masks in float32 (float64 overflows its fill value), so it
+    runs in float32 here against the generated module in float64 on the same weights.
+    """
+    from transformers.models.deprecated.transfo_xl.modeling_transfo_xl import (
+        PositionalEmbedding,
+        RelPartialLearnableMultiHeadAttn,
+    )
+
+    heads, head_dim, model_dim, qlen, mlen, batch = 4, 8, 32, 7, 5, 2
+    hf = RelPartialLearnableMultiHeadAttn(heads, model_dim, head_dim, dropout=0.0).eval()
+    with torch.no_grad():
+        hf.r_w_bias.normal_()
+        hf.r_r_bias.normal_()
+    pe = generated_class("transformer_xl")(heads=heads, head_dim=head_dim,
+                                           model_dim=model_dim).double()
+    with torch.no_grad():
+        pe.r_net.weight.copy_(hf.r_net.weight)
+        pe.r_w_bias.copy_(hf.r_w_bias)
+        pe.r_r_bias.copy_(hf.r_r_bias)
+    klen = qlen + mlen
+    w = torch.randn(qlen, batch, model_dim)  # [time, batch, model_dim]
+    mems = torch.randn(mlen, batch, model_dim)
+    pos_emb = PositionalEmbedding(model_dim)(torch.arange(klen - 1, -1, -1.0))
+    future = torch.triu(torch.ones(qlen, klen), diagonal=1 + mlen).bool()[:, :, None]
+    with torch.no_grad():
+        layer_out, probs = hf(w, pos_emb, attn_mask=future, mems=mems, output_attentions=True)
+        heads_qkv = hf.qkv_net(torch.cat([mems, w], 0)).double().chunk(3, dim=-1)
+        q, k, v = (x.view(klen, batch, heads, head_dim).permute(1, 2, 0, 3) for x in heads_qkv)
+        q = q[:, :, -qlen:]
+        allowed = ~future[:, :, 0]
+        ours = torch.softmax(pe.scores(q, k).masked_fill(~allowed, float("-inf")), dim=-1)
+        # Hugging Face: [qlen, klen, batch, heads]
+        torch.testing.assert_close(ours.float(), probs.permute(2, 3, 0, 1), atol=1e-6, rtol=1e-5)
+        hf64 = hf.double()
+        for backend in ("eager", "sdpa"):
+            out = pe(q, k, v, causal=True, backend=backend)  # [batch, heads, qlen, head_dim]
+            vec = out.permute(2, 0, 1, 3).reshape(qlen, batch, heads * head_dim)
+            expected = hf64.layer_norm(w.double() + hf64.o_net(vec))
+            torch.testing.assert_close(expected.float(), layer_out, atol=1e-5, rtol=1e-5)
+
+
+def test_transformer_xl_score_bias_is_the_position_only_term() -> None:
+    pe = generated_class("transformer_xl")(heads=2, head_dim=4, model_dim=8).double()
+    q, k = torch.randn(1, 2, 3, 4, dtype=F64), torch.randn(1, 2, 5, 4, dtype=F64)
+    bias = pe.score_bias(torch.arange(2, 5), torch.arange(5))
+    assert bias.shape == (2, 3, 5)
+    terms = pe.score_terms(q, k)
+    torch.testing.assert_close(bias.double(), terms["position_position"])
+    batched = pe.score_bias(torch.tensor([[2, 3, 4], [0, 1, 2]]), torch.arange(5).expand(2, 5))
+    torch.testing.assert_close(batched[0], bias)
+    assert generated_class("deberta")().score_bias(torch.arange(3), torch.arange(3)) is None
