@@ -153,18 +153,22 @@ def list_specs(spec_dir: Path, by_model: bool) -> None:
         for model in sorted(users, key=str.lower):
             click.echo(f"{model:<{width}}  {', '.join(users[model])}")
         return
-    header = f"{'name':<18} {'cc':<7} {'cp':<9} {'pc':<9} {'pp':<9} title / used by"
+    name_width = max([18, *(len(item.spec.name) for item in loaded)])
+    header = (f"{'name':<{name_width}} {'cc':<7} {'cp':<9} {'pc':<9} {'pp':<9} {'values':<9} "
+              "title / used by")
     click.echo(header)
     click.echo("-" * len(header))
+    indent = name_width + 1 + 8 + 10 * 4
     for item in loaded:
         terms = item.spec.terms
         click.echo(
-            f"{item.spec.name:<18} {_short_term(terms.content_content):<7} "
+            f"{item.spec.name:<{name_width}} {_short_term(terms.content_content):<7} "
             f"{_short_term(terms.content_position):<9} {_short_term(terms.position_content):<9} "
-            f"{_short_term(terms.position_position):<9} {item.spec.title}"
+            f"{_short_term(terms.position_position):<9} {_short_term(item.spec.values):<9} "
+            f"{item.spec.title}"
         )
         if item.spec.models:
-            click.echo(f"{'':<56}used by: {', '.join(item.spec.models)}")
+            click.echo(f"{'':<{indent}}used by: {', '.join(item.spec.models)}")
 
 
 def _find_spec(name_or_path: str, spec_dir: Path) -> LoadedSpec:
