@@ -257,33 +257,35 @@ class BertRelativeKeyQuery(nn.Module):
         m: int,
         device,
         sign: str,
-    ) -> tuple[Tensor, Tensor | None]:
-        """Index map [N, M] (or [B, N, M]) into the K rows, and the rows' distances.
+    ) -> tuple[Tensor, Tensor]:
+        """Index map [N, M] (or [B, N, M]) into K rows, and those rows: int64 [K].
 
         r = j - i ("key_minus_query") or i - j ("query_minus_key").
-        Rows are the table's rows (the second value is None). Cached per shape for
-        default positions.
+        The rows are the contiguous range of table rows that the index reaches (at
+        most N + M - 1 of them), and index counts from the first.
+        Cached per shape for default positions.
         """
         cacheable = q_positions is None and k_positions is None
         key = ("relative_index", sign, n, m, str(device))
         if cacheable and key in self._cache:
-            return self._cache[key], self._cache.get(key + ("rows",))
+            return self._cache[key], self._cache[key + ("rows",)]
         relative = _relative_positions(q_positions, k_positions, n, m, device)  # j - i
         if sign == "query_minus_key":
             relative = -relative
-        index = _relative_index(relative)
-        rows = None
+        index = _relative_index(relative)  # table rows
+        low = int(index.min()) if index.numel() else 0
+        high = int(index.max()) if index.numel() else 0
+        index = index - low
+        rows = torch.arange(low, high + 1, device=device)  # [K]
         if cacheable:
             self._cache[key] = index
-            if rows is not None:
-                self._cache[key + ("rows",)] = rows
+            self._cache[key + ("rows",)] = rows
         return index, rows
 
-    def _relative_rows(
-        self, projection: str, distances: Tensor | None, dtype: torch.dtype, device
-    ) -> Tensor:
-        """The relative table as one term reads it: [K, heads, head_dim]."""
-        table = self.distance_embedding.weight.to(device, dtype)
+    def _relative_rows(self, projection: str, rows: Tensor, dtype: torch.dtype, device) -> Tensor:
+        """The K relative rows as one term reads them: [K, heads, head_dim]."""
+        weight = self.distance_embedding.weight
+        table = weight[rows.to(weight.device)].to(device, dtype)
         return table.unsqueeze(1).expand(-1, self.heads, -1)  # shared by every head
 
     def _relative_terms(
@@ -302,10 +304,10 @@ class BertRelativeKeyQuery(nn.Module):
         n, m = q.shape[2], k.shape[2]
         terms: dict[str, Tensor] = {}
         # content_position: q_i . R[index(i - j)]
-        index, distances = self._relative_layout(
+        index, table_rows = self._relative_layout(
             q_positions, k_positions, n, m, q.device, "query_minus_key"
         )
-        rows = self._relative_rows("none", distances, dtype, q.device)
+        rows = self._relative_rows("none", table_rows, dtype, q.device)
         scores = torch.einsum("bhnd,khd->bhnk", q.to(dtype), rows)  # [B, H, N, K]
         term = _gather_rows(scores, index)  # [B, H, N, M]
         terms["content_position"] = term * self.scale

@@ -277,10 +277,10 @@ class TransformerXl(nn.Module):
         device = self.r_r_bias.device
         q_positions = _check_positions(q_positions, n, None, "q_positions", device)
         k_positions = _check_positions(k_positions, m, None, "k_positions", device)
-        index, distances = self._relative_layout(
+        index, table_rows = self._relative_layout(
             q_positions, k_positions, n, m, device, "query_minus_key"
         )
-        rows = self._relative_rows("relative", distances, torch.float32, device)
+        rows = self._relative_rows("relative", table_rows, torch.float32, device)
         term = self._global_position(index, rows, torch.float32)
         return term * self.scale
 
@@ -303,17 +303,18 @@ class TransformerXl(nn.Module):
         m: int,
         device,
         sign: str,
-    ) -> tuple[Tensor, Tensor | None]:
-        """Index map [N, M] (or [B, N, M]) into the K rows, and the rows' distances.
+    ) -> tuple[Tensor, Tensor]:
+        """Index map [N, M] (or [B, N, M]) into K rows, and those rows: int64 [K].
 
         r = j - i ("key_minus_query") or i - j ("query_minus_key").
-        Rows are the distances max(r), max(r) - 1, ..., min(r) (descending) and
-        index = max(r) - r. Cached per shape for default positions.
+        The rows are the distances max(r), max(r) - 1, ..., min(r) (descending) and
+        index = max(r) - r.
+        Cached per shape for default positions.
         """
         cacheable = q_positions is None and k_positions is None
         key = ("relative_index", sign, n, m, str(device))
         if cacheable and key in self._cache:
-            return self._cache[key], self._cache.get(key + ("rows",))
+            return self._cache[key], self._cache[key + ("rows",)]
         relative = _relative_positions(q_positions, k_positions, n, m, device)  # j - i
         if sign == "query_minus_key":
             relative = -relative
@@ -323,20 +324,17 @@ class TransformerXl(nn.Module):
         rows = torch.arange(high, low - 1, -1, device=device)  # [K], descending distance
         if cacheable:
             self._cache[key] = index
-            if rows is not None:
-                self._cache[key + ("rows",)] = rows
+            self._cache[key + ("rows",)] = rows
         return index, rows
 
-    def _relative_rows(
-        self, projection: str, distances: Tensor | None, dtype: torch.dtype, device
-    ) -> Tensor:
-        """The relative table as one term reads it: [K, heads, head_dim]."""
-        table = _relative_sinusoid(distances, self.model_dim).to(device, dtype)  # [K, model_dim]
+    def _relative_rows(self, projection: str, rows: Tensor, dtype: torch.dtype, device) -> Tensor:
+        """The K relative rows as one term reads them: [K, heads, head_dim]."""
+        table = _relative_sinusoid(rows, self.model_dim).to(device, dtype)  # [K, model_dim]
         if projection == "relative":
-            rows = F.linear(table, self.r_net.weight.to(dtype))
+            projected = F.linear(table, self.r_net.weight.to(dtype))
         else:
             raise ValueError(f"unknown projection {projection!r}")
-        return rows.view(-1, self.heads, self.head_dim)  # [K, heads, head_dim]
+        return projected.view(-1, self.heads, self.head_dim)  # [K, heads, head_dim]
 
     def _relative_terms(
         self,
@@ -354,10 +352,10 @@ class TransformerXl(nn.Module):
         n, m = q.shape[2], k.shape[2]
         terms: dict[str, Tensor] = {}
         # content_position: q_i . W_R R[index(i - j)]
-        index, distances = self._relative_layout(
+        index, table_rows = self._relative_layout(
             q_positions, k_positions, n, m, q.device, "query_minus_key"
         )
-        rows = self._relative_rows("relative", distances, dtype, q.device)
+        rows = self._relative_rows("relative", table_rows, dtype, q.device)
         scores = torch.einsum("bhnd,khd->bhnk", q.to(dtype), rows)  # [B, H, N, K]
         if q_positions is None and k_positions is None:
             term = _relative_shift(scores, m)  # [B, H, N, M]

@@ -393,3 +393,56 @@ def test_transformer_xl_score_bias_is_the_position_only_term() -> None:
     batched = pe.score_bias(torch.tensor([[2, 3, 4], [0, 1, 2]]), torch.arange(5).expand(2, 5))
     torch.testing.assert_close(batched[0], bias)
     assert generated_class("deberta")().score_bias(torch.arange(3), torch.arange(3)) is None
+
+
+# --------------------------------------------------------------------------- the building block
+
+
+class _LargestTensor:
+    """Records the largest tensor any torch op produces while active."""
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        record = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for item in out if isinstance(out, (tuple, list)) else (out,):
+                    if isinstance(item, torch.Tensor):
+                        record.largest = max(record.largest, item.numel())
+                return out
+
+        self.largest = 0
+        self.mode = Mode()
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+@pytest.mark.parametrize("name", ["shaw", "bert_relative_key_query", "deberta", "transformer_xl"])
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+def test_no_pairwise_feature_tensor_is_formed(name: str, backend: str) -> None:
+    """Terms go through [B, H, N, K] scores and an [N, M] index, never [N, M, head_dim]."""
+    pe = generated_class(name)(heads=1, head_dim=32)
+    n = 64
+    q, k, v = (torch.randn(1, 1, n, 32) for _ in range(3))
+    explicit = torch.arange(n)
+    with torch.no_grad(), _LargestTensor() as seen:
+        pe(q, k, v, causal=True, backend=backend)
+        pe(q, k, v, q_positions=explicit, k_positions=explicit, backend=backend)
+    parameters = max(p.numel() for p in pe.parameters())
+    rows_in_model_space = 2 * n * getattr(pe, "model_dim", 0)  # [K <= 2n, model_dim]
+    assert seen.largest < n * n * 32
+    assert seen.largest <= max(parameters, 4 * n * n, rows_in_model_space)
+
+
+def test_only_the_rows_the_index_reaches_are_read() -> None:
+    """A 1023-row table read by 5 queries and 5 keys touches 9 rows."""
+    pe = generated_class("bert_relative_key")(heads=2, head_dim=4)
+    index, rows = pe._relative_layout(None, None, 5, 5, torch.device("cpu"), "query_minus_key")
+    assert rows.tolist() == list(range(511 - 4, 511 + 5))
+    assert int(index.min()) == 0 and int(index.max()) == 8
