@@ -6,8 +6,8 @@
 Score decomposition for query i and key j, scale 1/sqrt(head_dim):
 
     content_content    keep      q_i . k_j
-    content_position   relative  q_i . W_R R_(i - j) (split sinusoid table, inside the
-                                 scale)
+    content_position   relative  q_i . W_R R_(i - j) (relative shift at default positions,
+                                 gather otherwise) (split sinusoid table, inside the scale)
     position_content   global    u_h . k_j (u: trained vector per head, r_w_bias)
     position_position  global    v_h . W_R R_(i - j) (split sinusoid table, inside the
                                  scale)

@@ -422,6 +422,8 @@ def _relative_term_lines(spec: Spec, term: str, value: object) -> TermLine | Non
         )
     else:
         where = f"R_({r})"
+        if term == "content_position" and reader.sign == "query_minus_key":
+            where += " (relative shift at default positions, gather otherwise)"
     table = section.table
     if isinstance(table, LearnedRelativeTable):
         what = "learned" + (" per-head" if table.heads == "per_head" else "")
@@ -616,9 +618,10 @@ def _relative_weight_notes(spec: Spec) -> list[str]:
     if section is not None and isinstance(section.table, LearnedRelativeTable):
         if section.table.width == "head_dim" and section.table.heads == "shared":
             notes += [
-                "distance_embedding.weight [rows, head_dim]: copy Hugging Face",
-                "``BertSelfAttention.distance_embedding.weight`` (relative_key and",
-                "relative_key_query, clip max_distance = max_position_embeddings - 1).",
+                "distance_embedding.weight [rows, head_dim]: the relative table R. Hugging Face",
+                "``BertSelfAttention.distance_embedding.weight`` copies in directly",
+                "(relative_key and relative_key_query, with sign query_minus_key and clip",
+                "max_distance = max_position_embeddings - 1).",
             ]
         elif section.table.width == "head_dim":
             notes += ["distance_embedding.weight [rows, heads * head_dim]: per-head rows."]

@@ -446,3 +446,27 @@ def test_only_the_rows_the_index_reaches_are_read() -> None:
     index, rows = pe._relative_layout(None, None, 5, 5, torch.device("cpu"), "query_minus_key")
     assert rows.tolist() == list(range(511 - 4, 511 + 5))
     assert int(index.min()) == 0 and int(index.max()) == 8
+
+
+RELATIVE_SPECS = ["shaw", "bert_relative_key", "bert_relative_key_query", "deberta",
+                  "transformer_xl"]
+
+
+@pytest.mark.parametrize("name", RELATIVE_SPECS)
+def test_shifting_every_position_leaves_the_output_unchanged(name: str) -> None:
+    """The relative claim, with packed positions reaching the clip and the buckets."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    pe = generated_class(name)(heads=2, head_dim=4).double()
+    q, k, v = (torch.randn(1, 2, 6, 4, dtype=F64) for _ in range(3))
+
+    @settings(max_examples=15, deadline=None, derandomize=True)
+    @given(st.lists(st.integers(0, 600), min_size=6, max_size=6), st.integers(0, 5000))
+    def check(positions: list[int], shift: int) -> None:
+        pos = torch.tensor(positions)
+        base = pe(q, k, v, q_positions=pos, k_positions=pos, backend="eager")
+        moved = pe(q, k, v, q_positions=pos + shift, k_positions=pos + shift, backend="sdpa")
+        torch.testing.assert_close(moved, base)
+
+    check()
