@@ -500,9 +500,8 @@ def _term_lines(spec: Spec) -> list[TermLine]:
     relative = _relative_term_lines(spec, "position_position", terms.position_position)
     if relative is not None:
         if spec.input is not None:
-            relative = TermLine(
-                relative.term, relative.form, f"{absolute['position_position']} + {relative.formula}"
-            )
+            formula = f"{absolute['position_position']} + {relative.formula}"
+            relative = TermLine(relative.term, relative.form, formula)
         lines.append(relative)
     elif bias is None:
         value = terms.position_position

@@ -470,3 +470,38 @@ def test_shifting_every_position_leaves_the_output_unchanged(name: str) -> None:
         torch.testing.assert_close(moved, base)
 
     check()
+
+
+def test_transformer_xl_loads_xlnet_weights_bidirectionally() -> None:
+    """XLNet's relative attention without segments is the same four terms; its "bi"
+    attention reads negative distances (keys after the query) from the same sinusoid."""
+    from transformers import XLNetConfig
+    from transformers.models.xlnet.modeling_xlnet import XLNetRelativeAttention
+
+    heads, head_dim, model_dim, qlen, batch = 4, 8, 32, 9, 2
+    config = XLNetConfig(d_model=model_dim, n_head=heads, d_inner=16, dropout=0.0)
+    hf = XLNetRelativeAttention(config).double().eval()
+    with torch.no_grad():
+        for parameter in hf.parameters():
+            parameter.normal_(std=0.3)
+    pe = generated_class("transformer_xl")(heads=heads, head_dim=head_dim,
+                                           model_dim=model_dim).double()
+    with torch.no_grad():
+        pe.r_net.weight.copy_(hf.r.flatten(1).T)  # [model_dim, heads, head_dim] -> W_R
+        pe.r_w_bias.copy_(hf.r_w_bias)
+        pe.r_r_bias.copy_(hf.r_r_bias)
+    h = torch.randn(qlen, batch, model_dim, dtype=F64)
+    distances = torch.arange(qlen, -qlen, -1, dtype=F64)  # XLNet "bi": klen ... -qlen + 1
+    inv_freq = 1 / 10000 ** (torch.arange(0, model_dim, 2, dtype=F64) / model_dim)
+    angles = distances[:, None] * inv_freq
+    pos_emb = torch.cat([angles.sin(), angles.cos()], dim=-1)[:, None].expand(-1, batch, -1)
+    with torch.no_grad():
+        q_head, k_head, v_head = (torch.einsum("ibh,hnd->ibnd", h, w) for w in (hf.q, hf.k, hf.v))
+        r_head = torch.einsum("ibh,hnd->ibnd", pos_emb, hf.r)
+        vec, probs = hf.rel_attn_core(q_head, k_head, v_head, r_head, output_attentions=True)
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (q_head, k_head, v_head))
+        ours = torch.softmax(pe.scores(q, k), dim=-1)
+        torch.testing.assert_close(ours, probs.permute(2, 3, 0, 1), atol=1e-12, rtol=1e-10)
+        for backend in ("eager", "sdpa"):
+            out = pe(q, k, v, backend=backend)
+            torch.testing.assert_close(out, vec.permute(1, 2, 0, 3), atol=1e-12, rtol=1e-10)
