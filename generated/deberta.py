@@ -478,7 +478,7 @@ class Deberta(nn.Module):
         # relative terms depend on q and k: they are materialised as the additive mask
         dtype = _compute_dtype(q)
         terms = self._relative_terms(q, k, q_positions, k_positions, dtype)
-        bias = torch.zeros((), dtype=dtype, device=q.device)
+        bias = torch.zeros((n, m), dtype=dtype, device=q.device)
         for term in terms.values():
             bias = bias + term  # [B, H, N, M]
         allowed = _causal_allowed(q_positions, k_positions, n, m, q.device) if causal else None

@@ -371,7 +371,9 @@ def _relative_plan(spec: Spec) -> RelativePlan | None:
             assert isinstance(index, DistanceIndex)
             index_plan = RelativeIndexPlan("distance", "None")
         table = section.table
-        if isinstance(table, LearnedRelativeTable):
+        if table is None:
+            table_plan = None
+        elif isinstance(table, LearnedRelativeTable):
             table_plan = RelativeTablePlan(
                 kind="learned",
                 width=choice(table.width, ("head_dim", "model_dim")),

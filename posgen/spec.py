@@ -402,16 +402,19 @@ RelativeTable = Annotated[
 class RelativeSection(SpecModel):
     """The relative table R and its index map, shared by every relative term.
 
-    A relative term is term_ij = x · P(R)[index(r)], with r the signed relative position
+    ``table`` is required when a term reads it; a spec whose only relative part is the
+    value term (which has its own table) states just the ``index``. A relative term is term_ij = x · P(R)[index(r)], with r the signed relative position
     of (i, j), x the term's query-side vector and P its projection.
     """
 
     index: RelativeIndex
-    table: RelativeTable
+    table: RelativeTable | None = None
 
     @property
-    def width(self) -> str:
+    def width(self) -> str | None:
         table = self.table
+        if table is None:
+            return None
         return table.width if isinstance(table, LearnedRelativeTable) else "model_dim"
 
 
@@ -662,6 +665,15 @@ class Spec(SpecModel):
             raise cross_field_error(
                 "relative", "no term reads the relative table: remove the section"
             )
+        if readers and section.table is None:
+            raise cross_field_error(
+                "relative.table", f"{readers[0][0]} reads the relative table: add 'table'"
+            )
+        if section.table is not None and not readers:
+            raise cross_field_error(
+                "relative.table",
+                "no term reads the relative table (the value term has its own): remove it",
+            )
         if value_term is not None and isinstance(section.index, DistanceIndex):
             raise cross_field_error(
                 "values.relative",
@@ -689,7 +701,7 @@ class Spec(SpecModel):
                 "a sinusoidal table is computed for every distance: use index kind "
                 "'distance'",
             )
-        if isinstance(index, DistanceIndex) and not isinstance(table, SinusoidalRelativeTable):
+        if isinstance(index, DistanceIndex) and isinstance(table, LearnedRelativeTable):
             raise cross_field_error(
                 "relative.index.kind",
                 "a learned table has finitely many rows: use index kind 'clip' or "

@@ -505,3 +505,78 @@ def test_transformer_xl_loads_xlnet_weights_bidirectionally() -> None:
         for backend in ("eager", "sdpa"):
             out = pe(q, k, v, backend=backend)
             torch.testing.assert_close(out, vec.permute(1, 2, 0, 3), atol=1e-12, rtol=1e-10)
+
+
+COMBINATIONS = {
+    # a global content bias alone needs no relative table
+    "global_content_only": """\
+defaults: {heads: 2, head_dim: 4}
+scale: inv_sqrt_head_dim
+terms:
+  content_content: keep
+  content_position: drop
+  position_content:
+    global: {placement: after_scale}
+  position_position: drop
+""",
+    # a relative key term beside a T5 bucket bias, per-head table, bias after the scale
+    "relative_with_bias": """\
+defaults: {heads: 2, head_dim: 4}
+scale: inv_sqrt_head_dim
+relative:
+  index: {kind: clip, max_distance: 2}
+  table: {kind: learned, width: head_dim, heads: per_head}
+terms:
+  content_content: keep
+  content_position:
+    relative: {sign: key_minus_query, projection: none, placement: after_scale}
+  position_content: drop
+  position_position:
+    bias:
+      kind: learned_table
+      index: {kind: log_buckets, recipe: t5, buckets: 8, max_distance: 16,
+              bidirectional: true, sign: key_minus_query}
+      placement: before_scale
+""",
+    # rotary content with a relative value term
+    "rotary_with_relative_values": """\
+defaults: {heads: 2, head_dim: 4}
+scale: inv_sqrt_head_dim
+relative:
+  index: {kind: clip, max_distance: 3}
+terms:
+  content_content:
+    rotate: {base: 10000, pairing: half}
+  content_position: drop
+  position_content: drop
+  position_position: drop
+values:
+  relative: {sign: query_minus_key, heads: per_head}
+""",
+}
+
+
+@pytest.mark.parametrize("name", sorted(COMBINATIONS))
+def test_relative_blocks_combine_with_the_others(tmp_path: Path, name: str) -> None:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(f"name: {name}\ntitle: t\nreferences: [r]\n{COMBINATIONS[name]}"
+                    "claims: {}\n", encoding="utf-8")
+    pe = encoding_class(module_from_spec(path))()
+    with torch.no_grad():
+        for parameter in pe.parameters():
+            parameter.normal_()
+    q, k = torch.randn(2, 2, 4, 4), torch.randn(2, 2, 7, 4)
+    v = torch.randn(2, 2, 7, getattr(pe, "value_dim", 3))
+    positions = torch.tensor([[3, 4, 5, 6], [0, 1, 2, 9]])
+    k_positions = torch.tensor([[0, 1, 2, 3, 4, 5, 6], [0, 1, 2, 3, 7, 8, 9]])
+    for kwargs in ({}, {"q_positions": positions, "k_positions": k_positions}):
+        for causal in (False, True):
+            eager = pe(q, k, v, causal=causal, backend="eager", **kwargs)
+            sdpa = pe(q, k, v, causal=causal, backend="sdpa", **kwargs)
+            torch.testing.assert_close(sdpa, eager, atol=2e-5, rtol=1e-4)
+    expected_terms = {
+        "global_content_only": {"content_content", "position_content"},
+        "relative_with_bias": {"content_content", "content_position", "position_position"},
+        "rotary_with_relative_values": {"content_content"},
+    }[name]
+    assert set(pe.score_terms(q, k)) == expected_terms
