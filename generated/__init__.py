@@ -4,9 +4,13 @@
 from __future__ import annotations
 
 from .alibi import Alibi
+from .bert_relative_key import BertRelativeKey
+from .bert_relative_key_query import BertRelativeKeyQuery
 from .complex_order import ComplexOrder
 from .convolutional import Convolutional
 from .convolutional_grid import ConvolutionalGrid
+from .deberta import Deberta
+from .deberta_absolute_input import DebertaAbsoluteInput
 from .floater import Floater
 from .hierarchical_absolute import HierarchicalAbsolute
 from .learned_absolute import LearnedAbsolute
@@ -15,17 +19,23 @@ from .multiplicative_sinusoidal import MultiplicativeSinusoidal
 from .nope import Nope
 from .rope import Rope
 from .rope_gptj import RopeGptj
+from .shaw import Shaw
 from .sinusoidal import Sinusoidal
 from .t5 import T5
 from .t5_decoder import T5Decoder
+from .transformer_xl import TransformerXl
 from .tupe_a import TupeA
 from .tupe_r import TupeR
 
 ENCODINGS = {
     "alibi": Alibi,
+    "bert_relative_key": BertRelativeKey,
+    "bert_relative_key_query": BertRelativeKeyQuery,
     "complex_order": ComplexOrder,
     "convolutional": Convolutional,
     "convolutional_grid": ConvolutionalGrid,
+    "deberta": Deberta,
+    "deberta_absolute_input": DebertaAbsoluteInput,
     "floater": Floater,
     "hierarchical_absolute": HierarchicalAbsolute,
     "learned_absolute": LearnedAbsolute,
@@ -34,9 +44,11 @@ ENCODINGS = {
     "nope": Nope,
     "rope": Rope,
     "rope_gptj": RopeGptj,
+    "shaw": Shaw,
     "sinusoidal": Sinusoidal,
     "t5": T5,
     "t5_decoder": T5Decoder,
+    "transformer_xl": TransformerXl,
     "tupe_a": TupeA,
     "tupe_r": TupeR,
 }
@@ -44,9 +56,13 @@ ENCODINGS = {
 __all__ = [
     "ENCODINGS",
     "Alibi",
+    "BertRelativeKey",
+    "BertRelativeKeyQuery",
     "ComplexOrder",
     "Convolutional",
     "ConvolutionalGrid",
+    "Deberta",
+    "DebertaAbsoluteInput",
     "Floater",
     "HierarchicalAbsolute",
     "LearnedAbsolute",
@@ -55,9 +71,11 @@ __all__ = [
     "Nope",
     "Rope",
     "RopeGptj",
+    "Shaw",
     "Sinusoidal",
     "T5",
     "T5Decoder",
+    "TransformerXl",
     "TupeA",
     "TupeR",
 ]

@@ -17,7 +17,7 @@ import click
 
 from posgen.diagnostics import SpecError
 from posgen.generate import compare, render_tree, unified_diff, write_tree
-from posgen.plan import input_description, scale_description, term_lines
+from posgen.plan import input_description, scale_description, term_lines, values_description
 from posgen.render import SourceGateError
 from posgen.spec import Spec
 from posgen.spec_loader import LoadedSpec, expand_spec_paths, load_spec, load_specs
@@ -154,18 +154,21 @@ def list_specs(spec_dir: Path, by_model: bool) -> None:
             click.echo(f"{model:<{width}}  {', '.join(users[model])}")
         return
     name_width = max([18, *(len(item.spec.name) for item in loaded)])
-    header = f"{'name':<{name_width}} {'cc':<7} {'cp':<9} {'pc':<9} {'pp':<9} title / used by"
+    header = (f"{'name':<{name_width}} {'cc':<7} {'cp':<9} {'pc':<9} {'pp':<9} {'values':<9} "
+              "title / used by")
     click.echo(header)
     click.echo("-" * len(header))
+    indent = name_width + 1 + 8 + 10 * 4
     for item in loaded:
         terms = item.spec.terms
         click.echo(
             f"{item.spec.name:<{name_width}} {_short_term(terms.content_content):<7} "
             f"{_short_term(terms.content_position):<9} {_short_term(terms.position_content):<9} "
-            f"{_short_term(terms.position_position):<9} {item.spec.title}"
+            f"{_short_term(terms.position_position):<9} {_short_term(item.spec.values):<9} "
+            f"{item.spec.title}"
         )
         if item.spec.models:
-            click.echo(f"{'':<{name_width + 39}}used by: {', '.join(item.spec.models)}")
+            click.echo(f"{'':<{indent}}used by: {', '.join(item.spec.models)}")
 
 
 def _find_spec(name_or_path: str, spec_dir: Path) -> LoadedSpec:
@@ -194,7 +197,7 @@ def explanation(spec: Spec) -> list[str]:
     lines.append("")
     for row in term_lines(spec):
         lines.append(f"  {row.term:<18} {row.form:<9} {row.formula}")
-    lines.append(f"  {'values':<18} {spec.values}")
+    lines.append(f"  {'values':<18} {values_description(spec)}")
     lines.append("")
     lines.append("references:")
     lines.extend(f"  - {reference}" for reference in spec.references)

@@ -21,15 +21,23 @@ from posgen.spec import (
     ComplexOrderInput,
     DepthwiseConvTable,
     HierarchicalTable,
+    ClipIndex,
+    DistanceIndex,
+    GlobalContentTerm,
+    GlobalPositionTerm,
+    LearnedRelativeTable,
     LearnedTable,
     LearnedTableBias,
     LinearSlopeBias,
     LogBuckets,
     OdeTable,
+    RelativeTerm,
+    RelativeValues,
     Rotation,
     Spec,
     UntiedPositions,
     TableInput,
+    SymmetricLogBuckets,
     rotary_dim_for,
 )
 
@@ -188,6 +196,67 @@ class UntiedPlan:
 
 
 @dataclass(frozen=True)
+class RelativeIndexPlan:
+    kind: str  # clip | log_buckets | distance
+    rows: str  # repr int, or "None" for distance
+    max_distance: str = "None"
+    buckets: str = "None"
+
+
+@dataclass(frozen=True)
+class RelativeTablePlan:
+    kind: str  # learned | sinusoidal
+    width: str  # head_dim | model_dim
+    per_head: bool = False
+    norm_eps: str | None = None
+    init_std: str = "None"
+    base: str = "None"
+    layout: str = "split"
+
+
+@dataclass(frozen=True)
+class RelativeTermPlan:
+    """One term that reads the relative table: (query-side vector) . P(R)[index(r)]."""
+
+    term: str  # content_position | position_content | position_position
+    side: str  # query | key | global
+    sign: str  # key_minus_query | query_minus_key
+    projection: str  # none | key | query | relative
+    placement: str  # after_scale | before_scale
+    init_std: str = "None"
+
+
+@dataclass(frozen=True)
+class GlobalContentPlan:
+    placement: str
+    init_std: str
+
+
+@dataclass(frozen=True)
+class ValueTermPlan:
+    sign: str
+    per_head: bool
+    init_std: str
+
+
+@dataclass(frozen=True)
+class RelativePlan:
+    index: RelativeIndexPlan | None
+    table: RelativeTablePlan | None
+    terms: list[RelativeTermPlan]
+    global_content: GlobalContentPlan | None
+    values: ValueTermPlan | None
+    projections: list[str]  # sorted projection words used (key, query, relative)
+    signs: list[str]  # sorted signs used by terms and values
+    shift: bool  # distance index read with query_minus_key: the pad-and-reshape shift
+
+    @property
+    def position_only(self) -> RelativeTermPlan | None:
+        """The global position_position term, the only position-only relative term."""
+        return next((term for term in self.terms if term.side == "global"), None)
+
+
+@dataclass(frozen=True)
 class TermLine:
     """One row of the decomposition table, as words for docstrings and ``explain``."""
 
@@ -217,6 +286,7 @@ class ModulePlan:
     absolute_table: AbsoluteTablePlan | None
     rotation: RotationPlan | None
     bias: BiasPlan | None
+    relative: RelativePlan | None = None
     blocks: list[str] = field(default_factory=list)
     untied: UntiedPlan | None = None
 
@@ -380,6 +450,165 @@ def _untied_formula(spec: Spec) -> str:
     return text
 
 
+_SIGNS = ("key_minus_query", "query_minus_key")
+_PLACEMENTS = ("after_scale", "before_scale")
+_PROJECTIONS = ("none", "key", "query", "relative")
+
+
+def _relative_plan(spec: Spec) -> RelativePlan | None:
+    terms: list[RelativeTermPlan] = []
+    global_content = None
+    sides = {"content_position": "query", "position_content": "key"}
+    for term in ("content_position", "position_content", "position_position"):
+        value = getattr(spec.terms, term)
+        if isinstance(value, RelativeTerm):
+            reader = value.relative
+            side = sides[term]
+        elif isinstance(value, GlobalPositionTerm):
+            reader = value.global_
+            side = "global"
+        elif isinstance(value, GlobalContentTerm):
+            global_content = GlobalContentPlan(
+                placement=choice(value.global_.placement, _PLACEMENTS),
+                init_std=literal(value.global_.init_std),
+            )
+            continue
+        else:
+            continue
+        terms.append(
+            RelativeTermPlan(
+                term=choice(term, ("content_position", "position_content", "position_position")),
+                side=side,
+                sign=choice(reader.sign, _SIGNS),
+                projection=choice(reader.projection, _PROJECTIONS),
+                placement=choice(reader.placement, _PLACEMENTS),
+                init_std=literal(getattr(reader, "init_std", 0.02)),
+            )
+        )
+    values = None
+    if isinstance(spec.values, RelativeValues):
+        values = ValueTermPlan(
+            sign=choice(spec.values.relative.sign, _SIGNS),
+            per_head=spec.values.relative.heads == "per_head",
+            init_std=literal(spec.values.relative.init_std),
+        )
+    if not terms and global_content is None and values is None:
+        return None
+    section = spec.relative
+    index_plan = table_plan = None
+    if section is not None:
+        index = section.index
+        if isinstance(index, ClipIndex):
+            index_plan = RelativeIndexPlan(
+                "clip", literal(index.rows), max_distance=literal(index.max_distance)
+            )
+        elif isinstance(index, SymmetricLogBuckets):
+            index_plan = RelativeIndexPlan(
+                "log_buckets",
+                literal(index.rows),
+                max_distance=literal(index.max_distance),
+                buckets=literal(index.buckets),
+            )
+        else:
+            assert isinstance(index, DistanceIndex)
+            index_plan = RelativeIndexPlan("distance", "None")
+        table = section.table
+        if table is None:
+            table_plan = None
+        elif isinstance(table, LearnedRelativeTable):
+            table_plan = RelativeTablePlan(
+                kind="learned",
+                width=choice(table.width, ("head_dim", "model_dim")),
+                per_head=table.heads == "per_head",
+                norm_eps=literal(float(table.norm.eps)) if table.norm else None,
+                init_std=literal(table.init_std),
+            )
+        else:
+            table_plan = RelativeTablePlan(
+                kind="sinusoidal",
+                width="model_dim",
+                base=literal(float(table.base)),
+                layout=choice(table.layout, ("interleaved", "split")),
+            )
+    projections = sorted({t.projection for t in terms} - {"none"})
+    signs = sorted({t.sign for t in terms} | ({values.sign} if values else set()))
+    shift = index_plan is not None and index_plan.kind == "distance" and any(
+        t.side == "query" and t.sign == "query_minus_key" for t in terms
+    )
+    return RelativePlan(
+        index=index_plan,
+        table=table_plan,
+        terms=terms,
+        global_content=global_content,
+        values=values,
+        projections=projections,
+        signs=signs,
+        shift=shift,
+    )
+
+
+def _relative_term_lines(spec: Spec, term: str, value: object) -> TermLine | None:
+    """Words for a relative or global term, or None for other forms."""
+    section = spec.relative
+    if isinstance(value, GlobalContentTerm):
+        return TermLine(term, "global", "u_h . k_j (u: trained vector per head, r_w_bias)")
+    if not isinstance(value, (RelativeTerm, GlobalPositionTerm)) or section is None:
+        return None
+    reader = value.relative if isinstance(value, RelativeTerm) else value.global_
+    r = "j - i" if reader.sign == "key_minus_query" else "i - j"
+    index = section.index
+    if isinstance(index, ClipIndex):
+        where = f"R[clip({r}, -{index.max_distance}, {index.max_distance})]"
+    elif isinstance(index, SymmetricLogBuckets):
+        where = (
+            f"R[logbucket({r})], deberta log buckets: {index.buckets}, max_distance "
+            f"{index.max_distance}"
+        )
+    else:
+        where = f"R_({r})"
+        if term == "content_position" and reader.sign == "query_minus_key":
+            where += " (relative shift at default positions, gather otherwise)"
+    table = section.table
+    if isinstance(table, LearnedRelativeTable):
+        what = "learned" + (" per-head" if table.heads == "per_head" else "")
+        if table.norm is not None:
+            what += " layer-normed"
+    else:
+        what = f"{table.layout} sinusoid"
+    projected = {
+        "none": where,
+        "key": f"W_k {where}",
+        "query": f"W_q {where}",
+        "relative": f"W_R {where}",
+    }[reader.projection]
+    side = {"content_position": "q_i", "position_content": "k_j"}.get(term, "v_h")
+    form = "relative" if isinstance(value, RelativeTerm) else "global"
+    inside = "inside" if reader.placement == "before_scale" else "after"
+    return TermLine(term, form, f"{side} . {projected} ({what} table, {inside} the scale)")
+
+
+def values_description(spec: Spec) -> str:
+    """The value side in words."""
+    if not isinstance(spec.values, RelativeValues) or spec.relative is None:
+        return "plain"
+    reader = spec.values.relative
+    r = "j - i" if reader.sign == "key_minus_query" else "i - j"
+    sharing = "per-head" if reader.heads == "per_head" else "shared"
+    return f"relative: z_i = sum_j a_ij (v_j + R^V[index({r})]) ({sharing} learned table)"
+
+
+def _value_lines(spec: Spec) -> list[TermLine]:
+    """The value term as a decomposition row (only when it is not plain)."""
+    if not isinstance(spec.values, RelativeValues):
+        return []
+    text = values_description(spec).removeprefix("relative: ")
+    text += (
+        "; formed from the attention weights, so backend auto runs eager and sdpa "
+        "forms the weights a second time"
+    )
+    return [TermLine("values", "relative", text)]
+
+
 def _term_lines(spec: Spec) -> list[TermLine]:
     terms = spec.terms
     lines: list[TermLine] = []
@@ -400,10 +629,22 @@ def _term_lines(spec: Spec) -> list[TermLine]:
         ("content_position", terms.content_position),
         ("position_content", terms.position_content),
     ):
+        relative = _relative_term_lines(spec, term, value)
+        if relative is not None:
+            if spec.input is not None:  # the input table's absolute part is still there
+                relative = TermLine(term, relative.form, f"{absolute[term]} + {relative.formula}")
+            lines.append(relative)
+            continue
         lines.append(TermLine(term, value, absolute[term] if value == "absolute" else "0"))
     bias = spec.bias
+    relative = _relative_term_lines(spec, "position_position", terms.position_position)
     if spec.untied is not None:
         lines.append(TermLine("position_position", "untied", _untied_formula(spec)))
+    elif relative is not None:
+        if spec.input is not None:
+            formula = f"{absolute['position_position']} + {relative.formula}"
+            relative = TermLine(relative.term, relative.form, formula)
+        lines.append(relative)
     elif bias is None:
         value = terms.position_position
         text = absolute["position_position"] if value == "absolute" else "0"
@@ -515,6 +756,7 @@ def build_plan(spec: Spec, spec_path: str, spec_sha256: str) -> ModulePlan:
     rotation = _rotation_plan(spec.rotation) if spec.rotation else None
     bias = _bias_plan(spec.bias) if spec.bias else None
     untied = _untied_plan(spec.untied) if spec.untied else None
+    relative = _relative_plan(spec)
     blocks = []
     if absolute_table is not None:
         blocks.append("absolute_table")
@@ -526,6 +768,8 @@ def build_plan(spec: Spec, spec_path: str, spec_sha256: str) -> ModulePlan:
         blocks.append("rotation")
     if bias is not None:
         blocks.append(bias.kind)
+    if relative is not None:
+        blocks.append("relative_table")
     if rotation is not None:
         rotary_dim_for(spec.defaults.head_dim, spec.rotation.rotary_dims.fraction)
     return ModulePlan(
@@ -536,7 +780,7 @@ def build_plan(spec: Spec, spec_path: str, spec_sha256: str) -> ModulePlan:
         title_lines=docstring_lines(spec.title),
         reference_lines=[docstring_lines(ref, DOCSTRING_WIDTH - 6) for ref in spec.references],
         model_lines=docstring_lines(", ".join(spec.models)) if spec.models else [],
-        decomposition_lines=decomposition_table(_term_lines(spec)),
+        decomposition_lines=decomposition_table(_term_lines(spec) + _value_lines(spec)),
         input_lines=docstring_lines(input_description(spec) or "", DOCSTRING_WIDTH - 4),
         heads=literal(spec.defaults.heads),
         head_dim=literal(spec.defaults.head_dim),
@@ -545,10 +789,12 @@ def build_plan(spec: Spec, spec_path: str, spec_sha256: str) -> ModulePlan:
         scale_factor=literal(float(spec.scale.factor)),
         scale_text=" ".join(docstring_lines(scale_description(spec), 10_000)),
         weight_notes=_weight_notes(absolute_table, bias, untied)
-        + _complex_order_notes(complex_order),
+        + _complex_order_notes(complex_order)
+        + _relative_weight_notes(spec),
         absolute_table=absolute_table,
         rotation=rotation,
         bias=bias,
+        relative=relative,
         blocks=blocks,
         untied=untied,
         complex_order=complex_order,
@@ -640,6 +886,60 @@ def _complex_order_notes(plan: ComplexOrderPlan | None) -> list[str]:
         "when embed is called without per-token ones. Per-token tables (the paper's",
         "vocab-sized amplitude, frequency and phase embeddings) stay with the caller.",
     ]
+
+
+def _relative_weight_notes(spec: Spec) -> list[str]:
+    """How reference checkpoints map onto the relative parameters (fixed text)."""
+    notes: list[str] = []
+    section = spec.relative
+    readers = [r for _, r in spec._relative_readers()]
+    projections = {r.projection for r in readers}
+    if section is not None and isinstance(section.table, LearnedRelativeTable):
+        if section.table.width == "head_dim" and section.table.heads == "shared":
+            notes += [
+                "distance_embedding.weight [rows, head_dim]: the relative table R. Hugging Face",
+                "``BertSelfAttention.distance_embedding.weight`` copies in directly",
+                "(relative_key and relative_key_query, with sign query_minus_key and clip",
+                "max_distance = max_position_embeddings - 1).",
+            ]
+        elif section.table.width == "head_dim":
+            notes += ["distance_embedding.weight [rows, heads * head_dim]: per-head rows."]
+        else:
+            notes += [
+                "rel_embeddings.weight [rows, model_dim]: copy Hugging Face DeBERTa-v2",
+                "``encoder.rel_embeddings.weight`` (rows = 2 * position_buckets).",
+            ]
+            if section.table.norm is not None:
+                notes += [
+                    "rel_norm.weight / .bias [model_dim]: copy ``encoder.LayerNorm``",
+                    "(norm_rel_ebd = layer_norm).",
+                ]
+    if "key" in projections:
+        notes += [
+            "pos_key_proj.weight [heads * head_dim, model_dim] and .bias: copy DeBERTa-v2",
+            "``key_proj`` (share_att_key = True) or ``pos_key_proj``.",
+        ]
+    if "query" in projections:
+        notes += [
+            "pos_query_proj.weight [heads * head_dim, model_dim] and .bias: copy",
+            "DeBERTa-v2 ``query_proj`` (share_att_key = True) or ``pos_query_proj``.",
+        ]
+    if "relative" in projections:
+        notes += [
+            "r_net.weight [heads * head_dim, model_dim]: copy Transformer-XL",
+            "``RelPartialLearnableMultiHeadAttn.r_net.weight`` (W_R, no bias); from XLNet's",
+            "``r`` [model_dim, heads, head_dim] take ``r.flatten(1).T``.",
+        ]
+    if isinstance(spec.terms.position_content, GlobalContentTerm):
+        notes += ["r_w_bias [heads, head_dim]: Transformer-XL ``r_w_bias`` (u)."]
+    if isinstance(spec.terms.position_position, GlobalPositionTerm):
+        notes += ["r_r_bias [heads, head_dim]: Transformer-XL ``r_r_bias`` (v)."]
+    if isinstance(spec.values, RelativeValues):
+        notes += [
+            "value_embedding.weight [rows, value_dim] (or [rows, heads * value_dim] per",
+            "head): the value-side table R^V.",
+        ]
+    return notes
 
 
 def choice_hex(value: str) -> str:

@@ -47,7 +47,7 @@ class SpecModel(BaseModel):
     @classmethod
     def _reject_unknown_keys(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            allowed = set(cls.model_fields)
+            allowed = {info.alias or name for name, info in cls.model_fields.items()}
             for key in data:
                 if key not in allowed:
                     hint = closest_name(str(key), allowed)
@@ -493,6 +493,240 @@ class UntiedTerm(SpecModel):
         return "untied"
 
 
+# --------------------------------------------------------------------------- relative tables
+
+Sign = Literal["key_minus_query", "query_minus_key"]
+Placement = Literal["after_scale", "before_scale"]
+Projection = Literal["none", "key", "query", "relative"]
+
+
+class ClipIndex(SpecModel):
+    """index = clip(r, -max_distance, max_distance) + max_distance (Shaw et al. 2018).
+
+    r is the signed relative position named by each term's ``sign``; the table has
+    2 · max_distance + 1 rows, and every distance beyond the clip shares an edge row.
+    """
+
+    kind: Literal["clip"]
+    max_distance: int = Field(ge=1, le=1 << 20)
+
+    @property
+    def rows(self) -> int:
+        return 2 * self.max_distance + 1
+
+
+class SymmetricLogBuckets(SpecModel):
+    """Signed log buckets of the DeBERTa-v2 recipe (He et al. 2021, arXiv:2006.03654).
+
+    With mid = buckets / 2: |r| <= mid keeps r; larger |r| maps to
+    sign(r) · (mid + ceil(log(|r| / mid) / log((max_distance - 1) / mid) · (mid - 1))).
+    The row is clamp(bucket + buckets, 0, 2 · buckets - 1): the table has 2 · buckets rows
+    (``position_buckets`` and ``max_relative_positions`` in Hugging Face DebertaV2Config).
+    """
+
+    kind: Literal["log_buckets"]
+    recipe: Literal["deberta"]
+    buckets: int = Field(ge=4, le=1 << 16)
+    max_distance: int = Field(ge=2, le=1 << 24)
+
+    @model_validator(mode="after")
+    def _check_ranges(self) -> SymmetricLogBuckets:
+        if self.buckets % 2:
+            raise cross_field_error(
+                "buckets",
+                f"log buckets are split evenly between the two signs, so the count must "
+                f"be even (got {self.buckets})",
+            )
+        if self.max_distance <= self.buckets:
+            raise cross_field_error(
+                "max_distance",
+                f"max_distance must be greater than buckets ({self.buckets}) so that the "
+                f"log-spaced range is not empty; got {self.max_distance}",
+            )
+        return self
+
+    @property
+    def rows(self) -> int:
+        return 2 * self.buckets
+
+
+class DistanceIndex(SpecModel):
+    """The raw signed distance r itself: only for computed (sinusoidal) tables."""
+
+    kind: Literal["distance"]
+
+    @property
+    def rows(self) -> None:
+        return None
+
+
+RelativeIndex = Annotated[
+    Union[ClipIndex, SymmetricLogBuckets, DistanceIndex], Field(discriminator="kind")
+]
+
+
+class LayerNormSpec(SpecModel):
+    """LayerNorm over the table rows before projection (DeBERTa-v2 norm_rel_ebd)."""
+
+    kind: Literal["layer_norm"]
+    eps: float = Field(gt=0, lt=1)
+
+
+class LearnedRelativeTable(SpecModel):
+    """A trained table R, one row per index value.
+
+    ``width: head_dim``: rows are used as they are, shared by every head
+    (``heads: shared``, [rows, head_dim]) or one per head (``per_head``,
+    [rows, heads · head_dim]). ``width: model_dim``: rows live in model space
+    [rows, model_dim] (optionally layer-normed) and each term projects them.
+    """
+
+    kind: Literal["learned"]
+    width: Literal["head_dim", "model_dim"]
+    heads: Literal["shared", "per_head"] | None = None
+    norm: LayerNormSpec | None = None
+    init_std: float = Field(0.02, gt=0)
+
+    @model_validator(mode="after")
+    def _check_width(self) -> LearnedRelativeTable:
+        if self.width == "head_dim":
+            if self.heads is None:
+                raise cross_field_error(
+                    "heads", "a head_dim table must say whether heads share it: "
+                    "'shared' or 'per_head'",
+                )
+            if self.norm is not None:
+                raise cross_field_error(
+                    "norm", "only model_dim tables are normalised before their projection"
+                )
+        elif self.heads is not None:
+            raise cross_field_error(
+                "heads", "a model_dim table is split into heads by its projections; "
+                "remove 'heads'",
+            )
+        return self
+
+
+class SinusoidalRelativeTable(SpecModel):
+    """R_r computed from the signed distance r (Dai et al. 2019): [rows, model_dim].
+
+    ``split``: [sin(r·w_0) … sin(r·w_{D/2-1}) | cos(r·w_0) … cos(r·w_{D/2-1})],
+    w_k = base^(-2k/D) (Transformer-XL); ``interleaved``: sin on even, cos on odd features.
+    """
+
+    kind: Literal["sinusoidal"]
+    base: float = Field(gt=1)
+    layout: Literal["interleaved", "split"]
+
+
+RelativeTable = Annotated[
+    Union[LearnedRelativeTable, SinusoidalRelativeTable], Field(discriminator="kind")
+]
+
+
+class RelativeSection(SpecModel):
+    """The relative table R and its index map, shared by every relative term.
+
+    ``table`` is required when a term reads it; a spec whose only relative part is the
+    value term (which has its own table) states just the ``index``. A relative term is term_ij = x · P(R)[index(r)], with r the signed relative position
+    of (i, j), x the term's query-side vector and P its projection.
+    """
+
+    index: RelativeIndex
+    table: RelativeTable | None = None
+
+    @property
+    def width(self) -> str | None:
+        table = self.table
+        if table is None:
+            return None
+        return table.width if isinstance(table, LearnedRelativeTable) else "model_dim"
+
+
+class RelativeTermSpec(SpecModel):
+    """How one term reads the relative table.
+
+    ``sign``: r = j - i (``key_minus_query``) or i - j (``query_minus_key``).
+    ``projection``: ``none`` (head_dim table used as it is), ``key`` / ``query`` (the
+    module's ``pos_key_proj`` / ``pos_query_proj``: Linear model_dim → heads · head_dim
+    with bias, copies of the attention's key / query projections) or ``relative`` (the
+    module's ``r_net``: a separate Linear without bias, W_R of Transformer-XL).
+    ``placement``: inside the 1/sqrt(d) scale (``before_scale``) or added after it.
+    """
+
+    sign: Sign
+    projection: Projection
+    placement: Placement
+
+
+class RelativeTerm(SpecModel):
+    """content_position: q_i · P(R)[index(r)]; position_content: k_j · P(R)[index(r)]."""
+
+    relative: RelativeTermSpec
+
+    @property
+    def form(self) -> str:
+        return "relative"
+
+
+class GlobalContentSpec(SpecModel):
+    """A trained vector u per head dotted with every key: u_h · k_j (parameter r_w_bias)."""
+
+    placement: Placement
+    init_std: float = Field(0.02, gt=0)
+
+
+class GlobalContentTerm(SpecModel):
+    """position_content replaced by a global content bias (Transformer-XL term (c))."""
+
+    global_: GlobalContentSpec = Field(alias="global")
+
+    @property
+    def form(self) -> str:
+        return "global"
+
+
+class GlobalPositionSpec(SpecModel):
+    """A trained vector v per head dotted with the relative rows: v_h · P(R)[index(r)]."""
+
+    sign: Sign
+    projection: Projection
+    placement: Placement
+    init_std: float = Field(0.02, gt=0)
+
+
+class GlobalPositionTerm(SpecModel):
+    """position_position replaced by a global position bias (Transformer-XL term (d))."""
+
+    global_: GlobalPositionSpec = Field(alias="global")
+
+    @property
+    def form(self) -> str:
+        return "global"
+
+
+class RelativeValuesSpec(SpecModel):
+    """z_i = Σ_j α_ij (v_j + R^V[index(r)]): a second trained head-space table on values.
+
+    Uses the index of the ``relative`` section with its own ``sign``; the table is
+    [rows, value_dim] (``shared``) or [rows, heads · value_dim] (``per_head``).
+    """
+
+    sign: Sign
+    heads: Literal["shared", "per_head"]
+    init_std: float = Field(0.02, gt=0)
+
+
+class RelativeValues(SpecModel):
+    """values: a relative value term (Shaw et al. 2018)."""
+
+    relative: RelativeValuesSpec
+
+    @property
+    def form(self) -> str:
+        return "relative"
+
+
 # --------------------------------------------------------------------------- the terms
 
 
@@ -505,12 +739,17 @@ ContentContent = Annotated[
     _tagged("keep", "rotate", what="content_content"),
 ]
 ContentPosition = Annotated[
-    Union[_keyword("drop"), _keyword("absolute")],
-    _tagged("drop", "absolute", what="content_position"),
+    Union[_keyword("drop"), _keyword("absolute"), Annotated[RelativeTerm, Tag("relative")]],
+    _tagged("drop", "absolute", "relative", what="content_position"),
 ]
 PositionContent = Annotated[
-    Union[_keyword("drop"), _keyword("absolute")],
-    _tagged("drop", "absolute", what="position_content"),
+    Union[
+        _keyword("drop"),
+        _keyword("absolute"),
+        Annotated[RelativeTerm, Tag("relative")],
+        Annotated[GlobalContentTerm, Tag("global")],
+    ],
+    _tagged("drop", "absolute", "relative", "global", what="position_content"),
 ]
 PositionPosition = Annotated[
     Union[
@@ -518,10 +757,20 @@ PositionPosition = Annotated[
         _keyword("absolute"),
         Annotated[BiasTerm, Tag("bias")],
         Annotated[UntiedTerm, Tag("untied_term")],
+        Annotated[GlobalPositionTerm, Tag("global")],
     ],
     _tagged(
-        "drop", "absolute", "bias", what="position_position", leading=("untied", "untied_term")
+        "drop",
+        "absolute",
+        "bias",
+        "global",
+        what="position_position",
+        leading=("untied", "untied_term"),
     ),
+]
+Values = Annotated[
+    Union[_keyword("plain"), Annotated[RelativeValues, Tag("relative")]],
+    _tagged("plain", "relative", what="values"),
 ]
 
 
@@ -561,8 +810,9 @@ class Spec(SpecModel):
     defaults: Defaults
     scale: Scale
     input: InputForm | None = None
+    relative: RelativeSection | None = None
     terms: Terms
-    values: Literal["plain"] = "plain"
+    values: Values = "plain"
     claims: Claims
 
     @model_validator(mode="after")
@@ -578,7 +828,7 @@ class Spec(SpecModel):
         }
         if self.input is not None:
             for term, value in position_terms.items():
-                if value != "absolute":
+                if value != "absolute" and not isinstance(value, RELATIVE_FORMS):
                     raise cross_field_error(
                         f"terms.{term}",
                         "positions added to the input reach every position term: "
@@ -608,6 +858,7 @@ class Spec(SpecModel):
                 "defaults",
                 "an untied position table lives in model space: it needs defaults.model_dim",
             )
+        self._check_relative()
         rotation = self.rotation
         if rotation is not None:
             rotary_dim = rotary_dim_for(self.defaults.head_dim, rotation.rotary_dims.fraction)
@@ -618,6 +869,93 @@ class Spec(SpecModel):
                     f"features (head_dim {self.defaults.head_dim} gives {rotary_dim})",
                 )
         return self
+
+    def _relative_readers(self) -> list[tuple[str, RelativeTermSpec | GlobalPositionSpec]]:
+        """(path, term) of every term that reads the relative table."""
+        readers: list[tuple[str, RelativeTermSpec | GlobalPositionSpec]] = []
+        for term in ("content_position", "position_content", "position_position"):
+            value = getattr(self.terms, term)
+            if isinstance(value, RelativeTerm):
+                readers.append((f"terms.{term}.relative", value.relative))
+            elif isinstance(value, GlobalPositionTerm):
+                readers.append((f"terms.{term}.global", value.global_))
+        return readers
+
+    def _check_relative(self) -> None:
+        readers = self._relative_readers()
+        value_term = self.values if isinstance(self.values, RelativeValues) else None
+        section = self.relative
+        if section is None:
+            if readers:
+                raise cross_field_error(
+                    readers[0][0],
+                    "relative terms read the table of a top-level 'relative' section "
+                    "(index and table): add one",
+                )
+            if value_term is not None:
+                raise cross_field_error(
+                    "values.relative",
+                    "relative values use the index of a top-level 'relative' section: "
+                    "add one",
+                )
+            return
+        if not readers and value_term is None:
+            raise cross_field_error(
+                "relative", "no term reads the relative table: remove the section"
+            )
+        if readers and section.table is None:
+            raise cross_field_error(
+                "relative.table", f"{readers[0][0]} reads the relative table: add 'table'"
+            )
+        if section.table is not None and not readers:
+            raise cross_field_error(
+                "relative.table",
+                "no term reads the relative table (the value term has its own): remove it",
+            )
+        if value_term is not None and isinstance(section.index, DistanceIndex):
+            raise cross_field_error(
+                "values.relative",
+                "relative values are a learned table with finitely many rows: use index "
+                "kind 'clip' or 'log_buckets'",
+            )
+        width = section.width
+        for path, reader in readers:
+            if width == "head_dim" and reader.projection != "none":
+                raise cross_field_error(
+                    f"{path}.projection",
+                    "a head_dim table is used as it is, so projection must be 'none' "
+                    f"(got {reader.projection!r})",
+                )
+            if width == "model_dim" and reader.projection == "none":
+                raise cross_field_error(
+                    f"{path}.projection",
+                    "a model_dim table must be projected into the heads: choose 'key', "
+                    "'query' or 'relative'",
+                )
+        table, index = section.table, section.index
+        if isinstance(table, SinusoidalRelativeTable) and not isinstance(index, DistanceIndex):
+            raise cross_field_error(
+                "relative.index.kind",
+                "a sinusoidal table is computed for every distance: use index kind "
+                "'distance'",
+            )
+        if isinstance(index, DistanceIndex) and isinstance(table, LearnedRelativeTable):
+            raise cross_field_error(
+                "relative.index.kind",
+                "a learned table has finitely many rows: use index kind 'clip' or "
+                "'log_buckets'",
+            )
+        if width == "model_dim":
+            if self.defaults.model_dim is None:
+                raise cross_field_error(
+                    "defaults", "a model_dim relative table needs defaults.model_dim"
+                )
+            if isinstance(table, SinusoidalRelativeTable) and self.defaults.model_dim % 2:
+                raise cross_field_error(
+                    "defaults.model_dim",
+                    f"sinusoidal tables pair sin and cos features, so model_dim must be "
+                    f"even (got {self.defaults.model_dim})",
+                )
 
     @property
     def rotation(self) -> Rotation | None:
@@ -636,6 +974,9 @@ class Spec(SpecModel):
         """The untied absolute position_position term, if the spec has one."""
         term = self.terms.position_position
         return term.untied if isinstance(term, UntiedTerm) else None
+
+
+RELATIVE_FORMS = (RelativeTerm, GlobalContentTerm, GlobalPositionTerm)
 
 
 def rotary_dim_for(head_dim: int, fraction: float) -> int:

@@ -154,6 +154,7 @@ _KNOWN_TAGS = {
     "learned", "sinusoidal", "log_buckets", "linear_slopes", "learned_table",
     "hierarchical", "ode", "depthwise_conv", "add", "multiply", "complex_order",
     "str", "int", "float", "bool", "none",
+    "relative", "global", "plain", "clip", "distance",
 }
 
 
