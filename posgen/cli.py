@@ -189,8 +189,7 @@ def explanation(spec: Spec) -> list[str]:
     lines = [f"{spec.name}: {spec.title}", ""]
     description = input_description(spec)
     if description is not None:
-        lines.append(f"input      {description}")
-    lines.append("")
+        lines += [f"input      {description}", ""]
     lines.append("a_ij = content_content + content_position + position_content + "
                  "position_position")
     lines.append(f"scale: {scale_description(spec)}")
