@@ -18,13 +18,13 @@ import re
 from dataclasses import dataclass, field
 
 from posgen.spec import (
+    ClipIndex,
     ComplexOrderInput,
     DepthwiseConvTable,
-    HierarchicalTable,
-    ClipIndex,
     DistanceIndex,
     GlobalContentTerm,
     GlobalPositionTerm,
+    HierarchicalTable,
     LearnedRelativeTable,
     LearnedTable,
     LearnedTableBias,
@@ -35,9 +35,9 @@ from posgen.spec import (
     RelativeValues,
     Rotation,
     Spec,
-    UntiedPositions,
-    TableInput,
     SymmetricLogBuckets,
+    TableInput,
+    UntiedPositions,
     rotary_dim_for,
 )
 
@@ -282,7 +282,6 @@ class ModulePlan:
     scale_kind: str  # none | inv_sqrt_head_dim
     scale_factor: str
     scale_text: str
-    weight_notes: list[str]
     absolute_table: AbsoluteTablePlan | None
     rotation: RotationPlan | None
     bias: BiasPlan | None
@@ -302,9 +301,12 @@ class ModulePlan:
         An untied term applies the scale itself (and places its bias), so its
         _position_bias is already in logit units.
         """
-        return self.untied is None and self.bias is not None and (
-            self.bias.placement == "before_scale"
+        return (
+            self.untied is None
+            and self.bias is not None
+            and (self.bias.placement == "before_scale")
         )
+
     complex_order: ComplexOrderPlan | None = None
 
 
@@ -532,8 +534,10 @@ def _relative_plan(spec: Spec) -> RelativePlan | None:
             )
     projections = sorted({t.projection for t in terms} - {"none"})
     signs = sorted({t.sign for t in terms} | ({values.sign} if values else set()))
-    shift = index_plan is not None and index_plan.kind == "distance" and any(
-        t.side == "query" and t.sign == "query_minus_key" for t in terms
+    shift = (
+        index_plan is not None
+        and index_plan.kind == "distance"
+        and any(t.side == "query" and t.sign == "query_minus_key" for t in terms)
     )
     return RelativePlan(
         index=index_plan,
@@ -662,8 +666,10 @@ def _input_term_texts(spec: Spec) -> dict[str, str]:
         return dict.fromkeys(("content_position", "position_content", "position_position"), text)
     if form is not None and form.table.kind == "depthwise_conv":
         combined = "x_i * c_i" if form.kind == "multiply" else "x_i + c_i"
-        text = (f"inside ({combined}) Wq Wk^T (...)_j^T, c = DWConv(x): content-conditioned, "
-                "position only through the zero padding at the edges")
+        text = (
+            f"inside ({combined}) Wq Wk^T (...)_j^T, c = DWConv(x): content-conditioned, "
+            "position only through the zero padding at the edges"
+        )
         return dict.fromkeys(("content_position", "position_content", "position_position"), text)
     if form is not None and form.kind == "multiply":
         text = "inside (x_i * p_i) Wq Wk^T (x_j * p_j)^T (input product, not a separate sum)"
@@ -750,9 +756,7 @@ def build_plan(spec: Spec, spec_path: str, spec_sha256: str) -> ModulePlan:
     module_name = identifier(spec.name)
     form = spec.input
     absolute_table = _absolute_table_plan(form) if isinstance(form, TableInput) else None
-    complex_order = (
-        _complex_order_plan(form) if isinstance(form, ComplexOrderInput) else None
-    )
+    complex_order = _complex_order_plan(form) if isinstance(form, ComplexOrderInput) else None
     rotation = _rotation_plan(spec.rotation) if spec.rotation else None
     bias = _bias_plan(spec.bias) if spec.bias else None
     untied = _untied_plan(spec.untied) if spec.untied else None
@@ -788,9 +792,6 @@ def build_plan(spec: Spec, spec_path: str, spec_sha256: str) -> ModulePlan:
         scale_kind=choice(spec.scale.kind, ("none", "inv_sqrt_head_dim")),
         scale_factor=literal(float(spec.scale.factor)),
         scale_text=" ".join(docstring_lines(scale_description(spec), 10_000)),
-        weight_notes=_weight_notes(absolute_table, bias, untied)
-        + _complex_order_notes(complex_order)
-        + _relative_weight_notes(spec),
         absolute_table=absolute_table,
         rotation=rotation,
         bias=bias,
@@ -799,147 +800,6 @@ def build_plan(spec: Spec, spec_path: str, spec_sha256: str) -> ModulePlan:
         untied=untied,
         complex_order=complex_order,
     )
-
-
-def _weight_notes(
-    table: AbsoluteTablePlan | None, bias: BiasPlan | None, untied: UntiedPlan | None = None
-) -> list[str]:
-    """How reference checkpoints map onto the generated parameters (fixed text)."""
-    notes: list[str] = []
-    if untied is not None:
-        notes += [
-            "position_embeddings.weight [max_positions, model_dim]: the untied table p.",
-            "position_query / position_key (nn.Linear, weight [heads * head_dim, model_dim]):",
-            "U_q and U_k, output feature h * head_dim + e is head h, feature e.",
-        ]
-        if untied.norm == "layer_norm":
-            notes += ["position_norm (nn.LayerNorm over model_dim): the table's LayerNorm."]
-        if untied.first_token == "reset":
-            notes += [
-                "From the TUPE authors' fairseq code (guolinke/TUPE): pos.weight ->",
-                "position_embeddings.weight (max_positions + 1 rows, row 0 the [CLS] slot),",
-            ]
-        else:
-            notes += [
-                "From the TUPE authors' fairseq code (guolinke/TUPE): pos.weight[1:] (their",
-                "row 0 is the [CLS]-reset slot, unused here) -> position_embeddings.weight,",
-            ]
-        notes += [
-            "pos_ln -> position_norm, pos_proj.weight[:model_dim] -> position_query.weight,",
-            "pos_proj.weight[model_dim:] -> position_key.weight (biases likewise).",
-        ]
-        if untied.first_token == "reset" and bias is not None:
-            notes += [
-                "relative_attention_bias.weight [buckets + 1, heads]: their",
-                "relative_attention_bias.weight (the last row is the key-[CLS] entry).",
-            ]
-        elif bias is not None and bias.kind == "learned_table":
-            notes += [
-                "relative_attention_bias.weight [buckets, heads]: their",
-                "relative_attention_bias.weight[:buckets] (their last row is the [CLS] entry).",
-            ]
-    if table is not None and table.kind == "learned":
-        notes += [
-            "position_embeddings.weight [max_positions, model_dim]: copy GPT-2",
-            "``wpe.weight`` or BERT ``embeddings.position_embeddings.weight``.",
-        ]
-    if table is not None and table.kind == "ode":
-        notes += [
-            "dynamics_in [hidden, model_dim + 1] and dynamics_out [model_dim, hidden + 1]",
-            "(torch.nn.Linear, the last input column being the time t) are the two layers",
-            "of h, as the authors' ``Linear_t`` layers of ``flow_func_linear``;",
-            "initial_position [model_dim] is p_0 when it is learned.",
-        ]
-    if table is not None and table.kind == "depthwise_conv" and table.conv_layout == "grid_2d":
-        notes += [
-            "position_conv.weight [model_dim, 1, k, k] and position_conv.bias [model_dim]:",
-            "a depthwise torch.nn.Conv2d, the layout of CPVT's PEG ``proj`` (and of",
-            "Twins-PCPVT's ``PosConv.proj``): copy those weights directly.",
-        ]
-    elif table is not None and table.kind == "depthwise_conv":
-        notes += [
-            "position_conv.weight [model_dim, 1, kernel_size] and position_conv.bias",
-            "[model_dim]: a depthwise torch.nn.Conv1d (groups = model_dim), the 1-D form",
-            "of CPVT's 2-D PEG ``proj`` convolution.",
-        ]
-    if table is not None and table.kind == "hierarchical":
-        notes += [
-            "position_embeddings.weight [base_positions, model_dim] holds the basis u. To",
-            "extend a trained absolute table p of n rows (BERT's 512-row",
-            "``embeddings.position_embeddings.weight``), call ``load_absolute_table(p)``:",
-            "it stores u_i = (p_i - alpha p_0) / (1 - alpha), so positions below n give p",
-            "exactly and positions up to n^2 - 1 are new.",
-        ]
-    if bias is not None and bias.kind == "learned_table" and untied is None:
-        notes += [
-            "relative_attention_bias.weight [buckets, heads]: copy Hugging Face",
-            "``T5Attention.relative_attention_bias.weight`` (first layer of each stack).",
-        ]
-    return notes
-
-
-def _complex_order_notes(plan: ComplexOrderPlan | None) -> list[str]:
-    if plan is None or plan.learned != "True":
-        return []
-    return [
-        "frequency [model_dim] and phase [model_dim]: per-feature omega and theta, used",
-        "when embed is called without per-token ones. Per-token tables (the paper's",
-        "vocab-sized amplitude, frequency and phase embeddings) stay with the caller.",
-    ]
-
-
-def _relative_weight_notes(spec: Spec) -> list[str]:
-    """How reference checkpoints map onto the relative parameters (fixed text)."""
-    notes: list[str] = []
-    section = spec.relative
-    readers = [r for _, r in spec._relative_readers()]
-    projections = {r.projection for r in readers}
-    if section is not None and isinstance(section.table, LearnedRelativeTable):
-        if section.table.width == "head_dim" and section.table.heads == "shared":
-            notes += [
-                "distance_embedding.weight [rows, head_dim]: the relative table R. Hugging Face",
-                "``BertSelfAttention.distance_embedding.weight`` copies in directly",
-                "(relative_key and relative_key_query, with sign query_minus_key and clip",
-                "max_distance = max_position_embeddings - 1).",
-            ]
-        elif section.table.width == "head_dim":
-            notes += ["distance_embedding.weight [rows, heads * head_dim]: per-head rows."]
-        else:
-            notes += [
-                "rel_embeddings.weight [rows, model_dim]: copy Hugging Face DeBERTa-v2",
-                "``encoder.rel_embeddings.weight`` (rows = 2 * position_buckets).",
-            ]
-            if section.table.norm is not None:
-                notes += [
-                    "rel_norm.weight / .bias [model_dim]: copy ``encoder.LayerNorm``",
-                    "(norm_rel_ebd = layer_norm).",
-                ]
-    if "key" in projections:
-        notes += [
-            "pos_key_proj.weight [heads * head_dim, model_dim] and .bias: copy DeBERTa-v2",
-            "``key_proj`` (share_att_key = True) or ``pos_key_proj``.",
-        ]
-    if "query" in projections:
-        notes += [
-            "pos_query_proj.weight [heads * head_dim, model_dim] and .bias: copy",
-            "DeBERTa-v2 ``query_proj`` (share_att_key = True) or ``pos_query_proj``.",
-        ]
-    if "relative" in projections:
-        notes += [
-            "r_net.weight [heads * head_dim, model_dim]: copy Transformer-XL",
-            "``RelPartialLearnableMultiHeadAttn.r_net.weight`` (W_R, no bias); from XLNet's",
-            "``r`` [model_dim, heads, head_dim] take ``r.flatten(1).T``.",
-        ]
-    if isinstance(spec.terms.position_content, GlobalContentTerm):
-        notes += ["r_w_bias [heads, head_dim]: Transformer-XL ``r_w_bias`` (u)."]
-    if isinstance(spec.terms.position_position, GlobalPositionTerm):
-        notes += ["r_r_bias [heads, head_dim]: Transformer-XL ``r_r_bias`` (v)."]
-    if isinstance(spec.values, RelativeValues):
-        notes += [
-            "value_embedding.weight [rows, value_dim] (or [rows, heads * value_dim] per",
-            "head): the value-side table R^V.",
-        ]
-    return notes
 
 
 def choice_hex(value: str) -> str:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import builtins
 import keyword
 import re
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -238,7 +238,7 @@ class OdeTable(SpecModel):
 
 
 AbsoluteTable = Annotated[
-    Union[LearnedTable, SinusoidalTable, HierarchicalTable, DepthwiseConvTable, OdeTable],
+    LearnedTable | SinusoidalTable | HierarchicalTable | DepthwiseConvTable | OdeTable,
     Field(discriminator="kind"),
 ]
 
@@ -290,7 +290,7 @@ class ComplexOrderInput(SpecModel):
         return self
 
 
-InputForm = Annotated[Union[TableInput, ComplexOrderInput], Field(discriminator="kind")]
+InputForm = Annotated[TableInput | ComplexOrderInput, Field(discriminator="kind")]
 
 
 # --------------------------------------------------------------------------- rotations
@@ -401,7 +401,7 @@ class LearnedTableBias(SpecModel):
     init_std: float = Field(1.0, gt=0)
 
 
-Bias = Annotated[Union[LinearSlopeBias, LearnedTableBias], Field(discriminator="kind")]
+Bias = Annotated[LinearSlopeBias | LearnedTableBias, Field(discriminator="kind")]
 
 
 class BiasTerm(SpecModel):
@@ -561,7 +561,7 @@ class DistanceIndex(SpecModel):
 
 
 RelativeIndex = Annotated[
-    Union[ClipIndex, SymmetricLogBuckets, DistanceIndex], Field(discriminator="kind")
+    ClipIndex | SymmetricLogBuckets | DistanceIndex, Field(discriminator="kind")
 ]
 
 
@@ -592,8 +592,8 @@ class LearnedRelativeTable(SpecModel):
         if self.width == "head_dim":
             if self.heads is None:
                 raise cross_field_error(
-                    "heads", "a head_dim table must say whether heads share it: "
-                    "'shared' or 'per_head'",
+                    "heads",
+                    "a head_dim table must say whether heads share it: 'shared' or 'per_head'",
                 )
             if self.norm is not None:
                 raise cross_field_error(
@@ -601,8 +601,8 @@ class LearnedRelativeTable(SpecModel):
                 )
         elif self.heads is not None:
             raise cross_field_error(
-                "heads", "a model_dim table is split into heads by its projections; "
-                "remove 'heads'",
+                "heads",
+                "a model_dim table is split into heads by its projections; remove 'heads'",
             )
         return self
 
@@ -620,7 +620,7 @@ class SinusoidalRelativeTable(SpecModel):
 
 
 RelativeTable = Annotated[
-    Union[LearnedRelativeTable, SinusoidalRelativeTable], Field(discriminator="kind")
+    LearnedRelativeTable | SinusoidalRelativeTable, Field(discriminator="kind")
 ]
 
 
@@ -628,8 +628,9 @@ class RelativeSection(SpecModel):
     """The relative table R and its index map, shared by every relative term.
 
     ``table`` is required when a term reads it; a spec whose only relative part is the
-    value term (which has its own table) states just the ``index``. A relative term is term_ij = x · P(R)[index(r)], with r the signed relative position
-    of (i, j), x the term's query-side vector and P its projection.
+    value term (which has its own table) states just the ``index``. A relative term is
+    term_ij = x · P(R)[index(r)], with r the signed relative position of (i, j), x the
+    term's query-side vector and P its projection.
     """
 
     index: RelativeIndex
@@ -735,30 +736,26 @@ def _keyword(name: str) -> Any:
 
 
 ContentContent = Annotated[
-    Union[_keyword("keep"), Annotated[RotateTerm, Tag("rotate")]],
+    _keyword("keep") | Annotated[RotateTerm, Tag("rotate")],
     _tagged("keep", "rotate", what="content_content"),
 ]
 ContentPosition = Annotated[
-    Union[_keyword("drop"), _keyword("absolute"), Annotated[RelativeTerm, Tag("relative")]],
+    _keyword("drop") | _keyword("absolute") | Annotated[RelativeTerm, Tag("relative")],
     _tagged("drop", "absolute", "relative", what="content_position"),
 ]
 PositionContent = Annotated[
-    Union[
-        _keyword("drop"),
-        _keyword("absolute"),
-        Annotated[RelativeTerm, Tag("relative")],
-        Annotated[GlobalContentTerm, Tag("global")],
-    ],
+    _keyword("drop")
+    | _keyword("absolute")
+    | Annotated[RelativeTerm, Tag("relative")]
+    | Annotated[GlobalContentTerm, Tag("global")],
     _tagged("drop", "absolute", "relative", "global", what="position_content"),
 ]
 PositionPosition = Annotated[
-    Union[
-        _keyword("drop"),
-        _keyword("absolute"),
-        Annotated[BiasTerm, Tag("bias")],
-        Annotated[UntiedTerm, Tag("untied_term")],
-        Annotated[GlobalPositionTerm, Tag("global")],
-    ],
+    _keyword("drop")
+    | _keyword("absolute")
+    | Annotated[BiasTerm, Tag("bias")]
+    | Annotated[UntiedTerm, Tag("untied_term")]
+    | Annotated[GlobalPositionTerm, Tag("global")],
     _tagged(
         "drop",
         "absolute",
@@ -769,7 +766,7 @@ PositionPosition = Annotated[
     ),
 ]
 Values = Annotated[
-    Union[_keyword("plain"), Annotated[RelativeValues, Tag("relative")]],
+    _keyword("plain") | Annotated[RelativeValues, Tag("relative")],
     _tagged("plain", "relative", what="values"),
 ]
 
@@ -835,9 +832,7 @@ class Spec(SpecModel):
                         f"state it as 'absolute' (got {_describe(value)!r})",
                     )
             if self.defaults.model_dim is None:
-                raise cross_field_error(
-                    "defaults", "an input-level table needs defaults.model_dim"
-                )
+                raise cross_field_error("defaults", "an input-level table needs defaults.model_dim")
             table = getattr(self.input, "table", None)
             if table is not None and table.kind == "sinusoidal" and self.defaults.model_dim % 2:
                 raise cross_field_error(
@@ -895,8 +890,7 @@ class Spec(SpecModel):
             if value_term is not None:
                 raise cross_field_error(
                     "values.relative",
-                    "relative values use the index of a top-level 'relative' section: "
-                    "add one",
+                    "relative values use the index of a top-level 'relative' section: add one",
                 )
             return
         if not readers and value_term is None:
@@ -936,14 +930,12 @@ class Spec(SpecModel):
         if isinstance(table, SinusoidalRelativeTable) and not isinstance(index, DistanceIndex):
             raise cross_field_error(
                 "relative.index.kind",
-                "a sinusoidal table is computed for every distance: use index kind "
-                "'distance'",
+                "a sinusoidal table is computed for every distance: use index kind 'distance'",
             )
         if isinstance(index, DistanceIndex) and isinstance(table, LearnedRelativeTable):
             raise cross_field_error(
                 "relative.index.kind",
-                "a learned table has finitely many rows: use index kind 'clip' or "
-                "'log_buckets'",
+                "a learned table has finitely many rows: use index kind 'clip' or 'log_buckets'",
             )
         if width == "model_dim":
             if self.defaults.model_dim is None:

@@ -39,11 +39,13 @@ def load_spec(path: Path) -> LoadedSpec:
     try:
         raw = path.read_bytes()
     except OSError as error:
-        raise SpecError([Diagnostic(shown, 1, 1, "<file>", f"cannot read: {error.strerror}")])
+        raise SpecError(
+            [Diagnostic(shown, 1, 1, "<file>", f"cannot read: {error.strerror}")]
+        ) from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
-        raise SpecError([Diagnostic(shown, 1, 1, "<file>", f"not UTF-8: {error.reason}")])
+        raise SpecError([Diagnostic(shown, 1, 1, "<file>", f"not UTF-8: {error.reason}")]) from None
     try:
         loaded = load_yaml(text, shown)
     except YamlError as error:
@@ -57,7 +59,10 @@ def load_spec(path: Path) -> LoadedSpec:
         raise SpecError(
             [
                 Diagnostic(
-                    shown, line, col, "name",
+                    shown,
+                    line,
+                    col,
+                    "name",
                     f"name {spec.name!r} must match the file name {path.name!r} "
                     f"(expected {path.stem!r})",
                 )
@@ -80,7 +85,10 @@ def load_specs(paths: Iterable[Path]) -> list[LoadedSpec]:
         if item.spec.name in seen:
             diagnostics.append(
                 Diagnostic(
-                    item.display_path, 1, 1, "name",
+                    item.display_path,
+                    1,
+                    1,
+                    "name",
                     f"duplicate spec name {item.spec.name!r} "
                     f"(also in {seen[item.spec.name].display_path})",
                 )
@@ -150,11 +158,33 @@ def _is_tag(part: str) -> bool:
 
 
 _KNOWN_TAGS = {
-    "keep", "drop", "absolute", "rotate", "bias", "untied_term",
-    "learned", "sinusoidal", "log_buckets", "linear_slopes", "learned_table",
-    "hierarchical", "ode", "depthwise_conv", "add", "multiply", "complex_order",
-    "str", "int", "float", "bool", "none",
-    "relative", "global", "plain", "clip", "distance",
+    "keep",
+    "drop",
+    "absolute",
+    "rotate",
+    "bias",
+    "untied_term",
+    "learned",
+    "sinusoidal",
+    "log_buckets",
+    "linear_slopes",
+    "learned_table",
+    "hierarchical",
+    "ode",
+    "depthwise_conv",
+    "add",
+    "multiply",
+    "complex_order",
+    "str",
+    "int",
+    "float",
+    "bool",
+    "none",
+    "relative",
+    "global",
+    "plain",
+    "clip",
+    "distance",
 }
 
 
@@ -167,8 +197,10 @@ def _message(item: dict) -> str:
     if kind == "literal_error":
         hint = ""
         if isinstance(given, str):
-            options = [o.strip().strip("'") for o in str(context.get("expected", "")).replace(
-                " or ", ", ").split(",")]
+            options = [
+                o.strip().strip("'")
+                for o in str(context.get("expected", "")).replace(" or ", ", ").split(",")
+            ]
             best = closest_name(given, [o for o in options if o])
             hint = f" (did you mean {best!r}?)" if best else ""
         return f"got {given!r}; allowed: {context.get('expected')}{hint}"
@@ -207,5 +239,3 @@ def _describe_tags(item: dict) -> str:
 def _short(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
-
-

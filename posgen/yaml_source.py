@@ -94,8 +94,7 @@ class _Builder:
                 raise self.fail(
                     key_node,
                     (*path, key),
-                    f"duplicate key {key!r} (first defined at line {first_line}, "
-                    f"col {first_col})",
+                    f"duplicate key {key!r} (first defined at line {first_line}, col {first_col})",
                 )
             self.loaded.key_positions[(*path, key)] = _position(key_node)
             result[key] = self.build(value_node, (*path, key))
@@ -159,7 +158,10 @@ def load_yaml(text: str, source_name: str) -> LoadedYaml:
     if len(nodes) != 1:
         raise YamlError(
             Diagnostic(
-                source_name, 1, 1, "<document>",
+                source_name,
+                1,
+                1,
+                "<document>",
                 f"a spec file holds exactly one YAML document (found {len(nodes)})",
             )
         )
