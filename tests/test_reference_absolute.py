@@ -73,7 +73,7 @@ def test_ode_trajectory_order_of_accuracy_on_a_linear_system(method: str, order:
         path = ref.ode_trajectory(h, p0, 5, 0.5, steps, method)
         _close(path[0], p0)
         errors.append((path - exact).abs().max().item())
-    for coarse, fine in zip(errors, errors[1:]):
+    for coarse, fine in zip(errors, errors[1:], strict=False):
         assert coarse / fine == pytest.approx(2**order, rel=0.15)
     assert errors[-1] < (1e-5 if method == "rk4" else 3e-2)
 
