@@ -20,6 +20,7 @@ from __future__ import annotations
 import builtins
 import keyword
 import re
+import sys
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -28,6 +29,7 @@ from pydantic import (
     Discriminator,
     Field,
     Tag,
+    field_validator,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
@@ -35,7 +37,9 @@ from pydantic_core import PydanticCustomError
 from posgen.diagnostics import closest_name
 
 IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-MODULE_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
+MODULE_NAME = re.compile(r"^[a-z][a-z0-9]*(_[a-z0-9]+)*$")
+# Names a generated module must not take: copied beside other code, it would shadow them.
+RESERVED_MODULE_NAMES = frozenset(sys.stdlib_module_names) | {"torch", "posgen", "generated"}
 
 
 class SpecModel(BaseModel):
@@ -120,6 +124,16 @@ class Scale(SpecModel):
     @classmethod
     def _from_keyword(cls, data: Any) -> Any:
         return {"kind": data} if isinstance(data, str) else data
+
+    @model_validator(mode="after")
+    def _factor_needs_a_scale(self) -> Scale:
+        if self.kind == "none" and "factor" in self.model_fields_set:
+            raise cross_field_error(
+                "factor",
+                "scale 'none' leaves the logits unscaled, so a factor has no effect: remove "
+                "it or use kind 'inv_sqrt_head_dim'",
+            )
+        return self
 
 
 # --------------------------------------------------------------------------- input tables
@@ -256,6 +270,17 @@ class TableInput(SpecModel):
     kind: Literal["add", "multiply"]
     table: AbsoluteTable
 
+    @model_validator(mode="after")
+    def _multiply_needs_a_gain_table(self) -> TableInput:
+        if self.kind == "multiply" and self.table.kind not in ("learned", "sinusoidal"):
+            raise cross_field_error(
+                "kind",
+                f"a {self.table.kind!r} table starts near zero or reads the content itself, "
+                "so x * p would erase the tokens: 'multiply' takes a 'learned' table "
+                "(init_mean 1) or a 'sinusoidal' one; use 'add' here",
+            )
+        return self
+
 
 class ComplexOrderInput(SpecModel):
     """Complex word-order embeddings (Wang et al. 2020, arXiv:1912.12333, eq. 3).
@@ -358,6 +383,13 @@ class LogBuckets(SpecModel):
                 "buckets",
                 f"bidirectional buckets are split evenly between the two directions, so "
                 f"the count must be even (got {self.buckets})",
+            )
+        if not self.bidirectional and self.sign != "key_minus_query":
+            raise cross_field_error(
+                "sign",
+                "one-sided buckets tell apart past keys only (n = max(i - j, 0), the T5 "
+                "decoder recipe); with sign 'query_minus_key' every visible key would share "
+                "bucket 0: use 'key_minus_query'",
             )
         per_direction = self.buckets // 2 if self.bidirectional else self.buckets
         max_exact = per_direction // 2
@@ -800,7 +832,7 @@ class Claims(SpecModel):
 class Spec(SpecModel):
     """One positional encoding: its metadata and its row of the decomposition table."""
 
-    name: Annotated[str, Field(pattern=MODULE_NAME.pattern, max_length=64)]
+    name: Annotated[str, Field(min_length=1, max_length=64)]
     title: Text
     references: list[Text] = Field(min_length=1)
     models: list[Text] = Field(default_factory=list)
@@ -811,6 +843,25 @@ class Spec(SpecModel):
     terms: Terms
     values: Values = "plain"
     claims: Claims
+
+    @field_validator("name")
+    @classmethod
+    def _module_name(cls, name: str) -> str:
+        if not MODULE_NAME.match(name):
+            raise PydanticCustomError(
+                "module_name",
+                "got '{name}'; a spec name is lower-case ASCII words (letters and digits) "
+                "joined by single underscores, starting with a letter, e.g. 'rope_yarn'",
+                {"name": name},
+            )
+        if name in RESERVED_MODULE_NAMES:
+            raise PydanticCustomError(
+                "module_name",
+                "'{name}' is the name of a standard-library or required module; a generated "
+                "module of that name would shadow it",
+                {"name": name},
+            )
+        return name
 
     @model_validator(mode="after")
     def _check_consistency(self) -> Spec:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import ValidationError
 
 from posgen.diagnostics import Diagnostic, SpecError, closest_name, dotted_path
+from posgen.plan import class_name_for
 from posgen.spec import Spec
 from posgen.yaml_source import FieldPath, LoadedYaml, YamlError, load_yaml
 
@@ -22,6 +23,7 @@ class LoadedSpec:
     path: Path
     display_path: str
     sha256: str
+    name_position: tuple[int, int] = (1, 1)
 
 
 def display_path(path: Path) -> str:
@@ -68,7 +70,9 @@ def load_spec(path: Path) -> LoadedSpec:
                 )
             ]
         )
-    return LoadedSpec(spec, path, shown, hashlib.sha256(raw).hexdigest())
+    return LoadedSpec(
+        spec, path, shown, hashlib.sha256(raw).hexdigest(), loaded.position_of(("name",))
+    )
 
 
 def load_specs(paths: Iterable[Path]) -> list[LoadedSpec]:
@@ -80,23 +84,34 @@ def load_specs(paths: Iterable[Path]) -> list[LoadedSpec]:
             loaded.append(load_spec(path))
         except SpecError as error:
             diagnostics.extend(error.diagnostics)
-    seen: dict[str, LoadedSpec] = {}
-    for item in loaded:
-        if item.spec.name in seen:
-            diagnostics.append(
-                Diagnostic(
-                    item.display_path,
-                    1,
-                    1,
-                    "name",
-                    f"duplicate spec name {item.spec.name!r} "
-                    f"(also in {seen[item.spec.name].display_path})",
-                )
-            )
-        seen[item.spec.name] = item
+    diagnostics += _collisions(loaded, lambda spec: spec.name, "spec name")
+    diagnostics += _collisions(loaded, lambda spec: class_name_for(spec.name), "class name")
     if diagnostics:
         raise SpecError(diagnostics)
     return sorted(loaded, key=lambda item: item.spec.name)
+
+
+def _collisions(
+    loaded: list[LoadedSpec], key: Callable[[Spec], str], what: str
+) -> list[Diagnostic]:
+    """A diagnostic at the name of every spec whose ``key`` an earlier spec already took."""
+    seen: dict[str, LoadedSpec] = {}
+    found: list[Diagnostic] = []
+    for item in loaded:
+        value = key(item.spec)
+        if value in seen:
+            line, col = item.name_position
+            found.append(
+                Diagnostic(
+                    item.display_path,
+                    line,
+                    col,
+                    "name",
+                    f"duplicate {what} {value!r} (also from {seen[value].display_path})",
+                )
+            )
+        seen.setdefault(value, item)
+    return found
 
 
 def expand_spec_paths(arguments: Sequence[Path]) -> list[Path]:
@@ -216,7 +231,7 @@ def _message(item: dict) -> str:
         return f"unknown kind {context.get('tag')!r}; allowed: {context.get('expected_tags')}{hint}"
     if kind == "union_tag_not_found":
         return f"'kind' is required; allowed kinds: {_describe_tags(item)}"
-    if kind in ("cross_field", "unknown_field"):
+    if kind in ("cross_field", "unknown_field", "module_name"):
         return item["msg"]
     if kind == "value_error":
         return str(item["msg"]).removeprefix("Value error, ")

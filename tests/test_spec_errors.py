@@ -76,3 +76,17 @@ def test_usage_errors_exit_2(tmp_path: Path) -> None:
     assert runner.invoke(main, ["validate", str(tmp_path / "nope.yaml")]).exit_code == 2
     assert runner.invoke(main, ["generate", "--bogus"]).exit_code == 2
     assert runner.invoke(main, ["explain", "no_such_encoding"]).exit_code == 2
+
+
+def test_specs_whose_class_names_collide_are_rejected(tmp_path: Path) -> None:
+    """'a_1' and 'a1' would both generate class A1: the second is reported at its name."""
+    nope = (Path(__file__).parent.parent / "specs" / "nope.yaml").read_text(encoding="utf-8")
+    for name in ("layer_1", "layer1"):
+        (tmp_path / f"{name}.yaml").write_text(
+            nope.replace("name: nope", f"name: {name}"), encoding="utf-8"
+        )
+    with pytest.raises(SpecError) as caught:
+        load_specs(sorted(tmp_path.glob("*.yaml")))
+    (diagnostic,) = caught.value.diagnostics
+    assert diagnostic.field == "name" and diagnostic.line == 2
+    assert "duplicate class name 'Layer1'" in diagnostic.message
