@@ -556,16 +556,6 @@ def test_convolutional_grid_embed_errors_and_gradients() -> None:
     assert pe.position_conv.bias.grad.abs().sum() > 0
 
 
-def test_convolutional_multiplied_into_the_input() -> None:
-    """input kind 'multiply' composes with the convolution: x * DWConv(x)."""
-    pe = spec_variant("convolutional", "kind: add                      # x + DWConv(x)",
-                      "kind: multiply")(model_dim=3)
-    x = torch.randn(1, 5, 3, dtype=F64)
-    conv = pe.position_conv
-    c = ref_abs.depthwise_conv1d(x, conv.weight.detach(), conv.bias.detach(), "same")
-    torch.testing.assert_close(pe.embed(x), x * c, atol=1e-12, rtol=1e-12)
-
-
 # ------------------------------------------------------------------------------ stated claims
 
 
