@@ -665,9 +665,8 @@ def _input_term_texts(spec: Spec) -> dict[str, str]:
         text = "inside Re/Im of r_i e^(i(omega_i pos_i + theta_i)) (position as a phase)"
         return dict.fromkeys(("content_position", "position_content", "position_position"), text)
     if form is not None and form.table.kind == "depthwise_conv":
-        combined = "x_i * c_i" if form.kind == "multiply" else "x_i + c_i"
         text = (
-            f"inside ({combined}) Wq Wk^T (...)_j^T, c = DWConv(x): content-conditioned, "
+            "inside (x_i + c_i) Wq Wk^T (...)_j^T, c = DWConv(x): content-conditioned, "
             "position only through the zero padding at the edges"
         )
         return dict.fromkeys(("content_position", "position_content", "position_position"), text)
@@ -696,15 +695,14 @@ def input_description(spec: Spec) -> str | None:
         return f"(r cos(omega pos + theta), r sin(omega pos + theta)), {own}"
     table = form.table
     if table.kind == "depthwise_conv":
-        combine = "x_i * c_i" if form.kind == "multiply" else "x_i + c_i"
         if table.layout == "grid_2d":
             return (
-                f"{combine}, c = DWConv2d(x): depthwise {table.kernel_size}x"
+                f"x_i + c_i, c = DWConv2d(x): depthwise {table.kernel_size}x"
                 f"{table.kernel_size} convolution over the H x W token grid, same zero "
                 "padding (content-conditioned)"
             )
         return (
-            f"{combine}, c = DWConv(x): depthwise convolution over the sequence, kernel "
+            f"x_i + c_i, c = DWConv(x): depthwise convolution over the sequence, kernel "
             f"{table.kernel_size}, {table.padding} zero padding (content-conditioned)"
         )
     combine = "x_i * p_i" if form.kind == "multiply" else "x_i + p_i"
