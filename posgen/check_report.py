@@ -44,8 +44,8 @@ def render_table(report: Report, width: int = 100) -> list[str]:
         lines.append(f"  => {len(problems)} problem{'s' if len(problems) > 1 else ''}: {listed}")
     else:
         claimed = sum(o.claimed is not None for o in report.outcomes)
-        lines.append(f"  => ok: {claimed} stated claim{'s' if claimed != 1 else ''} hold; "
-                     "building blocks hold")
+        verb = "claim holds" if claimed == 1 else "claims hold"
+        lines.append(f"  => ok: {claimed} stated {verb}; building blocks hold")
     return lines
 
 

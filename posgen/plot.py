@@ -48,6 +48,16 @@ def plot_spec(loaded: LoadedSpec, out_dir: Path, span: int = 64,
     plt = require_matplotlib()
     out_dir.mkdir(parents=True, exist_ok=True)
     name = loaded.spec.name
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small tensors: avoid oversubscription
+    try:
+        return _plot(plt, loaded, out_dir, name, span, decay_span, seed)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _plot(plt: Any, loaded: LoadedSpec, out_dir: Path, name: str, span: int,
+          decay_span: int, seed: int) -> list[Path]:
     with torch.no_grad():
         probe = Probe(loaded, Budget(seed=seed, span=decay_span))
         span = min(span, probe.span)
