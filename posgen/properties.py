@@ -666,8 +666,9 @@ def decay(probe: Probe, claimed: bool | None) -> Outcome:
         means = _window_means(curve, windows)
         tol = 1e-9 * (1.0 + float(curve.abs().max()))
         where = "" if bound_route else f"head {head}, query {query}: "
-        details = dict(head=head, query=query, windows=[list(w) for w in windows],
-                       means=means, curve_label=label)
+        details = dict(head=None if bound_route else head,
+                       query=None if bound_route else query,
+                       windows=[list(w) for w in windows], means=means, curve_label=label)
         shown = "; window means " + ", ".join(_fmt(m) for m in means)
         for window in range(len(windows) - 1):
             a, b = windows[window], windows[window + 1]
