@@ -354,3 +354,82 @@ def test_plot_without_matplotlib_exits_2(cli, monkeypatch, tmp_path: Path) -> No
     assert "pip install 'posgen[plot]'" in result.output
     assert not any(tmp_path.iterdir())
 
+
+
+# --------------------------------------------------------------------------- unknown term forms
+
+
+class _ClippedRelativeKeys(torch.nn.Module):
+    """A hand-written module with a term form posgen has no template for (Shaw-like
+    clipped relative keys): logits = (q·k + q·R[clip(j - i, ±4)]) / √d."""
+
+    CLIP = 4
+
+    def __init__(self, heads: int = 2, head_dim: int = 8) -> None:
+        super().__init__()
+        self.heads, self.head_dim, self.scale = heads, head_dim, head_dim**-0.5
+        self.relative_keys = torch.nn.Parameter(torch.randn(2 * self.CLIP + 1, head_dim))
+
+    def embed(self, x, positions=None):
+        return x
+
+    def rotate(self, q, k, q_positions=None, k_positions=None):
+        return q, k
+
+    def score_bias(self, q_positions, k_positions):
+        return None
+
+    def score_terms(self, q, k, *, q_positions=None, k_positions=None):
+        n, m = q.shape[2], k.shape[2]
+        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        q, k = q.to(dtype), k.to(dtype)
+        q_pos = torch.arange(m - n, m) if q_positions is None else q_positions
+        k_pos = torch.arange(m) if k_positions is None else k_positions
+        rel = (k_pos.unsqueeze(-2) - q_pos.unsqueeze(-1)).clamp(-self.CLIP, self.CLIP)
+        table = self.relative_keys.to(dtype)[rel + self.CLIP]  # [N, M, d]
+        content = q @ k.transpose(-2, -1)
+        relative = torch.einsum("bhnd,nmd->bhnm", q, table)
+        return {"content_content": content * self.scale,
+                "content_position": relative * self.scale}
+
+    def scores(self, q, k, *, q_positions=None, k_positions=None):
+        terms = self.score_terms(q, k, q_positions=q_positions, k_positions=k_positions)
+        return sum(terms.values())
+
+    def forward(self, q, k, v, *, q_positions=None, k_positions=None, causal=False,
+                attn_mask=None, backend="auto"):
+        if backend not in ("auto", "eager"):
+            raise ValueError(backend)
+        logits = self.scores(q, k, q_positions=q_positions, k_positions=k_positions)
+        if causal:
+            n, m = q.shape[2], k.shape[2]
+            q_pos = torch.arange(m - n, m) if q_positions is None else q_positions
+            k_pos = torch.arange(m) if k_positions is None else k_positions
+            logits = logits.masked_fill(k_pos.unsqueeze(-2) > q_pos.unsqueeze(-1),
+                                        float("-inf"))
+        weights = torch.softmax(logits, dim=-1)
+        return (weights @ v.to(weights.dtype)).to(v.dtype)
+
+
+def test_an_unknown_term_form_is_checked_through_the_contract(monkeypatch, tmp_path) -> None:
+    import types
+
+    module = types.ModuleType("hand_written")
+    module.__all__ = ["_ClippedRelativeKeys"]
+    module._ClippedRelativeKeys = _ClippedRelativeKeys
+    module.BACKENDS = ("auto", "eager")
+    monkeypatch.setattr(properties, "module_from_loaded", lambda loaded: module)
+    spec = tmp_path / "clipped.yaml"
+    spec.write_text(NOPE.format(name="clipped", claims="relative: true, unique: true"),
+                    encoding="utf-8")
+    report = check_loaded(load_spec(spec), Budget(max_examples=10, span=64))
+    verdicts = {o.name: o.verdict for o in report.outcomes}
+    assert verdicts["relative"] == "confirmed: holds"
+    assert verdicts["unique"] == "REFUTED: fails"  # clipped past ±4
+    keys = report.outcome("unique").counterexample
+    assert min(abs(k - keys["query"]) for k in keys["keys"]) >= _ClippedRelativeKeys.CLIP
+    assert verdicts["extrapolates"] == "measured: holds"
+    for block in ("rotation_norm", "rotation_pairing", "buckets", "slopes"):
+        assert verdicts[block] == "n/a"
+    for block in ("backends", "bf16", "kv_cache"):
+        assert verdicts[block] == "holds", report.outcome(block).evidence
