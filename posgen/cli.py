@@ -291,13 +291,32 @@ def check(specs: tuple[Path, ...], as_json: bool, seed: int, max_examples: int, 
         posgen check my_idea.yaml --max-examples 300 --seed 1
         posgen check specs/ --json > verdicts.json
     """
+    import os
+    import tempfile
+
+    loaded = load_specs(_spec_files(specs))
+    if os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY"):
+        _check(loaded, as_json, seed, max_examples, span, only)
+        return
+    # hypothesis caches what it learns in ./.hypothesis; keep the user's directory clean
+    from hypothesis.configuration import set_hypothesis_home_dir
+
+    with tempfile.TemporaryDirectory(prefix="posgen-check-") as scratch:
+        set_hypothesis_home_dir(scratch)
+        try:
+            _check(loaded, as_json, seed, max_examples, span, only)
+        finally:
+            set_hypothesis_home_dir(None)
+
+
+def _check(loaded: list[LoadedSpec], as_json: bool, seed: int, max_examples: int, span: int,
+           only: tuple[str, ...]) -> None:
     import shutil
     import time
 
     from posgen.check_report import render_json, render_summary, render_table
     from posgen.properties import PROPERTIES, Budget, check_loaded
 
-    loaded = load_specs(_spec_files(specs))
     budget = Budget(max_examples=max_examples, seed=seed, span=span)
     wanted = [name for name in PROPERTIES if not only or name in only]
     started = time.perf_counter()

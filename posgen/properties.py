@@ -290,6 +290,18 @@ def _max_positions(model: Any) -> list[int]:
     return found
 
 
+def to_float64(module: nn.Module) -> nn.Module:
+    """Real floating tensors to float64 and complex ones to complex128, in place
+    (``Module.to(torch.float64)`` would drop the imaginary part of complex tensors)."""
+
+    def widen(tensor: Tensor) -> Tensor:
+        if tensor.is_complex():
+            return tensor.to(torch.complex128)
+        return tensor.to(F64) if tensor.is_floating_point() else tensor
+
+    return module._apply(widen)
+
+
 class Probe:
     """One spec's module, instantiated with the spec's defaults, and its routes."""
 
@@ -302,7 +314,7 @@ class Probe:
         with torch.random.fork_rng():
             torch.manual_seed(budget.seed)
             self.pe32: nn.Module = self.cls().eval()
-            self.pe64: nn.Module = copy.deepcopy(self.pe32).to(F64)
+            self.pe64: nn.Module = to_float64(copy.deepcopy(self.pe32))
             self.heads = int(self.pe32.heads)
             self.head_dim = int(self.pe32.head_dim)
             self.model_dim = (
@@ -848,8 +860,8 @@ def rotation_pairing(probe: Probe) -> Outcome:
         data["terms"]["content_content"]["rotate"]["pairing"] = other
 
     variant = _variant(probe.loaded, update, other)
-    other_pe = encoding_class(module_from_loaded(variant))(
-        heads=probe.heads, head_dim=probe.head_dim).to(F64)
+    other_pe = to_float64(encoding_class(module_from_loaded(variant))(
+        heads=probe.heads, head_dim=probe.head_dim))
     half_pe, inter_pe = (probe.pe64, other_pe) if rotation.pairing == "half" else (
         other_pe, probe.pe64)
     rotary_dim = int(round(probe.head_dim * rotation.rotary_dims.fraction))
@@ -991,7 +1003,7 @@ def slopes(probe: Probe) -> Outcome:
 
     def measured(heads: int) -> list[float]:
         """slope_h = bias(i, i) - bias(i, i - 1), read through score_bias."""
-        pe = probe.cls(heads=heads, head_dim=probe.head_dim).to(F64)
+        pe = to_float64(probe.cls(heads=heads, head_dim=probe.head_dim))
         row = pe.score_bias(torch.tensor([5]), torch.tensor([5, 4]))[:, 0]  # [heads, 2]
         return (row[:, 0] - row[:, 1]).tolist()
 
