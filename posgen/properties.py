@@ -311,7 +311,7 @@ class Probe:
         self.budget = budget
         self.module: types.ModuleType = module_from_loaded(loaded)
         self.cls = encoding_class(self.module)
-        with torch.random.fork_rng():
+        with torch.random.fork_rng(devices=[]):
             torch.manual_seed(budget.seed)
             self.pe32: nn.Module = self.cls().eval()
             self.pe64: nn.Module = to_float64(copy.deepcopy(self.pe32))
@@ -420,8 +420,8 @@ class Probe:
             p_q, p_k = self.table(q_pos), self.table(k_pos)
             return (p_q @ p_k.T / math.sqrt(self.model_dim)).unsqueeze(0)
         q0, k0 = self.constant_content(example_seed)
-        q = q0.expand(1, self.heads, q_pos.shape[0], self.head_dim)
-        k = k0.expand(1, self.heads, k_pos.shape[0], self.head_dim)
+        q = q0.expand(1, self.heads, q_pos.shape[0], self.head_dim).contiguous()
+        k = k0.expand(1, self.heads, k_pos.shape[0], self.head_dim).contiguous()
         return self.pe64.scores(q, k, q_positions=q_pos, k_positions=k_pos)[0]
 
     def score_matrix(self, span: int) -> Tensor:
@@ -711,6 +711,7 @@ def decay(probe: Probe, claimed: bool | None) -> Outcome:
         "means": means,
         "head": 0,
         "query": None if bound_route else span - 1,
+        "values": [float(v) for v in curve],  # the curve at distances 0, 1, ..., span - 1
     }
     if search.violation is not None:
         outcome = _failed("decay", "claim", claimed, search)
