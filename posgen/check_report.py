@@ -8,12 +8,6 @@ from collections.abc import Sequence
 
 from posgen.properties import Budget, Report
 
-ROUTES = {
-    "input": "input-level table: p_m = embed(0, m)",
-    "rotation": "rotation: R_m = rotate(I, m)",
-    "scores": "scores with constant content",
-}
-
 
 def _claimed(value: bool | None) -> str:
     return "-" if value is None else str(value).lower()
@@ -23,7 +17,7 @@ def render_table(report: Report, width: int = 100) -> list[str]:
     """The verdict table of one spec: property, claimed, verdict, evidence."""
     lines = [
         f"{report.path}: {report.name} — {report.title}",
-        f"  route: {ROUTES.get(report.route, report.route)}; {report.seconds:.1f} s",
+        f"  route: {report.route}; {report.seconds:.1f} s",
     ]
     name_width = max(len("property"), *(len(o.name) for o in report.outcomes))
     verdict_width = max(len("verdict"), *(len(o.verdict) for o in report.outcomes))

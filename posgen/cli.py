@@ -271,9 +271,12 @@ def _property_names() -> tuple[str, ...]:
               "max_positions).")
 @click.option("--only", multiple=True, type=click.Choice(_property_names()),
               help="Check only this property (repeatable).")
+@click.option("--time-budget", "seconds", type=click.FloatRange(0.1, 3600), default=10.0,
+              show_default=True, help="Seconds per property after which no new examples "
+              "are drawn (only slow modules reach it).")
 @_reports_spec_errors
 def check(specs: tuple[Path, ...], as_json: bool, seed: int, max_examples: int, span: int,
-          only: tuple[str, ...]) -> None:
+          only: tuple[str, ...], seconds: float) -> None:
     """Property-test SPECS (files or directories; default specs/) against their claims.
 
     Builds each module in memory (nothing is written) and tests, with hypothesis, the
@@ -296,7 +299,7 @@ def check(specs: tuple[Path, ...], as_json: bool, seed: int, max_examples: int, 
 
     loaded = load_specs(_spec_files(specs))
     if os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY"):
-        _check(loaded, as_json, seed, max_examples, span, only)
+        _check(loaded, as_json, seed, max_examples, span, only, seconds)
         return
     # hypothesis caches what it learns in ./.hypothesis; keep the user's directory clean
     from hypothesis.configuration import set_hypothesis_home_dir
@@ -304,20 +307,20 @@ def check(specs: tuple[Path, ...], as_json: bool, seed: int, max_examples: int, 
     with tempfile.TemporaryDirectory(prefix="posgen-check-") as scratch:
         set_hypothesis_home_dir(scratch)
         try:
-            _check(loaded, as_json, seed, max_examples, span, only)
+            _check(loaded, as_json, seed, max_examples, span, only, seconds)
         finally:
             set_hypothesis_home_dir(None)
 
 
 def _check(loaded: list[LoadedSpec], as_json: bool, seed: int, max_examples: int, span: int,
-           only: tuple[str, ...]) -> None:
+           only: tuple[str, ...], seconds: float) -> None:
     import shutil
     import time
 
     from posgen.check_report import render_json, render_summary, render_table
     from posgen.properties import PROPERTIES, Budget, check_loaded
 
-    budget = Budget(max_examples=max_examples, seed=seed, span=span)
+    budget = Budget(max_examples=max_examples, seed=seed, span=span, seconds=seconds)
     wanted = [name for name in PROPERTIES if not only or name in only]
     started = time.perf_counter()
     reports = []

@@ -71,7 +71,8 @@ DESCRIPTIONS = {
 }
 EPS64 = torch.finfo(F64).eps
 BF16_EPS = 2.0**-8  # bf16 keeps 8 significant bits
-FAR = 1 << 20  # positions up to 2^20 for extrapolation and bf16
+FAR = 1 << 20  # positions up to 2^20 for bf16
+EXTRAPOLATION_FACTOR = 16  # extrapolation: positions up to 16x the training length
 
 
 # --------------------------------------------------------------------------- results
@@ -84,6 +85,8 @@ class Budget:
     max_examples: int = 100
     seed: int = 0
     span: int = 512  # positions checked for unique/relative/decay (capped by a table)
+    seconds: float = 10.0  # per property: no new examples after this (slow modules)
+    timed_out: bool = field(default=False, compare=False, repr=False)  # set by searches
 
 
 @dataclass
@@ -173,10 +176,15 @@ class Report:
 class Violation(AssertionError):
     """A property failed on one example: a readable message plus the example's facts."""
 
-    def __init__(self, message: str, **details: Any) -> None:
+    def __init__(self, message: str, rank: float | None = None, **details: Any) -> None:
         super().__init__(message)
         self.message = message
+        self.rank = rank  # how far from the origin the example is (smaller is simpler)
         self.details = details
+
+
+class _OutOfTime(Exception):
+    """Raised inside a search once its time budget is spent (no failure found yet)."""
 
 
 @dataclass
@@ -202,8 +210,10 @@ def _search(
     last violation recorded is the shrunk counterexample.
     """
     failures: list[Violation] = []
+    failing: list[Any] = []
     worst = [math.inf]
     count = [0]
+    started = time.perf_counter()
 
     @seed(budget.seed)
     @settings(
@@ -218,16 +228,26 @@ def _search(
     )
     @given(strategy)
     def run(example: Any) -> None:
+        if count[0] and time.perf_counter() - started > budget.seconds:
+            # out of time (slow modules): draw no more; while shrinking, keep the smallest
+            # failing example found so far and let hypothesis replay only that one
+            if not failures:
+                raise _OutOfTime  # hypothesis shrinks it in no time; caught below
+            if example != failing[-1]:
+                return
         count[0] += 1
         try:
             margin = check(example)
         except Violation as violation:
             failures.append(violation)
+            failing.append(example)
             raise
         worst[0] = min(worst[0], margin)
 
     try:
         run()
+    except _OutOfTime:
+        budget.timed_out = True
     except Violation:
         found = failures[-1]
         if scan is not None:
@@ -236,7 +256,9 @@ def _search(
                 try:
                     check(example)
                 except Violation as closest:
-                    if closest.message != found.message:
+                    simpler = (closest.rank is None or found.rank is None
+                               or closest.rank < found.rank)
+                    if closest.message != found.message and simpler:
                         found.message += f"; closest (scan): {closest.message}"
                         found.details["closest"] = closest.details
                     break
@@ -276,18 +298,7 @@ SEEDS = st.integers(0, 2**31 - 1)
 
 def _max_positions(model: Any) -> list[int]:
     """Every ``max_positions`` stated anywhere in the spec: tables that end there."""
-    found: list[int] = []
-    if isinstance(model, SpecModel):
-        for name in type(model).model_fields:
-            value = getattr(model, name)
-            if name == "max_positions" and isinstance(value, int):
-                found.append(value)
-            else:
-                found.extend(_max_positions(value))
-    elif isinstance(model, (list, tuple)):
-        for item in model:
-            found.extend(_max_positions(item))
-    return found
+    return _stated(model, "max_positions")
 
 
 def to_float64(module: nn.Module) -> nn.Module:
@@ -315,15 +326,9 @@ class Probe:
             torch.manual_seed(budget.seed)
             self.pe32: nn.Module = self.cls().eval()
             self.pe64: nn.Module = to_float64(copy.deepcopy(self.pe32))
-            self.heads = int(self.pe32.heads)
-            self.head_dim = int(self.pe32.head_dim)
-            self.model_dim = (
-                int(self.pe32.model_dim) if self.spec.input is not None else None
-            )
-            width = self.model_dim or self.heads * self.head_dim
-            project = self.heads * self.head_dim
-            self.wq = torch.randn(width, project, dtype=F64) / math.sqrt(width)
-            self.wk = torch.randn(width, project, dtype=F64) / math.sqrt(width)
+        self.heads = int(self.pe32.heads)
+        self.head_dim = int(self.pe32.head_dim)
+        self.model_dim = int(self.pe32.model_dim) if self.spec.input is not None else None
         if self.spec.input is not None:
             self.route = "input"
         elif self.spec.rotation is not None:
@@ -334,12 +339,59 @@ class Probe:
         self.length: int | None = min(limits) if limits else None
         self.span = min(budget.span, self.length) if self.length else budget.span
         self._cache: dict[str, Any] = {}
+        # How the input route can be driven: embed(x, positions) ("explicit"), only
+        # embed(x) with the default positions 0..L-1 ("default"), or not at all (None,
+        # with the reason in input_note; e.g. an embed that needs extra arguments).
+        self.input_mode: str | None = None
+        self.input_note = ""
+        width = self.heads * self.head_dim
+        if self.route == "input":
+            probe_x = torch.zeros(1, 4, self.model_dim, dtype=F64)
+            try:
+                width = self.embed(self.pe64, probe_x, torch.arange(4)).shape[-1]
+                self.input_mode = "explicit"
+            except ValueError:
+                try:
+                    width = self.embed(self.pe64, probe_x, None).shape[-1]
+                    self.input_mode = "default"
+                    self.input_note = "embed takes no explicit positions"
+                except ValueError as error:
+                    self.input_note = f"embed(x) raises ValueError: {error}"
+        generator = _generator(budget.seed + 1)
+        project = self.heads * self.head_dim
+        self.wq = torch.randn(width, project, generator=generator, dtype=F64) / math.sqrt(width)
+        self.wk = torch.randn(width, project, generator=generator, dtype=F64) / math.sqrt(width)
+
+    def route_text(self) -> str:
+        """How positions are reached, in words (the report's route line)."""
+        if self.route == "rotation":
+            return "rotation: R_m = rotate(I, m)"
+        if self.route == "scores":
+            return "scores with constant content (q on even features, k on odd)"
+        if self.input_mode is None:
+            return f"input-level, not reachable ({self.input_note})"
+        token = int(self.table_token)
+        how = "embed(t, m)" if self.input_mode == "explicit" else "row m of embed(t)"
+        return f"input-level table: p_m = {how}, constant token t = {token}"
+
+    @property
+    def through_embed(self) -> bool:
+        """Whether logits are formed as (embed(x, positions)) W: input route, explicit."""
+        return self.route == "input" and self.input_mode == "explicit"
+
+    @staticmethod
+    def embed(pe: nn.Module, x: Tensor, positions: Tensor | None) -> Tensor:
+        """pe.embed, with a tuple of parts (e.g. real and imaginary) joined on features."""
+        out = pe.embed(x) if positions is None else pe.embed(x, positions=positions)
+        if isinstance(out, (tuple, list)):
+            out = torch.cat([part for part in out], dim=-1)
+        return out
 
     # ----------------------------------------------------------------- content and logits
 
     def content(self, generator: torch.Generator, n: int, m: int, dtype=F64):
-        """Random content: token embeddings (input route) or projected q, k, v."""
-        if self.route == "input":
+        """Random content: token embeddings (through embed) or projected q, k; and v."""
+        if self.through_embed:
             x_q = torch.randn(1, n, self.model_dim, generator=generator, dtype=F64)
             x_k = torch.randn(1, m, self.model_dim, generator=generator, dtype=F64)
             v = torch.randn(1, self.heads, m, self.head_dim, generator=generator, dtype=F64)
@@ -350,9 +402,9 @@ class Probe:
         return q.to(dtype), k.to(dtype), v.to(dtype)
 
     def project(self, pe: nn.Module, x_q: Tensor, x_k: Tensor, q_pos, k_pos):
-        """Input route: (x + p) W, split into heads: [1, heads, seq, head_dim] each."""
-        h_q = pe.embed(x_q, positions=q_pos)
-        h_k = pe.embed(x_k, positions=k_pos)
+        """Input route: embed(x, positions) W, split into heads: [1, heads, seq, head_dim]."""
+        h_q = self.embed(pe, x_q, q_pos)
+        h_k = self.embed(pe, x_k, k_pos)
         wq, wk = self.wq.to(h_q.dtype), self.wk.to(h_k.dtype)
         q = (h_q @ wq).view(1, -1, self.heads, self.head_dim).transpose(1, 2)
         k = (h_k @ wk).view(1, -1, self.heads, self.head_dim).transpose(1, 2)
@@ -361,7 +413,7 @@ class Probe:
     def logits(self, content, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         """float64 pre-softmax logits [1, heads, N, M] for content at explicit positions."""
         a, b, _ = content
-        if self.route == "input":
+        if self.through_embed:
             q, k = self.project(self.pe64, a, b, q_pos, k_pos)
         else:
             q, k = a, b
@@ -369,7 +421,7 @@ class Probe:
 
     def forward(self, pe: nn.Module, content, q_pos, k_pos, **kwargs) -> Tensor:
         a, b, v = content
-        if self.route == "input":
+        if self.through_embed:
             q, k = self.project(pe, a, b, q_pos, k_pos)
         else:
             q, k = a, b
@@ -382,17 +434,31 @@ class Probe:
         """The constant token the table is read with: 0 (x + p gives p), or 1 where
         embed(0, m) is identically 0 (a multiplicative form such as x ⊙ p_m)."""
         if "token" not in self._cache:
-            positions = torch.arange(min(self.span, 64))
-            zeros = torch.zeros(1, positions.shape[0], self.model_dim, dtype=F64)
-            silent = not bool(self.pe64.embed(zeros, positions=positions).any())
+            self._cache["token"] = 0.0
+            silent = not bool(self.table(torch.arange(min(self.span, 64))).any())
             self._cache["token"] = 1.0 if silent else 0.0
         return self._cache["token"]
 
     def table(self, positions: Tensor) -> Tensor:
-        """Input route: p_m = embed(t, m) for the constant token t, [len, model_dim]."""
-        token = torch.full((1, positions.shape[0], self.model_dim), self.table_token,
-                           dtype=F64)
-        return self.pe64.embed(token, positions=positions)[0]
+        """Input route: p_m = embed(t, m) for the constant token t, [len, width].
+
+        Where embed takes no explicit positions, the rows of embed(t) over 0..max are
+        read instead (cached)."""
+        token = self._cache["token"] if "token" in self._cache else self.table_token
+        if self.input_mode is None:
+            raise ValueError(self.input_note)
+        size = int(positions.max()) + 1 if positions.numel() else 1
+        key = ("table", token)
+        cached = self._cache.get(key)
+        if cached is None or cached.shape[0] < size:
+            # one call for every row up to the largest position (some tables are costly
+            # to evaluate, e.g. integrated dynamics); rows are read by index
+            size = max(size, 2 * cached.shape[0] if cached is not None else 64)
+            x = torch.full((1, size, self.model_dim), token, dtype=F64)
+            every = torch.arange(size) if self.input_mode == "explicit" else None
+            cached = self.embed(self.pe64, x, every)[0]
+            self._cache[key] = cached
+        return cached[positions]
 
     def constant_content(self, example_seed: int | None = None) -> tuple[Tensor, Tensor]:
         """The same q at every query and k at every key: [head_dim] each.
@@ -465,12 +531,12 @@ def _unique(probe: Probe) -> tuple[Search, str]:
     span = min(span, 4096)
     if probe.route == "input":
         table = probe.table(torch.arange(span))
-        tol = 1e-12 * (1.0 + float(table.norm(dim=-1).max()))
+        norms = table.norm(dim=-1)
 
         def check(example) -> float:
             m, n = example
             distance = float((table[m] - table[n]).norm())
-            if distance <= tol:
+            if distance <= 1e-12 * (1.0 + max(float(norms[m]), float(norms[n]))):
                 raise Violation(
                     f"positions {m} and {n} get the same input encoding "
                     f"(|p_{m} - p_{n}| = {_fmt(distance)})",
@@ -503,48 +569,39 @@ def _unique(probe: Probe) -> tuple[Search, str]:
         features, _ = probe.pe64.rotate(x.contiguous(), x.contiguous(), positions, positions)
         features = features[0, 0]
         what = "R_m"
+    elif _shift_invariant_scores(probe):
+        return _unique_distances(probe)
     else:
+        # absolute positions in the scores: position m is its row (as a query) and its
+        # column (as a key) of the position-only scores
+        span = min(span, 512)
         scores = probe.score_matrix(span)  # [heads, span, span]
-        tol = 1e-12 * (1.0 + float(scores.abs().max()))
 
         def check(example) -> float:
-            i, j1, j2 = example
-            a, b = scores[:, i, j1], scores[:, i, j2]
-            gap = float((a - b).abs().max())
-            if gap <= tol:
+            m, n = example
+            gap = max(float((scores[:, m, :] - scores[:, n, :]).abs().max()),
+                      float((scores[:, :, m] - scores[:, :, n]).abs().max()))
+            size = max(float(scores[:, m, :].abs().max()), float(scores[:, :, m].abs().max()))
+            if gap <= 1e-12 * (1.0 + size):
                 raise Violation(
-                    f"query {i}: keys {j1} and {j2} (k - q = {j1 - i}, {j2 - i}) get the "
-                    f"same position score in every head (head 0: {_fmt(float(a[0]))} and "
-                    f"{_fmt(float(b[0]))})",
-                    query=i, keys=[j1, j2], head=0,
-                    values=[a.tolist(), b.tolist()],
+                    f"positions {m} and {n} get the same position scores, as a query and "
+                    f"as a key, against every position in [0, {span}) in every head",
+                    positions=[m, n], values=[scores[0, m, :4].tolist(),
+                                              scores[0, n, :4].tolist()],
                 )
             return gap
 
-        def scan() -> Iterable[tuple[int, int, int]]:
-            for i in sorted({0, 1, 2, 3, span // 2, span - 1} & set(range(span))):
-                row = scores[:, i, :]  # [heads, span]
-                gaps = (row.unsqueeze(-1) - row.unsqueeze(-2)).abs().amax(dim=0)
-                gaps.fill_diagonal_(math.inf)
-                hit = gaps <= tol
-                if bool(hit.any()):
-                    yield (i, *_closest_pair(hit, i))
-
-        @st.composite
-        def pairs(draw):  # (query, key, key + gap): shrinks towards close, small keys
-            first = draw(st.integers(0, span - 2))
-            gap = draw(st.integers(1, span - 1 - first))
-            return draw(st.integers(0, span - 1)), first, first + gap
-
-        pairs = pairs()
-        search = _search(check, pairs, probe.budget, scan)
-        return search, f"position scores of distinct keys, positions [0, {span})"
+        rows = torch.cat((scores.transpose(0, 1).reshape(span, -1),
+                          scores.permute(2, 0, 1).reshape(span, -1)), dim=1)
+        generator = _generator(probe.budget.seed)
+        features = rows @ torch.randn(rows.shape[1], 64, generator=generator, dtype=F64)
+        what = "position scores (rows and columns)"
 
     def scan() -> Iterable[tuple[int, int]]:
         norms = (features * features).sum(-1)
         gram = norms.unsqueeze(0) + norms.unsqueeze(1) - 2 * features @ features.T
         gram.fill_diagonal_(math.inf)
-        scale = 1.0 + float(norms.max())
+        scale = 1.0 + torch.maximum(norms.unsqueeze(0), norms.unsqueeze(1))
         hit = gram <= 1e-9 * scale
         if bool(hit.any()):
             yield _closest_pair(hit, 0)
@@ -557,6 +614,89 @@ def _unique(probe: Probe) -> tuple[Search, str]:
     )
     search = _search(check, pairs, probe.budget, scan)
     return search, f"{what} for positions [0, {span})"
+
+
+def _stated(model: Any, field_name: str) -> list[int]:
+    """Every integer field called ``field_name`` anywhere in the spec."""
+    found: list[int] = []
+    if isinstance(model, SpecModel):
+        for name in type(model).model_fields:
+            value = getattr(model, name)
+            if name == field_name and isinstance(value, int) and not isinstance(value, bool):
+                found.append(value)
+            else:
+                found.extend(_stated(value, field_name))
+    elif isinstance(model, (list, tuple)):
+        for item in model:
+            found.extend(_stated(item, field_name))
+    return found
+
+
+def _shift_invariant_scores(probe: Probe) -> bool:
+    """Whether the position-only scores depend on j - i only (a Toeplitz matrix)."""
+    scores = probe.score_matrix(min(probe.span, 96))
+    tol = 1e-9 * (1.0 + float(scores.abs().max()))
+    return bool(((scores[:, 1:, 1:] - scores[:, :-1, :-1]).abs() <= tol).all())
+
+
+def _unique_distances(probe: Probe) -> tuple[Search, str]:
+    """Relative scores: distinct distances k - q must get distinct position scores.
+
+    Distances run over (-R, R) with R = max(span, 2 × every max_distance the spec states),
+    so the range reaches past any clip or bucket range the spec declares.
+    """
+    reach = max([probe.budget.span] + [2 * d for d in _stated(probe.spec, "max_distance")])
+    if probe.length is not None:
+        reach = min(reach, probe.length // 2)
+    row = probe.position_scores(torch.tensor([reach]), torch.arange(2 * reach))[:, 0, :]
+    scale = row.abs().amax(dim=0)  # [2 reach]
+    tol = 1e-12 * (1.0 + float(scale.max()))  # for the scan's first pass only
+
+    def check(example) -> float:
+        d1, d2 = example
+        a, b = row[:, reach + d1], row[:, reach + d2]
+        gap = float((a - b).abs().max())
+        size = max(float(scale[reach + d1]), float(scale[reach + d2]))
+        if gap <= 1e-12 * (1.0 + size):
+            raise Violation(
+                f"distances k - q = {d1} and {d2} get the same position score in every head "
+                f"(head 0: {_fmt(float(a[0]))} and {_fmt(float(b[0]))}; e.g. query {reach}, "
+                f"keys {reach + d1} and {reach + d2})",
+                rank=max(abs(d1), abs(d2)),
+                distances=[d1, d2], query=reach, keys=[reach + d1, reach + d2],
+                values=[a.tolist(), b.tolist()],
+            )
+        return gap
+
+    def scan() -> Iterable[tuple[int, int]]:
+        order = row[0].argsort()
+        ranked = row[:, order]
+        hits: list[tuple[int, int]] = []
+        for step in range(1, 9):
+            close = (ranked[:, step:] - ranked[:, :-step]).abs().amax(dim=0) <= tol
+            for index in close.nonzero().flatten().tolist():
+                pair = sorted((int(order[index]) - reach, int(order[index + step]) - reach))
+                hits.append((pair[0], pair[1]))
+        if not hits:
+            return
+        # the collision closest to distance 0: walk distances by |d| until one repeats
+        ordering = sorted(range(-reach, reach), key=lambda d: (abs(d), d))
+        for index in range(1, len(ordering)):
+            earlier = torch.tensor(ordering[:index]) + reach
+            here = reach + ordering[index]
+            gaps = (row[:, earlier] - row[:, here:here + 1]).abs().amax(dim=0)
+            if bool((gaps <= tol).any()):
+                other = ordering[int((gaps <= tol).nonzero()[0])]
+                yield tuple(sorted((other, ordering[index])))
+                return
+
+    @st.composite
+    def pairs(draw):  # shrinks towards small distances one apart
+        first = draw(st.integers(-reach, reach - 2))
+        return first, first + draw(st.integers(1, reach - 1 - first))
+
+    search = _search(check, pairs(), probe.budget, scan)
+    return search, f"position scores of distinct distances in (-{reach}, {reach})"
 
 
 def _closest_pair(hit: Tensor, anchor: int) -> tuple[int, int]:
@@ -572,6 +712,9 @@ def _closest_pair(hit: Tensor, anchor: int) -> tuple[int, int]:
 
 
 def unique(probe: Probe, claimed: bool | None) -> Outcome:
+    unreachable = _input_unreachable(probe, "unique", claimed)
+    if unreachable is not None:
+        return unreachable
     search, what = _unique(probe)
     if search.violation is not None:
         return _failed("unique", "claim", claimed, search)
@@ -583,6 +726,9 @@ def unique(probe: Probe, claimed: bool | None) -> Outcome:
 
 
 def relative(probe: Probe, claimed: bool | None) -> Outcome:
+    unreachable = _input_unreachable(probe, "relative", claimed, need_explicit=True)
+    if unreachable is not None:
+        return unreachable
     limit = probe.span // 2
 
     @st.composite
@@ -662,6 +808,9 @@ def decay_curve(probe: Probe, head: int = 0, query: int | None = None,
 
 
 def decay(probe: Probe, claimed: bool | None) -> Outcome:
+    unreachable = _input_unreachable(probe, "decay", claimed)
+    if unreachable is not None:
+        return unreachable
     span = probe.span
     windows = _windows(span)
     top = (probe.length or 2 * span) - 1
@@ -729,50 +878,85 @@ def decay(probe: Probe, claimed: bool | None) -> Outcome:
 
 
 def extrapolates(probe: Probe, claimed: bool | None) -> Outcome:
+    unreachable = _input_unreachable(probe, "extrapolates", claimed)
+    if unreachable is not None:
+        return unreachable
     start = probe.length if probe.length is not None else probe.span
+    end = min(FAR, EXTRAPOLATION_FACTOR * start)  # positions in [start, end)
+    default_only = probe.route == "input" and probe.input_mode == "default"
 
     @st.composite
     def examples(draw):
         n = draw(st.integers(1, 3))
         m = draw(st.integers(n, 5))
-        base = draw(st.integers(start, FAR - m))
+        if default_only:  # a longer sequence from 0: its last positions are past start
+            m = draw(st.integers(start + 1, min(end, 4 * start)))
+            n = min(n, m)
+            return n, m, 0, draw(st.booleans()), draw(SEEDS)
+        base = draw(st.integers(start, end - m))
         return n, m, base, draw(st.booleans()), draw(SEEDS)
+
+    def run(content, q_pos, k_pos, causal, backend) -> Tensor:
+        if not default_only:
+            return probe.forward(probe.pe32, content, q_pos, k_pos, causal=causal,
+                                 backend=backend)
+        x = torch.zeros(1, k_pos.shape[0], probe.model_dim).normal_(
+            generator=_generator(int(k_pos.shape[0])))
+        hidden = probe.embed(probe.pe32, x, None)  # default positions 0..m-1
+        q, k, v = content
+        return probe.pe32(q, k, v, causal=causal, backend=backend), hidden
 
     def check(example) -> float:
         n, m, base, causal, example_seed = example
         k_pos = torch.arange(base, base + m)
         q_pos = k_pos[m - n:]
         content = probe.content(_generator(example_seed), n, m, dtype=torch.float32)
-        where = f"query positions {q_pos.tolist()}, key positions {k_pos.tolist()}"
+        where = (f"a sequence of {m} tokens (positions 0..{m - 1})" if default_only else
+                 f"query positions {q_pos.tolist()}, key positions {k_pos.tolist()}")
+        top = int(k_pos.max())
         for backend in ("eager", "auto"):
             try:
-                out = probe.forward(probe.pe32, content, q_pos, k_pos, causal=causal,
-                                    backend=backend)
+                out = run(content, q_pos, k_pos, causal, backend)
             except ValueError as error:
                 raise Violation(
-                    f"{where}: raises ValueError: {error}", positions=k_pos.tolist(),
-                    clear_error=True, backend=backend,
+                    f"{where}: raises ValueError: {error}", positions=k_pos.tolist()[-5:],
+                    clear_error=True, backend=backend, rank=top,
                 ) from None
             except Exception as error:  # noqa: BLE001 - any other failure is unclear
                 raise Violation(
                     f"{where}: raises {type(error).__name__} (not a clear ValueError): "
-                    f"{error}", positions=k_pos.tolist(), clear_error=False, backend=backend,
+                    f"{error}", positions=k_pos.tolist()[-5:], clear_error=False,
+                    backend=backend, rank=top,
                 ) from None
-            if not bool(torch.isfinite(out).all()):
+            outs = out if isinstance(out, tuple) else (out,)
+            if not all(bool(torch.isfinite(o).all()) for o in outs):
                 raise Violation(
                     f"{where}: non-finite output ({backend} backend)",
-                    positions=k_pos.tolist(), backend=backend,
+                    positions=k_pos.tolist()[-5:], backend=backend, rank=top,
                 )
         return 0.0
 
     search = _search(check, examples(), probe.budget)
     if search.violation is not None:
         return _failed("extrapolates", "claim", claimed, search)
+    where = (f"sequences of {start + 1}-{min(end, 4 * start)} tokens" if default_only
+             else f"positions in [{start}, {end})")
     return Outcome(
         "extrapolates", "claim", claimed, True,
-        f"finite outputs (eager and auto) at positions in [{start}, 2^20], "
-        f"{search.examples} examples",
+        f"finite outputs (eager and auto) at {where} ({EXTRAPOLATION_FACTOR}× the "
+        f"training length {start}), {search.examples} examples",
     )
+
+
+def _input_unreachable(probe: Probe, name: str, claimed: bool | None = None,
+                       need_explicit: bool = False) -> Outcome | None:
+    """An n/a outcome where positions enter through an embed the checker cannot drive."""
+    if probe.route != "input":
+        return None
+    if probe.input_mode is None or (need_explicit and probe.input_mode != "explicit"):
+        kind = "claim" if name in CLAIMS else "block"
+        return Outcome(name, kind, claimed, None, f"cannot check: {probe.input_note}")
+    return None
 
 
 def _failed(name: str, kind: str, claimed: bool | None, search: Search) -> Outcome:
@@ -1057,7 +1241,7 @@ def backends(probe: Probe) -> Outcome:
         content = probe.content(_generator(example_seed), n, m, dtype=torch.float32)
         k_pos = torch.arange(start, start + m) if explicit else None
         q_pos = k_pos[m - n:] if explicit else None
-        if probe.route == "input" and not explicit:
+        if probe.through_embed and not explicit:
             k_pos, q_pos = torch.arange(m), torch.arange(m - n, m)
         eager = probe.forward(probe.pe32, content, q_pos, k_pos, causal=causal,
                               backend="eager")
@@ -1087,13 +1271,36 @@ def backends(probe: Probe) -> Outcome:
 
 def bf16(probe: Probe) -> Outcome:
     top = (probe.length - 1) if probe.length is not None else FAR
+    mode = probe.input_mode if probe.route == "input" else None
+    if mode == "default":
+        top = 63  # default positions only: sequences of up to 64 tokens
 
     @st.composite
     def examples(draw):
         n = draw(st.integers(1, 4))
         m = draw(st.integers(n, 8))
         base = draw(st.integers(0, max(0, top - m + 1)))
+        if mode == "default":
+            m, base = base + m, 0
         return n, m, base, draw(st.booleans()), draw(SEEDS)
+
+    def compare(content, wide, q_pos, k_pos, causal):
+        if mode == "explicit":
+            want = probe.embed(probe.pe32, wide[1], k_pos)
+            got = probe.embed(probe.pe32, content[1], k_pos).float()
+            return got, want, 2 * BF16_EPS * (1.0 + float(want.abs().max())), "embed"
+        if mode == "default":
+            x = torch.zeros(1, k_pos.shape[0], probe.model_dim).normal_(
+                generator=_generator(int(k_pos.shape[0])))
+            want = probe.embed(probe.pe32, x.bfloat16().float(), None)
+            got = probe.embed(probe.pe32, x.bfloat16(), None).float()
+            return got, want, 2 * BF16_EPS * (1.0 + float(want.abs().max())), "embed"
+        want = probe.forward(probe.pe32, wide, q_pos, k_pos, causal=causal)
+        got = probe.forward(probe.pe32, content, q_pos, k_pos, causal=causal).float()
+        logits = probe.pe32.scores(wide[0], wide[1], q_positions=q_pos, k_positions=k_pos)
+        spread = float(logits.abs().max())
+        tol = 2 * BF16_EPS * (1.0 + spread) * float(wide[2].abs().max())
+        return got, want, tol, "attention output"
 
     def check(example) -> float:
         n, m, base, causal, example_seed = example
@@ -1101,38 +1308,36 @@ def bf16(probe: Probe) -> Outcome:
         q_pos = k_pos[m - n:]
         content = probe.content(_generator(example_seed), n, m, dtype=torch.bfloat16)
         wide = tuple(t.float() for t in content)
-        if probe.route == "input":
-            got = probe.pe32.embed(content[1], positions=k_pos).float()
-            want = probe.pe32.embed(wide[1], positions=k_pos)
-            tol = 2 * BF16_EPS * (1.0 + float(want.abs().max()))
-            what = "embed"
-        else:
-            got = probe.forward(probe.pe32, content, q_pos, k_pos, causal=causal).float()
-            want = probe.forward(probe.pe32, wide, q_pos, k_pos, causal=causal)
-            logits = probe.pe32.scores(wide[0], wide[1], q_positions=q_pos,
-                                       k_positions=k_pos)
-            spread = float(logits.abs().max())
-            tol = 2 * BF16_EPS * (1.0 + spread) * float(wide[2].abs().max())
-            what = "attention output"
+        shown = k_pos.tolist() if m <= 8 else f"0..{m - 1}"
+        try:
+            got, want, tol, what = compare(content, wide, q_pos, k_pos, causal)
+        except ValueError:
+            return math.inf  # positions the encoding rejects in any dtype: not a bf16 matter
+        if not bool(torch.isfinite(want).all()):
+            raise Violation(f"positions {shown}: the fp32 {what} is not finite",
+                            positions=k_pos.tolist()[-8:], rank=int(k_pos.max()))
         error = float((got - want).abs().max())
         if not error <= tol:
             raise Violation(
-                f"positions {k_pos.tolist()}: bf16 {what} differs from fp32 by "
+                f"positions {shown}: bf16 {what} differs from fp32 by "
                 f"{_fmt(error)} (bf16 error bound {_fmt(tol)})",
-                positions=k_pos.tolist(), error=error, tol=tol,
+                positions=k_pos.tolist()[-8:], error=error, tol=tol, rank=int(k_pos.max()),
             )
         return tol - error
 
     search = _search(check, examples(), probe.budget)
     if search.violation is not None:
         return _failed("bf16", "block", None, search)
-    reach = f"up to {top}" if probe.length is not None else "up to 2^20"
+    reach = "up to 2^20" if top == FAR else f"up to {top}"
     return Outcome("bf16", "block", None, True,
                    f"within bf16 error of fp32 at positions {reach} "
                    f"({search.examples} examples)")
 
 
 def kv_cache(probe: Probe) -> Outcome:
+    unreachable = _input_unreachable(probe, "kv_cache", need_explicit=True)
+    if unreachable is not None:
+        return unreachable
     @st.composite
     def examples(draw):
         m = draw(st.integers(2, 10))
@@ -1144,7 +1349,7 @@ def kv_cache(probe: Probe) -> Outcome:
         positions = torch.arange(start, start + m)
         full = probe.logits(content, positions, positions)
         a, b, v = content
-        block = (a[:, cut:], b, v) if probe.route == "input" else (a[:, :, cut:], b, v)
+        block = (a[:, cut:], b, v) if probe.through_embed else (a[:, :, cut:], b, v)
         part = probe.logits(block, positions[cut:], positions)
         tol = 1e-10 * (1.0 + float(full.abs().max()))
         error = float((part - full[:, :, cut:]).abs().max())
@@ -1152,7 +1357,7 @@ def kv_cache(probe: Probe) -> Outcome:
             raise Violation(
                 f"positions {start}..{start + m - 1}: the query block from row {cut} differs "
                 f"from the full rows by {_fmt(error)}", m=m, cut=cut, start=start)
-        if probe.route != "input":
+        if not probe.through_embed:
             by_default = probe.pe64.scores(a[:, :, cut:], b)
             reference = probe.pe64.scores(a, b)[:, :, cut:]
             error = float((by_default - reference).abs().max())
@@ -1210,11 +1415,13 @@ def check_loaded(
 
 def _check_loaded(loaded, budget, only, progress, started) -> Report:
     probe = Probe(loaded, budget)
-    report = Report(loaded.spec.name, loaded.display_path, loaded.spec.title, probe.route)
+    report = Report(loaded.spec.name, loaded.display_path, loaded.spec.title,
+                    probe.route_text())
     wanted = list(PROPERTIES) if only is None else [p for p in PROPERTIES if p in set(only)]
     for name in wanted:
         began = time.perf_counter()
         claimed = getattr(loaded.spec.claims, name) if name in CLAIMS else None
+        budget.timed_out = False
         try:
             if name in CLAIM_CHECKS:
                 outcome = CLAIM_CHECKS[name](probe, claimed)
@@ -1226,6 +1433,8 @@ def _check_loaded(loaded, budget, only, progress, started) -> Report:
                 f"{type(error).__name__}: {error}", error=True,
             )
         outcome.seconds = time.perf_counter() - began
+        if budget.timed_out:
+            outcome.evidence += f" [stopped drawing at the {budget.seconds:g} s time budget]"
         report.outcomes.append(outcome)
         if progress is not None:
             progress(name)

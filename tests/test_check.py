@@ -145,8 +145,8 @@ def test_nope_counterexample_is_the_smallest_pair(cli) -> None:
     result = cli("check", "tests/specs/false_claims/false_unique_nope.yaml", "--only",
                  "unique", "--max-examples", "10", "--json")
     (outcome,) = json.loads(result.output)["specs"][0]["properties"]
-    assert outcome["counterexample"]["query"] == 0
-    assert outcome["counterexample"]["keys"] == [0, 1]
+    assert outcome["counterexample"]["distances"] == [0, 1]
+    assert "distances k - q = 0 and 1 get the same position score" in outcome["evidence"]
 
 
 def test_t5_collision_is_reported_beyond_the_exact_range(cli) -> None:
@@ -154,10 +154,13 @@ def test_t5_collision_is_reported_beyond_the_exact_range(cli) -> None:
                  "unique", "--max-examples", "10", "--json")
     (outcome,) = json.loads(result.output)["specs"][0]["properties"]
     example = outcome["counterexample"]
-    query, keys = example["query"], example["keys"]
     # 32 bidirectional buckets: distances below 8 are exact, so a collision is past them
-    assert min(abs(k - query) for k in keys) >= 8
-    assert "closest (scan): query 0: keys 8 and 9" in outcome["evidence"]
+    assert min(abs(d) for d in example["distances"]) >= 8
+    query, keys = example["query"], example["keys"]
+    assert [k - query for k in keys] == example["distances"]
+    # the simplest collision is reported: 8 and 9 (or -9 and -8) share a bucket
+    assert max(abs(d) for d in example["distances"]) == 9 or "closest (scan)" in (
+        outcome["evidence"])
 
 
 def test_learned_table_raises_the_clear_error(cli) -> None:
@@ -426,8 +429,8 @@ def test_an_unknown_term_form_is_checked_through_the_contract(monkeypatch, tmp_p
     verdicts = {o.name: o.verdict for o in report.outcomes}
     assert verdicts["relative"] == "confirmed: holds"
     assert verdicts["unique"] == "REFUTED: fails"  # clipped past ±4
-    keys = report.outcome("unique").counterexample
-    assert min(abs(k - keys["query"]) for k in keys["keys"]) >= _ClippedRelativeKeys.CLIP
+    example = report.outcome("unique").counterexample
+    assert min(abs(d) for d in example["distances"]) >= _ClippedRelativeKeys.CLIP
     assert verdicts["extrapolates"] == "measured: holds"
     for block in ("rotation_norm", "rotation_pairing", "buckets", "slopes"):
         assert verdicts[block] == "n/a"
