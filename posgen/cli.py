@@ -377,11 +377,11 @@ def plot(spec: Path, out_dir: Path, span: int, distance: int, seed: int) -> None
         posgen plot my_idea.yaml --span 128
     """
     loaded = load_specs(_spec_files([spec]))[0]
-    from posgen.plot import MissingMatplotlib, plot_spec
+    from posgen.plot import CannotPlot, MissingMatplotlib, plot_spec
 
     try:
         paths = plot_spec(loaded, out_dir, span=span, decay_span=distance, seed=seed)
-    except MissingMatplotlib as error:
+    except (MissingMatplotlib, CannotPlot) as error:
         click.echo(str(error), err=True)
         sys.exit(2)
     for path in paths:

@@ -22,6 +22,10 @@ class MissingMatplotlib(RuntimeError):
     """matplotlib is not installed."""
 
 
+class CannotPlot(RuntimeError):
+    """The spec's positions cannot be reached through the module contract."""
+
+
 def require_matplotlib() -> Any:
     """pyplot on the non-interactive Agg backend, or MissingMatplotlib."""
     try:
@@ -60,6 +64,8 @@ def _plot(plt: Any, loaded: LoadedSpec, out_dir: Path, name: str, span: int,
           decay_span: int, seed: int) -> list[Path]:
     with torch.no_grad():
         probe = Probe(loaded, Budget(seed=seed, span=decay_span))
+        if probe.route == "input" and probe.input_mode is None:
+            raise CannotPlot(f"cannot plot {name}: {probe.input_note}")
         span = min(span, probe.span)
         scores = probe.score_matrix(span)  # [heads or 1, span, span]
         shared = bool((scores - scores[:1]).abs().max() <= 1e-12 * (1 + scores.abs().max()))

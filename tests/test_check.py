@@ -436,3 +436,105 @@ def test_an_unknown_term_form_is_checked_through_the_contract(monkeypatch, tmp_p
         assert verdicts[block] == "n/a"
     for block in ("backends", "bf16", "kv_cache"):
         assert verdicts[block] == "holds", report.outcome(block).evidence
+
+
+def _hand_written(monkeypatch, cls, backends=("auto", "eager")):
+    import types
+
+    module = types.ModuleType("hand_written")
+    module.__all__ = [cls.__name__]
+    setattr(module, cls.__name__, cls)
+    module.BACKENDS = backends
+    monkeypatch.setattr(properties, "module_from_loaded", lambda loaded: module)
+
+
+class _UntiedAbsolute(_ClippedRelativeKeys):
+    """Absolute positions in the scores (TUPE-like): b[i, j] = u_i · u_j, with query 0's
+    row reset to a constant (TUPE's [CLS] reset); position-dependent, not shift-invariant."""
+
+    def score_terms(self, q, k, *, q_positions=None, k_positions=None):
+        n, m = q.shape[2], k.shape[2]
+        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        q_pos = torch.arange(m - n, m) if q_positions is None else q_positions
+        k_pos = torch.arange(m) if k_positions is None else k_positions
+        table = torch.sin(torch.arange(4096, dtype=dtype).unsqueeze(-1)
+                          * torch.linspace(0.01, 1.0, 6, dtype=dtype))
+        bias = table[q_pos] @ table[k_pos].T
+        bias = torch.where(q_pos.unsqueeze(-1) == 0, torch.full_like(bias, 0.5), bias)
+        content = q.to(dtype) @ k.to(dtype).transpose(-2, -1)
+        return {"content_content": content * self.scale, "position_position": bias}
+
+
+def test_absolute_scores_are_unique_by_rows_and_columns(monkeypatch, tmp_path) -> None:
+    _hand_written(monkeypatch, _UntiedAbsolute)
+    spec = tmp_path / "untied.yaml"
+    spec.write_text(NOPE.format(name="untied", claims="unique: true, relative: false"),
+                    encoding="utf-8")
+    report = check_loaded(load_spec(spec), Budget(max_examples=10, span=64),
+                          only=["unique", "relative"])
+    # query 0 sees every key alike (the reset), yet every position has its own column
+    assert report.outcome("unique").verdict == "confirmed: holds"
+    assert "rows and columns" in report.outcome("unique").evidence
+    assert report.outcome("relative").verdict == "confirmed: fails"
+
+
+class _PairEmbed(torch.nn.Module):
+    """An input form returning (real, imag) and taking no explicit positions."""
+
+    def __init__(self, heads: int = 2, head_dim: int = 8, model_dim: int = 16) -> None:
+        super().__init__()
+        self.heads, self.head_dim, self.model_dim = heads, head_dim, model_dim
+        self.scale = head_dim**-0.5
+        self.frequency = torch.nn.Parameter(torch.linspace(0.05, 1.0, model_dim))
+
+    def embed(self, x, positions=None):
+        if positions is not None:
+            raise ValueError("explicit positions are not supported")
+        wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+        angle = torch.arange(x.shape[1], dtype=wide).unsqueeze(-1) * self.frequency.to(wide)
+        amplitude = x.to(wide) + 1  # angles in float32 at least, outputs in x's dtype
+        return ((amplitude * torch.cos(angle)).to(x.dtype),
+                (amplitude * torch.sin(angle)).to(x.dtype))
+
+    def rotate(self, q, k, q_positions=None, k_positions=None):
+        return q, k
+
+    def score_bias(self, q_positions, k_positions):
+        return None
+
+    def score_terms(self, q, k, *, q_positions=None, k_positions=None):
+        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        return {"content_content": (q.to(dtype) @ k.to(dtype).transpose(-2, -1)) * self.scale}
+
+    def scores(self, q, k, *, q_positions=None, k_positions=None):
+        return self.score_terms(q, k)["content_content"]
+
+    def forward(self, q, k, v, *, q_positions=None, k_positions=None, causal=False,
+                attn_mask=None, backend="auto"):
+        weights = torch.softmax(self.scores(q, k), dim=-1)
+        return (weights @ v.to(weights.dtype)).to(v.dtype)
+
+
+def test_an_input_form_without_explicit_positions(monkeypatch) -> None:
+    _hand_written(monkeypatch, _PairEmbed)
+    report = check_loaded(load_spec(FALSE_CLAIMS / "false_relative_sinusoidal.yaml"),
+                          Budget(max_examples=10, span=64))
+    verdicts = {o.name: o.verdict for o in report.outcomes}
+    assert "row m of embed(t)" in report.route
+    assert verdicts["unique"] == "measured: holds"  # read from the (real, imag) rows
+    for name in ("relative", "kv_cache"):
+        assert verdicts[name] == "n/a"
+        assert "no explicit positions" in report.outcome(name).evidence
+    assert verdicts["extrapolates"] == "measured: holds"
+    assert "sequences of" in report.outcome("extrapolates").evidence
+    assert verdicts["bf16"] == "holds" and verdicts["backends"] == "holds"
+    assert report.ok  # relative is claimed but cannot be checked: not refuted
+
+
+def test_time_budget_stops_drawing(monkeypatch) -> None:
+    report = check_loaded(load_spec(SPECS / "alibi.yaml"),
+                          Budget(max_examples=10_000, span=64, seconds=0.2),
+                          only=["relative"])
+    outcome = report.outcome("relative")
+    assert outcome.verdict == "confirmed: holds"
+    assert "time budget" in outcome.evidence and outcome.seconds < 5
