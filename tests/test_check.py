@@ -26,7 +26,7 @@ from tests.conftest import ROOT, SPECS
 from tests.reference import formulas
 
 FALSE_CLAIMS = ROOT / "tests" / "specs" / "false_claims"
-TEST_BUDGET = Budget(max_examples=10, seed=0, span=256)
+TEST_BUDGET = Budget(max_examples=10, seed=0, span=256, seconds=3.0)
 
 NOPE = """\
 name: {name}
@@ -89,7 +89,10 @@ def test_every_claim_in_the_catalogue_holds(path: Path) -> None:
         claimed = getattr(spec.claims, claim)
         outcome = report.outcome(claim)
         assert outcome.claimed is claimed
-        if claimed is not None:
+        if claimed is not None and outcome.holds is None:
+            # positions the contract cannot reach (an embed needing extra arguments)
+            assert outcome.evidence.startswith("cannot check: "), outcome.evidence
+        elif claimed is not None:
             assert outcome.holds is claimed, f"{claim}: {outcome.evidence}"
             assert outcome.verdict.startswith("confirmed: ")
         else:
