@@ -5,24 +5,35 @@ tests it through the module contract only (``embed``, ``rotate``, ``score_bias``
 ``scores``, ``forward``), never through the spec's name, so a new idea needs nothing but a
 YAML file. Which route reaches the positions is decided from the validated ``Spec``:
 
-* ``input`` (``spec.input`` is set): the table p_m = embed(0, m); logits are
-  (x + p_i) Wq · ((x + p_j) Wk)ᵀ with random float64 projections and content;
+* ``input`` (``spec.input`` is set): the table p_m = embed(t, m) for a constant token t
+  (0, or 1 where embed(0, ·) is 0, as for x ⊙ p); logits are embed(x, i) Wq ·
+  (embed(x, j) Wk)ᵀ with random float64 projections and content. An embed returning
+  several parts (real, imaginary) is read as their concatenation; one that takes no
+  explicit positions is read row by row from embed(x); one that cannot be called with x
+  alone makes the properties it would serve "n/a", with the reason;
 * ``rotation`` (``content_content`` rotates): R_m = rotate(I, m);
 * ``scores`` (everything else, including term forms this file has never heard of): the
   module's ``scores`` with constant content (the same q at every query, the same k at
-  every key, q ⟂ k so that a kept content term is exactly zero).
+  every key, q · k = 0 so that a kept content term adds nothing).
 
 The four claims (``unique``, ``relative``, ``decay``, ``extrapolates``) are each a
 predicate over examples drawn by hypothesis; a stated claim is judged (a false claim comes
 with hypothesis' shrunk counterexample), an absent one is measured and shown. Where a
 property is a statement about a finite range, an exhaustive scan follows the random search,
 so a claim of ``false`` is only confirmed when a counterexample is actually found.
+``unique`` for scores that depend on j - i only compares distances (reaching past every
+``max_distance`` the spec states); for other scores, positions as query and as key.
+``extrapolates`` covers positions from the training length (the smallest
+``max_positions`` stated, else the span) up to 16 times it.
 
 Building-block invariants run where the block is present: rotations keep norms and are the
 identity at 0; half and interleaved pairings differ by a fixed permutation; buckets lie in
 range and are monotone; slopes are positive and follow their recipe; every backend agrees
 with eager; bf16 stays within bf16 error of fp32 at positions up to 2^20; a KV cache (an
 offset query block) reproduces the matching rows of the full computation.
+
+Every search stops drawing after ``Budget.seconds`` (slow modules only), and runs on one
+thread: the tensors are small, and oversubscribed threads made it 10-20x slower.
 """
 
 from __future__ import annotations
