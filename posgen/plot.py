@@ -111,7 +111,8 @@ def _plot(plt: Any, loaded: LoadedSpec, out_dir: Path, name: str, span: int,
             "input table" if probe.route == "input" else "every head")
         (line,) = ax.plot(distance, curve.numpy(), linewidth=1.0, alpha=0.8, label=line_label)
         ax.plot(centres, _window_means(curve, windows), "o", color=line.get_color(),
-                markersize=4, label="window means (checked)" if head == 0 else None)
+                markersize=4)
+    ax.plot([], [], "o", color="0.3", markersize=4, label="window means (checked)")
     ax.set_xscale("symlog", linthresh=1.0)
     ax.set_xlabel("distance i − j (keys before the query; symlog scale)")
     ax.set_ylabel(label)
