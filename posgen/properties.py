@@ -1349,6 +1349,7 @@ def kv_cache(probe: Probe) -> Outcome:
     unreachable = _input_unreachable(probe, "kv_cache", need_explicit=True)
     if unreachable is not None:
         return unreachable
+
     @st.composite
     def examples(draw):
         m = draw(st.integers(2, 10))
@@ -1425,10 +1426,21 @@ def check_loaded(
 
 
 def _check_loaded(loaded, budget, only, progress, started) -> Report:
-    probe = Probe(loaded, budget)
+    wanted = list(PROPERTIES) if only is None else [p for p in PROPERTIES if p in set(only)]
+    try:
+        probe = Probe(loaded, budget)
+    except Exception as error:  # noqa: BLE001 - a module that cannot even be built
+        report = Report(loaded.spec.name, loaded.display_path, loaded.spec.title,
+                        "none: the module could not be built")
+        for name in wanted:
+            report.outcomes.append(Outcome(
+                name, "claim" if name in CLAIMS else "block",
+                getattr(loaded.spec.claims, name) if name in CLAIMS else None, None,
+                f"building the module failed: {type(error).__name__}: {error}", error=True))
+        report.seconds = time.perf_counter() - started
+        return report
     report = Report(loaded.spec.name, loaded.display_path, loaded.spec.title,
                     probe.route_text())
-    wanted = list(PROPERTIES) if only is None else [p for p in PROPERTIES if p in set(only)]
     for name in wanted:
         began = time.perf_counter()
         claimed = getattr(loaded.spec.claims, name) if name in CLAIMS else None

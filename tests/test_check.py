@@ -541,3 +541,18 @@ def test_time_budget_stops_drawing(monkeypatch) -> None:
     outcome = report.outcome("relative")
     assert outcome.verdict == "confirmed: holds"
     assert "time budget" in outcome.evidence and outcome.seconds < 5
+
+
+class _Unbuildable(_ClippedRelativeKeys):
+    def __init__(self, heads: int = 2, head_dim: int = 8) -> None:
+        raise RuntimeError("cannot build")
+
+
+def test_a_module_that_cannot_be_built_is_an_error_not_a_traceback(monkeypatch, cli,
+                                                                   tmp_path) -> None:
+    _hand_written(monkeypatch, _Unbuildable)
+    spec = tmp_path / "broken.yaml"
+    spec.write_text(NOPE.format(name="broken", claims="relative: true"), encoding="utf-8")
+    result = cli("check", spec, "--max-examples", "3")
+    assert result.exit_code == 1
+    assert "building the module failed: RuntimeError: cannot build" in result.output
