@@ -585,7 +585,7 @@ def _unique(probe: Probe) -> tuple[Search, str]:
     else:
         # absolute positions in the scores: position m is its row (as a query) and its
         # column (as a key) of the position-only scores
-        span = min(span, 512)
+        span = min(span, 512, max(16, math.isqrt(4_000_000 // probe.heads)))  # memory
         scores = probe.score_matrix(span)  # [heads, span, span]
 
         def check(example) -> float:
