@@ -1,0 +1,62 @@
+"""Render ``posgen check`` results: a verdict table per spec, or one JSON document."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from collections.abc import Sequence
+
+from posgen.properties import Budget, Report
+
+
+def _claimed(value: bool | None) -> str:
+    return "-" if value is None else str(value).lower()
+
+
+def render_table(report: Report, width: int = 100) -> list[str]:
+    """The verdict table of one spec: property, claimed, verdict, evidence."""
+    lines = [
+        f"{report.path}: {report.name} — {report.title}",
+        f"  route: {report.route}; {report.seconds:.1f} s",
+    ]
+    name_width = max(len("property"), *(len(o.name) for o in report.outcomes))
+    verdict_width = max(len("verdict"), *(len(o.verdict) for o in report.outcomes))
+    head = f"  {'property':<{name_width}}  {'claimed':<7}  {'verdict':<{verdict_width}}  "
+    lines.append(head + "evidence")
+    lines.append("  " + "-" * (max(width, len(head) + 20) - 2))
+    evidence_width = max(30, width - len(head))
+    for outcome in report.outcomes:
+        wrapped = textwrap.wrap(outcome.evidence, evidence_width) or [""]
+        lines.append(
+            f"  {outcome.name:<{name_width}}  {_claimed(outcome.claimed):<7}  "
+            f"{outcome.verdict:<{verdict_width}}  {wrapped[0]}"
+        )
+        lines.extend(" " * len(head) + more for more in wrapped[1:])
+    problems = [o for o in report.outcomes if not o.ok]
+    if problems:
+        listed = ", ".join(f"{o.name} ({o.verdict})" for o in problems)
+        lines.append(f"  => {len(problems)} problem{'s' if len(problems) > 1 else ''}: {listed}")
+    else:
+        claimed = sum(o.claimed is not None for o in report.outcomes)
+        verb = "claim holds" if claimed == 1 else "claims hold"
+        lines.append(f"  => ok: {claimed} stated {verb}; building blocks hold")
+    return lines
+
+
+def render_summary(reports: Sequence[Report], seconds: float) -> str:
+    failed = [report.name for report in reports if not report.ok]
+    status = "all claims hold" if not failed else f"problems in {', '.join(failed)}"
+    count = len(reports)
+    return f"{count} spec{'s' if count != 1 else ''} checked in {seconds:.1f} s: {status}."
+
+
+def render_json(reports: Sequence[Report], budget: Budget, seconds: float) -> str:
+    document = {
+        "ok": all(report.ok for report in reports),
+        "seed": budget.seed,
+        "max_examples": budget.max_examples,
+        "span": budget.span,
+        "seconds": round(seconds, 3),
+        "specs": [report.as_json() for report in reports],
+    }
+    return json.dumps(document, indent=2, ensure_ascii=False)

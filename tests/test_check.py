@@ -1,0 +1,558 @@
+"""``posgen check`` and ``posgen plot``: claims of every spec hold, planted false claims are
+refuted with a readable counterexample, building-block failures are caught, and the CLI
+keeps its exit codes (0 ok, 1 refuted, 2 invalid spec or usage).
+
+Generic over the catalogue (every specs/*.yaml) and over tests/specs/false_claims/, whose
+files are named ``false_<property>_<what>.yaml``: the property in the name is refuted.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from posgen import properties
+from posgen.cli import _property_names, main
+from posgen.properties import CLAIMS, Budget, Probe, check_loaded
+from posgen.spec_loader import load_spec
+from tests.conftest import ROOT, SPECS
+from tests.reference import formulas
+
+FALSE_CLAIMS = ROOT / "tests" / "specs" / "false_claims"
+TEST_BUDGET = Budget(max_examples=10, seed=0, span=256, seconds=3.0)
+
+NOPE = """\
+name: {name}
+title: No positional encoding
+references: ["Kazemnejad et al. 2023, arXiv:2305.19466"]
+defaults: {{heads: 2, head_dim: 8}}
+scale: inv_sqrt_head_dim
+terms:
+  content_content: keep
+  content_position: drop
+  position_content: drop
+  position_position: drop
+claims: {{{claims}}}
+"""
+
+
+@functools.cache
+def report_for(path: Path) -> properties.Report:
+    """Every property of one spec, checked once per session with the small test budget."""
+    return check_loaded(load_spec(path), TEST_BUDGET)
+
+
+@functools.cache
+def probe_for(name: str) -> Probe:
+    return Probe(load_spec(SPECS / f"{name}.yaml"), TEST_BUDGET)
+
+
+@pytest.fixture()
+def cli(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    runner = CliRunner()
+
+    def invoke(*args: str):
+        result = runner.invoke(main, [str(a) for a in args])
+        assert result.exception is None or isinstance(result.exception, SystemExit), (
+            result.output
+        )
+        return result
+
+    return invoke
+
+
+def _property_of(path: Path) -> str | None:
+    for name in CLAIMS:
+        if path.stem.startswith(f"false_{name}_"):
+            return name
+    return None
+
+
+# --------------------------------------------------------------------------- the catalogue
+
+
+@pytest.mark.parametrize("path", sorted(SPECS.glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_claim_in_the_catalogue_holds(path: Path) -> None:
+    report = report_for(path)
+    problems = [f"{o.name}: {o.verdict}: {o.evidence}" for o in report.outcomes if not o.ok]
+    assert not problems, "\n".join(problems)
+    spec = load_spec(path).spec
+    for claim in CLAIMS:
+        claimed = getattr(spec.claims, claim)
+        outcome = report.outcome(claim)
+        assert outcome.claimed is claimed
+        if claimed is not None and outcome.holds is None:
+            # positions the contract cannot reach (an embed needing extra arguments)
+            assert outcome.evidence.startswith("cannot check: "), outcome.evidence
+        elif claimed is not None:
+            assert outcome.holds is claimed, f"{claim}: {outcome.evidence}"
+            assert outcome.verdict.startswith("confirmed: ")
+        else:
+            assert outcome.verdict.startswith(("measured: ", "n/a"))
+
+
+# --------------------------------------------------------------------------- planted false claims
+
+
+def test_false_claim_folder_follows_the_naming_convention() -> None:
+    paths = sorted(FALSE_CLAIMS.glob("*.yaml"))
+    assert len(paths) >= 4
+    for path in paths:
+        claim = _property_of(path)
+        assert claim is not None, f"{path.name}: name it false_<property>_<what>.yaml"
+        assert getattr(load_spec(path).spec.claims, claim) is not None, (
+            f"{path.name} must state the claim {claim!r}"
+        )
+
+
+@pytest.mark.parametrize("path", sorted(FALSE_CLAIMS.glob("*.yaml")), ids=lambda p: p.stem)
+def test_planted_false_claim_is_refuted(cli, path: Path) -> None:
+    claim = _property_of(path)
+    assert claim is not None
+    claimed = getattr(load_spec(path).spec.claims, claim)
+    args = ("check", path.relative_to(ROOT), "--only", claim, "--max-examples", "10")
+
+    result = cli(*args, "--json")
+    assert result.exit_code == 1, result.output
+    (spec,) = json.loads(result.output)["specs"]
+    (outcome,) = spec["properties"]
+    assert outcome["property"] == claim and outcome["claimed"] is claimed
+    assert outcome["verdict"].startswith("REFUTED"), outcome
+    assert outcome["holds"] is (not claimed)
+    if claimed:
+        # a true claim refuted: hypothesis' shrunk counterexample (or the scan's), in words
+        assert outcome["counterexample"], outcome
+        assert outcome["evidence"].startswith(("shrunk counterexample: ", "found by scan: "))
+        assert any(word in outcome["evidence"] for word in ("position", "query", "key", "distance"))
+    else:
+        # a claim of false refuted: the property was searched for failures and held
+        assert outcome["counterexample"] is None and outcome["evidence"]
+
+    table = cli(*args)
+    assert table.exit_code == 1
+    row = next(line for line in table.output.splitlines() if line.strip().startswith(claim))
+    assert "REFUTED" in row
+    assert outcome["evidence"].split()[0] in table.output
+    assert "problem" in table.output
+
+
+def test_nope_counterexample_is_the_smallest_pair(cli) -> None:
+    result = cli("check", "tests/specs/false_claims/false_unique_nope.yaml", "--only",
+                 "unique", "--max-examples", "10", "--json")
+    (outcome,) = json.loads(result.output)["specs"][0]["properties"]
+    assert outcome["counterexample"]["distances"] == [0, 1]
+    assert "distances k - q = 0 and 1 get the same position score" in outcome["evidence"]
+
+
+def test_t5_collision_is_reported_beyond_the_exact_range(cli) -> None:
+    result = cli("check", "tests/specs/false_claims/false_unique_t5.yaml", "--only",
+                 "unique", "--max-examples", "10", "--json")
+    (outcome,) = json.loads(result.output)["specs"][0]["properties"]
+    example = outcome["counterexample"]
+    # 32 bidirectional buckets: distances below 8 are exact, so a collision is past them
+    assert min(abs(d) for d in example["distances"]) >= 8
+    query, keys = example["query"], example["keys"]
+    assert [k - query for k in keys] == example["distances"]
+    # the simplest collision is reported: 8 and 9 (or -9 and -8) share a bucket
+    assert max(abs(d) for d in example["distances"]) == 9 or "closest (scan)" in (
+        outcome["evidence"])
+
+
+def test_learned_table_raises_the_clear_error(cli) -> None:
+    result = cli("check", "tests/specs/false_claims/false_extrapolates_learned.yaml",
+                 "--only", "extrapolates", "--max-examples", "10", "--json")
+    (outcome,) = json.loads(result.output)["specs"][0]["properties"]
+    assert outcome["counterexample"]["clear_error"] is True
+    assert "raises ValueError" in outcome["evidence"] and "128" in outcome["evidence"]
+
+
+# --------------------------------------------------------------------------- CLI behaviour
+
+
+def test_unclaimed_properties_are_measured_not_judged(cli, tmp_path: Path) -> None:
+    spec = tmp_path / "idea.yaml"
+    spec.write_text(NOPE.format(name="idea", claims=""), encoding="utf-8")
+    before = sorted(p.name for p in (ROOT / "generated").iterdir())
+    result = cli("check", spec, "--max-examples", "5", "--span", "64")
+    assert result.exit_code == 0, result.output
+    for claim in CLAIMS:
+        row = next(line for line in result.output.splitlines()
+                   if line.strip().startswith(claim + " "))
+        assert "measured: " in row
+    assert "measured: fails" in result.output  # NoPE: unique and decay fail
+    assert sorted(p.name for p in (ROOT / "generated").iterdir()) == before
+
+
+def test_exit_codes(cli, tmp_path: Path) -> None:
+    good = tmp_path / "nope_ok.yaml"
+    good.write_text(NOPE.format(name="nope_ok", claims="relative: true, unique: false"),
+                    encoding="utf-8")
+    assert cli("check", good, "--max-examples", "5", "--span", "64").exit_code == 0
+    bad = tmp_path / "nope_bad.yaml"
+    bad.write_text(NOPE.format(name="nope_bad", claims="relative: false"), encoding="utf-8")
+    assert cli("check", bad, "--only", "relative", "--max-examples", "5").exit_code == 1
+    invalid = cli("check", "tests/specs/invalid/bad_pairing.yaml")
+    assert invalid.exit_code == 2
+    assert "tests/specs/invalid/bad_pairing.yaml:10:16:" in invalid.output
+    assert cli("check", tmp_path / "missing.yaml").exit_code == 2
+    assert cli("check", good, "--only", "nonsense").exit_code == 2
+    assert cli("check", good, "--max-examples", "0").exit_code == 2
+
+
+def test_seed_makes_runs_reproducible(cli) -> None:
+    args = ("check", "tests/specs/false_claims/false_unique_t5.yaml", "--only", "unique",
+            "--only", "decay", "--max-examples", "10", "--json")
+
+    def verdicts(*extra: str) -> list:
+        document = json.loads(cli(*args, *extra).output)
+        return [(o["verdict"], o["evidence"], o["counterexample"])
+                for o in document["specs"][0]["properties"]]
+
+    assert verdicts("--seed", "3") == verdicts("--seed", "3")
+    document = json.loads(cli(*args, "--seed", "3").output)
+    assert document["seed"] == 3 and document["max_examples"] == 10
+
+
+def test_property_names_are_in_sync() -> None:
+    assert _property_names() == properties.PROPERTIES
+
+
+def test_check_and_plot_help_have_examples(cli) -> None:
+    for command in ("check", "plot"):
+        result = cli(command, "--help")
+        assert result.exit_code == 0
+        assert "Example:" in result.output and f"posgen {command}" in result.output
+
+
+def test_a_crashing_property_is_reported_not_raised(monkeypatch) -> None:
+    def broken(probe):
+        raise RuntimeError("no such term form")
+
+    monkeypatch.setitem(properties.BLOCK_CHECKS, "kv_cache", broken)
+    report = check_loaded(load_spec(SPECS / "alibi.yaml"), TEST_BUDGET, only=["kv_cache"])
+    (outcome,) = report.outcomes
+    assert outcome.verdict == "ERROR" and "no such term form" in outcome.evidence
+    assert not report.ok
+
+
+# --------------------------------------------------------------------------- blocks can fail
+
+
+def _fresh_probe(name: str) -> Probe:
+    return Probe(load_spec(SPECS / f"{name}.yaml"), TEST_BUDGET)
+
+
+def test_rotation_that_stretches_is_caught() -> None:
+    probe = _fresh_probe("rope")
+    original = probe.pe64.rotate
+
+    def stretched(q, k, q_positions=None, k_positions=None):
+        q, k = original(q, k, q_positions, k_positions)
+        return q * 1.001, k * 1.001
+
+    probe.pe64.rotate = stretched
+    with torch.no_grad():
+        outcome = properties.rotation_norm(probe)
+    assert outcome.verdict == "FAILS" and "|R x| - |x|" in outcome.evidence
+
+
+def test_position_dependent_drift_breaks_relative_and_kv_cache() -> None:
+    probe = _fresh_probe("alibi")
+    original = probe.pe64.scores
+
+    def drifting(q, k, *, q_positions=None, k_positions=None):
+        logits = original(q, k, q_positions=q_positions, k_positions=k_positions)
+        n = q.shape[2]
+        rows = torch.arange(n, dtype=logits.dtype).view(n, 1) * 1e-3  # depends on the row
+        return logits + rows
+
+    probe.pe64.scores = drifting
+    with torch.no_grad():
+        assert properties.kv_cache(probe).verdict == "FAILS"
+
+
+def test_sdpa_that_disagrees_is_caught() -> None:
+    probe = _fresh_probe("t5")
+    original = probe.pe32.forward
+
+    def skewed(q, k, v, *, backend="auto", **kwargs):
+        out = original(q, k, v, backend=backend, **kwargs)
+        return out if backend == "eager" else out + 1e-2
+
+    probe.pe32.forward = skewed
+    with torch.no_grad():
+        outcome = properties.backends(probe)
+    assert outcome.verdict == "FAILS" and "differs from eager" in outcome.evidence
+
+
+# --------------------------------------------------------------------------- independent recipes
+
+
+def test_slope_recipe_matches_the_reference_and_the_paper() -> None:
+    assert properties.alibi_geometric_slopes(8) == [2.0**-k for k in range(1, 9)]
+    for heads in range(1, 65):
+        assert properties.alibi_geometric_slopes(heads) == pytest.approx(
+            formulas.alibi_slopes(heads), rel=1e-12)
+
+
+def test_bucket_recipe_matches_the_reference_and_hand_values() -> None:
+    bucket = properties.t5_bucket
+    assert [bucket(r, True, 32, 128) for r in (0, -7, 7, 8, -20, 200, -200)] == [
+        0, 7, 23, 24, 10, 31, 15]
+    for bidirectional in (True, False):
+        for relative in range(-300, 301):
+            assert bucket(relative, bidirectional, 32, 128) == formulas.t5_relative_bucket(
+                relative, bidirectional, 32, 128)
+
+
+def test_pairing_permutation_matches_the_reference() -> None:
+    assert properties.half_to_interleaved(8, 8) == formulas.half_to_interleaved_permutation(8)
+    assert properties.half_to_interleaved(6, 4) == [0, 2, 1, 3, 4, 5]
+
+
+def test_roformer_bound_from_measured_frequencies() -> None:
+    probe = probe_for("rope")
+    d = probe.head_dim
+    theta = formulas.rope_frequencies(d, 10000.0)
+    torch.testing.assert_close(probe.rotation_angles(), theta, rtol=1e-12, atol=1e-15)
+    # distance 0: every partial sum |S_j| = j, so the bound is (d/2 + 1) / 2 (16.5 for 64)
+    distances = torch.tensor([0, 1, 7, 100])
+    bound = probe.roformer_bound(distances)
+    assert float(bound[0]) == pytest.approx((d / 2 + 1) / 2)
+    for index, r in enumerate(distances.tolist()):
+        total, partial = 0.0, 0j
+        for k in range(d // 2):
+            partial += complex(math.cos(r * theta[k]), math.sin(r * theta[k]))
+            total += abs(partial)
+        assert float(bound[index]) == pytest.approx(total / (d // 2), rel=1e-12)
+
+
+# --------------------------------------------------------------------------- plots
+
+
+def test_plot_writes_titled_pngs(cli, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    for name in ("t5", "rope"):
+        result = cli("plot", f"specs/{name}.yaml", "--out", tmp_path, "--span", "24",
+                     "--distance", "64")
+        assert result.exit_code == 0, result.output
+        for kind in ("scores", "decay"):
+            path = tmp_path / f"{name}_{kind}.png"
+            assert f"wrote {path}" in result.output
+            data = path.read_bytes()
+            assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5_000
+
+
+def test_plot_without_matplotlib_exits_2(cli, monkeypatch, tmp_path: Path) -> None:
+    for module in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, module)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import raises ImportError
+    result = cli("plot", "specs/alibi.yaml", "--out", tmp_path)
+    assert result.exit_code == 2
+    assert "pip install 'posgen[plot]'" in result.output
+    assert not any(tmp_path.iterdir())
+
+
+
+# --------------------------------------------------------------------------- unknown term forms
+
+
+class _ClippedRelativeKeys(torch.nn.Module):
+    """A hand-written module with a term form posgen has no template for (Shaw-like
+    clipped relative keys): logits = (q·k + q·R[clip(j - i, ±4)]) / √d."""
+
+    CLIP = 4
+
+    def __init__(self, heads: int = 2, head_dim: int = 8) -> None:
+        super().__init__()
+        self.heads, self.head_dim, self.scale = heads, head_dim, head_dim**-0.5
+        self.relative_keys = torch.nn.Parameter(torch.randn(2 * self.CLIP + 1, head_dim))
+
+    def embed(self, x, positions=None):
+        return x
+
+    def rotate(self, q, k, q_positions=None, k_positions=None):
+        return q, k
+
+    def score_bias(self, q_positions, k_positions):
+        return None
+
+    def score_terms(self, q, k, *, q_positions=None, k_positions=None):
+        n, m = q.shape[2], k.shape[2]
+        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        q, k = q.to(dtype), k.to(dtype)
+        q_pos = torch.arange(m - n, m) if q_positions is None else q_positions
+        k_pos = torch.arange(m) if k_positions is None else k_positions
+        rel = (k_pos.unsqueeze(-2) - q_pos.unsqueeze(-1)).clamp(-self.CLIP, self.CLIP)
+        table = self.relative_keys.to(dtype)[rel + self.CLIP]  # [N, M, d]
+        content = q @ k.transpose(-2, -1)
+        relative = torch.einsum("bhnd,nmd->bhnm", q, table)
+        return {"content_content": content * self.scale,
+                "content_position": relative * self.scale}
+
+    def scores(self, q, k, *, q_positions=None, k_positions=None):
+        terms = self.score_terms(q, k, q_positions=q_positions, k_positions=k_positions)
+        return sum(terms.values())
+
+    def forward(self, q, k, v, *, q_positions=None, k_positions=None, causal=False,
+                attn_mask=None, backend="auto"):
+        if backend not in ("auto", "eager"):
+            raise ValueError(backend)
+        logits = self.scores(q, k, q_positions=q_positions, k_positions=k_positions)
+        if causal:
+            n, m = q.shape[2], k.shape[2]
+            q_pos = torch.arange(m - n, m) if q_positions is None else q_positions
+            k_pos = torch.arange(m) if k_positions is None else k_positions
+            logits = logits.masked_fill(k_pos.unsqueeze(-2) > q_pos.unsqueeze(-1),
+                                        float("-inf"))
+        weights = torch.softmax(logits, dim=-1)
+        return (weights @ v.to(weights.dtype)).to(v.dtype)
+
+
+def test_an_unknown_term_form_is_checked_through_the_contract(monkeypatch, tmp_path) -> None:
+    import types
+
+    module = types.ModuleType("hand_written")
+    module.__all__ = ["_ClippedRelativeKeys"]
+    module._ClippedRelativeKeys = _ClippedRelativeKeys
+    module.BACKENDS = ("auto", "eager")
+    monkeypatch.setattr(properties, "module_from_loaded", lambda loaded: module)
+    spec = tmp_path / "clipped.yaml"
+    spec.write_text(NOPE.format(name="clipped", claims="relative: true, unique: true"),
+                    encoding="utf-8")
+    report = check_loaded(load_spec(spec), Budget(max_examples=10, span=64))
+    verdicts = {o.name: o.verdict for o in report.outcomes}
+    assert verdicts["relative"] == "confirmed: holds"
+    assert verdicts["unique"] == "REFUTED: fails"  # clipped past ±4
+    example = report.outcome("unique").counterexample
+    assert min(abs(d) for d in example["distances"]) >= _ClippedRelativeKeys.CLIP
+    assert verdicts["extrapolates"] == "measured: holds"
+    for block in ("rotation_norm", "rotation_pairing", "buckets", "slopes"):
+        assert verdicts[block] == "n/a"
+    for block in ("backends", "bf16", "kv_cache"):
+        assert verdicts[block] == "holds", report.outcome(block).evidence
+
+
+def _hand_written(monkeypatch, cls, backends=("auto", "eager")):
+    import types
+
+    module = types.ModuleType("hand_written")
+    module.__all__ = [cls.__name__]
+    setattr(module, cls.__name__, cls)
+    module.BACKENDS = backends
+    monkeypatch.setattr(properties, "module_from_loaded", lambda loaded: module)
+
+
+class _UntiedAbsolute(_ClippedRelativeKeys):
+    """Absolute positions in the scores (TUPE-like): b[i, j] = u_i · u_j, with query 0's
+    row reset to a constant (TUPE's [CLS] reset); position-dependent, not shift-invariant."""
+
+    def score_terms(self, q, k, *, q_positions=None, k_positions=None):
+        n, m = q.shape[2], k.shape[2]
+        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        q_pos = torch.arange(m - n, m) if q_positions is None else q_positions
+        k_pos = torch.arange(m) if k_positions is None else k_positions
+        table = torch.sin(torch.arange(4096, dtype=dtype).unsqueeze(-1)
+                          * torch.linspace(0.01, 1.0, 6, dtype=dtype))
+        bias = table[q_pos] @ table[k_pos].T
+        bias = torch.where(q_pos.unsqueeze(-1) == 0, torch.full_like(bias, 0.5), bias)
+        content = q.to(dtype) @ k.to(dtype).transpose(-2, -1)
+        return {"content_content": content * self.scale, "position_position": bias}
+
+
+def test_absolute_scores_are_unique_by_rows_and_columns(monkeypatch, tmp_path) -> None:
+    _hand_written(monkeypatch, _UntiedAbsolute)
+    spec = tmp_path / "untied.yaml"
+    spec.write_text(NOPE.format(name="untied", claims="unique: true, relative: false"),
+                    encoding="utf-8")
+    report = check_loaded(load_spec(spec), Budget(max_examples=10, span=64),
+                          only=["unique", "relative"])
+    # query 0 sees every key alike (the reset), yet every position has its own column
+    assert report.outcome("unique").verdict == "confirmed: holds"
+    assert "rows and columns" in report.outcome("unique").evidence
+    assert report.outcome("relative").verdict == "confirmed: fails"
+
+
+class _PairEmbed(torch.nn.Module):
+    """An input form returning (real, imag) and taking no explicit positions."""
+
+    def __init__(self, heads: int = 2, head_dim: int = 8, model_dim: int = 16) -> None:
+        super().__init__()
+        self.heads, self.head_dim, self.model_dim = heads, head_dim, model_dim
+        self.scale = head_dim**-0.5
+        self.frequency = torch.nn.Parameter(torch.linspace(0.05, 1.0, model_dim))
+
+    def embed(self, x, positions=None):
+        if positions is not None:
+            raise ValueError("explicit positions are not supported")
+        wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+        angle = torch.arange(x.shape[1], dtype=wide).unsqueeze(-1) * self.frequency.to(wide)
+        amplitude = x.to(wide) + 1  # angles in float32 at least, outputs in x's dtype
+        return ((amplitude * torch.cos(angle)).to(x.dtype),
+                (amplitude * torch.sin(angle)).to(x.dtype))
+
+    def rotate(self, q, k, q_positions=None, k_positions=None):
+        return q, k
+
+    def score_bias(self, q_positions, k_positions):
+        return None
+
+    def score_terms(self, q, k, *, q_positions=None, k_positions=None):
+        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        return {"content_content": (q.to(dtype) @ k.to(dtype).transpose(-2, -1)) * self.scale}
+
+    def scores(self, q, k, *, q_positions=None, k_positions=None):
+        return self.score_terms(q, k)["content_content"]
+
+    def forward(self, q, k, v, *, q_positions=None, k_positions=None, causal=False,
+                attn_mask=None, backend="auto"):
+        weights = torch.softmax(self.scores(q, k), dim=-1)
+        return (weights @ v.to(weights.dtype)).to(v.dtype)
+
+
+def test_an_input_form_without_explicit_positions(monkeypatch) -> None:
+    _hand_written(monkeypatch, _PairEmbed)
+    report = check_loaded(load_spec(FALSE_CLAIMS / "false_relative_sinusoidal.yaml"),
+                          Budget(max_examples=10, span=64))
+    verdicts = {o.name: o.verdict for o in report.outcomes}
+    assert "row m of embed(t)" in report.route
+    assert verdicts["unique"] == "measured: holds"  # read from the (real, imag) rows
+    for name in ("relative", "kv_cache"):
+        assert verdicts[name] == "n/a"
+        assert "no explicit positions" in report.outcome(name).evidence
+    assert verdicts["extrapolates"] == "measured: holds"
+    assert "sequences of" in report.outcome("extrapolates").evidence
+    assert verdicts["bf16"] == "holds" and verdicts["backends"] == "holds"
+    assert report.ok  # relative is claimed but cannot be checked: not refuted
+
+
+def test_time_budget_stops_drawing(monkeypatch) -> None:
+    report = check_loaded(load_spec(SPECS / "alibi.yaml"),
+                          Budget(max_examples=10_000, span=64, seconds=0.2),
+                          only=["relative"])
+    outcome = report.outcome("relative")
+    assert outcome.verdict == "confirmed: holds"
+    assert "time budget" in outcome.evidence and outcome.seconds < 5
+
+
+class _Unbuildable(_ClippedRelativeKeys):
+    def __init__(self, heads: int = 2, head_dim: int = 8) -> None:
+        raise RuntimeError("cannot build")
+
+
+def test_a_module_that_cannot_be_built_is_an_error_not_a_traceback(monkeypatch, cli,
+                                                                   tmp_path) -> None:
+    _hand_written(monkeypatch, _Unbuildable)
+    spec = tmp_path / "broken.yaml"
+    spec.write_text(NOPE.format(name="broken", claims="relative: true"), encoding="utf-8")
+    result = cli("check", spec, "--max-examples", "3")
+    assert result.exit_code == 1
+    assert "building the module failed: RuntimeError: cannot build" in result.output
