@@ -337,7 +337,7 @@ def _absolute_table_plan(form: TableInput) -> AbsoluteTablePlan:
         return AbsoluteTablePlan(
             kind="ode",
             combine=combine,
-            max_positions=literal(table.max_positions),
+            max_positions="None" if table.max_positions is None else literal(table.max_positions),
             init_std=literal(table.init_std),
             hidden=literal(table.hidden),
             activation=choice(table.activation, ("relu", "tanh", "gelu", "sigmoid")),
@@ -720,6 +720,8 @@ def input_description(spec: Spec) -> str | None:
             f"{table.activation} network of width {table.hidden}, {table.integrator} with "
             f"{table.steps_per_position} step(s) per position, p(0) {table.initial}"
         )
+        if table.max_positions is not None:
+            detail += f", horizon {table.max_positions} positions"
     else:
         detail = f"base {_number(table.base)}, {table.layout} sin/cos"
     return f"{combine}, {table.kind} table ({detail})"

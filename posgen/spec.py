@@ -237,7 +237,9 @@ class OdeTable(SpecModel):
     The ODE is integrated with ``steps_per_position`` fixed steps of size
     position_step / steps_per_position by ``euler`` (first order) or ``rk4`` (classic
     fourth-order Runge-Kutta). ``initial``: p_0 is a trained vector (``learned``) or 0.
-    Positions ≥ ``max_positions`` raise (the integration cost grows with the position).
+    ``max_positions`` optionally caps the integration horizon: positions past it raise
+    (a cost guard, since integrating to position i takes i steps; it is not a trained
+    length, so leaving it out keeps the encoding defined at every position).
     """
 
     kind: Literal["ode"]
@@ -247,7 +249,7 @@ class OdeTable(SpecModel):
     position_step: float = Field(gt=0, le=1e6)
     steps_per_position: int = Field(ge=1, le=1024)
     initial: Literal["learned", "zero"]
-    max_positions: int = Field(ge=1, le=1 << 20)
+    max_positions: int | None = Field(None, ge=1, le=1 << 24)
     init_std: float = Field(0.02, gt=0)
 
 

@@ -441,14 +441,17 @@ def test_complex_order_without_module_parameters_needs_callers_tables() -> None:
 # ------------------------------------------------------------------------------ FLOATER
 
 
-def floater_class(integrator="rk4", steps=1, initial="zero", activation="relu", hidden=5):
+def floater_class(
+    integrator="rk4", steps=1, initial="zero", activation="relu", hidden=5, horizon=None
+):
+    horizon_line = "" if horizon is None else f"\n    max_positions: {horizon}"
     return spec_variant(
         "floater",
         "hidden: 512", f"hidden: {hidden}",
         "integrator: rk4", f"integrator: {integrator}",
         "steps_per_position: 1", f"steps_per_position: {steps}",
-        "initial: zero", f"initial: {initial}",
-        "activation: relu", f"activation: {activation}",
+        "initial: zero", f"initial: {initial}{horizon_line}",
+        "activation: tanh", f"activation: {activation}",
     )
 
 
@@ -502,7 +505,8 @@ def test_floater_rk4_converges_at_fourth_order() -> None:
 
 
 def test_floater_embed_contract_and_horizon() -> None:
-    pe = floater_class(initial="learned")(model_dim=8)
+    pe = floater_class(initial="learned", horizon=8192)(model_dim=8)
+    assert pe.max_positions == 8192
     assert_embed_contract(pe, bad_position=pe.max_positions)
     assert set(dict(pe.named_parameters())) == {
         "dynamics_in.weight", "dynamics_in.bias", "dynamics_out.weight", "dynamics_out.bias",
@@ -511,6 +515,14 @@ def test_floater_embed_contract_and_horizon() -> None:
     assert tuple(pe.dynamics_out.weight.shape) == (8, 6)
     with pytest.raises(ValueError, match="horizon"):
         pe.embed(torch.zeros(1, 1, 8), torch.tensor([8192]))
+
+
+def test_floater_without_a_horizon_is_defined_past_any_table_length() -> None:
+    pe = make("floater", model_dim=8)
+    assert pe.max_positions is None
+    with torch.no_grad():
+        far = pe.embed(torch.zeros(1, 1, 8), torch.tensor([20_000]))
+    assert torch.isfinite(far).all() and far.abs().sum() > 0
 
 
 def test_floater_zero_initial_position_is_not_a_parameter() -> None:
