@@ -25,6 +25,16 @@ def test_generated_code_is_ruff_stable(command: list[str]) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.skipif(RUFF is None, reason="ruff (the pinned dev dependency) is not installed")
+def test_hand_written_code_passes_the_linter() -> None:
+    folders = [str(ROOT / name) for name in ("posgen", "tests", "benchmarks")]
+    result = subprocess.run(
+        [RUFF, "check", "--config", str(ROOT / "pyproject.toml"), *folders],
+        capture_output=True, text=True,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 def test_generated_modules_import_only_torch_and_stdlib() -> None:
     import ast
 
