@@ -346,6 +346,12 @@ def test_floater_decode_step_integrates_one_position_without_autograd() -> None:
         pe.dynamics_out.bias.add_(0.5)
         moved = pe.embed(x[:, :1], positions=torch.tensor([[30]]))
     torch.testing.assert_close(moved, x[:, :1] + pe.trajectory(31).detach()[30], atol=0, rtol=0)
+    # so does load_state_dict (it copies in place)
+    other = make("floater", model_dim=16)
+    pe.load_state_dict(other.state_dict())
+    with torch.no_grad():
+        loaded = pe.embed(x[:, :1], positions=torch.tensor([[30]]))
+        torch.testing.assert_close(loaded, other.embed(x[:, :1], positions=torch.tensor([[30]])))
     # with autograd on the trajectory is integrated afresh and differentiable
     pe.embed(x[:, :4]).sum().backward()
     assert pe.dynamics_out.bias.grad is not None
