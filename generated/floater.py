@@ -404,6 +404,8 @@ class Floater(nn.Module):
             if states is None:
                 states = self.trajectory(1, dtype)
             states = self._integrate(states, count, weights)
+            for stale in [other for other in self._cache if other[:4] == key[:4]]:
+                del self._cache[stale]  # older parameter versions are never read again
             _cache_put(self._cache, key, states)
         return states[:count]
 

@@ -365,3 +365,4 @@ def test_floater_cache_stays_bounded() -> None:
             pe.dynamics_out.bias.add_(0.1)  # a new version each time
             pe.embed(torch.randn(1, 3, 8))
     assert len(pe._cache) <= limit
+    assert len(pe._cache) == 1  # one trajectory per dtype and device: old versions dropped
