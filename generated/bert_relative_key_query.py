@@ -48,6 +48,8 @@ SPEC_PATH = "specs/bert_relative_key_query.yaml"
 SPEC_SHA256 = "36db873734062a9acb4e8b5adc9b2cc41b21c25d8c7169531748953670402014"
 BACKENDS = ("auto", "eager", "sdpa")
 
+CACHE_SIZE = 8  # shape-keyed caches keep this many most recent entries
+
 
 def _compute_dtype(x: Tensor) -> torch.dtype:
     """float64 inputs are computed in float64; everything else in float32."""
@@ -117,6 +119,96 @@ def _check_positions(
     if positions.numel() and bool((positions < 0).any()):
         raise ValueError(f"{name} must be non-negative, got minimum {int(positions.min())}")
     return positions.to(device=device, dtype=torch.int64)
+
+
+def _check_position_pair(
+    q_positions: Tensor | None,
+    k_positions: Tensor | None,
+    n: int,
+    m: int,
+    batch: int | None,
+    device: torch.device,
+) -> tuple[Tensor | None, Tensor | None]:
+    """Validate both position tensors and resolve the queries' default.
+
+    Without q_positions the queries are the last N keys: k_positions[..., M - N:] when
+    key positions are given, M - N, ..., M - 1 otherwise (both None stays None, the
+    cacheable default). N > M then has no default and raises ValueError.
+    """
+    q_positions = _check_positions(q_positions, n, batch, "q_positions", device)
+    k_positions = _check_positions(k_positions, m, batch, "k_positions", device)
+    if q_positions is None and n > m:
+        raise ValueError(
+            f"{n} queries but {m} keys: the default query positions are the last N key "
+            "positions, so N > M needs explicit q_positions"
+        )
+    if q_positions is None and k_positions is not None:
+        q_positions = k_positions[..., m - n :]  # the queries are the newest keys
+    if (
+        q_positions is not None
+        and k_positions is not None
+        and q_positions.dim() == 2
+        and k_positions.dim() == 2
+        and q_positions.shape[0] != k_positions.shape[0]
+        and 1 not in (q_positions.shape[0], k_positions.shape[0])
+    ):
+        raise ValueError(
+            f"q_positions has batch {q_positions.shape[0]}, k_positions has batch "
+            f"{k_positions.shape[0]}"
+        )
+    return q_positions, k_positions
+
+
+def _score_bias_positions(
+    q_positions: Tensor, k_positions: Tensor, device: torch.device
+) -> tuple[Tensor | None, Tensor | None]:
+    """The explicit positions score_bias needs, validated: int64 [N] / [batch, N], [M] / ..."""
+    for name, positions in (("q_positions", q_positions), ("k_positions", k_positions)):
+        if not isinstance(positions, Tensor) or positions.dim() not in (1, 2):
+            got = list(positions.shape) if isinstance(positions, Tensor) else positions
+            raise ValueError(f"score_bias needs {name} of shape [seq] or [batch, seq], got {got!r}")
+    n, m = q_positions.shape[-1], k_positions.shape[-1]
+    return _check_position_pair(q_positions, k_positions, n, m, None, device)
+
+
+def _cache_get(cache: dict, key: tuple):
+    """The cached value for key (a tensor or a tuple of them), or None.
+
+    An entry made under torch.inference_mode() is dropped when autograd is active now:
+    inference tensors cannot be saved for backward. A hit becomes the most recent entry.
+    """
+    value = cache.pop(key, None)
+    if value is None:
+        return None
+    tensors = value if isinstance(value, tuple) else (value,)
+    if not torch.is_inference_mode_enabled() and any(
+        isinstance(t, Tensor) and t.is_inference() for t in tensors
+    ):
+        return None
+    cache[key] = value  # dict order is recency order
+    return value
+
+
+def _cache_put(cache: dict, key: tuple, value):
+    """Store value as the most recent entry, keeping the CACHE_SIZE most recent ones."""
+    cache.pop(key, None)
+    cache[key] = value
+    while len(cache) > CACHE_SIZE:
+        del cache[next(iter(cache))]  # least recently used first
+    return value
+
+
+def _masked_softmax(logits: Tensor) -> Tensor:
+    """softmax over the last dim; a row whose every key is masked gives zeros (as SDPA).
+
+    A fully masked row has max logit -inf; it is zeroed before and after the softmax so
+    neither the output nor the gradient carries NaN.
+    """
+    if logits.shape[-1] == 0:
+        return torch.softmax(logits, dim=-1)
+    dead = logits.amax(dim=-1, keepdim=True) == float("-inf")  # [..., N, 1]
+    weights = torch.softmax(logits.masked_fill(dead, 0.0), dim=-1)
+    return weights.masked_fill(dead, 0.0)
 
 
 def _positions_or_default(positions: Tensor | None, start: int, length: int, device) -> Tensor:
@@ -219,7 +311,7 @@ class BertRelativeKeyQuery(nn.Module):
         self.heads = _positive_int(heads, "heads")
         self.head_dim = _positive_int(head_dim, "head_dim")
         self.scale = 1.0 / math.sqrt(1.0 * self.head_dim)
-        self._cache: dict[tuple, Tensor] = {}
+        self._cache: dict[tuple, Tensor | tuple[Tensor, ...]] = {}  # see _cache_put
         # [rows, head_dim]; row index(r) of the relative table R.
         self.distance_embedding = nn.Embedding(RELATIVE_ROWS, self.head_dim)
         nn.init.normal_(self.distance_embedding.weight, mean=0.0, std=0.02)
@@ -238,7 +330,9 @@ class BertRelativeKeyQuery(nn.Module):
         q_positions: Tensor | None = None,
         k_positions: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """Rotary part: none for this encoding (identity)."""
+        """Rotary part: none for this encoding (identity); the positions are validated."""
+        _check_attention_inputs(q, k, None, None, self.head_dim)
+        _check_position_pair(q_positions, k_positions, q.shape[2], k.shape[2], q.shape[0], q.device)
         return q, k
 
     def score_bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor | None:
@@ -264,12 +358,13 @@ class BertRelativeKeyQuery(nn.Module):
         r = j - i ("key_minus_query") or i - j ("query_minus_key").
         The rows are the contiguous range of table rows that the index reaches (at
         most N + M - 1 of them), and index counts from the first.
-        Cached per shape for default positions.
+        Cached per shape for default positions (the few most recent shapes).
         """
         cacheable = q_positions is None and k_positions is None
         key = ("relative_index", sign, n, m, str(device))
-        if cacheable and key in self._cache:
-            return self._cache[key], self._cache[key + ("rows",)]
+        cached = _cache_get(self._cache, key) if cacheable else None
+        if cached is not None:
+            return cached
         relative = _relative_positions(q_positions, k_positions, n, m, device)  # j - i
         if sign == "query_minus_key":
             relative = -relative
@@ -279,8 +374,7 @@ class BertRelativeKeyQuery(nn.Module):
         index = index - low
         rows = torch.arange(low, high + 1, device=device)  # [K]
         if cacheable:
-            self._cache[key] = index
-            self._cache[key + ("rows",)] = rows
+            _cache_put(self._cache, key, (index, rows))
         return index, rows
 
     def _relative_rows(self, projection: str, rows: Tensor, dtype: torch.dtype, device) -> Tensor:
@@ -335,11 +429,19 @@ class BertRelativeKeyQuery(nn.Module):
         """
         _check_attention_inputs(q, k, None, self.heads, self.head_dim)
         n, m = q.shape[2], k.shape[2]
-        q_positions = _check_positions(q_positions, n, q.shape[0], "q_positions", q.device)
-        k_positions = _check_positions(k_positions, m, q.shape[0], "k_positions", q.device)
+        q_positions, k_positions = _check_position_pair(
+            q_positions, k_positions, n, m, q.shape[0], q.device
+        )
         return self._score_terms(q, k, q_positions, k_positions)
 
     def _score_terms(
+        self, q: Tensor, k: Tensor, q_positions: Tensor | None, k_positions: Tensor | None
+    ) -> dict[str, Tensor]:
+        # the oracle: float32 (float64 for float64 inputs) even under autocast
+        with torch.autocast(device_type=q.device.type, enabled=False):
+            return self._score_terms_exact(q, k, q_positions, k_positions)
+
+    def _score_terms_exact(
         self, q: Tensor, k: Tensor, q_positions: Tensor | None, k_positions: Tensor | None
     ) -> dict[str, Tensor]:
         dtype = _compute_dtype(q)
@@ -384,8 +486,9 @@ class BertRelativeKeyQuery(nn.Module):
             q: [batch, heads, N, head_dim] queries.
             k: [batch, heads, M, head_dim] keys.
             v: [batch, heads, M, value_dim] values.
-            q_positions: int64 [N] or [batch, N]; default M - N, ..., M - 1 (the queries
-                are the last N keys, as with a KV cache).
+            q_positions: int64 [N] or [batch, N]; default the last N key positions
+                (k_positions[..., M - N:], or M - N, ..., M - 1), as with a KV cache.
+                N > M needs them explicitly.
             k_positions: int64 [M] or [batch, M]; default 0, ..., M - 1.
             causal: mask keys whose position is greater than the query's.
             attn_mask: bool (True = attend) or additive float mask, broadcastable to
@@ -394,14 +497,17 @@ class BertRelativeKeyQuery(nn.Module):
                 (F.scaled_dot_product_attention with a materialised bias) or "auto".
 
         Returns:
-            [batch, heads, N, value_dim] in the dtype of v.
+            [batch, heads, N, value_dim] in the dtype of v. A query row whose every key
+            is masked (by ``causal`` or ``attn_mask``) is all zeros on every backend, as
+            F.scaled_dot_product_attention gives.
         """
         _check_attention_inputs(q, k, v, self.heads, self.head_dim)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         n, m = q.shape[2], k.shape[2]
-        q_positions = _check_positions(q_positions, n, q.shape[0], "q_positions", q.device)
-        k_positions = _check_positions(k_positions, m, q.shape[0], "k_positions", q.device)
+        q_positions, k_positions = _check_position_pair(
+            q_positions, k_positions, n, m, q.shape[0], q.device
+        )
         attn_mask = _check_attn_mask(attn_mask, q, m)
         if backend == "eager":
             return self._eager_attention(q, k, v, q_positions, k_positions, causal, attn_mask)
@@ -419,13 +525,15 @@ class BertRelativeKeyQuery(nn.Module):
     ) -> Tensor:
         """The literal decomposition in float32 (float64 for float64 inputs): the oracle."""
         n, m = q.shape[2], k.shape[2]
-        terms = self._score_terms(q, k, q_positions, k_positions)
-        logits = terms.pop("content_content")
-        for term in terms.values():
-            logits = logits + term  # [B, H, N, M]
-        allowed = _causal_allowed(q_positions, k_positions, n, m, q.device) if causal else None
-        weights = torch.softmax(_apply_masks(logits, allowed, attn_mask), dim=-1)
-        return torch.matmul(weights, v.to(weights.dtype)).to(v.dtype)  # [B, H, N, value_dim]
+        with torch.autocast(device_type=q.device.type, enabled=False):
+            terms = self._score_terms_exact(q, k, q_positions, k_positions)
+            logits = terms.pop("content_content")
+            for term in terms.values():
+                logits = logits + term  # [B, H, N, M]
+            allowed = _causal_allowed(q_positions, k_positions, n, m, q.device) if causal else None
+            weights = _masked_softmax(_apply_masks(logits, allowed, attn_mask))
+            out = torch.matmul(weights, v.to(weights.dtype))  # [B, H, N, value_dim]
+        return out.to(v.dtype)
 
     def _sdpa_attention(
         self,

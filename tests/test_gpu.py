@@ -33,10 +33,19 @@ def test_rotary_cache_follows_the_device(name: str) -> None:
     cpu_q, _ = pe.rotate(q, k)
     cuda_q, _ = pe.rotate(q.to(CUDA), k.to(CUDA))  # module stays on CPU: cache rebuilt
     assert pe._cos_cache.device.type == "cuda"
+    assert pe._cos_cache.dtype == torch.float32
     back_q, _ = pe.rotate(q, k)
     assert pe._cos_cache.device.type == "cpu"
     torch.testing.assert_close(cuda_q.cpu(), cpu_q)
     torch.testing.assert_close(back_q, cpu_q)
+    # the cache is a plain attribute, not a buffer: module.to() neither moves nor casts
+    # it, so it follows the inputs and stays float32 under .to(CUDA, bfloat16)
+    assert "_cos_cache" not in dict(pe.named_buffers())
+    pe = pe.to(CUDA, torch.bfloat16)
+    assert pe._cos_cache.device.type == "cpu"
+    cuda_q, _ = pe.rotate(q.to(CUDA), k.to(CUDA))
+    assert pe._cos_cache.device.type == "cuda" and pe._cos_cache.dtype == torch.float32
+    torch.testing.assert_close(cuda_q.cpu(), cpu_q)
 
 
 @pytest.mark.parametrize("name", ["rope", "rope_gptj"])

@@ -1,0 +1,368 @@
+"""Runtime contract of every generated module beyond the happy path.
+
+Regression tests for defects found in review: caches made under inference mode, cache
+growth in decode loops, the rotary cache as a buffer, default query positions, fully
+masked rows, sparse Transformer-XL distances, autocast, exception types, and FLOATER's
+trajectory in decode loops.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+
+import pytest
+import torch
+
+from tests.conftest import generated_class, spec_names
+
+NAMES = spec_names()
+F64 = torch.float64
+
+
+def make(name: str, **overrides) -> torch.nn.Module:
+    overrides.setdefault("heads", 2)
+    overrides.setdefault("head_dim", 8)
+    return generated_class(name)(**overrides).eval()
+
+
+def qkv(pe, batch=1, n=5, m=5, dtype=torch.float32):
+    value_dim = getattr(pe, "value_dim", pe.head_dim)
+    q = torch.randn(batch, pe.heads, n, pe.head_dim, dtype=dtype)
+    k = torch.randn(batch, pe.heads, m, pe.head_dim, dtype=dtype)
+    v = torch.randn(batch, pe.heads, m, value_dim, dtype=dtype)
+    return q, k, v
+
+
+def has_score_bias(pe) -> bool:
+    positions = torch.arange(3)
+    return pe.score_bias(positions, positions) is not None
+
+
+# 1. caches made under inference mode ------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_caches_filled_under_inference_mode_do_not_break_training(name: str) -> None:
+    pe = make(name)
+    q, k, v = qkv(pe)
+    with torch.inference_mode():
+        for backend in ("eager", "sdpa"):
+            pe(q, k, v, causal=True, backend=backend)  # an evaluation pass warms the caches
+    for backend in ("eager", "sdpa"):
+        qq, kk = q.clone().requires_grad_(), k.clone().requires_grad_()
+        pe(qq, kk, v, causal=True, backend=backend).sum().backward()
+        assert qq.grad is not None and torch.isfinite(qq.grad).all()
+
+
+def test_floater_trajectory_cached_under_inference_mode_is_not_reused_for_training() -> None:
+    pe = make("floater", model_dim=16)
+    x = torch.randn(1, 6, 16)
+    with torch.inference_mode():
+        pe.embed(x)
+    out = pe.embed(x)
+    out.sum().backward()
+    assert pe.dynamics_in.weight.grad is not None
+
+
+# 2. bounded caches ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["alibi", "t5", "t5_decoder", "shaw", "transformer_xl", "tupe_r"])
+def test_decode_loop_keeps_a_bounded_cache(name: str) -> None:
+    pe = make(name)
+    limit = importlib.import_module(f"generated.{name}").CACHE_SIZE
+    q = torch.randn(1, pe.heads, 1, pe.head_dim)
+    for m in range(1, 40):
+        k = torch.randn(1, pe.heads, m, pe.head_dim)
+        v = torch.randn(1, pe.heads, m, getattr(pe, "value_dim", pe.head_dim))
+        pe(q, k, v, causal=True, backend="sdpa")
+        assert len(pe._cache) <= limit
+    assert len(pe._cache) > 0
+
+
+def test_slope_bias_cache_is_keyed_on_dtype() -> None:
+    pe = make("alibi", heads=12)
+    positions = torch.tensor([300_000, 0])
+    q = torch.zeros(1, 12, 2, 8, dtype=F64)
+    first = pe.score_terms(q, q)["position_position"]
+    assert first.dtype == F64
+    pe.double()  # the module's slopes are now float64: the float32 cache entry must not serve
+    exact = pe.score_bias(positions[:1], positions[1:])  # [heads, 1, 1]
+    # 12 heads: 8 slopes 2^-(h+1), then the odd ones of the 16-head sequence 2^-((h+1)/2)
+    slopes = [2.0 ** -(h + 1) for h in range(8)] + [2.0 ** -((h + 1) / 2) for h in (0, 2, 4, 6)]
+    expected = -torch.tensor(slopes, dtype=F64) * 300_000
+    assert exact.dtype == F64
+    torch.testing.assert_close(exact.flatten(), expected, atol=1e-9, rtol=0)
+    second = pe.score_terms(q, q)["position_position"]
+    assert second.dtype == F64
+
+
+# 3. the rotary cos/sin cache ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["rope", "rope_gptj"])
+def test_rotary_cache_is_a_plain_float32_attribute(name: str) -> None:
+    q, k = torch.randn(1, 2, 300, 64), torch.randn(1, 2, 300, 64)
+    fresh = make(name, head_dim=64)
+    expected, _ = fresh.rotate(q, k)
+    warm = make(name, head_dim=64)
+    warm.rotate(q, k)  # fills the cache
+    assert "_cos_cache" not in dict(warm.named_buffers())
+    assert "_sin_cache" not in dict(warm.named_buffers())
+    assert not any("cache" in key for key in warm.state_dict())
+    warm.half()  # must not lower the cache's precision
+    assert warm._cos_cache.dtype == torch.float32
+    got, _ = warm.rotate(q, k)  # float32 input after .half()
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    warm.to(torch.bfloat16)
+    got, _ = warm.rotate(q.bfloat16(), k.bfloat16())
+    want, _ = fresh.rotate(q.bfloat16(), k.bfloat16())
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+# 4. default query positions -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_queries_default_to_the_last_key_positions(name: str) -> None:
+    pe = make(name)
+    q, k, v = qkv(pe, n=3, m=10)
+    k_positions = torch.arange(100, 110)
+    q_positions = k_positions[-3:]
+    for backend in ("eager", "sdpa"):
+        for causal in (False, True):
+            got = pe(q, k, v, k_positions=k_positions, causal=causal, backend=backend)
+            want = pe(
+                q,
+                k,
+                v,
+                q_positions=q_positions,
+                k_positions=k_positions,
+                causal=causal,
+                backend=backend,
+            )
+            torch.testing.assert_close(got, want, atol=0, rtol=0)
+            assert got.abs().sum() > 0  # causal must not mask every key
+    got = pe.scores(q, k, k_positions=k_positions)
+    want = pe.scores(q, k, q_positions=q_positions, k_positions=k_positions)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    got_terms = pe.score_terms(q, k, k_positions=k_positions)
+    want_terms = pe.score_terms(q, k, q_positions=q_positions, k_positions=k_positions)
+    assert got_terms.keys() == want_terms.keys()
+    for key in got_terms:
+        torch.testing.assert_close(got_terms[key], want_terms[key], atol=0, rtol=0)
+    got_q, got_k = pe.rotate(q, k, k_positions=k_positions)
+    want_q, want_k = pe.rotate(q, k, q_positions, k_positions)
+    torch.testing.assert_close(got_q, want_q, atol=0, rtol=0)
+    torch.testing.assert_close(got_k, want_k, atol=0, rtol=0)
+
+
+def test_batched_key_positions_give_batched_query_defaults() -> None:
+    pe = make("alibi")
+    q, k, v = qkv(pe, batch=2, n=2, m=4)
+    k_positions = torch.tensor([[0, 1, 2, 3], [10, 11, 12, 13]])
+    got = pe(q, k, v, k_positions=k_positions, causal=True)
+    want = pe(q, k, v, q_positions=k_positions[:, 2:], k_positions=k_positions, causal=True)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_more_queries_than_keys_need_explicit_positions(name: str) -> None:
+    pe = make(name)
+    q, k, v = qkv(pe, n=5, m=3)
+    calls = [
+        lambda: pe(q, k, v),
+        lambda: pe(q, k, v, k_positions=torch.arange(3)),
+        lambda: pe.scores(q, k),
+        lambda: pe.score_terms(q, k),
+        lambda: pe.rotate(q, k),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match="needs explicit q_positions"):
+            call()
+    out = pe(q, k, v, q_positions=torch.arange(5), backend="eager")  # explicit: fine
+    assert out.shape[2] == 5
+
+
+# 5. fully masked rows -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_fully_masked_rows_are_zero_on_every_backend(name: str) -> None:
+    pe = make(name)
+    q, k, v = qkv(pe, n=2, m=3)
+    # query position 0 precedes keys 5, 6, 7: under causal it sees no key
+    positions = dict(q_positions=torch.tensor([0, 7]), k_positions=torch.tensor([5, 6, 7]))
+    mask = torch.tensor([[False, False, False], [True, True, True]])
+    for kwargs in (dict(positions, causal=True), dict(attn_mask=mask)):
+        outs = []
+        for backend in ("eager", "sdpa", "auto"):
+            qq = q.clone().requires_grad_()
+            out = pe(qq, k, v, backend=backend, **kwargs)
+            out.sum().backward()
+            assert torch.isfinite(qq.grad).all()
+            assert torch.equal(out[:, :, 0], torch.zeros_like(out[:, :, 0])), backend
+            assert out[:, :, 1].abs().sum() > 0
+            outs.append(out.detach())
+        torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(outs[2], outs[0], atol=2e-5, rtol=1e-4)
+
+
+# 6. sparse Transformer-XL distances -----------------------------------------------------
+
+
+def test_distance_rows_are_only_the_distances_present() -> None:
+    pe = make("transformer_xl", model_dim=512)
+    q, k, v = qkv(pe, n=2, m=2)
+    positions = torch.tensor([0, 10**6])
+    index, rows = pe._relative_layout(positions, positions, 2, 2, "cpu", "query_minus_key")
+    assert sorted(rows.tolist()) == [-(10**6), 0, 10**6]
+    start = time.perf_counter()
+    far = pe(q, k, v, q_positions=positions, k_positions=positions, backend="eager")
+    assert time.perf_counter() - start < 2.0
+    assert torch.isfinite(far).all()
+    # the gather over distinct distances agrees with the relative shift at default positions
+    q, k, v = qkv(pe, n=4, m=7)
+    default = pe.scores(q, k)
+    explicit = pe.scores(q, k, q_positions=torch.arange(3, 7), k_positions=torch.arange(7))
+    torch.testing.assert_close(explicit, default, atol=1e-5, rtol=1e-5)
+    # the far-apart terms by hand, in float64: (q_i + v_h) . (W_R R_(i - j))_h, R split
+    terms = pe.score_terms(q[:, :, :2], k[:, :, :2], q_positions=positions, k_positions=positions)
+    got = (terms["content_position"] + terms["position_position"]) / pe.scale  # [1, H, 2, 2]
+    width = pe.model_dim
+    inv_freq = 10000.0 ** (-torch.arange(0, width, 2, dtype=F64) / width)
+    w_r = pe.r_net.weight.detach().double()
+    for i in range(2):
+        for j in range(2):
+            angles = float(positions[i] - positions[j]) * inv_freq
+            r = (w_r @ torch.cat((angles.sin(), angles.cos()))).view(pe.heads, pe.head_dim)
+            query = q[0, :, i].double() + pe.r_r_bias.detach().double()  # [H, D]
+            want = (query * r).sum(-1)  # [H]
+            torch.testing.assert_close(got[0, :, i, j].double(), want, atol=1e-4, rtol=1e-4)
+
+
+# 7. eager under autocast; float64 modules -------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_eager_stays_exact_under_autocast(name: str) -> None:
+    pe = make(name)
+    q, k, v = qkv(pe, n=4, m=6)
+    want_scores = pe.scores(q, k)
+    want_out = pe(q, k, v, causal=True, backend="eager")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        scores = pe.scores(q, k)
+        terms = pe.score_terms(q, k)
+        out = pe(q, k, v, causal=True, backend="eager")
+    assert scores.dtype == torch.float32
+    assert all(term.dtype == torch.float32 for term in terms.values())
+    torch.testing.assert_close(scores, want_scores, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(out, want_out, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["tupe_a", "tupe_r"])
+def test_untied_term_of_a_float64_module_is_float64(name: str) -> None:
+    pe = make(name, model_dim=16).double()
+    q_positions, k_positions = torch.tensor([1, 4, 9]), torch.tensor([2, 3, 9, 20])
+    full = pe.score_bias(q_positions, k_positions)
+    assert full.dtype == F64
+    # the untied term by hand, in float64: scale * (LN(p_i) U_q)_h . (LN(p_j) U_k)_h
+    offset = 1 if pe.position_embeddings.weight.shape[0] > pe.max_positions else 0
+    table = pe.position_embeddings.weight
+    rows_q, rows_k = table[q_positions + offset], table[k_positions + offset]
+    if hasattr(pe, "position_norm"):
+        norm = pe.position_norm
+        rows_q = torch.nn.functional.layer_norm(rows_q, (16,), norm.weight, norm.bias, norm.eps)
+        rows_k = torch.nn.functional.layer_norm(rows_k, (16,), norm.weight, norm.bias, norm.eps)
+    uq = pe.position_query(rows_q).view(3, pe.heads, pe.head_dim)
+    uk = pe.position_key(rows_k).view(4, pe.heads, pe.head_dim)
+    untied = torch.einsum("ihd,jhd->hij", uq, uk) * pe.scale
+    relative = full - untied
+    if not hasattr(pe, "relative_attention_bias"):
+        torch.testing.assert_close(full, untied, atol=1e-12, rtol=1e-12)
+    else:  # the rest is the bucketed bias: constant along equal i - j (away from the reset)
+        assert relative.dtype == F64
+
+
+# 8. exception types ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_bad_score_bias_positions_raise_value_error(name: str) -> None:
+    pe = make(name)
+    if not has_score_bias(pe):
+        pytest.skip("no position-only bias")
+    with pytest.raises(ValueError):
+        pe.score_bias(None, None)
+    with pytest.raises(ValueError):
+        pe.score_bias(torch.arange(3), None)
+    with pytest.raises(ValueError, match="batch"):
+        pe.score_bias(torch.zeros(2, 3, dtype=torch.long), torch.zeros(3, 4, dtype=torch.long))
+
+
+@pytest.mark.parametrize("name", ["tupe_a", "tupe_r"])
+def test_untied_positions_never_go_negative(name: str) -> None:
+    pe = make(name)
+    q, k, v = qkv(pe, n=3, m=0)
+    with pytest.raises(ValueError):
+        pe(q, k, v)  # once gave negative query positions and an IndexError
+    with pytest.raises(ValueError):
+        pe.score_bias(torch.tensor([-1]), torch.tensor([0]))
+
+
+# 9. FLOATER in a decode loop -------------------------------------------------------------
+
+
+def _count_dynamics(pe) -> list[int]:
+    calls = [0]
+    original = pe._dynamics
+
+    def counted(*args):
+        calls[0] += 1
+        return original(*args)
+
+    pe._dynamics = counted
+    return calls
+
+
+def test_floater_decode_step_integrates_one_position_without_autograd() -> None:
+    pe = make("floater", model_dim=16)
+    x = torch.randn(1, 64, 16)
+    fresh = pe.trajectory(65).detach()
+    calls = _count_dynamics(pe)
+    with torch.no_grad():
+        prompt = pe.embed(x)
+        after_prompt = calls[0]
+        step = pe.embed(x[:, :1], positions=torch.tensor([[64]]))
+        assert calls[0] - after_prompt <= 4  # one RK4 step, not 64 positions again
+        again = pe.embed(x[:, :1], positions=torch.tensor([[10]]))
+        assert calls[0] - after_prompt <= 4  # already integrated: read from the cache
+    torch.testing.assert_close(prompt, x + fresh[:64], atol=0, rtol=0)
+    torch.testing.assert_close(step, x[:, :1] + fresh[64], atol=0, rtol=0)
+    torch.testing.assert_close(again, x[:, :1] + fresh[10], atol=0, rtol=0)
+    # an in-place parameter update (an optimizer step) invalidates the cached trajectory
+    with torch.no_grad():
+        pe.dynamics_out.bias.add_(0.5)
+        moved = pe.embed(x[:, :1], positions=torch.tensor([[30]]))
+    torch.testing.assert_close(moved, x[:, :1] + pe.trajectory(31).detach()[30], atol=0, rtol=0)
+    # so does load_state_dict (it copies in place)
+    other = make("floater", model_dim=16)
+    pe.load_state_dict(other.state_dict())
+    with torch.no_grad():
+        loaded = pe.embed(x[:, :1], positions=torch.tensor([[30]]))
+        torch.testing.assert_close(loaded, other.embed(x[:, :1], positions=torch.tensor([[30]])))
+    # with autograd on the trajectory is integrated afresh and differentiable
+    pe.embed(x[:, :4]).sum().backward()
+    assert pe.dynamics_out.bias.grad is not None
+
+
+def test_floater_cache_stays_bounded() -> None:
+    pe = make("floater", model_dim=8)
+    limit = importlib.import_module("generated.floater").CACHE_SIZE
+    with torch.no_grad():
+        for _ in range(limit + 3):
+            pe.dynamics_out.bias.add_(0.1)  # a new version each time
+            pe.embed(torch.randn(1, 3, 8))
+    assert len(pe._cache) <= limit
+    assert len(pe._cache) == 1  # one trajectory per dtype and device: old versions dropped
