@@ -397,7 +397,7 @@ class Floater(nn.Module):
         key = ("trajectory", dtype, str(device), tuple(id(p) for p in parameters), versions)
         states = _cache_get(self._cache, key)
         if states is None or states.shape[0] < count:
-            if count > self.max_positions:
+            if self.max_positions is not None and count > self.max_positions:
                 self.trajectory(count, dtype)  # raises the horizon ValueError
             weights = self._dynamics_weights(dtype)
             if states is None:
