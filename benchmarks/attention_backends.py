@@ -28,7 +28,18 @@ sys.path.insert(0, str(ROOT))
 
 from generated import ENCODINGS  # noqa: E402
 
-DEFAULT_ENCODINGS = ["alibi", "t5", "rope", "rope_gptj", "sinusoidal"]
+DEFAULT_ENCODINGS = [
+    "alibi",
+    "t5",
+    "rope",
+    "rope_gptj",
+    "sinusoidal",
+    "shaw",
+    "bert_relative_key",
+    "deberta",
+    "transformer_xl",
+    "tupe_r",
+]
 
 
 def _sync(device: torch.device) -> None:

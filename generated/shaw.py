@@ -261,6 +261,25 @@ def _apply_masks(logits: Tensor, allowed: Tensor | None, attn_mask: Tensor | Non
     return logits
 
 
+def _sum_into_new(parts: list[Tensor]) -> Tensor:
+    """The sum of broadcastable tensors as one freshly allocated tensor (summed in place).
+
+    The largest part comes first so that every later one broadcasts into it.
+    """
+    parts = sorted(parts, key=lambda part: part.dim(), reverse=True)
+    total = parts[0] + parts[1] if len(parts) > 1 else parts[0].clone()
+    for part in parts[2:]:
+        total.add_(part)
+    return total
+
+
+def _block_fresh(scores: Tensor, allowed: Tensor) -> Tensor:
+    """-inf where not allowed, in place when the freshly made ``scores`` has the full shape."""
+    if torch.broadcast_shapes(scores.shape, allowed.shape) == scores.shape:
+        return scores.masked_fill_(~allowed, float("-inf"))
+    return scores.masked_fill(~allowed, float("-inf"))
+
+
 def _relative_positions(
     q_positions: Tensor | None, k_positions: Tensor | None, n: int, m: int, device
 ) -> Tensor:
@@ -412,9 +431,10 @@ class Shaw(nn.Module):
             q_positions, k_positions, n, m, q.device, "key_minus_query"
         )
         rows = self._relative_rows("none", table_rows, dtype, q.device)
-        scores = torch.einsum("bhnd,khd->bhnk", q.to(dtype), rows)  # [B, H, N, K]
+        # the scale goes on the [K, H, D] rows, the smallest tensor of the term
+        scores = torch.einsum("bhnd,khd->bhnk", q.to(dtype), rows * self.scale)  # [B, H, N, K]
         term = _gather_rows(scores, index)  # [B, H, N, M]
-        terms["content_position"] = term * self.scale
+        terms["content_position"] = term
         return dict(sorted(terms.items()))
 
     def _value_term(
@@ -583,11 +603,15 @@ class Shaw(nn.Module):
         # relative terms depend on q and k: they are materialised as the additive mask
         dtype = _compute_dtype(q)
         terms = self._relative_terms(q, k, q_positions, k_positions, dtype)
-        bias = torch.zeros((n, m), dtype=dtype, device=q.device)
-        for term in terms.values():
-            bias = bias + term  # [B, H, N, M]
-        allowed = _causal_allowed(q_positions, k_positions, n, m, q.device) if causal else None
-        mask = _apply_masks(bias, allowed, attn_mask)
+        parts = list(terms.values())
+        if parts:
+            mask = _sum_into_new(parts)  # [B, H, N, M], a fresh tensor
+        else:
+            mask = torch.zeros((n, m), dtype=dtype, device=q.device)
+        if causal:
+            allowed = _causal_allowed(q_positions, k_positions, n, m, q.device)
+            mask = _block_fresh(mask, allowed)
+        mask = _apply_masks(mask, None, attn_mask)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), scale=self.scale)
         # the value term needs the weights, which SDPA does not return: form them again
         content = torch.matmul(q.to(dtype), k.to(dtype).transpose(-2, -1)) * self.scale
