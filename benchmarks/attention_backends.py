@@ -94,6 +94,10 @@ def run(args: argparse.Namespace) -> dict:
         base_mem = peak_bytes(baseline, device)
         for name in args.encodings:
             pe = ENCODINGS[name](heads=args.heads, head_dim=args.head_dim).to(device)
+            limit = getattr(pe, "max_positions", None)
+            if limit is not None and length > limit:
+                print(f"{name:>12} skipped at N={length}: its table ends at {limit}", flush=True)
+                continue
             for backend in args.backends:
                 if backend == "eager" and length > args.max_eager_length:
                     continue
