@@ -22,14 +22,16 @@ Used by:
     TUPE-A
 
 Weights:
-    position_embeddings.weight [max_positions, model_dim]: the untied table p.
+    position_embeddings.weight [max_positions + 1, model_dim]: the untied table p.
     position_query / position_key (nn.Linear, weight [heads * head_dim, model_dim]):
     U_q and U_k, output feature h * head_dim + e is head h, feature e.
     position_norm (nn.LayerNorm over model_dim): the table's LayerNorm.
     From the TUPE authors' fairseq code (guolinke/TUPE): pos.weight ->
     position_embeddings.weight (max_positions + 1 rows, row 0 the [CLS] slot),
     pos_ln -> position_norm, pos_proj.weight[:model_dim] -> position_query.weight,
-    pos_proj.weight[model_dim:] -> position_key.weight (biases likewise).
+    pos_proj.weight[model_dim:] -> position_key.weight (biases likewise); later
+    versions of that code keep separate pos_q_linear / pos_k_linear layers, which
+    copy to position_query / position_key directly.
 
 Usage::
 
