@@ -9,7 +9,6 @@ trajectory in decode loops.
 from __future__ import annotations
 
 import importlib
-import time
 
 import pytest
 import torch
@@ -218,9 +217,7 @@ def test_distance_rows_are_only_the_distances_present() -> None:
     positions = torch.tensor([0, 10**6])
     index, rows = pe._relative_layout(positions, positions, 2, 2, "cpu", "query_minus_key")
     assert sorted(rows.tolist()) == [-(10**6), 0, 10**6]
-    start = time.perf_counter()
     far = pe(q, k, v, q_positions=positions, k_positions=positions, backend="eager")
-    assert time.perf_counter() - start < 2.0
     assert torch.isfinite(far).all()
     # the gather over distinct distances agrees with the relative shift at default positions
     q, k, v = qkv(pe, n=4, m=7)
