@@ -37,15 +37,29 @@ def render_table(report: Report, width: int = 100) -> list[str]:
         listed = ", ".join(f"{o.name} ({o.verdict})" for o in problems)
         lines.append(f"  => {len(problems)} problem{'s' if len(problems) > 1 else ''}: {listed}")
     else:
-        claimed = sum(o.claimed is not None for o in report.outcomes)
-        verb = "claim holds" if claimed == 1 else "claims hold"
-        lines.append(f"  => ok: {claimed} stated {verb}; building blocks hold")
+        stated = [o for o in report.outcomes if o.claimed is not None]
+        checked = sum(o.holds is not None for o in stated)
+        verb = "claim holds" if checked == 1 else "claims hold"
+        unchecked = len(stated) - checked
+        note = f", {unchecked} could not be checked (n/a)" if unchecked else ""
+        lines.append(f"  => ok: {checked} stated {verb}{note}; building blocks hold")
     return lines
 
 
 def render_summary(reports: Sequence[Report], seconds: float) -> str:
     failed = [report.name for report in reports if not report.ok]
-    status = "all claims hold" if not failed else f"problems in {', '.join(failed)}"
+    unchecked = sum(
+        outcome.claimed is not None and outcome.holds is None
+        for report in reports
+        for outcome in report.outcomes
+    )
+    if failed:
+        status = f"problems in {', '.join(failed)}"
+    elif unchecked:
+        plural = "s" if unchecked > 1 else ""
+        status = f"no claim refuted; {unchecked} stated claim{plural} could not be checked"
+    else:
+        status = "all claims hold"
     count = len(reports)
     return f"{count} spec{'s' if count != 1 else ''} checked in {seconds:.1f} s: {status}."
 
