@@ -346,7 +346,10 @@ class Probe:
             self.route = "rotation"
         else:
             self.route = "scores"
-        limits = _max_positions(self.spec)
+        # a table's length: every max_positions, and n² for a table of n base rows
+        # (hierarchical decomposition); every read of positions stays below it
+        limits = _max_positions(self.spec) + [
+            n * n for n in _stated(self.spec, "base_positions")]
         self.length: int | None = min(limits) if limits else None
         self.span = min(budget.span, self.length) if self.length else budget.span
         self._cache: dict[str, Any] = {}
@@ -465,6 +468,8 @@ class Probe:
             # one call for every row up to the largest position (some tables are costly
             # to evaluate, e.g. integrated dynamics); rows are read by index
             size = max(size, 2 * cached.shape[0] if cached is not None else 64)
+            if self.length is not None:  # never read past the table (it raises there)
+                size = max(min(size, self.length), int(positions.max()) + 1)
             x = torch.full((1, size, self.model_dim), token, dtype=F64)
             every = torch.arange(size) if self.input_mode == "explicit" else None
             cached = self.embed(self.pe64, x, every)[0]
@@ -547,7 +552,7 @@ def _unique(probe: Probe) -> tuple[Search, str]:
         def check(example) -> float:
             m, n = example
             distance = float((table[m] - table[n]).norm())
-            if distance <= 1e-12 * (1.0 + max(float(norms[m]), float(norms[n]))):
+            if distance <= 1e-12 * max(float(norms[m]), float(norms[n])):  # relative
                 raise Violation(
                     f"positions {m} and {n} get the same input encoding "
                     f"(|p_{m} - p_{n}| = {_fmt(distance)})",
@@ -593,7 +598,7 @@ def _unique(probe: Probe) -> tuple[Search, str]:
             gap = max(float((scores[:, m, :] - scores[:, n, :]).abs().max()),
                       float((scores[:, :, m] - scores[:, :, n]).abs().max()))
             size = max(float(scores[:, m, :].abs().max()), float(scores[:, :, m].abs().max()))
-            if gap <= 1e-12 * (1.0 + size):
+            if gap <= 1e-12 * size:  # relative: tiny tables are not collisions
                 raise Violation(
                     f"positions {m} and {n} get the same position scores, as a query and "
                     f"as a key, against every position in [0, {span}) in every head",
@@ -612,7 +617,7 @@ def _unique(probe: Probe) -> tuple[Search, str]:
         norms = (features * features).sum(-1)
         gram = norms.unsqueeze(0) + norms.unsqueeze(1) - 2 * features @ features.T
         gram.fill_diagonal_(math.inf)
-        scale = 1.0 + torch.maximum(norms.unsqueeze(0), norms.unsqueeze(1))
+        scale = torch.maximum(norms.unsqueeze(0), norms.unsqueeze(1))  # relative
         hit = gram <= 1e-9 * scale
         if bool(hit.any()):
             yield _closest_pair(hit, 0)
@@ -650,31 +655,54 @@ def _shift_invariant_scores(probe: Probe) -> bool:
     return bool(((scores[:, 1:, 1:] - scores[:, :-1, :-1]).abs() <= tol).all())
 
 
+EXACT_DISTANCES = 2048  # every distance in (-2048, 2048) is compared
+FAR_DISTANCES = 512  # past it, this many log-spaced distances on each side
+
+
+def distance_sample(reach: int) -> list[int]:
+    """Distances k - q to compare, ordered by (|d|, d): every one in (-E, E) for
+    E = min(reach, EXACT_DISTANCES), then log-spaced ones out to ±reach (bounded work
+    and memory however large a stated max_distance is)."""
+    exact = min(reach, EXACT_DISTANCES)
+    found = set(range(-exact + 1, exact))
+    if reach > exact:
+        far = torch.logspace(math.log10(exact), math.log10(reach), FAR_DISTANCES, dtype=F64)
+        for value in far.round().long().unique().tolist():
+            found.update((value, -value))
+    return sorted(found, key=lambda d: (abs(d), d))
+
+
 def _unique_distances(probe: Probe) -> tuple[Search, str]:
     """Relative scores: distinct distances k - q must get distinct position scores.
 
     Distances run over (-R, R) with R = max(span, 2 × every max_distance the spec states),
-    so the range reaches past any clip or bucket range the spec declares.
+    so the range reaches past any clip or bucket range the spec declares; past
+    EXACT_DISTANCES they are sampled log-spaced (``distance_sample``).
     """
     reach = max([probe.budget.span] + [2 * d for d in _stated(probe.spec, "max_distance")])
     if probe.length is not None:
         reach = min(reach, probe.length // 2)
-    row = probe.position_scores(torch.tensor([reach]), torch.arange(2 * reach))[:, 0, :]
-    scale = row.abs().amax(dim=0)  # [2 reach]
-    tol = 1e-12 * (1.0 + float(scale.max()))  # for the scan's first pass only
+    reach = min(reach, 1 << 40)
+    distances = distance_sample(reach)
+    keys = torch.tensor(distances) + reach
+    row = probe.position_scores(torch.tensor([reach]), keys)[:, 0, :]  # [heads, D]
+    scale = row.abs().amax(dim=0)  # [D]
+    tol = 1e-12 * float(scale.max())  # relative; for the scan's first pass only
+    count = len(distances)
 
     def check(example) -> float:
-        d1, d2 = example
-        a, b = row[:, reach + d1], row[:, reach + d2]
+        i1, i2 = example
+        d1, d2 = distances[i1], distances[i2]
+        a, b = row[:, i1], row[:, i2]
         gap = float((a - b).abs().max())
-        size = max(float(scale[reach + d1]), float(scale[reach + d2]))
-        if gap <= 1e-12 * (1.0 + size):
+        size = max(float(scale[i1]), float(scale[i2]))
+        if gap <= 1e-12 * size:  # relative: a tiny table is not a collision
             raise Violation(
                 f"distances k - q = {d1} and {d2} get the same position score in every head "
                 f"(head 0: {_fmt(float(a[0]))} and {_fmt(float(b[0]))}; e.g. query {reach}, "
                 f"keys {reach + d1} and {reach + d2})",
                 rank=max(abs(d1), abs(d2)),
-                distances=[d1, d2], query=reach, keys=[reach + d1, reach + d2],
+                distances=sorted([d1, d2]), query=reach, keys=[reach + d1, reach + d2],
                 values=[a.tolist(), b.tolist()],
             )
         return gap
@@ -682,32 +710,31 @@ def _unique_distances(probe: Probe) -> tuple[Search, str]:
     def scan() -> Iterable[tuple[int, int]]:
         order = row[0].argsort()
         ranked = row[:, order]
-        hits: list[tuple[int, int]] = []
+        hit = False
         for step in range(1, 9):
             close = (ranked[:, step:] - ranked[:, :-step]).abs().amax(dim=0) <= tol
-            for index in close.nonzero().flatten().tolist():
-                pair = sorted((int(order[index]) - reach, int(order[index + step]) - reach))
-                hits.append((pair[0], pair[1]))
-        if not hits:
+            if bool(close.any()):
+                hit = True
+                break
+        if not hit:
             return
         # the collision closest to distance 0: walk distances by |d| until one repeats
-        ordering = sorted(range(-reach, reach), key=lambda d: (abs(d), d))
-        for index in range(1, len(ordering)):
-            earlier = torch.tensor(ordering[:index]) + reach
-            here = reach + ordering[index]
-            gaps = (row[:, earlier] - row[:, here:here + 1]).abs().amax(dim=0)
+        for index in range(1, count):
+            gaps = (row[:, :index] - row[:, index:index + 1]).abs().amax(dim=0)
             if bool((gaps <= tol).any()):
-                other = ordering[int((gaps <= tol).nonzero()[0])]
-                yield tuple(sorted((other, ordering[index])))
+                yield int((gaps <= tol).nonzero()[0]), index
                 return
 
     @st.composite
-    def pairs(draw):  # shrinks towards small distances one apart
-        first = draw(st.integers(-reach, reach - 2))
-        return first, first + draw(st.integers(1, reach - 1 - first))
+    def pairs(draw):  # shrinks towards the smallest distances (the list starts at 0)
+        first = draw(st.integers(0, count - 2))
+        return first, first + draw(st.integers(1, count - 1 - first))
 
     search = _search(check, pairs(), probe.budget, scan)
-    return search, f"position scores of distinct distances in (-{reach}, {reach})"
+    sampled = "" if reach <= EXACT_DISTANCES else (
+        f", every one in (-{EXACT_DISTANCES}, {EXACT_DISTANCES}) and "
+        f"{count - 2 * EXACT_DISTANCES + 1} log-spaced past it")
+    return search, f"position scores of distinct distances in (-{reach}, {reach}){sampled}"
 
 
 def _closest_pair(hit: Tensor, anchor: int) -> tuple[int, int]:
@@ -1237,13 +1264,17 @@ def _backend_names(probe: Probe) -> list[str]:
 
 
 def backends(probe: Probe) -> Outcome:
+    unreachable = _input_unreachable(probe, "backends")
+    if unreachable is not None:
+        return unreachable
     names = _backend_names(probe)
     skipped = [n for n in getattr(probe.module, "BACKENDS", ()) if n == "flex"]
+    longest = min(9, probe.span)  # never past a table
 
     @st.composite
     def examples(draw):
-        n = draw(st.integers(1, 6))
-        m = draw(st.integers(n, 9))
+        n = draw(st.integers(1, longest))
+        m = draw(st.integers(n, longest))
         start = draw(st.integers(0, max(0, probe.span - m)))
         return n, m, start, draw(st.booleans()), draw(st.booleans()), draw(SEEDS)
 
@@ -1281,7 +1312,12 @@ def backends(probe: Probe) -> Outcome:
 
 
 def bf16(probe: Probe) -> Outcome:
+    unreachable = _input_unreachable(probe, "bf16")
+    if unreachable is not None:
+        return unreachable
     top = (probe.length - 1) if probe.length is not None else FAR
+    usable = [0]
+    rejected: list[str] = []
     mode = probe.input_mode if probe.route == "input" else None
     if mode == "default":
         top = 63  # default positions only: sequences of up to 64 tokens
@@ -1289,7 +1325,7 @@ def bf16(probe: Probe) -> Outcome:
     @st.composite
     def examples(draw):
         n = draw(st.integers(1, 4))
-        m = draw(st.integers(n, 8))
+        m = draw(st.integers(n, max(n, min(8, top + 1))))
         base = draw(st.integers(0, max(0, top - m + 1)))
         if mode == "default":
             m, base = base + m, 0
@@ -1322,8 +1358,10 @@ def bf16(probe: Probe) -> Outcome:
         shown = k_pos.tolist() if m <= 8 else f"0..{m - 1}"
         try:
             got, want, tol, what = compare(content, wide, q_pos, k_pos, causal)
-        except ValueError:
+        except ValueError as error:
+            rejected.append(str(error))
             return math.inf  # positions the encoding rejects in any dtype: not a bf16 matter
+        usable[0] += 1
         if not bool(torch.isfinite(want).all()):
             raise Violation(f"positions {shown}: the fp32 {what} is not finite",
                             positions=k_pos.tolist()[-8:], rank=int(k_pos.max()))
@@ -1339,10 +1377,15 @@ def bf16(probe: Probe) -> Outcome:
     search = _search(check, examples(), probe.budget)
     if search.violation is not None:
         return _failed("bf16", "block", None, search)
+    if not usable[0]:  # nothing was compared: no verdict
+        why = f": ValueError: {rejected[-1]}" if rejected else ""
+        return Outcome("bf16", "block", None, None,
+                       f"cannot check: every example was rejected by the module{why}")
     reach = "up to 2^20" if top == FAR else f"up to {top}"
+    skipped = f"; {len(rejected)} rejected by the module (ValueError)" if rejected else ""
     return Outcome("bf16", "block", None, True,
                    f"within bf16 error of fp32 at positions {reach} "
-                   f"({search.examples} examples)")
+                   f"({usable[0]} examples compared{skipped})")
 
 
 def kv_cache(probe: Probe) -> Outcome:
@@ -1350,9 +1393,14 @@ def kv_cache(probe: Probe) -> Outcome:
     if unreachable is not None:
         return unreachable
 
+    longest = min(10, probe.span)  # never past a table
+    if longest < 2:
+        return Outcome("kv_cache", "block", None, None,
+                       f"cannot check: the table holds {probe.span} position")
+
     @st.composite
     def examples(draw):
-        m = draw(st.integers(2, 10))
+        m = draw(st.integers(2, longest))
         return m, draw(st.integers(1, m - 1)), draw(st.integers(0, probe.span - m)), draw(SEEDS)
 
     def check(example) -> float:
@@ -1439,8 +1487,11 @@ def _check_loaded(loaded, budget, only, progress, started) -> Report:
                 f"building the module failed: {type(error).__name__}: {error}", error=True))
         report.seconds = time.perf_counter() - started
         return report
-    report = Report(loaded.spec.name, loaded.display_path, loaded.spec.title,
-                    probe.route_text())
+    try:
+        route = probe.route_text()
+    except Exception as error:  # noqa: BLE001 - reported, never a traceback
+        route = f"{probe.route} (the table could not be read: {type(error).__name__}: {error})"
+    report = Report(loaded.spec.name, loaded.display_path, loaded.spec.title, route)
     for name in wanted:
         began = time.perf_counter()
         claimed = getattr(loaded.spec.claims, name) if name in CLAIMS else None
