@@ -268,9 +268,12 @@ def _property_names() -> tuple[str, ...]:
 @click.option("--time-budget", "seconds", type=click.FloatRange(0.1, 3600), default=10.0,
               show_default=True, help="Seconds per property after which no new examples "
               "are drawn (only slow modules reach it).")
+@click.option("--spec-time-budget", "spec_seconds", type=click.FloatRange(1, 36000),
+              default=45.0, show_default=True, help="Seconds per spec, shared by its "
+              "properties: each gets at most what is left divided by the properties left.")
 @_reports_spec_errors
 def check(specs: tuple[Path, ...], as_json: bool, seed: int, max_examples: int, span: int,
-          only: tuple[str, ...], seconds: float) -> None:
+          only: tuple[str, ...], seconds: float, spec_seconds: float) -> None:
     """Property-test SPECS (files or directories; default specs/) against their claims.
 
     Builds each module in memory (nothing is written) and tests, with hypothesis, the
@@ -293,7 +296,7 @@ def check(specs: tuple[Path, ...], as_json: bool, seed: int, max_examples: int, 
 
     loaded = load_specs(_spec_files(specs))
     if os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY"):
-        _check(loaded, as_json, seed, max_examples, span, only, seconds)
+        _check(loaded, as_json, seed, max_examples, span, only, seconds, spec_seconds)
         return
     # hypothesis caches what it learns in ./.hypothesis; keep the user's directory clean
     from hypothesis.configuration import set_hypothesis_home_dir
@@ -301,20 +304,21 @@ def check(specs: tuple[Path, ...], as_json: bool, seed: int, max_examples: int, 
     with tempfile.TemporaryDirectory(prefix="posgen-check-") as scratch:
         set_hypothesis_home_dir(scratch)
         try:
-            _check(loaded, as_json, seed, max_examples, span, only, seconds)
+            _check(loaded, as_json, seed, max_examples, span, only, seconds, spec_seconds)
         finally:
             set_hypothesis_home_dir(None)
 
 
 def _check(loaded: list[LoadedSpec], as_json: bool, seed: int, max_examples: int, span: int,
-           only: tuple[str, ...], seconds: float) -> None:
+           only: tuple[str, ...], seconds: float, spec_seconds: float) -> None:
     import shutil
     import time
 
     from posgen.check_report import render_json, render_summary, render_table
     from posgen.properties import PROPERTIES, Budget, check_loaded
 
-    budget = Budget(max_examples=max_examples, seed=seed, span=span, seconds=seconds)
+    budget = Budget(max_examples=max_examples, seed=seed, span=span, seconds=seconds,
+                    spec_seconds=spec_seconds)
     wanted = [name for name in PROPERTIES if not only or name in only]
     started = time.perf_counter()
     reports = []

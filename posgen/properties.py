@@ -97,6 +97,7 @@ class Budget:
     seed: int = 0
     span: int = 512  # positions checked for unique/relative/decay (capped by a table)
     seconds: float = 10.0  # per property: no new examples after this (slow modules)
+    spec_seconds: float = 45.0  # per spec: each property gets at most a fair share of it
     timed_out: bool = field(default=False, compare=False, repr=False)  # set by searches
 
 
@@ -514,12 +515,12 @@ class Probe:
             self._cache[key] = self.position_scores(positions, positions)
         return self._cache[key]
 
-    def rotation_matrix(self, position: int) -> Tensor:
-        """R_m as a [head_dim, head_dim] float64 matrix (row r = R_m e_r)."""
+    def rotation_matrix(self, position: int, side: int = 0) -> Tensor:
+        """R_m as a [head_dim, head_dim] float64 matrix (row r = R_m e_r); side 0 is the
+        query output of rotate, side 1 the key output."""
         eye = torch.eye(self.head_dim, dtype=F64).view(1, 1, self.head_dim, self.head_dim)
         where = torch.full((self.head_dim,), position, dtype=torch.int64)
-        rotated, _ = self.pe64.rotate(eye, eye, where, where)
-        return rotated[0, 0]
+        return self.pe64.rotate(eye, eye, where, where)[side][0, 0]
 
     def rotation_angles(self) -> Tensor:
         """θ_k measured from the module: the eigen-angles of R_1, descending."""
@@ -568,7 +569,9 @@ def _unique(probe: Probe) -> tuple[Search, str]:
 
         def check(example) -> float:
             m, n = example
-            distance = float((probe.rotation_matrix(m) - probe.rotation_matrix(n)).norm())
+            distance = min(
+                float((probe.rotation_matrix(m, side) - probe.rotation_matrix(n, side)).norm())
+                for side in (0, 1))  # the query and the key rotation
             tol = tol_base * (1 + max(m, n))
             if distance <= tol:
                 raise Violation(
@@ -887,6 +890,13 @@ def decay(probe: Probe, claimed: bool | None) -> Outcome:
                 f"{_fmt(means[-1])} over [{windows[-1][0]}, {windows[-1][1]}){shown}",
                 **details,
             )
+        pairs = len(windows) - 1
+        falls = sum(1 for x, y in zip(means, means[1:], strict=False) if y < x - tol)
+        if 2 * falls < pairs:
+            raise Violation(
+                f"{where}{label} falls strictly between only {falls} of {pairs} adjacent "
+                f"distance windows (at least half must){shown}", **details,
+            )
         return min(x - y for x, y in zip(means, means[1:], strict=False))
 
     search = _search(check, examples(), probe.budget)
@@ -907,9 +917,14 @@ def decay(probe: Probe, claimed: bool | None) -> Outcome:
     scale = max(abs(m) for m in means)
     tidy = [0.0 if abs(m) <= 1e-12 * scale else m for m in means]  # q · k = 0 round-off
     over = " over windows" if bound_route else " over heads and query positions"
+    tol = 1e-9 * (1.0 + float(curve.abs().max()))
+    chain = _fmt(tidy[0])
+    for before, after in zip(tidy, tidy[1:], strict=False):  # honest: = where equal
+        chain += (" > " if after < before - tol else " < " if after > before + tol
+                  else " = ") + _fmt(after)
     return Outcome(
         "decay", "claim", claimed, True,
-        f"{label} on log windows of distance: {' > '.join(_fmt(m) for m in tidy)} "
+        f"{label} on log windows of distance: {chain} "
         f"({search.examples} examples{over})",
         curve=shown,
     )
@@ -1031,27 +1046,69 @@ def rotation_norm(probe: Probe) -> Outcome:
     def check(example) -> float:
         position, example_seed = example
         x = torch.randn(1, 1, 3, probe.head_dim, generator=_generator(example_seed), dtype=F64)
+        y = torch.randn(1, 1, 3, probe.head_dim, generator=_generator(example_seed + 1),
+                        dtype=F64)
         where = torch.full((3,), position)
-        rotated, _ = probe.pe64.rotate(x, x, where, where)
-        at_zero, _ = probe.pe64.rotate(x, x, torch.zeros(3, dtype=torch.int64),
-                                       torch.zeros(3, dtype=torch.int64))
-        norm_error = float((rotated.norm(dim=-1) - x.norm(dim=-1)).abs().max())
-        tol = 1e-12 * float(x.norm(dim=-1).max())
-        if norm_error > tol:
-            raise Violation(
-                f"position {position}: |R x| - |x| = {_fmt(norm_error)} (tol {_fmt(tol)})",
-                position=position,
-            )
-        zero_error = float((at_zero - x).abs().max())
-        if zero_error > 1e-15 * float(x.abs().max()) * 4:
-            raise Violation(f"R_0 x differs from x by {_fmt(zero_error)}", position=0)
+        zero = torch.zeros(3, dtype=torch.int64)
+        rotated = probe.pe64.rotate(x, y, where, where)
+        at_zero = probe.pe64.rotate(x, y, zero, zero)
+        tol = 1e-12 * float(torch.cat((x, y)).norm(dim=-1).max())
+        norm_error = 0.0
+        for side, inputs in (("query", x), ("key", y)):  # both outputs of rotate
+            out = rotated[0 if side == "query" else 1]
+            error = float((out.norm(dim=-1) - inputs.norm(dim=-1)).abs().max())
+            if error > tol:
+                raise Violation(
+                    f"position {position}, {side} side: |R x| - |x| = {_fmt(error)} "
+                    f"(tol {_fmt(tol)})", position=position, side=side,
+                )
+            zero_error = float((at_zero[0 if side == "query" else 1] - inputs).abs().max())
+            if zero_error > 1e-15 * float(inputs.abs().max()) * 4:
+                raise Violation(f"{side} side: R_0 x differs from x by {_fmt(zero_error)}",
+                                position=0, side=side)
+            norm_error = max(norm_error, error)
         return tol - norm_error
 
     search = _search(check, examples(), probe.budget)
     if search.violation is not None:
         return _failed("rotation_norm", "block", None, search)
+    frequencies = _rotation_frequencies(probe)
+    if isinstance(frequencies, Outcome):
+        return frequencies
     return Outcome("rotation_norm", "block", None, True,
-                   f"|R_m x| = |x| for m up to 2^20 and R_0 = I ({search.examples} examples)")
+                   f"|R_m x| = |x| for m up to 2^20 and R_0 = I, query and key sides "
+                   f"({search.examples} examples){frequencies}")
+
+
+def _rotation_frequencies(probe: Probe) -> Outcome | str:
+    """The eigen-angles of R_1 (query and key side) against the spec's frequencies:
+    θ_k = base^(-2k / d_rot), d_rot = round(fraction · head_dim), k < d_rot / 2
+    (RoFormer, Su et al. 2021, eq. 15). Evidence text, or a failed Outcome."""
+    rotation = probe.spec.rotation
+    if getattr(rotation.frequencies, "kind", None) != "standard":
+        return f"; frequencies {rotation.frequencies.kind!r} not compared"
+    rotary_dim = int(round(probe.head_dim * rotation.rotary_dims.fraction))
+    expected = torch.tensor([rotation.base ** (-2.0 * k / rotary_dim)
+                             for k in range(rotary_dim // 2)], dtype=F64)
+    expected = expected.sort(descending=True).values
+    for side, name in ((0, "query"), (1, "key")):
+        angles = torch.linalg.eigvals(probe.rotation_matrix(1, side)).angle()
+        got = angles[angles > 1e-12].sort(descending=True).values
+        if got.shape != expected.shape or not bool(
+                ((got - expected).abs() <= 1e-9 * expected).all()):
+            worst = (int((got - expected).abs().argmax()) if got.shape == expected.shape
+                     else None)
+            shown = (f"θ_{worst} = {_fmt(float(got[worst]))}, base^(-2k/d_rot) gives "
+                     f"{_fmt(float(expected[worst]))}" if worst is not None else
+                     f"{got.shape[0]} rotating pairs, expected {expected.shape[0]}")
+            return Outcome(
+                "rotation_norm", "block", None, False,
+                f"{name} side: the angles of R_1 are not base^(-2k/d_rot) with base "
+                f"{rotation.base:g}, d_rot {rotary_dim}: {shown}",
+                counterexample={"side": name, "measured": got.tolist()[:8],
+                                "expected": expected.tolist()[:8]})
+    return (f"; angles of R_1 equal base^(-2k/d_rot) (base {rotation.base:g}, "
+            f"d_rot {rotary_dim}) on both sides")
 
 
 def _variant(loaded: LoadedSpec, update: Callable[[dict], None], suffix: str) -> LoadedSpec:
@@ -1155,39 +1212,48 @@ def buckets(probe: Probe) -> Outcome:
     sign = -1 if getattr(index, "sign", "key_minus_query") == "query_minus_key" else 1
     bidirectional = bool(getattr(index, "bidirectional", True))
 
-    def bucket_row(query: int) -> Tensor:
-        got = pe.score_bias(torch.tensor([query]), torch.arange(span))
-        return got[0, 0]  # [span] bucket ids (every head reads the same column)
+    distances = torch.tensor(distance_sample(span))  # all within ±2048, log-spaced past
+    max_distance = int(getattr(index, "max_distance", 0))
+    expected_of: dict[int, int] = {}
+
+    def expected(relative: int) -> int:
+        if relative not in expected_of:
+            expected_of[relative] = recipe(sign * relative, bidirectional, count, max_distance)
+        return expected_of[relative]
 
     def check(query: int) -> float:
-        row = bucket_row(query)
-        for j in range(span):
-            value = float(row[j])
-            if value != round(value) or not 0 <= value < count:
-                raise Violation(f"query {query}, key {j}: bucket {_fmt(value)} outside "
-                                f"[0, {count})", query=query, key=j, bucket=value)
+        keys = (query + distances).unique()  # sorted
+        keys = keys[(keys >= 0) & (keys < span)]
+        row = pe.score_bias(torch.tensor([query]), keys)[0, 0]  # every head: same column
+        bad = (row != row.round()) | (row < 0) | (row >= count)
+        if bool(bad.any()):
+            at = int(bad.nonzero()[0])
+            raise Violation(f"query {query}, key {int(keys[at])}: bucket {_fmt(float(row[at]))} "
+                            f"outside [0, {count})", query=query, key=int(keys[at]),
+                            bucket=float(row[at]))
         if recipe is not None:
-            max_distance = int(getattr(index, "max_distance", 0))
-            for j in range(span):
-                expected = recipe(sign * (j - query), bidirectional, count, max_distance)
-                if int(row[j]) != expected:
+            for key, value in zip(keys.tolist(), row.tolist(), strict=True):
+                want = expected(key - query)
+                if int(value) != want:
                     raise Violation(
-                        f"query {query}, key {j}: bucket {int(row[j])}, the independent "
-                        f"{index.recipe} recipe gives {expected}", query=query, key=j,
-                        bucket=int(row[j]), expected=expected)
-        for side, keys in (("before", range(query, -1, -1)), ("after", range(query, span))):
-            keys = list(keys)
-            seq = [int(row[j]) for j in keys]
-            direction = 0
-            for t in range(1, len(seq)):
-                step = seq[t] - seq[t - 1]
-                if step * direction < 0:
-                    near = [abs(keys[t - 1] - query), abs(keys[t] - query)]
-                    raise Violation(
-                        f"query {query}, keys {side} it: distances {near} have buckets "
-                        f"{seq[t - 1:t + 1]}, against the trend (not monotone in |i - j|)",
-                        query=query, distances=near, buckets=seq[t - 1:t + 1])
-                direction = direction or step
+                        f"query {query}, key {key}: bucket {int(value)}, the independent "
+                        f"{index.recipe} recipe gives {want}", query=query, key=key,
+                        bucket=int(value), expected=want)
+        for side, chosen in (("before", keys <= query), ("after", keys >= query)):
+            side_keys = keys[chosen]
+            seq = row[chosen]
+            if side == "before":  # by increasing distance
+                side_keys, seq = side_keys.flip(0), seq.flip(0)
+            steps = (seq[1:] - seq[:-1]).sign()
+            moving = steps[steps != 0]
+            if moving.numel() and bool((moving != moving[0]).any()):
+                t = int(((steps != 0) & (steps != moving[0])).nonzero()[0]) + 1
+                near = [abs(int(side_keys[t - 1]) - query), abs(int(side_keys[t]) - query)]
+                pair = [int(seq[t - 1]), int(seq[t])]
+                raise Violation(
+                    f"query {query}, keys {side} it: distances {near} have buckets "
+                    f"{pair}, against the trend (not monotone in |i - j|)",
+                    query=query, distances=near, buckets=pair)
         return 0.0
 
     top = span - 1
@@ -1198,7 +1264,8 @@ def buckets(probe: Probe) -> Outcome:
         "no independent implementation of its recipe")
     return Outcome("buckets", "block", None, True,
                    f"integer, in [0, {count}), monotone in |i - j| on each side for keys in "
-                   f"[0, {span}); {how} ({search.examples} query rows)")
+                   f"[0, {span}) (every distance up to {EXACT_DISTANCES}, log-spaced past "
+                   f"it); {how} ({search.examples} query rows)")
 
 
 def alibi_geometric_slopes(heads: int) -> list[float]:
@@ -1230,8 +1297,32 @@ def slopes(probe: Probe) -> Outcome:
         row = pe.score_bias(torch.tensor([5]), torch.tensor([5, 4]))[:, 0]  # [heads, 2]
         return (row[:, 0] - row[:, 1]).tolist()
 
+    distances = [1, 2, 3, 5, 8, 13, 21, 40]
+    anchor = 64
+
+    def linear(heads: int) -> None:
+        """bias(i, i ± d) - bias(i, i) = d (bias(i, i ± 1) - bias(i, i)) on each side."""
+        pe = to_float64(probe.cls(heads=heads, head_dim=probe.head_dim))
+        for side, sign in (("before", -1), ("after", 1)):
+            keys = torch.tensor([anchor] + [anchor + sign * d for d in distances])
+            row = pe.score_bias(torch.tensor([anchor]), keys)[:, 0]  # [heads, 1 + D]
+            if not bool(torch.isfinite(row).all()):
+                continue  # a masked side (no bias to compare)
+            step = row[:, 1] - row[:, 0]
+            for index, d in enumerate(distances):
+                got = row[:, 1 + index] - row[:, 0]
+                error = float((got - d * step).abs().max())
+                if error > 1e-9 * (1.0 + float((d * step).abs().max())):
+                    h = int((got - d * step).abs().argmax())
+                    raise Violation(
+                        f"{heads} heads: head {h}, keys {side} query {anchor}: bias at "
+                        f"distance {d} is {_fmt(float(got[h]))}, not {d} × the step at "
+                        f"distance 1 ({_fmt(float(step[h]))}): not linear in distance",
+                        heads=heads, head=h, distance=d, side=side)
+
     def check(heads: int) -> float:
         got = measured(heads)
+        linear(heads)
         if min(got) <= 0:
             h = min(range(heads), key=lambda h: got[h])
             raise Violation(f"{heads} heads: head {h} has slope {_fmt(got[h])} ≤ 0",
@@ -1254,7 +1345,8 @@ def slopes(probe: Probe) -> Outcome:
     how = f"equal to an independent {recipe_name} recipe" if recipe else (
         f"no independent implementation of {recipe_name!r}")
     return Outcome("slopes", "block", None, True,
-                   f"positive; {how} for 1-64 heads; {probe.heads} heads: "
+                   f"positive; {how} for 1-64 heads; linear in distance on both sides "
+                   f"(distances {_list(distances, 9)}); {probe.heads} heads: "
                    f"{_list(_fmt(s) for s in first)}")
 
 
@@ -1300,6 +1392,8 @@ def backends(probe: Probe) -> Outcome:
                     backend=name, n=n, m=m, start=start, causal=causal,
                 )
             worst = min(worst, tol - error)
+        if causal:
+            _causal_reference(probe, content, eager, n, m, q_pos, k_pos, start, explicit)
         return worst
 
     search = _search(check, examples(), probe.budget)
@@ -1308,7 +1402,39 @@ def backends(probe: Probe) -> Outcome:
     note = f"; skipped {', '.join(skipped)} (compiles)" if skipped else ""
     return Outcome("backends", "block", None, True,
                    f"{', '.join(names)} agree with eager in float32 ({search.examples} "
-                   f"examples, causal and not, default and explicit positions){note}")
+                   f"examples, causal and not, default and explicit positions); causal "
+                   f"equals an explicit key ≤ query mask and softmax(scores + own mask) "
+                   f"v{note}")
+
+
+def _causal_reference(probe: Probe, content, eager: Tensor, n: int, m: int, q_pos, k_pos,
+                      start: int, explicit: bool) -> None:
+    """causal=True against a mask the checker builds itself from the positions (key
+    position ≤ query position): through attn_mask (bool, True = attend), and through
+    softmax(scores + mask) v computed here in float64 from the module's ``scores``."""
+    q_eff = q_pos if q_pos is not None else torch.arange(m - n, m)
+    k_eff = k_pos if k_pos is not None else torch.arange(m)
+    allowed = k_eff.unsqueeze(0) <= q_eff.unsqueeze(1)  # [n, m]
+    where = f"N={n}, M={m}, positions from {start if explicit else 'default'}"
+    masked = probe.forward(probe.pe32, content, q_pos, k_pos, attn_mask=allowed,
+                           backend="eager")
+    error = float((masked - eager).abs().max())
+    tol = 2e-5 + 1e-4 * float(eager.abs().max())
+    if not error <= tol:
+        raise Violation(
+            f"causal=True differs from attn_mask = (key ≤ query) by {_fmt(error)} ({where})",
+            n=n, m=m, start=start, causal=True)
+    wide = tuple(t.to(F64) for t in content)
+    logits = probe.logits(wide, q_eff, k_eff)  # [1, heads, n, m] float64
+    weights = torch.softmax(logits.masked_fill(~allowed, -math.inf), dim=-1)
+    own = weights @ wide[2]
+    out64 = probe.forward(probe.pe64, wide, q_pos, k_pos, causal=True, backend="eager")
+    error = float((out64 - own).abs().max())
+    tol = 1e-9 * (1.0 + float(own.abs().max()))
+    if not error <= tol:
+        raise Violation(
+            f"causal=True differs from softmax(scores + key ≤ query mask) v by "
+            f"{_fmt(error)} ({where})", n=n, m=m, start=start, causal=True)
 
 
 def bf16(probe: Probe) -> Outcome:
@@ -1425,6 +1551,18 @@ def kv_cache(probe: Probe) -> Outcome:
                 raise Violation(
                     f"default positions, M={m}: the last {m - cut} queries differ from "
                     f"the full rows by {_fmt(error)}", m=m, cut=cut)
+            # float32 through forward, default positions (the float32 caches' path)
+            a32, b32, v32 = (t.float() for t in content)
+            for causal in (False, True):
+                whole = probe.pe32(a32, b32, v32, causal=causal)[:, :, cut:]
+                last = probe.pe32(a32[:, :, cut:], b32, v32, causal=causal)
+                error32 = float((last - whole).abs().max())
+                tol32 = 1e-5 * (1.0 + float(whole.abs().max()))
+                if not error32 <= tol32:
+                    raise Violation(
+                        f"float32 forward, default positions, M={m}, causal={causal}: the "
+                        f"last {m - cut} queries differ from the full rows by "
+                        f"{_fmt(error32)}", m=m, cut=cut, causal=causal)
         return tol - error
 
     search = _search(check, examples(), probe.budget)
@@ -1432,6 +1570,7 @@ def kv_cache(probe: Probe) -> Outcome:
         return _failed("kv_cache", "block", None, search)
     return Outcome("kv_cache", "block", None, True,
                    f"offset query blocks equal the full rows, explicit and default positions "
+                   f"(float64 scores; float32 forward with default positions) "
                    f"({search.examples} examples)")
 
 
@@ -1492,10 +1631,13 @@ def _check_loaded(loaded, budget, only, progress, started) -> Report:
     except Exception as error:  # noqa: BLE001 - reported, never a traceback
         route = f"{probe.route} (the table could not be read: {type(error).__name__}: {error})"
     report = Report(loaded.spec.name, loaded.display_path, loaded.spec.title, route)
-    for name in wanted:
+    for done, name in enumerate(wanted):
         began = time.perf_counter()
         claimed = getattr(loaded.spec.claims, name) if name in CLAIMS else None
-        budget.timed_out = False
+        # the per-spec cap: what is left of spec_seconds, shared by the properties left
+        left = budget.spec_seconds - (began - started)
+        share = max(0.2, left / (len(wanted) - done))
+        probe.budget = replace(budget, seconds=min(budget.seconds, share), timed_out=False)
         try:
             if name in CLAIM_CHECKS:
                 outcome = CLAIM_CHECKS[name](probe, claimed)
@@ -1507,8 +1649,9 @@ def _check_loaded(loaded, budget, only, progress, started) -> Report:
                 f"{type(error).__name__}: {error}", error=True,
             )
         outcome.seconds = time.perf_counter() - began
-        if budget.timed_out:
-            outcome.evidence += f" [stopped drawing at the {budget.seconds:g} s time budget]"
+        if probe.budget.timed_out:
+            outcome.evidence += (f" [stopped drawing at the {probe.budget.seconds:.3g} s "
+                                 f"time budget]")
         report.outcomes.append(outcome)
         if progress is not None:
             progress(name)
