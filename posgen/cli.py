@@ -375,12 +375,15 @@ def plot(spec: Path, out_dir: Path, span: int, distance: int, seed: int) -> None
         posgen plot my_idea.yaml --span 128
     """
     loaded = load_specs(_spec_files([spec]))[0]
-    from posgen.plot import CannotPlot, MissingMatplotlib, plot_spec
+    from posgen.plot import CannotPlot, MissingMatplotlib, PlotFailed, plot_spec
 
     try:
         paths = plot_spec(loaded, out_dir, span=span, decay_span=distance, seed=seed)
     except (MissingMatplotlib, CannotPlot) as error:
         click.echo(str(error), err=True)
         sys.exit(2)
+    except PlotFailed as error:  # the module raised: a message and exit 1
+        click.echo(str(error), err=True)
+        sys.exit(1)
     for path in paths:
         click.echo(f"wrote {path}")

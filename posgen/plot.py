@@ -26,6 +26,10 @@ class CannotPlot(RuntimeError):
     """The spec's positions cannot be reached through the module contract."""
 
 
+class PlotFailed(RuntimeError):
+    """The module raised while its scores were computed (reported, never a traceback)."""
+
+
 def require_matplotlib() -> Any:
     """pyplot on the non-interactive Agg backend, or MissingMatplotlib."""
     try:
@@ -56,6 +60,10 @@ def plot_spec(loaded: LoadedSpec, out_dir: Path, span: int = 64,
     torch.set_num_threads(1)  # small tensors: avoid oversubscription
     try:
         return _plot(plt, loaded, out_dir, name, span, decay_span, seed)
+    except CannotPlot:
+        raise
+    except Exception as error:  # noqa: BLE001 - any failure of the module: a message
+        raise PlotFailed(f"cannot plot {name}: {type(error).__name__}: {error}") from None
     finally:
         torch.set_num_threads(threads)
 
@@ -80,7 +88,8 @@ def _plot(plt: Any, loaded: LoadedSpec, out_dir: Path, name: str, span: int,
     count = panels.shape[0]
     cols = min(4, count)
     rows = math.ceil(count / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(max(6.5, 3.6 * cols + 0.8), 3.4 * rows + 1.1),
+    width = 3.6 * cols + 0.8 if count > 1 else 5.2  # one panel: a figure its own size
+    fig, axes = plt.subplots(rows, cols, figsize=(width, 3.4 * rows + 1.1),
                              squeeze=False, constrained_layout=True)
     for index, ax in enumerate(axes.flat):
         if index >= count:
@@ -102,23 +111,32 @@ def _plot(plt: Any, loaded: LoadedSpec, out_dir: Path, name: str, span: int,
     plt.close(fig)
 
     # decay curve against distance
-    fig, ax = plt.subplots(figsize=(7.5, 4.5), constrained_layout=True)
+    fig, ax = plt.subplots(figsize=(9.5 if len(curves) > 1 else 7.5, 4.5),
+                           constrained_layout=True)
     distance = torch.arange(curves[0].shape[0]).numpy()
     windows = _windows(curves[0].shape[0])
     centres = [(a + b - 1) / 2 for a, b in windows]
+    # a distinct colour per head: tab10 up to 10 heads, then an evenly sampled turbo
+    colours = (plt.get_cmap("tab10").colors[: len(curves)] if len(curves) <= 10 else
+               [plt.get_cmap("turbo")(x) for x in
+                torch.linspace(0.02, 0.98, len(curves)).tolist()])
     for head, curve in enumerate(curves):
         line_label = f"head {head}" if len(curves) > 1 else (
             "input table" if probe.route == "input" else "every head")
-        (line,) = ax.plot(distance, curve.numpy(), linewidth=1.0, alpha=0.8, label=line_label)
-        ax.plot(centres, _window_means(curve, windows), "o", color=line.get_color(),
-                markersize=4)
+        colour = colours[head]
+        ax.plot(distance, curve.numpy(), linewidth=1.0, alpha=0.8, label=line_label,
+                color=colour)
+        ax.plot(centres, _window_means(curve, windows), "o", color=colour, markersize=4,
+                markeredgecolor="0.2", markeredgewidth=0.4)  # the head's own colour
     ax.plot([], [], "o", color="0.3", markersize=4, label="window means (checked)")
     ax.set_xscale("symlog", linthresh=1.0)
     ax.set_xlabel("distance i − j (keys before the query; symlog scale)")
     ax.set_ylabel(label)
     ax.set_title(f"{name}: {label} against distance")
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8, ncol=2 if len(curves) > 8 else 1)
+    # outside the axes, on the right: never over the curves
+    ax.legend(fontsize=8, ncol=2 if len(curves) > 16 else 1, loc="upper left",
+              bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     decay_path = out_dir / f"{name}_decay.png"
     fig.savefig(decay_path, dpi=110)
     plt.close(fig)

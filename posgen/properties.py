@@ -347,12 +347,14 @@ class Probe:
             self.route = "rotation"
         else:
             self.route = "scores"
-        # a table's length: every max_positions, and n² for a table of n base rows
-        # (hierarchical decomposition); every read of positions stays below it
-        limits = _max_positions(self.spec) + [
-            n * n for n in _stated(self.spec, "base_positions")]
-        self.length: int | None = min(limits) if limits else None
-        self.span = min(budget.span, self.length) if self.length else budget.span
+        # the training length: the smallest max_positions (extrapolation starts there)
+        lengths = _max_positions(self.spec)
+        self.length: int | None = min(lengths) if lengths else None
+        # the positions a table can be read at: every max_positions, and n² for a table
+        # of n base rows (hierarchical decomposition); every read stays below it
+        limits = lengths + [n * n for n in _stated(self.spec, "base_positions")]
+        self.limit: int | None = min(limits) if limits else None
+        self.span = min(budget.span, self.limit) if self.limit else budget.span
         self._cache: dict[str, Any] = {}
         # How the input route can be driven: embed(x, positions) ("explicit"), only
         # embed(x) with the default positions 0..L-1 ("default"), or not at all (None,
@@ -469,8 +471,8 @@ class Probe:
             # one call for every row up to the largest position (some tables are costly
             # to evaluate, e.g. integrated dynamics); rows are read by index
             size = max(size, 2 * cached.shape[0] if cached is not None else 64)
-            if self.length is not None:  # never read past the table (it raises there)
-                size = max(min(size, self.length), int(positions.max()) + 1)
+            if self.limit is not None:  # never read past the table (it raises there)
+                size = max(min(size, self.limit), int(positions.max()) + 1)
             x = torch.full((1, size, self.model_dim), token, dtype=F64)
             every = torch.arange(size) if self.input_mode == "explicit" else None
             cached = self.embed(self.pe64, x, every)[0]
@@ -544,7 +546,7 @@ class Probe:
 
 
 def _unique(probe: Probe) -> tuple[Search, str]:
-    span = probe.length if probe.length is not None else probe.span
+    span = probe.limit if probe.limit is not None else probe.span
     span = min(span, 4096)
     if probe.route == "input":
         table = probe.table(torch.arange(span))
@@ -663,7 +665,7 @@ FAR_DISTANCES = 512  # past it, this many log-spaced distances on each side
 
 
 def distance_sample(reach: int) -> list[int]:
-    """Distances k - q to compare, ordered by (|d|, d): every one in (-E, E) for
+    """Distances k - q to compare, ordered by |d| (+d before -d): every one in (-E, E) for
     E = min(reach, EXACT_DISTANCES), then log-spaced ones out to ±reach (bounded work
     and memory however large a stated max_distance is)."""
     exact = min(reach, EXACT_DISTANCES)
@@ -672,7 +674,7 @@ def distance_sample(reach: int) -> list[int]:
         far = torch.logspace(math.log10(exact), math.log10(reach), FAR_DISTANCES, dtype=F64)
         for value in far.round().long().unique().tolist():
             found.update((value, -value))
-    return sorted(found, key=lambda d: (abs(d), d))
+    return sorted(found, key=lambda d: (abs(d), d < 0))
 
 
 def _unique_distances(probe: Probe) -> tuple[Search, str]:
@@ -683,8 +685,8 @@ def _unique_distances(probe: Probe) -> tuple[Search, str]:
     EXACT_DISTANCES they are sampled log-spaced (``distance_sample``).
     """
     reach = max([probe.budget.span] + [2 * d for d in _stated(probe.spec, "max_distance")])
-    if probe.length is not None:
-        reach = min(reach, probe.length // 2)
+    if probe.limit is not None:
+        reach = min(reach, probe.limit // 2)
     reach = min(reach, 1 << 40)
     distances = distance_sample(reach)
     keys = torch.tensor(distances) + reach
@@ -694,7 +696,7 @@ def _unique_distances(probe: Probe) -> tuple[Search, str]:
     count = len(distances)
 
     def check(example) -> float:
-        i1, i2 = example
+        i1, i2 = sorted(example, key=lambda i: distances[i])
         d1, d2 = distances[i1], distances[i2]
         a, b = row[:, i1], row[:, i2]
         gap = float((a - b).abs().max())
@@ -705,7 +707,7 @@ def _unique_distances(probe: Probe) -> tuple[Search, str]:
                 f"(head 0: {_fmt(float(a[0]))} and {_fmt(float(b[0]))}; e.g. query {reach}, "
                 f"keys {reach + d1} and {reach + d2})",
                 rank=max(abs(d1), abs(d2)),
-                distances=sorted([d1, d2]), query=reach, keys=[reach + d1, reach + d2],
+                distances=[d1, d2], query=reach, keys=[reach + d1, reach + d2],
                 values=[a.tolist(), b.tolist()],
             )
         return gap
@@ -854,7 +856,7 @@ def decay(probe: Probe, claimed: bool | None) -> Outcome:
         return unreachable
     span = probe.span
     windows = _windows(span)
-    top = (probe.length or 2 * span) - 1
+    top = (probe.limit or 2 * span) - 1
     bound_route = probe.route == "rotation" and probe.spec.bias is None
     heads = 1 if probe.route == "input" or bound_route else probe.heads
 
@@ -935,6 +937,8 @@ def extrapolates(probe: Probe, claimed: bool | None) -> Outcome:
     if unreachable is not None:
         return unreachable
     start = probe.length if probe.length is not None else probe.span
+    if probe.limit is not None and probe.limit < start:
+        start = probe.limit  # a table that ends before the span: extrapolation starts there
     end = min(FAR, EXTRAPOLATION_FACTOR * start)  # positions in [start, end)
     default_only = probe.route == "input" and probe.input_mode == "default"
 
@@ -1411,7 +1415,8 @@ def _causal_reference(probe: Probe, content, eager: Tensor, n: int, m: int, q_po
                       start: int, explicit: bool) -> None:
     """causal=True against a mask the checker builds itself from the positions (key
     position ≤ query position): through attn_mask (bool, True = attend), and through
-    softmax(scores + mask) v computed here in float64 from the module's ``scores``."""
+    softmax(scores + mask) v computed here in float64 from the module's ``scores``
+    (compared with out(v) - out(0), so that a value term cancels)."""
     q_eff = q_pos if q_pos is not None else torch.arange(m - n, m)
     k_eff = k_pos if k_pos is not None else torch.arange(m)
     allowed = k_eff.unsqueeze(0) <= q_eff.unsqueeze(1)  # [n, m]
@@ -1428,7 +1433,10 @@ def _causal_reference(probe: Probe, content, eager: Tensor, n: int, m: int, q_po
     logits = probe.logits(wide, q_eff, k_eff)  # [1, heads, n, m] float64
     weights = torch.softmax(logits.masked_fill(~allowed, -math.inf), dim=-1)
     own = weights @ wide[2]
+    # out(v) - out(0) = A v: a value term (Shaw's relative values) cancels
     out64 = probe.forward(probe.pe64, wide, q_pos, k_pos, causal=True, backend="eager")
+    out64 = out64 - probe.forward(probe.pe64, (wide[0], wide[1], torch.zeros_like(wide[2])),
+                                  q_pos, k_pos, causal=True, backend="eager")
     error = float((out64 - own).abs().max())
     tol = 1e-9 * (1.0 + float(own.abs().max()))
     if not error <= tol:
@@ -1441,7 +1449,7 @@ def bf16(probe: Probe) -> Outcome:
     unreachable = _input_unreachable(probe, "bf16")
     if unreachable is not None:
         return unreachable
-    top = (probe.length - 1) if probe.length is not None else FAR
+    top = (probe.limit - 1) if probe.limit is not None else FAR
     usable = [0]
     rejected: list[str] = []
     mode = probe.input_mode if probe.route == "input" else None

@@ -365,6 +365,19 @@ def test_plot_without_matplotlib_exits_2(cli, monkeypatch, tmp_path: Path) -> No
 # --------------------------------------------------------------------------- unknown term forms
 
 
+def _attend(logits, v, q_positions, k_positions, causal, attn_mask):
+    """softmax(logits + masks) v for the hand-written modules (bool mask: True = attend)."""
+    n, m = logits.shape[-2:]
+    if causal:
+        q_pos = torch.arange(m - n, m) if q_positions is None else q_positions
+        k_pos = torch.arange(m) if k_positions is None else k_positions
+        logits = logits.masked_fill(k_pos.unsqueeze(-2) > q_pos.unsqueeze(-1), float("-inf"))
+    if attn_mask is not None:
+        logits = logits.masked_fill(~attn_mask, float("-inf"))
+    weights = torch.softmax(logits, dim=-1)
+    return (weights @ v.to(weights.dtype)).to(v.dtype)
+
+
 class _ClippedRelativeKeys(torch.nn.Module):
     """A hand-written module with a term form posgen has no template for (Shaw-like
     clipped relative keys): logits = (q·k + q·R[clip(j - i, ±4)]) / √d."""
@@ -407,14 +420,7 @@ class _ClippedRelativeKeys(torch.nn.Module):
         if backend not in ("auto", "eager"):
             raise ValueError(backend)
         logits = self.scores(q, k, q_positions=q_positions, k_positions=k_positions)
-        if causal:
-            n, m = q.shape[2], k.shape[2]
-            q_pos = torch.arange(m - n, m) if q_positions is None else q_positions
-            k_pos = torch.arange(m) if k_positions is None else k_positions
-            logits = logits.masked_fill(k_pos.unsqueeze(-2) > q_pos.unsqueeze(-1),
-                                        float("-inf"))
-        weights = torch.softmax(logits, dim=-1)
-        return (weights @ v.to(weights.dtype)).to(v.dtype)
+        return _attend(logits, v, q_positions, k_positions, causal, attn_mask)
 
 
 def test_an_unknown_term_form_is_checked_through_the_contract(monkeypatch, tmp_path) -> None:
@@ -514,8 +520,7 @@ class _PairEmbed(torch.nn.Module):
 
     def forward(self, q, k, v, *, q_positions=None, k_positions=None, causal=False,
                 attn_mask=None, backend="auto"):
-        weights = torch.softmax(self.scores(q, k), dim=-1)
-        return (weights @ v.to(weights.dtype)).to(v.dtype)
+        return _attend(self.scores(q, k), v, q_positions, k_positions, causal, attn_mask)
 
 
 def test_an_input_form_without_explicit_positions(monkeypatch) -> None:
