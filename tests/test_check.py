@@ -9,6 +9,7 @@ files are named ``false_<property>_<what>.yaml``: the property in the name is re
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import math
 import sys
@@ -561,3 +562,188 @@ def test_a_module_that_cannot_be_built_is_an_error_not_a_traceback(monkeypatch, 
     result = cli("check", spec, "--max-examples", "3")
     assert result.exit_code == 1
     assert "building the module failed: RuntimeError: cannot build" in result.output
+
+
+# --------------------------------------------------------------------------- review regressions
+
+INPUT_SPEC = """\
+name: {name}
+title: t
+references: ["x"]
+defaults: {{heads: 2, head_dim: 8, model_dim: 16}}
+scale: inv_sqrt_head_dim
+input: {{kind: add, table: {table}}}
+terms: {{content_content: keep, content_position: absolute, position_content: absolute,
+         position_position: absolute}}
+claims: {{{claims}}}
+"""
+SHORT_TABLES = {
+    "learned4": ("{kind: learned, max_positions: 4}", "extrapolates: false"),
+    "learned9": ("{kind: learned, max_positions: 9}", "extrapolates: false"),
+    "ode40": ("{kind: ode, hidden: 8, activation: tanh, integrator: euler, position_step: 0.1,"
+              " steps_per_position: 1, initial: zero, max_positions: 40}", ""),
+    "hier8": ("{kind: hierarchical, base_positions: 8, alpha: 0.4, init_std: 0.02}",
+              "extrapolates: false"),
+}
+
+
+def _input_spec(tmp_path: Path, name: str, table: str, claims: str) -> Path:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(INPUT_SPEC.format(name=name, table=table, claims=claims))
+    return path
+
+
+@pytest.mark.parametrize("name", sorted(SHORT_TABLES))
+def test_tables_shorter_than_the_span_never_raise(cli, tmp_path: Path, name: str) -> None:
+    """A1-A3: tables of 4, 9, 40 and 8² positions: no ERROR, no traceback, m ≤ the table."""
+    table, claims = SHORT_TABLES[name]
+    path = _input_spec(tmp_path, name, table, claims)
+    report = check_loaded(load_spec(path), Budget(max_examples=10, span=256, seconds=2.0))
+    errors = [f"{o.name}: {o.evidence}" for o in report.outcomes if o.error]
+    assert not errors, errors
+    assert "not be read" not in report.route
+    for block in ("backends", "bf16", "kv_cache"):
+        assert report.outcome(block).verdict == "holds", report.outcome(block).evidence
+    result = cli("check", path, "--max-examples", "5", "--only", "backends",
+                 "--only", "kv_cache")
+    assert result.exit_code == 0, result.output
+    if importlib.util.find_spec("matplotlib") is not None:
+        result = cli("plot", path, "--out", tmp_path / "plots")
+        assert result.exit_code == 0 and "Traceback" not in result.output, result.output
+
+
+def test_bf16_is_na_when_no_example_could_be_compared() -> None:
+    """A2: every example raising ValueError is no evidence: n/a with the reason."""
+    probe = _fresh_probe("alibi")
+
+    def rejecting(*args, **kwargs):
+        raise ValueError("position out of range")
+
+    probe.forward = rejecting
+    with torch.no_grad():
+        outcome = properties.bf16(probe)
+    assert outcome.verdict == "n/a" and "position out of range" in outcome.evidence
+
+
+class _Unreachable(_PairEmbed):
+    def embed(self, x, positions=None):
+        raise ValueError("embed needs segment ids")
+
+
+def test_unreachable_input_is_na_in_backends_and_bf16(monkeypatch) -> None:
+    """A4: positions the checker cannot reach give n/a, not 'holds up to 2^20'."""
+    _hand_written(monkeypatch, _Unreachable)
+    report = check_loaded(load_spec(FALSE_CLAIMS / "false_relative_sinusoidal.yaml"),
+                          Budget(max_examples=5, span=64), only=["backends", "bf16"])
+    for outcome in report.outcomes:
+        assert outcome.verdict == "n/a" and "segment ids" in outcome.evidence
+
+
+def test_huge_max_distance_is_sampled_not_enumerated(tmp_path: Path) -> None:
+    """A5: max_distance 3e6: unique and buckets sample distances past 2048 (bounded
+    memory and work) and still find the collision and check the recipe."""
+    text = (SPECS / "t5.yaml").read_text()
+    assert "max_distance: 128" in text
+    path = tmp_path / "t5_huge.yaml"
+    path.write_text(text.replace("max_distance: 128", "max_distance: 3000000")
+                    .replace("name: t5", "name: t5_huge"))
+    assert len(properties.distance_sample(6_000_000)) < 2 * 2048 + 2 * 512
+    report = check_loaded(load_spec(path), TEST_BUDGET, only=["unique", "buckets"])
+    unique_, buckets_ = report.outcomes
+    assert unique_.holds is False and not unique_.error
+    assert buckets_.verdict == "holds" and "log-spaced" in buckets_.evidence
+
+
+def test_unique_tolerance_is_relative(tmp_path: Path) -> None:
+    """A6: a table initialised with std 1e-13 is still unique (no absolute 1e-12 floor)."""
+    path = _input_spec(tmp_path, "tiny_std", "{kind: learned, max_positions: 64, "
+                       "init_std: 1.0e-13}", "unique: true")
+    report = check_loaded(load_spec(path), TEST_BUDGET, only=["unique"])
+    assert report.outcome("unique").verdict == "confirmed: holds"
+
+
+def test_spec_time_cap_shares_the_budget() -> None:
+    report = check_loaded(load_spec(SPECS / "alibi.yaml"),
+                          Budget(max_examples=10_000, span=64, seconds=100.0,
+                                 spec_seconds=1.0), only=["relative", "kv_cache"])
+    assert all("time budget" in o.evidence for o in report.outcomes)
+
+
+# mutations: a deliberately broken module, its rendered source edited in memory
+
+
+def _mutated_probe(monkeypatch, name: str, old: str, new: str) -> Probe:
+    from posgen import inmemory
+
+    render = inmemory.render_module
+
+    def patched(plan):
+        source = render(plan)
+        assert old in source, f"mutation target not in {name}'s source: {old!r}"
+        return source.replace(old, new)
+
+    monkeypatch.setattr(inmemory, "render_module", patched)
+    return Probe(load_spec(SPECS / f"{name}.yaml"), TEST_BUDGET)
+
+
+def _run_block(probe: Probe, check) -> properties.Outcome:
+    with torch.no_grad():
+        return check(probe)
+
+
+def test_mutation_rope_ignoring_its_base_is_caught(monkeypatch) -> None:
+    """B1: theta from 500000 instead of the spec's base."""
+    probe = _mutated_probe(monkeypatch, "rope", "theta = ROTARY_BASE ** (",
+                           "theta = 500000.0 ** (")
+    outcome = _run_block(probe, properties.rotation_norm)
+    assert outcome.verdict == "FAILS" and "base^(-2k/d_rot)" in outcome.evidence
+
+
+def test_mutation_inverted_causal_mask_is_caught(monkeypatch) -> None:
+    """B2: eager and sdpa share the inverted mask; the checker's own mask does not."""
+    probe = _mutated_probe(monkeypatch, "alibi",
+                           "allowed = k_pos.unsqueeze(-2) <= q_pos.unsqueeze(-1)",
+                           "allowed = k_pos.unsqueeze(-2) >= q_pos.unsqueeze(-1)")
+    outcome = _run_block(probe, properties.backends)
+    assert outcome.verdict == "FAILS" and "causal=True differs" in outcome.evidence
+
+
+def test_mutation_float32_rotary_cache_offset_is_caught(monkeypatch) -> None:
+    """B3: the float32 default-position cos/sin cache read from 0 instead of start."""
+    probe = _mutated_probe(monkeypatch, "rope",
+                           "return self._cos_cache[start:end], self._sin_cache[start:end]",
+                           "return self._cos_cache[0:length], self._sin_cache[0:length]")
+    outcome = _run_block(probe, properties.kv_cache)
+    assert outcome.verdict == "FAILS" and "float32 forward" in outcome.evidence
+
+
+def test_mutation_saturating_alibi_distance_is_caught(monkeypatch) -> None:
+    """B4: |i - j| clamped at 1 keeps bias(5, 5) - bias(5, 4) right, nothing else."""
+    probe = _mutated_probe(monkeypatch, "alibi", "device).abs()",
+                           "device).abs().clamp(max=1)")
+    outcome = _run_block(probe, properties.slopes)
+    assert outcome.verdict == "FAILS" and "not linear in distance" in outcome.evidence
+
+
+def test_mutation_stretched_key_rotation_is_caught(monkeypatch) -> None:
+    """B5: the key output of rotate is checked too."""
+    probe = _mutated_probe(monkeypatch, "rope", "self._apply_rotation(k, k_cos, k_sin)",
+                           "self._apply_rotation(k, k_cos * 1.001, k_sin)")
+    outcome = _run_block(probe, properties.rotation_norm)
+    assert outcome.verdict == "FAILS" and "key side" in outcome.evidence
+
+
+def test_decay_needs_strict_falls_and_prints_equal_windows() -> None:
+    """B4 (decay): flat windows print '=' and a mostly flat curve is no decay."""
+    probe = _fresh_probe("alibi")
+    original = probe.pe64.scores
+
+    def plateau(q, k, *, q_positions=None, k_positions=None):
+        logits = original(q, k, q_positions=q_positions, k_positions=k_positions)
+        return logits.clamp(min=float(logits.min()) / 64)  # flat past a few distances
+
+    probe.pe64.scores = plateau
+    with torch.no_grad():
+        outcome = properties.decay(probe, True)
+    assert outcome.verdict == "REFUTED: fails"
+    assert "falls strictly between only" in outcome.evidence
