@@ -637,19 +637,19 @@ def _unique(probe: Probe) -> tuple[Search, str]:
     return search, f"{what} for positions [0, {span})"
 
 
-def _stated(model: Any, field_name: str) -> list[int]:
-    """Every integer field called ``field_name`` anywhere in the spec."""
-    found: list[int] = []
+def _stated(model: Any, field_name: str, kind: type | tuple = int) -> list[Any]:
+    """Every field called ``field_name`` (of type ``kind``, never bool) in the spec."""
+    found: list[Any] = []
     if isinstance(model, SpecModel):
         for name in type(model).model_fields:
             value = getattr(model, name)
-            if name == field_name and isinstance(value, int) and not isinstance(value, bool):
+            if name == field_name and isinstance(value, kind) and not isinstance(value, bool):
                 found.append(value)
             else:
-                found.extend(_stated(value, field_name))
+                found.extend(_stated(value, field_name, kind))
     elif isinstance(model, (list, tuple)):
         for item in model:
-            found.extend(_stated(item, field_name))
+            found.extend(_stated(item, field_name, kind))
     return found
 
 
@@ -1205,17 +1205,30 @@ def buckets(probe: Probe) -> Outcome:
     if bias is None or not isinstance(count, int):
         return Outcome("buckets", "block", None, None, "no bucketed bias in this spec")
     pe = copy.deepcopy(probe.pe64)
-    tables = [p for p in pe.parameters() if tuple(p.shape) == (count, probe.heads)]
+    # the bucket table: [buckets, heads], or [buckets + r, heads] with r spare rows (e.g.
+    # a first-token reset's row); cells that read a spare row are not buckets
+    tables = [p for p in pe.parameters() if p.dim() == 2 and p.shape[1] == probe.heads
+              and count <= p.shape[0] <= count + 2]
     if len(tables) != 1:
         return Outcome("buckets", "block", None, None,
                        f"no single [{count}, heads] table parameter to read buckets from")
-    with torch.no_grad():
-        tables[0].copy_(torch.arange(count, dtype=F64).unsqueeze(-1).expand(count, probe.heads))
+    rows = int(tables[0].shape[0])
     span = 4 * int(getattr(index, "max_distance", probe.span))
+    if probe.limit is not None:
+        span = min(span, probe.limit)  # never past a table
+    # read ids as bias(table = arange) - bias(table = 0): other position terms cancel
+    with torch.no_grad():
+        tables[0].zero_()
+    zero_pe = copy.deepcopy(pe)
+    with torch.no_grad():
+        tables[0].copy_(torch.arange(rows, dtype=F64).unsqueeze(-1).expand(rows, probe.heads))
     recipe = BUCKET_RECIPES.get(getattr(index, "recipe", ""))
     sign = -1 if getattr(index, "sign", "key_minus_query") == "query_minus_key" else 1
     bidirectional = bool(getattr(index, "bidirectional", True))
 
+    # a first-token reset (spec field first_token: reset) gives query and key position 0
+    # constants of their own: those cells are not buckets
+    reset = "reset" in _stated(probe.spec, "first_token", str)
     distances = torch.tensor(distance_sample(span))  # all within ±2048, log-spaced past
     max_distance = int(getattr(index, "max_distance", 0))
     expected_of: dict[int, int] = {}
@@ -1228,13 +1241,21 @@ def buckets(probe: Probe) -> Outcome:
     def check(query: int) -> float:
         keys = (query + distances).unique()  # sorted
         keys = keys[(keys >= 0) & (keys < span)]
-        row = pe.score_bias(torch.tensor([query]), keys)[0, 0]  # every head: same column
-        bad = (row != row.round()) | (row < 0) | (row >= count)
+        row = (pe.score_bias(torch.tensor([query]), keys)[0, 0]
+               - zero_pe.score_bias(torch.tensor([query]), keys)[0, 0])  # every head alike
+        bad = ((row - row.round()).abs() > 1e-9) | (row < 0) | (row >= rows)
         if bool(bad.any()):
             at = int(bad.nonzero()[0])
             raise Violation(f"query {query}, key {int(keys[at])}: bucket {_fmt(float(row[at]))} "
                             f"outside [0, {count})", query=query, key=int(keys[at]),
                             bucket=float(row[at]))
+        row = row.round()
+        bucketed = row < count  # the rest read a spare row (a reset): not buckets
+        if reset:
+            bucketed &= keys != 0
+            if query == 0:
+                bucketed &= False
+        keys, row = keys[bucketed], row[bucketed]
         if recipe is not None:
             for key, value in zip(keys.tolist(), row.tolist(), strict=True):
                 want = expected(key - query)
@@ -1261,7 +1282,9 @@ def buckets(probe: Probe) -> Outcome:
         return 0.0
 
     top = span - 1
-    search = _search(check, st.integers(0, top), probe.budget, lambda: [0, span // 2, top])
+    first = 1 if reset else 0
+    search = _search(check, st.integers(first, top), probe.budget,
+                     lambda: [first, span // 2, top])
     if search.violation is not None:
         return _failed("buckets", "block", None, search)
     how = f"equal to an independent {index.recipe} recipe" if recipe else (
@@ -1269,7 +1292,9 @@ def buckets(probe: Probe) -> Outcome:
     return Outcome("buckets", "block", None, True,
                    f"integer, in [0, {count}), monotone in |i - j| on each side for keys in "
                    f"[0, {span}) (every distance up to {EXACT_DISTANCES}, log-spaced past "
-                   f"it); {how} ({search.examples} query rows)")
+                   f"it); {how} ({search.examples} query rows)"
+                   + ("; query and key position 0 excluded (first-token reset)" if reset
+                      else ""))
 
 
 def alibi_geometric_slopes(heads: int) -> list[float]:

@@ -747,3 +747,17 @@ def test_decay_needs_strict_falls_and_prints_equal_windows() -> None:
         outcome = properties.decay(probe, True)
     assert outcome.verdict == "REFUTED: fails"
     assert "falls strictly between only" in outcome.evidence
+
+
+def test_mutation_bucket_recipe_under_a_first_token_reset_is_caught(monkeypatch) -> None:
+    """B6: a [buckets + 1, heads] table under first_token: reset is read too (the reset
+    cells excluded); a stretched log bucket is caught."""
+    old = "log_bucket = torch.log(ratio) / math.log(MAX_DISTANCE / max_exact)"
+    probe = _mutated_probe(monkeypatch, "tupe_r", old, old.replace("= ", "= 1.2 * ", 1))
+    outcome = _run_block(probe, properties.buckets)
+    assert outcome.verdict == "FAILS" and "independent t5 recipe" in outcome.evidence
+
+
+def test_buckets_are_read_under_a_first_token_reset() -> None:
+    outcome = report_for(SPECS / "tupe_r.yaml").outcome("buckets")
+    assert outcome.verdict == "holds" and "first-token reset" in outcome.evidence
