@@ -27,13 +27,19 @@ so a claim of ``false`` is only confirmed when a counterexample is actually foun
 ``max_positions`` stated, else the span) up to 16 times it.
 
 Building-block invariants run where the block is present: rotations keep norms and are the
-identity at 0; half and interleaved pairings differ by a fixed permutation; buckets lie in
-range and are monotone; slopes are positive and follow their recipe; every backend agrees
-with eager; bf16 stays within bf16 error of fp32 at positions up to 2^20; a KV cache (an
-offset query block) reproduces the matching rows of the full computation.
+identity at 0 on both outputs of rotate, and R_1's eigen-angles are the spec's frequencies;
+half and interleaved pairings differ by a fixed permutation; buckets lie in range, are
+monotone and follow their recipe; slopes are positive, follow their recipe and the bias is
+linear in distance; every backend agrees with eager, and causal=True with a mask the
+checker builds itself; bf16 stays within bf16 error of fp32 at positions up to 2^20 (n/a
+when the module rejects every example); a KV cache (an offset query block) reproduces the
+matching rows of the full computation, in float64 scores and float32 forward.
 
-Every search stops drawing after ``Budget.seconds`` (slow modules only), and runs on one
-thread: the tensors are small, and oversubscribed threads made it 10-20x slower.
+No read goes past a table (``Probe.limit``: every max_positions, n² for n base rows), and
+distances past ``EXACT_DISTANCES`` are sampled log-spaced, so work and memory stay bounded.
+Every search stops drawing after its share of the time budget (``Budget.seconds`` per
+property, ``Budget.spec_seconds`` per spec, slow modules only), and runs on one thread:
+the tensors are small, and oversubscribed threads made it 10-20x slower.
 """
 
 from __future__ import annotations
