@@ -70,6 +70,8 @@ def render_json(reports: Sequence[Report], budget: Budget, seconds: float) -> st
         "seed": budget.seed,
         "max_examples": budget.max_examples,
         "span": budget.span,
+        "time_budget": {"property_seconds": budget.seconds,
+                        "spec_seconds": budget.spec_seconds},
         "seconds": round(seconds, 3),
         "specs": [report.as_json() for report in reports],
     }
