@@ -761,3 +761,17 @@ def test_mutation_bucket_recipe_under_a_first_token_reset_is_caught(monkeypatch)
 def test_buckets_are_read_under_a_first_token_reset() -> None:
     outcome = report_for(SPECS / "tupe_r.yaml").outcome("buckets")
     assert outcome.verdict == "holds" and "first-token reset" in outcome.evidence
+
+
+def test_a_module_error_while_plotting_is_a_message_not_a_traceback(cli, monkeypatch,
+                                                                     tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from posgen import plot
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the module broke")
+
+    monkeypatch.setattr(plot, "decay_curve", broken)
+    result = cli("plot", "specs/alibi.yaml", "--out", tmp_path)
+    assert result.exit_code == 1 and "the module broke" in result.output
+    assert "Traceback" not in result.output
