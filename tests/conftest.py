@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import importlib
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+
+from posgen.inmemory import encoding_class, module_from_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = ROOT / "specs"
@@ -28,3 +31,25 @@ def generated_class(name: str) -> type[torch.nn.Module]:
 @pytest.fixture(autouse=True)
 def _seeded() -> None:
     torch.manual_seed(0)
+
+
+_VARIANTS = tempfile.TemporaryDirectory(prefix="posgen-variants-")
+
+
+def spec_variant(
+    base: str, *replacements: tuple[str, str], name: str | None = None
+) -> type[torch.nn.Module]:
+    """The class of ``specs/<base>.yaml`` with text replacements, built in memory.
+
+    Each ``(old, new)`` replaces ``old``, which must occur in the spec, so a stale edit
+    fails loudly; ``name`` renames the spec (and its module) when given.
+    """
+    text = (SPECS / f"{base}.yaml").read_text(encoding="utf-8")
+    if name is not None:
+        replacements = ((f"name: {base}\n", f"name: {name}\n"), *replacements)
+    for old, new in replacements:
+        assert old in text, old
+        text = text.replace(old, new)
+    path = Path(_VARIANTS.name) / f"{name or base}.yaml"
+    path.write_text(text, encoding="utf-8")
+    return encoding_class(module_from_spec(path))

@@ -9,14 +9,11 @@ ValueError for bad input, gradients reaching the trained parameters.
 from __future__ import annotations
 
 import math
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
 
-from posgen.inmemory import encoding_class, module_from_spec
-from tests.conftest import SPECS, generated_class
+from tests.conftest import SPECS, generated_class, spec_variant
 from tests.reference import absolute as ref_abs
 from tests.reference import formulas as ref
 
@@ -25,18 +22,6 @@ F64 = torch.float64
 
 def make(name: str, **overrides) -> torch.nn.Module:
     return generated_class(name)(**overrides).eval()
-
-
-def spec_variant(name: str, old: str, new: str, *more: str):
-    """The class of a catalogue spec with text edits (old, new, old, new, ...), in memory."""
-    text = (SPECS / f"{name}.yaml").read_text(encoding="utf-8")
-    edits = (old, new, *more)
-    for before, after in zip(edits[0::2], edits[1::2], strict=True):
-        assert before in text, before
-        text = text.replace(before, after)
-    path = Path(tempfile.mkdtemp()) / f"{name}.yaml"
-    path.write_text(text, encoding="utf-8")
-    return encoding_class(module_from_spec(path))
 
 
 # ------------------------------------------------------------------------------ NoPE
@@ -238,7 +223,7 @@ def test_hierarchical_extends_a_trained_bert_table() -> None:
     bert = BertModel(config).double().eval()
     p = bert.embeddings.position_embeddings.weight.detach()
     # the catalogue spec with a 16-row basis, to match this small BERT
-    pe = spec_variant("hierarchical_absolute", "base_positions: 512", f"base_positions: {n}")
+    pe = spec_variant("hierarchical_absolute", ("base_positions: 512", f"base_positions: {n}"))
     pe = pe(model_dim=d).double()
     pe.load_absolute_table(p)
     torch.testing.assert_close(pe.position_embeddings.weight.detach(),
@@ -265,7 +250,7 @@ def test_hierarchical_extends_a_trained_bert_table() -> None:
 def conv_class(padding: str):
     if padding == "same":
         return generated_class("convolutional")
-    return spec_variant("convolutional", "padding: same", "padding: causal")
+    return spec_variant("convolutional", ("padding: same", "padding: causal"))
 
 
 @pytest.mark.parametrize("padding", ["same", "causal"])
@@ -276,8 +261,8 @@ def test_convolutional_embed_contract(padding: str) -> None:
 @pytest.mark.parametrize("padding", ["same", "causal"])
 @pytest.mark.parametrize("kernel", [3, 5])
 def test_convolutional_embed_matches_reference(padding: str, kernel: int) -> None:
-    cls = spec_variant("convolutional", "kernel_size: 3", f"kernel_size: {kernel}",
-                       "padding: same", f"padding: {padding}")
+    cls = spec_variant("convolutional", ("kernel_size: 3", f"kernel_size: {kernel}"),
+                       ("padding: same", f"padding: {padding}"))
     pe = cls(model_dim=6)
     assert tuple(pe.position_conv.weight.shape) == (6, 1, kernel)
     x = torch.randn(2, 9, 6, dtype=F64)
@@ -423,9 +408,9 @@ def test_complex_order_embed_shapes_dtypes_and_errors() -> None:
 
 def test_complex_order_without_module_parameters_needs_callers_tables() -> None:
     cls = spec_variant("complex_order",
-                       "module_parameters: learned_per_feature   # fallback omega, theta when "
-                       "the caller has none\n  frequency_base: 10000",
-                       "module_parameters: none\n  #")
+                       ("module_parameters: learned_per_feature   # fallback omega, theta when "
+                        "the caller has none\n  frequency_base: 10000",
+                        "module_parameters: none\n  #"))
     pe = cls(model_dim=4)
     assert list(pe.parameters()) == []
     r = torch.randn(1, 3, 4)
@@ -447,11 +432,11 @@ def floater_class(
     horizon_line = "" if horizon is None else f"\n    max_positions: {horizon}"
     return spec_variant(
         "floater",
-        "hidden: 512", f"hidden: {hidden}",
-        "integrator: rk4", f"integrator: {integrator}",
-        "steps_per_position: 1", f"steps_per_position: {steps}",
-        "initial: zero", f"initial: {initial}{horizon_line}",
-        "activation: tanh", f"activation: {activation}",
+        ("hidden: 512", f"hidden: {hidden}"),
+        ("integrator: rk4", f"integrator: {integrator}"),
+        ("steps_per_position: 1", f"steps_per_position: {steps}"),
+        ("initial: zero", f"initial: {initial}{horizon_line}"),
+        ("activation: tanh", f"activation: {activation}"),
     )
 
 

@@ -8,27 +8,14 @@ direction, other layout) are built in memory from an edited copy of the catalogu
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
-from posgen.inmemory import encoding_class, module_from_spec
-from tests.conftest import SPECS, generated_class
+from tests.conftest import generated_class, spec_variant
 from tests.reference import formulas as ref
 
 F64 = torch.float64
-
-
-def variant(tmp_path: Path, base: str, name: str, edit) -> type[torch.nn.Module]:
-    """The class of ``specs/<base>.yaml`` renamed to ``name`` and changed by ``edit``."""
-    data = yaml.safe_load((SPECS / f"{base}.yaml").read_text(encoding="utf-8"))
-    data["name"] = name
-    edit(data)
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
-    return encoding_class(module_from_spec(path))
 
 
 def random_qkv(heads: int, n: int, m: int, dim: int, value_dim: int = 5, batch: int = 2):
@@ -52,11 +39,10 @@ def test_sinusoidal_embed_matches_vaswani_table(model_dim: int) -> None:
     torch.testing.assert_close(table, expected, atol=1e-10, rtol=0)
 
 
-def test_sinusoidal_split_layout_is_the_column_permutation(tmp_path: Path) -> None:
-    def split(data):
-        data["input"]["table"]["layout"] = "split"
-
-    pe = variant(tmp_path, "sinusoidal", "sinusoidal_split", split)(model_dim=16)
+def test_sinusoidal_split_layout_is_the_column_permutation() -> None:
+    pe = spec_variant(
+        "sinusoidal", ("layout: interleaved", "layout: split"), name="sinusoidal_split"
+    )(model_dim=16)
     x = torch.zeros(1, 40, 16, dtype=F64)
     interleaved = ref.sinusoidal_table(40, 16)
     sines_then_cosines = torch.cat((interleaved[:, 0::2], interleaved[:, 1::2]), dim=-1)
@@ -136,13 +122,13 @@ def test_pairings_differ_by_the_fixed_permutation() -> None:
 
 
 @pytest.mark.parametrize("pairing", ["half", "interleaved"])
-def test_partial_rotation_matches_reference(tmp_path: Path, pairing: str) -> None:
-    def partial(data):
-        rotate = data["terms"]["content_content"]["rotate"]
-        rotate["pairing"] = pairing
-        rotate["rotary_dims"] = {"fraction": 0.25, "layout": "leading"}
-
-    cls = variant(tmp_path, "rope", f"rope_partial_{pairing}", partial)
+def test_partial_rotation_matches_reference(pairing: str) -> None:
+    quarter = f"pairing: {pairing}\n      rotary_dims: {{fraction: 0.25, layout: leading}}"
+    cls = spec_variant(
+        "rope",
+        ("pairing: half              # feature k pairs with k + d/2", quarter),
+        name=f"rope_partial_{pairing}",
+    )
     pe = cls(heads=2, head_dim=32)
     q, k, _ = random_qkv(2, 5, 5, 32)
     positions = torch.tensor([0, 2, 8, 1000, 123_456])
@@ -178,11 +164,9 @@ def test_alibi_bias_and_attention_match_reference(heads: int) -> None:
     torch.testing.assert_close(out, expected, atol=1e-6, rtol=0)
 
 
-def test_alibi_bias_before_scale(tmp_path: Path) -> None:
-    def before(data):
-        data["terms"]["position_position"]["bias"]["placement"] = "before_scale"
-
-    pe = variant(tmp_path, "alibi", "alibi_inside", before)(heads=4, head_dim=16)
+def test_alibi_bias_before_scale() -> None:
+    before = ("placement: after_scale", "placement: before_scale")
+    pe = spec_variant("alibi", before, name="alibi_inside")(heads=4, head_dim=16)
     q, k, v = random_qkv(4, 5, 5, 16)
     positions = torch.arange(5)
     out = pe(q, k, v, backend="eager")
@@ -194,12 +178,10 @@ def test_alibi_bias_before_scale(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("bidirectional", [True, False])
-def test_t5_bias_matches_reference_in_both_modes(tmp_path: Path, bidirectional: bool) -> None:
-    def direction(data):
-        data["terms"]["position_position"]["bias"]["index"]["bidirectional"] = bidirectional
-
+def test_t5_bias_matches_reference_in_both_modes(bidirectional: bool) -> None:
+    direction = ("bidirectional: true", f"bidirectional: {str(bidirectional).lower()}")
     name = "t5_both" if bidirectional else "t5_one_way"
-    pe = variant(tmp_path, "t5", name, direction)(heads=3, head_dim=8).double()
+    pe = spec_variant("t5", direction, name=name)(heads=3, head_dim=8).double()
     table = pe.relative_attention_bias.weight.detach()
     # distances up to 400 reach past max_distance 128 in both directions
     q_positions = torch.tensor([0, 1, 7, 15, 16, 40, 200, 400])
@@ -217,11 +199,9 @@ def test_t5_bias_matches_reference_in_both_modes(tmp_path: Path, bidirectional: 
     torch.testing.assert_close(out, reference_out, atol=1e-10, rtol=0)
 
 
-def test_t5_query_minus_key_sign_mirrors_the_buckets(tmp_path: Path) -> None:
-    def flip(data):
-        data["terms"]["position_position"]["bias"]["index"]["sign"] = "query_minus_key"
-
-    pe = variant(tmp_path, "t5", "t5_flipped", flip)(heads=2, head_dim=8).double()
+def test_t5_query_minus_key_sign_mirrors_the_buckets() -> None:
+    flip = ("sign: key_minus_query", "sign: query_minus_key")
+    pe = spec_variant("t5", flip, name="t5_flipped")(heads=2, head_dim=8).double()
     table = pe.relative_attention_bias.weight.detach()
     q_positions, k_positions = torch.tensor([3, 50]), torch.tensor([0, 3, 9, 100])
     # query_minus_key: bucket(i - j), the T5 recipe applied to the mirrored offset

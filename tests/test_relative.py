@@ -12,22 +12,10 @@ import pytest
 import torch
 
 from posgen.inmemory import encoding_class, module_from_spec
-from tests.conftest import SPECS, generated_class
+from tests.conftest import SPECS, generated_class, spec_variant
 from tests.reference import formulas, relative
 
 F64 = torch.float64
-
-
-def variant(tmp_path: Path, base: str, name: str, *replacements: tuple[str, str]):
-    """A catalogue spec with some text replaced, built in memory under a new name."""
-    text = (SPECS / f"{base}.yaml").read_text(encoding="utf-8")
-    text = text.replace(f"name: {base}\n", f"name: {name}\n")
-    for old, new in replacements:
-        assert old in text, old
-        text = text.replace(old, new)
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(text, encoding="utf-8")
-    return encoding_class(module_from_spec(path))
 
 
 def split_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -95,11 +83,11 @@ def test_shaw_matches_the_paper_formula(causal: bool, backend: str) -> None:
     torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-10)
 
 
-def test_shaw_per_head_tables(tmp_path: Path) -> None:
-    cls = variant(tmp_path, "shaw", "shaw_per_head",
-                  ("heads: shared, init_std", "heads: per_head, init_std"),
-                  ("key_minus_query, heads: shared}", "key_minus_query, heads: per_head}"),
-                  ("max_distance: 16", "max_distance: 3"))
+def test_shaw_per_head_tables() -> None:
+    cls = spec_variant("shaw",
+                       ("heads: shared, init_std", "heads: per_head, init_std"),
+                       ("key_minus_query, heads: shared}", "key_minus_query, heads: per_head}"),
+                       ("max_distance: 16", "max_distance: 3"), name="shaw_per_head")
     pe = cls(heads=3, head_dim=4, value_dim=5).double()
     assert pe.distance_embedding.weight.shape == (7, 12)
     assert pe.value_embedding.weight.shape == (7, 15)
@@ -163,7 +151,7 @@ def test_bert_relative_matches_the_float64_reference(name: str) -> None:
 
 
 @pytest.mark.parametrize("kind", ["relative_key", "relative_key_query"])
-def test_bert_relative_loads_hugging_face_weights(tmp_path: Path, kind: str) -> None:
+def test_bert_relative_loads_hugging_face_weights(kind: str) -> None:
     from transformers import BertConfig
     from transformers.models.bert.modeling_bert import BertSelfAttention
 
@@ -171,7 +159,7 @@ def test_bert_relative_loads_hugging_face_weights(tmp_path: Path, kind: str) -> 
                         position_embedding_type=kind, attention_probs_dropout_prob=0.0)
     hf = BertSelfAttention(config).double().eval()
     name = f"bert_{kind}"
-    cls = variant(tmp_path, name, f"{name}_16", ("max_distance: 511", "max_distance: 15"))
+    cls = spec_variant(name, ("max_distance: 511", "max_distance: 15"), name=f"{name}_16")
     pe = cls(heads=4, head_dim=8).double()
     with torch.no_grad():
         pe.distance_embedding.weight.copy_(hf.distance_embedding.weight)
@@ -190,9 +178,9 @@ def test_bert_relative_loads_hugging_face_weights(tmp_path: Path, kind: str) -> 
 # --------------------------------------------------------------------------- DeBERTa
 
 
-def _small_deberta(tmp_path: Path):
-    return variant(tmp_path, "deberta", "deberta_small",
-                   ("buckets: 256, max_distance: 512", "buckets: 8, max_distance: 32"))
+def _small_deberta():
+    small = ("buckets: 256, max_distance: 512", "buckets: 8, max_distance: 32")
+    return spec_variant("deberta", small, name="deberta_small")
 
 
 def test_deberta_bucket_rows_match_the_reference() -> None:
@@ -205,8 +193,8 @@ def test_deberta_bucket_rows_match_the_reference() -> None:
 
 
 @pytest.mark.parametrize("backend", ["eager", "sdpa"])
-def test_deberta_matches_the_float64_reference(tmp_path: Path, backend: str) -> None:
-    pe = _small_deberta(tmp_path)(heads=2, head_dim=4, model_dim=8).double()
+def test_deberta_matches_the_float64_reference(backend: str) -> None:
+    pe = _small_deberta()(heads=2, head_dim=4, model_dim=8).double()
     n = 40  # beyond max_distance 32, so the clamped edge rows are read
     q, k, v = (torch.randn(2, 2, n, 4, dtype=F64) for _ in range(3))
     with torch.no_grad():
@@ -224,7 +212,7 @@ def test_deberta_matches_the_float64_reference(tmp_path: Path, backend: str) -> 
     torch.testing.assert_close(out, torch.softmax(expected, dim=-1) @ v)
 
 
-def test_deberta_loads_hugging_face_weights(tmp_path: Path) -> None:
+def test_deberta_loads_hugging_face_weights() -> None:
     from transformers import DebertaV2Config
     from transformers.models.deberta_v2.modeling_deberta_v2 import (
         DebertaV2Encoder,
@@ -242,7 +230,7 @@ def test_deberta_loads_hugging_face_weights(tmp_path: Path) -> None:
     with torch.no_grad():
         encoder.LayerNorm.weight.normal_()
         encoder.LayerNorm.bias.normal_()
-    pe = _small_deberta(tmp_path)(heads=4, head_dim=8, model_dim=32).double()
+    pe = _small_deberta()(heads=4, head_dim=8, model_dim=32).double()
     with torch.no_grad():
         pe.rel_embeddings.weight.copy_(encoder.rel_embeddings.weight)
         pe.rel_norm.load_state_dict(encoder.LayerNorm.state_dict())

@@ -9,13 +9,11 @@ hand-computed values.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
-from posgen.inmemory import encoding_class, module_from_spec
-from tests.conftest import SPECS, generated_class
+from tests.conftest import generated_class, spec_variant
 from tests.reference import tupe as ref
 from tests.reference.formulas import t5_relative_bucket
 
@@ -181,27 +179,18 @@ def test_generated_matches_reference(name: str, case: str, causal: bool) -> None
         _close(pe.score_bias(q_pos, k_pos), _reference_scores(pe, q_pos.tolist(), k_pos.tolist()))
 
 
-def _variant(tmp_path: Path, name: str, replacements: dict[str, str], base: str = "tupe_a") -> type:
-    text = (SPECS / f"{base}.yaml").read_text(encoding="utf-8")
-    text = text.replace(f"name: {base}", f"name: {name}")
-    for old, new in replacements.items():
-        assert old in text
-        text = text.replace(old, new)
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(text, encoding="utf-8")
-    return encoding_class(module_from_spec(path))
-
-
 @pytest.mark.parametrize("base", ["tupe_a", "tupe_r"])
-def test_printed_formula_variant_matches_reference(tmp_path: Path, base: str) -> None:
+def test_printed_formula_variant_matches_reference(base: str) -> None:
     """norm: none, projection_bias: false, first_token: shared: (p_i U_q)(p_j U_k)^T / sqrt(2d)
     (+ the bias for tupe_r)."""
-    cls = _variant(tmp_path, "untied_plain", base=base, replacements={
-        "norm: layer_norm ": "norm: none ",
-        "first_token: reset ": "first_token: shared ",
-        "projection_bias: true ": "projection_bias: false ",
-        "max_positions: 512": "max_positions: 16",
-    })
+    cls = spec_variant(
+        base,
+        ("norm: layer_norm ", "norm: none "),
+        ("first_token: reset ", "first_token: shared "),
+        ("projection_bias: true ", "projection_bias: false "),
+        ("max_positions: 512", "max_positions: 16"),
+        name="untied_plain",
+    )
     pe = _randomised(cls)
     assert not hasattr(pe, "position_norm") and pe.position_query.bias is None
     assert pe.position_embeddings.weight.shape == (16, MODEL_DIM)
@@ -214,14 +203,14 @@ def test_printed_formula_variant_matches_reference(tmp_path: Path, base: str) ->
         _close(out, outputs)
 
 
-def test_bias_inside_the_scale_variant(tmp_path: Path) -> None:
+def test_bias_inside_the_scale_variant() -> None:
     """A bias placed before_scale is scaled together with the untied term (with the reset)."""
     bias = ("      first_token: reset         # the [CLS] reset: position t reads row t + 1; "
             "row 0 is the [CLS] slot\n")
-    cls = _variant(tmp_path, "untied_inside", {bias: bias + (
+    cls = spec_variant("tupe_a", (bias, bias + (
         "    bias:\n      kind: learned_table\n      index: {kind: log_buckets, recipe: t5, "
         "buckets: 16, max_distance: 40, bidirectional: true, sign: key_minus_query}\n"
-        "      placement: before_scale\n")})
+        "      placement: before_scale\n")), name="untied_inside")
     pe = _randomised(cls)
     assert pe.relative_attention_bias.weight.shape == (17, HEADS)
     q, k, v = _qkv()
