@@ -180,10 +180,6 @@ class BiasPlan:
     index: BucketIndexPlan | None = None
     init_std: str = "None"
 
-    @property
-    def learnable(self) -> bool:
-        return self.kind == "learned_table"
-
 
 @dataclass(frozen=True)
 class UntiedPlan:
@@ -247,7 +243,6 @@ class RelativePlan:
     global_content: GlobalContentPlan | None
     values: ValueTermPlan | None
     projections: list[str]  # sorted projection words used (key, query, relative)
-    signs: list[str]  # sorted signs used by terms and values
     shift: bool  # distance index read with query_minus_key: the pad-and-reshape shift
 
     @property
@@ -533,7 +528,6 @@ def _relative_plan(spec: Spec) -> RelativePlan | None:
                 layout=choice(table.layout, ("interleaved", "split")),
             )
     projections = sorted({t.projection for t in terms} - {"none"})
-    signs = sorted({t.sign for t in terms} | ({values.sign} if values else set()))
     shift = (
         index_plan is not None
         and index_plan.kind == "distance"
@@ -546,7 +540,6 @@ def _relative_plan(spec: Spec) -> RelativePlan | None:
         global_content=global_content,
         values=values,
         projections=projections,
-        signs=signs,
         shift=shift,
     )
 
@@ -613,7 +606,8 @@ def _value_lines(spec: Spec) -> list[TermLine]:
     return [TermLine("values", "relative", text)]
 
 
-def _term_lines(spec: Spec) -> list[TermLine]:
+def term_lines(spec: Spec) -> list[TermLine]:
+    """The decomposition of one spec in words (docstrings and ``posgen explain``)."""
     terms = spec.terms
     lines: list[TermLine] = []
     rotation = spec.rotation
@@ -784,7 +778,7 @@ def build_plan(spec: Spec, spec_path: str, spec_sha256: str) -> ModulePlan:
         title_lines=docstring_lines(spec.title),
         reference_lines=[docstring_lines(ref, DOCSTRING_WIDTH - 6) for ref in spec.references],
         model_lines=docstring_lines(", ".join(spec.models)) if spec.models else [],
-        decomposition_lines=decomposition_table(_term_lines(spec) + _value_lines(spec)),
+        decomposition_lines=decomposition_table(term_lines(spec) + _value_lines(spec)),
         input_lines=docstring_lines(input_description(spec) or "", DOCSTRING_WIDTH - 4),
         heads=literal(spec.defaults.heads),
         head_dim=literal(spec.defaults.head_dim),
@@ -807,8 +801,3 @@ def choice_hex(value: str) -> str:
     if not re.fullmatch(r"[0-9a-f]{64}", value):
         raise PlanError(f"{value!r} is not a sha256 hex digest")
     return value
-
-
-def term_lines(spec: Spec) -> list[TermLine]:
-    """The decomposition of one spec in words (used by ``posgen explain``)."""
-    return _term_lines(spec)
