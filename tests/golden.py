@@ -1,0 +1,115 @@
+"""Golden outputs of every generated module, recorded before the runtime redesign.
+
+``collect(cls)`` runs one module class on fixed seeded inputs and returns everything
+observable: forward on every backend (causal and not, default and explicit positions,
+float64 and float32), ``score_terms``, ``rotate``, ``embed``, ``score_bias`` and the
+state_dict's keys and shapes. Errors are recorded by type name, so a call that used to
+raise must still raise.
+
+Record (only when behaviour is meant to change, and say so in the commit)::
+
+    python -m tests.golden
+"""
+
+from __future__ import annotations
+
+import gzip
+import inspect
+import io
+from pathlib import Path
+from typing import Any
+
+import torch
+
+GOLDEN_FILE = Path(__file__).resolve().parent / "golden" / "outputs.pt.gz"
+
+HEADS, HEAD_DIM, MODEL_DIM = 2, 8, 16
+N, M, BATCH = 5, 7, 2
+Q_POSITIONS = torch.tensor([4, 5, 8, 9, 10])
+K_POSITIONS = torch.tensor([0, 1, 2, 4, 5, 8, 9])
+
+
+def _build(cls: type[torch.nn.Module]) -> torch.nn.Module:
+    params = inspect.signature(cls.__init__).parameters
+    kwargs: dict[str, int] = {"heads": HEADS, "head_dim": HEAD_DIM}
+    if "model_dim" in params:
+        kwargs["model_dim"] = MODEL_DIM
+    torch.manual_seed(0)
+    return cls(**kwargs)
+
+
+def _record(out: dict[str, Any], key: str, call: Any) -> None:
+    try:
+        value = call()
+    except Exception as error:  # noqa: BLE001 - the error type is the recorded behaviour
+        out[key] = f"raises {type(error).__name__}"
+        return
+    if isinstance(value, dict):
+        for name, tensor in value.items():
+            out[f"{key}.{name}"] = tensor.detach().clone()
+    elif isinstance(value, tuple):
+        for index, tensor in enumerate(value):
+            out[f"{key}.{index}"] = tensor.detach().clone()
+    elif value is None:
+        out[key] = "None"
+    else:
+        out[key] = value.detach().clone()
+
+
+def collect(cls: type[torch.nn.Module]) -> dict[str, Any]:
+    """Everything observable of one module class on fixed inputs."""
+    out: dict[str, Any] = {}
+    module = _build(cls)
+    out["state_dict"] = sorted((k, tuple(v.shape)) for k, v in module.state_dict().items())
+    module = module.double()
+    generator = torch.Generator().manual_seed(1)
+    value_dim = getattr(module, "value_dim", HEAD_DIM)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator, dtype=torch.float64)
+
+    q, k = randn(BATCH, HEADS, N, HEAD_DIM), randn(BATCH, HEADS, M, HEAD_DIM)
+    v = randn(BATCH, HEADS, M, value_dim)
+    width = MODEL_DIM if hasattr(module, "model_dim") else HEADS * HEAD_DIM
+    x = randn(BATCH, N, width)
+    explicit = {"q_positions": Q_POSITIONS, "k_positions": K_POSITIONS}
+    for positions_name, positions in (("default", {}), ("explicit", explicit)):
+        for backend in ("auto", "eager", "sdpa"):
+            for causal in (False, True):
+                key = f"forward.{backend}.{positions_name}.causal={causal}"
+                _record(
+                    out,
+                    key,
+                    lambda: module(q, k, v, causal=causal, backend=backend, **positions),
+                )
+        _record(out, f"score_terms.{positions_name}", lambda: module.score_terms(q, k, **positions))
+        _record(out, f"rotate.{positions_name}", lambda: module.rotate(q, k, **positions))
+    _record(out, "score_bias", lambda: module.score_bias(Q_POSITIONS, K_POSITIONS))
+    _record(out, "embed.default", lambda: module.embed(x))
+    _record(out, "embed.explicit", lambda: module.embed(x, Q_POSITIONS))
+    module32 = module.float()
+    q32, k32, v32 = q.float(), k.float(), v.float()
+    for causal in (False, True):
+        _record(out, f"float32.causal={causal}", lambda: module32(q32, k32, v32, causal=causal))
+    return out
+
+
+def load_golden() -> dict[str, dict[str, Any]]:
+    """The recorded outputs (a gzip-compressed torch.save of ``collect_all()``)."""
+    with gzip.open(GOLDEN_FILE, "rb") as stream:
+        return torch.load(io.BytesIO(stream.read()), weights_only=True)
+
+
+def collect_all() -> dict[str, dict[str, Any]]:
+    from tests.conftest import generated_class, spec_names
+
+    return {name: collect(generated_class(name)) for name in spec_names()}
+
+
+if __name__ == "__main__":
+    GOLDEN_FILE.parent.mkdir(exist_ok=True)
+    buffer = io.BytesIO()
+    torch.save(collect_all(), buffer)
+    with gzip.GzipFile(GOLDEN_FILE, "wb", mtime=0) as stream:
+        stream.write(buffer.getvalue())
+    print(f"wrote {GOLDEN_FILE} ({GOLDEN_FILE.stat().st_size} bytes)")
