@@ -15,12 +15,12 @@ from typing import Any, TypeVar
 
 import click
 
-from posgen.diagnostics import SpecError
-from posgen.generate import compare, render_tree, unified_diff, write_tree
-from posgen.plan import input_description, scale_description, term_lines, values_description
-from posgen.render import SourceGateError
-from posgen.spec import Spec
-from posgen.spec_loader import LoadedSpec, expand_spec_paths, load_spec, load_specs
+from posgen.codegen.render import SourceGateError
+from posgen.codegen.writing import compare, render_tree, unified_diff, write_tree
+from posgen.describe import input_description, scale_description, term_lines, values_description
+from posgen.spec.diagnostics import SpecError
+from posgen.spec.loader import LoadedSpec, expand_spec_paths, load_spec, load_specs
+from posgen.spec.model import Spec
 
 DEFAULT_SPECS = Path("specs")
 DEFAULT_OUT = Path("generated")
@@ -247,7 +247,7 @@ def schema(out_file: Path | None) -> None:
 
 
 def _property_names() -> tuple[str, ...]:
-    # Kept in sync with posgen.properties.PROPERTIES (a test compares them); listed here so
+    # Kept in sync with posgen.check.properties.PROPERTIES (a test compares them); listed here so
     # that `--help` does not import torch.
     return ("unique", "relative", "decay", "extrapolates", "rotation_norm",
             "rotation_pairing", "buckets", "slopes", "backends", "bf16", "kv_cache")
@@ -314,8 +314,8 @@ def _check(loaded: list[LoadedSpec], as_json: bool, seed: int, max_examples: int
     import shutil
     import time
 
-    from posgen.check_report import render_json, render_summary, render_table
-    from posgen.properties import PROPERTIES, Budget, check_loaded
+    from posgen.check.properties import PROPERTIES, Budget, check_loaded
+    from posgen.check.report import render_json, render_summary, render_table
 
     budget = Budget(max_examples=max_examples, seed=seed, span=span, seconds=seconds,
                     spec_seconds=spec_seconds)
@@ -375,7 +375,7 @@ def plot(spec: Path, out_dir: Path, span: int, distance: int, seed: int) -> None
         posgen plot my_idea.yaml --span 128
     """
     loaded = load_specs(_spec_files([spec]))[0]
-    from posgen.plot import CannotPlot, MissingMatplotlib, PlotFailed, plot_spec
+    from posgen.check.plot import CannotPlot, MissingMatplotlib, PlotFailed, plot_spec
 
     try:
         paths = plot_spec(loaded, out_dir, span=span, decay_span=distance, seed=seed)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from posgen.inmemory import encoding_class, module_from_spec
+from posgen.codegen.inmemory import encoding_class, module_from_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = ROOT / "specs"

@@ -38,9 +38,9 @@ def _build(cls: type[torch.nn.Module]) -> torch.nn.Module:
     return cls(**kwargs)
 
 
-def _record(out: dict[str, Any], key: str, call: Any) -> None:
+def _record(out: dict[str, Any], key: str, call: Any, *args: Any, **kwargs: Any) -> None:
     try:
-        value = call()
+        value = call(*args, **kwargs)
     except Exception as error:  # noqa: BLE001 - the error type is the recorded behaviour
         out[key] = f"raises {type(error).__name__}"
         return
@@ -77,20 +77,16 @@ def collect(cls: type[torch.nn.Module]) -> dict[str, Any]:
         for backend in ("auto", "eager", "sdpa"):
             for causal in (False, True):
                 key = f"forward.{backend}.{positions_name}.causal={causal}"
-                _record(
-                    out,
-                    key,
-                    lambda: module(q, k, v, causal=causal, backend=backend, **positions),
-                )
-        _record(out, f"score_terms.{positions_name}", lambda: module.score_terms(q, k, **positions))
-        _record(out, f"rotate.{positions_name}", lambda: module.rotate(q, k, **positions))
-    _record(out, "score_bias", lambda: module.score_bias(Q_POSITIONS, K_POSITIONS))
-    _record(out, "embed.default", lambda: module.embed(x))
-    _record(out, "embed.explicit", lambda: module.embed(x, Q_POSITIONS))
+                _record(out, key, module, q, k, v, causal=causal, backend=backend, **positions)
+        _record(out, f"score_terms.{positions_name}", module.score_terms, q, k, **positions)
+        _record(out, f"rotate.{positions_name}", module.rotate, q, k, **positions)
+    _record(out, "score_bias", module.score_bias, Q_POSITIONS, K_POSITIONS)
+    _record(out, "embed.default", module.embed, x)
+    _record(out, "embed.explicit", module.embed, x, Q_POSITIONS)
     module32 = module.float()
     q32, k32, v32 = q.float(), k.float(), v.float()
     for causal in (False, True):
-        _record(out, f"float32.causal={causal}", lambda: module32(q32, k32, v32, causal=causal))
+        _record(out, f"float32.causal={causal}", module32, q32, k32, v32, causal=causal)
     return out
 
 

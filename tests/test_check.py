@@ -19,10 +19,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from posgen import properties
+from posgen.check import properties
+from posgen.check.properties import CLAIMS, Budget, Probe, check_loaded
 from posgen.cli import _property_names, main
-from posgen.properties import CLAIMS, Budget, Probe, check_loaded
-from posgen.spec_loader import load_spec
+from posgen.spec.loader import load_spec
 from tests.conftest import ROOT, SPECS
 from tests.reference import formulas
 
@@ -673,7 +673,7 @@ def test_spec_time_cap_shares_the_budget() -> None:
 
 
 def _mutated_probe(monkeypatch, name: str, old: str, new: str) -> Probe:
-    from posgen import inmemory
+    from posgen.codegen import inmemory
 
     render = inmemory.render_module
 
@@ -766,7 +766,7 @@ def test_buckets_are_read_under_a_first_token_reset() -> None:
 def test_a_module_error_while_plotting_is_a_message_not_a_traceback(cli, monkeypatch,
                                                                      tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    from posgen import plot
+    from posgen.check import plot
 
     def broken(*args, **kwargs):
         raise RuntimeError("the module broke")

@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from posgen.cli import main
-from posgen.spec import Spec
+from posgen.spec.model import Spec
 from tests.conftest import ROOT, spec_names
 
 

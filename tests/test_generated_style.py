@@ -64,7 +64,7 @@ def test_wheel_install_finds_its_templates(tmp_path: Path) -> None:
         assert "posgen/_templates/module.py.jinja" in names
         archive.extractall(tmp_path / "site")
     script = (
-        "import pathlib, posgen.render as r;"
+        "import pathlib, posgen.codegen.render as r;"
         "assert pathlib.Path(r.__file__).is_relative_to(pathlib.Path(r'%s'));"
         "print(r.templates_dir())" % (tmp_path / "site")
     )

@@ -12,8 +12,8 @@ import pytest
 from click.testing import CliRunner
 
 from posgen.cli import main
-from posgen.generate import compare, render_tree, write_tree
-from posgen.spec_loader import expand_spec_paths, load_specs
+from posgen.codegen.writing import compare, render_tree, write_tree
+from posgen.spec.loader import expand_spec_paths, load_specs
 from tests.conftest import GENERATED, ROOT, SPECS
 
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from posgen.diagnostics import SpecError
-from posgen.inmemory import encoding_class, module_from_spec
-from posgen.plan import PlanError, docstring_lines, identifier, literal
-from posgen.spec_loader import load_spec
+from posgen.codegen.inmemory import encoding_class, module_from_spec
+from posgen.codegen.plan import PlanError, docstring_lines, identifier, literal
+from posgen.spec.diagnostics import SpecError
+from posgen.spec.loader import load_spec
 
 TEMPLATE = """\
 name: {name}
@@ -80,8 +80,8 @@ def test_hostile_free_text_is_escaped(tmp_path: Path, field: str, text: str) -> 
 
 
 def _source_of(loaded) -> str:
-    from posgen.generate import plan_for
-    from posgen.render import render_module
+    from posgen.codegen.render import render_module
+    from posgen.codegen.writing import plan_for
 
     return render_module(plan_for(loaded))
 

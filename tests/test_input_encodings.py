@@ -569,7 +569,7 @@ def _position_vectors(pe, name: str, positions: torch.Tensor) -> torch.Tensor:
 def test_stated_unique_and_extrapolates_claims(name: str, far: int | None) -> None:
     """unique: distinct positions get distinct vectors; extrapolates: far positions are
     finite, or (claim false) raise ValueError."""
-    from posgen.spec_loader import load_spec
+    from posgen.spec.loader import load_spec
 
     claims = load_spec(SPECS / f"{name}.yaml").spec.claims
     pe = make(name, model_dim=8).double()
@@ -588,7 +588,7 @@ def test_stated_unique_and_extrapolates_claims(name: str, far: int | None) -> No
 
 def test_not_unique_claims_have_counterexamples() -> None:
     """nope and the convolutions state unique: false; show two positions that coincide."""
-    from posgen.spec_loader import load_spec
+    from posgen.spec.loader import load_spec
 
     for name in ("nope", "convolutional", "convolutional_grid"):
         assert load_spec(SPECS / f"{name}.yaml").spec.claims.unique is False

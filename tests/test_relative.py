@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from posgen.inmemory import encoding_class, module_from_spec
+from posgen.codegen.inmemory import encoding_class, module_from_spec
 from tests.conftest import SPECS, generated_class, spec_variant
 from tests.reference import formulas, relative
 
@@ -268,8 +268,8 @@ def test_absolute_input_adds_to_the_relative_terms() -> None:
 
 def test_absolute_input_rule(tmp_path: Path) -> None:
     """Relative and global forms may sit beside an input table; drop and bias may not."""
-    from posgen.diagnostics import SpecError
-    from posgen.spec_loader import load_spec
+    from posgen.spec.diagnostics import SpecError
+    from posgen.spec.loader import load_spec
 
     text = (SPECS / "deberta_absolute_input.yaml").read_text(encoding="utf-8")
     path = tmp_path / "deberta_absolute_input.yaml"

@@ -16,8 +16,8 @@ import pytest
 from click.testing import CliRunner
 
 from posgen.cli import main
-from posgen.diagnostics import SpecError
-from posgen.spec_loader import load_specs
+from posgen.spec.diagnostics import SpecError
+from posgen.spec.loader import load_specs
 
 INVALID = Path(__file__).parent / "specs" / "invalid"
 EXPECTED = dict(

@@ -8,9 +8,9 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from posgen.plan import ModulePlan, build_plan
-from posgen.render import GENERATED_MARKER, render_module, render_registry
-from posgen.spec_loader import LoadedSpec
+from posgen.codegen.plan import ModulePlan, build_plan
+from posgen.codegen.render import GENERATED_MARKER, render_module, render_registry
+from posgen.spec.loader import LoadedSpec
 
 REGISTRY_FILE = "__init__.py"
 

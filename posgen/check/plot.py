@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from posgen.properties import Budget, Probe, _window_means, _windows, decay_curve
-from posgen.spec_loader import LoadedSpec
+from posgen.check.properties import Budget, Probe, _window_means, _windows, decay_curve
+from posgen.spec.loader import LoadedSpec
 
 HINT = "posgen plot needs matplotlib: pip install 'posgen[plot]' (or 'matplotlib>=3.7')"
 

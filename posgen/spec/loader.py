@@ -9,10 +9,10 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from posgen.diagnostics import Diagnostic, SpecError, closest_name, dotted_path
-from posgen.plan import class_name_for
-from posgen.spec import Spec
-from posgen.yaml_source import FieldPath, LoadedYaml, YamlError, load_yaml
+from posgen.spec.diagnostics import Diagnostic, SpecError, closest_name, dotted_path
+from posgen.spec.model import Spec
+from posgen.spec.names import class_name_for
+from posgen.spec.yaml_source import FieldPath, LoadedYaml, YamlError, load_yaml
 
 
 @dataclass(frozen=True)

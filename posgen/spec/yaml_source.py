@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
-from posgen.diagnostics import Diagnostic, dotted_path
+from posgen.spec.diagnostics import Diagnostic, dotted_path
 
 FieldPath = tuple[str | int, ...]
 Position = tuple[int, int]

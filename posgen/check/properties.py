@@ -58,9 +58,9 @@ from hypothesis import HealthCheck, Phase, Verbosity, given, seed, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
-from posgen.inmemory import encoding_class, module_from_loaded
-from posgen.spec import Spec, SpecModel
-from posgen.spec_loader import LoadedSpec, load_spec
+from posgen.codegen.inmemory import encoding_class, module_from_loaded
+from posgen.spec.loader import LoadedSpec, load_spec
+from posgen.spec.model import Spec, SpecModel
 
 F64 = torch.float64
 CLAIMS = ("unique", "relative", "decay", "extrapolates")

@@ -34,7 +34,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from posgen.diagnostics import closest_name
+from posgen.spec.diagnostics import closest_name
 
 IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MODULE_NAME = re.compile(r"^[a-z][a-z0-9]*(_[a-z0-9]+)*$")

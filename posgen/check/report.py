@@ -6,7 +6,7 @@ import json
 import textwrap
 from collections.abc import Sequence
 
-from posgen.properties import Budget, Report
+from posgen.check.properties import Budget, Report
 
 
 def _claimed(value: bool | None) -> str:

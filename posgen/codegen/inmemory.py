@@ -11,9 +11,9 @@ from pathlib import Path
 
 from torch import nn
 
-from posgen.generate import plan_for
-from posgen.render import render_module
-from posgen.spec_loader import LoadedSpec, load_spec
+from posgen.codegen.render import render_module
+from posgen.codegen.writing import plan_for
+from posgen.spec.loader import LoadedSpec, load_spec
 
 
 def module_from_loaded(loaded: LoadedSpec) -> types.ModuleType:

@@ -1,0 +1,1 @@
+"""The code generation layer: spec → plan (typed blocks) → rendered source → files."""

@@ -1,0 +1,258 @@
+"""Encodings in words: what ``posgen explain`` prints and generated docstrings quote.
+
+Each function reads a validated spec and returns plain text (never code); the code
+generator escapes it before it reaches a docstring.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from posgen.spec.model import (
+    ClipIndex,
+    ComplexOrderInput,
+    GlobalContentTerm,
+    GlobalPositionTerm,
+    LearnedRelativeTable,
+    LearnedTableBias,
+    LinearSlopeBias,
+    RelativeTerm,
+    RelativeValues,
+    Spec,
+    SymmetricLogBuckets,
+)
+
+
+@dataclass(frozen=True)
+class TermLine:
+    """One row of the decomposition table, as words for docstrings and ``explain``."""
+
+    term: str
+    form: str
+    formula: str
+
+
+def _bias_formula(bias: LinearSlopeBias | LearnedTableBias) -> str:
+    if isinstance(bias, LinearSlopeBias):
+        return "-slope_h * |i - j|, slopes: alibi_geometric"
+    index = bias.index
+    relative = "j - i" if index.sign == "key_minus_query" else "i - j"
+    direction = "bidirectional" if index.bidirectional else "unidirectional"
+    return (
+        f"table[bucket({relative}), h], {index.recipe} log buckets: {index.buckets} "
+        f"{direction}, max_distance {index.max_distance}"
+    )
+
+
+def _untied_formula(spec: Spec) -> str:
+    untied = spec.untied
+    row = "LN(p_i)" if untied.norm.kind == "layer_norm" else "p_i"
+    key_row = "LN(p_j)" if untied.norm.kind == "layer_norm" else "p_j"
+    offset_q = " + b_q" if untied.projection_bias else ""
+    offset_k = " + b_k" if untied.projection_bias else ""
+    text = (
+        f"scale * ({row} U_q{offset_q}) . ({key_row} U_k{offset_k}) per head, untied "
+        f"learned table of {untied.table.max_positions} positions (no extrapolation)"
+    )
+    bias = spec.bias
+    if bias is not None:
+        where = "inside" if bias.placement == "before_scale" else "after"
+        text += f"; plus, {where} the scale, {_bias_formula(bias)}"
+    if untied.first_token == "reset":
+        text += (
+            "; first-token reset: position t reads row t + 1, and query position 0 / key "
+            "position 0 get per-head constants from rows 0 / 1"
+        )
+        if bias is not None:
+            text += f" and bias rows {bias.index.buckets // 2} / {bias.index.buckets}"
+    return text
+
+
+def _relative_term_lines(spec: Spec, term: str, value: object) -> TermLine | None:
+    """Words for a relative or global term, or None for other forms."""
+    section = spec.relative
+    if isinstance(value, GlobalContentTerm):
+        return TermLine(term, "global", "u_h . k_j (u: trained vector per head, r_w_bias)")
+    if not isinstance(value, (RelativeTerm, GlobalPositionTerm)) or section is None:
+        return None
+    reader = value.relative if isinstance(value, RelativeTerm) else value.global_
+    r = "j - i" if reader.sign == "key_minus_query" else "i - j"
+    index = section.index
+    if isinstance(index, ClipIndex):
+        where = f"R[clip({r}, -{index.max_distance}, {index.max_distance})]"
+    elif isinstance(index, SymmetricLogBuckets):
+        where = (
+            f"R[logbucket({r})], deberta log buckets: {index.buckets}, max_distance "
+            f"{index.max_distance}"
+        )
+    else:
+        where = f"R_({r})"
+        if term == "content_position" and reader.sign == "query_minus_key":
+            where += " (relative shift at default positions, gather otherwise)"
+    table = section.table
+    if isinstance(table, LearnedRelativeTable):
+        what = "learned" + (" per-head" if table.heads == "per_head" else "")
+        if table.norm is not None:
+            what += " layer-normed"
+    else:
+        what = f"{table.layout} sinusoid"
+    projected = {
+        "none": where,
+        "key": f"W_k {where}",
+        "query": f"W_q {where}",
+        "relative": f"W_R {where}",
+    }[reader.projection]
+    side = {"content_position": "q_i", "position_content": "k_j"}.get(term, "v_h")
+    form = "relative" if isinstance(value, RelativeTerm) else "global"
+    inside = "inside" if reader.placement == "before_scale" else "after"
+    return TermLine(term, form, f"{side} . {projected} ({what} table, {inside} the scale)")
+
+
+def values_description(spec: Spec) -> str:
+    """The value side in words."""
+    if not isinstance(spec.values, RelativeValues) or spec.relative is None:
+        return "plain"
+    reader = spec.values.relative
+    r = "j - i" if reader.sign == "key_minus_query" else "i - j"
+    sharing = "per-head" if reader.heads == "per_head" else "shared"
+    return f"relative: z_i = sum_j a_ij (v_j + R^V[index({r})]) ({sharing} learned table)"
+
+
+def value_lines(spec: Spec) -> list[TermLine]:
+    """The value term as a decomposition row (only when it is not plain)."""
+    if not isinstance(spec.values, RelativeValues):
+        return []
+    text = values_description(spec).removeprefix("relative: ")
+    text += (
+        "; formed from the attention weights, so backend auto runs eager and sdpa "
+        "forms the weights a second time"
+    )
+    return [TermLine("values", "relative", text)]
+
+
+def term_lines(spec: Spec) -> list[TermLine]:
+    """The decomposition of one spec in words (docstrings and ``posgen explain``)."""
+    terms = spec.terms
+    lines: list[TermLine] = []
+    rotation = spec.rotation
+    if rotation is not None:
+        lines.append(
+            TermLine(
+                "content_content",
+                "rotate",
+                f"(R_i q_i) . (R_j k_j) = q_i R_(j-i) k_j, {rotation.pairing} pairing, "
+                f"theta_k = {_number(rotation.base)}^(-2k/d_rot)",
+            )
+        )
+    else:
+        lines.append(TermLine("content_content", "keep", "q_i . k_j"))
+    absolute = _input_term_texts(spec)
+    for term, value in (
+        ("content_position", terms.content_position),
+        ("position_content", terms.position_content),
+    ):
+        relative = _relative_term_lines(spec, term, value)
+        if relative is not None:
+            if spec.input is not None:  # the input table's absolute part is still there
+                relative = TermLine(term, relative.form, f"{absolute[term]} + {relative.formula}")
+            lines.append(relative)
+            continue
+        lines.append(TermLine(term, value, absolute[term] if value == "absolute" else "0"))
+    bias = spec.bias
+    relative = _relative_term_lines(spec, "position_position", terms.position_position)
+    if spec.untied is not None:
+        lines.append(TermLine("position_position", "untied", _untied_formula(spec)))
+    elif relative is not None:
+        if spec.input is not None:
+            formula = f"{absolute['position_position']} + {relative.formula}"
+            relative = TermLine(relative.term, relative.form, formula)
+        lines.append(relative)
+    elif bias is None:
+        value = terms.position_position
+        text = absolute["position_position"] if value == "absolute" else "0"
+        lines.append(TermLine("position_position", str(value), text))
+    else:
+        lines.append(TermLine("position_position", "bias", _bias_formula(bias)))
+    return lines
+
+
+def _input_term_texts(spec: Spec) -> dict[str, str]:
+    """How the input-level positions reach the three position terms, in words."""
+    form = spec.input
+    if isinstance(form, ComplexOrderInput):
+        text = "inside Re/Im of r_i e^(i(omega_i pos_i + theta_i)) (position as a phase)"
+        return dict.fromkeys(("content_position", "position_content", "position_position"), text)
+    if form is not None and form.table.kind == "depthwise_conv":
+        text = (
+            "inside (x_i + c_i) Wq Wk^T (...)_j^T, c = DWConv(x): content-conditioned, "
+            "position only through the zero padding at the edges"
+        )
+        return dict.fromkeys(("content_position", "position_content", "position_position"), text)
+    if form is not None and form.kind == "multiply":
+        text = "inside (x_i * p_i) Wq Wk^T (x_j * p_j)^T (input product, not a separate sum)"
+        return dict.fromkeys(("content_position", "position_content", "position_position"), text)
+    return {
+        "content_position": "x_i Wq Wk^T p_j^T (via the input table)",
+        "position_content": "p_i Wq Wk^T x_j^T (via the input table)",
+        "position_position": "p_i Wq Wk^T p_j^T (via the input table)",
+    }
+
+
+def input_description(spec: Spec) -> str | None:
+    """The input-level form in words (``posgen explain``, module docstrings), or None."""
+    form = spec.input
+    if form is None:
+        return None
+    if isinstance(form, ComplexOrderInput):
+        own = (
+            f"learned per-feature omega, theta (base {_number(form.frequency_base)}) when "
+            "none are passed"
+            if form.module_parameters == "learned_per_feature"
+            else "the caller's per-token omega, theta"
+        )
+        return f"(r cos(omega pos + theta), r sin(omega pos + theta)), {own}"
+    table = form.table
+    if table.kind == "depthwise_conv":
+        if table.layout == "grid_2d":
+            return (
+                f"x_i + c_i, c = DWConv2d(x): depthwise {table.kernel_size}x"
+                f"{table.kernel_size} convolution over the H x W token grid, same zero "
+                "padding (content-conditioned)"
+            )
+        return (
+            f"x_i + c_i, c = DWConv(x): depthwise convolution over the sequence, kernel "
+            f"{table.kernel_size}, {table.padding} zero padding (content-conditioned)"
+        )
+    combine = "x_i * p_i" if form.kind == "multiply" else "x_i + p_i"
+    if table.kind == "learned":
+        detail = f"{table.max_positions} positions, no extrapolation"
+    elif table.kind == "hierarchical":
+        n = table.base_positions
+        detail = (
+            f"{n} trained rows serve {n * n} positions: p_(i*{n}+j) = "
+            f"{_number(table.alpha)} u_i + {_number(1 - table.alpha)} u_j"
+        )
+    elif table.kind == "ode":
+        detail = (
+            f"p_i = p(i * {_number(table.position_step)}) solving dp/dt = h(p, t), "
+            f"{table.activation} network of width {table.hidden}, {table.integrator} with "
+            f"{table.steps_per_position} step(s) per position, p(0) {table.initial}"
+        )
+        if table.max_positions is not None:
+            detail += f", horizon {table.max_positions} positions"
+    else:
+        detail = f"base {_number(table.base)}, {table.layout} sin/cos"
+    return f"{combine}, {table.kind} table ({detail})"
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(value)
+
+
+def scale_description(spec: Spec) -> str:
+    """The logit scale in words."""
+    if spec.scale.kind == "none":
+        return "none (logits are not scaled)"
+    factor = spec.scale.factor
+    inner = "head_dim" if factor == 1 else f"{_number(factor)} * head_dim"
+    return f"1/sqrt({inner})"
