@@ -32,8 +32,8 @@ def test_module_metadata_and_registry(name: str) -> None:
 
     cls = generated_class(name)
     assert generated.ENCODINGS[name] is cls
-    module = __import__(f"generated.{name}", fromlist=["SPEC_PATH"])
-    assert module.SPEC_PATH == f"specs/{name}.yaml"
+    module = __import__(f"generated.{name}", fromlist=["SPEC_FILE"])
+    assert module.SPEC_FILE == f"{name}.yaml"
     assert len(module.SPEC_SHA256) == 64
     assert module.__doc__ and "References:" in module.__doc__
 

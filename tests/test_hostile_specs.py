@@ -55,7 +55,9 @@ def _only_expected_top_level(source_tree: ast.Module) -> None:
     assert isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
     for node in body[1:]:
         assert isinstance(node, allowed), ast.dump(node)
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            assert (node.level, node.module) == (1, "_attention")  # the sibling runtime
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
             module = node.module if isinstance(node, ast.ImportFrom) else node.names[0].name
             assert module.split(".")[0] in ("__future__", "math", "torch")
 
@@ -123,7 +125,10 @@ def test_plan_primitives_refuse_unsafe_values() -> None:
     for bad in ("os.system", "import", "print", "ａ", "x y", ""):
         with pytest.raises(PlanError):
             identifier(bad)
-    for bad in (float("inf"), float("nan"), "1", None):
+    for bad in (float("inf"), float("nan"), object(), [1], {"a": 1}, (1, float("nan"))):
         with pytest.raises(PlanError):
-            literal(bad)  # type: ignore[arg-type]
-    assert literal(1e-3) == "0.001" and literal(True) == "True"
+            literal(bad)
+    assert literal(1e-3) == "0.001" and literal(True) == "True" and literal(None) == "None"
+    assert literal('say "hi"\n') == '"say \\"hi\\"\\n"'  # double quotes, escaped
+    assert literal("\u202e") == '"\\u202e"'  # pure ASCII
+    assert literal((1, 2.5, "half")) == '(1, 2.5, "half")' and literal((3,)) == "(3,)"

@@ -1,6 +1,8 @@
 """Build a spec's module in memory, without writing into generated/.
 
-Used by ``posgen check`` and by tests: a new idea needs nothing but a YAML file.
+Used by ``posgen check`` and by tests: a new idea needs nothing but a YAML file. The
+module is the standalone rendering (the runtime inlined), so what is checked is one
+self-contained source text.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from pathlib import Path
 
 from torch import nn
 
-from posgen.codegen.render import render_module
+from posgen.codegen.render import render_standalone
 from posgen.codegen.writing import plan_for
 from posgen.spec.loader import LoadedSpec, load_spec
 
@@ -19,7 +21,7 @@ from posgen.spec.loader import LoadedSpec, load_spec
 def module_from_loaded(loaded: LoadedSpec) -> types.ModuleType:
     """Render, compile and execute the module of an already loaded spec."""
     plan = plan_for(loaded)
-    source = render_module(plan)
+    source = render_standalone(plan)
     name = f"posgen_inmemory.{plan.module_name}"
     module = types.ModuleType(name)
     module.__file__ = f"<posgen:{loaded.display_path}>"
@@ -36,4 +38,5 @@ def module_from_spec(path: Path) -> types.ModuleType:
 def encoding_class(module: types.ModuleType) -> type[nn.Module]:
     """The encoding class a generated module exports."""
     (class_name,) = module.__all__
-    return getattr(module, class_name)
+    cls: type[nn.Module] = getattr(module, class_name)
+    return cls

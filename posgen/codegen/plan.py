@@ -1,21 +1,23 @@
-"""The resolved decomposition: what the templates render, and nothing else.
+"""The resolved decomposition: typed building blocks that the templates render.
 
-A plan holds only three kinds of value, so no spec can inject code:
-- identifiers checked against ``^[A-Za-z_][A-Za-z0-9_]*$`` (ASCII, not a keyword, soft
-  keyword or builtin);
-- Python literals already rendered with ``repr()`` (finite numbers, booleans), or one of a
-  fixed set of choice words that the spec model enumerates;
+A plan decides everything about how an encoding's terms compose: which blocks the
+module has, in which order they are built, which flags the shared runtime reads, which
+methods each block renders. Templates only iterate over the blocks and render values.
+
+A plan holds only typed values, so no spec can inject code:
+- identifiers checked by ``posgen.spec.names.identifier``;
+- finite numbers, booleans, None, words from a fixed set, and tuples of these, all
+  rendered by one filter, ``literal`` (``py`` in the templates);
 - free text escaped for a docstring by ``docstring_lines`` (the only path for free text).
 """
 
 from __future__ import annotations
 
-import builtins
 import json
-import keyword
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import ClassVar, Literal
 
 from posgen.describe import (
     TermLine,
@@ -47,8 +49,8 @@ from posgen.spec.model import (
     UntiedPositions,
     rotary_dim_for,
 )
+from posgen.spec.names import class_name_for, identifier
 
-_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 DOCSTRING_WIDTH = 88
 
 
@@ -56,38 +58,29 @@ class PlanError(ValueError):
     """A value that cannot be rendered safely (never reached by a validated spec)."""
 
 
-def identifier(name: str) -> str:
-    """Return ``name`` if it is a safe Python identifier for generated code."""
-    if not _IDENTIFIER.match(name) or not name.isascii():
-        raise PlanError(f"{name!r} is not an ASCII identifier")
-    if keyword.iskeyword(name) or keyword.issoftkeyword(name) or hasattr(builtins, name):
-        raise PlanError(f"{name!r} is a Python keyword or builtin")
-    return name
+def literal(value: object) -> str:
+    """A plan value as Python source, formatted as ruff formats it.
 
-
-def literal(value: bool | int | float) -> str:
-    """A finite number or boolean rendered as Python source."""
-    if isinstance(value, bool):
-        return repr(value)
-    if isinstance(value, int):
+    Finite floats and ints by ``repr``, booleans, None, ASCII-escaped double-quoted
+    strings, and tuples of these; anything else (or a non-finite float) is refused.
+    """
+    if value is None or isinstance(value, (bool, int)):
         return repr(value)
     if isinstance(value, float):
         if not math.isfinite(value):
             raise PlanError(f"non-finite number {value!r}")
         return repr(value)
-    raise PlanError(f"{value!r} is not a number or boolean")
+    if isinstance(value, str):
+        return python_string(value)
+    if isinstance(value, tuple):
+        items = [literal(item) for item in value]
+        return f"({items[0]},)" if len(items) == 1 else f"({', '.join(items)})"
+    raise PlanError(f"{value!r} cannot be rendered as a literal")
 
 
 def python_string(value: str) -> str:
     """A double-quoted, pure-ASCII Python string literal for any text."""
     return json.dumps(value, ensure_ascii=True)
-
-
-def choice(value: str, allowed: tuple[str, ...]) -> str:
-    """One of a fixed set of words (spec enums); anything else is rejected."""
-    if value not in allowed:
-        raise PlanError(f"{value!r} is not one of {allowed}")
-    return value
 
 
 def _escape_char(char: str) -> str:
@@ -132,125 +125,180 @@ def docstring_lines(text: str, width: int = DOCSTRING_WIDTH) -> list[str]:
 
 
 # --------------------------------------------------------------------------- block plans
+#
+# Every field is a typed Python value (bool, int, float, None, a word from a fixed set,
+# or a tuple of those); templates render each through the one ``py`` filter
+# (``literal``). Each block class names the macro file that renders it; that file
+# exposes four macros, ``helpers`` (module level), ``init`` (constructor lines),
+# ``methods`` and ``weights`` (checkpoint notes for the docstring), each taking the
+# block.
+
+Pairing = Literal["half", "interleaved"]
+SinusoidLayout = Literal["interleaved", "split"]
+Sign = Literal["key_minus_query", "query_minus_key"]
+Placement = Literal["after_scale", "before_scale"]
+Projection = Literal["none", "key", "query", "relative"]
 
 
 @dataclass(frozen=True)
-class AbsoluteTablePlan:
-    kind: str  # learned | sinusoidal
-    combine: str = "add"  # add | multiply
-    max_positions: str = "None"
-    init_std: str = "None"
-    init_mean: str = "0.0"
-    base: str = "None"
-    layout: str = "interleaved"
-    base_positions: str = "None"
-    alpha: str = "None"
-    kernel_size: str = "None"
-    hidden: str = "None"
-    activation: str = "relu"  # relu | tanh | gelu | sigmoid
-    integrator: str = "rk4"  # euler | rk4
-    position_step: str = "None"
-    steps_per_position: str = "None"
-    initial: str = "zero"  # learned | zero
-    padding: str = "same"  # same | causal
-    conv_bias: str = "True"
-    conv_layout: str = "sequence"  # sequence | grid_2d
+class Block:
+    """A building block of a generated module; ``template`` is its macro file."""
+
+    template: ClassVar[str]
 
 
 @dataclass(frozen=True)
-class ComplexOrderPlan:
-    learned: str  # "True" | "False": module-owned per-feature frequency and phase
-    frequency_base: str = "None"
+class AbsoluteTablePlan(Block):
+    """An input-level table p combined with x (``embed``): x + p or x * p."""
+
+    template: ClassVar[str] = "blocks/absolute_table.jinja"
+    kind: Literal["learned", "sinusoidal", "hierarchical", "depthwise_conv", "ode"]
+    combine: Literal["add", "multiply"] = "add"
+    max_positions: int | None = None
+    init_std: float | None = None
+    init_mean: float = 0.0
+    base: float | None = None
+    layout: SinusoidLayout = "interleaved"
+    base_positions: int | None = None
+    alpha: float | None = None
+    kernel_size: int | None = None
+    hidden: int | None = None
+    activation: Literal["relu", "tanh", "gelu", "sigmoid"] = "relu"
+    integrator: Literal["euler", "rk4"] = "rk4"
+    position_step: float | None = None
+    steps_per_position: int | None = None
+    initial: Literal["learned", "zero"] = "zero"
+    padding: Literal["same", "causal"] = "same"
+    conv_bias: bool = True
+    conv_layout: Literal["sequence", "grid_2d"] = "sequence"
 
 
 @dataclass(frozen=True)
-class RotationPlan:
-    base: str
-    pairing: str  # half | interleaved
-    fraction: str
+class ComplexOrderPlan(Block):
+    """Complex word-order embeddings (``embed`` returns real and imaginary parts)."""
+
+    template: ClassVar[str] = "blocks/complex_order.jinja"
+    learned: bool  # module-owned per-feature frequency and phase
+    frequency_base: float | None = None
+
+
+@dataclass(frozen=True)
+class RotationPlan(Block):
+    """Rotary position embedding of q and k."""
+
+    template: ClassVar[str] = "blocks/rotation.jinja"
+    base: float
+    pairing: Pairing
+    fraction: float
 
 
 @dataclass(frozen=True)
 class BucketIndexPlan:
-    buckets: str
-    max_distance: str
-    max_exact: str
-    bidirectional: str
-    sign: str  # key_minus_query | query_minus_key
+    """T5's log-spaced buckets of a signed relative position."""
+
+    buckets: int
+    max_distance: int
+    max_exact: int
+    bidirectional: bool
+    sign: Sign
 
 
 @dataclass(frozen=True)
-class BiasPlan:
-    kind: str  # linear_slopes | learned_table
-    placement: str  # after_scale | before_scale
-    slopes: str = ""
-    index: BucketIndexPlan | None = None
-    init_std: str = "None"
+class SlopeBiasPlan(Block):
+    """bias[h, i, j] = -slope_h * |i - j| with ALiBi's geometric slopes."""
+
+    template: ClassVar[str] = "blocks/slope_bias.jinja"
+    placement: Placement
+    slopes: Literal["alibi_geometric"]
+    method: str = "_position_bias"  # the method that returns the [heads, N, M] bias
+    public: bool = True  # also render ``score_bias`` (False inside an untied term)
 
 
 @dataclass(frozen=True)
-class UntiedPlan:
-    max_positions: str
-    init_std: str
-    norm: str  # none | layer_norm
-    norm_eps: str
-    projection_bias: str  # True | False
-    first_token: str  # shared | reset
+class TableBiasPlan(Block):
+    """bias[h, i, j] = table[bucket(i, j), h], a trained scalar per (bucket, head)."""
+
+    template: ClassVar[str] = "blocks/bias_table.jinja"
+    placement: Placement
+    index: BucketIndexPlan
+    init_std: float
+    method: str = "_position_bias"
+    public: bool = True
+    spare_row: bool = False  # one extra row for the untied first-token reset
+    document_weights: bool = True  # False where the untied block documents the table
+
+
+@dataclass(frozen=True)
+class UntiedPlan(Block):
+    """TUPE's untied absolute term, with an optional relative bias beside it."""
+
+    template: ClassVar[str] = "blocks/untied_absolute.jinja"
+    max_positions: int
+    init_std: float
+    norm: Literal["none", "layer_norm"]
+    norm_eps: float
+    projection_bias: bool
+    first_token: Literal["shared", "reset"]
+    bias: SlopeBiasPlan | TableBiasPlan | None = None
 
 
 @dataclass(frozen=True)
 class RelativeIndexPlan:
-    kind: str  # clip | log_buckets | distance
-    rows: str  # repr int, or "None" for distance
-    max_distance: str = "None"
-    buckets: str = "None"
+    kind: Literal["clip", "log_buckets", "distance"]
+    rows: int | None  # None for distance: as many rows as distances present
+    max_distance: int | None = None
+    buckets: int | None = None
 
 
 @dataclass(frozen=True)
 class RelativeTablePlan:
-    kind: str  # learned | sinusoidal
-    width: str  # head_dim | model_dim
+    kind: Literal["learned", "sinusoidal"]
+    width: Literal["head_dim", "model_dim"]
     per_head: bool = False
-    norm_eps: str | None = None
-    init_std: str = "None"
-    base: str = "None"
-    layout: str = "split"
+    norm_eps: float | None = None
+    init_std: float | None = None
+    base: float | None = None
+    layout: SinusoidLayout = "split"
 
 
 @dataclass(frozen=True)
 class RelativeTermPlan:
     """One term that reads the relative table: (query-side vector) . P(R)[index(r)]."""
 
-    term: str  # content_position | position_content | position_position
-    side: str  # query | key | global
-    sign: str  # key_minus_query | query_minus_key
-    projection: str  # none | key | query | relative
-    placement: str  # after_scale | before_scale
-    init_std: str = "None"
+    term: Literal["content_position", "position_content", "position_position"]
+    side: Literal["query", "key", "global"]
+    sign: Sign
+    projection: Projection
+    placement: Placement
+    init_std: float = 0.02
 
 
 @dataclass(frozen=True)
 class GlobalContentPlan:
-    placement: str
-    init_std: str
+    placement: Placement
+    init_std: float
 
 
 @dataclass(frozen=True)
 class ValueTermPlan:
-    sign: str
+    sign: Sign
     per_head: bool
-    init_std: str
+    init_std: float
 
 
 @dataclass(frozen=True)
-class RelativePlan:
+class RelativePlan(Block):
+    """Relative terms gathered from a table of relative rows, and a value term."""
+
+    template: ClassVar[str] = "blocks/relative_table.jinja"
     index: RelativeIndexPlan | None
     table: RelativeTablePlan | None
-    terms: list[RelativeTermPlan]
+    terms: tuple[RelativeTermPlan, ...]
     global_content: GlobalContentPlan | None
     values: ValueTermPlan | None
-    projections: list[str]  # sorted projection words used (key, query, relative)
+    projections: tuple[Projection, ...]  # sorted projection words used (key, query, relative)
     shift: bool  # distance index read with query_minus_key: the pad-and-reshape shift
+    renders_score_bias: bool  # its global position term is the module's position-only bias
 
     @property
     def position_only(self) -> RelativeTermPlan | None:
@@ -258,174 +306,153 @@ class RelativePlan:
         return next((term for term in self.terms if term.side == "global"), None)
 
 
+@dataclass(frozen=True)
+class ConstructorArgument:
+    """An encoding-specific constructor argument beside heads and head_dim."""
+
+    name: str
+    annotation: str  # a type written in the template's own words: "int" or "int | None"
+    default: int | None
+    doc: str
 
 
 @dataclass(frozen=True)
 class ModulePlan:
     module_name: str
     class_name: str
-    spec_path: str  # repr literal
+    spec_file: str  # the spec's file name: generated bytes never depend on the cwd
     spec_sha256: str  # validated lowercase hex
-    title_lines: list[str]
-    reference_lines: list[list[str]]
-    model_lines: list[str]
-    decomposition_lines: list[str]
-    input_lines: list[str]
-    heads: str
-    head_dim: str
-    model_dim: str | None
-    scale_kind: str  # none | inv_sqrt_head_dim
-    scale_factor: str
+    title_lines: tuple[str, ...]
+    reference_lines: tuple[tuple[str, ...], ...]
+    model_lines: tuple[str, ...]
+    decomposition_lines: tuple[str, ...]
+    input_lines: tuple[str, ...]
     scale_text: str
-    absolute_table: AbsoluteTablePlan | None
-    rotation: RotationPlan | None
-    bias: BiasPlan | None
-    relative: RelativePlan | None = None
-    blocks: list[str] = field(default_factory=list)
-    untied: UntiedPlan | None = None
-
-    @property
-    def has_position_bias(self) -> bool:
-        """Whether a position-only [heads, N, M] term exists (a bias or an untied term)."""
-        return self.bias is not None or self.untied is not None
-
-    @property
-    def scale_position_bias(self) -> bool:
-        """Whether _position_bias must still be multiplied by the logit scale.
-
-        An untied term applies the scale itself (and places its bias), so its
-        _position_bias is already in logit units.
-        """
-        return (
-            self.untied is None
-            and self.bias is not None
-            and (self.bias.placement == "before_scale")
-        )
-
-    complex_order: ComplexOrderPlan | None = None
-
-
-def class_name_for(module_name: str) -> str:
-    """``rope_gptj`` → ``RopeGptj``; a leading digit part keeps its case (``t5`` → ``T5``)."""
-    parts = [part for part in module_name.split("_") if part]
-    return identifier("".join(part[:1].upper() + part[1:] for part in parts))
+    heads: int
+    head_dim: int
+    scale_factor: float | None  # logits scaled by 1/sqrt(factor * head_dim); None: unscaled
+    arguments: tuple[ConstructorArgument, ...]
+    blocks: tuple[Block, ...]
+    flags: tuple[tuple[str, bool], ...]  # PositionalAttention's composition flags
 
 
 def _complex_order_plan(form: ComplexOrderInput) -> ComplexOrderPlan:
     learned = form.module_parameters == "learned_per_feature"
-    base = literal(float(form.frequency_base)) if form.frequency_base is not None else "None"
-    return ComplexOrderPlan(learned=literal(learned), frequency_base=base)
+    base = float(form.frequency_base) if form.frequency_base is not None else None
+    return ComplexOrderPlan(learned=learned, frequency_base=base)
 
 
 def _absolute_table_plan(form: TableInput) -> AbsoluteTablePlan:
     table = form.table
-    combine = choice(form.kind, ("add", "multiply"))
+    combine = form.kind
     if isinstance(table, LearnedTable):
         return AbsoluteTablePlan(
             kind="learned",
             combine=combine,
-            max_positions=literal(table.max_positions),
-            init_std=literal(table.init_std),
-            init_mean=literal(float(table.init_mean)),
+            max_positions=table.max_positions,
+            init_std=float(table.init_std),
+            init_mean=float(table.init_mean),
         )
     if isinstance(table, OdeTable):
         return AbsoluteTablePlan(
             kind="ode",
             combine=combine,
-            max_positions="None" if table.max_positions is None else literal(table.max_positions),
-            init_std=literal(table.init_std),
-            hidden=literal(table.hidden),
-            activation=choice(table.activation, ("relu", "tanh", "gelu", "sigmoid")),
-            integrator=choice(table.integrator, ("euler", "rk4")),
-            position_step=literal(float(table.position_step)),
-            steps_per_position=literal(table.steps_per_position),
-            initial=choice(table.initial, ("learned", "zero")),
+            max_positions=table.max_positions,
+            init_std=float(table.init_std),
+            hidden=table.hidden,
+            activation=table.activation,
+            integrator=table.integrator,
+            position_step=float(table.position_step),
+            steps_per_position=table.steps_per_position,
+            initial=table.initial,
         )
     if isinstance(table, DepthwiseConvTable):
         return AbsoluteTablePlan(
             kind="depthwise_conv",
             combine=combine,
-            kernel_size=literal(table.kernel_size),
-            padding=choice(table.padding, ("same", "causal")),
-            conv_bias=literal(table.bias),
-            conv_layout=choice(table.layout, ("sequence", "grid_2d")),
+            kernel_size=table.kernel_size,
+            padding=table.padding,
+            conv_bias=table.bias,
+            conv_layout=table.layout,
         )
     if isinstance(table, HierarchicalTable):
         return AbsoluteTablePlan(
             kind="hierarchical",
             combine=combine,
-            base_positions=literal(table.base_positions),
-            alpha=literal(float(table.alpha)),
-            init_std=literal(table.init_std),
+            base_positions=table.base_positions,
+            alpha=float(table.alpha),
+            init_std=float(table.init_std),
         )
     return AbsoluteTablePlan(
-        kind="sinusoidal",
-        combine=combine,
-        base=literal(float(table.base)),
-        layout=choice(table.layout, ("interleaved", "split")),
+        kind="sinusoidal", combine=combine, base=float(table.base), layout=table.layout
     )
 
 
 def _rotation_plan(rotation: Rotation) -> RotationPlan:
     return RotationPlan(
-        base=literal(float(rotation.base)),
-        pairing=choice(rotation.pairing, ("half", "interleaved")),
-        fraction=literal(float(rotation.rotary_dims.fraction)),
+        base=float(rotation.base),
+        pairing=rotation.pairing,
+        fraction=float(rotation.rotary_dims.fraction),
     )
 
 
 def _bucket_plan(index: LogBuckets) -> BucketIndexPlan:
     return BucketIndexPlan(
-        buckets=literal(index.buckets),
-        max_distance=literal(index.max_distance),
-        max_exact=literal(index.max_exact),
-        bidirectional=literal(index.bidirectional),
-        sign=choice(index.sign, ("key_minus_query", "query_minus_key")),
+        buckets=index.buckets,
+        max_distance=index.max_distance,
+        max_exact=index.max_exact,
+        bidirectional=index.bidirectional,
+        sign=index.sign,
     )
 
 
-def _bias_plan(bias: LinearSlopeBias | LearnedTableBias) -> BiasPlan:
-    placement = choice(bias.placement, ("after_scale", "before_scale"))
+def _bias_plan(
+    bias: LinearSlopeBias | LearnedTableBias, untied: UntiedPositions | None
+) -> SlopeBiasPlan | TableBiasPlan:
+    """The bias block; beside an untied term it is read by that term, not by the runtime."""
+    method, public = ("_relative_bias", False) if untied is not None else ("_position_bias", True)
     if isinstance(bias, LinearSlopeBias):
-        return BiasPlan(
-            kind="linear_slopes",
-            placement=placement,
-            slopes=choice(bias.slopes, ("alibi_geometric",)),
+        return SlopeBiasPlan(
+            placement=bias.placement, slopes=bias.slopes, method=method, public=public
         )
-    return BiasPlan(
-        kind="learned_table",
-        placement=placement,
+    return TableBiasPlan(
+        placement=bias.placement,
         index=_bucket_plan(bias.index),
-        init_std=literal(bias.init_std),
+        init_std=float(bias.init_std),
+        method=method,
+        public=public,
+        spare_row=untied is not None and untied.first_token == "reset",
+        document_weights=untied is None,
     )
 
 
-def _untied_plan(untied: UntiedPositions) -> UntiedPlan:
+def _untied_plan(untied: UntiedPositions, bias: SlopeBiasPlan | TableBiasPlan | None) -> UntiedPlan:
     return UntiedPlan(
-        max_positions=literal(untied.table.max_positions),
-        init_std=literal(untied.table.init_std),
-        norm=choice(untied.norm.kind, ("none", "layer_norm")),
-        norm_eps=literal(float(untied.norm.eps)),
-        projection_bias=literal(untied.projection_bias),
-        first_token=choice(untied.first_token, ("shared", "reset")),
+        max_positions=untied.table.max_positions,
+        init_std=float(untied.table.init_std),
+        norm=untied.norm.kind,
+        norm_eps=float(untied.norm.eps),
+        projection_bias=untied.projection_bias,
+        first_token=untied.first_token,
+        bias=bias,
     )
 
 
-
-
-
-
-_SIGNS = ("key_minus_query", "query_minus_key")
-_PLACEMENTS = ("after_scale", "before_scale")
-_PROJECTIONS = ("none", "key", "query", "relative")
-
-
-def _relative_plan(spec: Spec) -> RelativePlan | None:
+def _relative_terms(spec: Spec) -> tuple[list[RelativeTermPlan], GlobalContentPlan | None]:
     terms: list[RelativeTermPlan] = []
     global_content = None
-    sides = {"content_position": "query", "position_content": "key"}
-    for term in ("content_position", "position_content", "position_position"):
+    sides: dict[str, Literal["query", "key"]] = {
+        "content_position": "query",
+        "position_content": "key",
+    }
+    names: tuple[Literal["content_position", "position_content", "position_position"], ...] = (
+        "content_position",
+        "position_content",
+        "position_position",
+    )
+    for term in names:
         value = getattr(spec.terms, term)
+        side: Literal["query", "key", "global"]
         if isinstance(value, RelativeTerm):
             reader = value.relative
             side = sides[term]
@@ -434,100 +461,87 @@ def _relative_plan(spec: Spec) -> RelativePlan | None:
             side = "global"
         elif isinstance(value, GlobalContentTerm):
             global_content = GlobalContentPlan(
-                placement=choice(value.global_.placement, _PLACEMENTS),
-                init_std=literal(value.global_.init_std),
+                placement=value.global_.placement, init_std=float(value.global_.init_std)
             )
             continue
         else:
             continue
         terms.append(
             RelativeTermPlan(
-                term=choice(term, ("content_position", "position_content", "position_position")),
+                term=term,
                 side=side,
-                sign=choice(reader.sign, _SIGNS),
-                projection=choice(reader.projection, _PROJECTIONS),
-                placement=choice(reader.placement, _PLACEMENTS),
-                init_std=literal(getattr(reader, "init_std", 0.02)),
+                sign=reader.sign,
+                projection=reader.projection,
+                placement=reader.placement,
+                init_std=float(getattr(reader, "init_std", 0.02)),
             )
         )
+    return terms, global_content
+
+
+def _relative_index_plan(spec: Spec) -> tuple[RelativeIndexPlan | None, RelativeTablePlan | None]:
+    section = spec.relative
+    if section is None:
+        return None, None
+    index = section.index
+    index_plan: RelativeIndexPlan
+    if isinstance(index, ClipIndex):
+        index_plan = RelativeIndexPlan("clip", index.rows, max_distance=index.max_distance)
+    elif isinstance(index, SymmetricLogBuckets):
+        index_plan = RelativeIndexPlan(
+            "log_buckets", index.rows, max_distance=index.max_distance, buckets=index.buckets
+        )
+    else:
+        assert isinstance(index, DistanceIndex)
+        index_plan = RelativeIndexPlan("distance", None)
+    table = section.table
+    table_plan: RelativeTablePlan | None
+    if table is None:
+        table_plan = None
+    elif isinstance(table, LearnedRelativeTable):
+        table_plan = RelativeTablePlan(
+            kind="learned",
+            width=table.width,
+            per_head=table.heads == "per_head",
+            norm_eps=float(table.norm.eps) if table.norm else None,
+            init_std=float(table.init_std),
+        )
+    else:
+        table_plan = RelativeTablePlan(
+            kind="sinusoidal", width="model_dim", base=float(table.base), layout=table.layout
+        )
+    return index_plan, table_plan
+
+
+def _relative_plan(spec: Spec, has_bias: bool) -> RelativePlan | None:
+    terms, global_content = _relative_terms(spec)
     values = None
     if isinstance(spec.values, RelativeValues):
         values = ValueTermPlan(
-            sign=choice(spec.values.relative.sign, _SIGNS),
+            sign=spec.values.relative.sign,
             per_head=spec.values.relative.heads == "per_head",
-            init_std=literal(spec.values.relative.init_std),
+            init_std=float(spec.values.relative.init_std),
         )
     if not terms and global_content is None and values is None:
         return None
-    section = spec.relative
-    index_plan = table_plan = None
-    if section is not None:
-        index = section.index
-        if isinstance(index, ClipIndex):
-            index_plan = RelativeIndexPlan(
-                "clip", literal(index.rows), max_distance=literal(index.max_distance)
-            )
-        elif isinstance(index, SymmetricLogBuckets):
-            index_plan = RelativeIndexPlan(
-                "log_buckets",
-                literal(index.rows),
-                max_distance=literal(index.max_distance),
-                buckets=literal(index.buckets),
-            )
-        else:
-            assert isinstance(index, DistanceIndex)
-            index_plan = RelativeIndexPlan("distance", "None")
-        table = section.table
-        if table is None:
-            table_plan = None
-        elif isinstance(table, LearnedRelativeTable):
-            table_plan = RelativeTablePlan(
-                kind="learned",
-                width=choice(table.width, ("head_dim", "model_dim")),
-                per_head=table.heads == "per_head",
-                norm_eps=literal(float(table.norm.eps)) if table.norm else None,
-                init_std=literal(table.init_std),
-            )
-        else:
-            table_plan = RelativeTablePlan(
-                kind="sinusoidal",
-                width="model_dim",
-                base=literal(float(table.base)),
-                layout=choice(table.layout, ("interleaved", "split")),
-            )
-    projections = sorted({t.projection for t in terms} - {"none"})
+    index_plan, table_plan = _relative_index_plan(spec)
+    projections = tuple(sorted({t.projection for t in terms} - {"none"}))
     shift = (
         index_plan is not None
         and index_plan.kind == "distance"
         and any(t.side == "query" and t.sign == "query_minus_key" for t in terms)
     )
+    has_global_position = any(t.side == "global" for t in terms)
     return RelativePlan(
         index=index_plan,
         table=table_plan,
-        terms=terms,
+        terms=tuple(terms),
         global_content=global_content,
         values=values,
         projections=projections,
         shift=shift,
+        renders_score_bias=has_global_position and not has_bias,
     )
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 def decomposition_table(rows: list[TermLine], width: int = DOCSTRING_WIDTH) -> list[str]:
@@ -541,54 +555,93 @@ def decomposition_table(rows: list[TermLine], width: int = DOCSTRING_WIDTH) -> l
     return lines
 
 
-def build_plan(spec: Spec, spec_path: str, spec_sha256: str) -> ModulePlan:
-    """Resolve a validated spec into the plan that templates render."""
-    module_name = identifier(spec.name)
+def _blocks(spec: Spec) -> tuple[Block, ...]:
+    """The module's blocks in construction order (which fixes parameter init order)."""
+    blocks: list[Block] = []
     form = spec.input
-    absolute_table = _absolute_table_plan(form) if isinstance(form, TableInput) else None
-    complex_order = _complex_order_plan(form) if isinstance(form, ComplexOrderInput) else None
-    rotation = _rotation_plan(spec.rotation) if spec.rotation else None
-    bias = _bias_plan(spec.bias) if spec.bias else None
-    untied = _untied_plan(spec.untied) if spec.untied else None
-    relative = _relative_plan(spec)
-    blocks = []
-    if absolute_table is not None:
-        blocks.append("absolute_table")
-    if untied is not None:
-        blocks.append("untied_absolute")
-    if complex_order is not None:
-        blocks.append("complex_order")
-    if rotation is not None:
-        blocks.append("rotation")
-    if bias is not None:
-        blocks.append(bias.kind)
-    if relative is not None:
-        blocks.append("relative_table")
-    if rotation is not None:
+    if isinstance(form, TableInput):
+        blocks.append(_absolute_table_plan(form))
+    elif isinstance(form, ComplexOrderInput):
+        blocks.append(_complex_order_plan(form))
+    if spec.rotation is not None:
         rotary_dim_for(spec.defaults.head_dim, spec.rotation.rotary_dims.fraction)
+        blocks.append(_rotation_plan(spec.rotation))
+    bias = _bias_plan(spec.bias, spec.untied) if spec.bias is not None else None
+    if bias is not None:
+        blocks.append(bias)
+    if spec.untied is not None:
+        blocks.append(_untied_plan(spec.untied, bias))
+    relative = _relative_plan(spec, has_bias=bias is not None or spec.untied is not None)
+    if relative is not None:
+        blocks.append(relative)
+    return tuple(blocks)
+
+
+def _flags(blocks: tuple[Block, ...]) -> tuple[tuple[str, bool], ...]:
+    """The composition flags the runtime's PositionalAttention reads."""
+    untied = any(isinstance(block, UntiedPlan) for block in blocks)
+    bias = next((b for b in blocks if isinstance(b, (SlopeBiasPlan, TableBiasPlan))), None)
+    relative = next((b for b in blocks if isinstance(b, RelativePlan)), None)
+    has_position_bias = untied or bias is not None
+    return (
+        ("checks_heads", has_position_bias or relative is not None),
+        ("has_position_bias", has_position_bias),
+        (
+            "position_bias_inside_scale",
+            not untied and bias is not None and bias.placement == "before_scale",
+        ),
+        ("has_rotation", any(isinstance(block, RotationPlan) for block in blocks)),
+        ("has_relative_terms", relative is not None),
+        ("has_value_term", relative is not None and relative.values is not None),
+    )
+
+
+def _arguments(spec: Spec, blocks: tuple[Block, ...]) -> tuple[ConstructorArgument, ...]:
+    """Constructor arguments beside heads and head_dim, with their docstring lines."""
+    arguments: list[ConstructorArgument] = []
+    model_dim = spec.defaults.model_dim
+    if model_dim:
+        if any(isinstance(block, UntiedPlan) for block in blocks):
+            doc = "width of the untied position table, projected to heads * head_dim."
+        elif any(isinstance(block, (AbsoluteTablePlan, ComplexOrderPlan)) for block in blocks):
+            doc = "width of the token embeddings that ``embed`` adds positions to."
+        else:
+            doc = "width of the model-space relative position table."
+        arguments.append(ConstructorArgument("model_dim", "int", model_dim, doc))
+    relative = next((b for b in blocks if isinstance(b, RelativePlan)), None)
+    if relative is not None and relative.values is not None:
+        doc = "width of v and of the value-side table (default head_dim)."
+        arguments.append(ConstructorArgument("value_dim", "int | None", None, doc))
+    return tuple(arguments)
+
+
+def build_plan(spec: Spec, spec_file: str, spec_sha256: str) -> ModulePlan:
+    """Resolve a validated spec into the plan that templates render.
+
+    ``spec_file`` is the spec's file name alone (no folder), so that the generated
+    bytes depend only on the spec's name and content.
+    """
+    module_name = identifier(spec.name)
+    blocks = _blocks(spec)
     return ModulePlan(
         module_name=module_name,
         class_name=class_name_for(module_name),
-        spec_path=python_string(str(spec_path)),
+        spec_file=spec_file,
         spec_sha256=choice_hex(spec_sha256),
-        title_lines=docstring_lines(spec.title),
-        reference_lines=[docstring_lines(ref, DOCSTRING_WIDTH - 6) for ref in spec.references],
-        model_lines=docstring_lines(", ".join(spec.models)) if spec.models else [],
-        decomposition_lines=decomposition_table(term_lines(spec) + value_lines(spec)),
-        input_lines=docstring_lines(input_description(spec) or "", DOCSTRING_WIDTH - 4),
-        heads=literal(spec.defaults.heads),
-        head_dim=literal(spec.defaults.head_dim),
-        model_dim=literal(spec.defaults.model_dim) if spec.defaults.model_dim else None,
-        scale_kind=choice(spec.scale.kind, ("none", "inv_sqrt_head_dim")),
-        scale_factor=literal(float(spec.scale.factor)),
+        title_lines=tuple(docstring_lines(spec.title)),
+        reference_lines=tuple(
+            tuple(docstring_lines(ref, DOCSTRING_WIDTH - 6)) for ref in spec.references
+        ),
+        model_lines=tuple(docstring_lines(", ".join(spec.models))) if spec.models else (),
+        decomposition_lines=tuple(decomposition_table(term_lines(spec) + value_lines(spec))),
+        input_lines=tuple(docstring_lines(input_description(spec) or "", DOCSTRING_WIDTH - 4)),
         scale_text=" ".join(docstring_lines(scale_description(spec), 10_000)),
-        absolute_table=absolute_table,
-        rotation=rotation,
-        bias=bias,
-        relative=relative,
+        heads=spec.defaults.heads,
+        head_dim=spec.defaults.head_dim,
+        scale_factor=None if spec.scale.kind == "none" else float(spec.scale.factor),
+        arguments=_arguments(spec, blocks),
         blocks=blocks,
-        untied=untied,
-        complex_order=complex_order,
+        flags=_flags(blocks),
     )
 
 

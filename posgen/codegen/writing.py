@@ -6,24 +6,31 @@ import difflib
 import os
 import tempfile
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePath
 
 from posgen.codegen.plan import ModulePlan, build_plan
-from posgen.codegen.render import GENERATED_MARKER, render_module, render_registry
+from posgen.codegen.render import (
+    GENERATED_MARKER,
+    RUNTIME_FILE,
+    render_module,
+    render_registry,
+    render_runtime,
+)
 from posgen.spec.loader import LoadedSpec
 
 REGISTRY_FILE = "__init__.py"
 
 
 def plan_for(loaded: LoadedSpec) -> ModulePlan:
-    """The plan of one loaded spec."""
-    return build_plan(loaded.spec, loaded.display_path, loaded.sha256)
+    """The plan of one loaded spec (named by its file name alone, never by a folder)."""
+    return build_plan(loaded.spec, PurePath(loaded.display_path).name, loaded.sha256)
 
 
 def render_tree(specs: list[LoadedSpec], with_registry: bool = True) -> dict[str, str]:
-    """File name → source for every module (and the registry), sorted by name."""
+    """File name → source for the runtime, every module and the registry, sorted by name."""
     plans = [plan_for(loaded) for loaded in specs]
     tree = {f"{plan.module_name}.py": render_module(plan) for plan in plans}
+    tree[RUNTIME_FILE] = render_runtime()
     if with_registry:
         tree[REGISTRY_FILE] = render_registry(plans)
     return dict(sorted(tree.items()))

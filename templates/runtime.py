@@ -1,0 +1,608 @@
+"""The attention runtime shared by every posgen encoding module.
+
+``posgen generate`` copies this file, byte for byte after its header, into
+``generated/_attention.py``; each generated encoding subclasses ``PositionalAttention``
+and adds only what is its own (parameters, position terms, rotation). ``posgen generate
+--standalone`` inlines it into a single file.
+
+The logits of query i and key j are the sum of the terms an encoding keeps:
+
+    a_ij = scale * (R_i q_i) . (R_j k_j)          content (rotated where the encoding rotates)
+         + b_h(i, j)                              position-only bias (scaled when inside)
+         + relative terms x . P(R)[index(i, j)]   content-dependent relative terms
+
+and the output is softmax(a + masks) @ v (plus a value-side term where the encoding has
+one). Positions are int64 [seq] or [batch, seq]; keys default to 0 .. M - 1 and queries
+to the last N key positions, as with a KV cache.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+BACKENDS = ("auto", "eager", "sdpa")
+CACHE_SIZE = 8  # shape-keyed caches keep this many most recent entries
+
+
+def compute_dtype(x: Tensor) -> torch.dtype:
+    """float64 inputs are computed in float64; everything else in float32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def positive_int(value: int, name: str) -> int:
+    """``value`` if it is a positive int (not a bool), else ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def check_attention_inputs(
+    q: Tensor, k: Tensor, v: Tensor | None, heads: int | None, head_dim: int
+) -> None:
+    """Raise ValueError unless q, k (and v) are [batch, heads, seq, dim] float tensors."""
+    named = (("q", q), ("k", k)) if v is None else (("q", q), ("k", k), ("v", v))
+    for name, tensor in named:
+        if not isinstance(tensor, Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dim() != 4:
+            raise ValueError(
+                f"{name} must have shape [batch, heads, seq, head_dim], got {list(tensor.shape)}"
+            )
+        if not tensor.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {tensor.dtype}")
+        if tensor.dtype != q.dtype or tensor.device != q.device:
+            raise ValueError(
+                f"q, k and v must share dtype and device: q is {q.dtype} on {q.device}, "
+                f"{name} is {tensor.dtype} on {tensor.device}"
+            )
+        if tensor.shape[0] != q.shape[0]:
+            raise ValueError(
+                f"batch sizes differ: q has {q.shape[0]}, {name} has {tensor.shape[0]}"
+            )
+        if tensor.shape[1] != q.shape[1]:
+            raise ValueError(
+                f"head counts differ: q has {q.shape[1]}, {name} has {tensor.shape[1]}"
+            )
+    if heads is not None and q.shape[1] != heads:
+        raise ValueError(f"expected {heads} heads (dim 1), got {q.shape[1]}")
+    for name, tensor in (("q", q), ("k", k)):
+        if tensor.shape[-1] != head_dim:
+            raise ValueError(
+                f"{name} must have head_dim {head_dim} (last dim), got {tensor.shape[-1]}"
+            )
+    if v is not None and v.shape[2] != k.shape[2]:
+        raise ValueError(f"k and v must have the same length, got {k.shape[2]} and {v.shape[2]}")
+
+
+def check_positions(
+    positions: Tensor | None, length: int, batch: int | None, name: str, device: torch.device
+) -> Tensor | None:
+    """Validate explicit positions: integers >= 0, shape [length] or [batch, length]."""
+    if positions is None:
+        return None
+    if not isinstance(positions, Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(positions).__name__}")
+    if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
+        raise ValueError(f"{name} must hold integer positions (int64), got {positions.dtype}")
+    if positions.dim() not in (1, 2) or positions.shape[-1] != length:
+        raise ValueError(
+            f"{name} must have shape [{length}] or [batch, {length}], got {list(positions.shape)}"
+        )
+    if positions.dim() == 2 and batch is not None and positions.shape[0] not in (1, batch):
+        raise ValueError(f"{name} has batch {positions.shape[0]}, inputs have batch {batch}")
+    if positions.numel() and bool((positions < 0).any()):
+        raise ValueError(f"{name} must be non-negative, got minimum {int(positions.min())}")
+    return positions.to(device=device, dtype=torch.int64)
+
+
+def check_position_pair(
+    q_positions: Tensor | None,
+    k_positions: Tensor | None,
+    n: int,
+    m: int,
+    batch: int | None,
+    device: torch.device,
+) -> tuple[Tensor | None, Tensor | None]:
+    """Validate both position tensors and resolve the queries' default.
+
+    Without q_positions the queries are the last N keys: k_positions[..., M - N:] when
+    key positions are given, M - N, ..., M - 1 otherwise (both None stays None, the
+    cacheable default). N > M then has no default and raises ValueError.
+    """
+    q_positions = check_positions(q_positions, n, batch, "q_positions", device)
+    k_positions = check_positions(k_positions, m, batch, "k_positions", device)
+    if q_positions is None and n > m:
+        raise ValueError(
+            f"{n} queries but {m} keys: the default query positions are the last N key "
+            "positions, so N > M needs explicit q_positions"
+        )
+    if q_positions is None and k_positions is not None:
+        q_positions = k_positions[..., m - n :]  # the queries are the newest keys
+    if (
+        q_positions is not None
+        and k_positions is not None
+        and q_positions.dim() == 2
+        and k_positions.dim() == 2
+        and q_positions.shape[0] != k_positions.shape[0]
+        and 1 not in (q_positions.shape[0], k_positions.shape[0])
+    ):
+        raise ValueError(
+            f"q_positions has batch {q_positions.shape[0]}, k_positions has batch "
+            f"{k_positions.shape[0]}"
+        )
+    return q_positions, k_positions
+
+
+def score_bias_positions(
+    q_positions: Tensor, k_positions: Tensor, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """The explicit positions score_bias needs, validated: int64 [N] / [batch, N], [M] / ..."""
+    for name, positions in (("q_positions", q_positions), ("k_positions", k_positions)):
+        if not isinstance(positions, Tensor) or positions.dim() not in (1, 2):
+            got = list(positions.shape) if isinstance(positions, Tensor) else positions
+            raise ValueError(f"score_bias needs {name} of shape [seq] or [batch, seq], got {got!r}")
+    n, m = q_positions.shape[-1], k_positions.shape[-1]
+    checked_q, checked_k = check_position_pair(q_positions, k_positions, n, m, None, device)
+    assert checked_q is not None and checked_k is not None  # both were given
+    return checked_q, checked_k
+
+
+def cache_get(cache: dict[tuple[Any, ...], Any], key: tuple[Any, ...]) -> Any:
+    """The cached value for key (a tensor or a tuple of them), or None.
+
+    An entry made under torch.inference_mode() is dropped when autograd is active now:
+    inference tensors cannot be saved for backward. A hit becomes the most recent entry.
+    """
+    value = cache.pop(key, None)
+    if value is None:
+        return None
+    tensors = value if isinstance(value, tuple) else (value,)
+    if not torch.is_inference_mode_enabled() and any(
+        isinstance(t, Tensor) and t.is_inference() for t in tensors
+    ):
+        return None
+    cache[key] = value  # dict order is recency order
+    return value
+
+
+def cache_put(cache: dict[tuple[Any, ...], Any], key: tuple[Any, ...], value: Any) -> Any:
+    """Store value as the most recent entry, keeping the CACHE_SIZE most recent ones."""
+    cache.pop(key, None)
+    cache[key] = value
+    while len(cache) > CACHE_SIZE:
+        del cache[next(iter(cache))]  # least recently used first
+    return value
+
+
+def masked_softmax(logits: Tensor) -> Tensor:
+    """softmax over the last dim; a row whose every key is masked gives zeros (as SDPA).
+
+    A fully masked row has max logit -inf; it is zeroed before and after the softmax so
+    neither the output nor the gradient carries NaN.
+    """
+    if logits.shape[-1] == 0:
+        return torch.softmax(logits, dim=-1)
+    dead = logits.amax(dim=-1, keepdim=True) == float("-inf")  # [..., N, 1]
+    weights = torch.softmax(logits.masked_fill(dead, 0.0), dim=-1)
+    return weights.masked_fill(dead, 0.0)
+
+
+def positions_or_default(
+    positions: Tensor | None, start: int, length: int, device: torch.device
+) -> Tensor:
+    """Explicit positions, or start, start + 1, ..., start + length - 1."""
+    if positions is not None:
+        return positions
+    return torch.arange(start, start + length, device=device)
+
+
+def causal_allowed(
+    q_positions: Tensor | None, k_positions: Tensor | None, n: int, m: int, device: torch.device
+) -> Tensor:
+    """True where key position <= query position: [n, m], or [batch, 1, n, m]."""
+    q_pos = positions_or_default(q_positions, m - n, n, device)
+    k_pos = positions_or_default(k_positions, 0, m, device)
+    allowed = k_pos.unsqueeze(-2) <= q_pos.unsqueeze(-1)  # [..., n, m]
+    return allowed.unsqueeze(1) if allowed.dim() == 3 else allowed
+
+
+def relative_positions(
+    q_positions: Tensor | None, k_positions: Tensor | None, n: int, m: int, device: torch.device
+) -> Tensor:
+    """Key position minus query position: [n, m], or [batch, n, m] for batched positions."""
+    q_pos = positions_or_default(q_positions, m - n, n, device)
+    k_pos = positions_or_default(k_positions, 0, m, device)
+    return k_pos.unsqueeze(-2) - q_pos.unsqueeze(-1)
+
+
+def check_attn_mask(attn_mask: Tensor | None, q: Tensor, m: int) -> Tensor | None:
+    """attn_mask: bool (True = attend) or additive float, broadcastable to [B, H, N, M]."""
+    if attn_mask is None:
+        return None
+    if not isinstance(attn_mask, Tensor):
+        raise ValueError(f"attn_mask must be a torch.Tensor, got {type(attn_mask).__name__}")
+    if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+        raise ValueError(f"attn_mask must be bool or floating point, got {attn_mask.dtype}")
+    target = (q.shape[0], q.shape[1], q.shape[2], m)
+    try:
+        torch.broadcast_shapes(attn_mask.shape, target)
+    except RuntimeError:
+        raise ValueError(
+            f"attn_mask of shape {list(attn_mask.shape)} does not broadcast to {list(target)}"
+        ) from None
+    if attn_mask.dim() > 4:
+        raise ValueError(f"attn_mask must have at most 4 dims, got {attn_mask.dim()}")
+    return attn_mask.to(q.device)
+
+
+def apply_masks(logits: Tensor, allowed: Tensor | None, attn_mask: Tensor | None) -> Tensor:
+    """Add masks to float logits: -inf where not allowed, plus an additive attn_mask."""
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            logits = logits.masked_fill(~attn_mask, float("-inf"))
+        else:
+            logits = logits + attn_mask.to(logits.dtype)
+    return logits
+
+
+def sum_into_new(parts: list[Tensor]) -> Tensor:
+    """The sum of broadcastable tensors as one freshly allocated tensor (summed in place).
+
+    The largest part comes first so that every later one broadcasts into it.
+    """
+    parts = sorted(parts, key=lambda part: part.dim(), reverse=True)
+    total = parts[0] + parts[1] if len(parts) > 1 else parts[0].clone()
+    for part in parts[2:]:
+        total.add_(part)
+    return total
+
+
+def block_fresh(scores: Tensor, allowed: Tensor) -> Tensor:
+    """-inf where not allowed, in place when the freshly made ``scores`` has the full shape."""
+    if torch.broadcast_shapes(scores.shape, allowed.shape) == scores.shape:
+        return scores.masked_fill_(~allowed, float("-inf"))
+    return scores.masked_fill(~allowed, float("-inf"))
+
+
+class PositionalAttention(nn.Module):
+    """Attention whose logits are the sum of an encoding's terms; subclassed per encoding.
+
+    A generated encoding sets the composition flags below (decided by posgen's plan) and
+    overrides the hooks it needs: ``embed`` (input-level positions), ``_rotate``
+    (rotary part), ``_position_bias`` and ``score_bias`` (position-only bias),
+    ``_relative_terms`` (content-dependent relative terms) and ``_value_term``.
+
+    Args:
+        heads: number of attention heads.
+        head_dim: features per head.
+        scale_factor: the logits are scaled by 1 / sqrt(scale_factor * head_dim); None
+            leaves them unscaled.
+    """
+
+    #: the position terms are per head, so q must have ``heads`` heads
+    checks_heads: bool = False
+    #: a position-only bias [heads, N, M] enters the logits
+    has_position_bias: bool = False
+    #: that bias is added inside the scale: (q . k + b) * scale, so it is scaled too
+    position_bias_inside_scale: bool = False
+    #: the rotary part changes q and k
+    has_rotation: bool = False
+    #: content-dependent relative terms enter the logits
+    has_relative_terms: bool = False
+    #: a value-side term is added to the output (needs the attention weights)
+    has_value_term: bool = False
+
+    def __init__(self, heads: int, head_dim: int, scale_factor: float | None) -> None:
+        super().__init__()
+        self.heads = positive_int(heads, "heads")
+        self.head_dim = positive_int(head_dim, "head_dim")
+        self.scale = 1.0 if scale_factor is None else 1.0 / math.sqrt(scale_factor * self.head_dim)
+        self._cache: dict[tuple[Any, ...], Any] = {}  # see cache_put
+
+    def extra_repr(self) -> str:
+        return f"heads={self.heads}, head_dim={self.head_dim}, scale={self.scale:.6g}"
+
+    # ------------------------------------------------------------------ encoding hooks
+
+    def embed(self, x: Tensor, positions: Tensor | None = None) -> Tensor:
+        """Input-level positions: none for this encoding (identity)."""
+        return x
+
+    def rotate(
+        self,
+        q: Tensor,
+        k: Tensor,
+        q_positions: Tensor | None = None,
+        k_positions: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """Rotate q [batch, heads, N, head_dim] and k [batch, heads, M, head_dim].
+
+        Positions default to 0, ..., M - 1 for k and to the last N key positions for q
+        (N > M needs explicit q_positions). The outputs keep the input dtype; without a
+        rotary part they are q and k themselves.
+        """
+        check_attention_inputs(q, k, None, None, self.head_dim)
+        n, m = q.shape[2], k.shape[2]
+        q_positions, k_positions = check_position_pair(
+            q_positions, k_positions, n, m, q.shape[0], q.device
+        )
+        return self._rotate(q, k, q_positions, k_positions)
+
+    def _rotate(
+        self, q: Tensor, k: Tensor, q_positions: Tensor | None, k_positions: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        return q, k
+
+    def score_bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor | None:
+        """Position-only score bias: none for this encoding."""
+        return None
+
+    def _position_bias(
+        self,
+        q_positions: Tensor | None,
+        k_positions: Tensor | None,
+        n: int,
+        m: int,
+        device: torch.device,
+    ) -> Tensor | None:
+        return None
+
+    def _relative_terms(
+        self,
+        q: Tensor,
+        k: Tensor,
+        q_positions: Tensor | None,
+        k_positions: Tensor | None,
+        dtype: torch.dtype,
+    ) -> dict[str, Tensor]:
+        return {}
+
+    def _value_term(
+        self, weights: Tensor, q_positions: Tensor | None, k_positions: Tensor | None
+    ) -> Tensor:
+        raise NotImplementedError("this encoding has no value-side term")
+
+    def _check_value_width(self, v: Tensor) -> None:
+        """Encodings with a value-side table check v's last dim here."""
+
+    # ------------------------------------------------------------------ logits
+
+    def score_terms(
+        self,
+        q: Tensor,
+        k: Tensor,
+        *,
+        q_positions: Tensor | None = None,
+        k_positions: Tensor | None = None,
+    ) -> dict[str, Tensor]:
+        """The non-zero terms of the logits, each as it enters the sum.
+
+        q: [batch, heads, N, head_dim], k: [batch, heads, M, head_dim]. Content terms
+        are [batch, heads, N, M]; position-only terms are [heads, N, M] (or
+        [batch, heads, N, M] for batched positions) and broadcast over the batch. All
+        are float32, or float64 for float64 inputs.
+        """
+        check_attention_inputs(q, k, None, self._expected_heads(), self.head_dim)
+        n, m = q.shape[2], k.shape[2]
+        q_positions, k_positions = check_position_pair(
+            q_positions, k_positions, n, m, q.shape[0], q.device
+        )
+        # the oracle: float32 (float64 for float64 inputs) even under autocast
+        with torch.autocast(device_type=q.device.type, enabled=False):
+            return self._score_terms_exact(q, k, q_positions, k_positions)
+
+    def _expected_heads(self) -> int | None:
+        return self.heads if self.checks_heads else None
+
+    def _score_terms_exact(
+        self, q: Tensor, k: Tensor, q_positions: Tensor | None, k_positions: Tensor | None
+    ) -> dict[str, Tensor]:
+        if self.has_rotation:
+            q, k = self._rotate(q, k, q_positions, k_positions)
+        dtype = compute_dtype(q)
+        content = torch.matmul(q.to(dtype), k.to(dtype).transpose(-2, -1))  # [B, H, N, M]
+        terms = {"content_content": content * self.scale}
+        if self.has_position_bias:
+            bias = self._position_bias(q_positions, k_positions, q.shape[2], k.shape[2], q.device)
+            assert bias is not None  # has_position_bias
+            bias = bias.to(dtype)
+            if self.position_bias_inside_scale:
+                bias = bias * self.scale
+            terms["position_position"] = bias
+        if self.has_relative_terms:
+            terms.update(self._relative_terms(q, k, q_positions, k_positions, dtype))
+        return terms
+
+    def scores(
+        self,
+        q: Tensor,
+        k: Tensor,
+        *,
+        q_positions: Tensor | None = None,
+        k_positions: Tensor | None = None,
+    ) -> Tensor:
+        """Pre-softmax logits, the sum of ``score_terms``: [batch, heads, N, M].
+
+        Computed in float32 (float64 for float64 inputs).
+        """
+        terms = self.score_terms(q, k, q_positions=q_positions, k_positions=k_positions)
+        logits = terms.pop("content_content")
+        for term in terms.values():
+            logits = logits + term
+        return logits
+
+    # ------------------------------------------------------------------ attention
+
+    def forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        q_positions: Tensor | None = None,
+        k_positions: Tensor | None = None,
+        causal: bool = False,
+        attn_mask: Tensor | None = None,
+        backend: str = "auto",
+    ) -> Tensor:
+        """Attention with this encoding: softmax(logits + masks) @ v.
+
+        Args:
+            q: [batch, heads, N, head_dim] queries.
+            k: [batch, heads, M, head_dim] keys.
+            v: [batch, heads, M, value_dim] values.
+            q_positions: int64 [N] or [batch, N]; default the last N key positions
+                (k_positions[..., M - N:], or M - N, ..., M - 1), as with a KV cache.
+                N > M needs them explicitly.
+            k_positions: int64 [M] or [batch, M]; default 0, ..., M - 1.
+            causal: mask keys whose position is greater than the query's.
+            attn_mask: bool (True = attend) or additive float mask, broadcastable to
+                [batch, heads, N, M].
+            backend: "eager" (term by term, the reference), "sdpa"
+                (F.scaled_dot_product_attention with a materialised bias) or "auto"
+                (sdpa, or eager where a value-side term needs the weights).
+
+        Returns:
+            [batch, heads, N, value_dim] in the dtype of v. A query row whose every key
+            is masked (by ``causal`` or ``attn_mask``) is all zeros on every backend, as
+            F.scaled_dot_product_attention gives.
+        """
+        check_attention_inputs(q, k, v, self._expected_heads(), self.head_dim)
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        n, m = q.shape[2], k.shape[2]
+        q_positions, k_positions = check_position_pair(
+            q_positions, k_positions, n, m, q.shape[0], q.device
+        )
+        attn_mask = check_attn_mask(attn_mask, q, m)
+        self._check_value_width(v)
+        # a value-side term needs the attention weights, which SDPA does not return, so
+        # "auto" takes the eager path for it (one softmax instead of two)
+        eager = backend == "eager" or (backend == "auto" and self.has_value_term)
+        if eager:
+            return self._eager_attention(q, k, v, q_positions, k_positions, causal, attn_mask)
+        return self._sdpa_attention(q, k, v, q_positions, k_positions, causal, attn_mask)
+
+    def _eager_attention(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        q_positions: Tensor | None,
+        k_positions: Tensor | None,
+        causal: bool,
+        attn_mask: Tensor | None,
+    ) -> Tensor:
+        """The literal decomposition in float32 (float64 for float64 inputs): the oracle."""
+        n, m = q.shape[2], k.shape[2]
+        with torch.autocast(device_type=q.device.type, enabled=False):
+            terms = self._score_terms_exact(q, k, q_positions, k_positions)
+            logits = terms.pop("content_content")
+            for term in terms.values():
+                logits = logits + term  # [B, H, N, M]
+            allowed = causal_allowed(q_positions, k_positions, n, m, q.device) if causal else None
+            weights = masked_softmax(apply_masks(logits, allowed, attn_mask))
+            out = torch.matmul(weights, v.to(weights.dtype))  # [B, H, N, value_dim]
+            if self.has_value_term:
+                out = out + self._value_term(weights, q_positions, k_positions)
+        return out.to(v.dtype)
+
+    def _sdpa_attention(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        q_positions: Tensor | None,
+        k_positions: Tensor | None,
+        causal: bool,
+        attn_mask: Tensor | None,
+    ) -> Tensor:
+        """F.scaled_dot_product_attention with the position terms as an additive mask."""
+        if self.has_rotation:
+            q, k = self._rotate(q, k, q_positions, k_positions)
+        if self.has_relative_terms:
+            return self._sdpa_relative(q, k, v, q_positions, k_positions, causal, attn_mask)
+        n, m = q.shape[2], k.shape[2]
+        if self.has_position_bias:
+            mask = self._sdpa_bias(q_positions, k_positions, n, m, q.device, q.dtype, causal)
+            if attn_mask is not None:
+                mask = apply_masks(mask, None, attn_mask)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        default_positions = q_positions is None and k_positions is None
+        if causal and default_positions and n == m and attn_mask is None:
+            # keys 0..M-1 and queries 0..N-1: SDPA's own causal mask, no mask tensor
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        allowed = causal_allowed(q_positions, k_positions, n, m, q.device) if causal else None
+        mask: Tensor | None = allowed
+        if attn_mask is not None:
+            if allowed is None:
+                mask = attn_mask if attn_mask.dtype == torch.bool else attn_mask.to(q.dtype)
+            elif attn_mask.dtype == torch.bool:
+                mask = allowed & attn_mask
+            else:
+                mask = apply_masks(attn_mask.to(q.dtype), allowed, None)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+
+    def _sdpa_relative(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        q_positions: Tensor | None,
+        k_positions: Tensor | None,
+        causal: bool,
+        attn_mask: Tensor | None,
+    ) -> Tensor:
+        """SDPA with the relative terms (they depend on q and k) materialised as the mask."""
+        n, m = q.shape[2], k.shape[2]
+        dtype = compute_dtype(q)
+        parts = list(self._relative_terms(q, k, q_positions, k_positions, dtype).values())
+        if self.has_position_bias:
+            bias = self._position_bias(q_positions, k_positions, n, m, q.device)
+            assert bias is not None  # has_position_bias
+            bias = bias.to(dtype)
+            if self.position_bias_inside_scale:
+                bias = bias * self.scale
+            parts.append(bias)
+        if parts:
+            mask = sum_into_new(parts)  # [B, H, N, M], a fresh tensor
+        else:
+            mask = torch.zeros((n, m), dtype=dtype, device=q.device)
+        if causal:
+            allowed = causal_allowed(q_positions, k_positions, n, m, q.device)
+            mask = block_fresh(mask, allowed)
+        mask = apply_masks(mask, None, attn_mask)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), scale=self.scale)
+        if self.has_value_term:
+            # the value term needs the weights, which SDPA does not return: form them again
+            content = torch.matmul(q.to(dtype), k.to(dtype).transpose(-2, -1)) * self.scale
+            weights = masked_softmax(content + mask)  # [B, H, N, M]
+            out = out.to(dtype) + self._value_term(weights, q_positions, k_positions)
+        return out.to(v.dtype)
+
+    def _sdpa_bias(
+        self,
+        q_positions: Tensor | None,
+        k_positions: Tensor | None,
+        n: int,
+        m: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        causal: bool,
+    ) -> Tensor:
+        """Additive mask for SDPA: the (scaled) position bias with -inf where masked."""
+        bias = self._position_bias(q_positions, k_positions, n, m, device)
+        assert bias is not None  # has_position_bias
+        if self.position_bias_inside_scale:
+            bias = bias * self.scale  # SDPA scales q.k only; this bias sits inside the scale
+        allowed = causal_allowed(q_positions, k_positions, n, m, device) if causal else None
+        mask = apply_masks(bias, allowed, None).to(dtype)
+        # SDPA's CPU kernels take a 4-D mask directly; a 3-D one is ~3x slower (measured)
+        return mask.unsqueeze(0) if mask.dim() == 3 else mask  # [1 or B, H, N, M]

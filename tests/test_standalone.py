@@ -1,0 +1,80 @@
+"""A standalone module (runtime inlined) behaves exactly as the packaged one."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from posgen.codegen.render import render_standalone
+from posgen.codegen.writing import plan_for
+from posgen.spec.loader import load_spec
+from tests.conftest import ROOT, SPECS, generated_class, spec_names
+
+RUFF = shutil.which("ruff")
+CHECKED = ["alibi", "t5", "rope_gptj", "shaw", "transformer_xl", "tupe_r", "floater"]
+
+
+def _write_standalone(name: str, folder: Path) -> Path:
+    path = folder / f"standalone_{name}.py"
+    path.write_text(render_standalone(plan_for(load_spec(SPECS / f"{name}.yaml"))), "utf-8")
+    return path
+
+
+def _import_file(path: Path) -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", CHECKED)
+def test_standalone_file_matches_the_packaged_module(name: str, tmp_path: Path) -> None:
+    module = _import_file(_write_standalone(name, tmp_path))
+    (class_name,) = module.__all__
+    packaged_cls = generated_class(name)
+    assert class_name == packaged_cls.__name__
+    packaged = packaged_cls(heads=2, head_dim=8).double()
+    standalone = getattr(module, class_name)(heads=2, head_dim=8).double()
+    standalone.load_state_dict(packaged.state_dict())  # the same weight layout
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 2, 5, 8, generator=generator, dtype=torch.float64)
+    k = torch.randn(2, 2, 6, 8, generator=generator, dtype=torch.float64)
+    v = torch.randn(2, 2, 6, 8, generator=generator, dtype=torch.float64)
+    for backend in ("eager", "sdpa"):
+        for causal in (False, True):
+            want = packaged(q, k, v, causal=causal, backend=backend)
+            got = standalone(q, k, v, causal=causal, backend=backend)
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_standalone_imports_only_torch_and_the_standard_library(tmp_path: Path) -> None:
+    source = _write_standalone("deberta", tmp_path).read_text("utf-8")
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            assert node.level == 0, "a standalone file has no sibling runtime"
+            assert (node.module or "").split(".")[0] in ("__future__", "typing", "torch")
+        elif isinstance(node, ast.Import):
+            assert {alias.name.split(".")[0] for alias in node.names} <= {"math", "torch"}
+    assert "class PositionalAttention(nn.Module):" in source
+
+
+@pytest.mark.skipif(RUFF is None, reason="ruff (the pinned dev dependency) is not installed")
+def test_standalone_files_are_ruff_clean(tmp_path: Path) -> None:
+    for name in spec_names():
+        _write_standalone(name, tmp_path)
+    config = str(ROOT / "pyproject.toml")
+    for command in (["format", "--check"], ["check"]):
+        result = subprocess.run(
+            [RUFF, *command, "--config", config, str(tmp_path)], capture_output=True, text=True
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
