@@ -74,7 +74,10 @@ def _generate_with_hash_seed(seed: str, out: Path) -> dict[str, bytes]:
     env = {**os.environ, "PYTHONHASHSEED": seed}
     subprocess.run(
         [sys.executable, "-m", "posgen", "generate", "--out", str(out)],
-        cwd=ROOT, env=env, check=True, capture_output=True,
+        cwd=ROOT,
+        env=env,
+        check=True,
+        capture_output=True,
     )
     return {p.name: p.read_bytes() for p in sorted(out.glob("*.py"))}
 
@@ -140,7 +143,10 @@ def test_an_invalid_spec_writes_nothing(tmp_path: Path) -> None:
     (repo / "specs" / "broken.yaml").write_text("name: broken\ntitle: [\n")
     before = {p.name: p.read_bytes() for p in (repo / "generated").glob("*.py")}
     result = subprocess.run(
-        [sys.executable, "-m", "posgen", "generate"], cwd=repo, capture_output=True, text=True,
+        [sys.executable, "-m", "posgen", "generate"],
+        cwd=repo,
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 2
     assert "specs/broken.yaml:" in result.stderr and "Traceback" not in result.stderr

@@ -1,8 +1,10 @@
-"""The resolved decomposition: typed building blocks that the templates render.
+"""The resolved decomposition: the builders that turn a spec into typed blocks.
 
 A plan decides everything about how an encoding's terms compose: which blocks the
-module has, in which order they are built, which flags the shared runtime reads, which
-methods each block renders. Templates only iterate over the blocks and render values.
+module has (classes in ``posgen.codegen.blocks``, each naming its macro file), in which
+order they are built, which flags the shared runtime reads, which methods each block
+renders, and every convention inside a block, as a boolean or a small typed value.
+Templates only iterate over the blocks, test booleans and None, and render values.
 
 A plan holds only typed values, so no spec can inject code:
 - identifiers checked by ``posgen.spec.names.identifier``;
@@ -17,8 +19,38 @@ import json
 import math
 import re
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Literal
 
+from posgen.codegen.blocks import (
+    AbsoluteTablePlan,
+    Block,
+    BucketIndexPlan,
+    ClipIndexPlan,
+    ComplexOrderPlan,
+    DepthwiseConvPlan,
+    DistanceIndexPlan,
+    GlobalContentPlan,
+    HierarchicalTablePlan,
+    InputTable,
+    LearnedRelativeTablePlan,
+    LearnedTablePlan,
+    OdeTablePlan,
+    ProjectionPlan,
+    RelativeIndex,
+    RelativePlan,
+    RelativeTable,
+    RelativeTermPlan,
+    RotationPlan,
+    Side,
+    SinusoidalRelativeTablePlan,
+    SinusoidalTablePlan,
+    SlopeBiasPlan,
+    SymmetricLogIndexPlan,
+    TableBiasPlan,
+    TermName,
+    UntiedPlan,
+    ValueTermPlan,
+)
 from posgen.describe import (
     TermLine,
     input_description,
@@ -32,6 +64,7 @@ from posgen.spec.model import (
     DepthwiseConvTable,
     DistanceIndex,
     GlobalContentTerm,
+    GlobalPositionSpec,
     GlobalPositionTerm,
     HierarchicalTable,
     LearnedRelativeTable,
@@ -41,8 +74,11 @@ from posgen.spec.model import (
     LogBuckets,
     OdeTable,
     RelativeTerm,
+    RelativeTermSpec,
     RelativeValues,
     Rotation,
+    SinusoidalRelativeTable,
+    SinusoidalTable,
     Spec,
     SymmetricLogBuckets,
     TableInput,
@@ -124,188 +160,6 @@ def docstring_lines(text: str, width: int = DOCSTRING_WIDTH) -> list[str]:
     return lines
 
 
-# --------------------------------------------------------------------------- block plans
-#
-# Every field is a typed Python value (bool, int, float, None, a word from a fixed set,
-# or a tuple of those); templates render each through the one ``py`` filter
-# (``literal``). Each block class names the macro file that renders it; that file
-# exposes four macros, ``helpers`` (module level), ``init`` (constructor lines),
-# ``methods`` and ``weights`` (checkpoint notes for the docstring), each taking the
-# block.
-
-Pairing = Literal["half", "interleaved"]
-SinusoidLayout = Literal["interleaved", "split"]
-Sign = Literal["key_minus_query", "query_minus_key"]
-Placement = Literal["after_scale", "before_scale"]
-Projection = Literal["none", "key", "query", "relative"]
-
-
-@dataclass(frozen=True)
-class Block:
-    """A building block of a generated module; ``template`` is its macro file."""
-
-    template: ClassVar[str]
-
-
-@dataclass(frozen=True)
-class AbsoluteTablePlan(Block):
-    """An input-level table p combined with x (``embed``): x + p or x * p."""
-
-    template: ClassVar[str] = "blocks/absolute_table.jinja"
-    kind: Literal["learned", "sinusoidal", "hierarchical", "depthwise_conv", "ode"]
-    combine: Literal["add", "multiply"] = "add"
-    max_positions: int | None = None
-    init_std: float | None = None
-    init_mean: float = 0.0
-    base: float | None = None
-    layout: SinusoidLayout = "interleaved"
-    base_positions: int | None = None
-    alpha: float | None = None
-    kernel_size: int | None = None
-    hidden: int | None = None
-    activation: Literal["relu", "tanh", "gelu", "sigmoid"] = "relu"
-    integrator: Literal["euler", "rk4"] = "rk4"
-    position_step: float | None = None
-    steps_per_position: int | None = None
-    initial: Literal["learned", "zero"] = "zero"
-    padding: Literal["same", "causal"] = "same"
-    conv_bias: bool = True
-    conv_layout: Literal["sequence", "grid_2d"] = "sequence"
-
-
-@dataclass(frozen=True)
-class ComplexOrderPlan(Block):
-    """Complex word-order embeddings (``embed`` returns real and imaginary parts)."""
-
-    template: ClassVar[str] = "blocks/complex_order.jinja"
-    learned: bool  # module-owned per-feature frequency and phase
-    frequency_base: float | None = None
-
-
-@dataclass(frozen=True)
-class RotationPlan(Block):
-    """Rotary position embedding of q and k."""
-
-    template: ClassVar[str] = "blocks/rotation.jinja"
-    base: float
-    pairing: Pairing
-    fraction: float
-
-
-@dataclass(frozen=True)
-class BucketIndexPlan:
-    """T5's log-spaced buckets of a signed relative position."""
-
-    buckets: int
-    max_distance: int
-    max_exact: int
-    bidirectional: bool
-    sign: Sign
-
-
-@dataclass(frozen=True)
-class SlopeBiasPlan(Block):
-    """bias[h, i, j] = -slope_h * |i - j| with ALiBi's geometric slopes."""
-
-    template: ClassVar[str] = "blocks/slope_bias.jinja"
-    placement: Placement
-    slopes: Literal["alibi_geometric"]
-    method: str = "_position_bias"  # the method that returns the [heads, N, M] bias
-    public: bool = True  # also render ``score_bias`` (False inside an untied term)
-
-
-@dataclass(frozen=True)
-class TableBiasPlan(Block):
-    """bias[h, i, j] = table[bucket(i, j), h], a trained scalar per (bucket, head)."""
-
-    template: ClassVar[str] = "blocks/bias_table.jinja"
-    placement: Placement
-    index: BucketIndexPlan
-    init_std: float
-    method: str = "_position_bias"
-    public: bool = True
-    spare_row: bool = False  # one extra row for the untied first-token reset
-    document_weights: bool = True  # False where the untied block documents the table
-
-
-@dataclass(frozen=True)
-class UntiedPlan(Block):
-    """TUPE's untied absolute term, with an optional relative bias beside it."""
-
-    template: ClassVar[str] = "blocks/untied_absolute.jinja"
-    max_positions: int
-    init_std: float
-    norm: Literal["none", "layer_norm"]
-    norm_eps: float
-    projection_bias: bool
-    first_token: Literal["shared", "reset"]
-    bias: SlopeBiasPlan | TableBiasPlan | None = None
-
-
-@dataclass(frozen=True)
-class RelativeIndexPlan:
-    kind: Literal["clip", "log_buckets", "distance"]
-    rows: int | None  # None for distance: as many rows as distances present
-    max_distance: int | None = None
-    buckets: int | None = None
-
-
-@dataclass(frozen=True)
-class RelativeTablePlan:
-    kind: Literal["learned", "sinusoidal"]
-    width: Literal["head_dim", "model_dim"]
-    per_head: bool = False
-    norm_eps: float | None = None
-    init_std: float | None = None
-    base: float | None = None
-    layout: SinusoidLayout = "split"
-
-
-@dataclass(frozen=True)
-class RelativeTermPlan:
-    """One term that reads the relative table: (query-side vector) . P(R)[index(r)]."""
-
-    term: Literal["content_position", "position_content", "position_position"]
-    side: Literal["query", "key", "global"]
-    sign: Sign
-    projection: Projection
-    placement: Placement
-    init_std: float = 0.02
-
-
-@dataclass(frozen=True)
-class GlobalContentPlan:
-    placement: Placement
-    init_std: float
-
-
-@dataclass(frozen=True)
-class ValueTermPlan:
-    sign: Sign
-    per_head: bool
-    init_std: float
-
-
-@dataclass(frozen=True)
-class RelativePlan(Block):
-    """Relative terms gathered from a table of relative rows, and a value term."""
-
-    template: ClassVar[str] = "blocks/relative_table.jinja"
-    index: RelativeIndexPlan | None
-    table: RelativeTablePlan | None
-    terms: tuple[RelativeTermPlan, ...]
-    global_content: GlobalContentPlan | None
-    values: ValueTermPlan | None
-    projections: tuple[Projection, ...]  # sorted projection words used (key, query, relative)
-    shift: bool  # distance index read with query_minus_key: the pad-and-reshape shift
-    renders_score_bias: bool  # its global position term is the module's position-only bias
-
-    @property
-    def position_only(self) -> RelativeTermPlan | None:
-        """The global position_position term, the only position-only relative term."""
-        return next((term for term in self.terms if term.side == "global"), None)
-
-
 @dataclass(frozen=True)
 class ConstructorArgument:
     """An encoding-specific constructor argument beside heads and head_dim."""
@@ -318,9 +172,11 @@ class ConstructorArgument:
 
 @dataclass(frozen=True)
 class ModulePlan:
+    """Everything module.py.jinja renders for one spec."""
+
     module_name: str
     class_name: str
-    spec_file: str  # the spec's file name: generated bytes never depend on the cwd
+    spec_file: str  # the spec's file name (printable ASCII): bytes never depend on the cwd
     spec_sha256: str  # validated lowercase hex
     title_lines: tuple[str, ...]
     reference_lines: tuple[tuple[str, ...], ...]
@@ -336,56 +192,69 @@ class ModulePlan:
     flags: tuple[tuple[str, bool], ...]  # PositionalAttention's composition flags
 
 
+# --------------------------------------------------------------------------- builders
+#
+# One builder per block: each reads the validated spec and computes every decision its
+# macro file needs, as a boolean or a small typed value (see posgen.codegen.blocks).
+
+# The layer that projects model_dim rows for each projection word, and whether it has
+# a bias; in this order (key, query, relative) the layers are built.
+PROJECTION_LAYERS: dict[Literal["key", "query", "relative"], tuple[str, bool]] = {
+    "key": ("pos_key_proj", True),
+    "query": ("pos_query_proj", True),
+    "relative": ("r_net", False),
+}
+
+
 def _complex_order_plan(form: ComplexOrderInput) -> ComplexOrderPlan:
     learned = form.module_parameters == "learned_per_feature"
     base = float(form.frequency_base) if form.frequency_base is not None else None
     return ComplexOrderPlan(learned=learned, frequency_base=base)
 
 
-def _absolute_table_plan(form: TableInput) -> AbsoluteTablePlan:
-    table = form.table
-    combine = form.kind
+def _ode_table_plan(table: OdeTable) -> OdeTablePlan:
+    return OdeTablePlan(
+        max_positions=table.max_positions,
+        init_std=float(table.init_std),
+        hidden=table.hidden,
+        activation=table.activation,
+        uses_rk4=table.integrator == "rk4",
+        position_step=float(table.position_step),
+        steps_per_position=table.steps_per_position,
+        learns_initial_position=table.initial == "learned",
+    )
+
+
+def _input_table_plan(
+    table: LearnedTable | SinusoidalTable | HierarchicalTable | DepthwiseConvTable | OdeTable,
+) -> InputTable:
+    """The variant plan of an input-level table, one class per table kind."""
     if isinstance(table, LearnedTable):
-        return AbsoluteTablePlan(
-            kind="learned",
-            combine=combine,
+        return LearnedTablePlan(
             max_positions=table.max_positions,
             init_std=float(table.init_std),
             init_mean=float(table.init_mean),
         )
     if isinstance(table, OdeTable):
-        return AbsoluteTablePlan(
-            kind="ode",
-            combine=combine,
-            max_positions=table.max_positions,
-            init_std=float(table.init_std),
-            hidden=table.hidden,
-            activation=table.activation,
-            integrator=table.integrator,
-            position_step=float(table.position_step),
-            steps_per_position=table.steps_per_position,
-            initial=table.initial,
-        )
+        return _ode_table_plan(table)
     if isinstance(table, DepthwiseConvTable):
-        return AbsoluteTablePlan(
-            kind="depthwise_conv",
-            combine=combine,
+        return DepthwiseConvPlan(
             kernel_size=table.kernel_size,
             padding=table.padding,
-            conv_bias=table.bias,
-            conv_layout=table.layout,
+            bias=table.bias,
+            grid_2d=table.layout == "grid_2d",
         )
     if isinstance(table, HierarchicalTable):
-        return AbsoluteTablePlan(
-            kind="hierarchical",
-            combine=combine,
+        return HierarchicalTablePlan(
             base_positions=table.base_positions,
             alpha=float(table.alpha),
             init_std=float(table.init_std),
         )
-    return AbsoluteTablePlan(
-        kind="sinusoidal", combine=combine, base=float(table.base), layout=table.layout
-    )
+    return SinusoidalTablePlan(base=float(table.base), layout=table.layout)
+
+
+def _absolute_table_plan(form: TableInput) -> AbsoluteTablePlan:
+    return AbsoluteTablePlan(table=_input_table_plan(form.table), multiply=form.kind == "multiply")
 
 
 def _rotation_plan(rotation: Rotation) -> RotationPlan:
@@ -402,7 +271,7 @@ def _bucket_plan(index: LogBuckets) -> BucketIndexPlan:
         max_distance=index.max_distance,
         max_exact=index.max_exact,
         bidirectional=index.bidirectional,
-        sign=index.sign,
+        key_minus_query=index.sign == "key_minus_query",
     )
 
 
@@ -410,13 +279,15 @@ def _bias_plan(
     bias: LinearSlopeBias | LearnedTableBias, untied: UntiedPositions | None
 ) -> SlopeBiasPlan | TableBiasPlan:
     """The bias block; beside an untied term it is read by that term, not by the runtime."""
-    method, public = ("_relative_bias", False) if untied is not None else ("_position_bias", True)
+    name, public = ("_relative_bias", False) if untied is not None else ("_position_bias", True)
+    method = identifier(name)
+    inside_scale = bias.placement == "before_scale"
     if isinstance(bias, LinearSlopeBias):
         return SlopeBiasPlan(
-            placement=bias.placement, slopes=bias.slopes, method=method, public=public
+            inside_scale=inside_scale, slopes=bias.slopes, method=method, public=public
         )
     return TableBiasPlan(
-        placement=bias.placement,
+        inside_scale=inside_scale,
         index=_bucket_plan(bias.index),
         init_std=float(bias.init_std),
         method=method,
@@ -427,120 +298,136 @@ def _bias_plan(
 
 
 def _untied_plan(untied: UntiedPositions, bias: SlopeBiasPlan | TableBiasPlan | None) -> UntiedPlan:
+    table = untied.table
+    if not isinstance(table, LearnedTable):
+        raise PlanError(f"an untied table must be learned, got {table.kind!r}")
     return UntiedPlan(
-        max_positions=untied.table.max_positions,
-        init_std=float(untied.table.init_std),
-        norm=untied.norm.kind,
+        max_positions=table.max_positions,
+        init_std=float(table.init_std),
+        layer_norm=untied.norm.kind == "layer_norm",
         norm_eps=float(untied.norm.eps),
         projection_bias=untied.projection_bias,
-        first_token=untied.first_token,
+        first_token_reset=untied.first_token == "reset",
         bias=bias,
     )
 
 
-def _relative_terms(spec: Spec) -> tuple[list[RelativeTermPlan], GlobalContentPlan | None]:
-    terms: list[RelativeTermPlan] = []
+Reader = tuple[TermName, Side, RelativeTermSpec | GlobalPositionSpec]  # (term, side, its spec)
+
+
+def _relative_readers(spec: Spec) -> tuple[list[Reader], GlobalContentPlan | None]:
+    """The terms that read the relative table, in term order, and the global content term."""
+    readers: list[Reader] = []
     global_content = None
-    sides: dict[str, Literal["query", "key"]] = {
-        "content_position": "query",
-        "position_content": "key",
-    }
-    names: tuple[Literal["content_position", "position_content", "position_position"], ...] = (
-        "content_position",
-        "position_content",
-        "position_position",
-    )
+    names: tuple[TermName, ...] = ("content_position", "position_content", "position_position")
+    sides: dict[TermName, Side] = {"content_position": "query", "position_content": "key"}
     for term in names:
         value = getattr(spec.terms, term)
-        side: Literal["query", "key", "global"]
         if isinstance(value, RelativeTerm):
-            reader = value.relative
-            side = sides[term]
+            readers.append((term, sides[term], value.relative))
         elif isinstance(value, GlobalPositionTerm):
-            reader = value.global_
-            side = "global"
+            readers.append((term, "global", value.global_))
         elif isinstance(value, GlobalContentTerm):
             global_content = GlobalContentPlan(
-                placement=value.global_.placement, init_std=float(value.global_.init_std)
+                scaled_inside=value.global_.placement == "before_scale",
+                init_std=float(value.global_.init_std),
             )
-            continue
-        else:
-            continue
-        terms.append(
+    return readers, global_content
+
+
+def _relative_term_plans(
+    readers: list[Reader], distance_index: bool
+) -> tuple[RelativeTermPlan, ...]:
+    """One plan per reader; consecutive terms share the index map and rows they can."""
+    plans: list[RelativeTermPlan] = []
+    last_sign: str | None = None
+    last_projection: str | None = None
+    for term, side, reader in readers:
+        new_index = reader.sign != last_sign
+        plans.append(
             RelativeTermPlan(
                 term=term,
                 side=side,
                 sign=reader.sign,
                 projection=reader.projection,
-                placement=reader.placement,
-                init_std=float(getattr(reader, "init_std", 0.02)),
+                scaled_inside=reader.placement == "before_scale",
+                init_std=float(reader.init_std if isinstance(reader, GlobalPositionSpec) else 0.02),
+                new_index=new_index,
+                new_rows=new_index or reader.projection != last_projection,
+                relative_shift=(
+                    distance_index and side == "query" and reader.sign == "query_minus_key"
+                ),
             )
         )
-    return terms, global_content
+        last_sign, last_projection = reader.sign, reader.projection
+    return tuple(plans)
 
 
-def _relative_index_plan(spec: Spec) -> tuple[RelativeIndexPlan | None, RelativeTablePlan | None]:
-    section = spec.relative
-    if section is None:
-        return None, None
-    index = section.index
-    index_plan: RelativeIndexPlan
+def _relative_index_plan(index: ClipIndex | SymmetricLogBuckets | DistanceIndex) -> RelativeIndex:
+    """The variant plan of a relative index, one class per index kind."""
     if isinstance(index, ClipIndex):
-        index_plan = RelativeIndexPlan("clip", index.rows, max_distance=index.max_distance)
-    elif isinstance(index, SymmetricLogBuckets):
-        index_plan = RelativeIndexPlan(
-            "log_buckets", index.rows, max_distance=index.max_distance, buckets=index.buckets
+        return ClipIndexPlan(max_distance=index.max_distance, rows=index.rows)
+    if isinstance(index, SymmetricLogBuckets):
+        return SymmetricLogIndexPlan(
+            max_distance=index.max_distance, buckets=index.buckets, rows=index.rows
         )
-    else:
-        assert isinstance(index, DistanceIndex)
-        index_plan = RelativeIndexPlan("distance", None)
-    table = section.table
-    table_plan: RelativeTablePlan | None
+    return DistanceIndexPlan()
+
+
+def _relative_table_plan(
+    table: LearnedRelativeTable | SinusoidalRelativeTable | None,
+) -> RelativeTable | None:
+    """The variant plan of the relative table, one class per table kind."""
     if table is None:
-        table_plan = None
-    elif isinstance(table, LearnedRelativeTable):
-        table_plan = RelativeTablePlan(
-            kind="learned",
-            width=table.width,
+        return None
+    if isinstance(table, LearnedRelativeTable):
+        return LearnedRelativeTablePlan(
+            model_width=table.width == "model_dim",
             per_head=table.heads == "per_head",
             norm_eps=float(table.norm.eps) if table.norm else None,
             init_std=float(table.init_std),
         )
-    else:
-        table_plan = RelativeTablePlan(
-            kind="sinusoidal", width="model_dim", base=float(table.base), layout=table.layout
-        )
-    return index_plan, table_plan
+    return SinusoidalRelativeTablePlan(base=float(table.base), layout=table.layout)
+
+
+def _projection_plans(terms: tuple[RelativeTermPlan, ...]) -> tuple[ProjectionPlan, ...]:
+    """The projection layers the terms use, each built once."""
+    used = {term.projection for term in terms}
+    return tuple(
+        ProjectionPlan(name=name, layer=identifier(layer), has_bias=has_bias)
+        for name, (layer, has_bias) in PROJECTION_LAYERS.items()
+        if name in used
+    )
+
+
+def _value_term_plan(spec: Spec) -> ValueTermPlan | None:
+    values: object = spec.values  # "plain" or RelativeValues
+    if not isinstance(values, RelativeValues):
+        return None
+    return ValueTermPlan(
+        sign=values.relative.sign,
+        per_head=values.relative.heads == "per_head",
+        init_std=float(values.relative.init_std),
+    )
 
 
 def _relative_plan(spec: Spec, has_bias: bool) -> RelativePlan | None:
-    terms, global_content = _relative_terms(spec)
-    values = None
-    if isinstance(spec.values, RelativeValues):
-        values = ValueTermPlan(
-            sign=spec.values.relative.sign,
-            per_head=spec.values.relative.heads == "per_head",
-            init_std=float(spec.values.relative.init_std),
-        )
-    if not terms and global_content is None and values is None:
+    readers, global_content = _relative_readers(spec)
+    values = _value_term_plan(spec)
+    if not readers and global_content is None and values is None:
         return None
-    index_plan, table_plan = _relative_index_plan(spec)
-    projections = tuple(sorted({t.projection for t in terms} - {"none"}))
-    shift = (
-        index_plan is not None
-        and index_plan.kind == "distance"
-        and any(t.side == "query" and t.sign == "query_minus_key" for t in terms)
-    )
-    has_global_position = any(t.side == "global" for t in terms)
+    section = spec.relative
+    index = _relative_index_plan(section.index) if section is not None else None
+    table = _relative_table_plan(section.table) if section is not None else None
+    terms = _relative_term_plans(readers, index is not None and index.rows_are_distances)
     return RelativePlan(
-        index=index_plan,
-        table=table_plan,
-        terms=tuple(terms),
+        index=index,
+        table=table,
+        terms=terms,
         global_content=global_content,
         values=values,
-        projections=projections,
-        shift=shift,
-        renders_score_bias=has_global_position and not has_bias,
+        projections=_projection_plans(terms),
+        renders_score_bias=any(t.side == "global" for t in terms) and not has_bias,
     )
 
 
@@ -588,7 +475,7 @@ def _flags(blocks: tuple[Block, ...]) -> tuple[tuple[str, bool], ...]:
         ("has_position_bias", has_position_bias),
         (
             "position_bias_inside_scale",
-            not untied and bias is not None and bias.placement == "before_scale",
+            not untied and bias is not None and bias.inside_scale,
         ),
         ("has_rotation", any(isinstance(block, RotationPlan) for block in blocks)),
         ("has_relative_terms", relative is not None),
@@ -626,7 +513,7 @@ def build_plan(spec: Spec, spec_file: str, spec_sha256: str) -> ModulePlan:
     return ModulePlan(
         module_name=module_name,
         class_name=class_name_for(module_name),
-        spec_file=spec_file,
+        spec_file=printable(spec_file),
         spec_sha256=choice_hex(spec_sha256),
         title_lines=tuple(docstring_lines(spec.title)),
         reference_lines=tuple(
@@ -643,6 +530,13 @@ def build_plan(spec: Spec, spec_file: str, spec_sha256: str) -> ModulePlan:
         blocks=blocks,
         flags=_flags(blocks),
     )
+
+
+def printable(value: str) -> str:
+    """Text for a comment line: printable ASCII only, so it cannot end the comment."""
+    if not all(" " <= char <= "~" for char in value):
+        raise PlanError(f"{value!r} is not printable ASCII")
+    return value
 
 
 def choice_hex(value: str) -> str:

@@ -1,0 +1,439 @@
+"""The typed parts of a plan: building blocks, and the variants they are made of.
+
+Every field is a typed Python value (bool, int, float, None, a word from a fixed set,
+or a tuple of those) that the builders in ``posgen.codegen.plan`` computed. Templates
+render values through the one ``py`` filter and test only booleans and None: each
+convention a spec names (a pairing, a sign, a placement) reaches them as a boolean here
+(a field or a property), and each kind of table or index is a class of its own that
+names its own macro file. Words that remain are rendered only in prose (docstrings and
+comments) or through ``py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+Pairing = Literal["half", "interleaved"]
+SinusoidLayout = Literal["interleaved", "split"]
+Sign = Literal["key_minus_query", "query_minus_key"]
+Activation = Literal["relu", "tanh", "gelu", "sigmoid"]
+TermName = Literal["content_position", "position_content", "position_position"]
+Side = Literal["query", "key", "global"]
+Projection = Literal["none", "key", "query", "relative"]
+
+# The call that applies each activation in generated code (F is torch.nn.functional).
+ACTIVATION_CALLS: dict[Activation, str] = {
+    "relu": "torch.relu",
+    "tanh": "torch.tanh",
+    "gelu": "F.gelu",
+    "sigmoid": "torch.sigmoid",
+}
+# How a term's comment writes the vector it reads and the projection of the rows.
+SIDE_SYMBOLS: dict[Side, str] = {"query": "q_i", "key": "k_j", "global": "v_h"}
+PROJECTION_SYMBOLS: dict[Projection, str] = {
+    "none": "",
+    "key": "W_k ",
+    "query": "W_q ",
+    "relative": "W_R ",
+}
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """A plan part with a macro file of its own, named by ``template``."""
+
+    template: ClassVar[str]
+
+
+@dataclass(frozen=True)
+class Block(Rendered):
+    """A building block of a module, one of ``ModulePlan.blocks``.
+
+    Its macro file exposes four macros taking the block: ``helpers`` (module level),
+    ``init`` (constructor lines), ``methods`` and ``weights`` (checkpoint notes for the
+    docstring).
+    """
+
+
+# --------------------------------------------------------------------------- input tables
+
+
+@dataclass(frozen=True)
+class InputTable(Rendered):
+    """The table p of an input-level block (``AbsoluteTablePlan.table``).
+
+    Its macro file exposes ``helpers``, ``init``, ``lookup`` (``_position_table`` and
+    what it needs), ``weights``, and ``note(table, multiply)`` (embed's docstring lines
+    after the summary) or, for a table generated from the tokens, ``summary`` (embed's
+    whole docstring).
+    """
+
+
+@dataclass(frozen=True)
+class LearnedTablePlan(InputTable):
+    """A trained table with a hard length (GPT-2, BERT)."""
+
+    template: ClassVar[str] = "blocks/learned_table.jinja"
+    max_positions: int
+    init_std: float
+    init_mean: float
+
+
+@dataclass(frozen=True)
+class SinusoidalTablePlan(InputTable):
+    """sin and cos of the position at geometric frequencies, computed in float64."""
+
+    template: ClassVar[str] = "blocks/sinusoidal_table.jinja"
+    base: float
+    layout: SinusoidLayout  # also named in the docstring
+
+    @property
+    def interleaved(self) -> bool:
+        """sin on even features and cos on odd ones (else all sines, then all cosines)."""
+        return self.layout == "interleaved"
+
+
+@dataclass(frozen=True)
+class HierarchicalTablePlan(InputTable):
+    """A trained basis u of n rows serving n² positions: alpha u_i + (1 - alpha) u_j."""
+
+    template: ClassVar[str] = "blocks/hierarchical_table.jinja"
+    base_positions: int
+    alpha: float
+    init_std: float
+
+
+@dataclass(frozen=True)
+class DepthwiseConvPlan(InputTable):
+    """Positions generated from the tokens by a depthwise convolution (CPVT)."""
+
+    template: ClassVar[str] = "blocks/depthwise_conv.jinja"
+    kernel_size: int
+    padding: Literal["same", "causal"]  # named in the docstring
+    bias: bool
+    grid_2d: bool  # a k x k convolution over an H x W grid (else 1-D over the sequence)
+
+    @property
+    def causal(self) -> bool:
+        """All k - 1 zeros on the left: output i sees inputs i - k + 1 .. i only."""
+        return self.padding == "causal"
+
+
+@dataclass(frozen=True)
+class OdeTablePlan(InputTable):
+    """Positions from a learned dynamical system dp/dt = h(p, t) (FLOATER)."""
+
+    template: ClassVar[str] = "blocks/ode_positions.jinja"
+    max_positions: int | None  # the integration horizon; None: unbounded
+    init_std: float
+    hidden: int
+    activation: Activation  # named in the docstring
+    uses_rk4: bool  # classic fourth-order Runge-Kutta steps (else explicit Euler)
+    position_step: float
+    steps_per_position: int
+    learns_initial_position: bool  # p_0 is a trained vector (else zero)
+
+    @property
+    def activation_call(self) -> str:
+        """The function that applies the activation, from a fixed table."""
+        return ACTIVATION_CALLS[self.activation]
+
+
+@dataclass(frozen=True)
+class AbsoluteTablePlan(Block):
+    """An input-level table p combined with x (``embed``): x + p or x * p."""
+
+    template: ClassVar[str] = "blocks/absolute_table.jinja"
+    table: InputTable
+    multiply: bool  # x * p, feature-wise (else x + p)
+
+    @property
+    def generated_from_tokens(self) -> bool:
+        """p is computed from x itself: positions cannot be given, embed says so."""
+        return isinstance(self.table, DepthwiseConvPlan)
+
+    @property
+    def takes_grid(self) -> bool:
+        """embed takes the tokens' (H, W) grid as a keyword argument."""
+        return isinstance(self.table, DepthwiseConvPlan) and self.table.grid_2d
+
+
+@dataclass(frozen=True)
+class ComplexOrderPlan(Block):
+    """Complex word-order embeddings (``embed`` returns real and imaginary parts)."""
+
+    template: ClassVar[str] = "blocks/complex_order.jinja"
+    learned: bool  # module-owned per-feature frequency and phase
+    frequency_base: float | None = None
+
+
+# --------------------------------------------------------------------------- rotation
+
+
+@dataclass(frozen=True)
+class RotationPlan(Block):
+    """Rotary position embedding of q and k."""
+
+    template: ClassVar[str] = "blocks/rotation.jinja"
+    base: float
+    pairing: Pairing  # rendered as the ROTARY_PAIRING constant
+    fraction: float
+
+    @property
+    def half_pairing(self) -> bool:
+        """Feature k pairs with k + rotary_dim / 2 (GPT-NeoX); else 2k with 2k + 1 (GPT-J)."""
+        return self.pairing == "half"
+
+
+# --------------------------------------------------------------------------- biases
+
+
+@dataclass(frozen=True)
+class BucketIndexPlan:
+    """T5's log-spaced buckets of a signed relative position."""
+
+    buckets: int
+    max_distance: int
+    max_exact: int
+    bidirectional: bool
+    key_minus_query: bool  # r = j - i (else i - j)
+
+
+@dataclass(frozen=True)
+class SlopeBiasPlan(Block):
+    """bias[h, i, j] = -slope_h * |i - j| with ALiBi's geometric slopes."""
+
+    template: ClassVar[str] = "blocks/slope_bias.jinja"
+    inside_scale: bool  # added to q.k before the scale (else after it)
+    slopes: Literal["alibi_geometric"]  # named in a comment
+    method: str = "_position_bias"  # the method that returns the [heads, N, M] bias
+    public: bool = True  # also render ``score_bias`` (False inside an untied term)
+
+
+@dataclass(frozen=True)
+class TableBiasPlan(Block):
+    """bias[h, i, j] = table[bucket(i, j), h], a trained scalar per (bucket, head)."""
+
+    template: ClassVar[str] = "blocks/bias_table.jinja"
+    inside_scale: bool
+    index: BucketIndexPlan
+    init_std: float
+    method: str = "_position_bias"
+    public: bool = True
+    spare_row: bool = False  # one extra row for the untied first-token reset
+    document_weights: bool = True  # False where the untied block documents the table
+
+
+@dataclass(frozen=True)
+class UntiedPlan(Block):
+    """TUPE's untied absolute term, with an optional relative bias beside it."""
+
+    template: ClassVar[str] = "blocks/untied_absolute.jinja"
+    max_positions: int
+    init_std: float
+    layer_norm: bool  # a LayerNorm over the table rows before the projections
+    norm_eps: float
+    projection_bias: bool
+    first_token_reset: bool  # TUPE's [CLS] reset: a leading table row, per-head constants
+    bias: SlopeBiasPlan | TableBiasPlan | None = None
+
+    @property
+    def bias_table(self) -> TableBiasPlan | None:
+        """The bias beside the untied term when it is a trained table (else None)."""
+        return self.bias if isinstance(self.bias, TableBiasPlan) else None
+
+
+# --------------------------------------------------------------------------- relative terms
+
+
+@dataclass(frozen=True)
+class RelativeIndex(Rendered):
+    """How a signed relative position r picks a row (``RelativePlan.index``).
+
+    Its macro file exposes ``helpers``: what the index needs at module level.
+    """
+
+    rows_are_distances: ClassVar[bool] = False  # rows are the distances themselves
+
+
+@dataclass(frozen=True)
+class ClipIndexPlan(RelativeIndex):
+    """row = clip(r, -k, k) + k: 2k + 1 rows."""
+
+    template: ClassVar[str] = "blocks/clip_index.jinja"
+    max_distance: int
+    rows: int
+
+
+@dataclass(frozen=True)
+class SymmetricLogIndexPlan(RelativeIndex):
+    """DeBERTa-v2's log buckets that keep the sign: 2 * buckets rows."""
+
+    template: ClassVar[str] = "blocks/symmetric_log_index.jinja"
+    max_distance: int
+    buckets: int
+    rows: int
+
+
+@dataclass(frozen=True)
+class DistanceIndexPlan(RelativeIndex):
+    """The raw distance: as many rows as distances present (a computed table)."""
+
+    template: ClassVar[str] = "blocks/distance_index.jinja"
+    rows_are_distances: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class RelativeTable(Rendered):
+    """The table R of relative rows (``RelativePlan.table``).
+
+    Its macro file exposes ``helpers``, ``init``, ``rows`` (the K rows of
+    ``_relative_rows``) and ``weights``.
+    """
+
+    @property
+    def projected(self) -> bool:
+        """Rows are model_dim wide and each term projects them into the heads."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class LearnedRelativeTablePlan(RelativeTable):
+    """A trained table: head_dim rows used as they are, or model_dim rows projected."""
+
+    template: ClassVar[str] = "blocks/learned_relative_table.jinja"
+    model_width: bool  # rows of model_dim (else head_dim, or heads * head_dim per head)
+    per_head: bool
+    norm_eps: float | None  # a LayerNorm over model_dim rows; None: no norm
+    init_std: float
+
+    @property
+    def projected(self) -> bool:
+        return self.model_width
+
+
+@dataclass(frozen=True)
+class SinusoidalRelativeTablePlan(RelativeTable):
+    """sin and cos of each distance, model_dim wide, computed in float64."""
+
+    template: ClassVar[str] = "blocks/sinusoidal_relative_table.jinja"
+    base: float
+    layout: SinusoidLayout  # also named in the docstring
+
+    @property
+    def interleaved(self) -> bool:
+        """sin on even features and cos on odd ones (else all sines, then all cosines)."""
+        return self.layout == "interleaved"
+
+    @property
+    def projected(self) -> bool:
+        return True
+
+
+@dataclass(frozen=True)
+class ProjectionPlan:
+    """A projection of model_dim rows into the heads, shared by the terms that name it."""
+
+    name: Literal["key", "query", "relative"]  # the word terms pass to _relative_rows
+    layer: str  # the nn.Linear attribute (a validated identifier)
+    has_bias: bool
+
+
+@dataclass(frozen=True)
+class RelativeTermPlan:
+    """One term that reads the relative table: (query-side vector) . P(R)[index(r)]."""
+
+    term: TermName  # its key in the terms dict
+    side: Side  # the vector it reads: q_i, k_j, or the global v_h
+    sign: Sign  # passed to _relative_layout
+    projection: Projection  # passed to _relative_rows
+    scaled_inside: bool  # the scale is applied inside the term (on its rows)
+    init_std: float
+    new_index: bool  # its sign differs from the previous term's: a new index map
+    new_rows: bool  # its sign or projection differs from the previous term's: new rows
+    relative_shift: bool  # default positions use the pad-and-reshape shift, not a gather
+
+    @property
+    def reads_query(self) -> bool:
+        return self.side == "query"
+
+    @property
+    def reads_key(self) -> bool:
+        return self.side == "key"
+
+    @property
+    def reads_global(self) -> bool:
+        """It reads the global vector v_h: a position-only term."""
+        return self.side == "global"
+
+    @property
+    def key_minus_query(self) -> bool:
+        """r = j - i (else i - j)."""
+        return self.sign == "key_minus_query"
+
+    @property
+    def side_symbol(self) -> str:
+        """The vector it reads, as its comment writes it."""
+        return SIDE_SYMBOLS[self.side]
+
+    @property
+    def projection_symbol(self) -> str:
+        """The projection of the rows, as its comment writes it ("" when none)."""
+        return PROJECTION_SYMBOLS[self.projection]
+
+
+@dataclass(frozen=True)
+class GlobalContentPlan:
+    """Transformer-XL's u: one trained vector per head dotted with every key."""
+
+    scaled_inside: bool
+    init_std: float
+
+
+@dataclass(frozen=True)
+class ValueTermPlan:
+    """A value-side table R^V added to the values by the attention weights."""
+
+    sign: Sign
+    per_head: bool
+    init_std: float
+
+
+@dataclass(frozen=True)
+class RelativePlan(Block):
+    """Relative terms gathered from a table of relative rows, and a value term."""
+
+    template: ClassVar[str] = "blocks/relative_table.jinja"
+    index: RelativeIndex | None
+    table: RelativeTable | None
+    terms: tuple[RelativeTermPlan, ...]
+    global_content: GlobalContentPlan | None
+    values: ValueTermPlan | None
+    projections: tuple[ProjectionPlan, ...]  # in the order key, query, relative
+    renders_score_bias: bool  # its global position term is the module's position-only bias
+
+    @property
+    def position_only(self) -> RelativeTermPlan | None:
+        """The global position_position term, the only position-only relative term."""
+        return next((term for term in self.terms if term.side == "global"), None)
+
+    @property
+    def shift(self) -> bool:
+        """Some term reads default positions through the relative shift."""
+        return any(term.relative_shift for term in self.terms)
+
+    def _uses(self, name: str) -> bool:
+        return any(projection.name == name for projection in self.projections)
+
+    @property
+    def uses_key_projection(self) -> bool:
+        return self._uses("key")
+
+    @property
+    def uses_query_projection(self) -> bool:
+        return self._uses("query")
+
+    @property
+    def uses_relative_projection(self) -> bool:
+        return self._uses("relative")
