@@ -675,14 +675,14 @@ def test_spec_time_cap_shares_the_budget() -> None:
 def _mutated_probe(monkeypatch, name: str, old: str, new: str) -> Probe:
     from posgen.codegen import inmemory
 
-    render = inmemory.render_module
+    render = inmemory.render_standalone
 
     def patched(plan):
         source = render(plan)
         assert old in source, f"mutation target not in {name}'s source: {old!r}"
         return source.replace(old, new)
 
-    monkeypatch.setattr(inmemory, "render_module", patched)
+    monkeypatch.setattr(inmemory, "render_standalone", patched)
     return Probe(load_spec(SPECS / f"{name}.yaml"), TEST_BUDGET)
 
 

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 from posgen.codegen.inmemory import encoding_class, module_from_spec
-from posgen.codegen.plan import PlanError, docstring_lines, identifier, literal
+from posgen.codegen.plan import PlanError, docstring_lines, literal
 from posgen.spec.diagnostics import SpecError
 from posgen.spec.loader import load_spec
+from posgen.spec.names import UnsafeName, identifier
 
 TEMPLATE = """\
 name: {name}
@@ -123,7 +124,7 @@ def test_escaper_output_is_a_safe_string_body() -> None:
 
 def test_plan_primitives_refuse_unsafe_values() -> None:
     for bad in ("os.system", "import", "print", "ａ", "x y", ""):
-        with pytest.raises(PlanError):
+        with pytest.raises(UnsafeName):
             identifier(bad)
     for bad in (float("inf"), float("nan"), object(), [1], {"a": 1}, (1, float("nan"))):
         with pytest.raises(PlanError):

@@ -9,7 +9,7 @@ import re
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-class NameError_(ValueError):
+class UnsafeName(ValueError):
     """A name that cannot appear in generated code (never reached by a validated spec)."""
 
 
@@ -19,9 +19,9 @@ def identifier(name: str) -> str:
     ASCII, matching ``^[A-Za-z_][A-Za-z0-9_]*$``, not a keyword, soft keyword or builtin.
     """
     if not _IDENTIFIER.match(name) or not name.isascii():
-        raise NameError_(f"{name!r} is not an ASCII identifier")
+        raise UnsafeName(f"{name!r} is not an ASCII identifier")
     if keyword.iskeyword(name) or keyword.issoftkeyword(name) or hasattr(builtins, name):
-        raise NameError_(f"{name!r} is a Python keyword or builtin")
+        raise UnsafeName(f"{name!r} is a Python keyword or builtin")
     return name
 
 
