@@ -15,8 +15,16 @@ from typing import Any, TypeVar
 
 import click
 
-from posgen.codegen.render import SourceGateError
-from posgen.codegen.writing import compare, render_tree, unified_diff, write_tree
+from posgen.codegen.render import SourceGateError, render_standalone
+from posgen.codegen.writing import (
+    NotOurs,
+    compare,
+    plan_for,
+    render_tree,
+    unified_diff,
+    write_file,
+    write_tree,
+)
 from posgen.describe import input_description, scale_description, term_lines, values_description
 from posgen.spec.diagnostics import SpecError
 from posgen.spec.loader import LoadedSpec, expand_spec_paths, load_spec, load_specs
@@ -73,12 +81,26 @@ def main() -> None:
 
 @main.command()
 @click.argument("specs", nargs=-1, type=click.Path(path_type=Path))
-@click.option("--out", "out_dir", type=click.Path(path_type=Path), default=DEFAULT_OUT,
-              show_default=True, help="Directory of generated modules.")
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(path_type=Path),
+    default=DEFAULT_OUT,
+    show_default=True,
+    help="Directory of generated modules.",
+)
 @click.option("--check", is_flag=True, help="Write nothing; exit 1 if OUT differs.")
 @click.option("--diff", "show_diff", is_flag=True, help="Print the unified diff; write nothing.")
+@click.option(
+    "--standalone",
+    metavar="NAME",
+    default=None,
+    help="Write spec NAME as one self-contained file (runtime inlined) to --out FILE.",
+)
 @_reports_spec_errors
-def generate(specs: tuple[Path, ...], out_dir: Path, check: bool, show_diff: bool) -> None:
+def generate(
+    specs: tuple[Path, ...], out_dir: Path, check: bool, show_diff: bool, standalone: str | None
+) -> None:
     """Render SPECS (files or directories; default specs/) into modules in OUT.
 
     Only changed files are written, atomically; stale files that carry the posgen
@@ -89,8 +111,12 @@ def generate(specs: tuple[Path, ...], out_dir: Path, check: bool, show_diff: boo
         posgen generate                      # specs/ -> generated/
         posgen generate --check              # CI: exit 1 on drift
         posgen generate specs/t5.yaml --out /tmp/gen --diff
+        posgen generate --standalone t5 --out t5_attention.py
     """
     loaded = load_specs(_spec_files(specs))
+    if standalone is not None:
+        _generate_standalone(loaded, standalone, out_dir, check or show_diff)
+        return
     tree = render_tree(loaded)
     if check or show_diff:
         drift = compare(out_dir, tree)
@@ -105,9 +131,36 @@ def generate(specs: tuple[Path, ...], out_dir: Path, check: bool, show_diff: boo
         sys.exit(1)
     drift = write_tree(out_dir, tree)
     for line in drift.lines():
-        click.echo(line.replace("changed:", "updated:").replace("missing:", "created:")
-                   .replace("extra:  ", "removed:"))
+        click.echo(
+            line.replace("changed:", "updated:")
+            .replace("missing:", "created:")
+            .replace("extra:  ", "removed:")
+        )
     click.echo(f"{out_dir}: {len(tree)} files, {len(drift.lines())} written or removed.")
+
+
+def _generate_standalone(loaded: list[LoadedSpec], name: str, out: Path, dry: bool) -> None:
+    """Write (or, dry, compare) the standalone module of the spec called ``name``."""
+    chosen = [spec for spec in loaded if spec.spec.name == name]
+    if not chosen:
+        known = ", ".join(sorted(spec.spec.name for spec in loaded))
+        raise click.UsageError(f"--standalone: no spec named {name!r}; known: {known}")
+    if out == DEFAULT_OUT or out.is_dir() or out.suffix != ".py":
+        raise click.UsageError(
+            f"--standalone needs --out FILE.py (a file, not a folder), got {out}"
+        )
+    source = render_standalone(plan_for(chosen[0]))
+    if dry:
+        same = out.is_file() and out.read_bytes() == source.encode("utf-8")
+        click.echo(f"{out}: {'up to date' if same else 'out of date'}.")
+        sys.exit(0 if same else 1)
+    try:
+        written = write_file(out, source)
+    except NotOurs:
+        raise click.UsageError(
+            f"{out} exists and was not written by posgen; not overwriting"
+        ) from None
+    click.echo(f"{out}: {'written' if written else 'up to date'} (standalone {name}).")
 
 
 @main.command()
@@ -131,8 +184,14 @@ def _short_term(value: object) -> str:
 
 
 @main.command(name="list")
-@click.option("--specs", "spec_dir", type=click.Path(path_type=Path), default=DEFAULT_SPECS,
-              show_default=True, help="Directory of specs.")
+@click.option(
+    "--specs",
+    "spec_dir",
+    type=click.Path(path_type=Path),
+    default=DEFAULT_SPECS,
+    show_default=True,
+    help="Directory of specs.",
+)
 @click.option("--models", "by_model", is_flag=True, help="List by model: which encoding each uses.")
 @_reports_spec_errors
 def list_specs(spec_dir: Path, by_model: bool) -> None:
@@ -154,8 +213,10 @@ def list_specs(spec_dir: Path, by_model: bool) -> None:
             click.echo(f"{model:<{width}}  {', '.join(users[model])}")
         return
     name_width = max([18, *(len(item.spec.name) for item in loaded)])
-    header = (f"{'name':<{name_width}} {'cc':<7} {'cp':<9} {'pc':<9} {'pp':<9} {'values':<9} "
-              "title / used by")
+    header = (
+        f"{'name':<{name_width}} {'cc':<7} {'cp':<9} {'pc':<9} {'pp':<9} {'values':<9} "
+        "title / used by"
+    )
     click.echo(header)
     click.echo("-" * len(header))
     indent = name_width + 1 + 8 + 10 * 4
@@ -190,8 +251,7 @@ def explanation(spec: Spec) -> list[str]:
     description = input_description(spec)
     if description is not None:
         lines += [f"input      {description}", ""]
-    lines.append("a_ij = content_content + content_position + position_content + "
-                 "position_position")
+    lines.append("a_ij = content_content + content_position + position_content + position_position")
     lines.append(f"scale: {scale_description(spec)}")
     lines.append("")
     for row in term_lines(spec):
@@ -210,8 +270,14 @@ def explanation(spec: Spec) -> list[str]:
 
 @main.command()
 @click.argument("name_or_spec")
-@click.option("--specs", "spec_dir", type=click.Path(path_type=Path), default=DEFAULT_SPECS,
-              show_default=True, help="Directory to look NAME up in.")
+@click.option(
+    "--specs",
+    "spec_dir",
+    type=click.Path(path_type=Path),
+    default=DEFAULT_SPECS,
+    show_default=True,
+    help="Directory to look NAME up in.",
+)
 @_reports_spec_errors
 def explain(name_or_spec: str, spec_dir: Path) -> None:
     """Explain one encoding: its four score terms in words, with the formula.
@@ -227,8 +293,13 @@ def explain(name_or_spec: str, spec_dir: Path) -> None:
 
 
 @main.command()
-@click.option("--out", "out_file", type=click.Path(path_type=Path), default=None,
-              help="Write to this file instead of stdout.")
+@click.option(
+    "--out",
+    "out_file",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Write to this file instead of stdout.",
+)
 def schema(out_file: Path | None) -> None:
     """Print the JSON Schema of the spec format (for editor completion).
 
@@ -249,31 +320,79 @@ def schema(out_file: Path | None) -> None:
 def _property_names() -> tuple[str, ...]:
     # Kept in sync with posgen.check.properties.PROPERTIES (a test compares them); listed here so
     # that `--help` does not import torch.
-    return ("unique", "relative", "decay", "extrapolates", "rotation_norm",
-            "rotation_pairing", "buckets", "slopes", "backends", "bf16", "kv_cache")
+    return (
+        "unique",
+        "relative",
+        "decay",
+        "extrapolates",
+        "rotation_norm",
+        "rotation_pairing",
+        "buckets",
+        "slopes",
+        "backends",
+        "bf16",
+        "kv_cache",
+    )
 
 
 @main.command()
 @click.argument("specs", nargs=-1, type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document, no tables.")
-@click.option("--seed", type=int, default=0, show_default=True,
-              help="Seed of hypothesis and of the random weights and content.")
-@click.option("--max-examples", type=click.IntRange(1, 100_000), default=100,
-              show_default=True, help="hypothesis examples per property.")
-@click.option("--span", type=click.IntRange(16, 1 << 16), default=512, show_default=True,
-              help="Positions [0, SPAN) for unique/relative/decay (capped by a table's "
-              "max_positions).")
-@click.option("--only", multiple=True, type=click.Choice(_property_names()),
-              help="Check only this property (repeatable).")
-@click.option("--time-budget", "seconds", type=click.FloatRange(0.1, 3600), default=10.0,
-              show_default=True, help="Seconds per property after which no new examples "
-              "are drawn (only slow modules reach it).")
-@click.option("--spec-time-budget", "spec_seconds", type=click.FloatRange(1, 36000),
-              default=45.0, show_default=True, help="Seconds per spec, shared by its "
-              "properties: each gets at most what is left divided by the properties left.")
+@click.option(
+    "--seed",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Seed of hypothesis and of the random weights and content.",
+)
+@click.option(
+    "--max-examples",
+    type=click.IntRange(1, 100_000),
+    default=100,
+    show_default=True,
+    help="hypothesis examples per property.",
+)
+@click.option(
+    "--span",
+    type=click.IntRange(16, 1 << 16),
+    default=512,
+    show_default=True,
+    help="Positions [0, SPAN) for unique/relative/decay (capped by a table's max_positions).",
+)
+@click.option(
+    "--only",
+    multiple=True,
+    type=click.Choice(_property_names()),
+    help="Check only this property (repeatable).",
+)
+@click.option(
+    "--time-budget",
+    "seconds",
+    type=click.FloatRange(0.1, 3600),
+    default=10.0,
+    show_default=True,
+    help="Seconds per property after which no new examples are drawn (only slow modules reach it).",
+)
+@click.option(
+    "--spec-time-budget",
+    "spec_seconds",
+    type=click.FloatRange(1, 36000),
+    default=45.0,
+    show_default=True,
+    help="Seconds per spec, shared by its "
+    "properties: each gets at most what is left divided by the properties left.",
+)
 @_reports_spec_errors
-def check(specs: tuple[Path, ...], as_json: bool, seed: int, max_examples: int, span: int,
-          only: tuple[str, ...], seconds: float, spec_seconds: float) -> None:
+def check(
+    specs: tuple[Path, ...],
+    as_json: bool,
+    seed: int,
+    max_examples: int,
+    span: int,
+    only: tuple[str, ...],
+    seconds: float,
+    spec_seconds: float,
+) -> None:
     """Property-test SPECS (files or directories; default specs/) against their claims.
 
     Builds each module in memory (nothing is written) and tests, with hypothesis, the
@@ -309,30 +428,44 @@ def check(specs: tuple[Path, ...], as_json: bool, seed: int, max_examples: int, 
             set_hypothesis_home_dir(None)
 
 
-def _check(loaded: list[LoadedSpec], as_json: bool, seed: int, max_examples: int, span: int,
-           only: tuple[str, ...], seconds: float, spec_seconds: float) -> None:
+def _check(
+    loaded: list[LoadedSpec],
+    as_json: bool,
+    seed: int,
+    max_examples: int,
+    span: int,
+    only: tuple[str, ...],
+    seconds: float,
+    spec_seconds: float,
+) -> None:
     import shutil
     import time
 
     from posgen.check.properties import PROPERTIES, Budget, check_loaded
     from posgen.check.report import render_json, render_summary, render_table
 
-    budget = Budget(max_examples=max_examples, seed=seed, span=span, seconds=seconds,
-                    spec_seconds=spec_seconds)
+    budget = Budget(
+        max_examples=max_examples, seed=seed, span=span, seconds=seconds, spec_seconds=spec_seconds
+    )
     wanted = [name for name in PROPERTIES if not only or name in only]
     started = time.perf_counter()
     reports = []
     width = min(shutil.get_terminal_size((110, 24)).columns, 140)
     show_progress = sys.stderr.isatty()
-    bar = (click.progressbar(length=len(loaded) * len(wanted), file=sys.stderr,
-                             label="checking", show_pos=True)
-           if show_progress else None)
+    bar = (
+        click.progressbar(
+            length=len(loaded) * len(wanted), file=sys.stderr, label="checking", show_pos=True
+        )
+        if show_progress
+        else None
+    )
     try:
         for item in loaded:
             if bar is not None:
                 bar.label = f"checking {item.spec.name}"
-            report = check_loaded(item, budget, only=wanted,
-                                  progress=(lambda _name: bar.update(1)) if bar else None)
+            report = check_loaded(
+                item, budget, only=wanted, progress=(lambda _name: bar.update(1)) if bar else None
+            )
             reports.append(report)
             if not as_json:
                 if bar is not None:
@@ -354,14 +487,31 @@ def _check(loaded: list[LoadedSpec], as_json: bool, seed: int, max_examples: int
 
 @main.command()
 @click.argument("spec", type=click.Path(path_type=Path))
-@click.option("--out", "out_dir", type=click.Path(path_type=Path), default=Path("plots"),
-              show_default=True, help="Directory for the PNG files.")
-@click.option("--span", type=click.IntRange(4, 4096), default=64, show_default=True,
-              help="Positions [0, SPAN) in the heatmap.")
-@click.option("--distance", type=click.IntRange(4, 1 << 16), default=512, show_default=True,
-              help="Largest distance on the decay curve.")
-@click.option("--seed", type=int, default=0, show_default=True,
-              help="Seed of the random weights and content.")
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(path_type=Path),
+    default=Path("plots"),
+    show_default=True,
+    help="Directory for the PNG files.",
+)
+@click.option(
+    "--span",
+    type=click.IntRange(4, 4096),
+    default=64,
+    show_default=True,
+    help="Positions [0, SPAN) in the heatmap.",
+)
+@click.option(
+    "--distance",
+    type=click.IntRange(4, 1 << 16),
+    default=512,
+    show_default=True,
+    help="Largest distance on the decay curve.",
+)
+@click.option(
+    "--seed", type=int, default=0, show_default=True, help="Seed of the random weights and content."
+)
 @_reports_spec_errors
 def plot(spec: Path, out_dir: Path, span: int, distance: int, seed: int) -> None:
     """Draw SPEC's position-only score heatmap per head and its decay curve (PNG).

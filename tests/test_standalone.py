@@ -78,3 +78,46 @@ def test_standalone_files_are_ruff_clean(tmp_path: Path) -> None:
             [RUFF, *command, "--config", config, str(tmp_path)], capture_output=True, text=True
         )
         assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_cli_writes_a_standalone_file_that_imports_from_any_folder(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from posgen.cli import main
+
+    out = tmp_path / "copied" / "alibi_attention.py"
+    out.parent.mkdir()
+    runner = CliRunner()
+    specs = str(SPECS)
+    result = runner.invoke(main, ["generate", specs, "--standalone", "alibi", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    check = runner.invoke(
+        main, ["generate", specs, "--standalone", "alibi", "--out", str(out), "--check"]
+    )
+    assert check.exit_code == 0, check.output
+    module = _import_file(out)
+    pe, packaged = module.Alibi(heads=4, head_dim=8), generated_class("alibi")(heads=4, head_dim=8)
+    q, k, v = (torch.randn(1, 4, 6, 8) for _ in range(3))
+    torch.testing.assert_close(pe(q, k, v, causal=True), packaged(q, k, v, causal=True))
+
+
+def test_cli_standalone_refuses_bad_targets(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from posgen.cli import main
+
+    runner = CliRunner()
+    specs = str(SPECS)
+    mine = tmp_path / "mine.py"
+    mine.write_text("x = 1\n")
+    for args in (
+        ["--standalone", "alibi", "--out", str(mine)],  # a file posgen did not write
+        ["--standalone", "alibi", "--out", str(tmp_path)],  # a folder
+        ["--standalone", "alibi"],  # no --out FILE
+        ["--standalone", "no_such_spec", "--out", str(tmp_path / "x.py")],
+    ):
+        result = runner.invoke(main, ["generate", specs, *args])
+        assert result.exit_code == 2, (args, result.output)
+        assert "Traceback" not in result.output
+    assert mine.read_text() == "x = 1\n"
+    assert not (tmp_path / "x.py").exists()

@@ -105,6 +105,25 @@ def _write_atomically(path: Path, data: bytes) -> None:
         raise
 
 
+class NotOurs(Exception):
+    """A file posgen would overwrite, but did not write (it lacks posgen's header)."""
+
+
+def write_file(path: Path, source: str) -> bool:
+    """Write one file atomically if its bytes changed; True when it was written.
+
+    Raises NotOurs, writing nothing, when ``path`` exists without posgen's header.
+    """
+    data = source.encode("utf-8")
+    if path.exists():
+        if path.is_file() and path.read_bytes() == data:
+            return False
+        if not is_generated(path):
+            raise NotOurs(str(path))
+    _write_atomically(path, data)
+    return True
+
+
 def write_tree(out_dir: Path, tree: dict[str, str]) -> Drift:
     """Write changed and missing files atomically, remove stale generated ones."""
     drift = compare(out_dir, tree)
