@@ -14,12 +14,14 @@ from posgen.spec.model import (
     GlobalContentTerm,
     GlobalPositionTerm,
     LearnedRelativeTable,
+    LearnedTable,
     LearnedTableBias,
     LinearSlopeBias,
     RelativeTerm,
     RelativeValues,
     Spec,
     SymmetricLogBuckets,
+    UntiedPositions,
 )
 
 
@@ -44,15 +46,20 @@ def _bias_formula(bias: LinearSlopeBias | LearnedTableBias) -> str:
     )
 
 
-def _untied_formula(spec: Spec) -> str:
-    untied = spec.untied
+def _table_length(untied: UntiedPositions) -> int:
+    """The untied table's length (the model only admits learned untied tables)."""
+    assert isinstance(untied.table, LearnedTable)
+    return untied.table.max_positions
+
+
+def _untied_formula(spec: Spec, untied: UntiedPositions) -> str:
     row = "LN(p_i)" if untied.norm.kind == "layer_norm" else "p_i"
     key_row = "LN(p_j)" if untied.norm.kind == "layer_norm" else "p_j"
     offset_q = " + b_q" if untied.projection_bias else ""
     offset_k = " + b_k" if untied.projection_bias else ""
     text = (
         f"scale * ({row} U_q{offset_q}) . ({key_row} U_k{offset_k}) per head, untied "
-        f"learned table of {untied.table.max_positions} positions (no extrapolation)"
+        f"learned table of {_table_length(untied)} positions (no extrapolation)"
     )
     bias = spec.bias
     if bias is not None:
@@ -63,7 +70,7 @@ def _untied_formula(spec: Spec) -> str:
             "; first-token reset: position t reads row t + 1, and query position 0 / key "
             "position 0 get per-head constants from rows 0 / 1"
         )
-        if bias is not None:
+        if isinstance(bias, LearnedTableBias):
             text += f" and bias rows {bias.index.buckets // 2} / {bias.index.buckets}"
     return text
 
@@ -94,8 +101,10 @@ def _relative_term_lines(spec: Spec, term: str, value: object) -> TermLine | Non
         what = "learned" + (" per-head" if table.heads == "per_head" else "")
         if table.norm is not None:
             what += " layer-normed"
-    else:
+    elif table is not None:
         what = f"{table.layout} sinusoid"
+    else:
+        what = "no"
     projected = {
         "none": where,
         "key": f"W_k {where}",
@@ -157,20 +166,21 @@ def term_lines(spec: Spec) -> list[TermLine]:
                 relative = TermLine(term, relative.form, f"{absolute[term]} + {relative.formula}")
             lines.append(relative)
             continue
-        lines.append(TermLine(term, value, absolute[term] if value == "absolute" else "0"))
+        form = value if isinstance(value, str) else "other"
+        lines.append(TermLine(term, form, absolute[term] if value == "absolute" else "0"))
     bias = spec.bias
     relative = _relative_term_lines(spec, "position_position", terms.position_position)
     if spec.untied is not None:
-        lines.append(TermLine("position_position", "untied", _untied_formula(spec)))
+        lines.append(TermLine("position_position", "untied", _untied_formula(spec, spec.untied)))
     elif relative is not None:
         if spec.input is not None:
             formula = f"{absolute['position_position']} + {relative.formula}"
             relative = TermLine(relative.term, relative.form, formula)
         lines.append(relative)
     elif bias is None:
-        value = terms.position_position
-        text = absolute["position_position"] if value == "absolute" else "0"
-        lines.append(TermLine("position_position", str(value), text))
+        pp = terms.position_position
+        text = absolute["position_position"] if pp == "absolute" else "0"
+        lines.append(TermLine("position_position", str(pp), text))
     else:
         lines.append(TermLine("position_position", "bias", _bias_formula(bias)))
     return lines
@@ -204,9 +214,9 @@ def input_description(spec: Spec) -> str | None:
     if form is None:
         return None
     if isinstance(form, ComplexOrderInput):
+        base = _number(form.frequency_base) if form.frequency_base is not None else "?"
         own = (
-            f"learned per-feature omega, theta (base {_number(form.frequency_base)}) when "
-            "none are passed"
+            f"learned per-feature omega, theta (base {base}) when none are passed"
             if form.module_parameters == "learned_per_feature"
             else "the caller's per-token omega, theta"
         )

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import ValidationError
+from pydantic_core import ErrorDetails
 
 from posgen.spec.diagnostics import Diagnostic, SpecError, closest_name, dotted_path
 from posgen.spec.model import Spec
@@ -203,7 +204,7 @@ _KNOWN_TAGS = {
 }
 
 
-def _message(item: dict) -> str:
+def _message(item: ErrorDetails) -> str:
     kind = item["type"]
     context = item.get("ctx") or {}
     given = item.get("input")
@@ -246,7 +247,7 @@ def _split_tags(expected: object) -> list[str]:
     return [t.strip().strip("'") for t in str(expected or "").split(",")]
 
 
-def _describe_tags(item: dict) -> str:
+def _describe_tags(item: ErrorDetails) -> str:
     context = item.get("ctx") or {}
     return str(context.get("expected_tags") or context.get("discriminator") or "see docs")
 

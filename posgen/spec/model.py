@@ -765,28 +765,26 @@ class RelativeValues(SpecModel):
 # --------------------------------------------------------------------------- the terms
 
 
-def _keyword(name: str) -> Any:
-    return Annotated[Literal[name], Tag(name)]  # type: ignore[valid-type]
-
-
 ContentContent = Annotated[
-    _keyword("keep") | Annotated[RotateTerm, Tag("rotate")],
+    Annotated[Literal["keep"], Tag("keep")] | Annotated[RotateTerm, Tag("rotate")],
     _tagged("keep", "rotate", what="content_content"),
 ]
 ContentPosition = Annotated[
-    _keyword("drop") | _keyword("absolute") | Annotated[RelativeTerm, Tag("relative")],
+    Annotated[Literal["drop"], Tag("drop")]
+    | Annotated[Literal["absolute"], Tag("absolute")]
+    | Annotated[RelativeTerm, Tag("relative")],
     _tagged("drop", "absolute", "relative", what="content_position"),
 ]
 PositionContent = Annotated[
-    _keyword("drop")
-    | _keyword("absolute")
+    Annotated[Literal["drop"], Tag("drop")]
+    | Annotated[Literal["absolute"], Tag("absolute")]
     | Annotated[RelativeTerm, Tag("relative")]
     | Annotated[GlobalContentTerm, Tag("global")],
     _tagged("drop", "absolute", "relative", "global", what="position_content"),
 ]
 PositionPosition = Annotated[
-    _keyword("drop")
-    | _keyword("absolute")
+    Annotated[Literal["drop"], Tag("drop")]
+    | Annotated[Literal["absolute"], Tag("absolute")]
     | Annotated[BiasTerm, Tag("bias")]
     | Annotated[UntiedTerm, Tag("untied_term")]
     | Annotated[GlobalPositionTerm, Tag("global")],
@@ -800,7 +798,7 @@ PositionPosition = Annotated[
     ),
 ]
 Values = Annotated[
-    _keyword("plain") | Annotated[RelativeValues, Tag("relative")],
+    Annotated[Literal["plain"], Tag("plain")] | Annotated[RelativeValues, Tag("relative")],
     _tagged("plain", "relative", what="values"),
 ]
 

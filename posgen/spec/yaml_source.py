@@ -89,15 +89,16 @@ class _Builder:
             if not isinstance(key_node, ScalarNode):
                 raise self.fail(key_node, path, "mapping keys must be plain strings")
             key = key_node.value
+            key_path = (*path, key)
             if key in result:
-                first_line, first_col = self.loaded.key_positions[(*path, key)]
+                first_line, first_col = self.loaded.key_positions[key_path]
                 raise self.fail(
                     key_node,
-                    (*path, key),
+                    key_path,
                     f"duplicate key {key!r} (first defined at line {first_line}, col {first_col})",
                 )
-            self.loaded.key_positions[(*path, key)] = _position(key_node)
-            result[key] = self.build(value_node, (*path, key))
+            self.loaded.key_positions[key_path] = _position(key_node)
+            result[key] = self.build(value_node, key_path)
         return result
 
     def build_scalar(self, node: ScalarNode, path: FieldPath) -> object:
