@@ -68,8 +68,9 @@ def test_masks_and_batched_positions_agree(name: str) -> None:
         torch.testing.assert_close(sdpa, eager, atol=2e-5, rtol=1e-4)
     # a batch row with the same positions as the default equals the default result
     default = pe(q, k, v, causal=True, backend="eager")
-    explicit = pe(q, k, v, causal=True, backend="eager", q_positions=q_positions,
-                  k_positions=k_positions)
+    explicit = pe(
+        q, k, v, causal=True, backend="eager", q_positions=q_positions, k_positions=k_positions
+    )
     torch.testing.assert_close(explicit[0], default[0])
 
 

@@ -20,17 +20,20 @@ RUFF = shutil.which("ruff")
 def test_generated_code_is_ruff_stable(command: list[str]) -> None:
     result = subprocess.run(
         [RUFF, *command, "--config", str(ROOT / "pyproject.toml"), str(GENERATED)],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 @pytest.mark.skipif(RUFF is None, reason="ruff (the pinned dev dependency) is not installed")
-def test_hand_written_code_passes_the_linter() -> None:
-    folders = [str(ROOT / name) for name in ("posgen", "tests", "benchmarks")]
+@pytest.mark.parametrize("command", [["format", "--check"], ["check"]])
+def test_hand_written_code_is_formatted_and_passes_the_linter(command: list[str]) -> None:
+    folders = [str(ROOT / name) for name in ("posgen", "tests", "benchmarks", "templates")]
     result = subprocess.run(
-        [RUFF, "check", "--config", str(ROOT / "pyproject.toml"), *folders],
-        capture_output=True, text=True,
+        [RUFF, *command, "--config", str(ROOT / "pyproject.toml"), *folders],
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -54,7 +57,8 @@ def test_wheel_install_finds_its_templates(tmp_path: Path) -> None:
     """A non-editable install carries the templates and can render a spec."""
     built = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(ROOT)],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     if built.returncode != 0:
         pytest.skip(f"could not build a wheel here: {built.stderr[-300:]}")
@@ -69,15 +73,27 @@ def test_wheel_install_finds_its_templates(tmp_path: Path) -> None:
         "print(r.templates_dir())" % (tmp_path / "site")
     )
     out = subprocess.run(
-        [sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
         env={"PYTHONPATH": str(tmp_path / "site"), "PATH": "/usr/bin:/bin"},
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str(tmp_path / "site" / "posgen" / "_templates")
     gen = subprocess.run(
-        [sys.executable, "-m", "posgen", "generate", str(ROOT / "specs" / "t5.yaml"),
-         "--out", str(tmp_path / "gen")],
-        cwd=tmp_path, capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "posgen",
+            "generate",
+            str(ROOT / "specs" / "t5.yaml"),
+            "--out",
+            str(tmp_path / "gen"),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
         env={"PYTHONPATH": str(tmp_path / "site"), "PATH": "/usr/bin:/bin"},
     )
     assert gen.returncode == 0, gen.stderr

@@ -20,8 +20,13 @@ def test_cuda_matches_cpu_and_backends_agree(name: str) -> None:
     for backend in ("eager", "sdpa"):
         got = pe(q.to(CUDA), k.to(CUDA), v.to(CUDA), causal=True, backend=backend)
         torch.testing.assert_close(got.cpu(), expected, atol=1e-4, rtol=1e-3)
-    half = pe(q.to(CUDA, torch.bfloat16), k.to(CUDA, torch.bfloat16),
-              v.to(CUDA, torch.bfloat16), causal=True, backend="sdpa")
+    half = pe(
+        q.to(CUDA, torch.bfloat16),
+        k.to(CUDA, torch.bfloat16),
+        v.to(CUDA, torch.bfloat16),
+        causal=True,
+        backend="sdpa",
+    )
     assert half.dtype == torch.bfloat16
     torch.testing.assert_close(half.float().cpu(), expected, atol=5e-2, rtol=5e-2)
 

@@ -32,13 +32,13 @@ claims: {{}}
 HOSTILE_TEXT = [
     '\'"""; import os; os.system("echo pwned"); """\'',
     "'\\\\'",  # a lone backslash at the end of the docstring
-    "\"ends with a quote \\\"\"",
-    "\"line\\u2028separator and paragraph\\u2029separator\"",
-    "\"next line\\x85here\"",
+    '"ends with a quote \\""',
+    '"line\\u2028separator and paragraph\\u2029separator"',
+    '"next line\\x85here"',
     "'ｆｕｌｌ－ｗｉｄｔｈ ｌｅｔｔｅｒｓ'",
-    "\"tab\\there\"",
+    '"tab\\there"',
     "'{{ jinja }} {% raw %} ${shell} %(fmt)s'",
-    "\"#\\U0001F600 emoji\"",
+    '"#\\U0001F600 emoji"',
 ]
 
 
@@ -73,8 +73,11 @@ def test_hostile_free_text_is_escaped(tmp_path: Path, field: str, text: str) -> 
         assert "title" in str(error) or "references" in str(error) or "models" in str(error)
         return
     module = module_from_spec(path)
-    original = {"title": loaded.spec.title, "reference": loaded.spec.references[0],
-                "model": loaded.spec.models[0]}[field]
+    original = {
+        "title": loaded.spec.title,
+        "reference": loaded.spec.references[0],
+        "model": loaded.spec.models[0],
+    }[field]
     words = original.split()
     doc = " ".join(module.__doc__.split())
     assert " ".join(words) in doc  # the text survives, exactly, inside the docstring
@@ -91,13 +94,26 @@ def _source_of(loaded) -> str:
 
 @pytest.mark.parametrize(
     "name",
-    ["'x; import os'", "'ｔ5'", "'Upper'", "'1abc'", "'class'", "'match'", "'print'",
-     "'__import__'", "'a-b'", "'a b'", "''"],
+    [
+        "'x; import os'",
+        "'ｔ5'",
+        "'Upper'",
+        "'1abc'",
+        "'class'",
+        "'match'",
+        "'print'",
+        "'__import__'",
+        "'a-b'",
+        "'a b'",
+        "''",
+    ],
 )
 def test_hostile_names_are_rejected(tmp_path: Path, name: str) -> None:
     path = tmp_path / "spec.yaml"
-    path.write_text(TEMPLATE.format(name=name, title="t", reference="r", model="m",
-                                    base="10000"), encoding="utf-8")
+    path.write_text(
+        TEMPLATE.format(name=name, title="t", reference="r", model="m", base="10000"),
+        encoding="utf-8",
+    )
     with pytest.raises(SpecError) as caught:
         load_spec(path)
     assert caught.value.diagnostics[0].field == "name"

@@ -34,8 +34,9 @@ def test_nope_logits_are_plain_scaled_dot_products() -> None:
     expected = ref_abs.plain_logits(q, k, 1.0 / math.sqrt(16))
     torch.testing.assert_close(pe.scores(q, k), expected, atol=1e-12, rtol=1e-12)
     # positions change nothing: any explicit positions give the same logits
-    shifted = pe.scores(q, k, q_positions=torch.arange(100, 105),
-                        k_positions=torch.tensor([9, 3, 0, 7, 1, 2, 5]))
+    shifted = pe.scores(
+        q, k, q_positions=torch.arange(100, 105), k_positions=torch.tensor([9, 3, 0, 7, 1, 2, 5])
+    )
     torch.testing.assert_close(shifted, expected, atol=1e-12, rtol=1e-12)
     assert set(pe.score_terms(q, k)) == {"content_content"}
 
@@ -46,9 +47,14 @@ def test_nope_causal_attention_matches_reference(backend: str) -> None:
     q = torch.randn(2, 2, 4, 8, dtype=F64)
     k = torch.randn(2, 2, 6, 8, dtype=F64)
     v = torch.randn(2, 2, 6, 5, dtype=F64)
-    expected = ref.attention(q, k, v, scale=1 / math.sqrt(8),
-                             causal_q_positions=torch.arange(2, 6),
-                             causal_k_positions=torch.arange(6))
+    expected = ref.attention(
+        q,
+        k,
+        v,
+        scale=1 / math.sqrt(8),
+        causal_q_positions=torch.arange(2, 6),
+        causal_k_positions=torch.arange(6),
+    )
     out = pe(q, k, v, causal=True, backend=backend)
     torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-10)
     # the first query (position 2) sees keys 0..2 only: changing key 5 leaves it alone
@@ -114,7 +120,8 @@ def assert_embed_contract(
     }
     if bad_position is not None:
         bad["position out of range"] = lambda: pe.embed(
-            x, torch.full((seq,), bad_position, dtype=torch.long))
+            x, torch.full((seq,), bad_position, dtype=torch.long)
+        )
     for label, call in bad.items():
         with pytest.raises(ValueError):
             call()
@@ -127,8 +134,10 @@ def assert_embed_contract(
             assert parameter.grad is not None and parameter.grad.abs().sum() > 0, name
 
 
-@pytest.mark.parametrize("name", ["learned_absolute", "sinusoidal", "multiplicative_learned",
-                                  "multiplicative_sinusoidal"])
+@pytest.mark.parametrize(
+    "name",
+    ["learned_absolute", "sinusoidal", "multiplicative_learned", "multiplicative_sinusoidal"],
+)
 def test_table_embed_contract(name: str) -> None:
     pe = make(name, model_dim=16)
     bad = pe.max_positions if hasattr(pe, "max_positions") else None
@@ -138,8 +147,9 @@ def test_table_embed_contract(name: str) -> None:
 # ------------------------------------------------------------------------------ add / multiply
 
 
-@pytest.mark.parametrize("name,how", [("sinusoidal", "add"),
-                                      ("multiplicative_sinusoidal", "multiply")])
+@pytest.mark.parametrize(
+    "name,how", [("sinusoidal", "add"), ("multiplicative_sinusoidal", "multiply")]
+)
 def test_sinusoidal_embed_matches_reference(name: str, how: str) -> None:
     pe = make(name, model_dim=12)
     x = torch.randn(2, 7, 12, dtype=F64)
@@ -151,8 +161,9 @@ def test_sinusoidal_embed_matches_reference(name: str, how: str) -> None:
     torch.testing.assert_close(pe.embed(x), default, atol=1e-12, rtol=1e-12)
 
 
-@pytest.mark.parametrize("name,how", [("learned_absolute", "add"),
-                                      ("multiplicative_learned", "multiply")])
+@pytest.mark.parametrize(
+    "name,how", [("learned_absolute", "add"), ("multiplicative_learned", "multiply")]
+)
 def test_learned_embed_matches_reference(name: str, how: str) -> None:
     pe = make(name, model_dim=8).double()
     x = torch.randn(2, 5, 8, dtype=F64)
@@ -196,8 +207,9 @@ def test_hierarchical_embed_matches_reference() -> None:
     u = pe.position_embeddings.weight.detach()
     positions = torch.tensor([[0, 1, 511, 512, 513, 1024], [262143, 70000, 5, 1023, 3, 512 * 300]])
     x = torch.randn(2, 6, 8, dtype=F64)
-    table = torch.stack([torch.stack([ref.hierarchical_position(u, int(p), 0.4) for p in row])
-                         for row in positions])
+    table = torch.stack(
+        [torch.stack([ref.hierarchical_position(u, int(p), 0.4) for p in row]) for row in positions]
+    )
     expected = ref_abs.combine_input(x, table, "add")
     torch.testing.assert_close(pe.embed(x, positions), expected, atol=1e-14, rtol=1e-14)
     with pytest.raises(ValueError, match="262144"):
@@ -218,26 +230,38 @@ def test_hierarchical_extends_a_trained_bert_table() -> None:
     from transformers import BertConfig, BertModel
 
     n, d = 16, 8
-    config = BertConfig(vocab_size=32, hidden_size=d, num_hidden_layers=1, num_attention_heads=2,
-                        intermediate_size=16, max_position_embeddings=n)
+    config = BertConfig(
+        vocab_size=32,
+        hidden_size=d,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=16,
+        max_position_embeddings=n,
+    )
     bert = BertModel(config).double().eval()
     p = bert.embeddings.position_embeddings.weight.detach()
     # the catalogue spec with a 16-row basis, to match this small BERT
     pe = spec_variant("hierarchical_absolute", ("base_positions: 512", f"base_positions: {n}"))
     pe = pe(model_dim=d).double()
     pe.load_absolute_table(p)
-    torch.testing.assert_close(pe.position_embeddings.weight.detach(),
-                               ref.hierarchical_basis_from_absolute(p, 0.4),
-                               atol=1e-14, rtol=1e-14)
+    torch.testing.assert_close(
+        pe.position_embeddings.weight.detach(),
+        ref.hierarchical_basis_from_absolute(p, 0.4),
+        atol=1e-14,
+        rtol=1e-14,
+    )
     x = torch.randn(1, n, d, dtype=F64)
     # positions below n reproduce BERT's position embeddings
     bert_positions = bert.embeddings.position_embeddings(torch.arange(n))
     torch.testing.assert_close(pe.embed(x), x + bert_positions, atol=1e-12, rtol=1e-12)
     far = torch.tensor([n, n + 1, 5 * n + 3, n * n - 1])
-    expected = torch.stack([ref.hierarchical_position(ref.hierarchical_basis_from_absolute(p, 0.4),
-                                                      int(q), 0.4) for q in far])
-    torch.testing.assert_close(pe.embed(x[:, :4], far), x[:, :4] + expected, atol=1e-12,
-                               rtol=1e-12)
+    expected = torch.stack(
+        [
+            ref.hierarchical_position(ref.hierarchical_basis_from_absolute(p, 0.4), int(q), 0.4)
+            for q in far
+        ]
+    )
+    torch.testing.assert_close(pe.embed(x[:, :4], far), x[:, :4] + expected, atol=1e-12, rtol=1e-12)
     with pytest.raises(ValueError):
         pe.embed(x[:, :1], torch.tensor([n * n]))
     with pytest.raises(ValueError):
@@ -261,8 +285,11 @@ def test_convolutional_embed_contract(padding: str) -> None:
 @pytest.mark.parametrize("padding", ["same", "causal"])
 @pytest.mark.parametrize("kernel", [3, 5])
 def test_convolutional_embed_matches_reference(padding: str, kernel: int) -> None:
-    cls = spec_variant("convolutional", ("kernel_size: 3", f"kernel_size: {kernel}"),
-                       ("padding: same", f"padding: {padding}"))
+    cls = spec_variant(
+        "convolutional",
+        ("kernel_size: 3", f"kernel_size: {kernel}"),
+        ("padding: same", f"padding: {padding}"),
+    )
     pe = cls(model_dim=6)
     assert tuple(pe.position_conv.weight.shape) == (6, 1, kernel)
     x = torch.randn(2, 9, 6, dtype=F64)
@@ -280,8 +307,8 @@ def test_causal_convolution_reads_only_earlier_tokens() -> None:
     for i in range(8):
         (grad,) = torch.autograd.grad(out[0, i].sum(), x, retain_graph=True)
         touched = grad[0].abs().sum(dim=-1) > 0
-        assert not touched[i + 1:].any(), f"output {i} reads a later token"
-        assert touched[max(0, i - 2): i + 1].all()  # kernel 3: tokens i-2 .. i
+        assert not touched[i + 1 :].any(), f"output {i} reads a later token"
+        assert touched[max(0, i - 2) : i + 1].all()  # kernel 3: tokens i-2 .. i
     # and the 'same' kernel does read the next token
     same = conv_class("same")(model_dim=4)
     out = same.embed(x)
@@ -331,8 +358,9 @@ def test_complex_order_per_token_matches_reference() -> None:
     # per-feature omega / theta given by the caller broadcast over tokens
     real, imag = pe.embed(r, frequency=omega[0, 0], phase=theta[0, 0])
     exp_real, exp_imag = _complex_reference(r, omega[0, 0], theta[0, 0], torch.arange(5))
-    torch.testing.assert_close(torch.complex(real, imag), torch.complex(exp_real, exp_imag),
-                               atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(
+        torch.complex(real, imag), torch.complex(exp_real, exp_imag), atol=1e-12, rtol=1e-12
+    )
 
 
 def test_complex_order_learned_fallbacks() -> None:
@@ -344,8 +372,9 @@ def test_complex_order_learned_fallbacks() -> None:
         pe.phase.copy_(torch.tensor([0.1, -0.2, 0.3, 1.0]))
     r = torch.randn(1, 3, 4, dtype=F64)
     real, imag = pe.embed(r)
-    exp_real, exp_imag = _complex_reference(r, pe.frequency.detach(), pe.phase.detach(),
-                                            torch.arange(3))
+    exp_real, exp_imag = _complex_reference(
+        r, pe.frequency.detach(), pe.phase.detach(), torch.arange(3)
+    )
     torch.testing.assert_close(real, exp_real, atol=1e-7, rtol=1e-7)  # float32 parameters
     torch.testing.assert_close(imag, exp_imag, atol=1e-7, rtol=1e-7)
     # gradients reach the module's fallbacks and the caller's amplitude
@@ -370,8 +399,9 @@ def test_complex_order_shift_is_a_phase_rotation() -> None:
     positions = torch.tensor([0, 3, 9, 20])
     z = torch.complex(*pe.embed(r, positions, frequency=omega, phase=theta))
     shifted = torch.complex(*pe.embed(r, positions + 7, frequency=omega, phase=theta))
-    torch.testing.assert_close(shifted, z * torch.polar(torch.ones_like(omega), omega * 7),
-                               atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(
+        shifted, z * torch.polar(torch.ones_like(omega), omega * 7), atol=1e-12, rtol=1e-12
+    )
     assert torch.allclose(shifted.abs(), r)
 
 
@@ -386,8 +416,9 @@ def test_complex_order_embed_shapes_dtypes_and_errors() -> None:
     # long positions stay accurate for float32 input: angles are formed in float64
     far = torch.full((6,), 10**7)
     real, _ = pe.embed(x, far)
-    exp_real, _ = _complex_reference(x.double(), pe.frequency.detach().double(),
-                                     pe.phase.detach().double(), far)
+    exp_real, _ = _complex_reference(
+        x.double(), pe.frequency.detach().double(), pe.phase.detach().double(), far
+    )
     torch.testing.assert_close(real.double(), exp_real, atol=1e-5, rtol=1e-5)
     bad = {
         "2-D x": lambda: pe.embed(x[0]),
@@ -407,10 +438,14 @@ def test_complex_order_embed_shapes_dtypes_and_errors() -> None:
 
 
 def test_complex_order_without_module_parameters_needs_callers_tables() -> None:
-    cls = spec_variant("complex_order",
-                       ("module_parameters: learned_per_feature   # fallback omega, theta when "
-                        "the caller has none\n  frequency_base: 10000",
-                        "module_parameters: none\n  #"))
+    cls = spec_variant(
+        "complex_order",
+        (
+            "module_parameters: learned_per_feature   # fallback omega, theta when "
+            "the caller has none\n  frequency_base: 10000",
+            "module_parameters: none\n  #",
+        ),
+    )
     pe = cls(model_dim=4)
     assert list(pe.parameters()) == []
     r = torch.randn(1, 3, 4)
@@ -441,17 +476,30 @@ def floater_class(
 
 
 def floater_reference(pe, count: int, integrator: str, steps: int, activation: str):
-    h = ref_abs.floater_dynamics(pe.dynamics_in.weight, pe.dynamics_in.bias,
-                                 pe.dynamics_out.weight, pe.dynamics_out.bias, activation)
-    p0 = (pe.initial_position.detach() if hasattr(pe, "initial_position")
-          else torch.zeros(pe.model_dim))
+    h = ref_abs.floater_dynamics(
+        pe.dynamics_in.weight,
+        pe.dynamics_in.bias,
+        pe.dynamics_out.weight,
+        pe.dynamics_out.bias,
+        activation,
+    )
+    p0 = (
+        pe.initial_position.detach()
+        if hasattr(pe, "initial_position")
+        else torch.zeros(pe.model_dim)
+    )
     return ref_abs.ode_trajectory(h, p0, count, 0.1, steps, integrator)
 
 
-@pytest.mark.parametrize("integrator,steps,initial,activation", [
-    ("rk4", 1, "zero", "relu"), ("rk4", 3, "learned", "tanh"),
-    ("euler", 2, "learned", "gelu"), ("euler", 1, "zero", "sigmoid"),
-])
+@pytest.mark.parametrize(
+    "integrator,steps,initial,activation",
+    [
+        ("rk4", 1, "zero", "relu"),
+        ("rk4", 3, "learned", "tanh"),
+        ("euler", 2, "learned", "gelu"),
+        ("euler", 1, "zero", "sigmoid"),
+    ],
+)
 def test_floater_embed_matches_reference(integrator, steps, initial, activation) -> None:
     torch.manual_seed(1)
     pe = floater_class(integrator, steps, initial, activation)(model_dim=4).double()
@@ -494,8 +542,12 @@ def test_floater_embed_contract_and_horizon() -> None:
     assert pe.max_positions == 8192
     assert_embed_contract(pe, bad_position=pe.max_positions)
     assert set(dict(pe.named_parameters())) == {
-        "dynamics_in.weight", "dynamics_in.bias", "dynamics_out.weight", "dynamics_out.bias",
-        "initial_position"}
+        "dynamics_in.weight",
+        "dynamics_in.bias",
+        "dynamics_out.weight",
+        "dynamics_out.bias",
+        "initial_position",
+    }
     assert tuple(pe.dynamics_in.weight.shape) == (5, 9)
     assert tuple(pe.dynamics_out.weight.shape) == (8, 6)
     with pytest.raises(ValueError, match="horizon"):
@@ -563,9 +615,17 @@ def _position_vectors(pe, name: str, positions: torch.Tensor) -> torch.Tensor:
     return pe.embed(base(1, positions.numel(), pe.model_dim, dtype=F64), positions)[0]
 
 
-@pytest.mark.parametrize("name,far", [("sinusoidal", 10**6), ("multiplicative_sinusoidal", 10**6),
-                                      ("hierarchical_absolute", 512 * 512 - 1), ("floater", 2000),
-                                      ("learned_absolute", None), ("multiplicative_learned", None)])
+@pytest.mark.parametrize(
+    "name,far",
+    [
+        ("sinusoidal", 10**6),
+        ("multiplicative_sinusoidal", 10**6),
+        ("hierarchical_absolute", 512 * 512 - 1),
+        ("floater", 2000),
+        ("learned_absolute", None),
+        ("multiplicative_learned", None),
+    ],
+)
 def test_stated_unique_and_extrapolates_claims(name: str, far: int | None) -> None:
     """unique: distinct positions get distinct vectors; extrapolates: far positions are
     finite, or (claim false) raise ValueError."""

@@ -33,8 +33,7 @@ def test_combine_input_by_hand() -> None:
     _close(ref.combine_input(x, table, "add"), [[[1.5, 2.0], [5.0, 3.0]]])
     _close(ref.combine_input(x, table, "multiply"), [[[0.5, 0.0], [6.0, -4.0]]])
     batched = torch.stack([table, -table])
-    _close(ref.combine_input(x.expand(2, 2, 2), batched, "multiply")[1], [[-0.5, 0.0],
-                                                                           [-6.0, 4.0]])
+    _close(ref.combine_input(x.expand(2, 2, 2), batched, "multiply")[1], [[-0.5, 0.0], [-6.0, 4.0]])
 
 
 # ------------------------------------------------------------------------------ depthwise conv
@@ -46,8 +45,10 @@ def test_depthwise_conv1d_by_hand() -> None:
     # same: c_i = x_(i-1) + 10 x_i + 100 x_(i+1), zeros outside
     _close(ref.depthwise_conv1d(x, w, None, "same")[0, :, 0], [210.0, 321.0, 432.0, 43.0])
     # causal: c_i = x_(i-2) + 10 x_(i-1) + 100 x_i
-    _close(ref.depthwise_conv1d(x, w, torch.tensor([0.5]), "causal")[0, :, 0],
-           [100.5, 210.5, 321.5, 432.5])
+    _close(
+        ref.depthwise_conv1d(x, w, torch.tensor([0.5]), "causal")[0, :, 0],
+        [100.5, 210.5, 321.5, 432.5],
+    )
     # features are independent (depthwise)
     x2 = torch.tensor([[[1.0, 5.0], [0.0, 1.0]]])
     w2 = torch.tensor([[0.0, 1.0, 0.0], [2.0, 0.0, 0.0]])
@@ -99,6 +100,7 @@ def test_floater_dynamics_by_hand() -> None:
     _close(h(torch.tensor([-5.0], dtype=F64), 0.0), [6.5])
     tanh = ref.floater_dynamics(w_in, b_in, w_out, b_out, "tanh")
     import math
+
     _close(tanh(torch.tensor([1.0], dtype=F64), 0.5), [math.tanh(3.5) + 3 * math.tanh(-4.0) + 1.5])
 
 
@@ -110,5 +112,14 @@ def test_depthwise_conv2d_grid_by_hand() -> None:
     out = ref.depthwise_conv2d_grid(x, w, torch.tensor([0.25]), 2, 3)[0, :, 0]
     # row 0: no row above; right neighbour zero at the last column
     # row 1: up = token above
-    _close(out, [10 + 200 + 0.25, 20 + 300 + 0.25, 30 + 0.25,
-                 1 + 40 + 500 + 0.25, 2 + 50 + 600 + 0.25, 3 + 60 + 0.25])
+    _close(
+        out,
+        [
+            10 + 200 + 0.25,
+            20 + 300 + 0.25,
+            30 + 0.25,
+            1 + 40 + 500 + 0.25,
+            2 + 50 + 600 + 0.25,
+            3 + 60 + 0.25,
+        ],
+    )

@@ -53,9 +53,15 @@ def _t5_attention(is_decoder: bool):
     from transformers.models.t5.modeling_t5 import T5Attention
 
     config = T5Config(
-        d_model=T5_DMODEL, d_kv=T5_DKV, num_heads=T5_HEADS, num_layers=1,
-        relative_attention_num_buckets=32, relative_attention_max_distance=128,
-        dropout_rate=0.0, is_decoder=is_decoder, use_cache=is_decoder,
+        d_model=T5_DMODEL,
+        d_kv=T5_DKV,
+        num_heads=T5_HEADS,
+        num_layers=1,
+        relative_attention_num_buckets=32,
+        relative_attention_max_distance=128,
+        dropout_rate=0.0,
+        is_decoder=is_decoder,
+        use_cache=is_decoder,
     )
     attention = T5Attention(config, has_relative_attention_bias=True, layer_idx=0)
     with torch.no_grad():  # a wide table so that every bucket is distinguishable
@@ -75,8 +81,11 @@ def _split_heads(x: torch.Tensor) -> torch.Tensor:
 
 
 def _t5_qkv(reference, hidden: torch.Tensor):
-    return (_split_heads(reference.q(hidden)), _split_heads(reference.k(hidden)),
-            _split_heads(reference.v(hidden)))
+    return (
+        _split_heads(reference.q(hidden)),
+        _split_heads(reference.k(hidden)),
+        _split_heads(reference.v(hidden)),
+    )
 
 
 def _run_before_o(reference, hidden: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,15 +154,23 @@ def test_t5_decoder_kv_cache_matches_explicit_positions(offset_by: str) -> None:
     total = past + new
     hidden = torch.randn(2, total, T5_DMODEL, dtype=F64)
     cache = DynamicCache()
-    _run_before_o(reference, hidden[:, :past], mask=_causal_additive(past, 0, past),
-                  past_key_values=cache, cache_position=torch.arange(past))
+    _run_before_o(
+        reference,
+        hidden[:, :past],
+        mask=_causal_additive(past, 0, past),
+        past_key_values=cache,
+        cache_position=torch.arange(past),
+    )
     if offset_by == "cache_position":
         extra = {"cache_position": torch.arange(past, total)}
     else:
         extra = {"query_length": total}
     expected, position_bias = _run_before_o(
-        reference, hidden[:, past:], mask=_causal_additive(new, past, total),
-        past_key_values=cache, **extra,
+        reference,
+        hidden[:, past:],
+        mask=_causal_additive(new, past, total),
+        past_key_values=cache,
+        **extra,
     )
     q, _, _ = _t5_qkv(reference, hidden[:, past:])
     _, k, v = _t5_qkv(reference, hidden)
@@ -161,8 +178,9 @@ def test_t5_decoder_kv_cache_matches_explicit_positions(offset_by: str) -> None:
     bias = pe.score_bias(q_positions, k_positions)
     _close(bias, reference.compute_bias(total, total)[0, :, past:])
     for backend in ("eager", "sdpa"):
-        explicit = pe(q, k, v, q_positions=q_positions, k_positions=k_positions, causal=True,
-                      backend=backend)
+        explicit = pe(
+            q, k, v, q_positions=q_positions, k_positions=k_positions, causal=True, backend=backend
+        )
         _close_float32_softmax(explicit, expected)
         default = pe(q, k, v, causal=True, backend=backend)  # queries = the last N keys
         _close_float32_softmax(default, expected)
@@ -192,9 +210,13 @@ def _capture_input(module: nn.Module, run) -> torch.Tensor:
 
 
 def _learned_absolute(position_weight: torch.Tensor) -> nn.Module:
-    pe = generated_class("learned_absolute")(
-        heads=ABS_HEADS, head_dim=ABS_HEAD_DIM, model_dim=ABS_MODEL_DIM
-    ).double().eval()
+    pe = (
+        generated_class("learned_absolute")(
+            heads=ABS_HEADS, head_dim=ABS_HEAD_DIM, model_dim=ABS_MODEL_DIM
+        )
+        .double()
+        .eval()
+    )
     copy_weight(pe.position_embeddings.weight, position_weight)
     return pe
 
@@ -204,8 +226,14 @@ def gpt2():
     from transformers import GPT2Config, GPT2Model
 
     config = GPT2Config(
-        vocab_size=97, n_positions=ABS_MAX_POSITIONS, n_embd=ABS_MODEL_DIM, n_layer=1,
-        n_head=ABS_HEADS, embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.0,
+        vocab_size=97,
+        n_positions=ABS_MAX_POSITIONS,
+        n_embd=ABS_MODEL_DIM,
+        n_layer=1,
+        n_head=ABS_HEADS,
+        embd_pdrop=0.0,
+        resid_pdrop=0.0,
+        attn_pdrop=0.0,
     )
     torch.manual_seed(1)
     model = GPT2Model(config).double().eval()
@@ -265,9 +293,13 @@ def bert():
     from transformers.models.bert.modeling_bert import BertEmbeddings
 
     config = BertConfig(
-        vocab_size=97, hidden_size=ABS_MODEL_DIM, num_attention_heads=ABS_HEADS,
-        max_position_embeddings=ABS_MAX_POSITIONS, type_vocab_size=2,
-        hidden_dropout_prob=0.0, position_embedding_type="absolute",
+        vocab_size=97,
+        hidden_size=ABS_MODEL_DIM,
+        num_attention_heads=ABS_HEADS,
+        max_position_embeddings=ABS_MAX_POSITIONS,
+        type_vocab_size=2,
+        hidden_dropout_prob=0.0,
+        position_embedding_type="absolute",
     )
     torch.manual_seed(2)
     embeddings = BertEmbeddings(config).double().eval()
@@ -288,9 +320,7 @@ def test_bert_explicit_position_ids_and_past_length(bert) -> None:
     ids = torch.randint(0, 97, (2, 5))
     tokens = embeddings.word_embeddings(ids).detach()
     positions = torch.tensor([[4, 3, 2, 1, 0], [0, 511, 512, 1022, 1023]])
-    expected = _capture_input(
-        embeddings.LayerNorm, lambda: embeddings(ids, position_ids=positions)
-    )
+    expected = _capture_input(embeddings.LayerNorm, lambda: embeddings(ids, position_ids=positions))
     _close(pe.embed(tokens, positions), expected)
     expected = _capture_input(
         embeddings.LayerNorm, lambda: embeddings(ids, past_key_values_length=7)

@@ -42,8 +42,7 @@ def test_clipped_relative_logits_by_hand() -> None:
     expected = [[20.0, 10.0, 10.0], [30.0, 20.0, 10.0], [30.0, 30.0, 20.0]]
     torch.testing.assert_close(out, torch.tensor(expected, dtype=F64))
     k = torch.tensor([[2.0], [0.0], [0.0]])
-    out = relative.clipped_relative_logits(q, k, table, pos, pos, clip=1, key_side=True,
-                                           scale=0.5)
+    out = relative.clipped_relative_logits(q, k, table, pos, pos, clip=1, key_side=True, scale=0.5)
     # (q.k + q.r + k.r) / 2 at (0, 0): (2 + 20 + 40) / 2
     assert out[0, 0].item() == pytest.approx(31.0)
     assert out[1, 0].item() == pytest.approx((2 + 30 + 60) / 2)
@@ -84,10 +83,13 @@ def test_shaw_matches_the_paper_formula(causal: bool, backend: str) -> None:
 
 
 def test_shaw_per_head_tables() -> None:
-    cls = spec_variant("shaw",
-                       ("heads: shared, init_std", "heads: per_head, init_std"),
-                       ("key_minus_query, heads: shared}", "key_minus_query, heads: per_head}"),
-                       ("max_distance: 16", "max_distance: 3"), name="shaw_per_head")
+    cls = spec_variant(
+        "shaw",
+        ("heads: shared, init_std", "heads: per_head, init_std"),
+        ("key_minus_query, heads: shared}", "key_minus_query, heads: per_head}"),
+        ("max_distance: 16", "max_distance: 3"),
+        name="shaw_per_head",
+    )
     pe = cls(heads=3, head_dim=4, value_dim=5).double()
     assert pe.distance_embedding.weight.shape == (7, 12)
     assert pe.value_embedding.weight.shape == (7, 15)
@@ -155,8 +157,13 @@ def test_bert_relative_loads_hugging_face_weights(kind: str) -> None:
     from transformers import BertConfig
     from transformers.models.bert.modeling_bert import BertSelfAttention
 
-    config = BertConfig(hidden_size=32, num_attention_heads=4, max_position_embeddings=16,
-                        position_embedding_type=kind, attention_probs_dropout_prob=0.0)
+    config = BertConfig(
+        hidden_size=32,
+        num_attention_heads=4,
+        max_position_embeddings=16,
+        position_embedding_type=kind,
+        attention_probs_dropout_prob=0.0,
+    )
     hf = BertSelfAttention(config).double().eval()
     name = f"bert_{kind}"
     cls = spec_variant(name, ("max_distance: 511", "max_distance: 15"), name=f"{name}_16")
@@ -187,8 +194,10 @@ def test_deberta_bucket_rows_match_the_reference() -> None:
     module = __import__("generated.deberta", fromlist=["_relative_index"])
     rel = torch.arange(-1200, 1201)
     rows = module._relative_index(rel)
-    expected = [min(max(formulas.deberta_log_bucket_position(r, 256, 512) + 256, 0), 511)
-                for r in rel.tolist()]
+    expected = [
+        min(max(formulas.deberta_log_bucket_position(r, 256, 512) + 256, 0), 511)
+        for r in rel.tolist()
+    ]
     assert rows.tolist() == expected
 
 
@@ -220,10 +229,19 @@ def test_deberta_loads_hugging_face_weights() -> None:
     )
 
     config = DebertaV2Config(
-        hidden_size=32, num_attention_heads=4, num_hidden_layers=1, intermediate_size=16,
-        relative_attention=True, pos_att_type=["p2c", "c2p"], position_buckets=8,
-        max_relative_positions=32, share_att_key=True, norm_rel_ebd="layer_norm",
-        layer_norm_eps=1e-7, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_hidden_layers=1,
+        intermediate_size=16,
+        relative_attention=True,
+        pos_att_type=["p2c", "c2p"],
+        position_buckets=8,
+        max_relative_positions=32,
+        share_att_key=True,
+        norm_rel_ebd="layer_norm",
+        layer_norm_eps=1e-7,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
     )
     hf = DisentangledSelfAttention(config).double().eval()
     encoder = DebertaV2Encoder(config).double().eval()
@@ -243,8 +261,9 @@ def test_deberta_loads_hugging_face_weights() -> None:
     with torch.no_grad():
         mask = encoder.get_attention_mask(keep.long())
         expected, _ = hf(hidden, mask, rel_embeddings=encoder.get_rel_embedding())
-        q, k, v = (split_heads(layer(hidden), 4)
-                   for layer in (hf.query_proj, hf.key_proj, hf.value_proj))
+        q, k, v = (
+            split_heads(layer(hidden), 4) for layer in (hf.query_proj, hf.key_proj, hf.value_proj)
+        )
         for backend in ("eager", "sdpa"):
             out = merge_heads(pe(q, k, v, attn_mask=keep[:, None, None], backend=backend))
             # Hugging Face masks padded query rows too; compare the rows it keeps. Its
@@ -256,8 +275,9 @@ def test_absolute_input_adds_to_the_relative_terms() -> None:
     """With an input table the relative terms stay; the absolute part enters via embed."""
     both = generated_class("deberta_absolute_input")(heads=2, head_dim=4, model_dim=8)
     plain = generated_class("deberta")(heads=2, head_dim=4, model_dim=8)
-    plain.load_state_dict({k: v for k, v in both.state_dict().items()
-                           if not k.startswith("position_embeddings")})
+    plain.load_state_dict(
+        {k: v for k, v in both.state_dict().items() if not k.startswith("position_embeddings")}
+    )
     q, k = torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 4)
     torch.testing.assert_close(both.scores(q, k), plain.scores(q, k))
     x = torch.randn(1, 6, 8)
@@ -278,7 +298,9 @@ def test_absolute_input_rule(tmp_path: Path) -> None:
         load_spec(path)
     dropped = text.replace(
         "content_position:\n    relative: {sign: query_minus_key, projection: key, "
-        "placement: before_scale}", "content_position: drop")
+        "placement: before_scale}",
+        "content_position: drop",
+    )
     assert dropped != text
     path.write_text(dropped)
     with pytest.raises(SpecError, match="terms.content_position"):
@@ -322,9 +344,11 @@ def test_transformer_xl_scores_past_the_query_use_negative_distances() -> None:
     terms = pe.score_terms(q, k)
     r = _projected_sinusoids(pe, torch.tensor([-2]))[0, 0]  # W_R R_(-2)
     assert terms["content_position"][0, 0, 0, 2].item() == pytest.approx(
-        0.5 * float(q[0, 0, 0] @ r))
+        0.5 * float(q[0, 0, 0] @ r)
+    )
     assert terms["position_position"][0, 0, 2].item() == pytest.approx(
-        0.5 * float(pe.r_r_bias[0].detach() @ r))
+        0.5 * float(pe.r_r_bias[0].detach() @ r)
+    )
 
 
 def test_transformer_xl_loads_hugging_face_weights() -> None:
@@ -343,8 +367,9 @@ def test_transformer_xl_loads_hugging_face_weights() -> None:
     with torch.no_grad():
         hf.r_w_bias.normal_()
         hf.r_r_bias.normal_()
-    pe = generated_class("transformer_xl")(heads=heads, head_dim=head_dim,
-                                           model_dim=model_dim).double()
+    pe = generated_class("transformer_xl")(
+        heads=heads, head_dim=head_dim, model_dim=model_dim
+    ).double()
     with torch.no_grad():
         pe.r_net.weight.copy_(hf.r_net.weight)
         pe.r_w_bias.copy_(hf.r_w_bias)
@@ -436,8 +461,13 @@ def test_only_the_rows_the_index_reaches_are_read() -> None:
     assert int(index.min()) == 0 and int(index.max()) == 8
 
 
-RELATIVE_SPECS = ["shaw", "bert_relative_key", "bert_relative_key_query", "deberta",
-                  "transformer_xl"]
+RELATIVE_SPECS = [
+    "shaw",
+    "bert_relative_key",
+    "bert_relative_key_query",
+    "deberta",
+    "transformer_xl",
+]
 
 
 @pytest.mark.parametrize("name", RELATIVE_SPECS)
@@ -472,8 +502,9 @@ def test_transformer_xl_loads_xlnet_weights_bidirectionally() -> None:
     with torch.no_grad():
         for parameter in hf.parameters():
             parameter.normal_(std=0.3)
-    pe = generated_class("transformer_xl")(heads=heads, head_dim=head_dim,
-                                           model_dim=model_dim).double()
+    pe = generated_class("transformer_xl")(
+        heads=heads, head_dim=head_dim, model_dim=model_dim
+    ).double()
     with torch.no_grad():
         pe.r_net.weight.copy_(hf.r.flatten(1).T)  # [model_dim, heads, head_dim] -> W_R
         pe.r_w_bias.copy_(hf.r_w_bias)
@@ -547,8 +578,10 @@ values:
 @pytest.mark.parametrize("name", sorted(COMBINATIONS))
 def test_relative_blocks_combine_with_the_others(tmp_path: Path, name: str) -> None:
     path = tmp_path / f"{name}.yaml"
-    path.write_text(f"name: {name}\ntitle: t\nreferences: [r]\n{COMBINATIONS[name]}"
-                    "claims: {}\n", encoding="utf-8")
+    path.write_text(
+        f"name: {name}\ntitle: t\nreferences: [r]\n{COMBINATIONS[name]}claims: {{}}\n",
+        encoding="utf-8",
+    )
     pe = encoding_class(module_from_spec(path))()
     with torch.no_grad():
         for parameter in pe.parameters():

@@ -52,13 +52,17 @@ def test_all_errors_of_all_specs_are_reported_together(monkeypatch) -> None:
 def test_real_process_prints_no_traceback() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "posgen", "validate", "unknown_key.yaml", "odd_buckets.yaml"],
-        cwd=INVALID, capture_output=True, text=True,
+        cwd=INVALID,
+        capture_output=True,
+        text=True,
         env={**os.environ, "PYTHONWARNINGS": "ignore"},
     )
     assert result.returncode == 2
     assert "Traceback" not in result.stderr + result.stdout
-    assert result.stderr.splitlines()[:2] == [EXPECTED["odd_buckets.yaml"],
-                                              EXPECTED["unknown_key.yaml"]]
+    assert result.stderr.splitlines()[:2] == [
+        EXPECTED["odd_buckets.yaml"],
+        EXPECTED["unknown_key.yaml"],
+    ]
 
 
 def test_several_errors_in_one_spec_are_all_reported(tmp_path: Path) -> None:

@@ -47,8 +47,16 @@ def test_reference_layer_norm_and_offsets_by_hand() -> None:
     eye = torch.eye(2, dtype=F64)
     norm = (torch.ones(2, dtype=F64), torch.zeros(2, dtype=F64), 0.0)
     scores = ref.tupe_position_scores(
-        table, eye, eye, 1, 2, [0, 1], [0, 1], scale=1.0,
-        q_bias=torch.tensor([1.0, 0.0], dtype=F64), norm=norm,
+        table,
+        eye,
+        eye,
+        1,
+        2,
+        [0, 1],
+        [0, 1],
+        scale=1.0,
+        q_bias=torch.tensor([1.0, 0.0], dtype=F64),
+        norm=norm,
     )
     _close(scores, torch.tensor([[[3.0, -3.0], [-1.0, 1.0]]], dtype=F64))
     assert ref.layer_norm_row([1.0, 3.0], [2.0, 1.0], [0.5, 0.0], 0.0) == [-1.5, 1.0]
@@ -59,11 +67,22 @@ def test_reference_relative_bias_by_hand() -> None:
     table = torch.tensor([[1.0, 0.0], [0.0, 1.0]], dtype=F64)
     eye, u_k = torch.eye(2, dtype=F64), torch.tensor([[2.0, 0.0], [0.0, 1.0]], dtype=F64)
     relative = (torch.arange(32, dtype=F64) / 100).unsqueeze(1)  # [buckets, heads = 1]
-    after = ref.tupe_position_scores(table, eye, u_k, 1, 2, [0, 1], [0, 1], scale=0.5,
-                                     relative_table=relative)
+    after = ref.tupe_position_scores(
+        table, eye, u_k, 1, 2, [0, 1], [0, 1], scale=0.5, relative_table=relative
+    )
     _close(after, torch.tensor([[[1.0, 0.17], [0.01, 0.5]]], dtype=F64))
-    inside = ref.tupe_position_scores(table, eye, u_k, 1, 2, [0, 1], [0, 1], scale=0.5,
-                                      relative_table=relative, bias_inside_scale=True)
+    inside = ref.tupe_position_scores(
+        table,
+        eye,
+        u_k,
+        1,
+        2,
+        [0, 1],
+        [0, 1],
+        scale=0.5,
+        relative_table=relative,
+        bias_inside_scale=True,
+    )
     _close(inside, torch.tensor([[[1.0, 0.085], [0.005, 0.5]]], dtype=F64))
 
 
@@ -75,12 +94,21 @@ def test_reference_first_token_reset_by_hand() -> None:
     table = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]], dtype=F64)
     eye, u_k = torch.eye(2, dtype=F64), torch.tensor([[2.0, 0.0], [0.0, 3.0]], dtype=F64)
     relative = (torch.arange(33, dtype=F64) / 100).unsqueeze(1)
-    scores = ref.tupe_position_scores(table, eye, u_k, 1, 2, [0, 1], [0, 1], scale=1.0,
-                                      relative_table=relative, first_token_reset=True)
+    scores = ref.tupe_position_scores(
+        table,
+        eye,
+        u_k,
+        1,
+        2,
+        [0, 1],
+        [0, 1],
+        scale=1.0,
+        relative_table=relative,
+        first_token_reset=True,
+    )
     _close(scores, torch.tensor([[[2.16, 2.16], [3.32, 5.0]]], dtype=F64))
     with pytest.raises(ValueError):  # position 2 would need row 3
-        ref.tupe_position_scores(table, eye, u_k, 1, 2, [2], [0], scale=1.0,
-                                 first_token_reset=True)
+        ref.tupe_position_scores(table, eye, u_k, 1, 2, [2], [0], scale=1.0, first_token_reset=True)
 
 
 def test_reference_rejects_positions_past_the_table() -> None:
@@ -117,12 +145,20 @@ def _reference_scores(pe, q_positions, k_positions, bias_inside_scale=False) -> 
         norm = (pe.position_norm.weight, pe.position_norm.bias, pe.position_norm.eps)
     relative = getattr(pe, "relative_attention_bias", None)
     return ref.tupe_position_scores(
-        pe.position_embeddings.weight, pe.position_query.weight, pe.position_key.weight,
-        HEADS, HEAD_DIM, list(q_positions), list(k_positions),
+        pe.position_embeddings.weight,
+        pe.position_query.weight,
+        pe.position_key.weight,
+        HEADS,
+        HEAD_DIM,
+        list(q_positions),
+        list(k_positions),
         scale=1.0 / math.sqrt(2 * HEAD_DIM),  # the paper's 1/sqrt(2d)
-        q_bias=pe.position_query.bias, k_bias=pe.position_key.bias, norm=norm,
+        q_bias=pe.position_query.bias,
+        k_bias=pe.position_key.bias,
+        norm=norm,
         relative_table=None if relative is None else relative.weight,
-        bias_inside_scale=bias_inside_scale, first_token_reset=_reset(pe),
+        bias_inside_scale=bias_inside_scale,
+        first_token_reset=_reset(pe),
     )
 
 
@@ -137,24 +173,30 @@ def _reference_rows(pe, q, k, v, q_positions, k_positions, causal, bias_inside_s
         position = _reference_scores(pe, qp, kp, bias_inside_scale)
         logits.append(ref.tupe_logits(q[b], k[b], position, scale))
         causal_positions = (qp, kp) if causal else (None, None)
-        outputs.append(ref.tupe_attention(q[b : b + 1], k[b : b + 1], v[b : b + 1], position,
-                                          scale, *causal_positions)[0])
+        outputs.append(
+            ref.tupe_attention(
+                q[b : b + 1], k[b : b + 1], v[b : b + 1], position, scale, *causal_positions
+            )[0]
+        )
     return torch.stack(logits), torch.stack(outputs)
 
 
 def _qkv(batch=2, n=3, m=7):
-    return (torch.randn(batch, HEADS, n, HEAD_DIM, dtype=F64),
-            torch.randn(batch, HEADS, m, HEAD_DIM, dtype=F64),
-            torch.randn(batch, HEADS, m, 5, dtype=F64))
+    return (
+        torch.randn(batch, HEADS, n, HEAD_DIM, dtype=F64),
+        torch.randn(batch, HEADS, m, HEAD_DIM, dtype=F64),
+        torch.randn(batch, HEADS, m, 5, dtype=F64),
+    )
 
 
 POSITION_CASES = {
     # name: (q_positions, k_positions) or None for the defaults (queries = last N keys)
     "default_offset": None,
-    "explicit": (torch.tensor([40, 0, 300]),
-                 torch.tensor([0, 3, 7, 40, 41, 299, 511])),
-    "batched": (torch.tensor([[0, 5, 6], [100, 101, 102]]),
-                torch.tensor([[0, 1, 2, 3, 4, 5, 6], [96, 97, 98, 99, 100, 101, 102]])),
+    "explicit": (torch.tensor([40, 0, 300]), torch.tensor([0, 3, 7, 40, 41, 299, 511])),
+    "batched": (
+        torch.tensor([[0, 5, 6], [100, 101, 102]]),
+        torch.tensor([[0, 1, 2, 3, 4, 5, 6], [96, 97, 98, 99, 100, 101, 102]]),
+    ),
 }
 
 
@@ -205,18 +247,31 @@ def test_printed_formula_variant_matches_reference(base: str) -> None:
 
 def test_bias_inside_the_scale_variant() -> None:
     """A bias placed before_scale is scaled together with the untied term (with the reset)."""
-    bias = ("      first_token: reset         # the [CLS] reset: position t reads row t + 1; "
-            "row 0 is the [CLS] slot\n")
-    cls = spec_variant("tupe_a", (bias, bias + (
-        "    bias:\n      kind: learned_table\n      index: {kind: log_buckets, recipe: t5, "
-        "buckets: 16, max_distance: 40, bidirectional: true, sign: key_minus_query}\n"
-        "      placement: before_scale\n")), name="untied_inside")
+    bias = (
+        "      first_token: reset         # the [CLS] reset: position t reads row t + 1; "
+        "row 0 is the [CLS] slot\n"
+    )
+    cls = spec_variant(
+        "tupe_a",
+        (
+            bias,
+            bias
+            + (
+                "    bias:\n      kind: learned_table\n"
+                "      index: {kind: log_buckets, recipe: t5, buckets: 16, max_distance: 40, bidirectional: true, sign: key_minus_query}\n"
+                "      placement: before_scale\n"
+            ),
+        ),
+        name="untied_inside",
+    )
     pe = _randomised(cls)
     assert pe.relative_attention_bias.weight.shape == (17, HEADS)
     q, k, v = _qkv()
     scale = 1.0 / math.sqrt(2 * HEAD_DIM)
-    for q_pos, k_pos in ((torch.arange(4, 7), torch.arange(7)),
-                         (torch.tensor([0, 3, 60]), torch.tensor([0, 1, 2, 3, 30, 59, 60]))):
+    for q_pos, k_pos in (
+        (torch.arange(4, 7), torch.arange(7)),
+        (torch.tensor([0, 3, 60]), torch.tensor([0, 1, 2, 3, 30, 59, 60])),
+    ):
         expected_bias = _reference_scores_buckets(pe, q_pos, k_pos, buckets=16, max_distance=40)
         _close(pe.score_bias(q_pos, k_pos), expected_bias)
         expected = ref.tupe_attention(q, k, v, expected_bias, scale)
@@ -227,12 +282,22 @@ def test_bias_inside_the_scale_variant() -> None:
 
 def _reference_scores_buckets(pe, q_pos, k_pos, buckets, max_distance) -> torch.Tensor:
     return ref.tupe_position_scores(
-        pe.position_embeddings.weight, pe.position_query.weight, pe.position_key.weight,
-        HEADS, HEAD_DIM, q_pos.tolist(), k_pos.tolist(), scale=1.0 / math.sqrt(2 * HEAD_DIM),
-        q_bias=pe.position_query.bias, k_bias=pe.position_key.bias,
+        pe.position_embeddings.weight,
+        pe.position_query.weight,
+        pe.position_key.weight,
+        HEADS,
+        HEAD_DIM,
+        q_pos.tolist(),
+        k_pos.tolist(),
+        scale=1.0 / math.sqrt(2 * HEAD_DIM),
+        q_bias=pe.position_query.bias,
+        k_bias=pe.position_key.bias,
         norm=(pe.position_norm.weight, pe.position_norm.bias, pe.position_norm.eps),
-        relative_table=pe.relative_attention_bias.weight, num_buckets=buckets,
-        max_distance=max_distance, bias_inside_scale=True, first_token_reset=_reset(pe),
+        relative_table=pe.relative_attention_bias.weight,
+        num_buckets=buckets,
+        max_distance=max_distance,
+        bias_inside_scale=True,
+        first_token_reset=_reset(pe),
     )
 
 

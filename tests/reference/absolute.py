@@ -44,7 +44,6 @@ def plain_logits(q: Tensor, k: Tensor, scale: float) -> Tensor:
     return out * float(scale)
 
 
-
 def combine_input(x: Tensor, table: Tensor, how: str) -> Tensor:
     """Token embeddings combined with per-position vectors, feature by feature.
 

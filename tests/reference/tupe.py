@@ -35,8 +35,7 @@ from tests.reference.formulas import attention, t5_relative_bucket
 
 F64 = torch.float64
 
-__all__ = ["layer_norm_row", "project_row", "tupe_attention", "tupe_logits",
-           "tupe_position_scores"]
+__all__ = ["layer_norm_row", "project_row", "tupe_attention", "tupe_logits", "tupe_position_scores"]
 
 
 def layer_norm_row(
@@ -148,12 +147,19 @@ def tupe_logits(q: Tensor, k: Tensor, position_scores: Tensor, scale: float) -> 
 
 
 def tupe_attention(
-    q: Tensor, k: Tensor, v: Tensor, position_scores: Tensor, scale: float,
-    causal_q_positions: list[int] | None = None, causal_k_positions: list[int] | None = None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    position_scores: Tensor,
+    scale: float,
+    causal_q_positions: list[int] | None = None,
+    causal_k_positions: list[int] | None = None,
 ) -> Tensor:
     """softmax_j(a_ij) v_j for one batch row or many, q/k/v [batch, heads, seq, dim]."""
     causal = {}
     if causal_q_positions is not None:
-        causal = {"causal_q_positions": torch.tensor(causal_q_positions),
-                  "causal_k_positions": torch.tensor(causal_k_positions)}
+        causal = {
+            "causal_q_positions": torch.tensor(causal_q_positions),
+            "causal_k_positions": torch.tensor(causal_k_positions),
+        }
     return attention(q, k, v, bias=position_scores, scale=scale, **causal)
