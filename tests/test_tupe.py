@@ -258,7 +258,8 @@ def test_bias_inside_the_scale_variant() -> None:
             bias
             + (
                 "    bias:\n      kind: learned_table\n"
-                "      index: {kind: log_buckets, recipe: t5, buckets: 16, max_distance: 40, bidirectional: true, sign: key_minus_query}\n"
+                "      index: {kind: log_buckets, recipe: t5, buckets: 16, max_distance: 40,\n"
+                "              bidirectional: true, sign: key_minus_query}\n"
                 "      placement: before_scale\n"
             ),
         ),
