@@ -12,8 +12,10 @@ The logits of query i and key j are the sum of the terms an encoding keeps:
          + relative terms x . P(R)[index(i, j)]   content-dependent relative terms
 
 and the output is softmax(a + masks) @ v (plus a value-side term where the encoding has
-one). Positions are int64 [seq] or [batch, seq]; keys default to 0 .. M - 1 and queries
-to the last N key positions, as with a KV cache.
+one). Positions are int64 [seq] or [batch, seq] on the device of q, in [0, 2^53); keys
+default to 0 .. M - 1 and queries to the last N key positions, as with a KV cache.
+Keys and values may have fewer heads than queries (grouped-query and multi-query
+attention): query head h reads key/value head h // (heads / kv_heads).
 """
 
 from __future__ import annotations
@@ -26,7 +28,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 BACKENDS = ("auto", "eager", "sdpa")
+LAYOUTS = ("bhnd", "bnhd")  # [batch, heads, seq, dim] (default) or [batch, seq, heads, dim]
 CACHE_SIZE = 8  # shape-keyed caches keep this many most recent entries
+# Positions are exact in float64 (angles, distances) below 2^53; larger ones are refused.
+MAX_POSITION = 2**53 - 1
 
 
 def compute_dtype(x: Tensor) -> torch.dtype:
@@ -44,7 +49,11 @@ def positive_int(value: int, name: str) -> int:
 def check_attention_inputs(
     q: Tensor, k: Tensor, v: Tensor | None, heads: int | None, head_dim: int
 ) -> None:
-    """Raise ValueError unless q, k (and v) are [batch, heads, seq, dim] float tensors."""
+    """Raise ValueError unless q, k (and v) are [batch, heads, seq, dim] float tensors.
+
+    k and v share a head count that divides q's (grouped-query attention). ``heads``,
+    when given, is the head count q must have.
+    """
     named = (("q", q), ("k", k)) if v is None else (("q", q), ("k", k), ("v", v))
     for name, tensor in named:
         if not isinstance(tensor, Tensor):
@@ -64,12 +73,21 @@ def check_attention_inputs(
             raise ValueError(
                 f"batch sizes differ: q has {q.shape[0]}, {name} has {tensor.shape[0]}"
             )
-        if tensor.shape[1] != q.shape[1]:
-            raise ValueError(
-                f"head counts differ: q has {q.shape[1]}, {name} has {tensor.shape[1]}"
-            )
+    if v is not None and v.shape[1] != k.shape[1]:
+        raise ValueError(f"k and v must have the same heads, got {k.shape[1]} and {v.shape[1]}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(
+            f"q's {q.shape[1]} heads must be a multiple of k's {k.shape[1]} "
+            "(grouped-query attention: each key/value head serves heads / kv_heads queries)"
+        )
     if heads is not None and q.shape[1] != heads:
-        raise ValueError(f"expected {heads} heads (dim 1), got {q.shape[1]}")
+        hint = ""
+        if q.shape[2] == heads:
+            hint = (
+                "; q looks like [batch, seq, heads, head_dim]: pass layout='bnhd' or "
+                "transpose(1, 2)"
+            )
+        raise ValueError(f"expected {heads} heads (dim 1), got {q.shape[1]}{hint}")
     for name, tensor in (("q", q), ("k", k)):
         if tensor.shape[-1] != head_dim:
             raise ValueError(
@@ -95,9 +113,17 @@ def check_positions(
         )
     if positions.dim() == 2 and batch is not None and positions.shape[0] not in (1, batch):
         raise ValueError(f"{name} has batch {positions.shape[0]}, inputs have batch {batch}")
-    if positions.numel() and bool((positions < 0).any()):
-        raise ValueError(f"{name} must be non-negative, got minimum {int(positions.min())}")
-    return positions.to(device=device, dtype=torch.int64)
+    if positions.device != torch.device(device):
+        raise ValueError(
+            f"{name} is on {positions.device}, the inputs on {device}: create positions on "
+            "the inputs' device"
+        )
+    if positions.numel() and bool(((positions < 0) | (positions > MAX_POSITION)).any()):
+        low, high = int(positions.min()), int(positions.max())
+        raise ValueError(
+            f"{name} must lie in [0, 2^53 - 1] (exact in float64), got {low} .. {high}"
+        )
+    return positions.to(dtype=torch.int64)
 
 
 def check_position_pair(
@@ -177,6 +203,20 @@ def cache_put(cache: dict[tuple[Any, ...], Any], key: tuple[Any, ...], value: An
     while len(cache) > CACHE_SIZE:
         del cache[next(iter(cache))]  # least recently used first
     return value
+
+
+def repeat_kv(x: Tensor, groups: int) -> Tensor:
+    """[B, H_kv, L, D] -> [B, H_kv * groups, L, D]: head h reads kv head h // groups."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def to_bhnd(layout: str, *tensors: Tensor) -> tuple[Tensor, ...]:
+    """The tensors as [batch, heads, seq, dim] views, from ``layout``."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if layout == "bnhd":
+        return tuple(t.transpose(1, 2) if isinstance(t, Tensor) else t for t in tensors)
+    return tensors
 
 
 def masked_softmax(logits: Tensor) -> Tensor:
@@ -321,19 +361,24 @@ class PositionalAttention(nn.Module):
         k: Tensor,
         q_positions: Tensor | None = None,
         k_positions: Tensor | None = None,
+        *,
+        layout: str = "bhnd",
     ) -> tuple[Tensor, Tensor]:
-        """Rotate q [batch, heads, N, head_dim] and k [batch, heads, M, head_dim].
+        """Rotate q [batch, heads, N, head_dim] and k [batch, kv_heads, M, head_dim].
 
         Positions default to 0, ..., M - 1 for k and to the last N key positions for q
-        (N > M needs explicit q_positions). The outputs keep the input dtype; without a
-        rotary part they are q and k themselves.
+        (N > M needs explicit q_positions). The outputs keep the input dtype and layout
+        (``"bnhd"``: [batch, seq, heads, head_dim] in and out); without a rotary part
+        they are q and k themselves.
         """
+        q, k = to_bhnd(layout, q, k)
         check_attention_inputs(q, k, None, None, self.head_dim)
         n, m = q.shape[2], k.shape[2]
         q_positions, k_positions = check_position_pair(
             q_positions, k_positions, n, m, q.shape[0], q.device
         )
-        return self._rotate(q, k, q_positions, k_positions)
+        q, k = self._rotate(q, k, q_positions, k_positions)
+        return to_bhnd(layout, q, k)  # type: ignore[return-value]
 
     def _rotate(
         self, q: Tensor, k: Tensor, q_positions: Tensor | None, k_positions: Tensor | None
@@ -381,14 +426,17 @@ class PositionalAttention(nn.Module):
         *,
         q_positions: Tensor | None = None,
         k_positions: Tensor | None = None,
+        layout: str = "bhnd",
     ) -> dict[str, Tensor]:
         """The non-zero terms of the logits, each as it enters the sum.
 
-        q: [batch, heads, N, head_dim], k: [batch, heads, M, head_dim]. Content terms
-        are [batch, heads, N, M]; position-only terms are [heads, N, M] (or
+        q: [batch, heads, N, head_dim], k: [batch, kv_heads, M, head_dim] (or
+        [batch, seq, heads, head_dim] with layout "bnhd"). Content terms are
+        [batch, heads, N, M]; position-only terms are [heads, N, M] (or
         [batch, heads, N, M] for batched positions) and broadcast over the batch. All
         are float32, or float64 for float64 inputs.
         """
+        q, k = to_bhnd(layout, q, k)
         check_attention_inputs(q, k, None, self._expected_heads(), self.head_dim)
         n, m = q.shape[2], k.shape[2]
         q_positions, k_positions = check_position_pair(
@@ -406,6 +454,7 @@ class PositionalAttention(nn.Module):
     ) -> dict[str, Tensor]:
         if self.has_rotation:
             q, k = self._rotate(q, k, q_positions, k_positions)
+        k = repeat_kv(k, q.shape[1] // k.shape[1])  # [B, H, M, D]
         dtype = compute_dtype(q)
         content = torch.matmul(q.to(dtype), k.to(dtype).transpose(-2, -1))  # [B, H, N, M]
         terms = {"content_content": content * self.scale}
@@ -427,12 +476,15 @@ class PositionalAttention(nn.Module):
         *,
         q_positions: Tensor | None = None,
         k_positions: Tensor | None = None,
+        layout: str = "bhnd",
     ) -> Tensor:
         """Pre-softmax logits, the sum of ``score_terms``: [batch, heads, N, M].
 
         Computed in float32 (float64 for float64 inputs).
         """
-        terms = self.score_terms(q, k, q_positions=q_positions, k_positions=k_positions)
+        terms = self.score_terms(
+            q, k, q_positions=q_positions, k_positions=k_positions, layout=layout
+        )
         logits = terms.pop("content_content")
         for term in terms.values():
             logits = logits + term
@@ -451,13 +503,15 @@ class PositionalAttention(nn.Module):
         causal: bool = False,
         attn_mask: Tensor | None = None,
         backend: str = "auto",
+        layout: str = "bhnd",
     ) -> Tensor:
         """Attention with this encoding: softmax(logits + masks) @ v.
 
         Args:
             q: [batch, heads, N, head_dim] queries.
-            k: [batch, heads, M, head_dim] keys.
-            v: [batch, heads, M, value_dim] values.
+            k: [batch, kv_heads, M, head_dim] keys; kv_heads divides heads (grouped-query
+                attention: query head h reads key/value head h // (heads / kv_heads)).
+            v: [batch, kv_heads, M, value_dim] values.
             q_positions: int64 [N] or [batch, N]; default the last N key positions
                 (k_positions[..., M - N:], or M - N, ..., M - 1), as with a KV cache.
                 N > M needs them explicitly.
@@ -468,12 +522,30 @@ class PositionalAttention(nn.Module):
             backend: "eager" (term by term, the reference), "sdpa"
                 (F.scaled_dot_product_attention with a materialised bias) or "auto"
                 (sdpa, or eager where a value-side term needs the weights).
+            layout: "bhnd" (the shapes above) or "bnhd" ([batch, seq, heads, dim], as
+                Hugging Face projections produce before their transpose); the output
+                has the same layout.
 
         Returns:
             [batch, heads, N, value_dim] in the dtype of v. A query row whose every key
             is masked (by ``causal`` or ``attn_mask``) is all zeros on every backend, as
             F.scaled_dot_product_attention gives.
         """
+        q, k, v = to_bhnd(layout, q, k, v)
+        out = self._attend(q, k, v, q_positions, k_positions, causal, attn_mask, backend)
+        return out.transpose(1, 2) if layout == "bnhd" else out
+
+    def _attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        q_positions: Tensor | None,
+        k_positions: Tensor | None,
+        causal: bool,
+        attn_mask: Tensor | None,
+        backend: str,
+    ) -> Tensor:
         check_attention_inputs(q, k, v, self._expected_heads(), self.head_dim)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -509,6 +581,7 @@ class PositionalAttention(nn.Module):
                 logits = logits + term  # [B, H, N, M]
             allowed = causal_allowed(q_positions, k_positions, n, m, q.device) if causal else None
             weights = masked_softmax(apply_masks(logits, allowed, attn_mask))
+            v = repeat_kv(v, q.shape[1] // v.shape[1])  # [B, H, M, value_dim]
             out = torch.matmul(weights, v.to(weights.dtype))  # [B, H, N, value_dim]
             if self.has_value_term:
                 out = out + self._value_term(weights, q_positions, k_positions)
@@ -530,15 +603,16 @@ class PositionalAttention(nn.Module):
         if self.has_relative_terms:
             return self._sdpa_relative(q, k, v, q_positions, k_positions, causal, attn_mask)
         n, m = q.shape[2], k.shape[2]
+        gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
         if self.has_position_bias:
             mask = self._sdpa_bias(q_positions, k_positions, n, m, q.device, q.dtype, causal)
             if attn_mask is not None:
                 mask = apply_masks(mask, None, attn_mask)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, **gqa)
         default_positions = q_positions is None and k_positions is None
         if causal and default_positions and n == m and attn_mask is None:
             # keys 0..M-1 and queries 0..N-1: SDPA's own causal mask, no mask tensor
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, **gqa)
         allowed = causal_allowed(q_positions, k_positions, n, m, q.device) if causal else None
         mask: Tensor | None = allowed
         if attn_mask is not None:
@@ -548,7 +622,7 @@ class PositionalAttention(nn.Module):
                 mask = allowed & attn_mask
             else:
                 mask = apply_masks(attn_mask.to(q.dtype), allowed, None)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, **gqa)
 
     def _sdpa_relative(
         self,
@@ -561,6 +635,8 @@ class PositionalAttention(nn.Module):
         attn_mask: Tensor | None,
     ) -> Tensor:
         """SDPA with the relative terms (they depend on q and k) materialised as the mask."""
+        groups = q.shape[1] // k.shape[1]
+        k, v = repeat_kv(k, groups), repeat_kv(v, groups)  # the terms read every head
         n, m = q.shape[2], k.shape[2]
         dtype = compute_dtype(q)
         parts = list(self._relative_terms(q, k, q_positions, k_positions, dtype).values())

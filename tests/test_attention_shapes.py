@@ -1,0 +1,118 @@
+"""Shapes real models use: grouped-query attention, the [B, N, H, D] layout, and the
+range and device of positions, on every encoding and backend."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import generated_class, spec_names
+
+NAMES = spec_names()
+BACKENDS = ("eager", "sdpa", "auto")
+HEADS, HEAD_DIM = 4, 8
+
+
+def make(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return generated_class(name)(heads=HEADS, head_dim=HEAD_DIM).double()
+
+
+def _inputs(kv_heads: int, n: int = 5, m: int = 7) -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(1)
+    q = torch.randn(2, HEADS, n, HEAD_DIM, generator=generator, dtype=torch.float64)
+    k = torch.randn(2, kv_heads, m, HEAD_DIM, generator=generator, dtype=torch.float64)
+    v = torch.randn(2, kv_heads, m, HEAD_DIM, generator=generator, dtype=torch.float64)
+    return q, k, v
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_grouped_query_attention_equals_repeated_heads(name: str, kv_heads: int) -> None:
+    """k, v with kv_heads heads give what the same module gives on repeated heads."""
+    pe = make(name)
+    q, k, v = _inputs(kv_heads)
+    groups = HEADS // kv_heads
+    k_full, v_full = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    positions = {"q_positions": torch.tensor([3, 4, 6, 8, 9]), "k_positions": torch.arange(7)}
+    for backend in BACKENDS:
+        for causal in (False, True):
+            for extra in ({}, positions):
+                want = pe(q, k_full, v_full, causal=causal, backend=backend, **extra)
+                got = pe(q, k, v, causal=causal, backend=backend, **extra)
+                torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    want_terms = pe.score_terms(q, k_full)
+    for term, value in pe.score_terms(q, k).items():
+        torch.testing.assert_close(value, want_terms[term], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["alibi", "rope", "t5", "shaw", "deberta"])
+def test_grouped_query_gradients_equal_repeated_heads(name: str) -> None:
+    pe = make(name)
+    q, k, v = _inputs(2)
+    for backend in ("eager", "sdpa"):
+        grads = []
+        for repeat in (False, True):
+            leaf_k, leaf_v = k.clone().requires_grad_(), v.clone().requires_grad_()
+            keys = leaf_k.repeat_interleave(2, 1) if repeat else leaf_k
+            values = leaf_v.repeat_interleave(2, 1) if repeat else leaf_v
+            pe(q, keys, values, causal=True, backend=backend).square().sum().backward()
+            grads.append((leaf_k.grad, leaf_v.grad))
+        for got, want in zip(grads[0], grads[1], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_head_counts_that_do_not_divide_are_refused() -> None:
+    pe = make("alibi")
+    q, _, _ = _inputs(2)
+    k = torch.randn(2, 3, 7, HEAD_DIM, dtype=torch.float64)
+    with pytest.raises(ValueError, match="multiple of k's 3"):
+        pe(q, k, k)
+    with pytest.raises(ValueError, match="same heads"):
+        pe(q, k[:, :2], k[:, :1])
+
+
+@pytest.mark.parametrize("name", ["alibi", "rope", "shaw", "transformer_xl", "nope"])
+def test_bnhd_layout_is_the_transposed_call(name: str) -> None:
+    pe = make(name)
+    q, k, v = _inputs(2)
+    want = pe(q, k, v, causal=True)
+    got = pe(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True, layout="bnhd")
+    torch.testing.assert_close(got, want.transpose(1, 2), rtol=0, atol=0)
+    rq, rk = pe.rotate(q.transpose(1, 2), k.transpose(1, 2), layout="bnhd")
+    wq, wk = pe.rotate(q, k)
+    torch.testing.assert_close(rq, wq.transpose(1, 2), rtol=0, atol=0)
+    torch.testing.assert_close(rk, wk.transpose(1, 2), rtol=0, atol=0)
+    terms = pe.score_terms(q.transpose(1, 2), k.transpose(1, 2), layout="bnhd")
+    torch.testing.assert_close(sum(terms.values()), pe.scores(q, k), rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        pe(q, k, v, layout="nhd")
+
+
+def test_a_likely_layout_mix_up_is_named() -> None:
+    pe = make("t5")  # per-head position terms: the head count is checked
+    q = torch.randn(1, 9, HEADS, HEAD_DIM)  # [batch, seq, heads, dim] passed as bhnd
+    with pytest.raises(ValueError, match="layout='bnhd'"):
+        pe(q, q, q)
+
+
+@pytest.mark.parametrize("name", ["alibi", "rope", "t5", "learned_absolute"])
+def test_positions_past_the_exact_range_are_refused(name: str) -> None:
+    pe = make(name)
+    q, k, v = _inputs(HEADS, n=2, m=2)
+    too_far = torch.tensor([2**53, 2**53 + 1])
+    with pytest.raises(ValueError, match=r"k_positions must lie in \[0, 2\^53 - 1\]"):
+        pe(q, k, v, q_positions=torch.tensor([0, 1]), k_positions=too_far)
+    with pytest.raises(ValueError, match="q_positions must lie"):
+        pe(q, k, v, q_positions=torch.tensor([-1, 0]))
+
+
+@pytest.mark.parametrize("name", ["alibi", "rope", "deberta"])
+def test_positions_on_another_device_are_named(name: str) -> None:
+    pe = make(name)
+    q, k, v = _inputs(HEADS, n=2, m=2)
+    elsewhere = torch.arange(2, device="meta")
+    with pytest.raises(ValueError, match="q_positions is on meta"):
+        pe(q, k, v, q_positions=elsewhere)
+    with pytest.raises(ValueError, match="k_positions is on meta"):
+        pe.rotate(q, k, None, elsewhere)
