@@ -382,10 +382,49 @@ class PositionalAttention(nn.Module):
         q, k = self._rotate(q, k, q_positions, k_positions)
         return to_bhnd(layout, q, k)  # type: ignore[return-value]
 
+    def rotate_keys(
+        self, k: Tensor, positions: Tensor | None = None, *, layout: str = "bhnd"
+    ) -> Tensor:
+        """Rotate keys once, at their positions, for a cache of rotated keys (decode).
+
+        k: [batch, kv_heads, M, head_dim] (or [batch, M, kv_heads, head_dim] with layout
+        "bnhd"); positions: int64 [M] or [batch, M], default 0, ..., M - 1. Append the
+        result to the cache and call ``forward(q, cache, v, keys_rotated=True, ...)``:
+        each decode step then rotates only its new keys and its queries. Without a
+        rotary part this returns k itself.
+        """
+        (k,) = to_bhnd(layout, k)
+        check_attention_inputs(k, k, None, None, self.head_dim)
+        positions = check_positions(positions, k.shape[2], k.shape[0], "positions", k.device)
+        rotated = self._rotate_keys(k, positions) if self.has_rotation else k
+        (rotated,) = to_bhnd(layout, rotated)
+        return rotated
+
     def _rotate(
         self, q: Tensor, k: Tensor, q_positions: Tensor | None, k_positions: Tensor | None
     ) -> tuple[Tensor, Tensor]:
         return q, k
+
+    def _rotate_queries(self, q: Tensor, q_positions: Tensor | None, m: int) -> Tensor:
+        return q
+
+    def _rotate_keys(self, k: Tensor, k_positions: Tensor | None) -> Tensor:
+        return k
+
+    def _rotate_for_attention(
+        self,
+        q: Tensor,
+        k: Tensor,
+        q_positions: Tensor | None,
+        k_positions: Tensor | None,
+        keys_rotated: bool,
+    ) -> tuple[Tensor, Tensor]:
+        """q and k as the logits read them: rotated, or q alone when k already is."""
+        if not self.has_rotation:
+            return q, k
+        if keys_rotated:
+            return self._rotate_queries(q, q_positions, k.shape[2]), k
+        return self._rotate(q, k, q_positions, k_positions)
 
     def score_bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor | None:
         """Position-only score bias: none for this encoding."""
@@ -452,10 +491,14 @@ class PositionalAttention(nn.Module):
         return self.heads if self.checks_heads else None
 
     def _score_terms_exact(
-        self, q: Tensor, k: Tensor, q_positions: Tensor | None, k_positions: Tensor | None
+        self,
+        q: Tensor,
+        k: Tensor,
+        q_positions: Tensor | None,
+        k_positions: Tensor | None,
+        keys_rotated: bool = False,
     ) -> dict[str, Tensor]:
-        if self.has_rotation:
-            q, k = self._rotate(q, k, q_positions, k_positions)
+        q, k = self._rotate_for_attention(q, k, q_positions, k_positions, keys_rotated)
         k = repeat_kv(k, q.shape[1] // k.shape[1])  # [B, H, M, D]
         dtype = compute_dtype(q)
         content = torch.matmul(q.to(dtype), k.to(dtype).transpose(-2, -1))  # [B, H, N, M]
@@ -506,6 +549,7 @@ class PositionalAttention(nn.Module):
         attn_mask: Tensor | None = None,
         backend: str = "auto",
         layout: str = "bhnd",
+        keys_rotated: bool = False,
     ) -> Tensor:
         """Attention with this encoding: softmax(logits + masks) @ v.
 
@@ -527,6 +571,9 @@ class PositionalAttention(nn.Module):
             layout: "bhnd" (the shapes above) or "bnhd" ([batch, seq, heads, dim], as
                 Hugging Face projections produce before their transpose); the output
                 has the same layout.
+            keys_rotated: k was rotated already by ``rotate_keys`` at k_positions (a
+                cache of rotated keys): only q is rotated here. No effect without a
+                rotary part.
 
         Returns:
             [batch, heads, N, value_dim] in the dtype of v. A query row whose every key
@@ -534,7 +581,9 @@ class PositionalAttention(nn.Module):
             F.scaled_dot_product_attention gives.
         """
         q, k, v = to_bhnd(layout, q, k, v)
-        out = self._attend(q, k, v, q_positions, k_positions, causal, attn_mask, backend)
+        out = self._attend(
+            q, k, v, q_positions, k_positions, causal, attn_mask, backend, keys_rotated
+        )
         return out.transpose(1, 2) if layout == "bnhd" else out
 
     def _attend(
@@ -547,6 +596,7 @@ class PositionalAttention(nn.Module):
         causal: bool,
         attn_mask: Tensor | None,
         backend: str,
+        keys_rotated: bool,
     ) -> Tensor:
         check_attention_inputs(q, k, v, self._expected_heads(), self.head_dim)
         if backend not in BACKENDS:
@@ -560,9 +610,8 @@ class PositionalAttention(nn.Module):
         # a value-side term needs the attention weights, which SDPA does not return, so
         # "auto" takes the eager path for it (one softmax instead of two)
         eager = backend == "eager" or (backend == "auto" and self.has_value_term)
-        if eager:
-            return self._eager_attention(q, k, v, q_positions, k_positions, causal, attn_mask)
-        return self._sdpa_attention(q, k, v, q_positions, k_positions, causal, attn_mask)
+        args = (q, k, v, q_positions, k_positions, causal, attn_mask, keys_rotated)
+        return self._eager_attention(*args) if eager else self._sdpa_attention(*args)
 
     def _eager_attention(
         self,
@@ -573,11 +622,12 @@ class PositionalAttention(nn.Module):
         k_positions: Tensor | None,
         causal: bool,
         attn_mask: Tensor | None,
+        keys_rotated: bool = False,
     ) -> Tensor:
         """The literal decomposition in float32 (float64 for float64 inputs): the oracle."""
         n, m = q.shape[2], k.shape[2]
         with torch.autocast(device_type=q.device.type, enabled=False):
-            terms = self._score_terms_exact(q, k, q_positions, k_positions)
+            terms = self._score_terms_exact(q, k, q_positions, k_positions, keys_rotated)
             logits = terms.pop("content_content")
             for term in terms.values():
                 logits = logits + term  # [B, H, N, M]
@@ -598,10 +648,10 @@ class PositionalAttention(nn.Module):
         k_positions: Tensor | None,
         causal: bool,
         attn_mask: Tensor | None,
+        keys_rotated: bool = False,
     ) -> Tensor:
         """F.scaled_dot_product_attention with the position terms as an additive mask."""
-        if self.has_rotation:
-            q, k = self._rotate(q, k, q_positions, k_positions)
+        q, k = self._rotate_for_attention(q, k, q_positions, k_positions, keys_rotated)
         if self.has_relative_terms:
             return self._sdpa_relative(q, k, v, q_positions, k_positions, causal, attn_mask)
         n, m = q.shape[2], k.shape[2]

@@ -112,6 +112,17 @@ class RopeGptj(PositionalAttention):
         k_cos, k_sin = self._cos_sin(k_positions, 0, m, k.device, dtype)
         return self._apply_rotation(q, q_cos, q_sin), self._apply_rotation(k, k_cos, k_sin)
 
+    def _rotate_queries(self, q: Tensor, q_positions: Tensor | None, m: int) -> Tensor:
+        """q alone (keys already rotated): default positions are the last N of M."""
+        n = q.shape[2]
+        q_cos, q_sin = self._cos_sin(q_positions, m - n, n, q.device, compute_dtype(q))
+        return self._apply_rotation(q, q_cos, q_sin)
+
+    def _rotate_keys(self, k: Tensor, k_positions: Tensor | None) -> Tensor:
+        """k alone, at k_positions (default 0, ..., M - 1)."""
+        k_cos, k_sin = self._cos_sin(k_positions, 0, k.shape[2], k.device, compute_dtype(k))
+        return self._apply_rotation(k, k_cos, k_sin)
+
     def _cos_sin(
         self, positions: Tensor | None, start: int, length: int, device, dtype: torch.dtype
     ) -> tuple[Tensor, Tensor]:

@@ -1,0 +1,54 @@
+"""Decoding with a cache: keys rotated once by ``rotate_keys`` and attended with
+``keys_rotated=True`` give, step by step, the rows of the full causal forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import generated_class, spec_names
+
+STEPS = 6
+
+
+@pytest.mark.parametrize("name", spec_names())
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+@pytest.mark.parametrize("explicit", [False, True])
+def test_decode_with_rotated_key_cache_matches_full_forward(
+    name: str, backend: str, explicit: bool
+) -> None:
+    torch.manual_seed(0)
+    pe = generated_class(name)(heads=4, head_dim=8).double()
+    generator = torch.Generator().manual_seed(1)
+    q, k = (torch.randn(2, 4, STEPS, 8, generator=generator, dtype=torch.float64) for _ in "qk")
+    v = torch.randn(2, 2, STEPS, 8, generator=generator, dtype=torch.float64)
+    k = k[:, :2]  # grouped-query: 2 key/value heads for 4 query heads
+    # without explicit positions the cache holds keys 0 .. t and the query is the newest
+    positions = torch.arange(3, 3 + STEPS) if explicit else torch.arange(STEPS)
+    full = pe(q, k, v, causal=True, backend="eager", q_positions=positions, k_positions=positions)
+    cache = k[:, :, :0]
+    for t in range(STEPS):
+        new_key = pe.rotate_keys(k[:, :, t : t + 1], positions[t : t + 1])  # once, at t
+        cache = torch.cat((cache, new_key), dim=2)
+        kwargs = {"q_positions": positions[t : t + 1], "k_positions": positions[: t + 1]}
+        step = pe(
+            q[:, :, t : t + 1],
+            cache,
+            v[:, :, : t + 1],
+            causal=True,
+            backend=backend,
+            keys_rotated=True,
+            **(kwargs if explicit else {}),
+        )
+        torch.testing.assert_close(step, full[:, :, t : t + 1], rtol=1e-10, atol=1e-12)
+
+
+def test_rotate_keys_is_the_key_half_of_rotate() -> None:
+    pe = generated_class("rope_gptj")(heads=2, head_dim=8)
+    q, k = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 5, 8)
+    positions = torch.tensor([[7, 9, 10, 11, 20]])
+    _, rotated = pe.rotate(q, k, k_positions=positions, q_positions=positions[:, -3:])
+    torch.testing.assert_close(pe.rotate_keys(k, positions), rotated, rtol=0, atol=0)
+    assert generated_class("alibi")(heads=2, head_dim=8).rotate_keys(k) is k
+    with pytest.raises(ValueError, match="positions must have shape"):
+        pe.rotate_keys(k, torch.arange(4))
