@@ -1,6 +1,7 @@
 """The ``posgen`` command line.
 
-Exit codes: 0 ok; 1 generated/ drifted from the specs; 2 invalid spec or usage error.
+Exit codes: 0 ok; 1 generated/ drifted from the specs (``check``: a claim or block fails);
+2 invalid spec or usage error; 3 internal error (generated code failed its own gate).
 Spec errors print ``path:line:col: field: message`` lines and never a traceback.
 """
 
@@ -8,63 +9,18 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable, Sequence
-from functools import wraps
 from pathlib import Path
-from typing import Any, TypeVar
 
 import click
 
-from posgen.codegen.render import SourceGateError, render_standalone
-from posgen.codegen.writing import (
-    NotOurs,
-    compare,
-    plan_for,
-    render_tree,
-    unified_diff,
-    write_file,
-    write_tree,
-)
-from posgen.describe import input_description, scale_description, term_lines, values_description
-from posgen.spec.diagnostics import SpecError
-from posgen.spec.loader import LoadedSpec, expand_spec_paths, load_spec, load_specs
+from posgen.catalogue import encoding_rows, model_rows
+from posgen.cli_errors import reports_spec_errors
+from posgen.cli_paths import DEFAULT_OUT, DEFAULT_SPECS, find_spec, spec_files
+from posgen.cli_standalone import generate_standalone
+from posgen.codegen.writing import compare, render_tree, unified_diff, write_tree
+from posgen.describe import explanation
+from posgen.spec.loader import LoadedSpec, load_specs
 from posgen.spec.model import Spec
-
-DEFAULT_SPECS = Path("specs")
-DEFAULT_OUT = Path("generated")
-
-Command = TypeVar("Command", bound=Callable[..., Any])
-
-
-def _reports_spec_errors(command: Command) -> Command:
-    """Turn SpecError into diagnostics on stderr and exit code 2."""
-
-    @wraps(command)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return command(*args, **kwargs)
-        except SpecError as error:
-            for diagnostic in error.diagnostics:
-                click.echo(diagnostic.render(), err=True)
-            count = len(error.diagnostics)
-            click.echo(f"{count} error{'s' if count != 1 else ''}; nothing written.", err=True)
-            sys.exit(2)
-        except SourceGateError as error:
-            click.echo(f"internal error: {error}", err=True)
-            sys.exit(3)
-
-    return wrapper  # type: ignore[return-value]
-
-
-def _spec_files(arguments: Sequence[Path]) -> list[Path]:
-    paths = expand_spec_paths(list(arguments) or [DEFAULT_SPECS])
-    if not paths:
-        shown = ", ".join(str(p) for p in arguments) or str(DEFAULT_SPECS)
-        raise click.UsageError(f"no spec files (*.yaml) found in {shown}")
-    for path in paths:
-        if not path.exists():
-            raise click.UsageError(f"no such spec file: {path}")
-    return paths
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -97,7 +53,7 @@ def main() -> None:
     default=None,
     help="Write spec NAME as one self-contained file (runtime inlined) to --out FILE.",
 )
-@_reports_spec_errors
+@reports_spec_errors
 def generate(
     specs: tuple[Path, ...], out_dir: Path, check: bool, show_diff: bool, standalone: str | None
 ) -> None:
@@ -113,9 +69,9 @@ def generate(
         posgen generate specs/t5.yaml --out /tmp/gen --diff
         posgen generate --standalone t5 --out t5_attention.py
     """
-    loaded = load_specs(_spec_files(specs))
+    loaded = load_specs(spec_files(specs))
     if standalone is not None:
-        _generate_standalone(loaded, standalone, out_dir, check or show_diff)
+        generate_standalone(loaded, standalone, out_dir, check or show_diff)
         return
     tree = render_tree(loaded)
     if check or show_diff:
@@ -139,33 +95,9 @@ def generate(
     click.echo(f"{out_dir}: {len(tree)} files, {len(drift.lines())} written or removed.")
 
 
-def _generate_standalone(loaded: list[LoadedSpec], name: str, out: Path, dry: bool) -> None:
-    """Write (or, dry, compare) the standalone module of the spec called ``name``."""
-    chosen = [spec for spec in loaded if spec.spec.name == name]
-    if not chosen:
-        known = ", ".join(sorted(spec.spec.name for spec in loaded))
-        raise click.UsageError(f"--standalone: no spec named {name!r}; known: {known}")
-    if out == DEFAULT_OUT or out.is_dir() or out.suffix != ".py":
-        raise click.UsageError(
-            f"--standalone needs --out FILE.py (a file, not a folder), got {out}"
-        )
-    source = render_standalone(plan_for(chosen[0]))
-    if dry:
-        same = out.is_file() and out.read_bytes() == source.encode("utf-8")
-        click.echo(f"{out}: {'up to date' if same else 'out of date'}.")
-        sys.exit(0 if same else 1)
-    try:
-        written = write_file(out, source)
-    except NotOurs:
-        raise click.UsageError(
-            f"{out} exists and was not written by posgen; not overwriting"
-        ) from None
-    click.echo(f"{out}: {'written' if written else 'up to date'} (standalone {name}).")
-
-
 @main.command()
 @click.argument("specs", nargs=-1, required=True, type=click.Path(path_type=Path))
-@_reports_spec_errors
+@reports_spec_errors
 def validate(specs: tuple[Path, ...]) -> None:
     """Validate SPECS (files or directories) and report every error.
 
@@ -174,13 +106,9 @@ def validate(specs: tuple[Path, ...]) -> None:
         posgen validate specs/
         posgen validate my_idea.yaml
     """
-    loaded = load_specs(_spec_files(specs))
+    loaded = load_specs(spec_files(specs))
     for item in loaded:
         click.echo(f"ok  {item.display_path}")
-
-
-def _short_term(value: object) -> str:
-    return value if isinstance(value, str) else str(getattr(value, "form", value))
 
 
 @main.command(name="list")
@@ -193,7 +121,7 @@ def _short_term(value: object) -> str:
     help="Directory of specs.",
 )
 @click.option("--models", "by_model", is_flag=True, help="List by model: which encoding each uses.")
-@_reports_spec_errors
+@reports_spec_errors
 def list_specs(spec_dir: Path, by_model: bool) -> None:
     """List every encoding: title, the four terms in short, the models that use it.
 
@@ -202,70 +130,9 @@ def list_specs(spec_dir: Path, by_model: bool) -> None:
         posgen list
         posgen list --models
     """
-    loaded = load_specs(_spec_files([spec_dir]))
-    if by_model:
-        users: dict[str, list[str]] = {}
-        for item in loaded:
-            for model in item.spec.models:
-                users.setdefault(model, []).append(item.spec.name)
-        width = max((len(model) for model in users), default=5)
-        for model in sorted(users, key=str.lower):
-            click.echo(f"{model:<{width}}  {', '.join(users[model])}")
-        return
-    name_width = max([18, *(len(item.spec.name) for item in loaded)])
-    header = (
-        f"{'name':<{name_width}} {'cc':<7} {'cp':<9} {'pc':<9} {'pp':<9} {'values':<9} "
-        "title / used by"
-    )
-    click.echo(header)
-    click.echo("-" * len(header))
-    indent = name_width + 1 + 8 + 10 * 4
-    for item in loaded:
-        terms = item.spec.terms
-        click.echo(
-            f"{item.spec.name:<{name_width}} {_short_term(terms.content_content):<7} "
-            f"{_short_term(terms.content_position):<9} {_short_term(terms.position_content):<9} "
-            f"{_short_term(terms.position_position):<9} {_short_term(item.spec.values):<9} "
-            f"{item.spec.title}"
-        )
-        if item.spec.models:
-            click.echo(f"{'':<{indent}}used by: {', '.join(item.spec.models)}")
-
-
-def _find_spec(name_or_path: str, spec_dir: Path) -> LoadedSpec:
-    path = Path(name_or_path)
-    if path.suffix in (".yaml", ".yml") or path.exists():
-        return load_spec(path)
-    candidate = spec_dir / f"{name_or_path}.yaml"
-    if not candidate.exists():
-        known = sorted(p.stem for p in spec_dir.glob("*.yaml"))
-        raise click.UsageError(
-            f"no spec named {name_or_path!r} in {spec_dir}/ (known: {', '.join(known)})"
-        )
-    return load_spec(candidate)
-
-
-def explanation(spec: Spec) -> list[str]:
-    """The decomposition of a spec in words, as printed by ``posgen explain``."""
-    lines = [f"{spec.name}: {spec.title}", ""]
-    description = input_description(spec)
-    if description is not None:
-        lines += [f"input      {description}", ""]
-    lines.append("a_ij = content_content + content_position + position_content + position_position")
-    lines.append(f"scale: {scale_description(spec)}")
-    lines.append("")
-    for row in term_lines(spec):
-        lines.append(f"  {row.term:<18} {row.form:<9} {row.formula}")
-    lines.append(f"  {'values':<18} {values_description(spec)}")
-    lines.append("")
-    lines.append("references:")
-    lines.extend(f"  - {reference}" for reference in spec.references)
-    if spec.models:
-        lines.append(f"used by: {', '.join(spec.models)}")
-    claims = spec.claims.model_dump(exclude_none=True)
-    if claims:
-        lines.append("claims: " + ", ".join(f"{k}={str(v).lower()}" for k, v in claims.items()))
-    return lines
+    specs = [item.spec for item in load_specs(spec_files([spec_dir]))]
+    for line in model_rows(specs) if by_model else encoding_rows(specs):
+        click.echo(line)
 
 
 @main.command()
@@ -278,7 +145,7 @@ def explanation(spec: Spec) -> list[str]:
     show_default=True,
     help="Directory to look NAME up in.",
 )
-@_reports_spec_errors
+@reports_spec_errors
 def explain(name_or_spec: str, spec_dir: Path) -> None:
     """Explain one encoding: its four score terms in words, with the formula.
 
@@ -287,7 +154,7 @@ def explain(name_or_spec: str, spec_dir: Path) -> None:
         posgen explain t5
         posgen explain specs/rope.yaml
     """
-    loaded = _find_spec(name_or_spec, spec_dir)
+    loaded = find_spec(name_or_spec, spec_dir)
     for line in explanation(loaded.spec):
         click.echo(line)
 
@@ -382,7 +249,7 @@ def _property_names() -> tuple[str, ...]:
     help="Seconds per spec, shared by its "
     "properties: each gets at most what is left divided by the properties left.",
 )
-@_reports_spec_errors
+@reports_spec_errors
 def check(
     specs: tuple[Path, ...],
     as_json: bool,
@@ -413,7 +280,7 @@ def check(
     import os
     import tempfile
 
-    loaded = load_specs(_spec_files(specs))
+    loaded = load_specs(spec_files(specs))
     if os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY"):
         _check(loaded, as_json, seed, max_examples, span, only, seconds, spec_seconds)
         return
@@ -512,7 +379,7 @@ def _check(
 @click.option(
     "--seed", type=int, default=0, show_default=True, help="Seed of the random weights and content."
 )
-@_reports_spec_errors
+@reports_spec_errors
 def plot(spec: Path, out_dir: Path, span: int, distance: int, seed: int) -> None:
     """Draw SPEC's position-only score heatmap per head and its decay curve (PNG).
 
@@ -524,7 +391,7 @@ def plot(spec: Path, out_dir: Path, span: int, distance: int, seed: int) -> None
         posgen plot specs/alibi.yaml --out plots/
         posgen plot my_idea.yaml --span 128
     """
-    loaded = load_specs(_spec_files([spec]))[0]
+    loaded = load_specs(spec_files([spec]))[0]
     from posgen.check.plot import CannotPlot, MissingMatplotlib, PlotFailed, plot_spec
 
     try:

@@ -266,3 +266,26 @@ def scale_description(spec: Spec) -> str:
     factor = spec.scale.factor
     inner = "head_dim" if factor == 1 else f"{_number(factor)} * head_dim"
     return f"1/sqrt({inner})"
+
+
+def explanation(spec: Spec) -> list[str]:
+    """The decomposition of a spec in words, as printed by ``posgen explain``."""
+    lines = [f"{spec.name}: {spec.title}", ""]
+    description = input_description(spec)
+    if description is not None:
+        lines += [f"input      {description}", ""]
+    lines.append("a_ij = content_content + content_position + position_content + position_position")
+    lines.append(f"scale: {scale_description(spec)}")
+    lines.append("")
+    for row in term_lines(spec):
+        lines.append(f"  {row.term:<18} {row.form:<9} {row.formula}")
+    lines.append(f"  {'values':<18} {values_description(spec)}")
+    lines.append("")
+    lines.append("references:")
+    lines.extend(f"  - {reference}" for reference in spec.references)
+    if spec.models:
+        lines.append(f"used by: {', '.join(spec.models)}")
+    claims = spec.claims.model_dump(exclude_none=True)
+    if claims:
+        lines.append("claims: " + ", ".join(f"{k}={str(v).lower()}" for k, v in claims.items()))
+    return lines

@@ -91,7 +91,7 @@ def _tagged(*tags: str, what: str, leading: tuple[str, str] | None = None) -> Di
         if isinstance(value, dict) and len(value) == 1:
             key = next(iter(value))
             return key if key in allowed else None
-        if isinstance(value, BaseModel):
+        if isinstance(value, BaseModel):  # a built term (validated again, or serialised)
             form = getattr(value, "form", None)
             return lead_tag if form is not None and form == lead_key else form
         return None
@@ -1028,4 +1028,5 @@ def rotary_dim_for(head_dim: int, fraction: float) -> int:
 
 
 def _describe(value: object) -> str:
+    """A term's form for an error message: its keyword, or its model's ``form``."""
     return value if isinstance(value, str) else getattr(value, "form", type(value).__name__)

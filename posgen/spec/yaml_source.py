@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
@@ -57,9 +58,20 @@ class LoadedYaml:
         return (1, 1)
 
 
+class _Mark(Protocol):
+    """A source position as PyYAML's pure-Python and C marks both carry it (0-based)."""
+
+    line: int
+    column: int
+
+
+def _mark_position(mark: _Mark | None) -> Position:
+    """1-based (line, col) of a mark; (1, 1) when PyYAML recorded none."""
+    return (mark.line + 1, mark.column + 1) if mark is not None else (1, 1)
+
+
 def _position(node: Node) -> Position:
-    mark = node.start_mark
-    return (mark.line + 1, mark.column + 1)
+    return _mark_position(node.start_mark)
 
 
 class _Builder:
@@ -126,8 +138,7 @@ class _Builder:
 def _reject_forbidden_events(text: str, source_name: str) -> None:
     """Anchors, aliases and explicit tags are visible only at the event level."""
     for event in yaml.parse(text, Loader=yaml.SafeLoader):
-        mark = event.start_mark
-        where = (source_name, mark.line + 1, mark.column + 1, "<document>")
+        where = (source_name, *_mark_position(event.start_mark), "<document>")
         if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
             raise YamlError(Diagnostic(*where, "anchors and aliases (&, *) are not allowed"))
         tag = getattr(event, "tag", None)
@@ -146,8 +157,7 @@ def load_yaml(text: str, source_name: str) -> LoadedYaml:
         _reject_forbidden_events(text, source_name)
         nodes = list(yaml.compose_all(text, Loader=yaml.SafeLoader))
     except yaml.MarkedYAMLError as error:
-        mark = error.problem_mark or error.context_mark
-        line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
+        line, col = _mark_position(error.problem_mark or error.context_mark)
         problem = error.problem or str(error)
         raise YamlError(
             Diagnostic(source_name, line, col, "<document>", f"invalid YAML: {problem}")
