@@ -34,6 +34,8 @@ from ._attention import (
     PositionalAttention,
     cache_get,
     cache_put,
+    default_distances,
+    expand_distance_bias,
     relative_positions,
     score_bias_positions,
 )
@@ -76,6 +78,7 @@ class Alibi(PositionalAttention):
     checks_heads = True
     has_position_bias = True
     position_bias_inside_scale = False
+    bias_by_distance = True
     has_rotation = False
     has_relative_terms = False
     has_value_term = False
@@ -101,17 +104,24 @@ class Alibi(PositionalAttention):
     def _position_bias(
         self, q_positions: Tensor | None, k_positions: Tensor | None, n: int, m: int, device
     ) -> Tensor:
-        dtype = torch.promote_types(self.slopes.dtype, torch.float32)  # float64 stays float64
-        cacheable = q_positions is None and k_positions is None
-        key = ("slope_bias", n, m, str(device), dtype)
-        bias = cache_get(self._cache, key) if cacheable else None
-        if bias is not None:
-            return bias
+        if q_positions is None and k_positions is None:
+            return expand_distance_bias(self._distance_bias(n, m, device), n, m)
         distance = relative_positions(q_positions, k_positions, n, m, device).abs()
-        # from the recipe in the bias dtype: a float64 module's slopes are exact, not the
-        # float32-rounded buffer cast up (the buffer equals these values in float32)
-        slopes = torch.tensor(_alibi_slopes(self.heads), dtype=dtype, device=device)
-        bias = -slopes.view(-1, 1, 1) * distance.unsqueeze(-3).to(dtype)  # [..., heads, N, M]
-        if cacheable:
-            cache_put(self._cache, key, bias)
+        slopes = self._exact_slopes(device)
+        return -slopes.view(-1, 1, 1) * distance.unsqueeze(-3).to(slopes.dtype)  # [..., H, N, M]
+
+    def _exact_slopes(self, device) -> Tensor:
+        """[heads] from the recipe in the bias dtype: a float64 module's slopes are exact,
+        not the float32-rounded buffer cast up (the buffer equals these in float32)."""
+        dtype = torch.promote_types(self.slopes.dtype, torch.float32)  # float64 stays float64
+        return torch.tensor(_alibi_slopes(self.heads), dtype=dtype, device=device)
+
+    def _distance_bias(self, n: int, m: int, device) -> Tensor:
+        """-slope_h * |r| for r = -(M - 1) .. N - 1: [heads, N + M - 1], cached (O(N))."""
+        dtype = torch.promote_types(self.slopes.dtype, torch.float32)
+        key = ("slope_bias", n, m, str(device), dtype)
+        bias = cache_get(self._cache, key)
+        if bias is None:
+            distance = default_distances(n, m, device).abs().to(dtype)  # [N + M - 1]
+            bias = cache_put(self._cache, key, -self._exact_slopes(device)[:, None] * distance)
         return bias

@@ -39,6 +39,8 @@ from ._attention import (
     PositionalAttention,
     cache_get,
     cache_put,
+    default_distances,
+    expand_distance_bias,
     relative_positions,
     score_bias_positions,
 )
@@ -90,6 +92,7 @@ class T5Decoder(PositionalAttention):
     checks_heads = True
     has_position_bias = True
     position_bias_inside_scale = False
+    bias_by_distance = True
     has_rotation = False
     has_relative_terms = False
     has_value_term = False
@@ -114,6 +117,8 @@ class T5Decoder(PositionalAttention):
     def _position_bias(
         self, q_positions: Tensor | None, k_positions: Tensor | None, n: int, m: int, device
     ) -> Tensor:
+        if q_positions is None and k_positions is None:
+            return expand_distance_bias(self._distance_bias(n, m, device), n, m)
         cacheable = q_positions is None and k_positions is None
         key = ("buckets", n, m, str(device))
         buckets = cache_get(self._cache, key) if cacheable else None
@@ -124,3 +129,18 @@ class T5Decoder(PositionalAttention):
         table = self.relative_attention_bias.weight.to(device)  # [buckets, heads]
         dtype = torch.promote_types(table.dtype, torch.float32)  # a float64 table stays float64
         return table[buckets].movedim(-1, -3).to(dtype)  # [..., heads, N, M]
+
+    def _distance_bias(self, n: int, m: int, device) -> Tensor:
+        """table[bucket(r), h] for r = -(M - 1) .. N - 1: [heads, N + M - 1].
+
+        One gather per distance, not per (query, key) pair: its backward touches
+        N + M - 1 rows of the table (the [N, M] gather's backward scatters N * M).
+        """
+        key = ("distance_buckets", n, m, str(device))
+        buckets = cache_get(self._cache, key)
+        if buckets is None:
+            relative = default_distances(n, m, device)  # key minus query position
+            buckets = cache_put(self._cache, key, _relative_buckets(relative))
+        table = self.relative_attention_bias.weight.to(device)  # [buckets, heads]
+        dtype = torch.promote_types(table.dtype, torch.float32)  # a float64 table stays float64
+        return table[buckets].t().to(dtype)  # [heads, N + M - 1]

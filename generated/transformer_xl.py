@@ -107,6 +107,7 @@ class TransformerXl(PositionalAttention):
     checks_heads = True
     has_position_bias = False
     position_bias_inside_scale = False
+    bias_by_distance = False
     has_rotation = False
     has_relative_terms = True
     has_value_term = False

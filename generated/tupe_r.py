@@ -111,6 +111,7 @@ class TupeR(PositionalAttention):
     checks_heads = True
     has_position_bias = True
     position_bias_inside_scale = False
+    bias_by_distance = False
     has_rotation = False
     has_relative_terms = False
     has_value_term = False

@@ -205,6 +205,50 @@ def cache_put(cache: dict[tuple[Any, ...], Any], key: tuple[Any, ...], value: An
     return value
 
 
+def default_distances(n: int, m: int, device: torch.device) -> Tensor:
+    """Key minus query position, one per diagonal, for default positions: int64 [n + m - 1].
+
+    Queries M - N .. M - 1 against keys 0 .. M - 1 give r = j - i - (M - N) from
+    -(M - 1) to N - 1; entry t holds r = t - (M - 1).
+    """
+    return torch.arange(-(m - 1), n, device=device)
+
+
+class _QueryReversedDiagonals(torch.autograd.Function):
+    """A per-distance vector [H, N + M - 1] as an [H, N, M] view with queries reversed.
+
+    out[h, i', j] = vec[h, i' + j], where row i' = N - 1 - i is query i: for default
+    positions the bias of query i and key j depends only on j - i, so reversing the
+    queries turns every diagonal into an anti-diagonal, which one overlapping strided
+    view expresses with no copy. The backward sums each anti-diagonal of the gradient
+    with a skew (pad each row by N, reshape to rows of N + M - 1, sum the rows): no
+    scatter and no atomics, so its cost is one pass over the gradient.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, vec: Tensor, n: int, m: int) -> Tensor:
+        ctx.n, ctx.m = n, m
+        width = n + m - 1
+        return vec.contiguous().as_strided((vec.shape[0], n, m), (width, 1, 1))
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        n, m = ctx.n, ctx.m
+        padded = F.pad(grad, (0, n))  # [H, N, M + N]: row i' then starts i' columns later
+        skewed = padded.flatten(-2)[..., : n * (n + m - 1)].unflatten(-1, (n, n + m - 1))
+        return skewed.sum(-2), None, None  # [H, N + M - 1]
+
+
+def query_reversed_bias(vec: Tensor, n: int, m: int) -> Tensor:
+    """[H, N + M - 1] per-distance values -> [H, N, M] view, queries in reverse order."""
+    return _QueryReversedDiagonals.apply(vec, n, m)  # type: ignore[no-any-return]
+
+
+def expand_distance_bias(vec: Tensor, n: int, m: int) -> Tensor:
+    """[H, N + M - 1] per-distance values -> [H, N, M] bias for default positions (a copy)."""
+    return query_reversed_bias(vec, n, m).flip(-2)
+
+
 def repeat_kv(x: Tensor, groups: int) -> Tensor:
     """[B, H_kv, L, D] -> [B, H_kv * groups, L, D]: head h reads kv head h // groups."""
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
@@ -332,6 +376,8 @@ class PositionalAttention(nn.Module):
     has_position_bias: bool = False
     #: that bias is added inside the scale: (q . k + b) * scale, so it is scaled too
     position_bias_inside_scale: bool = False
+    #: that bias depends only on the key minus query position, via ``_distance_bias``
+    bias_by_distance: bool = False
     #: the rotary part changes q and k
     has_rotation: bool = False
     #: content-dependent relative terms enter the logits
@@ -437,6 +483,14 @@ class PositionalAttention(nn.Module):
         device: torch.device,
     ) -> Tensor | None:
         return None
+
+    def _distance_bias(self, n: int, m: int, device: torch.device) -> Tensor:
+        """The position-only bias per distance for default positions: [heads, N + M - 1].
+
+        Entry t is the bias at key minus query position t - (M - 1) (see
+        ``default_distances``). Encodings with ``bias_by_distance`` override it.
+        """
+        raise NotImplementedError("this encoding's bias is not a function of j - i alone")
 
     def _relative_terms(
         self,
@@ -654,12 +708,14 @@ class PositionalAttention(nn.Module):
             return self._sdpa_relative(q, k, v, q_positions, k_positions, causal, attn_mask)
         n, m = q.shape[2], k.shape[2]
         gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+        default_positions = q_positions is None and k_positions is None
+        if self.bias_by_distance and default_positions and attn_mask is None:
+            return self._sdpa_by_distance(q, k, v, causal, gqa)
         if self.has_position_bias:
             mask = self._sdpa_bias(q_positions, k_positions, n, m, q.device, q.dtype, causal)
             if attn_mask is not None:
                 mask = apply_masks(mask, None, attn_mask)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, **gqa)
-        default_positions = q_positions is None and k_positions is None
         if causal and default_positions and n == m and attn_mask is None:
             # keys 0..M-1 and queries 0..N-1: SDPA's own causal mask, no mask tensor
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, **gqa)
@@ -712,6 +768,27 @@ class PositionalAttention(nn.Module):
             weights = masked_softmax(content + mask)  # [B, H, N, M]
             out = out.to(dtype) + self._value_term(weights, q_positions, k_positions)
         return out.to(v.dtype)
+
+    def _sdpa_by_distance(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, gqa: dict[str, bool]
+    ) -> Tensor:
+        """SDPA with a bias of j - i alone, never an [H, N, M] tensor: O(N + M) memory.
+
+        The bias per distance [H, N + M - 1] (causal masking folded in as -inf on the
+        distances past the query) is viewed as [1, H, N, M] with the queries reversed
+        (``query_reversed_bias``); q goes in reversed and the output comes back in order.
+        """
+        n, m = q.shape[2], k.shape[2]
+        vec = self._distance_bias(n, m, q.device)  # [H, N + M - 1]
+        if self.position_bias_inside_scale:
+            vec = vec * self.scale  # SDPA scales q.k only; this bias sits inside the scale
+        if causal:
+            vec = vec.masked_fill(default_distances(n, m, q.device) > 0, float("-inf"))
+        mask = query_reversed_bias(vec.to(q.dtype), n, m).unsqueeze(0)  # [1, H, N, M] view
+        out = F.scaled_dot_product_attention(
+            q.flip(2), k, v, attn_mask=mask, scale=self.scale, **gqa
+        )
+        return out.flip(2)  # [B, H, N, value_dim] in query order
 
     def _sdpa_bias(
         self,

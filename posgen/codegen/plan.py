@@ -477,6 +477,7 @@ def _flags(blocks: tuple[Block, ...]) -> tuple[tuple[str, bool], ...]:
             "position_bias_inside_scale",
             not untied and bias is not None and bias.inside_scale,
         ),
+        ("bias_by_distance", not untied and bias is not None),
         ("has_rotation", any(isinstance(block, RotationPlan) for block in blocks)),
         ("has_relative_terms", relative is not None),
         ("has_value_term", relative is not None and relative.values is not None),
