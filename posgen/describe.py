@@ -22,6 +22,7 @@ from posgen.spec.model import (
     Spec,
     SymmetricLogBuckets,
     UntiedPositions,
+    rotary_dim_for,
 )
 
 
@@ -150,7 +151,7 @@ def term_lines(spec: Spec) -> list[TermLine]:
                 "content_content",
                 "rotate",
                 f"(R_i q_i) . (R_j k_j) = q_i R_(j-i) k_j, {rotation.pairing} pairing, "
-                f"theta_k = {_number(rotation.base)}^(-2k/d_rot)",
+                f"theta_k = {_number(rotation.base)}^(-2k/d_rot){rotary_share(spec)}",
             )
         )
     else:
@@ -184,6 +185,24 @@ def term_lines(spec: Spec) -> list[TermLine]:
     else:
         lines.append(TermLine("position_position", "bias", _bias_formula(bias)))
     return lines
+
+
+def rotary_share(spec: Spec) -> str:
+    """``, partial: rotates the leading 25% of each head (16 of 64 features)``, or ``""``.
+
+    Empty when the spec rotates whole heads (or does not rotate).
+    """
+    rotation = spec.rotation
+    if rotation is None or rotation.rotary_dims.fraction >= 1:
+        return ""
+    fraction = rotation.rotary_dims.fraction
+    head_dim = spec.defaults.head_dim
+    rotated = rotary_dim_for(head_dim, fraction)
+    return (
+        f", partial: rotates the {rotation.rotary_dims.layout} {fraction * 100:g}% of each "
+        f"head ({rotated} of {head_dim} features at the default head_dim), the rest pass "
+        "through"
+    )
 
 
 def _input_term_texts(spec: Spec) -> dict[str, str]:

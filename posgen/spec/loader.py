@@ -1,8 +1,16 @@
-"""Read spec files into validated ``Spec`` objects, or into located diagnostics."""
+"""Read spec files into validated ``Spec`` objects, or into located diagnostics.
+
+Limits (each refused with a ``file:line:col`` diagnostic, never a traceback): a spec
+file is a regular file of at most ``MAX_SPEC_BYTES``; its YAML nests at most
+``MAX_NESTING`` levels and its number literals hold at most ``MAX_NUMBER_CHARS``
+characters (both checked in ``yaml_source``); the fields' own bounds are in ``model``.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import os
+import stat
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,10 +18,37 @@ from pathlib import Path
 from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 
-from posgen.spec.diagnostics import Diagnostic, SpecError, closest_name, dotted_path
+from posgen.spec.diagnostics import Diagnostic, SpecError, closest_name, dotted_path, quoted
 from posgen.spec.model import Spec
 from posgen.spec.names import class_name_for
-from posgen.spec.yaml_source import FieldPath, LoadedYaml, YamlError, load_yaml
+from posgen.spec.yaml_source import (
+    MAX_NESTING,
+    MAX_NUMBER_CHARS,
+    FieldPath,
+    LoadedYaml,
+    YamlError,
+    load_yaml,
+)
+
+__all__ = [
+    "MAX_NESTING",
+    "MAX_NUMBER_CHARS",
+    "MAX_SPEC_BYTES",
+    "LoadedSpec",
+    "display_path",
+    "expand_spec_paths",
+    "load_spec",
+    "load_specs",
+    "unique_paths",
+]
+
+MAX_SPEC_BYTES = 256 * 1024
+"""The largest spec file read, 256 KiB, checked before the file is read or parsed.
+
+A spec is a hand-written page (the catalogue's largest is under 2 KiB). PyYAML's pure
+Python parser takes about a minute and 1.5 GB for a 5 MB file, so anything this far
+past a real spec is refused up front instead of parsed.
+"""
 
 
 @dataclass(frozen=True)
@@ -39,12 +74,7 @@ def display_path(path: Path) -> str:
 def load_spec(path: Path) -> LoadedSpec:
     """Load and validate one spec file; raises SpecError with every diagnostic found."""
     shown = display_path(path)
-    try:
-        raw = path.read_bytes()
-    except OSError as error:
-        raise SpecError(
-            [Diagnostic(shown, 1, 1, "<file>", f"cannot read: {error.strerror}")]
-        ) from None
+    raw = _read_spec_bytes(path, shown)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
@@ -66,8 +96,8 @@ def load_spec(path: Path) -> LoadedSpec:
                     line,
                     col,
                     "name",
-                    f"name {spec.name!r} must match the file name {path.name!r} "
-                    f"(expected {path.stem!r})",
+                    f"name {spec.name!r} must match the file name {quoted(path.name)} "
+                    f"(expected {quoted(path.stem)})",
                 )
             ]
         )
@@ -76,11 +106,72 @@ def load_spec(path: Path) -> LoadedSpec:
     )
 
 
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # opening a FIFO returns at once (POSIX)
+_BINARY = getattr(os, "O_BINARY", 0)  # no newline translation (Windows)
+
+
+def _read_spec_bytes(path: Path, shown: str) -> bytes:
+    """The bytes of a regular file of at most ``MAX_SPEC_BYTES``, or a SpecError.
+
+    The file's kind and size are checked before it is opened (a FIFO would block the
+    read forever, a device never end), again on the open descriptor, and the read
+    itself stops one byte past the limit.
+    """
+
+    def refuse(message: str) -> SpecError:
+        return SpecError([Diagnostic(shown, 1, 1, "<file>", message)])
+
+    try:
+        _check_file(path.stat(), refuse)
+        descriptor = os.open(path, os.O_RDONLY | _NONBLOCK | _BINARY)
+        with os.fdopen(descriptor, "rb") as handle:
+            _check_file(os.fstat(handle.fileno()), refuse)
+            raw = handle.read(MAX_SPEC_BYTES + 1)
+    except OSError as error:
+        raise refuse(f"cannot read: {error.strerror or error}") from None
+    if len(raw) > MAX_SPEC_BYTES:
+        raise refuse(_too_large(len(raw), at_least=True))
+    return raw
+
+
+def _check_file(info: os.stat_result, refuse: Callable[[str], SpecError]) -> None:
+    """Refuse anything but a regular file, and a regular file over ``MAX_SPEC_BYTES``."""
+    if not stat.S_ISREG(info.st_mode):
+        raise refuse(
+            f"not a regular file ({_file_kind(info.st_mode)}): a spec is a plain YAML file"
+        )
+    if info.st_size > MAX_SPEC_BYTES:
+        raise refuse(_too_large(info.st_size))
+
+
+def _too_large(size: int, at_least: bool = False) -> str:
+    more = "more than " if at_least else ""
+    return (
+        f"file too large ({more}{size:,} bytes): a spec file holds at most "
+        f"{MAX_SPEC_BYTES:,} bytes ({MAX_SPEC_BYTES // 1024} KiB)"
+    )
+
+
+def _file_kind(mode: int) -> str:
+    kinds = (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a named pipe"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    )
+    return next((kind for test, kind in kinds if test(mode)), "a special file")
+
+
 def load_specs(paths: Iterable[Path]) -> list[LoadedSpec]:
-    """Load every spec, collecting all diagnostics of all files before failing."""
+    """Load every spec, collecting all diagnostics of all files before failing.
+
+    A file named twice (directly, through its folder, or by another spelling of its
+    path) is loaded once, where it was first named.
+    """
     loaded: list[LoadedSpec] = []
     diagnostics: list[Diagnostic] = []
-    for path in paths:
+    for path in unique_paths(paths):
         try:
             loaded.append(load_spec(path))
         except SpecError as error:
@@ -116,14 +207,29 @@ def _collisions(
 
 
 def expand_spec_paths(arguments: Sequence[Path]) -> list[Path]:
-    """Spec files named directly, or every ``*.yaml`` in a named directory, sorted."""
+    """Spec files named directly, or every ``*.yaml`` in a named directory, sorted.
+
+    Each file appears once, where it was first named (``unique_paths``).
+    """
     files: list[Path] = []
     for argument in arguments:
         if argument.is_dir():
             files.extend(sorted(argument.glob("*.yaml")))
         else:
             files.append(argument)
-    return files
+    return unique_paths(files)
+
+
+def unique_paths(paths: Iterable[Path]) -> list[Path]:
+    """``paths`` without repeats of the same file (compared resolved), first-seen order."""
+    seen: set[Path] = set()
+    unique: list[Path] = []
+    for path in paths:
+        key = path.resolve()
+        if key not in seen:
+            seen.add(key)
+            unique.append(path)
+    return unique
 
 
 # --------------------------------------------------------------------------- error mapping
@@ -143,7 +249,7 @@ def _diagnostics(error: ValidationError, loaded: LoadedYaml, shown: str) -> list
             path = key_path
         else:
             line, col = loaded.position_of(path)
-        found.append(Diagnostic(shown, line, col, dotted_path(path), _message(item)))
+        found.append(Diagnostic(shown, line, col, dotted_path(path), _message(item, path)))
     # a union reports one error per failed member; keep each position's first
     unique: dict[tuple[int, int, str], Diagnostic] = {}
     for diagnostic in found:
@@ -204,12 +310,19 @@ _KNOWN_TAGS = {
 }
 
 
-def _message(item: ErrorDetails) -> str:
+_MISSING_HINTS: dict[FieldPath, str] = {
+    ("claims",): "required: state unique, relative, decay, extrapolates (true/false), e.g. "
+    "claims: {relative: true, decay: true}",
+}
+"""Messages for required fields whose plain "required field is missing" says too little."""
+
+
+def _message(item: ErrorDetails, path: FieldPath = ()) -> str:
     kind = item["type"]
     context = item.get("ctx") or {}
     given = item.get("input")
     if kind == "missing":
-        return "required field is missing"
+        return _MISSING_HINTS.get(path, "required field is missing")
     if kind == "literal_error":
         hint = ""
         if isinstance(given, str):
@@ -219,28 +332,32 @@ def _message(item: ErrorDetails) -> str:
             ]
             best = closest_name(given, [o for o in options if o])
             hint = f" (did you mean {best!r}?)" if best else ""
-        return f"got {given!r}; allowed: {context.get('expected')}{hint}"
+        return f"got {quoted(given)}; allowed: {context.get('expected')}{hint}"
     if kind == "invalid_form":
         hint = ""
         if isinstance(given, str):
             best = closest_name(given, str(context.get("allowed", "")).split(", "))
             hint = f" (did you mean {best!r}?)" if best else ""
-        return f"got {_short(given)}; {item['msg']}{hint}"
+        return f"got {quoted(given)}; {item['msg']}{hint}"
     if kind == "union_tag_invalid":
-        best = closest_name(str(context.get("tag")), _split_tags(context.get("expected_tags")))
+        tag = context.get("tag")
+        best = closest_name(str(tag), _split_tags(context.get("expected_tags")))
         hint = f" (did you mean {best!r}?)" if best else ""
-        return f"unknown kind {context.get('tag')!r}; allowed: {context.get('expected_tags')}{hint}"
+        return f"unknown kind {quoted(tag)}; allowed: {context.get('expected_tags')}{hint}"
     if kind == "union_tag_not_found":
         return f"'kind' is required; allowed kinds: {_describe_tags(item)}"
-    if kind in ("cross_field", "unknown_field", "module_name"):
+    if kind in ("cross_field", "unknown_field", "module_name", "free_text"):
         return item["msg"]
     if kind == "value_error":
         return str(item["msg"]).removeprefix("Value error, ")
     if kind == "bool_type" and isinstance(given, str):
-        return f"got {given!r}; write true or false (YAML 1.1 words like yes/on are strings here)"
+        return (
+            f"got {quoted(given)}; write true or false (YAML 1.1 words like yes/on are "
+            "strings here)"
+        )
     if kind.endswith("_type") or kind.endswith("_parsing"):
-        return f"got {_short(given)} ({type(given).__name__}); {item['msg'].lower()}"
-    return f"got {_short(given)}; {item['msg'].lower()}"
+        return f"got {quoted(given)} ({type(given).__name__}); {item['msg'].lower()}"
+    return f"got {quoted(given)}; {item['msg'].lower()}"
 
 
 def _split_tags(expected: object) -> list[str]:
@@ -250,8 +367,3 @@ def _split_tags(expected: object) -> list[str]:
 def _describe_tags(item: ErrorDetails) -> str:
     context = item.get("ctx") or {}
     return str(context.get("expected_tags") or context.get("discriminator") or "see docs")
-
-
-def _short(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."

@@ -13,6 +13,10 @@ bucket recipe, slope recipe, where the 1/√d scale applies) is a required field
 Models are frozen, reject unknown keys (with the closest valid name), and never coerce a
 string into a number. Forms written as a single-key mapping (``{rotate: ...}``,
 ``{bias: ...}``) or a bare keyword (``keep``, ``drop``) are tagged unions on that key.
+
+Every number is bounded so that a generated module stays finite and its tables fit in
+memory; each field's description says why (``posgen schema`` shows them). Free text is
+one line of printable characters: no control characters, no bidirectional overrides.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import sys
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Discriminator,
@@ -34,12 +39,42 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from posgen.spec.diagnostics import closest_name
+from posgen.spec.diagnostics import closest_name, quoted
+from posgen.spec.names import reserved_name_problem
 
 IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MODULE_NAME = re.compile(r"^[a-z][a-z0-9]*(_[a-z0-9]+)*$")
 # Names a generated module must not take: copied beside other code, it would shadow them.
 RESERVED_MODULE_NAMES = frozenset(sys.stdlib_module_names) | {"torch", "posgen", "generated"}
+
+MAX_TABLE_ROWS = 1 << 21
+"""Rows of a trained position table (2,097,152): each row is model_dim floats."""
+MAX_BASE = 1e9
+"""Largest sinusoid or rotary base: published bases reach 10^7 (Qwen2.5-1M's rope_theta)."""
+MAX_INIT_STD = 10.0
+"""Largest initialisation std (published encodings use 0.02 to 1; 1e300 makes inf)."""
+MAX_GRID_KERNEL = 63
+"""Largest k of a k x k grid_2d convolution (k^2 weights per feature; CPVT uses 3)."""
+MIN_EPS = 1e-12
+"""Smallest normalisation eps (BERT's): smaller ones vanish in float32, 0/0 gives NaN."""
+
+_INIT_STD_WHY = (
+    f"std of the normal initialisation, in (0, {MAX_INIT_STD:g}] (published: 0.02 to 1): "
+    "1e300 makes the parameters inf, and large values push the logits past half precision"
+)
+_BASE_WHY = (
+    f"base of the frequencies base^(-2k/d), in (1, {MAX_BASE:g}]: published bases are "
+    "10,000 to 10^7; a base of 1 or less gives no decreasing frequencies"
+)
+_EPS_WHY = (
+    f"added to the variance, in [{MIN_EPS:g}, 0.1]: a smaller eps vanishes in float32 and "
+    "a constant row gives 0/0 = NaN; larger ones flatten the normalisation"
+)
+
+
+def _init_std(default: float) -> Any:
+    """The ``init_std`` field every trained parameter has: bounded, documented."""
+    return Field(default, gt=0, le=MAX_INIT_STD, description=_INIT_STD_WHY)
 
 
 class SpecModel(BaseModel):
@@ -58,9 +93,10 @@ class SpecModel(BaseModel):
                     suggestion = f" (did you mean {hint!r}?)" if hint else ""
                     raise PydanticCustomError(
                         "unknown_field",
-                        "unknown field '{key}'{suggestion}; allowed: {allowed}",
+                        "unknown field {shown}{suggestion}; allowed: {allowed}",
                         {
                             "key": str(key),
+                            "shown": quoted(str(key)),
                             "suggestion": suggestion,
                             "allowed": ", ".join(sorted(allowed)),
                         },
@@ -108,7 +144,48 @@ def _tagged(*tags: str, what: str, leading: tuple[str, str] | None = None) -> Di
 
 # --------------------------------------------------------------------------- text fields
 
-Text = Annotated[str, Field(min_length=1, max_length=300, pattern=r"^[^\x00-\x1f\x7f]*$")]
+# C0 and C1 controls (ESC starts terminal sequences, U+009B is CSI), DEL, line and
+# paragraph separators, and bidirectional marks, embeddings, overrides and isolates.
+_NOT_IN_TEXT = r"\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069"
+TEXT_PATTERN = f"^[^{_NOT_IN_TEXT}]*$"
+_FORBIDDEN_IN_TEXT = re.compile(f"[{_NOT_IN_TEXT}]")
+
+
+def _what_character(ch: str) -> str:
+    """The kind of a character free text refuses, for the message."""
+    code = ord(ch)
+    if code < 0x20 or 0x7F <= code <= 0x9F:
+        return "a control character"
+    if ch in "\u2028\u2029":
+        return "a line or paragraph separator"
+    return "a bidirectional control"
+
+
+def plain_text(text: str) -> str:
+    """Accept one line of printable text; refuse control and bidirectional characters.
+
+    Titles, references and models are printed by ``explain`` and ``list`` and quoted in
+    generated docstrings: a control sequence (ESC ] ... BEL, U+009B) would reach the
+    terminal, and a bidirectional override (U+202E) would show text other than it is.
+    """
+    found = _FORBIDDEN_IN_TEXT.search(text)
+    if found is None:
+        return text
+    ch = found.group()
+    raise PydanticCustomError(
+        "free_text",
+        "{what} (U+{code}) at character {index}: free text is one line of printable "
+        "characters, without control characters (C0, C1, DEL), line separators or "
+        "bidirectional overrides",
+        {"what": _what_character(ch), "code": f"{ord(ch):04X}", "index": found.start() + 1},
+    )
+
+
+Text = Annotated[
+    str,
+    Field(min_length=1, max_length=300, json_schema_extra={"pattern": TEXT_PATTERN}),
+    AfterValidator(plain_text),
+]
 
 
 # --------------------------------------------------------------------------- scale
@@ -118,7 +195,14 @@ class Scale(SpecModel):
     """Logit scale: ``none`` (T5) or 1/sqrt(factor · head_dim) (Vaswani et al. 2017)."""
 
     kind: Literal["none", "inv_sqrt_head_dim"]
-    factor: float = Field(1.0, gt=0)
+    factor: float = Field(
+        1.0,
+        ge=1e-3,
+        le=1e3,
+        description="the scale is 1/sqrt(factor * head_dim), factor in [0.001, 1000] "
+        "(DeBERTa 3, TUPE 2): 1e-308 makes the logits overflow to NaN, 1e308 makes the scale "
+        "0 so that attention ignores the content",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -147,9 +231,20 @@ class LearnedTable(SpecModel):
     """
 
     kind: Literal["learned"]
-    max_positions: int = Field(ge=1, le=1 << 24)
-    init_std: float = Field(0.02, gt=0)
-    init_mean: float = Field(0.0, ge=-1e6, le=1e6)
+    max_positions: int = Field(
+        ge=1,
+        le=MAX_TABLE_ROWS,
+        description=f"rows of the table, 1 to {MAX_TABLE_ROWS:,} (2^21): the table holds "
+        "max_positions x model_dim trained floats (GPT-2 1024, BERT 512)",
+    )
+    init_std: float = _init_std(0.02)
+    init_mean: float = Field(
+        0.0,
+        ge=-10,
+        le=10,
+        description="mean of the normal initialisation, in [-10, 10]: 0 for a table that "
+        "is added, 1 for one that multiplies; far larger means push x * p past half precision",
+    )
 
 
 class SinusoidalTable(SpecModel):
@@ -161,7 +256,7 @@ class SinusoidalTable(SpecModel):
     """
 
     kind: Literal["sinusoidal"]
-    base: float = Field(gt=1)
+    base: float = Field(gt=1, le=MAX_BASE, description=_BASE_WHY)
     layout: Literal["interleaved", "split"]
 
 
@@ -174,9 +269,19 @@ class HierarchicalTable(SpecModel):
     """
 
     kind: Literal["hierarchical"]
-    base_positions: int = Field(ge=2, le=1 << 20)
-    alpha: float = Field(0.4, gt=0, lt=1)
-    init_std: float = Field(0.02, gt=0)
+    base_positions: int = Field(
+        ge=2,
+        le=MAX_TABLE_ROWS,
+        description=f"rows n of the trained table u, 2 to {MAX_TABLE_ROWS:,} (2^21), serving "
+        "n^2 positions; each row is model_dim floats",
+    )
+    alpha: float = Field(
+        0.4,
+        gt=0,
+        lt=1,
+        description="weight of u_i in q = alpha u_i + (1 - alpha) u_j, in (0, 1), not 0.5",
+    )
+    init_std: float = _init_std(0.02)
 
     @model_validator(mode="after")
     def _check_alpha(self) -> HierarchicalTable:
@@ -205,7 +310,12 @@ class DepthwiseConvTable(SpecModel):
     """
 
     kind: Literal["depthwise_conv"]
-    kernel_size: int = Field(ge=2, le=4096)
+    kernel_size: int = Field(
+        ge=2,
+        le=1024,
+        description="kernel width k, 2 to 1024 (CPVT 3, wav2vec 2.0 128; grid_2d: at most "
+        "63, a k x k kernel): one kernel of k (grid_2d: k^2) floats per feature",
+    )
     padding: Literal["same", "causal"]
     bias: bool = True
     layout: Literal["sequence", "grid_2d"] = "sequence"
@@ -217,6 +327,12 @@ class DepthwiseConvTable(SpecModel):
                 "padding",
                 "a 2-D grid has no causal order: grid_2d needs 'same' padding (CPVT's "
                 "(k - 1)/2 zeros on every side)",
+            )
+        if self.layout == "grid_2d" and self.kernel_size > MAX_GRID_KERNEL:
+            raise cross_field_error(
+                "kernel_size",
+                f"a grid_2d kernel has kernel_size^2 weights per feature: kernel_size is at "
+                f"most {MAX_GRID_KERNEL} there (got {self.kernel_size})",
             )
         if self.padding == "same" and (self.kernel_size % 2 == 0 or self.kernel_size < 3):
             raise cross_field_error(
@@ -243,14 +359,35 @@ class OdeTable(SpecModel):
     """
 
     kind: Literal["ode"]
-    hidden: int = Field(ge=1, le=1 << 16)
+    hidden: int = Field(
+        ge=1,
+        le=1 << 16,
+        description="width of h's hidden layer, 1 to 65,536: h holds about "
+        "2 x hidden x (model_dim + 1) trained floats",
+    )
     activation: Literal["relu", "tanh", "gelu", "sigmoid"]
     integrator: Literal["euler", "rk4"]
-    position_step: float = Field(gt=0, le=1e6)
-    steps_per_position: int = Field(ge=1, le=1024)
+    position_step: float = Field(
+        gt=0,
+        le=100,
+        description="time between positions, in (0, 100] (FLOATER 0.1): the time enters h "
+        "linearly, so p grows with it; larger steps overflow long before the horizon",
+    )
+    steps_per_position: int = Field(
+        ge=1,
+        le=1024,
+        description="integration steps per position, 1 to 1024 (work per position)",
+    )
     initial: Literal["learned", "zero"]
-    max_positions: int | None = Field(None, ge=1, le=1 << 24)
-    init_std: float = Field(0.02, gt=0)
+    max_positions: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_TABLE_ROWS,
+        description=f"optional integration horizon, 1 to {MAX_TABLE_ROWS:,} (2^21): "
+        "integrating to position i takes i steps, and the cached trajectory holds "
+        "positions x model_dim floats",
+    )
+    init_std: float = _init_std(0.02)
 
 
 AbsoluteTable = Annotated[
@@ -297,7 +434,13 @@ class ComplexOrderInput(SpecModel):
 
     kind: Literal["complex_order"]
     module_parameters: Literal["learned_per_feature", "none"]
-    frequency_base: float | None = Field(None, gt=1, le=1e12)
+    frequency_base: float | None = Field(
+        None,
+        gt=1,
+        le=MAX_BASE,
+        description=f"initial omega_d = frequency_base^(-d / model_dim), in (1, {MAX_BASE:g}]: "
+        "a base of 1 or less gives no decreasing frequencies",
+    )
 
     @model_validator(mode="after")
     def _check_frequency_base(self) -> ComplexOrderInput:
@@ -326,7 +469,13 @@ InputForm = Annotated[TableInput | ComplexOrderInput, Field(discriminator="kind"
 class RotaryDims(SpecModel):
     """Which features rotate: a leading fraction of each head (partial RoPE)."""
 
-    fraction: float = Field(1.0, gt=0, le=1)
+    fraction: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="rotated share of each head, in (0, 1] (GPT-NeoX 0.25); fraction x "
+        "head_dim must round to an even number of features",
+    )
     layout: Literal["leading"] = "leading"
 
 
@@ -344,7 +493,7 @@ class Rotation(SpecModel):
     2k with 2k+1 (GPT-J, Meta's original LLaMA).
     """
 
-    base: float = Field(gt=1)
+    base: float = Field(gt=1, le=MAX_BASE, description=_BASE_WHY)
     pairing: Literal["half", "interleaved"]
     rotary_dims: RotaryDims = RotaryDims()
     frequencies: StandardFrequencies = StandardFrequencies()
@@ -373,8 +522,17 @@ class LogBuckets(SpecModel):
 
     kind: Literal["log_buckets"]
     recipe: Literal["t5"]
-    buckets: int = Field(ge=2, le=4096)
-    max_distance: int = Field(ge=2, le=1 << 24)
+    buckets: int = Field(
+        ge=2,
+        le=4096,
+        description="bucket count, 2 to 4096 (T5 32): the bias table holds buckets x heads floats",
+    )
+    max_distance: int = Field(
+        ge=2,
+        le=1 << 24,
+        description="distance from which all share the last bucket, 2 to 16,777,216 (2^24; "
+        "T5 128): only the bucket formula reads it, nothing is allocated per distance",
+    )
     bidirectional: bool
     sign: Literal["key_minus_query", "query_minus_key"]
 
@@ -432,7 +590,7 @@ class LearnedTableBias(SpecModel):
     kind: Literal["learned_table"]
     index: LogBuckets
     placement: Literal["after_scale", "before_scale"]
-    init_std: float = Field(1.0, gt=0)
+    init_std: float = _init_std(1.0)
 
 
 Bias = Annotated[LinearSlopeBias | LearnedTableBias, Field(discriminator="kind")]
@@ -459,7 +617,7 @@ class TableNorm(SpecModel):
     """
 
     kind: Literal["none", "layer_norm"]
-    eps: float = Field(1e-5, gt=0, le=0.1)
+    eps: float = Field(1e-5, ge=MIN_EPS, le=0.1, description=_EPS_WHY)
 
     @model_validator(mode="before")
     @classmethod
@@ -542,7 +700,12 @@ class ClipIndex(SpecModel):
     """
 
     kind: Literal["clip"]
-    max_distance: int = Field(ge=1, le=1 << 20)
+    max_distance: int = Field(
+        ge=1,
+        le=1 << 20,
+        description="clip distance k, 1 to 1,048,576 (2^20; Shaw 16, BERT 511): the table "
+        "has 2k + 1 rows",
+    )
 
     @property
     def rows(self) -> int:
@@ -560,8 +723,18 @@ class SymmetricLogBuckets(SpecModel):
 
     kind: Literal["log_buckets"]
     recipe: Literal["deberta"]
-    buckets: int = Field(ge=4, le=1 << 16)
-    max_distance: int = Field(ge=2, le=1 << 24)
+    buckets: int = Field(
+        ge=4,
+        le=1 << 16,
+        description="position_buckets, 4 to 65,536 (DeBERTa-v3 256): the table has "
+        "2 x buckets rows",
+    )
+    max_distance: int = Field(
+        ge=2,
+        le=1 << 24,
+        description="max_relative_positions, up to 16,777,216 (2^24; DeBERTa-v3 512): only "
+        "the bucket formula reads it",
+    )
 
     @model_validator(mode="after")
     def _check_ranges(self) -> SymmetricLogBuckets:
@@ -603,7 +776,7 @@ class LayerNormSpec(SpecModel):
     """LayerNorm over the table rows before projection (DeBERTa-v2 norm_rel_ebd)."""
 
     kind: Literal["layer_norm"]
-    eps: float = Field(gt=0, lt=1)
+    eps: float = Field(ge=MIN_EPS, le=0.1, description=_EPS_WHY)
 
 
 class LearnedRelativeTable(SpecModel):
@@ -619,7 +792,7 @@ class LearnedRelativeTable(SpecModel):
     width: Literal["head_dim", "model_dim"]
     heads: Literal["shared", "per_head"] | None = None
     norm: LayerNormSpec | None = None
-    init_std: float = Field(0.02, gt=0)
+    init_std: float = _init_std(0.02)
 
     @model_validator(mode="after")
     def _check_width(self) -> LearnedRelativeTable:
@@ -649,7 +822,7 @@ class SinusoidalRelativeTable(SpecModel):
     """
 
     kind: Literal["sinusoidal"]
-    base: float = Field(gt=1)
+    base: float = Field(gt=1, le=MAX_BASE, description=_BASE_WHY)
     layout: Literal["interleaved", "split"]
 
 
@@ -708,7 +881,7 @@ class GlobalContentSpec(SpecModel):
     """A trained vector u per head dotted with every key: u_h · k_j (parameter r_w_bias)."""
 
     placement: Placement
-    init_std: float = Field(0.02, gt=0)
+    init_std: float = _init_std(0.02)
 
 
 class GlobalContentTerm(SpecModel):
@@ -727,7 +900,7 @@ class GlobalPositionSpec(SpecModel):
     sign: Sign
     projection: Projection
     placement: Placement
-    init_std: float = Field(0.02, gt=0)
+    init_std: float = _init_std(0.02)
 
 
 class GlobalPositionTerm(SpecModel):
@@ -749,7 +922,7 @@ class RelativeValuesSpec(SpecModel):
 
     sign: Sign
     heads: Literal["shared", "per_head"]
-    init_std: float = Field(0.02, gt=0)
+    init_std: float = _init_std(0.02)
 
 
 class RelativeValues(SpecModel):
@@ -815,9 +988,19 @@ class Terms(SpecModel):
 class Defaults(SpecModel):
     """Constructor defaults of the generated module (all overridable by the caller)."""
 
-    heads: int = Field(ge=1, le=4096)
-    head_dim: int = Field(ge=1, le=1 << 16)
-    model_dim: int | None = Field(None, ge=1, le=1 << 20)
+    heads: int = Field(
+        ge=1, le=1024, description="attention heads, 1 to 1024 (published models: up to 128)"
+    )
+    head_dim: int = Field(
+        ge=1, le=1024, description="features per head, 1 to 1024 (published models: up to 256)"
+    )
+    model_dim: int | None = Field(
+        None,
+        ge=1,
+        le=1 << 16,
+        description="model width, 1 to 65,536 (published models: up to about 25,600); "
+        "tables hold rows x model_dim floats",
+    )
 
 
 class Claims(SpecModel):
@@ -834,8 +1017,14 @@ class Spec(SpecModel):
 
     name: Annotated[str, Field(min_length=1, max_length=64)]
     title: Text
-    references: list[Text] = Field(min_length=1)
-    models: list[Text] = Field(default_factory=list)
+    references: list[Text] = Field(
+        min_length=1, max_length=32, description="1 to 32 references, one line each"
+    )
+    models: list[Text] = Field(
+        default_factory=list,
+        max_length=64,
+        description="up to 64 models that use exactly this encoding, one line each",
+    )
     defaults: Defaults
     scale: Scale
     input: InputForm | None = None
@@ -850,9 +1039,9 @@ class Spec(SpecModel):
         if not MODULE_NAME.match(name):
             raise PydanticCustomError(
                 "module_name",
-                "got '{name}'; a spec name is lower-case ASCII words (letters and digits) "
+                "got {shown}; a spec name is lower-case ASCII words (letters and digits) "
                 "joined by single underscores, starting with a letter, e.g. 'rope_yarn'",
-                {"name": name},
+                {"shown": quoted(name)},
             )
         if name in RESERVED_MODULE_NAMES:
             raise PydanticCustomError(
@@ -861,6 +1050,9 @@ class Spec(SpecModel):
                 "module of that name would shadow it",
                 {"name": name},
             )
+        problem = reserved_name_problem(name)
+        if problem is not None:
+            raise PydanticCustomError("module_name", "{problem}", {"problem": problem})
         return name
 
     @model_validator(mode="after")

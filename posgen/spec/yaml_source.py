@@ -4,7 +4,10 @@ Specs are small, hand-written files, so the loader is deliberately narrow: the s
 subset of YAML with plain mappings, sequences and scalars. It rejects what makes a
 spec ambiguous or surprising: duplicate keys, anchors and aliases, merge keys (``<<``),
 explicit tags, non-finite numbers, and YAML 1.1 booleans such as ``yes``/``on`` (they
-load as strings, so a strict boolean field rejects them with a clear message).
+load as strings, so a strict boolean field rejects them with a clear message). Number
+forms that YAML 1.1 and 1.2 read differently (``010``, ``0o17``, ``0x1F``, ``1_000``,
+``1:20``) are rejected with the value each reading gives, as are number literals longer
+than ``MAX_NUMBER_CHARS`` and nesting deeper than ``MAX_NESTING``.
 
 Every value's position is recorded under its path (a tuple of keys and indices), so a
 later validation error can point at ``file:line:col``.
@@ -20,10 +23,25 @@ from typing import Protocol
 import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
-from posgen.spec.diagnostics import Diagnostic, dotted_path
+from posgen.spec.diagnostics import Diagnostic, dotted_path, printable, quoted
 
 FieldPath = tuple[str | int, ...]
 Position = tuple[int, int]
+
+MAX_NESTING = 32
+"""The deepest a spec's mappings and lists may nest (the catalogue needs 6 levels).
+
+PyYAML composes nodes recursively, so about 500 nested ``[`` overflow Python's stack
+(a RecursionError, not a diagnostic); the limit is checked on the parser's events,
+before anything is composed, and leaves room for every form a spec can take.
+"""
+
+MAX_NUMBER_CHARS = 64
+"""The longest number literal a spec may hold (a spec's numbers have at most 10 digits).
+
+Python refuses to convert an integer of more than 4,300 digits (ValueError: Exceeds the
+limit); a literal past this length is reported as too long before any conversion.
+"""
 
 _BOOL_TRUE = re.compile(r"^(true|True|TRUE)$")
 _BOOL_FALSE = re.compile(r"^(false|False|FALSE)$")
@@ -31,6 +49,11 @@ _INT = re.compile(r"^[-+]?(0|[1-9][0-9_]*)$")
 _FLOAT = re.compile(r"^[-+]?(\.[0-9]+|[0-9][0-9_]*(\.[0-9_]*)?)([eE][-+]?[0-9]+)?$")
 _NON_FINITE = re.compile(r"^[-+]?\.(inf|Inf|INF|nan|NaN|NAN)$")
 _NULL = re.compile(r"^(~|null|Null|NULL)$")
+# number forms that YAML 1.1 and YAML 1.2 read differently (or only one of them reads)
+_LEADING_ZERO = re.compile(r"^[-+]?0[0-9_]+(\.[0-9_]*)?([eE][-+]?[0-9]+)?$")
+_PREFIXED = re.compile(r"^[-+]?0([xXoObB])[0-9a-fA-F_]*$")
+_SEXAGESIMAL = re.compile(r"^[-+]?[0-9][0-9_]*(:[0-5]?[0-9])+(\.[0-9_]*)?$")
+_PREFIX_NAMES = {"x": "hexadecimal", "o": "octal", "b": "binary"}
 
 
 class YamlError(Exception):
@@ -107,7 +130,8 @@ class _Builder:
                 raise self.fail(
                     key_node,
                     key_path,
-                    f"duplicate key {key!r} (first defined at line {first_line}, col {first_col})",
+                    f"duplicate key {quoted(key)} (first defined at line {first_line}, "
+                    f"col {first_col})",
                 )
             self.loaded.key_positions[key_path] = _position(key_node)
             result[key] = self.build(value_node, key_path)
@@ -125,18 +149,110 @@ class _Builder:
             return True
         if _BOOL_FALSE.match(text):
             return False
+        problem = _number_problem(text)
+        if problem is not None:
+            raise self.fail(node, path, problem)
         if _INT.match(text):
-            return int(text.replace("_", ""))
+            return int(text)
         if _FLOAT.match(text) and any(ch.isdigit() for ch in text):
-            value = float(text.replace("_", ""))
+            value = float(text)
             if not math.isfinite(value):
                 raise self.fail(node, path, f"number {text!r} overflows to infinity")
             return value
         return text
 
 
+def _is_number_form(text: str) -> bool:
+    """Whether a plain scalar is written as a number in any form YAML 1.1 or 1.2 knows."""
+    patterns = (_INT, _FLOAT, _LEADING_ZERO, _PREFIXED, _SEXAGESIMAL)
+    return any(pattern.match(text) for pattern in patterns) and any(c.isdigit() for c in text)
+
+
+def _number_problem(text: str) -> str | None:
+    """Why a plain scalar written as a number is refused, or None if it is unambiguous.
+
+    Refused: literals longer than ``MAX_NUMBER_CHARS``, leading zeros (YAML 1.1 octal),
+    ``0x``/``0o``/``0b`` prefixes, digit separators (``1_000``) and sexagesimal
+    ``1:20``: YAML 1.1 and YAML 1.2 give them different values, or one reads text.
+    """
+    if not _is_number_form(text):
+        return None
+    hint = "write the decimal number, or quote the value if it is text"
+    if len(text) > MAX_NUMBER_CHARS:
+        return (
+            f"number literal is too long ({len(text):,} characters; at most "
+            f"{MAX_NUMBER_CHARS}): {hint}"
+        )
+    prefixed = _PREFIXED.match(text)
+    if prefixed is not None:
+        base = _PREFIX_NAMES[prefixed.group(1).lower()]
+        value = _prefixed_value(text)
+        written = str(value) if value is not None else "the decimal number"
+        return (
+            f"{base} form {text!r} is not allowed: specs write numbers in decimal (YAML 1.1 "
+            f"and YAML 1.2 disagree on 0o and 0b, and YAML 1.1 reads 0o17 as text): write "
+            f"{written}, or quote the value if it is text"
+        )
+    if _SEXAGESIMAL.match(text):
+        return (
+            f"sexagesimal (base 60) form {text!r} is not allowed (YAML 1.1 reads "
+            f"{_sexagesimal_value(text)}, YAML 1.2 reads text): {hint}"
+        )
+    if _LEADING_ZERO.match(text):
+        return _leading_zero_problem(text)
+    if "_" in text:
+        return (
+            f"digit separators in {text!r} are not allowed (YAML 1.1 drops them, YAML 1.2 "
+            f"reads text): write {_decimal(text)}"
+        )
+    return None
+
+
+def _leading_zero_problem(text: str) -> str:
+    """``010``: octal 8 in YAML 1.1, 10 in YAML 1.2 (``09``: text in YAML 1.1)."""
+    digits = text.replace("_", "")
+    if re.fullmatch(r"[-+]?[0-9]+", digits):
+        octal = re.fullmatch(r"[-+]?[0-7]+", digits)
+        reading = f"octal {int(digits, 8)}" if octal else "text"
+        readings = f"YAML 1.1 reads {reading}, YAML 1.2 reads {_decimal(text)}"
+    else:
+        readings = "a leading zero marks octal integers in YAML 1.1"
+    return f"leading zero in {text!r} is not allowed ({readings}): write {_decimal(text)}"
+
+
+def _decimal(text: str) -> str:
+    """The plain decimal spelling of a number written with leading zeros or separators."""
+    digits = text.replace("_", "")
+    if re.fullmatch(r"[-+]?[0-9]+", digits):
+        return str(int(digits))
+    return repr(float(digits))
+
+
+def _prefixed_value(text: str) -> int | None:
+    """The value of ``0x1F``, ``0o17`` or ``0b101`` (with sign), or None if malformed."""
+    try:
+        return int(text.replace("_", ""), 0)
+    except ValueError:
+        return None
+
+
+def _sexagesimal_value(text: str) -> str:
+    """YAML 1.1's reading of ``1:20`` (80): base-60 digits, the last one may be a float."""
+    sign = -1 if text.startswith("-") else 1
+    value = 0.0
+    for part in text.lstrip("+-").replace("_", "").split(":"):
+        value = value * 60 + float(part)
+    value *= sign
+    return str(int(value)) if value.is_integer() else repr(value)
+
+
 def _reject_forbidden_events(text: str, source_name: str) -> None:
-    """Anchors, aliases and explicit tags are visible only at the event level."""
+    """Anchors, aliases, explicit tags and deep nesting are visible at the event level.
+
+    Runs before anything is composed, so nesting deeper than ``MAX_NESTING`` never
+    reaches PyYAML's recursive composer.
+    """
+    depth = 0
     for event in yaml.parse(text, Loader=yaml.SafeLoader):
         where = (source_name, *_mark_position(event.start_mark), "<document>")
         if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
@@ -144,6 +260,33 @@ def _reject_forbidden_events(text: str, source_name: str) -> None:
         tag = getattr(event, "tag", None)
         if tag is not None and not (isinstance(event, yaml.ScalarEvent) and tag == "!"):
             raise YamlError(Diagnostic(*where, f"explicit tags ({tag}) are not allowed"))
+        if isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > MAX_NESTING:
+                raise YamlError(
+                    Diagnostic(
+                        *where,
+                        f"mappings and lists nest more than {MAX_NESTING} levels deep; "
+                        f"a spec nests at most {MAX_NESTING}",
+                    )
+                )
+        elif isinstance(event, yaml.CollectionEndEvent):
+            depth -= 1
+
+
+def _reader_error(error: yaml.reader.ReaderError, text: str, source_name: str) -> YamlError:
+    """A character YAML refuses (a control character), at its line and column."""
+    before = text[: error.position]
+    line = before.count("\n") + 1
+    col = error.position - (before.rfind("\n") + 1) + 1
+    character = error.character
+    shown = chr(character) if isinstance(character, int) else str(character)
+    message = (
+        f"invalid YAML: character {printable(shown)} (U+{ord(shown[:1] or chr(0)):04X}) is not "
+        "allowed in a YAML file (control characters must be escaped in a double-quoted "
+        "string, and spec text refuses them there too)"
+    )
+    return YamlError(Diagnostic(source_name, line, col, "<document>", message))
 
 
 def load_yaml(text: str, source_name: str) -> LoadedYaml:
@@ -162,6 +305,8 @@ def load_yaml(text: str, source_name: str) -> LoadedYaml:
         raise YamlError(
             Diagnostic(source_name, line, col, "<document>", f"invalid YAML: {problem}")
         ) from None
+    except yaml.reader.ReaderError as error:
+        raise _reader_error(error, text, source_name) from None
     except yaml.YAMLError as error:
         raise YamlError(
             Diagnostic(source_name, 1, 1, "<document>", f"invalid YAML: {error}")
