@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import click
 
@@ -17,7 +18,14 @@ from posgen.catalogue import encoding_rows, model_rows
 from posgen.cli_errors import reports_spec_errors
 from posgen.cli_paths import DEFAULT_OUT, DEFAULT_SPECS, find_spec, spec_files
 from posgen.cli_standalone import generate_standalone
-from posgen.codegen.writing import compare, render_tree, unified_diff, write_tree
+from posgen.codegen.writing import (
+    OutputError,
+    compare,
+    render_tree,
+    unified_diff,
+    write_atomically,
+    write_tree,
+)
 from posgen.describe import explanation
 from posgen.spec.loader import LoadedSpec, load_specs
 from posgen.spec.model import Spec
@@ -57,10 +65,21 @@ def main() -> None:
 def generate(
     specs: tuple[Path, ...], out_dir: Path, check: bool, show_diff: bool, standalone: str | None
 ) -> None:
-    """Render SPECS (files or directories; default specs/) into modules in OUT.
+    """Render SPECS (spec files or folders; default ./specs) into modules in OUT.
 
-    Only changed files are written, atomically; stale files that carry the posgen
-    header are removed. If any spec is invalid, nothing is written.
+    A full run (no SPECS, or only folders) writes every module, the runtime
+    _attention.py and the registry __init__.py, and removes stale files that carry
+    posgen's header. Naming spec files is a subset run: it writes those modules and
+    the runtime only, never removes a file and leaves the registry as it is (run a
+    full generate to refresh it). With no SPECS and no ./specs folder, it is a usage
+    error (list, explain and check fall back to the built-in catalogue; generate does
+    not write it into the current directory unasked), except with --standalone NAME,
+    which then takes NAME from the catalogue.
+
+    Only changed files are written, each in full to a temporary file and then renamed,
+    the registry last; the modes are those ordinary file creation gives (the umask).
+    A file without posgen's header is never overwritten or removed: if one is in the
+    way, or a spec is invalid, nothing is written (exit 2).
 
     \b
     Example:
@@ -69,23 +88,18 @@ def generate(
         posgen generate specs/t5.yaml --out /tmp/gen --diff
         posgen generate --standalone t5 --out t5_attention.py
     """
-    loaded = load_specs(spec_files(specs))
-    if standalone is not None:
-        generate_standalone(loaded, standalone, out_dir, check or show_diff)
-        return
-    tree = render_tree(loaded)
-    if check or show_diff:
-        drift = compare(out_dir, tree)
-        if show_diff:
-            click.echo(unified_diff(out_dir, tree, drift), nl=False)
-        if drift.clean:
-            click.echo(f"{out_dir}: {len(tree)} files up to date.")
+    full = all(path.is_dir() for path in specs)
+    loaded = load_specs(spec_files(specs, catalogue=standalone is not None))
+    try:
+        if standalone is not None:
+            generate_standalone(loaded, standalone, out_dir, check or show_diff)
             return
-        for line in drift.lines():
-            click.echo(line)
-        click.echo(f"{out_dir} is out of date: run `posgen generate`.", err=True)
-        sys.exit(1)
-    drift = write_tree(out_dir, tree)
+        tree = render_tree(loaded, with_registry=full)
+        if check or show_diff:
+            _report_drift(out_dir, tree, full, show_diff)
+        drift = write_tree(out_dir, tree, prune=full)
+    except (OutputError, OSError) as error:
+        _file_error(error)
     for line in drift.lines():
         click.echo(
             line.replace("changed:", "updated:")
@@ -93,6 +107,33 @@ def generate(
             .replace("extra:  ", "removed:")
         )
     click.echo(f"{out_dir}: {len(tree)} files, {len(drift.lines())} written or removed.")
+
+
+def _report_drift(out_dir: Path, tree: dict[str, str], full: bool, show_diff: bool) -> None:
+    """``generate --check`` / ``--diff``: print the drift and exit (0 clean, 1 drifted)."""
+    drift = compare(out_dir, tree, prune=full)
+    if show_diff:
+        click.echo(unified_diff(out_dir, tree, drift), nl=False)
+    if drift.clean:
+        click.echo(f"{out_dir}: {len(tree)} files up to date.")
+        sys.exit(0)
+    for line in drift.lines():
+        click.echo(line)
+    click.echo(f"{out_dir} is out of date: run `posgen generate`.", err=True)
+    sys.exit(1)
+
+
+def _file_error(error: OSError | OutputError, doing: str = "") -> NoReturn:
+    """One line naming the file on stderr, exit 2 (a bad path is a usage problem)."""
+    if isinstance(error, OSError):
+        reason = error.strerror or str(error)
+        if isinstance(error, (FileExistsError, NotADirectoryError)):
+            reason = "a file is in the way where a folder is needed"
+        message = f"{error.filename}: {reason}" if error.filename else reason
+    else:
+        message = str(error)
+    click.echo(f"Error: {doing}: {message}" if doing else f"Error: {message}", err=True)
+    sys.exit(2)
 
 
 @main.command()
@@ -106,9 +147,11 @@ def validate(specs: tuple[Path, ...]) -> None:
         posgen validate specs/
         posgen validate my_idea.yaml
     """
+    from posgen.spec.diagnostics import printable
+
     loaded = load_specs(spec_files(specs))
     for item in loaded:
-        click.echo(f"ok  {item.display_path}")
+        click.echo(f"ok  {printable(item.display_path)}")
 
 
 @main.command(name="list")
@@ -130,9 +173,11 @@ def list_specs(spec_dir: Path, by_model: bool) -> None:
         posgen list
         posgen list --models
     """
+    from posgen.spec.diagnostics import printable
+
     specs = [item.spec for item in load_specs(spec_files([spec_dir]))]
     for line in model_rows(specs) if by_model else encoding_rows(specs):
-        click.echo(line)
+        click.echo(printable(line))
 
 
 @main.command()
@@ -154,9 +199,11 @@ def explain(name_or_spec: str, spec_dir: Path) -> None:
         posgen explain t5
         posgen explain specs/rope.yaml
     """
+    from posgen.spec.diagnostics import printable
+
     loaded = find_spec(name_or_spec, spec_dir)
     for line in explanation(loaded.spec):
-        click.echo(line)
+        click.echo(printable(line))
 
 
 @main.command()
@@ -170,6 +217,9 @@ def explain(name_or_spec: str, spec_dir: Path) -> None:
 def schema(out_file: Path | None) -> None:
     """Print the JSON Schema of the spec format (for editor completion).
 
+    With --out, the file is replaced as a whole (temporary file and rename); its
+    folder must exist.
+
     \b
     Example:
         posgen schema --out specs/schema.json
@@ -177,8 +227,13 @@ def schema(out_file: Path | None) -> None:
     text = json.dumps(Spec.model_json_schema(), indent=2, sort_keys=True) + "\n"
     if out_file is None:
         click.echo(text, nl=False)
-    else:
-        out_file.write_text(text, encoding="utf-8")
+        return
+    if not out_file.parent.is_dir():
+        _file_error(OutputError(f"cannot write {out_file}: no folder {out_file.parent}"))
+    try:
+        write_atomically(out_file, text.encode("utf-8"))  # whole or not at all
+    except OutputError as error:
+        _file_error(error)
 
 
 # --------------------------------------------------------------------------- check and plot
@@ -207,7 +262,7 @@ def _property_names() -> tuple[str, ...]:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document, no tables.")
 @click.option(
     "--seed",
-    type=int,
+    type=click.IntRange(0, 2**32 - 1),  # torch takes seed + 1 < 2**64; keep it portable
     default=0,
     show_default=True,
     help="Seed of hypothesis and of the random weights and content.",
@@ -402,5 +457,7 @@ def plot(spec: Path, out_dir: Path, span: int, distance: int, seed: int) -> None
     except PlotFailed as error:  # the module raised: a message and exit 1
         click.echo(str(error), err=True)
         sys.exit(1)
+    except OSError as error:  # --out is a file, read-only, ...: one line, exit 2
+        _file_error(error, f"cannot write plots into {out_dir}")
     for path in paths:
         click.echo(f"wrote {path}")

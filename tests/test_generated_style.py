@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import GENERATED, ROOT
+from tests.conftest import GENERATED, ROOT, spec_names
 
 RUFF = shutil.which("ruff")
 
@@ -54,7 +54,7 @@ def test_generated_modules_import_only_torch_and_stdlib() -> None:
 
 @pytest.mark.slow
 def test_wheel_install_finds_its_templates(tmp_path: Path) -> None:
-    """A non-editable install carries the templates and can render a spec."""
+    """A non-editable install carries the templates and the catalogue, from any cwd."""
     built = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(ROOT)],
         capture_output=True,
@@ -66,6 +66,7 @@ def test_wheel_install_finds_its_templates(tmp_path: Path) -> None:
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
         assert "posgen/_templates/module.py.jinja" in names
+        assert "posgen/_specs/t5.yaml" in names
         archive.extractall(tmp_path / "site")
     script = (
         "import pathlib, posgen.codegen.render as r;"
@@ -98,3 +99,33 @@ def test_wheel_install_finds_its_templates(tmp_path: Path) -> None:
     )
     assert gen.returncode == 0, gen.stderr
     assert (tmp_path / "gen" / "t5.py").read_text().count("class T5(PositionalAttention)") == 1
+    _installed_wheel_finds_its_catalogue(tmp_path / "site", tmp_path / "elsewhere")
+
+
+def _installed_wheel_finds_its_catalogue(site: Path, cwd: Path) -> None:
+    """From a folder without specs/, list, explain and check use the packaged catalogue."""
+    cwd.mkdir()
+    env = {"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"}
+
+    def posgen(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "posgen", *args]
+        return subprocess.run(command, cwd=cwd, capture_output=True, text=True, env=env)
+
+    listed = posgen("list")
+    assert listed.returncode == 0, listed.stderr
+    for name in spec_names():
+        assert any(line.startswith(name + " ") for line in listed.stdout.splitlines()), name
+    explained = posgen("explain", "t5")
+    assert explained.returncode == 0 and "content_content" in explained.stdout, explained.stderr
+    found = subprocess.run(
+        [sys.executable, "-c", "import posgen.cli_paths as p; print(p.spec_files(())[0])"],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env=env,
+    )  # what `posgen check` with no SPECS would check
+    assert found.stdout.strip() == str(site / "posgen" / "_specs" / "alibi.yaml"), found.stderr
+    generated = posgen("generate")  # no ./specs here: a clear usage error, nothing written
+    assert generated.returncode == 2 and "no ./specs folder here" in generated.stderr
+    assert str(site / "posgen" / "_specs") in generated.stderr
+    assert list(cwd.iterdir()) == []

@@ -152,3 +152,36 @@ def test_an_invalid_spec_writes_nothing(tmp_path: Path) -> None:
     assert "specs/broken.yaml:" in result.stderr and "Traceback" not in result.stderr
     after = {p.name: p.read_bytes() for p in (repo / "generated").glob("*.py")}
     assert after == before
+
+
+# --------------------------------------------------------------------------- cwd independence
+
+
+def test_check_from_inside_specs_with_relative_paths_is_clean() -> None:
+    """`posgen generate --check . --out ../generated` run in specs/ sees no drift."""
+    result = subprocess.run(
+        [sys.executable, "-m", "posgen", "generate", "--check", ".", "--out", "../generated"],
+        cwd=SPECS,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "up to date" in result.stdout
+
+
+def test_a_copy_of_the_specs_elsewhere_generates_identical_bytes(tmp_path: Path) -> None:
+    copy = tmp_path / "somewhere" / "else" / "my_specs"
+    shutil.copytree(SPECS, copy)
+    expected = {p.name: p.read_bytes() for p in sorted(GENERATED.glob("*.py"))}
+    for cwd, spec_arg, out in [
+        (tmp_path, "somewhere/else/my_specs", tmp_path / "from_above"),
+        (copy, ".", tmp_path / "from_inside"),
+        (ROOT, str(copy), tmp_path / "from_the_repo"),
+    ]:
+        subprocess.run(
+            [sys.executable, "-m", "posgen", "generate", spec_arg, "--out", str(out)],
+            cwd=cwd,
+            check=True,
+            capture_output=True,
+        )
+        assert {p.name: p.read_bytes() for p in sorted(out.glob("*.py"))} == expected, cwd

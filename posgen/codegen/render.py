@@ -28,13 +28,23 @@ RUNTIME_SOURCE = "runtime.py"
 _IMPORTS_SLOT = "# <posgen: imports>"
 
 
-def templates_dir() -> Path:
-    """The templates folder: packaged as posgen/_templates, or the repository's."""
+def _packaged_or_repository(packaged_name: str, repository_name: str) -> Path:
+    """A data folder: packaged inside posgen (a wheel install), else the checkout's."""
     package = Path(__file__).resolve().parent.parent
-    packaged = package / "_templates"
+    packaged = package / packaged_name
     if packaged.is_dir():
         return packaged
-    return package.parent / "templates"
+    return package.parent / repository_name
+
+
+def templates_dir() -> Path:
+    """The templates folder: packaged as posgen/_templates, or the repository's."""
+    return _packaged_or_repository("_templates", "templates")
+
+
+def catalogue_dir() -> Path:
+    """The built-in specs: packaged as posgen/_specs, or the repository's specs/."""
+    return _packaged_or_repository("_specs", "specs")
 
 
 @cache

@@ -1,10 +1,32 @@
-"""Render every spec into a tree of files, compare it with disk, and write atomically."""
+"""Render every spec into a tree of files, compare it with disk, and write it safely.
+
+Writing a tree is all or nothing as far as a file system allows:
+
+1. every target is checked first: a file without posgen's header (``is_generated``) is
+   never overwritten, and a folder or other non-file in a module's place is refused
+   (``OutputError``, naming the path), before anything is written;
+2. every changed or missing file is written in full to a temporary file beside its
+   target (created as ``open`` would create it: mode 0o666 less the umask, or the mode of
+   the file it replaces); if one cannot be written, the others are removed and nothing
+   on disk has changed;
+3. the temporaries are renamed over their targets, modules and the runtime first and the
+   registry ``__init__.py`` last, so an interrupted run never leaves a registry importing
+   a module that does not exist yet;
+4. only then, in a pruning (full) run, are stale generated files removed.
+
+Several runs over the same folder may race: a file that vanishes between the comparison
+and the write counts as missing, and a stale file another run removed first is not an
+error, so concurrent runs all succeed and leave the same tree.
+"""
 
 from __future__ import annotations
 
 import difflib
 import os
-import tempfile
+import secrets
+import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 
@@ -19,6 +41,7 @@ from posgen.codegen.render import (
 from posgen.spec.loader import LoadedSpec
 
 REGISTRY_FILE = "__init__.py"
+_NEW_FILE_MODE = 0o666  # what open() asks for; the kernel applies the umask
 
 
 def plan_for(loaded: LoadedSpec) -> ModulePlan:
@@ -34,6 +57,26 @@ def render_tree(specs: list[LoadedSpec], with_registry: bool = True) -> dict[str
     if with_registry:
         tree[REGISTRY_FILE] = render_registry(plans)
     return dict(sorted(tree.items()))
+
+
+class OutputError(Exception):
+    """The output folder or a file in it cannot be read or written; one line naming it."""
+
+
+class NotOurs(OutputError):
+    """A file posgen would overwrite, but did not write (it lacks posgen's header)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(
+            f"{path} exists and was not written by posgen (no '{GENERATED_MARKER}' header);"
+            " not overwriting it: move it away or choose another --out"
+        )
+        self.path = path
+
+
+def _reason(error: OSError) -> str:
+    """The operating system's words for ``error`` ("Permission denied", ...)."""
+    return error.strerror or type(error).__name__
 
 
 @dataclass
@@ -57,7 +100,7 @@ class Drift:
 
 
 def is_generated(path: Path) -> bool:
-    """Whether a file carries the posgen header (only such files are ever removed)."""
+    """Whether a file carries the posgen header (only such files are ever replaced or removed)."""
     try:
         with path.open("r", encoding="utf-8") as handle:
             return handle.readline().startswith(GENERATED_MARKER)
@@ -65,71 +108,219 @@ def is_generated(path: Path) -> bool:
         return False
 
 
-def compare(out_dir: Path, tree: dict[str, str]) -> Drift:
-    """Changed, missing and extra (stale generated) files of ``out_dir``."""
+def _check_folder(out_dir: Path) -> None:
+    """Raise OutputError when ``out_dir`` exists but is not a folder."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise OutputError(f"{out_dir} is a file, not a folder: --out needs a folder")
+
+
+def _read_target(path: Path) -> bytes | None:
+    """The bytes of the file at ``path``; None when there is none (or it just vanished).
+
+    Raises OutputError when ``path`` is a folder or anything else but a regular file
+    (posgen would have to replace it) or cannot be read.
+    """
+    try:
+        mode = path.stat().st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a folder" if stat.S_ISDIR(mode) else "not a regular file"
+            raise OutputError(
+                f"{path} is {kind}, where posgen writes a module: move it away or choose"
+                " another --out"
+            )
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as error:
+        raise OutputError(f"cannot read {path}: {_reason(error)}") from None
+
+
+def compare(out_dir: Path, tree: dict[str, str], prune: bool = True) -> Drift:
+    """Changed, missing and (when ``prune``) extra stale generated files of ``out_dir``.
+
+    Raises OutputError when ``out_dir`` is not a folder or a target is not a file.
+    """
+    _check_folder(out_dir)
     drift = Drift()
     for name, source in tree.items():
-        path = out_dir / name
-        if not path.exists():
+        on_disk = _read_target(out_dir / name)
+        if on_disk is None:
             drift.missing.append(name)
-        elif path.read_bytes() != source.encode("utf-8"):
+        elif on_disk != source.encode("utf-8"):
             drift.changed.append(name)
-    if out_dir.is_dir():
+    if prune and out_dir.is_dir():
         for path in sorted(out_dir.glob("*.py")):
             if path.name not in tree and is_generated(path):
                 drift.extra.append(path.name)
     return drift
 
 
+def _old_lines(path: Path, shown: str) -> list[str] | str:
+    """The lines of ``path`` for a diff ([] when absent), or a note when it is not text."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    except OSError as error:
+        return f"{shown}: cannot read ({_reason(error)}); no diff shown\n"
+    try:
+        return data.decode("utf-8").splitlines(True)
+    except UnicodeDecodeError:
+        return f"{shown}: not UTF-8 text, differs; no diff shown\n"
+
+
 def unified_diff(out_dir: Path, tree: dict[str, str], drift: Drift) -> str:
-    """The unified diff from what is on disk to what the specs generate."""
+    """The unified diff from what is on disk to what the specs generate.
+
+    A file on disk that is not UTF-8 text gets one line saying it differs instead.
+    """
     chunks: list[str] = []
     for name in drift.changed + drift.missing + drift.extra:
-        path = out_dir / name
-        old = path.read_text(encoding="utf-8").splitlines(True) if path.exists() else []
+        old_name, new_name = f"a/{out_dir.name}/{name}", f"b/{out_dir.name}/{name}"
+        old = _old_lines(out_dir / name, old_name)
+        if isinstance(old, str):
+            chunks.append(old)
+            continue
         new = tree.get(name, "").splitlines(True)
-        chunks.extend(
-            difflib.unified_diff(old, new, f"a/{out_dir.name}/{name}", f"b/{out_dir.name}/{name}")
-        )
+        chunks.extend(difflib.unified_diff(old, new, old_name, new_name))
     return "".join(chunks)
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+def _mode_for(path: Path) -> int | None:
+    """The permission bits to keep: those of the file being replaced, None for a new file."""
+    try:
+        return stat.S_IMODE(path.stat().st_mode)
+    except OSError:
+        return None
+
+
+def _create_temporary(path: Path) -> tuple[int, Path]:
+    """A new, empty, uniquely named file beside ``path``: (open descriptor, its path).
+
+    Unlike ``tempfile.mkstemp`` (always 0o600), it is created with mode 0o666 so the
+    kernel applies the umask (and any default ACL) exactly as for an ordinary new file;
+    O_EXCL never follows a link or reuses a file.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    while True:
+        temporary = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
+        try:
+            return os.open(temporary, flags, _NEW_FILE_MODE), temporary
+        except FileExistsError:
+            continue
+
+
+def _stage(path: Path, data: bytes) -> Path:
+    """Write ``data`` in full to a temporary file beside ``path``; the temporary's path.
+
+    The temporary gets the mode of the file it will replace, else the umask's. Raises
+    OutputError (leaving nothing behind) when it cannot be written.
+    """
+    keep_mode = _mode_for(path)
+    try:
+        handle, temporary = _create_temporary(path)
+    except OSError as error:
+        raise OutputError(f"cannot write {path}: {_reason(error)}") from None
     try:
         with os.fdopen(handle, "wb") as stream:
             stream.write(data)
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
+        if keep_mode is not None:
+            os.chmod(temporary, keep_mode)
+    except BaseException as error:
+        temporary.unlink(missing_ok=True)
+        if isinstance(error, OSError):
+            raise OutputError(f"cannot write {path}: {_reason(error)}") from None
         raise
+    return temporary
 
 
-class NotOurs(Exception):
-    """A file posgen would overwrite, but did not write (it lacks posgen's header)."""
+@contextmanager
+def _staged(files: list[tuple[Path, bytes]]) -> Iterator[list[tuple[Path, Path]]]:
+    """Stage every (target, data); yield (temporary, target) pairs in the same order.
+
+    Whatever is not renamed by the time the block ends (an error, an interrupt) is
+    removed, so no temporary file is left behind.
+    """
+    pairs: list[tuple[Path, Path]] = []
+    try:
+        for target, data in files:
+            pairs.append((_stage(target, data), target))
+        yield pairs
+    finally:
+        for temporary, _ in pairs:
+            temporary.unlink(missing_ok=True)
+
+
+def _commit(pairs: list[tuple[Path, Path]]) -> None:
+    """Rename each temporary over its target, in order (atomic per file)."""
+    for temporary, target in pairs:
+        try:
+            os.replace(temporary, target)
+        except OSError as error:
+            raise OutputError(f"cannot write {target}: {_reason(error)}") from None
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Replace ``path`` by ``data`` atomically (temporary file + rename); OutputError if not.
+
+    No header check: callers that must not overwrite foreign files use ``write_file``.
+    """
+    with _staged([(path, data)]) as pairs:
+        _commit(pairs)
+
+
+def _check_target(path: Path) -> None:
+    """Raise OutputError unless ``path`` is absent, or a regular file posgen wrote."""
+    if _read_target(path) is not None and not is_generated(path) and path.exists():
+        raise NotOurs(path)
 
 
 def write_file(path: Path, source: str) -> bool:
     """Write one file atomically if its bytes changed; True when it was written.
 
-    Raises NotOurs, writing nothing, when ``path`` exists without posgen's header.
+    Raises NotOurs, writing nothing, when ``path`` exists without posgen's header, and
+    OutputError when it cannot be written.
     """
     data = source.encode("utf-8")
-    if path.exists():
-        if path.is_file() and path.read_bytes() == data:
-            return False
-        if not is_generated(path):
-            raise NotOurs(str(path))
-    _write_atomically(path, data)
+    if _read_target(path) == data:
+        return False
+    _check_target(path)
+    write_atomically(path, data)
     return True
 
 
-def write_tree(out_dir: Path, tree: dict[str, str]) -> Drift:
-    """Write changed and missing files atomically, remove stale generated ones."""
-    drift = compare(out_dir, tree)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for name in drift.changed + drift.missing:
-        _write_atomically(out_dir / name, tree[name].encode("utf-8"))
-    for name in drift.extra:
-        (out_dir / name).unlink()
+def _write_order(names: list[str]) -> list[str]:
+    """``names`` sorted, the registry last (it imports every other file)."""
+    return sorted(names, key=lambda name: (name == REGISTRY_FILE, name))
+
+
+def _remove_stale(out_dir: Path, names: list[str]) -> None:
+    """Remove stale generated files; one that vanished (another run) is not an error."""
+    for name in names:
+        path = out_dir / name
+        if not is_generated(path):  # replaced meanwhile by a file posgen did not write
+            continue
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as error:
+            raise OutputError(f"cannot remove stale {path}: {_reason(error)}") from None
+
+
+def write_tree(out_dir: Path, tree: dict[str, str], prune: bool = True) -> Drift:
+    """Write changed and missing files (registry last); with ``prune``, remove stale ones.
+
+    Every target is checked before anything is written: a file posgen did not write
+    raises NotOurs, a folder in a file's place OutputError, and nothing changes.
+    """
+    drift = compare(out_dir, tree, prune)
+    names = _write_order(drift.changed + drift.missing)
+    for name in names:
+        _check_target(out_dir / name)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise OutputError(f"cannot create the folder {out_dir}: {_reason(error)}") from None
+    with _staged([(out_dir / name, tree[name].encode("utf-8")) for name in names]) as pairs:
+        _commit(pairs)
+    _remove_stale(out_dir, drift.extra)
     return drift

@@ -1,0 +1,96 @@
+"""Defaults and ranges of the command line: the built-in catalogue from any working
+directory, ./specs for generate, and check's seed range (issue 11, items 14 and 18)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+
+from posgen.cli import main
+from posgen.cli_paths import spec_files
+from posgen.codegen.render import catalogue_dir
+from tests.conftest import SPECS, spec_names
+
+
+def invoke(*args: str) -> Result:
+    """Run the CLI in-process; anything but a clean exit (a traceback) fails the test."""
+    result = CliRunner().invoke(main, list(args))
+    assert result.exception is None or isinstance(result.exception, SystemExit), (
+        f"{type(result.exception).__name__}: {result.exception}\n{result.output}"
+    )
+    return result
+
+
+# --------------------------------------------------------------------------- item 18
+
+
+def test_the_catalogue_is_the_checkouts_specs_folder_here() -> None:
+    """In a checkout (editable install) the catalogue is specs/; a wheel packs it."""
+    assert catalogue_dir() == SPECS
+
+
+def test_list_explain_and_check_find_the_catalogue_from_any_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    listed = invoke("list")
+    assert listed.exit_code == 0, listed.output
+    for name in spec_names():
+        assert any(line.startswith(name + " ") for line in listed.stdout.splitlines()), name
+    explained = invoke("explain", "t5")
+    assert explained.exit_code == 0 and "content_content" in explained.stdout
+    # what `posgen check` with no SPECS checks
+    assert [path.name for path in spec_files(())] == [f"{name}.yaml" for name in spec_names()]
+
+
+def test_a_local_specs_folder_comes_first_and_explain_still_knows_the_catalogue(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "specs").mkdir()
+    shutil.copy(SPECS / "alibi.yaml", tmp_path / "specs" / "alibi.yaml")
+    monkeypatch.chdir(tmp_path)
+    rows = invoke("list").stdout.splitlines()
+    assert [row.split()[0] for row in rows[2:] if not row.startswith(" ")] == ["alibi"]
+    assert invoke("explain", "t5").exit_code == 0
+    unknown = invoke("explain", "no_such_encoding")
+    assert unknown.exit_code == 2 and "no spec named 'no_such_encoding'" in unknown.output
+
+
+def test_generate_without_a_specs_folder_says_so_and_writes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    for args in (["generate"], ["generate", "--check"]):
+        result = invoke(*args)
+        assert result.exit_code == 2
+        assert "no ./specs folder here" in result.stderr
+        assert str(catalogue_dir()) in result.stderr
+    assert list(tmp_path.iterdir()) == []
+    # one named module, standalone, comes from the catalogue
+    standalone = invoke("generate", "--standalone", "t5", "--out", "t5_attention.py")
+    assert standalone.exit_code == 0, standalone.output
+    assert [path.name for path in tmp_path.iterdir()] == ["t5_attention.py"]
+
+
+# --------------------------------------------------------------------------- item 14
+
+
+@pytest.mark.parametrize("seed", [str(2**64), str(2**32), "-1"])
+def test_check_refuses_a_seed_out_of_range(seed: str) -> None:
+    result = invoke("check", str(SPECS / "alibi.yaml"), "--seed", seed)
+    assert result.exit_code == 2
+    assert "Invalid value for '--seed'" in result.stderr
+
+
+def test_check_takes_the_largest_seed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """hypothesis and torch (which also take seed + 1) accept the top of the range."""
+    monkeypatch.setenv("HYPOTHESIS_STORAGE_DIRECTORY", str(tmp_path))
+    args = ["--seed", str(2**32 - 1), "--max-examples", "2", "--only", "backends", "--json"]
+    result = invoke("check", str(SPECS / "alibi.yaml"), *args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["seed"] == 2**32 - 1 and report["ok"] is True
