@@ -462,16 +462,16 @@ def test_complex_order_without_module_parameters_needs_callers_tables() -> None:
 
 
 def floater_class(
-    integrator="rk4", steps=1, initial="zero", activation="relu", hidden=5, horizon=None
+    integrator="rk4", steps=1, initial="zero", activation="relu", hidden=5, horizon=4096
 ):
-    horizon_line = "" if horizon is None else f"\n    max_positions: {horizon}"
     return spec_variant(
         "floater",
         ("hidden: 512", f"hidden: {hidden}"),
         ("integrator: rk4", f"integrator: {integrator}"),
         ("steps_per_position: 1", f"steps_per_position: {steps}"),
-        ("initial: zero", f"initial: {initial}{horizon_line}"),
+        ("initial: zero", f"initial: {initial}"),
         ("activation: tanh", f"activation: {activation}"),
+        ("max_positions: 4096", f"max_positions: {horizon}"),
     )
 
 
@@ -554,12 +554,28 @@ def test_floater_embed_contract_and_horizon() -> None:
         pe.embed(torch.zeros(1, 1, 8), torch.tensor([8192]))
 
 
-def test_floater_without_a_horizon_is_defined_past_any_table_length() -> None:
+def test_floater_is_defined_up_to_its_horizon_and_refuses_past_it() -> None:
+    """The shipped spec bounds the cost of any position: 4096 integration steps at most."""
     pe = make("floater", model_dim=8)
-    assert pe.max_positions is None
+    assert pe.max_positions == 4096
     with torch.no_grad():
-        far = pe.embed(torch.zeros(1, 1, 8), torch.tensor([3_000]))
-    assert torch.isfinite(far).all() and far.abs().sum() > 0
+        far = pe.embed(torch.zeros(1, 1, 8), torch.tensor([4095]))
+        assert torch.isfinite(far).all() and far.abs().sum() > 0
+        for position in (4096, 10**5, 10**6):
+            with pytest.raises(ValueError, match="horizon of 4096"):
+                pe.embed(torch.zeros(1, 1, 8), torch.tensor([position]))
+
+
+def test_an_ode_table_without_a_horizon_is_a_spec_error(tmp_path) -> None:
+    from posgen.spec.diagnostics import SpecError
+    from posgen.spec.loader import load_spec
+
+    text = (SPECS / "floater.yaml").read_text(encoding="utf-8")
+    line = next(row for row in text.splitlines() if "max_positions:" in row)
+    path = tmp_path / "floater.yaml"
+    path.write_text(text.replace(line + "\n", ""), encoding="utf-8")
+    with pytest.raises(SpecError, match="max_positions"):
+        load_spec(path)
 
 
 def test_floater_zero_initial_position_is_not_a_parameter() -> None:

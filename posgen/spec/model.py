@@ -48,6 +48,8 @@ MODULE_NAME = re.compile(r"^[a-z][a-z0-9]*(_[a-z0-9]+)*$")
 RESERVED_MODULE_NAMES = frozenset(sys.stdlib_module_names) | {"torch", "posgen", "generated"}
 
 MAX_TABLE_ROWS = 1 << 21
+# An ODE trajectory is integrated step by step (Python loop): a tighter horizon bound.
+MAX_ODE_POSITIONS = 1 << 16
 """Rows of a trained position table (2,097,152): each row is model_dim floats."""
 MAX_BASE = 1e9
 """Largest sinusoid or rotary base: published bases reach 10^7 (Qwen2.5-1M's rope_theta)."""
@@ -353,9 +355,10 @@ class OdeTable(SpecModel):
     The ODE is integrated with ``steps_per_position`` fixed steps of size
     position_step / steps_per_position by ``euler`` (first order) or ``rk4`` (classic
     fourth-order Runge-Kutta). ``initial``: p_0 is a trained vector (``learned``) or 0.
-    ``max_positions`` optionally caps the integration horizon: positions past it raise
-    (a cost guard, since integrating to position i takes i steps; it is not a trained
-    length, so leaving it out keeps the encoding defined at every position).
+    ``max_positions`` is the integration horizon, required: integrating to position i
+    takes i · steps_per_position steps (4 evaluations of h each with rk4) and keeps i
+    states, so a caller-supplied position must have a bound; positions past it raise
+    ValueError naming the bound.
     """
 
     kind: Literal["ode"]
@@ -379,13 +382,13 @@ class OdeTable(SpecModel):
         description="integration steps per position, 1 to 1024 (work per position)",
     )
     initial: Literal["learned", "zero"]
-    max_positions: int | None = Field(
-        None,
+    max_positions: int = Field(
         ge=1,
-        le=MAX_TABLE_ROWS,
-        description=f"optional integration horizon, 1 to {MAX_TABLE_ROWS:,} (2^21): "
-        "integrating to position i takes i steps, and the cached trajectory holds "
-        "positions x model_dim floats",
+        le=MAX_ODE_POSITIONS,
+        description=f"integration horizon, required, 1 to {MAX_ODE_POSITIONS:,} (2^16): "
+        "integrating to position i takes i x steps_per_position steps and keeps i x "
+        "model_dim floats (and, with autograd, every intermediate state), so the cost of "
+        "any position the caller passes is bounded by this",
     )
     init_std: float = _init_std(0.02)
 
