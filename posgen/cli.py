@@ -16,6 +16,7 @@ import click
 
 from posgen.catalogue import encoding_rows, model_rows
 from posgen.cli_errors import reports_spec_errors
+from posgen.cli_output import say
 from posgen.cli_paths import DEFAULT_OUT, DEFAULT_SPECS, find_spec, spec_files
 from posgen.cli_standalone import generate_standalone
 from posgen.codegen.writing import (
@@ -101,25 +102,25 @@ def generate(
     except (OutputError, OSError) as error:
         _file_error(error)
     for line in drift.lines():
-        click.echo(
+        say(
             line.replace("changed:", "updated:")
             .replace("missing:", "created:")
             .replace("extra:  ", "removed:")
         )
-    click.echo(f"{out_dir}: {len(tree)} files, {len(drift.lines())} written or removed.")
+    say(f"{out_dir}: {len(tree)} files, {len(drift.lines())} written or removed.")
 
 
 def _report_drift(out_dir: Path, tree: dict[str, str], full: bool, show_diff: bool) -> None:
     """``generate --check`` / ``--diff``: print the drift and exit (0 clean, 1 drifted)."""
     drift = compare(out_dir, tree, prune=full)
     if show_diff:
-        click.echo(unified_diff(out_dir, tree, drift), nl=False)
+        say(unified_diff(out_dir, tree, drift), nl=False)
     if drift.clean:
-        click.echo(f"{out_dir}: {len(tree)} files up to date.")
+        say(f"{out_dir}: {len(tree)} files up to date.")
         sys.exit(0)
     for line in drift.lines():
-        click.echo(line)
-    click.echo(f"{out_dir} is out of date: run `posgen generate`.", err=True)
+        say(line)
+    say(f"{out_dir} is out of date: run `posgen generate`.", err=True)
     sys.exit(1)
 
 
@@ -132,7 +133,7 @@ def _file_error(error: OSError | OutputError, doing: str = "") -> NoReturn:
         message = f"{error.filename}: {reason}" if error.filename else reason
     else:
         message = str(error)
-    click.echo(f"Error: {doing}: {message}" if doing else f"Error: {message}", err=True)
+    say(f"Error: {doing}: {message}" if doing else f"Error: {message}", err=True)
     sys.exit(2)
 
 
@@ -151,7 +152,7 @@ def validate(specs: tuple[Path, ...]) -> None:
 
     loaded = load_specs(spec_files(specs))
     for item in loaded:
-        click.echo(f"ok  {printable(item.display_path)}")
+        say(f"ok  {printable(item.display_path)}")
 
 
 @main.command(name="list")
@@ -177,7 +178,7 @@ def list_specs(spec_dir: Path, by_model: bool) -> None:
 
     specs = [item.spec for item in load_specs(spec_files([spec_dir]))]
     for line in model_rows(specs) if by_model else encoding_rows(specs):
-        click.echo(printable(line))
+        say(printable(line))
 
 
 @main.command()
@@ -203,7 +204,7 @@ def explain(name_or_spec: str, spec_dir: Path) -> None:
 
     loaded = find_spec(name_or_spec, spec_dir)
     for line in explanation(loaded.spec):
-        click.echo(printable(line))
+        say(printable(line))
 
 
 @main.command()
@@ -226,7 +227,7 @@ def schema(out_file: Path | None) -> None:
     """
     text = json.dumps(Spec.model_json_schema(), indent=2, sort_keys=True) + "\n"
     if out_file is None:
-        click.echo(text, nl=False)
+        say(text, nl=False)
         return
     if not out_file.parent.is_dir():
         _file_error(OutputError(f"cannot write {out_file}: no folder {out_file.parent}"))
@@ -363,8 +364,8 @@ def _check(
     import shutil
     import time
 
-    from posgen.check.properties import PROPERTIES, Budget, check_loaded
     from posgen.check.report import render_json, render_summary, render_table
+    from posgen.check.runner import PROPERTIES, Budget, check_loaded
 
     budget = Budget(
         max_examples=max_examples, seed=seed, span=span, seconds=seconds, spec_seconds=spec_seconds
@@ -393,16 +394,16 @@ def _check(
                 if bar is not None:
                     click.echo("\r\033[K", nl=False, err=True)
                 for line in render_table(report, width):
-                    click.echo(line)
-                click.echo()
+                    say(line)
+                say()
     finally:
         if bar is not None:
             bar.render_finish()
     seconds = time.perf_counter() - started
     if as_json:
-        click.echo(render_json(reports, budget, seconds))
+        say(render_json(reports, budget, seconds))
     else:
-        click.echo(render_summary(reports, seconds))
+        say(render_summary(reports, seconds))
     if not all(report.ok for report in reports):
         sys.exit(1)
 
@@ -452,12 +453,12 @@ def plot(spec: Path, out_dir: Path, span: int, distance: int, seed: int) -> None
     try:
         paths = plot_spec(loaded, out_dir, span=span, decay_span=distance, seed=seed)
     except (MissingMatplotlib, CannotPlot) as error:
-        click.echo(str(error), err=True)
+        say(str(error), err=True)
         sys.exit(2)
     except PlotFailed as error:  # the module raised: a message and exit 1
-        click.echo(str(error), err=True)
+        say(str(error), err=True)
         sys.exit(1)
     except OSError as error:  # --out is a file, read-only, ...: one line, exit 2
         _file_error(error, f"cannot write plots into {out_dir}")
     for path in paths:
-        click.echo(f"wrote {path}")
+        say(f"wrote {path}")

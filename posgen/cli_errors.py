@@ -11,8 +11,7 @@ from collections.abc import Callable
 from functools import wraps
 from typing import ParamSpec, TypeVar
 
-import click
-
+from posgen.cli_output import say
 from posgen.codegen.render import SourceGateError
 from posgen.spec.diagnostics import SpecError
 
@@ -29,12 +28,12 @@ def reports_spec_errors(command: Callable[P, R]) -> Callable[P, R]:
             return command(*args, **kwargs)
         except SpecError as error:
             for diagnostic in error.diagnostics:
-                click.echo(diagnostic.render(), err=True)
+                say(diagnostic.render(), err=True)
             count = len(error.diagnostics)
-            click.echo(f"{count} error{'s' if count != 1 else ''}; nothing written.", err=True)
+            say(f"{count} error{'s' if count != 1 else ''}; nothing written.", err=True)
             sys.exit(2)
         except SourceGateError as error:
-            click.echo(f"internal error: {error}", err=True)
+            say(f"internal error: {error}", err=True)
             sys.exit(3)
 
     return wrapper

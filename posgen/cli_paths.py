@@ -15,8 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-import click
-
+from posgen.cli_output import UsageError
 from posgen.codegen.render import catalogue_dir
 from posgen.spec.loader import LoadedSpec, expand_spec_paths, load_spec
 
@@ -38,7 +37,7 @@ def spec_files(arguments: Sequence[Path], catalogue: bool = True) -> list[Path]:
     (``spec_folder``); without, a missing ./specs is a usage error.
     """
     if not arguments and not catalogue and not DEFAULT_SPECS.is_dir():
-        raise click.UsageError(
+        raise UsageError(
             f"no ./{DEFAULT_SPECS} folder here ({Path.cwd()}): name spec files or a folder"
             f" of specs (the built-in catalogue is {catalogue_dir()})"
         )
@@ -46,10 +45,10 @@ def spec_files(arguments: Sequence[Path], catalogue: bool = True) -> list[Path]:
     paths = expand_spec_paths([spec_folder(path) for path in named] if catalogue else named)
     if not paths:
         shown = ", ".join(str(p) for p in named)
-        raise click.UsageError(f"no spec files (*.yaml) found in {shown}")
+        raise UsageError(f"no spec files (*.yaml) found in {shown}")
     for path in paths:
         if not path.exists():
-            raise click.UsageError(f"no such spec file: {path}")
+            raise UsageError(f"no such spec file: {path}")
     return paths
 
 
@@ -70,4 +69,4 @@ def find_spec(name_or_path: str, spec_dir: Path) -> LoadedSpec:
             return load_spec(candidate)
     known = sorted({p.stem for folder in folders for p in folder.glob("*.yaml")})
     shown = " or ".join(f"{folder}/" for folder in folders)
-    raise click.UsageError(f"no spec named {name_or_path!r} in {shown} (known: {', '.join(known)})")
+    raise UsageError(f"no spec named {name_or_path!r} in {shown} (known: {', '.join(known)})")

@@ -71,3 +71,30 @@ def test_schema_is_the_spec_models_json_schema(run, tmp_path) -> None:
     assert json.loads(result.output) == Spec.model_json_schema()
     committed = json.loads((ROOT / "specs" / "schema.json").read_text())
     assert committed == Spec.model_json_schema(), "run `posgen schema --out specs/schema.json`"
+
+
+def test_paths_with_terminal_controls_are_escaped_in_every_command(tmp_path) -> None:
+    """A folder name holding an OSC sequence and a bidi override is shown escaped."""
+    import shutil
+
+    from tests.conftest import SPECS
+
+    hostile = tmp_path / "out\x1b]0;pwned\x07\u202edir"
+    specs = tmp_path / "specs\x1b[31m"
+    specs.mkdir()
+    shutil.copy(SPECS / "alibi.yaml", specs / "alibi.yaml")
+    runner = CliRunner()
+    calls = [
+        ["generate", str(specs), "--out", str(hostile)],
+        ["generate", str(specs), "--out", str(hostile), "--check"],
+        ["generate", str(specs), "--standalone", "alibi", "--out", str(hostile / "a.py")],
+        ["validate", str(specs / "alibi.yaml")],
+        ["explain", str(specs / "alibi.yaml")],
+        ["list", "--specs", str(specs)],
+        ["generate", str(specs / "missing.yaml")],
+    ]
+    for args in calls:
+        result = runner.invoke(main, args)
+        shown = result.output + (result.stderr if result.stderr_bytes else "")
+        assert "\x1b" not in shown and "\x07" not in shown and "\u202e" not in shown, args
+        assert "Traceback" not in shown, args
