@@ -241,7 +241,7 @@ def schema(out_file: Path | None) -> None:
 
 
 def _property_names() -> tuple[str, ...]:
-    # Kept in sync with posgen.check.properties.PROPERTIES (a test compares them); listed here so
+    # Kept in sync with posgen.check.runner.PROPERTIES (a test compares them); listed here so
     # that `--help` does not import torch.
     return (
         "unique",

@@ -19,8 +19,16 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from posgen.check import properties
-from posgen.check.properties import CLAIMS, Budget, Probe, check_loaded
+from posgen.check import agreement
+from posgen.check import probe as probe_module
+from posgen.check.buckets import buckets, t5_bucket
+from posgen.check.decay import decay
+from posgen.check.probe import Probe
+from posgen.check.rotation import half_to_interleaved, rotation_norm
+from posgen.check.runner import BLOCK_CHECKS, PROPERTIES, check_loaded
+from posgen.check.search import Budget, distance_sample
+from posgen.check.slopes import alibi_geometric_slopes, slopes
+from posgen.check.verdicts import CLAIMS, Outcome, Report
 from posgen.cli import _property_names, main
 from posgen.spec.loader import load_spec
 from tests.conftest import ROOT, SPECS
@@ -45,7 +53,7 @@ claims: {{{claims}}}
 
 
 @functools.cache
-def report_for(path: Path) -> properties.Report:
+def report_for(path: Path) -> Report:
     """Every property of one spec, checked once per session with the small test budget."""
     return check_loaded(load_spec(path), TEST_BUDGET)
 
@@ -62,9 +70,7 @@ def cli(monkeypatch):
 
     def invoke(*args: str):
         result = runner.invoke(main, [str(a) for a in args])
-        assert result.exception is None or isinstance(result.exception, SystemExit), (
-            result.output
-        )
+        assert result.exception is None or isinstance(result.exception, SystemExit), result.output
         return result
 
     return invoke
@@ -146,16 +152,30 @@ def test_planted_false_claim_is_refuted(cli, path: Path) -> None:
 
 
 def test_nope_counterexample_is_the_smallest_pair(cli) -> None:
-    result = cli("check", "tests/specs/false_claims/false_unique_nope.yaml", "--only",
-                 "unique", "--max-examples", "10", "--json")
+    result = cli(
+        "check",
+        "tests/specs/false_claims/false_unique_nope.yaml",
+        "--only",
+        "unique",
+        "--max-examples",
+        "10",
+        "--json",
+    )
     (outcome,) = json.loads(result.output)["specs"][0]["properties"]
     assert outcome["counterexample"]["distances"] == [0, 1]
     assert "distances k - q = 0 and 1 get the same position score" in outcome["evidence"]
 
 
 def test_t5_collision_is_reported_beyond_the_exact_range(cli) -> None:
-    result = cli("check", "tests/specs/false_claims/false_unique_t5.yaml", "--only",
-                 "unique", "--max-examples", "10", "--json")
+    result = cli(
+        "check",
+        "tests/specs/false_claims/false_unique_t5.yaml",
+        "--only",
+        "unique",
+        "--max-examples",
+        "10",
+        "--json",
+    )
     (outcome,) = json.loads(result.output)["specs"][0]["properties"]
     example = outcome["counterexample"]
     # 32 bidirectional buckets: distances below 8 are exact, so a collision is past them
@@ -163,13 +183,21 @@ def test_t5_collision_is_reported_beyond_the_exact_range(cli) -> None:
     query, keys = example["query"], example["keys"]
     assert [k - query for k in keys] == example["distances"]
     # the simplest collision is reported: 8 and 9 (or -9 and -8) share a bucket
-    assert max(abs(d) for d in example["distances"]) == 9 or "closest (scan)" in (
-        outcome["evidence"])
+    assert (
+        max(abs(d) for d in example["distances"]) == 9 or "closest (scan)" in (outcome["evidence"])
+    )
 
 
 def test_learned_table_raises_the_clear_error(cli) -> None:
-    result = cli("check", "tests/specs/false_claims/false_extrapolates_learned.yaml",
-                 "--only", "extrapolates", "--max-examples", "10", "--json")
+    result = cli(
+        "check",
+        "tests/specs/false_claims/false_extrapolates_learned.yaml",
+        "--only",
+        "extrapolates",
+        "--max-examples",
+        "10",
+        "--json",
+    )
     (outcome,) = json.loads(result.output)["specs"][0]["properties"]
     assert outcome["counterexample"]["clear_error"] is True
     assert "raises ValueError" in outcome["evidence"] and "128" in outcome["evidence"]
@@ -185,8 +213,9 @@ def test_unclaimed_properties_are_measured_not_judged(cli, tmp_path: Path) -> No
     result = cli("check", spec, "--max-examples", "5", "--span", "64")
     assert result.exit_code == 0, result.output
     for claim in CLAIMS:
-        row = next(line for line in result.output.splitlines()
-                   if line.strip().startswith(claim + " "))
+        row = next(
+            line for line in result.output.splitlines() if line.strip().startswith(claim + " ")
+        )
         assert "measured: " in row
     assert "measured: fails" in result.output  # NoPE: unique and decay fail
     assert sorted(p.name for p in (ROOT / "generated").iterdir()) == before
@@ -194,8 +223,9 @@ def test_unclaimed_properties_are_measured_not_judged(cli, tmp_path: Path) -> No
 
 def test_exit_codes(cli, tmp_path: Path) -> None:
     good = tmp_path / "nope_ok.yaml"
-    good.write_text(NOPE.format(name="nope_ok", claims="relative: true, unique: false"),
-                    encoding="utf-8")
+    good.write_text(
+        NOPE.format(name="nope_ok", claims="relative: true, unique: false"), encoding="utf-8"
+    )
     assert cli("check", good, "--max-examples", "5", "--span", "64").exit_code == 0
     bad = tmp_path / "nope_bad.yaml"
     bad.write_text(NOPE.format(name="nope_bad", claims="relative: false"), encoding="utf-8")
@@ -209,13 +239,24 @@ def test_exit_codes(cli, tmp_path: Path) -> None:
 
 
 def test_seed_makes_runs_reproducible(cli) -> None:
-    args = ("check", "tests/specs/false_claims/false_unique_t5.yaml", "--only", "unique",
-            "--only", "decay", "--max-examples", "10", "--json")
+    args = (
+        "check",
+        "tests/specs/false_claims/false_unique_t5.yaml",
+        "--only",
+        "unique",
+        "--only",
+        "decay",
+        "--max-examples",
+        "10",
+        "--json",
+    )
 
     def verdicts(*extra: str) -> list:
         document = json.loads(cli(*args, *extra).output)
-        return [(o["verdict"], o["evidence"], o["counterexample"])
-                for o in document["specs"][0]["properties"]]
+        return [
+            (o["verdict"], o["evidence"], o["counterexample"])
+            for o in document["specs"][0]["properties"]
+        ]
 
     assert verdicts("--seed", "3") == verdicts("--seed", "3")
     document = json.loads(cli(*args, "--seed", "3").output)
@@ -223,7 +264,7 @@ def test_seed_makes_runs_reproducible(cli) -> None:
 
 
 def test_property_names_are_in_sync() -> None:
-    assert _property_names() == properties.PROPERTIES
+    assert _property_names() == PROPERTIES
 
 
 def test_check_and_plot_help_have_examples(cli) -> None:
@@ -237,7 +278,7 @@ def test_a_crashing_property_is_reported_not_raised(monkeypatch) -> None:
     def broken(probe):
         raise RuntimeError("no such term form")
 
-    monkeypatch.setitem(properties.BLOCK_CHECKS, "kv_cache", broken)
+    monkeypatch.setitem(BLOCK_CHECKS, "kv_cache", broken)
     report = check_loaded(load_spec(SPECS / "alibi.yaml"), TEST_BUDGET, only=["kv_cache"])
     (outcome,) = report.outcomes
     assert outcome.verdict == "ERROR" and "no such term form" in outcome.evidence
@@ -261,7 +302,7 @@ def test_rotation_that_stretches_is_caught() -> None:
 
     probe.pe64.rotate = stretched
     with torch.no_grad():
-        outcome = properties.rotation_norm(probe)
+        outcome = rotation_norm(probe)
     assert outcome.verdict == "FAILS" and "|R x| - |x|" in outcome.evidence
 
 
@@ -277,7 +318,7 @@ def test_position_dependent_drift_breaks_relative_and_kv_cache() -> None:
 
     probe.pe64.scores = drifting
     with torch.no_grad():
-        assert properties.kv_cache(probe).verdict == "FAILS"
+        assert agreement.kv_cache(probe).verdict == "FAILS"
 
 
 def test_sdpa_that_disagrees_is_caught() -> None:
@@ -290,7 +331,7 @@ def test_sdpa_that_disagrees_is_caught() -> None:
 
     probe.pe32.forward = skewed
     with torch.no_grad():
-        outcome = properties.backends(probe)
+        outcome = agreement.backends(probe)
     assert outcome.verdict == "FAILS" and "differs from eager" in outcome.evidence
 
 
@@ -298,25 +339,34 @@ def test_sdpa_that_disagrees_is_caught() -> None:
 
 
 def test_slope_recipe_matches_the_reference_and_the_paper() -> None:
-    assert properties.alibi_geometric_slopes(8) == [2.0**-k for k in range(1, 9)]
+    assert alibi_geometric_slopes(8) == [2.0**-k for k in range(1, 9)]
     for heads in range(1, 65):
-        assert properties.alibi_geometric_slopes(heads) == pytest.approx(
-            formulas.alibi_slopes(heads), rel=1e-12)
+        assert alibi_geometric_slopes(heads) == pytest.approx(
+            formulas.alibi_slopes(heads), rel=1e-12
+        )
 
 
 def test_bucket_recipe_matches_the_reference_and_hand_values() -> None:
-    bucket = properties.t5_bucket
+    bucket = t5_bucket
     assert [bucket(r, True, 32, 128) for r in (0, -7, 7, 8, -20, 200, -200)] == [
-        0, 7, 23, 24, 10, 31, 15]
+        0,
+        7,
+        23,
+        24,
+        10,
+        31,
+        15,
+    ]
     for bidirectional in (True, False):
         for relative in range(-300, 301):
             assert bucket(relative, bidirectional, 32, 128) == formulas.t5_relative_bucket(
-                relative, bidirectional, 32, 128)
+                relative, bidirectional, 32, 128
+            )
 
 
 def test_pairing_permutation_matches_the_reference() -> None:
-    assert properties.half_to_interleaved(8, 8) == formulas.half_to_interleaved_permutation(8)
-    assert properties.half_to_interleaved(6, 4) == [0, 2, 1, 3, 4, 5]
+    assert half_to_interleaved(8, 8) == formulas.half_to_interleaved_permutation(8)
+    assert half_to_interleaved(6, 4) == [0, 2, 1, 3, 4, 5]
 
 
 def test_roformer_bound_from_measured_frequencies() -> None:
@@ -342,8 +392,9 @@ def test_roformer_bound_from_measured_frequencies() -> None:
 def test_plot_writes_titled_pngs(cli, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     for name in ("t5", "rope"):
-        result = cli("plot", f"specs/{name}.yaml", "--out", tmp_path, "--span", "24",
-                     "--distance", "64")
+        result = cli(
+            "plot", f"specs/{name}.yaml", "--out", tmp_path, "--span", "24", "--distance", "64"
+        )
         assert result.exit_code == 0, result.output
         for kind in ("scores", "decay"):
             path = tmp_path / f"{name}_{kind}.png"
@@ -360,7 +411,6 @@ def test_plot_without_matplotlib_exits_2(cli, monkeypatch, tmp_path: Path) -> No
     assert result.exit_code == 2
     assert "pip install 'posgen[plot]'" in result.output
     assert not any(tmp_path.iterdir())
-
 
 
 # --------------------------------------------------------------------------- unknown term forms
@@ -409,15 +459,24 @@ class _ClippedRelativeKeys(torch.nn.Module):
         table = self.relative_keys.to(dtype)[rel + self.CLIP]  # [N, M, d]
         content = q @ k.transpose(-2, -1)
         relative = torch.einsum("bhnd,nmd->bhnm", q, table)
-        return {"content_content": content * self.scale,
-                "content_position": relative * self.scale}
+        return {"content_content": content * self.scale, "content_position": relative * self.scale}
 
     def scores(self, q, k, *, q_positions=None, k_positions=None):
         terms = self.score_terms(q, k, q_positions=q_positions, k_positions=k_positions)
         return sum(terms.values())
 
-    def forward(self, q, k, v, *, q_positions=None, k_positions=None, causal=False,
-                attn_mask=None, backend="auto"):
+    def forward(
+        self,
+        q,
+        k,
+        v,
+        *,
+        q_positions=None,
+        k_positions=None,
+        causal=False,
+        attn_mask=None,
+        backend="auto",
+    ):
         if backend not in ("auto", "eager"):
             raise ValueError(backend)
         logits = self.scores(q, k, q_positions=q_positions, k_positions=k_positions)
@@ -431,10 +490,11 @@ def test_an_unknown_term_form_is_checked_through_the_contract(monkeypatch, tmp_p
     module.__all__ = ["_ClippedRelativeKeys"]
     module._ClippedRelativeKeys = _ClippedRelativeKeys
     module.BACKENDS = ("auto", "eager")
-    monkeypatch.setattr(properties, "module_from_loaded", lambda loaded: module)
+    monkeypatch.setattr(probe_module, "module_from_loaded", lambda loaded: module)
     spec = tmp_path / "clipped.yaml"
-    spec.write_text(NOPE.format(name="clipped", claims="relative: true, unique: true"),
-                    encoding="utf-8")
+    spec.write_text(
+        NOPE.format(name="clipped", claims="relative: true, unique: true"), encoding="utf-8"
+    )
     report = check_loaded(load_spec(spec), Budget(max_examples=10, span=64))
     verdicts = {o.name: o.verdict for o in report.outcomes}
     assert verdicts["relative"] == "confirmed: holds"
@@ -455,7 +515,7 @@ def _hand_written(monkeypatch, cls, backends=("auto", "eager")):
     module.__all__ = [cls.__name__]
     setattr(module, cls.__name__, cls)
     module.BACKENDS = backends
-    monkeypatch.setattr(properties, "module_from_loaded", lambda loaded: module)
+    monkeypatch.setattr(probe_module, "module_from_loaded", lambda loaded: module)
 
 
 class _UntiedAbsolute(_ClippedRelativeKeys):
@@ -467,8 +527,10 @@ class _UntiedAbsolute(_ClippedRelativeKeys):
         dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         q_pos = torch.arange(m - n, m) if q_positions is None else q_positions
         k_pos = torch.arange(m) if k_positions is None else k_positions
-        table = torch.sin(torch.arange(4096, dtype=dtype).unsqueeze(-1)
-                          * torch.linspace(0.01, 1.0, 6, dtype=dtype))
+        table = torch.sin(
+            torch.arange(4096, dtype=dtype).unsqueeze(-1)
+            * torch.linspace(0.01, 1.0, 6, dtype=dtype)
+        )
         bias = table[q_pos] @ table[k_pos].T
         bias = torch.where(q_pos.unsqueeze(-1) == 0, torch.full_like(bias, 0.5), bias)
         content = q.to(dtype) @ k.to(dtype).transpose(-2, -1)
@@ -478,10 +540,12 @@ class _UntiedAbsolute(_ClippedRelativeKeys):
 def test_absolute_scores_are_unique_by_rows_and_columns(monkeypatch, tmp_path) -> None:
     _hand_written(monkeypatch, _UntiedAbsolute)
     spec = tmp_path / "untied.yaml"
-    spec.write_text(NOPE.format(name="untied", claims="unique: true, relative: false"),
-                    encoding="utf-8")
-    report = check_loaded(load_spec(spec), Budget(max_examples=10, span=64),
-                          only=["unique", "relative"])
+    spec.write_text(
+        NOPE.format(name="untied", claims="unique: true, relative: false"), encoding="utf-8"
+    )
+    report = check_loaded(
+        load_spec(spec), Budget(max_examples=10, span=64), only=["unique", "relative"]
+    )
     # query 0 sees every key alike (the reset), yet every position has its own column
     assert report.outcome("unique").verdict == "confirmed: holds"
     assert "rows and columns" in report.outcome("unique").evidence
@@ -503,8 +567,10 @@ class _PairEmbed(torch.nn.Module):
         wide = torch.float64 if x.dtype == torch.float64 else torch.float32
         angle = torch.arange(x.shape[1], dtype=wide).unsqueeze(-1) * self.frequency.to(wide)
         amplitude = x.to(wide) + 1  # angles in float32 at least, outputs in x's dtype
-        return ((amplitude * torch.cos(angle)).to(x.dtype),
-                (amplitude * torch.sin(angle)).to(x.dtype))
+        return (
+            (amplitude * torch.cos(angle)).to(x.dtype),
+            (amplitude * torch.sin(angle)).to(x.dtype),
+        )
 
     def rotate(self, q, k, q_positions=None, k_positions=None):
         return q, k
@@ -519,15 +585,26 @@ class _PairEmbed(torch.nn.Module):
     def scores(self, q, k, *, q_positions=None, k_positions=None):
         return self.score_terms(q, k)["content_content"]
 
-    def forward(self, q, k, v, *, q_positions=None, k_positions=None, causal=False,
-                attn_mask=None, backend="auto"):
+    def forward(
+        self,
+        q,
+        k,
+        v,
+        *,
+        q_positions=None,
+        k_positions=None,
+        causal=False,
+        attn_mask=None,
+        backend="auto",
+    ):
         return _attend(self.scores(q, k), v, q_positions, k_positions, causal, attn_mask)
 
 
 def test_an_input_form_without_explicit_positions(monkeypatch) -> None:
     _hand_written(monkeypatch, _PairEmbed)
-    report = check_loaded(load_spec(FALSE_CLAIMS / "false_relative_sinusoidal.yaml"),
-                          Budget(max_examples=10, span=64))
+    report = check_loaded(
+        load_spec(FALSE_CLAIMS / "false_relative_sinusoidal.yaml"), Budget(max_examples=10, span=64)
+    )
     verdicts = {o.name: o.verdict for o in report.outcomes}
     assert "row m of embed(t)" in report.route
     assert verdicts["unique"] == "measured: holds"  # read from the (real, imag) rows
@@ -541,9 +618,11 @@ def test_an_input_form_without_explicit_positions(monkeypatch) -> None:
 
 
 def test_time_budget_stops_drawing(monkeypatch) -> None:
-    report = check_loaded(load_spec(SPECS / "alibi.yaml"),
-                          Budget(max_examples=10_000, span=64, seconds=0.2),
-                          only=["relative"])
+    report = check_loaded(
+        load_spec(SPECS / "alibi.yaml"),
+        Budget(max_examples=10_000, span=64, seconds=0.2),
+        only=["relative"],
+    )
     outcome = report.outcome("relative")
     assert outcome.verdict == "confirmed: holds"
     assert "time budget" in outcome.evidence and outcome.seconds < 5
@@ -554,8 +633,9 @@ class _Unbuildable(_ClippedRelativeKeys):
         raise RuntimeError("cannot build")
 
 
-def test_a_module_that_cannot_be_built_is_an_error_not_a_traceback(monkeypatch, cli,
-                                                                   tmp_path) -> None:
+def test_a_module_that_cannot_be_built_is_an_error_not_a_traceback(
+    monkeypatch, cli, tmp_path
+) -> None:
     _hand_written(monkeypatch, _Unbuildable)
     spec = tmp_path / "broken.yaml"
     spec.write_text(NOPE.format(name="broken", claims="relative: true"), encoding="utf-8")
@@ -580,10 +660,15 @@ claims: {{{claims}}}
 SHORT_TABLES = {
     "learned4": ("{kind: learned, max_positions: 4}", "extrapolates: false"),
     "learned9": ("{kind: learned, max_positions: 9}", "extrapolates: false"),
-    "ode40": ("{kind: ode, hidden: 8, activation: tanh, integrator: euler, position_step: 0.1,"
-              " steps_per_position: 1, initial: zero, max_positions: 40}", ""),
-    "hier8": ("{kind: hierarchical, base_positions: 8, alpha: 0.4, init_std: 0.02}",
-              "extrapolates: false"),
+    "ode40": (
+        "{kind: ode, hidden: 8, activation: tanh, integrator: euler, position_step: 0.1,"
+        " steps_per_position: 1, initial: zero, max_positions: 40}",
+        "",
+    ),
+    "hier8": (
+        "{kind: hierarchical, base_positions: 8, alpha: 0.4, init_std: 0.02}",
+        "extrapolates: false",
+    ),
 }
 
 
@@ -604,8 +689,7 @@ def test_tables_shorter_than_the_span_never_raise(cli, tmp_path: Path, name: str
     assert "not be read" not in report.route
     for block in ("backends", "bf16", "kv_cache"):
         assert report.outcome(block).verdict == "holds", report.outcome(block).evidence
-    result = cli("check", path, "--max-examples", "5", "--only", "backends",
-                 "--only", "kv_cache")
+    result = cli("check", path, "--max-examples", "5", "--only", "backends", "--only", "kv_cache")
     assert result.exit_code == 0, result.output
     if importlib.util.find_spec("matplotlib") is not None:
         result = cli("plot", path, "--out", tmp_path / "plots")
@@ -621,7 +705,7 @@ def test_bf16_is_na_when_no_example_could_be_compared() -> None:
 
     probe.forward = rejecting
     with torch.no_grad():
-        outcome = properties.bf16(probe)
+        outcome = agreement.bf16(probe)
     assert outcome.verdict == "n/a" and "position out of range" in outcome.evidence
 
 
@@ -633,8 +717,11 @@ class _Unreachable(_PairEmbed):
 def test_unreachable_input_is_na_in_backends_and_bf16(monkeypatch) -> None:
     """A4: positions the checker cannot reach give n/a, not 'holds up to 2^20'."""
     _hand_written(monkeypatch, _Unreachable)
-    report = check_loaded(load_spec(FALSE_CLAIMS / "false_relative_sinusoidal.yaml"),
-                          Budget(max_examples=5, span=64), only=["backends", "bf16"])
+    report = check_loaded(
+        load_spec(FALSE_CLAIMS / "false_relative_sinusoidal.yaml"),
+        Budget(max_examples=5, span=64),
+        only=["backends", "bf16"],
+    )
     for outcome in report.outcomes:
         assert outcome.verdict == "n/a" and "segment ids" in outcome.evidence
 
@@ -645,9 +732,12 @@ def test_huge_max_distance_is_sampled_not_enumerated(tmp_path: Path) -> None:
     text = (SPECS / "t5.yaml").read_text()
     assert "max_distance: 128" in text
     path = tmp_path / "t5_huge.yaml"
-    path.write_text(text.replace("max_distance: 128", "max_distance: 3000000")
-                    .replace("name: t5", "name: t5_huge"))
-    assert len(properties.distance_sample(6_000_000)) < 2 * 2048 + 2 * 512
+    path.write_text(
+        text.replace("max_distance: 128", "max_distance: 3000000").replace(
+            "name: t5", "name: t5_huge"
+        )
+    )
+    assert len(distance_sample(6_000_000)) < 2 * 2048 + 2 * 512
     report = check_loaded(load_spec(path), TEST_BUDGET, only=["unique", "buckets"])
     unique_, buckets_ = report.outcomes
     assert unique_.holds is False and not unique_.error
@@ -656,16 +746,22 @@ def test_huge_max_distance_is_sampled_not_enumerated(tmp_path: Path) -> None:
 
 def test_unique_tolerance_is_relative(tmp_path: Path) -> None:
     """A6: a table initialised with std 1e-13 is still unique (no absolute 1e-12 floor)."""
-    path = _input_spec(tmp_path, "tiny_std", "{kind: learned, max_positions: 64, "
-                       "init_std: 1.0e-13}", "unique: true")
+    path = _input_spec(
+        tmp_path,
+        "tiny_std",
+        "{kind: learned, max_positions: 64, init_std: 1.0e-13}",
+        "unique: true",
+    )
     report = check_loaded(load_spec(path), TEST_BUDGET, only=["unique"])
     assert report.outcome("unique").verdict == "confirmed: holds"
 
 
 def test_spec_time_cap_shares_the_budget() -> None:
-    report = check_loaded(load_spec(SPECS / "alibi.yaml"),
-                          Budget(max_examples=10_000, span=64, seconds=100.0,
-                                 spec_seconds=1.0), only=["relative", "kv_cache"])
+    report = check_loaded(
+        load_spec(SPECS / "alibi.yaml"),
+        Budget(max_examples=10_000, span=64, seconds=100.0, spec_seconds=1.0),
+        only=["relative", "kv_cache"],
+    )
     assert all("time budget" in o.evidence for o in report.outcomes)
 
 
@@ -686,50 +782,61 @@ def _mutated_probe(monkeypatch, name: str, old: str, new: str) -> Probe:
     return Probe(load_spec(SPECS / f"{name}.yaml"), TEST_BUDGET)
 
 
-def _run_block(probe: Probe, check) -> properties.Outcome:
+def _run_block(probe: Probe, check) -> Outcome:
     with torch.no_grad():
         return check(probe)
 
 
 def test_mutation_rope_ignoring_its_base_is_caught(monkeypatch) -> None:
     """B1: theta from 500000 instead of the spec's base."""
-    probe = _mutated_probe(monkeypatch, "rope", "theta = ROTARY_BASE ** (",
-                           "theta = 500000.0 ** (")
-    outcome = _run_block(probe, properties.rotation_norm)
+    probe = _mutated_probe(monkeypatch, "rope", "theta = ROTARY_BASE ** (", "theta = 500000.0 ** (")
+    outcome = _run_block(probe, rotation_norm)
     assert outcome.verdict == "FAILS" and "base^(-2k/d_rot)" in outcome.evidence
 
 
 def test_mutation_inverted_causal_mask_is_caught(monkeypatch) -> None:
-    """B2: eager and sdpa share the inverted mask; the checker's own mask does not."""
-    probe = _mutated_probe(monkeypatch, "alibi",
-                           "allowed = k_pos.unsqueeze(-2) <= q_pos.unsqueeze(-1)",
-                           "allowed = k_pos.unsqueeze(-2) >= q_pos.unsqueeze(-1)")
-    outcome = _run_block(probe, properties.backends)
+    """B2: eager and sdpa share the inverted mask; the checker's own mask does not.
+
+    Shaw's relative terms go through the shared causal mask on both backends (ALiBi's
+    sdpa path folds causality into its per-distance bias instead)."""
+    probe = _mutated_probe(
+        monkeypatch,
+        "shaw",
+        "allowed = k_pos.unsqueeze(-2) <= q_pos.unsqueeze(-1)",
+        "allowed = k_pos.unsqueeze(-2) >= q_pos.unsqueeze(-1)",
+    )
+    outcome = _run_block(probe, agreement.backends)
     assert outcome.verdict == "FAILS" and "causal=True differs" in outcome.evidence
 
 
 def test_mutation_float32_rotary_cache_offset_is_caught(monkeypatch) -> None:
     """B3: the float32 default-position cos/sin cache read from 0 instead of start."""
-    probe = _mutated_probe(monkeypatch, "rope",
-                           "return self._cos_cache[start:end], self._sin_cache[start:end]",
-                           "return self._cos_cache[0:length], self._sin_cache[0:length]")
-    outcome = _run_block(probe, properties.kv_cache)
+    probe = _mutated_probe(
+        monkeypatch,
+        "rope",
+        "return self._cos_cache[start:end], self._sin_cache[start:end]",
+        "return self._cos_cache[0:length], self._sin_cache[0:length]",
+    )
+    outcome = _run_block(probe, agreement.kv_cache)
     assert outcome.verdict == "FAILS" and "float32 forward" in outcome.evidence
 
 
 def test_mutation_saturating_alibi_distance_is_caught(monkeypatch) -> None:
     """B4: |i - j| clamped at 1 keeps bias(5, 5) - bias(5, 4) right, nothing else."""
-    probe = _mutated_probe(monkeypatch, "alibi", "device).abs()",
-                           "device).abs().clamp(max=1)")
-    outcome = _run_block(probe, properties.slopes)
+    probe = _mutated_probe(monkeypatch, "alibi", "device).abs()", "device).abs().clamp(max=1)")
+    outcome = _run_block(probe, slopes)
     assert outcome.verdict == "FAILS" and "not linear in distance" in outcome.evidence
 
 
 def test_mutation_stretched_key_rotation_is_caught(monkeypatch) -> None:
     """B5: the key output of rotate is checked too."""
-    probe = _mutated_probe(monkeypatch, "rope", "self._apply_rotation(k, k_cos, k_sin)",
-                           "self._apply_rotation(k, k_cos * 1.001, k_sin)")
-    outcome = _run_block(probe, properties.rotation_norm)
+    probe = _mutated_probe(
+        monkeypatch,
+        "rope",
+        "self._apply_rotation(k, k_cos, k_sin)",
+        "self._apply_rotation(k, k_cos * 1.001, k_sin)",
+    )
+    outcome = _run_block(probe, rotation_norm)
     assert outcome.verdict == "FAILS" and "key side" in outcome.evidence
 
 
@@ -744,7 +851,7 @@ def test_decay_needs_strict_falls_and_prints_equal_windows() -> None:
 
     probe.pe64.scores = plateau
     with torch.no_grad():
-        outcome = properties.decay(probe, True)
+        outcome = decay(probe, True)
     assert outcome.verdict == "REFUTED: fails"
     assert "falls strictly between only" in outcome.evidence
 
@@ -754,7 +861,7 @@ def test_mutation_bucket_recipe_under_a_first_token_reset_is_caught(monkeypatch)
     cells excluded); a stretched log bucket is caught."""
     old = "log_bucket = torch.log(ratio) / math.log(MAX_DISTANCE / max_exact)"
     probe = _mutated_probe(monkeypatch, "tupe_r", old, old.replace("= ", "= 1.2 * ", 1))
-    outcome = _run_block(probe, properties.buckets)
+    outcome = _run_block(probe, buckets)
     assert outcome.verdict == "FAILS" and "independent t5 recipe" in outcome.evidence
 
 
@@ -763,8 +870,9 @@ def test_buckets_are_read_under_a_first_token_reset() -> None:
     assert outcome.verdict == "holds" and "first-token reset" in outcome.evidence
 
 
-def test_a_module_error_while_plotting_is_a_message_not_a_traceback(cli, monkeypatch,
-                                                                     tmp_path: Path) -> None:
+def test_a_module_error_while_plotting_is_a_message_not_a_traceback(
+    cli, monkeypatch, tmp_path: Path
+) -> None:
     pytest.importorskip("matplotlib")
     from posgen.check import plot
 

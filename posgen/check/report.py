@@ -6,10 +6,12 @@ import json
 import textwrap
 from collections.abc import Sequence
 
-from posgen.check.properties import Budget, Report
+from posgen.check.search import Budget
+from posgen.check.verdicts import Report
 
 
 def _claimed(value: bool | None) -> str:
+    """The claimed column: true, false, or - where the spec states nothing."""
     return "-" if value is None else str(value).lower()
 
 
@@ -47,6 +49,7 @@ def render_table(report: Report, width: int = 100) -> list[str]:
 
 
 def render_summary(reports: Sequence[Report], seconds: float) -> str:
+    """The last line of a run: how many specs, how long, and what failed."""
     failed = [report.name for report in reports if not report.ok]
     unchecked = sum(
         outcome.claimed is not None and outcome.holds is None
@@ -65,13 +68,13 @@ def render_summary(reports: Sequence[Report], seconds: float) -> str:
 
 
 def render_json(reports: Sequence[Report], budget: Budget, seconds: float) -> str:
+    """Every report as one JSON document, with the budget the run used."""
     document = {
         "ok": all(report.ok for report in reports),
         "seed": budget.seed,
         "max_examples": budget.max_examples,
         "span": budget.span,
-        "time_budget": {"property_seconds": budget.seconds,
-                        "spec_seconds": budget.spec_seconds},
+        "time_budget": {"property_seconds": budget.seconds, "spec_seconds": budget.spec_seconds},
         "seconds": round(seconds, 3),
         "specs": [report.as_json() for report in reports],
     }

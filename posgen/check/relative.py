@@ -1,0 +1,88 @@
+"""The ``relative`` claim: shifting every position by c leaves the logits unchanged.
+
+hypothesis draws a few query and key positions in the first half of the span, a shift
+c ≥ 1 and a seed for random content (projected q and k, or token embeddings through
+embed on the input route); the float64 logits at the shifted positions must equal the
+unshifted ones within a tolerance that grows with the largest position. The input route
+needs explicit positions (an embed that only takes the default ones makes it n/a).
+"""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import strategies as st
+
+from posgen.check.probe import Probe, input_unreachable
+from posgen.check.search import SEEDS, Violation, fmt, generator, run_search
+from posgen.check.verdicts import Outcome, failed
+
+# query positions, key positions, the shift c, the content's seed
+Example = tuple[list[int], list[int], int, int]
+
+
+def relative(probe: Probe, claimed: bool | None) -> Outcome:
+    """Judge or measure ``relative`` for one probe."""
+    unreachable = input_unreachable(probe, "relative", claimed, need_explicit=True)
+    if unreachable is not None:
+        return unreachable
+    limit = probe.span // 2
+
+    @st.composite
+    def examples(draw: st.DrawFn) -> Example:
+        n = draw(st.integers(1, 3))
+        m = draw(st.integers(1, 4))
+        q_pos = draw(st.lists(st.integers(0, limit - 1), min_size=n, max_size=n))
+        k_pos = draw(st.lists(st.integers(0, limit - 1), min_size=m, max_size=m))
+        shift = draw(st.integers(1, limit))
+        return q_pos, k_pos, shift, draw(SEEDS)
+
+    def check(example: Example) -> float:
+        return _shifted_logits_agree(probe, example)
+
+    search = run_search(check, examples(), probe.budget)
+    if search.violation is not None:
+        return failed("relative", "claim", claimed, search)
+    return Outcome(
+        "relative",
+        "claim",
+        claimed,
+        True,
+        f"logits unchanged under {search.examples} random shifts (c ≤ {limit}) of random "
+        f"content, float64",
+    )
+
+
+def _shifted_logits_agree(probe: Probe, example: Example) -> float:
+    """The margin by which shifted logits agree with unshifted ones, or a Violation."""
+    q_pos, k_pos, shift, example_seed = example
+    content = probe.content(generator(example_seed), len(q_pos), len(k_pos))
+    q, k = torch.tensor(q_pos), torch.tensor(k_pos)
+    before = probe.logits(content, q, k)
+    after = probe.logits(content, q + shift, k + shift)
+    top = max(q_pos + k_pos) + shift
+    tol = 1e-11 * (1.0 + float(before.abs().max())) * (1.0 + top)
+    delta = (after - before).abs()
+    if float(delta.max()) > tol:
+        _, h, i, j = (int(x) for x in divmod_index(int(delta.argmax()), delta.shape))
+        raise Violation(
+            f"query positions {q_pos}, key positions {k_pos}, shift c = {shift}: "
+            f"head {h} logit[{i}, {j}] {fmt(float(before[0, h, i, j]))} -> "
+            f"{fmt(float(after[0, h, i, j]))} (|Δ| {fmt(float(delta.max()))} > "
+            f"tol {fmt(tol)})",
+            q_positions=q_pos,
+            k_positions=k_pos,
+            shift=shift,
+            head=h,
+            values=[float(before[0, h, i, j]), float(after[0, h, i, j])],
+            content_seed=example_seed,
+        )
+    return tol - float(delta.max())
+
+
+def divmod_index(flat: int, shape: torch.Size) -> list[int]:
+    """Unravel a flat index into ``shape``."""
+    out = []
+    for size in reversed(shape):
+        flat, rest = divmod(flat, size)
+        out.append(rest)
+    return list(reversed(out))

@@ -1,0 +1,129 @@
+"""The ``slopes`` block: slopes are positive, follow the named recipe, and the bias is
+linear in distance.
+
+Slopes are read through ``score_bias`` alone: slope_h = bias(i, i) - bias(i, i - 1).
+hypothesis draws head counts from 1 to 64 (a scan adds the spec's own count, 1, 3 and
+12); for each, a fresh module is built, every slope must be positive and, where the
+recipe is known (``SLOPE_RECIPES``: ALiBi's geometric slopes, written here from Press et
+al. 2022), equal to it; and bias(i, i ± d) - bias(i, i) must be d times the step at
+distance 1 on each side that is not masked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from hypothesis import strategies as st
+
+from posgen.check.probe import Probe, bias_of, float64_encoding
+from posgen.check.search import Violation, fmt, run_search, short_list
+from posgen.check.verdicts import Outcome, failed
+
+DISTANCES = [1, 2, 3, 5, 8, 13, 21, 40]  # distances the linearity is checked at
+ANCHOR = 64  # the query position of the linearity check
+
+
+def alibi_geometric_slopes(heads: int) -> list[float]:
+    """Press et al. 2022: 2^(-8h/n) for n a power of two; else interleave the next one."""
+
+    def geometric(n: int) -> list[float]:
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (h + 1) for h in range(n)]
+
+    power = 1
+    while power * 2 <= heads:
+        power *= 2
+    slopes = geometric(power)
+    return slopes + geometric(2 * power)[::2][: heads - power]
+
+
+SLOPE_RECIPES: dict[str, Callable[[int], list[float]]] = {"alibi_geometric": alibi_geometric_slopes}
+
+
+def slopes(probe: Probe) -> Outcome:
+    """Positive slopes equal to the recipe for 1-64 heads, and a bias linear in distance."""
+    bias = probe.spec.bias
+    recipe_name = getattr(bias, "slopes", None)
+    if bias is None or not isinstance(recipe_name, str):
+        return Outcome("slopes", "block", None, None, "no slope bias in this spec")
+    recipe = SLOPE_RECIPES.get(recipe_name)
+
+    def check(heads: int) -> float:
+        got = _measured(probe, heads)
+        _linear(probe, heads)
+        if min(got) <= 0:
+            h = min(range(heads), key=lambda h: got[h])
+            raise Violation(
+                f"{heads} heads: head {h} has slope {fmt(got[h])} ≤ 0",
+                heads=heads,
+                head=h,
+                values=got,
+            )
+        if recipe is not None:
+            _follows_recipe(got, recipe(heads), recipe_name, heads)
+        return min(got)
+
+    search = run_search(check, st.integers(1, 64), probe.budget, lambda: [probe.heads, 1, 3, 12])
+    if search.violation is not None:
+        return failed("slopes", "block", None, search)
+    first = _measured(probe, probe.heads)
+    how = (
+        f"equal to an independent {recipe_name} recipe"
+        if recipe
+        else f"no independent implementation of {recipe_name!r}"
+    )
+    return Outcome(
+        "slopes",
+        "block",
+        None,
+        True,
+        f"positive; {how} for 1-64 heads; linear in distance on both sides "
+        f"(distances {short_list(DISTANCES, 9)}); {probe.heads} heads: "
+        f"{short_list(fmt(s) for s in first)}",
+    )
+
+
+def _measured(probe: Probe, heads: int) -> list[float]:
+    """slope_h = bias(i, i) - bias(i, i - 1), read through score_bias."""
+    pe = float64_encoding(probe.cls, heads, probe.head_dim)
+    row = bias_of(pe, torch.tensor([5]), torch.tensor([5, 4]))[:, 0]  # [heads, 2]
+    return (row[:, 0] - row[:, 1]).tolist()
+
+
+def _linear(probe: Probe, heads: int) -> None:
+    """bias(i, i ± d) - bias(i, i) = d (bias(i, i ± 1) - bias(i, i)) on each side."""
+    pe = float64_encoding(probe.cls, heads, probe.head_dim)
+    for side, sign in (("before", -1), ("after", 1)):
+        keys = torch.tensor([ANCHOR] + [ANCHOR + sign * d for d in DISTANCES])
+        row = bias_of(pe, torch.tensor([ANCHOR]), keys)[:, 0]  # [heads, 1 + D]
+        if not bool(torch.isfinite(row).all()):
+            continue  # a masked side (no bias to compare)
+        step = row[:, 1] - row[:, 0]
+        for index, d in enumerate(DISTANCES):
+            got = row[:, 1 + index] - row[:, 0]
+            error = float((got - d * step).abs().max())
+            if error > 1e-9 * (1.0 + float((d * step).abs().max())):
+                h = int((got - d * step).abs().argmax())
+                raise Violation(
+                    f"{heads} heads: head {h}, keys {side} query {ANCHOR}: bias at "
+                    f"distance {d} is {fmt(float(got[h]))}, not {d} × the step at "
+                    f"distance 1 ({fmt(float(step[h]))}): not linear in distance",
+                    heads=heads,
+                    head=h,
+                    distance=d,
+                    side=side,
+                )
+
+
+def _follows_recipe(got: list[float], expected: list[float], name: str, heads: int) -> None:
+    """Every measured slope equals the recipe's within 1e-6, or a Violation."""
+    for h, (a, b) in enumerate(zip(got, expected, strict=True)):
+        if abs(a - b) > 1e-6 * b:
+            raise Violation(
+                f"{heads} heads: head {h} has slope {fmt(a)}, the {name} recipe gives {fmt(b)}",
+                heads=heads,
+                head=h,
+                values=got,
+                expected=expected,
+            )

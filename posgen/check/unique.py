@@ -1,0 +1,282 @@
+"""The ``unique`` claim: distinct positions get distinct encodings.
+
+Pairs of positions are drawn by hypothesis, then an exhaustive scan looks for the
+collision closest to the origin, so a claim of ``false`` is only confirmed by an actual
+collision. What is compared depends on the route (``Probe``):
+
+* input: the table rows p_m and p_n (relative tolerance: a tiny table is no collision);
+* rotation: the rotations R_m and R_n, on the query and the key output of rotate;
+* scores that depend on j - i only (a Toeplitz matrix): distances, not positions
+  (``unique_distances``); the distances reach past every ``max_distance`` the spec states
+  and are sampled log-spaced past ``EXACT_DISTANCES``;
+* other scores (absolute positions): position m as a query (its row) and as a key (its
+  column) of the position-only scores, in every head.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from hypothesis import strategies as st
+from torch import Tensor
+
+from posgen.check.contract import F64
+from posgen.check.probe import Probe, input_unreachable, stated
+from posgen.check.search import (
+    EXACT_DISTANCES,
+    Search,
+    Violation,
+    distance_sample,
+    fmt,
+    generator,
+    run_search,
+)
+from posgen.check.verdicts import Outcome, failed
+
+EPS64 = torch.finfo(F64).eps
+Pair = tuple[int, int]
+
+
+@dataclass
+class _Compared:
+    """What one route compares: a check of two positions, and features for the scan."""
+
+    check: Callable[[Pair], float]
+    features: Tensor  # [span, width]: one row per position
+    what: str
+    span: int
+
+
+def unique(probe: Probe, claimed: bool | None) -> Outcome:
+    """Judge or measure ``unique`` for one probe."""
+    unreachable = input_unreachable(probe, "unique", claimed)
+    if unreachable is not None:
+        return unreachable
+    search, what = _unique(probe)
+    if search.violation is not None:
+        return failed("unique", "claim", claimed, search)
+    return Outcome(
+        "unique",
+        "claim",
+        claimed,
+        True,
+        f"no collision of {what} in {search.examples} examples (hypothesis and a scan); "
+        f"smallest gap {fmt(search.worst)}",
+    )
+
+
+def _unique(probe: Probe) -> tuple[Search, str]:
+    """The search for a collision along the probe's route, and what was compared."""
+    span = probe.limit if probe.limit is not None else probe.span
+    span = min(span, 4096)
+    if probe.route == "input":
+        compared = _table_rows(probe, span)
+    elif probe.route == "rotation":
+        compared = _rotations(probe, span)
+    elif shift_invariant_scores(probe):
+        return unique_distances(probe)
+    else:
+        compared = _score_rows_and_columns(probe, span)
+    size = compared.span
+    pairs = st.tuples(st.integers(0, size - 1), st.integers(0, size - 1)).filter(
+        lambda t: t[0] != t[1]
+    )
+    scan = _nearest_pairs(compared.features, size)
+    search = run_search(compared.check, pairs, probe.budget, scan)
+    return search, f"{compared.what} for positions [0, {size})"
+
+
+def _table_rows(probe: Probe, span: int) -> _Compared:
+    """Input route: the table rows p_m."""
+    table = probe.table(torch.arange(span))
+    norms = table.norm(dim=-1)
+
+    def check(example: Pair) -> float:
+        m, n = example
+        distance = float((table[m] - table[n]).norm())
+        if distance <= 1e-12 * max(float(norms[m]), float(norms[n])):  # relative
+            raise Violation(
+                f"positions {m} and {n} get the same input encoding "
+                f"(|p_{m} - p_{n}| = {fmt(distance)})",
+                positions=[m, n],
+                distance=distance,
+                values=[table[m][:4].tolist(), table[n][:4].tolist()],
+            )
+        return distance
+
+    return _Compared(check, table, "p_m", span)
+
+
+def _rotations(probe: Probe, span: int) -> _Compared:
+    """Rotation route: R_m on the query and the key side; one rotated vector per m."""
+    tol_base = 64 * EPS64 * probe.head_dim
+
+    def check(example: Pair) -> float:
+        m, n = example
+        distance = min(
+            float((probe.rotation_matrix(m, side) - probe.rotation_matrix(n, side)).norm())
+            for side in (0, 1)  # the query and the key rotation
+        )
+        tol = tol_base * (1 + max(m, n))
+        if distance <= tol:
+            raise Violation(
+                f"positions {m} and {n} get the same rotation (|R_{m} - R_{n}| = {fmt(distance)})",
+                positions=[m, n],
+                distance=distance,
+            )
+        return distance
+
+    drawn = generator(probe.budget.seed)
+    x = torch.randn(1, 1, span, probe.head_dim, generator=drawn, dtype=F64)
+    x = x[:, :, :1].expand(1, 1, span, probe.head_dim)
+    positions = torch.arange(span)
+    features, _ = probe.pe64.rotate(x.contiguous(), x.contiguous(), positions, positions)
+    return _Compared(check, features[0, 0], "R_m", span)
+
+
+def _score_rows_and_columns(probe: Probe, span: int) -> _Compared:
+    """Absolute positions in the scores: position m is its row (as a query) and its
+    column (as a key) of the position-only scores."""
+    span = min(span, 512, max(16, math.isqrt(4_000_000 // probe.heads)))  # memory
+    scores = probe.score_matrix(span)  # [heads, span, span]
+
+    def check(example: Pair) -> float:
+        m, n = example
+        gap = max(
+            float((scores[:, m, :] - scores[:, n, :]).abs().max()),
+            float((scores[:, :, m] - scores[:, :, n]).abs().max()),
+        )
+        size = max(float(scores[:, m, :].abs().max()), float(scores[:, :, m].abs().max()))
+        if gap <= 1e-12 * size:  # relative: tiny tables are not collisions
+            raise Violation(
+                f"positions {m} and {n} get the same position scores, as a query and "
+                f"as a key, against every position in [0, {span}) in every head",
+                positions=[m, n],
+                values=[scores[0, m, :4].tolist(), scores[0, n, :4].tolist()],
+            )
+        return gap
+
+    rows = torch.cat(
+        (scores.transpose(0, 1).reshape(span, -1), scores.permute(2, 0, 1).reshape(span, -1)),
+        dim=1,
+    )
+    drawn = generator(probe.budget.seed)
+    features = rows @ torch.randn(rows.shape[1], 64, generator=drawn, dtype=F64)
+    return _Compared(check, features, "position scores (rows and columns)", span)
+
+
+def _nearest_pairs(features: Tensor, span: int) -> Callable[[], Iterable[Pair]]:
+    """The scan: the collision closest to position 0, else the closest pair of rows."""
+
+    def scan() -> Iterable[Pair]:
+        norms = (features * features).sum(-1)
+        gram = norms.unsqueeze(0) + norms.unsqueeze(1) - 2 * features @ features.T
+        gram.fill_diagonal_(math.inf)
+        scale = torch.maximum(norms.unsqueeze(0), norms.unsqueeze(1))  # relative
+        hit = gram <= 1e-9 * scale
+        if bool(hit.any()):
+            yield closest_pair(hit, 0)
+        else:
+            flat = int(gram.argmin())
+            yield (flat // span, flat % span)
+
+    return scan
+
+
+def closest_pair(hit: Tensor, anchor: int) -> Pair:
+    """Among the True cells (a, b) of a square mask, the one with the smallest
+    max(|a - anchor|, |b - anchor|), then the smallest (a, b)."""
+    size = hit.shape[0]
+    index = torch.arange(size)
+    reach = (index - anchor).abs()
+    order = torch.maximum(reach.unsqueeze(1), reach.unsqueeze(0)) * size * size
+    order = order + index.unsqueeze(1) * size + index.unsqueeze(0)
+    flat = int(torch.where(hit, order, torch.full_like(order, int(order.max()) + 1)).argmin())
+    return flat // size, flat % size
+
+
+def shift_invariant_scores(probe: Probe) -> bool:
+    """Whether the position-only scores depend on j - i only (a Toeplitz matrix)."""
+    scores = probe.score_matrix(min(probe.span, 96))
+    tol = 1e-9 * (1.0 + float(scores.abs().max()))
+    return bool(((scores[:, 1:, 1:] - scores[:, :-1, :-1]).abs() <= tol).all())
+
+
+def unique_distances(probe: Probe) -> tuple[Search, str]:
+    """Relative scores: distinct distances k - q must get distinct position scores.
+
+    Distances run over (-R, R) with R = max(span, 2 × every max_distance the spec states),
+    so the range reaches past any clip or bucket range the spec declares; past
+    EXACT_DISTANCES they are sampled log-spaced (``distance_sample``).
+    """
+    reach = max([probe.budget.span] + [2 * d for d in stated(probe.spec, "max_distance")])
+    if probe.limit is not None:
+        reach = min(reach, probe.limit // 2)
+    reach = min(reach, 1 << 40)
+    distances = distance_sample(reach)
+    keys = torch.tensor(distances) + reach
+    row = probe.position_scores(torch.tensor([reach]), keys)[:, 0, :]  # [heads, D]
+    scale = row.abs().amax(dim=0)  # [D]
+    count = len(distances)
+
+    def check(example: Pair) -> float:
+        i1, i2 = sorted(example, key=lambda i: distances[i])
+        d1, d2 = distances[i1], distances[i2]
+        a, b = row[:, i1], row[:, i2]
+        gap = float((a - b).abs().max())
+        size = max(float(scale[i1]), float(scale[i2]))
+        if gap <= 1e-12 * size:  # relative: a tiny table is not a collision
+            raise Violation(
+                f"distances k - q = {d1} and {d2} get the same position score in every head "
+                f"(head 0: {fmt(float(a[0]))} and {fmt(float(b[0]))}; e.g. query {reach}, "
+                f"keys {reach + d1} and {reach + d2})",
+                rank=max(abs(d1), abs(d2)),
+                distances=[d1, d2],
+                query=reach,
+                keys=[reach + d1, reach + d2],
+                values=[a.tolist(), b.tolist()],
+            )
+        return gap
+
+    @st.composite
+    def pairs(draw: st.DrawFn) -> Pair:  # shrinks towards the smallest distances
+        first = draw(st.integers(0, count - 2))  # (the list starts at distance 0)
+        return first, first + draw(st.integers(1, count - 1 - first))
+
+    tol = 1e-12 * float(scale.max())  # relative; for the scan's first pass only
+    search = run_search(check, pairs(), probe.budget, _first_repeat(row, tol))
+    sampled = (
+        ""
+        if reach <= EXACT_DISTANCES
+        else (
+            f", every one in (-{EXACT_DISTANCES}, {EXACT_DISTANCES}) and "
+            f"{count - 2 * EXACT_DISTANCES + 1} log-spaced past it"
+        )
+    )
+    return search, f"position scores of distinct distances in (-{reach}, {reach}){sampled}"
+
+
+def _first_repeat(row: Tensor, tol: float) -> Callable[[], Iterable[Pair]]:
+    """The scan over distances: where sorted scores show a near-repeat, the collision
+    closest to distance 0 (distances walked by |d| until one repeats)."""
+
+    def scan() -> Iterable[Pair]:
+        ranked = row[:, row[0].argsort()]
+        hit = False
+        for step in range(1, 9):
+            close = (ranked[:, step:] - ranked[:, :-step]).abs().amax(dim=0) <= tol
+            if bool(close.any()):
+                hit = True
+                break
+        if not hit:
+            return
+        for index in range(1, row.shape[1]):
+            gaps = (row[:, :index] - row[:, index : index + 1]).abs().amax(dim=0)
+            if bool((gaps <= tol).any()):
+                yield int((gaps <= tol).nonzero()[0]), index
+                return
+
+    return scan
