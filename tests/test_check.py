@@ -883,3 +883,29 @@ def test_a_module_error_while_plotting_is_a_message_not_a_traceback(
     result = cli("plot", "specs/alibi.yaml", "--out", tmp_path)
     assert result.exit_code == 1 and "the module broke" in result.output
     assert "Traceback" not in result.output
+
+
+def test_a_single_slow_example_is_stopped_at_the_hard_deadline(tmp_path) -> None:
+    """An ODE whose far positions take minutes to integrate: every property ends within
+    its share plus the grace, and the slow ones say "inconclusive (time budget)"."""
+    import time
+
+    from posgen.check.runner import GRACE_FACTOR, GRACE_SECONDS
+
+    text = (SPECS / "floater.yaml").read_text(encoding="utf-8")
+    slow = text.replace("steps_per_position: 1", "steps_per_position: 1024").replace(
+        "max_positions: 4096", "max_positions: 65536"
+    )
+    assert slow != text
+    path = tmp_path / "floater.yaml"
+    path.write_text(slow, encoding="utf-8")
+    budget = Budget(max_examples=50, seconds=1.0, spec_seconds=3.0)
+    started = time.perf_counter()
+    report = check_loaded(load_spec(path), budget, only=["extrapolates", "unique"])
+    spent = time.perf_counter() - started
+    limit = budget.spec_seconds + 2 * (GRACE_SECONDS + GRACE_FACTOR * budget.seconds)
+    assert spent < limit + 1.0, spent  # + the module build and one torch op of slack
+    verdicts = {o.name: o.verdict for o in report.outcomes}
+    assert "inconclusive (time budget)" in verdicts.values(), verdicts
+    stopped = next(o for o in report.outcomes if o.inconclusive)
+    assert "hard limit" in stopped.evidence and stopped.ok

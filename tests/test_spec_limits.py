@@ -441,9 +441,21 @@ def test_values_at_the_bounds_give_finite_modules(
 
 
 def test_catalogue_limits_are_still_allowed(tmp_path: Path) -> None:
-    """Documented maxima still validate (a 2^21-row table, a 63 x 63 grid kernel)."""
+    """Documented maxima still validate (a 2^21-row table of width 64, a 63 x 63 kernel)."""
+    narrow = ("model_dim: 768", "model_dim: 64")  # 2^21 x 64 = 2^27 floats: at the limit
+    load_spec(
+        write(
+            tmp_path,
+            "maxima",
+            spec_text(
+                "learned_absolute",
+                "maxima",
+                ("max_positions: 1024", "max_positions: 2097152"),
+                narrow,
+            ),
+        )
+    )
     for base, old, new in [
-        ("learned_absolute", "max_positions: 1024", "max_positions: 2097152"),
         ("convolutional_grid", "kernel_size: 3", "kernel_size: 63"),
         ("convolutional", "kernel_size: 3", "kernel_size: 1023"),
         ("t5", "max_distance: 128", "max_distance: 3000000"),
@@ -625,3 +637,24 @@ def test_models_entries_are_true_of_their_spec_rotary_fraction() -> None:
                     assert fraction is not None and math.isclose(fraction, share), (
                         f"{path.name} lists {model}, which rotates {share:.0%} of each head"
                     )
+
+
+@pytest.mark.parametrize(
+    ("spec", "old", "new", "field"),
+    [
+        ("learned_absolute", "max_positions: 1024", "max_positions: 2097152", "max_positions"),
+        ("tupe_a", "max_positions: 512", "max_positions: 2000000", "max_positions"),
+        ("shaw", "max_distance: 16", "max_distance: 1048576", "relative.index"),
+    ],
+)
+def test_a_trained_table_past_the_element_limit_is_refused(
+    spec: str, old: str, new: str, field: str, tmp_path: Path
+) -> None:
+    """Rows and width are each bounded; their product is too (no multi-GB table)."""
+    text = (SPECS / f"{spec}.yaml").read_text(encoding="utf-8")
+    assert old in text
+    path = tmp_path / f"{spec}.yaml"
+    path.write_text(text.replace(old, new), encoding="utf-8")
+    result = CliRunner().invoke(main, ["validate", str(path)])
+    assert result.exit_code == 2, result.output
+    assert field in result.output and "2^27" in result.output

@@ -2,7 +2,9 @@
 
 The training length is the smallest ``max_positions`` the spec states, else the span (or
 where a table ends, if that is earlier); hypothesis draws short query and key blocks at
-positions from there up to ``EXTRAPOLATION_FACTOR`` (16) times it, causal or not, and
+positions from there up to ``EXTRAPOLATION_FACTOR`` (16) times it (at most 2^20, but at
+least twice it, so tables of any length the schema allows are probed past their end),
+causal or not, and
 runs forward on the eager and the auto backend in float32. A ValueError is a clear
 refusal, any other exception an unclear one; both, and any non-finite output, refute the
 claim. An input-level embed that takes no explicit positions is driven with longer
@@ -34,7 +36,9 @@ def extrapolates(probe: Probe, claimed: bool | None) -> Outcome:
     start = probe.length if probe.length is not None else probe.span
     if probe.limit is not None and probe.limit < start:
         start = probe.limit  # a table that ends before the span: extrapolation starts there
-    end = min(FAR, EXTRAPOLATION_FACTOR * start)  # positions in [start, end)
+    # positions in [start, end): up to 16x the training length, capped at FAR = 2^20,
+    # but always past the end of the table, however long the table is
+    end = max(min(FAR, EXTRAPOLATION_FACTOR * start), 2 * start)
     default_only = probe.route == "input" and probe.input_mode == "default"
 
     @st.composite

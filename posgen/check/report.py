@@ -42,8 +42,11 @@ def render_table(report: Report, width: int = 100) -> list[str]:
         stated = [o for o in report.outcomes if o.claimed is not None]
         checked = sum(o.holds is not None for o in stated)
         verb = "claim holds" if checked == 1 else "claims hold"
-        unchecked = len(stated) - checked
-        note = f", {unchecked} could not be checked (n/a)" if unchecked else ""
+        unchecked = [f"{o.name} ({o.verdict})" for o in stated if o.holds is None]
+        note = f", not checked: {', '.join(unchecked)}" if unchecked else ""
+        stopped = [o.name for o in report.outcomes if o.inconclusive and o.claimed is None]
+        if stopped:
+            note += f"; out of time: {', '.join(stopped)}"
         lines.append(f"  => ok: {checked} stated {verb}{note}; building blocks hold")
     return lines
 

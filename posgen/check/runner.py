@@ -5,8 +5,11 @@ ERROR outcome for every property asked for), then runs the claims (``CLAIM_CHECK
 judged where stated, measured where not) and the building-block checks
 (``BLOCK_CHECKS``: only where the block is present, n/a elsewhere). Each property gets at
 most ``Budget.seconds`` and a fair share of what is left of ``Budget.spec_seconds``; a
-property that stopped drawing says so in its evidence. An exception inside a property is
-an ERROR outcome, never a traceback. Everything runs on one thread: the tensors are
+property that stopped drawing says so in its evidence. That share is a soft budget (no
+new examples); ``GRACE`` past it a hard deadline stops the property mid-example
+(``deadline.hard_deadline``) and its verdict is "inconclusive (time budget)", so a spec
+takes at most ``spec_seconds`` plus ``GRACE`` per property. An exception inside a
+property is an ERROR outcome, never a traceback. Everything runs on one thread: the tensors are
 small, and oversubscribed threads made it 10-20x slower.
 
 This module is the checker's entry point: it re-exports what the CLI and the report need.
@@ -24,6 +27,7 @@ import torch
 
 from posgen.check.agreement import backends, bf16, kv_cache
 from posgen.check.buckets import buckets
+from posgen.check.deadline import OutOfTime, hard_deadline
 from posgen.check.decay import decay
 from posgen.check.extrapolates import extrapolates
 from posgen.check.probe import Probe
@@ -64,6 +68,8 @@ BLOCK_CHECKS: dict[str, Callable[[Probe], Outcome]] = {
     "kv_cache": kv_cache,
 }
 PROPERTIES = CLAIMS + BLOCKS
+GRACE_FACTOR, GRACE_SECONDS = 0.25, 0.5  # hard deadline = share * (1 + factor) + seconds
+ROUTE_SHARE = 0.1  # of spec_seconds, for reading the table the route line describes
 
 
 def check_loaded(
@@ -113,7 +119,10 @@ def _check_loaded(
     except Exception as error:  # noqa: BLE001 - a module that cannot even be built
         return _unbuildable(loaded, wanted, error, started)
     try:
-        route = probe.route_text()
+        with hard_deadline(ROUTE_SHARE * budget.spec_seconds):
+            route = probe.route_text()
+    except OutOfTime:
+        route = f"{probe.route} (the table was not read: it took over its time budget)"
     except Exception as error:  # noqa: BLE001 - reported, never a traceback
         route = f"{probe.route} (the table could not be read: {type(error).__name__}: {error})"
     report = Report(loaded.spec.name, loaded.display_path, loaded.spec.title, route)
@@ -123,9 +132,10 @@ def _check_loaded(
         left = budget.spec_seconds - (began - started)
         share = max(0.2, left / (len(wanted) - done))
         probe.budget = replace(budget, seconds=min(budget.seconds, share), timed_out=False)
-        outcome = _run_property(probe, name, _claimed(loaded, name))
+        limit = probe.budget.seconds * (1 + GRACE_FACTOR) + GRACE_SECONDS
+        outcome = _run_property(probe, name, _claimed(loaded, name), limit)
         outcome.seconds = time.perf_counter() - began
-        if probe.budget.timed_out:
+        if probe.budget.timed_out and not outcome.inconclusive:
             outcome.evidence += (
                 f" [stopped drawing at the {probe.budget.seconds:.3g} s time budget]"
             )
@@ -136,12 +146,26 @@ def _check_loaded(
     return report
 
 
-def _run_property(probe: Probe, name: str, claimed: bool | None) -> Outcome:
-    """One property's outcome; an exception inside it is an ERROR outcome."""
+def _run_property(probe: Probe, name: str, claimed: bool | None, limit: float) -> Outcome:
+    """One property's outcome within ``limit`` seconds; an exception is an ERROR outcome."""
+    began = time.perf_counter()
     try:
-        if name in CLAIM_CHECKS:
-            return CLAIM_CHECKS[name](probe, claimed)
-        return BLOCK_CHECKS[name](probe)
+        with hard_deadline(limit):
+            if name in CLAIM_CHECKS:
+                return CLAIM_CHECKS[name](probe, claimed)
+            return BLOCK_CHECKS[name](probe)
+    except OutOfTime:
+        spent = time.perf_counter() - began
+        return Outcome(
+            name,
+            kind_of(name),
+            claimed,
+            None,
+            f"inconclusive (time budget): stopped after {spent:.3g} s, the hard limit of "
+            f"{limit:.3g} s (soft budget {probe.budget.seconds:.3g} s), in the middle of an "
+            "example; no verdict. Raise --time-budget / --spec-time-budget, or lower --span",
+            inconclusive=True,
+        )
     except Exception as error:  # noqa: BLE001 - reported, never a traceback
         return Outcome(
             name, kind_of(name), claimed, None, f"{type(error).__name__}: {error}", error=True

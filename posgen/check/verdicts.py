@@ -59,6 +59,7 @@ class Outcome:
     curve: dict[str, Any] | None = None
     error: bool = False
     seconds: float = 0.0
+    inconclusive: bool = False  # ran out of its hard time limit before any verdict
 
     @property
     def ok(self) -> bool:
@@ -74,6 +75,8 @@ class Outcome:
         """The verdict in words: ERROR, n/a, holds/FAILS, measured/confirmed/REFUTED."""
         if self.error:
             return "ERROR"
+        if self.inconclusive:
+            return "inconclusive (time budget)"
         if self.holds is None:
             return "n/a"
         state = "holds" if self.holds else "fails"

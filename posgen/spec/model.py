@@ -48,6 +48,9 @@ MODULE_NAME = re.compile(r"^[a-z][a-z0-9]*(_[a-z0-9]+)*$")
 RESERVED_MODULE_NAMES = frozenset(sys.stdlib_module_names) | {"torch", "posgen", "generated"}
 
 MAX_TABLE_ROWS = 1 << 21
+# Every trained table a spec's defaults create holds at most this many floats (512 MiB in
+# float32), whatever its rows and width: a module's memory is bounded by its spec.
+MAX_TABLE_ELEMENTS = 1 << 27
 # An ODE trajectory is integrated step by step (Python loop): a tighter horizon bound.
 MAX_ODE_POSITIONS = 1 << 16
 """Rows of a trained position table (2,097,152): each row is model_dim floats."""
@@ -1058,6 +1061,47 @@ class Spec(SpecModel):
             raise PydanticCustomError("module_name", "{problem}", {"problem": problem})
         return name
 
+    def _trained_tables(self) -> list[tuple[str, int, int]]:
+        """(field, rows, width) of every trained table the spec's defaults create."""
+        model_dim = self.defaults.model_dim or 0
+        heads, head_dim = self.defaults.heads, self.defaults.head_dim
+        tables: list[tuple[str, int, int]] = []
+        table = getattr(self.input, "table", None)
+        if isinstance(table, LearnedTable):
+            tables.append(("input.table.max_positions", table.max_positions, model_dim))
+        elif isinstance(table, HierarchicalTable):
+            tables.append(("input.table.base_positions", table.base_positions, model_dim))
+        untied = self.untied
+        if untied is not None and isinstance(untied.table, LearnedTable):
+            untied_rows = untied.table.max_positions + 1
+            at = "terms.position_position.untied.table.max_positions"
+            tables.append((at, untied_rows, model_dim))
+        section = self.relative
+        rows = section.index.rows if section is not None else None
+        if section is not None and rows is not None:
+            relative = section.table
+            if isinstance(relative, LearnedRelativeTable):
+                width = model_dim if relative.width == "model_dim" else head_dim
+                if relative.heads == "per_head":
+                    width *= heads
+                tables.append(("relative.index", rows, width))
+            if isinstance(self.values, RelativeValues):
+                per_head = self.values.relative.heads == "per_head"
+                tables.append(
+                    ("values.relative.heads", rows, head_dim * (heads if per_head else 1))
+                )
+        return tables
+
+    def _check_table_sizes(self) -> None:
+        for at, rows, width in self._trained_tables():
+            if rows * width > MAX_TABLE_ELEMENTS:
+                raise cross_field_error(
+                    at,
+                    f"this makes a trained table of {rows:,} rows x {width:,} features = "
+                    f"{rows * width:,} floats, past the limit of {MAX_TABLE_ELEMENTS:,} "
+                    "(2^27, 512 MiB in float32): use fewer rows or a narrower table",
+                )
+
     @model_validator(mode="after")
     def _check_consistency(self) -> Spec:
         if keyword.iskeyword(self.name) or keyword.issoftkeyword(self.name):
@@ -1100,6 +1144,7 @@ class Spec(SpecModel):
                 "an untied position table lives in model space: it needs defaults.model_dim",
             )
         self._check_relative()
+        self._check_table_sizes()
         rotation = self.rotation
         if rotation is not None:
             rotary_dim = rotary_dim_for(self.defaults.head_dim, rotation.rotary_dims.fraction)
