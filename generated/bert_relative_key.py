@@ -120,8 +120,11 @@ class BertRelativeKey(PositionalAttention):
         if sign == "query_minus_key":
             relative = -relative
         index = _relative_index(relative)  # table rows
-        low = int(index.min()) if index.numel() else 0
-        high = int(index.max()) if index.numel() else 0
+        if torch.compiler.is_compiling():  # no host sync: every row of the table
+            low, high = 0, RELATIVE_ROWS - 1
+        else:  # only the rows the index reaches
+            low = int(index.min()) if index.numel() else 0
+            high = int(index.max()) if index.numel() else 0
         index = index - low
         rows = torch.arange(low, high + 1, device=device)  # [K]
         if cacheable:
@@ -158,4 +161,5 @@ class BertRelativeKey(PositionalAttention):
         scores = torch.einsum("bhnd,khd->bhnk", q.to(dtype), rows * self.scale)  # [B, H, N, K]
         term = _gather_rows(scores, index)  # [B, H, N, M]
         terms["content_position"] = term
-        return dict(sorted(terms.items()))
+        order = ("content_position",)
+        return {name: terms[name] for name in order}

@@ -167,7 +167,11 @@ class DebertaAbsoluteInput(PositionalAttention):
                     f"{self.max_positions} positions; this encoding cannot extrapolate"
                 )
             positions = torch.arange(length, device=x.device)
-        elif positions.numel() and int(positions.max()) >= self.max_positions:
+        elif (
+            positions.numel()
+            and not torch.compiler.is_compiling()
+            and int(positions.max()) >= self.max_positions
+        ):
             raise ValueError(
                 f"position {int(positions.max())} is out of range for the learned table "
                 f"of {self.max_positions} positions; this encoding cannot extrapolate"
@@ -199,8 +203,11 @@ class DebertaAbsoluteInput(PositionalAttention):
         if sign == "query_minus_key":
             relative = -relative
         index = _relative_index(relative)  # table rows
-        low = int(index.min()) if index.numel() else 0
-        high = int(index.max()) if index.numel() else 0
+        if torch.compiler.is_compiling():  # no host sync: every row of the table
+            low, high = 0, RELATIVE_ROWS - 1
+        else:  # only the rows the index reaches
+            low = int(index.min()) if index.numel() else 0
+            high = int(index.max()) if index.numel() else 0
         index = index - low
         rows = torch.arange(low, high + 1, device=device)  # [K]
         if cacheable:
@@ -254,4 +261,5 @@ class DebertaAbsoluteInput(PositionalAttention):
         scores = torch.einsum("bhmd,khd->bhmk", k.to(dtype), rows * self.scale)  # [B, H, M, K]
         term = _gather_rows(scores, index.transpose(-1, -2)).transpose(-1, -2)  # [B, H, N, M]
         terms["position_content"] = term
-        return dict(sorted(terms.items()))
+        order = ("content_position", "position_content")
+        return {name: terms[name] for name in order}

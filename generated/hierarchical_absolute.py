@@ -110,7 +110,11 @@ class HierarchicalAbsolute(PositionalAttention):
                     f"{self.base_positions}^2 positions the hierarchical table covers"
                 )
             positions = torch.arange(length, device=x.device)
-        elif positions.numel() and int(positions.max()) >= self.max_positions:
+        elif (
+            positions.numel()
+            and not torch.compiler.is_compiling()
+            and int(positions.max()) >= self.max_positions
+        ):
             raise ValueError(
                 f"position {int(positions.max())} is out of range: the hierarchical table "
                 f"covers {self.max_positions} = {self.base_positions}^2 positions"

@@ -105,7 +105,11 @@ class LearnedAbsolute(PositionalAttention):
                     f"{self.max_positions} positions; this encoding cannot extrapolate"
                 )
             positions = torch.arange(length, device=x.device)
-        elif positions.numel() and int(positions.max()) >= self.max_positions:
+        elif (
+            positions.numel()
+            and not torch.compiler.is_compiling()
+            and int(positions.max()) >= self.max_positions
+        ):
             raise ValueError(
                 f"position {int(positions.max())} is out of range for the learned table "
                 f"of {self.max_positions} positions; this encoding cannot extrapolate"

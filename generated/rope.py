@@ -131,7 +131,7 @@ class Rope(PositionalAttention):
         Default positions read the float32 cache; explicit positions and float64 inputs
         are computed directly.
         """
-        if positions is None and dtype == torch.float64:
+        if positions is None and (dtype == torch.float64 or torch.compiler.is_compiling()):
             positions = torch.arange(start, start + length, device=device)
         if positions is not None:
             cos, sin = _rotary_cos_sin(positions, self.rotary_dim, dtype)

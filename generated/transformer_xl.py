@@ -161,8 +161,9 @@ class TransformerXl(PositionalAttention):
             # explicit positions may be far apart: only the distances present, ascending
             rows, index = torch.unique(relative, return_inverse=True)  # [K], like relative
             return index, rows
-        high = int(relative.max()) if relative.numel() else 0
-        low = int(relative.min()) if relative.numel() else 0
+        # default positions (queries M - N .. M - 1, keys 0 .. M - 1) reach every
+        # distance j - i from 1 - M to N - 1 (i - j: from 1 - N to M - 1): no host sync
+        high, low = (n - 1, 1 - m) if sign == "key_minus_query" else (m - 1, 1 - n)
         index = high - relative
         rows = torch.arange(high, low - 1, -1, device=device)  # [K], descending distance
         if cacheable:
@@ -212,7 +213,8 @@ class TransformerXl(PositionalAttention):
         content = torch.einsum("hd,bhmd->bhm", self.r_w_bias.to(dtype), k.to(dtype))  # [B, H, M]
         content = content.unsqueeze(2).expand(-1, -1, n, -1)  # [B, H, N, M]
         terms["position_content"] = content * self.scale
-        return dict(sorted(terms.items()))
+        order = ("content_position", "position_content", "position_position")
+        return {name: terms[name] for name in order}
 
     def score_bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
         """The position-only term v_h . R[index(r)] as it enters the logits.

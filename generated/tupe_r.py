@@ -167,7 +167,11 @@ class TupeR(PositionalAttention):
         return self._position_bias(q_positions, k_positions, n, m, device)
 
     def _check_untied_range(self, positions: Tensor) -> None:
-        if positions.numel() and int(positions.max()) >= self.max_positions:
+        if (
+            positions.numel()
+            and not torch.compiler.is_compiling()
+            and int(positions.max()) >= self.max_positions
+        ):
             raise ValueError(
                 f"position {int(positions.max())} is out of range for the untied position "
                 f"table of {self.max_positions} positions; this encoding cannot extrapolate"

@@ -118,7 +118,13 @@ def check_positions(
             f"{name} is on {positions.device}, the inputs on {device}: create positions on "
             "the inputs' device"
         )
-    if positions.numel() and bool(((positions < 0) | (positions > MAX_POSITION)).any()):
+    # a value check reads the tensor (a host sync): eager mode only, never while compiling
+    compiling = torch.compiler.is_compiling()
+    if (
+        positions.numel()
+        and not compiling
+        and bool(((positions < 0) | (positions > MAX_POSITION)).any())
+    ):
         low, high = int(positions.min()), int(positions.max())
         raise ValueError(
             f"{name} must lie in [0, 2^53 - 1] (exact in float64), got {low} .. {high}"
@@ -183,7 +189,10 @@ def cache_get(cache: dict[tuple[Any, ...], Any], key: tuple[Any, ...]) -> Any:
 
     An entry made under torch.inference_mode() is dropped when autograd is active now:
     inference tensors cannot be saved for backward. A hit becomes the most recent entry.
+    While torch.compile traces, caches are bypassed (the values are computed in the graph).
     """
+    if torch.compiler.is_compiling():
+        return None
     value = cache.pop(key, None)
     if value is None:
         return None
@@ -198,6 +207,8 @@ def cache_get(cache: dict[tuple[Any, ...], Any], key: tuple[Any, ...]) -> Any:
 
 def cache_put(cache: dict[tuple[Any, ...], Any], key: tuple[Any, ...], value: Any) -> Any:
     """Store value as the most recent entry, keeping the CACHE_SIZE most recent ones."""
+    if torch.compiler.is_compiling():
+        return value
     cache.pop(key, None)
     cache[key] = value
     while len(cache) > CACHE_SIZE:
@@ -341,9 +352,13 @@ def sum_into_new(parts: list[Tensor]) -> Tensor:
 
     The largest part comes first so that every later one broadcasts into it.
     """
-    parts = sorted(parts, key=lambda part: part.dim(), reverse=True)
-    total = parts[0] + parts[1] if len(parts) > 1 else parts[0].clone()
-    for part in parts[2:]:
+    largest = 0
+    for index, part in enumerate(parts):  # a loop, not sorted(key=...): torch.compile traces it
+        if part.dim() > parts[largest].dim():
+            largest = index
+    rest = parts[:largest] + parts[largest + 1 :]
+    total = parts[largest] + rest[0] if rest else parts[largest].clone()
+    for part in rest[1:]:
         total.add_(part)
     return total
 

@@ -419,6 +419,14 @@ class RelativePlan(Block):
         return next((term for term in self.terms if term.side == "global"), None)
 
     @property
+    def term_order(self) -> tuple[str, ...]:
+        """The names of the logit terms ``_relative_terms`` returns, in sorted order."""
+        names = {term.term for term in self.terms}
+        if self.global_content is not None:
+            names.add("position_content")
+        return tuple(sorted(names))
+
+    @property
     def shift(self) -> bool:
         """Some term reads default positions through the relative shift."""
         return any(term.relative_shift for term in self.terms)

@@ -1,0 +1,36 @@
+"""Every module traces whole under torch.compile(fullgraph=True), with explicit positions
+too, on both backends, and gives the eager module's outputs.
+
+The CPU suite compiles with ``backend="eager"``: TorchDynamo traces the full graph (a
+graph break or a host sync fails ``fullgraph``) without paying for inductor's code
+generation; tests/test_gpu.py compiles with inductor on CUDA. Value checks that need a
+host sync (negative or too-large positions, positions past a learned table) run in eager
+mode only.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import generated_class, spec_names
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> None:
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("name", spec_names())
+def test_fullgraph_compile_matches_eager_module(name: str) -> None:
+    pe = generated_class(name)(heads=4, head_dim=8)
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 5, 8, generator=generator)
+    k, v = (torch.randn(1, 2, 7, 8, generator=generator) for _ in "kv")  # grouped-query
+    explicit = {"q_positions": torch.tensor([3, 4, 5, 6, 7]), "k_positions": torch.arange(7)}
+    compiled = torch.compile(pe, fullgraph=True, backend="eager")
+    for positions in ({}, explicit):
+        for backend in ("eager", "sdpa"):
+            want = pe(q, k, v, causal=True, backend=backend, **positions)
+            got = compiled(q, k, v, causal=True, backend=backend, **positions)
+            torch.testing.assert_close(got, want)
