@@ -16,7 +16,7 @@ import click
 
 from posgen.catalogue import encoding_rows, model_rows
 from posgen.cli_errors import reports_spec_errors
-from posgen.cli_output import say
+from posgen.cli_output import UsageError, say
 from posgen.cli_paths import DEFAULT_OUT, DEFAULT_SPECS, find_spec, spec_files
 from posgen.cli_standalone import generate_standalone
 from posgen.codegen.writing import (
@@ -153,6 +153,44 @@ def validate(specs: tuple[Path, ...]) -> None:
     loaded = load_specs(spec_files(specs))
     for item in loaded:
         say(f"ok  {printable(item.display_path)}")
+
+
+@main.command()
+@click.argument("name")
+@click.option(
+    "--from",
+    "source",
+    default=None,
+    metavar="EXISTING",
+    help="Start from this spec (a catalogue name or a path) instead of the blank scaffold.",
+)
+@click.option(
+    "--out",
+    "out_file",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Where to write it (default: specs/NAME.yaml).",
+)
+@reports_spec_errors
+def new(name: str, source: str | None, out_file: Path | None) -> None:
+    """Write a new spec NAME: a commented scaffold, or a copy of an existing spec.
+
+    The text is validated first; an existing file is never overwritten.
+
+    \b
+    Example:
+        posgen new my_bias
+        posgen new alibi_half --from alibi
+    """
+    from posgen.scaffold import ScaffoldError, write_scaffold
+
+    out = out_file if out_file is not None else DEFAULT_SPECS / f"{name}.yaml"
+    origin = Path(find_spec(source, DEFAULT_SPECS).path) if source is not None else None
+    try:
+        written = write_scaffold(name, out, origin)
+    except (ScaffoldError, OSError) as error:
+        raise UsageError(str(error)) from None
+    say(f"wrote {written}: edit it, then `posgen validate {written}` and `posgen check {written}`")
 
 
 @main.command(name="list")

@@ -1,0 +1,54 @@
+"""``posgen new``: a scaffold that validates and checks, a renamed copy, and refusals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from posgen.cli import main
+from posgen.spec.loader import load_spec
+from tests.conftest import SPECS
+
+
+@pytest.fixture
+def runner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> CliRunner:
+    monkeypatch.chdir(tmp_path)
+    return CliRunner()
+
+
+def test_the_blank_scaffold_validates_and_checks(runner: CliRunner, tmp_path: Path) -> None:
+    result = runner.invoke(main, ["new", "my_idea"])
+    assert result.exit_code == 0, result.output
+    path = tmp_path / "specs" / "my_idea.yaml"
+    spec = load_spec(path).spec
+    assert spec.name == "my_idea" and spec.claims.relative is True
+    assert "# " in path.read_text(encoding="utf-8")  # commented for the reader
+    check = runner.invoke(main, ["check", str(path), "--max-examples", "5"])
+    assert check.exit_code == 0, check.output
+
+
+def test_from_copies_an_existing_spec_under_the_new_name(runner: CliRunner, tmp_path: Path) -> None:
+    result = runner.invoke(main, ["new", "alibi_inside", "--from", str(SPECS / "alibi.yaml")])
+    assert result.exit_code == 0, result.output
+    copied = load_spec(tmp_path / "specs" / "alibi_inside.yaml").spec
+    original = load_spec(SPECS / "alibi.yaml").spec
+    assert copied.name == "alibi_inside"
+    assert copied.model_dump(exclude={"name"}) == original.model_dump(exclude={"name"})
+
+
+def test_new_refuses_to_overwrite_and_bad_names(runner: CliRunner, tmp_path: Path) -> None:
+    mine = tmp_path / "specs" / "taken.yaml"
+    mine.parent.mkdir()
+    mine.write_text("my own notes\n", encoding="utf-8")
+    taken = runner.invoke(main, ["new", "taken"])
+    assert taken.exit_code == 2 and "never overwrites" in taken.output
+    assert mine.read_text(encoding="utf-8") == "my own notes\n"
+    bad = runner.invoke(main, ["new", "Bad-Name"])
+    assert bad.exit_code == 2 and "specs/Bad-Name.yaml:" in bad.output
+    assert not (tmp_path / "specs" / "Bad-Name.yaml").exists()
+    unknown = runner.invoke(main, ["new", "x", "--from", "no_such_spec"])
+    assert unknown.exit_code == 2 and "no spec named" in unknown.output
+    for result in (taken, bad, unknown):
+        assert "Traceback" not in result.output
