@@ -10,9 +10,12 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import click
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 from posgen.catalogue import encoding_rows, model_rows
 from posgen.cli_errors import reports_spec_errors
@@ -343,6 +346,13 @@ def _property_names() -> tuple[str, ...]:
     help="Seconds per spec, shared by its "
     "properties: each gets at most what is left divided by the properties left.",
 )
+@click.option(
+    "--weights",
+    "weights_file",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="A state_dict file (torch.save) to judge one spec's module at, as trained.",
+)
 @reports_spec_errors
 def check(
     specs: tuple[Path, ...],
@@ -353,6 +363,7 @@ def check(
     only: tuple[str, ...],
     seconds: float,
     spec_seconds: float,
+    weights_file: Path | None,
 ) -> None:
     """Property-test SPECS (files or directories; default specs/) against their claims.
 
@@ -370,13 +381,15 @@ def check(
         posgen check specs/rope.yaml
         posgen check my_idea.yaml --max-examples 300 --seed 1
         posgen check specs/ --json > verdicts.json
+        posgen check specs/t5.yaml --weights trained_t5_bias.pt
     """
     import os
     import tempfile
 
     loaded = load_specs(spec_files(specs))
+    weights = _trained_weights(loaded, weights_file) if weights_file is not None else None
     if os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY"):
-        _check(loaded, as_json, seed, max_examples, span, only, seconds, spec_seconds)
+        _check(loaded, as_json, seed, max_examples, span, only, seconds, spec_seconds, weights)
         return
     # hypothesis caches what it learns in ./.hypothesis; keep the user's directory clean
     from hypothesis.configuration import set_hypothesis_home_dir
@@ -384,9 +397,24 @@ def check(
     with tempfile.TemporaryDirectory(prefix="posgen-check-") as scratch:
         set_hypothesis_home_dir(scratch)
         try:
-            _check(loaded, as_json, seed, max_examples, span, only, seconds, spec_seconds)
+            _check(loaded, as_json, seed, max_examples, span, only, seconds, spec_seconds, weights)
         finally:
             set_hypothesis_home_dir(None)
+
+
+def _trained_weights(loaded: list[LoadedSpec], path: Path) -> dict[str, Tensor]:
+    """``--weights``: the state_dict in ``path``, checked against the one spec's module."""
+    from posgen.check.weights import WeightsError, check_fit, load_weights
+    from posgen.codegen.inmemory import encoding_class, module_from_loaded
+
+    if len(loaded) != 1:
+        raise UsageError(f"--weights applies to one spec; {len(loaded)} were given")
+    try:
+        weights = load_weights(path)
+        check_fit(encoding_class(module_from_loaded(loaded[0]))(), weights, path)
+    except WeightsError as error:
+        raise UsageError(str(error)) from None
+    return weights
 
 
 def _check(
@@ -398,6 +426,7 @@ def _check(
     only: tuple[str, ...],
     seconds: float,
     spec_seconds: float,
+    weights: dict[str, Tensor] | None = None,
 ) -> None:
     import shutil
     import time
@@ -425,7 +454,11 @@ def _check(
             if bar is not None:
                 bar.label = f"checking {item.spec.name}"
             report = check_loaded(
-                item, budget, only=wanted, progress=(lambda _name: bar.update(1)) if bar else None
+                item,
+                budget,
+                only=wanted,
+                progress=(lambda _name: bar.update(1)) if bar else None,
+                weights=weights,
             )
             reports.append(report)
             if not as_json:

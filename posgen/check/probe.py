@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import math
 import types
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -82,7 +83,9 @@ def float64_encoding(cls: type[nn.Module], heads: int, head_dim: int) -> Encodin
 class Probe:
     """One spec's module, instantiated with the spec's defaults, and its routes."""
 
-    def __init__(self, loaded: LoadedSpec, budget: Budget) -> None:
+    def __init__(
+        self, loaded: LoadedSpec, budget: Budget, weights: Mapping[str, Tensor] | None = None
+    ) -> None:
         self.loaded = loaded
         self.spec = loaded.spec
         self.budget = budget
@@ -91,6 +94,8 @@ class Probe:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(budget.seed)
             module32 = self.cls().eval()
+            if weights is not None:  # judged as trained, not at its random initialisation
+                module32.load_state_dict(weights)
             self.pe32: Encoding = as_encoding(module32)
             self.pe64: Encoding = as_encoding(to_float64(copy.deepcopy(module32)))
         self.heads = int(self.pe32.heads)

@@ -18,12 +18,13 @@ This module is the checker's entry point: it re-exports what the CLI and the rep
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from posgen.check.agreement import backends, bf16, kv_cache
 from posgen.check.buckets import buckets
@@ -77,8 +78,13 @@ def check_loaded(
     budget: Budget | None = None,
     only: Iterable[str] | None = None,
     progress: Callable[[str], None] | None = None,
+    weights: Mapping[str, Tensor] | None = None,
 ) -> Report:
-    """Check every property (or ``only`` those) of one loaded spec."""
+    """Check every property (or ``only`` those) of one loaded spec.
+
+    ``weights``: a state_dict to judge the module at, instead of its seeded random
+    initialisation (see ``posgen.check.weights``).
+    """
     budget = budget or Budget()
     started = time.perf_counter()
     threads = torch.get_num_threads()
@@ -87,7 +93,7 @@ def check_loaded(
     torch.set_num_threads(1)
     try:
         with torch.no_grad():
-            return _check_loaded(loaded, budget, only, progress, started)
+            return _check_loaded(loaded, budget, only, progress, started, weights)
     finally:
         torch.set_num_threads(threads)
 
@@ -111,11 +117,12 @@ def _check_loaded(
     only: Iterable[str] | None,
     progress: Callable[[str], None] | None,
     started: float,
+    weights: Mapping[str, Tensor] | None = None,
 ) -> Report:
     """check_loaded's work, on one thread and without gradients."""
     wanted = list(PROPERTIES) if only is None else [p for p in PROPERTIES if p in set(only)]
     try:
-        probe = Probe(loaded, budget)
+        probe = Probe(loaded, budget, weights)
     except Exception as error:  # noqa: BLE001 - a module that cannot even be built
         return _unbuildable(loaded, wanted, error, started)
     try:

@@ -1,0 +1,62 @@
+"""``posgen check --weights``: a learned encoding is judged at trained values."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from click.testing import CliRunner
+
+from posgen.cli import main
+from tests.conftest import SPECS, generated_class
+
+T5_SPEC = str(SPECS / "t5.yaml")
+
+
+def _decaying_t5_weights(path: Path) -> Path:
+    """T5's defaults with a bias that falls with the bucket index in both directions."""
+    state = generated_class("t5")().state_dict()
+    table = state["relative_attention_bias.weight"]  # [32 buckets, heads]
+    per_direction = table.shape[0] // 2
+    falling = -torch.arange(per_direction, dtype=table.dtype)[:, None].expand(-1, table.shape[1])
+    state["relative_attention_bias.weight"] = torch.cat((falling, falling)).clone()
+    torch.save(state, path)
+    return path
+
+
+def test_trained_weights_change_the_verdict(tmp_path: Path) -> None:
+    """t5.yaml claims decay: false, true at random init; a trained, decaying table refutes it."""
+    runner = CliRunner()
+    args = ["check", T5_SPEC, "--only", "decay", "--max-examples", "20"]
+    at_init = runner.invoke(main, args)
+    assert at_init.exit_code == 0, at_init.output
+    weights = _decaying_t5_weights(tmp_path / "t5.pt")
+    trained = runner.invoke(main, [*args, "--weights", str(weights)])
+    assert trained.exit_code == 1, trained.output
+    assert "REFUTED" in trained.output
+
+
+def test_weights_that_do_not_fit_are_a_usage_error(tmp_path: Path) -> None:
+    runner = CliRunner()
+    state = generated_class("t5")().state_dict()
+    wrong_shape = {"relative_attention_bias.weight": torch.zeros(16, 8)}
+    extra = {**state, "other.weight": torch.zeros(1)}
+    cases = {
+        "shape.pt": (wrong_shape, "is [16, 8], the module's is [32, 8]"),
+        "extra.pt": (extra, "unexpected other.weight"),
+        "empty.pt": ({}, "missing relative_attention_bias.weight"),
+        "not_a_dict.pt": (torch.zeros(3), "expected a state_dict"),
+    }
+    for name, (content, message) in cases.items():
+        path = tmp_path / name
+        torch.save(content, path)
+        result = runner.invoke(main, ["check", T5_SPEC, "--weights", str(path)])
+        assert result.exit_code == 2 and message in result.output, (name, result.output)
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"not a torch file")
+    result = runner.invoke(main, ["check", T5_SPEC, "--weights", str(garbage)])
+    assert result.exit_code == 2 and "cannot read weights" in result.output
+    two = runner.invoke(
+        main, ["check", T5_SPEC, str(SPECS / "alibi.yaml"), "--weights", str(garbage)]
+    )
+    assert two.exit_code == 2 and "one spec" in two.output
