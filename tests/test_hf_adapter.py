@@ -1,0 +1,54 @@
+"""posgen.hf: a tiny random Hugging Face Llama gives the same logits, and the same greedy
+generation with a KV cache, when its attention runs through generated.rope.Rope."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from generated.rope import Rope  # noqa: E402
+from posgen.hf import use_posgen_attention  # noqa: E402
+
+
+def _tiny_llama() -> torch.nn.Module:
+    config = transformers.LlamaConfig(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # grouped-query attention
+        rope_theta=10000.0,  # rope.yaml's base
+        max_position_embeddings=256,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def test_tiny_llama_logits_match_through_posgen() -> None:
+    model = _tiny_llama()
+    ids = torch.randint(0, 97, (2, 23), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model(ids).logits
+        use_posgen_attention(model, lambda layer: Rope(heads=4, head_dim=16))
+        got = model(ids).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_tiny_llama_generation_with_a_cache_matches_through_posgen() -> None:
+    model = _tiny_llama()
+    ids = torch.randint(0, 97, (1, 7), generator=torch.Generator().manual_seed(2))
+    settings = {"max_new_tokens": 12, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        expected = model.generate(ids, **settings)
+        use_posgen_attention(model, lambda layer: Rope(heads=4, head_dim=16))
+        got = model.generate(ids, **settings)
+    assert torch.equal(got, expected)
+
+
+def test_a_model_without_llama_attention_is_refused() -> None:
+    with pytest.raises(ValueError, match="no attention layer"):
+        use_posgen_attention(torch.nn.Linear(2, 2), lambda layer: Rope())
