@@ -196,6 +196,49 @@ def new(name: str, source: str | None, out_file: Path | None) -> None:
     say(f"wrote {written}: edit it, then `posgen validate {written}` and `posgen check {written}`")
 
 
+@main.command(name="from-hf")
+@click.argument("config_file", type=click.Path(path_type=Path))
+@click.option("--name", default=None, help="Spec name (default: MODEL_TYPE_positions).")
+@click.option(
+    "--out",
+    "out_file",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Write the spec here (validated; never over a file); default: print it.",
+)
+@reports_spec_errors
+def from_hf(config_file: Path, name: str | None, out_file: Path | None) -> None:
+    """Write the spec of the positional encoding a Hugging Face config.json describes.
+
+    \b
+    Example:
+        posgen from-hf llama/config.json --out specs/my_llama.yaml
+    """
+    import json
+
+    from posgen.codegen.render import catalogue_dir
+    from posgen.from_hf import ConfigError, spec_from_config
+    from posgen.scaffold import ScaffoldError, validate_text, write_new_spec
+
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise UsageError(f"{config_file}: cannot read a JSON config: {error}") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"{config_file}: a config is a JSON object")
+    name = name or f"{config.get('model_type', 'model')}_positions".replace("-", "_")
+    try:
+        text = spec_from_config(config, name, catalogue_dir())
+        if out_file is None:
+            validate_text(text, Path(f"{name}.yaml"))
+            say(text, nl=False)
+            return
+        write_new_spec(text, out_file)
+    except (ConfigError, ScaffoldError, OSError) as error:
+        raise UsageError(f"{config_file}: {error}") from None
+    say(f"wrote {out_file}")
+
+
 @main.command(name="list")
 @click.option(
     "--specs",

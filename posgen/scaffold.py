@@ -57,12 +57,12 @@ def scaffold_text(name: str, source: Path | None) -> str:
 
 
 def write_scaffold(name: str, out: Path, source: Path | None) -> Path:
-    """Validate the new spec's text, then create ``out`` with it (never over a file).
+    """Validate the new spec's text, then create ``out`` with it (never over a file)."""
+    return write_new_spec(scaffold_text(name, source), out)
 
-    Raises SpecError (nothing written) when the text does not validate, ScaffoldError
-    when ``out`` exists.
-    """
-    text = scaffold_text(name, source)
+
+def validate_text(text: str, out: Path) -> None:
+    """Raise SpecError, with diagnostics pointing at ``out``, unless ``text`` validates."""
     with tempfile.TemporaryDirectory(prefix="posgen-new-") as folder:
         trial = Path(folder) / out.name
         trial.write_text(text, encoding="utf-8")
@@ -71,6 +71,15 @@ def write_scaffold(name: str, out: Path, source: Path | None) -> Path:
         except SpecError as error:  # point the diagnostics at the file the user named
             shown = [dataclasses.replace(d, path=str(out)) for d in error.diagnostics]
             raise SpecError(shown) from None
+
+
+def write_new_spec(text: str, out: Path) -> Path:
+    """Validate ``text`` as the spec file ``out``, then create ``out`` (never over a file).
+
+    Raises SpecError (nothing written) when the text does not validate, ScaffoldError
+    when ``out`` exists.
+    """
+    validate_text(text, out)
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
         with out.open("x", encoding="utf-8") as stream:  # exclusive: never overwrites

@@ -1,0 +1,73 @@
+"""posgen from-hf: a Hugging Face config becomes the spec of the encoding that model uses."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from posgen.cli import main
+from posgen.codegen.inmemory import encoding_class, module_from_spec
+from posgen.hf import use_posgen_attention
+from posgen.spec.loader import load_spec
+
+transformers = pytest.importorskip("transformers")
+
+
+def _from_hf(config: object, tmp_path: Path, name: str) -> Path:
+    config_file = tmp_path / f"{name}.json"
+    config_file.write_text(json.dumps(config.to_dict()), encoding="utf-8")  # type: ignore[attr-defined]
+    out = tmp_path / f"{name}.yaml"
+    result = CliRunner().invoke(
+        main, ["from-hf", str(config_file), "--name", name, "--out", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def test_a_llama_config_gives_a_spec_whose_module_reproduces_the_model(tmp_path: Path) -> None:
+    config = transformers.LlamaConfig(
+        vocab_size=61, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, rope_theta=123456.0,
+        attn_implementation="eager",
+    )  # fmt: skip
+    spec_path = _from_hf(config, tmp_path, "tiny_llama_positions")
+    rotate = load_spec(spec_path).spec.terms.content_content.rotate  # type: ignore[union-attr]
+    assert rotate.base == 123456.0 and rotate.pairing == "half"
+    cls = encoding_class(module_from_spec(spec_path))
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 61, (2, 17), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = model(ids).logits
+        use_posgen_attention(model, lambda layer: cls())  # the spec's defaults: 4 heads of 12
+        got = model(ids).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_partial_rotary_alibi_and_t5_configs(tmp_path: Path) -> None:
+    neox = load_spec(_from_hf(transformers.GPTNeoXConfig(), tmp_path, "neox_positions")).spec
+    assert neox.rotation is not None and neox.rotation.rotary_dims.fraction == 0.25
+    assert neox.claims.decay is None  # measured, not claimed, for a partial rotation
+    bloom = _from_hf(transformers.BloomConfig(n_head=16, hidden_size=1024), tmp_path, "bloom_pos")
+    assert load_spec(bloom).spec.defaults.heads == 16
+    t5_config = transformers.T5Config(relative_attention_num_buckets=64, num_heads=6, d_kv=32)
+    t5 = load_spec(_from_hf(t5_config, tmp_path, "t5_positions")).spec
+    assert t5.bias is not None and t5.bias.index.buckets == 64  # type: ignore[union-attr]
+    assert (t5.defaults.heads, t5.defaults.head_dim) == (6, 32)
+
+
+def test_settings_the_spec_language_cannot_state_are_named(tmp_path: Path) -> None:
+    scaled = transformers.LlamaConfig(rope_scaling={"rope_type": "linear", "factor": 4.0})
+    mpt = {"model_type": "mpt", "n_heads": 12, "d_model": 768, "attn_config": {"alibi": True}}
+    cases = [(scaled.to_dict(), "rope_scaling type 'linear'"), (mpt, "MPT's slopes for 12 heads")]
+    cases.append(({"model_type": "bert"}, "no position settings"))
+    for index, (config, message) in enumerate(cases):
+        path = tmp_path / f"c{index}.json"
+        path.write_text(json.dumps(config), encoding="utf-8")
+        result = CliRunner().invoke(main, ["from-hf", str(path)])
+        assert result.exit_code == 2 and message in result.output, result.output
+        assert "Traceback" not in result.output
