@@ -19,6 +19,7 @@ from .multiplicative_sinusoidal import MultiplicativeSinusoidal
 from .nope import Nope
 from .rope import Rope
 from .rope_gptj import RopeGptj
+from .rope_randomized import RopeRandomized
 from .shaw import Shaw
 from .sinusoidal import Sinusoidal
 from .t5 import T5
@@ -44,6 +45,7 @@ ENCODINGS = {
     "nope": Nope,
     "rope": Rope,
     "rope_gptj": RopeGptj,
+    "rope_randomized": RopeRandomized,
     "shaw": Shaw,
     "sinusoidal": Sinusoidal,
     "t5": T5,
@@ -71,6 +73,7 @@ __all__ = [
     "Nope",
     "Rope",
     "RopeGptj",
+    "RopeRandomized",
     "Shaw",
     "Sinusoidal",
     "T5",

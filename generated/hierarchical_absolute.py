@@ -97,6 +97,8 @@ class HierarchicalAbsolute(PositionalAttention):
         if not x.is_floating_point():
             raise ValueError(f"x must be a floating-point tensor, got {x.dtype}")
         positions = check_positions(positions, x.shape[1], x.shape[0], "positions", x.device)
+        if positions is None:
+            positions = self._sampled_positions(x.shape[1], x.device)  # randomized training
         table = self._position_table(positions, x).to(x.dtype)
         return x + table  # [batch, seq, model_dim]
 

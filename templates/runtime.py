@@ -464,6 +464,13 @@ class PositionalAttention(nn.Module):
     ) -> tuple[Tensor, Tensor]:
         return q, k
 
+    def _sampled_positions(self, length: int, device: torch.device) -> Tensor | None:
+        """Positions to use where none are given ([length]), or None for 0 .. length - 1.
+
+        Randomized encodings draw them in training; every other encoding uses the range.
+        """
+        return None
+
     def _rotate_queries(self, q: Tensor, q_positions: Tensor | None, m: int) -> Tensor:
         return q
 
@@ -672,6 +679,10 @@ class PositionalAttention(nn.Module):
         q_positions, k_positions = check_position_pair(
             q_positions, k_positions, n, m, q.shape[0], q.device
         )
+        if q_positions is None and k_positions is None:
+            sampled = self._sampled_positions(m, q.device)  # randomized encodings, training
+            if sampled is not None:
+                k_positions, q_positions = sampled, sampled[m - n :]
         attn_mask = check_attn_mask(attn_mask, q, m)
         self._check_value_width(v)
         # a value-side term needs the attention weights, which SDPA does not return, so

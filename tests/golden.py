@@ -35,7 +35,7 @@ def _build(cls: type[torch.nn.Module]) -> torch.nn.Module:
     if "model_dim" in params:
         kwargs["model_dim"] = MODEL_DIM
     torch.manual_seed(0)
-    return cls(**kwargs)
+    return cls(**kwargs).eval()  # evaluation: positions are never randomized
 
 
 def _record(out: dict[str, Any], key: str, call: Any, *args: Any, **kwargs: Any) -> None:

@@ -15,7 +15,7 @@ HEADS, HEAD_DIM = 4, 8
 
 def make(name: str) -> torch.nn.Module:
     torch.manual_seed(0)
-    return generated_class(name)(heads=HEADS, head_dim=HEAD_DIM).double()
+    return generated_class(name)(heads=HEADS, head_dim=HEAD_DIM).double().eval()
 
 
 def _inputs(kv_heads: int, n: int = 5, m: int = 7) -> tuple[torch.Tensor, ...]:

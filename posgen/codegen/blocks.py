@@ -445,3 +445,11 @@ class RelativePlan(Block):
     @property
     def uses_relative_projection(self) -> bool:
         return self._uses("relative")
+
+
+@dataclass(frozen=True)
+class RandomizedPositionsPlan(Block):
+    """Training draws sorted random positions from a larger range (Ruoss et al. 2023)."""
+
+    template: ClassVar[str] = "blocks/randomized_positions.jinja"
+    max_positions: int

@@ -36,6 +36,7 @@ from posgen.codegen.blocks import (
     LearnedTablePlan,
     OdeTablePlan,
     ProjectionPlan,
+    RandomizedPositionsPlan,
     RelativeIndex,
     RelativePlan,
     RelativeTable,
@@ -461,6 +462,8 @@ def _blocks(spec: Spec) -> tuple[Block, ...]:
     relative = _relative_plan(spec, has_bias=bias is not None or spec.untied is not None)
     if relative is not None:
         blocks.append(relative)
+    if spec.positions is not None:  # last: no parameters, so init order is unchanged
+        blocks.append(RandomizedPositionsPlan(max_positions=spec.positions.max_positions))
     return tuple(blocks)
 
 

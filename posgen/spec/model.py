@@ -1009,6 +1009,25 @@ class Defaults(SpecModel):
     )
 
 
+class RandomizedPositions(SpecModel):
+    """Randomized positional encodings (Ruoss et al. 2023, "Randomized Positional
+    Encodings Boost Length Generalization of Transformers", arXiv:2305.16843).
+
+    In training, a sequence of length M gets the positions of a sorted random subset of
+    size M of 0 .. max_positions − 1 (drawn afresh each call, from the module's
+    ``position_generator`` when it is set), so the model sees the position values of
+    long sequences on short ones; in evaluation it gets the plain range 0 .. M − 1.
+    """
+
+    kind: Literal["randomized"]
+    max_positions: int = Field(
+        ge=2,
+        le=MAX_TABLE_ROWS,
+        description=f"the range positions are drawn from in training, 2 to {MAX_TABLE_ROWS:,}: "
+        "longer than any training sequence, as long as the lengths to generalise to",
+    )
+
+
 class Claims(SpecModel):
     """What the encoding claims; ``posgen check`` tests stated claims, measures the rest."""
 
@@ -1037,6 +1056,7 @@ class Spec(SpecModel):
     relative: RelativeSection | None = None
     terms: Terms
     values: Values = "plain"
+    positions: RandomizedPositions | None = None
     claims: Claims
 
     @field_validator("name")
@@ -1092,6 +1112,18 @@ class Spec(SpecModel):
                 )
         return tables
 
+    def _check_randomized_range(self) -> None:
+        """Randomized positions must stay inside every trained table they index."""
+        if self.positions is None:
+            return
+        limits = [rows for at, rows, _ in self._trained_tables() if "max_positions" in at]
+        if limits and self.positions.max_positions > min(limits):
+            raise cross_field_error(
+                "positions.max_positions",
+                f"randomized positions up to {self.positions.max_positions - 1} would index "
+                f"past a learned table of {min(limits)} rows: use at most {min(limits)}",
+            )
+
     def _check_table_sizes(self) -> None:
         for at, rows, width in self._trained_tables():
             if rows * width > MAX_TABLE_ELEMENTS:
@@ -1145,6 +1177,7 @@ class Spec(SpecModel):
             )
         self._check_relative()
         self._check_table_sizes()
+        self._check_randomized_range()
         rotation = self.rotation
         if rotation is not None:
             rotary_dim = rotary_dim_for(self.defaults.head_dim, rotation.rotary_dims.fraction)
