@@ -18,8 +18,18 @@ from .multiplicative_learned import MultiplicativeLearned
 from .multiplicative_sinusoidal import MultiplicativeSinusoidal
 from .nope import Nope
 from .rope import Rope
+from .rope_dynamic_ntk import RopeDynamicNtk
 from .rope_gptj import RopeGptj
+from .rope_linear import RopeLinear
+from .rope_llama3 import RopeLlama3
+from .rope_longrope import RopeLongrope
+from .rope_mrope import RopeMrope
+from .rope_ntk import RopeNtk
+from .rope_p import RopeP
+from .rope_partial import RopePartial
 from .rope_randomized import RopeRandomized
+from .rope_xpos import RopeXpos
+from .rope_yarn import RopeYarn
 from .shaw import Shaw
 from .sinusoidal import Sinusoidal
 from .t5 import T5
@@ -44,8 +54,18 @@ ENCODINGS = {
     "multiplicative_sinusoidal": MultiplicativeSinusoidal,
     "nope": Nope,
     "rope": Rope,
+    "rope_dynamic_ntk": RopeDynamicNtk,
     "rope_gptj": RopeGptj,
+    "rope_linear": RopeLinear,
+    "rope_llama3": RopeLlama3,
+    "rope_longrope": RopeLongrope,
+    "rope_mrope": RopeMrope,
+    "rope_ntk": RopeNtk,
+    "rope_p": RopeP,
+    "rope_partial": RopePartial,
     "rope_randomized": RopeRandomized,
+    "rope_xpos": RopeXpos,
+    "rope_yarn": RopeYarn,
     "shaw": Shaw,
     "sinusoidal": Sinusoidal,
     "t5": T5,
@@ -72,8 +92,18 @@ __all__ = [
     "MultiplicativeSinusoidal",
     "Nope",
     "Rope",
+    "RopeDynamicNtk",
     "RopeGptj",
+    "RopeLinear",
+    "RopeLlama3",
+    "RopeLongrope",
+    "RopeMrope",
+    "RopeNtk",
+    "RopeP",
+    "RopePartial",
     "RopeRandomized",
+    "RopeXpos",
+    "RopeYarn",
     "Shaw",
     "Sinusoidal",
     "T5",

@@ -23,7 +23,7 @@ attention): query head h reads key/value head h // (heads / kv_heads).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +34,9 @@ LAYOUTS = ("bhnd", "bnhd")  # [batch, heads, seq, dim] (default) or [batch, seq,
 CACHE_SIZE = 8  # shape-keyed caches keep this many most recent entries
 # Positions are exact in float64 (angles, distances) below 2^53; larger ones are refused.
 MAX_POSITION = 2**53 - 1
+# What a backend receives already rotated: nothing, the keys (a cache of rotated keys), or
+# both q and k (rotated at M-RoPE axis positions before the backend).
+Rotated = Literal["none", "keys", "both"]
 
 
 def compute_dtype(x: Tensor) -> torch.dtype:
@@ -132,6 +135,34 @@ def check_positions(
             f"{name} must lie in [0, 2^53 - 1] (exact in float64), got {low} .. {high}"
         )
     return positions.to(dtype=torch.int64)
+
+
+def check_axis_positions(
+    positions: Tensor | None,
+    axes: int,
+    length: int,
+    batch: int | None,
+    name: str,
+    device: torch.device,
+) -> Tensor | None:
+    """M-RoPE positions [axes, batch, length], validated; None for any other (token) form.
+
+    A rotation over several position axes (Qwen2-VL's temporal, height and width) reads
+    one position per axis; [length] and [batch, length] stay token positions, the same on
+    every axis.
+    """
+    if axes == 1 or not isinstance(positions, Tensor) or positions.dim() != 3:
+        return None
+    if positions.shape[0] != axes or positions.shape[-1] != length:
+        raise ValueError(
+            f"{name} must have shape [{axes}, batch, {length}] (one row per position axis), "
+            f"got {list(positions.shape)}"
+        )
+    flat = check_positions(positions.reshape(-1, length), length, None, name, device)
+    assert flat is not None
+    if batch is not None and positions.shape[1] not in (1, batch):
+        raise ValueError(f"{name} has batch {positions.shape[1]}, inputs have batch {batch}")
+    return flat.reshape(positions.shape)
 
 
 def check_position_pair(
@@ -401,6 +432,8 @@ class PositionalAttention(nn.Module):
     has_relative_terms: bool = False
     #: a value-side term is added to the output (needs the attention weights)
     has_value_term: bool = False
+    #: position axes of the rotation (M-RoPE: 3); explicit positions [axes, batch, seq]
+    position_axes: int = 1
 
     def __init__(self, heads: int, head_dim: int, scale_factor: float | None) -> None:
         super().__init__()
@@ -436,11 +469,10 @@ class PositionalAttention(nn.Module):
         """
         q, k = to_bhnd(layout, q, k)
         check_attention_inputs(q, k, None, None, self.head_dim)
-        n, m = q.shape[2], k.shape[2]
-        q_positions, k_positions = check_position_pair(
-            q_positions, k_positions, n, m, q.shape[0], q.device
+        q, k, q_positions, k_positions, rotated = self._positions_and_axes(
+            q, k, q_positions, k_positions, "none"
         )
-        q, k = self._rotate(q, k, q_positions, k_positions)
+        q, k = self._rotate_for_attention(q, k, q_positions, k_positions, rotated)
         return to_bhnd(layout, q, k)  # type: ignore[return-value]
 
     def rotate_keys(
@@ -456,8 +488,13 @@ class PositionalAttention(nn.Module):
         """
         (k,) = to_bhnd(layout, k)
         check_attention_inputs(k, k, None, None, self.head_dim)
-        positions = check_positions(positions, k.shape[2], k.shape[0], "positions", k.device)
-        rotated = self._rotate_keys(k, positions) if self.has_rotation else k
+        batch, m = k.shape[0], k.shape[2]
+        axes = check_axis_positions(positions, self.position_axes, m, batch, "positions", k.device)
+        if axes is None:
+            positions = check_positions(positions, m, batch, "positions", k.device)
+        if not self.has_rotation:
+            return to_bhnd(layout, k)[0]
+        rotated = self._rotate_keys(k, axes if axes is not None else positions)
         (rotated,) = to_bhnd(layout, rotated)
         return rotated
 
@@ -465,6 +502,47 @@ class PositionalAttention(nn.Module):
         self, q: Tensor, k: Tensor, q_positions: Tensor | None, k_positions: Tensor | None
     ) -> tuple[Tensor, Tensor]:
         return q, k
+
+    def _positions_and_axes(
+        self,
+        q: Tensor,
+        k: Tensor,
+        q_positions: Tensor | None,
+        k_positions: Tensor | None,
+        rotated: Rotated,
+    ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Rotated]:
+        """Validate positions; rotate here at M-RoPE axis positions [axes, batch, seq].
+
+        Returns q, k, the token positions that masks and biases read (None, token order,
+        where axis positions were given) and what is rotated already.
+        """
+        n, m, batch = q.shape[2], k.shape[2], q.shape[0]
+        axes, device = self.position_axes, q.device
+        q_axes = check_axis_positions(q_positions, axes, n, batch, "q_positions", device)
+        k_axes = check_axis_positions(k_positions, axes, m, batch, "k_positions", device)
+        if q_axes is None and k_axes is None:
+            q_positions, k_positions = check_position_pair(
+                q_positions, k_positions, n, m, batch, q.device
+            )
+            return q, k, q_positions, k_positions, rotated
+        for name, axes, other in (("q", q_axes, q_positions), ("k", k_axes, k_positions)):
+            if axes is None and other is not None:
+                raise ValueError(
+                    f"{name}_positions must also be [axes, batch, seq] when the other "
+                    "positions are (or leave it out for the default)"
+                )
+        if k_axes is None:
+            default = torch.arange(m, device=q.device)
+            k_axes = default.expand(self.position_axes, 1, m)  # [axes, 1, M]
+        if q_axes is None:
+            if n > m:
+                raise ValueError(f"{n} queries but {m} keys: N > M needs explicit q_positions")
+            q_axes = k_axes[..., m - n :]  # the queries are the newest keys
+        if rotated == "keys":
+            q = self._rotate_queries(q, q_axes, m)
+        else:
+            q, k = self._rotate(q, k, q_axes, k_axes)
+        return q, k, None, None, "both"
 
     def _sampled_positions(self, length: int, device: torch.device) -> Tensor | None:
         """Positions to use where none are given ([length]), or None for 0 .. length - 1.
@@ -485,12 +563,13 @@ class PositionalAttention(nn.Module):
         k: Tensor,
         q_positions: Tensor | None,
         k_positions: Tensor | None,
-        keys_rotated: bool,
+        rotated: Rotated,
     ) -> tuple[Tensor, Tensor]:
-        """q and k as the logits read them: rotated, or q alone when k already is."""
-        if not self.has_rotation:
+        """q and k as the logits read them: rotated here, or q alone when k already is
+        (``"keys"``), or both as given (``"both"``: rotated at M-RoPE axis positions)."""
+        if not self.has_rotation or rotated == "both":
             return q, k
-        if keys_rotated:
+        if rotated == "keys":
             return self._rotate_queries(q, q_positions, k.shape[2]), k
         return self._rotate(q, k, q_positions, k_positions)
 
@@ -555,13 +634,12 @@ class PositionalAttention(nn.Module):
         """
         q, k = to_bhnd(layout, q, k)
         check_attention_inputs(q, k, None, self._expected_heads(), self.head_dim)
-        n, m = q.shape[2], k.shape[2]
-        q_positions, k_positions = check_position_pair(
-            q_positions, k_positions, n, m, q.shape[0], q.device
-        )
         # the oracle: float32 (float64 for float64 inputs) even under autocast
         with torch.autocast(device_type=q.device.type, enabled=False):
-            return self._score_terms_exact(q, k, q_positions, k_positions)
+            q, k, q_positions, k_positions, rotated = self._positions_and_axes(
+                q, k, q_positions, k_positions, "none"
+            )
+            return self._score_terms_exact(q, k, q_positions, k_positions, rotated)
 
     def _expected_heads(self) -> int | None:
         return self.heads if self.checks_heads else None
@@ -572,9 +650,9 @@ class PositionalAttention(nn.Module):
         k: Tensor,
         q_positions: Tensor | None,
         k_positions: Tensor | None,
-        keys_rotated: bool = False,
+        rotated: Rotated = "none",
     ) -> dict[str, Tensor]:
-        q, k = self._rotate_for_attention(q, k, q_positions, k_positions, keys_rotated)
+        q, k = self._rotate_for_attention(q, k, q_positions, k_positions, rotated)
         k = repeat_kv(k, q.shape[1] // k.shape[1])  # [B, H, M, D]
         dtype = compute_dtype(q)
         content = torch.matmul(q.to(dtype), k.to(dtype).transpose(-2, -1))  # [B, H, N, M]
@@ -677,10 +755,10 @@ class PositionalAttention(nn.Module):
         check_attention_inputs(q, k, v, self._expected_heads(), self.head_dim)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        n, m = q.shape[2], k.shape[2]
-        q_positions, k_positions = check_position_pair(
-            q_positions, k_positions, n, m, q.shape[0], q.device
+        q, k, q_positions, k_positions, rotated = self._positions_and_axes(
+            q, k, q_positions, k_positions, "keys" if keys_rotated else "none"
         )
+        n, m = q.shape[2], k.shape[2]
         if q_positions is None and k_positions is None:
             sampled = self._sampled_positions(m, q.device)  # randomized encodings, training
             if sampled is not None:
@@ -690,7 +768,7 @@ class PositionalAttention(nn.Module):
         # a value-side term needs the attention weights, which SDPA does not return, so
         # "auto" takes the eager path for it (one softmax instead of two)
         eager = backend == "eager" or (backend == "auto" and self.has_value_term)
-        args = (q, k, v, q_positions, k_positions, causal, attn_mask, keys_rotated)
+        args = (q, k, v, q_positions, k_positions, causal, attn_mask, rotated)
         return self._eager_attention(*args) if eager else self._sdpa_attention(*args)
 
     def _eager_attention(
@@ -702,12 +780,12 @@ class PositionalAttention(nn.Module):
         k_positions: Tensor | None,
         causal: bool,
         attn_mask: Tensor | None,
-        keys_rotated: bool = False,
+        rotated: Rotated = "none",
     ) -> Tensor:
         """The literal decomposition in float32 (float64 for float64 inputs): the oracle."""
         n, m = q.shape[2], k.shape[2]
         with torch.autocast(device_type=q.device.type, enabled=False):
-            terms = self._score_terms_exact(q, k, q_positions, k_positions, keys_rotated)
+            terms = self._score_terms_exact(q, k, q_positions, k_positions, rotated)
             logits = terms.pop("content_content")
             for term in terms.values():
                 logits = logits + term  # [B, H, N, M]
@@ -728,10 +806,10 @@ class PositionalAttention(nn.Module):
         k_positions: Tensor | None,
         causal: bool,
         attn_mask: Tensor | None,
-        keys_rotated: bool = False,
+        rotated: Rotated = "none",
     ) -> Tensor:
         """F.scaled_dot_product_attention with the position terms as an additive mask."""
-        q, k = self._rotate_for_attention(q, k, q_positions, k_positions, keys_rotated)
+        q, k = self._rotate_for_attention(q, k, q_positions, k_positions, rotated)
         if self.has_relative_terms:
             return self._sdpa_relative(q, k, v, q_positions, k_positions, causal, attn_mask)
         n, m = q.shape[2], k.shape[2]

@@ -40,18 +40,28 @@ ROTARY_FRACTION = 1.0
 ROTARY_PAIRING = "half"
 
 
+def _inverse_frequencies(rotary_dim: int, length: Tensor | None, device: torch.device) -> Tensor:
+    """theta_k = base^(-2k / rotary_dim), one per pair: float64 [rotary_dim / 2]."""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=device)
+    return ROTARY_BASE ** (-exponents / rotary_dim)
+
+
 def _rotary_cos_sin(
-    positions: Tensor, rotary_dim: int, dtype: torch.dtype = torch.float32
+    positions: Tensor,
+    rotary_dim: int,
+    dtype: torch.dtype = torch.float32,
+    length: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """cos and sin of position * theta_k, theta_k = base^(-2k / rotary_dim).
+    """cos and sin of position * theta_k.
 
     positions: [...] int64 -> two ``dtype`` tensors [..., rotary_dim], laid out for the
-    half pairing. The angles are formed in float64 (float32 positions
-    lose integers past 2^24 and float32 angles lose ~1e-3 rad at position 10^4).
+    half pairing.
+    The angles are formed in float64 (float32 positions lose integers past 2^24 and
+    float32 angles lose ~1e-3 rad at position 10^4). ``length``: the call's largest
+    position + 1 (a 0-d tensor) for schedules that depend on it.
     """
     compute_device = positions.device if positions.device.type in ("cpu", "cuda") else "cpu"
-    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=compute_device)
-    theta = ROTARY_BASE ** (-exponents / rotary_dim)  # [rotary_dim / 2]
+    theta = _inverse_frequencies(rotary_dim, length, compute_device)  # [rotary_dim / 2]
     angles = positions.to(compute_device, torch.float64).unsqueeze(-1) * theta
     angles = torch.cat((angles, angles), dim=-1)  # feature k pairs with k + rotary_dim / 2
     cos = angles.cos().to(positions.device, dtype)
@@ -112,37 +122,43 @@ class RopeRandomized(PositionalAttention):
     ) -> tuple[Tensor, Tensor]:
         n, m = q.shape[2], k.shape[2]
         dtype = compute_dtype(q)
-        q_cos, q_sin = self._cos_sin(q_positions, m - n, n, q.device, dtype)
-        k_cos, k_sin = self._cos_sin(k_positions, 0, m, k.device, dtype)
+        q_cos, q_sin = self._cos_sin(q_positions, m - n, n, q.device, dtype, None)
+        k_cos, k_sin = self._cos_sin(k_positions, 0, m, k.device, dtype, None)
         return self._apply_rotation(q, q_cos, q_sin), self._apply_rotation(k, k_cos, k_sin)
 
     def _rotate_queries(self, q: Tensor, q_positions: Tensor | None, m: int) -> Tensor:
         """q alone (keys already rotated): default positions are the last N of M."""
         n = q.shape[2]
-        q_cos, q_sin = self._cos_sin(q_positions, m - n, n, q.device, compute_dtype(q))
+        dtype = compute_dtype(q)
+        q_cos, q_sin = self._cos_sin(q_positions, m - n, n, q.device, dtype, None)
         return self._apply_rotation(q, q_cos, q_sin)
 
     def _rotate_keys(self, k: Tensor, k_positions: Tensor | None) -> Tensor:
         """k alone, at k_positions (default 0, ..., M - 1)."""
-        k_cos, k_sin = self._cos_sin(k_positions, 0, k.shape[2], k.device, compute_dtype(k))
+        m = k.shape[2]
+        dtype = compute_dtype(k)
+        k_cos, k_sin = self._cos_sin(k_positions, 0, m, k.device, dtype, None)
         return self._apply_rotation(k, k_cos, k_sin)
 
     def _cos_sin(
-        self, positions: Tensor | None, start: int, length: int, device, dtype: torch.dtype
+        self,
+        positions: Tensor | None,
+        start: int,
+        count: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        length: Tensor | None,
     ) -> tuple[Tensor, Tensor]:
-        """[length, rotary_dim] (or [batch, 1, length, rotary_dim]) cos and sin.
+        """[count, rotary_dim] (or [batch, 1, count, rotary_dim]) cos and sin.
 
         Default positions read the float32 cache; explicit positions and float64 inputs
         are computed directly.
         """
         if positions is None and (dtype == torch.float64 or torch.compiler.is_compiling()):
-            positions = torch.arange(start, start + length, device=device)
+            positions = torch.arange(start, start + count, device=device)
         if positions is not None:
-            cos, sin = _rotary_cos_sin(positions, self.rotary_dim, dtype)
-            if positions.dim() == 2:
-                cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
-            return cos, sin
-        end = start + length
+            return self._cos_sin_at(positions, dtype, length)
+        end = start + count
         cache = self._cos_cache
         stale = cache.is_inference() and not torch.is_inference_mode_enabled()
         if stale or cache.shape[0] < end or cache.device != torch.device(device):
@@ -150,6 +166,15 @@ class RopeRandomized(PositionalAttention):
             positions = torch.arange(size, device=device)
             self._cos_cache, self._sin_cache = _rotary_cos_sin(positions, self.rotary_dim)
         return self._cos_cache[start:end], self._sin_cache[start:end]
+
+    def _cos_sin_at(
+        self, positions: Tensor, dtype: torch.dtype, length: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        """cos and sin at explicit positions, broadcast over heads for batched positions."""
+        cos, sin = _rotary_cos_sin(positions, self.rotary_dim, dtype, length)
+        if positions.dim() != 1:  # [batch, count]
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
+        return cos, sin
 
     def _apply_rotation(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """x * cos + partner(x) * sin on the rotated features, in the dtype of cos."""

@@ -61,15 +61,36 @@ def rotation_norm(probe: Probe) -> Outcome:
     )
 
 
+def rotated_features(rotation: Rotation, head_dim: int) -> int:
+    """Features the rotation pairs: round(fraction · head_dim), or the whole head for the
+    proportional layout (p-RoPE), whose lowest frequencies are 0."""
+    if rotation.rotary_dims.layout == "proportional":
+        return head_dim
+    return int(round(head_dim * rotation.rotary_dims.fraction))
+
+
+def _feature_scale(rotation: Rotation, head_dim: int) -> torch.Tensor:
+    """[head_dim]: the attention factor on the rotated features, 1 on the others.
+
+    YaRN and LongRoPE multiply cos and sin by it (Hugging Face's attention scaling), so
+    R_m = a · (a rotation) there; dividing it out leaves the rotation."""
+    scale = torch.ones(head_dim, dtype=F64)
+    scale[: rotated_features(rotation, head_dim)] = rotation.attention_factor
+    return scale
+
+
 def _keeps_norms(probe: Probe, example: Example) -> float:
-    """The margin by which rotate keeps norms at one position (and is I at 0)."""
+    """The margin by which rotate keeps norms at one position (and is I at 0), once the
+    attention factor is divided out."""
     position, example_seed = example
     x = torch.randn(1, 1, 3, probe.head_dim, generator=generator(example_seed), dtype=F64)
     y = torch.randn(1, 1, 3, probe.head_dim, generator=generator(example_seed + 1), dtype=F64)
     where = torch.full((3,), position)
     zero = torch.zeros(3, dtype=torch.int64)
-    rotated = probe.pe64.rotate(x, y, where, where)
-    at_zero = probe.pe64.rotate(x, y, zero, zero)
+    assert probe.spec.rotation is not None
+    scale = _feature_scale(probe.spec.rotation, probe.head_dim)
+    rotated = [out / scale for out in probe.pe64.rotate(x, y, where, where)]
+    at_zero = [out / scale for out in probe.pe64.rotate(x, y, zero, zero)]
     tol = 1e-12 * float(torch.cat((x, y)).norm(dim=-1).max())
     norm_error = 0.0
     for side, inputs in (("query", x), ("key", y)):  # both outputs of rotate
@@ -98,9 +119,12 @@ def _rotation_frequencies(probe: Probe, rotation: Rotation) -> Outcome | str:
     (RoFormer, Su et al. 2021, eq. 15). Evidence text, or a failed Outcome."""
     if getattr(rotation.frequencies, "kind", None) != "standard":
         return f"; frequencies {rotation.frequencies.kind!r} not compared"
-    rotary_dim = int(round(probe.head_dim * rotation.rotary_dims.fraction))
+    rotary_dim = rotated_features(rotation, probe.head_dim)
+    turning = rotary_dim // 2  # p-RoPE keeps only the highest round(fraction · d / 2)
+    if rotation.rotary_dims.layout == "proportional":
+        turning = int(round(probe.head_dim * rotation.rotary_dims.fraction / 2))
     expected = torch.tensor(
-        [rotation.base ** (-2.0 * k / rotary_dim) for k in range(rotary_dim // 2)],
+        [rotation.base ** (-2.0 * k / rotary_dim) for k in range(turning)],
         dtype=F64,
     )
     expected = expected.sort(descending=True).values
@@ -177,7 +201,7 @@ def rotation_pairing(probe: Probe) -> Outcome:
     half_pe, inter_pe = (
         (probe.pe64, other_pe) if rotation.pairing == "half" else (other_pe, probe.pe64)
     )
-    rotary_dim = int(round(probe.head_dim * rotation.rotary_dims.fraction))
+    rotary_dim = rotated_features(rotation, probe.head_dim)
     perm = torch.tensor(half_to_interleaved(probe.head_dim, rotary_dim))
 
     def check(example: Example) -> float:

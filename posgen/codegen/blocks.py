@@ -172,6 +172,87 @@ class ComplexOrderPlan(Block):
 
 
 @dataclass(frozen=True)
+class FrequencyPlan(Rendered):
+    """A schedule of rotary frequencies theta_k: renders ``_inverse_frequencies``.
+
+    ``by_length``: theta depends on the call's length (largest position + 1), so the
+    module computes it per call instead of reading a cache of cos and sin.
+    """
+
+    by_length: ClassVar[bool] = False
+    #: the schedule has a fixed width (one factor per pair): check it at construction
+    checks_width: ClassVar[bool] = False
+
+
+@dataclass(frozen=True)
+class StandardFrequencyPlan(FrequencyPlan):
+    """theta_k = base^(-2k / d)."""
+
+    template: ClassVar[str] = "blocks/frequencies/standard.jinja"
+
+
+@dataclass(frozen=True)
+class LinearFrequencyPlan(FrequencyPlan):
+    """Position Interpolation: theta_k / factor."""
+
+    template: ClassVar[str] = "blocks/frequencies/linear.jinja"
+    factor: float
+
+
+@dataclass(frozen=True)
+class NtkFrequencyPlan(FrequencyPlan):
+    """NTK-aware: base · factor^(d / (d - 2))."""
+
+    template: ClassVar[str] = "blocks/frequencies/ntk.jinja"
+    factor: float
+
+
+@dataclass(frozen=True)
+class DynamicNtkFrequencyPlan(FrequencyPlan):
+    """Dynamic NTK: the NTK base for the call's length."""
+
+    template: ClassVar[str] = "blocks/frequencies/dynamic_ntk.jinja"
+    by_length: ClassVar[bool] = True
+    factor: float
+    original_max_positions: int
+
+
+@dataclass(frozen=True)
+class YarnFrequencyPlan(FrequencyPlan):
+    """YaRN's ramp between theta_k and theta_k / factor."""
+
+    template: ClassVar[str] = "blocks/frequencies/yarn.jinja"
+    factor: float
+    original_max_positions: int
+    beta_fast: float
+    beta_slow: float
+    truncate: bool
+
+
+@dataclass(frozen=True)
+class Llama3FrequencyPlan(FrequencyPlan):
+    """Llama 3.1's wavelength bands."""
+
+    template: ClassVar[str] = "blocks/frequencies/llama3.jinja"
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_positions: int
+
+
+@dataclass(frozen=True)
+class LongRopeFrequencyPlan(FrequencyPlan):
+    """LongRoPE's per-pair factors, short or long by the call's length."""
+
+    template: ClassVar[str] = "blocks/frequencies/longrope.jinja"
+    by_length: ClassVar[bool] = True
+    checks_width: ClassVar[bool] = True
+    short_factor: tuple[float, ...]
+    long_factor: tuple[float, ...]
+    original_max_positions: int
+
+
+@dataclass(frozen=True)
 class RotationPlan(Block):
     """Rotary position embedding of q and k."""
 
@@ -179,11 +260,25 @@ class RotationPlan(Block):
     base: float
     pairing: Pairing  # rendered as the ROTARY_PAIRING constant
     fraction: float
+    proportional: bool  # p-RoPE: pairs span the head, the lowest frequencies are zero
+    frequencies: FrequencyPlan
+    attention_factor: float  # multiplies cos and sin (YaRN, LongRoPE); 1.0 elsewhere
+    xpos_scale_base: float | None  # xPos per-position scale, or None
+    sections: tuple[int, ...] | None  # M-RoPE: pairs per position axis, or None
 
     @property
     def half_pairing(self) -> bool:
         """Feature k pairs with k + rotary_dim / 2 (GPT-NeoX); else 2k with 2k + 1 (GPT-J)."""
         return self.pairing == "half"
+
+    @property
+    def scales_attention(self) -> bool:
+        return self.attention_factor != 1.0
+
+    @property
+    def cached(self) -> bool:
+        """cos and sin of the default positions are cached (the same for every call)."""
+        return not self.frequencies.by_length and self.xpos_scale_base is None
 
 
 # --------------------------------------------------------------------------- biases

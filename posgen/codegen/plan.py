@@ -52,6 +52,7 @@ from posgen.codegen.blocks import (
     UntiedPlan,
     ValueTermPlan,
 )
+from posgen.codegen.rotation_plan import rotation_plan
 from posgen.describe import (
     TermLine,
     input_description,
@@ -77,30 +78,36 @@ from posgen.spec.model import (
     RelativeTerm,
     RelativeTermSpec,
     RelativeValues,
-    Rotation,
     SinusoidalRelativeTable,
     SinusoidalTable,
     Spec,
     SymmetricLogBuckets,
     TableInput,
     UntiedPositions,
-    rotary_dim_for,
 )
 from posgen.spec.names import class_name_for, identifier
 
 DOCSTRING_WIDTH = 88
+LINE_LENGTH = 100  # ruff's line length for generated code
 
 
 class PlanError(ValueError):
     """A value that cannot be rendered safely (never reached by a validated spec)."""
 
 
-def literal(value: object) -> str:
+def literal(value: object, column: int = 0) -> str:
     """A plan value as Python source, formatted as ruff formats it.
 
     Finite floats and ints by ``repr``, booleans, None, ASCII-escaped double-quoted
     strings, and tuples of these; anything else (or a non-finite float) is refused.
+    ``column``: where the literal starts on a module-level line (``NAME = `` before it);
+    a tuple that would pass the line length there is written one item per line.
     """
+    if isinstance(value, tuple) and len(value) > 1 and column:
+        flat = literal(value)
+        if column + len(flat) > LINE_LENGTH:
+            return "(\n" + "".join(f"    {literal(item)},\n" for item in value) + ")"
+        return flat
     if value is None or isinstance(value, (bool, int)):
         return repr(value)
     if isinstance(value, float):
@@ -256,14 +263,6 @@ def _input_table_plan(
 
 def _absolute_table_plan(form: TableInput) -> AbsoluteTablePlan:
     return AbsoluteTablePlan(table=_input_table_plan(form.table), multiply=form.kind == "multiply")
-
-
-def _rotation_plan(rotation: Rotation) -> RotationPlan:
-    return RotationPlan(
-        base=float(rotation.base),
-        pairing=rotation.pairing,
-        fraction=float(rotation.rotary_dims.fraction),
-    )
 
 
 def _bucket_plan(index: LogBuckets) -> BucketIndexPlan:
@@ -452,8 +451,7 @@ def _blocks(spec: Spec) -> tuple[Block, ...]:
     elif isinstance(form, ComplexOrderInput):
         blocks.append(_complex_order_plan(form))
     if spec.rotation is not None:
-        rotary_dim_for(spec.defaults.head_dim, spec.rotation.rotary_dims.fraction)
-        blocks.append(_rotation_plan(spec.rotation))
+        blocks.append(rotation_plan(spec.rotation))
     bias = _bias_plan(spec.bias, spec.untied) if spec.bias is not None else None
     if bias is not None:
         blocks.append(bias)

@@ -1,0 +1,79 @@
+"""The rotation's plan: frequency schedule, attention factor, xPos scale and axes."""
+
+from __future__ import annotations
+
+from posgen.codegen.blocks import (
+    DynamicNtkFrequencyPlan,
+    FrequencyPlan,
+    LinearFrequencyPlan,
+    Llama3FrequencyPlan,
+    LongRopeFrequencyPlan,
+    NtkFrequencyPlan,
+    RotationPlan,
+    StandardFrequencyPlan,
+    YarnFrequencyPlan,
+)
+from posgen.spec.model import (
+    DynamicNtkFrequencies,
+    Frequencies,
+    LinearFrequencies,
+    Llama3Frequencies,
+    LongRopeFrequencies,
+    NtkFrequencies,
+    Rotation,
+    StandardFrequencies,
+    YarnFrequencies,
+)
+
+
+def rotation_plan(rotation: Rotation) -> RotationPlan:
+    """The rotation block of a spec's plan."""
+    return RotationPlan(
+        base=float(rotation.base),
+        pairing=rotation.pairing,
+        fraction=float(rotation.rotary_dims.fraction),
+        proportional=rotation.rotary_dims.layout == "proportional",
+        frequencies=frequency_plan(rotation.frequencies),
+        attention_factor=rotation.attention_factor,
+        xpos_scale_base=(
+            float(rotation.position_scale.scale_base) if rotation.position_scale else None
+        ),
+        sections=tuple(rotation.axes.sections) if rotation.axes is not None else None,
+    )
+
+
+def frequency_plan(frequencies: Frequencies) -> FrequencyPlan:
+    """The plan class of a frequency schedule, with its parameters as plain numbers."""
+    if isinstance(frequencies, StandardFrequencies):
+        return StandardFrequencyPlan()
+    if isinstance(frequencies, LinearFrequencies):
+        return LinearFrequencyPlan(factor=float(frequencies.factor))
+    if isinstance(frequencies, NtkFrequencies):
+        return NtkFrequencyPlan(factor=float(frequencies.factor))
+    if isinstance(frequencies, DynamicNtkFrequencies):
+        return DynamicNtkFrequencyPlan(
+            factor=float(frequencies.factor),
+            original_max_positions=frequencies.original_max_positions,
+        )
+    if isinstance(frequencies, YarnFrequencies):
+        return YarnFrequencyPlan(
+            factor=float(frequencies.factor),
+            original_max_positions=frequencies.original_max_positions,
+            beta_fast=float(frequencies.beta_fast),
+            beta_slow=float(frequencies.beta_slow),
+            truncate=frequencies.truncate,
+        )
+    if isinstance(frequencies, Llama3Frequencies):
+        return Llama3FrequencyPlan(
+            factor=float(frequencies.factor),
+            low_freq_factor=float(frequencies.low_freq_factor),
+            high_freq_factor=float(frequencies.high_freq_factor),
+            original_max_positions=frequencies.original_max_positions,
+        )
+    if isinstance(frequencies, LongRopeFrequencies):
+        return LongRopeFrequencyPlan(
+            short_factor=tuple(float(f) for f in frequencies.short_factor),
+            long_factor=tuple(float(f) for f in frequencies.long_factor),
+            original_max_positions=frequencies.original_max_positions,
+        )
+    raise AssertionError(f"unplanned frequency kind {frequencies!r}")
