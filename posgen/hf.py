@@ -146,7 +146,9 @@ def _posgen_attention_forward(
         k,
         v,
         q_positions=positions,
-        k_positions=positions if m == n else torch.arange(m, device=q.device),
+        # cached keys: their positions count the kept tokens (HF's position_ids for a
+        # left-padded batch), not the cache slots
+        k_positions=positions if m == n else _kept_positions(mask, m, q.device),
         causal=True,
         attn_mask=mask,
         keys_rotated=True,
@@ -189,7 +191,7 @@ def _posgen_bloom_attention_forward(
         k, v = layer_past.update(k, v, self.layer_idx, {"cache_position": cache_position})
     m = k.shape[2]
     mask = None if attention_mask is None else attention_mask[:, :, :, :m]  # [B, 1, N, M]
-    k_positions = _bloom_positions(mask, m, hidden_states.device)  # [B, M] or [M]
+    k_positions = _kept_positions(mask, m, hidden_states.device)  # [B, M] or [M]
     slots = cache_position if cache_position is not None else torch.arange(m - n, m)
     q_positions = k_positions[..., slots.to(hidden_states.device)]  # the queries' slots
     out = self.posgen(
@@ -214,12 +216,13 @@ def _posgen_bloom_attention_forward(
     return output, None
 
 
-def _bloom_positions(mask: Tensor | None, m: int, device: torch.device) -> Tensor:
-    """BLOOM's key positions: int64 [B, M] counting kept keys (0 at padding), or [M].
+def _kept_positions(mask: Tensor | None, m: int, device: torch.device) -> Tensor:
+    """Key positions counting kept keys: int64 [B, M] (0 at padding), or [M] without a mask.
 
     The last query row of HF's 4-D additive mask lets every key up to that query through
     except padding, so the keys it keeps (value 0) are the 2-D attention mask's ones;
-    BLOOM numbers them ``cumsum - 1`` and gives padding 0 (it is masked anyway).
+    BLOOM numbers them ``cumsum - 1`` and gives padding 0 (it is masked anyway); those
+    are also the ``position_ids`` ``generate`` gives a Llama-family model's kept tokens.
     """
     if mask is None:
         return torch.arange(m, device=device)

@@ -83,13 +83,20 @@ def test_tiny_bloom_generation_with_a_cache_matches_through_alibi(heads: int) ->
     assert torch.equal(got, expected)
 
 
-def test_tiny_bloom_left_padded_batch_generation_matches_through_alibi() -> None:
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_tiny_bloom_left_padded_batch_generation_matches_through_alibi(cache: str) -> None:
     model = _tiny_bloom(6)
     ids = _ids(2, 9, 4)
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
     ids[0, :3] = 0  # the pad token
-    settings = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0, "use_cache": True}
+    settings = {
+        "max_new_tokens": 8,
+        "do_sample": False,
+        "pad_token_id": 0,
+        "use_cache": True,
+        "cache_implementation": cache,
+    }
     with torch.no_grad():
         expected = model.generate(ids, attention_mask=mask, **settings)
         use_posgen_attention(model, lambda layer: _alibi(6))
