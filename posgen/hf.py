@@ -138,9 +138,7 @@ def _posgen_attention_forward(
     if past_key_values is not None:
         k, v = past_key_values.update(k, v, self.layer_idx, {"cache_position": cache_position})
     m = k.shape[2]
-    mask = None
-    if attention_mask is not None:  # HF's 4-D mask: padding (and causal) per key
-        mask = attention_mask[:, :, :, :m]
+    mask = _four_d(attention_mask, m)  # HF's 4-D mask: padding (and causal) per key
     out = self.posgen(
         q,
         k,
@@ -190,7 +188,7 @@ def _posgen_bloom_attention_forward(
     if layer_past is not None:
         k, v = layer_past.update(k, v, self.layer_idx, {"cache_position": cache_position})
     m = k.shape[2]
-    mask = None if attention_mask is None else attention_mask[:, :, :, :m]  # [B, 1, N, M]
+    mask = _four_d(attention_mask, m)  # [B, 1, N, M]
     k_positions = _kept_positions(mask, m, hidden_states.device)  # [B, M] or [M]
     slots = cache_position if cache_position is not None else torch.arange(m - n, m)
     q_positions = k_positions[..., slots.to(hidden_states.device)]  # the queries' slots
@@ -214,6 +212,19 @@ def _posgen_bloom_attention_forward(
         output = self.dense(out)
     output = residual + F.dropout(output, p=self.hidden_dropout, training=self.training)
     return output, None
+
+
+def _four_d(attention_mask: Tensor | None, m: int) -> Tensor | None:
+    """HF's 4-D mask over the first m keys, or ValueError for another form of mask."""
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, Tensor) or attention_mask.dim() != 4:
+        got = list(attention_mask.shape) if isinstance(attention_mask, Tensor) else attention_mask
+        raise ValueError(
+            "posgen.hf needs the 4-D attention mask of attn_implementation 'eager' or "
+            f"'sdpa', got {type(attention_mask).__name__} {got!r}"
+        )
+    return attention_mask[:, :, :, :m]
 
 
 def _kept_positions(mask: Tensor | None, m: int, device: torch.device) -> Tensor:

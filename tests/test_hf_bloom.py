@@ -147,3 +147,11 @@ def test_what_bloom_attention_cannot_do_is_refused() -> None:
     dropping = use_posgen_attention(_tiny_bloom(4, attention_dropout=0.1), lambda layer: _alibi(4))
     with pytest.raises(ValueError, match="attention dropout"):
         dropping.train()(ids)
+
+
+def test_a_mask_that_is_not_four_d_is_refused() -> None:
+    model = use_posgen_attention(_tiny_bloom(4), lambda layer: _alibi(4))
+    attention = model.transformer.h[0].self_attention
+    hidden = torch.zeros(1, 5, HIDDEN)
+    with pytest.raises(ValueError, match="4-D attention mask"):
+        attention(hidden, hidden, attention_mask=torch.ones(1, 5))
