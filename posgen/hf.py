@@ -1,16 +1,26 @@
-"""Run a Hugging Face Llama-family model's attention through a posgen module.
+"""Run a Hugging Face model's attention through a posgen module.
 
 ``use_posgen_attention(model, encoding)`` swaps the forward of every self-attention layer
-of a ``transformers`` Llama-family model (Llama, Mistral, Qwen2 and others whose
-attention has ``q_proj``/``k_proj``/``v_proj``/``o_proj`` and receives ``position_ids``):
-the projections stay the model's, the positional encoding and the attention are the
-posgen module's. With the matching spec (for Llama: ``rope``, half pairing, the model's
-``rope_theta``) the logits equal the original model's to float32 rounding; with another
-spec the same weights run under another encoding, which is how an idea is tried on a
-real architecture.
+of a ``transformers`` model of a supported family; the projections stay the model's, the
+positional encoding and the attention are the posgen module's. With the matching spec
+the logits equal the original model's to float32 rounding; with another spec the same
+weights run under another encoding, which is how an idea is tried on a real
+architecture. The families, found by the layers' structure or class:
 
-Keys are cached rotated: a decode step rotates its new keys once (``rotate_keys``) and
-attends with ``keys_rotated=True``.
+- Llama family (Llama, Mistral, Qwen2 and others whose ``self_attn`` has
+  ``q_proj``/``k_proj``/``v_proj``/``o_proj`` and receives ``position_ids``): matching
+  spec ``rope`` (half pairing, the model's ``rope_theta``). Keys are cached rotated: a
+  decode step rotates its new keys once (``rotate_keys``) and attends with
+  ``keys_rotated=True``.
+- BLOOM (``BloomAttention``: fused ``query_key_value`` laid out [.., heads, 3,
+  head_dim], ``dense`` output): matching spec ``alibi`` (``generated.alibi.Alibi`` with
+  the model's head count; BLOOM's slopes are ALiBi's for every head count). The model's
+  own ``alibi`` tensor is not used: BLOOM adds ``slope * p_j`` for key position ``p_j``,
+  which differs from ALiBi's ``-slope * (p_i - p_j)`` by ``slope * p_i``, a constant per
+  query row that softmax cancels. Positions count the tokens the 2-D attention mask
+  keeps, as BLOOM's do (read from the last row of the 4-D mask the layer receives), so
+  left, right and inner padding match; attention dropout in training, ``head_mask`` and
+  ``output_attentions`` are refused.
 
     from transformers import LlamaForCausalLM
     from generated.rope import Rope
@@ -30,7 +40,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
+
+SUPPORTED = "Llama-family self_attn (q_proj, k_proj, v_proj, o_proj) or BLOOM's BloomAttention"
 
 
 def use_posgen_attention(model: nn.Module, encoding: Callable[[int], nn.Module]) -> nn.Module:
@@ -38,25 +51,64 @@ def use_posgen_attention(model: nn.Module, encoding: Callable[[int], nn.Module])
 
     ``encoding`` builds one posgen module per layer (call it with the layer index; return
     the same module for every layer to share one). Returns ``model``, changed in place;
-    the modules become submodules ``self_attn.posgen`` (so ``.to()`` moves them).
+    the modules become submodules ``posgen`` of each attention layer (``self_attn.posgen``
+    or ``self_attention.posgen``, so ``.to()`` moves them). Raises ValueError when the
+    model has no attention layer of a supported family, or when a module's ``head_dim``
+    (or, for BLOOM, its head count) differs from the layer's.
     """
     layers = _attention_layers(model)
     if not layers:
-        raise ValueError("no attention layer with q_proj, k_proj, v_proj and o_proj found")
-    for index, attention in enumerate(layers):
-        attention.posgen = encoding(index)
-        attention.forward = types.MethodType(_posgen_attention_forward, attention)
+        raise ValueError(
+            f"no attention layer posgen.hf supports in {type(model).__name__}: it routes "
+            f"{SUPPORTED}"
+        )
+    for index, (attention, forward) in enumerate(layers):
+        module = encoding(index)
+        _check_encoding(attention, module, index)
+        attention.posgen = module
+        attention.forward = types.MethodType(forward, attention)
     return model
 
 
-def _attention_layers(model: nn.Module) -> list[nn.Module]:
-    """The model's self-attention layers, in order."""
+def _attention_layers(model: nn.Module) -> list[tuple[nn.Module, Callable[..., Any]]]:
+    """The model's self-attention layers, in order, each with its posgen forward."""
     wanted = ("q_proj", "k_proj", "v_proj", "o_proj")
-    return [
-        module
-        for name, module in model.named_modules()
-        if name.endswith("self_attn") and all(hasattr(module, part) for part in wanted)
-    ]
+    layers: list[tuple[nn.Module, Callable[..., Any]]] = []
+    for name, module in model.named_modules():
+        if _is_bloom_attention(module):
+            layers.append((module, _posgen_bloom_attention_forward))
+        elif name.endswith("self_attn") and all(hasattr(module, part) for part in wanted):
+            layers.append((module, _posgen_attention_forward))
+    return layers
+
+
+def _is_bloom_attention(module: nn.Module) -> bool:
+    """A ``transformers`` BloomAttention (or a subclass of it)."""
+    return any(cls.__name__ == "BloomAttention" for cls in type(module).__mro__)
+
+
+def _check_encoding(attention: nn.Module, module: nn.Module, index: int) -> None:
+    """ValueError when the posgen module's sizes cannot serve the layer."""
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"encoding({index}) must return an nn.Module, got {type(module).__name__}")
+    layer_dim, module_dim = getattr(attention, "head_dim", None), getattr(module, "head_dim", None)
+    if layer_dim is not None and module_dim is not None and layer_dim != module_dim:
+        raise ValueError(
+            f"layer {index} has head_dim {layer_dim}, encoding({index}) has head_dim {module_dim}"
+        )
+    layer_heads, module_heads = (
+        getattr(attention, "num_heads", None),
+        getattr(module, "heads", None),
+    )
+    if (
+        _is_bloom_attention(attention)
+        and module_heads is not None
+        and layer_heads is not None
+        and layer_heads != module_heads
+    ):
+        raise ValueError(
+            f"layer {index} has {layer_heads} heads, encoding({index}) has {module_heads}"
+        )
 
 
 def _posgen_attention_forward(
@@ -86,18 +138,104 @@ def _posgen_attention_forward(
     if past_key_values is not None:
         k, v = past_key_values.update(k, v, self.layer_idx, {"cache_position": cache_position})
     m = k.shape[2]
-    mask = None
-    if attention_mask is not None:  # HF's 4-D mask: padding (and causal) per key
-        mask = attention_mask[:, :, :, :m]
+    mask = _four_d(attention_mask, m)  # HF's 4-D mask: padding (and causal) per key
     out = self.posgen(
         q,
         k,
         v,
         q_positions=positions,
-        k_positions=positions if m == n else torch.arange(m, device=q.device),
+        # cached keys: their positions count the kept tokens (HF's position_ids for a
+        # left-padded batch), not the cache slots
+        k_positions=positions if m == n else _kept_positions(mask, m, q.device),
         causal=True,
         attn_mask=mask,
         keys_rotated=True,
     )  # [B, H, N, D]
     out = out.transpose(1, 2).reshape(batch, n, -1)
     return self.o_proj(out), None
+
+
+def _posgen_bloom_attention_forward(
+    self: Any,
+    hidden_states: Tensor,
+    residual: Tensor,
+    alibi: Tensor | None = None,
+    attention_mask: Tensor | None = None,
+    layer_past: Any = None,
+    head_mask: Tensor | None = None,
+    use_cache: bool = False,
+    output_attentions: bool = False,
+    cache_position: Tensor | None = None,
+) -> tuple[Tensor, None]:
+    """BloomAttention.forward with posgen's encoding and attention.
+
+    hidden_states: [B, N, hidden]; returns (residual + dense(attention), None) as
+    BloomAttention does, without the attention weights. BLOOM's ``alibi`` tensor is not
+    used: the posgen module forms its bias from the positions (see the module docstring).
+    """
+    if output_attentions:
+        raise ValueError("posgen.hf does not return attention weights: output_attentions=False")
+    if head_mask is not None:
+        raise ValueError("posgen.hf does not support BLOOM's head_mask")
+    if self.training and self.attention_dropout.p > 0:
+        raise ValueError(
+            "posgen attention has no attention dropout: call model.eval() or set "
+            "config.attention_dropout=0.0 to train"
+        )
+    batch, n, _ = hidden_states.shape
+    fused = self.query_key_value(hidden_states).view(batch, n, self.num_heads, 3, self.head_dim)
+    q, k, v = (fused[..., part, :].transpose(1, 2) for part in range(3))  # [B, H, N, D]
+    if layer_past is not None:
+        k, v = layer_past.update(k, v, self.layer_idx, {"cache_position": cache_position})
+    m = k.shape[2]
+    mask = _four_d(attention_mask, m)  # [B, 1, N, M]
+    k_positions = _kept_positions(mask, m, hidden_states.device)  # [B, M] or [M]
+    slots = cache_position if cache_position is not None else torch.arange(m - n, m)
+    q_positions = k_positions[..., slots.to(hidden_states.device)]  # the queries' slots
+    out = self.posgen(
+        q,
+        k,
+        v,
+        q_positions=q_positions,
+        k_positions=k_positions,
+        causal=True,
+        attn_mask=mask,
+    )  # [B, H, N, D]
+    out = out.transpose(1, 2).reshape(batch, n, self.num_heads * self.head_dim)
+    if self.pretraining_tp > 1 and self.slow_but_exact:  # BLOOM's sliced dense, as it sums
+        step = self.hidden_size / self.pretraining_tp
+        output = torch.zeros_like(out)
+        for i in range(self.pretraining_tp):
+            lo, hi = int(i * step), int((i + 1) * step)
+            output = output + F.linear(out[:, :, lo:hi], self.dense.weight[:, lo:hi])
+    else:
+        output = self.dense(out)
+    output = residual + F.dropout(output, p=self.hidden_dropout, training=self.training)
+    return output, None
+
+
+def _four_d(attention_mask: Tensor | None, m: int) -> Tensor | None:
+    """HF's 4-D mask over the first m keys, or ValueError for another form of mask."""
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, Tensor) or attention_mask.dim() != 4:
+        got = list(attention_mask.shape) if isinstance(attention_mask, Tensor) else attention_mask
+        raise ValueError(
+            "posgen.hf needs the 4-D attention mask of attn_implementation 'eager' or "
+            f"'sdpa', got {type(attention_mask).__name__} {got!r}"
+        )
+    return attention_mask[:, :, :, :m]
+
+
+def _kept_positions(mask: Tensor | None, m: int, device: torch.device) -> Tensor:
+    """Key positions counting kept keys: int64 [B, M] (0 at padding), or [M] without a mask.
+
+    The last query row of HF's 4-D additive mask lets every key up to that query through
+    except padding, so the keys it keeps (value 0) are the 2-D attention mask's ones;
+    BLOOM numbers them ``cumsum - 1`` and gives padding 0 (it is masked anyway); those
+    are also the ``position_ids`` ``generate`` gives a Llama-family model's kept tokens.
+    """
+    if mask is None:
+        return torch.arange(m, device=device)
+    kept = (mask[:, 0, -1, :] == 0).to(torch.int64)  # [B, M]
+    return (kept.cumsum(-1) - 1) * kept

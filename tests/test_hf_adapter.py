@@ -52,3 +52,23 @@ def test_tiny_llama_generation_with_a_cache_matches_through_posgen() -> None:
 def test_a_model_without_llama_attention_is_refused() -> None:
     with pytest.raises(ValueError, match="no attention layer"):
         use_posgen_attention(torch.nn.Linear(2, 2), lambda layer: Rope())
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_tiny_llama_left_padded_batch_generation_matches_through_posgen(cache: str) -> None:
+    """Cached keys take the positions of the kept tokens, as HF's position_ids do."""
+    model = _tiny_llama()
+    ids = torch.randint(1, 97, (2, 9), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[0, :3], ids[0, :3] = 0, 0  # left padding with the pad token
+    settings = {
+        "max_new_tokens": 8,
+        "do_sample": False,
+        "pad_token_id": 0,
+        "cache_implementation": cache,
+    }
+    with torch.no_grad():
+        expected = model.generate(ids, attention_mask=mask, **settings)
+        use_posgen_attention(model, lambda layer: Rope(heads=4, head_dim=16))
+        got = model.generate(ids, attention_mask=mask, **settings)
+    assert torch.equal(got, expected)
