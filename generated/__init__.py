@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from .alibi import Alibi
+from .alibi_learned import AlibiLearned
 from .bert_relative_key import BertRelativeKey
 from .bert_relative_key_query import BertRelativeKeyQuery
 from .complex_order import ComplexOrder
@@ -11,8 +12,11 @@ from .convolutional import Convolutional
 from .convolutional_grid import ConvolutionalGrid
 from .deberta import Deberta
 from .deberta_absolute_input import DebertaAbsoluteInput
+from .fire import Fire
 from .floater import Floater
 from .hierarchical_absolute import HierarchicalAbsolute
+from .kerple_log import KerpleLog
+from .kerple_power import KerplePower
 from .learned_absolute import LearnedAbsolute
 from .multiplicative_learned import MultiplicativeLearned
 from .multiplicative_sinusoidal import MultiplicativeSinusoidal
@@ -20,6 +24,7 @@ from .nope import Nope
 from .rope import Rope
 from .rope_gptj import RopeGptj
 from .rope_randomized import RopeRandomized
+from .sandwich import Sandwich
 from .shaw import Shaw
 from .sinusoidal import Sinusoidal
 from .t5 import T5
@@ -30,6 +35,7 @@ from .tupe_r import TupeR
 
 ENCODINGS = {
     "alibi": Alibi,
+    "alibi_learned": AlibiLearned,
     "bert_relative_key": BertRelativeKey,
     "bert_relative_key_query": BertRelativeKeyQuery,
     "complex_order": ComplexOrder,
@@ -37,8 +43,11 @@ ENCODINGS = {
     "convolutional_grid": ConvolutionalGrid,
     "deberta": Deberta,
     "deberta_absolute_input": DebertaAbsoluteInput,
+    "fire": Fire,
     "floater": Floater,
     "hierarchical_absolute": HierarchicalAbsolute,
+    "kerple_log": KerpleLog,
+    "kerple_power": KerplePower,
     "learned_absolute": LearnedAbsolute,
     "multiplicative_learned": MultiplicativeLearned,
     "multiplicative_sinusoidal": MultiplicativeSinusoidal,
@@ -46,6 +55,7 @@ ENCODINGS = {
     "rope": Rope,
     "rope_gptj": RopeGptj,
     "rope_randomized": RopeRandomized,
+    "sandwich": Sandwich,
     "shaw": Shaw,
     "sinusoidal": Sinusoidal,
     "t5": T5,
@@ -58,6 +68,7 @@ ENCODINGS = {
 __all__ = [
     "ENCODINGS",
     "Alibi",
+    "AlibiLearned",
     "BertRelativeKey",
     "BertRelativeKeyQuery",
     "ComplexOrder",
@@ -65,8 +76,11 @@ __all__ = [
     "ConvolutionalGrid",
     "Deberta",
     "DebertaAbsoluteInput",
+    "Fire",
     "Floater",
     "HierarchicalAbsolute",
+    "KerpleLog",
+    "KerplePower",
     "LearnedAbsolute",
     "MultiplicativeLearned",
     "MultiplicativeSinusoidal",
@@ -74,6 +88,7 @@ __all__ = [
     "Rope",
     "RopeGptj",
     "RopeRandomized",
+    "Sandwich",
     "Shaw",
     "Sinusoidal",
     "T5",
