@@ -165,7 +165,7 @@ def parse_expr(text: str, params: dict[str, ParamInfo]) -> Parsed:
         raise ExprError(
             f"{len(nodes)} syntax nodes, past the limit of {MAX_EXPR_NODES}: split the idea "
             "into a built-in kind or a shorter formula",
-            _offset(nodes[MAX_EXPR_NODES]),
+            0,
         )
     checker = _Checker(params)
     checker.check(tree.body, 1)
@@ -289,6 +289,8 @@ class _Checker:
 
     def _call(self, node: ast.Call, depth: int) -> None:
         func = node.func
+        if isinstance(func, ast.Attribute):
+            raise ExprError("attribute access is not allowed in an expression", _offset(func))
         if not isinstance(func, ast.Name):
             raise ExprError(
                 f"only the listed functions may be called: {', '.join(FUNCTIONS)}",

@@ -277,6 +277,8 @@ def _data_path(loc: tuple[str | int, ...], data: object) -> FieldPath:
     path: list[str | int] = []
     current = data
     for part in loc:
+        if isinstance(current, dict) and current.get("kind") == part and _is_tag(str(part)):
+            continue  # a union tag that is also a field name (kind: expr has a key expr)
         if isinstance(current, dict) and part in current:
             path.append(part)
             current = current[part]
