@@ -17,8 +17,8 @@ References:
       Transformers, arXiv:2310.04418
 
 Weights:
-    fire_mlp, fire_c, fire_threshold_scale, fire_init_threshold: ``mlp``, ``c``,
-    ``L_multiplier`` and ``init_L`` of the paper's reference FIRE module.
+    fire_mlp, fire_c, fire_threshold_scale: ``mlp``, ``c`` and ``L_multiplier`` of the
+    paper's reference FIRE module (its ``init_L`` is the spec's init_threshold).
 
 Usage::
 
@@ -75,7 +75,9 @@ class Fire(PositionalAttention):
         )
         self.fire_c = nn.Parameter(torch.tensor(FIRE_INIT_C))
         self.fire_threshold_scale = nn.Parameter(torch.tensor(1.0))
-        self.register_buffer("fire_init_threshold", torch.tensor(FIRE_INIT_THRESHOLD))
+        # L0, fixed by the spec (the reference code's non-trained init_L)
+        threshold = torch.tensor(FIRE_INIT_THRESHOLD)
+        self.register_buffer("fire_init_threshold", threshold, persistent=False)
 
     def score_bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
         """f(psi(max(i - j, 0)) / psi(max(i, L))): [heads, N, M], or [batch, heads, N, M]."""

@@ -734,7 +734,10 @@ class ExprParam(SpecModel):
     )
     positive: bool = False
     bounds: list[Annotated[float, Field(ge=-MAX_EXPR_INIT, le=MAX_EXPR_INIT)]] | None = Field(
-        None, min_length=2, max_length=2, description="[lo, hi]: the value is read clamped"
+        None,
+        min_length=2,
+        max_length=2,
+        description=f"[lo, hi], each within ±{MAX_EXPR_INIT:g}: the value is read clamped",
     )
 
     @model_validator(mode="after")
