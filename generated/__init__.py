@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from .alibi import Alibi
+from .alibi_learned import AlibiLearned
 from .bert_relative_key import BertRelativeKey
 from .bert_relative_key_query import BertRelativeKeyQuery
 from .complex_order import ComplexOrder
@@ -11,8 +12,11 @@ from .convolutional import Convolutional
 from .convolutional_grid import ConvolutionalGrid
 from .deberta import Deberta
 from .deberta_absolute_input import DebertaAbsoluteInput
+from .fire import Fire
 from .floater import Floater
 from .hierarchical_absolute import HierarchicalAbsolute
+from .kerple_log import KerpleLog
+from .kerple_power import KerplePower
 from .learned_absolute import LearnedAbsolute
 from .multiplicative_learned import MultiplicativeLearned
 from .multiplicative_sinusoidal import MultiplicativeSinusoidal
@@ -30,6 +34,7 @@ from .rope_partial import RopePartial
 from .rope_randomized import RopeRandomized
 from .rope_xpos import RopeXpos
 from .rope_yarn import RopeYarn
+from .sandwich import Sandwich
 from .shaw import Shaw
 from .sinusoidal import Sinusoidal
 from .t5 import T5
@@ -40,6 +45,7 @@ from .tupe_r import TupeR
 
 ENCODINGS = {
     "alibi": Alibi,
+    "alibi_learned": AlibiLearned,
     "bert_relative_key": BertRelativeKey,
     "bert_relative_key_query": BertRelativeKeyQuery,
     "complex_order": ComplexOrder,
@@ -47,8 +53,11 @@ ENCODINGS = {
     "convolutional_grid": ConvolutionalGrid,
     "deberta": Deberta,
     "deberta_absolute_input": DebertaAbsoluteInput,
+    "fire": Fire,
     "floater": Floater,
     "hierarchical_absolute": HierarchicalAbsolute,
+    "kerple_log": KerpleLog,
+    "kerple_power": KerplePower,
     "learned_absolute": LearnedAbsolute,
     "multiplicative_learned": MultiplicativeLearned,
     "multiplicative_sinusoidal": MultiplicativeSinusoidal,
@@ -66,6 +75,7 @@ ENCODINGS = {
     "rope_randomized": RopeRandomized,
     "rope_xpos": RopeXpos,
     "rope_yarn": RopeYarn,
+    "sandwich": Sandwich,
     "shaw": Shaw,
     "sinusoidal": Sinusoidal,
     "t5": T5,
@@ -78,6 +88,7 @@ ENCODINGS = {
 __all__ = [
     "ENCODINGS",
     "Alibi",
+    "AlibiLearned",
     "BertRelativeKey",
     "BertRelativeKeyQuery",
     "ComplexOrder",
@@ -85,8 +96,11 @@ __all__ = [
     "ConvolutionalGrid",
     "Deberta",
     "DebertaAbsoluteInput",
+    "Fire",
     "Floater",
     "HierarchicalAbsolute",
+    "KerpleLog",
+    "KerplePower",
     "LearnedAbsolute",
     "MultiplicativeLearned",
     "MultiplicativeSinusoidal",
@@ -104,6 +118,7 @@ __all__ = [
     "RopeRandomized",
     "RopeXpos",
     "RopeYarn",
+    "Sandwich",
     "Shaw",
     "Sinusoidal",
     "T5",

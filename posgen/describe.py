@@ -9,16 +9,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from posgen.spec.model import (
+    AnyBias,
     ClipIndex,
     ComplexOrderInput,
+    ExprBias,
+    FireBias,
     GlobalContentTerm,
     GlobalPositionTerm,
+    KerpleBias,
     LearnedRelativeTable,
     LearnedTable,
     LearnedTableBias,
     LinearSlopeBias,
     RelativeTerm,
     RelativeValues,
+    SandwichBias,
     Spec,
     SymmetricLogBuckets,
     UntiedPositions,
@@ -35,9 +40,40 @@ class TermLine:
     formula: str
 
 
-def _bias_formula(bias: LinearSlopeBias | LearnedTableBias) -> str:
-    if isinstance(bias, LinearSlopeBias):
+def _slope_formula(bias: LinearSlopeBias) -> str:
+    if bias.slopes == "alibi_geometric" and bias.heads_with_bias is None:
         return "-slope_h * |i - j|, slopes: alibi_geometric"
+    words = {
+        "alibi_geometric": "alibi_geometric",
+        "learned": "learned (initially alibi_geometric)",
+        "custom": f"custom {list(bias.values or [])}",
+    }
+    text = f"-slope_h * |i - j|, slopes: {words[bias.slopes]}"
+    if bias.heads_with_bias is not None:
+        text += f", on the first {bias.heads_with_bias} heads only (others: no bias)"
+    return text
+
+
+def _bias_formula(bias: AnyBias) -> str:
+    if isinstance(bias, LinearSlopeBias):
+        return _slope_formula(bias)
+    if isinstance(bias, KerpleBias):
+        if bias.variant == "log":
+            return "-r1_h * log(1 + r2_h * |i - j|), KERPLE-log, r1 and r2 trained (> 0)"
+        return "-r1_h * |i - j|^r2_h, KERPLE-power, r1 and r2 trained (0 < r2 <= 2)"
+    if isinstance(bias, FireBias):
+        return (
+            f"f(psi(max(i - j, 0)) / psi(max(i, L)))_h, FIRE: psi(x) = log(c x + 1), MLP "
+            f"1 -> {bias.hidden} -> heads, c and L trained"
+        )
+    if isinstance(bias, SandwichBias):
+        return (
+            f"sum_{{k=1}}^{{{bias.dim // 2}}} cos((i - j) / {bias.base:g}^(2k / {bias.dim})), "
+            "Sandwich, every head alike"
+        )
+    if isinstance(bias, ExprBias):
+        names = ", ".join(bias.params) or "none"
+        return f"{bias.expr} (expression; trained parameters: {names})"
     index = bias.index
     relative = "j - i" if index.sign == "key_minus_query" else "i - j"
     direction = "bidirectional" if index.bidirectional else "unidirectional"

@@ -35,7 +35,13 @@ def _build(cls: type[torch.nn.Module]) -> torch.nn.Module:
     if "model_dim" in params:
         kwargs["model_dim"] = MODEL_DIM
     torch.manual_seed(0)
-    return cls(**kwargs).eval()  # evaluation: positions are never randomized
+    try:
+        module = cls(**kwargs)
+    except ValueError:  # a rotation sized for its own head_dim (M-RoPE sections, LongRoPE)
+        del kwargs["head_dim"]
+        torch.manual_seed(0)
+        module = cls(**kwargs)
+    return module.eval()  # evaluation: positions are never randomized
 
 
 def _record(out: dict[str, Any], key: str, call: Any, *args: Any, **kwargs: Any) -> None:
@@ -63,14 +69,15 @@ def collect(cls: type[torch.nn.Module]) -> dict[str, Any]:
     out["state_dict"] = sorted((k, tuple(v.shape)) for k, v in module.state_dict().items())
     module = module.double()
     generator = torch.Generator().manual_seed(1)
-    value_dim = getattr(module, "value_dim", HEAD_DIM)
+    head_dim = module.head_dim
+    value_dim = getattr(module, "value_dim", head_dim)
 
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=generator, dtype=torch.float64)
 
-    q, k = randn(BATCH, HEADS, N, HEAD_DIM), randn(BATCH, HEADS, M, HEAD_DIM)
+    q, k = randn(BATCH, HEADS, N, head_dim), randn(BATCH, HEADS, M, head_dim)
     v = randn(BATCH, HEADS, M, value_dim)
-    width = MODEL_DIM if hasattr(module, "model_dim") else HEADS * HEAD_DIM
+    width = MODEL_DIM if hasattr(module, "model_dim") else HEADS * head_dim
     x = randn(BATCH, N, width)
     explicit = {"q_positions": Q_POSITIONS, "k_positions": K_POSITIONS}
     for positions_name, positions in (("default", {}), ("explicit", explicit)):

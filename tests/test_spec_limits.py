@@ -339,11 +339,22 @@ def _leaf_types(annotation: object) -> list[object]:
 NUMERIC_FIELDS = _numeric_fields(spec_model.Spec, set())
 
 
+def _without_none(annotation: object) -> object:
+    """X for X | None (a list of numbers that may be omitted)."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        rest = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+        return rest[0] if len(rest) == 1 else annotation
+    return annotation
+
+
 def test_every_numeric_field_is_bounded_and_says_why() -> None:
     assert len(NUMERIC_FIELDS) > 30
     for model, name, _kind, info in NUMERIC_FIELDS:
         bounds = {type(item).__name__ for item in info.metadata}
         where = f"{model.__name__}.{name}"
+        if typing.get_origin(_without_none(info.annotation)) is list:  # bounded items
+            item = typing.get_args(_without_none(info.annotation))[0]
+            bounds = {type(m).__name__ for arg in typing.get_args(item)[1:] for m in arg.metadata}
         assert bounds & {"Gt", "Ge"} and bounds & {"Lt", "Le"}, where
         assert info.description and any(c.isdigit() for c in info.description), where
 

@@ -41,44 +41,77 @@ def alibi_geometric_slopes(heads: int) -> list[float]:
 SLOPE_RECIPES: dict[str, Callable[[int], list[float]]] = {"alibi_geometric": alibi_geometric_slopes}
 
 
+def _expected(bias: object, heads: int) -> list[float] | None:
+    """The slopes a fresh module of ``heads`` heads must have, or None if unknown.
+
+    ``learned`` slopes start at the geometric recipe; ``custom`` ones are the spec's
+    values; with ``heads_with_bias: N`` the first N heads follow the recipe for N heads
+    and the others have slope 0.
+    """
+    values = getattr(bias, "values", None)
+    if values is not None:
+        return [float(v) for v in values]
+    recipe = SLOPE_RECIPES.get("alibi_geometric")
+    if getattr(bias, "slopes", None) not in ("alibi_geometric", "learned") or recipe is None:
+        return None
+    with_bias = getattr(bias, "heads_with_bias", None) or heads
+    return recipe(with_bias) + [0.0] * (heads - with_bias)
+
+
 def slopes(probe: Probe) -> Outcome:
     """Positive slopes equal to the recipe for 1-64 heads, and a bias linear in distance."""
     bias = probe.spec.bias
     recipe_name = getattr(bias, "slopes", None)
     if bias is None or not isinstance(recipe_name, str):
         return Outcome("slopes", "block", None, None, "no slope bias in this spec")
-    recipe = SLOPE_RECIPES.get(recipe_name)
+    custom = getattr(bias, "values", None) is not None
+    with_bias = getattr(bias, "heads_with_bias", None)
+    lowest = with_bias or 1
 
     def check(heads: int) -> float:
         got = _measured(probe, heads)
         _linear(probe, heads)
-        if min(got) <= 0:
-            h = min(range(heads), key=lambda h: got[h])
+        expected = _expected(bias, heads)
+        biased = [h for h in range(heads) if expected is None or expected[h] > 0]
+        if not custom and biased and min(got[h] for h in biased) <= 0:
+            h = min(biased, key=lambda h: got[h])
             raise Violation(
                 f"{heads} heads: head {h} has slope {fmt(got[h])} ≤ 0",
                 heads=heads,
                 head=h,
                 values=got,
             )
-        if recipe is not None:
-            _follows_recipe(got, recipe(heads), recipe_name, heads)
-        return min(got)
+        if expected is not None:
+            _follows_recipe(got, expected, recipe_name, heads)
+        return min(got[h] for h in biased) if biased else 0.0
 
-    search = run_search(check, st.integers(1, 64), probe.budget, lambda: [probe.heads, 1, 3, 12])
+    if custom:
+        strategy = st.just(probe.heads)  # the spec's values fix the head count
+    else:
+        strategy = st.integers(lowest, 64)
+    scan = [h for h in (probe.heads, 1, 3, 12) if h >= lowest and (not custom or h == probe.heads)]
+    search = run_search(check, strategy, probe.budget, lambda: scan)
     if search.violation is not None:
         return failed("slopes", "block", None, search)
     first = _measured(probe, probe.heads)
+    known = _expected(bias, probe.heads) is not None
+    label = (
+        "alibi_geometric (the learned slopes' initialisation)"
+        if recipe_name == "learned"
+        else recipe_name
+    )
     how = (
-        f"equal to an independent {recipe_name} recipe"
-        if recipe
+        f"equal to an independent {label} recipe"
+        if known
         else f"no independent implementation of {recipe_name!r}"
     )
+    counts = f"{probe.heads} heads" if custom else f"{lowest}-64 heads"
     return Outcome(
         "slopes",
         "block",
         None,
         True,
-        f"positive; {how} for 1-64 heads; linear in distance on both sides "
+        f"positive; {how} for {counts}; linear in distance on both sides "
         f"(distances {short_list(DISTANCES, 9)}); {probe.heads} heads: "
         f"{short_list(fmt(s) for s in first)}",
     )
@@ -119,7 +152,7 @@ def _linear(probe: Probe, heads: int) -> None:
 def _follows_recipe(got: list[float], expected: list[float], name: str, heads: int) -> None:
     """Every measured slope equals the recipe's within 1e-6, or a Violation."""
     for h, (a, b) in enumerate(zip(got, expected, strict=True)):
-        if abs(a - b) > 1e-6 * b:
+        if abs(a - b) > 1e-6 * b or (b == 0 and a != 0):
             raise Violation(
                 f"{heads} heads: head {h} has slope {fmt(a)}, the {name} recipe gives {fmt(b)}",
                 heads=heads,

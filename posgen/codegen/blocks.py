@@ -297,13 +297,96 @@ class BucketIndexPlan:
 
 @dataclass(frozen=True)
 class SlopeBiasPlan(Block):
-    """bias[h, i, j] = -slope_h * |i - j| with ALiBi's geometric slopes."""
+    """bias[h, i, j] = -slope_h * |i - j|: ALiBi's geometric, learned or custom slopes."""
 
     template: ClassVar[str] = "blocks/slope_bias.jinja"
     inside_scale: bool  # added to q.k before the scale (else after it)
-    slopes: Literal["alibi_geometric"]  # named in a comment
+    slopes: Literal["alibi_geometric", "learned", "custom"]  # named in a comment
     method: str = "_position_bias"  # the method that returns the [heads, N, M] bias
     public: bool = True  # also render ``score_bias`` (False inside an untied term)
+    custom_values: tuple[float, ...] | None = None  # the CUSTOM_SLOPES constant
+    heads_with_bias: int | None = None  # only the first N heads get a bias
+
+    @property
+    def learned(self) -> bool:
+        """The slopes are an nn.Parameter initialised from the geometric recipe."""
+        return self.slopes == "learned"
+
+    @property
+    def custom(self) -> bool:
+        """The slopes are the spec's values (a module-level constant)."""
+        return self.custom_values is not None
+
+    @property
+    def plain(self) -> bool:
+        """The original fixed geometric slopes on every head (the cached buffer path)."""
+        return not self.learned and not self.custom and self.heads_with_bias is None
+
+
+@dataclass(frozen=True)
+class KerplePlan(Block):
+    """KERPLE: -r1_h log(1 + r2_h |i - j|) or -r1_h |i - j|^r2_h, r1 and r2 trained."""
+
+    template: ClassVar[str] = "blocks/kerple.jinja"
+    inside_scale: bool
+    variant: Literal["log", "power"]  # named in comments
+
+    @property
+    def log(self) -> bool:
+        """The logarithmic kernel (else the power kernel)."""
+        return self.variant == "log"
+
+
+@dataclass(frozen=True)
+class FirePlan(Block):
+    """FIRE: an MLP of the log-normalised causal distance, per head."""
+
+    template: ClassVar[str] = "blocks/fire.jinja"
+    inside_scale: bool
+    hidden: int
+    init_c: float
+    init_threshold: float
+
+
+@dataclass(frozen=True)
+class SandwichPlan(Block):
+    """Sandwich: sum_k cos((i - j) / base^(2k / d')), the same for every head."""
+
+    template: ClassVar[str] = "blocks/sandwich.jinja"
+    inside_scale: bool
+    dim: int
+    base: float
+
+
+@dataclass(frozen=True)
+class ExprParamPlan:
+    """A trained parameter of an expression bias (``name`` a checked identifier)."""
+
+    name: str
+    per_head: bool
+    raw_init: float  # the stored value: init, or softplus^-1(init) for a positive one
+    positive: bool
+    bounds: tuple[float, float] | None
+
+
+@dataclass(frozen=True)
+class ExprBiasPlan(Block):
+    """A bias from a checked expression, rendered as one assignment per syntax node.
+
+    ``steps`` come from ``posgen.spec.expr.render_steps``: fixed torch calls, temporaries
+    ``tK``, the locals i, j, h, ``p_NAME`` and finite float literals; no spec text.
+    """
+
+    template: ClassVar[str] = "blocks/expr_bias.jinja"
+    inside_scale: bool
+    expression: str  # quoted in the docstring only, through ``py``
+    params: tuple[ExprParamPlan, ...]
+    steps: tuple[str, ...]
+    result: str
+    uses_h: bool
+
+
+PositionBiasPlan = SlopeBiasPlan | KerplePlan | FirePlan | SandwichPlan | ExprBiasPlan
 
 
 @dataclass(frozen=True)

@@ -29,9 +29,13 @@ from posgen.codegen.blocks import (
     ComplexOrderPlan,
     DepthwiseConvPlan,
     DistanceIndexPlan,
+    ExprBiasPlan,
+    ExprParamPlan,
+    FirePlan,
     GlobalContentPlan,
     HierarchicalTablePlan,
     InputTable,
+    KerplePlan,
     LearnedRelativeTablePlan,
     LearnedTablePlan,
     OdeTablePlan,
@@ -42,6 +46,7 @@ from posgen.codegen.blocks import (
     RelativeTable,
     RelativeTermPlan,
     RotationPlan,
+    SandwichPlan,
     Side,
     SinusoidalRelativeTablePlan,
     SinusoidalTablePlan,
@@ -60,24 +65,29 @@ from posgen.describe import (
     term_lines,
     value_lines,
 )
+from posgen.spec.expr import render_steps
 from posgen.spec.model import (
+    AnyBias,
     ClipIndex,
     ComplexOrderInput,
     DepthwiseConvTable,
     DistanceIndex,
+    ExprBias,
+    FireBias,
     GlobalContentTerm,
     GlobalPositionSpec,
     GlobalPositionTerm,
     HierarchicalTable,
+    KerpleBias,
     LearnedRelativeTable,
     LearnedTable,
-    LearnedTableBias,
     LinearSlopeBias,
     LogBuckets,
     OdeTable,
     RelativeTerm,
     RelativeTermSpec,
     RelativeValues,
+    SandwichBias,
     SinusoidalRelativeTable,
     SinusoidalTable,
     Spec,
@@ -275,17 +285,68 @@ def _bucket_plan(index: LogBuckets) -> BucketIndexPlan:
     )
 
 
-def _bias_plan(
-    bias: LinearSlopeBias | LearnedTableBias, untied: UntiedPositions | None
-) -> SlopeBiasPlan | TableBiasPlan:
+BiasBlock = SlopeBiasPlan | TableBiasPlan | KerplePlan | FirePlan | SandwichPlan | ExprBiasPlan
+BIAS_BLOCKS = (SlopeBiasPlan, TableBiasPlan, KerplePlan, FirePlan, SandwichPlan, ExprBiasPlan)
+# biases of j - i alone: the runtime's sdpa path takes them per distance (``_distance_bias``)
+DISTANCE_BIAS_BLOCKS = (SlopeBiasPlan, TableBiasPlan, KerplePlan, SandwichPlan)
+
+
+def _inverse_softplus(value: float) -> float:
+    """x with softplus(x) = value > 0 (exact for large values, stable for small ones)."""
+    return value + math.log(-math.expm1(-value))
+
+
+def _expr_plan(bias: ExprBias, inside_scale: bool) -> ExprBiasPlan:
+    parsed = bias.parsed()
+    steps, result = render_steps(parsed)
+    params = tuple(
+        ExprParamPlan(
+            name=identifier(name),
+            per_head=param.per_head,
+            raw_init=float(_inverse_softplus(param.init) if param.positive else param.init),
+            positive=param.positive,
+            bounds=(float(param.bounds[0]), float(param.bounds[1])) if param.bounds else None,
+        )
+        for name, param in bias.params.items()
+    )
+    return ExprBiasPlan(
+        inside_scale=inside_scale,
+        expression=bias.expr,
+        params=params,
+        steps=steps,
+        result=result,
+        uses_h=parsed.uses_h,
+    )
+
+
+def _bias_plan(bias: AnyBias, untied: UntiedPositions | None) -> BiasBlock:
     """The bias block; beside an untied term it is read by that term, not by the runtime."""
     name, public = ("_relative_bias", False) if untied is not None else ("_position_bias", True)
     method = identifier(name)
     inside_scale = bias.placement == "before_scale"
     if isinstance(bias, LinearSlopeBias):
+        values = tuple(float(v) for v in bias.values) if bias.values is not None else None
         return SlopeBiasPlan(
-            inside_scale=inside_scale, slopes=bias.slopes, method=method, public=public
+            inside_scale=inside_scale,
+            slopes=bias.slopes,
+            method=method,
+            public=public,
+            custom_values=values,
+            heads_with_bias=bias.heads_with_bias,
         )
+    if isinstance(bias, KerpleBias):
+        return KerplePlan(inside_scale=inside_scale, variant=bias.variant)
+    if isinstance(bias, FireBias):
+        return FirePlan(
+            inside_scale=inside_scale,
+            hidden=bias.hidden,
+            init_c=float(bias.init_c),
+            init_threshold=float(bias.init_threshold),
+        )
+    if isinstance(bias, SandwichBias):
+        return SandwichPlan(inside_scale=inside_scale, dim=bias.dim, base=float(bias.base))
+    if isinstance(bias, ExprBias):
+        return _expr_plan(bias, inside_scale)
     return TableBiasPlan(
         inside_scale=inside_scale,
         index=_bucket_plan(bias.index),
@@ -297,8 +358,10 @@ def _bias_plan(
     )
 
 
-def _untied_plan(untied: UntiedPositions, bias: SlopeBiasPlan | TableBiasPlan | None) -> UntiedPlan:
+def _untied_plan(untied: UntiedPositions, bias: BiasBlock | None) -> UntiedPlan:
     table = untied.table
+    if bias is not None and not isinstance(bias, (SlopeBiasPlan, TableBiasPlan)):
+        raise PlanError("a bias beside an untied term is linear_slopes or learned_table")
     if not isinstance(table, LearnedTable):
         raise PlanError(f"an untied table must be learned, got {table.kind!r}")
     return UntiedPlan(
@@ -468,7 +531,7 @@ def _blocks(spec: Spec) -> tuple[Block, ...]:
 def _flags(blocks: tuple[Block, ...]) -> tuple[tuple[str, bool], ...]:
     """The composition flags the runtime's PositionalAttention reads."""
     untied = any(isinstance(block, UntiedPlan) for block in blocks)
-    bias = next((b for b in blocks if isinstance(b, (SlopeBiasPlan, TableBiasPlan))), None)
+    bias = next((b for b in blocks if isinstance(b, BIAS_BLOCKS)), None)
     relative = next((b for b in blocks if isinstance(b, RelativePlan)), None)
     has_position_bias = untied or bias is not None
     return (
@@ -478,7 +541,7 @@ def _flags(blocks: tuple[Block, ...]) -> tuple[tuple[str, bool], ...]:
             "position_bias_inside_scale",
             not untied and bias is not None and bias.inside_scale,
         ),
-        ("bias_by_distance", not untied and bias is not None),
+        ("bias_by_distance", not untied and isinstance(bias, DISTANCE_BIAS_BLOCKS)),
         ("has_rotation", any(isinstance(block, RotationPlan) for block in blocks)),
         ("has_relative_terms", relative is not None),
         ("has_value_term", relative is not None and relative.values is not None),

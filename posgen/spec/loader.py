@@ -243,7 +243,10 @@ def _diagnostics(error: ValidationError, loaded: LoadedYaml, shown: str) -> list
         kind = item["type"]
         if kind == "cross_field":
             path = path + tuple(str(context["at"]).split("."))
-        if kind == "unknown_field":
+        if kind == "expr":
+            path = (*path, "expr")
+            line, col = _expr_position(loaded, path, int(context.get("offset", 0)))
+        elif kind == "unknown_field":
             key_path = (*path, context["key"])
             line, col = loaded.key_positions.get(key_path, loaded.position_of(path))
             path = key_path
@@ -257,11 +260,25 @@ def _diagnostics(error: ValidationError, loaded: LoadedYaml, shown: str) -> list
     return list(unique.values())
 
 
+def _expr_position(loaded: LoadedYaml, path: FieldPath, offset: int) -> tuple[int, int]:
+    """The file position of character ``offset`` of an expression string.
+
+    Exact for a one-line plain or quoted scalar spelled verbatim; otherwise the position
+    of the scalar itself (the message names the character either way).
+    """
+    start = loaded.text_starts.get(path)
+    if start is None:
+        return loaded.position_of(path)
+    return start[0], start[1] + offset
+
+
 def _data_path(loc: tuple[str | int, ...], data: object) -> FieldPath:
     """Drop union tags from a pydantic location, keeping the keys that exist in data."""
     path: list[str | int] = []
     current = data
     for part in loc:
+        if isinstance(current, dict) and current.get("kind") == part and _is_tag(str(part)):
+            continue  # a union tag that is also a field name (kind: expr has a key expr)
         if isinstance(current, dict) and part in current:
             path.append(part)
             current = current[part]
@@ -307,6 +324,10 @@ _KNOWN_TAGS = {
     "plain",
     "clip",
     "distance",
+    "kerple",
+    "fire",
+    "sandwich",
+    "expr",
 }
 
 
@@ -346,7 +367,7 @@ def _message(item: ErrorDetails, path: FieldPath = ()) -> str:
         return f"unknown kind {quoted(tag)}; allowed: {context.get('expected_tags')}{hint}"
     if kind == "union_tag_not_found":
         return f"'kind' is required; allowed kinds: {_describe_tags(item)}"
-    if kind in ("cross_field", "unknown_field", "module_name", "free_text"):
+    if kind in ("cross_field", "unknown_field", "module_name", "free_text", "expr"):
         return item["msg"]
     if kind == "value_error":
         return str(item["msg"]).removeprefix("Value error, ")

@@ -41,6 +41,14 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from posgen.spec.diagnostics import closest_name, quoted
+from posgen.spec.expr import (
+    PARAM_NAME,
+    RESERVED_PARAM_NAMES,
+    ExprError,
+    ParamInfo,
+    Parsed,
+    parse_expr,
+)
 from posgen.spec.names import reserved_name_problem
 
 IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -61,6 +69,8 @@ MAX_INIT_STD = 10.0
 """Largest initialisation std (published encodings use 0.02 to 1; 1e300 makes inf)."""
 MAX_GRID_KERNEL = 63
 """Largest k of a k x k grid_2d convolution (k^2 weights per feature; CPVT uses 3)."""
+MAX_EXPR_INIT = 1e4
+"""Largest magnitude of an expression parameter's init and bounds."""
 MIN_EPS = 1e-12
 """Smallest normalisation eps (BERT's): smaller ones vanish in float32, 0/0 gives NaN."""
 
@@ -854,12 +864,47 @@ class LinearSlopeBias(SpecModel):
 
     ``alibi_geometric``: for n heads a power of two, slope_h = 2^(-8(h+1)/n); otherwise the
     slopes of the closest lower power of two followed by every other slope of the next.
+    ``learned``: trained slopes (an ``nn.Parameter``), initialised from that recipe.
+    ``custom``: the slopes listed in ``values``, one per head (defaults.heads of them).
+    ``heads_with_bias: N`` gives the recipe's slopes for N heads to the first N heads and
+    no bias to the others (x-transformers' AlibiPositionalBias with alibi_num_heads).
+    ``distance: absolute`` is |i - j| on both sides: without a causal mask this is the
+    symmetric ALiBi of encoders.
     """
 
     kind: Literal["linear_slopes"]
-    slopes: Literal["alibi_geometric"]
+    slopes: Literal["alibi_geometric", "learned", "custom"]
+    values: list[Annotated[float, Field(ge=0, le=1000)]] | None = Field(
+        None,
+        min_length=1,
+        max_length=1024,
+        description="custom slopes, one per head (defaults.heads of them), each in [0, 1000]: "
+        "a slope of 1000 already ends attention one position away",
+    )
+    heads_with_bias: int | None = Field(
+        None,
+        ge=1,
+        le=1024,
+        description="only the first N heads get a bias (1 to defaults.heads); the rest none",
+    )
     distance: Literal["absolute"]
     placement: Literal["after_scale", "before_scale"]
+
+    @model_validator(mode="after")
+    def _check_values(self) -> LinearSlopeBias:
+        if self.slopes == "custom" and self.values is None:
+            raise cross_field_error("slopes", "slopes 'custom' needs 'values': one slope per head")
+        if self.slopes != "custom" and self.values is not None:
+            raise cross_field_error(
+                "values", f"'values' are read only with slopes 'custom' (got {self.slopes!r})"
+            )
+        if self.slopes == "custom" and self.heads_with_bias is not None:
+            raise cross_field_error(
+                "heads_with_bias",
+                "custom values give every head its slope already: write 0 for the heads "
+                "without a bias",
+            )
+        return self
 
 
 class LearnedTableBias(SpecModel):
@@ -871,7 +916,183 @@ class LearnedTableBias(SpecModel):
     init_std: float = _init_std(1.0)
 
 
-Bias = Annotated[LinearSlopeBias | LearnedTableBias, Field(discriminator="kind")]
+class KerpleBias(SpecModel):
+    """KERPLE (Chi et al. 2022, "KERPLE: Kernelized Relative Positional Embedding for
+    Length Extrapolation", arXiv:2205.09921): a conditionally positive definite kernel of
+    the distance, with two trained positive scalars per head.
+
+    ``log``:   bias[h, i, j] = -r1_h · log(1 + r2_h · |i - j|)
+    ``power``: bias[h, i, j] = -r1_h · |i - j|^r2_h, with 0 < r2_h ≤ 2
+
+    As the authors' code (chijames/KERPLE, ParallelKerpleLog / ParallelKerplePower), r1
+    starts uniform in [0, 2) and r2 uniform in [0, 1), and the forward pass reads them
+    clamped to at least 0.01 (r2 of ``power`` also to at most 2); unlike that code, the
+    clamp is not written back into the parameters (the forward pass has no side effects).
+    """
+
+    kind: Literal["kerple"]
+    variant: Literal["log", "power"]
+    placement: Literal["after_scale", "before_scale"]
+
+
+class FireBias(SpecModel):
+    """FIRE (Li et al. 2023, "Functional Interpolation for Relative Positions Improves
+    Long Context Transformers", arXiv:2310.04418).
+
+    bias[h, i, j] = f_θ(ψ(i - j) / ψ(max(i, L)))_h with ψ(x) = log(|c| · x + 1), a trained
+    c (initially ``init_c``) and threshold L = |s · L0| (L0 = ``init_threshold``, fixed;
+    s trained, initially 1), as the paper's reference code. f_θ is an MLP 1 → ``hidden``
+    → heads with one ReLU. The distance is causal: i - j is clamped at 0, so keys after
+    the query share the bias of distance 0 (the reference code takes |i - j|; the two
+    agree under a causal mask). A small 1e-6 keeps the normaliser positive.
+    """
+
+    kind: Literal["fire"]
+    hidden: int = Field(
+        32, ge=1, le=1024, description="width of the MLP's hidden layer, 1 to 1024 (paper: 32)"
+    )
+    init_c: float = Field(
+        0.1, gt=0, le=100, description="initial c of psi(x) = log(c x + 1), in (0, 100] (0.1)"
+    )
+    init_threshold: float = Field(
+        512.0,
+        ge=1,
+        le=1 << 24,
+        description="L0, the fixed base of the threshold L = |s L0|, 1 to 2^24 (paper: 512)",
+    )
+    placement: Literal["after_scale", "before_scale"]
+
+
+class SandwichBias(SpecModel):
+    """Sandwich (Chi et al. 2023, "Dissecting Transformer Length Extrapolation via the Lens
+    of Receptive Field Analysis", arXiv:2212.10356): the position_position term of
+    sinusoidal embeddings of ``dim`` (d') features, without trained parameters:
+
+        bias[h, i, j] = sum_{k=1}^{d'/2} cos((i - j) / base^(2k / d'))
+
+    the same for every head (base 10000 in the paper).
+    """
+
+    kind: Literal["sandwich"]
+    dim: int = Field(
+        ge=2, le=4096, description="d', the (even) sinusoid width the bias sums over, 2 to 4096"
+    )
+    base: float = Field(10000.0, gt=1, le=MAX_BASE, description=_BASE_WHY)
+    placement: Literal["after_scale", "before_scale"]
+
+    @model_validator(mode="after")
+    def _even(self) -> SandwichBias:
+        if self.dim % 2:
+            raise cross_field_error(
+                "dim", f"d' pairs sin and cos features, so it must be even (got {self.dim})"
+            )
+        return self
+
+
+class ExprParam(SpecModel):
+    """A trained parameter of an expression bias: one per head, or one scalar.
+
+    ``positive``: stored unconstrained and read through softplus (init is the value
+    after softplus); ``bounds``: read clamped to [lo, hi].
+    """
+
+    shape: list[Literal["heads"]] = Field(
+        max_length=1, description="[heads] (one value per head, read as name[h]) or [] (scalar)"
+    )
+    init: float = Field(
+        ge=-MAX_EXPR_INIT,
+        le=MAX_EXPR_INIT,
+        description=f"initial value, within ±{MAX_EXPR_INIT:g}",
+    )
+    positive: bool = False
+    bounds: list[Annotated[float, Field(ge=-MAX_EXPR_INIT, le=MAX_EXPR_INIT)]] | None = Field(
+        None,
+        min_length=2,
+        max_length=2,
+        description=f"[lo, hi], each within ±{MAX_EXPR_INIT:g}: the value is read clamped",
+    )
+
+    @model_validator(mode="after")
+    def _check_init(self) -> ExprParam:
+        if self.positive and self.init < 1e-6:
+            raise cross_field_error(
+                "init", f"a positive parameter needs init ≥ 1e-6 (got {self.init!r})"
+            )
+        if self.bounds is not None:
+            lo, hi = self.bounds
+            if not lo < hi:
+                raise cross_field_error(
+                    "bounds", f"bounds must be [lo, hi] with lo < hi (got {self.bounds})"
+                )
+            if not lo <= self.init <= hi:
+                raise cross_field_error(
+                    "init", f"init {self.init!r} lies outside bounds {self.bounds}"
+                )
+        return self
+
+    @property
+    def per_head(self) -> bool:
+        return bool(self.shape)
+
+
+class ExprBias(SpecModel):
+    """A bias written as a safe expression of i, j, h and declared parameters.
+
+    The grammar (posgen/spec/expr.py, docs/reference.md): names i, j (float positions),
+    h (head index) and the parameters; numbers; + - * / ** % and unary -, +; comparisons;
+    abs log log1p exp sqrt sin cos sign floor minimum maximum clamp where. Parsed with
+    ``ast`` against that whitelist and rendered from a fixed table of torch calls.
+    """
+
+    kind: Literal["expr"]
+    expr: str = Field(description="the expression (one line, at most 500 characters)")
+    params: dict[str, ExprParam] = Field(
+        default_factory=dict, max_length=16, description="up to 16 trained parameters"
+    )
+    placement: Literal["after_scale", "before_scale"]
+
+    @model_validator(mode="after")
+    def _parse(self) -> ExprBias:
+        for name in self.params:
+            if (
+                not PARAM_NAME.match(name)
+                or name in RESERVED_PARAM_NAMES
+                or keyword.iskeyword(name)
+            ):
+                raise cross_field_error(
+                    "params",
+                    f"parameter name {quoted(name)} must be lower-case letters, digits and "
+                    "underscores (at most 31, starting with a letter), and not i, j, h, a "
+                    "function name or a Python keyword",
+                )
+        infos = {name: ParamInfo(per_head=param.per_head) for name, param in self.params.items()}
+        try:
+            parsed = parse_expr(self.expr, infos)
+        except ExprError as error:
+            raise PydanticCustomError(
+                "expr",
+                "{message} (at character {character} of the expression)",
+                {"message": error.message, "character": error.offset + 1, "offset": error.offset},
+            ) from None
+        unused = [name for name in self.params if name not in parsed.params]
+        if unused:
+            raise cross_field_error(
+                f"params.{unused[0]}", f"parameter {quoted(unused[0])} is declared but never used"
+            )
+        return self
+
+    def parsed(self) -> Parsed:
+        """The checked expression (validated already, so this cannot fail)."""
+        infos = {name: ParamInfo(per_head=param.per_head) for name, param in self.params.items()}
+        return parse_expr(self.expr, infos)
+
+
+Bias = Annotated[
+    LinearSlopeBias | LearnedTableBias | KerpleBias | FireBias | SandwichBias | ExprBias,
+    Field(discriminator="kind"),
+]
+UntiedBias = Annotated[LinearSlopeBias | LearnedTableBias, Field(discriminator="kind")]
+AnyBias = LinearSlopeBias | LearnedTableBias | KerpleBias | FireBias | SandwichBias | ExprBias
 
 
 class BiasTerm(SpecModel):
@@ -938,7 +1159,7 @@ class UntiedTerm(SpecModel):
     """position_position as an untied absolute term, plus an optional bias of (i, j)."""
 
     untied: UntiedPositions
-    bias: Bias | None = None
+    bias: UntiedBias | None = None
 
     @model_validator(mode="after")
     def _reset_needs_a_spare_bucket(self) -> UntiedTerm:
@@ -1448,6 +1669,7 @@ class Spec(SpecModel):
                 "an untied position table lives in model space: it needs defaults.model_dim",
             )
         self._check_relative()
+        self._check_bias()
         self._check_table_sizes()
         self._check_randomized_range()
         if self.rotation is not None:
@@ -1467,6 +1689,26 @@ class Spec(SpecModel):
                 "randomized positions draw one position per token; M-RoPE "
                 "takes a position per axis: use one or the other",
             )
+
+    def _check_bias(self) -> None:
+        """Per-head sizes of a bias against defaults.heads."""
+        bias = self.bias
+        at = "terms.position_position.bias"
+        heads = self.defaults.heads
+        if isinstance(bias, LinearSlopeBias):
+            if bias.values is not None and len(bias.values) != heads:
+                raise cross_field_error(
+                    f"{at}.values",
+                    f"{len(bias.values)} custom slopes for {heads} heads (defaults.heads): "
+                    "give one per head",
+                )
+            if bias.heads_with_bias is not None and bias.heads_with_bias > heads:
+                raise cross_field_error(
+                    f"{at}.heads_with_bias",
+                    f"{bias.heads_with_bias} heads with a bias, but defaults.heads is {heads}",
+                )
+        if isinstance(bias, FireBias) and bias.hidden * heads > MAX_TABLE_ELEMENTS:
+            raise cross_field_error(f"{at}.hidden", "the MLP is too large for these heads")
 
     def _relative_readers(self) -> list[tuple[str, RelativeTermSpec | GlobalPositionSpec]]:
         """(path, term) of every term that reads the relative table."""
@@ -1559,7 +1801,7 @@ class Spec(SpecModel):
         return term.rotate if isinstance(term, RotateTerm) else None
 
     @property
-    def bias(self) -> LinearSlopeBias | LearnedTableBias | None:
+    def bias(self) -> AnyBias | None:
         """The position_position bias, if the spec has one (alone or beside an untied term)."""
         term = self.terms.position_position
         return term.bias if isinstance(term, (BiasTerm, UntiedTerm)) else None

@@ -71,6 +71,10 @@ class LoadedYaml:
     data: object
     value_positions: dict[FieldPath, Position] = field(default_factory=dict)
     key_positions: dict[FieldPath, Position] = field(default_factory=dict)
+    # where the text of a one-line string scalar starts, when its source spells the value
+    # character for character (plain, or quoted without escapes): offsets inside the
+    # string (an expression's tokens) then map to columns
+    text_starts: dict[FieldPath, Position] = field(default_factory=dict)
 
     def position_of(self, path: FieldPath) -> Position:
         """The position of the deepest recorded prefix of ``path`` (1-based line, col)."""
@@ -102,6 +106,14 @@ class _Builder:
         self.source_name = source_name
         self.text = text
         self.loaded = LoadedYaml(data=None)
+        self._lines: list[str] | None = None
+
+    def _record_text_start(self, node: ScalarNode, path: FieldPath) -> None:
+        if self._lines is None:
+            self._lines = self.text.split("\n")
+        start = _text_start(node, self._lines)
+        if start is not None:
+            self.loaded.text_starts[path] = start
 
     def fail(self, node: Node | None, path: FieldPath, message: str) -> YamlError:
         line, col = _position(node) if node is not None else (1, 1)
@@ -139,6 +151,7 @@ class _Builder:
 
     def build_scalar(self, node: ScalarNode, path: FieldPath) -> object:
         text = node.value
+        self._record_text_start(node, path)
         if node.style is not None and node.style != "":
             return text  # quoted or block scalar: always a string
         if _NON_FINITE.match(text):
@@ -160,6 +173,20 @@ class _Builder:
                 raise self.fail(node, path, f"number {text!r} overflows to infinity")
             return value
         return text
+
+
+def _text_start(node: ScalarNode, source_lines: list[str]) -> Position | None:
+    """Where a one-line scalar's value starts in the source, if spelled verbatim."""
+    start, end = node.start_mark, node.end_mark
+    if start is None or end is None or start.line != end.line or start.line >= len(source_lines):
+        return None
+    raw = source_lines[start.line][start.column : end.column]
+    quote = 1 if node.style in ("'", '"') else 0
+    if node.style not in (None, "", "'", '"'):
+        return None
+    if raw[quote : len(raw) - quote] != node.value:
+        return None
+    return (start.line + 1, start.column + 1 + quote)
 
 
 def _is_number_form(text: str) -> bool:

@@ -1,0 +1,378 @@
+"""The safe expression language of ``kind: expr`` biases.
+
+A bias that no built-in kind covers is written as one Python-syntax expression of the
+query position ``i``, the key position ``j``, the head index ``h`` and declared
+parameters, e.g. KERPLE-log (Chi et al. 2022)::
+
+    expr: "-r1[h] * log1p(r2[h] * abs(i - j))"
+
+The text is parsed with ``ast.parse(mode="eval")`` and walked against a whitelist;
+anything outside it is refused with the character offset of the offending token (the
+loader turns it into ``file:line:col``). The grammar:
+
+- names: ``i``, ``j`` (float positions), ``h`` (the head index, a float), and the
+  declared parameters; a parameter of shape ``[heads]`` is read only as ``name[h]``,
+  a scalar parameter (shape ``[]``) only as ``name``;
+- numbers: int and float literals (finite, at most ``MAX_NUMBER_CHARS`` characters);
+- operators: ``+ - * / ** %`` (binary), ``-`` and ``+`` (unary), comparisons
+  ``< <= > >= == !=`` (one operator per comparison, giving a boolean for ``where``);
+- functions (positional arguments only, fixed arity): ``abs log log1p exp sqrt sin cos
+  sign floor`` (1), ``minimum maximum`` (2), ``clamp(x, lo, hi)`` and
+  ``where(condition, a, b)`` (3); a call needs at least one argument that depends on
+  ``i``, ``j``, ``h`` or a parameter (write a constant as a number);
+- limits: ``MAX_EXPR_CHARS`` characters of printable ASCII on one line,
+  ``MAX_EXPR_NODES`` syntax nodes, nesting at most ``MAX_EXPR_DEPTH`` deep.
+
+Rendering (``render_steps``) never copies text from the spec: each node becomes one
+assignment ``tK = ...`` built from a fixed table of torch calls, the temporaries of its
+operands, ``repr`` of finite floats, and parameter locals ``p_NAME`` whose names were
+checked as identifiers. Every value is a tensor (numbers become 0-d tensors of the
+bias dtype), so every torch call receives tensors.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import re
+from dataclasses import dataclass
+
+MAX_EXPR_CHARS = 500
+"""Longest expression text (KERPLE-log is 34 characters)."""
+MAX_EXPR_NODES = 64
+"""Most syntax nodes (names, numbers, operators, calls) in one expression."""
+MAX_EXPR_DEPTH = 16
+"""Deepest nesting of operators and calls."""
+MAX_NUMBER_CHARS = 32
+"""Longest number literal inside an expression."""
+MAX_LITERAL = 1e6
+"""Largest magnitude of a number literal."""
+
+PARAM_NAME = re.compile(r"^[a-z][a-z0-9_]{0,30}$")
+POSITION_NAMES = ("i", "j", "h")
+
+# function name -> (arity, torch call); the call is written with its operands by
+# ``_render_call`` from this fixed table only.
+FUNCTIONS: dict[str, tuple[int, str]] = {
+    "abs": (1, "torch.abs"),
+    "log": (1, "torch.log"),
+    "log1p": (1, "torch.log1p"),
+    "exp": (1, "torch.exp"),
+    "sqrt": (1, "torch.sqrt"),
+    "sin": (1, "torch.sin"),
+    "cos": (1, "torch.cos"),
+    "sign": (1, "torch.sign"),
+    "floor": (1, "torch.floor"),
+    "minimum": (2, "torch.minimum"),
+    "maximum": (2, "torch.maximum"),
+    "clamp": (3, "torch.clamp"),
+    "where": (3, "torch.where"),
+}
+BINARY_OPERATORS: dict[type[ast.operator], str] = {
+    ast.Add: "+",
+    ast.Sub: "-",
+    ast.Mult: "*",
+    ast.Div: "/",
+    ast.Pow: "**",
+    ast.Mod: "%",
+}
+UNARY_OPERATORS: dict[type[ast.unaryop], str] = {ast.USub: "-", ast.UAdd: "+"}
+COMPARISONS: dict[type[ast.cmpop], str] = {
+    ast.Lt: "<",
+    ast.LtE: "<=",
+    ast.Gt: ">",
+    ast.GtE: ">=",
+    ast.Eq: "==",
+    ast.NotEq: "!=",
+}
+RESERVED_PARAM_NAMES = frozenset(POSITION_NAMES) | frozenset(FUNCTIONS)
+
+_REFUSED: dict[type[ast.AST], str] = {
+    ast.Attribute: "attribute access",
+    ast.Lambda: "a lambda",
+    ast.ListComp: "a comprehension",
+    ast.SetComp: "a comprehension",
+    ast.DictComp: "a comprehension",
+    ast.GeneratorExp: "a comprehension",
+    ast.Starred: "a starred argument",
+    ast.BoolOp: "'and' / 'or' (use where)",
+    ast.IfExp: "a conditional expression (use where)",
+    ast.List: "a list",
+    ast.Tuple: "a tuple",
+    ast.Dict: "a dict",
+    ast.Set: "a set",
+    ast.JoinedStr: "an f-string",
+    ast.NamedExpr: "an assignment expression",
+    ast.Await: "await",
+    ast.Yield: "yield",
+    ast.Slice: "a slice",
+}
+
+
+class ExprError(ValueError):
+    """A refused expression: ``offset`` is the 0-based character of the offending token."""
+
+    def __init__(self, message: str, offset: int) -> None:
+        super().__init__(message)
+        self.message = message
+        self.offset = offset
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """What the parser needs of a declared parameter."""
+
+    per_head: bool  # shape [heads]: read as name[h]
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """A checked expression: its tree and what it reads."""
+
+    tree: ast.Expression
+    params: tuple[str, ...]  # parameters read, in first-use order
+    uses_i: bool
+    uses_j: bool
+    uses_h: bool
+
+
+def _offset(node: ast.AST) -> int:
+    return int(getattr(node, "col_offset", 0))
+
+
+def parse_expr(text: str, params: dict[str, ParamInfo]) -> Parsed:
+    """Parse and check ``text`` against the whitelist; raises ExprError."""
+    if len(text) > MAX_EXPR_CHARS:
+        raise ExprError(
+            f"expression of {len(text)} characters, past the limit of {MAX_EXPR_CHARS}",
+            MAX_EXPR_CHARS,
+        )
+    for index, char in enumerate(text):
+        if not " " <= char <= "~":
+            raise ExprError(
+                f"character U+{ord(char):04X}: an expression is one line of printable ASCII",
+                index,
+            )
+    if not text.strip():
+        raise ExprError("empty expression", 0)
+    try:
+        tree = ast.parse(text, mode="eval")
+    except SyntaxError as error:
+        offset = max((error.offset or 1) - 1, 0)
+        raise ExprError(f"invalid syntax: {error.msg}", min(offset, len(text))) from None
+    nodes = list(ast.walk(tree.body))
+    if len(nodes) > MAX_EXPR_NODES:
+        raise ExprError(
+            f"{len(nodes)} syntax nodes, past the limit of {MAX_EXPR_NODES}: split the idea "
+            "into a built-in kind or a shorter formula",
+            0,
+        )
+    checker = _Checker(params)
+    checker.check(tree.body, 1)
+    if not checker.varying(tree.body):
+        raise ExprError("the expression is a constant: it must use i, j, h or a parameter", 0)
+    return Parsed(
+        tree=tree,
+        params=tuple(checker.used_params),
+        uses_i="i" in checker.used_names,
+        uses_j="j" in checker.used_names,
+        uses_h="h" in checker.used_names,
+    )
+
+
+class _Checker:
+    def __init__(self, params: dict[str, ParamInfo]) -> None:
+        self.params = params
+        self.used_params: list[str] = []
+        self.used_names: set[str] = set()
+
+    def varying(self, node: ast.AST) -> bool:
+        """The node depends on i, j, h or a parameter."""
+        return any(isinstance(sub, ast.Name) for sub in ast.walk(node))
+
+    def use_param(self, name: str) -> None:
+        if name not in self.used_params:
+            self.used_params.append(name)
+
+    def check(self, node: ast.AST, depth: int) -> None:
+        if depth > MAX_EXPR_DEPTH:
+            raise ExprError(f"nested more than {MAX_EXPR_DEPTH} deep", _offset(node))
+        if isinstance(node, ast.Constant):
+            self._number(node)
+        elif isinstance(node, ast.Name):
+            self._name(node)
+        elif isinstance(node, ast.Subscript):
+            self._subscript(node)
+        elif isinstance(node, ast.BinOp):
+            if type(node.op) not in BINARY_OPERATORS:
+                raise ExprError(
+                    "operator not allowed; allowed: + - * / ** %", _operator_offset(node)
+                )
+            self.check(node.left, depth + 1)
+            self.check(node.right, depth + 1)
+        elif isinstance(node, ast.UnaryOp):
+            if type(node.op) not in UNARY_OPERATORS:
+                raise ExprError("unary operator not allowed; allowed: - +", _offset(node))
+            self.check(node.operand, depth + 1)
+        elif isinstance(node, ast.Compare):
+            self._compare(node, depth)
+        elif isinstance(node, ast.Call):
+            self._call(node, depth)
+        else:
+            what = _REFUSED.get(type(node), f"{type(node).__name__} syntax")
+            raise ExprError(f"{what} is not allowed in an expression", _offset(node))
+
+    def _number(self, node: ast.Constant) -> None:
+        value = node.value
+        if isinstance(value, str):
+            raise ExprError("a string literal is not allowed in an expression", _offset(node))
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ExprError(
+                f"literal {value!r} is not allowed: only int and float numbers", _offset(node)
+            )
+        if isinstance(value, int) and len(str(abs(value))) > MAX_NUMBER_CHARS:
+            raise ExprError(f"number literal longer than {MAX_NUMBER_CHARS} digits", _offset(node))
+        if not math.isfinite(float(value)) or abs(float(value)) > MAX_LITERAL:
+            raise ExprError(
+                f"number literal out of range: at most {MAX_LITERAL:g} in magnitude",
+                _offset(node),
+            )
+
+    def _name(self, node: ast.Name) -> None:
+        name = node.id
+        if name in POSITION_NAMES:
+            self.used_names.add(name)
+            return
+        info = self.params.get(name)
+        if info is None:
+            known = ", ".join([*POSITION_NAMES, *sorted(self.params)])
+            hint = " (a function must be called)" if name in FUNCTIONS else ""
+            raise ExprError(f"unknown name {name!r}{hint}; allowed names: {known}", _offset(node))
+        if info.per_head:
+            raise ExprError(
+                f"parameter {name!r} has shape [heads]: read it as {name}[h]", _offset(node)
+            )
+        self.use_param(name)
+        self.used_names.add(name)
+
+    def _subscript(self, node: ast.Subscript) -> None:
+        target, index = node.value, node.slice
+        if not isinstance(target, ast.Name) or target.id not in self.params:
+            raise ExprError(
+                "only a declared [heads] parameter may be indexed, as name[h]", _offset(node)
+            )
+        if not self.params[target.id].per_head:
+            raise ExprError(
+                f"parameter {target.id!r} is a scalar (shape []): write {target.id}, not an index",
+                _offset(node),
+            )
+        if not isinstance(index, ast.Name) or index.id != "h":
+            raise ExprError(
+                f"a [heads] parameter is indexed by h only ({target.id}[h])", _offset(index)
+            )
+        self.use_param(target.id)
+        self.used_names.add(target.id)
+
+    def _compare(self, node: ast.Compare, depth: int) -> None:
+        if len(node.ops) != 1:
+            raise ExprError(
+                "chained comparisons are not allowed: compare two values", _offset(node)
+            )
+        if type(node.ops[0]) not in COMPARISONS:
+            raise ExprError(
+                "comparison not allowed; allowed: < <= > >= == !=", _offset(node.comparators[0])
+            )
+        self.check(node.left, depth + 1)
+        self.check(node.comparators[0], depth + 1)
+        if not (self.varying(node.left) or self.varying(node.comparators[0])):
+            raise ExprError("a comparison of two constants: write the result", _offset(node))
+
+    def _call(self, node: ast.Call, depth: int) -> None:
+        func = node.func
+        if isinstance(func, ast.Attribute):
+            raise ExprError("attribute access is not allowed in an expression", _offset(func))
+        if not isinstance(func, ast.Name):
+            raise ExprError(
+                f"only the listed functions may be called: {', '.join(FUNCTIONS)}",
+                _offset(func),
+            )
+        if func.id not in FUNCTIONS:
+            raise ExprError(
+                f"unknown function {func.id!r}; allowed: {', '.join(FUNCTIONS)}", _offset(func)
+            )
+        if node.keywords:
+            raise ExprError(
+                f"{func.id}() takes positional arguments only", _offset(node.keywords[0].value)
+            )
+        arity = FUNCTIONS[func.id][0]
+        for argument in node.args:
+            if isinstance(argument, ast.Starred):
+                raise ExprError("a starred argument is not allowed", _offset(argument))
+        if len(node.args) != arity:
+            raise ExprError(
+                f"{func.id}() takes {arity} argument{'s' if arity > 1 else ''}, got "
+                f"{len(node.args)}",
+                _offset(func),
+            )
+        for argument in node.args:
+            self.check(argument, depth + 1)
+        if not any(self.varying(argument) for argument in node.args):
+            raise ExprError(f"{func.id}() of constants: write the number instead", _offset(func))
+
+
+def _operator_offset(node: ast.BinOp) -> int:
+    return int(getattr(node.left, "end_col_offset", None) or _offset(node))
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+def render_steps(parsed: Parsed) -> tuple[tuple[str, ...], str]:
+    """The assignments that compute the expression, and the name of the result.
+
+    Operands are the locals ``i`` ([..., 1, N, 1]), ``j`` ([..., 1, 1, M]), ``h``
+    ([H, 1, 1]), ``p_NAME`` (a parameter: [H, 1, 1] or 0-d) and ``dtype``/``device``.
+    """
+    lines: list[str] = []
+
+    def emit(code: str) -> str:
+        name = f"t{len(lines)}"
+        lines.append(f"{name} = {code}")
+        return name
+
+    def visit(node: ast.AST) -> str:
+        if isinstance(node, ast.Constant):
+            assert isinstance(node.value, (int, float))  # checked by parse_expr
+            value = float(node.value)
+            return emit(f"torch.tensor({value!r}, dtype=dtype, device=device)")
+        if isinstance(node, ast.Name):
+            if node.id in POSITION_NAMES:
+                return node.id
+            return f"p_{_param(node.id)}"
+        if isinstance(node, ast.Subscript):
+            assert isinstance(node.value, ast.Name)
+            return f"p_{_param(node.value.id)}"
+        if isinstance(node, ast.BinOp):
+            left, right = visit(node.left), visit(node.right)
+            return emit(f"{left} {BINARY_OPERATORS[type(node.op)]} {right}")
+        if isinstance(node, ast.UnaryOp):
+            operand = visit(node.operand)
+            return emit(f"{UNARY_OPERATORS[type(node.op)]}{operand}")
+        if isinstance(node, ast.Compare):
+            left, right = visit(node.left), visit(node.comparators[0])
+            return emit(f"{left} {COMPARISONS[type(node.ops[0])]} {right}")
+        if isinstance(node, ast.Call):
+            assert isinstance(node.func, ast.Name)
+            call = FUNCTIONS[node.func.id][1]
+            arguments = [visit(argument) for argument in node.args]
+            return emit(f"{call}({', '.join(arguments)})")
+        raise ExprError(f"cannot render {type(node).__name__}", _offset(node))
+
+    result = visit(parsed.tree.body)
+    return tuple(lines), result
+
+
+def _param(name: str) -> str:
+    if not PARAM_NAME.match(name) or name in RESERVED_PARAM_NAMES:
+        raise ExprError(f"invalid parameter name {name!r}", 0)
+    return name

@@ -1,0 +1,388 @@
+"""The bias kinds beyond ALiBi and T5: KERPLE, FIRE, Sandwich, ALiBi's learned and custom
+slopes, and expression biases.
+
+Every value is compared with an independent float64 implementation of the paper's
+formula written here (never taken from the generated code); every backend agrees with
+the eager oracle on outputs and gradients; gradients reach the trained parameters.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from posgen.cli import main
+from posgen.codegen.inmemory import encoding_class, module_from_spec
+from tests.conftest import ROOT, generated_class, spec_variant
+
+runtime = importlib.import_module("generated._attention")
+EXPR_SPEC = ROOT / "tests" / "specs" / "expr" / "kerple_log_expr.yaml"
+NEW_KINDS = ["kerple_log", "kerple_power", "fire", "sandwich", "alibi_learned"]
+Q_POS = torch.tensor([3, 4, 9, 10, 12])
+K_POS = torch.tensor([0, 1, 2, 4, 7, 9, 11])
+
+
+def _module(name: str, heads: int = 4) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return generated_class(name)(heads=heads, head_dim=8).double()
+
+
+def _pairs(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """i - j as float64 [N, M], written independently of the runtime."""
+    return q_pos.double()[:, None] - k_pos.double()[None, :]
+
+
+# --------------------------------------------------------------------------- references
+
+
+def kerple_reference(variant: str, r1: torch.Tensor, r2: torch.Tensor, diff: torch.Tensor):
+    """KERPLE (Chi et al. 2022): -r1 log(1 + r2 |m - n|) or -r1 |m - n|^r2, r clamped."""
+    p = r1.detach().double().clamp(min=0.01)[:, None, None]
+    a = r2.detach().double().clamp(min=0.01)[:, None, None]
+    if variant == "power":
+        a = a.clamp(max=2.0)
+    distance = diff.abs()[None]
+    if variant == "log":
+        return -p * torch.log(1.0 + a * distance)
+    return -p * distance**a
+
+
+def sandwich_reference(dim: int, diff: torch.Tensor, heads: int) -> torch.Tensor:
+    """sum_{k=1}^{d'/2} cos((i - j) / 10000^(2k / d')), every head alike."""
+    total = torch.zeros_like(diff)
+    for k in range(1, dim // 2 + 1):
+        total += torch.cos(diff / 10000.0 ** (2.0 * k / dim))
+    return total[None].expand(heads, -1, -1)
+
+
+def fire_reference(pe: torch.nn.Module, q_pos: torch.Tensor, k_pos: torch.Tensor):
+    """FIRE (Li et al. 2023): f(psi(i - j) / psi(max(i, L))), psi(x) = log(|c| x + 1)."""
+    w1, b1 = pe.fire_mlp[0].weight.detach().double(), pe.fire_mlp[0].bias.detach().double()
+    w2, b2 = pe.fire_mlp[2].weight.detach().double(), pe.fire_mlp[2].bias.detach().double()
+    c = abs(float(pe.fire_c))
+    threshold = abs(float(pe.fire_threshold_scale) * float(pe.fire_init_threshold))
+    heads = w2.shape[0]
+    out = torch.zeros(heads, len(q_pos), len(k_pos), dtype=torch.float64)
+    for a, i in enumerate(q_pos.tolist()):
+        normaliser = math.log(c * max(i, threshold) + 1.0) + 1e-6
+        for b, j in enumerate(k_pos.tolist()):
+            x = math.log(c * max(i - j, 0) + 1.0) / normaliser
+            hidden = torch.relu(w1[:, 0] * x + b1)
+            out[:, a, b] = w2 @ hidden + b2
+    return out
+
+
+# --------------------------------------------------------------------------- values
+
+
+@pytest.mark.parametrize("variant", ["log", "power"])
+def test_kerple_values_match_the_paper(variant: str) -> None:
+    pe = _module(f"kerple_{variant}")
+    with torch.no_grad():  # include values the clamp acts on
+        pe.r1[0] = 0.001
+        pe.r2[1] = 0.003
+        if variant == "power":
+            pe.r2[2] = 2.5
+    want = kerple_reference(variant, pe.r1, pe.r2, _pairs(Q_POS, K_POS))
+    torch.testing.assert_close(pe.score_bias(Q_POS, K_POS), want, rtol=1e-12, atol=1e-12)
+    q = torch.zeros(1, 4, 5, 8, dtype=torch.float64)
+    k = torch.zeros(1, 4, 7, 8, dtype=torch.float64)
+    default = pe.score_terms(q, k)["position_position"]  # queries 2..6, keys 0..6
+    want = kerple_reference(variant, pe.r1, pe.r2, _pairs(torch.arange(2, 7), torch.arange(7)))
+    torch.testing.assert_close(default, want, rtol=1e-12, atol=1e-12)
+
+
+def test_kerple_initialisation_follows_the_authors_code() -> None:
+    pe = generated_class("kerple_log")(heads=64, head_dim=8)
+    assert pe.r1.shape == pe.r2.shape == (64,)
+    assert 0 <= float(pe.r1.detach().min()) and float(pe.r1.detach().max()) < 2
+    assert 0 <= float(pe.r2.detach().min()) and float(pe.r2.detach().max()) < 1
+    assert float(pe.r1.detach().max()) > 1  # uniform on [0, 2), not [0, 1)
+
+
+def test_sandwich_values_match_the_formula() -> None:
+    pe = _module("sandwich")
+    want = sandwich_reference(128, _pairs(Q_POS, K_POS), 4)
+    torch.testing.assert_close(pe.score_bias(Q_POS, K_POS), want, rtol=1e-12, atol=1e-10)
+    q = torch.zeros(1, 4, 5, 8, dtype=torch.float64)
+    default = pe.score_terms(q, q)["position_position"]
+    want = sandwich_reference(128, _pairs(torch.arange(5), torch.arange(5)), 4)
+    torch.testing.assert_close(default, want, rtol=1e-12, atol=1e-10)
+    assert list(pe.state_dict()) == []  # nothing trained or saved
+
+
+def test_fire_values_match_the_paper() -> None:
+    pe = _module("fire")
+    with torch.no_grad():  # a threshold the positions cross, and a non-default c
+        pe.fire_threshold_scale.fill_(8.0 / 512.0)
+        pe.fire_c.fill_(-0.3)
+    want = fire_reference(pe, Q_POS, K_POS)
+    torch.testing.assert_close(pe.score_bias(Q_POS, K_POS), want, rtol=1e-10, atol=1e-12)
+    batched = pe.score_bias(torch.stack([Q_POS, Q_POS + 20]), torch.stack([K_POS, K_POS + 20]))
+    assert batched.shape == (2, 4, 5, 7)
+    torch.testing.assert_close(batched[1], fire_reference(pe, Q_POS + 20, K_POS + 20))
+
+
+def test_fire_future_keys_share_distance_zero() -> None:
+    pe = _module("fire")
+    bias = pe.score_bias(torch.tensor([5]), torch.tensor([5, 6, 9]))
+    torch.testing.assert_close(bias[:, :, 1], bias[:, :, 0])
+    torch.testing.assert_close(bias[:, :, 2], bias[:, :, 0])
+
+
+def test_learned_slopes_start_at_the_geometric_recipe() -> None:
+    pe = _module("alibi_learned", heads=8)
+    assert isinstance(pe.slopes, torch.nn.Parameter)
+    want = torch.tensor([2.0 ** (-(h + 1)) for h in range(8)], dtype=torch.float64)
+    torch.testing.assert_close(pe.slopes.detach(), want, rtol=1e-7, atol=0)
+    with torch.no_grad():
+        pe.slopes[3] = 0.7
+    bias = pe.score_bias(Q_POS, K_POS)
+    torch.testing.assert_close(bias[3], -0.7 * _pairs(Q_POS, K_POS).abs())
+    assert "slopes" in pe.state_dict()
+
+
+def test_custom_slopes_and_their_head_count() -> None:
+    cls = spec_variant(
+        "alibi",
+        ("slopes: alibi_geometric", "slopes: custom\n      values: [0.5, 0.25, 0.0, 2.0]"),
+        ("heads: 8", "heads: 4"),
+        name="alibi_custom",
+    )
+    pe = cls().double()
+    bias = pe.score_bias(Q_POS, K_POS)
+    distance = _pairs(Q_POS, K_POS).abs()
+    for h, slope in enumerate([0.5, 0.25, 0.0, 2.0]):
+        torch.testing.assert_close(bias[h], -slope * distance)
+    with pytest.raises(ValueError, match="4 custom slopes: heads must be 4, got 8"):
+        cls(heads=8)
+
+
+def test_heads_with_bias_leaves_the_other_heads_unbiased() -> None:
+    cls = spec_variant(
+        "alibi", ("distance: absolute", "distance: absolute\n      heads_with_bias: 4")
+    )
+    pe = cls().double()  # 8 heads, the first 4 with ALiBi's slopes for 4 heads
+    bias = pe.score_bias(Q_POS, K_POS)
+    distance = _pairs(Q_POS, K_POS).abs()
+    for h in range(4):
+        torch.testing.assert_close(bias[h], -(2.0 ** (-2 * (h + 1))) * distance)
+    assert bool((bias[4:] == 0).all())
+    with pytest.raises(ValueError, match="at least 4"):
+        cls(heads=3)
+    learned = spec_variant(
+        "alibi_learned", ("distance: absolute", "distance: absolute\n      heads_with_bias: 2")
+    )().double()
+    assert learned.slopes.shape == (2,)
+    assert bool((learned.score_bias(Q_POS, K_POS)[2:] == 0).all())
+
+
+# --------------------------------------------------------------------------- gradients
+
+
+def _parameters_of(name: str, pe: torch.nn.Module) -> list[str]:
+    return [key for key, _ in pe.named_parameters()]
+
+
+@pytest.mark.parametrize("name", ["kerple_log", "kerple_power", "fire", "alibi_learned"])
+def test_gradients_reach_the_trained_parameters(name: str) -> None:
+    pe = _module(name)
+    q = torch.randn(2, 4, 6, 8, dtype=torch.float64)
+    for backend in ("eager", "sdpa"):
+        pe.zero_grad()
+        pe(q, q, q, causal=True, backend=backend).square().sum().backward()
+        for key, parameter in pe.named_parameters():
+            assert parameter.grad is not None, (backend, key)
+            assert bool(torch.isfinite(parameter.grad).all()), (backend, key)
+            if key != "fire_threshold_scale":  # below the threshold it has no effect
+                assert float(parameter.grad.abs().max()) > 0, (backend, key)
+    expected = {
+        "kerple_log": {"r1", "r2"},
+        "kerple_power": {"r1", "r2"},
+        "alibi_learned": {"slopes"},
+        "fire": {"fire_c", "fire_threshold_scale"},
+    }[name]
+    assert expected <= set(_parameters_of(name, pe))
+
+
+def test_fire_threshold_gets_gradients_past_it() -> None:
+    pe = _module("fire")
+    with torch.no_grad():
+        pe.fire_threshold_scale.fill_(8.0 / 512.0)  # above queries 3 and 4
+    pe.score_bias(Q_POS, K_POS).sum().backward()
+    assert float(pe.fire_threshold_scale.grad.abs()) > 0
+    assert float(pe.fire_mlp[0].weight.grad.abs().max()) > 0
+
+
+# --------------------------------------------------------------------------- backends
+
+
+def _run(pe, inputs, backend, **kwargs):
+    leaves = {key: value.clone().requires_grad_() for key, value in inputs.items()}
+    pe.zero_grad()
+    out = pe(leaves["q"], leaves["k"], leaves["v"], backend=backend, **kwargs)
+    (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+    grads = [leaves[key].grad for key in ("q", "k", "v")]
+    grads += [p.grad.clone() for p in pe.parameters() if p.grad is not None]
+    return out.detach(), grads
+
+
+@pytest.mark.parametrize("name", [*NEW_KINDS, "expr"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("explicit", [False, True])
+def test_every_backend_matches_eager(name: str, causal: bool, explicit: bool) -> None:
+    torch.manual_seed(0)
+    if name == "expr":
+        pe = encoding_class(module_from_spec(EXPR_SPEC))(heads=4, head_dim=8)
+    else:
+        pe = generated_class(name)(heads=4, head_dim=8)
+    generator = torch.Generator().manual_seed(3)
+    n, m = (5, 7) if explicit else (4, 9)
+    shapes = {"q": (2, 4, n, 8), "k": (2, 2, m, 8), "v": (2, 2, m, 8)}  # GQA: 2 kv heads
+    inputs = {key: torch.randn(*shape, generator=generator) for key, shape in shapes.items()}
+    kwargs = {"causal": causal}
+    if explicit:
+        kwargs.update(q_positions=Q_POS + 1, k_positions=K_POS)
+    eager, eager_grads = _run(pe, inputs, "eager", **kwargs)
+    for backend in runtime.BACKENDS:
+        got, grads = _run(pe, inputs, backend, **kwargs)
+        torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-6)
+        assert len(grads) == len(eager_grads)
+        for a, b in zip(grads, eager_grads, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["kerple_log", "kerple_power", "sandwich", "alibi_learned"])
+def test_distance_biases_take_the_per_distance_path(name: str) -> None:
+    cls = generated_class(name)
+    assert cls.bias_by_distance and cls.has_position_bias
+    assert not generated_class("fire").bias_by_distance
+
+
+# --------------------------------------------------------------------------- expressions
+
+
+def test_kerple_log_expression_equals_the_built_in_kind() -> None:
+    torch.manual_seed(0)
+    expr = encoding_class(module_from_spec(EXPR_SPEC))(heads=4, head_dim=8).double()
+    built_in = _module("kerple_log")
+    with torch.no_grad():  # equal parameters: softplus(raw) = the built-in r1, r2
+        for raw, value in ((expr.expr_r1, built_in.r1), (expr.expr_r2, built_in.r2)):
+            value.clamp_(min=0.05)
+            raw.copy_(value + torch.log(-torch.expm1(-value)))
+    torch.testing.assert_close(
+        expr.score_bias(Q_POS, K_POS), built_in.score_bias(Q_POS, K_POS), rtol=1e-12, atol=1e-12
+    )
+    q = torch.randn(1, 4, 6, 8, dtype=torch.float64)
+    torch.testing.assert_close(expr(q, q, q, causal=True), built_in(q, q, q, causal=True))
+    expr(q, q, q).sum().backward()
+    assert expr.expr_r1.grad is not None and expr.expr_r2.grad is not None
+
+
+def test_expression_without_h_broadcasts_over_heads(tmp_path: Path) -> None:
+    text = EXPR_SPEC.read_text().replace("kerple_log_expr", "expr_plain")
+    text = text.replace(
+        '"-r1[h] * log1p(r2[h] * abs(i - j))"', '"where(i >= j, -0.5 * (i - j), s * 0)"'
+    )
+    text = text.replace(
+        "params: {r1: {shape: [heads], init: 1.0, positive: true}, r2: {shape: [heads], "
+        "init: 0.5, positive: true, bounds: [0.01, 10]}}",
+        "params: {s: {shape: [], init: 2.0}}",
+    )
+    (tmp_path / "expr_plain.yaml").write_text(text)
+    pe = encoding_class(module_from_spec(tmp_path / "expr_plain.yaml"))(heads=3).double()
+    bias = pe.score_bias(Q_POS, K_POS)
+    diff = _pairs(Q_POS, K_POS)
+    want = torch.where(diff >= 0, -0.5 * diff, torch.zeros_like(diff))[None].expand(3, -1, -1)
+    torch.testing.assert_close(bias, want)
+
+
+BAD_EXPRESSIONS = [
+    ('"r1[h].real"', 1, "attribute access is not allowed"),
+    ('"(lambda: 1)()"', 2, "only the listed functions may be called"),
+    ("\"abs('i')\"", 5, "a string literal is not allowed"),
+    ('"[x for x in i]"', 1, "a comprehension is not allowed"),
+    ('"r1[h] * k"', 9, "unknown name 'k'"),
+    ('"__import__(1) + i"', 1, "unknown function '__import__'"),
+    ('"abs(x=i) + r1[h]"', 7, "abs() takes positional arguments only"),
+    ('"abs(*i) + r1[h]"', 5, "a starred argument is not allowed"),
+    ('"clamp(i, 1) * r1[h]"', 1, "clamp() takes 3 arguments, got 2"),
+    ('"r1 * i"', 1, "parameter 'r1' has shape [heads]: read it as r1[h]"),
+    ('"r1[i] * i"', 4, "a [heads] parameter is indexed by h only"),
+    ('"i + j + r1[h] if i else j"', 1, "a conditional expression (use where)"),
+    ('"r1[h] * ' + "i + " * 150 + 'j"', 501, "past the limit of 500"),
+    ('"r1[h] * (' + "i + " * 40 + 'j)"', 1, "syntax nodes, past the limit of 64"),
+    ('"exp(1) + r1[h]"', 1, "exp() of constants: write the number instead"),
+]
+
+
+@pytest.mark.parametrize(("expression", "column", "message"), BAD_EXPRESSIONS)
+def test_refused_expressions_point_at_the_token(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, expression: str, column: int, message: str
+) -> None:
+    text = EXPR_SPEC.read_text().replace("kerple_log_expr", "bad_expr")
+    text = text.replace(
+        "params: {r1: {shape: [heads], init: 1.0, positive: true}, r2: {shape: [heads], "
+        "init: 0.5, positive: true, bounds: [0.01, 10]}}",
+        "params: {r1: {shape: [heads], init: 1.0}}",
+    )
+    original = '"-r1[h] * log1p(r2[h] * abs(i - j))"'
+    line_text = next(line for line in text.splitlines() if original in line)
+    line = text.splitlines().index(line_text) + 1
+    start = line_text.index(original) + 2  # 1-based column of the first character inside
+    text = text.replace(original, expression)
+    (tmp_path / "bad_expr.yaml").write_text(text)
+    out = tmp_path / "out"
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, ["generate", "bad_expr.yaml", "--out", str(out)])
+    assert result.exit_code == 2
+    first = result.output.splitlines()[0]
+    prefix = f"bad_expr.yaml:{line}:{start + column - 1}: terms.position_position.bias.expr: "
+    assert first.startswith(prefix), first
+    assert message in first
+    assert "Traceback" not in result.output
+    assert not out.exists() or not any(out.iterdir())  # nothing written
+
+
+def test_plain_scalar_expression_columns(tmp_path: Path) -> None:
+    text = EXPR_SPEC.read_text().replace("kerple_log_expr", "plain_expr")
+    start = text.index("    bias: {")
+    text = text[:start] + (
+        "    bias:\n"
+        "      kind: expr\n"
+        "      expr: -r1[h] * log1p(q * abs(i - j))\n"
+        "      params: {r1: {shape: [heads], init: 1.0}}\n"
+        "      placement: after_scale\n"
+        "claims: {relative: true}\n"
+    )
+    (tmp_path / "plain_expr.yaml").write_text(text)
+    result = CliRunner().invoke(main, ["validate", str(tmp_path / "plain_expr.yaml")])
+    assert result.exit_code == 2
+    line = text.splitlines().index("      expr: -r1[h] * log1p(q * abs(i - j))") + 1
+    column = len("      expr: -r1[h] * log1p(") + 1
+    assert f":{line}:{column}: terms.position_position.bias.expr: unknown name 'q'" in (
+        result.output
+    )
+
+
+def test_generated_expression_code_holds_no_spec_text() -> None:
+    from posgen.codegen.render import render_module
+    from posgen.codegen.writing import plan_for
+    from posgen.spec.loader import load_spec
+
+    plan = plan_for(load_spec(EXPR_SPEC))
+    source = render_module(plan)
+    code = source.split('"""', 2)[2]  # past the module docstring
+    assert "log1p(r2[h]" not in code
+    assert "torch.log1p(t" in code
+
+
+@pytest.mark.parametrize("name", NEW_KINDS)
+def test_catalogue_spec_claims_hold(name: str) -> None:
+    result = CliRunner().invoke(main, ["check", str(ROOT / "specs" / f"{name}.yaml")])
+    assert result.exit_code == 0, result.output
