@@ -95,6 +95,17 @@ def _xpos_scale(
     return scale.to(positions.device, dtype)
 
 
+def _check_xpos_reach(low: int, high: int, reference: int, what: str) -> None:
+    """ValueError if positions low .. high lie too far from the reference for finite factors."""
+    per_position = math.log(1.4 / 0.4) / XPOS_SCALE_BASE  # ln(1 / zeta_0) / scale_base
+    if max(reference - low, high - reference) * per_position > XPOS_MAX_EXPONENT:
+        reach = int(XPOS_MAX_EXPONENT / per_position)
+        raise ValueError(
+            f"xPos with scale_base {XPOS_SCALE_BASE:g} reaches {reach} positions from "
+            f"{what} (its factors overflow past that); got positions {low} .. {high}"
+        )
+
+
 def _rotate_pairs(x: Tensor) -> Tensor:
     """The partner of each feature, signed so that x * cos + partner * sin rotates."""
     pairs = x.unflatten(-1, (-1, 2))  # [..., rotary_dim / 2, 2]
@@ -165,16 +176,20 @@ class RopeXpos(PositionalAttention):
             low, high = int(low_t), int(high_t)
         if q_positions is not None and q_positions.numel() and not torch.compiler.is_compiling():
             low, high = min(low, int(q_positions.min())), max(high, int(q_positions.max()))
-        per_position = math.log(1.4 / 0.4) / XPOS_SCALE_BASE  # ln(1 / zeta_0) / scale_base
-        offset = max(int(reference) - low, high - int(reference))
-        if offset * per_position > XPOS_MAX_EXPONENT:
-            reach = int(XPOS_MAX_EXPONENT / per_position)
-            raise ValueError(
-                f"xPos with scale_base {XPOS_SCALE_BASE:g} reaches {reach} positions either "
-                f"side of the middle of the keys in one call (its factors overflow past "
-                f"that); got positions {low} .. {high}"
-            )
+        _check_xpos_reach(low, high, int(reference), "the middle of the keys in one call")
         return reference
+
+    def _cached_xpos_reference(self, positions: Tensor | None, start: int, count: int) -> int:
+        """Reference 0 for keys rotated ahead of a call (a cache) and the queries that read
+        them: both sides must share it. Raises ValueError past the reach of the factors."""
+        if positions is None:
+            low, high = start, start + count - 1
+        elif torch.compiler.is_compiling() or not positions.numel():
+            return 0
+        else:
+            low, high = int(positions.min()), int(positions.max())
+        _check_xpos_reach(low, high, 0, "position 0 for a cache of rotated keys")
+        return 0
 
     def _xpos_factors(
         self,
@@ -192,17 +207,23 @@ class RopeXpos(PositionalAttention):
 
     def _rotate_queries(self, q: Tensor, q_positions: Tensor | None, m: int) -> Tensor:
         """q alone (keys already rotated): default positions are the last N of M."""
-        raise ValueError(
-            "keys_rotated=True: xPos scales keys relative to the middle of each call's key "
-            "positions, so keys cannot be rotated ahead of the call; pass the unrotated keys"
-        )
+        n = q.shape[2]
+        dtype = compute_dtype(q)
+        q_cos, q_sin = self._cos_sin(q_positions, m - n, n, q.device, dtype, None)
+        reference = self._cached_xpos_reference(q_positions, m - n, n)
+        q_scale = self._xpos_factors(q_positions, m - n, n, q.device, dtype, reference)
+        q_cos, q_sin = q_cos * q_scale, q_sin * q_scale
+        return self._apply_rotation(q, q_cos, q_sin)
 
     def _rotate_keys(self, k: Tensor, k_positions: Tensor | None) -> Tensor:
         """k alone, at k_positions (default 0, ..., M - 1)."""
-        raise ValueError(
-            "rotate_keys: xPos scales keys relative to the middle of each call's key "
-            "positions, so keys cannot be rotated ahead of the call; pass the unrotated keys"
-        )
+        m = k.shape[2]
+        dtype = compute_dtype(k)
+        k_cos, k_sin = self._cos_sin(k_positions, 0, m, k.device, dtype, None)
+        reference = self._cached_xpos_reference(k_positions, 0, m)
+        k_scale = self._xpos_factors(k_positions, 0, m, k.device, dtype, reference)
+        k_cos, k_sin = k_cos / k_scale, k_sin / k_scale
+        return self._apply_rotation(k, k_cos, k_sin)
 
     def _cos_sin(
         self,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 import tempfile
 from pathlib import Path
 
@@ -26,6 +28,20 @@ def generated_class(name: str) -> type[torch.nn.Module]:
     module = importlib.import_module(f"generated.{name}")
     (class_name,) = module.__all__
     return getattr(module, class_name)
+
+
+@functools.cache
+def head_dim_for(name: str, wanted: int) -> int:
+    """``wanted``, or the spec's own head_dim where its rotation is sized for it (M-RoPE
+    sections, LongRoPE factor lists: other widths raise ValueError by design)."""
+    cls = generated_class(name)
+    try:
+        cls(head_dim=wanted)
+    except ValueError:
+        default = inspect.signature(cls.__init__).parameters["head_dim"].default
+        assert isinstance(default, int)
+        return default
+    return wanted
 
 
 @pytest.fixture(autouse=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import generated_class, spec_names
+from tests.conftest import generated_class, head_dim_for, spec_names
 
 NAMES = spec_names()
 BACKENDS = ("eager", "sdpa", "auto")
@@ -15,13 +15,16 @@ HEADS, HEAD_DIM = 4, 8
 
 def make(name: str) -> torch.nn.Module:
     torch.manual_seed(0)
-    return generated_class(name)(heads=HEADS, head_dim=HEAD_DIM).double().eval()
+    head_dim = head_dim_for(name, HEAD_DIM)
+    return generated_class(name)(heads=HEADS, head_dim=head_dim).double().eval()
 
 
-def _inputs(kv_heads: int, n: int = 5, m: int = 7) -> tuple[torch.Tensor, ...]:
+def _inputs(
+    kv_heads: int, n: int = 5, m: int = 7, head_dim: int = HEAD_DIM
+) -> tuple[torch.Tensor, ...]:
     generator = torch.Generator().manual_seed(1)
-    q = torch.randn(2, HEADS, n, HEAD_DIM, generator=generator, dtype=torch.float64)
-    k = torch.randn(2, kv_heads, m, HEAD_DIM, generator=generator, dtype=torch.float64)
+    q = torch.randn(2, HEADS, n, head_dim, generator=generator, dtype=torch.float64)
+    k = torch.randn(2, kv_heads, m, head_dim, generator=generator, dtype=torch.float64)
     v = torch.randn(2, kv_heads, m, HEAD_DIM, generator=generator, dtype=torch.float64)
     return q, k, v
 
@@ -31,7 +34,7 @@ def _inputs(kv_heads: int, n: int = 5, m: int = 7) -> tuple[torch.Tensor, ...]:
 def test_grouped_query_attention_equals_repeated_heads(name: str, kv_heads: int) -> None:
     """k, v with kv_heads heads give what the same module gives on repeated heads."""
     pe = make(name)
-    q, k, v = _inputs(kv_heads)
+    q, k, v = _inputs(kv_heads, head_dim=pe.head_dim)
     groups = HEADS // kv_heads
     k_full, v_full = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     positions = {"q_positions": torch.tensor([3, 4, 6, 8, 9]), "k_positions": torch.arange(7)}

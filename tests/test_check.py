@@ -815,7 +815,7 @@ def test_mutation_float32_rotary_cache_offset_is_caught(monkeypatch) -> None:
         monkeypatch,
         "rope",
         "return self._cos_cache[start:end], self._sin_cache[start:end]",
-        "return self._cos_cache[0:length], self._sin_cache[0:length]",
+        "return self._cos_cache[0:count], self._sin_cache[0:count]",
     )
     outcome = _run_block(probe, agreement.kv_cache)
     assert outcome.verdict == "FAILS" and "float32 forward" in outcome.evidence

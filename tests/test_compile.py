@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import generated_class, spec_names
+from tests.conftest import generated_class, head_dim_for, spec_names
 
 
 @pytest.fixture(autouse=True)
@@ -23,10 +23,11 @@ def _fresh_dynamo() -> None:
 
 @pytest.mark.parametrize("name", spec_names())
 def test_fullgraph_compile_matches_eager_module(name: str) -> None:
-    pe = generated_class(name)(heads=4, head_dim=8).eval()
+    d = head_dim_for(name, 8)
+    pe = generated_class(name)(heads=4, head_dim=d).eval()
     generator = torch.Generator().manual_seed(0)
-    q = torch.randn(1, 4, 5, 8, generator=generator)
-    k, v = (torch.randn(1, 2, 7, 8, generator=generator) for _ in "kv")  # grouped-query
+    q = torch.randn(1, 4, 5, d, generator=generator)
+    k, v = (torch.randn(1, 2, 7, d, generator=generator) for _ in "kv")  # grouped-query
     explicit = {"q_positions": torch.tensor([3, 4, 5, 6, 7]), "k_positions": torch.arange(7)}
     compiled = torch.compile(pe, fullgraph=True, backend="eager")
     for positions in ({}, explicit):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import generated_class, spec_names
+from tests.conftest import generated_class, head_dim_for, spec_names
 
 STEPS = 6
 
@@ -18,9 +18,10 @@ def test_decode_with_rotated_key_cache_matches_full_forward(
     name: str, backend: str, explicit: bool
 ) -> None:
     torch.manual_seed(0)
-    pe = generated_class(name)(heads=4, head_dim=8).double().eval()  # deterministic positions
+    d = head_dim_for(name, 8)
+    pe = generated_class(name)(heads=4, head_dim=d).double().eval()  # deterministic positions
     generator = torch.Generator().manual_seed(1)
-    q, k = (torch.randn(2, 4, STEPS, 8, generator=generator, dtype=torch.float64) for _ in "qk")
+    q, k = (torch.randn(2, 4, STEPS, d, generator=generator, dtype=torch.float64) for _ in "qk")
     v = torch.randn(2, 2, STEPS, 8, generator=generator, dtype=torch.float64)
     k = k[:, :2]  # grouped-query: 2 key/value heads for 4 query heads
     # without explicit positions the cache holds keys 0 .. t and the query is the newest

@@ -61,9 +61,16 @@ def test_partial_rotary_alibi_and_t5_configs(tmp_path: Path) -> None:
 
 
 def test_settings_the_spec_language_cannot_state_are_named(tmp_path: Path) -> None:
-    scaled = transformers.LlamaConfig(rope_scaling={"rope_type": "linear", "factor": 4.0})
+    scaled = transformers.LlamaConfig().to_dict()
+    scaled["rope_scaling"] = {"rope_type": "wobbly", "factor": 4.0}
+    no_factor = transformers.LlamaConfig().to_dict()
+    no_factor["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0}
     mpt = {"model_type": "mpt", "n_heads": 12, "d_model": 768, "attn_config": {"alibi": True}}
-    cases = [(scaled.to_dict(), "rope_scaling type 'linear'"), (mpt, "MPT's slopes for 12 heads")]
+    cases = [
+        (scaled, "rope_scaling type 'wobbly'"),
+        (no_factor, "rope_scaling 'llama3' needs 'low_freq_factor'"),
+        (mpt, "MPT's slopes for 12 heads"),
+    ]
     cases.append(({"model_type": "bert"}, "no position settings"))
     for index, (config, message) in enumerate(cases):
         path = tmp_path / f"c{index}.json"
@@ -71,3 +78,59 @@ def test_settings_the_spec_language_cannot_state_are_named(tmp_path: Path) -> No
         result = CliRunner().invoke(main, ["from-hf", str(path)])
         assert result.exit_code == 2 and message in result.output, result.output
         assert "Traceback" not in result.output
+
+
+SCALINGS = {
+    "linear": ({"rope_type": "linear", "factor": 4.0}, {}),
+    "dynamic": ({"rope_type": "dynamic", "factor": 2.0}, {"max_position_embeddings": 1024}),
+    "yarn": (
+        {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 2048,
+         "beta_fast": 16.0, "beta_slow": 2.0, "mscale": 0.9, "mscale_all_dim": 0.5},
+        {},
+    ),
+    "llama3": (
+        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+         "original_max_position_embeddings": 8192},
+        {"rope_theta": 500000.0},
+    ),
+    "longrope": (
+        {"rope_type": "longrope", "short_factor": [1.0 + k / 10 for k in range(8)],
+         "long_factor": [2.0 + k for k in range(8)]},
+        {"max_position_embeddings": 65536, "original_max_position_embeddings": 4096},
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", sorted(SCALINGS))
+def test_rope_scaling_configs_give_hugging_faces_frequencies(kind: str, tmp_path: Path) -> None:
+    """from-hf's spec rotates with the inverse frequencies and attention factor that
+    ROPE_INIT_FUNCTIONS computes for the same config (head_dim 16, partial 0.5 for yarn)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaling, extra = SCALINGS[kind]
+    partial = {"partial_rotary_factor": 0.5} if kind == "yarn" else {}
+    config = transformers.LlamaConfig(
+        hidden_size=64, num_attention_heads=4, rope_scaling=scaling, **extra, **partial
+    )
+    cls = encoding_class(module_from_spec(_from_hf(config, tmp_path, f"scaled_{kind}")))
+    module = __import__("sys").modules[cls.__module__]
+    rotary_dim = 8 if kind == "yarn" else 16
+    for length in (100, 5000, 70000):
+        expected, attention = ROPE_INIT_FUNCTIONS[kind](config, "cpu", seq_len=length)
+        got = module._inverse_frequencies(rotary_dim, torch.tensor(length), torch.device("cpu"))
+        torch.testing.assert_close(got, expected.double(), rtol=2e-6, atol=0)
+        pe = cls().double()
+        ones = torch.ones(1, 1, 1, 16, dtype=torch.float64)
+        zero = torch.zeros(1, dtype=torch.long)
+        q, _ = pe.rotate(ones, ones, zero, zero)
+        assert float(q[0, 0, 0, 0]) == pytest.approx(attention, rel=1e-12)
+
+
+def test_an_mrope_config_gives_m_rope_axes(tmp_path: Path) -> None:
+    config = transformers.Qwen2VLConfig(
+        hidden_size=256, num_attention_heads=2, num_key_value_heads=2,
+        rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]},
+    )  # fmt: skip
+    rotate = load_spec(_from_hf(config, tmp_path, "qwen2_vl_positions")).spec.rotation
+    assert rotate is not None and rotate.axes is not None
+    assert rotate.axes.sections == [16, 24, 24] and rotate.frequencies.kind == "standard"

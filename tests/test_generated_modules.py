@@ -9,12 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import generated_class, spec_names
+from tests.conftest import generated_class, head_dim_for, spec_names
 
 NAMES = spec_names()
 
 
 def make(name: str, **overrides) -> torch.nn.Module:
+    if "head_dim" in overrides:
+        overrides["head_dim"] = head_dim_for(name, overrides["head_dim"])
     return generated_class(name)(**overrides).eval()
 
 

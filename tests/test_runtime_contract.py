@@ -13,7 +13,7 @@ import importlib
 import pytest
 import torch
 
-from tests.conftest import generated_class, spec_names
+from tests.conftest import generated_class, head_dim_for, spec_names
 
 NAMES = spec_names()
 F64 = torch.float64
@@ -21,7 +21,7 @@ F64 = torch.float64
 
 def make(name: str, **overrides) -> torch.nn.Module:
     overrides.setdefault("heads", 2)
-    overrides.setdefault("head_dim", 8)
+    overrides["head_dim"] = head_dim_for(name, overrides.get("head_dim", 8))
     return generated_class(name)(**overrides).eval()
 
 

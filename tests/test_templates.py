@@ -114,6 +114,7 @@ MACROS = {
     blocks.InputTable: {"helpers", "init", "lookup", "weights"},
     blocks.RelativeIndex: {"helpers"},
     blocks.RelativeTable: {"helpers", "init", "rows", "weights"},
+    blocks.FrequencyPlan: {"helpers"},
 }
 RENDERED = sorted(_concrete(blocks.Rendered), key=lambda cls: cls.__name__)
 

@@ -253,6 +253,18 @@ class LongRopeFrequencyPlan(FrequencyPlan):
 
 
 @dataclass(frozen=True)
+class ExprFrequencyPlan(FrequencyPlan):
+    """theta_k from a checked expression of k, d and base, one assignment per syntax node
+    (``posgen.spec.expr.render_steps``: fixed torch calls and temporaries, no spec text)."""
+
+    template: ClassVar[str] = "blocks/frequencies/expr.jinja"
+    checks_width: ClassVar[bool] = True  # computed once at construction: refuses non-finite
+    expression: str  # rendered through ``py`` only
+    steps: tuple[str, ...]
+    result: str
+
+
+@dataclass(frozen=True)
 class RotationPlan(Block):
     """Rotary position embedding of q and k."""
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from posgen.codegen.blocks import (
     DynamicNtkFrequencyPlan,
+    ExprFrequencyPlan,
     FrequencyPlan,
     LinearFrequencyPlan,
     Llama3FrequencyPlan,
@@ -13,8 +14,10 @@ from posgen.codegen.blocks import (
     StandardFrequencyPlan,
     YarnFrequencyPlan,
 )
+from posgen.spec.expr import FREQUENCY_NAMES, render_steps
 from posgen.spec.model import (
     DynamicNtkFrequencies,
+    ExprFrequencies,
     Frequencies,
     LinearFrequencies,
     Llama3Frequencies,
@@ -70,6 +73,9 @@ def frequency_plan(frequencies: Frequencies) -> FrequencyPlan:
             high_freq_factor=float(frequencies.high_freq_factor),
             original_max_positions=frequencies.original_max_positions,
         )
+    if isinstance(frequencies, ExprFrequencies):
+        steps, result = render_steps(frequencies.parsed(), FREQUENCY_NAMES)
+        return ExprFrequencyPlan(expression=frequencies.expr, steps=steps, result=result)
     if isinstance(frequencies, LongRopeFrequencies):
         return LongRopeFrequencyPlan(
             short_factor=tuple(float(f) for f in frequencies.short_factor),

@@ -50,6 +50,7 @@ MAX_LITERAL = 1e6
 
 PARAM_NAME = re.compile(r"^[a-z][a-z0-9_]{0,30}$")
 POSITION_NAMES = ("i", "j", "h")
+FREQUENCY_NAMES = ("k", "d", "base")  # pair index, rotated features, the spec's base
 
 # function name -> (arity, torch call); the call is written with its operands by
 # ``_render_call`` from this fixed table only.
@@ -134,14 +135,21 @@ class Parsed:
     uses_i: bool
     uses_j: bool
     uses_h: bool
+    reads: frozenset[str] = frozenset()  # every variable and parameter it reads
 
 
 def _offset(node: ast.AST) -> int:
     return int(getattr(node, "col_offset", 0))
 
 
-def parse_expr(text: str, params: dict[str, ParamInfo]) -> Parsed:
-    """Parse and check ``text`` against the whitelist; raises ExprError."""
+def parse_expr(
+    text: str, params: dict[str, ParamInfo], names: tuple[str, ...] = POSITION_NAMES
+) -> Parsed:
+    """Parse and check ``text`` against the whitelist; raises ExprError.
+
+    ``names``: the variables it may read (a bias: i, j, h; a frequency schedule: k, d,
+    base), beside the declared parameters.
+    """
     if len(text) > MAX_EXPR_CHARS:
         raise ExprError(
             f"expression of {len(text)} characters, past the limit of {MAX_EXPR_CHARS}",
@@ -167,22 +175,26 @@ def parse_expr(text: str, params: dict[str, ParamInfo]) -> Parsed:
             "into a built-in kind or a shorter formula",
             0,
         )
-    checker = _Checker(params)
+    checker = _Checker(params, names)
     checker.check(tree.body, 1)
     if not checker.varying(tree.body):
-        raise ExprError("the expression is a constant: it must use i, j, h or a parameter", 0)
+        raise ExprError(
+            f"the expression is a constant: it must use {', '.join(names)} or a parameter", 0
+        )
     return Parsed(
         tree=tree,
         params=tuple(checker.used_params),
         uses_i="i" in checker.used_names,
         uses_j="j" in checker.used_names,
         uses_h="h" in checker.used_names,
+        reads=frozenset(checker.used_names),
     )
 
 
 class _Checker:
-    def __init__(self, params: dict[str, ParamInfo]) -> None:
+    def __init__(self, params: dict[str, ParamInfo], names: tuple[str, ...]) -> None:
         self.params = params
+        self.names = names
         self.used_params: list[str] = []
         self.used_names: set[str] = set()
 
@@ -240,12 +252,12 @@ class _Checker:
 
     def _name(self, node: ast.Name) -> None:
         name = node.id
-        if name in POSITION_NAMES:
+        if name in self.names:
             self.used_names.add(name)
             return
         info = self.params.get(name)
         if info is None:
-            known = ", ".join([*POSITION_NAMES, *sorted(self.params)])
+            known = ", ".join([*self.names, *sorted(self.params)])
             hint = " (a function must be called)" if name in FUNCTIONS else ""
             raise ExprError(f"unknown name {name!r}{hint}; allowed names: {known}", _offset(node))
         if info.per_head:
@@ -266,7 +278,7 @@ class _Checker:
                 f"parameter {target.id!r} is a scalar (shape []): write {target.id}, not an index",
                 _offset(node),
             )
-        if not isinstance(index, ast.Name) or index.id != "h":
+        if not isinstance(index, ast.Name) or index.id != "h" or "h" not in self.names:
             raise ExprError(
                 f"a [heads] parameter is indexed by h only ({target.id}[h])", _offset(index)
             )
@@ -327,11 +339,14 @@ def _operator_offset(node: ast.BinOp) -> int:
 # --------------------------------------------------------------------------- rendering
 
 
-def render_steps(parsed: Parsed) -> tuple[tuple[str, ...], str]:
+def render_steps(
+    parsed: Parsed, names: tuple[str, ...] = POSITION_NAMES
+) -> tuple[tuple[str, ...], str]:
     """The assignments that compute the expression, and the name of the result.
 
-    Operands are the locals ``i`` ([..., 1, N, 1]), ``j`` ([..., 1, 1, M]), ``h``
-    ([H, 1, 1]), ``p_NAME`` (a parameter: [H, 1, 1] or 0-d) and ``dtype``/``device``.
+    Operands are the locals named by ``names`` (a bias: ``i`` [..., 1, N, 1], ``j``
+    [..., 1, 1, M], ``h`` [H, 1, 1]; a frequency schedule: ``k`` [pairs], ``d`` and
+    ``base`` 0-d), ``p_NAME`` (a parameter: [H, 1, 1] or 0-d) and ``dtype``/``device``.
     """
     lines: list[str] = []
 
@@ -346,7 +361,7 @@ def render_steps(parsed: Parsed) -> tuple[tuple[str, ...], str]:
             value = float(node.value)
             return emit(f"torch.tensor({value!r}, dtype=dtype, device=device)")
         if isinstance(node, ast.Name):
-            if node.id in POSITION_NAMES:
+            if node.id in names:
                 return node.id
             return f"p_{_param(node.id)}"
         if isinstance(node, ast.Subscript):

@@ -328,6 +328,15 @@ _KNOWN_TAGS = {
     "fire",
     "sandwich",
     "expr",
+    "standard",
+    "linear",
+    "ntk",
+    "dynamic_ntk",
+    "yarn",
+    "llama3",
+    "longrope",
+    "xpos",
+    "sections",
 }
 
 

@@ -42,6 +42,7 @@ from pydantic_core import PydanticCustomError
 
 from posgen.spec.diagnostics import closest_name, quoted
 from posgen.spec.expr import (
+    FREQUENCY_NAMES,
     PARAM_NAME,
     RESERVED_PARAM_NAMES,
     ExprError,
@@ -581,9 +582,11 @@ class YarnFrequencies(SpecModel):
         "is fully interpolated, in (0, 10^4], below beta_fast (paper: 1)",
     )
     attention_factor: float | None = Field(None, gt=0, le=10, description=_ATTENTION_FACTOR_WHY)
-    mscale: float | None = Field(None, ge=0, le=100, description="DeepSeek-style mscale")
+    mscale: float | None = Field(
+        None, ge=0, le=100, description="DeepSeek-style mscale, in [0, 100]"
+    )
     mscale_all_dim: float | None = Field(
-        None, ge=0, le=100, description="DeepSeek-style mscale_all_dim"
+        None, ge=0, le=100, description="DeepSeek-style mscale_all_dim, in [0, 100]"
     )
     truncate: bool = Field(
         True,
@@ -634,6 +637,9 @@ MAX_LONGROPE_PAIRS = 4096
 """Longest LongRoPE factor list (one per rotated pair; published heads have 32 to 64)."""
 
 
+_PairFactor = Annotated[float, Field(gt=0, le=1e6)]
+
+
 class LongRopeFrequencies(SpecModel):
     """LongRoPE (Ding et al. 2024, arXiv:2402.13753), as Hugging Face's rope_type 'longrope'.
 
@@ -645,28 +651,23 @@ class LongRopeFrequencies(SpecModel):
     """
 
     kind: Literal["longrope"]
-    short_factor: list[float] = Field(
+    short_factor: list[_PairFactor] = Field(
         min_length=1,
         max_length=MAX_LONGROPE_PAIRS,
         description="per-pair rescale factors, in (0, 10^6], one per rotated pair",
     )
-    long_factor: list[float] = Field(
+    long_factor: list[_PairFactor] = Field(
         min_length=1,
         max_length=MAX_LONGROPE_PAIRS,
-        description="per-pair rescale factors past original_max, one per rotated pair",
+        description="per-pair rescale factors past original_max, one per rotated pair, each "
+        "in (0, 10^6]",
     )
     original_max_positions: int = Field(ge=2, le=MAX_CONTEXT, description=_ORIGINAL_MAX_WHY)
     factor: float = Field(ge=1, le=MAX_SCALING_FACTOR, description=_FACTOR_WHY)
     attention_factor: float | None = Field(None, gt=0, le=10, description=_ATTENTION_FACTOR_WHY)
 
     @model_validator(mode="after")
-    def _factors_bounded(self) -> LongRopeFrequencies:
-        for name in ("short_factor", "long_factor"):
-            for index, value in enumerate(getattr(self, name)):
-                if not 0 < value <= 1e6:
-                    raise cross_field_error(
-                        f"{name}.{index}", f"each factor must be in (0, 10^6]; got {value:g}"
-                    )
+    def _lists_match(self) -> LongRopeFrequencies:
         if len(self.short_factor) != len(self.long_factor):
             raise cross_field_error(
                 "long_factor",
@@ -676,6 +677,44 @@ class LongRopeFrequencies(SpecModel):
         return self
 
 
+class ExprFrequencies(SpecModel):
+    """A frequency schedule written as an expression of k, d and base (posgen/spec/expr.py).
+
+    ``k`` is the pair index 0 .. d/2 - 1, ``d`` the rotated features, ``base`` the
+    rotation's base; the standard schedule is ``base ** (-2 * k / d)``. Checked against
+    the expression whitelist; the module refuses a schedule that is not finite.
+    """
+
+    kind: Literal["expr"]
+    expr: str = Field(
+        description="theta_k as an expression of k, d and base, e.g. 'base ** (-2 * k / d)'; "
+        "at most 500 characters, the functions and operators of the bias expressions"
+    )
+
+    @model_validator(mode="after")
+    def _parse(self) -> ExprFrequencies:
+        try:
+            parsed = parse_expr(self.expr, {}, FREQUENCY_NAMES)
+        except ExprError as error:
+            raise PydanticCustomError(
+                "expr",
+                "{message} (at character {character} of the expression)",
+                {"message": error.message, "character": error.offset + 1, "offset": error.offset},
+            ) from None
+        if "k" not in parsed.reads:
+            raise PydanticCustomError(
+                "expr",
+                "a frequency schedule must depend on the pair index k (at character "
+                "{character} of the expression)",
+                {"character": 1, "offset": 0},
+            )
+        return self
+
+    def parsed(self) -> Parsed:
+        """The checked expression (validated already, so this cannot fail)."""
+        return parse_expr(self.expr, {}, FREQUENCY_NAMES)
+
+
 Frequencies = Annotated[
     StandardFrequencies
     | LinearFrequencies
@@ -683,7 +722,8 @@ Frequencies = Annotated[
     | DynamicNtkFrequencies
     | YarnFrequencies
     | Llama3Frequencies
-    | LongRopeFrequencies,
+    | LongRopeFrequencies
+    | ExprFrequencies,
     Field(discriminator="kind"),
 ]
 
@@ -716,21 +756,12 @@ class MultimodalSections(SpecModel):
     """
 
     kind: Literal["sections"]
-    sections: list[int] = Field(
+    sections: list[Annotated[int, Field(ge=1, le=1 << 16)]] = Field(
         min_length=2,
         max_length=4,
         description="rotated pairs per position axis (Qwen2-VL: [16, 24, 24]); they must sum "
         "to rotary_dim / 2",
     )
-
-    @model_validator(mode="after")
-    def _sections_positive(self) -> MultimodalSections:
-        for index, value in enumerate(self.sections):
-            if not 1 <= value <= 1 << 16:
-                raise cross_field_error(
-                    f"sections.{index}", f"a section holds 1 to 65536 pairs; got {value}"
-                )
-        return self
 
 
 class Rotation(SpecModel):

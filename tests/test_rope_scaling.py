@@ -1,0 +1,500 @@
+"""Rotary frequency schedules, attention factors, p-RoPE, xPos and M-RoPE against references.
+
+References: Hugging Face transformers' ``ROPE_INIT_FUNCTIONS`` (inverse frequencies and
+attention scaling) and ``apply_rotary_pos_emb`` / ``apply_multimodal_rotary_pos_emb``;
+x-transformers' ``RotaryEmbedding`` (NTK base rescaling and xPos); float64
+implementations of the papers' formulas written here (p-RoPE, bloc97's NTK base).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+from tests.conftest import SPECS as ROOT_SPECS
+from tests.conftest import generated_class, spec_variant
+
+transformers = pytest.importorskip("transformers")
+from transformers import LlamaConfig  # noqa: E402
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # noqa: E402
+
+F64 = torch.float64
+
+
+def _schedule(cls: type[torch.nn.Module]) -> Any:
+    """The generated module (namespace) of an encoding class: its frequency helpers."""
+    return sys.modules[cls.__module__]
+
+
+def _frequencies(cls: type[torch.nn.Module], rotary_dim: int, length: int | None) -> torch.Tensor:
+    module = _schedule(cls)
+    given = None if length is None else torch.tensor(length)
+    return module._inverse_frequencies(rotary_dim, given, torch.device("cpu"))
+
+
+def _hf(
+    rope_type: str,
+    scaling: dict[str, Any] | None,
+    head_dim: int = 64,
+    base: float = 10000.0,
+    max_positions: int = 4096,
+    **extra: Any,
+) -> LlamaConfig:
+    rope_scaling = None if scaling is None else {"rope_type": rope_type, **scaling}
+    return LlamaConfig(
+        hidden_size=head_dim * 4,
+        num_attention_heads=4,
+        head_dim=head_dim,
+        rope_theta=base,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=max_positions,
+        **extra,
+    )
+
+
+def _hf_frequencies(
+    rope_type: str, config: LlamaConfig, seq_len: int | None = None
+) -> tuple[torch.Tensor, float]:
+    inv_freq, factor = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", seq_len=seq_len)
+    return inv_freq.to(F64), float(factor)
+
+
+def _attention_factor(cls: type[torch.nn.Module], head_dim: int) -> float:
+    """Measured: rotate a vector of ones at position 0 (cos = a, sin = 0 there)."""
+    pe = cls(heads=1, head_dim=head_dim).double()
+    ones = torch.ones(1, 1, 1, head_dim, dtype=F64)
+    q, _ = pe.rotate(ones, ones, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+    return float(q[0, 0, 0, 0])
+
+
+# --------------------------------------------------------------------------- schedules
+
+YARN = (
+    "      frequencies: {kind: yarn, factor: 4, original_max_positions: 4096, "
+    "beta_fast: 32, beta_slow: 1}"
+)
+
+
+@pytest.mark.parametrize(
+    ("spec", "replacements", "rope_type", "scaling"),
+    [
+        ("rope_linear", (), "linear", {"factor": 4.0}),
+        (
+            "rope_yarn",
+            (),
+            "yarn",
+            {"factor": 4.0, "original_max_position_embeddings": 4096},
+        ),
+        (
+            "rope_yarn",
+            (
+                (
+                    YARN,
+                    "      frequencies: {kind: yarn, factor: 16, original_max_positions: 2048, "
+                    "beta_fast: 16, beta_slow: 2, truncate: false}",
+                ),
+            ),
+            "yarn",
+            {
+                "factor": 16.0,
+                "original_max_position_embeddings": 2048,
+                "beta_fast": 16,
+                "beta_slow": 2,
+                "truncate": False,
+            },
+        ),
+        (
+            "rope_yarn",
+            (
+                (
+                    YARN,
+                    "      frequencies: {kind: yarn, factor: 40, original_max_positions: 4096, "
+                    "mscale: 1.0, mscale_all_dim: 0.707}",
+                ),
+            ),
+            "yarn",
+            {
+                "factor": 40.0,
+                "original_max_position_embeddings": 4096,
+                "mscale": 1.0,
+                "mscale_all_dim": 0.707,
+            },
+        ),
+    ],
+    ids=["linear", "yarn", "yarn-no-truncate", "yarn-deepseek-mscale"],
+)
+def test_static_schedules_match_hugging_face(
+    spec: str, replacements: tuple[tuple[str, str], ...], rope_type: str, scaling: dict[str, Any]
+) -> None:
+    cls = spec_variant(spec, *replacements) if replacements else generated_class(spec)
+    expected, attention = _hf_frequencies(rope_type, _hf(rope_type, scaling))
+    got = _frequencies(cls, 64, None)
+    torch.testing.assert_close(got, expected, rtol=2e-6, atol=0)
+    assert _attention_factor(cls, 64) == pytest.approx(attention, rel=1e-12)
+
+
+def test_llama3_matches_hugging_face_for_llama_3_1() -> None:
+    cls = generated_class("rope_llama3")
+    scaling = {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    config = _hf("llama3", scaling, head_dim=128, base=500000.0, max_positions=131072)
+    expected, attention = _hf_frequencies("llama3", config)
+    torch.testing.assert_close(_frequencies(cls, 128, None), expected, rtol=2e-6, atol=0)
+    assert attention == 1.0 and _attention_factor(cls, 128) == 1.0
+
+
+@pytest.mark.parametrize("length", [1, 100, 2048, 2049, 5000, 65536])
+def test_dynamic_ntk_matches_hugging_face_at_each_length(length: int) -> None:
+    cls = generated_class("rope_dynamic_ntk")
+    config = _hf("dynamic", {"factor": 2.0}, max_positions=2048)
+    expected, _ = _hf_frequencies("dynamic", config, seq_len=length)
+    torch.testing.assert_close(_frequencies(cls, 64, length), expected, rtol=2e-6, atol=0)
+
+
+def test_dynamic_ntk_is_stateless_and_never_lowers_the_base() -> None:
+    """A long call does not change a later short one (Hugging Face's layer keeps its
+    longest length); the base is never below the spec's (frequencies never rise)."""
+    pe = generated_class("rope_dynamic_ntk")(heads=2, head_dim=64).double()
+    q = torch.randn(1, 2, 8, 64, dtype=F64)
+    short = torch.arange(3000, 3008)
+    before = pe.rotate(q, q, short, short)
+    long = torch.arange(0, 9000)
+    keys = torch.randn(1, 2, 9000, 64, dtype=F64)
+    pe.rotate(keys, keys, long, long)
+    after = pe.rotate(q, q, short, short)
+    torch.testing.assert_close(before, after, rtol=0, atol=0)
+    standard = _frequencies(generated_class("rope"), 64, None)
+    for length in (1, 2048, 4096, 10**6):
+        assert bool((_frequencies(type(pe), 64, length) <= standard * (1 + 1e-12)).all())
+
+
+def test_dynamic_ntk_uses_the_calls_largest_position() -> None:
+    """Positions 0..4999 rotate as Hugging Face's dynamic layer does for seq_len 5000."""
+    pe = generated_class("rope_dynamic_ntk")(heads=1, head_dim=64).double()
+    config = _hf("dynamic", {"factor": 2.0}, max_positions=2048)
+    inv_freq, _ = _hf_frequencies("dynamic", config, seq_len=5000)
+    positions = torch.tensor([0, 7, 4999])
+    x = torch.randn(1, 1, 3, 64, dtype=F64)
+    angles = positions.to(F64)[:, None] * inv_freq
+    emb = torch.cat((angles, angles), dim=-1)
+    want, _ = apply_rotary_pos_emb(x, x, emb.cos(), emb.sin(), unsqueeze_dim=0)
+    got, _ = pe.rotate(x, x, positions, positions)
+    # HF's float32 inverse frequencies turn ~1e-4 rad away by position 4999
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-3)
+
+
+@pytest.mark.parametrize("length", [100, 4096, 4097, 20000])
+def test_longrope_matches_hugging_face_on_both_sides_of_original_max(length: int) -> None:
+    """Phi-3's layout: original_max_position_embeddings at the top level of the config and
+    factor = max_position_embeddings / original (131072 / 4096 = 32 in the spec)."""
+    cls = generated_class("rope_longrope")
+    module = _schedule(cls)
+    scaling = {
+        "short_factor": list(module.LONGROPE_SHORT_FACTOR),
+        "long_factor": list(module.LONGROPE_LONG_FACTOR),
+    }
+    config = _hf("longrope", scaling, max_positions=131072, original_max_position_embeddings=4096)
+    expected, attention = _hf_frequencies("longrope", config, seq_len=length)
+    torch.testing.assert_close(_frequencies(cls, 64, length), expected, rtol=2e-6, atol=0)
+    assert _attention_factor(cls, 64) == pytest.approx(attention, rel=1e-12)
+
+
+def test_ntk_base_matches_bloc97_and_x_transformers() -> None:
+    xt = pytest.importorskip("x_transformers.x_transformers")
+    got = _frequencies(generated_class("rope_ntk"), 64, None)
+    base = 10000.0 * 4.0 ** (64 / 62)
+    formula = torch.tensor([base ** (-2 * k / 64) for k in range(32)], dtype=F64)
+    torch.testing.assert_close(got, formula, rtol=1e-13, atol=0)
+    reference = xt.RotaryEmbedding(64, base_rescale_factor=4.0).inv_freq.to(F64)
+    torch.testing.assert_close(got, reference, rtol=2e-6, atol=0)
+
+
+def test_partial_rotary_matches_gpt_neox_layout() -> None:
+    """rotary_pct 0.25 of head_dim 64: 16 features rotate with base^(-2k/16) (HF's
+    partial_rotary_factor), the other 48 pass through."""
+    pe = generated_class("rope_partial")(heads=1, head_dim=64).double()
+    config = _hf("default", None, partial_rotary_factor=0.25)
+    inv_freq, _ = _hf_frequencies("default", config)
+    assert inv_freq.shape == (8,)
+    positions = torch.tensor([0, 3, 1000])
+    x = torch.randn(1, 1, 3, 64, dtype=F64)
+    angles = positions.to(F64)[:, None] * inv_freq
+    emb = torch.cat((angles, angles), dim=-1)
+    rotated, _ = apply_rotary_pos_emb(
+        x[..., :16], x[..., :16], emb.cos(), emb.sin(), unsqueeze_dim=0
+    )
+    want = torch.cat((rotated, x[..., 16:]), dim=-1)
+    got, _ = pe.rotate(x, x, positions, positions)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_p_rope_turns_only_the_highest_frequencies() -> None:
+    """Barbero et al. 2024: pairs k of the whole head at base^(-2k/d), k < p·d/2 turn; the
+    rest (the lowest frequencies) are the identity."""
+    pe = generated_class("rope_p")(heads=1, head_dim=64).double()
+    x = torch.randn(1, 1, 4, 64, dtype=F64)
+    positions = torch.tensor([0, 1, 77, 123456])
+    kept = 8  # round(0.25 * 64 / 2)
+    theta = torch.tensor(
+        [10000.0 ** (-2 * k / 64) if k < kept else 0.0 for k in range(32)], dtype=F64
+    )
+    angles = positions.to(F64)[:, None] * theta  # [4, 32]
+    first, second = x[..., :32], x[..., 32:]
+    want = torch.cat(
+        (
+            first * angles.cos() - second * angles.sin(),
+            second * angles.cos() + first * angles.sin(),
+        ),
+        dim=-1,
+    )
+    got, _ = pe.rotate(x, x, positions, positions)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+# --------------------------------------------------------------------------- xPos
+
+
+def test_xpos_matches_x_transformers() -> None:
+    xt = pytest.importorskip("x_transformers.x_transformers")
+    torch.manual_seed(0)
+    n = 300
+    q, k = torch.randn(2, 4, n, 64), torch.randn(2, 4, n, 64)
+    reference = xt.RotaryEmbedding(64, use_xpos=True, scale_base=512)
+    freqs, scale = reference.forward_from_seq_len(n)
+    want_q = xt.apply_rotary_pos_emb(q, freqs, scale)
+    want_k = xt.apply_rotary_pos_emb(k, freqs, scale**-1)
+    pe = generated_class("rope_xpos")(heads=4, head_dim=64)
+    got_q, got_k = pe.rotate(q, k)
+    torch.testing.assert_close(got_q, want_q, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got_k, want_k, rtol=1e-4, atol=1e-4)
+
+
+def _xpos_logits64(
+    q: torch.Tensor, k: torch.Tensor, i: torch.Tensor, j: torch.Tensor
+) -> torch.Tensor:
+    """Sun et al. 2023 in float64: Σ_k rotated products · zeta_k^((i - j) / 512)."""
+    d = q.shape[-1]
+    pairs = torch.arange(d // 2, dtype=F64)
+    theta = 10000.0 ** (-2 * pairs / d)
+    zeta = (2 * pairs + 0.4 * d) / (1.4 * d)
+    qa, qb = q[..., 0::2].to(F64), q[..., 1::2].to(F64)  # interleaved pairs
+    ka, kb = k[..., 0::2].to(F64), k[..., 1::2].to(F64)
+    r = (i[:, None] - j[None, :]).to(F64)  # [N, M]
+    angle = -r[..., None] * theta  # q_i . k_j turns by (j - i) theta: [N, M, d/2]
+    dot = qa[:, None] * ka[None] + qb[:, None] * kb[None]
+    cross = qb[:, None] * ka[None] - qa[:, None] * kb[None]
+    product = dot * angle.cos() + cross * angle.sin()
+    return (product * zeta ** (r[..., None] / 512)).sum(-1)
+
+
+def test_xpos_is_exact_and_finite_in_bf16_near_position_2_pow_20() -> None:
+    pe = generated_class("rope_xpos")(heads=1, head_dim=64)
+    q = torch.randn(1, 1, 4, 64)
+    k = torch.randn(1, 1, 64, 64)
+    k_pos = torch.arange(2**20 - 63, 2**20 + 1)
+    q_pos = k_pos[-4:]
+    rq, rk = pe.rotate(q.bfloat16(), k.bfloat16(), q_pos, k_pos)
+    logits = rq.float()[0, 0] @ rk.float()[0, 0].T
+    assert bool(torch.isfinite(logits).all())
+    want = _xpos_logits64(q[0, 0], k[0, 0], q_pos, k_pos)
+    error = (logits.double() - want).abs().max() / want.abs().max()
+    assert float(error) < 0.05  # bf16 inputs and outputs: ~2^-8 relative per factor
+    out = pe(
+        q.bfloat16(), k.bfloat16(), k.bfloat16(), q_positions=q_pos, k_positions=k_pos, causal=True
+    )
+    assert bool(torch.isfinite(out).all())
+
+
+def test_xpos_refuses_positions_its_factors_cannot_hold() -> None:
+    """Within one call the factors are taken about the middle of the keys; a cache of
+    rotated keys shares position 0 with its queries. Past either reach: ValueError."""
+    pe = generated_class("rope_xpos")(heads=1, head_dim=64)
+    x = torch.randn(1, 1, 2, 64)
+    far = torch.tensor([0, 10**6])
+    with pytest.raises(ValueError, match="from the middle of the keys"):
+        pe.rotate(x, x, far, far)
+    near_a_million = torch.tensor([10**6, 10**6 + 1])
+    assert bool(torch.isfinite(pe.rotate(x, x, near_a_million, near_a_million)[0]).all())
+    with pytest.raises(ValueError, match="a cache of rotated keys"):
+        pe.rotate_keys(x, near_a_million)
+
+
+# --------------------------------------------------------------------------- M-RoPE
+
+
+def _qwen2_vl_reference(
+    x: torch.Tensor, positions: torch.Tensor, sections: list[int], base: float
+) -> torch.Tensor:
+    """Hugging Face's apply_multimodal_rotary_pos_emb with float64 cos and sin."""
+    qwen = pytest.importorskip("transformers.models.qwen2_vl.modeling_qwen2_vl")
+    d = x.shape[-1]
+    theta = base ** (-torch.arange(0, d, 2, dtype=F64) / d)
+    angles = positions.to(F64)[..., None] * theta  # [3, B, N, d/2]
+    emb = torch.cat((angles, angles), dim=-1)
+    out, _ = qwen.apply_multimodal_rotary_pos_emb(x, x, emb.cos(), emb.sin(), sections)
+    return out
+
+
+def test_mrope_matches_qwen2_vl() -> None:
+    pe = generated_class("rope_mrope")(heads=2, head_dim=128).double()
+    x = torch.randn(2, 2, 6, 128, dtype=F64)
+    positions = torch.stack(
+        (
+            torch.tensor([[0, 1, 2, 2, 2, 2], [0, 0, 0, 5, 6, 7]]),  # temporal
+            torch.tensor([[0, 1, 2, 2, 3, 3], [0, 1, 2, 5, 6, 7]]),  # height
+            torch.tensor([[0, 1, 2, 3, 2, 3], [0, 2, 1, 5, 6, 7]]),  # width
+        )
+    )
+    want = _qwen2_vl_reference(x, positions, [16, 24, 24], 1e6)
+    got, _ = pe.rotate(x, x, positions, positions)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_mrope_with_token_positions_is_plain_rope() -> None:
+    mrope = generated_class("rope_mrope")(heads=2, head_dim=128).double()
+    plain = spec_variant("rope", ("base: 10000\n", "base: 1000000\n"), name="rope_1e6")(
+        heads=2, head_dim=128
+    ).double()
+    q, k, v = (torch.randn(1, 2, 5, 128, dtype=F64) for _ in range(3))
+    positions = torch.tensor([3, 4, 5, 6, 7])
+    for kwargs in ({}, {"q_positions": positions, "k_positions": positions}):
+        torch.testing.assert_close(
+            mrope(q, k, v, causal=True, **kwargs), plain(q, k, v, causal=True, **kwargs)
+        )
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa", "auto"])
+def test_mrope_forward_with_axis_positions_agrees_across_backends(backend: str) -> None:
+    """Axis positions rotate q and k; causal masking follows token order (as Qwen2-VL's)."""
+    pe = generated_class("rope_mrope")(heads=4, head_dim=128)
+    q = torch.randn(2, 4, 6, 128, requires_grad=True)
+    k = torch.randn(2, 2, 6, 128, requires_grad=True)  # GQA
+    v = torch.randn(2, 2, 6, 16)
+    positions = torch.stack([torch.tensor([[0, 1, 1, 1, 1, 2]] * 2)] * 3)
+    positions[1, :, 1:5] = torch.tensor([0, 0, 1, 1])
+    positions[2, :, 1:5] = torch.tensor([0, 1, 0, 1])
+    out = pe(q, k, v, q_positions=positions, k_positions=positions, causal=True, backend=backend)
+    rq, rk = pe.rotate(q, k, positions, positions)
+    rk = rk.repeat_interleave(2, dim=1)
+    logits = rq @ rk.transpose(-1, -2) / math.sqrt(128)
+    logits = logits.masked_fill(torch.ones(6, 6, dtype=torch.bool).triu(1), float("-inf"))
+    want = logits.softmax(-1) @ v.repeat_interleave(2, dim=1)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    grads = torch.autograd.grad(out.sum(), (q, k))
+    want_grads = torch.autograd.grad(want.sum(), (q, k))
+    for got, expected in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_mrope_refuses_malformed_axis_positions() -> None:
+    pe = generated_class("rope_mrope")(heads=2, head_dim=128)
+    x = torch.randn(1, 2, 4, 128)
+    with pytest.raises(ValueError, match=r"q_positions must have shape \[3, batch, 4\]"):
+        pe(x, x, x, q_positions=torch.zeros(2, 1, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="k_positions must also be"):
+        pe(x, x, x, q_positions=torch.zeros(3, 1, 4, dtype=torch.long), k_positions=torch.arange(4))
+    with pytest.raises(ValueError, match="must sum to the 32 rotated pairs"):
+        type(pe)(heads=2, head_dim=64)
+
+
+# --------------------------------------------------------------------------- every new spec
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "rope_linear",
+        "rope_ntk",
+        "rope_dynamic_ntk",
+        "rope_yarn",
+        "rope_llama3",
+        "rope_longrope",
+        "rope_partial",
+        "rope_p",
+        "rope_xpos",
+    ],
+)
+def test_sdpa_agrees_with_eager_including_gradients(name: str) -> None:
+    pe = generated_class(name)(heads=4)
+    d = pe.head_dim
+    q = torch.randn(2, 4, 5, d, requires_grad=True)
+    k = torch.randn(2, 2, 7, d, requires_grad=True)
+    v = torch.randn(2, 2, 7, 8)
+    for kwargs in ({}, {"q_positions": torch.arange(10, 15), "k_positions": torch.arange(8, 15)}):
+        for causal in (False, True):
+            eager = pe(q, k, v, causal=causal, backend="eager", **kwargs)
+            sdpa = pe(q, k, v, causal=causal, backend="sdpa", **kwargs)
+            torch.testing.assert_close(sdpa, eager, rtol=1e-5, atol=1e-5)
+            for a, b in zip(
+                torch.autograd.grad(eager.sum(), (q, k)),
+                torch.autograd.grad(sdpa.sum(), (q, k)),
+                strict=True,
+            ):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- expressions
+
+STANDARD = "      pairing: half              # feature k pairs with k + d/2\n"
+
+
+def _expr_rope(expr: str, name: str) -> type[torch.nn.Module]:
+    frequencies = f'      frequencies: {{kind: expr, expr: "{expr}"}}\n'
+    return spec_variant("rope", (STANDARD, STANDARD + frequencies), name=name)
+
+
+def test_an_expression_schedule_equals_the_built_in_kinds() -> None:
+    x = torch.randn(2, 8, 5, 64, dtype=F64)
+    positions = torch.tensor([0, 1, 9, 1000, 77777])
+    for expr, kind in (
+        ("base ** (-2 * k / d)", "rope"),
+        ("base ** (-2 * k / d) / 4", "rope_linear"),
+    ):
+        cls = _expr_rope(expr, f"rope_expr_{kind}")
+        got = cls().double().rotate(x, x, positions, positions)
+        want = generated_class(kind)().double().rotate(x, x, positions, positions)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_a_schedule_that_is_not_finite_is_refused_at_construction() -> None:
+    cls = _expr_rope("log(k - 1)", "rope_expr_nan")  # log(-1) at k = 0
+    with pytest.raises(ValueError, match="not finite"):
+        cls()
+
+
+@pytest.mark.parametrize(
+    ("expr", "column", "message"),
+    [
+        ("base ** (-2 * i / d)", 15, "unknown name 'i'; allowed names: k, d, base"),
+        ("k.exp()", 1, "attribute access is not allowed"),
+        ("base ** (-2 / d)", 1, "must depend on the pair index k"),
+        ("__import__('os')", 1, "unknown function '__import__'"),
+    ],
+)
+def test_refused_frequency_expressions_name_file_line_and_column(
+    expr: str, column: int, message: str, tmp_path: Any
+) -> None:
+    from click.testing import CliRunner
+
+    from posgen.cli import main
+
+    text = (ROOT_SPECS / "rope.yaml").read_text(encoding="utf-8")
+    line = f'      frequencies: {{kind: expr, expr: "{expr}"}}\n'
+    text = text.replace(STANDARD, STANDARD + line).replace("name: rope\n", "name: bad\n")
+    (tmp_path / "bad.yaml").write_text(text, encoding="utf-8")
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["generate", str(tmp_path / "bad.yaml"), "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    row = text.splitlines().index(line.rstrip("\n")) + 1
+    col = line.index('"') + 1 + column
+    assert f"bad.yaml:{row}:{col}: " in result.output and message in result.output
+    assert "Traceback" not in result.output and not out.exists()
