@@ -102,8 +102,8 @@ def test_every_claim_in_the_catalogue_holds(path: Path) -> None:
         elif claimed is not None:
             assert outcome.holds is claimed, f"{claim}: {outcome.evidence}"
             assert outcome.verdict.startswith("confirmed: ")
-        else:
-            assert outcome.verdict.startswith(("measured: ", "n/a"))
+        else:  # unclaimed: measured, or out of time on a loaded machine (FLOATER's ODE)
+            assert outcome.verdict.startswith(("measured: ", "n/a", "inconclusive (time"))
 
 
 # --------------------------------------------------------------------------- planted false claims
