@@ -10,6 +10,7 @@ from .bert_relative_key_query import BertRelativeKeyQuery
 from .complex_order import ComplexOrder
 from .convolutional import Convolutional
 from .convolutional_grid import ConvolutionalGrid
+from .cope import Cope
 from .deberta import Deberta
 from .deberta_absolute_input import DebertaAbsoluteInput
 from .fire import Fire
@@ -22,6 +23,7 @@ from .multiplicative_learned import MultiplicativeLearned
 from .multiplicative_sinusoidal import MultiplicativeSinusoidal
 from .nope import Nope
 from .rope import Rope
+from .rope_axial_2d import RopeAxial2d
 from .rope_dynamic_ntk import RopeDynamicNtk
 from .rope_gptj import RopeGptj
 from .rope_linear import RopeLinear
@@ -51,6 +53,7 @@ ENCODINGS = {
     "complex_order": ComplexOrder,
     "convolutional": Convolutional,
     "convolutional_grid": ConvolutionalGrid,
+    "cope": Cope,
     "deberta": Deberta,
     "deberta_absolute_input": DebertaAbsoluteInput,
     "fire": Fire,
@@ -63,6 +66,7 @@ ENCODINGS = {
     "multiplicative_sinusoidal": MultiplicativeSinusoidal,
     "nope": Nope,
     "rope": Rope,
+    "rope_axial_2d": RopeAxial2d,
     "rope_dynamic_ntk": RopeDynamicNtk,
     "rope_gptj": RopeGptj,
     "rope_linear": RopeLinear,
@@ -94,6 +98,7 @@ __all__ = [
     "ComplexOrder",
     "Convolutional",
     "ConvolutionalGrid",
+    "Cope",
     "Deberta",
     "DebertaAbsoluteInput",
     "Fire",
@@ -106,6 +111,7 @@ __all__ = [
     "MultiplicativeSinusoidal",
     "Nope",
     "Rope",
+    "RopeAxial2d",
     "RopeDynamicNtk",
     "RopeGptj",
     "RopeLinear",

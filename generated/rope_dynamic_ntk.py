@@ -6,7 +6,8 @@
 Score decomposition for query i and key j, scale 1/sqrt(head_dim):
 
     content_content    rotate    (R_i q_i) . (R_j k_j) = q_i R_(j-i) k_j, half pairing,
-                                 theta_k = 10000^(-2k/d_rot)
+                                 theta_k = 10000^(-2k/d_rot) rescaled (dynamic NTK, by the
+                                 call's length, factor 2)
     content_position   drop      0
     position_content   drop      0
     position_position  drop      0

@@ -6,7 +6,8 @@
 Score decomposition for query i and key j, scale 1/sqrt(head_dim):
 
     content_content    rotate    (R_i q_i) . (R_j k_j) = q_i R_(j-i) k_j, half pairing,
-                                 theta_k = 1000000^(-2k/d_rot)
+                                 theta_k = 1000000^(-2k/d_rot); M-RoPE sections [16, 24, 24]
+                                 (t, h, w)
     content_position   drop      0
     position_content   drop      0
     position_position  drop      0
@@ -69,7 +70,7 @@ def _rotary_cos_sin(
     compute_device = positions.device if positions.device.type in ("cpu", "cuda") else "cpu"
     theta = _inverse_frequencies(rotary_dim, length, compute_device)  # [rotary_dim / 2]
     if positions.dim() < 3:  # token positions: every axis reads the same position
-        positions = positions.expand(len(MROPE_SECTIONS), *positions.shape)
+        positions = positions.expand(3, *positions.shape)
     angles = positions.to(compute_device, torch.float64).unsqueeze(-1) * theta
     # [axes, ..., L, rotary_dim / 2] -> [..., L, rotary_dim / 2]: section a from axis a
     sections = angles.split(MROPE_SECTIONS, dim=-1)

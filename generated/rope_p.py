@@ -6,9 +6,8 @@
 Score decomposition for query i and key j, scale 1/sqrt(head_dim):
 
     content_content    rotate    (R_i q_i) . (R_j k_j) = q_i R_(j-i) k_j, half pairing,
-                                 theta_k = 10000^(-2k/d_rot), partial: rotates the
-                                 proportional 25% of each head (16 of 64 features at the
-                                 default head_dim), the rest pass through
+                                 theta_k = 10000^(-2k/d_rot), p-RoPE: only the highest 25%
+                                 of the frequencies turn
     content_position   drop      0
     position_content   drop      0
     position_position  drop      0

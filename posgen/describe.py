@@ -10,9 +10,11 @@ from dataclasses import dataclass
 
 from posgen.spec.model import (
     AnyBias,
+    AxialAxes,
     ClipIndex,
     ComplexOrderInput,
     ExprBias,
+    ExprFrequencies,
     FireBias,
     GlobalContentTerm,
     GlobalPositionTerm,
@@ -21,8 +23,10 @@ from posgen.spec.model import (
     LearnedTable,
     LearnedTableBias,
     LinearSlopeBias,
+    MultimodalSections,
     RelativeTerm,
     RelativeValues,
+    Rotation,
     SandwichBias,
     Spec,
     SymmetricLogBuckets,
@@ -187,7 +191,7 @@ def term_lines(spec: Spec) -> list[TermLine]:
                 "content_content",
                 "rotate",
                 f"(R_i q_i) . (R_j k_j) = q_i R_(j-i) k_j, {rotation.pairing} pairing, "
-                f"theta_k = {_number(rotation.base)}^(-2k/d_rot){rotary_share(spec)}",
+                f"{frequency_text(rotation)}{rotary_share(spec)}{rotation_extras(rotation)}",
             )
         )
     else:
@@ -197,6 +201,16 @@ def term_lines(spec: Spec) -> list[TermLine]:
         ("content_position", terms.content_position),
         ("position_content", terms.position_content),
     ):
+        if term == "content_position" and spec.contextual is not None:
+            lines.append(
+                TermLine(
+                    term,
+                    "contextual",
+                    "CoPE: q_i . e[p_ij] interpolated, p_ij = sum over keys t >= j (up to i) "
+                    f"of sigmoid(s_it), clamped below {spec.contextual.max_positions}",
+                )
+            )
+            continue
         relative = _relative_term_lines(spec, term, value)
         if relative is not None:
             if spec.input is not None:  # the input table's absolute part is still there
@@ -223,6 +237,42 @@ def term_lines(spec: Spec) -> list[TermLine]:
     return lines
 
 
+def frequency_text(rotation: Rotation) -> str:
+    """The frequency schedule in words: ``theta_k = 10000^(-2k/d_rot) / 4 (linear ...)``."""
+    standard = f"theta_k = {_number(rotation.base)}^(-2k/d_rot)"
+    frequencies = rotation.frequencies
+    kind = frequencies.kind
+    if kind == "standard":
+        return standard
+    if isinstance(frequencies, ExprFrequencies):
+        return f"theta_k = {frequencies.expr} (an expression of k, d, base)"
+    named = {
+        "linear": "Position Interpolation",
+        "ntk": "NTK-aware base",
+        "dynamic_ntk": "dynamic NTK, by the call's length",
+        "yarn": "YaRN ramp",
+        "llama3": "Llama 3.1 bands",
+        "longrope": "LongRoPE per-pair factors",
+    }[kind]
+    factor = getattr(frequencies, "factor", None)
+    scaled = f", factor {_number(factor)}" if factor is not None else ""
+    return f"{standard} rescaled ({named}{scaled})"
+
+
+def rotation_extras(rotation: Rotation) -> str:
+    """Attention factor, xPos and position axes in words, or ``""``."""
+    parts = []
+    if rotation.attention_factor != 1.0:
+        parts.append(f"cos and sin times {rotation.attention_factor:.6g}")
+    if rotation.position_scale is not None:
+        parts.append(f"xPos decay zeta_k^((i-j)/{_number(rotation.position_scale.scale_base)})")
+    if isinstance(rotation.axes, MultimodalSections):
+        parts.append(f"M-RoPE sections {list(rotation.axes.sections)} (t, h, w)")
+    elif isinstance(rotation.axes, AxialAxes):
+        parts.append(f"axial over {rotation.axes.count} position axes")
+    return "".join(f"; {part}" for part in parts)
+
+
 def rotary_share(spec: Spec) -> str:
     """``, partial: rotates the leading 25% of each head (16 of 64 features)``, or ``""``.
 
@@ -232,6 +282,8 @@ def rotary_share(spec: Spec) -> str:
     if rotation is None or rotation.rotary_dims.fraction >= 1:
         return ""
     fraction = rotation.rotary_dims.fraction
+    if rotation.rotary_dims.layout == "proportional":
+        return f", p-RoPE: only the highest {fraction * 100:g}% of the frequencies turn"
     head_dim = spec.defaults.head_dim
     rotated = rotary_dim_for(head_dim, fraction)
     return (

@@ -498,3 +498,44 @@ def test_refused_frequency_expressions_name_file_line_and_column(
     col = line.index('"') + 1 + column
     assert f"bad.yaml:{row}:{col}: " in result.output and message in result.output
     assert "Traceback" not in result.output and not out.exists()
+
+
+# --------------------------------------------------------------------------- 2-D axial
+
+
+def _axial64(x: torch.Tensor, cols: torch.Tensor, rows: torch.Tensor, base: float) -> torch.Tensor:
+    """Heo et al. 2024's axial RoPE in complex form, float64: pairs (2p, 2p + 1); the first
+    d/4 pairs turn by column·f_t, the last d/4 by row·f_t, f_t = base^(-4t/d)."""
+    d = x.shape[-1]
+    f = base ** (-4 * torch.arange(d // 4, dtype=F64) / d)
+    phases = torch.cat((cols.to(F64)[:, None] * f, rows.to(F64)[:, None] * f), dim=-1)
+    z = torch.view_as_complex(x.to(F64).reshape(*x.shape[:-1], d // 2, 2).contiguous())
+    return torch.view_as_real(z * torch.polar(torch.ones_like(phases), phases)).flatten(-2)
+
+
+def test_axial_rope_matches_the_papers_formula_on_a_patch_grid() -> None:
+    cls = generated_class("rope_axial_2d")
+    pe = cls(heads=2, head_dim=64).double()
+    grid = cls.grid_positions(3, 5)  # [2, 1, 15]: (column, row)
+    assert grid.shape == (2, 1, 15) and grid[:, 0, 7].tolist() == [2, 1]
+    x = torch.randn(1, 2, 15, 64, dtype=F64)
+    got, _ = pe.rotate(x, x, grid, grid)
+    want = _axial64(x, grid[0, 0], grid[1, 0], 100.0)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_axial_rope_is_relative_in_each_axis() -> None:
+    """Shifting every row (or column) by the same amount leaves the logits unchanged."""
+    cls = generated_class("rope_axial_2d")
+    pe = cls(heads=1, head_dim=32).double()
+    q, k = torch.randn(1, 1, 6, 32, dtype=F64), torch.randn(1, 1, 6, 32, dtype=F64)
+    grid = cls.grid_positions(2, 3)
+    base_logits = pe.scores(q, k, q_positions=grid, k_positions=grid)
+    for shift in (torch.tensor([[[7]], [[0]]]), torch.tensor([[[0]], [[11]]])):
+        moved = grid + shift
+        shifted = pe.scores(q, k, q_positions=moved, k_positions=moved)
+        torch.testing.assert_close(shifted, base_logits, rtol=1e-10, atol=1e-10)
+    swapped = grid.flip(0)  # rows and columns exchanged: different logits
+    assert not torch.allclose(
+        pe.scores(q, k, q_positions=swapped, k_positions=swapped), base_logits
+    )

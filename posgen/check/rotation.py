@@ -24,7 +24,7 @@ from posgen.check.probe import Probe, float64_encoding
 from posgen.check.search import FAR, SEEDS, Violation, fmt, generator, run_search, short_list
 from posgen.check.verdicts import Outcome, failed
 from posgen.spec.loader import LoadedSpec
-from posgen.spec.model import Rotation, Spec
+from posgen.spec.model import AxialAxes, Rotation, Spec
 
 # a position, a seed for the rotated vectors
 Example = tuple[int, int]
@@ -127,6 +127,10 @@ def _rotation_frequencies(probe: Probe, rotation: Rotation) -> Outcome | str:
         [rotation.base ** (-2.0 * k / rotary_dim) for k in range(turning)],
         dtype=F64,
     )
+    if isinstance(rotation.axes, AxialAxes):  # each axis: the schedule over its share
+        share = rotary_dim // rotation.axes.count
+        one_axis = [rotation.base ** (-2.0 * k / share) for k in range(share // 2)]
+        expected = torch.tensor(one_axis * rotation.axes.count, dtype=F64)
     expected = expected.sort(descending=True).values
     for side, name in ((0, "query"), (1, "key")):
         angles = torch.linalg.eigvals(probe.rotation_matrix(1, side)).angle()

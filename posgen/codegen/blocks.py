@@ -277,6 +277,7 @@ class RotationPlan(Block):
     attention_factor: float  # multiplies cos and sin (YaRN, LongRoPE); 1.0 elsewhere
     xpos_scale_base: float | None  # xPos per-position scale, or None
     sections: tuple[int, ...] | None  # M-RoPE: pairs per position axis, or None
+    axial_count: int | None  # axial RoPE: axes sharing the pairs evenly, or None
 
     @property
     def half_pairing(self) -> bool:
@@ -288,9 +289,37 @@ class RotationPlan(Block):
         return self.attention_factor != 1.0
 
     @property
+    def axis_count(self) -> int:
+        """Position axes: 1, or M-RoPE's sections, or the axial count."""
+        if self.sections is not None:
+            return len(self.sections)
+        return self.axial_count or 1
+
+    @property
+    def multi_axis(self) -> bool:
+        return self.axis_count > 1
+
+    @property
+    def patch_grid(self) -> bool:
+        """2-D axial RoPE: the class gets ``grid_positions(height, width)``."""
+        return self.axial_count == 2
+
+    @property
     def cached(self) -> bool:
         """cos and sin of the default positions are cached (the same for every call)."""
         return not self.frequencies.by_length and self.xpos_scale_base is None
+
+
+# --------------------------------------------------------------------------- contextual
+
+
+@dataclass(frozen=True)
+class ContextualPlan(Block):
+    """CoPE: a content_position term at gate-counted (contextual) positions."""
+
+    template: ClassVar[str] = "blocks/cope.jinja"
+    max_positions: int
+    init_std: float
 
 
 # --------------------------------------------------------------------------- biases

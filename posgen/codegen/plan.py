@@ -27,6 +27,7 @@ from posgen.codegen.blocks import (
     BucketIndexPlan,
     ClipIndexPlan,
     ComplexOrderPlan,
+    ContextualPlan,
     DepthwiseConvPlan,
     DistanceIndexPlan,
     ExprBiasPlan,
@@ -515,6 +516,13 @@ def _blocks(spec: Spec) -> tuple[Block, ...]:
         blocks.append(_complex_order_plan(form))
     if spec.rotation is not None:
         blocks.append(rotation_plan(spec.rotation))
+    if spec.contextual is not None:
+        blocks.append(
+            ContextualPlan(
+                max_positions=spec.contextual.max_positions,
+                init_std=float(spec.contextual.init_std),
+            )
+        )
     bias = _bias_plan(spec.bias, spec.untied) if spec.bias is not None else None
     if bias is not None:
         blocks.append(bias)
@@ -543,7 +551,10 @@ def _flags(blocks: tuple[Block, ...]) -> tuple[tuple[str, bool], ...]:
         ),
         ("bias_by_distance", not untied and isinstance(bias, DISTANCE_BIAS_BLOCKS)),
         ("has_rotation", any(isinstance(block, RotationPlan) for block in blocks)),
-        ("has_relative_terms", relative is not None),
+        (
+            "has_relative_terms",
+            relative is not None or any(isinstance(b, ContextualPlan) for b in blocks),
+        ),
         ("has_value_term", relative is not None and relative.values is not None),
     )
 

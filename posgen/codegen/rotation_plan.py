@@ -16,12 +16,14 @@ from posgen.codegen.blocks import (
 )
 from posgen.spec.expr import FREQUENCY_NAMES, render_steps
 from posgen.spec.model import (
+    AxialAxes,
     DynamicNtkFrequencies,
     ExprFrequencies,
     Frequencies,
     LinearFrequencies,
     Llama3Frequencies,
     LongRopeFrequencies,
+    MultimodalSections,
     NtkFrequencies,
     Rotation,
     StandardFrequencies,
@@ -31,6 +33,7 @@ from posgen.spec.model import (
 
 def rotation_plan(rotation: Rotation) -> RotationPlan:
     """The rotation block of a spec's plan."""
+    axes = rotation.axes
     return RotationPlan(
         base=float(rotation.base),
         pairing=rotation.pairing,
@@ -41,7 +44,8 @@ def rotation_plan(rotation: Rotation) -> RotationPlan:
         xpos_scale_base=(
             float(rotation.position_scale.scale_base) if rotation.position_scale else None
         ),
-        sections=tuple(rotation.axes.sections) if rotation.axes is not None else None,
+        sections=tuple(axes.sections) if isinstance(axes, MultimodalSections) else None,
+        axial_count=axes.count if isinstance(axes, AxialAxes) else None,
     )
 
 

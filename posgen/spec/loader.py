@@ -303,6 +303,8 @@ _KNOWN_TAGS = {
     "rotate",
     "bias",
     "untied_term",
+    "contextual",
+    "cope",
     "learned",
     "sinusoidal",
     "log_buckets",
@@ -336,6 +338,7 @@ _KNOWN_TAGS = {
     "llama3",
     "longrope",
     "xpos",
+    "axial",
     "sections",
 }
 

@@ -764,6 +764,20 @@ class MultimodalSections(SpecModel):
     )
 
 
+class AxialAxes(SpecModel):
+    """Axial RoPE (Heo et al. 2024, Rotary Position Embedding for Vision Transformer,
+    arXiv:2403.13298): the rotated pairs split evenly among ``count`` position axes (row,
+    column, ...), each axis with the whole schedule over its own share of the features,
+    theta_t = base^(-2t / (d_rot / count)); positions [count, batch, N].
+    """
+
+    kind: Literal["axial"]
+    count: int = Field(2, ge=2, le=4, description="position axes, 2 to 4 (images: 2)")
+
+
+Axes = Annotated[MultimodalSections | AxialAxes, Field(discriminator="kind")]
+
+
 class Rotation(SpecModel):
     """Rotary position embedding (Su et al. 2021, RoFormer, arXiv:2104.09864).
 
@@ -779,7 +793,7 @@ class Rotation(SpecModel):
     rotary_dims: RotaryDims = RotaryDims()
     frequencies: Frequencies = StandardFrequencies()
     position_scale: XposScale | None = None
-    axes: MultimodalSections | None = None
+    axes: Axes | None = None
 
     @property
     def attention_factor(self) -> float:
@@ -1465,6 +1479,40 @@ class RelativeValues(SpecModel):
         return "relative"
 
 
+# --------------------------------------------------------------------------- contextual
+
+
+class ContextualPositions(SpecModel):
+    """CoPE, contextual position encoding (Golovneva et al. 2024, arXiv:2405.18719), as
+    x-transformers' ``CoPE`` (integer-position interpolation, no talking heads).
+
+    With s_ij = q_i · k_j · scale the content logits, gates g_ij = sigmoid(s_ij) for keys at
+    or before the query (0 for later keys), the contextual position
+    p_ij = min(sum_{t=j..} g_it, max_positions - 1), and e a trained table
+    [max_positions, head_dim] shared by the heads, the term added after the scale is
+    (1 - w) q_i · e[floor p_ij] + w q_i · e[ceil p_ij], w = p_ij - floor p_ij.
+    """
+
+    kind: Literal["cope"]
+    max_positions: int = Field(
+        ge=2,
+        le=1 << 16,
+        description="rows of the position table, 2 to 65,536 (x-transformers' default "
+        "cope_max_pos 16); contextual positions are clamped below it",
+    )
+    init_std: float = _init_std(0.02)
+
+
+class ContextualTerm(SpecModel):
+    """content_position from contextual (counted) positions: CoPE."""
+
+    contextual: ContextualPositions
+
+    @property
+    def form(self) -> str:
+        return "contextual"
+
+
 # --------------------------------------------------------------------------- the terms
 
 
@@ -1475,8 +1523,9 @@ ContentContent = Annotated[
 ContentPosition = Annotated[
     Annotated[Literal["drop"], Tag("drop")]
     | Annotated[Literal["absolute"], Tag("absolute")]
-    | Annotated[RelativeTerm, Tag("relative")],
-    _tagged("drop", "absolute", "relative", what="content_position"),
+    | Annotated[RelativeTerm, Tag("relative")]
+    | Annotated[ContextualTerm, Tag("contextual")],
+    _tagged("drop", "absolute", "relative", "contextual", what="content_position"),
 ]
 PositionContent = Annotated[
     Annotated[Literal["drop"], Tag("drop")]
@@ -1705,6 +1754,13 @@ class Spec(SpecModel):
         self._check_randomized_range()
         if self.rotation is not None:
             self._check_rotation(self.rotation)
+        if self.contextual is not None and (self._relative_readers() or self.relative):
+            raise cross_field_error(
+                "terms.content_position",
+                "CoPE's contextual term renders the module's content-dependent terms: it "
+                "cannot share them with relative-table terms (drop those, or the relative "
+                "section)",
+            )
         return self
 
     def _check_rotation(self, rotation: Rotation) -> None:
@@ -1838,6 +1894,12 @@ class Spec(SpecModel):
         return term.bias if isinstance(term, (BiasTerm, UntiedTerm)) else None
 
     @property
+    def contextual(self) -> ContextualPositions | None:
+        """The CoPE term, if content_position is contextual."""
+        term = self.terms.content_position
+        return term.contextual if isinstance(term, ContextualTerm) else None
+
+    @property
     def untied(self) -> UntiedPositions | None:
         """The untied absolute position_position term, if the spec has one."""
         term = self.terms.position_position
@@ -1888,16 +1950,28 @@ def rotation_problem(rotation: Rotation, head_dim: int) -> tuple[str, str] | Non
             f"LongRoPE needs one factor per rotated pair: {pairs} for {rotary_dim} rotated "
             f"features (got {len(frequencies.short_factor)})"
         )
-    if rotation.axes is not None:
+    if isinstance(rotation.axes, AxialAxes) and rotary_dim % (2 * rotation.axes.count):
+        return "axes.count", (
+            f"axial RoPE gives each of {rotation.axes.count} axes an even share of the "
+            f"{rotary_dim} rotated features: {rotary_dim} is not a multiple of "
+            f"{2 * rotation.axes.count}"
+        )
+    if isinstance(rotation.axes, MultimodalSections):
         if sum(rotation.axes.sections) != pairs:
             return "axes.sections", (
                 f"sections must sum to the {pairs} rotated pairs (rotary_dim {rotary_dim} / "
                 f"2); got {sum(rotation.axes.sections)}"
             )
-        if rotation.position_scale is not None:
-            return "position_scale", (
-                "xPos scales by a single position; M-RoPE has one per axis: use one or the other"
-            )
+    if rotation.axes is not None and dims.layout == "proportional":
+        return "axes", (
+            "the proportional layout (p-RoPE) spans the whole head with one schedule; "
+            "position axes split the pairs: use one or the other"
+        )
+    if rotation.axes is not None and rotation.position_scale is not None:
+        return "position_scale", (
+            "xPos scales by a single position; M-RoPE and axial RoPE have one per axis: use "
+            "one or the other"
+        )
     return None
 
 

@@ -1,0 +1,81 @@
+"""CoPE (Golovneva et al. 2024) against x-transformers' CoPE and a float64 formula."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.conftest import generated_class
+
+F64 = torch.float64
+
+
+def _cope64(q: torch.Tensor, k: torch.Tensor, table: torch.Tensor, scale: float) -> torch.Tensor:
+    """The paper's term, loop by loop in float64, for causal default positions (N = M)."""
+    b, h, n, _ = q.shape
+    out = torch.zeros(b, h, n, n, dtype=F64)
+    for bi in range(b):
+        for hi in range(h):
+            for i in range(n):
+                gates = [torch.sigmoid(q[bi, hi, i] @ k[bi, hi, t] * scale) for t in range(n)]
+                for j in range(i + 1):
+                    p = min(float(sum(gates[t] for t in range(j, i + 1))), table.shape[0] - 1)
+                    low, high = math.floor(p), math.ceil(p)
+                    w = p - low
+                    out[bi, hi, i, j] = (1 - w) * (q[bi, hi, i] @ table[low]) + w * (
+                        q[bi, hi, i] @ table[high]
+                    )
+    return out
+
+
+def test_cope_term_matches_the_formula_in_float64() -> None:
+    pe = generated_class("cope")(heads=2, head_dim=8).double()
+    q, k = torch.randn(1, 2, 5, 8, dtype=F64), torch.randn(1, 2, 5, 8, dtype=F64)
+    with torch.no_grad():
+        pe.cope_positions.copy_(torch.randn(16, 8, dtype=F64))
+    terms = pe.score_terms(q, k)
+    want = _cope64(q, k, pe.cope_positions.detach(), pe.scale)
+    visible = torch.ones(5, 5, dtype=torch.bool).tril()
+    torch.testing.assert_close(
+        terms["content_position"][..., visible], want[..., visible], rtol=1e-12, atol=1e-12
+    )
+
+
+def test_cope_attention_matches_x_transformers() -> None:
+    xt = pytest.importorskip("x_transformers.x_transformers")
+    torch.manual_seed(0)
+    heads, dim, n = 4, 16, 12
+    reference = xt.CoPE(dim=dim, heads=heads, max_pos=16)
+    with torch.no_grad():
+        reference.pos_emb.normal_()
+    pe = generated_class("cope")(heads=heads, head_dim=dim)
+    with torch.no_grad():
+        pe.cope_positions.copy_(reference.pos_emb)
+    q, k, v = (torch.randn(2, heads, n, dim) for _ in range(3))
+    scale = dim**-0.5
+    sim = (q @ k.transpose(-1, -2)) * scale
+    causal = torch.ones(n, n, dtype=torch.bool).triu(1)
+    sim = sim.masked_fill(causal, -torch.finfo(sim.dtype).max)
+    sim = sim + reference(q, sim)
+    want = sim.softmax(-1) @ v
+    for backend in ("eager", "sdpa"):
+        got = pe(q, k, v, causal=True, backend=backend)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_cope_gradients_reach_the_table_on_every_backend() -> None:
+    pe = generated_class("cope")(heads=4, head_dim=8)
+    q = torch.randn(2, 4, 6, 8, requires_grad=True)
+    k, v = torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)  # GQA
+    grads = []
+    for backend in ("eager", "sdpa"):
+        pe.zero_grad()
+        out = pe(q, k, v, causal=True, backend=backend, q_positions=torch.arange(3, 9),
+                 k_positions=torch.arange(3, 9))  # fmt: skip
+        (table_grad, q_grad) = torch.autograd.grad(out.square().sum(), (pe.cope_positions, q))
+        assert float(table_grad.abs().sum()) > 0
+        grads.append((table_grad, q_grad))
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
