@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-BACKENDS = ("auto", "eager", "sdpa")
+BACKENDS = ("auto", "eager", "sdpa", "flex")
 LAYOUTS = ("bhnd", "bnhd")  # [batch, heads, seq, dim] (default) or [batch, seq, heads, dim]
 CACHE_SIZE = 8  # shape-keyed caches keep this many most recent entries
 # Positions are exact in float64 (angles, distances) below 2^53; larger ones are refused.
@@ -401,6 +401,117 @@ def block_fresh(scores: Tensor, allowed: Tensor) -> Tensor:
     return scores.masked_fill(~allowed, float("-inf"))
 
 
+def flex_score_mod(vec: Tensor | None, added: Tensor | None, n: int) -> Any:
+    """A FlexAttention score_mod adding a per-distance vector and/or a captured tensor.
+
+    vec: [H, N + M - 1], entry kv - q + N - 1 (default positions, ``default_distances``);
+    added: [B or 1, H or 1, N, M] (a bias or mask as the sdpa backend would add it).
+    None when there is nothing to add.
+    """
+    if vec is None and added is None:
+        return None
+    if added is not None:
+        added = (
+            added if added.dim() == 4 else added.view(1, *([1] * (3 - added.dim())), *added.shape)
+        )
+        per_batch, per_head = added.shape[0] > 1, added.shape[1] > 1
+
+    def score_mod(score: Tensor, b: Tensor, h: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
+        if vec is not None:
+            score = score + vec[h, ki - qi + (n - 1)]
+        if added is not None:
+            score = score + added[b if per_batch else 0, h if per_head else 0, qi, ki]
+        return score
+
+    return score_mod
+
+
+def flex_captured(score_mod: Any) -> list[Tensor]:
+    """The tensors a score_mod closes over (their gradients decide the CPU path)."""
+    found = []
+    for cell in getattr(score_mod, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # a name the closure never bound
+            continue
+        if isinstance(value, Tensor):
+            found.append(value)
+    return found
+
+
+def flex_reference(
+    q: Tensor, k: Tensor, v: Tensor, score_mod: Any, block_mask: Any, scale: float
+) -> Tensor:
+    """What flex_attention computes, unfused and differentiable on any device.
+
+    The score_mod and the block mask's mask_mod are called once on broadcast index
+    tensors b [B, 1, 1, 1], h [1, H, 1, 1], q [1, 1, N, 1], kv [1, 1, 1, M]; fully masked
+    rows give zeros, as flex_attention does.
+    """
+    groups = q.shape[1] // k.shape[1]
+    k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+    batch, heads, n, m = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale  # [B, H, N, M]
+    device = q.device
+    b = torch.arange(batch, device=device).view(-1, 1, 1, 1)
+    h = torch.arange(heads, device=device).view(1, -1, 1, 1)
+    qi = torch.arange(n, device=device).view(1, 1, -1, 1)
+    ki = torch.arange(m, device=device).view(1, 1, 1, -1)
+    if score_mod is not None:
+        scores = score_mod(scores, b, h, qi, ki)
+    if block_mask is not None:
+        allowed = block_mask.mask_mod(b, h, qi, ki)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.matmul(masked_softmax(scores), v)
+
+
+_COMPILED_FLEX: dict[str, Any] = {}
+
+
+def run_flex(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    score_mod: Any,
+    block_mask: Any,
+    scale: float,
+    gqa: bool,
+    compiled: bool,
+    captures: bool,
+) -> Tensor:
+    """flex_attention, compiled once per process (torch.compile caches per shape and dtype).
+
+    On CUDA a score_mod that reads captured tensors gets BLOCK_M = BLOCK_N = 64 and one
+    pipeline stage: the default tiles ran out of shared memory on an H100 (torch 2.11).
+    """
+    from torch.nn.attention.flex_attention import flex_attention
+
+    needs_grad = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (q, k, v, *flex_captured(score_mod))
+    )
+    if needs_grad and q.device.type == "cpu":  # FlexAttention has no CPU backward
+        return flex_reference(q, k, v, score_mod, block_mask, scale)
+    function: Any = flex_attention
+    if compiled and not torch.compiler.is_compiling():
+        function = _COMPILED_FLEX.get("flex")
+        if function is None:
+            function = _COMPILED_FLEX.setdefault("flex", torch.compile(flex_attention))
+    options = None
+    if compiled and captures and q.device.type == "cuda":
+        options = {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 1}
+    out = function(
+        q,
+        k,
+        v,
+        score_mod=score_mod,
+        block_mask=block_mask,
+        scale=scale,
+        enable_gqa=gqa,
+        kernel_options=options,
+    )
+    return out
+
+
 class PositionalAttention(nn.Module):
     """Attention whose logits are the sum of an encoding's terms; subclassed per encoding.
 
@@ -432,6 +543,9 @@ class PositionalAttention(nn.Module):
     has_value_term: bool = False
     #: position axes of the rotation (M-RoPE: 3); explicit positions [axes, batch, seq]
     position_axes: int = 1
+    #: backend "flex" runs torch.compile'd FlexAttention (None: on CUDA only; elsewhere
+    #: the unfused reference, which is exact but materialises the scores)
+    flex_compile: bool | None = None
 
     def __init__(self, heads: int, head_dim: int, scale_factor: float | None) -> None:
         super().__init__()
@@ -718,7 +832,9 @@ class PositionalAttention(nn.Module):
             attn_mask: bool (True = attend) or additive float mask, broadcastable to
                 [batch, heads, N, M].
             backend: "eager" (term by term, the reference), "sdpa"
-                (F.scaled_dot_product_attention with a materialised bias) or "auto"
+                (F.scaled_dot_product_attention with a materialised bias), "flex"
+                (FlexAttention: the position terms as a score_mod, masks as a block
+                mask; compiled on CUDA, or where ``flex_compile`` is True) or "auto"
                 (sdpa, or eager where a value-side term needs the weights).
             layout: "bhnd" (the shapes above) or "bnhd" ([batch, seq, heads, dim], as
                 Hugging Face projections produce before their transpose); the output
@@ -767,6 +883,8 @@ class PositionalAttention(nn.Module):
         # "auto" takes the eager path for it (one softmax instead of two)
         eager = backend == "eager" or (backend == "auto" and self.has_value_term)
         args = (q, k, v, q_positions, k_positions, causal, attn_mask, rotated)
+        if backend == "flex":
+            return self._flex_attention(*args)
         return self._eager_attention(*args) if eager else self._sdpa_attention(*args)
 
     def _eager_attention(
@@ -833,6 +951,111 @@ class PositionalAttention(nn.Module):
             else:
                 mask = apply_masks(attn_mask.to(q.dtype), allowed, None)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, **gqa)
+
+    def _flex_attention(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        q_positions: Tensor | None,
+        k_positions: Tensor | None,
+        causal: bool,
+        attn_mask: Tensor | None,
+        rotated: Rotated = "none",
+    ) -> Tensor:
+        """FlexAttention: position terms as a score_mod, causal masking as a block mask.
+
+        A bias of j - i alone at default positions is read from its [H, N + M - 1] vector
+        (O(N + M) memory); other position terms are captured as the tensor the sdpa
+        backend would add. Value-side terms need the weights and are refused.
+        """
+        if self.has_value_term:
+            raise ValueError(
+                'backend="flex" cannot add a value-side term (it needs the attention '
+                'weights): use backend="eager" or "auto"'
+            )
+        q, k = self._rotate_for_attention(q, k, q_positions, k_positions, rotated)
+        n, m = q.shape[2], k.shape[2]
+        dtype = compute_dtype(q)
+        gqa = k.shape[1] != q.shape[1]
+        default = q_positions is None and k_positions is None
+        vec: Tensor | None = None
+        added: Tensor | None = None  # [B or 1, H or 1, N, M], added to the scaled scores
+        if self.has_relative_terms:
+            heads_k = repeat_kv(k, q.shape[1] // k.shape[1])
+            parts = list(self._relative_terms(q, heads_k, q_positions, k_positions, dtype).values())
+            added = sum_into_new(parts) if parts else None
+        if self.bias_by_distance and default and added is None:
+            vec = self._distance_bias(n, m, q.device).to(dtype)  # [H, N + M - 1]
+            if self.position_bias_inside_scale:
+                vec = vec * self.scale
+        elif self.has_position_bias:
+            bias = self._position_bias(q_positions, k_positions, n, m, q.device)
+            assert bias is not None  # has_position_bias
+            bias = bias.to(dtype) * (self.scale if self.position_bias_inside_scale else 1.0)
+            added = bias if added is None else added + bias
+        if attn_mask is not None:
+            mask = attn_mask.to(dtype) if attn_mask.dtype != torch.bool else None
+            if mask is None:
+                zero = torch.zeros((), dtype=dtype, device=q.device)
+                mask = torch.where(attn_mask, zero, torch.full_like(zero, float("-inf")))
+            added = mask if added is None else added + mask
+        score_mod = flex_score_mod(vec, added, n)
+        block_mask = None
+        if causal:
+            block_mask = self._flex_causal_mask(
+                q_positions, k_positions, q.shape[0], n, m, q.device
+            )
+        compile_flex = self.flex_compile
+        if compile_flex is None:
+            compile_flex = q.device.type == "cuda"
+        with torch.autocast(device_type=q.device.type, enabled=False):
+            out = run_flex(
+                q.to(dtype),
+                k.to(dtype),
+                v.to(dtype),
+                score_mod,
+                block_mask,
+                self.scale,
+                gqa,
+                compile_flex,
+                captures=vec is not None or added is not None,
+            )
+        return out.to(v.dtype)
+
+    def _flex_causal_mask(
+        self,
+        q_positions: Tensor | None,
+        k_positions: Tensor | None,
+        batch: int,
+        n: int,
+        m: int,
+        device: torch.device,
+    ) -> Any:
+        """A block mask of key position <= query position (cached for default positions)."""
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        if q_positions is None and k_positions is None:
+            key = ("flex_causal", n, m, str(device))
+            cached = cache_get(self._cache, key)
+            if cached is None:
+                offset = m - n
+
+                def default_causal(b: Tensor, h: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
+                    return ki <= qi + offset
+
+                cached = create_block_mask(default_causal, None, None, n, m, device=device)
+                cached = cache_put(self._cache, key, cached)
+            return cached
+        q_pos = positions_or_default(q_positions, m - n, n, device)
+        k_pos = positions_or_default(k_positions, 0, m, device)
+        q_rows = q_pos.view(-1, n).expand(batch, n)  # [B, N]
+        k_rows = k_pos.view(-1, m).expand(batch, m)  # [B, M]
+
+        def positional_causal(b: Tensor, h: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
+            return k_rows[b, ki] <= q_rows[b, qi]
+
+        return create_block_mask(positional_causal, batch, None, n, m, device=device)
 
     def _sdpa_relative(
         self,

@@ -1,0 +1,110 @@
+"""backend="flex" (FlexAttention) against the eager oracle on every catalogue encoding.
+
+On CPU the modules run FlexAttention's unfused reference (flex_compile None); one test
+runs the torch.compile'd kernel, shared by the encodings it covers."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from tests.conftest import generated_class, head_dim_for, spec_names
+
+warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+
+NAMES = spec_names()
+
+
+def _make(name: str, heads: int = 4) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return generated_class(name)(heads=heads, head_dim=head_dim_for(name, 8)).eval()
+
+
+def _inputs(pe: torch.nn.Module, batch: int = 2, n: int = 5, m: int = 7, kv_heads: int = 2):
+    generator = torch.Generator().manual_seed(1)
+    d = pe.head_dim
+    value_dim = getattr(pe, "value_dim", None) or 8
+    q = torch.randn(batch, pe.heads, n, d, generator=generator, requires_grad=True)
+    k = torch.randn(batch, kv_heads, m, d, generator=generator, requires_grad=True)
+    v = torch.randn(batch, kv_heads, m, value_dim, generator=generator, requires_grad=True)
+    return q, k, v
+
+
+POSITIONS = {
+    "default": {},
+    "explicit": {"q_positions": torch.tensor([3, 4, 6, 8, 9]), "k_positions": torch.arange(7)},
+    "batched": {
+        "q_positions": torch.tensor([[3, 4, 6, 8, 9], [10, 11, 12, 13, 14]]),
+        "k_positions": torch.tensor([[0, 1, 2, 3, 4, 5, 6], [8, 9, 10, 11, 12, 13, 14]]),
+    },
+}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_flex_matches_eager_outputs_and_gradients(name: str) -> None:
+    pe = _make(name)
+    q, k, v = _inputs(pe)
+    if pe.has_value_term:
+        with pytest.raises(ValueError, match="value-side term"):
+            pe(q, k, v, backend="flex")
+        return
+    params = [p for p in pe.parameters() if p.requires_grad]
+    for positions in POSITIONS.values():
+        for causal in (False, True):
+            eager = pe(q, k, v, causal=causal, backend="eager", **positions)
+            flex = pe(q, k, v, causal=causal, backend="flex", **positions)
+            torch.testing.assert_close(flex, eager, rtol=1e-5, atol=1e-5)
+            inputs = [q, k, v, *params]
+            want = torch.autograd.grad(eager.square().sum(), inputs, allow_unused=True)
+            got = torch.autograd.grad(flex.square().sum(), inputs, allow_unused=True)
+            for a, b in zip(got, want, strict=True):
+                if b is None:
+                    continue
+                assert a is not None
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["alibi", "t5", "rope", "kerple_log", "deberta", "cope"])
+def test_flex_masks_bf16_and_fully_masked_rows(name: str) -> None:
+    pe = _make(name)
+    q, k, v = (t.detach() for t in _inputs(pe))
+    allowed = torch.ones(2, 1, 5, 7, dtype=torch.bool)
+    allowed[0, :, 2] = False  # a fully masked query row: zeros, as SDPA gives
+    allowed[1, :, :, 0] = False
+    for mask in (allowed, torch.where(allowed, 0.0, -30.0)):
+        eager = pe(q, k, v, attn_mask=mask, backend="eager")
+        flex = pe(q, k, v, attn_mask=mask, backend="flex")
+        torch.testing.assert_close(flex, eager, rtol=1e-5, atol=1e-5)
+    assert bool((pe(q, k, v, attn_mask=allowed, backend="flex")[0, :, 2] == 0).all())
+    half = pe(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=True, backend="flex")
+    full = pe(q, k, v, causal=True, backend="eager")
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half.float(), full, rtol=2e-2, atol=2e-2)
+
+
+def test_flex_reads_m_rope_axis_positions() -> None:
+    pe = _make("rope_mrope")
+    q, k, v = (t.detach() for t in _inputs(pe, n=6, m=6))
+    axes = torch.randint(0, 9, (3, 2, 6))
+    eager = pe(q, k, v, q_positions=axes, k_positions=axes, causal=True, backend="eager")
+    flex = pe(q, k, v, q_positions=axes, k_positions=axes, causal=True, backend="flex")
+    torch.testing.assert_close(flex, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_flex_matches_eager_and_is_compiled_once() -> None:
+    """The torch.compile'd kernel (CPU here: forward only, FlexAttention has no CPU
+    backward), one compiled function shared by ALiBi's per-distance vector and T5's."""
+    import generated._attention as runtime
+
+    for name in ("alibi", "t5"):
+        pe = _make(name)
+        pe.flex_compile = True
+        q, k, v = (t.detach() for t in _inputs(pe, batch=1, n=16, m=16))
+        with torch.no_grad():
+            for causal in (False, True):
+                eager = pe(q, k, v, causal=causal, backend="eager")
+                flex = pe(q, k, v, causal=causal, backend="flex")
+                torch.testing.assert_close(flex, eager, rtol=1e-4, atol=1e-4)
+    assert list(runtime._COMPILED_FLEX) == ["flex"]
