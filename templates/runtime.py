@@ -401,14 +401,22 @@ def block_fresh(scores: Tensor, allowed: Tensor) -> Tensor:
     return scores.masked_fill(~allowed, float("-inf"))
 
 
-def flex_score_mod(vec: Tensor | None, added: Tensor | None, n: int) -> Any:
-    """A FlexAttention score_mod adding a per-distance vector and/or a captured tensor.
+def flex_score_mod(
+    vec: Tensor | None,
+    added: Tensor | None,
+    n: int,
+    bias_fn: Any = None,
+    bias_scale: float = 1.0,
+) -> Any:
+    """A FlexAttention score_mod adding a per-distance vector, a captured tensor and/or a
+    bias computed per index.
 
     vec: [H, N + M - 1], entry kv - q + N - 1 (default positions, ``default_distances``);
-    added: [B or 1, H or 1, N, M] (a bias or mask as the sdpa backend would add it).
+    added: [B or 1, H or 1, N, M] (a bias or mask as the sdpa backend would add it);
+    bias_fn(b, h, q, kv): a bias per element (an expression), times ``bias_scale``.
     None when there is nothing to add.
     """
-    if vec is None and added is None:
+    if vec is None and added is None and bias_fn is None:
         return None
     if added is not None:
         added = (
@@ -421,6 +429,8 @@ def flex_score_mod(vec: Tensor | None, added: Tensor | None, n: int) -> Any:
             score = score + vec[h, ki - qi + (n - 1)]
         if added is not None:
             score = score + added[b if per_batch else 0, h if per_head else 0, qi, ki]
+        if bias_fn is not None:
+            score = score + bias_fn(b, h, qi, ki) * bias_scale
         return score
 
     return score_mod
@@ -436,6 +446,8 @@ def flex_captured(score_mod: Any) -> list[Tensor]:
             continue
         if isinstance(value, Tensor):
             found.append(value)
+        elif callable(value):  # a bias function the score_mod calls
+            found.extend(flex_captured(value))
     return found
 
 
@@ -479,7 +491,9 @@ def run_flex(
     compiled: bool,
     captures: bool,
 ) -> Tensor:
-    """flex_attention, compiled once per process (torch.compile caches per shape and dtype).
+    """flex_attention, compiled once per process with static shapes (a kernel per shape,
+    dtype and score_mod; the dynamic-shape recompile of torch 2.13's CPU code generator
+    failed to compile C++ for a second score_mod in one process).
 
     On CUDA a score_mod that reads captured tensors gets BLOCK_M = BLOCK_N = 64 and one
     pipeline stage: the default tiles ran out of shared memory on an H100 (torch 2.11).
@@ -495,7 +509,9 @@ def run_flex(
     if compiled and not torch.compiler.is_compiling():
         function = _COMPILED_FLEX.get("flex")
         if function is None:
-            function = _COMPILED_FLEX.setdefault("flex", torch.compile(flex_attention))
+            function = _COMPILED_FLEX.setdefault(
+                "flex", torch.compile(flex_attention, dynamic=False)
+            )
     options = None
     if compiled and captures and q.device.type == "cuda":
         options = {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 1}
@@ -697,6 +713,19 @@ class PositionalAttention(nn.Module):
         m: int,
         device: torch.device,
     ) -> Tensor | None:
+        return None
+
+    def _flex_bias(
+        self,
+        q_positions: Tensor | None,
+        k_positions: Tensor | None,
+        n: int,
+        m: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> Any:
+        """A bias per (batch, head, query, key) index for the flex score_mod, or None to
+        capture ``_position_bias``'s tensor instead (expression biases render one)."""
         return None
 
     def _distance_bias(self, n: int, m: int, device: torch.device) -> Tensor:
@@ -981,6 +1010,7 @@ class PositionalAttention(nn.Module):
         default = q_positions is None and k_positions is None
         vec: Tensor | None = None
         added: Tensor | None = None  # [B or 1, H or 1, N, M], added to the scaled scores
+        bias_fn: Any = None  # a bias per (b, h, q, kv) index, computed in the score_mod
         if self.has_relative_terms:
             heads_k = repeat_kv(k, q.shape[1] // k.shape[1])
             parts = list(self._relative_terms(q, heads_k, q_positions, k_positions, dtype).values())
@@ -990,17 +1020,20 @@ class PositionalAttention(nn.Module):
             if self.position_bias_inside_scale:
                 vec = vec * self.scale
         elif self.has_position_bias:
-            bias = self._position_bias(q_positions, k_positions, n, m, q.device)
-            assert bias is not None  # has_position_bias
-            bias = bias.to(dtype) * (self.scale if self.position_bias_inside_scale else 1.0)
-            added = bias if added is None else added + bias
+            bias_fn = self._flex_bias(q_positions, k_positions, n, m, q.device, dtype)
+            if bias_fn is None:
+                bias = self._position_bias(q_positions, k_positions, n, m, q.device)
+                assert bias is not None  # has_position_bias
+                bias = bias.to(dtype) * (self.scale if self.position_bias_inside_scale else 1.0)
+                added = bias if added is None else added + bias
         if attn_mask is not None:
             mask = attn_mask.to(dtype) if attn_mask.dtype != torch.bool else None
             if mask is None:
                 zero = torch.zeros((), dtype=dtype, device=q.device)
                 mask = torch.where(attn_mask, zero, torch.full_like(zero, float("-inf")))
             added = mask if added is None else added + mask
-        score_mod = flex_score_mod(vec, added, n)
+        inside = self.scale if self.position_bias_inside_scale else 1.0
+        score_mod = flex_score_mod(vec, added, n, bias_fn, inside)
         block_mask = None
         if causal:
             block_mask = self._flex_causal_mask(

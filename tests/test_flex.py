@@ -10,7 +10,8 @@ import warnings
 import pytest
 import torch
 
-from tests.conftest import generated_class, head_dim_for, spec_names
+from posgen.codegen.inmemory import encoding_class, module_from_spec
+from tests.conftest import ROOT, generated_class, head_dim_for, spec_names
 
 warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
 
@@ -93,13 +94,37 @@ def test_flex_reads_m_rope_axis_positions() -> None:
     torch.testing.assert_close(flex, eager, rtol=1e-5, atol=1e-5)
 
 
+EXPR_SPEC = ROOT / "tests" / "specs" / "expr" / "kerple_log_expr.yaml"
+
+
+def test_an_expression_bias_is_computed_inside_the_score_mod() -> None:
+    """KERPLE-log written as an expression: flex computes it per element (no [H, N, M]
+    tensor is captured), equal to eager, gradients included, at every position kind."""
+    torch.manual_seed(0)
+    pe = encoding_class(module_from_spec(EXPR_SPEC))(heads=4, head_dim=8)
+    q, k, v = _inputs(pe)
+    assert pe._flex_bias(None, None, 5, 7, q.device, torch.float32) is not None
+    params = list(pe.parameters())
+    for positions in POSITIONS.values():
+        for causal in (False, True):
+            eager = pe(q, k, v, causal=causal, backend="eager", **positions)
+            flex = pe(q, k, v, causal=causal, backend="flex", **positions)
+            torch.testing.assert_close(flex, eager, rtol=1e-5, atol=1e-5)
+            want = torch.autograd.grad(eager.square().sum(), [q, *params])
+            got = torch.autograd.grad(flex.square().sum(), [q, *params])
+            for a, b in zip(got, want, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
 def test_compiled_flex_matches_eager_and_is_compiled_once() -> None:
     """The torch.compile'd kernel (CPU here: forward only, FlexAttention has no CPU
-    backward), one compiled function shared by ALiBi's per-distance vector and T5's."""
+    backward), one compiled function shared by ALiBi's per-distance vector, T5's and an
+    expression bias computed inside the score_mod."""
     import generated._attention as runtime
 
-    for name in ("alibi", "t5"):
-        pe = _make(name)
+    expression = encoding_class(module_from_spec(EXPR_SPEC))
+    for name in ("alibi", "t5", "expression"):
+        pe = expression(heads=4, head_dim=8) if name == "expression" else _make(name)
         pe.flex_compile = True
         q, k, v = (t.detach() for t in _inputs(pe, batch=1, n=16, m=16))
         with torch.no_grad():
