@@ -5,7 +5,7 @@ For every encoding and sequence length, times a causal forward pass with the `sd
 position encoding (the baseline). Reports ratios to the baseline (absolute times on a
 shared machine are noise) and, on CUDA, peak memory.
 
-    python benchmarks/attention_backends.py --device cuda --dtype bfloat16
+    python benchmarks/attention_backends.py --device cuda --dtype bfloat16 --backends sdpa flex
     python benchmarks/attention_backends.py --device cpu --lengths 256 1024
 """
 

@@ -145,18 +145,23 @@ def check_axis_positions(
     name: str,
     device: torch.device,
 ) -> Tensor | None:
-    """M-RoPE positions [axes, batch, length], validated; None for any other (token) form.
+    """Axis positions as [axes, batch, length], validated; None for token positions.
 
-    A rotation over several position axes (Qwen2-VL's temporal, height and width) reads
-    one position per axis; [length] and [batch, length] stay token positions, the same on
-    every axis.
+    A rotation over several position axes (Qwen2-VL's temporal, height and width; an
+    image's column and row) reads one position per axis, given as [axes, batch, length]
+    (Hugging Face's layout) or as coordinates [batch, length, axes] (read as the first
+    when both fit); [length] and [batch, length] stay token positions, the same on every
+    axis.
     """
     if axes == 1 or not isinstance(positions, Tensor) or positions.dim() != 3:
         return None
-    if positions.shape[0] != axes or positions.shape[-1] != length:
+    axes_first = positions.shape[0] == axes and positions.shape[-1] == length
+    if not axes_first and positions.shape[-1] == axes and positions.shape[1] == length:
+        positions = positions.movedim(-1, 0)  # coordinates [batch, length, axes]
+    elif not axes_first:
         raise ValueError(
-            f"{name} must have shape [{axes}, batch, {length}] (one row per position axis), "
-            f"got {list(positions.shape)}"
+            f"{name} must have shape [{axes}, batch, {length}] (one row per position axis) "
+            f"or [batch, {length}, {axes}] (coordinates), got {list(positions.shape)}"
         )
     flat = check_positions(positions.reshape(-1, length), length, None, name, device)
     assert flat is not None

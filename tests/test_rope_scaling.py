@@ -539,3 +539,18 @@ def test_axial_rope_is_relative_in_each_axis() -> None:
     assert not torch.allclose(
         pe.scores(q, k, q_positions=swapped, k_positions=swapped), base_logits
     )
+
+
+def test_axial_positions_may_be_given_as_coordinates() -> None:
+    """[batch, N, 2] (x, y) coordinates equal the same positions as [2, batch, N]."""
+    cls = generated_class("rope_axial_2d")
+    pe = cls(heads=2, head_dim=32).double()
+    q, k, v = (torch.randn(1, 2, 6, 32, dtype=F64) for _ in range(3))
+    grid = cls.grid_positions(2, 3)  # [2, 1, 6]
+    coordinates = grid.permute(1, 2, 0)  # [1, 6, 2]
+    for backend in ("eager", "sdpa", "flex"):
+        want = pe(q, k, v, q_positions=grid, k_positions=grid, backend=backend)
+        got = pe(q, k, v, q_positions=coordinates, k_positions=coordinates, backend=backend)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"\[2, batch, 6\] .* or \[batch, 6, 2\]"):
+        pe(q, k, v, q_positions=torch.zeros(1, 6, 3, dtype=torch.long))
