@@ -414,16 +414,18 @@ def flex_score_mod(
     n: int,
     bias_fn: Any = None,
     bias_scale: float = 1.0,
+    relative_fn: Any = None,
 ) -> Any:
     """A FlexAttention score_mod adding a per-distance vector, a captured tensor and/or a
     bias computed per index.
 
     vec: [H, N + M - 1], entry kv - q + N - 1 (default positions, ``default_distances``);
     added: [B or 1, H or 1, N, M] (a bias or mask as the sdpa backend would add it);
-    bias_fn(b, h, q, kv): a bias per element (an expression), times ``bias_scale``.
+    bias_fn(b, h, q, kv): a bias per element (an expression), times ``bias_scale``;
+    relative_fn(b, h, q, kv): relative terms per element, as they enter the logits.
     None when there is nothing to add.
     """
-    if vec is None and added is None and bias_fn is None:
+    if vec is None and added is None and bias_fn is None and relative_fn is None:
         return None
     if added is not None:
         added = (
@@ -438,6 +440,8 @@ def flex_score_mod(
             score = score + added[b if per_batch else 0, h if per_head else 0, qi, ki]
         if bias_fn is not None:
             score = score + bias_fn(b, h, qi, ki) * bias_scale
+        if relative_fn is not None:
+            score = score + relative_fn(b, h, qi, ki)
         return score
 
     return score_mod
@@ -451,11 +455,19 @@ def flex_captured(score_mod: Any) -> list[Tensor]:
             value = cell.cell_contents
         except ValueError:  # a name the closure never bound
             continue
-        if isinstance(value, Tensor):
-            found.append(value)
-        elif callable(value):  # a bias function the score_mod calls
-            found.extend(flex_captured(value))
+        found.extend(_tensors_in(value))
     return found
+
+
+def _tensors_in(value: Any) -> list[Tensor]:
+    """Tensors in a captured value: itself, a function's closure, or a list's items."""
+    if isinstance(value, Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [tensor for item in value for tensor in _tensors_in(item)]
+    if callable(value):  # a bias or relative-term function the score_mod calls
+        return flex_captured(value)
+    return []
 
 
 def flex_reference(
@@ -733,6 +745,18 @@ class PositionalAttention(nn.Module):
     ) -> Any:
         """A bias per (batch, head, query, key) index for the flex score_mod, or None to
         capture ``_position_bias``'s tensor instead (expression biases render one)."""
+        return None
+
+    def _flex_relative(
+        self,
+        q: Tensor,
+        k: Tensor,
+        q_positions: Tensor | None,
+        k_positions: Tensor | None,
+        dtype: torch.dtype,
+    ) -> Any:
+        """Relative terms per (batch, head, query, key) index for the flex score_mod, or
+        None to capture ``_relative_terms``' dense tensors instead."""
         return None
 
     def _distance_bias(self, n: int, m: int, device: torch.device) -> Tensor:
@@ -1018,10 +1042,14 @@ class PositionalAttention(nn.Module):
         vec: Tensor | None = None
         added: Tensor | None = None  # [B or 1, H or 1, N, M], added to the scaled scores
         bias_fn: Any = None  # a bias per (b, h, q, kv) index, computed in the score_mod
+        relative_fn: Any = None  # relative terms per (b, h, q, kv) index
         if self.has_relative_terms:
             heads_k = repeat_kv(k, q.shape[1] // k.shape[1])
-            parts = list(self._relative_terms(q, heads_k, q_positions, k_positions, dtype).values())
-            added = sum_into_new(parts) if parts else None
+            relative_fn = self._flex_relative(q, heads_k, q_positions, k_positions, dtype)
+            if relative_fn is None:  # dense: the [B, H, N, M] terms, captured
+                terms = self._relative_terms(q, heads_k, q_positions, k_positions, dtype)
+                parts = list(terms.values())
+                added = sum_into_new(parts) if parts else None
         if self.bias_by_distance and default and added is None:
             vec = self._distance_bias(n, m, q.device).to(dtype)  # [H, N + M - 1]
             if self.position_bias_inside_scale:
@@ -1040,7 +1068,7 @@ class PositionalAttention(nn.Module):
                 mask = torch.where(attn_mask, zero, torch.full_like(zero, float("-inf")))
             added = mask if added is None else added + mask
         inside = self.scale if self.position_bias_inside_scale else 1.0
-        score_mod = flex_score_mod(vec, added, n, bias_fn, inside)
+        score_mod = flex_score_mod(vec, added, n, bias_fn, inside, relative_fn)
         block_mask = None
         if causal:
             block_mask = self._flex_causal_mask(

@@ -34,10 +34,18 @@ Usage::
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 
-from ._attention import PositionalAttention, cache_get, cache_put, relative_positions
+from ._attention import (
+    PositionalAttention,
+    cache_get,
+    cache_put,
+    default_distances,
+    relative_positions,
+)
 
 __all__ = ["BertRelativeKey"]
 
@@ -163,3 +171,55 @@ class BertRelativeKey(PositionalAttention):
         terms["content_position"] = term
         order = ("content_position",)
         return {name: terms[name] for name in order}
+
+    def _relative_diagonals(self, n: int, m: int, device, sign: str) -> tuple[Tensor, Tensor]:
+        """Default positions: the row of each diagonal, int64 [N + M - 1] (entry
+        kv - q + N - 1, as ``default_distances``), and the K table rows it reads."""
+        relative = default_distances(n, m, device)  # j - i per diagonal
+        if sign == "query_minus_key":
+            relative = -relative
+        index = _relative_index(relative)  # table rows
+        if torch.compiler.is_compiling():
+            low, high = 0, RELATIVE_ROWS - 1
+        else:
+            low, high = int(index.min()), int(index.max())
+        return index - low, torch.arange(low, high + 1, device=device)
+
+    def _flex_relative(
+        self,
+        q: Tensor,
+        k: Tensor,
+        q_positions: Tensor | None,
+        k_positions: Tensor | None,
+        dtype: torch.dtype,
+    ) -> Any:
+        """The relative terms per (batch, head, query, key) index for FlexAttention: each
+        term's projection over the K rows ([B, H, N, K], [B, H, M, K] or [H, K]) read at
+        its diagonal's row, so no [B, H, N, M] tensor is built. Default positions only
+        (None otherwise: the backend then captures the dense terms). k has q's heads.
+        """
+        if q_positions is not None or k_positions is not None:
+            return None
+        n, m = q.shape[2], k.shape[2]
+        parts: list[Any] = []
+        # content_position: q_i . R[index(i - j)]
+        diagonal, table_rows = self._relative_diagonals(n, m, q.device, "query_minus_key")
+        rows = self._relative_rows("none", table_rows, dtype, q.device)
+        scores = torch.einsum("bhnd,khd->bhnk", q.to(dtype), rows * self.scale)  # [B, H, N, K]
+        parts.append(("query", scores, diagonal))
+
+        def relative_terms(b: Tensor, h: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
+            total = torch.zeros((), dtype=dtype, device=q.device)
+            for side, scores, diagonal in parts:
+                row = None if diagonal is None else diagonal[ki - qi + (n - 1)]
+                if side == "query":
+                    total = total + scores[b, h, qi, row]
+                elif side == "key":
+                    total = total + scores[b, h, ki, row]
+                elif side == "global":
+                    total = total + scores[h, row]
+                else:
+                    total = total + scores[b, h, ki]
+            return total
+
+        return relative_terms

@@ -37,6 +37,8 @@ Usage::
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -45,6 +47,7 @@ from ._attention import (
     PositionalAttention,
     cache_get,
     cache_put,
+    default_distances,
     positive_int,
     relative_positions,
     score_bias_positions,
@@ -215,6 +218,61 @@ class TransformerXl(PositionalAttention):
         terms["position_content"] = content * self.scale
         order = ("content_position", "position_content", "position_position")
         return {name: terms[name] for name in order}
+
+    def _relative_diagonals(self, n: int, m: int, device, sign: str) -> tuple[Tensor, Tensor]:
+        """Default positions: the row of each diagonal, int64 [N + M - 1] (entry
+        kv - q + N - 1, as ``default_distances``), and the K table rows it reads."""
+        relative = default_distances(n, m, device)  # j - i per diagonal
+        if sign == "query_minus_key":
+            relative = -relative
+        high, low = (n - 1, 1 - m) if sign == "key_minus_query" else (m - 1, 1 - n)
+        rows = torch.arange(high, low - 1, -1, device=device)  # descending distance
+        return high - relative, rows
+
+    def _flex_relative(
+        self,
+        q: Tensor,
+        k: Tensor,
+        q_positions: Tensor | None,
+        k_positions: Tensor | None,
+        dtype: torch.dtype,
+    ) -> Any:
+        """The relative terms per (batch, head, query, key) index for FlexAttention: each
+        term's projection over the K rows ([B, H, N, K], [B, H, M, K] or [H, K]) read at
+        its diagonal's row, so no [B, H, N, M] tensor is built. Default positions only
+        (None otherwise: the backend then captures the dense terms). k has q's heads.
+        """
+        if q_positions is not None or k_positions is not None:
+            return None
+        n, m = q.shape[2], k.shape[2]
+        parts: list[Any] = []
+        # content_position: q_i . W_R R[index(i - j)]
+        diagonal, table_rows = self._relative_diagonals(n, m, q.device, "query_minus_key")
+        rows = self._relative_rows("relative", table_rows, dtype, q.device)
+        scores = torch.einsum("bhnd,khd->bhnk", q.to(dtype), rows * self.scale)  # [B, H, N, K]
+        parts.append(("query", scores, diagonal))
+        # position_position: v_h . W_R R[index(i - j)]
+        scores = torch.einsum("hd,khd->hk", self.r_r_bias.to(dtype), rows * self.scale)  # [H, K]
+        parts.append(("global", scores, diagonal))
+        content = torch.einsum("hd,bhmd->bhm", self.r_w_bias.to(dtype), k.to(dtype))  # [B, H, M]
+        content = content * self.scale
+        parts.append(("content", content, None))
+
+        def relative_terms(b: Tensor, h: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
+            total = torch.zeros((), dtype=dtype, device=q.device)
+            for side, scores, diagonal in parts:
+                row = None if diagonal is None else diagonal[ki - qi + (n - 1)]
+                if side == "query":
+                    total = total + scores[b, h, qi, row]
+                elif side == "key":
+                    total = total + scores[b, h, ki, row]
+                elif side == "global":
+                    total = total + scores[h, row]
+                else:
+                    total = total + scores[b, h, ki]
+            return total
+
+        return relative_terms
 
     def score_bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
         """The position-only term v_h . R[index(r)] as it enters the logits.

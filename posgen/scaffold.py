@@ -29,10 +29,14 @@ models: []                        # models that use this encoding *exactly* as w
 defaults: {{heads: 8, head_dim: 64}}  # constructor defaults (add model_dim for input tables)
 scale: inv_sqrt_head_dim          # or: none, or {{kind: inv_sqrt_head_dim, factor: 2}}
 terms:
-  content_content: keep           # keep | {{rotate: {{base, pairing, rotary_dims, ...}}}}
-  content_position: drop          # drop | absolute | {{relative: ...}}
+  content_content: keep           # keep | {{rotate: {{base, pairing, rotary_dims, frequencies,
+                                  #   position_scale, axes}}}}; frequencies: standard, linear,
+                                  #   ntk, dynamic_ntk, yarn, llama3, longrope or expr
+  content_position: drop          # drop | absolute | {{relative: ...}} | {{contextual: cope}}
   position_content: drop          # drop | absolute | {{relative: ...}} | {{global: ...}}
-  position_position: drop         # drop | absolute | {{bias}} | {{untied}} | {{global}}
+  position_position: drop         # drop | absolute | {{bias}} | {{untied}} | {{global}};
+                                  #   bias kinds: linear_slopes, learned_table, kerple,
+                                  #   fire, sandwich, expr ("-r1[h] * log1p(abs(i - j))")
 values: plain                     # plain | {{relative: ...}} (Shaw et al.'s value term)
 # what you believe; `posgen check` judges each stated claim (leave one out to measure it)
 claims: {{relative: true}}

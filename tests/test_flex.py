@@ -116,14 +116,37 @@ def test_an_expression_bias_is_computed_inside_the_score_mod() -> None:
                 torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "name", ["bert_relative_key", "bert_relative_key_query", "deberta", "transformer_xl"]
+)
+def test_relative_terms_reach_flex_as_projections_not_dense_terms(name: str) -> None:
+    """Default positions: each relative term is its projection over the K rows, read per
+    element (O(N·K) captured); explicit positions fall back to the dense terms."""
+    pe = _make(name)
+    q, k, _ = (t.detach() for t in _inputs(pe, kv_heads=4))
+    relative = pe._flex_relative(q, k, None, None, torch.float32)
+    assert relative is not None
+    captured = [t for t in runtime_captured(relative) if t.dim() >= 3]
+    assert captured and all(t.shape[2] in (5, 7) and t.shape[-1] < 5 * 7 for t in captured)
+    positions = torch.arange(7)
+    assert pe._flex_relative(q, k, positions[2:], positions, torch.float32) is None
+
+
+def runtime_captured(function: object) -> list[torch.Tensor]:
+    import generated._attention as runtime
+
+    return runtime.flex_captured(function)
+
+
 def test_compiled_flex_matches_eager_and_is_compiled_once() -> None:
     """The torch.compile'd kernel (CPU here: forward only, FlexAttention has no CPU
-    backward), one compiled function shared by ALiBi's per-distance vector, T5's and an
-    expression bias computed inside the score_mod."""
+    backward), one compiled function shared by ALiBi's per-distance vector, T5's,
+    DeBERTa's c2p and p2c read from their [B, H, N, K] projections, and an expression
+    bias computed inside the score_mod."""
     import generated._attention as runtime
 
     expression = encoding_class(module_from_spec(EXPR_SPEC))
-    for name in ("alibi", "t5", "expression"):
+    for name in ("alibi", "t5", "deberta", "expression"):
         pe = expression(heads=4, head_dim=8) if name == "expression" else _make(name)
         pe.flex_compile = True
         q, k, v = (t.detach() for t in _inputs(pe, batch=1, n=16, m=16))
