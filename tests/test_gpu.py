@@ -68,7 +68,18 @@ def test_bf16_rotation_at_long_positions(name: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["alibi", "t5", "rope", "kerple_log", "fire", "sandwich", "deberta"]
+    "name",
+    [
+        "alibi",
+        "t5",
+        "rope",
+        "kerple_log",
+        "fire",
+        "sandwich",
+        "deberta",
+        "transformer_xl",
+        "bert_relative_key",
+    ],
 )
 def test_compiled_flex_forward_and_backward_match_eager_on_cuda(name: str) -> None:
     """The compiled FlexAttention kernel: outputs and gradients (inputs and trained
