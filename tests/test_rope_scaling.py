@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.conftest import SPECS as ROOT_SPECS
-from tests.conftest import generated_class, spec_variant
+from tests.conftest import generated_class, head_dim_for, spec_variant
 
 transformers = pytest.importorskip("transformers")
 from transformers import LlamaConfig  # noqa: E402
@@ -554,3 +554,26 @@ def test_axial_positions_may_be_given_as_coordinates() -> None:
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     with pytest.raises(ValueError, match=r"\[2, batch, 6\] .* or \[batch, 6, 2\]"):
         pe(q, k, v, q_positions=torch.zeros(1, 6, 3, dtype=torch.long))
+
+
+@pytest.mark.parametrize(
+    "name", ["rope", "rope_gptj", "rope_partial", "rope_xpos", "rope_mrope", "rope_yarn"]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_the_in_place_inference_rotation_equals_the_autograd_one(
+    name: str, dtype: torch.dtype
+) -> None:
+    """Without autograd the pairs are written into one output; with it, the composed
+    ops run. Both give the same rotation (both pairings, partial, scaled, batched)."""
+    pe = generated_class(name)(heads=2, head_dim=head_dim_for(name, 64))
+    d = pe.head_dim
+    q = torch.randn(2, 2, 6, d, dtype=dtype)
+    positions = torch.tensor([[3, 4, 5, 6, 7, 8], [0, 2, 4, 6, 8, 10]])
+    for kwargs in ({}, {"q_positions": positions, "k_positions": positions}):
+        with torch.no_grad():
+            fast_q, fast_k = pe.rotate(q, q, **kwargs)
+        graph_q, graph_k = pe.rotate(q.clone().requires_grad_(), q, **kwargs)
+        assert graph_q.requires_grad and fast_q.dtype == dtype
+        tolerance = {"rtol": 1.6e-2, "atol": 1e-2} if dtype == torch.bfloat16 else {}
+        torch.testing.assert_close(fast_q, graph_q.detach(), **tolerance)
+        torch.testing.assert_close(fast_k, graph_k.detach(), **tolerance)
