@@ -102,10 +102,8 @@ def run(args: argparse.Namespace) -> dict:
                         "ratio_to_copy": seconds / base,
                     }
                 )
-                print(
-                    f"{str((batch, heads, length, head_dim)):>22} {name:>26} {seconds / base:6.2f}x copy",
-                    flush=True,
-                )
+                shape = str((batch, heads, length, head_dim))
+                print(f"{shape:>22} {name:>26} {seconds / base:6.2f}x copy", flush=True)
     return {
         "device": torch.cuda.get_device_name(device)
         if device.type == "cuda"
