@@ -570,6 +570,9 @@ class PositionalAttention(nn.Module):
     position_bias_inside_scale: bool = False
     #: that bias depends only on the key minus query position, via ``_distance_bias``
     bias_by_distance: bool = False
+    #: the position bias is a product of position rows: ``_fold_position_bias`` appends
+    #: them to q and k, so sdpa runs with no bias tensor
+    folds_position_bias: bool = False
     #: the rotary part changes q and k
     has_rotation: bool = False
     #: content-dependent relative terms enter the logits
@@ -733,6 +736,12 @@ class PositionalAttention(nn.Module):
         device: torch.device,
     ) -> Tensor | None:
         return None
+
+    def _fold_position_bias(
+        self, q: Tensor, k: Tensor, q_positions: Tensor | None, k_positions: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        """q' and k' whose scaled product includes the position bias (see the flag)."""
+        return q, k
 
     def _flex_bias(
         self,
@@ -989,11 +998,16 @@ class PositionalAttention(nn.Module):
         if self.has_relative_terms:
             return self._sdpa_relative(q, k, v, q_positions, k_positions, causal, attn_mask)
         n, m = q.shape[2], k.shape[2]
+        has_bias = self.has_position_bias
+        if self.folds_position_bias:
+            v = repeat_kv(v, q.shape[1] // v.shape[1])
+            q, k = self._fold_position_bias(q, k, q_positions, k_positions)
+            has_bias = False  # now inside q' . k'
         gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
         default_positions = q_positions is None and k_positions is None
         if self.bias_by_distance and default_positions and attn_mask is None:
             return self._sdpa_by_distance(q, k, v, causal, gqa)
-        if self.has_position_bias:
+        if has_bias:
             mask = self._sdpa_bias(q_positions, k_positions, n, m, q.device, q.dtype, causal)
             if attn_mask is not None:
                 mask = apply_masks(mask, None, attn_mask)
@@ -1037,6 +1051,11 @@ class PositionalAttention(nn.Module):
         q, k = self._rotate_for_attention(q, k, q_positions, k_positions, rotated)
         n, m = q.shape[2], k.shape[2]
         dtype = compute_dtype(q)
+        has_bias = self.has_position_bias
+        if self.folds_position_bias:  # the bias rides in extra features of q and k
+            v = repeat_kv(v, q.shape[1] // v.shape[1])
+            q, k = self._fold_position_bias(q, k, q_positions, k_positions)
+            has_bias = False
         gqa = k.shape[1] != q.shape[1]
         default = q_positions is None and k_positions is None
         vec: Tensor | None = None
@@ -1054,7 +1073,7 @@ class PositionalAttention(nn.Module):
             vec = self._distance_bias(n, m, q.device).to(dtype)  # [H, N + M - 1]
             if self.position_bias_inside_scale:
                 vec = vec * self.scale
-        elif self.has_position_bias:
+        elif has_bias:
             bias_fn = self._flex_bias(q_positions, k_positions, n, m, q.device, dtype)
             if bias_fn is None:
                 bias = self._position_bias(q_positions, k_positions, n, m, q.device)

@@ -94,6 +94,7 @@ class RopePartial(PositionalAttention):
     has_position_bias = False
     position_bias_inside_scale = False
     bias_by_distance = False
+    folds_position_bias = False
     has_rotation = True
     has_relative_terms = False
     has_value_term = False

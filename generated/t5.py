@@ -93,6 +93,7 @@ class T5(PositionalAttention):
     has_position_bias = True
     position_bias_inside_scale = False
     bias_by_distance = True
+    folds_position_bias = False
     has_rotation = False
     has_relative_terms = False
     has_value_term = False

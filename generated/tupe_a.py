@@ -48,6 +48,7 @@ from ._attention import (
     PositionalAttention,
     positions_or_default,
     positive_int,
+    repeat_kv,
     score_bias_positions,
 )
 
@@ -74,6 +75,7 @@ class TupeA(PositionalAttention):
     has_position_bias = True
     position_bias_inside_scale = False
     bias_by_distance = False
+    folds_position_bias = True
     has_rotation = False
     has_relative_terms = False
     has_value_term = False
@@ -96,6 +98,59 @@ class TupeA(PositionalAttention):
         inner = self.heads * self.head_dim
         self.position_query = nn.Linear(self.model_dim, inner, bias=True)
         self.position_key = nn.Linear(self.model_dim, inner, bias=True)
+
+    def _fold_position_bias(
+        self, q: Tensor, k: Tensor, q_positions: Tensor | None, k_positions: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        """q' and k' whose product is the whole logit: q . k + (p_i U_q) . (p_j U_k).
+
+        The untied term is a product of position rows, so it folds into extra head
+        features and SDPA needs no bias tensor at all: q' = [q, P_q, e_q],
+        k' = [k, P_k, e_k] ([B, H, N or M, head_dim' ]; k repeated to the query heads).
+        The first-token reset takes two more features: P rows of position 0 are zeroed,
+        e_q = (1, 0) and e_k = (slot_key, 0) give key 0 its per-head constant for other
+        queries, and e_q = (0, slot_query) with e_k = (., 1) gives query 0 its constant
+        for every key.
+        """
+        n, m, batch = q.shape[2], k.shape[2], q.shape[0]
+        device, dtype = q.device, q.dtype
+        q_pos = positions_or_default(q_positions, m - n, n, device)
+        k_pos = positions_or_default(k_positions, 0, m, device)
+        self._check_untied_range(q_pos)
+        self._check_untied_range(k_pos)
+        query = self._untied_heads(q_pos + 1, self.position_query)  # [..., H, N, D]
+        key = self._untied_heads(k_pos + 1, self.position_key)  # [..., H, M, D]
+        slots = torch.arange(2, device=device)
+        slot_scores = (
+            self._untied_heads(slots, self.position_query)
+            * self._untied_heads(slots, self.position_key)
+        ).sum(-1)  # [H, 2]: query-0 constant, key-0 constant
+        first_query = (q_pos == 0).unsqueeze(-2).unsqueeze(-1)  # [..., 1, N, 1]
+        first_key = (k_pos == 0).unsqueeze(-2).unsqueeze(-1)  # [..., 1, M, 1]
+        query = query.masked_fill(first_query, 0.0)
+        key = key.masked_fill(first_key, 0.0)
+        heads = slot_scores.shape[0]
+        zero = torch.zeros((), dtype=query.dtype, device=device)
+        q_extra = torch.cat(
+            (
+                torch.where(first_query, zero, zero + 1).expand(*query.shape[:-1], 1),
+                torch.where(first_query, slot_scores[:, 0].view(heads, 1, 1), zero),
+            ),
+            dim=-1,
+        )  # [..., H, N, 2]
+        k_extra = torch.cat(
+            (
+                torch.where(first_key, slot_scores[:, 1].view(heads, 1, 1), zero),
+                (zero + 1).expand(*key.shape[:-1], 1),
+            ),
+            dim=-1,
+        )  # [..., H, M, 2]
+        query = torch.cat((query, q_extra.expand(*query.shape[:-1], 2)), dim=-1)
+        key = torch.cat((key, k_extra.expand(*key.shape[:-1], 2)), dim=-1)
+        k = repeat_kv(k, q.shape[1] // k.shape[1])  # [B, H, M, head_dim]
+        query = query.to(dtype).expand(batch, *query.shape[-3:])
+        key = key.to(dtype).expand(batch, *key.shape[-3:])
+        return torch.cat((q, query), dim=-1), torch.cat((k, key.to(k.dtype)), dim=-1)
 
     def score_bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
         """The position-only logits: [heads, N, M], or [batch, heads, N, M].

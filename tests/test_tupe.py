@@ -407,3 +407,35 @@ def test_weights_in_the_authors_layout_copy_in() -> None:
         pe.relative_attention_bias.weight.copy_(rel_table)
     positions = torch.arange(length)
     _close(pe.score_bias(positions, positions), expected)
+
+
+def test_tupe_a_folds_its_untied_term_into_q_and_k_for_sdpa(monkeypatch) -> None:
+    """sdpa gets no bias tensor: (p_i U_q).(p_j U_k), with the first-token reset, rides in
+    extra features of q and k, and the output equals eager's (explicit and batched
+    positions that include position 0, GQA, causal and not)."""
+    import generated._attention as runtime
+
+    pe = generated_class("tupe_a")(heads=4, head_dim=8, model_dim=16).double()
+    masks = []
+    plain = runtime.F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        masks.append(kwargs.get("attn_mask"))
+        return plain(*args, **kwargs)
+
+    monkeypatch.setattr(runtime.F, "scaled_dot_product_attention", spy)
+    q = torch.randn(2, 4, 5, 8, dtype=torch.float64)
+    k, v = (
+        torch.randn(2, 2, 7, 8, dtype=torch.float64),
+        torch.randn(2, 2, 7, 8, dtype=torch.float64),
+    )
+    batched = {
+        "q_positions": torch.tensor([[2, 3, 4, 5, 6], [0, 1, 2, 3, 4]]),
+        "k_positions": torch.tensor([[0, 1, 2, 3, 4, 5, 6], [0, 0, 1, 1, 2, 3, 4]]),
+    }
+    for positions in ({}, batched):
+        for causal in (False, True):
+            eager = pe(q, k, v, causal=causal, backend="eager", **positions)
+            sdpa = pe(q, k, v, causal=causal, backend="sdpa", **positions)
+            torch.testing.assert_close(sdpa, eager, rtol=1e-10, atol=1e-10)
+    assert masks[0] is None  # default positions, not causal: no mask at all

@@ -458,6 +458,11 @@ class UntiedPlan(Block):
     bias: SlopeBiasPlan | TableBiasPlan | None = None
 
     @property
+    def folds(self) -> bool:
+        """No bias beside it: the term folds into extra features of q and k (sdpa)."""
+        return self.bias is None
+
+    @property
     def bias_table(self) -> TableBiasPlan | None:
         """The bias beside the untied term when it is a trained table (else None)."""
         return self.bias if isinstance(self.bias, TableBiasPlan) else None

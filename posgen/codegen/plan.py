@@ -550,6 +550,10 @@ def _flags(blocks: tuple[Block, ...]) -> tuple[tuple[str, bool], ...]:
             not untied and bias is not None and bias.inside_scale,
         ),
         ("bias_by_distance", not untied and isinstance(bias, DISTANCE_BIAS_BLOCKS)),
+        (
+            "folds_position_bias",
+            any(isinstance(block, UntiedPlan) and block.folds for block in blocks),
+        ),
         ("has_rotation", any(isinstance(block, RotationPlan) for block in blocks)),
         (
             "has_relative_terms",
