@@ -573,6 +573,9 @@ class PositionalAttention(nn.Module):
     #: the position bias is a product of position rows: ``_fold_position_bias`` appends
     #: them to q and k, so sdpa runs with no bias tensor
     folds_position_bias: bool = False
+    #: sdpa uses that fold (None: on CUDA only, where it lets SDPA pick its flash kernel;
+    #: on a 2-core CPU, TUPE-A at N = 512 ran 5.9x no-bias SDPA folded, 4.4x with a mask)
+    fold_bias: bool | None = None
     #: the rotary part changes q and k
     has_rotation: bool = False
     #: content-dependent relative terms enter the logits
@@ -999,7 +1002,8 @@ class PositionalAttention(nn.Module):
             return self._sdpa_relative(q, k, v, q_positions, k_positions, causal, attn_mask)
         n, m = q.shape[2], k.shape[2]
         has_bias = self.has_position_bias
-        if self.folds_position_bias:
+        fold = self.fold_bias if self.fold_bias is not None else q.device.type == "cuda"
+        if self.folds_position_bias and fold:
             v = repeat_kv(v, q.shape[1] // v.shape[1])
             q, k = self._fold_position_bias(q, k, q_positions, k_positions)
             has_bias = False  # now inside q' . k'
