@@ -134,3 +134,28 @@ def test_an_mrope_config_gives_m_rope_axes(tmp_path: Path) -> None:
     rotate = load_spec(_from_hf(config, tmp_path, "qwen2_vl_positions")).spec.rotation
     assert rotate is not None and rotate.axes is not None
     assert rotate.axes.sections == [16, 24, 24] and rotate.frequencies.kind == "standard"
+
+
+@pytest.mark.parametrize("kind", ["llama3", "yarn", "dynamic"])
+def test_a_scaled_llama_reproduces_its_logits_through_its_from_hf_spec(
+    kind: str, tmp_path: Path
+) -> None:
+    """End to end: a tiny Llama with rope_scaling, its from-hf spec, and posgen.hf give
+    the model's own logits (dynamic NTK at a length past the original)."""
+    scaling, extra = SCALINGS[kind]
+    if kind == "dynamic":
+        extra = {"max_position_embeddings": 8}
+    config = transformers.LlamaConfig(
+        vocab_size=61, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, rope_scaling=scaling,
+        attn_implementation="eager", **extra,
+    )  # fmt: skip
+    cls = encoding_class(module_from_spec(_from_hf(config, tmp_path, f"llama_{kind}")))
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 61, (2, 17), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = model(ids).logits
+        use_posgen_attention(model, lambda layer: cls())
+        got = model(ids).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
