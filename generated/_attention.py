@@ -508,7 +508,6 @@ def run_flex(
     scale: float,
     gqa: bool,
     compiled: bool,
-    captures: bool,
 ) -> Tensor:
     """flex_attention, compiled once per process with static shapes (a kernel per shape,
     dtype and score_mod; the dynamic-shape recompile of torch 2.13's CPU code generator
@@ -519,9 +518,8 @@ def run_flex(
     """
     from torch.nn.attention.flex_attention import flex_attention
 
-    needs_grad = torch.is_grad_enabled() and any(
-        t.requires_grad for t in (q, k, v, *flex_captured(score_mod))
-    )
+    captured = flex_captured(score_mod)  # small tables and vectors the score_mod reads
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *captured))
     if needs_grad and q.device.type == "cpu":  # FlexAttention has no CPU backward
         return flex_reference(q, k, v, score_mod, block_mask, scale)
     function: Any = flex_attention
@@ -532,7 +530,7 @@ def run_flex(
                 "flex", torch.compile(flex_attention, dynamic=False)
             )
     options = None
-    if compiled and captures and q.device.type == "cuda":
+    if compiled and q.device.type == "cuda" and captured:
         options = {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 1}
     out = function(
         q,
@@ -1110,7 +1108,6 @@ class PositionalAttention(nn.Module):
                 self.scale,
                 gqa,
                 compile_flex,
-                captures=vec is not None or added is not None,
             )
         return out.to(v.dtype)
 
