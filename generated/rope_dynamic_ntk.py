@@ -39,6 +39,16 @@ ROTARY_BASE = 10000.0
 ROTARY_FRACTION = 1.0
 ROTARY_PAIRING = "half"
 
+
+def _geometric_frequencies(
+    rotary_dim: int, device: torch.device, base: float | Tensor = ROTARY_BASE
+) -> Tensor:
+    """base^(-2k / rotary_dim), one per pair: float64 [rotary_dim / 2] (Su et al. 2021),
+    the schedule the frequency kinds rescale."""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=device)
+    return base ** (-exponents / rotary_dim)
+
+
 NTK_FACTOR = 2.0
 ORIGINAL_MAX_POSITIONS = 2048
 
@@ -55,8 +65,7 @@ def _inverse_frequencies(rotary_dim: int, length: Tensor | None, device: torch.d
     s = length.to(device, torch.float64).clamp(min=ORIGINAL_MAX_POSITIONS)
     stretch = NTK_FACTOR * s / ORIGINAL_MAX_POSITIONS - (NTK_FACTOR - 1)  # >= 1
     base = ROTARY_BASE * stretch ** (rotary_dim / (rotary_dim - 2))
-    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=device)
-    return base ** (-exponents / rotary_dim)
+    return _geometric_frequencies(rotary_dim, device, base)
 
 
 def _call_length(positions: tuple[Tensor | None, ...], m: int, device: torch.device) -> Tensor:

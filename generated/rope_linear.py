@@ -40,13 +40,22 @@ ROTARY_BASE = 10000.0
 ROTARY_FRACTION = 1.0
 ROTARY_PAIRING = "half"
 
+
+def _geometric_frequencies(
+    rotary_dim: int, device: torch.device, base: float | Tensor = ROTARY_BASE
+) -> Tensor:
+    """base^(-2k / rotary_dim), one per pair: float64 [rotary_dim / 2] (Su et al. 2021),
+    the schedule the frequency kinds rescale."""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=device)
+    return base ** (-exponents / rotary_dim)
+
+
 PI_FACTOR = 4.0
 
 
 def _inverse_frequencies(rotary_dim: int, length: Tensor | None, device: torch.device) -> Tensor:
     """theta_k = base^(-2k / rotary_dim) / factor (positions interpolated by the factor)."""
-    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=device)
-    return ROTARY_BASE ** (-exponents / rotary_dim) / PI_FACTOR
+    return _geometric_frequencies(rotary_dim, device) / PI_FACTOR
 
 
 def _rotary_cos_sin(

@@ -44,6 +44,16 @@ ROTARY_BASE = 500000.0
 ROTARY_FRACTION = 1.0
 ROTARY_PAIRING = "half"
 
+
+def _geometric_frequencies(
+    rotary_dim: int, device: torch.device, base: float | Tensor = ROTARY_BASE
+) -> Tensor:
+    """base^(-2k / rotary_dim), one per pair: float64 [rotary_dim / 2] (Su et al. 2021),
+    the schedule the frequency kinds rescale."""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=device)
+    return base ** (-exponents / rotary_dim)
+
+
 LLAMA3_FACTOR = 8.0
 LLAMA3_LOW_FREQ_FACTOR = 1.0
 LLAMA3_HIGH_FREQ_FACTOR = 4.0
@@ -57,8 +67,7 @@ def _inverse_frequencies(rotary_dim: int, length: Tensor | None, device: torch.d
     theta_k / factor; between: (1 - s) theta_k / factor + s theta_k with
     s = (original_max / w_k - low_freq_factor) / (high_freq_factor - low_freq_factor).
     """
-    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=device)
-    theta = ROTARY_BASE ** (-exponents / rotary_dim)  # [rotary_dim / 2]
+    theta = _geometric_frequencies(rotary_dim, device)  # [rotary_dim / 2]
     wavelength = 2 * math.pi / theta
     smooth = (ORIGINAL_MAX_POSITIONS / wavelength - LLAMA3_LOW_FREQ_FACTOR) / (
         LLAMA3_HIGH_FREQ_FACTOR - LLAMA3_LOW_FREQ_FACTOR

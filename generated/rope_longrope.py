@@ -41,6 +41,16 @@ ROTARY_FRACTION = 1.0
 ROTARY_PAIRING = "half"
 ROTARY_ATTENTION_FACTOR = 1.1902380714238083  # multiplies cos and sin
 
+
+def _geometric_frequencies(
+    rotary_dim: int, device: torch.device, base: float | Tensor = ROTARY_BASE
+) -> Tensor:
+    """base^(-2k / rotary_dim), one per pair: float64 [rotary_dim / 2] (Su et al. 2021),
+    the schedule the frequency kinds rescale."""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=device)
+    return base ** (-exponents / rotary_dim)
+
+
 LONGROPE_SHORT_FACTOR = (
     1.0,
     1.03,
@@ -120,8 +130,7 @@ def _inverse_frequencies(rotary_dim: int, length: Tensor | None, device: torch.d
             f"LongRoPE has {len(LONGROPE_SHORT_FACTOR)} factors per list, one per rotated "
             f"pair; rotary_dim {rotary_dim} has {rotary_dim // 2} pairs"
         )
-    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=device)
-    theta = ROTARY_BASE ** (-exponents / rotary_dim)  # [rotary_dim / 2]
+    theta = _geometric_frequencies(rotary_dim, device)  # [rotary_dim / 2]
     short = torch.tensor(LONGROPE_SHORT_FACTOR, dtype=torch.float64, device=device)
     if length is None:
         return theta / short

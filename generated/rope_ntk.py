@@ -39,6 +39,16 @@ ROTARY_BASE = 10000.0
 ROTARY_FRACTION = 1.0
 ROTARY_PAIRING = "half"
 
+
+def _geometric_frequencies(
+    rotary_dim: int, device: torch.device, base: float | Tensor = ROTARY_BASE
+) -> Tensor:
+    """base^(-2k / rotary_dim), one per pair: float64 [rotary_dim / 2] (Su et al. 2021),
+    the schedule the frequency kinds rescale."""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=device)
+    return base ** (-exponents / rotary_dim)
+
+
 NTK_FACTOR = 4.0
 
 
@@ -49,8 +59,7 @@ def _inverse_frequencies(rotary_dim: int, length: Tensor | None, device: torch.d
     stays (extrapolated).
     """
     base = ROTARY_BASE * NTK_FACTOR ** (rotary_dim / (rotary_dim - 2))
-    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=device)
-    return base ** (-exponents / rotary_dim)
+    return _geometric_frequencies(rotary_dim, device, base)
 
 
 def _rotary_cos_sin(

@@ -41,10 +41,18 @@ ROTARY_FRACTION = 0.25
 ROTARY_PAIRING = "half"
 
 
+def _geometric_frequencies(
+    rotary_dim: int, device: torch.device, base: float | Tensor = ROTARY_BASE
+) -> Tensor:
+    """base^(-2k / rotary_dim), one per pair: float64 [rotary_dim / 2] (Su et al. 2021),
+    the schedule the frequency kinds rescale."""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=device)
+    return base ** (-exponents / rotary_dim)
+
+
 def _inverse_frequencies(rotary_dim: int, length: Tensor | None, device: torch.device) -> Tensor:
     """theta_k = base^(-2k / rotary_dim), one per pair: float64 [rotary_dim / 2]."""
-    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=device)
-    return ROTARY_BASE ** (-exponents / rotary_dim)
+    return _geometric_frequencies(rotary_dim, device)
 
 
 def _rotary_frequencies(rotary_dim: int, length: Tensor | None, device: torch.device) -> Tensor:

@@ -43,6 +43,16 @@ ROTARY_FRACTION = 1.0
 ROTARY_PAIRING = "half"
 ROTARY_ATTENTION_FACTOR = 1.138629436111989  # multiplies cos and sin
 
+
+def _geometric_frequencies(
+    rotary_dim: int, device: torch.device, base: float | Tensor = ROTARY_BASE
+) -> Tensor:
+    """base^(-2k / rotary_dim), one per pair: float64 [rotary_dim / 2] (Su et al. 2021),
+    the schedule the frequency kinds rescale."""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=device)
+    return base ** (-exponents / rotary_dim)
+
+
 YARN_FACTOR = 4.0
 ORIGINAL_MAX_POSITIONS = 4096
 YARN_BETA_FAST = 32.0
@@ -62,8 +72,7 @@ def _inverse_frequencies(rotary_dim: int, length: Tensor | None, device: torch.d
     that turn beta_fast and beta_slow times over original_max positions (rounded down and up).
     Fast pairs (k < low) keep theta_k; slow pairs (k > high) take theta_k / factor.
     """
-    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=device)
-    theta = ROTARY_BASE ** (-exponents / rotary_dim)  # [rotary_dim / 2]
+    theta = _geometric_frequencies(rotary_dim, device)  # [rotary_dim / 2]
     low = _yarn_pair(YARN_BETA_FAST, rotary_dim)
     high = _yarn_pair(YARN_BETA_SLOW, rotary_dim)
     low, high = math.floor(low), math.ceil(high)

@@ -789,7 +789,9 @@ def _run_block(probe: Probe, check) -> Outcome:
 
 def test_mutation_rope_ignoring_its_base_is_caught(monkeypatch) -> None:
     """B1: theta from 500000 instead of the spec's base."""
-    probe = _mutated_probe(monkeypatch, "rope", "return ROTARY_BASE ** (", "return 500000.0 ** (")
+    probe = _mutated_probe(
+        monkeypatch, "rope", "base: float | Tensor = ROTARY_BASE", "base: float = 500000.0"
+    )
     outcome = _run_block(probe, rotation_norm)
     assert outcome.verdict == "FAILS" and "base^(-2k/d_rot)" in outcome.evidence
 

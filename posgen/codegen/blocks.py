@@ -182,6 +182,8 @@ class FrequencyPlan(Rendered):
     by_length: ClassVar[bool] = False
     #: the schedule has a fixed width (one factor per pair): check it at construction
     checks_width: ClassVar[bool] = False
+    #: it rescales base^(-2k / d), rendered once as ``_geometric_frequencies``
+    geometric: ClassVar[bool] = True
 
 
 @dataclass(frozen=True)
@@ -259,6 +261,7 @@ class ExprFrequencyPlan(FrequencyPlan):
 
     template: ClassVar[str] = "blocks/frequencies/expr.jinja"
     checks_width: ClassVar[bool] = True  # computed once at construction: refuses non-finite
+    geometric: ClassVar[bool] = False
     expression: str  # rendered through ``py`` only
     steps: tuple[str, ...]
     result: str
