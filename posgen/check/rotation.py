@@ -24,7 +24,7 @@ from posgen.check.probe import Probe, float64_encoding
 from posgen.check.search import FAR, SEEDS, Violation, fmt, generator, run_search, short_list
 from posgen.check.verdicts import Outcome, failed
 from posgen.spec.loader import LoadedSpec
-from posgen.spec.model import AxialAxes, Rotation, Spec
+from posgen.spec.model import AxialAxes, Rotation, Spec, rotated_features, turning_pairs
 
 # a position, a seed for the rotated vectors
 Example = tuple[int, int]
@@ -59,14 +59,6 @@ def rotation_norm(probe: Probe) -> Outcome:
         f"|R_m x| = |x| for m up to 2^20 and R_0 = I, query and key sides "
         f"({search.examples} examples){frequencies}",
     )
-
-
-def rotated_features(rotation: Rotation, head_dim: int) -> int:
-    """Features the rotation pairs: round(fraction · head_dim), or the whole head for the
-    proportional layout (p-RoPE), whose lowest frequencies are 0."""
-    if rotation.rotary_dims.layout == "proportional":
-        return head_dim
-    return int(round(head_dim * rotation.rotary_dims.fraction))
 
 
 def _feature_scale(rotation: Rotation, head_dim: int) -> torch.Tensor:
@@ -120,9 +112,7 @@ def _rotation_frequencies(probe: Probe, rotation: Rotation) -> Outcome | str:
     if getattr(rotation.frequencies, "kind", None) != "standard":
         return f"; frequencies {rotation.frequencies.kind!r} not compared"
     rotary_dim = rotated_features(rotation, probe.head_dim)
-    turning = rotary_dim // 2  # p-RoPE keeps only the highest round(fraction · d / 2)
-    if rotation.rotary_dims.layout == "proportional":
-        turning = int(round(probe.head_dim * rotation.rotary_dims.fraction / 2))
+    turning = turning_pairs(rotation, probe.head_dim)  # p-RoPE keeps the highest only
     expected = torch.tensor(
         [rotation.base ** (-2.0 * k / rotary_dim) for k in range(turning)],
         dtype=F64,

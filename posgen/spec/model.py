@@ -1914,14 +1914,30 @@ def rotary_dim_for(head_dim: int, fraction: float) -> int:
     return int(round(head_dim * fraction))
 
 
+def rotated_features(rotation: Rotation, head_dim: int) -> int:
+    """Features the rotation pairs: round(fraction · head_dim) for the leading layout, the
+    whole head for the proportional one (p-RoPE, whose lowest frequencies are 0)."""
+    if rotation.rotary_dims.layout == "proportional":
+        return head_dim
+    return rotary_dim_for(head_dim, rotation.rotary_dims.fraction)
+
+
+def turning_pairs(rotation: Rotation, head_dim: int) -> int:
+    """Pairs with a non-zero frequency: all rotated pairs, or p-RoPE's kept
+    round(fraction · head_dim / 2)."""
+    if rotation.rotary_dims.layout == "proportional":
+        return int(round(head_dim * rotation.rotary_dims.fraction / 2))
+    return rotated_features(rotation, head_dim) // 2
+
+
 def rotation_problem(rotation: Rotation, head_dim: int) -> tuple[str, str] | None:
     """(field, message) for a rotation that head_dim cannot carry, else None.
 
     The generated module repeats these checks when its head_dim is overridden.
     """
     dims = rotation.rotary_dims
+    rotary_dim = rotated_features(rotation, head_dim)
     if dims.layout == "leading":
-        rotary_dim = rotary_dim_for(head_dim, dims.fraction)
         if rotary_dim < 2 or rotary_dim % 2:
             return "rotary_dims.fraction", (
                 f"fraction × head_dim must round to an even number ≥ 2 of rotated "
@@ -1933,8 +1949,7 @@ def rotation_problem(rotation: Rotation, head_dim: int) -> tuple[str, str] | Non
                 f"the proportional layout pairs the whole head: head_dim must be even "
                 f"(got {head_dim})"
             )
-        rotary_dim = head_dim
-        if round(head_dim * dims.fraction / 2) < 1:
+        if turning_pairs(rotation, head_dim) < 1:
             return "rotary_dims.fraction", (
                 f"fraction × head_dim / 2 must keep at least one pair (head_dim {head_dim})"
             )
