@@ -26,6 +26,7 @@ import keyword
 import math
 import re
 import sys
+import typing
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -1912,6 +1913,20 @@ RELATIVE_FORMS = (RelativeTerm, GlobalContentTerm, GlobalPositionTerm)
 def rotary_dim_for(head_dim: int, fraction: float) -> int:
     """Number of rotated features: fraction · head_dim, rounded to the nearest integer."""
     return int(round(head_dim * fraction))
+
+
+def kind_tags() -> frozenset[str]:
+    """Every ``kind`` value of the spec's models: the tags their unions report in error
+    locations (the loader drops them to find the YAML position)."""
+    tags: set[str] = set()
+    pending: list[type[SpecModel]] = [SpecModel]
+    while pending:
+        for model in pending.pop().__subclasses__():
+            pending.append(model)
+            field = model.model_fields.get("kind")
+            if field is not None:
+                tags.update(a for a in typing.get_args(field.annotation) if isinstance(a, str))
+    return frozenset(tags)
 
 
 def rotated_features(rotation: Rotation, head_dim: int) -> int:
