@@ -9,6 +9,10 @@ raise must still raise.
 Record (only when behaviour is meant to change, and say so in the commit)::
 
     python -m tests.golden
+
+Add the entries of new specs, leaving every recorded one as it is::
+
+    python -m tests.golden --add-new
 """
 
 from __future__ import annotations
@@ -109,10 +113,26 @@ def collect_all() -> dict[str, dict[str, Any]]:
     return {name: collect(generated_class(name)) for name in spec_names()}
 
 
-if __name__ == "__main__":
+def write_golden(outputs: dict[str, dict[str, Any]]) -> None:
+    """Save the outputs, sorted by name, as a byte-stable gzip file."""
     GOLDEN_FILE.parent.mkdir(exist_ok=True)
     buffer = io.BytesIO()
-    torch.save(collect_all(), buffer)
+    torch.save({name: outputs[name] for name in sorted(outputs)}, buffer)
     with gzip.GzipFile(GOLDEN_FILE, "wb", mtime=0) as stream:
         stream.write(buffer.getvalue())
-    print(f"wrote {GOLDEN_FILE} ({GOLDEN_FILE.stat().st_size} bytes)")
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] == ["--add-new"]:
+        from tests.conftest import generated_class, spec_names
+
+        recorded = load_golden()
+        added = [name for name in spec_names() if name not in recorded]
+        recorded.update({name: collect(generated_class(name)) for name in added})
+        write_golden(recorded)
+        print(f"added {', '.join(added) or 'nothing'} to {GOLDEN_FILE}")
+    else:
+        write_golden(collect_all())
+        print(f"wrote {GOLDEN_FILE} ({GOLDEN_FILE.stat().st_size} bytes)")
