@@ -1,12 +1,17 @@
 """Attention speed and memory of each generated module's backends, against plain SDPA.
 
-For every encoding and sequence length, times a causal forward pass with the `sdpa` and
-`eager` backends and, in the same run, plain ``F.scaled_dot_product_attention`` with no
-position encoding (the baseline). Reports ratios to the baseline (absolute times on a
-shared machine are noise) and, on CUDA, peak memory.
+For every encoding, sequence length, causal setting and mode (forward alone, or a
+training step: forward and backward into q, k, v and the module's parameters), times
+each backend beside plain ``F.scaled_dot_product_attention`` with no position encoding
+(FlashAttention on a CUDA GPU in half precision: the baseline), the two timed
+alternately in the same loop. Also times compiled FlexAttention with no ``score_mod``
+("flex, no bias": the floor of any score_mod) and, where transformers is installed,
+Hugging Face's T5 bias path (``T5Attention.compute_bias`` plus its attention
+arithmetic). Reports ratios to the baseline and peak extra memory (CUDA).
 
-    python benchmarks/attention_backends.py --device cuda --dtype bfloat16 --backends sdpa flex
-    python benchmarks/attention_backends.py --device cpu --lengths 256 1024
+    python benchmarks/attention_backends.py --device cuda --dtype bfloat16 \
+        --backends sdpa flex --lengths 2048 8192 --modes forward train --causal both
+    python benchmarks/attention_backends.py --device cpu --lengths 512 2048
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import generated._attention as runtime  # noqa: E402
 from generated import ENCODINGS  # noqa: E402
 
 DEFAULT_ENCODINGS = [
@@ -41,6 +47,8 @@ DEFAULT_ENCODINGS = [
     "tupe_r",
 ]
 
+Call = Callable[[], object]
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -48,7 +56,7 @@ def _sync(device: torch.device) -> None:
 
 
 def paired_seconds(
-    fn: Callable[[], object], baseline: Callable[[], object], device: torch.device, repeats: int
+    fn: Call, baseline: Call, device: torch.device, repeats: int
 ) -> tuple[float, float]:
     """Median times of ``fn`` and ``baseline``, timed alternately after warm-up.
 
@@ -78,9 +86,11 @@ def paired_seconds(
     return statistics.median(times[0]), statistics.median(times[1])
 
 
-def peak_bytes(fn: Callable[[], object], device: torch.device) -> int | None:
+def peak_extra_bytes(fn: Call, device: torch.device) -> int | None:
+    """Peak memory a call allocates beyond what was allocated before it (CUDA only)."""
     if device.type != "cuda":
         return None
+    _sync(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
@@ -89,55 +99,176 @@ def peak_bytes(fn: Callable[[], object], device: torch.device) -> int | None:
     return torch.cuda.max_memory_allocated(device) - base
 
 
+def as_step(attend: Callable[[], torch.Tensor], inputs: list[torch.Tensor], mode: str) -> Call:
+    """``attend`` as a forward pass (no autograd) or a training step (forward, then the
+    gradients of a fixed random cotangent into ``inputs``)."""
+    if mode == "forward":
+
+        def forward() -> object:
+            with torch.no_grad():
+                return attend()
+
+        return forward
+    cotangent: list[torch.Tensor] = []
+
+    def train() -> object:
+        out = attend()
+        if not cotangent:
+            cotangent.append(torch.randn_like(out))
+        return torch.autograd.grad(out, inputs, cotangent[0])
+
+    return train
+
+
+def plain_flex(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+) -> Callable[[], torch.Tensor]:
+    """Compiled FlexAttention with no score_mod (and a causal block mask)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    compiled = torch.compile(flex_attention, dynamic=False)
+    n = q.shape[2]
+    mask = None
+    if causal:
+        mask = create_block_mask(
+            lambda b, h, qi, ki: qi >= ki, None, None, n, n, device=str(q.device)
+        )
+    return lambda: compiled(q, k, v, block_mask=mask)
+
+
+def hf_t5_bias_path(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+) -> tuple[Callable[[], torch.Tensor], list[torch.Tensor]] | None:
+    """Hugging Face's T5 attention arithmetic: ``compute_bias`` (an embedding lookup of
+    [N, M] buckets), q kᵀ + bias (+ a causal mask), softmax in float32, times v."""
+    try:
+        from transformers import T5Config
+        from transformers.models.t5.modeling_t5 import T5Attention
+    except ImportError:
+        return None
+    heads, head_dim = q.shape[1], q.shape[3]
+    config = T5Config(d_model=heads * head_dim, d_kv=head_dim, num_heads=heads, is_decoder=causal)
+    layer = T5Attention(config, has_relative_attention_bias=True, layer_idx=0)
+    layer = layer.to(q.device, q.dtype)
+    n = q.shape[2]
+    mask = None
+    if causal:
+        mask = torch.full((n, n), float("-inf"), device=q.device, dtype=q.dtype).triu(1)
+
+    def attend() -> torch.Tensor:
+        bias = layer.compute_bias(n, n, device=q.device)  # [1, H, N, M]
+        if mask is not None:
+            bias = bias + mask
+        scores = torch.matmul(q, k.transpose(3, 2)) + bias
+        weights = F.softmax(scores.float(), dim=-1).type_as(scores)
+        return torch.matmul(weights, v)
+
+    return attend, [layer.relative_attention_bias.weight]
+
+
+def candidates(
+    args: argparse.Namespace, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+) -> list[tuple[str, str, Callable[[], torch.Tensor], list[torch.Tensor]]]:
+    """(encoding, backend, attend, parameters) for every timed candidate."""
+    found: list[tuple[str, str, Callable[[], torch.Tensor], list[torch.Tensor]]] = []
+    device = q.device
+    length = q.shape[2]
+    if device.type == "cuda" and "flex" in args.backends:
+        found.append(("(no encoding)", "flex, no bias", plain_flex(q, k, v, causal), []))
+    for name in args.encodings:
+        pe = ENCODINGS[name](heads=args.heads, head_dim=args.head_dim).to(device)
+        limit = getattr(pe, "max_positions", None)
+        if limit is not None and length > limit:
+            print(f"{name:>14} skipped at N={length}: its table ends at {limit}", flush=True)
+            continue
+        params = [p for p in pe.parameters() if p.requires_grad]
+        for backend in args.backends:
+            if backend == "eager" and length > args.max_eager_length:
+                continue
+            if backend == "flex" and pe.has_value_term:
+                continue
+
+            sweep = args.flex_options if backend == "flex" else {}
+            for label, options in (sweep or {"": None}).items():
+
+                def attend(pe=pe, backend=backend, options=options) -> torch.Tensor:
+                    if options is None:
+                        return pe(q, k, v, causal=causal, backend=backend)
+                    chosen = runtime.flex_kernel_options
+                    runtime.flex_kernel_options = lambda q, captured: options or None
+                    try:
+                        return pe(q, k, v, causal=causal, backend=backend)
+                    finally:
+                        runtime.flex_kernel_options = chosen
+
+                found.append((name, f"{backend} {label}".strip(), attend, params))
+        if "flex" in args.backends and args.distance_vector and pe.bias_by_distance:
+            by_vector = ENCODINGS[name](heads=args.heads, head_dim=args.head_dim).to(device)
+            by_vector.load_state_dict(pe.state_dict())
+            by_vector._flex_bias = lambda *_: None  # read the [H, N + M - 1] vector
+
+            def attend_vector(pe=by_vector) -> torch.Tensor:
+                return pe(q, k, v, causal=causal, backend="flex")
+
+            params_vector = [p for p in by_vector.parameters() if p.requires_grad]
+            found.append((name, "flex, distance vector", attend_vector, params_vector))
+        if name == "t5" and args.hf:
+            hf = hf_t5_bias_path(q, k, v, causal)
+            if hf is not None:
+                found.append(("t5", "hf T5Attention path", hf[0], hf[1]))
+    return found
+
+
 def run(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     rows = []
     for length in args.lengths:
         shape = (args.batch, args.heads, length, args.head_dim)
-        q, k, v = (torch.randn(shape, device=device, dtype=dtype) for _ in range(3))
+        for causal in args.causal:
+            for mode in args.modes:
+                q, k, v = (
+                    torch.randn(shape, device=device, dtype=dtype, requires_grad=mode == "train")
+                    for _ in range(3)
+                )
 
-        def baseline(q=q, k=k, v=v) -> torch.Tensor:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                def baseline_attend(q=q, k=k, v=v, causal=causal) -> torch.Tensor:
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-        base_mem = peak_bytes(baseline, device)
-        for name in args.encodings:
-            pe = ENCODINGS[name](heads=args.heads, head_dim=args.head_dim).to(device)
-            limit = getattr(pe, "max_positions", None)
-            if limit is not None and length > limit:
-                print(f"{name:>12} skipped at N={length}: its table ends at {limit}", flush=True)
-                continue
-            for backend in args.backends:
-                if backend == "eager" and length > args.max_eager_length:
-                    continue
-
-                def call(pe=pe, backend=backend, q=q, k=k, v=v) -> torch.Tensor:
-                    with torch.no_grad():
-                        return pe(q, k, v, causal=True, backend=backend)
-
-                seconds, base_time = paired_seconds(call, baseline, device, args.repeats)
-                memory = peak_bytes(call, device)
-                rows.append(
-                    {
+                baseline = as_step(baseline_attend, [q, k, v], mode)
+                base_mem = peak_extra_bytes(baseline, device)
+                for name, backend, attend, params in candidates(args, q, k, v, causal):
+                    call = as_step(attend, [q, k, v, *params], mode)
+                    try:
+                        seconds, base_time = paired_seconds(call, baseline, device, args.repeats)
+                        memory = peak_extra_bytes(call, device)
+                    except Exception as error:  # noqa: BLE001 - report and go on
+                        print(f"{name:>14} {backend:>20} N={length} failed: {error!r}"[:400])
+                        continue
+                    row = {
                         "encoding": name,
                         "backend": backend,
                         "length": length,
+                        "causal": causal,
+                        "mode": mode,
                         "seconds": seconds,
                         "baseline_seconds": base_time,
                         "time_ratio": seconds / base_time,
-                        "peak_bytes": memory,
-                        "baseline_peak_bytes": base_mem,
-                        "memory_ratio": (memory / base_mem) if memory and base_mem else None,
+                        "peak_extra_bytes": memory,
+                        "baseline_peak_extra_bytes": base_mem,
                     }
-                )
-                print(
-                    f"{name:>12} {backend:>5} N={length:<6} {seconds / base_time:7.2f}x sdpa",
-                    flush=True,
-                )
+                    rows.append(row)
+                    extra = f" {memory / 2**20:9.1f} MiB" if memory is not None else ""
+                    print(
+                        f"{name:>14} {backend:>20} N={length:<5} causal={causal!s:<5} "
+                        f"{mode:>7} {seconds * 1e3:9.3f} ms {seconds / base_time:7.2f}x{extra}",
+                        flush=True,
+                    )
+                    del call
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
     return {
-        "device": torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else platform.processor() or platform.machine(),
+        "device": describe_device(device),
         "torch": torch.__version__,
         "dtype": args.dtype,
         "batch": args.batch,
@@ -147,23 +278,36 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
+def describe_device(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+
+
 def markdown(report: dict) -> str:
     lines = [
         f"# Attention backends vs plain SDPA ({report['device']}, torch {report['torch']}, "
         f"{report['dtype']}, batch {report['batch']}, heads {report['heads']}, "
-        f"head_dim {report['head_dim']}, causal)",
+        f"head_dim {report['head_dim']})",
         "",
-        "Ratios to plain `F.scaled_dot_product_attention(is_causal=True)` with no position "
-        "encoding, measured in the same run (medians of alternating repeats).",
+        "Ratio: the candidate's median time over plain "
+        "`F.scaled_dot_product_attention(q, k, v, is_causal=causal)` with no position "
+        "encoding (FlashAttention on CUDA in half precision), the two timed alternately "
+        "in the same loop. `train` is forward plus backward into q, k, v and the "
+        "module's parameters. Extra memory: peak allocation beyond the inputs (CUDA).",
         "",
-        "| encoding | backend | N | time ratio | peak memory ratio |",
-        "|---|---|---|---|---|",
+        "| encoding | backend | N | causal | mode | ms | ratio | extra MiB | baseline MiB |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in report["rows"]:
-        memory = f"{row['memory_ratio']:.2f}" if row["memory_ratio"] else "n/a"
+        memory = row["peak_extra_bytes"]
+        base = row["baseline_peak_extra_bytes"]
         lines.append(
             f"| {row['encoding']} | {row['backend']} | {row['length']} | "
-            f"{row['time_ratio']:.2f} | {memory} |"
+            f"{'yes' if row['causal'] else 'no'} | {row['mode']} | "
+            f"{row['seconds'] * 1e3:.3f} | {row['time_ratio']:.2f} | "
+            f"{'n/a' if memory is None else f'{memory / 2**20:.1f}'} | "
+            f"{'n/a' if base is None else f'{base / 2**20:.1f}'} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -175,16 +319,40 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048])
     parser.add_argument("--encodings", nargs="+", default=DEFAULT_ENCODINGS)
     parser.add_argument("--backends", nargs="+", default=["sdpa", "eager"])
+    parser.add_argument("--modes", nargs="+", choices=["forward", "train"], default=["forward"])
+    parser.add_argument(
+        "--causal",
+        choices=["yes", "no", "both"],
+        default="yes",
+        help="causal masking: yes, no or both",
+    )
+    parser.add_argument("--hf", action="store_true", help="also time Hugging Face's T5 path")
+    parser.add_argument(
+        "--distance-vector",
+        action="store_true",
+        help="also time flex reading the [H, N + M - 1] per-distance vector",
+    )
+    parser.add_argument(
+        "--flex-options",
+        nargs="+",
+        default=[],
+        help='flex kernel options to compare, as JSON ("{}" = FlexAttention defaults)',
+    )
     parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--max-eager-length", type=int, default=4096)
+    parser.add_argument("--tag", default="", help="appended to the result file names")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args()
+    args.causal = {"yes": [True], "no": [False], "both": [False, True]}[args.causal]
+    args.flex_options = {text: json.loads(text) for text in args.flex_options}
+    # every shape, mask and score_mod is one compilation of flex_attention
+    torch._dynamo.config.recompile_limit = runtime.FLEX_RECOMPILE_LIMIT
     report = run(args)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"attention_backends_{args.device.split(':')[0]}_{args.dtype}"
+    stem = f"attention_backends_{args.device.split(':')[0]}_{args.dtype}{args.tag}"
     (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
     (args.out / f"{stem}.md").write_text(markdown(report))
     print(markdown(report))

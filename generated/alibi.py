@@ -26,6 +26,7 @@ Usage::
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -94,6 +95,29 @@ class Alibi(PositionalAttention):
         # them in its own dtype; this buffer is for inspection and sets that dtype).
         slopes = torch.tensor(_alibi_slopes(self.heads), dtype=torch.float32)
         self.register_buffer("slopes", slopes, persistent=False)
+
+    def _flex_bias(
+        self,
+        q_positions: Tensor | None,
+        k_positions: Tensor | None,
+        n: int,
+        m: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> Any:
+        """-slope_h * |j - i| per (batch, head, query, key) index for FlexAttention's
+        score_mod: a subtraction and a multiply per score, the slope read once per head."""
+        slopes = self._exact_slopes(device).to(dtype)  # [heads]
+        offset = m - n  # default positions: query qi is at m - n + qi, key ki at ki
+        q_rows = None if q_positions is None else q_positions.view(-1, n)  # [1 or B, N]
+        k_rows = None if k_positions is None else k_positions.view(-1, m)  # [1 or B, M]
+
+        def bias(b: Tensor, head: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
+            i = qi + offset if q_rows is None else q_rows[b % q_rows.shape[0], qi]
+            j = ki if k_rows is None else k_rows[b % k_rows.shape[0], ki]
+            return -slopes[head] * (j - i).abs().to(dtype)
+
+        return bias
 
     def score_bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
         """bias[h, i, j] = -slope_h * |i - j|: [heads, N, M], or [batch, heads, N, M]."""

@@ -31,6 +31,7 @@ Usage::
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -107,6 +108,37 @@ class T5Decoder(PositionalAttention):
         # [buckets, heads]; the layout of Hugging Face T5Attention.relative_attention_bias.
         self.relative_attention_bias = nn.Embedding(BUCKETS, self.heads)
         nn.init.normal_(self.relative_attention_bias.weight, mean=0.0, std=1.0)
+
+    def _flex_bias(
+        self,
+        q_positions: Tensor | None,
+        k_positions: Tensor | None,
+        n: int,
+        m: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> Any:
+        """table[bucket(j - i), h] per (batch, head, query, key) index for FlexAttention's
+        score_mod, read from a vector over r = -MAX_DISTANCE .. MAX_DISTANCE: every
+        bucket past MAX_DISTANCE is the last of its direction, so r is clipped there and
+        the vector stays small (cache-resident) at any length. None (the per-distance
+        vector) where that vector would not be shorter."""
+        if 2 * MAX_DISTANCE + 1 >= n + m - 1 and q_positions is None and k_positions is None:
+            return None
+        relative = torch.arange(-MAX_DISTANCE, MAX_DISTANCE + 1, device=device)  # key - query
+        buckets = _relative_buckets(relative)
+        table = self.relative_attention_bias.weight.to(device)  # [buckets, heads]
+        clipped = table[buckets].t().to(dtype)  # [heads, 2 MAX_DISTANCE + 1]
+        offset = m - n  # default positions: query qi is at m - n + qi, key ki at ki
+        q_rows = None if q_positions is None else q_positions.view(-1, n)  # [1 or B, N]
+        k_rows = None if k_positions is None else k_positions.view(-1, m)  # [1 or B, M]
+
+        def bias(b: Tensor, head: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
+            i = qi + offset if q_rows is None else q_rows[b % q_rows.shape[0], qi]
+            j = ki if k_rows is None else k_rows[b % k_rows.shape[0], ki]
+            return clipped[head, (j - i).clamp(-MAX_DISTANCE, MAX_DISTANCE) + MAX_DISTANCE]
+
+        return bias
 
     def score_bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
         """bias[h, i, j] = table[bucket(i, j), h]: [heads, N, M], or [batch, heads, N, M]."""

@@ -496,6 +496,30 @@ def flex_reference(
 
 _COMPILED_FLEX: dict[str, Any] = {}
 
+#: recompilations TorchDynamo may make of flex_attention while posgen calls it: each
+#: (score_mod, shape, dtype, mask) is one, and past dynamo's default limit (8) it falls
+#: back, with a warning, to the unfused kernel that materialises the scores
+FLEX_RECOMPILE_LIMIT = 256
+
+
+def flex_kernel_options(q: Tensor, captured: list[Tensor]) -> dict[str, Any] | None:
+    """Triton options for the compiled flex kernel (None: FlexAttention's defaults).
+
+    On CUDA a score_mod that reads captured tensors gets BLOCK_M = BLOCK_N = 64 and one
+    pipeline stage: the default tiles ran out of shared memory on an H100 (torch 2.11).
+    """
+    if q.device.type == "cuda" and captured:
+        return {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 1}
+    return None
+
+
+def _recompile_room() -> Any:
+    """A context raising dynamo's per-function recompile limit to FLEX_RECOMPILE_LIMIT
+    for the call (the setting is ``recompile_limit``, ``cache_size_limit`` before 2.7)."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    return config.patch(**{name: max(getattr(config, name), FLEX_RECOMPILE_LIMIT)})
+
 
 def run_flex(
     q: Tensor,
@@ -509,10 +533,8 @@ def run_flex(
 ) -> Tensor:
     """flex_attention, compiled once per process with static shapes (a kernel per shape,
     dtype and score_mod; the dynamic-shape recompile of torch 2.13's CPU code generator
-    failed to compile C++ for a second score_mod in one process).
-
-    On CUDA a score_mod that reads captured tensors gets BLOCK_M = BLOCK_N = 64 and one
-    pipeline stage: the default tiles ran out of shared memory on an H100 (torch 2.11).
+    failed to compile C++ for a second score_mod in one process), with room for
+    FLEX_RECOMPILE_LIMIT kernels and the options of ``flex_kernel_options``.
     """
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -520,27 +542,36 @@ def run_flex(
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *captured))
     if needs_grad and q.device.type == "cpu":  # FlexAttention has no CPU backward
         return flex_reference(q, k, v, score_mod, block_mask, scale)
-    function: Any = flex_attention
-    if compiled and not torch.compiler.is_compiling():
-        function = _COMPILED_FLEX.get("flex")
-        if function is None:
-            function = _COMPILED_FLEX.setdefault(
-                "flex", torch.compile(flex_attention, dynamic=False)
-            )
-    options = None
-    if compiled and q.device.type == "cuda" and captured:
-        options = {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 1}
-    out = function(
-        q,
-        k,
-        v,
-        score_mod=score_mod,
-        block_mask=block_mask,
-        scale=scale,
-        enable_gqa=gqa,
-        kernel_options=options,
-    )
-    return out
+    if torch.compiler.is_compiling():  # inside the caller's torch.compile: inlined
+        options = flex_kernel_options(q, captured)
+        return flex_attention(
+            q,
+            k,
+            v,
+            score_mod=score_mod,
+            block_mask=block_mask,
+            scale=scale,
+            enable_gqa=gqa,
+            kernel_options=options,
+        )
+    if not compiled:  # the unfused implementation (exact, materialises the scores)
+        return flex_attention(
+            q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa
+        )
+    function = _COMPILED_FLEX.get("flex")
+    if function is None:
+        function = _COMPILED_FLEX.setdefault("flex", torch.compile(flex_attention, dynamic=False))
+    with _recompile_room():
+        return function(
+            q,
+            k,
+            v,
+            score_mod=score_mod,
+            block_mask=block_mask,
+            scale=scale,
+            enable_gqa=gqa,
+            kernel_options=flex_kernel_options(q, captured),
+        )
 
 
 class PositionalAttention(nn.Module):
@@ -752,7 +783,11 @@ class PositionalAttention(nn.Module):
         dtype: torch.dtype,
     ) -> Any:
         """A bias per (batch, head, query, key) index for the flex score_mod, or None to
-        capture ``_position_bias``'s tensor instead (expression biases render one)."""
+        read the per-distance vector (``bias_by_distance``, default positions) or capture
+        ``_position_bias``'s tensor instead. Blocks render one where the bias is cheap
+        arithmetic of the indices (ALiBi's slopes, T5's clipped distances, expressions):
+        a gather per score from an [H, N + M - 1] vector cost 3-6x the bias-free kernel
+        on an H100."""
         return None
 
     def _flex_relative(
@@ -1069,17 +1104,17 @@ class PositionalAttention(nn.Module):
                 terms = self._relative_terms(q, heads_k, q_positions, k_positions, dtype)
                 parts = list(terms.values())
                 added = sum_into_new(parts) if parts else None
-        if self.bias_by_distance and default and added is None:
+        if has_bias:  # computed per element where the block can (no gather per score)
+            bias_fn = self._flex_bias(q_positions, k_positions, n, m, q.device, dtype)
+        if bias_fn is None and self.bias_by_distance and default and added is None:
             vec = self._distance_bias(n, m, q.device).to(dtype)  # [H, N + M - 1]
             if self.position_bias_inside_scale:
                 vec = vec * self.scale
-        elif has_bias:
-            bias_fn = self._flex_bias(q_positions, k_positions, n, m, q.device, dtype)
-            if bias_fn is None:
-                bias = self._position_bias(q_positions, k_positions, n, m, q.device)
-                assert bias is not None  # has_position_bias
-                bias = bias.to(dtype) * (self.scale if self.position_bias_inside_scale else 1.0)
-                added = bias if added is None else added + bias
+        elif bias_fn is None and has_bias:
+            bias = self._position_bias(q_positions, k_positions, n, m, q.device)
+            assert bias is not None  # has_position_bias
+            bias = bias.to(dtype) * (self.scale if self.position_bias_inside_scale else 1.0)
+            added = bias if added is None else added + bias
         if attn_mask is not None:
             mask = attn_mask.to(dtype) if attn_mask.dtype != torch.bool else None
             if mask is None:
@@ -1096,11 +1131,16 @@ class PositionalAttention(nn.Module):
         compile_flex = self.flex_compile
         if compile_flex is None:
             compile_flex = q.device.type == "cuda"
+        io_dtype = dtype  # the position terms above stay in float32 (or float64)
+        if compile_flex and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+            # the fused kernel reads half-precision q, k, v and computes the scores and
+            # the score_mod in float32 (an up-cast here cost the tensor cores)
+            io_dtype = q.dtype
         with torch.autocast(device_type=q.device.type, enabled=False):
             out = run_flex(
-                q.to(dtype),
-                k.to(dtype),
-                v.to(dtype),
+                q.to(io_dtype),
+                k.to(io_dtype),
+                v.to(io_dtype),
                 score_mod,
                 block_mask,
                 self.scale,

@@ -132,6 +132,41 @@ def test_relative_terms_reach_flex_as_projections_not_dense_terms(name: str) -> 
     assert pe._flex_relative(q, k, positions[2:], positions, torch.float32) is None
 
 
+@pytest.mark.parametrize("name", ["t5", "t5_decoder"])
+def test_t5_past_max_distance_reads_a_clipped_vector(name: str) -> None:
+    """N + M - 1 > 2 * MAX_DISTANCE + 1: flex reads table[bucket(clip(j - i))] from a
+    [H, 2 * MAX_DISTANCE + 1] vector (all it captures), equal to eager with gradients
+    into the table, at default and shifted positions, causal and not."""
+    pe = _make(name, heads=2)
+    n = 150  # distances up to 149 > MAX_DISTANCE = 128
+    q, k, v = _inputs(pe, batch=1, n=n, m=n, kv_heads=1)
+    bias = pe._flex_bias(None, None, n, n, q.device, torch.float32)
+    assert bias is not None
+    assert [tuple(t.shape) for t in runtime_captured(bias)] == [(2, 257)]
+    table = pe.relative_attention_bias.weight
+    shifted = {"q_positions": torch.arange(50, 50 + n), "k_positions": torch.arange(n)}
+    for positions in ({}, shifted):
+        for causal in (False, True):
+            eager = pe(q, k, v, causal=causal, backend="eager", **positions)
+            flex = pe(q, k, v, causal=causal, backend="flex", **positions)
+            torch.testing.assert_close(flex, eager, rtol=1e-5, atol=1e-5)
+            want = torch.autograd.grad(eager.square().sum(), [q, table])
+            got = torch.autograd.grad(flex.square().sum(), [q, table])
+            for a, b in zip(got, want, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_alibi_flex_bias_is_arithmetic_of_the_indices() -> None:
+    """ALiBi's score_mod reads only its [heads] slopes: no per-distance vector."""
+    pe = _make("alibi")
+    bias = pe._flex_bias(None, None, 5, 7, torch.device("cpu"), torch.float32)
+    assert [tuple(t.shape) for t in runtime_captured(bias)] == [(4,)]
+    b, h = torch.tensor(0), torch.tensor(1)
+    qi, ki = torch.tensor(1), torch.tensor(6)  # query at 2 + 1 = 3, key at 6
+    want = -pe._exact_slopes(torch.device("cpu"))[1] * 3
+    torch.testing.assert_close(bias(b, h, qi, ki), want)
+
+
 def runtime_captured(function: object) -> list[torch.Tensor]:
     import generated._attention as runtime
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import generated_class, spec_names
+from tests.conftest import generated_class, head_dim_for, spec_names
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 CUDA = torch.device("cuda")
@@ -13,8 +13,9 @@ CUDA = torch.device("cuda")
 
 @pytest.mark.parametrize("name", spec_names())
 def test_cuda_matches_cpu_and_backends_agree(name: str) -> None:
-    pe = generated_class(name)(heads=4, head_dim=32).eval()
-    q, k, v = (torch.randn(2, 4, 64, 32) for _ in range(3))
+    head_dim = head_dim_for(name, 32)
+    pe = generated_class(name)(heads=4, head_dim=head_dim).eval()
+    q, k, v = (torch.randn(2, 4, 64, head_dim) for _ in range(3))
     expected = pe(q, k, v, causal=True, backend="eager")
     pe = pe.to(CUDA)
     for backend in ("eager", "sdpa"):
@@ -103,7 +104,44 @@ def test_compiled_flex_forward_and_backward_match_eager_on_cuda(name: str) -> No
             got = torch.autograd.grad(flex.square().sum(), [q, k, v, *params])
             for a, b in zip(got, want, strict=True):
                 torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-2)
-    half = pe(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=True, backend="flex")
-    torch.testing.assert_close(
-        half.float(), pe(q, k, v, causal=True, backend="eager"), atol=5e-2, rtol=5e-2
-    )
+    with torch.no_grad():
+        q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+        half = pe(q, k, v, causal=True, backend="flex")
+        # against the float32 oracle on the same bf16 inputs: what is left is the kernel's
+        # rounding of the weights to bf16 before P.V (<= 2^-9 |v|) and of the output
+        reference = pe(q.float(), k.float(), v.float(), causal=True, backend="eager")
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half.float(), reference, atol=1.5e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "alibi",
+        "t5",
+        "rope",
+        "rope_yarn",
+        "kerple_log",
+        "fire",
+        "deberta",
+        "transformer_xl",
+        "tupe_a",
+    ],
+)
+def test_inductor_fullgraph_compile_on_cuda(name: str) -> None:
+    """torch.compile(fullgraph=True) with inductor on CUDA, explicit positions, sdpa and
+    flex backends: no graph break, no host sync, the eager module's outputs."""
+    torch._dynamo.reset()
+    d = head_dim_for(name, 64)
+    pe = generated_class(name)(heads=4, head_dim=d).to(CUDA).eval()
+    q = torch.randn(2, 4, 128, d, device=CUDA)
+    k, v = (torch.randn(2, 2, 128, d, device=CUDA) for _ in "kv")  # grouped-query
+    positions = {
+        "q_positions": torch.arange(5, 133, device=CUDA),
+        "k_positions": torch.arange(5, 133, device=CUDA),
+    }
+    compiled = torch.compile(pe, fullgraph=True)
+    want = pe(q, k, v, causal=True, backend="eager", **positions)
+    for backend in ("sdpa", "flex"):
+        got = compiled(q, k, v, causal=True, backend=backend, **positions)
+        torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-3)

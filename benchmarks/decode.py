@@ -1,0 +1,140 @@
+"""One decode step: a single query against M cached keys, against plain SDPA on the cache.
+
+For rotary encodings the cache holds keys rotated once by ``rotate_keys`` and the step
+calls ``forward(..., keys_rotated=True)`` (only the query is rotated); the baseline is
+``F.scaled_dot_product_attention`` of the query against the same cache with no encoding.
+Bias encodings (ALiBi, T5, KERPLE) add their bias for the one query row. Each candidate
+is timed alternately with the baseline; ``--compile`` also times the module under
+``torch.compile`` (what a decoding loop would run).
+
+    python benchmarks/decode.py --device cuda --dtype bfloat16 --cache 8192 --compile
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from attention_backends import describe_device, paired_seconds  # noqa: E402
+
+from generated import ENCODINGS  # noqa: E402
+
+DEFAULT_ENCODINGS = ["rope", "rope_gptj", "alibi", "t5", "kerple_log"]
+
+
+def run(args: argparse.Namespace) -> dict:
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    m = args.cache
+    q = torch.randn(args.batch, args.heads, 1, args.head_dim, device=device, dtype=dtype)
+    keys = torch.randn(args.batch, args.kv_heads, m, args.head_dim, device=device, dtype=dtype)
+    values = torch.randn_like(keys)
+    gqa = {"enable_gqa": True} if args.kv_heads != args.heads else {}
+
+    def baseline() -> object:
+        return F.scaled_dot_product_attention(q, keys, values, **gqa)
+
+    rows = []
+    for name in args.encodings:
+        pe = ENCODINGS[name](heads=args.heads, head_dim=args.head_dim).to(device)
+        cache = pe.rotate_keys(keys) if pe.has_rotation else keys  # rotated once
+        rotated = bool(pe.has_rotation)
+        variants = {"module": pe}
+        if args.compile:
+            variants["module, compiled"] = torch.compile(pe, fullgraph=True)
+        for label, module in variants.items():
+            for backend in args.backends:
+
+                def step(module=module, backend=backend, cache=cache, rotated=rotated) -> object:
+                    return module(q, cache, values, backend=backend, keys_rotated=rotated)
+
+                with torch.no_grad():
+                    seconds, base = paired_seconds(step, baseline, device, args.repeats)
+                rows.append(
+                    {
+                        "encoding": name,
+                        "variant": label,
+                        "backend": backend,
+                        "seconds": seconds,
+                        "baseline_seconds": base,
+                        "time_ratio": seconds / base,
+                    }
+                )
+                print(
+                    f"{name:>12} {label:>17} {backend:>5} {seconds * 1e6:9.1f} us "
+                    f"{seconds / base:6.2f}x sdpa",
+                    flush=True,
+                )
+    return {
+        "device": describe_device(device),
+        "torch": torch.__version__,
+        "dtype": args.dtype,
+        "shape": {
+            "batch": args.batch,
+            "heads": args.heads,
+            "kv_heads": args.kv_heads,
+            "head_dim": args.head_dim,
+            "cache": m,
+        },
+        "rows": rows,
+    }
+
+
+def markdown(report: dict) -> str:
+    shape = report["shape"]
+    lines = [
+        f"# One decode step vs SDPA on the cache ({report['device']}, torch "
+        f"{report['torch']}, {report['dtype']}, batch {shape['batch']}, heads "
+        f"{shape['heads']}, kv_heads {shape['kv_heads']}, head_dim {shape['head_dim']}, "
+        f"{shape['cache']} cached keys)",
+        "",
+        "One query against the cache; rotary caches hold keys rotated once "
+        "(`rotate_keys`, then `keys_rotated=True`). Ratio to plain "
+        "`F.scaled_dot_product_attention` of the query against the same cache, timed "
+        "alternately in one loop (medians).",
+        "",
+        "| encoding | variant | backend | µs | ratio to SDPA |",
+        "|---|---|---|---|---|",
+    ]
+    for row in report["rows"]:
+        lines.append(
+            f"| {row['encoding']} | {row['variant']} | {row['backend']} | "
+            f"{row['seconds'] * 1e6:.1f} | {row['time_ratio']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--encodings", nargs="+", default=DEFAULT_ENCODINGS)
+    parser.add_argument("--backends", nargs="+", default=["sdpa"])
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--cache", type=int, default=8192)
+    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    args = parser.parse_args()
+    report = run(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"decode_{args.device.split(':')[0]}_{args.dtype}"
+    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (args.out / f"{stem}.md").write_text(markdown(report))
+    print(markdown(report))
+
+
+if __name__ == "__main__":
+    main()
