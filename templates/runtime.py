@@ -938,7 +938,8 @@ class PositionalAttention(nn.Module):
                 (F.scaled_dot_product_attention with a materialised bias), "flex"
                 (FlexAttention: the position terms as a score_mod, masks as a block
                 mask; compiled on CUDA, or where ``flex_compile`` is True) or "auto"
-                (sdpa, or eager where a value-side term needs the weights).
+                (flex on CUDA for a bias or relative terms in the logits, eager for a
+                value-side term, else sdpa: see ``_auto_backend``).
             layout: "bhnd" (the shapes above) or "bnhd" ([batch, seq, heads, dim], as
                 Hugging Face projections produce before their transpose); the output
                 has the same layout.
@@ -982,13 +983,33 @@ class PositionalAttention(nn.Module):
                 k_positions, q_positions = sampled, sampled[m - n :]
         attn_mask = check_attn_mask(attn_mask, q, m)
         self._check_value_width(v)
-        # a value-side term needs the attention weights, which SDPA does not return, so
-        # "auto" takes the eager path for it (one softmax instead of two)
-        eager = backend == "eager" or (backend == "auto" and self.has_value_term)
+        if backend == "auto":
+            backend = self._auto_backend(q)
         args = (q, k, v, q_positions, k_positions, causal, attn_mask, rotated)
         if backend == "flex":
             return self._flex_attention(*args)
-        return self._eager_attention(*args) if eager else self._sdpa_attention(*args)
+        if backend == "eager":
+            return self._eager_attention(*args)
+        return self._sdpa_attention(*args)
+
+    def _auto_backend(self, q: Tensor) -> str:
+        """The backend "auto" runs, from benchmarks/results (H100, bf16, N = 2048-8192):
+
+        - a value-side term needs the attention weights, which SDPA and FlexAttention do
+          not return: "eager" (one softmax instead of two);
+        - on CUDA, a position bias or relative terms that stay in the logits: "flex"
+          (no [H, N, M] tensor; faster than "sdpa" with its materialised mask);
+        - otherwise (no position term in the logits, a bias folded into q and k, or the
+          CPU, where FlexAttention is not fused): "sdpa" (FlashAttention where it can).
+        """
+        if self.has_value_term:
+            return "eager"
+        folded = self.folds_position_bias and self.fold_bias is not False
+        in_logits = self.has_relative_terms or (self.has_position_bias and not folded)
+        flex_width = q.shape[-1] >= 16 and q.shape[-1] & (q.shape[-1] - 1) == 0
+        if in_logits and q.is_cuda and flex_width:
+            return "flex"
+        return "sdpa"
 
     def _eager_attention(
         self,

@@ -145,3 +145,22 @@ def test_inductor_fullgraph_compile_on_cuda(name: str) -> None:
     for backend in ("sdpa", "flex"):
         got = compiled(q, k, v, causal=True, backend=backend, **positions)
         torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-3)
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("alibi", "flex"),
+        ("t5", "flex"),
+        ("deberta", "flex"),
+        ("transformer_xl", "flex"),
+        ("rope", "sdpa"),
+        ("sinusoidal", "sdpa"),
+        ("tupe_a", "sdpa"),  # the untied term folds into q and k
+        ("shaw", "eager"),  # the value-side term needs the weights
+    ],
+)
+def test_auto_picks_the_measured_backend_on_cuda(name: str, expected: str) -> None:
+    pe = generated_class(name)(heads=4, head_dim=64).to(CUDA)
+    q = torch.randn(1, 4, 16, 64, device=CUDA)
+    assert pe._auto_backend(q) == expected

@@ -363,3 +363,15 @@ def test_floater_cache_stays_bounded() -> None:
             pe.embed(torch.randn(1, 3, 8))
     assert len(pe._cache) <= limit
     assert len(pe._cache) == 1  # one trajectory per dtype and device: old versions dropped
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [("alibi", "sdpa"), ("t5", "sdpa"), ("deberta", "sdpa"), ("rope", "sdpa"), ("shaw", "eager")],
+)
+def test_auto_on_the_cpu_is_sdpa_unless_a_value_term_needs_the_weights(
+    name: str, expected: str
+) -> None:
+    """FlexAttention is not fused on the CPU, so "auto" keeps sdpa there."""
+    pe = generated_class(name)(heads=4, head_dim=64)
+    assert pe._auto_backend(torch.randn(1, 4, 16, 64)) == expected
