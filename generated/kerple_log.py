@@ -27,6 +27,8 @@ Usage::
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 
@@ -105,6 +107,29 @@ class KerpleLog(PositionalAttention):
         r1, r2 = self._kernel_parameters(device)
         distance = default_distances(n, m, device).abs().to(r1.dtype)  # [N + M - 1]
         return _kerple_kernel(distance, r1[:, None], r2[:, None])
+
+    def _flex_bias(
+        self,
+        q_positions: Tensor | None,
+        k_positions: Tensor | None,
+        n: int,
+        m: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> Any:
+        """The kernel per (batch, head, query, key) index for FlexAttention's score_mod:
+        r1 and r2 read once per head, a few operations per score."""
+        r1, r2 = (value.to(dtype) for value in self._kernel_parameters(device))  # [heads]
+        offset = m - n  # default positions: query qi is at m - n + qi, key ki at ki
+        q_rows = None if q_positions is None else q_positions.view(-1, n)  # [1 or B, N]
+        k_rows = None if k_positions is None else k_positions.view(-1, m)  # [1 or B, M]
+
+        def bias(b: Tensor, head: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
+            i = qi + offset if q_rows is None else q_rows[b % q_rows.shape[0], qi]
+            j = ki if k_rows is None else k_rows[b % k_rows.shape[0], ki]
+            return _kerple_kernel((j - i).abs().to(dtype), r1[head], r2[head])
+
+        return bias
 
     def _kernel_parameters(self, device) -> tuple[Tensor, Tensor]:
         """r1 and r2 [heads] in the bias dtype (float32, or float64), clamped."""
