@@ -298,6 +298,22 @@ def expand_distance_bias(vec: Tensor, n: int, m: int) -> Tensor:
     return query_reversed_bias(vec, n, m).flip(-2)
 
 
+def half_precision_bias(bias: Tensor, dtype: torch.dtype) -> Tensor:
+    """An additive bias cast to SDPA's ``dtype``; in float16 or bfloat16 its largest
+    finite value along the last axis is subtracted first (detached).
+
+    Softmax ignores a constant per query row (and per head, for a per-distance vector),
+    so the result is the same function; the shift puts the entries that dominate the
+    weights near 0, where half precision is finest. Sandwich's bias reaches 64, where
+    bf16's spacing is 0.5: unshifted, outputs moved by 7e-2.
+    """
+    if dtype not in (torch.float16, torch.bfloat16):
+        return bias.to(dtype)
+    shift = bias.detach().amax(dim=-1, keepdim=True)
+    shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
+    return (bias - shift).to(dtype)
+
+
 def repeat_kv(x: Tensor, groups: int) -> Tensor:
     """[B, H_kv, L, D] -> [B, H_kv * groups, L, D]: head h reads kv head h // groups."""
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
@@ -541,8 +557,8 @@ def run_flex(
     from torch.nn.attention.flex_attention import flex_attention
 
     captured = flex_captured(score_mod)  # small tables and vectors the score_mod reads
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *captured))
-    if needs_grad and q.device.type == "cpu":  # FlexAttention has no CPU backward
+    if q.device.type == "cpu" and any(t.requires_grad for t in (q, k, v, *captured)):
+        # FlexAttention has no CPU backward (and refuses such inputs even under no_grad)
         return flex_reference(q, k, v, score_mod, block_mask, scale)
     if torch.compiler.is_compiling():  # inside the caller's torch.compile: inlined
         options = flex_kernel_options(q, captured)
@@ -1129,6 +1145,13 @@ class PositionalAttention(nn.Module):
                 added = sum_into_new(parts) if parts else None
         if has_bias:  # computed per element where the block can (no gather per score)
             bias_fn = self._flex_bias(q_positions, k_positions, n, m, q.device, dtype)
+            trained = [t for t in flex_captured(bias_fn) if t.requires_grad]
+            if trained and torch.is_grad_enabled():
+                # the backward would add every score's gradient atomically into those
+                # few values (T5's [H, 257] or KERPLE's [H]): a T5 training step at N =
+                # 8192 took 1.5 s (H100, bf16); the distance vector or the captured
+                # tensor spreads the adds over N + M - 1 or N * M entries
+                bias_fn = None
         if bias_fn is None and self.bias_by_distance and default and added is None:
             vec = self._distance_bias(n, m, q.device).to(dtype)  # [H, N + M - 1]
             if self.position_bias_inside_scale:
@@ -1260,7 +1283,8 @@ class PositionalAttention(nn.Module):
             vec = vec * self.scale  # SDPA scales q.k only; this bias sits inside the scale
         if causal:
             vec = vec.masked_fill(default_distances(n, m, q.device) > 0, float("-inf"))
-        mask = query_reversed_bias(vec.to(q.dtype), n, m).unsqueeze(0)  # [1, H, N, M] view
+        vec = half_precision_bias(vec, q.dtype)  # [H, N + M - 1]
+        mask = query_reversed_bias(vec, n, m).unsqueeze(0)  # [1, H, N, M] view
         out = F.scaled_dot_product_attention(
             q.flip(2), k, v, attn_mask=mask, scale=self.scale, **gqa
         )
@@ -1282,6 +1306,6 @@ class PositionalAttention(nn.Module):
         if self.position_bias_inside_scale:
             bias = bias * self.scale  # SDPA scales q.k only; this bias sits inside the scale
         allowed = causal_allowed(q_positions, k_positions, n, m, device) if causal else None
-        mask = apply_masks(bias, allowed, None).to(dtype)
+        mask = half_precision_bias(apply_masks(bias, allowed, None), dtype)
         # SDPA's CPU kernels take a 4-D mask directly; a 3-D one is ~3x slower (measured)
         return mask.unsqueeze(0) if mask.dim() == 3 else mask  # [1 or B, H, N, M]

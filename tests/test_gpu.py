@@ -29,7 +29,11 @@ def test_cuda_matches_cpu_and_backends_agree(name: str) -> None:
         backend="sdpa",
     )
     assert half.dtype == torch.bfloat16
-    torch.testing.assert_close(half.float().cpu(), expected, atol=5e-2, rtol=5e-2)
+    # against the float32 oracle on the same bf16-rounded inputs: what is left is bf16
+    # arithmetic inside SDPA (weights rounded before P.V, output rounded once)
+    rounded = [t.bfloat16().float() for t in (q, k, v)]
+    reference = pe.cpu()(*rounded, causal=True, backend="eager")
+    torch.testing.assert_close(half.float().cpu(), reference, atol=2.5e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("name", ["rope", "rope_gptj"])
