@@ -552,10 +552,12 @@ def run_flex(
 FUSED_ROTATION_DEVICES = ["cuda"]
 FUSED_ROTATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Launch shape (tunable): positions per program, heads per tile, and the heads one
-# program walks through (None: all of them) with the same cos/sin in registers.
+# program walks through with the same cos/sin in registers (None: all of them, split in
+# halves while that leaves fewer than FUSED_ROTATION_PROGRAMS_PER_SM programs per SM).
 FUSED_ROTATION_BLOCK_N = 16
 FUSED_ROTATION_BLOCK_H = 2
 FUSED_ROTATION_HEADS_PER_PROGRAM: int | None = None
+FUSED_ROTATION_PROGRAMS_PER_SM = 4
 FUSED_ROTATION_NUM_WARPS = 4
 _TRITON: dict[str, Any] = {}  # "kernel": the @triton.jit rotation, defined on first use
 
@@ -707,10 +709,11 @@ def _launch_rotation(
         return out
     pairs = rotary_dim // 2
     pass_through = head_dim - rotary_dim
-    per_program = FUSED_ROTATION_HEADS_PER_PROGRAM or heads
     block_n = FUSED_ROTATION_BLOCK_N
+    row_blocks = (length + block_n - 1) // block_n
+    per_program = _heads_per_program(x.device, batch * row_blocks, heads)
     block_h = min(FUSED_ROTATION_BLOCK_H, per_program)
-    grid = ((length + block_n - 1) // block_n, batch, (heads + per_program - 1) // per_program)
+    grid = (row_blocks, batch, (heads + per_program - 1) // per_program)
     _rotation_kernel()[grid](
         x,
         out,
@@ -734,6 +737,28 @@ def _launch_rotation(
         num_warps=FUSED_ROTATION_NUM_WARPS,
     )
     return out
+
+
+def _heads_per_program(device: torch.device, row_programs: int, heads: int) -> int:
+    """Heads one program walks: FUSED_ROTATION_HEADS_PER_PROGRAM, else all of them,
+    halved while the grid would give a CUDA device's SMs too few programs."""
+    if FUSED_ROTATION_HEADS_PER_PROGRAM is not None:
+        return max(1, min(FUSED_ROTATION_HEADS_PER_PROGRAM, heads))
+    if device.type != "cuda":
+        return heads
+    wanted = FUSED_ROTATION_PROGRAMS_PER_SM * _sm_count(device)
+    per_program = heads
+    while per_program > 1 and row_programs * ((heads + per_program - 1) // per_program) < wanted:
+        per_program = (per_program + 1) // 2
+    return per_program
+
+
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (asked once per device)."""
+    key = f"sms:{device}"
+    if key not in _TRITON:
+        _TRITON[key] = torch.cuda.get_device_properties(device).multi_processor_count
+    return int(_TRITON[key])
 
 
 def _power_of_two_at_least(value: int) -> int:

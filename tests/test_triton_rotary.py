@@ -213,6 +213,19 @@ def test_dispatch_keeps_the_eager_path_where_the_kernel_does_not_serve(
     assert not runtime.fused_rotation_enabled(x, cos, cos)
 
 
+def test_heads_are_split_only_when_the_grid_would_leave_sms_idle(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(runtime, "_sm_count", lambda device: 132)
+    cuda = torch.device("cuda", 0)
+    assert runtime._heads_per_program(cuda, 4 * 256, 32) == 32  # 1024 row programs: enough
+    assert runtime._heads_per_program(cuda, 16, 32) == 1  # decoding-sized: one head each
+    assert runtime._heads_per_program(cuda, 64, 32) == 2  # 64 x 16 programs >= 4 x 132
+    assert runtime._heads_per_program(torch.device("cpu"), 1, 32) == 32
+    monkeypatch.setattr(runtime, "FUSED_ROTATION_HEADS_PER_PROGRAM", 8)
+    assert runtime._heads_per_program(cuda, 1, 32) == 8
+
+
 def test_the_runtime_works_without_triton() -> None:
     """With triton unimportable the runtime imports and rotary modules take the formula."""
     script = (
