@@ -1,14 +1,22 @@
 """Rotary embedding speed: posgen's rotate against a plain copy and the peers, one run.
 
-For each shape, times rotating q and k (forward, no autograd) with ``generated.rope``
-(half pairing), ``generated.rope_gptj`` (interleaved) and ``generated.rope_partial``
-(a quarter of each head), beside a plain ``clone`` of q and k (the memory-bound floor),
-Hugging Face's ``apply_rotary_pos_emb`` (eager, and under ``torch.compile`` with
-``--compile``) and x-transformers' ``apply_rotary_pos_emb``. Every candidate is timed
+For each shape, times rotating q and k with ``generated.rope`` (half pairing),
+``generated.rope_gptj`` (interleaved) and ``generated.rope_partial`` (a quarter of each
+head), beside a plain ``clone`` of q and k (the memory-bound floor), Hugging Face's
+``apply_rotary_pos_emb`` (eager, and under ``torch.compile`` with ``--compile``),
+x-transformers' ``apply_rotary_pos_emb``, rotary-embedding-torch's
+``RotaryEmbedding(dim).rotate_queries_or_keys`` and, on CUDA, Liger-Kernel's
+``LigerRopeFunction`` (each peer where it is installed). Every candidate is timed
 alternately with the copy and reported as a ratio to it (medians of repeats).
 
+Without ``--backward`` the rotation runs under no_grad. With it, each call is the forward
+and the backward of loss = sum(q_rot * g_q) + sum(k_rot * g_k) for fixed random g (the
+input gradients through ``torch.autograd.grad``), and the floor is a copy whose backward
+copies the gradient (one read and one write each way). On CUDA posgen's rotation is then
+one fused Triton kernel each way (templates/runtime.py, ``fused_rotation``).
+
     python benchmarks/rotary.py --device cpu --dtype float32
-    python benchmarks/rotary.py --device cuda --dtype bfloat16 --compile
+    python benchmarks/rotary.py --device cuda --dtype bfloat16 --compile --backward
 """
 
 from __future__ import annotations
@@ -30,27 +38,53 @@ from attention_backends import paired_seconds  # noqa: E402
 
 from generated import ENCODINGS  # noqa: E402
 
+Rotation = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
-def peers(q: torch.Tensor, k: torch.Tensor, compile_peers: bool) -> dict[str, Callable[[], object]]:
-    """The peer implementations that are installed, each a call rotating q and k."""
-    found: dict[str, Callable[[], object]] = {}
-    n, d = q.shape[2], q.shape[3]
-    positions = torch.arange(n, device=q.device)
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2, device=q.device).float() / d))
+
+class _CopyBothWays(torch.autograd.Function):
+    """x.clone() whose backward also copies: the floor for a forward and backward pass."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        return grad.clone()
+
+
+def copy_rotation(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The memory-bound floor: q and k copied (and their gradients, with autograd)."""
+    return _CopyBothWays.apply(q), _CopyBothWays.apply(k)
+
+
+def llama_cos_sin(
+    length: int, head_dim: int, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Angles [N, D / 2] (base 10000) and HF's half-pairing cos, sin [N, D] in ``dtype``."""
+    positions = torch.arange(length, device=device)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
     angles = positions.float()[:, None] * inv_freq
     emb = torch.cat((angles, angles), dim=-1)
-    cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
+    return angles, emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def peers(q: torch.Tensor, compile_peers: bool) -> dict[str, Rotation]:
+    """The peer implementations that are installed, each rotating (q, k) of q's shape."""
+    found: dict[str, Rotation] = {}
+    n, d = q.shape[2], q.shape[3]
+    angles, cos, sin = llama_cos_sin(n, d, q.device, q.dtype)
     try:
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-        def hf() -> object:
+        def hf(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=0)
 
         found["hf_apply_rotary_pos_emb"] = hf
         if compile_peers:
             compiled = torch.compile(apply_rotary_pos_emb)
 
-            def hf_compiled() -> object:
+            def hf_compiled(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
                 return compiled(q, k, cos, sin, unsqueeze_dim=0)
 
             found["hf_compiled"] = hf_compiled
@@ -61,13 +95,64 @@ def peers(q: torch.Tensor, k: torch.Tensor, compile_peers: bool) -> dict[str, Ca
 
         freqs = angles.repeat_interleave(2, dim=-1)[None]  # [1, N, d], interleaved pairs
 
-        def xt() -> object:
+        def xt(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             return xt_apply(q, freqs), xt_apply(k, freqs)
 
         found["x_transformers"] = xt
     except ImportError:
         pass
+    try:
+        from rotary_embedding_torch import RotaryEmbedding
+
+        rotary = RotaryEmbedding(d).to(q.device)  # interleaved pairs, sequence at dim -2
+
+        def ret(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return rotary.rotate_queries_or_keys(q), rotary.rotate_queries_or_keys(k)
+
+        found["rotary_embedding_torch"] = ret
+    except ImportError:
+        pass
+    if q.device.type == "cuda":
+        try:
+            from liger_kernel.ops.rope import LigerRopeFunction
+
+            def liger(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                # rotates in place in the [B, N, H, D] storage (see liger_inputs)
+                return LigerRopeFunction.apply(q, k, cos, sin)
+
+            found["liger_kernel"] = liger
+        except ImportError:
+            pass
     return found
+
+
+def liger_layout(x: torch.Tensor) -> torch.Tensor:
+    """x [B, H, N, D] stored as [B, N, H, D] (Liger's kernel works on that storage, in
+    place; other layouts cost it a copy first)."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def timed_call(
+    rotation: Rotation,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    grads: tuple[torch.Tensor, torch.Tensor] | None,
+) -> Callable[[], object]:
+    """One timed call: the rotation (no autograd), or its forward and backward."""
+    if grads is None:
+
+        def forward_only() -> object:
+            with torch.no_grad():
+                return rotation(q, k)
+
+        return forward_only
+    q_leaf, k_leaf = q.detach().requires_grad_(), k.detach().requires_grad_()
+
+    def forward_backward() -> object:
+        q_rot, k_rot = rotation(q_leaf, k_leaf)
+        return torch.autograd.grad((q_rot, k_rot), (q_leaf, k_leaf), grads)
+
+    return forward_backward
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -77,50 +162,61 @@ def run(args: argparse.Namespace) -> dict:
     for batch, heads, length, head_dim in args.shapes:
         q = torch.randn(batch, heads, length, head_dim, device=device, dtype=dtype)
         k = torch.randn(batch, heads, length, head_dim, device=device, dtype=dtype)
-
-        def copy(q=q, k=k) -> object:
-            return q.clone(), k.clone()
-
+        grads = (torch.randn_like(q), torch.randn_like(k)) if args.backward else None
+        copy = timed_call(copy_rotation, q, k, grads)
         candidates: dict[str, Callable[[], object]] = {}
         for name in ("rope", "rope_gptj", "rope_partial"):
-            pe = ENCODINGS[name](heads=heads, head_dim=head_dim)
-
-            def call(pe=pe, q=q, k=k) -> object:
-                return pe.rotate(q, k)
-
-            candidates[f"posgen {name}"] = call
-        candidates.update(peers(q, k, args.compile))
-        with torch.no_grad():
-            for name, call in candidates.items():
-                seconds, base = paired_seconds(call, copy, device, args.repeats)
-                rows.append(
-                    {
-                        "shape": [batch, heads, length, head_dim],
-                        "candidate": name,
-                        "seconds": seconds,
-                        "copy_seconds": base,
-                        "ratio_to_copy": seconds / base,
-                    }
+            pe = ENCODINGS[name](heads=heads, head_dim=head_dim).to(device)
+            candidates[f"posgen {name}"] = timed_call(pe.rotate, q, k, grads)
+        for name, rotation in peers(q, args.compile).items():
+            if name == "liger_kernel":
+                liger_grads = (
+                    None if grads is None else (liger_layout(grads[0]), liger_layout(grads[1]))
                 )
-                shape = str((batch, heads, length, head_dim))
-                print(f"{shape:>22} {name:>26} {seconds / base:6.2f}x copy", flush=True)
+                candidates[name] = timed_call(
+                    rotation, liger_layout(q), liger_layout(k), liger_grads
+                )
+            else:
+                candidates[name] = timed_call(rotation, q, k, grads)
+        for name, call in candidates.items():
+            shape = str((batch, heads, length, head_dim))
+            try:
+                seconds, base = paired_seconds(call, copy, device, args.repeats)
+            except Exception as error:  # a peer that does not run here is reported, not fatal
+                print(f"{shape:>22} {name:>26} skipped: {type(error).__name__}: {error}")
+                continue
+            rows.append(
+                {
+                    "shape": [batch, heads, length, head_dim],
+                    "candidate": name,
+                    "seconds": seconds,
+                    "copy_seconds": base,
+                    "ratio_to_copy": seconds / base,
+                }
+            )
+            print(f"{shape:>22} {name:>26} {seconds / base:6.2f}x copy", flush=True)
     return {
         "device": torch.cuda.get_device_name(device)
         if device.type == "cuda"
         else f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
         "torch": torch.__version__,
         "dtype": args.dtype,
+        "backward": args.backward,
         "rows": rows,
     }
 
 
 def markdown(report: dict) -> str:
+    if report.get("backward"):
+        what = "forward and backward", "a copy whose backward copies the gradient", "with"
+    else:
+        what = "", "`q.clone(), k.clone()`", "no"
     lines = [
-        f"# Rotating q and k vs a plain copy ({report['device']}, torch {report['torch']}, "
-        f"{report['dtype']})",
+        f"# Rotating q and k {what[0] + ' ' if what[0] else ''}vs a plain copy "
+        f"({report['device']}, torch {report['torch']}, {report['dtype']})",
         "",
-        "Ratio of each candidate's median time to `q.clone(), k.clone()` timed alternately "
-        "in the same run (no autograd). posgen's `rope_partial` rotates a quarter of each head.",
+        f"Ratio of each candidate's median time to {what[1]}, timed alternately in the same "
+        f"run ({what[2]} autograd). posgen's `rope_partial` rotates a quarter of each head.",
         "",
         "| shape [B, H, N, D] | candidate | ratio to copy |",
         "|---|---|---|",
@@ -143,11 +239,14 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--compile", action="store_true", help="also time HF under torch.compile")
+    parser.add_argument(
+        "--backward", action="store_true", help="time forward and backward (input gradients)"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args()
     report = run(args)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"rotary_{args.device.split(':')[0]}_{args.dtype}"
+    stem = f"rotary_{args.device.split(':')[0]}_{args.dtype}{'_backward' if args.backward else ''}"
     (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
     (args.out / f"{stem}.md").write_text(markdown(report))
     print(markdown(report))

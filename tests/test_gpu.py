@@ -1,4 +1,5 @@
-"""CUDA checks (skipped without a GPU): device moves, cache rebuilds, bf16 at long range."""
+"""CUDA checks (skipped without a GPU): device moves, cache rebuilds, bf16 at long range,
+the compiled flex kernel and the fused Triton rotation."""
 
 from __future__ import annotations
 
@@ -168,3 +169,51 @@ def test_auto_picks_the_measured_backend_on_cuda(name: str, expected: str) -> No
     pe = generated_class(name)(heads=4, head_dim=64).to(CUDA)
     q = torch.randn(1, 4, 16, 64, device=CUDA)
     assert pe._auto_backend(q) == expected
+
+    half = pe(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=True, backend="flex")
+    torch.testing.assert_close(
+        half.float(), pe(q, k, v, causal=True, backend="eager"), atol=5e-2, rtol=5e-2
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "name", ["rope", "rope_gptj", "rope_partial", "rope_xpos", "rope_mrope", "rope_p"]
+)
+def test_fused_rotation_on_cuda_matches_the_cpu_formula(name: str, dtype: torch.dtype) -> None:
+    """rotate() on CUDA (the fused Triton kernel, forward and backward) against the CPU
+    eager formula on the same values: default and batched explicit positions, q as a
+    transposed [B, N, H, D] view."""
+    runtime = pytest.importorskip("generated._attention")
+    pytest.importorskip("triton", reason="the fused rotation needs triton")
+    head_dim = head_dim_for(name, 64)
+    pe = generated_class(name)(heads=4, head_dim=head_dim)
+    q = torch.randn(2, 48, 4, head_dim).to(dtype).transpose(1, 2)  # [B, H, N, D] view
+    k = torch.randn(2, 4, 64, head_dim).to(dtype)
+    grads = torch.randn(2, 4, 48, head_dim).to(dtype), torch.randn(2, 4, 64, head_dim).to(dtype)
+    explicit = torch.stack((torch.arange(64) * 3, torch.arange(64) + 1000))  # [2, 64]
+    launches: list[bool] = []
+    launch = runtime._launch_rotation
+
+    def counted(*args: object, **kwargs: object) -> torch.Tensor:
+        launches.append(True)
+        return launch(*args, **kwargs)  # type: ignore[arg-type]
+
+    for q_positions, k_positions in ((None, None), (explicit[:, 16:], explicit)):
+        results = []
+        for device in ("cpu", "cuda"):
+            x_q = q.to(device).requires_grad_()
+            x_k = k.to(device).requires_grad_()
+            positions = [p if p is None else p.to(device) for p in (q_positions, k_positions)]
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(runtime, "_launch_rotation", counted)
+                q_rot, k_rot = pe.rotate(x_q, x_k, *positions)
+                torch.autograd.backward((q_rot, k_rot), [g.to(device) for g in grads])
+            results.append([t.detach().cpu().float() for t in (q_rot, k_rot, x_q.grad, x_k.grad)])
+        for got, want in zip(results[1], results[0], strict=True):
+            if dtype == torch.float32:
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+            else:  # one bf16 rounding of float32 values that agree to float32 error
+                spacing = 2**-7 * want.abs() + 1e-6
+                assert bool(((got - want).abs() <= spacing).all())
+    assert len(launches) == 8  # CUDA only: q and k, forward and backward, twice

@@ -58,13 +58,19 @@ def test_standalone_file_matches_the_packaged_module(name: str, tmp_path: Path) 
 
 
 def test_standalone_imports_only_torch_and_the_standard_library(tmp_path: Path) -> None:
+    """At module level; the optional triton is imported only inside the fused rotation."""
     source = _write_standalone("deberta", tmp_path).read_text("utf-8")
-    for node in ast.walk(ast.parse(source)):
+    tree = ast.parse(source)
+    top_level = set(tree.body)
+    for node in ast.walk(tree):
+        optional = set() if node in top_level else {"triton"}
         if isinstance(node, ast.ImportFrom):
             assert node.level == 0, "a standalone file has no sibling runtime"
-            assert (node.module or "").split(".")[0] in ("__future__", "typing", "torch")
+            root = (node.module or "").split(".")[0]
+            assert root in {"__future__", "typing", "torch"} | optional
         elif isinstance(node, ast.Import):
-            assert {alias.name.split(".")[0] for alias in node.names} <= {"math", "torch"}
+            roots = {alias.name.split(".")[0] for alias in node.names}
+            assert roots <= {"math", "torch"} | optional
     assert "class PositionalAttention(nn.Module):" in source
 
 

@@ -5,9 +5,9 @@ behind posgen's header), one module per spec (importing the runtime), and the
 registry. ``render_standalone`` inlines the runtime into one module instead.
 
 The gate parses and compiles every rendered file and allows only imports of torch, the
-standard-library ``math`` and ``typing``, ``__future__`` and (in a package) the sibling
-runtime, so a template bug cannot ship a module that fails to import or reaches for
-anything else.
+standard-library ``math`` and ``typing``, ``__future__``, (in a package) the sibling
+runtime and, lazily inside the runtime's optional fused rotary kernel, ``triton``, so a
+template bug cannot ship a module that fails to import or reaches for anything else.
 """
 
 from __future__ import annotations
@@ -30,6 +30,9 @@ ALLOWED_IMPORTS = {
     "torch.nn",
     "torch.nn.functional",
     "torch.nn.attention.flex_attention",
+    # optional, imported lazily inside the runtime's fused rotary kernel
+    "triton",
+    "triton.language",
 }
 RUNTIME_FILE = "_attention.py"
 RUNTIME_SOURCE = "runtime.py"
