@@ -197,8 +197,9 @@ def test_fused_rotation_on_cuda_matches_the_cpu_formula(name: str, dtype: torch.
     for q_positions, k_positions in ((None, None), (explicit[:, 16:], explicit)):
         results = []
         for device in ("cpu", "cuda"):
-            x_q = q.to(device).requires_grad_()
-            x_k = k.to(device).requires_grad_()
+            # fresh leaves per run (q.to("cpu") is q itself: its .grad would accumulate)
+            x_q = q.detach().to(device, copy=True).requires_grad_()
+            x_k = k.detach().to(device, copy=True).requires_grad_()
             positions = [p if p is None else p.to(device) for p in (q_positions, k_positions)]
             with pytest.MonkeyPatch.context() as patch:
                 patch.setattr(runtime, "_launch_rotation", counted)
