@@ -32,7 +32,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._attention import PositionalAttention, compute_dtype, fused_rotation, fused_rotation_enabled
+from ._attention import (
+    PositionalAttention,
+    autocast_off,
+    compute_dtype,
+    fused_rotation,
+    fused_rotation_enabled,
+)
 
 __all__ = ["RopeMrope"]
 
@@ -213,7 +219,7 @@ class RopeMrope(PositionalAttention):
         """
         if fused_rotation_enabled(x, cos, sin):
             return fused_rotation(x, cos, sin, self.rotary_dim, True)
-        with torch.autocast(device_type=x.device.type, enabled=False):
+        with autocast_off(x.device.type):
             needs_grad = torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad)
             if not needs_grad and not torch.compiler.is_compiling():
                 return self._rotate_into(x, cos, sin).to(x.dtype)

@@ -27,6 +27,7 @@ class Importable:
 
 
 FIXED = (
+    Importable("contextlib", 0, "contextlib", from_import=False),
     Importable("math", 0, "math", from_import=False),
     Importable("Any", 0, "typing"),
     Importable("Literal", 0, "typing"),
