@@ -1254,8 +1254,8 @@ class PositionalAttention(nn.Module):
                 (F.scaled_dot_product_attention with a materialised bias), "flex"
                 (FlexAttention: the position terms as a score_mod, masks as a block
                 mask; compiled on CUDA, or where ``flex_compile`` is True) or "auto"
-                (flex on CUDA for a bias or relative terms in the logits, eager for a
-                value-side term, else sdpa: see ``_auto_backend``).
+                (the fastest measured: flex on CUDA for most biases and relative
+                terms, eager for a value-side term, else sdpa; see ``_auto_backend``).
             layout: "bhnd" (the shapes above) or "bnhd" ([batch, seq, heads, dim], as
                 Hugging Face projections produce before their transpose); the output
                 has the same layout.
@@ -1300,7 +1300,8 @@ class PositionalAttention(nn.Module):
         attn_mask = check_attn_mask(attn_mask, q, m)
         self._check_value_width(v)
         if backend == "auto":
-            backend = self._auto_backend(q)
+            default = q_positions is None and k_positions is None and attn_mask is None
+            backend = self._auto_backend(q, k.shape[2], default)
         args = (q, k, v, q_positions, k_positions, causal, attn_mask, rotated)
         if backend == "flex":
             return self._flex_attention(*args)
@@ -1308,13 +1309,21 @@ class PositionalAttention(nn.Module):
             return self._eager_attention(*args)
         return self._sdpa_attention(*args)
 
-    def _auto_backend(self, q: Tensor) -> str:
-        """The backend "auto" runs, from benchmarks/results (H100, bf16, N = 2048-8192):
+    def _auto_backend(self, q: Tensor, m: int = 0, by_distance_view: bool = False) -> str:
+        """The backend "auto" runs, from benchmarks/results (H100, bf16, batch 2, 16
+        heads, head_dim 64, N = 2048 and 8192; ratios to FlashAttention):
 
         - a value-side term needs the attention weights, which SDPA and FlexAttention do
           not return: "eager" (one softmax instead of two);
-        - on CUDA, a position bias or relative terms that stay in the logits: "flex"
-          (no [H, N, M] tensor; faster than "sdpa" with its materialised mask);
+        - on CUDA, a bias of j - i alone that sdpa reads as a strided view of its
+          per-distance vector (``by_distance_view``: default positions, no attn_mask),
+          N * M <= 2048^2, and no gradient into the bias's parameters: "sdpa" (forward
+          3.5-5.8x against flex's 3.9-6.8x; an ALiBi training step 1.9-2.2x against
+          2.7-2.9x);
+        - on CUDA, any other position bias or relative terms that stay in the logits:
+          "flex" (at N = 8192 ALiBi 2.0-2.1x forward against sdpa's 3.2-5.5x; a T5
+          training step 6.2-6.6x against 11-18x, 0.13 GB against 10 GB; the relative
+          family 11-16x against 15-32x at N = 2048);
         - otherwise (no position term in the logits, a bias folded into q and k, or the
           CPU, where FlexAttention is not fused): "sdpa" (FlashAttention where it can).
         """
@@ -1323,9 +1332,13 @@ class PositionalAttention(nn.Module):
         folded = self.folds_position_bias and self.fold_bias is not False
         in_logits = self.has_relative_terms or (self.has_position_bias and not folded)
         flex_width = q.shape[-1] >= 16 and q.shape[-1] & (q.shape[-1] - 1) == 0
-        if in_logits and q.is_cuda and flex_width:
-            return "flex"
-        return "sdpa"
+        if not (in_logits and q.is_cuda and flex_width):
+            return "sdpa"
+        trained = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
+        view = by_distance_view and self.bias_by_distance and not self.has_relative_terms
+        if view and q.shape[2] * m <= 2048 * 2048 and not trained:
+            return "sdpa"
+        return "flex"
 
     def _eager_attention(
         self,

@@ -171,6 +171,21 @@ def test_auto_picks_the_measured_backend_on_cuda(name: str, expected: str) -> No
     assert pe._auto_backend(q) == expected
 
 
+def test_auto_keeps_the_strided_sdpa_view_for_short_inference_only() -> None:
+    """A bias of j - i alone read as sdpa's strided view: sdpa up to N * M = 2048^2
+    without gradients into the bias, flex past it or when a table is trained."""
+    alibi = generated_class("alibi")(heads=4, head_dim=64).to(CUDA)
+    t5 = generated_class("t5")(heads=4, head_dim=64).to(CUDA)
+    short = torch.randn(1, 4, 2048, 64, device=CUDA)
+    long = torch.randn(1, 4, 8192, 64, device=CUDA)
+    assert alibi._auto_backend(short, 2048, True) == "sdpa"  # fixed slopes, no training
+    assert alibi._auto_backend(short, 2048, False) == "flex"  # explicit positions or a mask
+    assert alibi._auto_backend(long, 8192, True) == "flex"
+    assert t5._auto_backend(short, 2048, True) == "flex"  # the table is trained
+    with torch.no_grad():
+        assert t5._auto_backend(short, 2048, True) == "sdpa"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize(
     "name", ["rope", "rope_gptj", "rope_partial", "rope_xpos", "rope_mrope", "rope_p"]
