@@ -1383,9 +1383,10 @@ class PositionalAttention(nn.Module):
                 cache of rotated keys): only q is rotated here. No effect without a
                 rotary part.
             window: sliding-window attention by position, a positive int: query i
-                attends key j only where |q_pos_i - k_pos_j| < window; with ``causal``
-                that is q_pos_i - window < k_pos_j <= q_pos_i (Mistral's, Longformer's
-                causal window: window 1 keeps the key at the query's own position).
+                attends key j only where |q_pos_i - k_pos_j| < window (a symmetric band,
+                Longformer-style local attention); with ``causal`` that is
+                q_pos_i - window < k_pos_j <= q_pos_i (Mistral's sliding window: window
+                1 keeps only the key at the query's own position).
             document_ids: packed sequences, integer [M] or [batch, M]: each key's
                 document. The queries are the last N keys (as with a KV cache; N > M
                 raises ValueError), so query i's document is document_ids[..., M - N + i]

@@ -332,3 +332,18 @@ def test_documents_need_the_queries_among_the_keys() -> None:
     q, k, v = (t.detach() for t in _inputs(pe, n=M, m=N))
     with pytest.raises(ValueError, match="document_ids"):
         pe(q, k, v, q_positions=torch.arange(M), document_ids=torch.zeros(N, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("name", ["alibi", "rope", "deberta"])
+def test_masks_trace_whole_under_fullgraph_compile(name: str) -> None:
+    """torch.compile(fullgraph=True) (dynamo only, as tests/test_compile.py) traces the
+    window and document masks on eager and sdpa: no graph break, no host sync."""
+    torch._dynamo.reset()
+    pe = _make(name)
+    q, k, v = (t.detach() for t in _inputs(pe, batch=1))
+    compiled = torch.compile(pe, fullgraph=True, backend="eager")
+    for backend in ("eager", "sdpa"):
+        for masks in ({"window": 2}, {"window": 3, "document_ids": SHARED_DOCUMENTS}):
+            want = pe(q, k, v, causal=True, backend=backend, **masks)
+            got = compiled(q, k, v, causal=True, backend=backend, **masks)
+            torch.testing.assert_close(got, want)
