@@ -435,7 +435,7 @@ def attention_allowed(
         k_pos = positions_or_default(k_positions, 0, m, device)
         distance = q_pos.unsqueeze(-1) - k_pos.unsqueeze(-2)  # [..., n, m] query - key
         if causal:
-            allowed = distance >= 0
+            allowed = distance >= 0  # the key at or before the query
         if window is not None:
             near = distance < window if causal else distance.abs() < window
             allowed = near if allowed is None else allowed & near
