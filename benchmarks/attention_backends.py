@@ -9,6 +9,11 @@ alternately in the same loop. Also times compiled FlexAttention with no ``score_
 Hugging Face's T5 bias path (``T5Attention.compute_bias`` plus its attention
 arithmetic). Reports ratios to the baseline and peak extra memory (CUDA).
 
+``--window W`` adds a sliding window (query - W < key <= query when causal, |query - key|
+< W otherwise) to every candidate (``forward(..., window=W)``; plain flex with the same
+block mask); the baseline is then SDPA with the equivalent boolean [N, N] mask, built
+once outside the timing.
+
     python benchmarks/attention_backends.py --device cuda --dtype bfloat16 \
         --backends sdpa flex --lengths 2048 8192 --modes forward train --causal both
     python benchmarks/attention_backends.py --device cpu --lengths 512 2048
@@ -120,24 +125,44 @@ def as_step(attend: Callable[[], torch.Tensor], inputs: list[torch.Tensor], mode
     return train
 
 
+def window_allowed(n: int, causal: bool, window: int | None, device: torch.device) -> torch.Tensor:
+    """bool [n, n], True where query i may attend key j at default positions: j <= i when
+    causal, |i - j| < window when a window is given."""
+    distance = torch.arange(n, device=device)[:, None] - torch.arange(n, device=device)
+    allowed = torch.ones(n, n, dtype=torch.bool, device=device)
+    if causal:
+        allowed &= distance >= 0
+    if window is not None:
+        allowed &= distance.abs() < window
+    return allowed
+
+
 def plain_flex(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window: int | None
 ) -> Callable[[], torch.Tensor]:
-    """Compiled FlexAttention with no score_mod (and a causal block mask)."""
+    """Compiled FlexAttention with no score_mod (and a causal and/or window block mask)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     compiled = torch.compile(flex_attention, dynamic=False)
     n = q.shape[2]
     mask = None
-    if causal:
-        mask = create_block_mask(
-            lambda b, h, qi, ki: qi >= ki, None, None, n, n, device=str(q.device)
-        )
+    if causal or window is not None:
+
+        def mask_mod(
+            b: torch.Tensor, h: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor
+        ) -> torch.Tensor:
+            distance = qi - ki
+            if window is None:
+                return distance >= 0  # causal alone
+            near = (distance < window) & (distance > -window)
+            return near & (distance >= 0) if causal else near
+
+        mask = create_block_mask(mask_mod, None, None, n, n, device=str(q.device))
     return lambda: compiled(q, k, v, block_mask=mask)
 
 
 def hf_t5_bias_path(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window: int | None
 ) -> tuple[Callable[[], torch.Tensor], list[torch.Tensor]] | None:
     """Hugging Face's T5 attention arithmetic: ``compute_bias`` (an embedding lookup of
     [N, M] buckets), q kᵀ + bias (+ a causal mask), softmax in float32, times v."""
@@ -152,8 +177,11 @@ def hf_t5_bias_path(
     layer = layer.to(q.device, q.dtype)
     n = q.shape[2]
     mask = None
-    if causal:
-        mask = torch.full((n, n), float("-inf"), device=q.device, dtype=q.dtype).triu(1)
+    if causal or window is not None:
+        allowed = window_allowed(n, causal, window, q.device)
+        mask = torch.zeros((n, n), device=q.device, dtype=q.dtype).masked_fill(
+            ~allowed, float("-inf")
+        )
 
     def attend() -> torch.Tensor:
         bias = layer.compute_bias(n, n, device=q.device)  # [1, H, N, M]
@@ -174,7 +202,8 @@ def candidates(
     device = q.device
     length = q.shape[2]
     if device.type == "cuda" and "flex" in args.backends:
-        found.append(("(no encoding)", "flex, no bias", plain_flex(q, k, v, causal), []))
+        no_bias = plain_flex(q, k, v, causal, args.window)
+        found.append(("(no encoding)", "flex, no bias", no_bias, []))
     for name in args.encodings:
         pe = ENCODINGS[name](heads=args.heads, head_dim=args.head_dim).to(device)
         limit = getattr(pe, "max_positions", None)
@@ -193,11 +222,11 @@ def candidates(
 
                 def attend(pe=pe, backend=backend, options=options) -> torch.Tensor:
                     if options is None:
-                        return pe(q, k, v, causal=causal, backend=backend)
+                        return pe(q, k, v, causal=causal, backend=backend, window=args.window)
                     chosen = runtime.flex_kernel_options
                     runtime.flex_kernel_options = lambda q, captured: options or None
                     try:
-                        return pe(q, k, v, causal=causal, backend=backend)
+                        return pe(q, k, v, causal=causal, backend=backend, window=args.window)
                     finally:
                         runtime.flex_kernel_options = chosen
 
@@ -208,12 +237,12 @@ def candidates(
             by_vector._flex_bias = lambda *_: None  # read the [H, N + M - 1] vector
 
             def attend_vector(pe=by_vector) -> torch.Tensor:
-                return pe(q, k, v, causal=causal, backend="flex")
+                return pe(q, k, v, causal=causal, backend="flex", window=args.window)
 
             params_vector = [p for p in by_vector.parameters() if p.requires_grad]
             found.append((name, "flex, distance vector", attend_vector, params_vector))
         if name == "t5" and args.hf:
-            hf = hf_t5_bias_path(q, k, v, causal)
+            hf = hf_t5_bias_path(q, k, v, causal, args.window)
             if hf is not None:
                 found.append(("t5", "hf T5Attention path", hf[0], hf[1]))
     return found
@@ -232,7 +261,13 @@ def run(args: argparse.Namespace) -> dict:
                     for _ in range(3)
                 )
 
-                def baseline_attend(q=q, k=k, v=v, causal=causal) -> torch.Tensor:
+                allowed = None  # the window's boolean mask, built once
+                if args.window is not None:
+                    allowed = window_allowed(length, causal, args.window, device)
+
+                def baseline_attend(q=q, k=k, v=v, causal=causal, allowed=allowed) -> torch.Tensor:
+                    if allowed is not None:
+                        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
                     return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
                 baseline = as_step(baseline_attend, [q, k, v], mode)
@@ -274,6 +309,7 @@ def run(args: argparse.Namespace) -> dict:
         "batch": args.batch,
         "heads": args.heads,
         "head_dim": args.head_dim,
+        "window": args.window,
         "rows": rows,
     }
 
@@ -288,13 +324,17 @@ def markdown(report: dict) -> str:
     lines = [
         f"# Attention backends vs plain SDPA ({report['device']}, torch {report['torch']}, "
         f"{report['dtype']}, batch {report['batch']}, heads {report['heads']}, "
-        f"head_dim {report['head_dim']})",
+        f"head_dim {report['head_dim']}"
+        + (f", window {report['window']}" if report.get("window") is not None else "")
+        + ")",
         "",
         "Ratio: the candidate's median time over plain "
         "`F.scaled_dot_product_attention(q, k, v, is_causal=causal)` with no position "
         "encoding (FlashAttention on CUDA in half precision), the two timed alternately "
         "in the same loop. `train` is forward plus backward into q, k, v and the "
-        "module's parameters. Extra memory: peak allocation beyond the inputs (CUDA).",
+        "module's parameters. Extra memory: peak allocation beyond the inputs (CUDA). "
+        "With a window every candidate gets it, and the baseline is SDPA with the "
+        "equivalent boolean mask.",
         "",
         "| encoding | backend | N | causal | mode | ms | ratio | extra MiB | baseline MiB |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -338,6 +378,12 @@ def main() -> None:
         default=[],
         help='flex kernel options to compare, as JSON ("{}" = FlexAttention defaults)',
     )
+    parser.add_argument(
+        "--window",
+        type=int,
+        default=None,
+        help="sliding window W for every candidate (the baseline: SDPA with a bool mask)",
+    )
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--head-dim", type=int, default=64)
@@ -352,7 +398,8 @@ def main() -> None:
     torch._dynamo.config.recompile_limit = runtime.FLEX_RECOMPILE_LIMIT
     report = run(args)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"attention_backends_{args.device.split(':')[0]}_{args.dtype}{args.tag}"
+    window = "" if args.window is None else f"_window{args.window}"
+    stem = f"attention_backends_{args.device.split(':')[0]}_{args.dtype}{window}{args.tag}"
     (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
     (args.out / f"{stem}.md").write_text(markdown(report))
     print(markdown(report))

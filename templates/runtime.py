@@ -368,6 +368,147 @@ def causal_allowed(
     return allowed.unsqueeze(1) if allowed.dim() == 3 else allowed
 
 
+def check_window(window: int | None) -> int | None:
+    """A sliding window: None, or a positive int (ValueError naming ``window``).
+
+    Windows past every distance positions can have (2^53) are clipped to 2^53, which
+    keeps them comparable with int64 distances and changes nothing.
+    """
+    if window is None:
+        return None
+    return min(positive_int(window, "window"), MAX_POSITION + 1)
+
+
+def check_document_ids(
+    document_ids: Tensor | None, n: int, m: int, batch: int, device: torch.device
+) -> Tensor | None:
+    """Validate the keys' document ids: integers [M] or [batch or 1, M] on ``device``.
+
+    Packed sequences: key j belongs to document document_ids[..., j], and query i to
+    document_ids[..., M - N + i] (the queries are the last N keys, as with a KV cache),
+    so N > M raises ValueError. Returns int64 [M] or [batch or 1, M].
+    """
+    if document_ids is None:
+        return None
+    name = "document_ids"
+    if not isinstance(document_ids, Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(document_ids).__name__}")
+    if (
+        document_ids.is_floating_point()
+        or document_ids.is_complex()
+        or document_ids.dtype == torch.bool
+    ):
+        raise ValueError(f"{name} must hold integer document ids (int64), got {document_ids.dtype}")
+    if document_ids.dim() not in (1, 2) or document_ids.shape[-1] != m:
+        raise ValueError(
+            f"{name} must have shape [{m}] or [batch, {m}] (one id per key), got "
+            f"{list(document_ids.shape)}"
+        )
+    if document_ids.dim() == 2 and document_ids.shape[0] not in (1, batch):
+        raise ValueError(f"{name} has batch {document_ids.shape[0]}, inputs have batch {batch}")
+    if document_ids.device != torch.device(device):
+        raise ValueError(
+            f"{name} is on {document_ids.device}, the inputs on {device}: create it on the "
+            "inputs' device"
+        )
+    if n > m:
+        raise ValueError(
+            f"{name} gives the keys' documents and the queries are the last N keys, so "
+            f"{n} queries need at least as many keys, got {m}"
+        )
+    return document_ids.to(dtype=torch.int64)
+
+
+def attention_allowed(
+    q_positions: Tensor | None,
+    k_positions: Tensor | None,
+    n: int,
+    m: int,
+    device: torch.device,
+    causal: bool,
+    window: int | None = None,
+    document_ids: Tensor | None = None,
+) -> Tensor | None:
+    """True where query i may attend key j: [n, m] or [batch, 1, n, m]; None when nothing
+    masks.
+
+    With d = query position - key position (positions as ``causal_allowed`` reads them):
+    ``causal`` needs d >= 0, ``window`` needs |d| < window (with causal:
+    0 <= d < window), and ``document_ids`` (keys' documents, [M] or [batch, M]) needs
+    document_ids[..., M - N + i] == document_ids[..., j].
+    """
+    if not causal and window is None and document_ids is None:
+        return None
+    allowed: Tensor | None = None
+    if causal or window is not None:
+        q_pos = positions_or_default(q_positions, m - n, n, device)
+        k_pos = positions_or_default(k_positions, 0, m, device)
+        distance = q_pos.unsqueeze(-1) - k_pos.unsqueeze(-2)  # [..., n, m] query - key
+        if causal:
+            allowed = distance >= 0  # the key at or before the query
+        if window is not None:
+            near = distance < window if causal else distance.abs() < window
+            allowed = near if allowed is None else allowed & near
+    if document_ids is not None:
+        same = document_ids[..., m - n :].unsqueeze(-1) == document_ids.unsqueeze(-2)
+        allowed = same if allowed is None else allowed & same  # [..., n, m]
+    assert allowed is not None
+    return allowed.unsqueeze(1) if allowed.dim() == 3 else allowed
+
+
+def distance_allowed(
+    n: int, m: int, device: torch.device, causal: bool, window: int | None
+) -> Tensor | None:
+    """``attention_allowed`` per diagonal for default positions: bool [n + m - 1] (entry t
+    at key minus query position r = t - (M - 1), see ``default_distances``), or None."""
+    if not causal and window is None:
+        return None
+    r = default_distances(n, m, device)  # key - query
+    allowed = r <= 0 if causal else None
+    if window is not None:
+        near = r > -window if causal else r.abs() < window
+        allowed = near if allowed is None else allowed & near
+    return allowed
+
+
+def flex_mask_mod(
+    q_rows: Tensor | None,
+    k_rows: Tensor | None,
+    offset: int,
+    causal: bool,
+    window: int | None,
+    documents: Tensor | None,
+) -> Any:
+    """A FlexAttention mask_mod(b, h, qi, ki) -> bool: ``attention_allowed`` per element.
+
+    q_rows [B, N] and k_rows [B, M]: explicit positions (None for default positions:
+    query qi is at qi + offset, key ki at ki, offset = M - N); documents [B, M]: the
+    keys' document ids, query qi reading entry qi + M - N (so offset = M - N always).
+    Rows have the inputs' batch B (expanded views) so that any batch index reads them.
+    """
+
+    def mask_mod(b: Tensor, h: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
+        allowed: Tensor | None = None
+        if causal or window is not None:
+            if q_rows is None or k_rows is None:
+                distance = qi + offset - ki  # query minus key position
+            else:
+                distance = q_rows[b, qi] - k_rows[b, ki]
+            if causal:
+                allowed = distance >= 0
+            if window is not None:
+                near = distance < window
+                near = near if causal else near & (distance > -window)
+                allowed = near if allowed is None else allowed & near
+        if documents is not None:
+            same = documents[b, qi + offset] == documents[b, ki]
+            allowed = same if allowed is None else allowed & same
+        assert allowed is not None  # the caller passes something to mask
+        return allowed
+
+    return mask_mod
+
+
 def relative_positions(
     q_positions: Tensor | None, k_positions: Tensor | None, n: int, m: int, device: torch.device
 ) -> Tensor:
@@ -1235,6 +1376,8 @@ class PositionalAttention(nn.Module):
         backend: str = "auto",
         layout: str = "bhnd",
         keys_rotated: bool = False,
+        window: int | None = None,
+        document_ids: Tensor | None = None,
     ) -> Tensor:
         """Attention with this encoding: softmax(logits + masks) @ v.
 
@@ -1262,15 +1405,40 @@ class PositionalAttention(nn.Module):
             keys_rotated: k was rotated already by ``rotate_keys`` at k_positions (a
                 cache of rotated keys): only q is rotated here. No effect without a
                 rotary part.
+            window: sliding-window attention by position, a positive int: query i
+                attends key j only where |q_pos_i - k_pos_j| < window (a symmetric band,
+                Longformer-style local attention); with ``causal`` that is
+                q_pos_i - window < k_pos_j <= q_pos_i (Mistral's sliding window: window
+                1 keeps only the key at the query's own position).
+            document_ids: packed sequences, integer [M] or [batch, M]: each key's
+                document. The queries are the last N keys (as with a KV cache; N > M
+                raises ValueError), so query i's document is document_ids[..., M - N + i]
+                and it attends only keys of that document. Positions are not changed:
+                pass k_positions restarting at each document where the encoding should
+                see them restart.
+
+            causal, window, document_ids and attn_mask combine (a key must pass all of
+            them). On "flex" the first three become one block mask, so FlexAttention
+            skips the blocks outside the window or the document.
 
         Returns:
             [batch, heads, N, value_dim] in the dtype of v. A query row whose every key
-            is masked (by ``causal`` or ``attn_mask``) is all zeros on every backend, as
-            F.scaled_dot_product_attention gives.
+            is masked (by ``causal``, ``window``, ``document_ids`` or ``attn_mask``) is
+            all zeros on every backend, as F.scaled_dot_product_attention gives.
         """
         q, k, v = to_bhnd(layout, q, k, v)
         out = self._attend(
-            q, k, v, q_positions, k_positions, causal, attn_mask, backend, keys_rotated
+            q,
+            k,
+            v,
+            q_positions,
+            k_positions,
+            causal,
+            attn_mask,
+            backend,
+            keys_rotated,
+            window=window,
+            document_ids=document_ids,
         )
         return out.transpose(1, 2) if layout == "bnhd" else out
 
@@ -1285,10 +1453,13 @@ class PositionalAttention(nn.Module):
         attn_mask: Tensor | None,
         backend: str,
         keys_rotated: bool,
+        window: int | None = None,
+        document_ids: Tensor | None = None,
     ) -> Tensor:
         check_attention_inputs(q, k, v, self._expected_heads(), self.head_dim)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        window = check_window(window)
         q, k, q_positions, k_positions, rotated = self._positions_and_axes(
             q, k, q_positions, k_positions, "keys" if keys_rotated else "none"
         )
@@ -1298,16 +1469,19 @@ class PositionalAttention(nn.Module):
             if sampled is not None:
                 k_positions, q_positions = sampled, sampled[m - n :]
         attn_mask = check_attn_mask(attn_mask, q, m)
+        document_ids = check_document_ids(document_ids, n, m, q.shape[0], q.device)
+        if window is not None and window >= m and q_positions is None and k_positions is None:
+            window = None  # default positions: every |query - key| < M (N <= M)
         self._check_value_width(v)
         if backend == "auto":
             default = q_positions is None and k_positions is None and attn_mask is None
             backend = self._auto_backend(q, k.shape[2], default)
         args = (q, k, v, q_positions, k_positions, causal, attn_mask, rotated)
         if backend == "flex":
-            return self._flex_attention(*args)
+            return self._flex_attention(*args, window=window, document_ids=document_ids)
         if backend == "eager":
-            return self._eager_attention(*args)
-        return self._sdpa_attention(*args)
+            return self._eager_attention(*args, window=window, document_ids=document_ids)
+        return self._sdpa_attention(*args, window=window, document_ids=document_ids)
 
     def _auto_backend(self, q: Tensor, m: int = 0, by_distance_view: bool = False) -> str:
         """The backend "auto" runs, from benchmarks/results (H100, bf16, batch 2, 16
@@ -1350,6 +1524,8 @@ class PositionalAttention(nn.Module):
         causal: bool,
         attn_mask: Tensor | None,
         rotated: Rotated = "none",
+        window: int | None = None,
+        document_ids: Tensor | None = None,
     ) -> Tensor:
         """The literal decomposition in float32 (float64 for float64 inputs): the oracle."""
         n, m = q.shape[2], k.shape[2]
@@ -1358,7 +1534,9 @@ class PositionalAttention(nn.Module):
             logits = terms.pop("content_content")
             for term in terms.values():
                 logits = logits + term  # [B, H, N, M]
-            allowed = causal_allowed(q_positions, k_positions, n, m, q.device) if causal else None
+            allowed = attention_allowed(
+                q_positions, k_positions, n, m, q.device, causal, window, document_ids
+            )  # [N, M] or [B, 1, N, M], or None
             weights = masked_softmax(apply_masks(logits, allowed, attn_mask))
             v = repeat_kv(v, q.shape[1] // v.shape[1])  # [B, H, M, value_dim]
             out = torch.matmul(weights, v.to(weights.dtype))  # [B, H, N, value_dim]
@@ -1376,11 +1554,15 @@ class PositionalAttention(nn.Module):
         causal: bool,
         attn_mask: Tensor | None,
         rotated: Rotated = "none",
+        window: int | None = None,
+        document_ids: Tensor | None = None,
     ) -> Tensor:
         """F.scaled_dot_product_attention with the position terms as an additive mask."""
         q, k = self._rotate_for_attention(q, k, q_positions, k_positions, rotated)
         if self.has_relative_terms:
-            return self._sdpa_relative(q, k, v, q_positions, k_positions, causal, attn_mask)
+            return self._sdpa_relative(
+                q, k, v, q_positions, k_positions, causal, attn_mask, window, document_ids
+            )
         n, m = q.shape[2], k.shape[2]
         has_bias = self.has_position_bias
         fold = self.fold_bias if self.fold_bias is not None else q.device.type == "cuda"
@@ -1390,17 +1572,25 @@ class PositionalAttention(nn.Module):
             has_bias = False  # now inside q' . k'
         gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
         default_positions = q_positions is None and k_positions is None
-        if self.bias_by_distance and default_positions and attn_mask is None:
-            return self._sdpa_by_distance(q, k, v, causal, gqa)
+        # a window folds into the per-distance vector (it depends on j - i alone); the
+        # documents do not, so they take the materialised bias below
+        by_distance = default_positions and attn_mask is None and document_ids is None
+        if self.bias_by_distance and by_distance:
+            return self._sdpa_by_distance(q, k, v, causal, gqa, window)
         if has_bias:
-            mask = self._sdpa_bias(q_positions, k_positions, n, m, q.device, q.dtype, causal)
+            mask = self._sdpa_bias(
+                q_positions, k_positions, n, m, q.device, q.dtype, causal, window, document_ids
+            )
             if attn_mask is not None:
                 mask = apply_masks(mask, None, attn_mask)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, **gqa)
-        if causal and default_positions and n == m and attn_mask is None:
+        only_causal = window is None and document_ids is None and attn_mask is None
+        if causal and default_positions and n == m and only_causal:
             # keys 0..M-1 and queries 0..N-1: SDPA's own causal mask, no mask tensor
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, **gqa)
-        allowed = causal_allowed(q_positions, k_positions, n, m, q.device) if causal else None
+        allowed = attention_allowed(
+            q_positions, k_positions, n, m, q.device, causal, window, document_ids
+        )  # [N, M] or [B, 1, N, M], or None
         mask: Tensor | None = allowed
         if attn_mask is not None:
             if allowed is None:
@@ -1421,8 +1611,11 @@ class PositionalAttention(nn.Module):
         causal: bool,
         attn_mask: Tensor | None,
         rotated: Rotated = "none",
+        window: int | None = None,
+        document_ids: Tensor | None = None,
     ) -> Tensor:
-        """FlexAttention: position terms as a score_mod, causal masking as a block mask.
+        """FlexAttention: position terms as a score_mod; causal, window and document
+        masking as one block mask (``_flex_block_mask``).
 
         A bias of j - i alone at default positions is read from its [H, N + M - 1] vector
         (O(N + M) memory); other position terms are captured as the tensor the sdpa
@@ -1480,11 +1673,9 @@ class PositionalAttention(nn.Module):
             added = mask if added is None else added + mask
         inside = self.scale if self.position_bias_inside_scale else 1.0
         score_mod = flex_score_mod(vec, added, n, bias_fn, inside, relative_fn)
-        block_mask = None
-        if causal:
-            block_mask = self._flex_causal_mask(
-                q_positions, k_positions, q.shape[0], n, m, q.device
-            )
+        block_mask = self._flex_block_mask(
+            q_positions, k_positions, q.shape[0], n, m, q.device, causal, window, document_ids
+        )
         compile_flex = self.flex_compile
         if compile_flex is None:
             compile_flex = q.device.type == "cuda"
@@ -1506,7 +1697,7 @@ class PositionalAttention(nn.Module):
             )
         return out.to(v.dtype)
 
-    def _flex_causal_mask(
+    def _flex_block_mask(
         self,
         q_positions: Tensor | None,
         k_positions: Tensor | None,
@@ -1514,31 +1705,46 @@ class PositionalAttention(nn.Module):
         n: int,
         m: int,
         device: torch.device,
+        causal: bool,
+        window: int | None = None,
+        document_ids: Tensor | None = None,
     ) -> Any:
-        """A block mask of key position <= query position (cached for default positions)."""
+        """The block mask of ``attention_allowed`` (mask_mod: ``flex_mask_mod``), or None
+        when nothing masks.
+
+        FlexAttention skips the blocks the mask_mod rules out entirely, so a window or
+        documents cost only the blocks they keep. At default positions without documents
+        the mask is cached per (N, M, causal, window, device); with explicit positions or
+        documents it is built per call, per batch row where those are batched.
+        """
+        if not causal and window is None and document_ids is None:
+            return None
         from torch.nn.attention.flex_attention import create_block_mask
 
-        if q_positions is None and k_positions is None:
-            key = ("flex_causal", n, m, str(device))
+        offset = m - n
+        if q_positions is None and k_positions is None and document_ids is None:
+            key = ("flex_mask", n, m, causal, window, str(device))
             cached = cache_get(self._cache, key)
             if cached is None:
-                offset = m - n
-
-                def default_causal(b: Tensor, h: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
-                    return ki <= qi + offset
-
-                cached = create_block_mask(default_causal, None, None, n, m, device=device)
+                mask_mod = flex_mask_mod(None, None, offset, causal, window, None)
+                cached = create_block_mask(mask_mod, None, None, n, m, device=device)
                 cached = cache_put(self._cache, key, cached)
             return cached
-        q_pos = positions_or_default(q_positions, m - n, n, device)
-        k_pos = positions_or_default(k_positions, 0, m, device)
-        q_rows = q_pos.view(-1, n).expand(batch, n)  # [B, N]
-        k_rows = k_pos.view(-1, m).expand(batch, m)  # [B, M]
-
-        def positional_causal(b: Tensor, h: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
-            return k_rows[b, ki] <= q_rows[b, qi]
-
-        return create_block_mask(positional_causal, batch, None, n, m, device=device)
+        per_batch = any(
+            t is not None and t.dim() == 2 and t.shape[0] > 1
+            for t in (q_positions, k_positions, document_ids)
+        )
+        q_rows = k_rows = documents = None
+        if causal or window is not None:
+            q_pos = positions_or_default(q_positions, offset, n, device)
+            k_pos = positions_or_default(k_positions, 0, m, device)
+            q_rows = q_pos.view(-1, n).expand(batch, n)  # [B, N]
+            k_rows = k_pos.view(-1, m).expand(batch, m)  # [B, M]
+        if document_ids is not None:
+            documents = document_ids.view(-1, m).expand(batch, m)  # [B, M]
+        mask_mod = flex_mask_mod(q_rows, k_rows, offset, causal, window, documents)
+        mask_batch = batch if per_batch else None
+        return create_block_mask(mask_mod, mask_batch, None, n, m, device=device)
 
     def _sdpa_relative(
         self,
@@ -1549,6 +1755,8 @@ class PositionalAttention(nn.Module):
         k_positions: Tensor | None,
         causal: bool,
         attn_mask: Tensor | None,
+        window: int | None = None,
+        document_ids: Tensor | None = None,
     ) -> Tensor:
         """SDPA with the relative terms (they depend on q and k) materialised as the mask."""
         groups = q.shape[1] // k.shape[1]
@@ -1567,8 +1775,10 @@ class PositionalAttention(nn.Module):
             mask = sum_into_new(parts)  # [B, H, N, M], a fresh tensor
         else:
             mask = torch.zeros((n, m), dtype=dtype, device=q.device)
-        if causal:
-            allowed = causal_allowed(q_positions, k_positions, n, m, q.device)
+        allowed = attention_allowed(
+            q_positions, k_positions, n, m, q.device, causal, window, document_ids
+        )
+        if allowed is not None:
             mask = block_fresh(mask, allowed)
         mask = apply_masks(mask, None, attn_mask)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), scale=self.scale)
@@ -1580,20 +1790,28 @@ class PositionalAttention(nn.Module):
         return out.to(v.dtype)
 
     def _sdpa_by_distance(
-        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, gqa: dict[str, bool]
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        causal: bool,
+        gqa: dict[str, bool],
+        window: int | None = None,
     ) -> Tensor:
         """SDPA with a bias of j - i alone, never an [H, N, M] tensor: O(N + M) memory.
 
-        The bias per distance [H, N + M - 1] (causal masking folded in as -inf on the
-        distances past the query) is viewed as [1, H, N, M] with the queries reversed
-        (``query_reversed_bias``); q goes in reversed and the output comes back in order.
+        The bias per distance [H, N + M - 1] (causal and window masking folded in as -inf
+        on the distances they exclude, ``distance_allowed``) is viewed as [1, H, N, M]
+        with the queries reversed (``query_reversed_bias``); q goes in reversed and the
+        output comes back in order.
         """
         n, m = q.shape[2], k.shape[2]
         vec = self._distance_bias(n, m, q.device)  # [H, N + M - 1]
         if self.position_bias_inside_scale:
             vec = vec * self.scale  # SDPA scales q.k only; this bias sits inside the scale
-        if causal:
-            vec = vec.masked_fill(default_distances(n, m, q.device) > 0, float("-inf"))
+        allowed = distance_allowed(n, m, q.device, causal, window)  # [N + M - 1] or None
+        if allowed is not None:
+            vec = vec.masked_fill(~allowed, float("-inf"))
         vec = half_precision_bias(vec, q.dtype)  # [H, N + M - 1]
         mask = query_reversed_bias(vec, n, m).unsqueeze(0)  # [1, H, N, M] view
         out = F.scaled_dot_product_attention(
@@ -1610,13 +1828,17 @@ class PositionalAttention(nn.Module):
         device: torch.device,
         dtype: torch.dtype,
         causal: bool,
+        window: int | None = None,
+        document_ids: Tensor | None = None,
     ) -> Tensor:
         """Additive mask for SDPA: the (scaled) position bias with -inf where masked."""
         bias = self._position_bias(q_positions, k_positions, n, m, device)
         assert bias is not None  # has_position_bias
         if self.position_bias_inside_scale:
             bias = bias * self.scale  # SDPA scales q.k only; this bias sits inside the scale
-        allowed = causal_allowed(q_positions, k_positions, n, m, device) if causal else None
+        allowed = attention_allowed(
+            q_positions, k_positions, n, m, device, causal, window, document_ids
+        )
         mask = half_precision_bias(apply_masks(bias, allowed, None), dtype)
         # SDPA's CPU kernels take a 4-D mask directly; a 3-D one is ~3x slower (measured)
         return mask.unsqueeze(0) if mask.dim() == 3 else mask  # [1 or B, H, N, M]

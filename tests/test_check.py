@@ -799,13 +799,13 @@ def test_mutation_rope_ignoring_its_base_is_caught(monkeypatch) -> None:
 def test_mutation_inverted_causal_mask_is_caught(monkeypatch) -> None:
     """B2: eager and sdpa share the inverted mask; the checker's own mask does not.
 
-    Shaw's relative terms go through the shared causal mask on both backends (ALiBi's
-    sdpa path folds causality into its per-distance bias instead)."""
+    Shaw's relative terms go through the shared mask (``attention_allowed``) on both
+    backends (ALiBi's sdpa path folds causality into its per-distance bias instead)."""
     probe = _mutated_probe(
         monkeypatch,
         "shaw",
-        "allowed = k_pos.unsqueeze(-2) <= q_pos.unsqueeze(-1)",
-        "allowed = k_pos.unsqueeze(-2) >= q_pos.unsqueeze(-1)",
+        "allowed = distance >= 0  # the key at or before the query",
+        "allowed = distance <= 0  # the key at or before the query",
     )
     outcome = _run_block(probe, agreement.backends)
     assert outcome.verdict == "FAILS" and "causal=True differs" in outcome.evidence
