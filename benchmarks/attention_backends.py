@@ -224,7 +224,7 @@ def candidates(
                     if options is None:
                         return pe(q, k, v, causal=causal, backend=backend, window=args.window)
                     chosen = runtime.flex_kernel_options
-                    runtime.flex_kernel_options = lambda q, captured: options or None
+                    runtime.flex_kernel_options = lambda q, has_score_mod: options or None
                     try:
                         return pe(q, k, v, causal=causal, backend=backend, window=args.window)
                     finally:

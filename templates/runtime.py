@@ -592,6 +592,7 @@ def flex_score_mod(
     """
     if vec is None and added is None and bias_fn is None and relative_fn is None:
         return None
+    per_batch = per_head = False  # bound either way: dynamo reads every closure cell
     if added is not None:
         added = (
             added if added.dim() == 4 else added.view(1, *([1] * (3 - added.dim())), *added.shape)
@@ -613,7 +614,8 @@ def flex_score_mod(
 
 
 def flex_captured(score_mod: Any) -> list[Tensor]:
-    """The tensors a score_mod closes over (their gradients decide the CPU path)."""
+    """The tensors a score_mod closes over (for inspection and tests; the forward never
+    calls it: TorchDynamo cannot read a traced function's closure)."""
     found = []
     for cell in getattr(score_mod, "__closure__", None) or ():
         try:
@@ -669,13 +671,15 @@ _COMPILED_FLEX: dict[str, Any] = {}
 FLEX_RECOMPILE_LIMIT = 256
 
 
-def flex_kernel_options(q: Tensor, captured: list[Tensor]) -> dict[str, Any] | None:
+def flex_kernel_options(q: Tensor, has_score_mod: bool) -> dict[str, Any] | None:
     """Triton options for the compiled flex kernel (None: FlexAttention's defaults).
 
-    On CUDA a score_mod that reads captured tensors gets BLOCK_M = BLOCK_N = 64 and one
-    pipeline stage: the default tiles ran out of shared memory on an H100 (torch 2.11).
+    On CUDA a score_mod (they read captured vectors and tables) gets BLOCK_M = BLOCK_N =
+    64 and one pipeline stage: the default tiles ran out of shared memory on an H100
+    (torch 2.11) and, for T5 at N = 8192, ran a causal forward 2.8x slower
+    (benchmarks/results/attention_backends_cuda_bfloat16_options.md).
     """
-    if q.device.type == "cuda" and captured:
+    if q.device.type == "cuda" and has_score_mod:
         return {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 1}
     return None
 
@@ -697,20 +701,23 @@ def run_flex(
     scale: float,
     gqa: bool,
     compiled: bool,
+    trains_terms: bool = False,
 ) -> Tensor:
     """flex_attention, compiled once per process with static shapes (a kernel per shape,
     dtype and score_mod; the dynamic-shape recompile of torch 2.13's CPU code generator
     failed to compile C++ for a second score_mod in one process), with room for
     FLEX_RECOMPILE_LIMIT kernels and the options of ``flex_kernel_options``.
+
+    ``trains_terms``: gradients flow into what the score_mod captures (the module's
+    parameters). On the CPU that, or q, k or v requiring grad, takes ``flex_reference``:
+    FlexAttention has no CPU backward (and refuses such inputs even under no_grad).
     """
     from torch.nn.attention.flex_attention import flex_attention
 
-    captured = flex_captured(score_mod)  # small tables and vectors the score_mod reads
-    if q.device.type == "cpu" and any(t.requires_grad for t in (q, k, v, *captured)):
-        # FlexAttention has no CPU backward (and refuses such inputs even under no_grad)
+    if q.device.type == "cpu" and (trains_terms or any(t.requires_grad for t in (q, k, v))):
         return flex_reference(q, k, v, score_mod, block_mask, scale)
+    options = flex_kernel_options(q, score_mod is not None)
     if torch.compiler.is_compiling():  # inside the caller's torch.compile: inlined
-        options = flex_kernel_options(q, captured)
         return flex_attention(
             q,
             k,
@@ -737,7 +744,7 @@ def run_flex(
             block_mask=block_mask,
             scale=scale,
             enable_gqa=gqa,
-            kernel_options=flex_kernel_options(q, captured),
+            kernel_options=options,
         )
 
 
@@ -1475,7 +1482,8 @@ class PositionalAttention(nn.Module):
         self._check_value_width(v)
         if backend == "auto":
             default = q_positions is None and k_positions is None and attn_mask is None
-            backend = self._auto_backend(q, k.shape[2], default)
+            view = default and document_ids is None  # sdpa's strided per-distance view
+            backend = self._auto_backend(q, k.shape[2], view)
         args = (q, k, v, q_positions, k_positions, causal, attn_mask, rotated)
         if backend == "flex":
             return self._flex_attention(*args, window=window, document_ids=document_ids)
@@ -1490,7 +1498,8 @@ class PositionalAttention(nn.Module):
         - a value-side term needs the attention weights, which SDPA and FlexAttention do
           not return: "eager" (one softmax instead of two);
         - on CUDA, a bias of j - i alone that sdpa reads as a strided view of its
-          per-distance vector (``by_distance_view``: default positions, no attn_mask),
+          per-distance vector (``by_distance_view``: default positions, no attn_mask or
+          document_ids; a window folds into the vector),
           N * M <= 2048^2, and no gradient into the bias's parameters: "sdpa" (forward
           3.5-5.8x against flex's 3.9-6.8x; an ALiBi training step 1.9-2.2x against
           2.7-2.9x);
@@ -1647,15 +1656,15 @@ class PositionalAttention(nn.Module):
                 terms = self._relative_terms(q, heads_k, q_positions, k_positions, dtype)
                 parts = list(terms.values())
                 added = sum_into_new(parts) if parts else None
-        if has_bias:  # computed per element where the block can (no gather per score)
+        # gradients flow into the position terms' parameters (tables, slopes, kernels)
+        trains_terms = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
+        if has_bias and not trains_terms:
+            # computed per score where the block can (no gather per score). Not when
+            # training it: the backward would add every score's gradient atomically
+            # into a few values (T5's [H, 257], KERPLE's [H]): a T5 training step at
+            # N = 8192 took 1.5 s (H100, bf16); the distance vector or the captured
+            # tensor spreads those adds over N + M - 1 or N * M entries
             bias_fn = self._flex_bias(q_positions, k_positions, n, m, q.device, dtype)
-            trained = [t for t in flex_captured(bias_fn) if t.requires_grad]
-            if trained and torch.is_grad_enabled():
-                # the backward would add every score's gradient atomically into those
-                # few values (T5's [H, 257] or KERPLE's [H]): a T5 training step at N =
-                # 8192 took 1.5 s (H100, bf16); the distance vector or the captured
-                # tensor spreads the adds over N + M - 1 or N * M entries
-                bias_fn = None
         if bias_fn is None and self.bias_by_distance and default and added is None:
             vec = self._distance_bias(n, m, q.device).to(dtype)  # [H, N + M - 1]
             if self.position_bias_inside_scale:
@@ -1694,6 +1703,7 @@ class PositionalAttention(nn.Module):
                 self.scale,
                 gqa,
                 compile_flex,
+                trains_terms,
             )
         return out.to(v.dtype)
 

@@ -35,3 +35,37 @@ def test_fullgraph_compile_matches_eager_module(name: str) -> None:
             want = pe(q, k, v, causal=True, backend=backend, **positions)
             got = compiled(q, k, v, causal=True, backend=backend, **positions)
             torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "alibi",
+        "alibi_learned",
+        "t5",
+        "kerple_log",
+        "sandwich",
+        "fire",
+        "deberta",
+        "transformer_xl",
+        "tupe_a",
+        "cope",
+        "rope_mrope",
+    ],
+)
+def test_fullgraph_compile_of_the_flex_backend(name: str) -> None:
+    """backend="flex" traces whole too (its score_mod's closure is never introspected in
+    the forward), default and explicit positions, causal, without autograd (FlexAttention
+    has no CPU backward; with gradients the CPU runs the unfused reference)."""
+    d = head_dim_for(name, 16)
+    pe = generated_class(name)(heads=4, head_dim=d).eval()
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 5, d, generator=generator)
+    k, v = (torch.randn(1, 2, 7, d, generator=generator) for _ in "kv")  # grouped-query
+    explicit = {"q_positions": torch.tensor([3, 4, 5, 6, 7]), "k_positions": torch.arange(7)}
+    compiled = torch.compile(pe, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        for positions in ({}, explicit):
+            want = pe(q, k, v, causal=True, backend="eager", **positions)
+            got = compiled(q, k, v, causal=True, backend="flex", **positions)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
