@@ -615,6 +615,24 @@ def flex_score_mod(
     return score_mod
 
 
+def flex_positions(q_positions: Tensor | None, k_positions: Tensor | None, n: int, m: int) -> Any:
+    """positions(b, qi, ki) -> (query position, key position) for a score_mod's indices.
+
+    Default positions: query qi is at qi + M - N, key ki at ki. Explicit ones are read
+    from their [N] or [batch, N] rows (a shared row answers every batch index).
+    """
+    offset = m - n
+    q_rows = None if q_positions is None else q_positions.view(-1, n)  # [1 or B, N]
+    k_rows = None if k_positions is None else k_positions.view(-1, m)  # [1 or B, M]
+
+    def positions(b: Tensor, qi: Tensor, ki: Tensor) -> tuple[Tensor, Tensor]:
+        i = qi + offset if q_rows is None else q_rows[b % q_rows.shape[0], qi]
+        j = ki if k_rows is None else k_rows[b % k_rows.shape[0], ki]
+        return i, j
+
+    return positions
+
+
 def flex_captured(score_mod: Any) -> list[Tensor]:
     """The tensors a score_mod closes over (for inspection and tests; the forward never
     calls it: TorchDynamo cannot read a traced function's closure)."""

@@ -33,6 +33,7 @@ from ._attention import (
     PositionalAttention,
     default_distances,
     expand_distance_bias,
+    flex_positions,
     relative_positions,
     score_bias_positions,
 )
@@ -103,13 +104,10 @@ class AlibiLearned(PositionalAttention):
         """-slope_h * |j - i| per (batch, head, query, key) index for FlexAttention's
         score_mod: a subtraction and a multiply per score, the slope read once per head."""
         slopes = self._exact_slopes(device).to(dtype)  # [heads]
-        offset = m - n  # default positions: query qi is at m - n + qi, key ki at ki
-        q_rows = None if q_positions is None else q_positions.view(-1, n)  # [1 or B, N]
-        k_rows = None if k_positions is None else k_positions.view(-1, m)  # [1 or B, M]
+        positions = flex_positions(q_positions, k_positions, n, m)
 
         def bias(b: Tensor, head: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
-            i = qi + offset if q_rows is None else q_rows[b % q_rows.shape[0], qi]
-            j = ki if k_rows is None else k_rows[b % k_rows.shape[0], ki]
+            i, j = positions(b, qi, ki)
             return -slopes[head] * (j - i).abs().to(dtype)
 
         return bias

@@ -36,6 +36,7 @@ from ._attention import (
     PositionalAttention,
     default_distances,
     expand_distance_bias,
+    flex_positions,
     relative_positions,
     score_bias_positions,
 )
@@ -120,13 +121,10 @@ class KerplePower(PositionalAttention):
         """The kernel per (batch, head, query, key) index for FlexAttention's score_mod:
         r1 and r2 read once per head, a few operations per score."""
         r1, r2 = (value.to(dtype) for value in self._kernel_parameters(device))  # [heads]
-        offset = m - n  # default positions: query qi is at m - n + qi, key ki at ki
-        q_rows = None if q_positions is None else q_positions.view(-1, n)  # [1 or B, N]
-        k_rows = None if k_positions is None else k_positions.view(-1, m)  # [1 or B, M]
+        positions = flex_positions(q_positions, k_positions, n, m)
 
         def bias(b: Tensor, head: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
-            i = qi + offset if q_rows is None else q_rows[b % q_rows.shape[0], qi]
-            j = ki if k_rows is None else k_rows[b % k_rows.shape[0], ki]
+            i, j = positions(b, qi, ki)
             return _kerple_kernel((j - i).abs().to(dtype), r1[head], r2[head])
 
         return bias

@@ -42,6 +42,7 @@ from ._attention import (
     cache_put,
     default_distances,
     expand_distance_bias,
+    flex_positions,
     relative_positions,
     score_bias_positions,
 )
@@ -129,13 +130,10 @@ class T5(PositionalAttention):
         buckets = _relative_buckets(relative)
         table = self.relative_attention_bias.weight.to(device)  # [buckets, heads]
         clipped = table[buckets].t().to(dtype)  # [heads, 2 MAX_DISTANCE + 1]
-        offset = m - n  # default positions: query qi is at m - n + qi, key ki at ki
-        q_rows = None if q_positions is None else q_positions.view(-1, n)  # [1 or B, N]
-        k_rows = None if k_positions is None else k_positions.view(-1, m)  # [1 or B, M]
+        positions = flex_positions(q_positions, k_positions, n, m)
 
         def bias(b: Tensor, head: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
-            i = qi + offset if q_rows is None else q_rows[b % q_rows.shape[0], qi]
-            j = ki if k_rows is None else k_rows[b % k_rows.shape[0], ki]
+            i, j = positions(b, qi, ki)
             return clipped[head, (j - i).clamp(-MAX_DISTANCE, MAX_DISTANCE) + MAX_DISTANCE]
 
         return bias
