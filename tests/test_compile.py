@@ -21,14 +21,26 @@ def _fresh_dynamo() -> None:
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("name", spec_names())
-def test_fullgraph_compile_matches_eager_module(name: str) -> None:
-    d = head_dim_for(name, 8)
+EXPLICIT = {"q_positions": torch.tensor([3, 4, 5, 6, 7]), "k_positions": torch.arange(7)}
+
+
+def _module_and_inputs(
+    name: str, width: int
+) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The encoding with 4 query heads over 2 key/value heads, and q [1, 4, 5, d],
+    k and v [1, 2, 7, d] (grouped-query; the queries are the last five positions)."""
+    d = head_dim_for(name, width)
     pe = generated_class(name)(heads=4, head_dim=d).eval()
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(1, 4, 5, d, generator=generator)
-    k, v = (torch.randn(1, 2, 7, d, generator=generator) for _ in "kv")  # grouped-query
-    explicit = {"q_positions": torch.tensor([3, 4, 5, 6, 7]), "k_positions": torch.arange(7)}
+    k, v = (torch.randn(1, 2, 7, d, generator=generator) for _ in "kv")
+    return pe, q, k, v
+
+
+@pytest.mark.parametrize("name", spec_names())
+def test_fullgraph_compile_matches_eager_module(name: str) -> None:
+    pe, q, k, v = _module_and_inputs(name, 8)
+    explicit = EXPLICIT
     compiled = torch.compile(pe, fullgraph=True, backend="eager")
     for positions in ({}, explicit):
         for backend in ("eager", "sdpa"):
@@ -57,12 +69,8 @@ def test_fullgraph_compile_of_the_flex_backend(name: str) -> None:
     """backend="flex" traces whole too (its score_mod's closure is never introspected in
     the forward), default and explicit positions, causal, without autograd (FlexAttention
     has no CPU backward; with gradients the CPU runs the unfused reference)."""
-    d = head_dim_for(name, 16)
-    pe = generated_class(name)(heads=4, head_dim=d).eval()
-    generator = torch.Generator().manual_seed(0)
-    q = torch.randn(1, 4, 5, d, generator=generator)
-    k, v = (torch.randn(1, 2, 7, d, generator=generator) for _ in "kv")  # grouped-query
-    explicit = {"q_positions": torch.tensor([3, 4, 5, 6, 7]), "k_positions": torch.arange(7)}
+    pe, q, k, v = _module_and_inputs(name, 16)
+    explicit = EXPLICIT
     compiled = torch.compile(pe, fullgraph=True, backend="eager")
     with torch.no_grad():
         for positions in ({}, explicit):
