@@ -314,6 +314,14 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
+def write_results(out: Path, stem: str, report: dict, table: str) -> None:
+    """``out/stem.json`` (the report) and ``out/stem.md`` (its table), then print it."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / f"{stem}.md").write_text(table)
+    print(table)
+
+
 def describe_device(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)

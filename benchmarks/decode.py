@@ -13,7 +13,6 @@ is timed alternately with the baseline; ``--compile`` also times the module unde
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -24,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from attention_backends import describe_device, paired_seconds  # noqa: E402
+from attention_backends import describe_device, paired_seconds, write_results  # noqa: E402
 
 from generated import ENCODINGS  # noqa: E402
 
@@ -129,11 +128,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args()
     report = run(args)
-    args.out.mkdir(parents=True, exist_ok=True)
     stem = f"decode_{args.device.split(':')[0]}_{args.dtype}"
-    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out / f"{stem}.md").write_text(markdown(report))
-    print(markdown(report))
+    write_results(args.out, stem, report, markdown(report))
 
 
 if __name__ == "__main__":

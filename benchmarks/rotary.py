@@ -22,7 +22,6 @@ one fused Triton kernel each way (templates/runtime.py, ``fused_rotation``).
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 from collections.abc import Callable
@@ -34,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from attention_backends import paired_seconds  # noqa: E402
+from attention_backends import paired_seconds, write_results  # noqa: E402
 
 from generated import ENCODINGS  # noqa: E402
 
@@ -245,11 +244,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args()
     report = run(args)
-    args.out.mkdir(parents=True, exist_ok=True)
     stem = f"rotary_{args.device.split(':')[0]}_{args.dtype}{'_backward' if args.backward else ''}"
-    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out / f"{stem}.md").write_text(markdown(report))
-    print(markdown(report))
+    write_results(args.out, stem, report, markdown(report))
 
 
 if __name__ == "__main__":
