@@ -84,16 +84,19 @@ def _gather_rows(scores: Tensor, index: Tensor) -> Tensor:
 
 
 def _relative_shift(scores: Tensor, m: int) -> Tensor:
-    """out[..., i, j] = scores[..., i, j - i + N - 1], by padding and reshaping.
+    """out[..., i, j] = scores[..., i, j - i + N - 1], a view of scores (no copy).
 
     scores: [B, H, N, K] with K = N + M - 1 columns in descending distance
     M - 1, ..., 1 - N (default positions, r = i - j) -> [B, H, N, M]. This is the
-    relative shift of Dai et al. 2019: no index tensor is read.
+    relative shift of Dai et al. 2019 without its pad-and-reshape copy: element (i, j)
+    sits at i * K + (j - i + N - 1) = (N - 1) + i * (K - 1) + j of the flattened rows,
+    so after dropping N - 1 entries, rows of K - 1 entries line up.
     """
     n, k = scores.shape[-2], scores.shape[-1]
-    padded = F.pad(scores, (0, 1))  # [B, H, N, K + 1]
-    flat = padded.flatten(-2)[..., n - 1 : n - 1 + n * k]  # rows now start one column later
-    return flat.unflatten(-1, (n, k))[..., :m]
+    if n == 1:  # K = M: the one row is already in order
+        return scores[..., :m]
+    flat = scores.contiguous().flatten(-2)  # [B, H, N * K]
+    return flat[..., n - 1 : n - 1 + n * (k - 1)].unflatten(-1, (n, k - 1))[..., :m]
 
 
 class TransformerXl(PositionalAttention):

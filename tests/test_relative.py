@@ -601,3 +601,19 @@ def test_relative_blocks_combine_with_the_others(tmp_path: Path, name: str) -> N
         "rotary_with_relative_values": {"content_content"},
     }[name]
     assert set(pe.score_terms(q, k)) == expected_terms
+
+
+@pytest.mark.parametrize(("n", "m"), [(1, 1), (1, 6), (2, 2), (3, 8), (6, 6)])
+def test_transformer_xl_relative_shift_is_the_index_formula(n: int, m: int) -> None:
+    """out[i, j] = scores[i, j - i + N - 1] (Dai et al. 2019), read as a view: no copy."""
+    from generated.transformer_xl import _relative_shift
+
+    scores = torch.randn(2, 3, n, n + m - 1)
+    want = torch.empty(2, 3, n, m)
+    for i in range(n):
+        for j in range(m):
+            want[..., i, j] = scores[..., i, j - i + n - 1]
+    got = _relative_shift(scores, m)
+    assert torch.equal(got, want)
+    assert got.data_ptr() >= scores.data_ptr()  # a view into the scores' storage
+    assert got.untyped_storage().data_ptr() == scores.untyped_storage().data_ptr()
