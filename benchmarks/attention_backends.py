@@ -106,7 +106,7 @@ def peak_extra_bytes(fn: Call, device: torch.device) -> int | None:
 
 def as_step(attend: Callable[[], torch.Tensor], inputs: list[torch.Tensor], mode: str) -> Call:
     """``attend`` as a forward pass (no autograd) or a training step (forward, then the
-    gradients of a fixed random cotangent into ``inputs``)."""
+    gradients of a fixed random cotangent into ``inputs``, those it reaches)."""
     if mode == "forward":
 
         def forward() -> object:
@@ -120,7 +120,7 @@ def as_step(attend: Callable[[], torch.Tensor], inputs: list[torch.Tensor], mode
         out = attend()
         if not cotangent:
             cotangent.append(torch.randn_like(out))
-        return torch.autograd.grad(out, inputs, cotangent[0])
+        return torch.autograd.grad(out, inputs, cotangent[0], allow_unused=True)
 
     return train
 
