@@ -1841,6 +1841,9 @@ class PositionalAttention(nn.Module):
         if allowed is not None:
             vec = vec.masked_fill(~allowed, float("-inf"))
         vec = half_precision_bias(vec, q.dtype)  # [H, N + M - 1]
+        if n == 1:  # one query (a decode step): the vector is its row, in key order
+            mask = vec[None, :, None, :]  # [1, H, 1, M]
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, **gqa)
         mask = query_reversed_bias(vec, n, m).unsqueeze(0)  # [1, H, N, M] view
         out = F.scaled_dot_product_attention(
             q.flip(2), k, v, attn_mask=mask, scale=self.scale, **gqa
