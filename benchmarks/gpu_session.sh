@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One batch of CUDA checks and benchmarks, sized for a lent GPU session (each step has
+# its own time limit, so a slow step cannot eat the rest). Run from the repository root
+# on a machine with CUDA, torch and triton:
+#
+#   bash benchmarks/gpu_session.sh [OUT]       # OUT: where logs and results go
+#
+# posgen's runtime needs only torch; the tests also import pydantic, jinja2, pyyaml,
+# click and hypothesis, and the peers (transformers, x-transformers, Liger-Kernel,
+# rotary-embedding-torch) are optional. Results land in OUT (default
+# benchmarks/results), to be committed with the machine they name.
+set -uo pipefail
+out="${1:-benchmarks/results}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS="${TORCHINDUCTOR_COMPILE_THREADS:-16}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+step() {  # step SECONDS NAME COMMAND...: run with a limit, log to OUT/NAME.log
+    local limit="$1" name="$2"
+    shift 2
+    echo "== $name (limit ${limit}s)"
+    timeout "$limit" "$@" 2>&1 | tee "$out/$name.log" | tail -25
+}
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+step 420 test_gpu python3 -m pytest -q --no-header -p no:cacheprovider -W ignore tests/test_gpu.py
+step 150 rotary python3 benchmarks/rotary.py --device cuda --dtype bfloat16 --compile \
+    --shapes 4,32,4096,128 --repeats 30 --out "$out"
+step 150 rotary_backward python3 benchmarks/rotary.py --device cuda --dtype bfloat16 \
+    --compile --backward --shapes 4,32,4096,128 --repeats 20 --out "$out"
+step 300 attention python3 benchmarks/attention_backends.py --device cuda --dtype bfloat16 \
+    --encodings alibi t5 kerple_log --backends sdpa flex --lengths 2048 8192 \
+    --modes forward train --causal both --hf --repeats 15 --tag _bias --out "$out"
+step 200 family python3 benchmarks/attention_backends.py --device cuda --dtype bfloat16 \
+    --encodings bert_relative_key deberta transformer_xl fire --backends sdpa flex \
+    --lengths 2048 --modes forward train --causal no --repeats 10 --tag _family --out "$out"
+step 200 decode python3 benchmarks/decode.py --device cuda --dtype bfloat16 --compile \
+    --out "$out"
+step 200 relative_layers python3 benchmarks/relative_layers.py --device cuda \
+    --dtype bfloat16 --modes forward train --lengths 512 2048 --out "$out"
