@@ -108,7 +108,10 @@ class Alibi(PositionalAttention):
     ) -> Any:
         """-slope_h * |j - i| per (batch, head, query, key) index for FlexAttention's
         score_mod: a subtraction and a multiply per score, the slope read once per head."""
-        slopes = self._exact_slopes(device).to(dtype)  # [heads]
+        key = ("flex_slopes", str(device), dtype)
+        slopes = cache_get(self._cache, key)
+        if slopes is None:  # [heads], fixed: made once per device and dtype
+            slopes = cache_put(self._cache, key, self._exact_slopes(device).to(dtype))
         positions = flex_positions(q_positions, k_positions, n, m)
 
         def bias(b: Tensor, head: Tensor, qi: Tensor, ki: Tensor) -> Tensor:

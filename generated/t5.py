@@ -126,8 +126,11 @@ class T5(PositionalAttention):
         vector) where that vector would not be shorter."""
         if 2 * MAX_DISTANCE + 1 >= n + m - 1 and q_positions is None and k_positions is None:
             return None
-        relative = torch.arange(-MAX_DISTANCE, MAX_DISTANCE + 1, device=device)  # key - query
-        buckets = _relative_buckets(relative)
+        key = ("clipped_buckets", str(device))
+        buckets = cache_get(self._cache, key)
+        if buckets is None:
+            relative = torch.arange(-MAX_DISTANCE, MAX_DISTANCE + 1, device=device)  # key - query
+            buckets = cache_put(self._cache, key, _relative_buckets(relative))
         table = self.relative_attention_bias.weight.to(device)  # [buckets, heads]
         clipped = table[buckets].t().to(dtype)  # [heads, 2 MAX_DISTANCE + 1]
         positions = flex_positions(q_positions, k_positions, n, m)
