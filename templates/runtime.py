@@ -472,36 +472,37 @@ def distance_allowed(
 
 
 def flex_mask_mod(
-    q_rows: Tensor | None,
-    k_rows: Tensor | None,
-    offset: int,
+    q_positions: Tensor | None,
+    k_positions: Tensor | None,
+    n: int,
+    m: int,
     causal: bool,
     window: int | None,
     documents: Tensor | None,
 ) -> Any:
     """A FlexAttention mask_mod(b, h, qi, ki) -> bool: ``attention_allowed`` per element.
 
-    q_rows [B, N] and k_rows [B, M]: explicit positions (None for default positions:
-    query qi is at qi + offset, key ki at ki, offset = M - N); documents [B, M]: the
-    keys' document ids, query qi reading entry qi + M - N (so offset = M - N always).
-    Rows have the inputs' batch B (expanded views) so that any batch index reads them.
+    Positions as ``flex_positions`` reads them; documents [M] or [B, M]: the keys'
+    document ids, query qi reading entry qi + M - N.
     """
+    positions = flex_positions(q_positions, k_positions, n, m)
+    offset = m - n
+    doc_rows = None if documents is None else documents.view(-1, m)  # [1 or B, M]
 
     def mask_mod(b: Tensor, h: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
         allowed: Tensor | None = None
         if causal or window is not None:
-            if q_rows is None or k_rows is None:
-                distance = qi + offset - ki  # query minus key position
-            else:
-                distance = q_rows[b, qi] - k_rows[b, ki]
+            i, j = positions(b, qi, ki)
+            distance = i - j  # query minus key position
             if causal:
                 allowed = distance >= 0
             if window is not None:
                 near = distance < window
                 near = near if causal else near & (distance > -window)
                 allowed = near if allowed is None else allowed & near
-        if documents is not None:
-            same = documents[b, qi + offset] == documents[b, ki]
+        if doc_rows is not None:
+            row = b % doc_rows.shape[0]
+            same = doc_rows[row, qi + offset] == doc_rows[row, ki]
             allowed = same if allowed is None else allowed & same
         assert allowed is not None  # the caller passes something to mask
         return allowed
@@ -629,30 +630,6 @@ def flex_positions(q_positions: Tensor | None, k_positions: Tensor | None, n: in
         return i, j
 
     return positions
-
-
-def flex_captured(score_mod: Any) -> list[Tensor]:
-    """The tensors a score_mod closes over (for inspection and tests; the forward never
-    calls it: TorchDynamo cannot read a traced function's closure)."""
-    found = []
-    for cell in getattr(score_mod, "__closure__", None) or ():
-        try:
-            value = cell.cell_contents
-        except ValueError:  # a name the closure never bound
-            continue
-        found.extend(_tensors_in(value))
-    return found
-
-
-def _tensors_in(value: Any) -> list[Tensor]:
-    """Tensors in a captured value: itself, a function's closure, or a list's items."""
-    if isinstance(value, Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [tensor for item in value for tensor in _tensors_in(item)]
-    if callable(value):  # a bias or relative-term function the score_mod calls
-        return flex_captured(value)
-    return []
 
 
 def flex_reference(
@@ -1749,12 +1726,11 @@ class PositionalAttention(nn.Module):
             return None
         from torch.nn.attention.flex_attention import create_block_mask
 
-        offset = m - n
         if q_positions is None and k_positions is None and document_ids is None:
             key = ("flex_mask", n, m, causal, window, str(device))
             cached = cache_get(self._cache, key)
             if cached is None:
-                mask_mod = flex_mask_mod(None, None, offset, causal, window, None)
+                mask_mod = flex_mask_mod(None, None, n, m, causal, window, None)
                 cached = create_block_mask(mask_mod, None, None, n, m, device=device)
                 cached = cache_put(self._cache, key, cached)
             return cached
@@ -1762,15 +1738,7 @@ class PositionalAttention(nn.Module):
             t is not None and t.dim() == 2 and t.shape[0] > 1
             for t in (q_positions, k_positions, document_ids)
         )
-        q_rows = k_rows = documents = None
-        if causal or window is not None:
-            q_pos = positions_or_default(q_positions, offset, n, device)
-            k_pos = positions_or_default(k_positions, 0, m, device)
-            q_rows = q_pos.view(-1, n).expand(batch, n)  # [B, N]
-            k_rows = k_pos.view(-1, m).expand(batch, m)  # [B, M]
-        if document_ids is not None:
-            documents = document_ids.view(-1, m).expand(batch, m)  # [B, M]
-        mask_mod = flex_mask_mod(q_rows, k_rows, offset, causal, window, documents)
+        mask_mod = flex_mask_mod(q_positions, k_positions, n, m, causal, window, document_ids)
         mask_batch = batch if per_batch else None
         return create_block_mask(mask_mod, mask_batch, None, n, m, device=device)
 

@@ -172,9 +172,20 @@ def test_alibi_flex_bias_is_arithmetic_of_the_indices() -> None:
 
 
 def runtime_captured(function: object) -> list[torch.Tensor]:
-    import generated._attention as runtime
-
-    return runtime.flex_captured(function)
+    """The tensors a score_mod (or a bias function it calls) closes over."""
+    found: list[torch.Tensor] = []
+    for cell in getattr(function, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # a name the closure never bound
+            continue
+        values = list(value) if isinstance(value, (list, tuple)) else [value]
+        for item in values:
+            if isinstance(item, torch.Tensor):
+                found.append(item)
+            elif callable(item):
+                found.extend(runtime_captured(item))
+    return found
 
 
 def test_compiled_flex_matches_eager_and_is_compiled_once() -> None:
