@@ -29,13 +29,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._attention import (
-    PositionalAttention,
-    autocast_off,
-    compute_dtype,
-    fused_rotation,
-    fused_rotation_enabled,
-)
+from ._attention import PositionalAttention, apply_rotation, compute_dtype
 
 __all__ = ["RopeLinear"]
 
@@ -85,12 +79,6 @@ def _rotary_cos_sin(
     cos = angles.cos().to(positions.device, dtype)
     sin = angles.sin().to(positions.device, dtype)
     return cos, sin
-
-
-def _rotate_pairs(x: Tensor) -> Tensor:
-    """The partner of each feature, signed so that x * cos + partner * sin rotates."""
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
 
 
 class RopeLinear(PositionalAttention):
@@ -191,44 +179,6 @@ class RopeLinear(PositionalAttention):
         return cos, sin
 
     def _apply_rotation(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """x * cos + partner(x) * sin on the rotated features, in the dtype of cos.
-
-        On CUDA with Triton installed (float16, bfloat16 or float32 x, eager mode) one
-        fused kernel each way does it (``fused_rotation``, which reads each pair's angle
-        once: an attention factor, xPos scales and M-RoPE sections are values inside cos
-        and sin, in the same pair layout).
-        Elsewhere, without autograd (inference, decode) each pair (a, b) is written
-        straight into one output, a cos - b sin and b cos + a sin, reading each pair's
-        angle once: no up-cast copy of x and no chunk/cat temporaries (about 2.4x faster
-        on CPU). Under torch.compile the formula below is traced (inductor fuses it).
-        """
-        if fused_rotation_enabled(x, cos, sin):
-            return fused_rotation(x, cos, sin, self.rotary_dim, True)
-        with autocast_off(x.device.type):
-            needs_grad = torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad)
-            if not needs_grad and not torch.compiler.is_compiling():
-                return self._rotate_into(x, cos, sin).to(x.dtype)
-            rotated = x[..., : self.rotary_dim].to(cos.dtype)
-            out = rotated * cos + _rotate_pairs(rotated) * sin
-            if self.rotary_dim < x.shape[-1]:
-                out = torch.cat((out, x[..., self.rotary_dim :].to(cos.dtype)), dim=-1)
-        return out.to(x.dtype)
-
-    def _rotate_into(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """The rotation written into one new tensor of cos's dtype (no autograd), in as
-        few passes over x as eager ops allow.
-
-        out = x * cos over the rotated features (cos repeats its first half, so that is
-        a cos, b cos), then out_a -= b sin and out_b += a sin: 1.5x a copy's traffic
-        beyond the copy itself (1.5x a copy of x measured on a 2-core CPU, 1.8x before).
-        """
-        d = self.rotary_dim
-        out = torch.empty(x.shape, dtype=cos.dtype, device=x.device)
-        half = d // 2
-        s = sin[..., :half]
-        torch.mul(x[..., :d], cos, out=out[..., :d])  # a cos, b cos
-        out[..., :half].addcmul_(x[..., half:d], s, value=-1)  # a cos - b sin
-        out[..., half:d].addcmul_(x[..., :half], s)  # b cos + a sin
-        if d < x.shape[-1]:
-            out[..., d:] = x[..., d:]
-        return out
+        """The runtime's ``apply_rotation`` with this encoding's rotary_dim and the
+        half pairing."""
+        return apply_rotation(x, cos, sin, self.rotary_dim, True)

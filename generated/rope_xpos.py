@@ -30,14 +30,7 @@ import math
 import torch
 from torch import Tensor
 
-from ._attention import (
-    PositionalAttention,
-    autocast_off,
-    compute_dtype,
-    fused_rotation,
-    fused_rotation_enabled,
-    positions_or_default,
-)
+from ._attention import PositionalAttention, apply_rotation, compute_dtype, positions_or_default
 
 __all__ = ["RopeXpos"]
 
@@ -120,22 +113,6 @@ def _check_xpos_reach(low: int, high: int, reference: int, what: str) -> None:
             f"xPos with scale_base {XPOS_SCALE_BASE:g} reaches {reach} positions from "
             f"{what} (its factors overflow past that); got positions {low} .. {high}"
         )
-
-
-def _rotate_pairs(x: Tensor) -> Tensor:
-    """The partner of each feature, signed so that x * cos + partner * sin rotates."""
-    pairs = x.unflatten(-1, (-1, 2))  # [..., rotary_dim / 2, 2]
-    return torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
-
-
-def _complex_pairs(t: Tensor) -> Tensor | None:
-    """t [..., 2k] float32/float64 as complex [..., k], pair (2j, 2j + 1) as real and
-    imaginary part: a view, or None where dtype, strides or offset do not allow one."""
-    if t.dtype not in (torch.float32, torch.float64) or t.stride(-1) != 1:
-        return None
-    if t.storage_offset() % 2 or any(stride % 2 for stride in t.stride()[:-1]):
-        return None
-    return torch.view_as_complex(t.unflatten(-1, (-1, 2)))
 
 
 class RopeXpos(PositionalAttention):
@@ -280,53 +257,6 @@ class RopeXpos(PositionalAttention):
         return cos, sin
 
     def _apply_rotation(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """x * cos + partner(x) * sin on the rotated features, in the dtype of cos.
-
-        On CUDA with Triton installed (float16, bfloat16 or float32 x, eager mode) one
-        fused kernel each way does it (``fused_rotation``, which reads each pair's angle
-        once: an attention factor, xPos scales and M-RoPE sections are values inside cos
-        and sin, in the same pair layout).
-        Elsewhere, without autograd (inference, decode) each pair (a, b) is written
-        straight into one output, a cos - b sin and b cos + a sin, reading each pair's
-        angle once: no up-cast copy of x and no chunk/cat temporaries (about 2.4x faster
-        on CPU). Under torch.compile the formula below is traced (inductor fuses it).
-        """
-        if fused_rotation_enabled(x, cos, sin):
-            return fused_rotation(x, cos, sin, self.rotary_dim, False)
-        with autocast_off(x.device.type):
-            needs_grad = torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad)
-            if not needs_grad and not torch.compiler.is_compiling():
-                return self._rotate_into(x, cos, sin).to(x.dtype)
-            rotated = x[..., : self.rotary_dim].to(cos.dtype)
-            out = rotated * cos + _rotate_pairs(rotated) * sin
-            if self.rotary_dim < x.shape[-1]:
-                out = torch.cat((out, x[..., self.rotary_dim :].to(cos.dtype)), dim=-1)
-        return out.to(x.dtype)
-
-    def _rotate_into(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """The rotation written into one new tensor of cos's dtype (no autograd), in as
-        few passes over x as eager ops allow.
-
-        Pairs (2k, 2k + 1) are the real and imaginary parts of complex numbers, and the
-        rotation is one complex product with e^(i theta_k) where x is float32/float64 in
-        cos's dtype with even strides (1.2x a copy of x on a 2-core CPU, 2.1x before);
-        elsewhere four strided passes.
-        """
-        d = self.rotary_dim
-        out = torch.empty(x.shape, dtype=cos.dtype, device=x.device)
-        pairs = _complex_pairs(x[..., :d]) if x.dtype == cos.dtype else None
-        out_pairs = _complex_pairs(out[..., :d])
-        if pairs is not None and out_pairs is not None:
-            turn = torch.complex(cos[..., 0::2], sin[..., 0::2])  # e^(i theta) [..., d / 2]
-            torch.mul(pairs, turn, out=out_pairs)  # (a + ib)(cos + i sin)
-        else:
-            c, s = cos[..., 0::2], sin[..., 0::2]  # each angle is repeated for its pair
-            a, b = x[..., 0:d:2], x[..., 1:d:2]
-            out_a, out_b = out[..., 0:d:2], out[..., 1:d:2]
-            torch.mul(a, c, out=out_a)
-            out_a.addcmul_(b, s, value=-1)  # a cos - b sin
-            torch.mul(b, c, out=out_b)
-            out_b.addcmul_(a, s)  # b cos + a sin
-        if d < x.shape[-1]:
-            out[..., d:] = x[..., d:]
-        return out
+        """The runtime's ``apply_rotation`` with this encoding's rotary_dim and the
+        interleaved pairing."""
+        return apply_rotation(x, cos, sin, self.rotary_dim, False)
