@@ -1600,11 +1600,15 @@ class PositionalAttention(nn.Module):
         flex_width = q.shape[-1] >= 16 and q.shape[-1] & (q.shape[-1] - 1) == 0
         if not (in_logits and q.is_cuda and flex_width):
             return "sdpa"
-        trained = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
         view = by_distance_view and self.bias_by_distance and not self.has_relative_terms
-        if view and q.shape[2] * m <= 2048 * 2048 and not trained:
+        if view and q.shape[2] * m <= 2048 * 2048 and not self._trains_terms():
             return "sdpa"
         return "flex"
+
+    def _trains_terms(self) -> bool:
+        """Gradients flow into the position terms' parameters (tables, slopes, kernels):
+        the module holds nothing else."""
+        return torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
 
     def _eager_attention(
         self,
@@ -1739,8 +1743,7 @@ class PositionalAttention(nn.Module):
                 terms = self._relative_terms(q, heads_k, q_positions, k_positions, dtype)
                 parts = list(terms.values())
                 added = sum_into_new(parts) if parts else None
-        # gradients flow into the position terms' parameters (tables, slopes, kernels)
-        trains_terms = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
+        trains_terms = self._trains_terms()
         if has_bias and not trains_terms:
             # computed per score where the block can (no gather per score). Not when
             # training it: the backward would add every score's gradient atomically
