@@ -10,6 +10,8 @@ mode only.
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -77,3 +79,17 @@ def test_fullgraph_compile_of_the_flex_backend(name: str) -> None:
             want = pe(q, k, v, causal=True, backend="eager", **positions)
             got = compiled(q, k, v, causal=True, backend="flex", **positions)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["alibi", "t5"])
+def test_fullgraph_compile_of_sdpa_query_chunks(name: str, monkeypatch) -> None:
+    """The per-chunk SDPA calls of a masked bias of j - i (``SDPA_QUERY_CHUNK``) trace
+    whole: their key spans come from shapes alone."""
+    runtime = importlib.import_module("generated._attention")
+    monkeypatch.setitem(runtime.SDPA_QUERY_CHUNK, "cpu", 2)
+    pe, q, k, v = _module_and_inputs(name, 8)
+    compiled = torch.compile(pe, fullgraph=True, backend="eager")
+    for window in (None, 3):
+        want = pe(q, k, v, causal=True, window=window, backend="eager")
+        got = compiled(q, k, v, causal=True, window=window, backend="sdpa")
+        torch.testing.assert_close(got, want)

@@ -84,3 +84,70 @@ def test_sdpa_mask_is_a_view_of_a_per_distance_vector(name: str, monkeypatch) ->
     for value in pe._cache.values():  # nothing cached grows with N * M
         tensors = value if isinstance(value, tuple) else (value,)
         assert all(t.numel() <= 4 * (n + m) for t in tensors)
+
+
+CHUNK_CASES = [  # (n, m, kv_heads, causal, window)
+    (10, 10, 4, True, None),
+    (7, 12, 2, True, None),
+    (10, 10, 4, False, 3),
+    (7, 12, 1, True, 4),
+    (9, 9, 4, False, None),  # trained T5 table: chunked for the gradient
+]
+
+
+@pytest.mark.parametrize("name", ["alibi", "t5", "kerple_log"])
+@pytest.mark.parametrize(("n", "m", "kv_heads", "causal", "window"), CHUNK_CASES)
+def test_query_chunks_match_eager_with_gradients(
+    name: str, n: int, m: int, kv_heads: int, causal: bool, window: int | None, monkeypatch
+) -> None:
+    monkeypatch.setitem(runtime.SDPA_QUERY_CHUNK, "cpu", 3)
+    key_counts: list[int] = []
+    original = runtime.F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kwargs):
+        key_counts.append(k.shape[2])
+        return original(q, k, v, **kwargs)
+
+    pe = _module(name)
+    generator = torch.Generator().manual_seed(3)
+    shapes = {"q": (2, 4, n, 8), "k": (2, kv_heads, m, 8), "v": (2, kv_heads, m, 8)}
+    inputs = {
+        key: torch.randn(*shape, generator=generator, dtype=torch.float64)
+        for key, shape in shapes.items()
+    }
+    results = []
+    for backend in ("eager", "sdpa"):
+        leaves = {key: value.clone().requires_grad_() for key, value in inputs.items()}
+        pe.zero_grad()
+        monkeypatch.setattr(runtime.F, "scaled_dot_product_attention", spy)
+        out = pe(
+            leaves["q"], leaves["k"], leaves["v"], causal=causal, window=window, backend=backend
+        )
+        monkeypatch.setattr(runtime.F, "scaled_dot_product_attention", original)
+        (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+        grads = [leaves[key].grad for key in ("q", "k", "v")]
+        grads += [p.grad.clone() for p in pe.parameters() if p.grad is not None]
+        results.append((out.detach(), grads))
+    (eager, eager_grads), (sdpa, sdpa_grads) = results
+    torch.testing.assert_close(sdpa, eager, rtol=1e-10, atol=1e-12)
+    assert len(sdpa_grads) == len(eager_grads)
+    for got, want in zip(sdpa_grads, eager_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
+    trained = any(True for _ in pe.parameters())
+    if causal or window is not None or trained:
+        assert len(key_counts) == -(-n // 3)  # one SDPA call per chunk of 3 queries
+    if causal or window is not None:
+        assert min(key_counts) < m  # masked keys are not read
+
+
+@pytest.mark.parametrize(("n", "m"), [(6, 6), (4, 9)])
+@pytest.mark.parametrize(("causal", "window"), [(True, None), (False, 2), (True, 3), (False, 20)])
+def test_key_span_is_exactly_the_keys_some_query_may_read(
+    n: int, m: int, causal: bool, window: int | None
+) -> None:
+    allowed = runtime.attention_allowed(None, None, n, m, torch.device("cpu"), causal, window, None)
+    for i0 in range(n):
+        for i1 in range(i0 + 1, n + 1):
+            readable = allowed[i0:i1].any(0).nonzero().flatten().tolist()
+            lo, hi = runtime.key_span(i0, i1, n, m, causal, window)
+            assert readable == list(range(lo, hi)), (i0, i1)

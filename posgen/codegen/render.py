@@ -27,6 +27,7 @@ ALLOWED_IMPORTS = {
     "contextlib",
     "math",
     "typing",
+    "warnings",
     "torch",
     "torch.nn",
     "torch.nn.functional",
