@@ -22,12 +22,13 @@ once outside the timing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -194,6 +195,30 @@ def hf_t5_bias_path(
     return attend, [layer.relative_attention_bias.weight]
 
 
+@contextlib.contextmanager
+def runtime_setting(backend: str, setting: object, device: torch.device) -> Iterator[None]:
+    """The runtime with one swept setting in place: flex's kernel options (a dict, {} for
+    FlexAttention's defaults) or sdpa's queries per call on ``device`` ("none": one call);
+    None leaves the runtime as it is."""
+    if setting is None:
+        yield
+    elif backend == "flex":
+        chosen = runtime.flex_kernel_options
+        runtime.flex_kernel_options = lambda q, has_score_mod: setting or None
+        try:
+            yield
+        finally:
+            runtime.flex_kernel_options = chosen
+    else:
+        chunks = runtime.SDPA_QUERY_CHUNK
+        before = chunks.get(device.type)
+        chunks[device.type] = None if setting == "none" else int(str(setting))
+        try:
+            yield
+        finally:
+            chunks[device.type] = before
+
+
 def candidates(
     args: argparse.Namespace, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
 ) -> list[tuple[str, str, Callable[[], torch.Tensor], list[torch.Tensor]]]:
@@ -217,18 +242,12 @@ def candidates(
             if backend == "flex" and pe.has_value_term:
                 continue
 
-            sweep = args.flex_options if backend == "flex" else {}
-            for label, options in (sweep or {"": None}).items():
+            sweep = {"flex": args.flex_options, "sdpa": args.query_chunks}.get(backend, {})
+            for label, setting in (sweep or {"": None}).items():
 
-                def attend(pe=pe, backend=backend, options=options) -> torch.Tensor:
-                    if options is None:
+                def attend(pe=pe, backend=backend, setting=setting) -> torch.Tensor:
+                    with runtime_setting(backend, setting, device):
                         return pe(q, k, v, causal=causal, backend=backend, window=args.window)
-                    chosen = runtime.flex_kernel_options
-                    runtime.flex_kernel_options = lambda q, has_score_mod: options or None
-                    try:
-                        return pe(q, k, v, causal=causal, backend=backend, window=args.window)
-                    finally:
-                        runtime.flex_kernel_options = chosen
 
                 found.append((name, f"{backend} {label}".strip(), attend, params))
         if "flex" in args.backends and args.distance_vector and pe.bias_by_distance:
@@ -310,6 +329,7 @@ def run(args: argparse.Namespace) -> dict:
         "heads": args.heads,
         "head_dim": args.head_dim,
         "window": args.window,
+        "flush_denormal": args.flush_denormal,
         "rows": rows,
     }
 
@@ -334,6 +354,7 @@ def markdown(report: dict) -> str:
         f"{report['dtype']}, batch {report['batch']}, heads {report['heads']}, "
         f"head_dim {report['head_dim']}"
         + (f", window {report['window']}" if report.get("window") is not None else "")
+        + (", denormals flushed" if report.get("flush_denormal") else "")
         + ")",
         "",
         "Ratio: the candidate's median time over plain "
@@ -387,6 +408,12 @@ def main() -> None:
         help='flex kernel options to compare, as JSON ("{}" = FlexAttention defaults)',
     )
     parser.add_argument(
+        "--query-chunks",
+        nargs="+",
+        default=[],
+        help='sdpa queries per call to compare (runtime.SDPA_QUERY_CHUNK; "none": one call)',
+    )
+    parser.add_argument(
         "--window",
         type=int,
         default=None,
@@ -397,11 +424,19 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--max-eager-length", type=int, default=4096)
+    parser.add_argument(
+        "--flush-denormal",
+        action="store_true",
+        help="flush denormals to zero on every CPU thread first (runtime.flush_denormals)",
+    )
     parser.add_argument("--tag", default="", help="appended to the result file names")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args()
+    if args.flush_denormal and not runtime.flush_denormals():
+        parser.error("--flush-denormal: denormals are not flushed on every thread")
     args.causal = {"yes": [True], "no": [False], "both": [False, True]}[args.causal]
     args.flex_options = {text: json.loads(text) for text in args.flex_options}
+    args.query_chunks = {f"chunk {text}": text for text in args.query_chunks}
     # every shape, mask and score_mod is one compilation of flex_attention
     torch._dynamo.config.recompile_limit = runtime.FLEX_RECOMPILE_LIMIT
     report = run(args)

@@ -125,10 +125,11 @@ def main() -> None:
     parser.add_argument("--cache", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--tag", default="", help="appended to the result file names")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args()
     report = run(args)
-    stem = f"decode_{args.device.split(':')[0]}_{args.dtype}"
+    stem = f"decode_{args.device.split(':')[0]}_{args.dtype}{args.tag}"
     write_results(args.out, stem, report, markdown(report))
 
 

@@ -6,7 +6,10 @@ in one run and as ratios to ``F.scaled_dot_product_attention(is_causal=True)``:
 - a [heads, N, M] mask against the same values as [1, heads, N, M] (the layout the
   generated modules pass) and as a stride-0 [batch, heads, N, M] view;
 - an ALiBi bias (large negative values whose exp() is denormal in float32) with and
-  without clamping, and with denormals flushed.
+  without clamping.
+
+``--flush-denormal`` first flushes denormals to zero on every thread
+(``flush_denormals`` of the generated runtime) and writes ``..._flushed`` files.
 
     python benchmarks/sdpa_mask_layout.py --lengths 256 1024
 """
@@ -17,6 +20,7 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +29,9 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import generated._attention as runtime  # noqa: E402
 
 
 def median_seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -65,27 +72,21 @@ def run(args: argparse.Namespace) -> dict:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
         base = median_seconds(baseline, args.repeats)
-        cases = masks(args.heads, args.batch, n)
-        for flush in (False, True):
-            torch.set_flush_denormal(flush)
-            for name, mask in cases.items():
-                if flush and not name.startswith("alibi"):
-                    continue
+        for name, mask in masks(args.heads, args.batch, n).items():
 
-                def call(mask=mask, q=q, k=k, v=v) -> torch.Tensor:
-                    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            def call(mask=mask, q=q, k=k, v=v) -> torch.Tensor:
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
-                ratio = median_seconds(call, args.repeats) / base
-                label = name + (", denormals flushed" if flush else "")
-                rows.append({"mask": label, "length": n, "time_ratio": ratio})
-                print(f"N={n:<5} {label:<45} {ratio:6.2f}x", flush=True)
-        torch.set_flush_denormal(False)
+            ratio = median_seconds(call, args.repeats) / base
+            rows.append({"mask": name, "length": n, "time_ratio": ratio})
+            print(f"N={n:<5} {name:<45} {ratio:6.2f}x", flush=True)
     return {
         "device": platform.processor() or platform.machine(),
         "torch": torch.__version__,
         "batch": args.batch,
         "heads": args.heads,
         "head_dim": args.head_dim,
+        "flush_denormal": args.flush_denormal,
         "rows": rows,
     }
 
@@ -93,7 +94,9 @@ def run(args: argparse.Namespace) -> dict:
 def markdown(report: dict) -> str:
     lines = [
         f"# SDPA additive-mask layout ({report['device']}, torch {report['torch']}, float32, "
-        f"batch {report['batch']}, heads {report['heads']}, head_dim {report['head_dim']})",
+        f"batch {report['batch']}, heads {report['heads']}, head_dim {report['head_dim']}"
+        + (", denormals flushed" if report["flush_denormal"] else "")
+        + ")",
         "",
         "Time ratios to `F.scaled_dot_product_attention(is_causal=True)` measured in the same "
         "run (median of repeats).",
@@ -113,11 +116,15 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--flush-denormal", action="store_true")
     args = parser.parse_args()
+    if args.flush_denormal and not runtime.flush_denormals():
+        parser.error("--flush-denormal: denormals are not flushed on every thread")
     report = run(args)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "sdpa_mask_layout_cpu_float32.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out / "sdpa_mask_layout_cpu_float32.md").write_text(markdown(report))
+    stem = "sdpa_mask_layout_cpu_float32" + ("_flushed" if args.flush_denormal else "")
+    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (args.out / f"{stem}.md").write_text(markdown(report))
 
 
 if __name__ == "__main__":
