@@ -812,20 +812,74 @@ def apply_rotation(
     scales and M-RoPE sections are values inside cos and sin, in the same layout.
 
     On CUDA with Triton (float16, bfloat16 or float32, eager mode) one fused kernel
-    each way (``fused_rotation``); without autograd ``rotate_into``; otherwise (autograd,
-    torch.compile, where inductor fuses it) the formula x * cos + partner(x) * sin.
+    each way (``fused_rotation``); under torch.compile ``rotate_by_halves``, which
+    inductor fuses; without autograd ``rotate_into``; otherwise the formula
+    x * cos + partner(x) * sin.
     """
     if fused_rotation_enabled(x, cos, sin):
         return fused_rotation(x, cos, sin, rotary_dim, half_pairing)
     with autocast_off(x.device.type):
+        if torch.compiler.is_compiling():
+            return rotate_by_halves(x, cos, sin, rotary_dim, half_pairing).to(x.dtype)
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad)
-        if not needs_grad and not torch.compiler.is_compiling():
+        if not needs_grad:
             return rotate_into(x, cos, sin, rotary_dim, half_pairing).to(x.dtype)
         rotated = x[..., :rotary_dim].to(cos.dtype)
         out = rotated * cos + rotation_partners(rotated, half_pairing) * sin
         if rotary_dim < x.shape[-1]:
             out = torch.cat((out, x[..., rotary_dim:].to(cos.dtype)), dim=-1)
     return out.to(x.dtype)
+
+
+def rotate_by_halves(
+    x: Tensor, cos: Tensor, sin: Tensor, rotary_dim: int, half_pairing: bool
+) -> Tensor:
+    """The rotation for torch.compile, in cos's dtype: the pairs' two halves
+    (a cos - b sin, b cos + a sin) as half-width products, joined once.
+
+    Inductor turns this form into one pass over x: 1.05x a copy of q and k on a 2-core
+    CPU (float32, [2, 16, 2048, 128]), against 2.3x for x * cos + partner(x) * sin,
+    whose partner is a per-element choice. cos and sin go through ``materialized``:
+    traced from positions, inductor would otherwise fuse their float64 cos and sin into
+    that pass, once per element of x instead of once per position and pair (1.6x).
+    """
+    d = rotary_dim
+    rotated = x[..., :d].to(cos.dtype)
+    if half_pairing:  # feature k pairs with k + d / 2
+        a, b = rotated[..., : d // 2], rotated[..., d // 2 :]
+        c, s = materialized(cos[..., : d // 2]), materialized(sin[..., : d // 2])
+        out = torch.cat((a * c - b * s, b * c + a * s), dim=-1)
+    else:  # feature 2k pairs with 2k + 1
+        a, b = rotated[..., 0::2], rotated[..., 1::2]
+        c, s = materialized(cos[..., 0::2]), materialized(sin[..., 0::2])
+        out = torch.stack((a * c - b * s, b * c + a * s), dim=-1).flatten(-2)
+    if d < x.shape[-1]:
+        out = torch.cat((out, x[..., d:].to(cos.dtype)), dim=-1)
+    return out
+
+
+def _materialize_op() -> Any:
+    """The custom op ``posgen::materialize``: a copy that torch.compile cannot see
+    into, so inductor computes its input once, as its own buffer, and fuses nothing
+    across it. Registered once per process (a standalone module's inlined runtime finds
+    the one already there)."""
+    if hasattr(torch.ops.posgen, "materialize"):
+        return torch.ops.posgen.materialize
+    op = torch.library.custom_op(
+        "posgen::materialize", mutates_args=(), schema="(Tensor x) -> Tensor"
+    )(lambda x: x.clone())
+    op.register_fake(lambda x: torch.empty_like(x))
+    op.register_autograd(lambda ctx, grad: grad)
+    return op
+
+
+_MATERIALIZE = _materialize_op()
+
+
+def materialized(t: Tensor) -> Tensor:
+    """``t`` as its own buffer when torch.compile traces (``_materialize_op``), else
+    ``t`` itself."""
+    return _MATERIALIZE(t) if torch.compiler.is_compiling() else t
 
 
 def rotation_partners(x: Tensor, half_pairing: bool) -> Tensor:

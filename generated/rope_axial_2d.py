@@ -80,7 +80,7 @@ def _rotary_cos_sin(
     # [axes, ..., L, rotary_dim / 2] -> [..., L, rotary_dim / 2]: section a from axis a
     sections = angles.split(share // 2, dim=-1)
     angles = torch.cat([part[axis] for axis, part in enumerate(sections)], dim=-1)
-    angles = angles.repeat_interleave(2, dim=-1)  # feature 2k pairs with 2k + 1
+    angles = torch.stack((angles, angles), dim=-1).flatten(-2)  # 2k pairs with 2k + 1
     cos = angles.cos().to(positions.device, dtype)
     sin = angles.sin().to(positions.device, dtype)
     return cos, sin

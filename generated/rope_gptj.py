@@ -73,7 +73,7 @@ def _rotary_cos_sin(
     compute_device = positions.device if positions.device.type in ("cpu", "cuda") else "cpu"
     theta = _inverse_frequencies(rotary_dim, length, compute_device)  # [rotary_dim / 2]
     angles = positions.to(compute_device, torch.float64).unsqueeze(-1) * theta
-    angles = angles.repeat_interleave(2, dim=-1)  # feature 2k pairs with 2k + 1
+    angles = torch.stack((angles, angles), dim=-1).flatten(-2)  # 2k pairs with 2k + 1
     cos = angles.cos().to(positions.device, dtype)
     sin = angles.sin().to(positions.device, dtype)
     return cos, sin

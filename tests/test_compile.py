@@ -82,3 +82,26 @@ def test_fullgraph_compile_of_sdpa_query_chunks(name: str, monkeypatch) -> None:
         want = pe(q, k, v, causal=True, window=window, backend="eager")
         got = compiled(q, k, v, causal=True, window=window, backend="sdpa")
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("name", ["rope", "rope_gptj", "rope_partial", "rope_xpos", "rope_mrope"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_rotation_matches_eager_with_gradients(name: str, dtype: torch.dtype) -> None:
+    """Under torch.compile the rotation takes its own form (``rotate_by_halves``, the
+    cos and sin tables through the opaque ``posgen::materialize``); outputs and the
+    gradients into q and k equal eager mode's, in float32 and bfloat16."""
+    d = head_dim_for(name, 16)
+    pe = generated_class(name)(heads=4, head_dim=d)
+    generator = torch.Generator().manual_seed(1)
+    q, k = (torch.randn(2, 4, 6, d, generator=generator).to(dtype) for _ in "qk")
+    cotangents = [torch.randn(2, 4, 6, d, generator=generator).to(dtype) for _ in "qk"]
+    compiled = torch.compile(pe.rotate, fullgraph=True, backend="aot_eager")
+    results = []
+    for rotate in (pe.rotate, compiled):
+        leaves = [q.clone().requires_grad_(), k.clone().requires_grad_()]
+        outs = rotate(*leaves)
+        grads = torch.autograd.grad(outs, leaves, cotangents)
+        results.append([t.float() for t in (*outs, *grads)])
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {}
+    for got, want in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(got, want, **tolerance)
