@@ -3,7 +3,8 @@
 For each shape, times rotating q and k with ``generated.rope`` (half pairing),
 ``generated.rope_gptj`` (interleaved) and ``generated.rope_partial`` (a quarter of each
 head), beside a plain ``clone`` of q and k (the memory-bound floor), Hugging Face's
-``apply_rotary_pos_emb`` (eager, and under ``torch.compile`` with ``--compile``),
+``apply_rotary_pos_emb`` (eager, and under ``torch.compile`` with ``--compile``, which
+also compiles posgen's three modules),
 x-transformers' ``apply_rotary_pos_emb``, rotary-embedding-torch's
 ``RotaryEmbedding(dim).rotate_queries_or_keys`` and, on CUDA, Liger-Kernel's
 ``LigerRopeFunction`` (each peer where it is installed). Every candidate is timed
@@ -167,6 +168,9 @@ def run(args: argparse.Namespace) -> dict:
         for name in ("rope", "rope_gptj", "rope_partial"):
             pe = ENCODINGS[name](heads=heads, head_dim=head_dim).to(device)
             candidates[f"posgen {name}"] = timed_call(pe.rotate, q, k, grads)
+            if args.compile:
+                compiled = torch.compile(pe.rotate, fullgraph=True)
+                candidates[f"posgen {name}, compiled"] = timed_call(compiled, q, k, grads)
         for name, rotation in peers(q, args.compile).items():
             if name == "liger_kernel":
                 liger_grads = (
@@ -237,7 +241,9 @@ def main() -> None:
         help="B,H,N,D shapes",
     )
     parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--compile", action="store_true", help="also time HF under torch.compile")
+    parser.add_argument(
+        "--compile", action="store_true", help="also time posgen and HF under torch.compile"
+    )
     parser.add_argument(
         "--backward", action="store_true", help="time forward and backward (input gradients)"
     )

