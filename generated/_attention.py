@@ -2008,12 +2008,15 @@ class PositionalAttention(nn.Module):
         if allowed is not None:
             mask = block_fresh(mask, allowed)
         mask = apply_masks(mask, None, attn_mask)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), scale=self.scale)
         if self.has_value_term:
-            # the value term needs the weights, which SDPA does not return: form them again
+            # the value term needs the weights, which SDPA does not return: form them
+            # once and apply them to v here as well (an SDPA call on top would double
+            # the work: Shaw at N = 512 on the CPU ran 10.6x plain SDPA, eager 6.7x)
             content = torch.matmul(q.to(dtype), k.to(dtype).transpose(-2, -1)) * self.scale
             weights = masked_softmax(content + mask)  # [B, H, N, M]
-            out = out.to(dtype) + self._value_term(weights, q_positions, k_positions)
+            out = torch.matmul(weights, v.to(dtype))
+            return (out + self._value_term(weights, q_positions, k_positions)).to(v.dtype)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), scale=self.scale)
         return out.to(v.dtype)
 
     def _sdpa_by_distance(
