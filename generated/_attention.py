@@ -814,8 +814,8 @@ def apply_rotation(
     On CUDA with Triton (float16, bfloat16 or float32, eager mode) one fused kernel
     each way (``fused_rotation``); under torch.compile ``rotate_by_halves``, which
     inductor fuses; else ``rotate_into``, with a backward by the negative angle
-    (``_RotationByParts``) when gradients reach x alone; the formula
-    x * cos + partner(x) * sin when they reach cos or sin.
+    (``_Rotation``) when gradients reach x alone; ``rotate_by_formula`` when they
+    reach cos or sin.
     """
     if fused_rotation_enabled(x, cos, sin):
         return fused_rotation(x, cos, sin, rotary_dim, half_pairing)
@@ -826,42 +826,70 @@ def apply_rotation(
         if not needs_grad:
             return rotate_into(x, cos, sin, rotary_dim, half_pairing).to(x.dtype)
         if not (cos.requires_grad or sin.requires_grad):
-            return _RotationByParts.apply(x, cos, sin, rotary_dim, half_pairing)  # type: ignore[no-any-return]
-        rotated = x[..., :rotary_dim].to(cos.dtype)
-        out = rotated * cos + rotation_partners(rotated, half_pairing) * sin
-        if rotary_dim < x.shape[-1]:
-            out = torch.cat((out, x[..., rotary_dim:].to(cos.dtype)), dim=-1)
-    return out.to(x.dtype)
+            return _Rotation.apply(x, cos, sin, rotary_dim, half_pairing, False)  # type: ignore[no-any-return]
+        return rotate_by_formula(x, cos, sin, rotary_dim, half_pairing).to(x.dtype)
 
 
-class _RotationByParts(torch.autograd.Function):
-    """``rotate_into`` forward and backward: the gradient of a rotation is the gradient
-    rotated by the negative angle (each pair's [[cos, -sin], [sin, cos]] transposed), so
-    the backward is ``rotate_into`` with -sin and keeps only cos and sin. On a 2-core
-    CPU (float32, [2, 16, 2048, 128]) autograd through x * cos + partner(x) * sin took
-    3.95x a copy forward and backward for the half pairing, 6.1x interleaved.
+def rotate_by_formula(
+    x: Tensor, cos: Tensor, sin: Tensor, rotary_dim: int, half_pairing: bool
+) -> Tensor:
+    """x * cos + partner(x) * sin over the rotated features, in cos's dtype: plain
+    differentiable ops, for gradients into cos and sin or a double backward."""
+    rotated = x[..., :rotary_dim].to(cos.dtype)
+    out = rotated * cos + rotation_partners(rotated, half_pairing) * sin
+    if rotary_dim < x.shape[-1]:
+        out = torch.cat((out, x[..., rotary_dim:].to(cos.dtype)), dim=-1)
+    return out
+
+
+class _Rotation(torch.autograd.Function):
+    """RoPE (Su et al. 2021) differentiable in x, by one rotation routine each way: the
+    fused Triton kernel (``fused``) or ``rotate_into``. The gradient of a rotation is
+    the gradient rotated by the negative angle (each pair's [[cos, -sin], [sin, cos]]
+    transposed), so nothing of x is kept, only cos and sin; a double backward goes
+    through ``rotate_by_formula``. On a 2-core CPU (float32, [2, 16, 2048, 128]) autograd
+    through the formula took 3.95x a copy forward and backward for the half pairing,
+    6.1x interleaved.
     """
 
     @staticmethod
     def forward(
-        ctx: Any, x: Tensor, cos: Tensor, sin: Tensor, rotary_dim: int, half_pairing: bool
+        ctx: Any,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        rotary_dim: int,
+        half_pairing: bool,
+        fused: bool,
     ) -> Tensor:
         ctx.save_for_backward(cos, sin)
-        ctx.rotary_dim, ctx.half_pairing = rotary_dim, half_pairing
-        return rotate_into(x, cos, sin, rotary_dim, half_pairing).to(x.dtype)
+        ctx.rotary_dim, ctx.half_pairing, ctx.fused = rotary_dim, half_pairing, fused
+        return _rotate_once(x, cos, sin, rotary_dim, half_pairing, fused, inverse=False)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         cos, sin = ctx.saved_tensors
         d, half_pairing = ctx.rotary_dim, ctx.half_pairing
         if grad.requires_grad:  # a double backward: stay differentiable
-            rotated = grad[..., :d].to(cos.dtype)
-            grad_x = rotated * cos - rotation_partners(rotated, half_pairing) * sin
-            if d < grad.shape[-1]:
-                grad_x = torch.cat((grad_x, grad[..., d:].to(cos.dtype)), dim=-1)
+            grad_x = rotate_by_formula(grad, cos, -sin, d, half_pairing).to(grad.dtype)
         else:
-            grad_x = rotate_into(grad, cos, -sin, d, half_pairing)
-        return grad_x.to(grad.dtype), None, None, None, None
+            grad_x = _rotate_once(grad, cos, sin, d, half_pairing, ctx.fused, inverse=True)
+        return grad_x, None, None, None, None, None
+
+
+def _rotate_once(
+    x: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    rotary_dim: int,
+    half_pairing: bool,
+    fused: bool,
+    inverse: bool,
+) -> Tensor:
+    """x rotated by its angles (by their negatives when ``inverse``), in x's dtype."""
+    if fused:
+        return _launch_rotation(x, cos, sin, rotary_dim, half_pairing, inverse=inverse)
+    return rotate_into(x, cos, -sin if inverse else sin, rotary_dim, half_pairing).to(x.dtype)
 
 
 def rotate_by_halves(
@@ -1205,26 +1233,6 @@ def _power_of_two_at_least(value: int) -> int:
     return 1 << max(value - 1, 0).bit_length()
 
 
-class _FusedRotation(torch.autograd.Function):
-    """RoPE (Su et al. 2021) in one kernel each way; the backward rotates the gradient by
-    the negative angle (the transpose of each pair's [[cos, -sin], [sin, cos]]) and keeps
-    nothing of x, only cos and sin."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, x: Tensor, cos: Tensor, sin: Tensor, rotary_dim: int, half_pairing: bool
-    ) -> Tensor:
-        ctx.save_for_backward(cos, sin)
-        ctx.rotary_dim, ctx.half_pairing = rotary_dim, half_pairing
-        return _launch_rotation(x, cos, sin, rotary_dim, half_pairing, inverse=False)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None, None]:
-        cos, sin = ctx.saved_tensors
-        grad_x = _launch_rotation(grad, cos, sin, ctx.rotary_dim, ctx.half_pairing, inverse=True)
-        return grad_x, None, None, None, None
-
-
 def fused_rotation(
     x: Tensor, cos: Tensor, sin: Tensor, rotary_dim: int, half_pairing: bool
 ) -> Tensor:
@@ -1257,7 +1265,7 @@ def fused_rotation(
             f"{list(cos.shape)} on {cos.device} and {list(sin.shape)} on {sin.device}"
         )
     if torch.is_grad_enabled() and x.requires_grad:
-        return _FusedRotation.apply(x, cos, sin, rotary_dim, half_pairing)  # type: ignore[no-any-return]
+        return _Rotation.apply(x, cos, sin, rotary_dim, half_pairing, True)  # type: ignore[no-any-return]
     return _launch_rotation(x, cos, sin, rotary_dim, half_pairing, inverse=False)
 
 

@@ -26,7 +26,14 @@ def _module(name: str, heads: int = 4) -> torch.nn.Module:
 def test_sdpa_by_distance_matches_eager_with_gradients(
     name: str, causal: bool, n: int, m: int, kv_heads: int
 ) -> None:
-    pe = _module(name)
+    _assert_sdpa_matches_eager(_module(name), n, m, kv_heads, causal=causal)
+
+
+def _assert_sdpa_matches_eager(
+    pe: torch.nn.Module, n: int, m: int, kv_heads: int, **options: object
+) -> None:
+    """Outputs and gradients (into q, k, v and the parameters) of the sdpa backend equal
+    the eager oracle's, float64, with 4 query heads of width 8."""
     generator = torch.Generator().manual_seed(2)
     shapes = {"q": (2, 4, n, 8), "k": (2, kv_heads, m, 8), "v": (2, kv_heads, m, 8)}
     inputs = {
@@ -37,7 +44,7 @@ def test_sdpa_by_distance_matches_eager_with_gradients(
     for backend in ("eager", "sdpa"):
         leaves = {key: value.clone().requires_grad_() for key, value in inputs.items()}
         pe.zero_grad()
-        out = pe(leaves["q"], leaves["k"], leaves["v"], causal=causal, backend=backend)
+        out = pe(leaves["q"], leaves["k"], leaves["v"], backend=backend, **options)
         (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
         grads = [leaves[key].grad for key in ("q", "k", "v")]
         grads += [p.grad.clone() for p in pe.parameters() if p.grad is not None]
@@ -109,30 +116,8 @@ def test_query_chunks_match_eager_with_gradients(
         return original(q, k, v, **kwargs)
 
     pe = _module(name)
-    generator = torch.Generator().manual_seed(3)
-    shapes = {"q": (2, 4, n, 8), "k": (2, kv_heads, m, 8), "v": (2, kv_heads, m, 8)}
-    inputs = {
-        key: torch.randn(*shape, generator=generator, dtype=torch.float64)
-        for key, shape in shapes.items()
-    }
-    results = []
-    for backend in ("eager", "sdpa"):
-        leaves = {key: value.clone().requires_grad_() for key, value in inputs.items()}
-        pe.zero_grad()
-        monkeypatch.setattr(runtime.F, "scaled_dot_product_attention", spy)
-        out = pe(
-            leaves["q"], leaves["k"], leaves["v"], causal=causal, window=window, backend=backend
-        )
-        monkeypatch.setattr(runtime.F, "scaled_dot_product_attention", original)
-        (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
-        grads = [leaves[key].grad for key in ("q", "k", "v")]
-        grads += [p.grad.clone() for p in pe.parameters() if p.grad is not None]
-        results.append((out.detach(), grads))
-    (eager, eager_grads), (sdpa, sdpa_grads) = results
-    torch.testing.assert_close(sdpa, eager, rtol=1e-10, atol=1e-12)
-    assert len(sdpa_grads) == len(eager_grads)
-    for got, want in zip(sdpa_grads, eager_grads, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
+    monkeypatch.setattr(runtime.F, "scaled_dot_product_attention", spy)
+    _assert_sdpa_matches_eager(pe, n, m, kv_heads, causal=causal, window=window)
     trained = any(True for _ in pe.parameters())
     if causal or window is not None or trained:
         assert len(key_counts) == -(-n // 3)  # one SDPA call per chunk of 3 queries

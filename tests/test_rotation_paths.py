@@ -1,7 +1,7 @@
 """The runtime's eager rotation paths against an independent float64 rotation.
 
 ``apply_rotation`` rotates without autograd by ``rotate_into``, with gradients into x
-alone by ``_RotationByParts`` (whose backward rotates the gradient by the negative
+alone by ``_Rotation`` (whose backward rotates the gradient by the negative
 angle) and with gradients into cos or sin by the differentiable formula. Each must give
 the rotation of every pair (a, b) by its angle: (a cos - b sin, b cos + a sin), and the
 gradients of that map.
@@ -63,9 +63,9 @@ def test_every_eager_path_matches_the_pairwise_rotation(
         got = runtime.apply_rotation(x, cos, sin, rotary_dim, half_pairing)
     torch.testing.assert_close(got, want.detach(), rtol=1e-12, atol=1e-12)
 
-    leaf = x.clone().requires_grad_()  # _RotationByParts
+    leaf = x.clone().requires_grad_()  # _Rotation, by rotate_into
     got = runtime.apply_rotation(leaf, cos, sin, rotary_dim, half_pairing)
-    assert type(got.grad_fn).__name__ == "_RotationByPartsBackward"
+    assert type(got.grad_fn).__name__ == "_RotationBackward"
     (got_grad,) = torch.autograd.grad(got, leaf, cotangent)
     torch.testing.assert_close(got, want.detach(), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(got_grad, want_grad, rtol=1e-12, atol=1e-12)
@@ -100,7 +100,7 @@ def test_the_backward_by_the_negative_angle_passes_gradcheck_twice(
     x = torch.randn(1, 2, 4, head_dim, dtype=torch.float64, requires_grad=True)
 
     def rotate(t: torch.Tensor) -> torch.Tensor:
-        return runtime._RotationByParts.apply(t, cos, sin, rotary_dim, half_pairing)
+        return runtime._Rotation.apply(t, cos, sin, rotary_dim, half_pairing, False)
 
     assert torch.autograd.gradcheck(rotate, (x,))
     assert torch.autograd.gradgradcheck(rotate, (x,))
