@@ -27,6 +27,8 @@ step 150 rotary python3 benchmarks/rotary.py --device cuda --dtype bfloat16 --co
     --shapes 4,32,4096,128 --repeats 30 --out "$out"
 step 150 rotary_backward python3 benchmarks/rotary.py --device cuda --dtype bfloat16 \
     --compile --backward --shapes 4,32,4096,128 --repeats 20 --out "$out"
+step 120 rotary_float32 python3 benchmarks/rotary.py --device cuda --dtype float32 --compile \
+    --shapes 4,32,4096,128 --repeats 30 --out "$out"
 step 300 attention python3 benchmarks/attention_backends.py --device cuda --dtype bfloat16 \
     --encodings alibi t5 kerple_log --backends sdpa flex --lengths 2048 8192 \
     --modes forward train --causal both --hf --repeats 15 --tag _bias --out "$out"
