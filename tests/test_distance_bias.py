@@ -136,3 +136,24 @@ def test_key_span_is_exactly_the_keys_some_query_may_read(
             readable = allowed[i0:i1].any(0).nonzero().flatten().tolist()
             lo, hi = runtime.key_span(i0, i1, n, m, causal, window)
             assert readable == list(range(lo, hi)), (i0, i1)
+
+
+@pytest.mark.parametrize("name", ["alibi", "t5"])
+def test_query_chunks_in_bfloat16_stay_within_bfloat16_error(name: str, monkeypatch) -> None:
+    """bf16 through the chunked calls against the float32 oracle on the same bf16
+    inputs: outputs and gradients within bf16 error."""
+    monkeypatch.setitem(runtime.SDPA_QUERY_CHUNK, "cpu", 5)
+    torch.manual_seed(0)
+    pe = generated_class(name)(heads=4, head_dim=16)
+    generator = torch.Generator().manual_seed(4)
+    q, k, v, cotangent = (
+        torch.randn(2, 4, 23, 16, generator=generator).bfloat16() for _ in range(4)
+    )
+    results = []
+    for backend, dtype in (("eager", torch.float32), ("sdpa", torch.bfloat16)):
+        leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        out = pe(*leaves, causal=True, window=9, backend=backend)
+        grads = torch.autograd.grad(out, leaves, cotangent.to(dtype))
+        results.append([t.float() for t in (out, *grads)])
+    for got, want in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
