@@ -59,8 +59,8 @@ def flush_denormals() -> bool:
 
     Softmax weights below 2^-126 (a steep bias: ALiBi at long range, KERPLE, Sandwich)
     are denormal, and CPU arithmetic on denormals is slow: on 2 threads a training step
-    of ALiBi through CPU SDPA took 2.7x the bias-free step with them, 1.04x without
-    (N = 1024, float32). ``torch.set_flush_denormal`` sets the calling thread's mode
+    of ALiBi through CPU SDPA took 3.3x the bias-free step with them, 1.05x without
+    (N = 2048, float32; benchmarks/results/attention_backends_cpu_float32_bias*.md). ``torch.set_flush_denormal`` sets the calling thread's mode
     only; torch's intra-op threads copy it when they are created, at the first parallel
     operation. So call this before any tensor operation; called later it returns False
     (a probe multiplies denormals on every thread), and a warning says so. The change is
@@ -701,19 +701,21 @@ def flex_reference(
     return torch.matmul(masked_softmax(scores), v)
 
 
+#: queries per SDPA call for a bias of j - i alone that is masked (causal, window) or
+#: trained, per device type; None: one call. Each call reads only the keys its queries
+#: may see (``key_span``): SDPA's kernels skip no masked block once a mask is given, and
+#: a mask that requires grad takes the CPU's unfused math kernel, whose [B, H, rows, M]
+#: scores then stay in cache. CPU, float32, N = 2048, B=2, H=16, D=64, 2 threads,
+#: against plain SDPA: causal ALiBi forward 1.72x -> 1.20x, T5 training 6.65x -> 2.63x
+#: causal and 3.87x -> 3.56x not (benchmarks/results/
+#: attention_backends_cpu_float32_bias_flushed.md, chunk none against chunk 256)
+SDPA_QUERY_CHUNK: dict[str, int | None] = {"cpu": 256}
+
 _COMPILED_FLEX: dict[str, Any] = {}
 
 #: recompilations TorchDynamo may make of flex_attention while posgen calls it: each
 #: (score_mod, shape, dtype, mask) is one, and past dynamo's default limit (8) it falls
 #: back, with a warning, to the unfused kernel that materialises the scores
-# queries per SDPA call for a bias of j - i alone that is masked (causal, window) or
-# trained, per device type; None: one call. Each call reads only the keys its queries
-# may see (``key_span``): SDPA's kernels cannot skip masked blocks once a mask is given,
-# and a mask that requires grad takes the CPU's unfused math kernel, whose [B, H, rows,
-# M] scores then stay in cache. CPU, float32, N = 2048, B=2, H=16, D=64, 2 threads:
-# causal ALiBi forward 1.80x -> 1.12x no-bias SDPA, T5 training causal 7.6x -> 2.4x
-# and not causal 5.1x -> 3.1x (benchmarks/results/sdpa_query_chunks_cpu_float32.md)
-SDPA_QUERY_CHUNK: dict[str, int] = {"cpu": 256}
 FLEX_RECOMPILE_LIMIT = 256
 
 
