@@ -60,11 +60,13 @@ def flush_denormals() -> bool:
     Softmax weights below 2^-126 (a steep bias: ALiBi at long range, KERPLE, Sandwich)
     are denormal, and CPU arithmetic on denormals is slow: on 2 threads a training step
     of ALiBi through CPU SDPA took 3.3x the bias-free step with them, 1.05x without
-    (N = 2048, float32; benchmarks/results/attention_backends_cpu_float32_bias*.md). ``torch.set_flush_denormal`` sets the calling thread's mode
-    only; torch's intra-op threads copy it when they are created, at the first parallel
-    operation. So call this before any tensor operation; called later it returns False
-    (a probe multiplies denormals on every thread), and a warning says so. The change is
-    process-wide: values below 2^-126 become 0.
+    (N = 2048, float32; benchmarks/results/attention_backends_cpu_float32_bias*.md).
+
+    ``torch.set_flush_denormal`` sets the calling thread's mode only; torch's intra-op
+    threads copy it when they are created, at the first parallel operation. So call
+    this before any tensor operation; called later it returns False (a probe multiplies
+    denormals on every thread), and a warning says so. The change is process-wide:
+    values below 2^-126 become 0.
     """
     if not torch.set_flush_denormal(True):
         return False
