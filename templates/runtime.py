@@ -516,6 +516,21 @@ def key_span(i0: int, i1: int, n: int, m: int, causal: bool, window: int | None)
     return lo, hi
 
 
+def query_chunks(
+    n: int, m: int, device_type: str, causal: bool, window: int | None
+) -> list[tuple[int, int, int, int]]:
+    """(i0, i1, lo, hi) per SDPA call: queries i0 .. i1 - 1 and the keys [lo, hi) they may
+    read (``key_span``), ``SDPA_QUERY_CHUNK`` queries at a time on ``device_type``; one
+    call over every key where it sets no chunk or n fits in one."""
+    chunk = SDPA_QUERY_CHUNK.get(device_type)
+    if chunk is None or n <= chunk:
+        return [(0, n, 0, m)]
+    return [
+        (i0, min(i0 + chunk, n), *key_span(i0, min(i0 + chunk, n), n, m, causal, window))
+        for i0 in range(0, n, chunk)
+    ]
+
+
 def flex_mask_mod(
     q_positions: Tensor | None,
     k_positions: Tensor | None,
@@ -703,11 +718,12 @@ def flex_reference(
     return torch.matmul(masked_softmax(scores), v)
 
 
-#: queries per SDPA call for a bias of j - i alone that is masked (causal, window) or
-#: trained, per device type; None: one call. Each call reads only the keys its queries
-#: may see (``key_span``): SDPA's kernels skip no masked block once a mask is given, and
-#: a mask that requires grad takes the CPU's unfused math kernel, whose [B, H, rows, M]
-#: scores then stay in cache. CPU, float32, N = 2048, B=2, H=16, D=64, 2 threads,
+#: queries per SDPA call (``query_chunks``), per device type, None: one call; used at
+#: default positions for a bias of j - i alone that is masked (causal, window) or
+#: trained, and for a window or causal last-N-of-M queries without a bias. Each call
+#: reads only the keys its queries may see (``key_span``): SDPA's kernels skip no
+#: masked block once a mask is given, and a mask that requires grad takes the CPU's
+#: unfused math kernel, whose [B, H, rows, M] scores then stay in cache. CPU, float32, N = 2048, B=2, H=16, D=64, 2 threads,
 #: against plain SDPA: causal ALiBi forward 1.72x -> 1.20x, T5 training 6.65x -> 2.63x
 #: causal and 3.87x -> 3.56x not (benchmarks/results/
 #: attention_backends_cpu_float32_bias_flushed.md, chunk none against chunk 256)
@@ -1837,6 +1853,22 @@ class PositionalAttention(nn.Module):
         allowed = attention_allowed(
             q_positions, k_positions, n, m, q.device, causal, window, document_ids
         )  # [N, M] or [B, 1, N, M], or None
+        spans = query_chunks(n, m, q.device.type, causal, window)
+        if allowed is not None and by_distance and len(spans) > 1:
+            # a window, or causal queries that are the last N of M keys: each chunk of
+            # queries against only the keys it may read
+            outs = [
+                F.scaled_dot_product_attention(
+                    q[:, :, i0:i1],
+                    k[:, :, lo:hi],
+                    v[:, :, lo:hi],
+                    attn_mask=allowed[i0:i1, lo:hi],
+                    scale=self.scale,
+                    **gqa,
+                )
+                for i0, i1, lo, hi in spans
+            ]
+            return torch.cat(outs, dim=2)
         mask: Tensor | None = allowed
         if attn_mask is not None:
             if allowed is None:
@@ -2056,32 +2088,27 @@ class PositionalAttention(nn.Module):
         if n == 1:  # one query (a decode step): the vector is its row, in key order
             mask = vec[None, :, None, :]  # [1, H, 1, M]
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, **gqa)
-        chunk = SDPA_QUERY_CHUNK.get(q.device.type)
-        if chunk is None or n <= chunk or (allowed is None and not vec.requires_grad):
-            chunk = n  # one call over every key
-        q_reversed = q.flip(2)
+        if allowed is None and not vec.requires_grad:
+            spans = [(0, n, 0, m)]  # nothing to skip: one call over every key
+        else:
+            spans = query_chunks(n, m, q.device.type, causal, window)
         outs = []
-        for r0 in range(0, n, chunk):  # reversed rows r0 .. r1 - 1: queries n - r1 .. n - r0 - 1
-            r1 = min(r0 + chunk, n)
-            i0, i1 = n - r1, n - r0
-            lo, hi = key_span(i0, i1, n, m, causal, window)
+        for i0, i1, lo, hi in spans:
             # entry t of vec is the distance of (query i, key j) with t = j - i + n - 1;
-            # this chunk's first reversed row (query i1 - 1) starts at key lo
+            # the chunk's first reversed row (query i1 - 1) starts at key lo
             start = lo - i1 + n
             part = vec[:, start : start + (i1 - i0) + (hi - lo) - 1]
             mask = query_reversed_bias(part, i1 - i0, hi - lo).unsqueeze(0)  # [1, H, rows, keys]
-            outs.append(
-                F.scaled_dot_product_attention(
-                    q_reversed[:, :, r0:r1],
-                    k[:, :, lo:hi],
-                    v[:, :, lo:hi],
-                    attn_mask=mask,
-                    scale=self.scale,
-                    **gqa,
-                )
+            out = F.scaled_dot_product_attention(
+                q[:, :, i0:i1].flip(2),
+                k[:, :, lo:hi],
+                v[:, :, lo:hi],
+                attn_mask=mask,
+                scale=self.scale,
+                **gqa,
             )
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-        return out.flip(2)  # [B, H, N, value_dim] in query order
+            outs.append(out.flip(2))  # [B, H, rows, value_dim] in query order
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
     def _sdpa_bias(
         self,

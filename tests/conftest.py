@@ -69,3 +69,30 @@ def spec_variant(
     path = Path(_VARIANTS.name) / f"{name or base}.yaml"
     path.write_text(text, encoding="utf-8")
     return encoding_class(module_from_spec(path))
+
+
+def assert_sdpa_matches_eager(
+    pe: torch.nn.Module, n: int, m: int, kv_heads: int, **options: object
+) -> None:
+    """Outputs and gradients (into q, k, v and the parameters) of the sdpa backend equal
+    the eager oracle's, float64, with 4 query heads of width 8."""
+    generator = torch.Generator().manual_seed(2)
+    shapes = {"q": (2, 4, n, 8), "k": (2, kv_heads, m, 8), "v": (2, kv_heads, m, 8)}
+    inputs = {
+        key: torch.randn(*shape, generator=generator, dtype=torch.float64)
+        for key, shape in shapes.items()
+    }
+    results = []
+    for backend in ("eager", "sdpa"):
+        leaves = {key: value.clone().requires_grad_() for key, value in inputs.items()}
+        pe.zero_grad()
+        out = pe(leaves["q"], leaves["k"], leaves["v"], backend=backend, **options)
+        (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+        grads = [leaves[key].grad for key in ("q", "k", "v")]
+        grads += [p.grad.clone() for p in pe.parameters() if p.grad is not None]
+        results.append((out.detach(), grads))
+    (eager, eager_grads), (sdpa, sdpa_grads) = results
+    torch.testing.assert_close(sdpa, eager, rtol=1e-10, atol=1e-12)
+    assert len(sdpa_grads) == len(eager_grads)
+    for got, want in zip(sdpa_grads, eager_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)

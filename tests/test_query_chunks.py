@@ -1,0 +1,90 @@
+"""CPU sdpa in query chunks (``SDPA_QUERY_CHUNK``, ``query_chunks``, ``key_span``):
+where a mask or a trained bias would make SDPA do work it cannot skip, the queries go a
+chunk at a time, each against only the keys it may read. Biases of j - i alone (ALiBi,
+T5, KERPLE: a strided view of a slice of the per-distance vector per chunk) and
+encodings without a bias under a window or causal queries that are the last N of M
+keys (a slice of the boolean mask per chunk). Every case is checked against the eager
+oracle, outputs and gradients.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from tests.conftest import assert_sdpa_matches_eager, generated_class
+
+runtime = importlib.import_module("generated._attention")
+
+
+CHUNK_CASES = [  # (n, m, kv_heads, causal, window)
+    (10, 10, 4, True, None),
+    (7, 12, 2, True, None),
+    (10, 10, 4, False, 3),
+    (7, 12, 1, True, 4),
+    (9, 9, 4, False, None),  # trained tables (T5, KERPLE): chunked for the gradient
+    (9, 9, 2, True, None),  # bias-free: SDPA's own causal mask, one call
+]
+
+
+@pytest.mark.parametrize("name", ["alibi", "t5", "kerple_log", "rope", "nope"])
+@pytest.mark.parametrize(("n", "m", "kv_heads", "causal", "window"), CHUNK_CASES)
+def test_query_chunks_match_eager_with_gradients(
+    name: str, n: int, m: int, kv_heads: int, causal: bool, window: int | None, monkeypatch
+) -> None:
+    monkeypatch.setitem(runtime.SDPA_QUERY_CHUNK, "cpu", 3)
+    key_counts: list[int] = []
+    original = runtime.F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kwargs):
+        key_counts.append(k.shape[2])
+        return original(q, k, v, **kwargs)
+
+    torch.manual_seed(0)
+    pe = generated_class(name)(heads=4, head_dim=8).double()
+    monkeypatch.setattr(runtime.F, "scaled_dot_product_attention", spy)
+    assert_sdpa_matches_eager(pe, n, m, kv_heads, causal=causal, window=window)
+    trained = any(True for _ in pe.parameters())
+    bias_free_causal = causal and window is None and n == m and not pe.has_position_bias
+    if bias_free_causal:  # SDPA's own is_causal: one call, no mask
+        assert key_counts == [m]
+    elif causal or window is not None or (trained and pe.has_position_bias):
+        assert len(key_counts) == -(-n // 3)  # one SDPA call per chunk of 3 queries
+    if (causal or window is not None) and not bias_free_causal:
+        assert min(key_counts) < m  # masked keys are not read
+
+
+@pytest.mark.parametrize(("n", "m"), [(6, 6), (4, 9)])
+@pytest.mark.parametrize(("causal", "window"), [(True, None), (False, 2), (True, 3), (False, 20)])
+def test_key_span_is_exactly_the_keys_some_query_may_read(
+    n: int, m: int, causal: bool, window: int | None
+) -> None:
+    allowed = runtime.attention_allowed(None, None, n, m, torch.device("cpu"), causal, window, None)
+    for i0 in range(n):
+        for i1 in range(i0 + 1, n + 1):
+            readable = allowed[i0:i1].any(0).nonzero().flatten().tolist()
+            lo, hi = runtime.key_span(i0, i1, n, m, causal, window)
+            assert readable == list(range(lo, hi)), (i0, i1)
+
+
+@pytest.mark.parametrize("name", ["alibi", "t5", "rope"])
+def test_query_chunks_in_bfloat16_stay_within_bfloat16_error(name: str, monkeypatch) -> None:
+    """bf16 through the chunked calls against the float32 oracle on the same bf16
+    inputs: outputs and gradients within bf16 error."""
+    monkeypatch.setitem(runtime.SDPA_QUERY_CHUNK, "cpu", 5)
+    torch.manual_seed(0)
+    pe = generated_class(name)(heads=4, head_dim=16)
+    generator = torch.Generator().manual_seed(4)
+    q, k, v, cotangent = (
+        torch.randn(2, 4, 23, 16, generator=generator).bfloat16() for _ in range(4)
+    )
+    results = []
+    for backend, dtype in (("eager", torch.float32), ("sdpa", torch.bfloat16)):
+        leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        out = pe(*leaves, causal=True, window=9, backend=backend)
+        grads = torch.autograd.grad(out, leaves, cotangent.to(dtype))
+        results.append([t.float() for t in (out, *grads)])
+    for got, want in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
