@@ -723,10 +723,12 @@ def flex_reference(
 #: trained, and for a window or causal last-N-of-M queries without a bias. Each call
 #: reads only the keys its queries may see (``key_span``): SDPA's kernels skip no
 #: masked block once a mask is given, and a mask that requires grad takes the CPU's
-#: unfused math kernel, whose [B, H, rows, M] scores then stay in cache. CPU, float32, N = 2048, B=2, H=16, D=64, 2 threads,
-#: against plain SDPA: causal ALiBi forward 1.72x -> 1.20x, T5 training 6.65x -> 2.63x
-#: causal and 3.87x -> 3.56x not (benchmarks/results/
-#: attention_backends_cpu_float32_bias_flushed.md, chunk none against chunk 256)
+#: unfused math kernel, whose [B, H, rows, M] scores then stay in cache. CPU, float32,
+#: N = 2048, B=2, H=16, D=64, 2 threads, against plain SDPA: causal ALiBi forward
+#: 1.72x -> 1.20x, T5 training 6.65x -> 2.63x causal and 3.87x -> 3.56x not
+#: (benchmarks/results/attention_backends_cpu_float32_bias_flushed.md, chunk none
+#: against chunk 256); a causal window of 256 (..._window256.md): rope forward
+#: 1.26x -> 0.49x SDPA with the window's mask
 SDPA_QUERY_CHUNK: dict[str, int | None] = {"cpu": 256}
 
 _COMPILED_FLEX: dict[str, Any] = {}
