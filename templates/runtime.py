@@ -926,17 +926,15 @@ def rotate_by_halves(
     """
     d = rotary_dim
     rotated = x[..., :d].to(cos.dtype)
+    passed = [x[..., d:].to(cos.dtype)] if d < x.shape[-1] else []  # features past d
     if half_pairing:  # feature k pairs with k + d / 2
         a, b = rotated[..., : d // 2], rotated[..., d // 2 :]
         c, s = materialized(cos[..., : d // 2]), materialized(sin[..., : d // 2])
-        out = torch.cat((a * c - b * s, b * c + a * s), dim=-1)
-    else:  # feature 2k pairs with 2k + 1
-        a, b = rotated[..., 0::2], rotated[..., 1::2]
-        c, s = materialized(cos[..., 0::2]), materialized(sin[..., 0::2])
-        out = torch.stack((a * c - b * s, b * c + a * s), dim=-1).flatten(-2)
-    if d < x.shape[-1]:
-        out = torch.cat((out, x[..., d:].to(cos.dtype)), dim=-1)
-    return out
+        return torch.cat([a * c - b * s, b * c + a * s, *passed], dim=-1)  # one join
+    a, b = rotated[..., 0::2], rotated[..., 1::2]  # feature 2k pairs with 2k + 1
+    c, s = materialized(cos[..., 0::2]), materialized(sin[..., 0::2])
+    out = torch.stack((a * c - b * s, b * c + a * s), dim=-1).flatten(-2)
+    return torch.cat([out, *passed], dim=-1) if passed else out
 
 
 def _materialize_op() -> Any:
