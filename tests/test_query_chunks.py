@@ -1,10 +1,11 @@
 """CPU sdpa in query chunks (``SDPA_QUERY_CHUNK``, ``query_chunks``, ``key_span``):
 where a mask or a trained bias would make SDPA do work it cannot skip, the queries go a
 chunk at a time, each against only the keys it may read. Biases of j - i alone (ALiBi,
-T5, KERPLE: a strided view of a slice of the per-distance vector per chunk) and
-encodings without a bias under a window or causal queries that are the last N of M
-keys (a slice of the boolean mask per chunk). Every case is checked against the eager
-oracle, outputs and gradients.
+T5, KERPLE) take a strided view of a slice of the per-distance vector per chunk;
+encodings without a bias a slice of the boolean mask; other biases and relative terms
+(FIRE, BERT, DeBERTa, Transformer-XL, CoPE, Shaw) are built per chunk at the chunk's
+explicit positions. Every case is checked against the eager oracle, outputs and
+gradients.
 """
 
 from __future__ import annotations
@@ -29,7 +30,22 @@ CHUNK_CASES = [  # (n, m, kv_heads, causal, window)
 ]
 
 
-@pytest.mark.parametrize("name", ["alibi", "t5", "kerple_log", "rope", "nope"])
+ENCODINGS = [
+    "alibi",  # fixed bias of j - i: its per-distance vector
+    "t5",  # trained bias of j - i
+    "kerple_log",
+    "rope",  # no bias: a slice of the boolean mask
+    "nope",
+    "fire",  # a bias of positions: built per chunk at the chunk's positions
+    "bert_relative_key",  # relative terms: per chunk at the chunk's positions
+    "deberta",
+    "transformer_xl",
+    "cope",
+    "shaw",  # a value term: the weights per chunk, no SDPA call
+]
+
+
+@pytest.mark.parametrize("name", ENCODINGS)
 @pytest.mark.parametrize(("n", "m", "kv_heads", "causal", "window"), CHUNK_CASES)
 def test_query_chunks_match_eager_with_gradients(
     name: str, n: int, m: int, kv_heads: int, causal: bool, window: int | None, monkeypatch
@@ -46,14 +62,18 @@ def test_query_chunks_match_eager_with_gradients(
     pe = generated_class(name)(heads=4, head_dim=8).double()
     monkeypatch.setattr(runtime.F, "scaled_dot_product_attention", spy)
     assert_sdpa_matches_eager(pe, n, m, kv_heads, causal=causal, window=window)
-    trained = any(True for _ in pe.parameters())
-    bias_free_causal = causal and window is None and n == m and not pe.has_position_bias
-    if bias_free_causal:  # SDPA's own is_causal: one call, no mask
+    if pe.has_value_term:
+        return  # no SDPA call to count
+    masked = causal or window is not None
+    plain = not (pe.has_position_bias or pe.has_relative_terms)
+    if plain and causal and window is None and n == m:  # SDPA's own is_causal, no mask
         assert key_counts == [m]
-    elif causal or window is not None or (trained and pe.has_position_bias):
+    elif masked or (pe.bias_by_distance and any(True for _ in pe.parameters())):
         assert len(key_counts) == -(-n // 3)  # one SDPA call per chunk of 3 queries
-    if (causal or window is not None) and not bias_free_causal:
-        assert min(key_counts) < m  # masked keys are not read
+        if masked:
+            assert min(key_counts) < m  # masked keys are not read
+    else:
+        assert key_counts == [m]
 
 
 @pytest.mark.parametrize(("n", "m"), [(6, 6), (4, 9)])
