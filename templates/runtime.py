@@ -1848,24 +1848,14 @@ class PositionalAttention(nn.Module):
         if has_bias and by_distance and (causal or window is not None) and len(spans) > 1:
             # each chunk of queries gets the bias at its own positions, over the keys it
             # may read
-            outs = []
-            for i0, i1, lo, hi in spans:
+            def chunk_bias(i0: int, i1: int, lo: int, hi: int) -> Tensor:
                 q_chunk = torch.arange(m - n + i0, m - n + i1, device=q.device)
                 k_chunk = torch.arange(lo, hi, device=q.device)
-                mask = self._sdpa_bias(
+                return self._sdpa_bias(
                     q_chunk, k_chunk, i1 - i0, hi - lo, q.device, q.dtype, causal, window
                 )
-                outs.append(
-                    F.scaled_dot_product_attention(
-                        q[:, :, i0:i1],
-                        k[:, :, lo:hi],
-                        v[:, :, lo:hi],
-                        attn_mask=mask,
-                        scale=self.scale,
-                        **gqa,
-                    )
-                )
-            return torch.cat(outs, dim=2)
+
+            return self._sdpa_in_chunks(q, k, v, spans, chunk_bias, gqa)
         if has_bias:
             mask = self._sdpa_bias(
                 q_positions, k_positions, n, m, q.device, q.dtype, causal, window, document_ids
@@ -1883,18 +1873,12 @@ class PositionalAttention(nn.Module):
         if allowed is not None and by_distance and len(spans) > 1:
             # a window, or causal queries that are the last N of M keys: each chunk of
             # queries against only the keys it may read
-            outs = [
-                F.scaled_dot_product_attention(
-                    q[:, :, i0:i1],
-                    k[:, :, lo:hi],
-                    v[:, :, lo:hi],
-                    attn_mask=allowed[i0:i1, lo:hi],
-                    scale=self.scale,
-                    **gqa,
-                )
-                for i0, i1, lo, hi in spans
-            ]
-            return torch.cat(outs, dim=2)
+            grid = allowed  # [N, M]
+
+            def chunk_allowed(i0: int, i1: int, lo: int, hi: int) -> Tensor:
+                return grid[i0:i1, lo:hi]
+
+            return self._sdpa_in_chunks(q, k, v, spans, chunk_allowed, gqa)
         mask: Tensor | None = allowed
         if attn_mask is not None:
             if allowed is None:
@@ -2142,22 +2126,42 @@ class PositionalAttention(nn.Module):
             spans = [(0, n, 0, m)]  # nothing to skip: one call over every key
         else:
             spans = query_chunks(n, m, q.device.type, causal, window)
-        outs = []
-        for i0, i1, lo, hi in spans:
+
+        def chunk_view(i0: int, i1: int, lo: int, hi: int) -> Tensor:
             # entry t of vec is the distance of (query i, key j) with t = j - i + n - 1;
             # the chunk's first reversed row (query i1 - 1) starts at key lo
             start = lo - i1 + n
             part = vec[:, start : start + (i1 - i0) + (hi - lo) - 1]
-            mask = query_reversed_bias(part, i1 - i0, hi - lo).unsqueeze(0)  # [1, H, rows, keys]
+            return query_reversed_bias(part, i1 - i0, hi - lo).unsqueeze(0)  # [1, H, rows, keys]
+
+        return self._sdpa_in_chunks(q, k, v, spans, chunk_view, gqa, queries_reversed=True)
+
+    def _sdpa_in_chunks(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        spans: list[tuple[int, int, int, int]],
+        mask_of: Any,
+        gqa: dict[str, bool],
+        queries_reversed: bool = False,
+    ) -> Tensor:
+        """One SDPA call per (i0, i1, lo, hi) of ``query_chunks``: queries i0 .. i1 - 1
+        against keys lo .. hi - 1 with the mask ``mask_of(i0, i1, lo, hi)``, whose rows
+        run in reverse query order when ``queries_reversed`` (then the chunk's queries
+        go in reversed and its output comes back in order) -> [B, H, N, value_dim]."""
+        outs = []
+        for i0, i1, lo, hi in spans:
+            rows = q[:, :, i0:i1].flip(2) if queries_reversed else q[:, :, i0:i1]
             out = F.scaled_dot_product_attention(
-                q[:, :, i0:i1].flip(2),
+                rows,
                 k[:, :, lo:hi],
                 v[:, :, lo:hi],
-                attn_mask=mask,
+                attn_mask=mask_of(i0, i1, lo, hi),
                 scale=self.scale,
                 **gqa,
             )
-            outs.append(out.flip(2))  # [B, H, rows, value_dim] in query order
+            outs.append(out.flip(2) if queries_reversed else out)
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
     def _sdpa_bias(
