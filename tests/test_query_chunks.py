@@ -14,6 +14,8 @@ import importlib
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.conftest import assert_sdpa_matches_eager, generated_class
 
@@ -108,3 +110,35 @@ def test_query_chunks_in_bfloat16_stay_within_bfloat16_error(name: str, monkeypa
         results.append([t.float() for t in (out, *grads)])
     for got, want in zip(results[1], results[0], strict=True):
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(
+    name=st.sampled_from(["alibi", "t5", "rope", "fire", "deberta", "transformer_xl", "shaw"]),
+    n=st.integers(1, 12),
+    extra_keys=st.integers(0, 6),
+    causal=st.booleans(),
+    window=st.sampled_from([None, 1, 2, 5, 40]),
+    chunk=st.integers(1, 5),
+    kv_heads=st.sampled_from([1, 2, 4]),
+)
+def test_any_chunking_matches_eager(
+    name: str,
+    n: int,
+    extra_keys: int,
+    causal: bool,
+    window: int | None,
+    chunk: int,
+    kv_heads: int,
+) -> None:
+    """Random shapes, masks and chunk sizes: the chunked sdpa paths give the eager
+    oracle's outputs and gradients (float64)."""
+    chunks = dict(runtime.SDPA_QUERY_CHUNK)
+    runtime.SDPA_QUERY_CHUNK["cpu"] = chunk
+    try:
+        torch.manual_seed(0)
+        pe = generated_class(name)(heads=4, head_dim=8).double()
+        assert_sdpa_matches_eager(pe, n, n + extra_keys, kv_heads, causal=causal, window=window)
+    finally:
+        runtime.SDPA_QUERY_CHUNK.clear()
+        runtime.SDPA_QUERY_CHUNK.update(chunks)
