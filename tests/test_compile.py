@@ -70,10 +70,11 @@ def test_fullgraph_compile_of_the_flex_backend(name: str) -> None:
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["alibi", "t5", "rope"])
+@pytest.mark.parametrize("name", ["alibi", "t5", "rope", "fire", "deberta", "transformer_xl"])
 def test_fullgraph_compile_of_sdpa_query_chunks(name: str, monkeypatch) -> None:
-    """The per-chunk SDPA calls (``SDPA_QUERY_CHUNK``) of a masked bias of j - i, or of
-    a window without a bias, trace whole: their key spans come from shapes alone."""
+    """The per-chunk SDPA calls (``SDPA_QUERY_CHUNK``) trace whole: of a masked bias of
+    j - i, of a window without a bias, and of biases and relative terms built at each
+    chunk's positions. Their key spans come from shapes alone."""
     runtime = importlib.import_module("generated._attention")
     monkeypatch.setitem(runtime.SDPA_QUERY_CHUNK, "cpu", 2)
     pe, q, k, v = _module_and_inputs(name, 8)
