@@ -71,6 +71,20 @@ def spec_variant(
     return encoding_class(module_from_spec(path))
 
 
+def run_backend(
+    pe: torch.nn.Module, inputs: dict[str, torch.Tensor], backend: str, **options: object
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The output for ``inputs`` (q, k, v) on ``backend`` and the gradients of a fixed
+    weighting of it into q, k, v and the module's parameters (those it reaches)."""
+    leaves = {key: value.clone().requires_grad_() for key, value in inputs.items()}
+    pe.zero_grad()
+    out = pe(leaves["q"], leaves["k"], leaves["v"], backend=backend, **options)
+    (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+    grads = [leaves[key].grad for key in ("q", "k", "v")]
+    grads += [p.grad.clone() for p in pe.parameters() if p.grad is not None]
+    return out.detach(), grads
+
+
 def assert_sdpa_matches_eager(
     pe: torch.nn.Module, n: int, m: int, kv_heads: int, **options: object
 ) -> None:
@@ -82,16 +96,8 @@ def assert_sdpa_matches_eager(
         key: torch.randn(*shape, generator=generator, dtype=torch.float64)
         for key, shape in shapes.items()
     }
-    results = []
-    for backend in ("eager", "sdpa"):
-        leaves = {key: value.clone().requires_grad_() for key, value in inputs.items()}
-        pe.zero_grad()
-        out = pe(leaves["q"], leaves["k"], leaves["v"], backend=backend, **options)
-        (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
-        grads = [leaves[key].grad for key in ("q", "k", "v")]
-        grads += [p.grad.clone() for p in pe.parameters() if p.grad is not None]
-        results.append((out.detach(), grads))
-    (eager, eager_grads), (sdpa, sdpa_grads) = results
+    eager, eager_grads = run_backend(pe, inputs, "eager", **options)
+    sdpa, sdpa_grads = run_backend(pe, inputs, "sdpa", **options)
     torch.testing.assert_close(sdpa, eager, rtol=1e-10, atol=1e-12)
     assert len(sdpa_grads) == len(eager_grads)
     for got, want in zip(sdpa_grads, eager_grads, strict=True):

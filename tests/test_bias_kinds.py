@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 from posgen.cli import main
 from posgen.codegen.inmemory import encoding_class, module_from_spec
-from tests.conftest import ROOT, generated_class, spec_variant
+from tests.conftest import ROOT, generated_class, run_backend, spec_variant
 
 runtime = importlib.import_module("generated._attention")
 EXPR_SPEC = ROOT / "tests" / "specs" / "expr" / "kerple_log_expr.yaml"
@@ -222,16 +222,6 @@ def test_fire_threshold_gets_gradients_past_it() -> None:
 # --------------------------------------------------------------------------- backends
 
 
-def _run(pe, inputs, backend, **kwargs):
-    leaves = {key: value.clone().requires_grad_() for key, value in inputs.items()}
-    pe.zero_grad()
-    out = pe(leaves["q"], leaves["k"], leaves["v"], backend=backend, **kwargs)
-    (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
-    grads = [leaves[key].grad for key in ("q", "k", "v")]
-    grads += [p.grad.clone() for p in pe.parameters() if p.grad is not None]
-    return out.detach(), grads
-
-
 @pytest.mark.parametrize("name", [*NEW_KINDS, "expr"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("explicit", [False, True])
@@ -248,9 +238,9 @@ def test_every_backend_matches_eager(name: str, causal: bool, explicit: bool) ->
     kwargs = {"causal": causal}
     if explicit:
         kwargs.update(q_positions=Q_POS + 1, k_positions=K_POS)
-    eager, eager_grads = _run(pe, inputs, "eager", **kwargs)
+    eager, eager_grads = run_backend(pe, inputs, "eager", **kwargs)
     for backend in runtime.BACKENDS:
-        got, grads = _run(pe, inputs, backend, **kwargs)
+        got, grads = run_backend(pe, inputs, backend, **kwargs)
         torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-6)
         assert len(grads) == len(eager_grads)
         for a, b in zip(grads, eager_grads, strict=True):
