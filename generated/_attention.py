@@ -1846,8 +1846,10 @@ class PositionalAttention(nn.Module):
         by_distance = default_positions and attn_mask is None and document_ids is None
         if self.bias_by_distance and by_distance:
             return self._sdpa_by_distance(q, k, v, causal, gqa, window)
-        spans = query_chunks(n, m, q.device.type, causal, window)
-        if has_bias and by_distance and (causal or window is not None) and len(spans) > 1:
+        # causal or window masking at default positions: chunks that skip masked keys
+        chunkable = by_distance and (causal or window is not None)
+        spans = query_chunks(n, m, q.device.type, causal, window) if chunkable else []
+        if has_bias and len(spans) > 1:
             # each chunk of queries gets the bias at its own positions, over the keys it
             # may read
             def chunk_bias(i0: int, i1: int, lo: int, hi: int) -> Tensor:
@@ -1872,7 +1874,7 @@ class PositionalAttention(nn.Module):
         allowed = attention_allowed(
             q_positions, k_positions, n, m, q.device, causal, window, document_ids
         )  # [N, M] or [B, 1, N, M], or None
-        if allowed is not None and by_distance and len(spans) > 1:
+        if allowed is not None and len(spans) > 1:
             # a window, or causal queries that are the last N of M keys: each chunk of
             # queries against only the keys it may read
             grid = allowed  # [N, M]
