@@ -27,7 +27,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._attention import PositionalAttention, apply_rotation, compute_dtype, positive_int
+from ._attention import (
+    PositionalAttention,
+    apply_rotation,
+    compute_dtype,
+    cos_and_sin,
+    positive_int,
+    spread_over_features,
+)
 
 __all__ = ["RopeAxial2d"]
 
@@ -80,10 +87,11 @@ def _rotary_cos_sin(
     # [axes, ..., L, rotary_dim / 2] -> [..., L, rotary_dim / 2]: section a from axis a
     sections = angles.split(share // 2, dim=-1)
     angles = torch.cat([part[axis] for axis, part in enumerate(sections)], dim=-1)
-    angles = torch.stack((angles, angles), dim=-1).flatten(-2)  # 2k pairs with 2k + 1
-    cos = angles.cos().to(positions.device, dtype)
-    sin = angles.sin().to(positions.device, dtype)
-    return cos, sin
+    cos, sin = cos_and_sin(angles)  # [..., rotary_dim / 2]
+    cos, sin = cos.to(positions.device, dtype), sin.to(positions.device, dtype)
+    # each pair's value at both its features (2k and 2k + 1)
+    half_pairing = False
+    return spread_over_features(cos, half_pairing), spread_over_features(sin, half_pairing)
 
 
 class RopeAxial2d(PositionalAttention):
@@ -146,8 +154,12 @@ class RopeAxial2d(PositionalAttention):
     ) -> tuple[Tensor, Tensor]:
         n, m = q.shape[2], k.shape[2]
         dtype = compute_dtype(q)
-        q_cos, q_sin = self._cos_sin(q_positions, m - n, n, q.device, dtype, None)
         k_cos, k_sin = self._cos_sin(k_positions, 0, m, k.device, dtype, None)
+        if q_positions is None and k_positions is None and q.device == k.device:
+            # default positions: the queries' table is the last n rows of the keys'
+            q_cos, q_sin = k_cos[m - n :], k_sin[m - n :]
+        else:
+            q_cos, q_sin = self._cos_sin(q_positions, m - n, n, q.device, dtype, None)
         return self._apply_rotation(q, q_cos, q_sin), self._apply_rotation(k, k_cos, k_sin)
 
     def _rotate_queries(self, q: Tensor, q_positions: Tensor | None, m: int) -> Tensor:

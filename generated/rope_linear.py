@@ -29,7 +29,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._attention import PositionalAttention, apply_rotation, compute_dtype
+from ._attention import (
+    PositionalAttention,
+    apply_rotation,
+    compute_dtype,
+    cos_and_sin,
+    spread_over_features,
+)
 
 __all__ = ["RopeLinear"]
 
@@ -75,10 +81,11 @@ def _rotary_cos_sin(
     compute_device = positions.device if positions.device.type in ("cpu", "cuda") else "cpu"
     theta = _inverse_frequencies(rotary_dim, length, compute_device)  # [rotary_dim / 2]
     angles = positions.to(compute_device, torch.float64).unsqueeze(-1) * theta
-    angles = torch.cat((angles, angles), dim=-1)  # feature k pairs with k + rotary_dim / 2
-    cos = angles.cos().to(positions.device, dtype)
-    sin = angles.sin().to(positions.device, dtype)
-    return cos, sin
+    cos, sin = cos_and_sin(angles)  # [..., rotary_dim / 2]
+    cos, sin = cos.to(positions.device, dtype), sin.to(positions.device, dtype)
+    # each pair's value at both its features (k and k + rotary_dim / 2)
+    half_pairing = True
+    return spread_over_features(cos, half_pairing), spread_over_features(sin, half_pairing)
 
 
 class RopeLinear(PositionalAttention):
@@ -124,8 +131,12 @@ class RopeLinear(PositionalAttention):
     ) -> tuple[Tensor, Tensor]:
         n, m = q.shape[2], k.shape[2]
         dtype = compute_dtype(q)
-        q_cos, q_sin = self._cos_sin(q_positions, m - n, n, q.device, dtype, None)
         k_cos, k_sin = self._cos_sin(k_positions, 0, m, k.device, dtype, None)
+        if q_positions is None and k_positions is None and q.device == k.device:
+            # default positions: the queries' table is the last n rows of the keys'
+            q_cos, q_sin = k_cos[m - n :], k_sin[m - n :]
+        else:
+            q_cos, q_sin = self._cos_sin(q_positions, m - n, n, q.device, dtype, None)
         return self._apply_rotation(q, q_cos, q_sin), self._apply_rotation(k, k_cos, k_sin)
 
     def _rotate_queries(self, q: Tensor, q_positions: Tensor | None, m: int) -> Tensor:

@@ -30,7 +30,14 @@ import math
 import torch
 from torch import Tensor
 
-from ._attention import PositionalAttention, apply_rotation, compute_dtype, positions_or_default
+from ._attention import (
+    PositionalAttention,
+    apply_rotation,
+    compute_dtype,
+    cos_and_sin,
+    positions_or_default,
+    spread_over_features,
+)
 
 __all__ = ["RopeXpos"]
 
@@ -77,10 +84,11 @@ def _rotary_cos_sin(
     compute_device = positions.device if positions.device.type in ("cpu", "cuda") else "cpu"
     theta = _inverse_frequencies(rotary_dim, length, compute_device)  # [rotary_dim / 2]
     angles = positions.to(compute_device, torch.float64).unsqueeze(-1) * theta
-    angles = torch.stack((angles, angles), dim=-1).flatten(-2)  # 2k pairs with 2k + 1
-    cos = angles.cos().to(positions.device, dtype)
-    sin = angles.sin().to(positions.device, dtype)
-    return cos, sin
+    cos, sin = cos_and_sin(angles)  # [..., rotary_dim / 2]
+    cos, sin = cos.to(positions.device, dtype), sin.to(positions.device, dtype)
+    # each pair's value at both its features (2k and 2k + 1)
+    half_pairing = False
+    return spread_over_features(cos, half_pairing), spread_over_features(sin, half_pairing)
 
 
 def _xpos_scale(
@@ -100,8 +108,7 @@ def _xpos_scale(
     )
     power = (offset / XPOS_SCALE_BASE).unsqueeze(-1)
     scale = zeta**power  # [..., rotary_dim / 2]
-    scale = torch.stack((scale, scale), dim=-1).flatten(-2)
-    return scale.to(positions.device, dtype)
+    return spread_over_features(scale.to(positions.device, dtype), False)
 
 
 def _check_xpos_reach(low: int, high: int, reference: int, what: str) -> None:
@@ -152,8 +159,12 @@ class RopeXpos(PositionalAttention):
     ) -> tuple[Tensor, Tensor]:
         n, m = q.shape[2], k.shape[2]
         dtype = compute_dtype(q)
-        q_cos, q_sin = self._cos_sin(q_positions, m - n, n, q.device, dtype, None)
         k_cos, k_sin = self._cos_sin(k_positions, 0, m, k.device, dtype, None)
+        if q_positions is None and k_positions is None and q.device == k.device:
+            # default positions: the queries' table is the last n rows of the keys'
+            q_cos, q_sin = k_cos[m - n :], k_sin[m - n :]
+        else:
+            q_cos, q_sin = self._cos_sin(q_positions, m - n, n, q.device, dtype, None)
         reference = self._xpos_reference(q_positions, k_positions, n, m)
         q_scale = self._xpos_factors(q_positions, m - n, n, q.device, dtype, reference)
         k_scale = self._xpos_factors(k_positions, 0, m, k.device, dtype, reference)

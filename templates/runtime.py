@@ -846,7 +846,7 @@ def apply_rotation(
             return rotate_by_halves(x, cos, sin, rotary_dim, half_pairing).to(x.dtype)
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad)
         if not needs_grad:
-            return rotate_into(x, cos, sin, rotary_dim, half_pairing).to(x.dtype)
+            return rotate_into(x, cos, sin, rotary_dim, half_pairing)
         if not (cos.requires_grad or sin.requires_grad):
             return _Rotation.apply(x, cos, sin, rotary_dim, half_pairing, False)  # type: ignore[no-any-return]
         return rotate_by_formula(x, cos, sin, rotary_dim, half_pairing).to(x.dtype)
@@ -911,7 +911,7 @@ def _rotate_once(
     """x rotated by its angles (by their negatives when ``inverse``), in x's dtype."""
     if fused:
         return _launch_rotation(x, cos, sin, rotary_dim, half_pairing, inverse=inverse)
-    return rotate_into(x, cos, -sin if inverse else sin, rotary_dim, half_pairing).to(x.dtype)
+    return rotate_into(x, cos, -sin if inverse else sin, rotary_dim, half_pairing)
 
 
 def rotate_by_halves(
@@ -963,6 +963,62 @@ def materialized(t: Tensor) -> Tensor:
     return _MATERIALIZE(t) if torch.compiler.is_compiling() else t
 
 
+def spread_over_features(per_pair: Tensor, half_pairing: bool) -> Tensor:
+    """A value per pair [..., d / 2] at both features of its pair, [..., d]: features k
+    and k + d / 2 (half pairing) or 2k and 2k + 1 (interleaved). Rotary tables are
+    computed per pair and spread in their final dtype (half the cos and sin of a table
+    per feature)."""
+    if half_pairing:
+        return torch.cat((per_pair, per_pair), dim=-1)
+    return torch.stack((per_pair, per_pair), dim=-1).flatten(-2)
+
+
+def _cos_sin_op() -> Any:
+    """The custom op ``posgen::cos_sin``: cos and sin of a tensor by torch's own
+    kernels, one call that torch.compile does not trace into. Inductor's code for the
+    float64 cos and sin of a rotary table ran 30x slower than torch's on a 2-core CPU
+    (1.8 ms for 1024 x 32 angles), slower than rotating q and k. Differentiable (for
+    trained frequencies); registered once per process, like ``posgen::materialize``."""
+    if hasattr(torch.ops.posgen, "cos_sin"):
+        return torch.ops.posgen.cos_sin
+
+    def cos_sin(angles: Tensor) -> tuple[Tensor, Tensor]:
+        return angles.cos(), angles.sin()
+
+    def cos_sin_like(angles: Tensor) -> tuple[Tensor, Tensor]:
+        return torch.empty_like(angles), torch.empty_like(angles)
+
+    schema = "(Tensor angles) -> (Tensor, Tensor)"
+    op = torch.library.custom_op("posgen::cos_sin", mutates_args=(), schema=schema)(cos_sin)
+    op.register_fake(cos_sin_like)
+
+    def remember(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+        ctx.save_for_backward(*output)
+
+    def backward(ctx: Any, grad_cos: Tensor | None, grad_sin: Tensor | None) -> Tensor:
+        cos, sin = ctx.saved_tensors  # d cos = -sin d angle, d sin = cos d angle
+        grad = torch.zeros_like(cos)
+        if grad_cos is not None:
+            grad = grad - grad_cos * sin
+        if grad_sin is not None:
+            grad = grad + grad_sin * cos
+        return grad
+
+    op.register_autograd(backward, setup_context=remember)
+    return op
+
+
+_COS_SIN = _cos_sin_op()
+
+
+def cos_and_sin(angles: Tensor) -> tuple[Tensor, Tensor]:
+    """cos and sin of ``angles``: through ``posgen::cos_sin`` while torch.compile
+    traces, else plain ops."""
+    if torch.compiler.is_compiling():
+        return _COS_SIN(angles)  # type: ignore[no-any-return]
+    return angles.cos(), angles.sin()
+
+
 def rotation_partners(x: Tensor, half_pairing: bool) -> Tensor:
     """The partner of each feature, signed so that x * cos + partner * sin rotates."""
     if half_pairing:
@@ -972,41 +1028,88 @@ def rotation_partners(x: Tensor, half_pairing: bool) -> Tensor:
     return torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
 
 
-def rotate_into(x: Tensor, cos: Tensor, sin: Tensor, rotary_dim: int, half_pairing: bool) -> Tensor:
-    """The rotation written into one new tensor of cos's dtype (no autograd), in as few
-    passes over x as eager ops allow.
+# Rows (positions) of x that ``rotate_into`` rotates at a time where it takes several
+# passes, as a budget of rotated features' bytes per device. On a 2-core x86 CPU at
+# [2, 16, 2048, 128], the chunk stays in cache between the passes: the half pairing in
+# float32 went from 1.6x to 1.5x a copy of q and k; bfloat16, widened a chunk at a
+# time, from 24x to 6x. None or absent: all rows at once.
+ROTATION_CHUNK_BYTES: dict[str, int | None] = {"cpu": 1 << 20}
 
-    Half pairing: out = x * cos over the rotated features (a cos, b cos), then
-    out_a -= b sin and out_b += a sin (1.6x a copy of q and k on a 2-core CPU, 1.9x
-    before). Interleaved: pairs (2k, 2k + 1) are complex numbers and the rotation is one
-    product with e^(i theta_k) where x is float32/float64 in cos's dtype with even
-    strides (1.1x a copy, 2.3x before); elsewhere four strided passes.
+
+def rotate_into(x: Tensor, cos: Tensor, sin: Tensor, rotary_dim: int, half_pairing: bool) -> Tensor:
+    """The rotation written into one new tensor of x's dtype (no autograd), computed in
+    cos's dtype in as few passes over x as eager ops allow.
+
+    x: [..., N, D]; cos, sin: [N, rotary_dim] or [B, 1, N, rotary_dim]. Rows go
+    ``rotation_chunk_rows`` at a time, so that the passes over a chunk find it in cache;
+    where x's dtype is not cos's, each chunk is computed in a scratch buffer of cos's
+    dtype and rounded into the output once.
     """
-    d = rotary_dim
-    out = torch.empty(x.shape, dtype=cos.dtype, device=x.device)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # [..., N, D]
+    n, d = x.shape[-2], rotary_dim
+    one_pass = not half_pairing and x.dtype == cos.dtype and d == x.shape[-1]  # complex product
+    rows = n if one_pass else rotation_chunk_rows(x, d, cos.dtype)
+    scratch = None  # x's rows in cos's dtype, then their rotation, where the dtypes differ
+    if x.dtype != cos.dtype:
+        scratch = torch.empty((2, *x.shape[:-2], min(rows, n), d), dtype=cos.dtype, device=x.device)
+    for start in range(0, n, rows):
+        stop = min(start + rows, n)
+        x_rows, out_rows = x[..., start:stop, :], out[..., start:stop, :]
+        cos_rows, sin_rows = cos[..., start:stop, :], sin[..., start:stop, :]
+        if scratch is None:
+            _rotate_rows(x_rows[..., :d], cos_rows, sin_rows, out_rows[..., :d], half_pairing)
+        else:
+            widened, rotated = scratch[:, ..., : stop - start, :].unbind(0)
+            widened.copy_(x_rows[..., :d])
+            _rotate_rows(widened, cos_rows, sin_rows, rotated, half_pairing)
+            out_rows[..., :d] = rotated  # rounded once
+        if d < x.shape[-1]:
+            out_rows[..., d:] = x_rows[..., d:]  # features past rotary_dim pass through
+    return out
+
+
+def rotation_chunk_rows(x: Tensor, rotary_dim: int, compute_dtype: torch.dtype) -> int:
+    """How many rows of x [..., N, D] ``rotate_into`` takes at a time on x's device:
+    ``ROTATION_CHUNK_BYTES`` of x's rotated features in ``compute_dtype``, at least one
+    row, at most N."""
+    n = x.shape[-2]
+    budget = ROTATION_CHUNK_BYTES.get(x.device.type)
+    if budget is None or n == 0:
+        return max(n, 1)
+    row_bytes = x.numel() // (n * x.shape[-1]) * rotary_dim * compute_dtype.itemsize
+    return min(n, max(1, budget // max(row_bytes, 1)))
+
+
+def _rotate_rows(x: Tensor, cos: Tensor, sin: Tensor, out: Tensor, half_pairing: bool) -> None:
+    """Writes the rotation of x [..., n, d] (the rotated features only) into out, in
+    out's dtype, which is cos's.
+
+    Half pairing: out = x * cos (a cos, b cos), then out_a -= b sin and out_b += a sin.
+    Interleaved: pairs (2k, 2k + 1) are complex numbers and the rotation is one product
+    with e^(i theta_k) where x is in cos's dtype (float32/float64) with even strides;
+    elsewhere four strided passes.
+    """
+    d = x.shape[-1]
     if half_pairing:
         half = d // 2
         s = sin[..., :half]
-        torch.mul(x[..., :d], cos, out=out[..., :d])  # a cos, b cos
-        out[..., :half].addcmul_(x[..., half:d], s, value=-1)  # a cos - b sin
-        out[..., half:d].addcmul_(x[..., :half], s)  # b cos + a sin
-    else:
-        pairs = complex_pairs(x[..., :d]) if x.dtype == cos.dtype else None
-        out_pairs = complex_pairs(out[..., :d])
-        if pairs is not None and out_pairs is not None:
-            turn = torch.complex(cos[..., 0::2], sin[..., 0::2])  # e^(i theta) [..., d / 2]
-            torch.mul(pairs, turn, out=out_pairs)  # (a + ib)(cos + i sin)
-        else:
-            c, s = cos[..., 0::2], sin[..., 0::2]  # each angle is repeated for its pair
-            a, b = x[..., 0:d:2], x[..., 1:d:2]
-            out_a, out_b = out[..., 0:d:2], out[..., 1:d:2]
-            torch.mul(a, c, out=out_a)
-            out_a.addcmul_(b, s, value=-1)  # a cos - b sin
-            torch.mul(b, c, out=out_b)
-            out_b.addcmul_(a, s)  # b cos + a sin
-    if d < x.shape[-1]:
-        out[..., d:] = x[..., d:]
-    return out
+        torch.mul(x, cos, out=out)  # a cos, b cos
+        out[..., :half].addcmul_(x[..., half:], s, value=-1)  # a cos - b sin
+        out[..., half:].addcmul_(x[..., :half], s)  # b cos + a sin
+        return
+    pairs = complex_pairs(x) if x.dtype == cos.dtype else None
+    out_pairs = complex_pairs(out)
+    if pairs is not None and out_pairs is not None:
+        turn = torch.complex(cos[..., 0::2], sin[..., 0::2])  # e^(i theta) [..., d / 2]
+        torch.mul(pairs, turn, out=out_pairs)  # (a + ib)(cos + i sin)
+        return
+    c, s = cos[..., 0::2], sin[..., 0::2]  # each angle is repeated for its pair
+    a, b = x[..., 0::2], x[..., 1::2]
+    out_a, out_b = out[..., 0::2], out[..., 1::2]
+    torch.mul(a, c, out=out_a)
+    out_a.addcmul_(b, s, value=-1)  # a cos - b sin
+    torch.mul(b, c, out=out_b)
+    out_b.addcmul_(a, s)  # b cos + a sin
 
 
 def complex_pairs(t: Tensor) -> Tensor | None:

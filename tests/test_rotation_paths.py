@@ -14,6 +14,8 @@ import importlib
 import pytest
 import torch
 
+from tests.conftest import generated_class
+
 runtime = importlib.import_module("generated._attention")
 
 CASES = [  # (half_pairing, head_dim, rotary_dim)
@@ -42,7 +44,7 @@ def _reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: bool
     out = x.clone()
     for k in range(d // 2):
         i, j = (k, k + d // 2) if half else (2 * k, 2 * k + 1)
-        c, s = cos[:, i], sin[:, i]
+        c, s = cos[..., i], sin[..., i]  # [N] or [B, 1, N]
         out[..., i] = x[..., i] * c - x[..., j] * s
         out[..., j] = x[..., j] * c + x[..., i] * s
     return out
@@ -119,3 +121,71 @@ def test_bfloat16_gradients_are_within_bfloat16_error(half_pairing: bool) -> Non
     want_grad = _reference(cotangent.double(), cos.double(), -sin.double(), half_pairing)
     torch.testing.assert_close(out.double(), want, rtol=8e-3, atol=8e-3)
     torch.testing.assert_close(grad.double(), want_grad, rtol=8e-3, atol=8e-3)
+
+
+@pytest.mark.parametrize(("half_pairing", "head_dim", "rotary_dim"), CASES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_rows_in_chunks_give_the_rotation_of_every_row(
+    monkeypatch: pytest.MonkeyPatch,
+    half_pairing: bool,
+    head_dim: int,
+    rotary_dim: int,
+    dtype: torch.dtype,
+) -> None:
+    """rotate_into over chunks of two rows (five rows: a short last chunk), x a
+    transposed [B, N, H, D] view, batched cos and sin [B, 1, N, d]; x of another dtype
+    than cos goes through the scratch buffer (interleaved pairs in cos's dtype are one
+    complex product, not chunked)."""
+    cos, sin = _tables(10, rotary_dim, half_pairing)
+    cos, sin = cos.view(2, 1, 5, rotary_dim), sin.view(2, 1, 5, rotary_dim)
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    x = torch.randn(2, 5, 3, head_dim, dtype=torch.float64).to(dtype).transpose(1, 2)
+    row_bytes = 2 * 3 * rotary_dim * compute.itemsize  # one position's rotated features
+    monkeypatch.setitem(runtime.ROTATION_CHUNK_BYTES, "cpu", 2 * row_bytes + 1)
+    assert runtime.rotation_chunk_rows(x, rotary_dim, compute) == 2
+
+    got = runtime.rotate_into(x, cos.to(compute), sin.to(compute), rotary_dim, half_pairing)
+
+    assert got.dtype == dtype and got.shape == x.shape
+    want = _reference(x.double(), cos, sin, half_pairing)
+    tolerance = {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 8e-3}[dtype]
+    torch.testing.assert_close(got.double(), want, rtol=tolerance, atol=tolerance)
+    monkeypatch.setitem(runtime.ROTATION_CHUNK_BYTES, "cpu", None)  # one chunk
+    whole = runtime.rotate_into(x, cos.to(compute), sin.to(compute), rotary_dim, half_pairing)
+    assert torch.equal(got, whole)
+
+
+def test_the_cos_sin_op_passes_opcheck_and_gradcheck() -> None:
+    """``posgen::cos_sin``, through which a traced rotary table takes torch's own cos and
+    sin kernels: schema, fake function and autograd registration are consistent, its
+    values are torch.cos and torch.sin, and its gradient is -sin and cos."""
+    angles = (torch.rand(3, 4, dtype=torch.float64) * 20 - 10).requires_grad_()
+    op = torch.ops.posgen.cos_sin
+    torch.library.opcheck(op, (angles,))
+    cos, sin = op(angles)
+    assert torch.equal(cos, angles.detach().cos()) and torch.equal(sin, angles.detach().sin())
+    assert torch.autograd.gradcheck(lambda a: op(a), (angles,))
+    (only_sin,) = torch.autograd.grad(op(angles)[1].sum(), angles)  # no gradient into cos
+    torch.testing.assert_close(only_sin, angles.detach().cos(), rtol=0, atol=0)
+
+
+def test_a_traced_rotary_table_takes_torchs_cos_and_sin() -> None:
+    """Under torch.compile a rotary table's cos and sin are one ``posgen::cos_sin`` call
+    (inductor's own float64 cos and sin ran 30x slower on the CPU), and no cos or sin
+    is left for inductor to generate."""
+    pe = generated_class("rope")(heads=2, head_dim=8)
+    q, k = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    targets: list[object] = []
+
+    def record(graph: torch.fx.GraphModule, inputs: object) -> object:
+        targets.extend(node.target for node in graph.graph.nodes)
+        return graph.forward
+
+    torch._dynamo.reset()
+    positions = torch.arange(3, 8)
+    got = torch.compile(pe.rotate, fullgraph=True, backend=record)(q, k, positions, positions)
+    assert torch.ops.posgen.cos_sin.default in targets
+    names = [t if isinstance(t, str) else getattr(t, "__name__", "") for t in targets]
+    assert "cos" not in names and "sin" not in names
+    for tensor, want in zip(got, pe.rotate(q, k, positions, positions), strict=True):
+        torch.testing.assert_close(tensor, want, rtol=1e-6, atol=1e-6)

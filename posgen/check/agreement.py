@@ -312,7 +312,8 @@ def kv_cache(probe: Probe) -> Outcome:
         None,
         True,
         f"offset query blocks equal the full rows, explicit and default positions "
-        f"(float64 scores; float32 forward with default positions) "
+        f"(float64 scores; float32 forward with default positions, and with keys "
+        f"rotated once for a cache where there is a rotation) "
         f"({search.examples} examples)",
     )
 
@@ -343,8 +344,10 @@ def _cached_rows_agree(probe: Probe, example: CacheExample) -> float:
 
 def _default_positions_agree(probe: Probe, content: Content, m: int, cut: int, tol: float) -> float:
     """Default positions: float64 scores, then the float32 forward (the float32 caches'
-    path), causal and not: the last M - cut queries match the full rows. The float64
-    error (the example's margin is measured on it), or a Violation."""
+    path), causal and not, and for a rotation also with the keys rotated once
+    (``rotate_keys``, ``keys_rotated=True``, as in decoding): the last M - cut queries
+    match the full rows. The float64 error (the example's margin is measured on it), or
+    a Violation."""
     a, b, _ = content
     by_default = probe.pe64.scores(a[:, :, cut:], b)
     reference = probe.pe64.scores(a, b)[:, :, cut:]
@@ -357,18 +360,26 @@ def _default_positions_agree(probe: Probe, content: Content, m: int, cut: int, t
             cut=cut,
         )
     a32, b32, v32 = content_as(content, torch.float32)
+    # a decode step: keys rotated once for a cache, then only the queries
+    rotates = getattr(probe.pe32, "has_rotation", False) and hasattr(probe.pe32, "rotate_keys")
+    cached = probe.pe32.rotate_keys(b32) if rotates else None
     for causal in (False, True):
         whole = probe.pe32(a32, b32, v32, causal=causal)[:, :, cut:]
-        last = probe.pe32(a32[:, :, cut:], b32, v32, causal=causal)
-        error32 = float((last - whole).abs().max())
         tol32 = 1e-5 * (1.0 + float(whole.abs().max()))
-        if not error32 <= tol32:
-            raise Violation(
-                f"float32 forward, default positions, M={m}, causal={causal}: the "
-                f"last {m - cut} queries differ from the full rows by "
-                f"{fmt(error32)}",
-                m=m,
-                cut=cut,
-                causal=causal,
+        last = {"": probe.pe32(a32[:, :, cut:], b32, v32, causal=causal)}
+        if cached is not None:
+            last[" with keys rotated once"] = probe.pe32(
+                a32[:, :, cut:], cached, v32, causal=causal, keys_rotated=True
             )
+        for route, rows in last.items():
+            error32 = float((rows - whole).abs().max())
+            if not error32 <= tol32:
+                raise Violation(
+                    f"float32 forward, default positions{route}, M={m}, causal={causal}: "
+                    f"the last {m - cut} queries differ from the full rows by "
+                    f"{fmt(error32)}",
+                    m=m,
+                    cut=cut,
+                    causal=causal,
+                )
     return error

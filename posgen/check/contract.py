@@ -2,7 +2,8 @@
 
 The checker drives a module through its public contract only (docs/design.md §4):
 ``embed``, ``rotate``, ``score_bias``, ``scores`` and ``forward`` (calling the module),
-plus its sizes ``heads``, ``head_dim`` and, for input-level encodings, ``model_dim``.
+``rotate_keys`` where ``has_rotation`` is set, plus its sizes ``heads``, ``head_dim``
+and, for input-level encodings, ``model_dim``.
 Generated modules and hand-written ones alike are duck-typed: ``Encoding`` is a
 ``Protocol`` that names the contract for the type checker; nothing is verified at runtime,
 so a module that lacks a method fails where the method is used (reported as an error).
@@ -34,6 +35,7 @@ class ForwardOptions(TypedDict, total=False):
     causal: bool
     attn_mask: Tensor
     backend: str
+    keys_rotated: bool
 
 
 class Encoding(Protocol):
@@ -70,6 +72,10 @@ class Encoding(Protocol):
         k_positions: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """The rotary part: rotated queries and keys."""
+        ...
+
+    def rotate_keys(self, k: Tensor, positions: Tensor | None = None) -> Tensor:
+        """Keys rotated once for a cache (decode); used where ``has_rotation`` is set."""
         ...
 
     def score_bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor | None:
