@@ -164,18 +164,20 @@ def check_positions(
             f"{name} is on {positions.device}, the inputs on {device}: create positions on "
             "the inputs' device"
         )
-    # a value check reads the tensor (a host sync): eager mode only, never while compiling
-    compiling = torch.compiler.is_compiling()
+    positions = positions.to(dtype=torch.int64)
+    # a value check reads the tensor (a host sync): eager mode only, never while compiling.
+    # One op: an int64 lies in [0, 2^53 - 1] exactly when no bit above bit 52 is set
+    # (a negative one has its sign bit set).
     if (
         positions.numel()
-        and not compiling
-        and bool(((positions < 0) | (positions > MAX_POSITION)).any())
+        and not torch.compiler.is_compiling()
+        and bool((positions & ~MAX_POSITION).any())
     ):
         low, high = int(positions.min()), int(positions.max())
         raise ValueError(
             f"{name} must lie in [0, 2^53 - 1] (exact in float64), got {low} .. {high}"
         )
-    return positions.to(dtype=torch.int64)
+    return positions
 
 
 def check_axis_positions(
@@ -1054,20 +1056,46 @@ def rotate_into(x: Tensor, cos: Tensor, sin: Tensor, rotary_dim: int, half_pairi
     scratch = None  # x's rows in cos's dtype, then their rotation, where the dtypes differ
     if x.dtype != cos.dtype:
         scratch = torch.empty((2, *x.shape[:-2], min(rows, n), d), dtype=cos.dtype, device=x.device)
+    if rows >= n:  # one chunk (a decode step's few rows): no slicing
+        _rotate_chunk(x, cos, sin, out, d, half_pairing, scratch)
+        return out
     for start in range(0, n, rows):
         stop = min(start + rows, n)
-        x_rows, out_rows = x[..., start:stop, :], out[..., start:stop, :]
-        cos_rows, sin_rows = cos[..., start:stop, :], sin[..., start:stop, :]
-        if scratch is None:
-            _rotate_rows(x_rows[..., :d], cos_rows, sin_rows, out_rows[..., :d], half_pairing)
-        else:
-            widened, rotated = scratch[:, ..., : stop - start, :].unbind(0)
-            widened.copy_(x_rows[..., :d])
-            _rotate_rows(widened, cos_rows, sin_rows, rotated, half_pairing)
-            out_rows[..., :d] = rotated  # rounded once
-        if d < x.shape[-1]:
-            out_rows[..., d:] = x_rows[..., d:]  # features past rotary_dim pass through
+        _rotate_chunk(
+            x[..., start:stop, :],
+            cos[..., start:stop, :],
+            sin[..., start:stop, :],
+            out[..., start:stop, :],
+            d,
+            half_pairing,
+            None if scratch is None else scratch[:, ..., : stop - start, :],
+        )
     return out
+
+
+def _rotate_chunk(
+    x: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    out: Tensor,
+    rotary_dim: int,
+    half_pairing: bool,
+    scratch: Tensor | None,
+) -> None:
+    """Writes the rotation of x's rows [..., n, D] into out's; through scratch
+    [2, ..., n, rotary_dim] of cos's dtype (x widened, then rotated) where given."""
+    whole = rotary_dim == x.shape[-1]
+    x_rotated = x if whole else x[..., :rotary_dim]
+    out_rotated = out if whole else out[..., :rotary_dim]
+    if scratch is None:
+        _rotate_rows(x_rotated, cos, sin, out_rotated, half_pairing)
+    else:
+        widened, rotated = scratch.unbind(0)
+        widened.copy_(x_rotated)
+        _rotate_rows(widened, cos, sin, rotated, half_pairing)
+        out_rotated.copy_(rotated)  # rounded once
+    if not whole:
+        out[..., rotary_dim:] = x[..., rotary_dim:]  # features past rotary_dim pass through
 
 
 def rotation_chunk_rows(x: Tensor, rotary_dim: int, compute_dtype: torch.dtype) -> int:

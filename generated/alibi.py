@@ -108,10 +108,7 @@ class Alibi(PositionalAttention):
     ) -> Any:
         """-slope_h * |j - i| per (batch, head, query, key) index for FlexAttention's
         score_mod: a subtraction and a multiply per score, the slope read once per head."""
-        key = ("flex_slopes", str(device), dtype)
-        slopes = cache_get(self._cache, key)
-        if slopes is None:  # [heads], fixed: made once per device and dtype
-            slopes = cache_put(self._cache, key, self._exact_slopes(device).to(dtype))
+        slopes = self._exact_slopes(device).to(dtype)  # [heads]
         positions = flex_positions(q_positions, k_positions, n, m)
 
         def bias(b: Tensor, head: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
@@ -140,7 +137,12 @@ class Alibi(PositionalAttention):
         """[heads] from the recipe in the bias dtype: a float64 module's slopes are exact,
         not the float32-rounded buffer cast up (the buffer equals these in float32)."""
         dtype = torch.promote_types(self.slopes.dtype, torch.float32)  # float64 stays float64
-        return torch.tensor(_alibi_slopes(self.heads), dtype=dtype, device=device)
+        key = ("exact_slopes", str(device), dtype)
+        slopes = cache_get(self._cache, key)
+        if slopes is None:  # fixed: made once per device and dtype, not copied every call
+            values = _alibi_slopes(self.heads)
+            slopes = cache_put(self._cache, key, torch.tensor(values, dtype=dtype, device=device))
+        return slopes
 
     def _distance_bias(self, n: int, m: int, device) -> Tensor:
         """-slope_h * |r| for r = -(M - 1) .. N - 1: [heads, N + M - 1], cached (O(N))."""

@@ -103,7 +103,7 @@ class AlibiLearned(PositionalAttention):
     ) -> Any:
         """-slope_h * |j - i| per (batch, head, query, key) index for FlexAttention's
         score_mod: a subtraction and a multiply per score, the slope read once per head."""
-        slopes = self._exact_slopes(device).to(dtype)  # [heads], trained: read every call
+        slopes = self._exact_slopes(device).to(dtype)  # [heads]
         positions = flex_positions(q_positions, k_positions, n, m)
 
         def bias(b: Tensor, head: Tensor, qi: Tensor, ki: Tensor) -> Tensor:

@@ -3,6 +3,8 @@ range and device of positions, on every encoding and backend."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -108,6 +110,34 @@ def test_positions_past_the_exact_range_are_refused(name: str) -> None:
         pe(q, k, v, q_positions=torch.tensor([0, 1]), k_positions=too_far)
     with pytest.raises(ValueError, match="q_positions must lie"):
         pe(q, k, v, q_positions=torch.tensor([-1, 0]))
+
+
+@pytest.mark.parametrize(
+    ("values", "dtype", "allowed"),
+    [
+        ([0, 2**53 - 1], torch.int64, True),  # both ends of the exact range
+        ([2**53], torch.int64, False),
+        ([2**62], torch.int64, False),
+        ([-1], torch.int64, False),
+        ([-(2**63)], torch.int64, False),
+        ([-1], torch.int32, False),
+        ([2**31 - 1], torch.int32, True),
+        ([255], torch.uint8, True),
+    ],
+)
+def test_the_position_range_check_has_exact_bounds(
+    values: list[int], dtype: torch.dtype, allowed: bool
+) -> None:
+    """check_positions admits exactly [0, 2^53 - 1] (one bit test on int64) for any
+    integer dtype, and returns int64."""
+    check = importlib.import_module("generated._attention").check_positions
+    positions = torch.tensor(values, dtype=dtype)
+    if allowed:
+        got = check(positions, len(values), None, "q_positions", positions.device)
+        assert got.dtype == torch.int64 and got.tolist() == values
+    else:
+        with pytest.raises(ValueError, match=r"q_positions must lie in \[0, 2\^53 - 1\]"):
+            check(positions, len(values), None, "q_positions", positions.device)
 
 
 @pytest.mark.parametrize("name", ["alibi", "rope", "deberta"])
