@@ -1083,6 +1083,11 @@ def _rotate_chunk(
     """Writes the rotation of x's rows [..., n, D] into out's; through scratch
     [2, ..., n, rotary_dim] of cos's dtype (x widened, then rotated) where given."""
     whole = rotary_dim == x.shape[-1]
+    if not whole:
+        # features past rotary_dim pass through: one copy of whole rows, whose rotated
+        # features are then overwritten, beats a strided copy of the rest (1.6x -> 1.45x
+        # a copy of q and k for rope_partial on a 2-core CPU)
+        out.copy_(x)
     x_rotated = x if whole else x[..., :rotary_dim]
     out_rotated = out if whole else out[..., :rotary_dim]
     if scratch is None:
@@ -1092,8 +1097,6 @@ def _rotate_chunk(
         widened.copy_(x_rotated)
         _rotate_rows(widened, cos, sin, rotated, half_pairing)
         out_rotated.copy_(rotated)  # rounded once
-    if not whole:
-        out[..., rotary_dim:] = x[..., rotary_dim:]  # features past rotary_dim pass through
 
 
 def rotation_chunk_rows(x: Tensor, rotary_dim: int, compute_dtype: torch.dtype) -> int:
