@@ -171,7 +171,8 @@ def test_the_cos_sin_op_passes_opcheck_and_gradcheck() -> None:
 
 def test_a_traced_rotary_table_takes_torchs_cos_and_sin() -> None:
     """Under torch.compile a rotary table's cos and sin are one ``posgen::cos_sin`` call
-    (inductor's own float64 cos and sin ran 30x slower on the CPU), and no cos or sin
+    (with inductor's own float64 cos and sin a compiled rope_gptj ran 1.7x a copy on
+    the CPU, through the op 1.3-1.4x), and no cos or sin
     is left for inductor to generate."""
     pe = generated_class("rope")(heads=2, head_dim=8)
     q, k = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
