@@ -839,14 +839,17 @@ def apply_rotation(
 
     On CUDA with Triton (float16, bfloat16 or float32, eager mode) one fused kernel
     each way (``fused_rotation``); under torch.compile ``rotate_by_halves``, which
-    inductor fuses; else ``rotate_into``, with a backward by the negative angle
-    (``_Rotation``) when gradients reach x alone; ``rotate_by_formula`` when they
-    reach cos or sin.
+    inductor fuses, or for interleaved pairs on the CPU ``rotate_into`` as the opaque
+    op ``posgen::rotate`` (``EAGER_ROTATION_UNDER_COMPILE``); else ``rotate_into``,
+    with a backward by the negative angle (``_Rotation``) when gradients reach x alone;
+    ``rotate_by_formula`` when they reach cos or sin.
     """
     if fused_rotation_enabled(x, cos, sin):
         return fused_rotation(x, cos, sin, rotary_dim, half_pairing)
     with autocast_off(x.device.type):
         if torch.compiler.is_compiling():
+            if compiled_rotation_stays_eager(x, cos, sin, half_pairing):
+                return _ROTATE(x, cos, sin, rotary_dim, half_pairing)  # type: ignore[no-any-return]
             return rotate_by_halves(x, cos, sin, rotary_dim, half_pairing).to(x.dtype)
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad)
         if not needs_grad:
@@ -854,6 +857,56 @@ def apply_rotation(
         if not (cos.requires_grad or sin.requires_grad):
             return _Rotation.apply(x, cos, sin, rotary_dim, half_pairing, False)  # type: ignore[no-any-return]
         return rotate_by_formula(x, cos, sin, rotary_dim, half_pairing).to(x.dtype)
+
+
+# (device type, half pairing) where torch.compile calls ``rotate_into`` as one opaque
+# op (``posgen::rotate``) instead of letting inductor fuse ``rotate_by_halves``. On a
+# 2-core x86 CPU (float32, separate processes) inductor's code for interleaved pairs
+# took 1.3-1.4x a copy of q and k at [2, 16, 2048, 128] and [4, 32, 512, 128], the op
+# (one complex product) 1.1-1.2x; for the half pairing inductor's 1.1-1.2x beats the
+# op's 1.6x.
+EAGER_ROTATION_UNDER_COMPILE = {("cpu", False)}
+
+
+def compiled_rotation_stays_eager(x: Tensor, cos: Tensor, sin: Tensor, half_pairing: bool) -> bool:
+    """Whether a traced rotation of x goes through ``posgen::rotate``: where
+    ``EAGER_ROTATION_UNDER_COMPILE`` lists x's device and pairing, and no gradient
+    reaches cos or sin."""
+    if cos.requires_grad or sin.requires_grad:
+        return False
+    return (x.device.type, half_pairing) in EAGER_ROTATION_UNDER_COMPILE
+
+
+def _rotation_op() -> Any:
+    """The custom op ``posgen::rotate``: ``rotate_into`` as one call that torch.compile
+    does not trace into, differentiable in x (the gradient rotated by the negative
+    angle, through the same op, so a double backward works too). Registered once per
+    process, like ``posgen::materialize``."""
+    if hasattr(torch.ops.posgen, "rotate"):
+        return torch.ops.posgen.rotate
+
+    def rotate(x: Tensor, cos: Tensor, sin: Tensor, rotary_dim: int, half_pairing: bool) -> Tensor:
+        return rotate_into(x, cos, sin, rotary_dim, half_pairing)
+
+    def rotated_like(
+        x: Tensor, cos: Tensor, sin: Tensor, rotary_dim: int, half_pairing: bool
+    ) -> Tensor:
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device)  # rotate_into's output
+
+    schema = "(Tensor x, Tensor cos, Tensor sin, int rotary_dim, bool half_pairing) -> Tensor"
+    op = torch.library.custom_op("posgen::rotate", mutates_args=(), schema=schema)(rotate)
+    op.register_fake(rotated_like)
+
+    def remember(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        _, cos, sin, ctx.rotary_dim, ctx.half_pairing = inputs
+        ctx.save_for_backward(cos, sin)
+
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        cos, sin = ctx.saved_tensors
+        return op(grad, cos, -sin, ctx.rotary_dim, ctx.half_pairing), None, None, None, None
+
+    op.register_autograd(backward, setup_context=remember)
+    return op
 
 
 def rotate_by_formula(
@@ -1155,6 +1208,9 @@ def complex_pairs(t: Tensor) -> Tensor | None:
     if t.storage_offset() % 2 or any(stride % 2 for stride in t.stride()[:-1]):
         return None
     return torch.view_as_complex(t.unflatten(-1, (-1, 2)))
+
+
+_ROTATE = _rotation_op()
 
 
 # ---- fused rotary kernel (optional Triton) ----

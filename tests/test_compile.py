@@ -85,12 +85,28 @@ def test_fullgraph_compile_of_sdpa_query_chunks(name: str, monkeypatch) -> None:
         torch.testing.assert_close(got, want)
 
 
-@pytest.mark.parametrize("name", ["rope", "rope_gptj", "rope_partial", "rope_xpos", "rope_mrope"])
+COMPILED_ROTATIONS = [
+    *[
+        (name, "default")
+        for name in ["rope", "rope_gptj", "rope_partial", "rope_xpos", "rope_mrope"]
+    ],
+    ("rope_gptj", "formula"),  # interleaved pairs as CUDA compiles them
+]
+
+
+@pytest.mark.parametrize(("name", "route"), COMPILED_ROTATIONS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_rotation_matches_eager_with_gradients(name: str, dtype: torch.dtype) -> None:
+def test_compiled_rotation_matches_eager_with_gradients(
+    name: str, route: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Under torch.compile the rotation takes its own form (``rotate_by_halves``, the
-    cos and sin tables through the opaque ``posgen::materialize``); outputs and the
-    gradients into q and k equal eager mode's, in float32 and bfloat16."""
+    cos and sin tables through the opaque ``posgen::materialize``; on the CPU,
+    interleaved pairs through the opaque ``posgen::rotate``); outputs and the gradients
+    into q and k equal eager mode's, in float32 and bfloat16. The "formula" route
+    empties ``EAGER_ROTATION_UNDER_COMPILE``, so interleaved pairs trace as on CUDA."""
+    if route == "formula":
+        runtime = importlib.import_module("generated._attention")
+        monkeypatch.setattr(runtime, "EAGER_ROTATION_UNDER_COMPILE", set())
     d = head_dim_for(name, 16)
     pe = generated_class(name)(heads=4, head_dim=d)
     generator = torch.Generator().manual_seed(1)
@@ -106,3 +122,23 @@ def test_compiled_rotation_matches_eager_with_gradients(name: str, dtype: torch.
     tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {}
     for got, want in zip(results[1], results[0], strict=True):
         torch.testing.assert_close(got, want, **tolerance)
+
+
+@pytest.mark.parametrize(("name", "opaque"), [("rope_gptj", True), ("rope", False)])
+def test_compiled_cpu_rotation_is_the_eager_op_for_interleaved_pairs_only(
+    name: str, opaque: bool
+) -> None:
+    """On the CPU a traced interleaved rotation is one ``posgen::rotate`` call (the
+    eager complex product, faster there than inductor's code); the half pairing is
+    traced as ``rotate_by_halves`` for inductor to fuse."""
+    d = head_dim_for(name, 16)
+    pe = generated_class(name)(heads=2, head_dim=d)
+    q, k = torch.randn(1, 2, 5, d), torch.randn(1, 2, 5, d)
+    targets: list[object] = []
+
+    def record(graph: torch.fx.GraphModule, inputs: object) -> object:
+        targets.extend(node.target for node in graph.graph.nodes)
+        return graph.forward
+
+    torch.compile(pe.rotate, fullgraph=True, backend=record)(q, k)
+    assert (torch.ops.posgen.rotate.default in targets) is opaque

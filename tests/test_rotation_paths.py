@@ -190,3 +190,26 @@ def test_a_traced_rotary_table_takes_torchs_cos_and_sin() -> None:
     assert "cos" not in names and "sin" not in names
     for tensor, want in zip(got, pe.rotate(q, k, positions, positions), strict=True):
         torch.testing.assert_close(tensor, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(("half_pairing", "head_dim", "rotary_dim"), CASES)
+def test_the_rotate_op_passes_opcheck_and_gradcheck_twice(
+    half_pairing: bool, head_dim: int, rotary_dim: int
+) -> None:
+    """``posgen::rotate``, the opaque op torch.compile calls on the CPU for interleaved
+    pairs: its fake function, schema and autograd registration are consistent
+    (torch.library.opcheck), it rotates every pair, and its backward (the same op at
+    the negative angle) is differentiable again."""
+    cos, sin = _tables(4, rotary_dim, half_pairing)
+    x = torch.randn(1, 2, 4, head_dim, dtype=torch.float64, requires_grad=True)
+    op = torch.ops.posgen.rotate
+    torch.library.opcheck(op, (x, cos, sin, rotary_dim, half_pairing))
+    want = _reference(x.detach(), cos, sin, half_pairing)
+    got = op(x, cos, sin, rotary_dim, half_pairing)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+    def rotate(t: torch.Tensor) -> torch.Tensor:
+        return op(t, cos, sin, rotary_dim, half_pairing)
+
+    assert torch.autograd.gradcheck(rotate, (x,))
+    assert torch.autograd.gradgradcheck(rotate, (x,))
