@@ -1211,6 +1211,47 @@ def complex_pairs(t: Tensor) -> Tensor | None:
 _ROTATE = _rotation_op()
 
 
+# ---- attention with a mask that needs a gradient (CPU) ----
+
+
+def trained_mask_attention_serves(q: Tensor, mask: Tensor | None) -> bool:
+    """Whether ``trained_mask_attention`` replaces SDPA for one query chunk: a float
+    mask that needs a gradient (a trained bias: SDPA then runs its unfused math kernel
+    anyway), float32 or float64 q, on the CPU."""
+    return (
+        mask is not None
+        and mask.requires_grad
+        and mask.is_floating_point()
+        and q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.float64)
+    )
+
+
+def trained_mask_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """softmax(q kᵀ · scale + mask) v as three differentiable ops, for a chunk whose
+    every query row has a key it may read (the chunked paths guarantee it: causal and
+    window masks keep each query's own position).
+
+    SDPA's math kernel, which CPU SDPA runs for a mask that needs a gradient, adds a
+    safe softmax (checks for fully masked rows) and zero fills around it. Attention
+    over 256-query chunks with a trained per-distance bias, forward and backward
+    (N = 2048, batch 2, 16 heads, float32, 2-core CPU): 2.16 s through SDPA, 1.68 s
+    through these ops, 0.52 s for SDPA without a bias; T5's whole training step went
+    from 3.2-3.3x to 3.0x the bias-free one (non-causal).
+
+    q: [B, H, n, D]; k, v: [B, KVH, m, D] (KVH divides H: query head h reads key head
+    h // (H / KVH)); mask: [1 or B, H, n, m] -> [B, H, n, value_dim].
+    """
+    batch, heads, n, _ = q.shape
+    kv_heads, m = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    grouped = (q * scale).view(batch, kv_heads, group, n, q.shape[-1])  # [B, KVH, G, n, D]
+    scores = torch.matmul(grouped, k.unsqueeze(2).transpose(-1, -2))  # [B, KVH, G, n, m]
+    weights = torch.softmax(scores.view(batch, heads, n, m) + mask, dim=-1)  # [B, H, n, m]
+    out = torch.matmul(weights.view(batch, kv_heads, group, n, m), v.unsqueeze(2))
+    return out.view(batch, heads, n, v.shape[-1])
+
+
 # ---- fused rotary kernel (optional Triton) ----
 
 # Devices and dtypes the fused rotation serves; float64 stays on the eager formula. Tests
@@ -2347,14 +2388,13 @@ class PositionalAttention(nn.Module):
         outs = []
         for i0, i1, lo, hi in spans:
             rows = q[:, :, i0:i1].flip(2) if queries_reversed else q[:, :, i0:i1]
-            out = F.scaled_dot_product_attention(
-                rows,
-                k[:, :, lo:hi],
-                v[:, :, lo:hi],
-                attn_mask=mask_of(i0, i1, lo, hi),
-                scale=self.scale,
-                **gqa,
-            )
+            keys, values, mask = k[:, :, lo:hi], v[:, :, lo:hi], mask_of(i0, i1, lo, hi)
+            if trained_mask_attention_serves(rows, mask):
+                out = trained_mask_attention(rows, keys, values, mask, self.scale)
+            else:
+                out = F.scaled_dot_product_attention(
+                    rows, keys, values, attn_mask=mask, scale=self.scale, **gqa
+                )
             outs.append(out.flip(2) if queries_reversed else out)
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 

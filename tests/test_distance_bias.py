@@ -46,14 +46,20 @@ def test_diagonal_view_backward_is_the_sum_of_each_diagonal() -> None:
 def test_sdpa_mask_is_a_view_of_a_per_distance_vector(name: str, monkeypatch) -> None:
     pe = generated_class(name)(heads=4, head_dim=8)
     n = m = 64
-    seen = []
+    seen = []  # the masks given to SDPA, or to trained-mask attention (a trained bias)
     original = runtime.F.scaled_dot_product_attention
+    original_trained = runtime.trained_mask_attention
 
     def spy(*args, **kwargs):
         seen.append(kwargs.get("attn_mask"))
         return original(*args, **kwargs)
 
+    def spy_trained(q, k, v, mask, scale):
+        seen.append(mask)
+        return original_trained(q, k, v, mask, scale)
+
     monkeypatch.setattr(runtime.F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(runtime, "trained_mask_attention", spy_trained)
     q = torch.randn(1, 4, n, 8)
     for causal in (False, True):
         pe(q, q, q, causal=causal, backend="sdpa")

@@ -53,16 +53,22 @@ def test_query_chunks_match_eager_with_gradients(
     name: str, n: int, m: int, kv_heads: int, causal: bool, window: int | None, monkeypatch
 ) -> None:
     monkeypatch.setitem(runtime.SDPA_QUERY_CHUNK, "cpu", 3)
-    key_counts: list[int] = []
+    key_counts: list[int] = []  # keys per attention call: SDPA, or trained-mask attention
     original = runtime.F.scaled_dot_product_attention
+    original_trained = runtime.trained_mask_attention
 
     def spy(q, k, v, **kwargs):
         key_counts.append(k.shape[2])
         return original(q, k, v, **kwargs)
 
+    def spy_trained(q, k, v, mask, scale):
+        key_counts.append(k.shape[2])
+        return original_trained(q, k, v, mask, scale)
+
     torch.manual_seed(0)
     pe = generated_class(name)(heads=4, head_dim=8).double()
     monkeypatch.setattr(runtime.F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(runtime, "trained_mask_attention", spy_trained)
     assert_sdpa_matches_eager(pe, n, m, kv_heads, causal=causal, window=window)
     if pe.has_value_term:
         return  # no SDPA call to count
@@ -71,7 +77,7 @@ def test_query_chunks_match_eager_with_gradients(
     if plain and causal and window is None and n == m:  # SDPA's own is_causal, no mask
         assert key_counts == [m]
     elif masked or (pe.bias_by_distance and any(True for _ in pe.parameters())):
-        assert len(key_counts) == -(-n // 3)  # one SDPA call per chunk of 3 queries
+        assert len(key_counts) == -(-n // 3)  # one call per chunk of 3 queries
         if masked:
             assert min(key_counts) < m  # masked keys are not read
     else:
@@ -142,3 +148,34 @@ def test_any_chunking_matches_eager(
     finally:
         runtime.SDPA_QUERY_CHUNK.clear()
         runtime.SDPA_QUERY_CHUNK.update(chunks)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+def test_trained_mask_attention_equals_sdpa_with_gradients(
+    dtype: torch.dtype, kv_heads: int
+) -> None:
+    """The three-op attention that replaces SDPA's math kernel for a mask that needs a
+    gradient gives SDPA's outputs and gradients (into q, k, v and the mask), with
+    grouped-query heads, a batch-broadcast mask and -inf entries (each row keeps one)."""
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 5, 8, generator=generator, dtype=dtype)
+    k, v = (torch.randn(2, kv_heads, 7, 8, generator=generator, dtype=dtype) for _ in "kv")
+    bias = torch.randn(1, 4, 5, 7, generator=generator, dtype=dtype)
+    bias[..., 0:2, 5:] = float("-inf")  # masked keys, every row keeps others
+    cotangent = torch.randn(2, 4, 5, 8, generator=generator, dtype=dtype)
+    grads = []
+    for attend in ("runtime", "sdpa"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+        assert runtime.trained_mask_attention_serves(leaves[0], leaves[3])
+        if attend == "runtime":
+            out = runtime.trained_mask_attention(*leaves, 0.3)
+        else:
+            gqa = {"enable_gqa": True} if kv_heads != 4 else {}
+            out = torch.nn.functional.scaled_dot_product_attention(
+                *leaves[:3], attn_mask=leaves[3], scale=0.3, **gqa
+            )
+        grads.append((out, *torch.autograd.grad(out, leaves, cotangent)))
+    tolerance = 1e-12 if dtype == torch.float64 else 1e-5
+    for got, want in zip(*grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
