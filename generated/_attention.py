@@ -881,7 +881,9 @@ def _rotation_op() -> Any:
     """The custom op ``posgen::rotate``: ``rotate_into`` as one call that torch.compile
     does not trace into, differentiable in x (the gradient rotated by the negative
     angle, through the same op, so a double backward works too). Registered once per
-    process, like ``posgen::materialize``."""
+    process, like ``posgen::materialize``. Eager autograd keeps ``_Rotation``, which
+    computes the same: through this op a rotate of q and k with its backward at
+    [1, 8, 1024, 64] took 1.7-1.8 ms instead of 1.4-1.5 ms (the op's dispatch)."""
     if hasattr(torch.ops.posgen, "rotate"):
         return torch.ops.posgen.rotate
 
