@@ -77,6 +77,7 @@ class AlibiLearned(PositionalAttention):
     has_position_bias = True
     position_bias_inside_scale = False
     bias_by_distance = True
+    clipped_distance = None
     folds_position_bias = False
     has_rotation = False
     has_relative_terms = False

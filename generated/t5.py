@@ -95,6 +95,7 @@ class T5(PositionalAttention):
     has_position_bias = True
     position_bias_inside_scale = False
     bias_by_distance = True
+    clipped_distance = 128
     folds_position_bias = False
     has_rotation = False
     has_relative_terms = False
@@ -126,13 +127,7 @@ class T5(PositionalAttention):
         vector) where that vector would not be shorter."""
         if 2 * MAX_DISTANCE + 1 >= n + m - 1 and q_positions is None and k_positions is None:
             return None
-        key = ("clipped_buckets", str(device))
-        buckets = cache_get(self._cache, key)
-        if buckets is None:
-            relative = torch.arange(-MAX_DISTANCE, MAX_DISTANCE + 1, device=device)  # key - query
-            buckets = cache_put(self._cache, key, _relative_buckets(relative))
-        table = self.relative_attention_bias.weight.to(device)  # [buckets, heads]
-        clipped = table[buckets].t().to(dtype)  # [heads, 2 MAX_DISTANCE + 1]
+        clipped = self._clipped_distance_bias(device).to(dtype)  # [heads, 2 MAX_DISTANCE + 1]
         positions = flex_positions(q_positions, k_positions, n, m)
 
         def bias(b: Tensor, head: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
@@ -140,6 +135,22 @@ class T5(PositionalAttention):
             return clipped[head, (j - i).clamp(-MAX_DISTANCE, MAX_DISTANCE) + MAX_DISTANCE]
 
         return bias
+
+    def _clipped_distance_bias(self, device: torch.device) -> Tensor:
+        """table[bucket(r), h] for r = -MAX_DISTANCE .. MAX_DISTANCE: [heads, 2 MAX_DISTANCE + 1].
+
+        Every r past +-MAX_DISTANCE falls in the last bucket of its direction, so this
+        vector is the whole bias: entry r + MAX_DISTANCE for |r| < MAX_DISTANCE, the end
+        entries beyond.
+        """
+        key = ("clipped_buckets", str(device))
+        buckets = cache_get(self._cache, key)
+        if buckets is None:
+            relative = torch.arange(-MAX_DISTANCE, MAX_DISTANCE + 1, device=device)  # key - query
+            buckets = cache_put(self._cache, key, _relative_buckets(relative))
+        table = self.relative_attention_bias.weight.to(device)  # [buckets, heads]
+        dtype = torch.promote_types(table.dtype, torch.float32)  # a float64 table stays float64
+        return table[buckets].t().to(dtype)  # [heads, 2 MAX_DISTANCE + 1]
 
     def score_bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
         """bias[h, i, j] = table[bucket(i, j), h]: [heads, N, M], or [batch, heads, N, M]."""

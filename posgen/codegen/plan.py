@@ -208,7 +208,7 @@ class ModulePlan:
     scale_factor: float | None  # logits scaled by 1/sqrt(factor * head_dim); None: unscaled
     arguments: tuple[ConstructorArgument, ...]
     blocks: tuple[Block, ...]
-    flags: tuple[tuple[str, bool], ...]  # PositionalAttention's composition flags
+    flags: tuple[tuple[str, bool | int | None], ...]  # PositionalAttention's composition flags
 
 
 # --------------------------------------------------------------------------- builders
@@ -536,7 +536,7 @@ def _blocks(spec: Spec) -> tuple[Block, ...]:
     return tuple(blocks)
 
 
-def _flags(blocks: tuple[Block, ...]) -> tuple[tuple[str, bool], ...]:
+def _flags(blocks: tuple[Block, ...]) -> tuple[tuple[str, bool | int | None], ...]:
     """The composition flags the runtime's PositionalAttention reads."""
     untied = any(isinstance(block, UntiedPlan) for block in blocks)
     bias = next((b for b in blocks if isinstance(b, BIAS_BLOCKS)), None)
@@ -550,6 +550,11 @@ def _flags(blocks: tuple[Block, ...]) -> tuple[tuple[str, bool], ...]:
             not untied and bias is not None and bias.inside_scale,
         ),
         ("bias_by_distance", not untied and isinstance(bias, DISTANCE_BIAS_BLOCKS)),
+        (
+            # every bucket past max_distance is the last of its direction
+            "clipped_distance",
+            bias.index.max_distance if isinstance(bias, TableBiasPlan) and not untied else None,
+        ),
         (
             "folds_position_bias",
             any(isinstance(block, UntiedPlan) and block.folds for block in blocks),
