@@ -9,6 +9,10 @@ alternately in the same loop. Also times compiled FlexAttention with no ``score_
 Hugging Face's T5 bias path (``T5Attention.compute_bias`` plus its attention
 arithmetic). Reports ratios to the baseline and peak extra memory (CUDA).
 
+``--compare-clipped`` also times, for a trained bias clipped at a distance (T5), the
+sdpa backend with its clipped-bias training path turned off (the query-chunked path it
+replaced), in the same loop.
+
 ``--window W`` adds a sliding window (query - W < key <= query when causal, |query - key|
 < W otherwise) to every candidate (``forward(..., window=W)``; plain flex with the same
 block mask); the baseline is then SDPA with the equivalent boolean [N, N] mask, built
@@ -219,6 +223,18 @@ def runtime_setting(backend: str, setting: object, device: torch.device) -> Iter
             chunks[device.type] = before
 
 
+@contextlib.contextmanager
+def clipped_path_off() -> Iterator[None]:
+    """The runtime without its clipped-bias training path (``clipped_bias_attention``):
+    a trained bias clipped at a distance takes the query-chunked path instead."""
+    least = runtime.CLIPPED_BIAS_MIN_KEYS_PER_CLIP
+    runtime.CLIPPED_BIAS_MIN_KEYS_PER_CLIP = 2**62
+    try:
+        yield
+    finally:
+        runtime.CLIPPED_BIAS_MIN_KEYS_PER_CLIP = least
+
+
 def candidates(
     args: argparse.Namespace, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
 ) -> list[tuple[str, str, Callable[[], torch.Tensor], list[torch.Tensor]]]:
@@ -250,6 +266,13 @@ def candidates(
                         return pe(q, k, v, causal=causal, backend=backend, window=args.window)
 
                 found.append((name, f"{backend} {label}".strip(), attend, params))
+        if "sdpa" in args.backends and args.compare_clipped and pe.clipped_distance:
+
+            def attend_unclipped(pe=pe) -> torch.Tensor:
+                with clipped_path_off():
+                    return pe(q, k, v, causal=causal, backend="sdpa", window=args.window)
+
+            found.append((name, "sdpa, no clipped path", attend_unclipped, params))
         if "flex" in args.backends and args.distance_vector and pe.bias_by_distance:
             by_vector = ENCODINGS[name](heads=args.heads, head_dim=args.head_dim).to(device)
             by_vector.load_state_dict(pe.state_dict())
@@ -412,6 +435,11 @@ def main() -> None:
         nargs="+",
         default=[],
         help='sdpa queries per call to compare (runtime.SDPA_QUERY_CHUNK; "none": one call)',
+    )
+    parser.add_argument(
+        "--compare-clipped",
+        action="store_true",
+        help="also time sdpa without its clipped-bias training path (T5's buckets)",
     )
     parser.add_argument(
         "--window",
