@@ -714,9 +714,17 @@ def flex_positions(q_positions: Tensor | None, k_positions: Tensor | None, n: in
 
 
 def flex_reference(
-    q: Tensor, k: Tensor, v: Tensor, score_mod: Any, block_mask: Any, scale: float
-) -> Tensor:
-    """What flex_attention computes, unfused and differentiable on any device.
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    score_mod: Any,
+    block_mask: Any,
+    scale: float,
+    return_lse: bool = False,
+) -> Any:
+    """What flex_attention computes, unfused and differentiable on any device: the
+    output, and with ``return_lse`` also the log-sum-exp of each row's scores [B, H, N]
+    (-inf for a fully masked row).
 
     The score_mod and the block mask's mask_mod are called once on broadcast index
     tensors b [B, 1, 1, 1], h [1, H, 1, 1], q [1, 1, N, 1], kv [1, 1, 1, M]; fully masked
@@ -736,7 +744,8 @@ def flex_reference(
     if block_mask is not None:
         allowed = block_mask.mask_mod(b, h, qi, ki)
         scores = scores.masked_fill(~allowed, float("-inf"))
-    return torch.matmul(masked_softmax(scores), v)
+    out = torch.matmul(masked_softmax(scores), v)
+    return (out, torch.logsumexp(scores, dim=-1)) if return_lse else out
 
 
 #: queries per SDPA call (``query_chunks``), per device type, None: one call; used at
@@ -793,11 +802,14 @@ def run_flex(
     gqa: bool,
     compiled: bool,
     trains_terms: bool = False,
-) -> Tensor:
+    return_lse: bool = False,
+) -> Any:
     """flex_attention, compiled once per process with static shapes (a kernel per shape,
     dtype and score_mod; the dynamic-shape recompile of torch 2.13's CPU code generator
     failed to compile C++ for a second score_mod in one process), with room for
-    FLEX_RECOMPILE_LIMIT kernels and the options of ``flex_kernel_options``.
+    FLEX_RECOMPILE_LIMIT kernels and the options of ``flex_kernel_options``: the output
+    [B, H, N, value_dim], and with ``return_lse`` also each row's log-sum-exp of its
+    scores [B, H, N] (float32, float64 for float64 inputs).
 
     ``trains_terms``: gradients flow into what the score_mod captures (the module's
     parameters). On the CPU that, or q, k or v requiring grad, takes ``flex_reference``:
@@ -806,37 +818,35 @@ def run_flex(
     from torch.nn.attention.flex_attention import flex_attention
 
     if q.device.type == "cpu" and (trains_terms or any(t.requires_grad for t in (q, k, v))):
-        return flex_reference(q, k, v, score_mod, block_mask, scale)
+        return flex_reference(q, k, v, score_mod, block_mask, scale, return_lse)
     options = flex_kernel_options(q, score_mod is not None)
+    keywords: dict[str, Any] = {"score_mod": score_mod, "block_mask": block_mask}
+    keywords.update(scale=scale, enable_gqa=gqa, **(_lse_request() if return_lse else {}))
     if torch.compiler.is_compiling():  # inside the caller's torch.compile: inlined
-        return flex_attention(
-            q,
-            k,
-            v,
-            score_mod=score_mod,
-            block_mask=block_mask,
-            scale=scale,
-            enable_gqa=gqa,
-            kernel_options=options,
-        )
-    if not compiled:  # the unfused implementation (exact, materialises the scores)
-        return flex_attention(
-            q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa
-        )
-    function = _COMPILED_FLEX.get("flex")
-    if function is None:
-        function = _COMPILED_FLEX.setdefault("flex", torch.compile(flex_attention, dynamic=False))
-    with _recompile_room():
-        return function(
-            q,
-            k,
-            v,
-            score_mod=score_mod,
-            block_mask=block_mask,
-            scale=scale,
-            enable_gqa=gqa,
-            kernel_options=options,
-        )
+        result = flex_attention(q, k, v, kernel_options=options, **keywords)
+    elif not compiled:  # the unfused implementation (exact, materialises the scores)
+        result = flex_attention(q, k, v, **keywords)
+    else:
+        function = _COMPILED_FLEX.get("flex")
+        if function is None:
+            compiled_flex = torch.compile(flex_attention, dynamic=False)
+            function = _COMPILED_FLEX.setdefault("flex", compiled_flex)
+        with _recompile_room():
+            result = function(q, k, v, kernel_options=options, **keywords)
+    if return_lse and "return_aux" in keywords:
+        out, aux = result
+        return out, aux.lse
+    return result
+
+
+def _lse_request() -> dict[str, Any]:
+    """flex_attention's keyword asking for the log-sum-exp: ``return_aux`` where torch
+    has it (``return_lse`` is deprecated there), else ``return_lse``."""
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest
+    except ImportError:  # torch before AuxRequest
+        return {"return_lse": True}
+    return {"return_aux": AuxRequest(lse=True)}
 
 
 # ---- rotation (RoPE, Su et al. 2021) ----
@@ -1284,6 +1294,13 @@ CLIPPED_BIAS_MIN_KEYS_PER_CLIP = 8
 CLIPPED_BIAS_BAND_ROWS = 256
 
 
+#: device types whose flex backend trains a clipped bias from a constant per-score read
+#: plus ``attach_clipped_bias_gradient`` (else: the [H, N + M - 1] vector, whose
+#: backward adds each score's gradient into it). Empty until timed on a GPU; the CPU's
+#: flex runs unfused, where it only serves the tests.
+CLIPPED_BIAS_FLEX_DEVICES: set[str] = set()
+
+
 def clipped_bias_attention_serves(q: Tensor, m: int, clip: int, window: int | None) -> bool:
     """Whether ``clipped_bias_attention`` runs a training step with a bias clipped at
     ``clip``: the CPU (its flash kernel returns the log-sum-exp the gradient needs),
@@ -1391,9 +1408,18 @@ class _ClippedBiasAttention(torch.autograd.Function):
         grad_clipped = None
         if ctx.needs_input_grad[3]:
             grad_clipped = clipped_bias_gradient(
-                q, k, v, clipped, vec, out, lse, grad_out, scale, causal
+                q, k, v, clipped, vec, out, lse, grad_out, scale, causal, cpu_flash_triangle
             )
         return dq, dk, dv, grad_clipped, None, None
+
+
+def cpu_flash_triangle(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """Top-left causal attention of r queries over r keys (query u reads keys <= u) with
+    its log-sum-exp, by the CPU FlashAttention kernel: [B, H, r, value_dim], [B, H, r]."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, True, scale=scale
+    )
+    return out, lse
 
 
 def clipped_bias_gradient(
@@ -1407,34 +1433,44 @@ def clipped_bias_gradient(
     grad_out: Tensor,
     scale: float,
     causal: bool,
+    triangle: Any,
 ) -> Tensor:
-    """The gradient of the clipped bias c [H, 2K + 1] (see ``_ClippedBiasAttention``).
+    """The gradient of the clipped bias c [H, 2K + 1] (see ``_ClippedBiasAttention``)
+    for attention at default positions whose output was ``out`` [B, H, N, value_dim]
+    and row log-sum-exp ``lse`` [B, H, N], given ``grad_out``. q: [B, H, N, D]; k, v:
+    [B, H, M, D]; vec: the per-distance vector of ``clipped_distance_vector``;
+    ``triangle(q, k, v, scale)``: top-left causal attention and its log-sum-exp.
 
     Band: ``CLIPPED_BIAS_BAND_ROWS`` queries at a time against the keys within K - 1 of
     them, P = exp(S - lse) and dS = P ⊙ (dO vᵀ - δ) in reversed query order (the view of
     ``vec`` the forward used), summed over the batch and along each diagonal
-    (``anti_diagonal_sums``). Far entries: the triangle and the zero row sums.
+    (``anti_diagonal_sums``), in float32 (float64 for float64 inputs). Far entries: the
+    triangle and the zero row sums.
     """
     n, m = q.shape[2], k.shape[2]
     clip = (clipped.shape[1] - 1) // 2
+    dtype = compute_dtype(q)
+    grad_out, out, lse = grad_out.to(dtype), out.to(dtype), lse.to(dtype)
+    vec = vec.to(dtype)
     delta = (grad_out * out).sum(-1)  # [B, H, N]: δ_i = dO_i . O_i
     per_distance = torch.zeros_like(vec)  # [H, N + M - 1]: dS summed per diagonal
     for i0 in range(0, n, CLIPPED_BIAS_BAND_ROWS):
         i1 = min(n, i0 + CLIPPED_BIAS_BAND_ROWS)
         first, last = m - n + i0, m - n + i1 - 1  # the chunk's query positions
         lo, hi = max(0, first - clip + 1), min(m, (last + 1) if causal else (last + clip))
-        rows = q[:, :, i0:i1].flip(2)  # [B, H, rows, D], reversed
-        scores = torch.matmul(rows, k[:, :, lo:hi].transpose(-1, -2)).mul_(scale)
+        rows = q[:, :, i0:i1].flip(2).to(dtype)  # [B, H, rows, D], reversed
+        keys, values = k[:, :, lo:hi].to(dtype), v[:, :, lo:hi].to(dtype)
+        scores = torch.matmul(rows, keys.transpose(-1, -2)).mul_(scale)
         scores += distance_chunk_view(vec, n, i0, i1, lo, hi)  # [B, H, rows, keys]
         weights = scores.sub_(lse[:, :, i0:i1].flip(-1).unsqueeze(-1)).exp_()  # P
-        grad_weights = torch.matmul(grad_out[:, :, i0:i1].flip(2), v[:, :, lo:hi].transpose(-1, -2))
+        grad_weights = torch.matmul(grad_out[:, :, i0:i1].flip(2), values.transpose(-1, -2))
         grad_weights -= delta[:, :, i0:i1].flip(-1).unsqueeze(-1)  # dP - δ
         grad_scores = weights.mul_(grad_weights).sum(0)  # [H, rows, keys]: dS, batch summed
         start = lo - i1 + n  # the vector entry of the chunk's first anti-diagonal
         per_distance[:, start : start + (i1 - i0) + (hi - lo) - 1] += anti_diagonal_sums(
             grad_scores
         )
-    grad = torch.zeros_like(clipped)  # [H, 2K + 1], entry d + K for distance d
+    grad = clipped.new_zeros(clipped.shape, dtype=dtype)  # [H, 2K + 1], entry d + K
     # the band |d| < K: entries t = d + M - 1 of the per-distance sums (complete there:
     # every pair within K - 1 of its query is in its chunk's keys)
     t0, t1 = max(0, m - clip), min(n + m - 1, m + clip - 1)
@@ -1446,21 +1482,71 @@ def clipped_bias_gradient(
         r = rows_with_near
         # query i (reversed: u = r - 1 - i) reads keys j >= i + (m - n) + K, i.e. the
         # reversed keys u' = m - 1 - j <= u: top-left causal over r queries and r keys
-        far_out, far_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q[:, :, :r].flip(2),
-            k[:, :, m - r :].flip(2),
-            v[:, :, m - r :].flip(2),
-            0.0,
-            True,
-            scale=scale,
+        far_out, far_lse = triangle(
+            q[:, :, :r].flip(2), k[:, :, m - r :].flip(2), v[:, :, m - r :].flip(2), scale
         )  # [B, H, r, value_dim], [B, H, r]: reversed query order
-        mass = torch.exp(far_lse + clipped[:, 2 * clip, None] - lse[:, :, :r].flip(-1))
-        far_dot = (grad_out[:, :, :r].flip(2) * far_out).sum(-1)  # dO_i . Ō_i
+        far_lse = far_lse.to(dtype) + clipped[:, 2 * clip, None].to(dtype)
+        mass = torch.exp(far_lse - lse[:, :, :r].flip(-1))  # the triangle's softmax share
+        far_dot = (grad_out[:, :, :r].flip(2) * far_out.to(dtype)).sum(-1)  # dO_i . Ō_i
         near = (mass * (far_dot - delta[:, :, :r].flip(-1))).sum((0, 2))
         grad[:, 2 * clip] += near
     if m - 1 >= clip:  # some query has keys at d <= -K: the rest of its zero row sum
         grad[:, 0] -= band + near
-    return grad
+    return grad.to(clipped.dtype)
+
+
+class _ClippedBiasGradient(torch.autograd.Function):
+    """out, unchanged, whose backward also gives the gradient of the clipped bias c that
+    went into it as a constant (``clipped_bias_gradient``): attention computed with a
+    detached bias (flex's per-score read, no atomic adds in its backward) still trains
+    c. The gradient into out passes through to that attention's own backward."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        out: Tensor,
+        clipped: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        lse: Tensor,
+        scale: float,
+        causal: bool,
+        triangle: Any,
+    ) -> Tensor:
+        ctx.save_for_backward(out, clipped, q, k, v, lse)
+        ctx.scale, ctx.causal, ctx.triangle = scale, causal, triangle
+        return out.clone()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        out, clipped, q, k, v, lse = ctx.saved_tensors
+        n, m = q.shape[2], k.shape[2]
+        vec = clipped_distance_vector(clipped, n, m, ctx.causal)
+        grad_clipped = clipped_bias_gradient(
+            q, k, v, clipped, vec, out, lse, grad_out, ctx.scale, ctx.causal, ctx.triangle
+        )
+        return (grad_out, grad_clipped) + (None,) * 7
+
+
+def attach_clipped_bias_gradient(
+    out: Tensor,
+    clipped: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    lse: Tensor,
+    scale: float,
+    causal: bool,
+    triangle: Any,
+) -> Tensor:
+    """``out`` [B, H, N, value_dim] of attention at default positions with the bias
+    c[clamp(j - i, -K, K)] taken as a constant, row log-sum-exp ``lse`` [B, H, N]; the
+    result is out, through which c [H, 2K + 1] also gets its gradient. q: [B, H, N, D];
+    k, v: [B, H, M, D] (heads repeated for GQA), as the attention saw them."""
+    args = (out, clipped, q.detach(), k.detach(), v.detach(), lse.detach())
+    return _ClippedBiasGradient.apply(*args, scale, causal, triangle)  # type: ignore[no-any-return]
 
 
 def clipped_bias_attention(
@@ -2401,7 +2487,22 @@ class PositionalAttention(nn.Module):
                 parts = list(terms.values())
                 added = sum_into_new(parts) if parts else None
         trains_terms = self._trains_terms()
-        if has_bias and not trains_terms:
+        clipped_gradient = (
+            trains_terms
+            and has_bias
+            and default
+            and added is None
+            and attn_mask is None
+            and window is None
+            and document_ids is None
+            and self._flex_trains_clipped(q, m)
+        )
+        if clipped_gradient:
+            # the bias as a constant per score (no gradient through the kernel), its
+            # gradient attached below from a band and two triangles
+            with torch.no_grad():
+                bias_fn = self._flex_bias(q_positions, k_positions, n, m, q.device, dtype)
+        elif has_bias and not trains_terms:
             # computed per score where the block can (no gather per score). Not when
             # training it: the backward would add every score's gradient atomically
             # into a few values (T5's [H, 257], KERPLE's [H]): a T5 training step at
@@ -2437,18 +2538,68 @@ class PositionalAttention(nn.Module):
             # the score_mod in float32 (an up-cast here cost the tensor cores)
             io_dtype = q.dtype
         with autocast_off(q.device.type):
-            out = run_flex(
-                q.to(io_dtype),
-                k.to(io_dtype),
-                v.to(io_dtype),
-                score_mod,
-                block_mask,
-                self.scale,
-                gqa,
-                compile_flex,
-                trains_terms,
-            )
+            inputs = (q.to(io_dtype), k.to(io_dtype), v.to(io_dtype))
+            if clipped_gradient:
+                out = self._flex_with_clipped_gradient(
+                    *inputs, score_mod, block_mask, gqa, compile_flex, causal, inside
+                )
+            else:
+                out = run_flex(
+                    *inputs, score_mod, block_mask, self.scale, gqa, compile_flex, trains_terms
+                )
         return out.to(v.dtype)
+
+    def _flex_trains_clipped(self, q: Tensor, m: int) -> bool:
+        """flex trains this encoding's clipped bias through ``_flex_with_clipped_gradient``
+        (given default positions and no other mask or term): the bias is clipped, the
+        device is in ``CLIPPED_BIAS_FLEX_DEVICES`` and there are at least
+        ``CLIPPED_BIAS_MIN_KEYS_PER_CLIP`` keys per unit of the clip distance."""
+        clip = self.clipped_distance
+        return (
+            clip is not None
+            and q.device.type in CLIPPED_BIAS_FLEX_DEVICES
+            and m >= CLIPPED_BIAS_MIN_KEYS_PER_CLIP * clip
+        )
+
+    def _flex_with_clipped_gradient(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        score_mod: Any,
+        block_mask: Any,
+        gqa: bool,
+        compile_flex: bool,
+        causal: bool,
+        inside: float,
+    ) -> Tensor:
+        """flex_attention whose score_mod reads the clipped bias as a constant, with the
+        bias's gradient attached from a band and two triangles
+        (``attach_clipped_bias_gradient``); ``inside`` scales the bias (the logit scale
+        where the bias sits inside it, else 1)."""
+        n = q.shape[2]
+        out, lse = run_flex(
+            q, k, v, score_mod, block_mask, self.scale, gqa, compile_flex, return_lse=True
+        )
+        clipped = self._clipped_distance_bias(q.device) * inside  # [H, 2 clip + 1]
+        # the backward's triangle: top-left causal over the n - clip queries that have keys
+        # at least clip after them (its block mask made here: a backward fills no cache)
+        rows = n - (clipped.shape[1] - 1) // 2
+        triangle_mask = None
+        if not causal and rows > 0:
+            triangle_mask = self._flex_block_mask(
+                None, None, q.shape[0], rows, rows, q.device, True
+            )
+
+        def triangle(qr: Tensor, kr: Tensor, vr: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+            mask = triangle_mask
+            return run_flex(qr, kr, vr, None, mask, scale, False, compile_flex, return_lse=True)
+
+        groups = q.shape[1] // k.shape[1]
+        k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+        return attach_clipped_bias_gradient(
+            out, clipped, q, k, v, lse, self.scale, causal, triangle
+        )
 
     def _flex_block_mask(
         self,

@@ -230,3 +230,96 @@ def test_the_clipped_path_traces_whole_under_compile(monkeypatch) -> None:
     for g, w in zip(got_grads, want_grads, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-11)
     assert route
+
+
+# ---- flex: the bias read per score as a constant, its gradient attached ----
+
+
+def _flex_route(pe: torch.nn.Module, monkeypatch, devices=("cpu",)) -> list[int]:
+    """Turn the flex route on for ``devices`` and count its gradient attachments."""
+    module = runtime_of(pe)
+    monkeypatch.setattr(module, "CLIPPED_BIAS_FLEX_DEVICES", set(devices))
+    calls: list[int] = []
+    original = module.attach_clipped_bias_gradient
+
+    def spy(out, *args):
+        calls.append(out.shape[2])
+        return original(out, *args)
+
+    monkeypatch.setattr(module, "attach_clipped_bias_gradient", spy)
+    return calls
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("name", ["t5", "t5_decoder"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(("n", "m", "kv_heads"), [(70, 70, 4), (40, 80, 2), (64, 64, 1)])
+def test_flex_trains_a_clipped_bias_through_the_attached_gradient(
+    name, causal, n, m, kv_heads, monkeypatch
+) -> None:
+    pe = _clipped(name)(heads=4, head_dim=8).double()
+    monkeypatch.setattr(runtime_of(pe), "CLIPPED_BIAS_BAND_ROWS", 16)
+    calls = _flex_route(pe, monkeypatch)
+    generator = torch.Generator().manual_seed(4)
+    shapes = {"q": (2, 4, n, 8), "k": (2, kv_heads, m, 8), "v": (2, kv_heads, m, 8)}
+    inputs = {
+        key: torch.randn(*shape, generator=generator, dtype=torch.float64)
+        for key, shape in shapes.items()
+    }
+    got, got_grads = run_backend(pe, inputs, "flex", causal=causal)
+    want, want_grads = run_backend(pe, inputs, "eager", causal=causal)
+    assert calls == [n]
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    assert len(got_grads) == len(want_grads) == 4  # q, k, v and the table
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_with_the_clipped_gradient_in_bfloat16_stays_within_bfloat16_error(
+    monkeypatch,
+) -> None:
+    pe = _clipped("t5")(heads=4, head_dim=8)
+    calls = _flex_route(pe, monkeypatch)
+    half = {key: torch.randn(2, 4, 80, 8).bfloat16() for key in ("q", "k", "v")}
+    got, got_grads = run_backend(pe, half, "flex", causal=True)
+    # the eager oracle on the same bf16 inputs: float32 inside, a bf16 output (so the
+    # loss and the gradient into the output are rounded alike)
+    want, want_grads = run_backend(pe, half, "eager", causal=True)
+    assert calls == [80]
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+    *qkv, table = got_grads
+    for g, w in zip(qkv, want_grads[:3], strict=True):  # bf16 gradients
+        torch.testing.assert_close(g, w, rtol=1e-2, atol=1e-2 * w.abs().max().item())
+    # the table trains in float32: its gradient is summed in float32 from float32 terms
+    torch.testing.assert_close(table, want_grads[3], rtol=1e-5, atol=1e-5 * table.abs().max())
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_keeps_the_distance_vector_where_the_route_is_off(monkeypatch) -> None:
+    pe = _clipped("t5")(heads=4, head_dim=8)
+    calls = _flex_route(pe, monkeypatch, devices=())
+    q, k, v = (torch.randn(1, 4, 70, 8, requires_grad=True) for _ in range(3))
+    pe(q, k, v, backend="flex").sum().backward()
+    assert calls == []
+    assert pe.relative_attention_bias.weight.grad is not None
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_the_flex_route_traces_whole_under_compile(monkeypatch) -> None:
+    pe = _clipped("t5")(heads=4, head_dim=8).double()
+    calls = _flex_route(pe, monkeypatch)
+    generator = torch.Generator().manual_seed(3)
+    inputs = {
+        key: torch.randn(1, 4, 70, 8, dtype=torch.float64, generator=generator)
+        for key in ("q", "k", "v")
+    }
+    compiled = torch.compile(pe, fullgraph=True, backend="aot_eager", dynamic=False)
+    for causal in (False, True):
+        got, got_grads = run_backend(compiled, inputs, "flex", causal=causal)
+        want, want_grads = run_backend(pe, inputs, "eager", causal=causal)
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+        for g, w in zip(got_grads, want_grads, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-11)
+    assert calls  # traced through the route

@@ -119,6 +119,48 @@ def test_compiled_flex_forward_and_backward_match_eager_on_cuda(name: str) -> No
     torch.testing.assert_close(half.float(), reference, atol=1.5e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("name", ["t5", "t5_decoder"])
+def test_compiled_flex_trains_a_clipped_table_through_the_attached_gradient(
+    name: str, monkeypatch
+) -> None:
+    """flex with ``CLIPPED_BIAS_FLEX_DEVICES`` on CUDA: the compiled kernel reads T5's
+    clipped vector per score as a constant and the table's gradient comes from the band
+    and the triangles (``attach_clipped_bias_gradient``); outputs and gradients against
+    eager, float32 and bf16 (gradients of bf16 against the float32 oracle on the same
+    rounded inputs), causal and not, GQA, N = 1024 = 8 clip distances."""
+    import generated._attention as runtime
+
+    monkeypatch.setattr(runtime, "CLIPPED_BIAS_FLEX_DEVICES", {"cuda"})
+    attached: list[int] = []
+    original = runtime.attach_clipped_bias_gradient
+
+    def spy(out, *args):
+        attached.append(out.shape[2])
+        return original(out, *args)
+
+    monkeypatch.setattr(runtime, "attach_clipped_bias_gradient", spy)
+    torch.manual_seed(0)
+    pe = generated_class(name)(heads=4, head_dim=64).to(CUDA)
+    inputs = [torch.randn(2, h, 1024, 64, device=CUDA) for h in (4, 2, 2)]
+    for dtype in (torch.float32, torch.bfloat16):
+        for causal in (False, True):
+            q, k, v = (t.to(dtype).requires_grad_() for t in inputs)
+            flex = pe(q, k, v, causal=causal, backend="flex")
+            got = torch.autograd.grad(flex.float().square().sum(), [q, k, v, *pe.parameters()])
+            wide = [t.detach().float().requires_grad_() for t in (q, k, v)]
+            eager = pe(*wide, causal=causal, backend="eager")
+            want = torch.autograd.grad(eager.square().sum(), [*wide, *pe.parameters()])
+            loose = dtype == torch.bfloat16
+            torch.testing.assert_close(
+                flex.float(), eager, atol=1.5e-2 if loose else 2e-4, rtol=1e-2 if loose else 2e-3
+            )
+            for a, b in zip(got, want, strict=True):
+                scale = b.abs().max().item()
+                tolerance = 3e-2 if loose else 2e-3
+                torch.testing.assert_close(a.float(), b, atol=tolerance * scale, rtol=tolerance)
+    assert attached == [1024] * 4
+
+
 @pytest.mark.parametrize("name", ["nope", "rope", "alibi", "t5", "deberta", "tupe_a"])
 def test_compiled_flex_with_windows_and_documents_matches_eager_on_cuda(name: str) -> None:
     """Sliding windows and packed documents as compiled block masks (N = M = 512, four
