@@ -11,7 +11,8 @@ arithmetic). Reports ratios to the baseline and peak extra memory (CUDA).
 
 ``--compare-clipped`` also times, for a trained bias clipped at a distance (T5), the
 sdpa backend with its clipped-bias training path turned off (the query-chunked path it
-replaced), in the same loop.
+replaced) and the flex backend with its clipped-bias route turned on (the bias read per
+score as a constant, its gradient from a band and two triangles), in the same loop.
 
 ``--window W`` adds a sliding window (query - W < key <= query when causal, |query - key|
 < W otherwise) to every candidate (``forward(..., window=W)``; plain flex with the same
@@ -235,6 +236,18 @@ def clipped_path_off() -> Iterator[None]:
         runtime.CLIPPED_BIAS_MIN_KEYS_PER_CLIP = least
 
 
+@contextlib.contextmanager
+def clipped_flex_on(device: torch.device) -> Iterator[None]:
+    """The runtime's flex backend training a clipped bias through a constant per-score
+    read and the attached band-and-triangle gradient (``CLIPPED_BIAS_FLEX_DEVICES``)."""
+    devices = runtime.CLIPPED_BIAS_FLEX_DEVICES
+    runtime.CLIPPED_BIAS_FLEX_DEVICES = devices | {device.type}
+    try:
+        yield
+    finally:
+        runtime.CLIPPED_BIAS_FLEX_DEVICES = devices
+
+
 def candidates(
     args: argparse.Namespace, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
 ) -> list[tuple[str, str, Callable[[], torch.Tensor], list[torch.Tensor]]]:
@@ -273,6 +286,13 @@ def candidates(
                     return pe(q, k, v, causal=causal, backend="sdpa", window=args.window)
 
             found.append((name, "sdpa, no clipped path", attend_unclipped, params))
+        if "flex" in args.backends and args.compare_clipped and pe.clipped_distance:
+
+            def attend_clipped_flex(pe=pe) -> torch.Tensor:
+                with clipped_flex_on(device):
+                    return pe(q, k, v, causal=causal, backend="flex", window=args.window)
+
+            found.append((name, "flex, clipped gradient", attend_clipped_flex, params))
         if "flex" in args.backends and args.distance_vector and pe.bias_by_distance:
             by_vector = ENCODINGS[name](heads=args.heads, head_dim=args.head_dim).to(device)
             by_vector.load_state_dict(pe.state_dict())
@@ -439,7 +459,7 @@ def main() -> None:
     parser.add_argument(
         "--compare-clipped",
         action="store_true",
-        help="also time sdpa without its clipped-bias training path (T5's buckets)",
+        help="also time sdpa without, and flex with, the clipped-bias training path (T5)",
     )
     parser.add_argument(
         "--window",
