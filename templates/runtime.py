@@ -1376,17 +1376,16 @@ class _ClippedBiasAttention(torch.autograd.Function):
             )
             out[:, :, i0:i1] = chunk_out.flip(2)
             lse[:, :, i0:i1] = chunk_lse.flip(-1)
-        ctx.save_for_backward(q, k, v, clipped, out, lse)
+        ctx.save_for_backward(q, k, v, clipped, vec, out, lse)
         ctx.scale, ctx.causal = scale, causal
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        q, k, v, clipped, out, lse = ctx.saved_tensors
+        q, k, v, clipped, vec, out, lse = ctx.saved_tensors
         scale, causal = ctx.scale, ctx.causal
         n, m = q.shape[2], k.shape[2]
-        vec = clipped_distance_vector(clipped, n, m, causal)  # [H, N + M - 1]
         grad_out = grad_out.contiguous()
         dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for i0, i1, lo, hi in _flash_spans(n, m, causal):
@@ -2592,8 +2591,9 @@ class PositionalAttention(nn.Module):
             )
 
         def triangle(qr: Tensor, kr: Tensor, vr: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-            mask = triangle_mask
-            return run_flex(qr, kr, vr, None, mask, scale, False, compile_flex, return_lse=True)
+            return run_flex(
+                qr, kr, vr, None, triangle_mask, scale, False, compile_flex, return_lse=True
+            )
 
         groups = q.shape[1] // k.shape[1]
         k, v = repeat_kv(k, groups), repeat_kv(v, groups)
@@ -2729,16 +2729,19 @@ class PositionalAttention(nn.Module):
         """
         n, m = q.shape[2], k.shape[2]
         clip = self.clipped_distance
-        if clip is not None and self._trains_terms():
-            if clipped_bias_attention_serves(q, m, clip, window):
-                # a training step without SDPA's math kernel: the bias's gradient from a
-                # band of clip diagonals and two triangles (``_ClippedBiasAttention``)
-                clipped = self._clipped_distance_bias(q.device)  # [H, 2 clip + 1]
-                if self.position_bias_inside_scale:
-                    clipped = clipped * self.scale
-                groups = q.shape[1] // k.shape[1]
-                k, v = repeat_kv(k, groups), repeat_kv(v, groups)
-                return clipped_bias_attention(q, k, v, clipped.to(q.dtype), self.scale, causal)
+        if (
+            clip is not None
+            and self._trains_terms()
+            and clipped_bias_attention_serves(q, m, clip, window)
+        ):
+            # a training step without SDPA's math kernel: the bias's gradient from a band
+            # of clip diagonals and two triangles (``_ClippedBiasAttention``)
+            clipped = self._clipped_distance_bias(q.device)  # [H, 2 clip + 1]
+            if self.position_bias_inside_scale:
+                clipped = clipped * self.scale
+            groups = q.shape[1] // k.shape[1]
+            k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+            return clipped_bias_attention(q, k, v, clipped.to(q.dtype), self.scale, causal)
         vec = self._distance_bias(n, m, q.device)  # [H, N + M - 1]
         if self.position_bias_inside_scale:
             vec = vec * self.scale  # SDPA scales q.k only; this bias sits inside the scale
