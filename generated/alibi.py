@@ -81,6 +81,7 @@ class Alibi(PositionalAttention):
     has_position_bias = True
     position_bias_inside_scale = False
     bias_by_distance = True
+    bias_linear_in_distance = True
     clipped_distance = None
     folds_position_bias = False
     has_rotation = False
@@ -124,6 +125,10 @@ class Alibi(PositionalAttention):
         q_positions, k_positions = score_bias_positions(q_positions, k_positions, device)
         n, m = q_positions.shape[-1], k_positions.shape[-1]
         return self._position_bias(q_positions, k_positions, n, m, device)
+
+    def _distance_slopes(self, device: torch.device) -> Tensor:
+        """c_h = -slope_h of the bias c_h |j - i|: [heads] (for the fused kernel)."""
+        return -self._exact_slopes(device)
 
     def _position_bias(
         self, q_positions: Tensor | None, k_positions: Tensor | None, n: int, m: int, device

@@ -91,6 +91,7 @@ class BertRelativeKeyQuery(PositionalAttention):
     has_position_bias = False
     position_bias_inside_scale = False
     bias_by_distance = False
+    bias_linear_in_distance = False
     clipped_distance = None
     folds_position_bias = False
     has_rotation = False

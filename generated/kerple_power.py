@@ -70,6 +70,7 @@ class KerplePower(PositionalAttention):
     has_position_bias = True
     position_bias_inside_scale = False
     bias_by_distance = True
+    bias_linear_in_distance = False
     clipped_distance = None
     folds_position_bias = False
     has_rotation = False

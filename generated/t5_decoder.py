@@ -95,6 +95,7 @@ class T5Decoder(PositionalAttention):
     has_position_bias = True
     position_bias_inside_scale = False
     bias_by_distance = True
+    bias_linear_in_distance = False
     clipped_distance = 128
     folds_position_bias = False
     has_rotation = False

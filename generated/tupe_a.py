@@ -75,6 +75,7 @@ class TupeA(PositionalAttention):
     has_position_bias = True
     position_bias_inside_scale = False
     bias_by_distance = False
+    bias_linear_in_distance = False
     clipped_distance = None
     folds_position_bias = True
     has_rotation = False

@@ -161,6 +161,50 @@ def test_compiled_flex_trains_a_clipped_table_through_the_attached_gradient(
     assert attached == [1024] * 4
 
 
+@pytest.mark.parametrize("name", ["alibi", "t5", "t5_decoder", "kerple_log"])
+def test_fused_distance_kernel_matches_eager_on_cuda(name: str, monkeypatch) -> None:
+    """flex with ``FUSED_DISTANCE_DEVICES`` on CUDA: the compiled Triton kernels (the
+    autotuner's tiles, bfloat16 tensor cores) against eager, float32 and bf16 (bf16
+    against the float32 oracle on the same rounded inputs), causal and not, a window,
+    GQA, N < M; T5's table trains through the attached gradient, KERPLE is frozen."""
+    import generated._attention as runtime
+
+    monkeypatch.setattr(runtime, "FUSED_DISTANCE_DEVICES", {"cuda"})
+    kinds: list[str] = []
+    original = runtime.fused_distance_attention
+
+    def spy(q, k, v, scale, *args, **keywords):
+        kinds.append(args[1] if len(args) > 1 else keywords.get("bias_kind", "none"))
+        return original(q, k, v, scale, *args, **keywords)
+
+    monkeypatch.setattr(runtime, "fused_distance_attention", spy)
+    torch.manual_seed(0)
+    pe = generated_class(name)(heads=4, head_dim=64).to(CUDA)
+    if name == "kerple_log":
+        pe.requires_grad_(False)
+    inputs = [torch.randn(2, h, length, 64, device=CUDA) for h, length in ((4, 1000), (2, 1100))]
+    inputs.append(torch.randn(2, 2, 1100, 64, device=CUDA))
+    for dtype in (torch.float32, torch.bfloat16):
+        for causal, window in ((False, None), (True, None), (True, 300)):
+            q, k, v = (t.to(dtype).requires_grad_() for t in inputs)
+            fused = pe(q, k, v, causal=causal, window=window, backend="flex")
+            leaves = [q, k, v, *(p for p in pe.parameters() if p.requires_grad)]
+            got = torch.autograd.grad(fused.float().square().sum(), leaves)
+            wide = [t.detach().float().requires_grad_() for t in (q, k, v)]
+            eager = pe(*wide, causal=causal, window=window, backend="eager")
+            want_leaves = [*wide, *(p for p in pe.parameters() if p.requires_grad)]
+            want = torch.autograd.grad(eager.square().sum(), want_leaves)
+            loose = dtype == torch.bfloat16
+            torch.testing.assert_close(
+                fused.float(), eager, atol=1.5e-2 if loose else 2e-4, rtol=1e-2 if loose else 2e-3
+            )
+            for a, b in zip(got, want, strict=True):
+                scale = b.abs().max().item()
+                tolerance = 3e-2 if loose else 2e-3
+                torch.testing.assert_close(a.float(), b, atol=tolerance * scale, rtol=tolerance)
+    assert kinds and "none" not in kinds[:1]
+
+
 @pytest.mark.parametrize("name", ["nope", "rope", "alibi", "t5", "deberta", "tupe_a"])
 def test_compiled_flex_with_windows_and_documents_matches_eager_on_cuda(name: str) -> None:
     """Sliding windows and packed documents as compiled block masks (N = M = 512, four

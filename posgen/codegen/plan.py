@@ -550,6 +550,8 @@ def _flags(blocks: tuple[Block, ...]) -> tuple[tuple[str, bool | int | None], ..
             not untied and bias is not None and bias.inside_scale,
         ),
         ("bias_by_distance", not untied and isinstance(bias, DISTANCE_BIAS_BLOCKS)),
+        # c_h |j - i|: ALiBi's slopes, which a fused kernel computes per score
+        ("bias_linear_in_distance", not untied and isinstance(bias, SlopeBiasPlan)),
         (
             # every bucket past max_distance is the last of its direction
             "clipped_distance",

@@ -1,0 +1,352 @@
+"""The runtime's fused Triton attention for a bias of j - i alone
+(``fused_distance_attention``) against float64 oracles.
+
+softmax(q kᵀ · s + b(j - i) + mask) v is written out score by score here, for ALiBi's
+c_h |r| (Press et al. 2022), a per-distance vector (T5's clipped buckets, Raffel et al.
+2020; any other bias of r), causal and windowed masks, and grouped-query heads. The
+kernels run on CPU tensors under TRITON_INTERPRET=1 (defined afresh per test; the
+runtime's own definitions are restored after). Shapes are small: the interpreter runs
+each program in NumPy. It multiplies bfloat16 operands of ``tl.dot`` as raw bits
+(triton-lang/triton#11584), so half precision is checked here in float16, which takes
+the same code path; bfloat16 runs on CUDA (tests/test_gpu.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import sys
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import generated._attention as runtime
+from tests.conftest import generated_class, run_backend, spec_variant
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None,
+    reason="triton is not installed (pip install -c constraints/cpu.txt -e '.[dev]')",
+)
+
+
+def interpret(module: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Serve CPU tensors in ``module`` (a runtime) with the kernels interpreted."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(module, "_TRITON", {})
+    for helper in ("_distance_tile_logits", "_distance_larger", "_distance_plus"):
+        monkeypatch.setattr(module, helper, None)
+    monkeypatch.setattr(module, "FUSED_DISTANCE_DEVICES", {"cpu"})
+    import triton.language
+    from triton.runtime import interpreter
+
+    # the interpreter looks for triton.language among a kernel's globals; the runtime
+    # imports it inside the function that defines the kernels
+    monkeypatch.setattr(module, "tl", triton.language, raising=False)
+
+    original = interpreter._patch_lang_tensor
+
+    def patch_lang_tensor(tensor: Any, scope: Any) -> None:
+        # the interpreter holds a scalar as a 1-element array, and NumPy 2.4 refuses
+        # int() of one (a loop bound read from program_id: triton-lang/triton#9171)
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(())))
+
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patch_lang_tensor)
+
+
+@pytest.fixture
+def interpreted(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
+    interpret(runtime, monkeypatch)
+    yield runtime
+
+
+def formula(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    bias: torch.Tensor | None,
+    kind: str,
+    base: int,
+    causal: bool,
+    window: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 softmax(q kᵀ scale + b(r) + mask) v and the row log-sum-exp, every score
+    written out; query i at position i + M - N, r = key - query position; key head h //
+    (H / H_kv) serves query head h."""
+    q, k, v = q.double(), k.double(), v.double()
+    n, m = q.shape[2], k.shape[2]
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    r = torch.arange(m)[None, :] - (torch.arange(n)[:, None] + m - n)  # [N, M]
+    scores = q @ k.transpose(-1, -2) * scale
+    if kind == "slope":
+        assert bias is not None
+        scores = scores + bias.double()[:, None, None] * r.abs()
+    elif kind == "vector":
+        assert bias is not None
+        scores = scores + bias.double()[:, (r + base).clamp(0, bias.shape[1] - 1)]
+    allowed = torch.ones(n, m, dtype=torch.bool)
+    if causal:
+        allowed &= r <= 0
+    if window is not None:
+        allowed &= r.abs() < window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.softmax(scores, -1) @ v, torch.logsumexp(scores, -1)
+
+
+def _bias(kind: str, heads: int, length: int, generator: torch.Generator) -> torch.Tensor | None:
+    if kind == "slope":  # ALiBi-like: c_h = -slope_h
+        return -torch.rand(heads, generator=generator) - 0.05
+    if kind == "vector":
+        return torch.randn(heads, length, generator=generator)
+    return None
+
+
+def _assert_kernel_matches_formula(
+    n: int,
+    m: int,
+    heads: int,
+    kv_heads: int,
+    kind: str,
+    base: int,
+    length: int,
+    causal: bool,
+    window: int | None,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, heads, n, 16, generator=generator)
+    k = torch.randn(2, kv_heads, m, 16, generator=generator)
+    v = torch.randn(2, kv_heads, m, 32, generator=generator)  # value width != head width
+    weight = torch.randn(2, heads, n, 32, generator=generator)  # d loss / d out
+    bias = _bias(kind, heads, length, generator)
+    leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    out, lse = runtime.fused_distance_attention(
+        *leaves, 0.3, bias, kind, base, causal=causal, window=window
+    )
+    grads = torch.autograd.grad((out * weight.to(dtype)).sum(), leaves)
+    wide = [t.detach().double().requires_grad_() for t in leaves]
+    want, want_lse = formula(*wide, 0.3, bias, kind, base, causal, window)
+    want_grads = torch.autograd.grad((want * weight.double()).sum(), wide)
+    if dtype == torch.float32:
+        tolerance = {"rtol": 1e-5, "atol": 1e-5}
+    else:  # float16: products rounded to 11 bits, P rounded before P V
+        tolerance = {"rtol": 2e-2, "atol": 2e-2}
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    torch.testing.assert_close(out.double(), want, **tolerance)
+    torch.testing.assert_close(lse.double(), want_lse, **tolerance)
+    for name, got, expected in zip("qkv", grads, want_grads, strict=True):
+        assert got.dtype == dtype
+        scale = expected.abs().max().item()
+        torch.testing.assert_close(
+            got.double(),
+            expected,
+            rtol=tolerance["rtol"],
+            atol=tolerance["atol"] * max(scale, 1.0),
+            msg=lambda text, name=name: f"grad {name}: {text}",
+        )
+
+
+BIASES = [  # (kind, base, length)
+    ("none", 0, 1),
+    ("slope", 0, 1),
+    ("vector", 4, 9),  # clipped at 4: tiles wholly past the clip read one value
+    ("vector", 47, 95),  # a full per-distance vector at N = M = 48: base M - 1
+]
+MASKS = [(False, None), (True, None), (False, 5), (True, 7)]
+
+
+@pytest.mark.parametrize(("causal", "window"), MASKS)
+@pytest.mark.parametrize(("kind", "base", "length"), BIASES)
+def test_the_kernel_matches_the_formula(interpreted, kind, base, length, causal, window) -> None:
+    # 48 = three 16-wide tiles: the corner tiles lie wholly past a clip of 4 both ways
+    _assert_kernel_matches_formula(48, 48, 4, 2, kind, base, length, causal, window)
+
+
+@pytest.mark.parametrize(("n", "m"), [(20, 37), (1, 33), (16, 16), (5, 5)])
+def test_queries_are_the_last_n_keys_and_edges_are_masked(interpreted, n, m) -> None:
+    for causal in (False, True):
+        _assert_kernel_matches_formula(n, m, 4, 1, "vector", 4, 9, causal, None)
+
+
+@pytest.mark.parametrize("kind", ["slope", "vector"])
+def test_float16_stays_within_float16_error(interpreted, kind) -> None:
+    _assert_kernel_matches_formula(40, 48, 2, 2, kind, 4, 9, True, None, torch.float16)
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    n=st.integers(1, 40),
+    extra_keys=st.integers(0, 20),
+    groups=st.sampled_from([1, 2]),
+    causal=st.booleans(),
+    window=st.one_of(st.none(), st.integers(1, 30)),
+    kind=st.sampled_from(["none", "slope", "vector"]),
+    clip=st.integers(0, 12),
+)
+def test_any_shape_band_and_bias_match_the_formula(
+    n, extra_keys, groups, causal, window, kind, clip
+) -> None:
+    with pytest.MonkeyPatch.context() as monkeypatch:  # hypothesis reruns the body
+        interpret(runtime, monkeypatch)
+        _assert_kernel_matches_formula(
+            n, n + extra_keys, 2 * groups, 2, kind, clip, 2 * clip + 1, causal, window, seed=n
+        )
+
+
+def test_bad_arguments_raise_value_errors_naming_them(interpreted) -> None:
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    attend = runtime.fused_distance_attention
+    with pytest.raises(ValueError, match="bias_kind"):
+        attend(q, k, v, 1.0, torch.zeros(2), "linear")
+    with pytest.raises(ValueError, match=r"bias must be \[heads\]"):
+        attend(q, k, v, 1.0, torch.zeros(3), "slope")
+    with pytest.raises(ValueError, match="bias must be given"):
+        attend(q, k, v, 1.0, None, "vector")
+    with pytest.raises(ValueError, match="detached"):
+        attend(q, k, v, 1.0, torch.zeros(2, 3, requires_grad=True), "vector", 1)
+    with pytest.raises(ValueError, match="must not exceed"):
+        attend(torch.randn(1, 2, 9, 16), k, v, 1.0)
+    with pytest.raises(ValueError, match="must divide"):
+        attend(torch.randn(1, 3, 8, 16), k, v, 1.0)
+    with pytest.raises(ValueError, match="float16, bfloat16 or"):
+        attend(q.double(), k.double(), v.double(), 1.0)
+    with pytest.raises(ValueError, match="powers of two"):
+        attend(*(torch.randn(1, 2, 8, 8) for _ in range(3)), 1.0)
+    with pytest.raises(ValueError, match="window"):
+        attend(q, k, v, 1.0, window=0)
+
+
+def test_nothing_is_served_where_the_devices_are_not_listed() -> None:
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    assert runtime.FUSED_DISTANCE_DEVICES == set()  # untimed: off until a GPU measures it
+    assert not runtime.fused_distance_attention_serves(q, k, v)
+
+
+# ---- the generated modules' flex backend on the fused route ----
+
+
+def runtime_of(pe: torch.nn.Module) -> ModuleType:
+    """The runtime whose globals ``pe`` reads (a variant built in memory has its own)."""
+    return sys.modules[type(pe)._fused_distance_attention.__module__]
+
+
+def spy_kinds(pe: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Serve ``pe``'s runtime interpreted and record the bias kind of each fused call."""
+    module = runtime_of(pe)
+    interpret(module, monkeypatch)
+    kinds: list[str] = []
+    original = module.fused_distance_attention
+
+    def spy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *args: Any, **kw: Any):
+        kinds.append(args[1] if len(args) > 1 else kw.get("bias_kind", "none"))
+        return original(q, k, v, scale, *args, **kw)
+
+    monkeypatch.setattr(module, "fused_distance_attention", spy)
+    return kinds
+
+
+def _clipped_t5(name: str = "t5") -> type[torch.nn.Module]:
+    """``name`` with 8 buckets clipped at distance 8, so that short sequences have
+    tiles past the clip and the table trains through the attached gradient."""
+    clip = [("buckets: 32", "buckets: 8"), ("max_distance: 128", "max_distance: 8")]
+    return spec_variant(name, *clip, name=f"{name}_clipped_at_8")
+
+
+def _inputs(n: int, m: int, kv_heads: int, dtype: torch.dtype = torch.float32) -> dict:
+    generator = torch.Generator().manual_seed(5)
+    shapes = {"q": (2, 4, n, 16), "k": (2, kv_heads, m, 16), "v": (2, kv_heads, m, 16)}
+    return {
+        key: torch.randn(*shape, generator=generator).to(dtype) for key, shape in shapes.items()
+    }
+
+
+def assert_flex_matches_eager(
+    pe: torch.nn.Module, n: int, m: int, kv_heads: int, **options: Any
+) -> None:
+    """The flex backend (float32) against the eager oracle of a float64 copy: outputs
+    and gradients into q, k, v and the parameters."""
+    inputs = _inputs(n, m, kv_heads)
+    got, got_grads = run_backend(pe, inputs, "flex", **options)
+    oracle = copy.deepcopy(pe).double()
+    wide = {key: value.double() for key, value in inputs.items()}
+    want, want_grads = run_backend(oracle, wide, "eager", **options)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    assert len(got_grads) == len(want_grads)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-5 * max(w.abs().max(), 1))
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [("alibi", "slope"), ("kerple_log", "vector"), ("sandwich", "vector")],
+)
+@pytest.mark.parametrize(("causal", "window"), [(False, None), (True, None), (True, 9)])
+def test_fixed_biases_run_the_kernel_and_match_eager(name, kind, causal, window, monkeypatch):
+    pe = generated_class(name)(heads=4, head_dim=16).requires_grad_(False)  # nothing trains
+    kinds = spy_kinds(pe, monkeypatch)
+    assert_flex_matches_eager(pe, 40, 56, 2, causal=causal, window=window)
+    assert kinds == [kind]
+
+
+@pytest.mark.parametrize("name", ["t5", "t5_decoder"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_t5_trains_its_table_through_the_kernel_and_the_attached_gradient(
+    name, causal, monkeypatch
+) -> None:
+    pe = _clipped_t5(name)(heads=4, head_dim=16)
+    monkeypatch.setattr(runtime_of(pe), "CLIPPED_BIAS_BAND_ROWS", 16)
+    kinds = spy_kinds(pe, monkeypatch)
+    assert_flex_matches_eager(pe, 64, 72, 2, causal=causal)
+    # the attention, then (not causal) the backward's triangle, which has no bias
+    assert kinds == (["vector"] if causal else ["vector", "none"])
+
+
+def test_a_frozen_t5_table_reads_its_clipped_vector(monkeypatch) -> None:
+    pe = _clipped_t5()(heads=4, head_dim=16).requires_grad_(False)
+    kinds = spy_kinds(pe, monkeypatch)
+    assert_flex_matches_eager(pe, 20, 40, 4, causal=True)
+    assert kinds == ["vector"]
+
+
+def test_float16_modules_stay_within_float16_error(monkeypatch) -> None:
+    pe = generated_class("alibi")(heads=4, head_dim=16)
+    kinds = spy_kinds(pe, monkeypatch)
+    half = _inputs(48, 48, 4, torch.float16)
+    got, got_grads = run_backend(pe, half, "flex", causal=True)
+    # the eager oracle on the same float16 inputs: float32 inside, a float16 output
+    want, want_grads = run_backend(pe, half, "eager", causal=True)
+    assert kinds == ["slope"]
+    assert got.dtype == want.dtype == torch.float16
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-2, atol=1e-2 * w.abs().max().item())
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_the_kernel_serves_only_what_it_computes(monkeypatch) -> None:
+    alibi = generated_class("alibi")(heads=4, head_dim=16)
+    kinds = spy_kinds(alibi, monkeypatch)
+    q, k, v = (torch.randn(1, 4, 24, 16) for _ in range(3))
+    with torch.no_grad():
+        alibi(q, k, v, backend="flex", k_positions=torch.arange(24) * 2)  # explicit positions
+        alibi(q, k, v, backend="flex", attn_mask=torch.ones(24, 24, dtype=torch.bool))
+        alibi(q, k, v, backend="flex", document_ids=torch.zeros(24, dtype=torch.long))
+        alibi(q, k, v, backend="sdpa")
+        alibi(q.double(), k.double(), v.double(), backend="flex")  # float64
+        small = [t[..., :8] for t in (q, k, v)]  # head_dim 8: below Triton's dot tile
+        generated_class("alibi")(heads=4, head_dim=8)(*small, backend="flex")
+    learned = generated_class("alibi_learned")(heads=4, head_dim=16)
+    learned(q, k, v, backend="flex").sum().backward()  # trained slopes: the vector path
+    assert learned.slopes.grad is not None
+    assert kinds == []
+    with torch.no_grad():
+        learned(q, k, v, backend="flex")  # the same slopes, not trained here
+    assert kinds == ["slope"]
