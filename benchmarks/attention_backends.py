@@ -14,6 +14,11 @@ sdpa backend with its clipped-bias training path turned off (the query-chunked p
 replaced) and the flex backend with its clipped-bias route turned on (the bias read per
 score as a constant, its gradient from a band and two triangles), in the same loop.
 
+``--compare-fused`` also times, for a bias of j - i alone (ALiBi, T5, KERPLE ...), the
+flex backend with the fused Triton kernel turned on (``FUSED_DISTANCE_DEVICES``: ALiBi's
+bias computed per score, other biases read from their per-distance vector, T5's table
+trained through the attached band-and-triangle gradient), in the same loop.
+
 ``--window W`` adds a sliding window (query - W < key <= query when causal, |query - key|
 < W otherwise) to every candidate (``forward(..., window=W)``; plain flex with the same
 block mask); the baseline is then SDPA with the equivalent boolean [N, N] mask, built
@@ -248,6 +253,18 @@ def clipped_flex_on(device: torch.device) -> Iterator[None]:
         runtime.CLIPPED_BIAS_FLEX_DEVICES = devices
 
 
+@contextlib.contextmanager
+def fused_distance_on(device: torch.device) -> Iterator[None]:
+    """The runtime's flex backend running a bias of j - i alone through the fused Triton
+    kernel (``FUSED_DISTANCE_DEVICES``)."""
+    devices = runtime.FUSED_DISTANCE_DEVICES
+    runtime.FUSED_DISTANCE_DEVICES = devices | {device.type}
+    try:
+        yield
+    finally:
+        runtime.FUSED_DISTANCE_DEVICES = devices
+
+
 def candidates(
     args: argparse.Namespace, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
 ) -> list[tuple[str, str, Callable[[], torch.Tensor], list[torch.Tensor]]]:
@@ -293,6 +310,13 @@ def candidates(
                     return pe(q, k, v, causal=causal, backend="flex", window=args.window)
 
             found.append((name, "flex, clipped gradient", attend_clipped_flex, params))
+        if "flex" in args.backends and args.compare_fused and pe.bias_by_distance:
+
+            def attend_fused(pe=pe) -> torch.Tensor:
+                with fused_distance_on(device):
+                    return pe(q, k, v, causal=causal, backend="flex", window=args.window)
+
+            found.append((name, "flex, fused kernel", attend_fused, params))
         if "flex" in args.backends and args.distance_vector and pe.bias_by_distance:
             by_vector = ENCODINGS[name](heads=args.heads, head_dim=args.head_dim).to(device)
             by_vector.load_state_dict(pe.state_dict())
@@ -460,6 +484,11 @@ def main() -> None:
         "--compare-clipped",
         action="store_true",
         help="also time sdpa without, and flex with, the clipped-bias training path (T5)",
+    )
+    parser.add_argument(
+        "--compare-fused",
+        action="store_true",
+        help="also time flex with the fused Triton kernel for biases of j - i (CUDA)",
     )
     parser.add_argument(
         "--window",

@@ -35,6 +35,9 @@ step 300 attention python3 benchmarks/attention_backends.py --device cuda --dtyp
 step 240 t5_clipped python3 benchmarks/attention_backends.py --device cuda --dtype bfloat16 \
     --encodings t5 --backends flex --lengths 2048 8192 --modes train --causal both \
     --compare-clipped --repeats 15 --tag _t5_clipped --out "$out"
+step 420 fused python3 benchmarks/attention_backends.py --device cuda --dtype bfloat16 \
+    --encodings alibi t5 --backends flex --lengths 2048 8192 --modes forward train \
+    --causal both --compare-fused --repeats 15 --tag _fused --out "$out"
 step 200 family python3 benchmarks/attention_backends.py --device cuda --dtype bfloat16 \
     --encodings bert_relative_key deberta transformer_xl fire --backends sdpa flex \
     --lengths 2048 --modes forward train --causal no --repeats 10 --tag _family --out "$out"
