@@ -242,27 +242,17 @@ def clipped_path_off() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def clipped_flex_on(device: torch.device) -> Iterator[None]:
-    """The runtime's flex backend training a clipped bias through a constant per-score
-    read and the attached band-and-triangle gradient (``CLIPPED_BIAS_FLEX_DEVICES``)."""
-    devices = runtime.CLIPPED_BIAS_FLEX_DEVICES
-    runtime.CLIPPED_BIAS_FLEX_DEVICES = devices | {device.type}
+def route_on(devices_setting: str, device: torch.device) -> Iterator[None]:
+    """The runtime with ``device``'s type added to the device set ``devices_setting``
+    of an untimed route: "CLIPPED_BIAS_FLEX_DEVICES" (flex training a clipped bias
+    through a constant per-score read and the attached band-and-triangle gradient) or
+    "FUSED_DISTANCE_DEVICES" (flex running a bias of j - i through the fused kernel)."""
+    devices = getattr(runtime, devices_setting)
+    setattr(runtime, devices_setting, devices | {device.type})
     try:
         yield
     finally:
-        runtime.CLIPPED_BIAS_FLEX_DEVICES = devices
-
-
-@contextlib.contextmanager
-def fused_distance_on(device: torch.device) -> Iterator[None]:
-    """The runtime's flex backend running a bias of j - i alone through the fused Triton
-    kernel (``FUSED_DISTANCE_DEVICES``)."""
-    devices = runtime.FUSED_DISTANCE_DEVICES
-    runtime.FUSED_DISTANCE_DEVICES = devices | {device.type}
-    try:
-        yield
-    finally:
-        runtime.FUSED_DISTANCE_DEVICES = devices
+        setattr(runtime, devices_setting, devices)
 
 
 def candidates(
@@ -306,14 +296,14 @@ def candidates(
         if "flex" in args.backends and args.compare_clipped and pe.clipped_distance:
 
             def attend_clipped_flex(pe=pe) -> torch.Tensor:
-                with clipped_flex_on(device):
+                with route_on("CLIPPED_BIAS_FLEX_DEVICES", device):
                     return pe(q, k, v, causal=causal, backend="flex", window=args.window)
 
             found.append((name, "flex, clipped gradient", attend_clipped_flex, params))
         if "flex" in args.backends and args.compare_fused and pe.bias_by_distance:
 
             def attend_fused(pe=pe) -> torch.Tensor:
-                with fused_distance_on(device):
+                with route_on("FUSED_DISTANCE_DEVICES", device):
                     return pe(q, k, v, causal=causal, backend="flex", window=args.window)
 
             found.append((name, "flex, fused kernel", attend_fused, params))
