@@ -1874,16 +1874,22 @@ def fused_distance_attention_serves(q: Tensor, k: Tensor, v: Tensor) -> bool:
     )
 
 
-def _distance_attention_configs() -> list[Any]:
-    """Autotuning candidates on CUDA: (BLOCK_M, BLOCK_N, warps, stages) as the Triton
-    fused-attention tutorial and FlashAttention-2 use on Ampere and Hopper; untimed
-    here, so the autotuner chooses per (N, M, widths, bias, band)."""
+def _distance_attention_configs(name: str) -> list[Any]:
+    """Autotuning candidates of kernel ``name`` on CUDA, as (BLOCK_M queries, BLOCK_N
+    keys, warps, stages): wide query tiles for the forward and dQ, wide key tiles for dK
+    and dV (as in the Triton fused-attention tutorial and FlashAttention-2). Untimed
+    here, so the autotuner chooses per (N, M, widths, bias, band); a tile that needs
+    more shared memory than the device has is skipped."""
     import triton
 
-    shapes = [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2), (64, 128, 4, 3)]
+    shapes = {
+        "forward": [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2)],
+        "key_grad": [(32, 128, 4, 3), (64, 128, 8, 2), (64, 64, 4, 3), (32, 64, 4, 3)],
+        "query_grad": [(128, 32, 4, 3), (128, 64, 8, 2), (64, 64, 4, 3), (64, 32, 4, 3)],
+    }[name]
     return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-        for bm, bn, w, s in shapes
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=stages)
+        for bm, bn, w, stages in shapes
     ]
 
 
@@ -2358,7 +2364,8 @@ def _tuned_distance_kernel(name: str) -> Any:
 
         kernel = _distance_attention_kernels()[name]
         tuning_key = ["n", "m", "HEAD_DIM", "VALUE_DIM", "BIAS", "BAND", "IEEE"]
-        _TRITON[key] = triton.autotune(_distance_attention_configs(), key=tuning_key)(kernel)
+        configs = _distance_attention_configs(name)
+        _TRITON[key] = triton.autotune(configs, key=tuning_key)(kernel)
     return _TRITON[key]
 
 
