@@ -1909,12 +1909,11 @@ def _distance_attention_kernels() -> dict[str, Any]:
 
     @triton.jit
     def tile_logits(
-        s,  # [X, Y] float32: q . k times scale * log2(e)
-        r,  # [X, Y] int32: key minus query position
-        inside,  # [X, Y] bool: the query is < N and the key < M
-        edge,  # scalar bool: the tile crosses the last query or key
-        r_min,  # scalar: the tile's smallest r
-        r_max,  # scalar: its largest r
+        s,  # float32 q . k times scale * log2(e): [BLOCK_M, BLOCK_N], or transposed
+        start_m,  # the tile's first query
+        start_n,  # its first key
+        n,
+        m,
         bias_row,  # this head's slope, or its vector row
         bias_stride,
         bias_length,
@@ -1923,9 +1922,24 @@ def _distance_attention_kernels() -> dict[str, Any]:
         r_hi,
         BIAS: tl.constexpr,  # 0 none, 1 slope, 2 vector
         BAND: tl.constexpr,  # keys outside r_lo <= r <= r_hi are masked
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        KEYS_FIRST: tl.constexpr,  # s is [BLOCK_N, BLOCK_M] (the key-tile backward)
     ):
         """s plus the bias (in base-2 units), -inf where masked."""
         log2e: tl.constexpr = 1.4426950408889634
+        shift = m - n  # query i sits at position i + M - N
+        rows = start_m + tl.arange(0, BLOCK_M)
+        cols = start_n + tl.arange(0, BLOCK_N)
+        if KEYS_FIRST:
+            r = cols[:, None] - rows[None, :] - shift  # key minus query position
+            inside = (cols[:, None] < m) & (rows[None, :] < n)
+        else:
+            r = cols[None, :] - rows[:, None] - shift
+            inside = (rows[:, None] < n) & (cols[None, :] < m)
+        edge = (start_m + BLOCK_M > n) | (start_n + BLOCK_N > m)  # the tile crosses an end
+        r_min = start_n - (start_m + BLOCK_M - 1) - shift  # the tile's smallest r
+        r_max = start_n + BLOCK_N - 1 - start_m - shift  # and largest
         if BIAS == 1:  # c_h |r|
             slope = tl.load(bias_row).to(tl.float32) * log2e
             s += slope * tl.abs(r).to(tl.float32)
@@ -2038,11 +2052,10 @@ def _distance_attention_kernels() -> dict[str, Any]:
                 s = tl.dot(q, k_t)
             s = _distance_tile_logits(
                 s * qk_scale,
-                cols[None, :] - rows[:, None] - shift,
-                (rows[:, None] < n) & (cols[None, :] < m),
-                (start_m + BLOCK_M > n) | (start_n + BLOCK_N > m),
-                start_n - (start_m + BLOCK_M - 1) - shift,
-                start_n + BLOCK_N - 1 - start_m - shift,
+                start_m,
+                start_n,
+                n,
+                m,
                 bias_row,
                 bias_stride,
                 bias_length,
@@ -2051,6 +2064,9 @@ def _distance_attention_kernels() -> dict[str, Any]:
                 r_hi,
                 BIAS,
                 BAND,
+                BLOCK_M,
+                BLOCK_N,
+                False,
             )  # [BLOCK_M, BLOCK_N]
             new_max = tl.maximum(row_max, tl.reduce(s, 1, _distance_larger))
             shift_by = tl.where(new_max == float("-inf"), 0.0, new_max)  # rows masked so far
@@ -2177,11 +2193,10 @@ def _distance_attention_kernels() -> dict[str, Any]:
                     s_t = tl.dot(k, q_t)
                 s_t = _distance_tile_logits(
                     s_t * qk_scale,
-                    cols[:, None] - rows[None, :] - shift,
-                    key_rows & (rows[None, :] < n),
-                    (start_m + BLOCK_M > n) | (start_n + BLOCK_N > m),
-                    start_n - (start_m + BLOCK_M - 1) - shift,
-                    start_n + BLOCK_N - 1 - start_m - shift,
+                    start_m,
+                    start_n,
+                    n,
+                    m,
                     bias_row,
                     bias_stride,
                     bias_length,
@@ -2190,6 +2205,9 @@ def _distance_attention_kernels() -> dict[str, Any]:
                     r_hi,
                     BIAS,
                     BAND,
+                    BLOCK_M,
+                    BLOCK_N,
+                    True,
                 )  # [BLOCK_N, BLOCK_M]
                 lse = tl.load(lse_ptr + batch_head * n + rows, mask=rows < n, other=0.0)
                 p_t = tl.math.exp2(s_t - lse[None, :] * log2e)  # P transposed
@@ -2319,11 +2337,10 @@ def _distance_attention_kernels() -> dict[str, Any]:
                 s = tl.dot(q, k_t)
             s = _distance_tile_logits(
                 s * qk_scale,
-                cols[None, :] - rows[:, None] - shift,
-                query_rows & (cols[None, :] < m),
-                (start_m + BLOCK_M > n) | (start_n + BLOCK_N > m),
-                start_n - (start_m + BLOCK_M - 1) - shift,
-                start_n + BLOCK_N - 1 - start_m - shift,
+                start_m,
+                start_n,
+                n,
+                m,
                 bias_row,
                 bias_stride,
                 bias_length,
@@ -2332,6 +2349,9 @@ def _distance_attention_kernels() -> dict[str, Any]:
                 r_hi,
                 BIAS,
                 BAND,
+                BLOCK_M,
+                BLOCK_N,
+                False,
             )  # [BLOCK_M, BLOCK_N]
             p = tl.math.exp2(s - lse[:, None])
             if IEEE:
@@ -3413,22 +3433,24 @@ class PositionalAttention(nn.Module):
         if (trains and not trains_clipped) or not fused_distance_attention_serves(q, k, v):
             return None
         inside = self.scale if self.position_bias_inside_scale else 1.0
-        with torch.no_grad():  # a constant in the kernel
-            if self.bias_linear_in_distance:
-                bias, kind, base = self._distance_slopes(q.device), "slope", 0  # [H]
-            elif clip is not None:  # [H, 2 clip + 1] at r = -clip .. clip
-                bias, kind, base = self._clipped_distance_bias(q.device), "vector", clip
-            else:  # [H, N + M - 1] at r = -(M - 1) .. N - 1
-                bias, kind, base = self._distance_bias(n, m, q.device), "vector", m - 1
-            bias = bias.float() * inside
-        out, lse = fused_distance_attention(q, k, v, self.scale, bias, kind, base, causal, window)
+        if self.bias_linear_in_distance:
+            bias, kind, base = self._distance_slopes(q.device), "slope", 0  # [H]
+        elif clip is not None:  # [H, 2 clip + 1] at r = -clip .. clip
+            bias, kind, base = self._clipped_distance_bias(q.device), "vector", clip
+        else:  # [H, N + M - 1] at r = -(M - 1) .. N - 1
+            bias, kind, base = self._distance_bias(n, m, q.device), "vector", m - 1
+        bias = bias * inside  # keeps its graph where the clipped table trains
+        constant = bias.detach().float()  # what the kernel reads
+        out, lse = fused_distance_attention(
+            q, k, v, self.scale, constant, kind, base, causal, window
+        )
         if not trains_clipped:
             return out
 
         def triangle(qr: Tensor, kr: Tensor, vr: Tensor, scale: float) -> tuple[Tensor, Tensor]:
             return fused_distance_attention(qr, kr, vr, scale, causal=True)
 
-        clipped = self._clipped_distance_bias(q.device) * inside  # trained
+        clipped = bias  # [H, 2 clip + 1], trained
         groups = q.shape[1] // k.shape[1]
         k, v = repeat_kv(k, groups), repeat_kv(v, groups)
         return attach_clipped_bias_gradient(
