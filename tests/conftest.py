@@ -5,8 +5,12 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
@@ -102,3 +106,30 @@ def assert_sdpa_matches_eager(
     assert len(sdpa_grads) == len(eager_grads)
     for got, want in zip(sdpa_grads, eager_grads, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
+
+
+def runtime_of(pe: torch.nn.Module) -> ModuleType:
+    """The runtime module whose globals ``pe`` reads (a variant built in memory inlines
+    its own copy of the runtime)."""
+    return sys.modules[type(pe)._attend.__module__]
+
+
+def spy_calls(
+    monkeypatch: pytest.MonkeyPatch, module: ModuleType, name: str, record: Callable[..., Any]
+) -> list[Any]:
+    """Wrap ``module.name`` for the test: each call still runs, and ``record`` of its
+    arguments is appended to the returned list."""
+    calls: list[Any] = []
+    original = getattr(module, name)
+
+    def spy(*args: Any, **keywords: Any) -> Any:
+        calls.append(record(*args, **keywords))
+        return original(*args, **keywords)
+
+    monkeypatch.setattr(module, name, spy)
+    return calls
+
+
+def bias_kind(q: Any, k: Any, v: Any, scale: float, *args: Any, **keywords: Any) -> str:
+    """The ``bias_kind`` of a ``fused_distance_attention`` call (a ``spy_calls`` record)."""
+    return str(args[1] if len(args) > 1 else keywords.get("bias_kind", "none"))

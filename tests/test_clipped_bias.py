@@ -8,14 +8,20 @@ here, and the modules that take the path against their eager oracle.
 from __future__ import annotations
 
 import importlib
-import sys
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import assert_sdpa_matches_eager, generated_class, run_backend, spec_variant
+from tests.conftest import (
+    assert_sdpa_matches_eager,
+    generated_class,
+    run_backend,
+    runtime_of,
+    spec_variant,
+    spy_calls,
+)
 
 runtime = importlib.import_module("generated._attention")
 
@@ -135,24 +141,11 @@ def _clipped(name: str, **replace: str) -> type[torch.nn.Module]:
     return spec_variant(name, *replacements, name=f"{name}_clipped_at_8")
 
 
-def runtime_of(pe: torch.nn.Module):
-    """The runtime module whose globals ``pe``'s sdpa path reads (a variant built in
-    memory inlines its own copy of the runtime)."""
-    return sys.modules[type(pe)._sdpa_by_distance.__module__]
-
-
 def spy_route(pe: torch.nn.Module, monkeypatch) -> list[tuple[int, ...]]:
     """The query shapes that will reach ``pe``'s ``clipped_bias_attention``."""
-    calls: list[tuple[int, ...]] = []
-    module = runtime_of(pe)
-    original = module.clipped_bias_attention
-
-    def spy(q, *args):
-        calls.append(tuple(q.shape))
-        return original(q, *args)
-
-    monkeypatch.setattr(module, "clipped_bias_attention", spy)
-    return calls
+    return spy_calls(
+        monkeypatch, runtime_of(pe), "clipped_bias_attention", lambda q, *_: tuple(q.shape)
+    )
 
 
 @pytest.mark.parametrize("name", ["t5", "t5_decoder"])
@@ -239,15 +232,9 @@ def _flex_route(pe: torch.nn.Module, monkeypatch, devices=("cpu",)) -> list[int]
     """Turn the flex route on for ``devices`` and count its gradient attachments."""
     module = runtime_of(pe)
     monkeypatch.setattr(module, "CLIPPED_BIAS_FLEX_DEVICES", set(devices))
-    calls: list[int] = []
-    original = module.attach_clipped_bias_gradient
-
-    def spy(out, *args):
-        calls.append(out.shape[2])
-        return original(out, *args)
-
-    monkeypatch.setattr(module, "attach_clipped_bias_gradient", spy)
-    return calls
+    return spy_calls(
+        monkeypatch, module, "attach_clipped_bias_gradient", lambda out, *_: out.shape[2]
+    )
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import sys
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
@@ -26,7 +25,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import generated._attention as runtime
-from tests.conftest import generated_class, run_backend, spec_variant
+from tests.conftest import (
+    bias_kind,
+    generated_class,
+    run_backend,
+    runtime_of,
+    spec_variant,
+    spy_calls,
+)
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None,
@@ -157,16 +163,20 @@ def _assert_kernel_matches_formula(
 BIASES = [  # (kind, base, length)
     ("none", 0, 1),
     ("slope", 0, 1),
-    ("vector", 4, 9),  # clipped at 4: tiles wholly past the clip read one value
+    # clipped at 1 and 2: tiles wholly past the clip read one value, and at N = M = 48
+    # with 16-wide tiles a tile's r reaches exactly -1 (clip 1) or 1 = clip - 1 (clip 2)
+    ("vector", 1, 3),
+    ("vector", 2, 5),
     ("vector", 47, 95),  # a full per-distance vector at N = M = 48: base M - 1
 ]
-MASKS = [(False, None), (True, None), (False, 5), (True, 7)]
+# a window of 15: the tile below the diagonal has r = -15 = -window, just outside
+MASKS = [(False, None), (True, None), (False, 15), (True, 7)]
 
 
 @pytest.mark.parametrize(("causal", "window"), MASKS)
 @pytest.mark.parametrize(("kind", "base", "length"), BIASES)
 def test_the_kernel_matches_the_formula(interpreted, kind, base, length, causal, window) -> None:
-    # 48 = three 16-wide tiles: the corner tiles lie wholly past a clip of 4 both ways
+    # 48 = three 16-wide tiles: the corner tiles lie wholly past the clip both ways
     _assert_kernel_matches_formula(48, 48, 4, 2, kind, base, length, causal, window)
 
 
@@ -174,6 +184,23 @@ def test_the_kernel_matches_the_formula(interpreted, kind, base, length, causal,
 def test_queries_are_the_last_n_keys_and_edges_are_masked(interpreted, n, m) -> None:
     for causal in (False, True):
         _assert_kernel_matches_formula(n, m, 4, 1, "vector", 4, 9, causal, None)
+
+
+def test_large_biases_stay_finite_past_the_last_query(interpreted) -> None:
+    # a bias of +-100 per distance: exp of it overflows float32 unless the rows past N
+    # (read as zeros, their lse 0) are masked in the backward too
+    generator = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, length, 16, generator=generator) for length in (20, 37, 37))
+    bias = 100 * torch.randn(2, 9, generator=generator).sign()
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    out, _ = runtime.fused_distance_attention(*leaves, 0.3, bias, "vector", 4)
+    grads = torch.autograd.grad(out.sum(), leaves)
+    wide = [t.detach().double().requires_grad_() for t in leaves]
+    want, _ = formula(*wide, 0.3, bias, "vector", 4, False, None)
+    want_grads = torch.autograd.grad(want.sum(), wide)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    for got, expected in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("kind", ["slope", "vector"])
@@ -233,24 +260,11 @@ def test_nothing_is_served_where_the_devices_are_not_listed() -> None:
 # ---- the generated modules' flex backend on the fused route ----
 
 
-def runtime_of(pe: torch.nn.Module) -> ModuleType:
-    """The runtime whose globals ``pe`` reads (a variant built in memory has its own)."""
-    return sys.modules[type(pe)._fused_distance_attention.__module__]
-
-
 def spy_kinds(pe: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Serve ``pe``'s runtime interpreted and record the bias kind of each fused call."""
     module = runtime_of(pe)
     interpret(module, monkeypatch)
-    kinds: list[str] = []
-    original = module.fused_distance_attention
-
-    def spy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *args: Any, **kw: Any):
-        kinds.append(args[1] if len(args) > 1 else kw.get("bias_kind", "none"))
-        return original(q, k, v, scale, *args, **kw)
-
-    monkeypatch.setattr(module, "fused_distance_attention", spy)
-    return kinds
+    return spy_calls(monkeypatch, module, "fused_distance_attention", bias_kind)
 
 
 def _clipped_t5(name: str = "t5") -> type[torch.nn.Module]:

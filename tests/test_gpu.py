@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import generated_class, head_dim_for, spec_names
+from tests.conftest import bias_kind, generated_class, head_dim_for, spec_names, spy_calls
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 CUDA = torch.device("cuda")
@@ -131,14 +131,9 @@ def test_compiled_flex_trains_a_clipped_table_through_the_attached_gradient(
     import generated._attention as runtime
 
     monkeypatch.setattr(runtime, "CLIPPED_BIAS_FLEX_DEVICES", {"cuda"})
-    attached: list[int] = []
-    original = runtime.attach_clipped_bias_gradient
-
-    def spy(out, *args):
-        attached.append(out.shape[2])
-        return original(out, *args)
-
-    monkeypatch.setattr(runtime, "attach_clipped_bias_gradient", spy)
+    attached = spy_calls(
+        monkeypatch, runtime, "attach_clipped_bias_gradient", lambda out, *_: out.shape[2]
+    )
     torch.manual_seed(0)
     pe = generated_class(name)(heads=4, head_dim=64).to(CUDA)
     inputs = [torch.randn(2, h, 1024, 64, device=CUDA) for h in (4, 2, 2)]
@@ -170,14 +165,7 @@ def test_fused_distance_kernel_matches_eager_on_cuda(name: str, monkeypatch) -> 
     import generated._attention as runtime
 
     monkeypatch.setattr(runtime, "FUSED_DISTANCE_DEVICES", {"cuda"})
-    kinds: list[str] = []
-    original = runtime.fused_distance_attention
-
-    def spy(q, k, v, scale, *args, **keywords):
-        kinds.append(args[1] if len(args) > 1 else keywords.get("bias_kind", "none"))
-        return original(q, k, v, scale, *args, **keywords)
-
-    monkeypatch.setattr(runtime, "fused_distance_attention", spy)
+    kinds = spy_calls(monkeypatch, runtime, "fused_distance_attention", bias_kind)
     torch.manual_seed(0)
     pe = generated_class(name)(heads=4, head_dim=64).to(CUDA)
     if name == "kerple_log":
