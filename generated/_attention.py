@@ -1832,12 +1832,18 @@ def fused_rotation(
 
 # ---- fused attention with a bias of j - i (optional Triton) ----
 
-#: device types where the flex backend runs a bias of the key minus query position
-#: alone (default positions) through ``fused_distance_attention`` instead of
-#: FlexAttention. Empty until timed on a GPU: the design notes expect a kernel that
-#: computes the bias in registers to beat flex's per-score reads, but nothing here has
-#: measured it. Tests add "cpu" to run the kernels under TRITON_INTERPRET=1.
-FUSED_DISTANCE_DEVICES: set[str] = set()
+#: device types where ``fused_distance_attention`` runs: Triton compiles it for CUDA;
+#: tests add "cpu" to run the kernels under TRITON_INTERPRET=1.
+FUSED_DISTANCE_DEVICES: set[str] = {"cuda"}
+#: per bias form, the device types where the flex backend runs a bias of the key minus
+#: query position alone (default positions) through ``fused_distance_attention``
+#: instead of FlexAttention. Timed on an H200 (bf16, batch 2, 16 heads, head_dim 64,
+#: benchmarks/results/attention_backends_cuda_bfloat16_fused.md): ALiBi's slope, computed
+#: per score, beat flex's score_mod at N = 8192 (forward 1.54-1.60x FlashAttention
+#: against 1.76-1.96x, training 1.63-1.66x against 2.07-2.09x) and at N = 2048 forward
+#: (2.4-2.8x against 3.0-3.2x); a vector read per score (T5, KERPLE) lost to flex when
+#: causal (T5 forward 3.4-4.1x against 2.8-3.7x), so it stays on flex.
+FUSED_DISTANCE_ROUTES: dict[str, set[str]] = {"slope": {"cuda"}, "vector": set()}
 FUSED_DISTANCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: tiles (BLOCK_M queries, BLOCK_N keys) where the kernels are not autotuned (the
 #: interpreter); on CUDA each kernel picks from ``_distance_attention_configs``
@@ -1845,6 +1851,10 @@ FUSED_DISTANCE_BLOCKS = (16, 16)
 #: how the kernels read the bias: "none", "slope" (c_h |j - i|, one value per head) or
 #: "vector" (a row per head indexed by the clamped key minus query position)
 DISTANCE_BIAS_KINDS = ("none", "slope", "vector")
+#: a vector shorter than the N + M - 1 distances (clipped, as T5's): each tile first
+#: tests whether it lies wholly past an end and then adds one loaded value instead of a
+#: gather per score; False gathers in every tile (tests and benchmarks compare the two)
+FUSED_DISTANCE_CONSTANT_TILES = True
 #: the kernels' @triton.jit helpers, set by ``_distance_attention_kernels``: the
 #: interpreter resolves a kernel's callees among the module's globals, not its closure.
 #: The kernels call no @triton.jit function of triton.language (zeros, max, sum): made
@@ -1922,7 +1932,7 @@ def _distance_attention_kernels() -> dict[str, Any]:
         bias_base,
         r_lo,
         r_hi,
-        BIAS: tl.constexpr,  # 0 none, 1 slope, 2 vector
+        BIAS: tl.constexpr,  # 0 none, 1 slope, 2 clipped vector, 3 vector gathered per score
         BAND: tl.constexpr,  # keys outside r_lo <= r <= r_hi are masked
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -1954,6 +1964,9 @@ def _distance_attention_kernels() -> dict[str, Any]:
             else:
                 index = tl.minimum(tl.maximum(r + bias_base, 0), bias_length - 1)
                 s += tl.load(bias_row + index * bias_stride).to(tl.float32) * log2e
+        elif BIAS == 3:  # the same, gathered per score in every tile
+            index = tl.minimum(tl.maximum(r + bias_base, 0), bias_length - 1)
+            s += tl.load(bias_row + index * bias_stride).to(tl.float32) * log2e
         masked = edge
         if BAND:
             masked = masked | (r_min < r_lo) | (r_max > r_hi)
@@ -2415,7 +2428,9 @@ def _distance_bias_arguments(
     window: int | None,
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The kernels' bias and band arguments: (bias tensor, its head and entry strides,
-    length, base, r_lo, r_hi) and the constexprs BIAS and BAND. Keys pass where
+    length, base, r_lo, r_hi) and the constexprs BIAS (0 none, 1 slope, 2 a clipped
+    vector with one value per tile wholly past its clip, 3 a vector gathered per score;
+    FUSED_DISTANCE_CONSTANT_TILES) and BAND. Keys pass where
     r_lo <= j - i - (M - N) <= r_hi: a causal mask caps r at 0, a window keeps |r| <
     window; without either the band spans every pair."""
     r_lo, r_hi = -m, n
@@ -2423,13 +2438,17 @@ def _distance_bias_arguments(
         r_lo, r_hi = -(window - 1), window - 1
     if causal:
         r_hi = 0
+    code = DISTANCE_BIAS_KINDS.index(kind)
     if bias is None:
         values = (q, 0, 0, 1, 0)  # never read (BIAS = 0)
     else:
         stride_h = bias.stride(0) if bias.dim() == 2 else bias.stride(-1)
         length = bias.shape[-1] if bias.dim() == 2 else 1
         values = (bias, stride_h, bias.stride(-1), length, base)
-    meta = {"BIAS": DISTANCE_BIAS_KINDS.index(kind), "BAND": causal or window is not None}
+        clipped = length < n + m - 1  # some tile may lie wholly past an end
+        if kind == "vector" and not (clipped and FUSED_DISTANCE_CONSTANT_TILES):
+            code = 3  # a gather per score in every tile, without the tile's tests
+    meta = {"BIAS": code, "BAND": causal or window is not None}
     return (*values, r_lo, r_hi), meta
 
 
@@ -3127,9 +3146,7 @@ class PositionalAttention(nn.Module):
             window = None  # default positions: every |query - key| < M (N <= M)
         self._check_value_width(v)
         if backend == "auto":
-            default = q_positions is None and k_positions is None and attn_mask is None
-            view = default and document_ids is None  # sdpa's strided per-distance view
-            backend = self._auto_backend(q, k.shape[2], view)
+            backend = self._auto_backend(q)
         args = (q, k, v, q_positions, k_positions, causal, attn_mask, rotated)
         if backend == "flex":
             return self._flex_attention(*args, window=window, document_ids=document_ids)
@@ -3137,24 +3154,20 @@ class PositionalAttention(nn.Module):
             return self._eager_attention(*args, window=window, document_ids=document_ids)
         return self._sdpa_attention(*args, window=window, document_ids=document_ids)
 
-    def _auto_backend(self, q: Tensor, m: int = 0, by_distance_view: bool = False) -> str:
-        """The backend "auto" runs, from benchmarks/results (H100, bf16, batch 2, 16
-        heads, head_dim 64, N = 2048 and 8192; ratios to FlashAttention):
+    def _auto_backend(self, q: Tensor) -> str:
+        """The backend "auto" runs, from benchmarks/results (bf16, batch 2, 16 heads,
+        head_dim 64, N = 2048 and 8192; ratios to FlashAttention):
 
         - a value-side term needs the attention weights, which SDPA and FlexAttention do
           not return: "eager" on CUDA; on the CPU "sdpa", whose value-term path forms
           the weights once and chunks causal queries (Shaw, 2 threads, float32, N =
           2048, causal: 8.9x plain SDPA forward against eager's 27x, training 4.6x
           against 12x; not causal within 15% of eager);
-        - on CUDA, a bias of j - i alone that sdpa reads as a strided view of its
-          per-distance vector (``by_distance_view``: default positions, no attn_mask or
-          document_ids; a window folds into the vector),
-          N * M <= 2048^2, and no gradient into the bias's parameters: "sdpa" (forward
-          3.5-5.8x against flex's 3.9-6.8x; an ALiBi training step 1.9-2.2x against
-          2.7-2.9x);
-        - on CUDA, any other position bias or relative terms that stay in the logits:
-          "flex" (at N = 8192 ALiBi 2.0-2.1x forward against sdpa's 3.2-5.5x; a T5
-          training step 6.2-6.6x against 11-18x, 0.13 GB against 10 GB; the relative
+        - on CUDA, a position bias or relative terms that stay in the logits: "flex"
+          (H200, attention_backends_cuda_bfloat16_fused.md: ALiBi forward 1.6-2.9x
+          against sdpa's 3.3-6.5x and training 1.6-2.3x against 2.2-3.8x, T5 forward
+          2.6-4.0x against 3.4-6.8x and training 3.8-6.6x against 5.4-18x, N = 2048 and
+          8192 alike; H100, attention_backends_cuda_bfloat16_family.md: the relative
           family 11-16x against 15-32x at N = 2048);
         - otherwise (no position term in the logits, a bias folded into q and k, or the
           CPU, where FlexAttention is not fused): "sdpa" (FlashAttention where it can).
@@ -3164,12 +3177,7 @@ class PositionalAttention(nn.Module):
         folded = self.folds_position_bias and self.fold_bias is not False
         in_logits = self.has_relative_terms or (self.has_position_bias and not folded)
         flex_width = q.shape[-1] >= 16 and q.shape[-1] & (q.shape[-1] - 1) == 0
-        if not (in_logits and q.is_cuda and flex_width):
-            return "sdpa"
-        view = by_distance_view and self.bias_by_distance and not self.has_relative_terms
-        if view and q.shape[2] * m <= 2048 * 2048 and not self._trains_terms():
-            return "sdpa"
-        return "flex"
+        return "flex" if in_logits and q.is_cuda and flex_width else "sdpa"
 
     def _trains_terms(self) -> bool:
         """Gradients flow into the position terms' parameters (tables, slopes, kernels):
@@ -3416,10 +3424,11 @@ class PositionalAttention(nn.Module):
         self, q: Tensor, k: Tensor, v: Tensor, causal: bool, window: int | None
     ) -> Tensor | None:
         """flex's route for a bias of j - i alone at default positions (no attn_mask or
-        documents) through ``fused_distance_attention`` on FUSED_DISTANCE_DEVICES: the
-        kernel computes ALiBi's c_h |j - i| per score and reads other biases from their
-        per-distance vector (T5's clipped [H, 2K + 1], one value per tile past the
-        clip). None where it does not serve: other devices or widths, or a bias that
+        documents) through ``fused_distance_attention`` where FUSED_DISTANCE_ROUTES
+        lists the device for the bias's form: the kernel computes ALiBi's c_h |j - i|
+        per score ("slope") and reads other biases from their per-distance vector
+        ("vector": T5's clipped [H, 2K + 1], one value per tile past the clip). None
+        where it does not serve: other devices, forms or widths, or a bias that
         trains, except a clipped one (T5's table), whose gradient comes from
         ``attach_clipped_bias_gradient`` as on flex's ``_flex_with_clipped_gradient``.
         """
@@ -3432,15 +3441,20 @@ class PositionalAttention(nn.Module):
             and window is None
             and m >= CLIPPED_BIAS_MIN_KEYS_PER_CLIP * clip
         )
-        if (trains and not trains_clipped) or not fused_distance_attention_serves(q, k, v):
+        kind = "slope" if self.bias_linear_in_distance else "vector"
+        if (
+            (trains and not trains_clipped)
+            or q.device.type not in FUSED_DISTANCE_ROUTES.get(kind, ())
+            or not fused_distance_attention_serves(q, k, v)
+        ):
             return None
         inside = self.scale if self.position_bias_inside_scale else 1.0
         if self.bias_linear_in_distance:
-            bias, kind, base = self._distance_slopes(q.device), "slope", 0  # [H]
+            bias, base = self._distance_slopes(q.device), 0  # [H]
         elif clip is not None:  # [H, 2 clip + 1] at r = -clip .. clip
-            bias, kind, base = self._clipped_distance_bias(q.device), "vector", clip
+            bias, base = self._clipped_distance_bias(q.device), clip
         else:  # [H, N + M - 1] at r = -(M - 1) .. N - 1
-            bias, kind, base = self._distance_bias(n, m, q.device), "vector", m - 1
+            bias, base = self._distance_bias(n, m, q.device), m - 1
         bias = bias * inside  # keeps its graph where the clipped table trains
         constant = bias.detach().float()  # what the kernel reads
         out, lse = fused_distance_attention(
@@ -3450,7 +3464,8 @@ class PositionalAttention(nn.Module):
             return out
 
         def triangle(qr: Tensor, kr: Tensor, vr: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-            return fused_distance_attention(qr, kr, vr, scale, causal=True)
+            # in the backward: the kernel that served the forward, whatever the settings now
+            return _distance_forward(qr, kr, vr, None, "none", 0, scale, True, None)
 
         clipped = bias  # [H, 2 clip + 1], trained
         groups = q.shape[1] // k.shape[1]

@@ -47,6 +47,7 @@ def interpret(module: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
     for helper in ("_distance_tile_logits", "_distance_larger", "_distance_plus"):
         monkeypatch.setattr(module, helper, None)
     monkeypatch.setattr(module, "FUSED_DISTANCE_DEVICES", {"cpu"})
+    monkeypatch.setattr(module, "FUSED_DISTANCE_ROUTES", {"slope": {"cpu"}, "vector": {"cpu"}})
     import triton.language
     from triton.runtime import interpreter
 
@@ -180,6 +181,29 @@ def test_the_kernel_matches_the_formula(interpreted, kind, base, length, causal,
     _assert_kernel_matches_formula(48, 48, 4, 2, kind, base, length, causal, window)
 
 
+@pytest.mark.parametrize(("causal", "window"), MASKS)
+def test_clipped_vectors_gathered_in_every_tile_match_the_formula(
+    interpreted, causal, window, monkeypatch
+) -> None:
+    monkeypatch.setattr(runtime, "FUSED_DISTANCE_CONSTANT_TILES", False)
+    _assert_kernel_matches_formula(48, 48, 4, 2, "vector", 2, 5, causal, window)
+
+
+def test_only_clipped_vectors_test_their_tiles_for_one_value() -> None:
+    q = torch.zeros(1, 2, 8, 16)
+
+    def code(length: int, n: int = 8, m: int = 8) -> int:
+        bias = torch.zeros(2, length)
+        _, meta = runtime._distance_bias_arguments(q, bias, "vector", 0, n, m, False, None)
+        return int(meta["BIAS"])
+
+    assert (code(5), code(14), code(15), code(30)) == (2, 2, 3, 3)  # N + M - 1 = 15
+    assert code(15, n=8, m=9) == 2  # 16 distances: the vector is clipped
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(runtime, "FUSED_DISTANCE_CONSTANT_TILES", False)
+        assert code(5) == 3
+
+
 @pytest.mark.parametrize(("n", "m"), [(20, 37), (1, 33), (16, 16), (5, 5)])
 def test_queries_are_the_last_n_keys_and_edges_are_masked(interpreted, n, m) -> None:
     for causal in (False, True):
@@ -253,8 +277,13 @@ def test_bad_arguments_raise_value_errors_naming_them(interpreted) -> None:
 
 def test_nothing_is_served_where_the_devices_are_not_listed() -> None:
     q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
-    assert runtime.FUSED_DISTANCE_DEVICES == set()  # untimed: off until a GPU measures it
+    # the CPU runs the kernels only interpreted, in tests; the flex route takes ALiBi's
+    # slope on CUDA, where it was timed faster than flex, and leaves vectors to flex
+    assert runtime.FUSED_DISTANCE_DEVICES == {"cuda"}
+    assert runtime.FUSED_DISTANCE_ROUTES == {"slope": {"cuda"}, "vector": set()}
     assert not runtime.fused_distance_attention_serves(q, k, v)
+    with pytest.raises(ValueError, match="FUSED_DISTANCE_DEVICES"):
+        runtime.fused_distance_attention(q, k, v, 1.0)
 
 
 # ---- the generated modules' flex backend on the fused route ----
@@ -318,9 +347,51 @@ def test_t5_trains_its_table_through_the_kernel_and_the_attached_gradient(
     pe = _clipped_t5(name)(heads=4, head_dim=16)
     monkeypatch.setattr(runtime_of(pe), "CLIPPED_BIAS_BAND_ROWS", 16)
     kinds = spy_kinds(pe, monkeypatch)
+    launches = spy_calls(monkeypatch, runtime_of(pe), "_distance_forward", lambda *a: a[4])
     assert_flex_matches_eager(pe, 64, 72, 2, causal=causal)
+    assert kinds == ["vector"]
     # the attention, then (not causal) the backward's triangle, which has no bias
-    assert kinds == (["vector"] if causal else ["vector", "none"])
+    assert launches == (["vector"] if causal else ["vector", "none"])
+
+
+def test_the_backward_uses_the_kernel_whatever_the_settings_are_by_then(monkeypatch) -> None:
+    pe = _clipped_t5()(heads=4, head_dim=16)
+    module = runtime_of(pe)
+    monkeypatch.setattr(module, "CLIPPED_BIAS_BAND_ROWS", 16)
+    kinds = spy_kinds(pe, monkeypatch)
+
+    class RouteOffAfterForward(torch.nn.Module):
+        """``pe``, with the fused route and devices turned off once its forward ran."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.pe = pe
+
+        def forward(self, *args: Any, **options: Any) -> torch.Tensor:
+            out = self.pe(*args, **options)
+            monkeypatch.setattr(module, "FUSED_DISTANCE_DEVICES", set())
+            monkeypatch.setattr(module, "FUSED_DISTANCE_ROUTES", {})
+            return out
+
+    # not causal: the backward's triangle runs the kernel after the settings changed
+    assert_flex_matches_eager(RouteOffAfterForward(), 64, 72, 2, causal=False)
+    assert kinds == ["vector"]  # the triangle calls the kernel below the checked entry
+
+
+def test_the_route_takes_only_the_forms_listed_for_the_device(monkeypatch) -> None:
+    alibi = generated_class("alibi")(heads=4, head_dim=16).requires_grad_(False)
+    t5 = _clipped_t5()(heads=4, head_dim=16).requires_grad_(False)
+    found = {}
+    for name, pe in (("alibi", alibi), ("t5", t5)):
+        module = runtime_of(pe)
+        kinds = spy_kinds(pe, monkeypatch)
+        routes = {"slope": {"cpu"}, "vector": set()}
+        monkeypatch.setattr(module, "FUSED_DISTANCE_ROUTES", routes)
+        flex_calls = spy_calls(monkeypatch, module, "run_flex", lambda *_, **__: 1)
+        assert_flex_matches_eager(pe, 20, 24, 2, causal=True)
+        found[name] = (kinds, len(flex_calls))
+    # ALiBi's slope took the kernel; T5's vector went to FlexAttention
+    assert found == {"alibi": (["slope"], 0), "t5": ([], 1)}
 
 
 def test_a_frozen_t5_table_reads_its_clipped_vector(monkeypatch) -> None:
