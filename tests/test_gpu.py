@@ -156,15 +156,28 @@ def test_compiled_flex_trains_a_clipped_table_through_the_attached_gradient(
     assert attached == [1024] * 4
 
 
-@pytest.mark.parametrize("name", ["alibi", "t5", "t5_decoder", "kerple_log"])
-def test_fused_distance_kernel_matches_eager_on_cuda(name: str, monkeypatch) -> None:
-    """flex with ``FUSED_DISTANCE_DEVICES`` on CUDA: the compiled Triton kernels (the
-    autotuner's tiles, bfloat16 tensor cores) against eager, float32 and bf16 (bf16
-    against the float32 oracle on the same rounded inputs), causal and not, a window,
-    GQA, N < M; T5's table trains through the attached gradient, KERPLE is frozen."""
+@pytest.mark.parametrize(
+    ("name", "candidate"), [("alibi", 0), ("t5", 1), ("t5_decoder", 2), ("kerple_log", 3)]
+)
+def test_fused_distance_kernel_matches_eager_on_cuda(
+    name: str, candidate: int, monkeypatch
+) -> None:
+    """flex's fused route on CUDA for every bias form (``FUSED_DISTANCE_ROUTES``): the
+    compiled Triton kernels (the autotuner's tiles, bfloat16 tensor cores) against
+    eager, float32 and bf16 (bf16 against the float32 oracle on the same rounded
+    inputs), causal and not, a window, GQA, N < M; T5's table trains through the
+    attached gradient, KERPLE is frozen and reads its full vector per score. Each case
+    autotunes over one of the kernels' tile candidates (a compile per candidate, bias
+    form, band and dtype took over 150 s a case): the four cases cover all four."""
     import generated._attention as runtime
 
-    monkeypatch.setattr(runtime, "FUSED_DISTANCE_DEVICES", {"cuda"})
+    configs = runtime._distance_attention_configs
+    monkeypatch.setattr(
+        runtime, "_distance_attention_configs", lambda kernel: configs(kernel)[candidate:][:1]
+    )
+    tuned = {key: value for key, value in runtime._TRITON.items() if "tuned" not in key}
+    monkeypatch.setattr(runtime, "_TRITON", tuned)
+    monkeypatch.setattr(runtime, "FUSED_DISTANCE_ROUTES", {"slope": {"cuda"}, "vector": {"cuda"}})
     kinds = spy_calls(monkeypatch, runtime, "fused_distance_attention", bias_kind)
     torch.manual_seed(0)
     pe = generated_class(name)(heads=4, head_dim=64).to(CUDA)
@@ -302,21 +315,6 @@ def test_auto_picks_the_measured_backend_on_cuda(name: str, expected: str) -> No
     pe = generated_class(name)(heads=4, head_dim=64).to(CUDA)
     q = torch.randn(1, 4, 16, 64, device=CUDA)
     assert pe._auto_backend(q) == expected
-
-
-def test_auto_keeps_the_strided_sdpa_view_for_short_inference_only() -> None:
-    """A bias of j - i alone read as sdpa's strided view: sdpa up to N * M = 2048^2
-    without gradients into the bias, flex past it or when a table is trained."""
-    alibi = generated_class("alibi")(heads=4, head_dim=64).to(CUDA)
-    t5 = generated_class("t5")(heads=4, head_dim=64).to(CUDA)
-    short = torch.randn(1, 4, 2048, 64, device=CUDA)
-    long = torch.randn(1, 4, 8192, 64, device=CUDA)
-    assert alibi._auto_backend(short, 2048, True) == "sdpa"  # fixed slopes, no training
-    assert alibi._auto_backend(short, 2048, False) == "flex"  # explicit positions or a mask
-    assert alibi._auto_backend(long, 8192, True) == "flex"
-    assert t5._auto_backend(short, 2048, True) == "flex"  # the table is trained
-    with torch.no_grad():
-        assert t5._auto_backend(short, 2048, True) == "sdpa"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
