@@ -15,9 +15,10 @@ replaced) and the flex backend with its clipped-bias route turned on (the bias r
 score as a constant, its gradient from a band and two triangles), in the same loop.
 
 ``--compare-fused`` also times, for a bias of j - i alone (ALiBi, T5, KERPLE ...), the
-flex backend with the fused Triton kernel turned on (``FUSED_DISTANCE_DEVICES``: ALiBi's
-bias computed per score, other biases read from their per-distance vector, T5's table
-trained through the attached band-and-triangle gradient), in the same loop.
+flex backend with its fused Triton route taken for every bias form and for none
+(``FUSED_DISTANCE_ROUTES``: ALiBi's bias computed per score, other biases read from
+their per-distance vector, T5's table trained through the attached band-and-triangle
+gradient; FlexAttention's score_mod otherwise), in the same loop.
 
 ``--window W`` adds a sliding window (query - W < key <= query when causal, |query - key|
 < W otherwise) to every candidate (``forward(..., window=W)``; plain flex with the same
@@ -244,15 +245,29 @@ def clipped_path_off() -> Iterator[None]:
 @contextlib.contextmanager
 def route_on(devices_setting: str, device: torch.device) -> Iterator[None]:
     """The runtime with ``device``'s type added to the device set ``devices_setting``
-    of an untimed route: "CLIPPED_BIAS_FLEX_DEVICES" (flex training a clipped bias
-    through a constant per-score read and the attached band-and-triangle gradient) or
-    "FUSED_DISTANCE_DEVICES" (flex running a bias of j - i through the fused kernel)."""
+    of a route: "CLIPPED_BIAS_FLEX_DEVICES" (flex training a clipped bias through a
+    constant per-score read and the attached band-and-triangle gradient)."""
     devices = getattr(runtime, devices_setting)
     setattr(runtime, devices_setting, devices | {device.type})
     try:
         yield
     finally:
         setattr(runtime, devices_setting, devices)
+
+
+@contextlib.contextmanager
+def fused_route(device: torch.device, on: bool) -> Iterator[None]:
+    """The runtime with flex's fused route (a bias of j - i through the Triton kernel,
+    ``FUSED_DISTANCE_ROUTES``) taken on ``device`` for every bias form, or for none."""
+    routes = runtime.FUSED_DISTANCE_ROUTES
+    runtime.FUSED_DISTANCE_ROUTES = {
+        form: (devices | {device.type}) if on else devices - {device.type}
+        for form, devices in routes.items()
+    }
+    try:
+        yield
+    finally:
+        runtime.FUSED_DISTANCE_ROUTES = routes
 
 
 def candidates(
@@ -301,12 +316,13 @@ def candidates(
 
             found.append((name, "flex, clipped gradient", attend_clipped_flex, params))
         if "flex" in args.backends and args.compare_fused and pe.bias_by_distance:
+            for on, label in ((True, "flex, fused kernel"), (False, "flex, no fused kernel")):
 
-            def attend_fused(pe=pe) -> torch.Tensor:
-                with route_on("FUSED_DISTANCE_DEVICES", device):
-                    return pe(q, k, v, causal=causal, backend="flex", window=args.window)
+                def attend_fused(pe=pe, on=on) -> torch.Tensor:
+                    with fused_route(device, on):
+                        return pe(q, k, v, causal=causal, backend="flex", window=args.window)
 
-            found.append((name, "flex, fused kernel", attend_fused, params))
+                found.append((name, label, attend_fused, params))
         if "flex" in args.backends and args.distance_vector and pe.bias_by_distance:
             by_vector = ENCODINGS[name](heads=args.heads, head_dim=args.head_dim).to(device)
             by_vector.load_state_dict(pe.state_dict())
@@ -379,12 +395,7 @@ def run(args: argparse.Namespace) -> dict:
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
     return {
-        "device": describe_device(device),
-        "torch": torch.__version__,
-        "dtype": args.dtype,
-        "batch": args.batch,
-        "heads": args.heads,
-        "head_dim": args.head_dim,
+        **report_header(args, device),
         "window": args.window,
         "flush_denormal": args.flush_denormal,
         "rows": rows,
@@ -403,6 +414,18 @@ def describe_device(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+
+
+def report_header(args: argparse.Namespace, device: torch.device) -> dict:
+    """What a report's heading names: device, torch, dtype, batch, heads and head_dim."""
+    return {
+        "device": describe_device(device),
+        "torch": torch.__version__,
+        "dtype": args.dtype,
+        "batch": args.batch,
+        "heads": args.heads,
+        "head_dim": args.head_dim,
+    }
 
 
 def markdown(report: dict) -> str:

@@ -22,7 +22,12 @@ step() {  # step SECONDS NAME COMMAND...: run with a limit, log to OUT/NAME.log
 }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-step 420 test_gpu python3 -m pytest -q --no-header -p no:cacheprovider -W ignore tests/test_gpu.py
+# the fused kernel's cases compile a kernel per tile, bias form, band and dtype (about a
+# minute a case on an H200), so they have their own step
+step 300 test_gpu_fused python3 -m pytest -v --no-header -p no:cacheprovider -W ignore \
+    tests/test_gpu.py -k fused_distance_kernel
+step 480 test_gpu python3 -m pytest -v --no-header -p no:cacheprovider -W ignore \
+    tests/test_gpu.py -k "not fused_distance_kernel"
 step 150 rotary python3 benchmarks/rotary.py --device cuda --dtype bfloat16 --compile \
     --shapes 4,32,4096,128 --repeats 30 --out "$out"
 step 150 rotary_backward python3 benchmarks/rotary.py --device cuda --dtype bfloat16 \
@@ -32,12 +37,11 @@ step 120 rotary_float32 python3 benchmarks/rotary.py --device cuda --dtype float
 step 300 attention python3 benchmarks/attention_backends.py --device cuda --dtype bfloat16 \
     --encodings alibi t5 kerple_log --backends sdpa flex --lengths 2048 8192 \
     --modes forward train --causal both --hf --repeats 15 --tag _bias --out "$out"
-step 240 t5_clipped python3 benchmarks/attention_backends.py --device cuda --dtype bfloat16 \
-    --encodings t5 --backends flex --lengths 2048 8192 --modes train --causal both \
-    --compare-clipped --repeats 15 --tag _t5_clipped --out "$out"
-step 420 fused python3 benchmarks/attention_backends.py --device cuda --dtype bfloat16 \
-    --encodings alibi t5 --backends flex --lengths 2048 8192 --modes forward train \
-    --causal both --compare-fused --repeats 15 --tag _fused --out "$out"
+step 300 fused python3 benchmarks/attention_backends.py --device cuda --dtype bfloat16 \
+    --encodings alibi t5 --backends sdpa flex --lengths 2048 8192 --modes forward train \
+    --causal both --compare-fused --repeats 10 --tag _fused --out "$out"
+step 180 fused_kernel python3 benchmarks/fused_distance.py --kinds none clipped gathered \
+    vector --modes forward --repeats 10 --out "$out"
 step 200 family python3 benchmarks/attention_backends.py --device cuda --dtype bfloat16 \
     --encodings bert_relative_key deberta transformer_xl fire --backends sdpa flex \
     --lengths 2048 --modes forward train --causal no --repeats 10 --tag _family --out "$out"

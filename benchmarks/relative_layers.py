@@ -30,9 +30,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from attention_backends import (  # noqa: E402
     as_step,
-    describe_device,
     paired_seconds,
     peak_extra_bytes,
+    report_header,
     write_results,
 )
 
@@ -180,15 +180,7 @@ def run(args: argparse.Namespace) -> dict:
                         f"({seconds / hf_seconds:5.2f}x)",
                         flush=True,
                     )
-    return {
-        "device": describe_device(device),
-        "torch": torch.__version__,
-        "dtype": args.dtype,
-        "batch": args.batch,
-        "heads": args.heads,
-        "head_dim": args.head_dim,
-        "rows": rows,
-    }
+    return {**report_header(args, device), "rows": rows}
 
 
 def markdown(report: dict) -> str:
