@@ -1846,6 +1846,9 @@ FUSED_DISTANCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: tiles (BLOCK_M queries, BLOCK_N keys) where the kernels are not autotuned (the
 #: interpreter); on CUDA each kernel picks from ``_distance_attention_configs``
 FUSED_DISTANCE_BLOCKS = (16, 16)
+#: entries of O (and of dO) per program of the backward's δ = dO · O kernel on CUDA:
+#: rows of value_dim per program, at least 16 (memory-bound, untuned)
+DISTANCE_ROW_DOTS_ELEMENTS = 4096
 #: how the kernels read the bias: "none", "slope" (c_h |j - i|, one value per head) or
 #: "vector" (a row per head indexed by the clamped key minus query position)
 DISTANCE_BIAS_KINDS = ("none", "slope", "vector")
@@ -1902,8 +1905,9 @@ def _distance_attention_configs(name: str) -> list[Any]:
 
 
 def _distance_attention_kernels() -> dict[str, Any]:
-    """The three Triton kernels of ``fused_distance_attention``, defined on first use
-    (TRITON_INTERPRET is read at definition): "forward", "key_grad", "query_grad".
+    """The Triton kernels of ``fused_distance_attention``, defined on first use
+    (TRITON_INTERPRET is read at definition): "forward", "key_grad", "query_grad" and
+    "row_dots" (the backward's δ_i = dO_i · O_i, read once in the input dtype).
 
     FlashAttention-2's schedule (Dao 2023, arXiv:2307.08691): the forward walks one tile
     of queries over the key tiles its band allows with an online softmax in base 2; the
@@ -2382,7 +2386,55 @@ def _distance_attention_kernels() -> dict[str, Any]:
             mask=query_rows,
         )
 
+    @triton.jit
+    def row_dots(
+        out_ptr,
+        grad_out_ptr,
+        delta_ptr,
+        n,
+        heads,
+        stride_ob,
+        stride_oh,
+        stride_on,
+        stride_od,
+        stride_gb,
+        stride_gh,
+        stride_gn,
+        stride_gd,
+        VALUE_DIM: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+    ):
+        # δ_i = dO_i · O_i in float32, for one tile of rows of one batch and head
+        start_m = tl.program_id(0) * BLOCK_M
+        batch_head = tl.program_id(1).to(tl.int64)
+        batch = batch_head // heads
+        head = batch_head % heads
+        rows = start_m + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+        value_dims = tl.arange(0, VALUE_DIM)
+        inside = rows[:, None] < n
+        out = tl.load(
+            out_ptr
+            + batch * stride_ob
+            + head * stride_oh
+            + rows[:, None] * stride_on
+            + value_dims[None, :] * stride_od,
+            mask=inside,
+            other=0.0,
+        ).to(tl.float32)  # [BLOCK_M, VALUE_DIM]
+        grad_out = tl.load(
+            grad_out_ptr
+            + batch * stride_gb
+            + head * stride_gh
+            + rows[:, None] * stride_gn
+            + value_dims[None, :] * stride_gd,
+            mask=inside,
+            other=0.0,
+        ).to(tl.float32)  # [BLOCK_M, VALUE_DIM]
+        delta = tl.reduce(out * grad_out, 1, _distance_plus)  # [BLOCK_M]
+        tl.store(delta_ptr + batch_head * n + rows, delta, mask=rows < n)
+
     kernels = {"forward": forward, "key_grad": key_grad, "query_grad": query_grad}
+    kernels["row_dots"] = row_dots
     _TRITON["attention"] = kernels
     return dict(kernels)
 
@@ -2520,7 +2572,22 @@ def _distance_backward(
     grad_q, grad_k, grad_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if q.numel() == 0 or k.numel() == 0:
         return grad_q.zero_(), grad_k.zero_(), grad_v.zero_()
-    delta = (grad_out.float() * out.float()).sum(-1)  # [B, H, N]: δ_i = dO_i . O_i
+    # [B, H, N]: δ_i = dO_i . O_i, without float32 copies of dO and O
+    delta = torch.empty((batch, heads, n), dtype=torch.float32, device=q.device)
+    rows = FUSED_DISTANCE_BLOCKS[0]
+    if q.device.type == "cuda":
+        rows = max(16, DISTANCE_ROW_DOTS_ELEMENTS // value_dim)  # a power of two
+    _distance_attention_kernels()["row_dots"][((n + rows - 1) // rows, batch * heads)](
+        out,
+        grad_out,
+        delta,
+        n,
+        heads,
+        *out.stride(),
+        *grad_out.stride(),
+        VALUE_DIM=value_dim,
+        BLOCK_M=rows,
+    )
     bias_args, meta = _distance_bias_arguments(q, bias, kind, base, n, m, causal, window)
     meta.update(HEAD_DIM=head_dim, VALUE_DIM=value_dim, IEEE=q.dtype == torch.float32)
     strides = (*q.stride(), *k.stride(), *v.stride(), *grad_out.stride())
