@@ -12,6 +12,15 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 CUDA = torch.device("cuda")
 
 
+@pytest.fixture
+def flex_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """flex through FlexAttention alone: the fused route (ALiBi's default on CUDA) off,
+    so that the compiled score_mod is what the test checks; the route has its own test."""
+    import generated._attention as runtime
+
+    monkeypatch.setattr(runtime, "FUSED_DISTANCE_ROUTES", {})
+
+
 @pytest.mark.parametrize("name", spec_names())
 def test_cuda_matches_cpu_and_backends_agree(name: str) -> None:
     head_dim = head_dim_for(name, 32)
@@ -87,7 +96,7 @@ def test_bf16_rotation_at_long_positions(name: str) -> None:
         "bert_relative_key",
     ],
 )
-def test_compiled_flex_forward_and_backward_match_eager_on_cuda(name: str) -> None:
+def test_compiled_flex_forward_and_backward_match_eager_on_cuda(name: str, flex_only) -> None:
     """The compiled FlexAttention kernel: outputs and gradients (inputs and trained
     tables) against eager, fp32 and bf16, causal and not, explicit positions, GQA."""
     torch.manual_seed(0)
@@ -206,8 +215,27 @@ def test_fused_distance_kernel_matches_eager_on_cuda(
     assert kinds and "none" not in kinds[:1]
 
 
+def test_alibi_takes_the_fused_kernel_by_default_on_cuda(monkeypatch) -> None:
+    """The shipped routes: ALiBi's flex backend runs the fused kernel on CUDA, T5's runs
+    FlexAttention (``FUSED_DISTANCE_ROUTES``), both agreeing with eager in bf16."""
+    import generated._attention as runtime
+
+    kinds = spy_calls(monkeypatch, runtime, "fused_distance_attention", bias_kind)
+    q, k, v = (torch.randn(2, 4, 256, 64, device=CUDA) for _ in range(3))
+    for name in ("alibi", "t5"):
+        pe = generated_class(name)(heads=4, head_dim=64).to(CUDA)
+        with torch.no_grad():
+            got = pe(*(t.bfloat16() for t in (q, k, v)), causal=True, backend="flex")
+            rounded = [t.bfloat16().float() for t in (q, k, v)]
+            want = pe(*rounded, causal=True, backend="eager")
+        torch.testing.assert_close(got.float(), want, atol=1.5e-2, rtol=1e-2)
+    assert kinds == ["slope"]
+
+
 @pytest.mark.parametrize("name", ["nope", "rope", "alibi", "t5", "deberta", "tupe_a"])
-def test_compiled_flex_with_windows_and_documents_matches_eager_on_cuda(name: str) -> None:
+def test_compiled_flex_with_windows_and_documents_matches_eager_on_cuda(
+    name: str, flex_only
+) -> None:
     """Sliding windows and packed documents as compiled block masks (N = M = 512, four
     128-token blocks, document boundaries inside blocks): flex and sdpa outputs and
     gradients equal eager given the same mask as an explicit bool attn_mask."""
