@@ -1837,10 +1837,11 @@ FUSED_DISTANCE_DEVICES: set[str] = {"cuda"}
 #: query position alone (default positions) through ``fused_distance_attention``
 #: instead of FlexAttention. Timed on an H200 (bf16, batch 2, 16 heads, head_dim 64,
 #: benchmarks/results/attention_backends_cuda_bfloat16_fused.md): ALiBi's slope, computed
-#: per score, beat flex's score_mod at N = 8192 (forward 1.54-1.60x FlashAttention
-#: against 1.76-1.96x, training 1.63-1.66x against 2.07-2.09x) and at N = 2048 forward
-#: (2.4-2.8x against 3.0-3.2x); a vector read per score (T5, KERPLE) lost to flex when
-#: causal (T5 forward 3.4-4.1x against 2.8-3.7x), so it stays on flex.
+#: per score, beat flex's score_mod at N = 8192 (forward 1.64-1.70x FlashAttention
+#: against 1.79-2.02x, training 1.63-1.70x against 2.08-2.14x) and at N = 2048 (forward
+#: 2.50-2.94x against 3.03-3.22x); a vector read per score (T5, KERPLE) lost to flex
+#: when causal (T5 forward 3.34-4.21x against 2.74-3.69x) and when T5's table trains at
+#: N = 2048, so it stays on flex.
 FUSED_DISTANCE_ROUTES: dict[str, set[str]] = {"slope": {"cuda"}, "vector": set()}
 FUSED_DISTANCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: tiles (BLOCK_M queries, BLOCK_N keys) where the kernels are not autotuned (the
@@ -2433,8 +2434,12 @@ def _distance_attention_kernels() -> dict[str, Any]:
         delta = tl.reduce(out * grad_out, 1, _distance_plus)  # [BLOCK_M]
         tl.store(delta_ptr + batch_head * n + rows, delta, mask=rows < n)
 
-    kernels = {"forward": forward, "key_grad": key_grad, "query_grad": query_grad}
-    kernels["row_dots"] = row_dots
+    kernels = {
+        "forward": forward,
+        "key_grad": key_grad,
+        "query_grad": query_grad,
+        "row_dots": row_dots,
+    }
     _TRITON["attention"] = kernels
     return dict(kernels)
 
