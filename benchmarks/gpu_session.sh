@@ -3,7 +3,13 @@
 # its own time limit, so a slow step cannot eat the rest). Run from the repository root
 # on a machine with CUDA, torch and triton:
 #
-#   bash benchmarks/gpu_session.sh [OUT]       # OUT: where logs and results go
+#   bash benchmarks/gpu_session.sh [OUT [STEP ...]]   # OUT: where logs and results go
+#
+# The steps' limits add up to more than one device call may run (10 minutes) and than
+# a session's device time (30 minutes): name the steps each call should run, e.g.
+#   bash benchmarks/gpu_session.sh "$OUT" test_gpu_fused fused_kernel
+#   bash benchmarks/gpu_session.sh "$OUT" test_gpu
+# (no STEP: all of them, in order).
 #
 # posgen's runtime needs only torch; the tests also import pydantic, jinja2, pyyaml,
 # click and hypothesis, and the peers (transformers, x-transformers, Liger-Kernel,
@@ -11,12 +17,17 @@
 # benchmarks/results), to be committed with the machine they name.
 set -uo pipefail
 out="${1:-benchmarks/results}"
+shift || true
+wanted=" $* "  # the steps to run; all where none is named
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS="${TORCHINDUCTOR_COMPILE_THREADS:-16}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 step() {  # step SECONDS NAME COMMAND...: run with a limit, log to OUT/NAME.log
     local limit="$1" name="$2"
     shift 2
+    if [[ "$wanted" != "  " && "$wanted" != *" $name "* ]]; then
+        return 0
+    fi
     echo "== $name (limit ${limit}s)"
     timeout "$limit" "$@" 2>&1 | tee "$out/$name.log" | tail -25
 }
