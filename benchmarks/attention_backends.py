@@ -402,12 +402,26 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
-def write_results(out: Path, stem: str, report: dict, table: str) -> None:
-    """``out/stem.json`` (the report) and ``out/stem.md`` (its table), then print it."""
+def add_out_argument(parser: argparse.ArgumentParser) -> None:
+    """``--out``: where the result files go; none by default, so that a trial run
+    prints its table and never overwrites the committed benchmarks/results."""
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="folder for STEM.json and STEM.md (e.g. benchmarks/results); default: print only",
+    )
+
+
+def write_results(out: Path | None, stem: str, report: dict, table: str) -> None:
+    """``out/stem.json`` (the report) and ``out/stem.md`` (its table), then print it;
+    only print it where ``out`` is None."""
+    print(table)
+    if out is None:
+        return
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / f"{stem}.md").write_text(table)
-    print(table)
 
 
 def describe_device(device: torch.device) -> str:
@@ -520,7 +534,7 @@ def main() -> None:
         help="flush denormals to zero on every CPU thread first (runtime.flush_denormals)",
     )
     parser.add_argument("--tag", default="", help="appended to the result file names")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    add_out_argument(parser)
     args = parser.parse_args()
     if args.flush_denormal and not runtime.flush_denormals():
         parser.error("--flush-denormal: denormals are not flushed on every thread")
@@ -530,12 +544,9 @@ def main() -> None:
     # every shape, mask and score_mod is one compilation of flex_attention
     torch._dynamo.config.recompile_limit = runtime.FLEX_RECOMPILE_LIMIT
     report = run(args)
-    args.out.mkdir(parents=True, exist_ok=True)
     window = "" if args.window is None else f"_window{args.window}"
     stem = f"attention_backends_{args.device.split(':')[0]}_{args.dtype}{window}{args.tag}"
-    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out / f"{stem}.md").write_text(markdown(report))
-    print(markdown(report))
+    write_results(args.out, stem, report, markdown(report))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from attention_backends import describe_device, paired_seconds, write_results  # noqa: E402
+from attention_backends import (  # noqa: E402
+    add_out_argument,
+    describe_device,
+    paired_seconds,
+    write_results,
+)
 
 from generated import ENCODINGS  # noqa: E402
 
@@ -126,7 +131,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--tag", default="", help="appended to the result file names")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    add_out_argument(parser)
     args = parser.parse_args()
     report = run(args)
     stem = f"decode_{args.device.split(':')[0]}_{args.dtype}{args.tag}"

@@ -26,7 +26,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from attention_backends import as_step, paired_seconds, report_header, write_results  # noqa: E402
+from attention_backends import (  # noqa: E402
+    add_out_argument,
+    as_step,
+    paired_seconds,
+    report_header,
+    write_results,
+)
 
 import generated._attention as runtime  # noqa: E402
 
@@ -163,15 +169,12 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--out", type=Path, default=None)
+    add_out_argument(parser)
     args = parser.parse_args()
     args.causal = {"yes": [True], "no": [False], "both": [False, True]}[args.causal]
     report = run(args)
     table = markdown(report)
-    if args.out is None:
-        print(table)
-    else:
-        write_results(args.out, f"fused_distance_{args.device}_{args.dtype}", report, table)
+    write_results(args.out, f"fused_distance_{args.device}_{args.dtype}", report, table)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from attention_backends import (  # noqa: E402
+    add_out_argument,
     as_step,
     paired_seconds,
     peak_extra_bytes,
@@ -225,7 +226,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    add_out_argument(parser)
     args = parser.parse_args()
     report = run(args)
     stem = f"relative_layers_{args.device.split(':')[0]}_{args.dtype}"

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from attention_backends import paired_seconds, write_results  # noqa: E402
+from attention_backends import add_out_argument, paired_seconds, write_results  # noqa: E402
 
 from generated import ENCODINGS  # noqa: E402
 
@@ -247,7 +247,7 @@ def main() -> None:
     parser.add_argument(
         "--backward", action="store_true", help="time forward and backward (input gradients)"
     )
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    add_out_argument(parser)
     args = parser.parse_args()
     report = run(args)
     stem = f"rotary_{args.device.split(':')[0]}_{args.dtype}{'_backward' if args.backward else ''}"

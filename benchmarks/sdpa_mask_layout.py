@@ -115,12 +115,20 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="folder for the result files (e.g. benchmarks/results); default: print only",
+    )
     parser.add_argument("--flush-denormal", action="store_true")
     args = parser.parse_args()
     if args.flush_denormal and not runtime.flush_denormals():
         parser.error("--flush-denormal: denormals are not flushed on every thread")
     report = run(args)
+    print(markdown(report))
+    if args.out is None:  # a trial run never overwrites the committed results
+        return
     args.out.mkdir(parents=True, exist_ok=True)
     stem = "sdpa_mask_layout_cpu_float32" + ("_flushed" if args.flush_denormal else "")
     (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
