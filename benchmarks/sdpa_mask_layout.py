@@ -9,9 +9,10 @@ in one run and as ratios to ``F.scaled_dot_product_attention(is_causal=True)``:
   without clamping.
 
 ``--flush-denormal`` first flushes denormals to zero on every thread
-(``flush_denormals`` of the generated runtime) and writes ``..._flushed`` files.
+(``flush_denormals`` of the generated runtime); with ``--out`` the files it writes are
+named ``..._flushed``.
 
-    python benchmarks/sdpa_mask_layout.py --lengths 256 1024
+    python benchmarks/sdpa_mask_layout.py --lengths 256 1024 --out benchmarks/results
 """
 
 from __future__ import annotations
