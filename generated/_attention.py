@@ -1292,6 +1292,15 @@ def trained_mask_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale:
 #: (T5, clip 128, training step, 2-core CPU, float32, against the chunked path in one
 #: run: N = 512 1.91x plain SDPA against 1.41x; N = 1024 1.52x against 2.09x)
 CLIPPED_BIAS_MIN_KEYS_PER_CLIP = 8
+
+
+def band_gradient_pays(m: int, clip: int) -> bool:
+    """Whether a bias clipped at ``clip`` trains through the band-and-triangle gradient
+    at ``m`` keys (every route that offers it: CPU sdpa, flex, the fused kernel): at
+    least ``CLIPPED_BIAS_MIN_KEYS_PER_CLIP`` keys per unit of the clip distance."""
+    return m >= CLIPPED_BIAS_MIN_KEYS_PER_CLIP * clip
+
+
 #: queries per step of the band pass: its scores are [B, H, rows, rows + 2 clip - 2]
 CLIPPED_BIAS_BAND_ROWS = 256
 
@@ -1314,7 +1323,7 @@ def clipped_bias_attention_serves(q: Tensor, m: int, clip: int, window: int | No
         and not torch.is_autocast_enabled("cpu")
         and q.shape[2] > 1
         and window is None
-        and m >= CLIPPED_BIAS_MIN_KEYS_PER_CLIP * clip
+        and band_gradient_pays(m, clip)
     )
 
 
@@ -3382,9 +3391,12 @@ class PositionalAttention(nn.Module):
         """FlexAttention: position terms as a score_mod; causal, window and document
         masking as one block mask (``_flex_block_mask``).
 
-        A bias of j - i alone at default positions is read from its [H, N + M - 1] vector
-        (O(N + M) memory); other position terms are captured as the tensor the sdpa
-        backend would add. Value-side terms need the weights and are refused.
+        A bias of j - i alone at default positions without attn_mask or documents first
+        tries the fused Triton kernel (``_fused_distance_attention``, where
+        FUSED_DISTANCE_ROUTES lists the device for its form); otherwise it is computed
+        per score (``_flex_bias``) or read from its [H, N + M - 1] vector (O(N + M)
+        memory); other position terms are captured as the tensor the sdpa backend
+        would add. Value-side terms need the weights and are refused.
         """
         if self.has_value_term:
             raise ValueError(
@@ -3405,7 +3417,7 @@ class PositionalAttention(nn.Module):
         if by_distance and default and attn_mask is None and document_ids is None:
             fused = self._fused_distance_attention(q, k, v, causal, window)
             if fused is not None:
-                return fused.to(v.dtype)
+                return fused
         vec: Tensor | None = None
         added: Tensor | None = None  # [B or 1, H or 1, N, M], added to the scaled scores
         bias_fn: Any = None  # a bias per (b, h, q, kv) index, computed in the score_mod
@@ -3489,7 +3501,7 @@ class PositionalAttention(nn.Module):
         return (
             clip is not None
             and q.device.type in CLIPPED_BIAS_FLEX_DEVICES
-            and m >= CLIPPED_BIAS_MIN_KEYS_PER_CLIP * clip
+            and band_gradient_pays(m, clip)
         )
 
     def _fused_distance_attention(
@@ -3508,10 +3520,7 @@ class PositionalAttention(nn.Module):
         clip = self.clipped_distance
         trains = self._trains_terms()
         trains_clipped = (
-            trains
-            and clip is not None
-            and window is None
-            and m >= CLIPPED_BIAS_MIN_KEYS_PER_CLIP * clip
+            trains and clip is not None and window is None and band_gradient_pays(m, clip)
         )
         kind = "slope" if self.bias_linear_in_distance else "vector"
         if (
