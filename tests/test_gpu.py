@@ -128,6 +128,29 @@ def test_compiled_flex_forward_and_backward_match_eager_on_cuda(name: str, flex_
     torch.testing.assert_close(half.float(), reference, atol=1.5e-2, rtol=1e-2)
 
 
+def assert_flex_matches_float32_eager(
+    pe: torch.nn.Module, inputs: list[torch.Tensor], dtype: torch.dtype, **options: object
+) -> None:
+    """flex on q, k, v = ``inputs`` cast to ``dtype`` against eager in float32 on the same
+    rounded values: the output and the gradients of its squared sum into q, k, v and the
+    parameters that train, float32 tight, bfloat16 within bfloat16 error."""
+    params = [p for p in pe.parameters() if p.requires_grad]
+    q, k, v = (t.to(dtype).requires_grad_() for t in inputs)
+    flex = pe(q, k, v, backend="flex", **options)
+    got = torch.autograd.grad(flex.float().square().sum(), [q, k, v, *params])
+    wide = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    eager = pe(*wide, backend="eager", **options)
+    want = torch.autograd.grad(eager.square().sum(), [*wide, *params])
+    loose = dtype == torch.bfloat16
+    torch.testing.assert_close(
+        flex.float(), eager, atol=1.5e-2 if loose else 2e-4, rtol=1e-2 if loose else 2e-3
+    )
+    for a, b in zip(got, want, strict=True):
+        scale = b.abs().max().item()
+        tolerance = 3e-2 if loose else 2e-3
+        torch.testing.assert_close(a.float(), b, atol=tolerance * scale, rtol=tolerance)
+
+
 @pytest.mark.parametrize("name", ["t5", "t5_decoder"])
 def test_compiled_flex_trains_a_clipped_table_through_the_attached_gradient(
     name: str, monkeypatch
@@ -148,20 +171,7 @@ def test_compiled_flex_trains_a_clipped_table_through_the_attached_gradient(
     inputs = [torch.randn(2, h, 1024, 64, device=CUDA) for h in (4, 2, 2)]
     for dtype in (torch.float32, torch.bfloat16):
         for causal in (False, True):
-            q, k, v = (t.to(dtype).requires_grad_() for t in inputs)
-            flex = pe(q, k, v, causal=causal, backend="flex")
-            got = torch.autograd.grad(flex.float().square().sum(), [q, k, v, *pe.parameters()])
-            wide = [t.detach().float().requires_grad_() for t in (q, k, v)]
-            eager = pe(*wide, causal=causal, backend="eager")
-            want = torch.autograd.grad(eager.square().sum(), [*wide, *pe.parameters()])
-            loose = dtype == torch.bfloat16
-            torch.testing.assert_close(
-                flex.float(), eager, atol=1.5e-2 if loose else 2e-4, rtol=1e-2 if loose else 2e-3
-            )
-            for a, b in zip(got, want, strict=True):
-                scale = b.abs().max().item()
-                tolerance = 3e-2 if loose else 2e-3
-                torch.testing.assert_close(a.float(), b, atol=tolerance * scale, rtol=tolerance)
+            assert_flex_matches_float32_eager(pe, inputs, dtype, causal=causal)
     assert attached == [1024] * 4
 
 
@@ -196,22 +206,7 @@ def test_fused_distance_kernel_matches_eager_on_cuda(
     inputs.append(torch.randn(2, 2, 1100, 64, device=CUDA))
     for dtype in (torch.float32, torch.bfloat16):
         for causal, window in ((False, None), (True, None), (True, 300)):
-            q, k, v = (t.to(dtype).requires_grad_() for t in inputs)
-            fused = pe(q, k, v, causal=causal, window=window, backend="flex")
-            leaves = [q, k, v, *(p for p in pe.parameters() if p.requires_grad)]
-            got = torch.autograd.grad(fused.float().square().sum(), leaves)
-            wide = [t.detach().float().requires_grad_() for t in (q, k, v)]
-            eager = pe(*wide, causal=causal, window=window, backend="eager")
-            want_leaves = [*wide, *(p for p in pe.parameters() if p.requires_grad)]
-            want = torch.autograd.grad(eager.square().sum(), want_leaves)
-            loose = dtype == torch.bfloat16
-            torch.testing.assert_close(
-                fused.float(), eager, atol=1.5e-2 if loose else 2e-4, rtol=1e-2 if loose else 2e-3
-            )
-            for a, b in zip(got, want, strict=True):
-                scale = b.abs().max().item()
-                tolerance = 3e-2 if loose else 2e-3
-                torch.testing.assert_close(a.float(), b, atol=tolerance * scale, rtol=tolerance)
+            assert_flex_matches_float32_eager(pe, inputs, dtype, causal=causal, window=window)
     assert kinds and "none" not in kinds[:1]
 
 
