@@ -243,16 +243,16 @@ def clipped_path_off() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def route_on(devices_setting: str, device: torch.device) -> Iterator[None]:
-    """The runtime with ``device``'s type added to the device set ``devices_setting``
-    of a route: "CLIPPED_BIAS_FLEX_DEVICES" (flex training a clipped bias through a
-    constant per-score read and the attached band-and-triangle gradient)."""
-    devices = getattr(runtime, devices_setting)
-    setattr(runtime, devices_setting, devices | {device.type})
+def clipped_flex_route_on(device: torch.device) -> Iterator[None]:
+    """The runtime with flex training a clipped bias through a constant per-score read
+    and the attached band-and-triangle gradient on ``device``
+    (``CLIPPED_BIAS_FLEX_DEVICES``)."""
+    devices = runtime.CLIPPED_BIAS_FLEX_DEVICES
+    runtime.CLIPPED_BIAS_FLEX_DEVICES = devices | {device.type}
     try:
         yield
     finally:
-        setattr(runtime, devices_setting, devices)
+        runtime.CLIPPED_BIAS_FLEX_DEVICES = devices
 
 
 @contextlib.contextmanager
@@ -311,7 +311,7 @@ def candidates(
         if "flex" in args.backends and args.compare_clipped and pe.clipped_distance:
 
             def attend_clipped_flex(pe=pe) -> torch.Tensor:
-                with route_on("CLIPPED_BIAS_FLEX_DEVICES", device):
+                with clipped_flex_route_on(device):
                     return pe(q, k, v, causal=causal, backend="flex", window=args.window)
 
             found.append((name, "flex, clipped gradient", attend_clipped_flex, params))
@@ -442,11 +442,17 @@ def report_header(args: argparse.Namespace, device: torch.device) -> dict:
     }
 
 
+def header_text(report: dict) -> str:
+    """The ``report_header`` fields as a heading's parenthesis names them."""
+    return (
+        f"{report['device']}, torch {report['torch']}, {report['dtype']}, batch "
+        f"{report['batch']}, heads {report['heads']}, head_dim {report['head_dim']}"
+    )
+
+
 def markdown(report: dict) -> str:
     lines = [
-        f"# Attention backends vs plain SDPA ({report['device']}, torch {report['torch']}, "
-        f"{report['dtype']}, batch {report['batch']}, heads {report['heads']}, "
-        f"head_dim {report['head_dim']}"
+        f"# Attention backends vs plain SDPA ({header_text(report)}"
         + (f", window {report['window']}" if report.get("window") is not None else "")
         + (", denormals flushed" if report.get("flush_denormal") else "")
         + ")",

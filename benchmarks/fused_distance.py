@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from attention_backends import (  # noqa: E402
     add_out_argument,
     as_step,
+    header_text,
     paired_seconds,
     report_header,
     write_results,
@@ -126,9 +127,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def markdown(report: dict) -> str:
     lines = [
-        f"# Fused distance-bias kernel vs plain SDPA ({report['device']}, torch "
-        f"{report['torch']}, {report['dtype']}, batch {report['batch']}, heads "
-        f"{report['heads']}, head_dim {report['head_dim']})",
+        f"# Fused distance-bias kernel vs plain SDPA ({header_text(report)})",
         "",
         "Ratio: `fused_distance_attention`'s median time over plain "
         "`F.scaled_dot_product_attention(q, k, v, is_causal=causal)` (FlashAttention on "

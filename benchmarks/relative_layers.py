@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from attention_backends import (  # noqa: E402
     add_out_argument,
     as_step,
+    header_text,
     paired_seconds,
     peak_extra_bytes,
     report_header,
@@ -186,9 +187,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def markdown(report: dict) -> str:
     lines = [
-        f"# Relative-position layers vs Hugging Face ({report['device']}, torch "
-        f"{report['torch']}, {report['dtype']}, batch {report['batch']}, heads "
-        f"{report['heads']}, head_dim {report['head_dim']})",
+        f"# Relative-position layers vs Hugging Face ({header_text(report)})",
         "",
         "posgen layer = Hugging Face's own q/k/v projections + the generated module; "
         "ratio = its median time / the Hugging Face layer's, timed alternately in one "
