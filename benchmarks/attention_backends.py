@@ -48,7 +48,11 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import generated._attention as runtime  # noqa: E402
+import generated._attention as attention  # noqa: E402
+import generated._flex as flex_runtime  # noqa: E402
+import generated._masks as masks  # noqa: E402
+import generated._numerics as numerics  # noqa: E402
+import generated._trained_bias as trained_bias  # noqa: E402
 from generated import ENCODINGS  # noqa: E402
 
 DEFAULT_ENCODINGS = [
@@ -214,14 +218,14 @@ def runtime_setting(backend: str, setting: object, device: torch.device) -> Iter
     if setting is None:
         yield
     elif backend == "flex":
-        chosen = runtime.flex_kernel_options
-        runtime.flex_kernel_options = lambda q, has_score_mod: setting or None
+        chosen = flex_runtime.flex_kernel_options
+        flex_runtime.flex_kernel_options = lambda q, has_score_mod: setting or None
         try:
             yield
         finally:
-            runtime.flex_kernel_options = chosen
+            flex_runtime.flex_kernel_options = chosen
     else:
-        chunks = runtime.SDPA_QUERY_CHUNK
+        chunks = masks.SDPA_QUERY_CHUNK
         before = chunks.get(device.type)
         chunks[device.type] = None if setting == "none" else int(str(setting))
         try:
@@ -234,12 +238,12 @@ def runtime_setting(backend: str, setting: object, device: torch.device) -> Iter
 def clipped_path_off() -> Iterator[None]:
     """The runtime without its clipped-bias training path (``clipped_bias_attention``):
     a trained bias clipped at a distance takes the query-chunked path instead."""
-    least = runtime.CLIPPED_BIAS_MIN_KEYS_PER_CLIP
-    runtime.CLIPPED_BIAS_MIN_KEYS_PER_CLIP = 2**62
+    least = trained_bias.CLIPPED_BIAS_MIN_KEYS_PER_CLIP
+    trained_bias.CLIPPED_BIAS_MIN_KEYS_PER_CLIP = 2**62
     try:
         yield
     finally:
-        runtime.CLIPPED_BIAS_MIN_KEYS_PER_CLIP = least
+        trained_bias.CLIPPED_BIAS_MIN_KEYS_PER_CLIP = least
 
 
 @contextlib.contextmanager
@@ -247,27 +251,27 @@ def clipped_flex_route_on(device: torch.device) -> Iterator[None]:
     """The runtime with flex training a clipped bias through a constant per-score read
     and the attached band-and-triangle gradient on ``device``
     (``CLIPPED_BIAS_FLEX_DEVICES``)."""
-    devices = runtime.CLIPPED_BIAS_FLEX_DEVICES
-    runtime.CLIPPED_BIAS_FLEX_DEVICES = devices | {device.type}
+    devices = attention.CLIPPED_BIAS_FLEX_DEVICES
+    attention.CLIPPED_BIAS_FLEX_DEVICES = devices | {device.type}
     try:
         yield
     finally:
-        runtime.CLIPPED_BIAS_FLEX_DEVICES = devices
+        attention.CLIPPED_BIAS_FLEX_DEVICES = devices
 
 
 @contextlib.contextmanager
 def fused_route(device: torch.device, on: bool) -> Iterator[None]:
     """The runtime with flex's fused route (a bias of j - i through the Triton kernel,
     ``FUSED_DISTANCE_ROUTES``) taken on ``device`` for every bias form, or for none."""
-    routes = runtime.FUSED_DISTANCE_ROUTES
-    runtime.FUSED_DISTANCE_ROUTES = {
+    routes = attention.FUSED_DISTANCE_ROUTES
+    attention.FUSED_DISTANCE_ROUTES = {
         form: (devices | {device.type}) if on else devices - {device.type}
         for form, devices in routes.items()
     }
     try:
         yield
     finally:
-        runtime.FUSED_DISTANCE_ROUTES = routes
+        attention.FUSED_DISTANCE_ROUTES = routes
 
 
 def candidates(
@@ -511,7 +515,7 @@ def main() -> None:
         "--query-chunks",
         nargs="+",
         default=[],
-        help='sdpa queries per call to compare (runtime.SDPA_QUERY_CHUNK; "none": one call)',
+        help='sdpa queries per call to compare (masks.SDPA_QUERY_CHUNK; "none": one call)',
     )
     parser.add_argument(
         "--compare-clipped",
@@ -537,18 +541,18 @@ def main() -> None:
     parser.add_argument(
         "--flush-denormal",
         action="store_true",
-        help="flush denormals to zero on every CPU thread first (runtime.flush_denormals)",
+        help="flush denormals to zero on every CPU thread first (numerics.flush_denormals)",
     )
     parser.add_argument("--tag", default="", help="appended to the result file names")
     add_out_argument(parser)
     args = parser.parse_args()
-    if args.flush_denormal and not runtime.flush_denormals():
+    if args.flush_denormal and not numerics.flush_denormals():
         parser.error("--flush-denormal: denormals are not flushed on every thread")
     args.causal = {"yes": [True], "no": [False], "both": [False, True]}[args.causal]
     args.flex_options = {text: json.loads(text) for text in args.flex_options}
     args.query_chunks = {f"chunk {text}": text for text in args.query_chunks}
     # every shape, mask and score_mod is one compilation of flex_attention
-    torch._dynamo.config.recompile_limit = runtime.FLEX_RECOMPILE_LIMIT
+    torch._dynamo.config.recompile_limit = flex_runtime.FLEX_RECOMPILE_LIMIT
     report = run(args)
     window = "" if args.window is None else f"_window{args.window}"
     stem = f"attention_backends_{args.device.split(':')[0]}_{args.dtype}{window}{args.tag}"

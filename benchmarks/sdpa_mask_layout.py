@@ -32,7 +32,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import generated._attention as runtime  # noqa: E402
+import generated._numerics as numerics  # noqa: E402
 
 
 def median_seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -124,7 +124,7 @@ def main() -> None:
     )
     parser.add_argument("--flush-denormal", action="store_true")
     args = parser.parse_args()
-    if args.flush_denormal and not runtime.flush_denormals():
+    if args.flush_denormal and not numerics.flush_denormals():
         parser.error("--flush-denormal: denormals are not flushed on every thread")
     report = run(args)
     print(markdown(report))

@@ -39,13 +39,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ._attention import (
-    PositionalAttention,
-    cache_get,
-    cache_put,
-    default_distances,
-    relative_positions,
-)
+from ._attention import PositionalAttention
+from ._distances import default_distances
+from ._inputs import cache_get, cache_put
+from ._masks import relative_positions
 
 __all__ = ["BertRelativeKey"]
 

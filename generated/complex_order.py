@@ -37,13 +37,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ._attention import (
-    PositionalAttention,
-    check_positions,
-    compute_dtype,
-    positions_or_default,
-    positive_int,
-)
+from ._attention import PositionalAttention
+from ._inputs import check_positions, positions_or_default, positive_int
+from ._numerics import compute_dtype
 
 __all__ = ["ComplexOrder"]
 

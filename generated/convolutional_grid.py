@@ -43,7 +43,9 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._attention import PositionalAttention, check_positions, compute_dtype, positive_int
+from ._attention import PositionalAttention
+from ._inputs import check_positions, positive_int
+from ._numerics import compute_dtype
 
 __all__ = ["ConvolutionalGrid"]
 

@@ -29,7 +29,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ._attention import PositionalAttention, causal_allowed
+from ._attention import PositionalAttention
+from ._masks import causal_allowed
 
 __all__ = ["Cope"]
 

@@ -48,14 +48,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._attention import (
-    PositionalAttention,
-    cache_get,
-    cache_put,
-    default_distances,
-    positive_int,
-    relative_positions,
-)
+from ._attention import PositionalAttention
+from ._distances import default_distances
+from ._inputs import cache_get, cache_put, positive_int
+from ._masks import relative_positions
 
 __all__ = ["Deberta"]
 

@@ -52,15 +52,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._attention import (
-    PositionalAttention,
-    cache_get,
-    cache_put,
-    check_positions,
-    default_distances,
-    positive_int,
-    relative_positions,
-)
+from ._attention import PositionalAttention
+from ._distances import default_distances
+from ._inputs import cache_get, cache_put, check_positions, positive_int
+from ._masks import relative_positions
 
 __all__ = ["DebertaAbsoluteInput"]
 

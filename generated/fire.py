@@ -31,7 +31,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ._attention import PositionalAttention, positions_or_default, score_bias_positions
+from ._attention import PositionalAttention
+from ._inputs import positions_or_default, score_bias_positions
 
 __all__ = ["Fire"]
 

@@ -35,14 +35,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ._attention import (
-    PositionalAttention,
-    cache_get,
-    cache_put,
-    check_positions,
-    compute_dtype,
-    positive_int,
-)
+from ._attention import PositionalAttention
+from ._inputs import cache_get, cache_put, check_positions, positive_int
+from ._numerics import compute_dtype
 
 __all__ = ["Floater"]
 

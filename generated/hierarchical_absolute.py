@@ -36,7 +36,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ._attention import PositionalAttention, check_positions, positive_int
+from ._attention import PositionalAttention
+from ._inputs import check_positions, positive_int
 
 __all__ = ["HierarchicalAbsolute"]
 

@@ -32,14 +32,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ._attention import (
-    PositionalAttention,
-    default_distances,
-    expand_distance_bias,
-    flex_positions,
-    relative_positions,
-    score_bias_positions,
-)
+from ._attention import PositionalAttention
+from ._distances import default_distances, expand_distance_bias
+from ._flex import flex_positions
+from ._inputs import score_bias_positions
+from ._masks import relative_positions
 
 __all__ = ["KerpleLog"]
 

@@ -34,7 +34,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._attention import PositionalAttention, check_positions, positions_or_default, positive_int
+from ._attention import PositionalAttention
+from ._inputs import check_positions, positions_or_default, positive_int
 
 __all__ = ["MultiplicativeSinusoidal"]
 

@@ -27,14 +27,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._attention import (
-    PositionalAttention,
-    apply_rotation,
-    compute_dtype,
-    cos_and_sin,
-    positive_int,
-    spread_over_features,
-)
+from ._attention import PositionalAttention
+from ._inputs import positive_int
+from ._numerics import compute_dtype
+from ._rotation import apply_rotation, cos_and_sin, spread_over_features
 
 __all__ = ["RopeAxial2d"]
 

@@ -30,14 +30,10 @@ import math
 import torch
 from torch import Tensor
 
-from ._attention import (
-    PositionalAttention,
-    apply_rotation,
-    compute_dtype,
-    cos_and_sin,
-    positions_or_default,
-    spread_over_features,
-)
+from ._attention import PositionalAttention
+from ._inputs import positions_or_default
+from ._numerics import compute_dtype
+from ._rotation import apply_rotation, cos_and_sin, spread_over_features
 
 __all__ = ["RopeXpos"]
 

@@ -26,15 +26,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._attention import (
-    PositionalAttention,
-    cache_get,
-    cache_put,
-    default_distances,
-    expand_distance_bias,
-    positions_or_default,
-    score_bias_positions,
-)
+from ._attention import PositionalAttention
+from ._distances import default_distances, expand_distance_bias
+from ._inputs import cache_get, cache_put, positions_or_default, score_bias_positions
 
 __all__ = ["Sandwich"]
 

@@ -40,7 +40,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ._attention import PositionalAttention, cache_get, cache_put, positive_int, relative_positions
+from ._attention import PositionalAttention
+from ._inputs import cache_get, cache_put, positive_int
+from ._masks import relative_positions
 
 __all__ = ["Shaw"]
 

@@ -50,15 +50,9 @@ import math
 import torch
 from torch import Tensor, nn
 
-from ._attention import (
-    PositionalAttention,
-    cache_get,
-    cache_put,
-    positions_or_default,
-    positive_int,
-    relative_positions,
-    score_bias_positions,
-)
+from ._attention import PositionalAttention
+from ._inputs import cache_get, cache_put, positions_or_default, positive_int, score_bias_positions
+from ._masks import relative_positions
 
 __all__ = ["TupeR"]
 

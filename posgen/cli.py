@@ -71,14 +71,14 @@ def generate(
 ) -> None:
     """Render SPECS (spec files or folders; default ./specs) into modules in OUT.
 
-    A full run (no SPECS, or only folders) writes every module, the runtime
-    _attention.py and the registry __init__.py, and removes stale files that carry
-    posgen's header. Naming spec files is a subset run: it writes those modules and
-    the runtime only, never removes a file and leaves the registry as it is (run a
-    full generate to refresh it). With no SPECS and no ./specs folder, it is a usage
-    error (list, explain and check fall back to the built-in catalogue; generate does
-    not write it into the current directory unasked), except with --standalone NAME,
-    which then takes NAME from the catalogue.
+    A full run (no SPECS, or only folders) writes every module, the runtime's
+    modules (_attention.py, _masks.py, ...) and the registry __init__.py, and removes
+    stale files that carry posgen's header. Naming spec files is a subset run: it
+    writes those modules and the runtime only, never removes a file and leaves the
+    registry as it is (run a full generate to refresh it). With no SPECS and no
+    ./specs folder, it is a usage error (list, explain and check fall back to the
+    built-in catalogue; generate does not write it into the current directory
+    unasked), except with --standalone NAME, which then takes NAME from the catalogue.
 
     Only changed files are written, each in full to a temporary file and then renamed,
     the registry last; the modes are those ordinary file creation gives (the umask).

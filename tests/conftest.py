@@ -20,6 +20,8 @@ from posgen.codegen.inmemory import encoding_class, module_from_spec
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = ROOT / "specs"
 GENERATED = ROOT / "generated"
+# the runtime's modules: templates/runtime/_NAME.py, each generated as generated/_NAME.py
+RUNTIME_FILES = sorted(path.name for path in (ROOT / "templates" / "runtime").glob("_*.py"))
 
 
 def spec_names() -> list[str]:
@@ -108,25 +110,57 @@ def assert_sdpa_matches_eager(
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
 
 
-def runtime_of(pe: torch.nn.Module) -> ModuleType:
-    """The runtime module whose globals ``pe`` reads (a variant built in memory inlines
-    its own copy of the runtime)."""
-    return sys.modules[type(pe)._attend.__module__]
+def runtime_modules(pe: torch.nn.Module | None = None) -> list[ModuleType]:
+    """The modules whose globals ``pe``'s runtime reads: a variant built in memory
+    inlines the whole runtime into its own module; the generated modules (and no
+    ``pe``) read generated/_NAME.py, one module per file of templates/runtime/."""
+    if pe is not None:
+        own = sys.modules[type(pe)._attend.__module__]
+        if own.__name__ != "generated._attention":
+            return [own]
+    return [importlib.import_module(f"generated.{name[:-3]}") for name in RUNTIME_FILES]
+
+
+def set_runtime(
+    monkeypatch: pytest.MonkeyPatch, name: str, value: Any, pe: torch.nn.Module | None = None
+) -> None:
+    """Set the runtime global ``name`` for the test in every module of ``pe``'s runtime
+    that binds it: the one defining it and any importing it (a setting such as
+    ``SDPA_QUERY_CHUNK`` is read only where it is defined; ``TRITON_CACHE`` is shared)."""
+    modules = [module for module in runtime_modules(pe) if name in vars(module)]
+    assert modules, f"no runtime module binds {name}"
+    for module in modules:
+        monkeypatch.setattr(module, name, value)
+
+
+def runtime_value(name: str, pe: torch.nn.Module | None = None) -> Any:
+    """The runtime global ``name`` as ``pe``'s runtime holds it (a setting's dict, ...)."""
+    values = [vars(module)[name] for module in runtime_modules(pe) if name in vars(module)]
+    assert values, f"no runtime module binds {name}"
+    return values[0]
 
 
 def spy_calls(
-    monkeypatch: pytest.MonkeyPatch, module: ModuleType, name: str, record: Callable[..., Any]
+    monkeypatch: pytest.MonkeyPatch,
+    modules: list[ModuleType],
+    name: str,
+    record: Callable[..., Any],
 ) -> list[Any]:
-    """Wrap ``module.name`` for the test: each call still runs, and ``record`` of its
-    arguments is appended to the returned list."""
+    """Wrap the function ``name`` wherever one of ``modules`` binds it (where it is
+    defined and where it is imported) for the test: each call still runs, and
+    ``record`` of its arguments is appended to the returned list."""
     calls: list[Any] = []
-    original = getattr(module, name)
+    bound = [module for module in modules if name in vars(module)]
+    assert bound, f"no module binds {name}"
+    original = getattr(bound[0], name)
 
     def spy(*args: Any, **keywords: Any) -> Any:
         calls.append(record(*args, **keywords))
         return original(*args, **keywords)
 
-    monkeypatch.setattr(module, name, spy)
+    for module in bound:
+        assert getattr(module, name) is original, f"{module.__name__}.{name} differs"
+        monkeypatch.setattr(module, name, spy)
     return calls
 
 

@@ -20,7 +20,7 @@ from posgen.cli import main
 from posgen.codegen.inmemory import encoding_class, module_from_spec
 from tests.conftest import ROOT, generated_class, run_backend, spec_variant
 
-runtime = importlib.import_module("generated._attention")
+runtime_inputs = importlib.import_module("generated._inputs")
 EXPR_SPEC = ROOT / "tests" / "specs" / "expr" / "kerple_log_expr.yaml"
 NEW_KINDS = ["kerple_log", "kerple_power", "fire", "sandwich", "alibi_learned"]
 Q_POS = torch.tensor([3, 4, 9, 10, 12])
@@ -239,7 +239,7 @@ def test_every_backend_matches_eager(name: str, causal: bool, explicit: bool) ->
     if explicit:
         kwargs.update(q_positions=Q_POS + 1, k_positions=K_POS)
     eager, eager_grads = run_backend(pe, inputs, "eager", **kwargs)
-    for backend in runtime.BACKENDS:
+    for backend in runtime_inputs.BACKENDS:
         got, grads = run_backend(pe, inputs, backend, **kwargs)
         torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-6)
         assert len(grads) == len(eager_grads)

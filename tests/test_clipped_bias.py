@@ -18,12 +18,15 @@ from tests.conftest import (
     assert_sdpa_matches_eager,
     generated_class,
     run_backend,
-    runtime_of,
+    runtime_modules,
+    runtime_value,
+    set_runtime,
     spec_variant,
     spy_calls,
 )
 
-runtime = importlib.import_module("generated._attention")
+trained = importlib.import_module("generated._trained_bias")
+masks = importlib.import_module("generated._masks")
 
 
 def formula(q, k, v, clipped, scale: float, causal: bool) -> torch.Tensor:
@@ -56,7 +59,7 @@ def _outputs_and_gradients(attend, leaves, weight):
 def _assert_matches_formula(n, m, clip, causal, dtype=torch.float64, tolerance=None):
     leaves, weight = _inputs(n, m, clip, dtype)
     got, got_grads = _outputs_and_gradients(
-        lambda q, k, v, c: runtime.clipped_bias_attention(q, k, v, c, 0.3, causal), leaves, weight
+        lambda q, k, v, c: trained.clipped_bias_attention(q, k, v, c, 0.3, causal), leaves, weight
     )
     wide = [t.detach().double().requires_grad_() for t in leaves]
     want, want_grads = _outputs_and_gradients(
@@ -83,8 +86,8 @@ CASES = [  # (n, m, clip): far regions on both sides, queries the last N of M, n
 @pytest.mark.parametrize(("n", "m", "clip"), CASES)
 def test_clipped_bias_attention_matches_the_formula(n, m, clip, causal, monkeypatch) -> None:
     # small band steps and causal chunks, so that several of each (and short last ones) run
-    monkeypatch.setattr(runtime, "CLIPPED_BIAS_BAND_ROWS", 7)
-    monkeypatch.setitem(runtime.SDPA_QUERY_CHUNK, "cpu", 8)
+    monkeypatch.setattr(trained, "CLIPPED_BIAS_BAND_ROWS", 7)
+    monkeypatch.setitem(masks.SDPA_QUERY_CHUNK, "cpu", 8)
     _assert_matches_formula(n, m, clip, causal)
 
 
@@ -100,16 +103,16 @@ def test_clipped_bias_attention_matches_the_formula(n, m, clip, causal, monkeypa
 def test_any_clip_band_and_chunking_match_the_formula(
     n, extra_keys, clip, causal, band_rows, query_chunk
 ) -> None:
-    chunks = dict(runtime.SDPA_QUERY_CHUNK)
-    saved_rows = runtime.CLIPPED_BIAS_BAND_ROWS
-    runtime.SDPA_QUERY_CHUNK["cpu"] = query_chunk
-    runtime.CLIPPED_BIAS_BAND_ROWS = band_rows
+    chunks = dict(masks.SDPA_QUERY_CHUNK)
+    saved_rows = trained.CLIPPED_BIAS_BAND_ROWS
+    masks.SDPA_QUERY_CHUNK["cpu"] = query_chunk
+    trained.CLIPPED_BIAS_BAND_ROWS = band_rows
     try:
         _assert_matches_formula(n, n + extra_keys, clip, causal)
     finally:
-        runtime.SDPA_QUERY_CHUNK.clear()
-        runtime.SDPA_QUERY_CHUNK.update(chunks)
-        runtime.CLIPPED_BIAS_BAND_ROWS = saved_rows
+        masks.SDPA_QUERY_CHUNK.clear()
+        masks.SDPA_QUERY_CHUNK.update(chunks)
+        trained.CLIPPED_BIAS_BAND_ROWS = saved_rows
 
 
 @pytest.mark.parametrize(("n", "m", "clip"), [(6, 6, 6), (4, 6, 6), (6, 6, 9)])
@@ -117,7 +120,7 @@ def test_any_clip_band_and_chunking_match_the_formula(
 def test_entries_no_pair_reads_get_exactly_zero_gradient(n, m, clip, causal) -> None:
     # every |key - query| < clip: the far entries (and, causal, the later keys) are unused
     leaves, weight = _inputs(n, m, clip)
-    out = runtime.clipped_bias_attention(*leaves, 0.3, causal)
+    out = trained.clipped_bias_attention(*leaves, 0.3, causal)
     (grad,) = torch.autograd.grad((out * weight).sum(), leaves[3])
     distance = torch.arange(-clip, clip + 1)
     unused = (distance <= -m) | (distance >= n) | (distance.abs() == clip)
@@ -144,7 +147,7 @@ def _clipped(name: str, **replace: str) -> type[torch.nn.Module]:
 def spy_route(pe: torch.nn.Module, monkeypatch) -> list[tuple[int, ...]]:
     """The query shapes that will reach ``pe``'s ``clipped_bias_attention``."""
     return spy_calls(
-        monkeypatch, runtime_of(pe), "clipped_bias_attention", lambda q, *_: tuple(q.shape)
+        monkeypatch, runtime_modules(pe), "clipped_bias_attention", lambda q, *_: tuple(q.shape)
     )
 
 
@@ -155,8 +158,8 @@ def test_t5_training_takes_the_clipped_path_and_matches_eager(
     name, causal, n, m, kv_heads, monkeypatch
 ) -> None:
     pe = _clipped(name)(heads=4, head_dim=8).double()
-    monkeypatch.setitem(runtime_of(pe).SDPA_QUERY_CHUNK, "cpu", 16)
-    monkeypatch.setattr(runtime_of(pe), "CLIPPED_BIAS_BAND_ROWS", 16)
+    monkeypatch.setitem(runtime_value("SDPA_QUERY_CHUNK", pe), "cpu", 16)
+    set_runtime(monkeypatch, "CLIPPED_BIAS_BAND_ROWS", 16, pe)
     route = spy_route(pe, monkeypatch)
     assert pe.clipped_distance == 8
     assert_sdpa_matches_eager(pe, n, m, kv_heads, causal=causal)
@@ -182,7 +185,7 @@ def test_the_catalogue_t5_serves_from_eight_clip_distances_of_keys(monkeypatch) 
     pe = generated_class("t5")(heads=2, head_dim=8).double()
     route = spy_route(pe, monkeypatch)
     assert pe.clipped_distance == 128
-    min_keys = runtime.CLIPPED_BIAS_MIN_KEYS_PER_CLIP * 128
+    min_keys = trained.CLIPPED_BIAS_MIN_KEYS_PER_CLIP * 128
     for m in (min_keys - 1, min_keys):
         q, k, v = (torch.randn(1, 2, m, 8, dtype=torch.float64) for _ in range(3))
         pe(q, k, v, backend="sdpa").sum().backward()
@@ -230,10 +233,12 @@ def test_the_clipped_path_traces_whole_under_compile(monkeypatch) -> None:
 
 def _flex_route(pe: torch.nn.Module, monkeypatch, devices=("cpu",)) -> list[int]:
     """Turn the flex route on for ``devices`` and count its gradient attachments."""
-    module = runtime_of(pe)
-    monkeypatch.setattr(module, "CLIPPED_BIAS_FLEX_DEVICES", set(devices))
+    set_runtime(monkeypatch, "CLIPPED_BIAS_FLEX_DEVICES", set(devices), pe)
     return spy_calls(
-        monkeypatch, module, "attach_clipped_bias_gradient", lambda out, *_: out.shape[2]
+        monkeypatch,
+        runtime_modules(pe),
+        "attach_clipped_bias_gradient",
+        lambda out, *_: out.shape[2],
     )
 
 
@@ -245,7 +250,7 @@ def test_flex_trains_a_clipped_bias_through_the_attached_gradient(
     name, causal, n, m, kv_heads, monkeypatch
 ) -> None:
     pe = _clipped(name)(heads=4, head_dim=8).double()
-    monkeypatch.setattr(runtime_of(pe), "CLIPPED_BIAS_BAND_ROWS", 16)
+    set_runtime(monkeypatch, "CLIPPED_BIAS_BAND_ROWS", 16, pe)
     calls = _flex_route(pe, monkeypatch)
     generator = torch.Generator().manual_seed(4)
     shapes = {"q": (2, 4, n, 8), "k": (2, kv_heads, m, 8), "v": (2, kv_heads, m, 8)}

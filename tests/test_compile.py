@@ -75,8 +75,8 @@ def test_fullgraph_compile_of_sdpa_query_chunks(name: str, monkeypatch) -> None:
     """The per-chunk SDPA calls (``SDPA_QUERY_CHUNK``) trace whole: of a masked bias of
     j - i, of a window without a bias, and of biases and relative terms built at each
     chunk's positions. Their key spans come from shapes alone."""
-    runtime = importlib.import_module("generated._attention")
-    monkeypatch.setitem(runtime.SDPA_QUERY_CHUNK, "cpu", 2)
+    masks = importlib.import_module("generated._masks")
+    monkeypatch.setitem(masks.SDPA_QUERY_CHUNK, "cpu", 2)
     pe, q, k, v = _module_and_inputs(name, 8)
     compiled = torch.compile(pe, fullgraph=True, backend="eager")
     for window in (None, 3):
@@ -105,8 +105,8 @@ def test_compiled_rotation_matches_eager_with_gradients(
     into q and k equal eager mode's, in float32 and bfloat16. The "formula" route
     empties ``EAGER_ROTATION_UNDER_COMPILE``, so interleaved pairs trace as on CUDA."""
     if route == "formula":
-        runtime = importlib.import_module("generated._attention")
-        monkeypatch.setattr(runtime, "EAGER_ROTATION_UNDER_COMPILE", set())
+        rotation = importlib.import_module("generated._rotation")
+        monkeypatch.setattr(rotation, "EAGER_ROTATION_UNDER_COMPILE", set())
     d = head_dim_for(name, 16)
     pe = generated_class(name)(heads=4, head_dim=d)
     generator = torch.Generator().manual_seed(1)

@@ -24,13 +24,13 @@ import warnings
 
 import torch
 
-import generated._attention as runtime
+import generated._numerics as numerics
 
 if sys.argv[1] == "late":
     (torch.ones(2**22) * 2).sum()  # a parallel operation: the worker threads start
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    flushed = runtime.flush_denormals()
+    flushed = numerics.flush_denormals()
 # denormals from their bits: converting 1e-39 on a flushing thread would give 0
 denormals = torch.full((2**22,), 0x00400000, dtype=torch.int32).view(torch.float32)
 survivors = int(((denormals * 1.5) != 0).sum())

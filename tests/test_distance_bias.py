@@ -12,6 +12,7 @@ import torch
 from tests.conftest import assert_sdpa_matches_eager, generated_class
 
 runtime = importlib.import_module("generated._attention")
+distances = importlib.import_module("generated._distances")
 NAMES = ["alibi", "t5", "t5_decoder"]
 
 
@@ -32,9 +33,9 @@ def test_sdpa_by_distance_matches_eager_with_gradients(
 def test_diagonal_view_backward_is_the_sum_of_each_diagonal() -> None:
     n, m = 5, 7
     vec = torch.randn(3, n + m - 1, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda x: runtime.query_reversed_bias(x, n, m), (vec,))
+    assert torch.autograd.gradcheck(lambda x: distances.query_reversed_bias(x, n, m), (vec,))
     grad = torch.randn(3, n, m, dtype=torch.float64)
-    (got,) = torch.autograd.grad(runtime.expand_distance_bias(vec, n, m), vec, grad)
+    (got,) = torch.autograd.grad(distances.expand_distance_bias(vec, n, m), vec, grad)
     want = torch.zeros_like(got)
     for i in range(n):
         for j in range(m):

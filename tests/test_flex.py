@@ -193,7 +193,7 @@ def test_compiled_flex_matches_eager_and_is_compiled_once() -> None:
     backward), one compiled function shared by ALiBi's per-distance vector, T5's,
     DeBERTa's c2p and p2c read from their [B, H, N, K] projections, and an expression
     bias computed inside the score_mod."""
-    import generated._attention as runtime
+    import generated._flex as flex_runtime
 
     expression = encoding_class(module_from_spec(EXPR_SPEC))
     for name in ("alibi", "t5", "deberta", "expression"):
@@ -205,4 +205,4 @@ def test_compiled_flex_matches_eager_and_is_compiled_once() -> None:
                 eager = pe(q, k, v, causal=causal, backend="eager")
                 flex = pe(q, k, v, causal=causal, backend="flex")
                 torch.testing.assert_close(flex, eager, rtol=1e-4, atol=1e-4)
-    assert list(runtime._COMPILED_FLEX) == ["flex"]
+    assert list(flex_runtime._COMPILED_FLEX) == ["flex"]

@@ -24,12 +24,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import generated._attention as runtime
+import generated._attention as attention
+import generated._distance_kernel as runtime
 from tests.conftest import (
     bias_kind,
     generated_class,
     run_backend,
-    runtime_of,
+    runtime_modules,
+    set_runtime,
     spec_variant,
     spy_calls,
 )
@@ -40,14 +42,16 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def interpret(module: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Serve CPU tensors in ``module`` (a runtime) with the kernels interpreted."""
+def interpret(monkeypatch: pytest.MonkeyPatch, pe: torch.nn.Module | None = None) -> None:
+    """Serve CPU tensors in ``pe``'s runtime (default: generated/'s) with the kernels
+    interpreted."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(module, "_TRITON", {})
+    set_runtime(monkeypatch, "TRITON_CACHE", {}, pe)
     for helper in ("_distance_tile_logits", "_distance_larger", "_distance_plus"):
-        monkeypatch.setattr(module, helper, None)
-    monkeypatch.setattr(module, "FUSED_DISTANCE_DEVICES", {"cpu"})
-    monkeypatch.setattr(module, "FUSED_DISTANCE_ROUTES", {"slope": {"cpu"}, "vector": {"cpu"}})
+        set_runtime(monkeypatch, helper, None, pe)
+    set_runtime(monkeypatch, "FUSED_DISTANCE_DEVICES", {"cpu"}, pe)
+    set_runtime(monkeypatch, "FUSED_DISTANCE_ROUTES", {"slope": {"cpu"}, "vector": {"cpu"}}, pe)
+    (module,) = [m for m in runtime_modules(pe) if "_distance_attention_kernels" in vars(m)]
     import triton.language
     from triton.runtime import interpreter
 
@@ -68,7 +72,7 @@ def interpret(module: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def interpreted(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
-    interpret(runtime, monkeypatch)
+    interpret(monkeypatch)
     yield runtime
 
 
@@ -246,7 +250,7 @@ def test_any_shape_band_and_bias_match_the_formula(
     n, extra_keys, groups, causal, window, kind, clip
 ) -> None:
     with pytest.MonkeyPatch.context() as monkeypatch:  # hypothesis reruns the body
-        interpret(runtime, monkeypatch)
+        interpret(monkeypatch)
         _assert_kernel_matches_formula(
             n, n + extra_keys, 2 * groups, 2, kind, clip, 2 * clip + 1, causal, window, seed=n
         )
@@ -280,7 +284,7 @@ def test_nothing_is_served_where_the_devices_are_not_listed() -> None:
     # the CPU runs the kernels only interpreted, in tests; the flex route takes ALiBi's
     # slope on CUDA, where it was timed faster than flex, and leaves vectors to flex
     assert runtime.FUSED_DISTANCE_DEVICES == {"cuda"}
-    assert runtime.FUSED_DISTANCE_ROUTES == {"slope": {"cuda"}, "vector": set()}
+    assert attention.FUSED_DISTANCE_ROUTES == {"slope": {"cuda"}, "vector": set()}
     assert not runtime.fused_distance_attention_serves(q, k, v)
     with pytest.raises(ValueError, match="FUSED_DISTANCE_DEVICES"):
         runtime.fused_distance_attention(q, k, v, 1.0)
@@ -291,9 +295,8 @@ def test_nothing_is_served_where_the_devices_are_not_listed() -> None:
 
 def spy_kinds(pe: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Serve ``pe``'s runtime interpreted and record the bias kind of each fused call."""
-    module = runtime_of(pe)
-    interpret(module, monkeypatch)
-    return spy_calls(monkeypatch, module, "fused_distance_attention", bias_kind)
+    interpret(monkeypatch, pe)
+    return spy_calls(monkeypatch, runtime_modules(pe), "fused_distance_attention", bias_kind)
 
 
 def _clipped_t5(name: str = "t5") -> type[torch.nn.Module]:
@@ -345,9 +348,11 @@ def test_t5_trains_its_table_through_the_kernel_and_the_attached_gradient(
     name, causal, monkeypatch
 ) -> None:
     pe = _clipped_t5(name)(heads=4, head_dim=16)
-    monkeypatch.setattr(runtime_of(pe), "CLIPPED_BIAS_BAND_ROWS", 16)
+    set_runtime(monkeypatch, "CLIPPED_BIAS_BAND_ROWS", 16, pe)
     kinds = spy_kinds(pe, monkeypatch)
-    launches = spy_calls(monkeypatch, runtime_of(pe), "_distance_forward", lambda *a: a[4])
+    launches = spy_calls(
+        monkeypatch, runtime_modules(pe), "distance_attention_forward", lambda *a: a[4]
+    )
     assert_flex_matches_eager(pe, 64, 72, 2, causal=causal)
     assert kinds == ["vector"]
     # the attention, then (not causal) the backward's triangle, which has no bias
@@ -356,8 +361,7 @@ def test_t5_trains_its_table_through_the_kernel_and_the_attached_gradient(
 
 def test_the_backward_uses_the_kernel_whatever_the_settings_are_by_then(monkeypatch) -> None:
     pe = _clipped_t5()(heads=4, head_dim=16)
-    module = runtime_of(pe)
-    monkeypatch.setattr(module, "CLIPPED_BIAS_BAND_ROWS", 16)
+    set_runtime(monkeypatch, "CLIPPED_BIAS_BAND_ROWS", 16, pe)
     kinds = spy_kinds(pe, monkeypatch)
 
     class RouteOffAfterForward(torch.nn.Module):
@@ -369,8 +373,8 @@ def test_the_backward_uses_the_kernel_whatever_the_settings_are_by_then(monkeypa
 
         def forward(self, *args: Any, **options: Any) -> torch.Tensor:
             out = self.pe(*args, **options)
-            monkeypatch.setattr(module, "FUSED_DISTANCE_DEVICES", set())
-            monkeypatch.setattr(module, "FUSED_DISTANCE_ROUTES", {})
+            set_runtime(monkeypatch, "FUSED_DISTANCE_DEVICES", set(), pe)
+            set_runtime(monkeypatch, "FUSED_DISTANCE_ROUTES", {}, pe)
             return out
 
     # not causal: the backward's triangle runs the kernel after the settings changed
@@ -383,11 +387,10 @@ def test_the_route_takes_only_the_forms_listed_for_the_device(monkeypatch) -> No
     t5 = _clipped_t5()(heads=4, head_dim=16).requires_grad_(False)
     found = {}
     for name, pe in (("alibi", alibi), ("t5", t5)):
-        module = runtime_of(pe)
         kinds = spy_kinds(pe, monkeypatch)
         routes = {"slope": {"cpu"}, "vector": set()}
-        monkeypatch.setattr(module, "FUSED_DISTANCE_ROUTES", routes)
-        flex_calls = spy_calls(monkeypatch, module, "run_flex", lambda *_, **__: 1)
+        set_runtime(monkeypatch, "FUSED_DISTANCE_ROUTES", routes, pe)
+        flex_calls = spy_calls(monkeypatch, runtime_modules(pe), "run_flex", lambda *_, **__: 1)
         assert_flex_matches_eager(pe, 20, 24, 2, causal=True)
         found[name] = (kinds, len(flex_calls))
     # ALiBi's slope took the kernel; T5's vector went to FlexAttention

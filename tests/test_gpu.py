@@ -6,7 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import bias_kind, generated_class, head_dim_for, spec_names, spy_calls
+from tests.conftest import (
+    bias_kind,
+    generated_class,
+    head_dim_for,
+    runtime_modules,
+    runtime_value,
+    set_runtime,
+    spec_names,
+    spy_calls,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 CUDA = torch.device("cuda")
@@ -16,9 +25,7 @@ CUDA = torch.device("cuda")
 def flex_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """flex through FlexAttention alone: the fused route (ALiBi's default on CUDA) off,
     so that the compiled score_mod is what the test checks; the route has its own test."""
-    import generated._attention as runtime
-
-    monkeypatch.setattr(runtime, "FUSED_DISTANCE_ROUTES", {})
+    set_runtime(monkeypatch, "FUSED_DISTANCE_ROUTES", {})
 
 
 @pytest.mark.parametrize("name", spec_names())
@@ -160,11 +167,9 @@ def test_compiled_flex_trains_a_clipped_table_through_the_attached_gradient(
     and the triangles (``attach_clipped_bias_gradient``); outputs and gradients against
     eager, float32 and bf16 (gradients of bf16 against the float32 oracle on the same
     rounded inputs), causal and not, GQA, N = 1024 = 8 clip distances."""
-    import generated._attention as runtime
-
-    monkeypatch.setattr(runtime, "CLIPPED_BIAS_FLEX_DEVICES", {"cuda"})
+    set_runtime(monkeypatch, "CLIPPED_BIAS_FLEX_DEVICES", {"cuda"})
     attached = spy_calls(
-        monkeypatch, runtime, "attach_clipped_bias_gradient", lambda out, *_: out.shape[2]
+        monkeypatch, runtime_modules(), "attach_clipped_bias_gradient", lambda out, *_: out.shape[2]
     )
     torch.manual_seed(0)
     pe = generated_class(name)(heads=4, head_dim=64).to(CUDA)
@@ -188,16 +193,17 @@ def test_fused_distance_kernel_matches_eager_on_cuda(
     attached gradient, KERPLE is frozen and reads its full vector per score. Each case
     autotunes over one of the kernels' tile candidates (a compile per candidate, bias
     form, band and dtype took over 150 s a case): the four cases cover all four."""
-    import generated._attention as runtime
+    configs = runtime_value("_distance_attention_configs")
 
-    configs = runtime._distance_attention_configs
-    monkeypatch.setattr(
-        runtime, "_distance_attention_configs", lambda kernel: configs(kernel)[candidate:][:1]
-    )
-    tuned = {key: value for key, value in runtime._TRITON.items() if "tuned" not in key}
-    monkeypatch.setattr(runtime, "_TRITON", tuned)
-    monkeypatch.setattr(runtime, "FUSED_DISTANCE_ROUTES", {"slope": {"cuda"}, "vector": {"cuda"}})
-    kinds = spy_calls(monkeypatch, runtime, "fused_distance_attention", bias_kind)
+    def one_candidate(kernel: str) -> list[object]:
+        return configs(kernel)[candidate:][:1]
+
+    set_runtime(monkeypatch, "_distance_attention_configs", one_candidate)
+    cache = runtime_value("TRITON_CACHE")
+    tuned = {key: value for key, value in cache.items() if "tuned" not in key}
+    set_runtime(monkeypatch, "TRITON_CACHE", tuned)
+    set_runtime(monkeypatch, "FUSED_DISTANCE_ROUTES", {"slope": {"cuda"}, "vector": {"cuda"}})
+    kinds = spy_calls(monkeypatch, runtime_modules(), "fused_distance_attention", bias_kind)
     torch.manual_seed(0)
     pe = generated_class(name)(heads=4, head_dim=64).to(CUDA)
     if name == "kerple_log":
@@ -213,9 +219,7 @@ def test_fused_distance_kernel_matches_eager_on_cuda(
 def test_alibi_takes_the_fused_kernel_by_default_on_cuda(monkeypatch) -> None:
     """The shipped routes: ALiBi's flex backend runs the fused kernel on CUDA, T5's runs
     FlexAttention (``FUSED_DISTANCE_ROUTES``), both agreeing with eager in bf16."""
-    import generated._attention as runtime
-
-    kinds = spy_calls(monkeypatch, runtime, "fused_distance_attention", bias_kind)
+    kinds = spy_calls(monkeypatch, runtime_modules(), "fused_distance_attention", bias_kind)
     q, k, v = (torch.randn(2, 4, 256, 64, device=CUDA) for _ in range(3))
     for name in ("alibi", "t5"):
         pe = generated_class(name)(heads=4, head_dim=64).to(CUDA)
@@ -348,7 +352,7 @@ def test_fused_rotation_on_cuda_matches_the_cpu_formula(name: str, dtype: torch.
     """rotate() on CUDA (the fused Triton kernel, forward and backward) against the CPU
     eager formula on the same values: default and batched explicit positions, q as a
     transposed [B, N, H, D] view."""
-    runtime = pytest.importorskip("generated._attention")
+    rotation = pytest.importorskip("generated._rotation")
     pytest.importorskip("triton", reason="the fused rotation needs triton")
     head_dim = head_dim_for(name, 64)
     pe = generated_class(name)(heads=4, head_dim=head_dim)
@@ -357,7 +361,7 @@ def test_fused_rotation_on_cuda_matches_the_cpu_formula(name: str, dtype: torch.
     grads = torch.randn(2, 4, 48, head_dim).to(dtype), torch.randn(2, 4, 64, head_dim).to(dtype)
     explicit = torch.stack((torch.arange(64) * 3, torch.arange(64) + 1000))  # [2, 64]
     launches: list[bool] = []
-    launch = runtime._launch_rotation
+    launch = rotation.launch_rotation
 
     def counted(*args: object, **kwargs: object) -> torch.Tensor:
         launches.append(True)
@@ -371,7 +375,7 @@ def test_fused_rotation_on_cuda_matches_the_cpu_formula(name: str, dtype: torch.
             x_k = k.detach().to(device, copy=True).requires_grad_()
             positions = [p if p is None else p.to(device) for p in (q_positions, k_positions)]
             with pytest.MonkeyPatch.context() as patch:
-                patch.setattr(runtime, "_launch_rotation", counted)
+                patch.setattr(rotation, "launch_rotation", counted)
                 q_rot, k_rot = pe.rotate(x_q, x_k, *positions)
                 torch.autograd.backward((q_rot, k_rot), [g.to(device) for g in grads])
             results.append([t.detach().cpu().float() for t in (q_rot, k_rot, x_q.grad, x_k.grad)])

@@ -20,6 +20,8 @@ from hypothesis import strategies as st
 from tests.conftest import assert_sdpa_matches_eager, generated_class
 
 runtime = importlib.import_module("generated._attention")
+masks = importlib.import_module("generated._masks")
+trained = importlib.import_module("generated._trained_bias")
 
 
 CHUNK_CASES = [  # (n, m, kv_heads, causal, window)
@@ -52,7 +54,7 @@ ENCODINGS = [
 def test_query_chunks_match_eager_with_gradients(
     name: str, n: int, m: int, kv_heads: int, causal: bool, window: int | None, monkeypatch
 ) -> None:
-    monkeypatch.setitem(runtime.SDPA_QUERY_CHUNK, "cpu", 3)
+    monkeypatch.setitem(masks.SDPA_QUERY_CHUNK, "cpu", 3)
     key_counts: list[int] = []  # keys per attention call: SDPA, or trained-mask attention
     original = runtime.F.scaled_dot_product_attention
     original_trained = runtime.trained_mask_attention
@@ -89,11 +91,11 @@ def test_query_chunks_match_eager_with_gradients(
 def test_key_span_is_exactly_the_keys_some_query_may_read(
     n: int, m: int, causal: bool, window: int | None
 ) -> None:
-    allowed = runtime.attention_allowed(None, None, n, m, torch.device("cpu"), causal, window, None)
+    allowed = masks.attention_allowed(None, None, n, m, torch.device("cpu"), causal, window, None)
     for i0 in range(n):
         for i1 in range(i0 + 1, n + 1):
             readable = allowed[i0:i1].any(0).nonzero().flatten().tolist()
-            lo, hi = runtime.key_span(i0, i1, n, m, causal, window)
+            lo, hi = masks.key_span(i0, i1, n, m, causal, window)
             assert readable == list(range(lo, hi)), (i0, i1)
 
 
@@ -101,7 +103,7 @@ def test_key_span_is_exactly_the_keys_some_query_may_read(
 def test_query_chunks_in_bfloat16_stay_within_bfloat16_error(name: str, monkeypatch) -> None:
     """bf16 through the chunked calls against the float32 oracle on the same bf16
     inputs: outputs and gradients within bf16 error."""
-    monkeypatch.setitem(runtime.SDPA_QUERY_CHUNK, "cpu", 5)
+    monkeypatch.setitem(masks.SDPA_QUERY_CHUNK, "cpu", 5)
     torch.manual_seed(0)
     pe = generated_class(name)(heads=4, head_dim=16)
     generator = torch.Generator().manual_seed(4)
@@ -139,15 +141,15 @@ def test_any_chunking_matches_eager(
 ) -> None:
     """Random shapes, masks and chunk sizes: the chunked sdpa paths give the eager
     oracle's outputs and gradients (float64)."""
-    chunks = dict(runtime.SDPA_QUERY_CHUNK)
-    runtime.SDPA_QUERY_CHUNK["cpu"] = chunk
+    chunks = dict(masks.SDPA_QUERY_CHUNK)
+    masks.SDPA_QUERY_CHUNK["cpu"] = chunk
     try:
         torch.manual_seed(0)
         pe = generated_class(name)(heads=4, head_dim=8).double()
         assert_sdpa_matches_eager(pe, n, n + extra_keys, kv_heads, causal=causal, window=window)
     finally:
-        runtime.SDPA_QUERY_CHUNK.clear()
-        runtime.SDPA_QUERY_CHUNK.update(chunks)
+        masks.SDPA_QUERY_CHUNK.clear()
+        masks.SDPA_QUERY_CHUNK.update(chunks)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -167,9 +169,9 @@ def test_trained_mask_attention_equals_sdpa_with_gradients(
     grads = []
     for attend in ("runtime", "sdpa"):
         leaves = [t.clone().requires_grad_() for t in (q, k, v, bias)]
-        assert runtime.trained_mask_attention_serves(leaves[0], leaves[3])
+        assert trained.trained_mask_attention_serves(leaves[0], leaves[3])
         if attend == "runtime":
-            out = runtime.trained_mask_attention(*leaves, 0.3)
+            out = trained.trained_mask_attention(*leaves, 0.3)
         else:
             gqa = {"enable_gqa": True} if kv_heads != 4 else {}
             out = torch.nn.functional.scaled_dot_product_attention(

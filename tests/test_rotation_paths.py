@@ -16,7 +16,7 @@ import torch
 
 from tests.conftest import generated_class
 
-runtime = importlib.import_module("generated._attention")
+runtime = importlib.import_module("generated._rotation")
 
 CASES = [  # (half_pairing, head_dim, rotary_dim)
     (True, 8, 8),

@@ -131,14 +131,18 @@ def test_module_names_that_generated_code_uses_are_refused(
 
 def test_the_reserved_names_are_computed_from_the_templates() -> None:
     from posgen.codegen.imports import FIXED, defined_names
-    from posgen.codegen.render import runtime_source, templates_dir
+    from posgen.codegen.render import runtime_sources, templates_dir
     from posgen.spec import names
 
     reserved = generated_names()
     assert names.templates_dir() == templates_dir()
     assert {item.name for item in FIXED} <= set(reserved)
-    assert set(defined_names(runtime_source())) <= set(reserved)
-    assert {"SPEC_FILE", "SPEC_SHA256", "__all__", "ENCODINGS", "_attention"} <= set(reserved)
+    for file_name, source in runtime_sources().items():
+        assert set(defined_names(source)) <= set(reserved), file_name
+        assert file_name.removesuffix(".py") in reserved
+    assert {"SPEC_FILE", "SPEC_SHA256", "__all__", "ENCODINGS", "_attention", "_masks"} <= set(
+        reserved
+    )
     assert "torch.nn.functional" not in reserved and "F" in reserved
     # nothing from a docstring or a class body: every catalogue name is still free
     for path in SPECS.glob("*.yaml"):

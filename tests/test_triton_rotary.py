@@ -18,8 +18,9 @@ from types import ModuleType
 import pytest
 import torch
 
-import generated._attention as runtime
-from tests.conftest import ROOT, generated_class, head_dim_for
+import generated._rotation as rotation
+import generated._rotation_kernel as kernel
+from tests.conftest import ROOT, generated_class, head_dim_for, set_runtime
 
 needs_triton = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None,
@@ -29,11 +30,12 @@ needs_triton = pytest.mark.skipif(
 
 @pytest.fixture
 def interpreted(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
-    """The runtime with the kernel defined afresh under TRITON_INTERPRET=1, serving CPU."""
+    """The runtime's rotation with the kernel defined afresh under TRITON_INTERPRET=1,
+    serving CPU."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(runtime, "_TRITON", {})
-    monkeypatch.setattr(runtime, "FUSED_ROTATION_DEVICES", ["cuda", "cpu"])
-    yield runtime
+    set_runtime(monkeypatch, "TRITON_CACHE", {})
+    monkeypatch.setattr(kernel, "FUSED_ROTATION_DEVICES", ["cuda", "cpu"])
+    yield rotation
 
 
 def pair_features(rotary_dim: int, half_pairing: bool) -> tuple[list[int], list[int]]:
@@ -160,20 +162,20 @@ def test_generated_rotate_uses_the_kernel_and_matches_eager(
     head_dim = head_dim_for(name, 16)
     pe = generated_class(name)(heads=2, head_dim=head_dim)
     launches: list[bool] = []
-    launch = interpreted._launch_rotation
+    launch = interpreted.launch_rotation
 
     def counted(*args: object, **kwargs: object) -> torch.Tensor:
         launches.append(True)
         return launch(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(interpreted, "_launch_rotation", counted)
+    monkeypatch.setattr(interpreted, "launch_rotation", counted)
     q = torch.randn(2, 2, 5, head_dim, requires_grad=True)
     k = torch.randn(2, 2, 7, head_dim, requires_grad=True)
     positions = torch.tensor([[3, 9, 4, 0, 11, 2, 6], [1, 2, 3, 4, 5, 6, 7]])
     for q_positions, k_positions in ((None, None), (positions[:, 2:], positions)):
         results = []
         for devices in (["cuda", "cpu"], ["cuda"]):  # kernel, then eager
-            monkeypatch.setattr(interpreted, "FUSED_ROTATION_DEVICES", devices)
+            monkeypatch.setattr(kernel, "FUSED_ROTATION_DEVICES", devices)
             q.grad = k.grad = None
             q_rot, k_rot = pe.rotate(q, k, q_positions, k_positions)
             (q_rot.sin().sum() + (k_rot * k_rot).sum()).backward()
@@ -201,29 +203,29 @@ def test_dispatch_keeps_the_eager_path_where_the_kernel_does_not_serve(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """float64, gradients into cos, compiling, and (by default) CPU take the formula."""
-    monkeypatch.setattr(runtime, "triton_available", lambda: True)
+    monkeypatch.setattr(kernel, "triton_available", lambda: True)
     x, cos = torch.randn(1, 2, 3, 8), torch.randn(3, 8)
-    assert not runtime.fused_rotation_enabled(x, cos, cos)  # CPU is not served by default
-    monkeypatch.setattr(runtime, "FUSED_ROTATION_DEVICES", ["cpu"])
-    assert runtime.fused_rotation_enabled(x, cos, cos)
-    assert not runtime.fused_rotation_enabled(x.double(), cos, cos)
+    assert not kernel.fused_rotation_enabled(x, cos, cos)  # CPU is not served by default
+    monkeypatch.setattr(kernel, "FUSED_ROTATION_DEVICES", ["cpu"])
+    assert kernel.fused_rotation_enabled(x, cos, cos)
+    assert not kernel.fused_rotation_enabled(x.double(), cos, cos)
     learned = cos.clone().requires_grad_()
-    assert not runtime.fused_rotation_enabled(x, learned, cos)
+    assert not kernel.fused_rotation_enabled(x, learned, cos)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert not runtime.fused_rotation_enabled(x, cos, cos)
+    assert not kernel.fused_rotation_enabled(x, cos, cos)
 
 
 def test_heads_are_split_only_when_the_grid_would_leave_sms_idle(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(runtime, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(kernel, "sm_count", lambda device: 132)
     cuda = torch.device("cuda", 0)
-    assert runtime._heads_per_program(cuda, 4 * 256, 32) == 32  # 1024 row programs: enough
-    assert runtime._heads_per_program(cuda, 16, 32) == 1  # decoding-sized: one head each
-    assert runtime._heads_per_program(cuda, 64, 32) == 2  # 64 x 16 programs >= 4 x 132
-    assert runtime._heads_per_program(torch.device("cpu"), 1, 32) == 32
-    monkeypatch.setattr(runtime, "FUSED_ROTATION_HEADS_PER_PROGRAM", 8)
-    assert runtime._heads_per_program(cuda, 1, 32) == 8
+    assert kernel._heads_per_program(cuda, 4 * 256, 32) == 32  # 1024 row programs: enough
+    assert kernel._heads_per_program(cuda, 16, 32) == 1  # decoding-sized: one head each
+    assert kernel._heads_per_program(cuda, 64, 32) == 2  # 64 x 16 programs >= 4 x 132
+    assert kernel._heads_per_program(torch.device("cpu"), 1, 32) == 32
+    monkeypatch.setattr(kernel, "FUSED_ROTATION_HEADS_PER_PROGRAM", 8)
+    assert kernel._heads_per_program(cuda, 1, 32) == 8
 
 
 def test_the_runtime_works_without_triton() -> None:
@@ -231,9 +233,9 @@ def test_the_runtime_works_without_triton() -> None:
     script = (
         "import sys; sys.modules['triton'] = None\n"
         "import torch\n"
-        "import generated._attention as runtime\n"
+        "import generated._triton as triton_support\n"
         "from generated.rope import Rope\n"
-        "assert not runtime.triton_available()\n"
+        "assert not triton_support.triton_available()\n"
         "q = torch.randn(1, 2, 4, 8, requires_grad=True)\n"
         "q_rot, _ = Rope(heads=2, head_dim=8).rotate(q, q)\n"
         "q_rot.sum().backward()\n"

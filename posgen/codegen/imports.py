@@ -12,7 +12,6 @@ import ast
 from dataclasses import dataclass
 
 LINE_LENGTH = 100
-RUNTIME_MODULE = "._attention"
 
 
 @dataclass(frozen=True)
@@ -77,13 +76,16 @@ def _from_line(module: str, names: list[str]) -> str:
     return f"from {module} import (\n{body})"
 
 
-def import_block(used: set[str], runtime_names: list[str]) -> str:
+def import_block(used: set[str], runtime_names: dict[str, str]) -> str:
     """The import lines for ``used`` names, grouped and ordered as ruff would.
 
-    ``runtime_names`` are importable from the sibling runtime module; an empty list
-    means the runtime is inlined (standalone files).
+    ``runtime_names`` maps each name importable from the sibling runtime to its module
+    (``"PositionalAttention": "_attention"``); an empty mapping means the runtime is
+    inlined (standalone files).
     """
-    available = list(FIXED) + [Importable(name, 2, RUNTIME_MODULE) for name in runtime_names]
+    available = list(FIXED) + [
+        Importable(name, 2, f".{module}") for name, module in sorted(runtime_names.items())
+    ]
     needed = [item for item in available if item.name in used]
     sections: list[str] = []
     for section in (0, 1, 2):

@@ -1,13 +1,15 @@
 """Render plans through the Jinja templates and gate the resulting source.
 
-Three kinds of file come out: the runtime (``_attention.py``, templates/runtime.py
-behind posgen's header), one module per spec (importing the runtime), and the
-registry. ``render_standalone`` inlines the runtime into one module instead.
+Three kinds of file come out: the runtime (each ``templates/runtime/_NAME.py`` behind
+posgen's header as ``generated/_NAME.py``), one module per spec (importing what it uses
+from the runtime's modules), and the registry. ``render_standalone`` inlines the whole
+runtime into one module instead, its modules in the order of their imports.
 
 The gate parses and compiles every rendered file and allows only imports of torch, the
-standard-library ``math`` and ``typing``, ``__future__``, (in a package) the sibling
-runtime and, lazily inside the runtime's optional fused rotary kernel, ``triton``, so a
-template bug cannot ship a module that fails to import or reaches for anything else.
+standard-library ``contextlib``, ``math``, ``typing`` and ``warnings``, ``__future__``,
+(in a package) the sibling runtime modules and, lazily inside the runtime's optional
+Triton kernels, ``triton``, so a template bug cannot ship a module that fails to import
+or reaches for anything else.
 """
 
 from __future__ import annotations
@@ -32,12 +34,11 @@ ALLOWED_IMPORTS = {
     "torch.nn",
     "torch.nn.functional",
     "torch.nn.attention.flex_attention",
-    # optional, imported lazily inside the runtime's fused rotary kernel
+    # optional, imported lazily inside the runtime's Triton kernels
     "triton",
     "triton.language",
 }
-RUNTIME_FILE = "_attention.py"
-RUNTIME_SOURCE = "runtime.py"
+RUNTIME_SOURCE = "runtime"  # the runtime's folder among the templates
 _IMPORTS_SLOT = "# <posgen: imports>"
 
 
@@ -141,34 +142,73 @@ def _blank_lines_before(line: str, previous: str, pending: int) -> int:
 
 
 @cache
-def runtime_source() -> str:
-    """templates/runtime.py as written (a tested, importable Python file)."""
-    return (templates_dir() / RUNTIME_SOURCE).read_text(encoding="utf-8")
+def runtime_sources() -> dict[str, str]:
+    """templates/runtime/_*.py as written (tested, importable Python files), by file name."""
+    folder = templates_dir() / RUNTIME_SOURCE
+    return {path.name: path.read_text(encoding="utf-8") for path in sorted(folder.glob("_*.py"))}
 
 
-def _runtime_parts() -> tuple[str, str]:
-    """The runtime split into its docstring and its body after the imports."""
-    source = runtime_source()
+@cache
+def runtime_names() -> dict[str, str]:
+    """Each public name the runtime defines → the module defining it (``_attention``)."""
+    return {
+        name: file_name.removesuffix(".py")
+        for file_name, source in runtime_sources().items()
+        for name in defined_names(source)
+    }
+
+
+def _runtime_imports(tree: ast.Module) -> list[str]:
+    """The sibling runtime modules a runtime module imports (``from ._masks import``)."""
+    return [
+        node.module or ""
+        for node in tree.body
+        if isinstance(node, ast.ImportFrom) and node.level == 1
+    ]
+
+
+def _runtime_order() -> list[str]:
+    """The runtime's file names, each after the modules it imports (then by name)."""
+    imports = {
+        name: [f"{module}.py" for module in _runtime_imports(ast.parse(source))]
+        for name, source in runtime_sources().items()
+    }
+    order: list[str] = []
+    while len(order) < len(imports):
+        ready = [
+            name
+            for name in sorted(imports)
+            if name not in order and all(needed in order for needed in imports[name])
+        ]
+        if not ready:
+            raise SourceGateError(f"the runtime's modules import each other in a cycle: {imports}")
+        order.append(ready[0])
+    return order
+
+
+def _runtime_body(source: str) -> str:
+    """One runtime module's code after its docstring and imports."""
     tree = ast.parse(source)
-    docstring = ast.get_docstring(tree) or ""
     last_import = max(
         node.end_lineno or node.lineno
         for node in tree.body
         if isinstance(node, (ast.Import, ast.ImportFrom))
     )
-    body = "".join(source.splitlines(keepends=True)[last_import:]).strip("\n")
-    return docstring, body
+    return "".join(source.splitlines(keepends=True)[last_import:]).strip("\n")
 
 
-def render_runtime() -> str:
-    """generated/_attention.py: the runtime behind posgen's header, gated."""
-    header = (
-        f"{GENERATED_MARKER} from templates/{RUNTIME_SOURCE}.\n"
-        "# Do not edit by hand: edit the template and run `posgen generate`.\n"
-    )
-    source = header + runtime_source()
-    check_source(source, RUNTIME_FILE)
-    return source
+def render_runtime() -> dict[str, str]:
+    """generated/_NAME.py for each runtime module: its template behind posgen's header,
+    gated."""
+    rendered: dict[str, str] = {}
+    for file_name, text in runtime_sources().items():
+        header = (
+            f"{GENERATED_MARKER} from templates/{RUNTIME_SOURCE}/{file_name}.\n"
+            "# Do not edit by hand: edit the template and run `posgen generate`.\n"
+        )
+        rendered[file_name] = header + text
+        check_source(rendered[file_name], file_name, relative_ok=True)
+    return rendered
 
 
 def _module_text(plan: ModulePlan) -> str:
@@ -179,8 +219,7 @@ def _module_text(plan: ModulePlan) -> str:
 def render_module(plan: ModulePlan) -> str:
     """The source of one generated module (importing the sibling runtime), gated."""
     text = _module_text(plan)
-    runtime_names = defined_names(runtime_source())
-    imports = import_block(loaded_names(text), runtime_names)
+    imports = import_block(loaded_names(text), runtime_names())
     source = text.replace(_IMPORTS_SLOT, imports, 1)
     check_source(source, f"{plan.module_name}.py", relative_ok=True)
     return source
@@ -193,21 +232,21 @@ def render_standalone(plan: ModulePlan) -> str:
     copy of PositionalAttention.
     """
     text = _module_text(plan)
-    _, runtime_body = _runtime_parts()
+    runtime_body = "\n\n\n".join(
+        f"# ---- runtime/{name} ----\n\n{_runtime_body(runtime_sources()[name])}"
+        for name in _runtime_order()
+    )
     marker = f"{GENERATED_MARKER} from {plan.spec_file}, spec sha256:"
     assert text.startswith(marker)
     text = text.replace(
         "# Do not edit by hand:",
-        f"# Standalone: the runtime (templates/{RUNTIME_SOURCE}) is inlined below.\n"
+        f"# Standalone: the runtime (templates/{RUNTIME_SOURCE}/) is inlined below.\n"
         "# Do not edit by hand:",
         1,
     )
     slot = text.index(_IMPORTS_SLOT) + len(_IMPORTS_SLOT)
-    inlined = (
-        f"{text[:slot]}\n\n# ---- runtime ----\n\n{runtime_body}\n\n\n"
-        f"# ---- encoding ----\n{text[slot:]}"
-    )
-    imports = import_block(loaded_names(inlined), [])
+    inlined = f"{text[:slot]}\n\n{runtime_body}\n\n\n# ---- encoding ----\n{text[slot:]}"
+    imports = import_block(loaded_names(inlined), {})
     source = _tidy(inlined.replace(_IMPORTS_SLOT, imports, 1))
     check_source(source, f"{plan.module_name}.py")
     return source

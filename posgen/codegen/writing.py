@@ -33,7 +33,6 @@ from pathlib import Path, PurePath
 from posgen.codegen.plan import ModulePlan, build_plan
 from posgen.codegen.render import (
     GENERATED_MARKER,
-    RUNTIME_FILE,
     render_module,
     render_registry,
     render_runtime,
@@ -50,10 +49,11 @@ def plan_for(loaded: LoadedSpec) -> ModulePlan:
 
 
 def render_tree(specs: list[LoadedSpec], with_registry: bool = True) -> dict[str, str]:
-    """File name → source for the runtime, every module and the registry, sorted by name."""
+    """File name → source for the runtime's modules, every encoding module and the
+    registry, sorted by name."""
     plans = [plan_for(loaded) for loaded in specs]
     tree = {f"{plan.module_name}.py": render_module(plan) for plan in plans}
-    tree[RUNTIME_FILE] = render_runtime()
+    tree.update(render_runtime())
     if with_registry:
         tree[REGISTRY_FILE] = render_registry(plans)
     return dict(sorted(tree.items()))

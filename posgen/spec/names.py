@@ -20,11 +20,9 @@ from pathlib import Path
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
-RUNTIME_MODULE = "_attention"
-"""The module name of the shared runtime beside the generated modules (``_attention.py``)."""
-
-RUNTIME_SOURCE = "runtime.py"
-"""The runtime's file in the templates folder (copied to ``generated/_attention.py``)."""
+RUNTIME_SOURCE = "runtime"
+"""The runtime's folder in the templates folder: each ``_NAME.py`` in it is copied to
+``generated/_NAME.py``, a module of the shared runtime beside the generated modules."""
 
 # Top-level definitions in a template: ``NAME = ...``, ``NAME: type = ...``, ``def``, ``class``
 # (a name made of Jinja expressions, such as the class of the spec, does not match).
@@ -77,25 +75,31 @@ def templates_dir() -> Path:
 def generated_names() -> dict[str, str]:
     """Every name that generated code defines or imports at module level, with its origin.
 
-    - the runtime's imports and top-level definitions (``templates/runtime.py``, parsed
-      with ``ast``): ``math``, ``torch``, ``F``, ``Tensor``, ``nn``, ``Any``,
+    - the runtime's imports and top-level definitions (``templates/runtime/*.py``,
+      parsed with ``ast``): ``math``, ``torch``, ``F``, ``Tensor``, ``nn``, ``Any``,
       ``annotations``, ``BACKENDS``, ``PositionalAttention``, ...;
     - the module-level names the module and registry templates write (``SPEC_FILE``,
       ``SPEC_SHA256``, ``__all__``, ``ENCODINGS``) and those the building blocks'
       ``helpers`` macros write (``ROTARY_BASE``, ``BUCKETS``, ...);
-    - the runtime's module name, ``_attention``.
+    - the runtime's module names, ``_attention``, ``_masks``, ...
     """
     folder = templates_dir()
     names: dict[str, str] = {}
-    runtime = folder / RUNTIME_SOURCE
-    for name, imported in _python_names(runtime.read_text(encoding="utf-8")):
+    runtime_files = sorted((folder / RUNTIME_SOURCE).glob("_*.py"))
+    found = [
+        (name, imported, f"templates/{RUNTIME_SOURCE}/{runtime.name}")
+        for runtime in runtime_files
+        for name, imported in _python_names(runtime.read_text(encoding="utf-8"))
+    ]
+    for name, imported, where in sorted(found, key=lambda entry: entry[1]):  # definitions first
         origin = "imported by generated code" if imported else "defined by the runtime"
-        names.setdefault(name, f"{origin}, templates/{RUNTIME_SOURCE}")
+        names.setdefault(name, f"{origin}, {where}")
     for template in sorted(folder.rglob("*.jinja")):
         where = template.relative_to(folder).as_posix()
         for name in _template_names(template.read_text(encoding="utf-8"), where):
             names.setdefault(name, f"written by templates/{where}")
-    names.setdefault(RUNTIME_MODULE, "the runtime module beside the generated modules")
+    for runtime in runtime_files:
+        names.setdefault(runtime.stem, "a runtime module beside the generated modules")
     return names
 
 

@@ -1,0 +1,97 @@
+"""A bias of the key minus query position alone, kept per distance.
+
+At default positions (queries M - N .. M - 1, keys 0 .. M - 1) the N x M bias of
+j - i has only N + M - 1 distinct values, one per diagonal: a vector [H, N + M - 1].
+Reversing the query order turns each diagonal into an overlapping strided row, so the
+whole [H, N, M] bias is a view of that vector (``query_reversed_bias``), whose backward
+sums each diagonal (``anti_diagonal_sums``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def default_distances(n: int, m: int, device: torch.device) -> Tensor:
+    """Key minus query position, one per diagonal, for default positions: int64 [n + m - 1].
+
+    Queries M - N .. M - 1 against keys 0 .. M - 1 give r = j - i - (M - N) from
+    -(M - 1) to N - 1; entry t holds r = t - (M - 1).
+    """
+    return torch.arange(-(m - 1), n, device=device)
+
+
+class _QueryReversedDiagonals(torch.autograd.Function):
+    """A per-distance vector [H, N + M - 1] as an [H, N, M] view with queries reversed.
+
+    out[h, i', j] = vec[h, i' + j], where row i' = N - 1 - i is query i: for default
+    positions the bias of query i and key j depends only on j - i, so reversing the
+    queries turns every diagonal into an anti-diagonal, which one overlapping strided
+    view expresses with no copy. The backward sums each anti-diagonal of the gradient
+    with a skew (pad each row by N, reshape to rows of N + M - 1, sum the rows): no
+    scatter and no atomics, so its cost is one pass over the gradient.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, vec: Tensor, n: int, m: int) -> Tensor:
+        ctx.n, ctx.m = n, m
+        if vec.stride(-1) != 1:
+            vec = vec.contiguous()
+        # rows of a wider vector's slice keep that vector's row stride
+        return vec.as_strided((vec.shape[0], n, m), (vec.stride(0), 1, 1))
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        return anti_diagonal_sums(grad), None, None  # [H, N + M - 1]
+
+
+def anti_diagonal_sums(grad: Tensor) -> Tensor:
+    """[..., n, m] -> [..., n + m - 1]: entry t sums grad[..., a, b] over a + b = t.
+
+    A skew, no scatter: pad each row by n, reshape to rows of n + m - 1 (row a then
+    starts a columns later), sum the rows; one pass over ``grad``.
+    """
+    n, m = grad.shape[-2], grad.shape[-1]
+    padded = F.pad(grad, (0, n))  # [..., n, m + n]
+    skewed = padded.flatten(-2)[..., : n * (n + m - 1)].unflatten(-1, (n, n + m - 1))
+    return skewed.sum(-2)
+
+
+def query_reversed_bias(vec: Tensor, n: int, m: int) -> Tensor:
+    """[H, N + M - 1] per-distance values -> [H, N, M] view, queries in reverse order."""
+    return _QueryReversedDiagonals.apply(vec, n, m)  # type: ignore[no-any-return]
+
+
+def distance_chunk_view(vec: Tensor, n: int, i0: int, i1: int, lo: int, hi: int) -> Tensor:
+    """The bias of queries i0 .. i1 - 1 (of n, in reverse order) against keys lo .. hi - 1,
+    as a view of a slice of the per-distance vector ``vec`` [H, n + m - 1] (entry t at
+    key minus query position t - (m - 1), ``default_distances``): [1, H, rows, keys]."""
+    # the chunk's first reversed row (query i1 - 1) starts at key lo: entry lo - i1 + n
+    start = lo - i1 + n
+    part = vec[:, start : start + (i1 - i0) + (hi - lo) - 1]
+    return query_reversed_bias(part, i1 - i0, hi - lo).unsqueeze(0)
+
+
+def expand_distance_bias(vec: Tensor, n: int, m: int) -> Tensor:
+    """[H, N + M - 1] per-distance values -> [H, N, M] bias for default positions (a copy)."""
+    return query_reversed_bias(vec, n, m).flip(-2)
+
+
+def half_precision_bias(bias: Tensor, dtype: torch.dtype) -> Tensor:
+    """An additive bias cast to SDPA's ``dtype``; in float16 or bfloat16 its largest
+    finite value along the last axis is subtracted first (detached).
+
+    Softmax ignores a constant per query row (and per head, for a per-distance vector),
+    so the result is the same function; the shift puts the entries that dominate the
+    weights near 0, where half precision is finest. Sandwich's bias reaches 64, where
+    bf16's spacing is 0.5: unshifted, outputs moved by 7e-2.
+    """
+    if dtype not in (torch.float16, torch.bfloat16):
+        return bias.to(dtype)
+    shift = bias.detach().amax(dim=-1, keepdim=True)
+    shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
+    return (bias - shift).to(dtype)

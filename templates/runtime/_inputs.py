@@ -1,0 +1,260 @@
+"""Argument checks and plumbing shared by every backend.
+
+Inputs are q [B, H, N, D] and k, v [B, KVH, M, D] (or [batch, seq, heads, dim] with
+``layout="bnhd"``); KVH divides H (grouped-query attention: query head h reads key head
+h // (H / KVH)). Positions are int64 [seq] or [batch, seq] on the device of q, in
+[0, 2^53); keys default to 0 .. M - 1 and queries to the last N key positions, as with
+a KV cache. Each check raises ValueError naming the argument. The shape-keyed caches
+here are bounded and safe across inference mode.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+BACKENDS = ("auto", "eager", "sdpa", "flex")
+LAYOUTS = ("bhnd", "bnhd")  # [batch, heads, seq, dim] (default) or [batch, seq, heads, dim]
+CACHE_SIZE = 8  # shape-keyed caches keep this many most recent entries
+# Positions are exact in float64 (angles, distances) below 2^53; larger ones are refused.
+MAX_POSITION = 2**53 - 1
+# What a backend receives already rotated: nothing, the keys (a cache of rotated keys), or
+# both q and k (rotated at M-RoPE axis positions before the backend).
+Rotated = Literal["none", "keys", "both"]
+
+
+def positive_int(value: int, name: str) -> int:
+    """``value`` if it is a positive int (not a bool), else ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def check_attention_inputs(
+    q: Tensor, k: Tensor, v: Tensor | None, heads: int | None, head_dim: int
+) -> None:
+    """Raise ValueError unless q, k (and v) are [batch, heads, seq, dim] float tensors.
+
+    k and v share a head count that divides q's (grouped-query attention). ``heads``,
+    when given, is the head count q must have.
+    """
+    named = (("q", q), ("k", k)) if v is None else (("q", q), ("k", k), ("v", v))
+    for name, tensor in named:
+        if not isinstance(tensor, Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dim() != 4:
+            raise ValueError(
+                f"{name} must have shape [batch, heads, seq, head_dim], got {list(tensor.shape)}"
+            )
+        if not tensor.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {tensor.dtype}")
+        if tensor.dtype != q.dtype or tensor.device != q.device:
+            raise ValueError(
+                f"q, k and v must share dtype and device: q is {q.dtype} on {q.device}, "
+                f"{name} is {tensor.dtype} on {tensor.device}"
+            )
+        if tensor.shape[0] != q.shape[0]:
+            raise ValueError(
+                f"batch sizes differ: q has {q.shape[0]}, {name} has {tensor.shape[0]}"
+            )
+    if v is not None and v.shape[1] != k.shape[1]:
+        raise ValueError(f"k and v must have the same heads, got {k.shape[1]} and {v.shape[1]}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(
+            f"q's {q.shape[1]} heads must be a multiple of k's {k.shape[1]} "
+            "(grouped-query attention: each key/value head serves heads / kv_heads queries)"
+        )
+    if heads is not None and q.shape[1] != heads:
+        hint = ""
+        if q.shape[2] == heads:
+            hint = (
+                "; q looks like [batch, seq, heads, head_dim]: pass layout='bnhd' or "
+                "transpose(1, 2)"
+            )
+        raise ValueError(f"expected {heads} heads (dim 1), got {q.shape[1]}{hint}")
+    for name, tensor in (("q", q), ("k", k)):
+        if tensor.shape[-1] != head_dim:
+            raise ValueError(
+                f"{name} must have head_dim {head_dim} (last dim), got {tensor.shape[-1]}"
+            )
+    if v is not None and v.shape[2] != k.shape[2]:
+        raise ValueError(f"k and v must have the same length, got {k.shape[2]} and {v.shape[2]}")
+
+
+def check_positions(
+    positions: Tensor | None, length: int, batch: int | None, name: str, device: torch.device
+) -> Tensor | None:
+    """Validate explicit positions: integers >= 0, shape [length] or [batch, length]."""
+    if positions is None:
+        return None
+    if not isinstance(positions, Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(positions).__name__}")
+    if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
+        raise ValueError(f"{name} must hold integer positions (int64), got {positions.dtype}")
+    if positions.dim() not in (1, 2) or positions.shape[-1] != length:
+        raise ValueError(
+            f"{name} must have shape [{length}] or [batch, {length}], got {list(positions.shape)}"
+        )
+    if positions.dim() == 2 and batch is not None and positions.shape[0] not in (1, batch):
+        raise ValueError(f"{name} has batch {positions.shape[0]}, inputs have batch {batch}")
+    if positions.device != torch.device(device):
+        raise ValueError(
+            f"{name} is on {positions.device}, the inputs on {device}: create positions on "
+            "the inputs' device"
+        )
+    positions = positions.to(dtype=torch.int64)
+    # a value check reads the tensor (a host sync): eager mode only, never while compiling.
+    # One op: an int64 lies in [0, 2^53 - 1] exactly when no bit above bit 52 is set
+    # (a negative one has its sign bit set).
+    if (
+        positions.numel()
+        and not torch.compiler.is_compiling()
+        and bool((positions & ~MAX_POSITION).any())
+    ):
+        low, high = int(positions.min()), int(positions.max())
+        raise ValueError(
+            f"{name} must lie in [0, 2^53 - 1] (exact in float64), got {low} .. {high}"
+        )
+    return positions
+
+
+def check_axis_positions(
+    positions: Tensor | None,
+    axes: int,
+    length: int,
+    batch: int | None,
+    name: str,
+    device: torch.device,
+) -> Tensor | None:
+    """Axis positions as [axes, batch, length], validated; None for token positions.
+
+    A rotation over several position axes (Qwen2-VL's temporal, height and width; an
+    image's column and row) reads one position per axis, given as [axes, batch, length]
+    (Hugging Face's layout) or as coordinates [batch, length, axes] (read as the first
+    when both fit); [length] and [batch, length] stay token positions, the same on every
+    axis.
+    """
+    if axes == 1 or not isinstance(positions, Tensor) or positions.dim() != 3:
+        return None
+    axes_first = positions.shape[0] == axes and positions.shape[-1] == length
+    if not axes_first and positions.shape[-1] == axes and positions.shape[1] == length:
+        positions = positions.movedim(-1, 0)  # coordinates [batch, length, axes]
+    elif not axes_first:
+        raise ValueError(
+            f"{name} must have shape [{axes}, batch, {length}] (one row per position axis) "
+            f"or [batch, {length}, {axes}] (coordinates), got {list(positions.shape)}"
+        )
+    flat = check_positions(positions.reshape(-1, length), length, None, name, device)
+    assert flat is not None
+    if batch is not None and positions.shape[1] not in (1, batch):
+        raise ValueError(f"{name} has batch {positions.shape[1]}, inputs have batch {batch}")
+    return flat.reshape(positions.shape)
+
+
+def check_position_pair(
+    q_positions: Tensor | None,
+    k_positions: Tensor | None,
+    n: int,
+    m: int,
+    batch: int | None,
+    device: torch.device,
+) -> tuple[Tensor | None, Tensor | None]:
+    """Validate both position tensors and resolve the queries' default.
+
+    Without q_positions the queries are the last N keys: k_positions[..., M - N:] when
+    key positions are given, M - N, ..., M - 1 otherwise (both None stays None, the
+    cacheable default). N > M then has no default and raises ValueError.
+    """
+    q_positions = check_positions(q_positions, n, batch, "q_positions", device)
+    k_positions = check_positions(k_positions, m, batch, "k_positions", device)
+    if q_positions is None and n > m:
+        raise ValueError(
+            f"{n} queries but {m} keys: the default query positions are the last N key "
+            "positions, so N > M needs explicit q_positions"
+        )
+    if q_positions is None and k_positions is not None:
+        q_positions = k_positions[..., m - n :]  # the queries are the newest keys
+    if (
+        q_positions is not None
+        and k_positions is not None
+        and q_positions.dim() == 2
+        and k_positions.dim() == 2
+        and q_positions.shape[0] != k_positions.shape[0]
+        and 1 not in (q_positions.shape[0], k_positions.shape[0])
+    ):
+        raise ValueError(
+            f"q_positions has batch {q_positions.shape[0]}, k_positions has batch "
+            f"{k_positions.shape[0]}"
+        )
+    return q_positions, k_positions
+
+
+def score_bias_positions(
+    q_positions: Tensor, k_positions: Tensor, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """The explicit positions score_bias needs, validated: int64 [N] / [batch, N], [M] / ..."""
+    for name, positions in (("q_positions", q_positions), ("k_positions", k_positions)):
+        if not isinstance(positions, Tensor) or positions.dim() not in (1, 2):
+            got = list(positions.shape) if isinstance(positions, Tensor) else positions
+            raise ValueError(f"score_bias needs {name} of shape [seq] or [batch, seq], got {got!r}")
+    n, m = q_positions.shape[-1], k_positions.shape[-1]
+    checked_q, checked_k = check_position_pair(q_positions, k_positions, n, m, None, device)
+    assert checked_q is not None and checked_k is not None  # both were given
+    return checked_q, checked_k
+
+
+def cache_get(cache: dict[tuple[Any, ...], Any], key: tuple[Any, ...]) -> Any:
+    """The cached value for key (a tensor or a tuple of them), or None.
+
+    An entry made under torch.inference_mode() is dropped when autograd is active now:
+    inference tensors cannot be saved for backward. A hit becomes the most recent entry.
+    While torch.compile traces, caches are bypassed (the values are computed in the graph).
+    """
+    if torch.compiler.is_compiling():
+        return None
+    value = cache.pop(key, None)
+    if value is None:
+        return None
+    tensors = value if isinstance(value, tuple) else (value,)
+    if not torch.is_inference_mode_enabled() and any(
+        isinstance(t, Tensor) and t.is_inference() for t in tensors
+    ):
+        return None
+    cache[key] = value  # dict order is recency order
+    return value
+
+
+def cache_put(cache: dict[tuple[Any, ...], Any], key: tuple[Any, ...], value: Any) -> Any:
+    """Store value as the most recent entry, keeping the CACHE_SIZE most recent ones."""
+    if torch.compiler.is_compiling():
+        return value
+    cache.pop(key, None)
+    cache[key] = value
+    while len(cache) > CACHE_SIZE:
+        del cache[next(iter(cache))]  # least recently used first
+    return value
+
+
+def repeat_kv(x: Tensor, groups: int) -> Tensor:
+    """[B, H_kv, L, D] -> [B, H_kv * groups, L, D]: head h reads kv head h // groups."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def to_bhnd(layout: str, *tensors: Tensor) -> tuple[Tensor, ...]:
+    """The tensors as [batch, heads, seq, dim] views, from ``layout``."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if layout == "bnhd":
+        return tuple(t.transpose(1, 2) if isinstance(t, Tensor) else t for t in tensors)
+    return tensors
+
+
+def positions_or_default(
+    positions: Tensor | None, start: int, length: int, device: torch.device
+) -> Tensor:
+    """Explicit positions, or start, start + 1, ..., start + length - 1."""
+    if positions is not None:
+        return positions
+    return torch.arange(start, start + length, device=device)

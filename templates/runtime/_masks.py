@@ -1,0 +1,249 @@
+"""Masks by position and document, the same on every backend.
+
+With d = query position - key position: ``causal`` keeps d >= 0, ``window=W`` keeps
+|d| < W (with causal, 0 <= d < W, Mistral's window), and ``document_ids`` keeps keys of
+the query's own document. They combine with each other and with ``attn_mask``. Also
+here: the masked softmax (a fully masked row gives zeros, as SDPA does) and the query
+chunks in which masked CPU attention visits only the keys a chunk may see.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._distances import default_distances
+from ._inputs import MAX_POSITION, positions_or_default, positive_int
+
+
+def masked_softmax(logits: Tensor) -> Tensor:
+    """softmax over the last dim; a row whose every key is masked gives zeros (as SDPA).
+
+    A fully masked row has max logit -inf; it is zeroed before and after the softmax so
+    neither the output nor the gradient carries NaN.
+    """
+    if logits.shape[-1] == 0:
+        return torch.softmax(logits, dim=-1)
+    dead = logits.amax(dim=-1, keepdim=True) == float("-inf")  # [..., N, 1]
+    weights = torch.softmax(logits.masked_fill(dead, 0.0), dim=-1)
+    return weights.masked_fill(dead, 0.0)
+
+
+def causal_allowed(
+    q_positions: Tensor | None, k_positions: Tensor | None, n: int, m: int, device: torch.device
+) -> Tensor:
+    """True where key position <= query position: [n, m], or [batch, 1, n, m]."""
+    q_pos = positions_or_default(q_positions, m - n, n, device)
+    k_pos = positions_or_default(k_positions, 0, m, device)
+    allowed = k_pos.unsqueeze(-2) <= q_pos.unsqueeze(-1)  # [..., n, m]
+    return allowed.unsqueeze(1) if allowed.dim() == 3 else allowed
+
+
+def check_window(window: int | None) -> int | None:
+    """A sliding window: None, or a positive int (ValueError naming ``window``).
+
+    Windows past every distance positions can have (2^53) are clipped to 2^53, which
+    keeps them comparable with int64 distances and changes nothing.
+    """
+    if window is None:
+        return None
+    return min(positive_int(window, "window"), MAX_POSITION + 1)
+
+
+def check_document_ids(
+    document_ids: Tensor | None, n: int, m: int, batch: int, device: torch.device
+) -> Tensor | None:
+    """Validate the keys' document ids: integers [M] or [batch or 1, M] on ``device``.
+
+    Packed sequences: key j belongs to document document_ids[..., j], and query i to
+    document_ids[..., M - N + i] (the queries are the last N keys, as with a KV cache),
+    so N > M raises ValueError. Returns int64 [M] or [batch or 1, M].
+    """
+    if document_ids is None:
+        return None
+    name = "document_ids"
+    if not isinstance(document_ids, Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(document_ids).__name__}")
+    if (
+        document_ids.is_floating_point()
+        or document_ids.is_complex()
+        or document_ids.dtype == torch.bool
+    ):
+        raise ValueError(f"{name} must hold integer document ids (int64), got {document_ids.dtype}")
+    if document_ids.dim() not in (1, 2) or document_ids.shape[-1] != m:
+        raise ValueError(
+            f"{name} must have shape [{m}] or [batch, {m}] (one id per key), got "
+            f"{list(document_ids.shape)}"
+        )
+    if document_ids.dim() == 2 and document_ids.shape[0] not in (1, batch):
+        raise ValueError(f"{name} has batch {document_ids.shape[0]}, inputs have batch {batch}")
+    if document_ids.device != torch.device(device):
+        raise ValueError(
+            f"{name} is on {document_ids.device}, the inputs on {device}: create it on the "
+            "inputs' device"
+        )
+    if n > m:
+        raise ValueError(
+            f"{name} gives the keys' documents and the queries are the last N keys, so "
+            f"{n} queries need at least as many keys, got {m}"
+        )
+    return document_ids.to(dtype=torch.int64)
+
+
+def attention_allowed(
+    q_positions: Tensor | None,
+    k_positions: Tensor | None,
+    n: int,
+    m: int,
+    device: torch.device,
+    causal: bool,
+    window: int | None = None,
+    document_ids: Tensor | None = None,
+) -> Tensor | None:
+    """True where query i may attend key j: [n, m] or [batch, 1, n, m]; None when nothing
+    masks.
+
+    With d = query position - key position (positions as ``causal_allowed`` reads them):
+    ``causal`` needs d >= 0, ``window`` needs |d| < window (with causal:
+    0 <= d < window), and ``document_ids`` (keys' documents, [M] or [batch, M]) needs
+    document_ids[..., M - N + i] == document_ids[..., j].
+    """
+    if not causal and window is None and document_ids is None:
+        return None
+    allowed: Tensor | None = None
+    if causal or window is not None:
+        q_pos = positions_or_default(q_positions, m - n, n, device)
+        k_pos = positions_or_default(k_positions, 0, m, device)
+        distance = q_pos.unsqueeze(-1) - k_pos.unsqueeze(-2)  # [..., n, m] query - key
+        if causal:
+            allowed = distance >= 0  # the key at or before the query
+        if window is not None:
+            near = distance < window if causal else distance.abs() < window
+            allowed = near if allowed is None else allowed & near
+    if document_ids is not None:
+        same = document_ids[..., m - n :].unsqueeze(-1) == document_ids.unsqueeze(-2)
+        allowed = same if allowed is None else allowed & same  # [..., n, m]
+    assert allowed is not None
+    return allowed.unsqueeze(1) if allowed.dim() == 3 else allowed
+
+
+def distance_allowed(
+    n: int, m: int, device: torch.device, causal: bool, window: int | None
+) -> Tensor | None:
+    """``attention_allowed`` per diagonal for default positions: bool [n + m - 1] (entry t
+    at key minus query position r = t - (M - 1), see ``default_distances``), or None."""
+    if not causal and window is None:
+        return None
+    r = default_distances(n, m, device)  # key - query
+    allowed = r <= 0 if causal else None
+    if window is not None:
+        near = r > -window if causal else r.abs() < window
+        allowed = near if allowed is None else allowed & near
+    return allowed
+
+
+def key_span(i0: int, i1: int, n: int, m: int, causal: bool, window: int | None) -> tuple[int, int]:
+    """Keys [lo, hi) that queries i0 .. i1 - 1 of n may read at default positions (the
+    queries are the last n of m keys), under ``causal`` and ``window``."""
+    first, last = m - n + i0, m - n + i1 - 1  # the positions of the first and last query
+    hi = last + 1 if causal else m
+    lo = 0
+    if window is not None:
+        lo = max(0, first - window + 1)
+        hi = min(hi, last + window)
+    return lo, hi
+
+
+def query_chunks(
+    n: int, m: int, device_type: str, causal: bool, window: int | None
+) -> list[tuple[int, int, int, int]]:
+    """(i0, i1, lo, hi) per SDPA call: queries i0 .. i1 - 1 and the keys [lo, hi) they may
+    read (``key_span``), ``SDPA_QUERY_CHUNK`` queries at a time on ``device_type``; one
+    call over every key where it sets no chunk or n fits in one."""
+    chunk = SDPA_QUERY_CHUNK.get(device_type)
+    if chunk is None or n <= chunk:
+        return [(0, n, 0, m)]
+    return [
+        (i0, min(i0 + chunk, n), *key_span(i0, min(i0 + chunk, n), n, m, causal, window))
+        for i0 in range(0, n, chunk)
+    ]
+
+
+def relative_positions(
+    q_positions: Tensor | None, k_positions: Tensor | None, n: int, m: int, device: torch.device
+) -> Tensor:
+    """Key position minus query position: [n, m], or [batch, n, m] for batched positions."""
+    q_pos = positions_or_default(q_positions, m - n, n, device)
+    k_pos = positions_or_default(k_positions, 0, m, device)
+    return k_pos.unsqueeze(-2) - q_pos.unsqueeze(-1)
+
+
+def check_attn_mask(attn_mask: Tensor | None, q: Tensor, m: int) -> Tensor | None:
+    """attn_mask: bool (True = attend) or additive float, broadcastable to [B, H, N, M]."""
+    if attn_mask is None:
+        return None
+    if not isinstance(attn_mask, Tensor):
+        raise ValueError(f"attn_mask must be a torch.Tensor, got {type(attn_mask).__name__}")
+    if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+        raise ValueError(f"attn_mask must be bool or floating point, got {attn_mask.dtype}")
+    target = (q.shape[0], q.shape[1], q.shape[2], m)
+    try:
+        torch.broadcast_shapes(attn_mask.shape, target)
+    except RuntimeError:
+        raise ValueError(
+            f"attn_mask of shape {list(attn_mask.shape)} does not broadcast to {list(target)}"
+        ) from None
+    if attn_mask.dim() > 4:
+        raise ValueError(f"attn_mask must have at most 4 dims, got {attn_mask.dim()}")
+    return attn_mask.to(q.device)
+
+
+def apply_masks(logits: Tensor, allowed: Tensor | None, attn_mask: Tensor | None) -> Tensor:
+    """Add masks to float logits: -inf where not allowed, plus an additive attn_mask."""
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            logits = logits.masked_fill(~attn_mask, float("-inf"))
+        else:
+            logits = logits + attn_mask.to(logits.dtype)
+    return logits
+
+
+def sum_into_new(parts: list[Tensor]) -> Tensor:
+    """The sum of broadcastable tensors as one freshly allocated tensor (summed in place).
+
+    The largest part comes first so that every later one broadcasts into it.
+    """
+    largest = 0
+    for index, part in enumerate(parts):  # a loop, not sorted(key=...): torch.compile traces it
+        if part.dim() > parts[largest].dim():
+            largest = index
+    rest = parts[:largest] + parts[largest + 1 :]
+    total = parts[largest] + rest[0] if rest else parts[largest].clone()
+    for part in rest[1:]:
+        total.add_(part)
+    return total
+
+
+def block_fresh(scores: Tensor, allowed: Tensor) -> Tensor:
+    """-inf where not allowed, in place when the freshly made ``scores`` has the full shape."""
+    if torch.broadcast_shapes(scores.shape, allowed.shape) == scores.shape:
+        return scores.masked_fill_(~allowed, float("-inf"))
+    return scores.masked_fill(~allowed, float("-inf"))
+
+
+#: queries per SDPA call (``query_chunks``), per device type, None: one call; used at
+#: default positions for a bias of j - i alone that is masked (causal, window) or
+#: trained, for other biases and relative terms under causal or window masking (built
+#: per chunk at its positions), and for a window or causal last-N-of-M queries without
+#: a bias. Each call
+#: reads only the keys its queries may see (``key_span``): SDPA's kernels skip no
+#: masked block once a mask is given, and a mask that requires grad takes the CPU's
+#: unfused math kernel, whose [B, H, rows, M] scores then stay in cache. CPU, float32,
+#: N = 2048, B=2, H=16, D=64, 2 threads, against plain SDPA: causal ALiBi forward
+#: 1.72x -> 1.20x, T5 training 6.65x -> 2.63x causal and 3.87x -> 3.56x not
+#: (benchmarks/results/attention_backends_cpu_float32_bias_flushed.md, chunk none
+#: against chunk 256); a causal window of 256 (..._window256.md): rope forward
+#: 1.26x -> 0.49x SDPA with the window's mask
+SDPA_QUERY_CHUNK: dict[str, int | None] = {"cpu": 256}
