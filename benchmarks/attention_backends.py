@@ -48,8 +48,8 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import generated._attention as attention  # noqa: E402
 import generated._flex as flex_runtime  # noqa: E402
+import generated._flex_backend as flex_backend  # noqa: E402
 import generated._masks as masks  # noqa: E402
 import generated._numerics as numerics  # noqa: E402
 import generated._trained_bias as trained_bias  # noqa: E402
@@ -251,27 +251,27 @@ def clipped_flex_route_on(device: torch.device) -> Iterator[None]:
     """The runtime with flex training a clipped bias through a constant per-score read
     and the attached band-and-triangle gradient on ``device``
     (``CLIPPED_BIAS_FLEX_DEVICES``)."""
-    devices = attention.CLIPPED_BIAS_FLEX_DEVICES
-    attention.CLIPPED_BIAS_FLEX_DEVICES = devices | {device.type}
+    devices = flex_backend.CLIPPED_BIAS_FLEX_DEVICES
+    flex_backend.CLIPPED_BIAS_FLEX_DEVICES = devices | {device.type}
     try:
         yield
     finally:
-        attention.CLIPPED_BIAS_FLEX_DEVICES = devices
+        flex_backend.CLIPPED_BIAS_FLEX_DEVICES = devices
 
 
 @contextlib.contextmanager
 def fused_route(device: torch.device, on: bool) -> Iterator[None]:
     """The runtime with flex's fused route (a bias of j - i through the Triton kernel,
     ``FUSED_DISTANCE_ROUTES``) taken on ``device`` for every bias form, or for none."""
-    routes = attention.FUSED_DISTANCE_ROUTES
-    attention.FUSED_DISTANCE_ROUTES = {
+    routes = flex_backend.FUSED_DISTANCE_ROUTES
+    flex_backend.FUSED_DISTANCE_ROUTES = {
         form: (devices | {device.type}) if on else devices - {device.type}
         for form, devices in routes.items()
     }
     try:
         yield
     finally:
-        attention.FUSED_DISTANCE_ROUTES = routes
+        flex_backend.FUSED_DISTANCE_ROUTES = routes
 
 
 def candidates(

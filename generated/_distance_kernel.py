@@ -837,7 +837,7 @@ class _FusedDistanceAttention(torch.autograd.Function):
     constant here). Like SDPA's flash kernels it has no double backward."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         q: Tensor,
         k: Tensor,
@@ -936,5 +936,5 @@ def fused_distance_attention(
         window = check_window(window)
     args = (q, k, v, bias, bias_kind, bias_base, scale, causal, window)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        return _FusedDistanceAttention.apply(*args)  # type: ignore[no-any-return]
+        return _FusedDistanceAttention.apply(*args)
     return distance_attention_forward(*args)

@@ -65,7 +65,7 @@ def anti_diagonal_sums(grad: Tensor) -> Tensor:
 
 def query_reversed_bias(vec: Tensor, n: int, m: int) -> Tensor:
     """[H, N + M - 1] per-distance values -> [H, N, M] view, queries in reverse order."""
-    return _QueryReversedDiagonals.apply(vec, n, m)  # type: ignore[no-any-return]
+    return _QueryReversedDiagonals.apply(vec, n, m)
 
 
 def distance_chunk_view(vec: Tensor, n: int, i0: int, i1: int, lo: int, hi: int) -> Tensor:

@@ -208,7 +208,7 @@ def run_flex(
 
     if q.device.type == "cpu" and (trains_terms or any(t.requires_grad for t in (q, k, v))):
         return flex_reference(q, k, v, score_mod, block_mask, scale, return_lse)
-    options = flex_kernel_options(q, score_mod is not None)
+    options: Any = flex_kernel_options(q, score_mod is not None)  # FlexKernelOptions
     keywords: dict[str, Any] = {"score_mod": score_mod, "block_mask": block_mask}
     keywords.update(scale=scale, enable_gqa=gqa, **(_lse_request() if return_lse else {}))
     if torch.compiler.is_compiling():  # inside the caller's torch.compile: inlined

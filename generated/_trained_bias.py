@@ -134,7 +134,7 @@ class _ClippedBiasAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, clipped: Tensor, scale: float, causal: bool
     ) -> Tensor:
         n, m = q.shape[2], k.shape[2]
@@ -278,7 +278,7 @@ class _ClippedBiasGradient(torch.autograd.Function):
     c. The gradient into out passes through to that attention's own backward."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         out: Tensor,
         clipped: Tensor,
@@ -322,7 +322,7 @@ def attach_clipped_bias_gradient(
     result is out, through which c [H, 2K + 1] also gets its gradient. q: [B, H, N, D];
     k, v: [B, H, M, D] (heads repeated for GQA), as the attention saw them."""
     args = (out, clipped, q.detach(), k.detach(), v.detach(), lse.detach())
-    return _ClippedBiasGradient.apply(*args, scale, causal, triangle)  # type: ignore[no-any-return]
+    return _ClippedBiasGradient.apply(*args, scale, causal, triangle)
 
 
 def clipped_bias_attention(
@@ -332,4 +332,4 @@ def clipped_bias_attention(
     are the last N of M keys), c = ``clipped`` [H, 2K + 1] (already scaled where the bias
     sits inside the scale), causal or not: [B, H, N, value_dim]. q: [B, H, N, D]; k, v:
     [B, H, M, D]. See ``_ClippedBiasAttention``."""
-    return _ClippedBiasAttention.apply(q, k, v, clipped, scale, causal)  # type: ignore[no-any-return]
+    return _ClippedBiasAttention.apply(q, k, v, clipped, scale, causal)

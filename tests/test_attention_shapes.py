@@ -130,7 +130,7 @@ def test_the_position_range_check_has_exact_bounds(
 ) -> None:
     """check_positions admits exactly [0, 2^53 - 1] (one bit test on int64) for any
     integer dtype, and returns int64."""
-    check = importlib.import_module("generated._attention").check_positions
+    check = importlib.import_module("generated._inputs").check_positions
     positions = torch.tensor(values, dtype=dtype)
     if allowed:
         got = check(positions, len(values), None, "q_positions", positions.device)

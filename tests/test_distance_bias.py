@@ -11,7 +11,7 @@ import torch
 
 from tests.conftest import assert_sdpa_matches_eager, generated_class
 
-runtime = importlib.import_module("generated._attention")
+runtime = importlib.import_module("generated._sdpa_backend")
 distances = importlib.import_module("generated._distances")
 NAMES = ["alibi", "t5", "t5_decoder"]
 

@@ -24,8 +24,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import generated._attention as attention
 import generated._distance_kernel as runtime
+import generated._flex_backend as flex_backend
 from tests.conftest import (
     bias_kind,
     generated_class,
@@ -284,7 +284,7 @@ def test_nothing_is_served_where_the_devices_are_not_listed() -> None:
     # the CPU runs the kernels only interpreted, in tests; the flex route takes ALiBi's
     # slope on CUDA, where it was timed faster than flex, and leaves vectors to flex
     assert runtime.FUSED_DISTANCE_DEVICES == {"cuda"}
-    assert attention.FUSED_DISTANCE_ROUTES == {"slope": {"cuda"}, "vector": set()}
+    assert flex_backend.FUSED_DISTANCE_ROUTES == {"slope": {"cuda"}, "vector": set()}
     assert not runtime.fused_distance_attention_serves(q, k, v)
     with pytest.raises(ValueError, match="FUSED_DISTANCE_DEVICES"):
         runtime.fused_distance_attention(q, k, v, 1.0)

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from tests.conftest import assert_sdpa_matches_eager, generated_class
 
-runtime = importlib.import_module("generated._attention")
+runtime = importlib.import_module("generated._sdpa_backend")
 masks = importlib.import_module("generated._masks")
 trained = importlib.import_module("generated._trained_bias")
 

@@ -71,7 +71,7 @@ def test_standalone_imports_only_torch_and_the_standard_library(tmp_path: Path) 
         elif isinstance(node, ast.Import):
             roots = {alias.name.split(".")[0] for alias in node.names}
             assert roots <= {"contextlib", "math", "torch", "warnings"} | optional
-    assert "class PositionalAttention(nn.Module):" in source
+    assert "class PositionalAttention(SdpaBackend, FlexBackend):" in source
 
 
 @pytest.mark.skipif(RUFF is None, reason="ruff (the pinned dev dependency) is not installed")

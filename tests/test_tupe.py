@@ -413,7 +413,7 @@ def test_tupe_a_folds_its_untied_term_into_q_and_k_for_sdpa(monkeypatch) -> None
     """sdpa gets no bias tensor: (p_i U_q).(p_j U_k), with the first-token reset, rides in
     extra features of q and k, and the output equals eager's (explicit and batched
     positions that include position 0, GQA, causal and not)."""
-    import generated._attention as runtime
+    import generated._sdpa_backend as runtime
 
     pe = generated_class("tupe_a")(heads=4, head_dim=8, model_dim=16).double()
     pe.fold_bias = True  # the default folds on CUDA only (measured slower on CPU)

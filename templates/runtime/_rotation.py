@@ -47,13 +47,13 @@ def apply_rotation(
     with autocast_off(x.device.type):
         if torch.compiler.is_compiling():
             if compiled_rotation_stays_eager(x, cos, sin, half_pairing):
-                return _ROTATE(x, cos, sin, rotary_dim, half_pairing)  # type: ignore[no-any-return]
+                return _ROTATE(x, cos, sin, rotary_dim, half_pairing)
             return rotate_by_halves(x, cos, sin, rotary_dim, half_pairing).to(x.dtype)
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad)
         if not needs_grad:
             return rotate_into(x, cos, sin, rotary_dim, half_pairing)
         if not (cos.requires_grad or sin.requires_grad):
-            return _Rotation.apply(x, cos, sin, rotary_dim, half_pairing, False)  # type: ignore[no-any-return]
+            return _Rotation.apply(x, cos, sin, rotary_dim, half_pairing, False)
         return rotate_by_formula(x, cos, sin, rotary_dim, half_pairing).to(x.dtype)
 
 
@@ -274,7 +274,7 @@ def cos_and_sin(angles: Tensor) -> tuple[Tensor, Tensor]:
     """cos and sin of ``angles``: through ``posgen::cos_sin`` while torch.compile
     traces, else plain ops."""
     if torch.compiler.is_compiling():
-        return _COS_SIN(angles)  # type: ignore[no-any-return]
+        return _COS_SIN(angles)
     return angles.cos(), angles.sin()
 
 
@@ -445,5 +445,5 @@ def fused_rotation(
             f"{list(cos.shape)} on {cos.device} and {list(sin.shape)} on {sin.device}"
         )
     if torch.is_grad_enabled() and x.requires_grad:
-        return _Rotation.apply(x, cos, sin, rotary_dim, half_pairing, True)  # type: ignore[no-any-return]
+        return _Rotation.apply(x, cos, sin, rotary_dim, half_pairing, True)
     return launch_rotation(x, cos, sin, rotary_dim, half_pairing, inverse=False)
