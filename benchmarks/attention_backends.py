@@ -18,7 +18,9 @@ score as a constant, its gradient from a band and two triangles), in the same lo
 flex backend with its fused Triton route taken for every bias form and for none
 (``FUSED_DISTANCE_ROUTES``: ALiBi's bias computed per score, other biases read from
 their per-distance vector, T5's table trained through the attached band-and-triangle
-gradient; FlexAttention's score_mod otherwise), in the same loop.
+gradient; FlexAttention's score_mod otherwise), in the same loop; with a training mode
+and a bias that trains, also the route with its gradient summed in the kernel
+(``FUSED_DISTANCE_TRAINED_DEVICES``).
 
 ``--window W`` adds a sliding window (query - W < key <= query when causal, |query - key|
 < W otherwise) to every candidate (``forward(..., window=W)``; plain flex with the same
@@ -260,18 +262,24 @@ def clipped_flex_route_on(device: torch.device) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def fused_route(device: torch.device, on: bool) -> Iterator[None]:
+def fused_route(device: torch.device, on: bool, trained: bool = False) -> Iterator[None]:
     """The runtime with flex's fused route (a bias of j - i through the Triton kernel,
-    ``FUSED_DISTANCE_ROUTES``) taken on ``device`` for every bias form, or for none."""
+    ``FUSED_DISTANCE_ROUTES``) taken on ``device`` for every bias form, or for none;
+    ``trained``: a bias that trains too, its gradient summed in the kernel
+    (``FUSED_DISTANCE_TRAINED_DEVICES``)."""
     routes = flex_backend.FUSED_DISTANCE_ROUTES
+    trained_devices = flex_backend.FUSED_DISTANCE_TRAINED_DEVICES
     flex_backend.FUSED_DISTANCE_ROUTES = {
         form: (devices | {device.type}) if on else devices - {device.type}
         for form, devices in routes.items()
     }
+    if trained:
+        flex_backend.FUSED_DISTANCE_TRAINED_DEVICES = trained_devices | {device.type}
     try:
         yield
     finally:
         flex_backend.FUSED_DISTANCE_ROUTES = routes
+        flex_backend.FUSED_DISTANCE_TRAINED_DEVICES = trained_devices
 
 
 def candidates(
@@ -320,10 +328,13 @@ def candidates(
 
             found.append((name, "flex, clipped gradient", attend_clipped_flex, params))
         if "flex" in args.backends and args.compare_fused and pe.bias_by_distance:
-            for on, label in ((True, "flex, fused kernel"), (False, "flex, no fused kernel")):
+            routes = [(True, False, "flex, fused kernel"), (False, False, "flex, no fused kernel")]
+            if params and "train" in args.modes:
+                routes.append((True, True, "flex, fused kernel, gradient in kernel"))
+            for on, trained, label in routes:
 
-                def attend_fused(pe=pe, on=on) -> torch.Tensor:
-                    with fused_route(device, on):
+                def attend_fused(pe=pe, on=on, trained=trained) -> torch.Tensor:
+                    with fused_route(device, on, trained):
                         return pe(q, k, v, causal=causal, backend="flex", window=args.window)
 
                 found.append((name, label, attend_fused, params))

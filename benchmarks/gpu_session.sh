@@ -7,7 +7,8 @@
 #
 # The steps' limits add up to more than one device call may run (10 minutes) and than
 # a session's device time (30 minutes): name the steps each call should run, e.g.
-#   bash benchmarks/gpu_session.sh "$OUT" test_gpu_fused fused_kernel
+#   bash benchmarks/gpu_session.sh "$OUT" test_gpu_fused
+#   bash benchmarks/gpu_session.sh "$OUT" fused_kernel fused
 #   bash benchmarks/gpu_session.sh "$OUT" test_gpu
 # (no STEP: all of them, in order).
 #
@@ -35,7 +36,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 # the fused kernel's cases compile a kernel per tile, bias form, band and dtype (about a
 # minute a case on an H200), so they have their own step
-step 300 test_gpu_fused python3 -m pytest -v --no-header -p no:cacheprovider -W ignore \
+step 540 test_gpu_fused python3 -m pytest -v --no-header -p no:cacheprovider -W ignore \
     tests/test_gpu.py -k fused_distance_kernel
 step 480 test_gpu python3 -m pytest -v --no-header -p no:cacheprovider -W ignore \
     tests/test_gpu.py -k "not fused_distance_kernel"
@@ -48,8 +49,8 @@ step 120 rotary_float32 python3 benchmarks/rotary.py --device cuda --dtype float
 step 300 attention python3 benchmarks/attention_backends.py --device cuda --dtype bfloat16 \
     --encodings alibi t5 kerple_log --backends sdpa flex --lengths 2048 8192 \
     --modes forward train --causal both --hf --repeats 15 --tag _bias --out "$out"
-step 300 fused python3 benchmarks/attention_backends.py --device cuda --dtype bfloat16 \
-    --encodings alibi t5 --backends sdpa flex --lengths 2048 8192 --modes forward train \
+step 400 fused python3 benchmarks/attention_backends.py --device cuda --dtype bfloat16 \
+    --encodings alibi alibi_learned t5 --backends sdpa flex --lengths 2048 8192 --modes forward train \
     --causal both --compare-fused --repeats 10 --tag _fused --out "$out"
 step 180 fused_kernel python3 benchmarks/fused_distance.py --kinds none clipped gathered \
     vector --modes forward --repeats 10 --out "$out"

@@ -53,6 +53,12 @@ CLIPPED_BIAS_FLEX_DEVICES: set[str] = set()
 #: when causal (T5 forward 3.34-4.21x against 2.74-3.69x) and when T5's table trains at
 #: N = 2048, so it stays on flex.
 FUSED_DISTANCE_ROUTES: dict[str, set[str]] = {"slope": {"cuda"}, "vector": set()}
+#: device types where a bias that trains (ALiBi's learned slopes, T5's table, KERPLE's
+#: parameters) takes that route with its gradient added up inside the dQ kernel
+#: (``fused_distance_attention`` with a bias that needs a gradient); elsewhere a trained
+#: bias stays on FlexAttention, but for a clipped one where the band-and-triangle
+#: gradient pays. Empty until run and timed on a GPU; tests add the CPU, interpreted.
+FUSED_DISTANCE_TRAINED_DEVICES: set[str] = set()
 
 
 class FlexBackend(AttentionTerms):
@@ -194,20 +200,27 @@ class FlexBackend(AttentionTerms):
         documents) through ``fused_distance_attention`` where FUSED_DISTANCE_ROUTES
         lists the device for the bias's form: the kernel computes ALiBi's c_h |j - i|
         per score ("slope") and reads other biases from their per-distance vector
-        ("vector": T5's clipped [H, 2K + 1], one value per tile past the clip). None
-        where it does not serve: other devices, forms or widths, or a bias that
-        trains, except a clipped one (T5's table), whose gradient comes from
-        ``attach_clipped_bias_gradient`` as on flex's ``_flex_with_clipped_gradient``.
+        ("vector": T5's clipped [H, 2K + 1], one value per tile past the clip). A bias
+        that trains gets its gradient from the kernel where FUSED_DISTANCE_TRAINED_DEVICES
+        lists the device; elsewhere a clipped one (T5's table) gets it from
+        ``attach_clipped_bias_gradient``, as on flex's ``_flex_with_clipped_gradient``.
+        None where it does not serve: other devices, forms or widths, or another bias
+        that trains.
         """
         n, m = q.shape[2], k.shape[2]
         clip = self.clipped_distance
         trains = self._trains_terms()
+        in_kernel = trains and q.device.type in FUSED_DISTANCE_TRAINED_DEVICES
         trains_clipped = (
-            trains and clip is not None and window is None and band_gradient_pays(m, clip)
+            trains
+            and not in_kernel
+            and clip is not None
+            and window is None
+            and band_gradient_pays(m, clip)
         )
         kind = "slope" if self.bias_linear_in_distance else "vector"
         if (
-            (trains and not trains_clipped)
+            (trains and not (in_kernel or trains_clipped))
             or q.device.type not in FUSED_DISTANCE_ROUTES.get(kind, ())
             or not fused_distance_attention_serves(q, k, v)
         ):
@@ -219,7 +232,10 @@ class FlexBackend(AttentionTerms):
             bias, base = self._clipped_distance_bias(q.device), clip
         else:  # [H, N + M - 1] at r = -(M - 1) .. N - 1
             bias, base = self._distance_bias(n, m, q.device), m - 1
-        bias = bias * inside  # keeps its graph where the clipped table trains
+        bias = bias * inside  # keeps its graph where the bias trains
+        if in_kernel:  # the kernel's backward gives the bias its gradient
+            out, _ = fused_distance_attention(q, k, v, self.scale, bias, kind, base, causal, window)
+            return out
         constant = bias.detach().float()  # what the kernel reads
         out, lse = fused_distance_attention(
             q, k, v, self.scale, constant, kind, base, causal, window

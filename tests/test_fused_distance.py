@@ -131,20 +131,28 @@ def _assert_kernel_matches_formula(
     window: int | None,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    train_bias: bool = True,
 ) -> None:
+    """Outputs, lse and the gradients into q, k, v and (``train_bias``) the bias
+    against the float64 formula."""
     generator = torch.Generator().manual_seed(seed)
     q = torch.randn(2, heads, n, 16, generator=generator)
     k = torch.randn(2, kv_heads, m, 16, generator=generator)
     v = torch.randn(2, kv_heads, m, 32, generator=generator)  # value width != head width
     weight = torch.randn(2, heads, n, 32, generator=generator)  # d loss / d out
     bias = _bias(kind, heads, length, generator)
+    trained = bias is not None and train_bias
     leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    if trained:
+        assert bias is not None
+        leaves.append(bias.requires_grad_())
     out, lse = runtime.fused_distance_attention(
-        *leaves, 0.3, bias, kind, base, causal=causal, window=window
+        *leaves[:3], 0.3, bias, kind, base, causal=causal, window=window
     )
     grads = torch.autograd.grad((out * weight.to(dtype)).sum(), leaves)
     wide = [t.detach().double().requires_grad_() for t in leaves]
-    want, want_lse = formula(*wide, 0.3, bias, kind, base, causal, window)
+    wide_bias = wide[3] if trained else bias
+    want, want_lse = formula(*wide[:3], 0.3, wide_bias, kind, base, causal, window)
     want_grads = torch.autograd.grad((want * weight.double()).sum(), wide)
     if dtype == torch.float32:
         tolerance = {"rtol": 1e-5, "atol": 1e-5}
@@ -153,8 +161,8 @@ def _assert_kernel_matches_formula(
     assert out.dtype == dtype and lse.dtype == torch.float32
     torch.testing.assert_close(out.double(), want, **tolerance)
     torch.testing.assert_close(lse.double(), want_lse, **tolerance)
-    for name, got, expected in zip("qkv", grads, want_grads, strict=True):
-        assert got.dtype == dtype
+    for name, got, expected in zip("qkvb", grads, want_grads, strict=False):
+        assert got.dtype == (torch.float32 if name == "b" else dtype)
         scale = expected.abs().max().item()
         torch.testing.assert_close(
             got.double(),
@@ -206,6 +214,24 @@ def test_only_clipped_vectors_test_their_tiles_for_one_value() -> None:
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setattr(runtime, "FUSED_DISTANCE_CONSTANT_TILES", False)
         assert code(5) == 3
+
+
+def test_a_constant_bias_gets_no_gradient_work(interpreted) -> None:
+    # the bias as a constant (BIAS_GRAD off): outputs and gradients into q, k and v
+    for kind, base, length in (("slope", 0, 1), ("vector", 2, 5)):
+        _assert_kernel_matches_formula(
+            48, 48, 4, 2, kind, base, length, True, None, train_bias=False
+        )
+
+
+@pytest.mark.parametrize("blocks", [(32, 16), (16, 32)])
+def test_the_bias_gradient_holds_for_tiles_of_unequal_sides(interpreted, blocks, monkeypatch):
+    # the autotuner's dQ tiles are up to 128 queries by 32 keys, so a tile's rows wrap
+    # past several key-tile widths when its diagonals are summed
+    monkeypatch.setattr(runtime, "FUSED_DISTANCE_BLOCKS", blocks)
+    for causal in (False, True):
+        _assert_kernel_matches_formula(40, 56, 4, 2, "vector", 3, 7, causal, None)
+    _assert_kernel_matches_formula(40, 56, 4, 2, "vector", 55, 95, False, 20)  # full vector
 
 
 @pytest.mark.parametrize(("n", "m"), [(20, 37), (1, 33), (16, 16), (5, 5)])
@@ -265,8 +291,6 @@ def test_bad_arguments_raise_value_errors_naming_them(interpreted) -> None:
         attend(q, k, v, 1.0, torch.zeros(3), "slope")
     with pytest.raises(ValueError, match="bias must be given"):
         attend(q, k, v, 1.0, None, "vector")
-    with pytest.raises(ValueError, match="detached"):
-        attend(q, k, v, 1.0, torch.zeros(2, 3, requires_grad=True), "vector", 1)
     with pytest.raises(ValueError, match="must not exceed"):
         attend(torch.randn(1, 2, 9, 16), k, v, 1.0)
     with pytest.raises(ValueError, match="must divide"):
@@ -285,6 +309,8 @@ def test_nothing_is_served_where_the_devices_are_not_listed() -> None:
     # slope on CUDA, where it was timed faster than flex, and leaves vectors to flex
     assert runtime.FUSED_DISTANCE_DEVICES == {"cuda"}
     assert flex_backend.FUSED_DISTANCE_ROUTES == {"slope": {"cuda"}, "vector": set()}
+    # trained biases stay off the kernel until its gradient is timed on a GPU
+    assert flex_backend.FUSED_DISTANCE_TRAINED_DEVICES == set()
     assert not runtime.fused_distance_attention_serves(q, k, v)
     with pytest.raises(ValueError, match="FUSED_DISTANCE_DEVICES"):
         runtime.fused_distance_attention(q, k, v, 1.0)
@@ -395,6 +421,26 @@ def test_the_route_takes_only_the_forms_listed_for_the_device(monkeypatch) -> No
         found[name] = (kinds, len(flex_calls))
     # ALiBi's slope took the kernel; T5's vector went to FlexAttention
     assert found == {"alibi": (["slope"], 0), "t5": ([], 1)}
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"), [("alibi_learned", "slope"), ("t5", "vector"), ("kerple_log", "vector")]
+)
+@pytest.mark.parametrize("causal", [False, True])
+def test_trained_biases_take_the_kernel_and_its_gradient_where_listed(
+    name, kind, causal, monkeypatch
+) -> None:
+    # learned slopes, T5's clipped table (8 buckets: tiles past the clip and across it)
+    # and KERPLE's full per-distance vector, all trained through the dQ kernel's sums
+    pe = (_clipped_t5() if name == "t5" else generated_class(name))(heads=4, head_dim=16)
+    assert any(parameter.requires_grad for parameter in pe.parameters())
+    set_runtime(monkeypatch, "FUSED_DISTANCE_TRAINED_DEVICES", {"cpu"}, pe)
+    kinds = spy_kinds(pe, monkeypatch)
+    attached = spy_calls(
+        monkeypatch, runtime_modules(pe), "attach_clipped_bias_gradient", lambda *_: 1
+    )
+    assert_flex_matches_eager(pe, 40, 56, 2, causal=causal)
+    assert kinds == [kind] and attached == []
 
 
 def test_a_frozen_t5_table_reads_its_clipped_vector(monkeypatch) -> None:

@@ -216,6 +216,41 @@ def test_fused_distance_kernel_matches_eager_on_cuda(
     assert kinds and "none" not in kinds[:1]
 
 
+@pytest.mark.parametrize(
+    ("name", "candidate"), [("alibi_learned", 0), ("t5", 1), ("kerple_log", 2)]
+)
+def test_trained_biases_through_the_fused_distance_kernel_on_cuda(
+    name: str, candidate: int, monkeypatch
+) -> None:
+    """``FUSED_DISTANCE_TRAINED_DEVICES`` on CUDA: learned slopes, T5's clipped table and
+    KERPLE's parameters train through the dQ kernel's tile and diagonal sums (atomics,
+    the autotuner's trials zeroed), against eager in float32 and bf16, causal and not,
+    GQA, N < M; one tile candidate per case (they differ in shape: 128 x 32, 128 x 64,
+    64 x 64)."""
+    configs = runtime_value("_distance_attention_configs")
+
+    def one_candidate(kernel: str) -> list[object]:
+        return configs(kernel)[candidate:][:1]
+
+    set_runtime(monkeypatch, "_distance_attention_configs", one_candidate)
+    cache = runtime_value("TRITON_CACHE")
+    set_runtime(monkeypatch, "TRITON_CACHE", {k: v for k, v in cache.items() if "tuned" not in k})
+    set_runtime(monkeypatch, "FUSED_DISTANCE_ROUTES", {"slope": {"cuda"}, "vector": {"cuda"}})
+    set_runtime(monkeypatch, "FUSED_DISTANCE_TRAINED_DEVICES", {"cuda"})
+    kinds = spy_calls(monkeypatch, runtime_modules(), "fused_distance_attention", bias_kind)
+    attached = spy_calls(
+        monkeypatch, runtime_modules(), "attach_clipped_bias_gradient", lambda *_: 1
+    )
+    torch.manual_seed(0)
+    pe = generated_class(name)(heads=4, head_dim=64).to(CUDA)
+    inputs = [torch.randn(2, h, length, 64, device=CUDA) for h, length in ((4, 1000), (2, 1100))]
+    inputs.append(torch.randn(2, 2, 1100, 64, device=CUDA))
+    for dtype in (torch.float32, torch.bfloat16):
+        for causal in (False, True):
+            assert_flex_matches_float32_eager(pe, inputs, dtype, causal=causal)
+    assert kinds and "none" not in kinds and attached == []
+
+
 def test_alibi_takes_the_fused_kernel_by_default_on_cuda(monkeypatch) -> None:
     """The shipped routes: ALiBi's flex backend runs the fused kernel on CUDA, T5's runs
     FlexAttention (``FUSED_DISTANCE_ROUTES``), both agreeing with eager in bf16."""

@@ -5,9 +5,10 @@ the bias is computed in registers per tile, either c_h * |j - i| from one slope 
 (ALiBi, Press et al. 2022) or read from a per-head vector indexed by the clamped
 distance (T5's clipped table, KERPLE), so no [B, H, N, M] tensor exists. Causal masks
 and windows are a band of tiles the loops skip. The backward recomputes the scores
-per tile; a trained vector gets its gradient from a band and two triangles (see
-``_trained_bias``). On CUDA each kernel is autotuned over a few tile shapes; the CPU
-suite runs them under TRITON_INTERPRET=1.
+per tile; a bias that trains gets its gradient summed in the dQ kernel (one entry per
+tile past the clip, per-diagonal sums elsewhere), or, on the flex backend's other
+route, from a band and two triangles (see ``_trained_bias``). On CUDA each kernel is
+autotuned over a few tile shapes; the CPU suite runs them under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ FUSED_DISTANCE_CONSTANT_TILES = True
 _distance_tile_logits: Any = None
 _distance_larger: Any = None
 _distance_plus: Any = None
+_distance_diagonal_sums_into: Any = None
 
 
 def fused_distance_attention_serves(q: Tensor, k: Tensor, v: Tensor) -> bool:
@@ -95,9 +97,10 @@ def _distance_attention_kernels() -> dict[str, Any]:
     of queries over the key tiles its band allows with an online softmax in base 2; the
     backward recomputes P = exp(S - lse) per tile, once per key tile for dK and dV
     (summing the query heads a key head serves, so no atomics) and once per query tile
-    for dQ. The bias of each tile comes from ``tile_logits``.
+    for dQ, which also sums the gradient of a bias that trains (``diagonal_sums_into``).
+    The bias of each tile comes from ``tile_logits``.
     """
-    global _distance_tile_logits, _distance_larger, _distance_plus
+    global _distance_tile_logits, _distance_larger, _distance_plus, _distance_diagonal_sums_into
     if "attention" in TRITON_CACHE:
         return dict(TRITON_CACHE["attention"])
     import triton
@@ -162,6 +165,32 @@ def _distance_attention_kernels() -> dict[str, Any]:
         return s
 
     @triton.jit
+    def diagonal_sums_into(
+        grad_s,  # [BLOCK_M, BLOCK_N] float32: dL/d(logit) of one tile
+        grad_row,  # this head's row of the vector's gradient (float32)
+        stride,
+        length,
+        first,  # the vector index of the tile's main diagonal (unclamped)
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        """Adds each diagonal's sum of grad_s into grad_row[clamp(first + j - i)].
+
+        Row i is rotated left by i (a gather), so column c holds the scores with
+        j - i = c - w * BLOCK_N, w = (c + i) // BLOCK_N: summing the columns of each w
+        gives BLOCK_N diagonals at once, added with one vector atomic per w (diagonals
+        past an end of the vector share its clamped entry)."""
+        rows = tl.arange(0, BLOCK_M)[:, None]
+        cols = tl.arange(0, BLOCK_N)
+        turned = cols[None, :] + rows  # [BLOCK_M, BLOCK_N]
+        skewed = tl.gather(grad_s, turned % BLOCK_N, 1)  # skewed[i, c] = grad_s[i, (c + i) % BN]
+        for w in tl.static_range((BLOCK_M + BLOCK_N - 2) // BLOCK_N + 1):
+            part = tl.where(turned // BLOCK_N == w, skewed, 0.0)
+            sums = tl.reduce(part, 0, _distance_plus)  # [BLOCK_N]: j - i = c - w BLOCK_N
+            index = tl.minimum(tl.maximum(first + cols - w * BLOCK_N, 0), length - 1)
+            tl.atomic_add(grad_row + index * stride, sums)
+
+    @triton.jit
     def larger(a, b):
         return tl.maximum(a, b)
 
@@ -170,6 +199,7 @@ def _distance_attention_kernels() -> dict[str, Any]:
         return a + b
 
     _distance_tile_logits, _distance_larger, _distance_plus = tile_logits, larger, plus
+    _distance_diagonal_sums_into = diagonal_sums_into
 
     @triton.jit
     def forward(
@@ -449,6 +479,7 @@ def _distance_attention_kernels() -> dict[str, Any]:
         delta_ptr,
         grad_q_ptr,
         bias_ptr,
+        grad_bias_ptr,
         n,
         m,
         heads,
@@ -485,6 +516,7 @@ def _distance_attention_kernels() -> dict[str, Any]:
         VALUE_DIM: tl.constexpr,
         BIAS: tl.constexpr,
         BAND: tl.constexpr,
+        BIAS_GRAD: tl.constexpr,  # add dL/d(bias) into grad_bias_ptr (float32, as bias)
         IEEE: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -515,7 +547,12 @@ def _distance_attention_kernels() -> dict[str, Any]:
         k_at = k_ptr + batch * stride_kb + kv_head * stride_kh
         v_at = v_ptr + batch * stride_vb + kv_head * stride_vh
         bias_row = bias_ptr + head * bias_stride_h
+        grad_bias_row = grad_bias_ptr + head * bias_stride_h
         grad_q = tl.full([BLOCK_M, HEAD_DIM], 0.0, tl.float32)
+        # dL/d(bias) of the scores whose distance is clamped to the vector's first and
+        # last entry (or, for a slope, sum dS |r|), added once at the end
+        grad_first = tl.full([BLOCK_M], 0.0, tl.float32)  # per query row
+        grad_last = tl.full([BLOCK_M], 0.0, tl.float32)
         lo = tl.maximum(start_m + shift + r_lo, 0) // BLOCK_N * BLOCK_N
         hi = tl.minimum(start_m + BLOCK_M + shift + r_hi, m)
         for start_n in range(lo, hi, BLOCK_N):
@@ -561,12 +598,37 @@ def _distance_attention_kernels() -> dict[str, Any]:
                 grad_p = tl.dot(grad_out, v_t)
                 grad_s = p * (grad_p - delta[:, None])
                 grad_q += tl.dot(grad_s.to(k_t.dtype), tl.trans(k_t))
+            if BIAS_GRAD:  # grad_s is dL/d(logit), 0 wherever the tile is masked
+                r_first = start_n - start_m - shift  # r on the tile's main diagonal
+                if BIAS == 1:  # d(c_h |r|) / d c_h = |r|
+                    r = r_first + tl.arange(0, BLOCK_N)[None, :] - tl.arange(0, BLOCK_M)[:, None]
+                    weighted = grad_s * tl.abs(r).to(tl.float32)
+                    grad_first += tl.reduce(weighted, 1, _distance_plus)
+                elif r_first + BLOCK_N - 1 + bias_base <= 0:  # every score reads entry 0
+                    grad_first += tl.reduce(grad_s, 1, _distance_plus)
+                elif r_first - (BLOCK_M - 1) + bias_base >= bias_length - 1:  # the last entry
+                    grad_last += tl.reduce(grad_s, 1, _distance_plus)
+                else:
+                    _distance_diagonal_sums_into(
+                        grad_s,
+                        grad_bias_row,
+                        bias_stride,
+                        bias_length,
+                        r_first + bias_base,
+                        BLOCK_M,
+                        BLOCK_N,
+                    )
         out_q = grad_q_ptr + batch * stride_dqb + head * stride_dqh
         tl.store(
             out_q + rows[:, None] * stride_dqn + dims[None, :] * stride_dqd,
             (grad_q * scale).to(grad_q_ptr.dtype.element_ty),
             mask=query_rows,
         )
+        if BIAS_GRAD:
+            tl.atomic_add(grad_bias_row, tl.reduce(grad_first, 0, _distance_plus))
+            if BIAS != 1:
+                last = grad_bias_row + (bias_length - 1) * bias_stride
+                tl.atomic_add(last, tl.reduce(grad_last, 0, _distance_plus))
 
     @triton.jit
     def row_dots(
@@ -633,8 +695,13 @@ def _tuned_distance_kernel(name: str) -> Any:
 
         kernel = _distance_attention_kernels()[name]
         tuning_key = ["n", "m", "HEAD_DIM", "VALUE_DIM", "BIAS", "BAND", "IEEE"]
+        reset: list[str] = []
+        if name == "query_grad":  # it adds the bias's gradient: zeroed before each trial
+            tuning_key.append("BIAS_GRAD")
+            reset.append("grad_bias_ptr")
         configs = _distance_attention_configs(name)
-        TRITON_CACHE[key] = triton.autotune(configs, key=tuning_key)(kernel)
+        tune = triton.autotune(configs, key=tuning_key, reset_to_zero=reset or None)
+        TRITON_CACHE[key] = tune(kernel)
     return TRITON_CACHE[key]
 
 
@@ -750,14 +817,21 @@ def _distance_backward(
     scale: float,
     causal: bool,
     window: int | None,
-) -> tuple[Tensor, Tensor, Tensor]:
+    bias_grad: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """The gradients into q, k and v (in their dtypes) from two launches, given the
-    forward's out and lse and the gradient into out."""
+    forward's out and lse and the gradient into out; with ``bias_grad`` also the
+    gradient into the bias (float32, bias's shape; contiguous bias), which the dQ kernel
+    adds up tile by tile (atomically, so in no fixed order), else None."""
     batch, heads, n, head_dim = q.shape
     kv_heads, m, value_dim = k.shape[1], k.shape[2], v.shape[-1]
     grad_q, grad_k, grad_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    grad_bias = None
+    if bias_grad:
+        assert bias is not None and bias.is_contiguous() and kind != "none"
+        grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
     if q.numel() == 0 or k.numel() == 0:
-        return grad_q.zero_(), grad_k.zero_(), grad_v.zero_()
+        return grad_q.zero_(), grad_k.zero_(), grad_v.zero_(), grad_bias
     # [B, H, N]: δ_i = dO_i . O_i, without float32 copies of dO and O
     delta = torch.empty((batch, heads, n), dtype=torch.float32, device=q.device)
     rows = FUSED_DISTANCE_BLOCKS[0]
@@ -818,6 +892,7 @@ def _distance_backward(
         delta,
         grad_q,
         bias_args[0],
+        q if grad_bias is None else grad_bias,  # never written without BIAS_GRAD
         n,
         m,
         heads,
@@ -825,14 +900,15 @@ def _distance_backward(
         *grad_q.stride(),
         *strides,
         *tail,
+        BIAS_GRAD=grad_bias is not None,
         **meta,
     )
-    return grad_q, grad_k, grad_v
+    return grad_q, grad_k, grad_v, grad_bias
 
 
 class _FusedDistanceAttention(torch.autograd.Function):
-    """``fused_distance_attention`` with gradients into q, k and v (the bias is a
-    constant here). Like SDPA's flash kernels it has no double backward."""
+    """``fused_distance_attention`` with gradients into q, k, v and the bias. Like
+    SDPA's flash kernels it has no double backward."""
 
     @staticmethod
     def forward(
@@ -857,8 +933,12 @@ class _FusedDistanceAttention(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_out: Tensor, _grad_lse: Tensor | None) -> tuple[Tensor | None, ...]:
         q, k, v, bias, out, lse = ctx.saved_tensors
-        grads = _distance_backward(q, k, v, bias, out, lse, grad_out, *ctx.settings)
-        return (*grads, None, None, None, None, None, None)
+        kind, base, scale, causal, window = ctx.settings
+        bias_grad = bool(ctx.needs_input_grad[3])
+        grads = _distance_backward(
+            q, k, v, bias, out, lse, grad_out, kind, base, scale, causal, window, bias_grad
+        )
+        return (*grads, None, None, None, None, None)
 
 
 def fused_distance_attention(
@@ -889,8 +969,10 @@ def fused_distance_attention(
     query head h reads key head h // (H / H_kv)); v: [B, H_kv, M, value_dim]; same dtype
     (float16, bfloat16 or float32; scores and softmax in float32), any strides, N <= M.
     Returns out [B, H, N, value_dim] in q's dtype and lse [B, H, N] float32 (natural
-    log). Differentiable in q, k and v; the bias is a constant (ValueError where it needs
-    a gradient). Needs Triton (on CPU tensors only under TRITON_INTERPRET=1).
+    log). Differentiable in q, k, v and the bias: the dQ kernel adds dL/db tile by tile,
+    a tile's sum where every score reads one entry (past a clip) and per-diagonal sums
+    elsewhere (float32 atomics, so not bit-reproducible run to run). Needs Triton (on
+    CPU tensors only under TRITON_INTERPRET=1).
     """
     if bias_kind not in DISTANCE_BIAS_KINDS:
         raise ValueError(f"bias_kind must be one of {DISTANCE_BIAS_KINDS}, got {bias_kind!r}")
@@ -927,12 +1009,11 @@ def fused_distance_attention(
                 f"bias must be {'[heads]' if bias_kind == 'slope' else '[heads, L]'} with "
                 f"heads = {heads} on {q.device}; got {list(bias.shape)} on {bias.device}"
             )
-        if bias.requires_grad and torch.is_grad_enabled():
-            raise ValueError("bias gets no gradient here: pass it detached")
-        bias = bias.float()
+        bias = bias.float().contiguous()
     if window is not None:
         window = check_window(window)
     args = (q, k, v, bias, bias_kind, bias_base, scale, causal, window)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+    needs_grad = [t is not None and t.requires_grad for t in (q, k, v, bias)]
+    if torch.is_grad_enabled() and any(needs_grad):
         return _FusedDistanceAttention.apply(*args)
     return distance_attention_forward(*args)
