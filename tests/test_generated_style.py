@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import GENERATED, ROOT, spec_names
+from tests.conftest import GENERATED, ROOT, RUNTIME_FILES, spec_names
 
 RUFF = shutil.which("ruff")
 
@@ -73,6 +73,7 @@ def test_wheel_install_finds_its_templates(tmp_path: Path) -> None:
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
         assert "posgen/_templates/module.py.jinja" in names
+        assert {f"posgen/_templates/runtime/{name}" for name in RUNTIME_FILES} <= names
         assert "posgen/_specs/t5.yaml" in names
         archive.extractall(tmp_path / "site")
     script = (
@@ -106,6 +107,7 @@ def test_wheel_install_finds_its_templates(tmp_path: Path) -> None:
     )
     assert gen.returncode == 0, gen.stderr
     assert (tmp_path / "gen" / "t5.py").read_text().count("class T5(PositionalAttention)") == 1
+    assert sorted(path.name for path in (tmp_path / "gen").glob("_*.py")) == RUNTIME_FILES
     _installed_wheel_finds_its_catalogue(tmp_path / "site", tmp_path / "elsewhere")
 
 

@@ -145,7 +145,10 @@ def _blank_lines_before(line: str, previous: str, pending: int) -> int:
 def runtime_sources() -> dict[str, str]:
     """templates/runtime/_*.py as written (tested, importable Python files), by file name."""
     folder = templates_dir() / RUNTIME_SOURCE
-    return {path.name: path.read_text(encoding="utf-8") for path in sorted(folder.glob("_*.py"))}
+    sources = {path.name: path.read_text(encoding="utf-8") for path in sorted(folder.glob("_*.py"))}
+    if "_attention.py" not in sources:
+        raise SourceGateError(f"{folder}: the runtime's modules are missing (no _attention.py)")
+    return sources
 
 
 @cache
