@@ -224,6 +224,34 @@ def test_a_constant_bias_gets_no_gradient_work(interpreted) -> None:
         )
 
 
+@pytest.mark.parametrize("bias_trains", [False, True])
+def test_what_the_autotuner_zeroes_is_never_an_input(interpreted, bias_trains, monkeypatch):
+    # on CUDA the dQ kernel is autotuned with reset_to_zero=["grad_bias_ptr"], so the
+    # tensor passed there is zeroed by every trial: a scratch float or the bias's
+    # gradient, never q or another input (the first version passed q when no bias trained)
+    launches = []
+    launch = runtime._launch_distance_kernel
+
+    def record(name: str, *args: Any, **meta: Any) -> None:
+        launches.append((name, args[4:], meta))
+        launch(name, *args, **meta)
+
+    monkeypatch.setattr(runtime, "_launch_distance_kernel", record)
+    q, k, v = (torch.randn(1, 2, 20, 16).requires_grad_() for _ in range(3))
+    bias = torch.randn(2, 5).requires_grad_(bias_trains)
+    out, _ = runtime.fused_distance_attention(q, k, v, 0.3, bias, "vector", 2)
+    out.sum().backward()
+    ((_, args, meta),) = [launch for launch in launches if launch[0] == "query_grad"]
+    zeroed = args[
+        runtime._distance_attention_kernels()["query_grad"].arg_names.index("grad_bias_ptr")
+    ]
+    others = [t for t in args if isinstance(t, torch.Tensor) and t is not zeroed]
+    assert meta["BIAS_GRAD"] is bias_trains
+    assert zeroed.dtype == torch.float32 and len(others) == 8  # q k v dO lse δ dQ bias
+    assert all(zeroed.data_ptr() != t.data_ptr() for t in others)
+    assert (bias.grad is not None) is bias_trains
+
+
 @pytest.mark.parametrize("blocks", [(32, 16), (16, 32)])
 def test_the_bias_gradient_holds_for_tiles_of_unequal_sides(interpreted, blocks, monkeypatch):
     # the autotuner's dQ tiles are up to 128 queries by 32 keys, so a tile's rows wrap

@@ -892,7 +892,9 @@ def _distance_backward(
         delta,
         grad_q,
         bias_args[0],
-        q if grad_bias is None else grad_bias,  # never written without BIAS_GRAD
+        # never written without BIAS_GRAD, but zeroed by the autotuner's trials on CUDA
+        # (reset_to_zero): a scratch float, never an input
+        torch.zeros(1, device=q.device) if grad_bias is None else grad_bias,
         n,
         m,
         heads,
