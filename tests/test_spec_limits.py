@@ -131,11 +131,12 @@ def test_module_names_that_generated_code_uses_are_refused(
 
 def test_the_reserved_names_are_computed_from_the_templates() -> None:
     from posgen.codegen.imports import FIXED, defined_names
-    from posgen.codegen.render import runtime_sources, templates_dir
+    from posgen.codegen.render import RUNTIME_SOURCE, runtime_sources, templates_dir
     from posgen.spec import names
 
     reserved = generated_names()
     assert names.templates_dir() == templates_dir()
+    assert names.RUNTIME_SOURCE == RUNTIME_SOURCE
     assert {item.name for item in FIXED} <= set(reserved)
     for file_name, source in runtime_sources().items():
         assert set(defined_names(source)) <= set(reserved), file_name

@@ -161,20 +161,16 @@ def runtime_names() -> dict[str, str]:
     }
 
 
-def _runtime_imports(tree: ast.Module) -> list[str]:
-    """The sibling runtime modules a runtime module imports (``from ._masks import``)."""
-    return [
-        node.module or ""
-        for node in tree.body
-        if isinstance(node, ast.ImportFrom) and node.level == 1
-    ]
-
-
-def _runtime_order() -> list[str]:
-    """The runtime's file names, each after the modules it imports (then by name)."""
+def _runtime_order(trees: dict[str, ast.Module]) -> list[str]:
+    """The runtime's file names, each after the sibling modules it imports
+    (``from ._masks import ...``), then by name."""
     imports = {
-        name: [f"{module}.py" for module in _runtime_imports(ast.parse(source))]
-        for name, source in runtime_sources().items()
+        name: [
+            f"{node.module}.py"
+            for node in tree.body
+            if isinstance(node, ast.ImportFrom) and node.level == 1
+        ]
+        for name, tree in trees.items()
     }
     order: list[str] = []
     while len(order) < len(imports):
@@ -189,15 +185,26 @@ def _runtime_order() -> list[str]:
     return order
 
 
-def _runtime_body(source: str) -> str:
+def _runtime_body(source: str, tree: ast.Module) -> str:
     """One runtime module's code after its docstring and imports."""
-    tree = ast.parse(source)
     last_import = max(
         node.end_lineno or node.lineno
         for node in tree.body
         if isinstance(node, (ast.Import, ast.ImportFrom))
     )
     return "".join(source.splitlines(keepends=True)[last_import:]).strip("\n")
+
+
+@cache
+def _inlined_runtime() -> str:
+    """The whole runtime as one block of code for standalone files: each module's body
+    after the modules it imports, without the imports (parsed once per process)."""
+    sources = runtime_sources()
+    trees = {name: ast.parse(source) for name, source in sources.items()}
+    return "\n\n\n".join(
+        f"# ---- runtime/{name} ----\n\n{_runtime_body(sources[name], trees[name])}"
+        for name in _runtime_order(trees)
+    )
 
 
 def render_runtime() -> dict[str, str]:
@@ -235,10 +242,7 @@ def render_standalone(plan: ModulePlan) -> str:
     copy of PositionalAttention.
     """
     text = _module_text(plan)
-    runtime_body = "\n\n\n".join(
-        f"# ---- runtime/{name} ----\n\n{_runtime_body(runtime_sources()[name])}"
-        for name in _runtime_order()
-    )
+    runtime_body = _inlined_runtime()
     marker = f"{GENERATED_MARKER} from {plan.spec_file}, spec sha256:"
     assert text.startswith(marker)
     text = text.replace(

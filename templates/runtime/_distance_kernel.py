@@ -894,7 +894,7 @@ def _distance_backward(
         bias_args[0],
         # never written without BIAS_GRAD, but zeroed by the autotuner's trials on CUDA
         # (reset_to_zero): a scratch float, never an input
-        torch.zeros(1, device=q.device) if grad_bias is None else grad_bias,
+        torch.empty(1, device=q.device) if grad_bias is None else grad_bias,
         n,
         m,
         heads,
