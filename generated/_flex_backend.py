@@ -21,7 +21,7 @@ from ._distance_kernel import (
     fused_distance_attention,
     fused_distance_attention_serves,
 )
-from ._flex import flex_mask_mod, flex_score_mod, run_flex
+from ._flex import flex_mask_mod, flex_relative_terms, flex_score_mod, run_flex
 from ._inputs import (
     Rotated,
     cache_get,
@@ -113,8 +113,10 @@ class FlexBackend(AttentionTerms):
         relative_fn: Any = None  # relative terms per (b, h, q, kv) index
         if self.has_relative_terms:
             heads_k = repeat_kv(k, q.shape[1] // k.shape[1])
-            relative_fn = self._flex_relative(q, heads_k, q_positions, k_positions, dtype)
-            if relative_fn is None:  # dense: the [B, H, N, M] terms, captured
+            relative_parts = self._relative_parts(q, heads_k, dtype, causal) if default else None
+            if relative_parts is not None:  # read per score from [B, H, N, K] projections
+                relative_fn = flex_relative_terms(relative_parts, n, dtype, q.device)
+            else:  # dense: the [B, H, N, M] terms, captured
                 terms = self._relative_terms(q, heads_k, q_positions, k_positions, dtype)
                 parts = list(terms.values())
                 added = sum_into_new(parts) if parts else None

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ._clipped_relative import clipped_relative_attention, clipped_relative_serves
 from ._distances import distance_chunk_view, half_precision_bias
 from ._inputs import (
     Rotated,
@@ -144,6 +145,26 @@ class SdpaBackend(AttentionTerms):
         """
         n, m = q.shape[2], k.shape[2]
         default = q_positions is None and k_positions is None and document_ids is None
+        clipped = self.relative_clip
+        if (
+            default
+            and attn_mask is None
+            and window is None
+            and not self.has_position_bias
+            and clipped_relative_serves(q, m, clipped)
+        ):
+            # terms read one row past the clip: a band of exact terms plus far keys as
+            # plain flash attention (``clipped_relative_attention``)
+            groups = q.shape[1] // k.shape[1]
+            heads_k, heads_v = repeat_kv(k, groups), repeat_kv(v, groups)
+            relative_parts = self._relative_parts(q, heads_k, compute_dtype(q), causal)
+            if relative_parts:
+                assert clipped is not None  # clipped_relative_serves
+                value_term = self._value_term if self.has_value_term else None
+                out = clipped_relative_attention(
+                    q, heads_k, heads_v, relative_parts, clipped, self.scale, causal, value_term
+                )
+                return out.to(v.dtype)
         if default and attn_mask is None and (causal or window is not None):
             spans = query_chunks(n, m, q.device.type, causal, window)
             if len(spans) > 1:

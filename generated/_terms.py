@@ -13,7 +13,7 @@ hooks; ``_attention`` chooses between them.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -29,6 +29,23 @@ from ._inputs import (
     to_bhnd,
 )
 from ._numerics import autocast_off, compute_dtype
+
+
+class RelativePart(NamedTuple):
+    """One relative term at default positions, as its projection over the K table rows
+    it reads (``AttentionTerms._relative_parts``): no [B, H, N, M] tensor.
+
+    side: what the table row is dotted with. "query": q_i ([B, H, N, K] scores, the
+    term of query i and key j being scores[..., i, row]); "key": k_j ([B, H, M, K],
+    scores[..., j, row]); "global": a trained vector per head ([H, K], scores[h, row]);
+    "content": no row at all (scores [B, H, M], one value per key: Transformer-XL's
+    u . k_j). row = diagonal[j - i + N - 1] (query and key indices), diagonal int64
+    [N + M - 1] (None for "content"). Each term is scaled as it enters the logits.
+    """
+
+    side: str
+    scores: Tensor
+    diagonal: Tensor | None
 
 
 class AttentionTerms(nn.Module):
@@ -60,6 +77,10 @@ class AttentionTerms(nn.Module):
     has_relative_terms: bool = False
     #: a value-side term is added to the output (needs the attention weights)
     has_value_term: bool = False
+    #: every relative term (and the value-side term) reads one table row for all key
+    #: minus query positions >= this distance, and one for all <= minus it (Shaw's and
+    #: BERT's clip, DeBERTa's log buckets past max_distance); None where it does not
+    relative_clip: int | None = None
     #: position axes of the rotation (M-RoPE: 3); explicit positions [axes, batch, seq]
     position_axes: int = 1
     #: backend "flex" runs torch.compile'd FlexAttention (None: on CUDA only; elsewhere
@@ -241,16 +262,14 @@ class AttentionTerms(nn.Module):
         on an H100."""
         return None
 
-    def _flex_relative(
-        self,
-        q: Tensor,
-        k: Tensor,
-        q_positions: Tensor | None,
-        k_positions: Tensor | None,
-        dtype: torch.dtype,
-    ) -> Any:
-        """Relative terms per (batch, head, query, key) index for the flex score_mod, or
-        None to capture ``_relative_terms``' dense tensors instead."""
+    def _relative_parts(
+        self, q: Tensor, k: Tensor, dtype: torch.dtype, causal: bool = False
+    ) -> list[RelativePart] | None:
+        """The relative terms at default positions as projections over their table rows
+        (``RelativePart``), for backends that read them per score or per band instead
+        of as [B, H, N, M] tensors; None where the encoding has no such form (then
+        ``_relative_terms``' dense tensors serve). With ``causal`` the diagonals whose
+        key comes after the query may read any row (they are masked). k has q's heads."""
         return None
 
     def _distance_bias(self, n: int, m: int, device: torch.device) -> Tensor:

@@ -80,6 +80,7 @@ class AlibiLearned(PositionalAttention):
     has_rotation = False
     has_relative_terms = False
     has_value_term = False
+    relative_clip = None
 
     def __init__(
         self,

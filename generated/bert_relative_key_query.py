@@ -36,8 +36,6 @@ Usage::
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor, nn
 
@@ -45,6 +43,7 @@ from ._attention import PositionalAttention
 from ._distances import default_distances
 from ._inputs import cache_get, cache_put
 from ._masks import relative_positions
+from ._terms import RelativePart
 
 __all__ = ["BertRelativeKeyQuery"]
 
@@ -94,6 +93,7 @@ class BertRelativeKeyQuery(PositionalAttention):
     has_rotation = False
     has_relative_terms = True
     has_value_term = False
+    relative_clip = 511
 
     def __init__(
         self,
@@ -178,9 +178,13 @@ class BertRelativeKeyQuery(PositionalAttention):
         order = ("content_position", "position_content")
         return {name: terms[name] for name in order}
 
-    def _relative_diagonals(self, n: int, m: int, device, sign: str) -> tuple[Tensor, Tensor]:
+    def _relative_diagonals(
+        self, n: int, m: int, device, sign: str, causal: bool
+    ) -> tuple[Tensor, Tensor]:
         """Default positions: the row of each diagonal, int64 [N + M - 1] (entry
-        kv - q + N - 1, as ``default_distances``), and the K table rows it reads."""
+        kv - q + N - 1, as ``default_distances``), and the K table rows it reads. With
+        ``causal`` only diagonals whose key is not after the query (the first M) count
+        toward the rows; the rest read a row within them."""
         relative = default_distances(n, m, device)  # j - i per diagonal
         if sign == "query_minus_key":
             relative = -relative
@@ -188,47 +192,26 @@ class BertRelativeKeyQuery(PositionalAttention):
         if torch.compiler.is_compiling():
             low, high = 0, RELATIVE_ROWS - 1
         else:
-            low, high = int(index.min()), int(index.max())
-        return index - low, torch.arange(low, high + 1, device=device)
+            reached = index[:m] if causal else index
+            low, high = int(reached.min()), int(reached.max())
+        return index.clamp(low, high) - low, torch.arange(low, high + 1, device=device)
 
-    def _flex_relative(
-        self,
-        q: Tensor,
-        k: Tensor,
-        q_positions: Tensor | None,
-        k_positions: Tensor | None,
-        dtype: torch.dtype,
-    ) -> Any:
-        """The relative terms per (batch, head, query, key) index for FlexAttention: each
-        term's projection over the K rows ([B, H, N, K], [B, H, M, K] or [H, K]) read at
-        its diagonal's row, so no [B, H, N, M] tensor is built. Default positions only
-        (None otherwise: the backend then captures the dense terms). k has q's heads.
+    def _relative_parts(
+        self, q: Tensor, k: Tensor, dtype: torch.dtype, causal: bool = False
+    ) -> list[RelativePart]:
+        """Each relative term at default positions as its projection over the K rows
+        ([B, H, N, K], [B, H, M, K] or [H, K]) and the row of each diagonal, so no
+        [B, H, N, M] tensor is built; with ``causal``, only the rows that unmasked
+        diagonals read. k has q's heads.
         """
-        if q_positions is not None or k_positions is not None:
-            return None
         n, m = q.shape[2], k.shape[2]
-        parts: list[Any] = []
+        parts: list[RelativePart] = []
         # content_position: q_i . R[index(i - j)]
-        diagonal, table_rows = self._relative_diagonals(n, m, q.device, "query_minus_key")
+        diagonal, table_rows = self._relative_diagonals(n, m, q.device, "query_minus_key", causal)
         rows = self._relative_rows("none", table_rows, dtype, q.device)
         scores = torch.einsum("bhnd,khd->bhnk", q.to(dtype), rows * self.scale)  # [B, H, N, K]
-        parts.append(("query", scores, diagonal))
+        parts.append(RelativePart("query", scores, diagonal))
         # position_content: k_j . R[index(i - j)]
         scores = torch.einsum("bhmd,khd->bhmk", k.to(dtype), rows * self.scale)  # [B, H, M, K]
-        parts.append(("key", scores, diagonal))
-
-        def relative_terms(b: Tensor, h: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
-            total = torch.zeros((), dtype=dtype, device=q.device)
-            for side, scores, diagonal in parts:
-                row = None if diagonal is None else diagonal[ki - qi + (n - 1)]
-                if side == "query":
-                    total = total + scores[b, h, qi, row]
-                elif side == "key":
-                    total = total + scores[b, h, ki, row]
-                elif side == "global":
-                    total = total + scores[h, row]
-                else:
-                    total = total + scores[b, h, ki]
-            return total
-
-        return relative_terms
+        parts.append(RelativePart("key", scores, diagonal))
+        return parts

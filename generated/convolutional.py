@@ -77,6 +77,7 @@ class Convolutional(PositionalAttention):
     has_rotation = False
     has_relative_terms = False
     has_value_term = False
+    relative_clip = None
 
     def __init__(
         self,

@@ -60,6 +60,7 @@ class Cope(PositionalAttention):
     has_rotation = False
     has_relative_terms = True
     has_value_term = False
+    relative_clip = None
 
     def __init__(
         self,

@@ -66,6 +66,7 @@ class Fire(PositionalAttention):
     has_rotation = False
     has_relative_terms = False
     has_value_term = False
+    relative_clip = None
 
     def __init__(
         self,

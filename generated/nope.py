@@ -55,6 +55,7 @@ class Nope(PositionalAttention):
     has_rotation = False
     has_relative_terms = False
     has_value_term = False
+    relative_clip = None
 
     def __init__(
         self,

@@ -110,6 +110,7 @@ class RopeAxial2d(PositionalAttention):
     has_rotation = True
     has_relative_terms = False
     has_value_term = False
+    relative_clip = None
 
     def __init__(
         self,

@@ -125,6 +125,7 @@ class RopeLlama3(PositionalAttention):
     has_rotation = True
     has_relative_terms = False
     has_value_term = False
+    relative_clip = None
 
     def __init__(
         self,

@@ -108,6 +108,7 @@ class RopeNtk(PositionalAttention):
     has_rotation = True
     has_relative_terms = False
     has_value_term = False
+    relative_clip = None
 
     def __init__(
         self,

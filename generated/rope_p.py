@@ -113,6 +113,7 @@ class RopeP(PositionalAttention):
     has_rotation = True
     has_relative_terms = False
     has_value_term = False
+    relative_clip = None
 
     def __init__(
         self,

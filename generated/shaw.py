@@ -41,8 +41,10 @@ import torch
 from torch import Tensor, nn
 
 from ._attention import PositionalAttention
+from ._distances import default_distances
 from ._inputs import cache_get, cache_put, positive_int
 from ._masks import relative_positions
+from ._terms import RelativePart
 
 __all__ = ["Shaw"]
 
@@ -93,6 +95,7 @@ class Shaw(PositionalAttention):
     has_rotation = False
     has_relative_terms = True
     has_value_term = True
+    relative_clip = 16
 
     def __init__(
         self,
@@ -179,6 +182,41 @@ class Shaw(PositionalAttention):
         terms["content_position"] = term
         order = ("content_position",)
         return {name: terms[name] for name in order}
+
+    def _relative_diagonals(
+        self, n: int, m: int, device, sign: str, causal: bool
+    ) -> tuple[Tensor, Tensor]:
+        """Default positions: the row of each diagonal, int64 [N + M - 1] (entry
+        kv - q + N - 1, as ``default_distances``), and the K table rows it reads. With
+        ``causal`` only diagonals whose key is not after the query (the first M) count
+        toward the rows; the rest read a row within them."""
+        relative = default_distances(n, m, device)  # j - i per diagonal
+        if sign == "query_minus_key":
+            relative = -relative
+        index = _relative_index(relative)  # table rows
+        if torch.compiler.is_compiling():
+            low, high = 0, RELATIVE_ROWS - 1
+        else:
+            reached = index[:m] if causal else index
+            low, high = int(reached.min()), int(reached.max())
+        return index.clamp(low, high) - low, torch.arange(low, high + 1, device=device)
+
+    def _relative_parts(
+        self, q: Tensor, k: Tensor, dtype: torch.dtype, causal: bool = False
+    ) -> list[RelativePart]:
+        """Each relative term at default positions as its projection over the K rows
+        ([B, H, N, K], [B, H, M, K] or [H, K]) and the row of each diagonal, so no
+        [B, H, N, M] tensor is built; with ``causal``, only the rows that unmasked
+        diagonals read. k has q's heads.
+        """
+        n, m = q.shape[2], k.shape[2]
+        parts: list[RelativePart] = []
+        # content_position: q_i . R[index(j - i)]
+        diagonal, table_rows = self._relative_diagonals(n, m, q.device, "key_minus_query", causal)
+        rows = self._relative_rows("none", table_rows, dtype, q.device)
+        scores = torch.einsum("bhnd,khd->bhnk", q.to(dtype), rows * self.scale)  # [B, H, N, K]
+        parts.append(RelativePart("query", scores, diagonal))
+        return parts
 
     def _check_value_width(self, v: Tensor) -> None:
         if v.shape[-1] != self.value_dim:

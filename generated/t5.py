@@ -96,6 +96,7 @@ class T5(PositionalAttention):
     has_rotation = False
     has_relative_terms = False
     has_value_term = False
+    relative_clip = None
 
     def __init__(
         self,

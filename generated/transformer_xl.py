@@ -37,8 +37,6 @@ Usage::
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -47,6 +45,7 @@ from ._attention import PositionalAttention
 from ._distances import default_distances
 from ._inputs import cache_get, cache_put, positive_int, score_bias_positions
 from ._masks import relative_positions
+from ._terms import RelativePart
 
 __all__ = ["TransformerXl"]
 
@@ -115,6 +114,7 @@ class TransformerXl(PositionalAttention):
     has_rotation = False
     has_relative_terms = True
     has_value_term = False
+    relative_clip = None
 
     def __init__(
         self,
@@ -220,60 +220,44 @@ class TransformerXl(PositionalAttention):
         order = ("content_position", "position_content", "position_position")
         return {name: terms[name] for name in order}
 
-    def _relative_diagonals(self, n: int, m: int, device, sign: str) -> tuple[Tensor, Tensor]:
+    def _relative_diagonals(
+        self, n: int, m: int, device, sign: str, causal: bool
+    ) -> tuple[Tensor, Tensor]:
         """Default positions: the row of each diagonal, int64 [N + M - 1] (entry
-        kv - q + N - 1, as ``default_distances``), and the K table rows it reads."""
+        kv - q + N - 1, as ``default_distances``), and the K table rows it reads. With
+        ``causal`` only diagonals whose key is not after the query (the first M) count
+        toward the rows; the rest read a row within them."""
         relative = default_distances(n, m, device)  # j - i per diagonal
         if sign == "query_minus_key":
             relative = -relative
         high, low = (n - 1, 1 - m) if sign == "key_minus_query" else (m - 1, 1 - n)
+        if causal:  # key minus query position at most 0
+            high, low = (0, 1 - m) if sign == "key_minus_query" else (m - 1, 0)
         rows = torch.arange(high, low - 1, -1, device=device)  # descending distance
-        return high - relative, rows
+        return (high - relative).clamp(0, high - low), rows
 
-    def _flex_relative(
-        self,
-        q: Tensor,
-        k: Tensor,
-        q_positions: Tensor | None,
-        k_positions: Tensor | None,
-        dtype: torch.dtype,
-    ) -> Any:
-        """The relative terms per (batch, head, query, key) index for FlexAttention: each
-        term's projection over the K rows ([B, H, N, K], [B, H, M, K] or [H, K]) read at
-        its diagonal's row, so no [B, H, N, M] tensor is built. Default positions only
-        (None otherwise: the backend then captures the dense terms). k has q's heads.
+    def _relative_parts(
+        self, q: Tensor, k: Tensor, dtype: torch.dtype, causal: bool = False
+    ) -> list[RelativePart]:
+        """Each relative term at default positions as its projection over the K rows
+        ([B, H, N, K], [B, H, M, K] or [H, K]) and the row of each diagonal, so no
+        [B, H, N, M] tensor is built; with ``causal``, only the rows that unmasked
+        diagonals read. k has q's heads.
         """
-        if q_positions is not None or k_positions is not None:
-            return None
         n, m = q.shape[2], k.shape[2]
-        parts: list[Any] = []
+        parts: list[RelativePart] = []
         # content_position: q_i . W_R R[index(i - j)]
-        diagonal, table_rows = self._relative_diagonals(n, m, q.device, "query_minus_key")
+        diagonal, table_rows = self._relative_diagonals(n, m, q.device, "query_minus_key", causal)
         rows = self._relative_rows("relative", table_rows, dtype, q.device)
         scores = torch.einsum("bhnd,khd->bhnk", q.to(dtype), rows * self.scale)  # [B, H, N, K]
-        parts.append(("query", scores, diagonal))
+        parts.append(RelativePart("query", scores, diagonal))
         # position_position: v_h . W_R R[index(i - j)]
         scores = torch.einsum("hd,khd->hk", self.r_r_bias.to(dtype), rows * self.scale)  # [H, K]
-        parts.append(("global", scores, diagonal))
+        parts.append(RelativePart("global", scores, diagonal))
         content = torch.einsum("hd,bhmd->bhm", self.r_w_bias.to(dtype), k.to(dtype))  # [B, H, M]
         content = content * self.scale
-        parts.append(("content", content, None))
-
-        def relative_terms(b: Tensor, h: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
-            total = torch.zeros((), dtype=dtype, device=q.device)
-            for side, scores, diagonal in parts:
-                row = None if diagonal is None else diagonal[ki - qi + (n - 1)]
-                if side == "query":
-                    total = total + scores[b, h, qi, row]
-                elif side == "key":
-                    total = total + scores[b, h, ki, row]
-                elif side == "global":
-                    total = total + scores[h, row]
-                else:
-                    total = total + scores[b, h, ki]
-            return total
-
-        return relative_terms
+        parts.append(RelativePart("content", content, None))
+        return parts
 
     def score_bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
         """The position-only term v_h . R[index(r)] as it enters the logits.

@@ -121,15 +121,21 @@ def test_an_expression_bias_is_computed_inside_the_score_mod() -> None:
 )
 def test_relative_terms_reach_flex_as_projections_not_dense_terms(name: str) -> None:
     """Default positions: each relative term is its projection over the K rows, read per
-    element (O(N·K) captured); explicit positions fall back to the dense terms."""
+    element (O(N·K) captured); flex with them equals eager."""
     pe = _make(name)
-    q, k, _ = (t.detach() for t in _inputs(pe, kv_heads=4))
-    relative = pe._flex_relative(q, k, None, None, torch.float32)
-    assert relative is not None
-    captured = [t for t in runtime_captured(relative) if t.dim() >= 3]
-    assert captured and all(t.shape[2] in (5, 7) and t.shape[-1] < 5 * 7 for t in captured)
-    positions = torch.arange(7)
-    assert pe._flex_relative(q, k, positions[2:], positions, torch.float32) is None
+    q, k, v = (t.detach() for t in _inputs(pe, kv_heads=4))
+    heads_k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    parts = pe._relative_parts(q, heads_k, torch.float32)
+    assert parts
+    for part in parts:
+        if part.side in ("query", "key"):
+            assert part.scores.shape[2] in (5, 7) and part.scores.shape[-1] < 5 * 7
+        if part.diagonal is not None:
+            assert part.diagonal.shape == (5 + 7 - 1,)
+    for causal in (False, True):
+        flex = pe(q, k, v, causal=causal, backend="flex")
+        eager = pe(q, k, v, causal=causal, backend="eager")
+        torch.testing.assert_close(flex, eager, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["t5", "t5_decoder"])

@@ -567,7 +567,21 @@ def _flags(blocks: tuple[Block, ...]) -> tuple[tuple[str, bool | int | None], ..
             relative is not None or any(isinstance(b, ContextualPlan) for b in blocks),
         ),
         ("has_value_term", relative is not None and relative.values is not None),
+        ("relative_clip", _relative_clip(relative)),
     )
+
+
+def _relative_clip(relative: RelativePlan | None) -> int | None:
+    """The distance K past which every relative term's index reads one row per side.
+
+    A clip index reads row clip(r, -K, K) + K. DeBERTa's log buckets with K =
+    max_distance: for |r| >= K, log(|r| / mid) / log((K - 1) / mid) > 1, so the bucket's
+    magnitude is at least mid + mid = buckets and the row clamps to 0 or 2 * buckets -
+    1. A raw-distance index never repeats a row.
+    """
+    if relative is None or not isinstance(relative.index, (ClipIndexPlan, SymmetricLogIndexPlan)):
+        return None
+    return relative.index.max_distance
 
 
 def _arguments(spec: Spec, blocks: tuple[Block, ...]) -> tuple[ConstructorArgument, ...]:

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from ._inputs import repeat_kv
 from ._masks import masked_softmax
+from ._terms import RelativePart
 
 
 def flex_mask_mod(
@@ -95,6 +96,30 @@ def flex_score_mod(
         return score
 
     return score_mod
+
+
+def flex_relative_terms(
+    parts: list[RelativePart], n: int, dtype: torch.dtype, device: torch.device
+) -> Any:
+    """relative(b, h, qi, ki): the sum of the relative terms ``parts`` (default
+    positions, N queries) for one score, each read from its projection at its
+    diagonal's row: O(N·K) captured, no [B, H, N, M] tensor."""
+
+    def relative_terms(b: Tensor, h: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
+        total = torch.zeros((), dtype=dtype, device=device)
+        for side, scores, diagonal in parts:
+            row = None if diagonal is None else diagonal[ki - qi + (n - 1)]
+            if side == "query":
+                total = total + scores[b, h, qi, row]
+            elif side == "key":
+                total = total + scores[b, h, ki, row]
+            elif side == "global":
+                total = total + scores[h, row]
+            else:  # "content": one value per key
+                total = total + scores[b, h, ki]
+        return total
+
+    return relative_terms
 
 
 def flex_positions(q_positions: Tensor | None, k_positions: Tensor | None, n: int, m: int) -> Any:

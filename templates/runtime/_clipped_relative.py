@@ -1,0 +1,372 @@
+"""Relative terms clipped at a distance, on the CPU: exact terms on a band of keys, and
+the far keys as plain flash attention.
+
+Where every relative term reads one table row for all key-minus-query distances r >= K
+and one for all r <= -K (``relative_clip`` = K: Shaw et al. 2018's clip, BERT's
+relative_key, the log buckets of DeBERTa-v2, He et al. 2021, past max_distance), the
+logits of query i against a key j at least K before it are
+
+    a_ij = s q_i . k_j + A_i + B_j
+
+with A_i the query-side and position-only terms at the far-left row and B_j the
+key-side and content terms there (past K after it likewise, with their own A and B).
+A_i is a constant of the row, which only shifts that side's log-sum-exp, and B_j rides
+in one more feature, s [q_i, 1] . [k_j, B_j / s]: the far keys need no [N, M] tensor,
+CPU FlashAttention runs them (with no extra feature at all where no term reads the
+key, as in Shaw's and BERT's relative_key). Queries go ``CLIPPED_RELATIVE_QUERY_CHUNK``
+at a time; only the band of keys within K - 1 of one of a chunk's queries has its terms
+gathered, and its attention is one more flash call with those terms as the mask. The
+three calls (far left, band, far right) are merged by their log-sum-exp, which is
+softmax over the union of their keys; a value-side term (Shaw's z_i = sum_j a_ij
+R^V[index(j - i)]) reads the band's weights and, for each far side, that side's total
+weight times its row.
+
+Gradients: ``_ChunkedAttention`` runs one of those calls for every chunk and is
+differentiable in q, k, v, the band's terms, its weights and the log-sum-exp, so the
+relative tables and projections train through the terms; nothing of size [N, M] is
+built, and no per-chunk slice of a full-size tensor goes through autograd.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._terms import RelativePart
+
+#: queries per chunk: each chunk is one flash call over its far keys on each side and
+#: one over the band of about C + 2K keys (C + K causal) within K - 1 of its queries
+CLIPPED_RELATIVE_QUERY_CHUNK = 256
+#: the clipped path serves at least this many keys per unit of the clip: with fewer,
+#: the band spans nearly every key and the far calls only add work
+CLIPPED_RELATIVE_MIN_KEYS_PER_CLIP = 3
+
+#: (i0, i1, lo, hi): queries i0 .. i1 - 1 read keys lo .. hi - 1
+Span = tuple[int, int, int, int]
+
+
+def clipped_relative_serves(q: Tensor, m: int, clip: int | None) -> bool:
+    """Whether ``clipped_relative_attention`` runs relative terms clipped at ``clip``
+    (None: not clipped) over ``m`` keys: the CPU (its flash kernel returns the
+    log-sum-exp), float32 or float64, no autocast, eager mode, and at least
+    ``CLIPPED_RELATIVE_MIN_KEYS_PER_CLIP`` keys per unit of the clip. The caller checks
+    the rest: default positions, no window, documents, attn_mask or position bias."""
+    return (
+        clip is not None
+        and q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.float64)
+        and not torch.is_autocast_enabled("cpu")
+        and not torch.compiler.is_compiling()
+        and m >= CLIPPED_RELATIVE_MIN_KEYS_PER_CLIP * clip
+    )
+
+
+class _ChunkedAttention(torch.autograd.Function):
+    """softmax(scale q kᵀ + mask) v for each span: queries i0 .. i1 - 1 against keys
+    lo .. hi - 1, with the mask's rows i0 .. i1 - 1 and columns 0 .. hi - lo - 1 (None:
+    no mask; a function of the span: the span's mask, made when needed and given no
+    gradient). Returns the output [B, H, N, W], the rows' log-sum-exp [B, H, N] (-inf,
+    and a zero output, where a span has no keys) and, with ``with_weights``, the
+    weights in the mask's layout (else an empty tensor).
+
+    q, k: [B, H, N or M, W]; v: [B, H, M, W]. Where gradients flow, v's column
+    ``ones_column`` is all ones: the log-sum-exp's gradient g adds g_i P_ij to dS_ij,
+    which the flash backward gives with that column's output gradient set to g and its
+    output to 0. Unmasked spans run the CPU FlashAttention kernels forward and backward;
+    masked ones (the band) flash forward and an explicit backward, whose dS is also the
+    mask's gradient.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: Tensor | Any,
+        spans: list[Span],
+        scale: float,
+        ones_column: int | None,
+        with_weights: bool,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        batch, heads, n = q.shape[:3]
+        out = q.new_empty(batch, heads, n, v.shape[-1])
+        lse = q.new_empty(batch, heads, n)
+        span_mask = _span_mask(mask)
+        widest = max(hi - lo for _, _, lo, hi in spans)
+        weights = q.new_zeros((batch, heads, n, widest) if with_weights else (0,))
+        for i0, i1, lo, hi in spans:
+            if hi <= lo:  # no keys: softmax over nothing
+                out[:, :, i0:i1] = 0.0
+                lse[:, :, i0:i1] = float("-inf")
+                continue
+            rows, keys, values = q[:, :, i0:i1], k[:, :, lo:hi], v[:, :, lo:hi]
+            chunk_mask = span_mask((i0, i1, lo, hi))
+            chunk_out, chunk_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                rows, keys, values, 0.0, False, attn_mask=chunk_mask, scale=scale
+            )
+            out[:, :, i0:i1] = chunk_out
+            lse[:, :, i0:i1] = chunk_lse
+            if weights.numel():
+                logits = torch.matmul(rows, keys.transpose(-1, -2)).mul_(scale).add_(chunk_mask)
+                weights[:, :, i0:i1, : hi - lo] = logits.sub_(chunk_lse.unsqueeze(-1)).exp_()
+        ctx.save_for_backward(q, k, v, mask if isinstance(mask, Tensor) else None, out, lse)
+        ctx.span_mask, ctx.spans, ctx.scale, ctx.ones_column = span_mask, spans, scale, ones_column
+        return out, lse, weights
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(
+        ctx: Any, grad_out: Tensor, grad_lse: Tensor, grad_weights: Tensor
+    ) -> tuple[Tensor | None, ...]:
+        q, k, v, mask, out, lse = ctx.saved_tensors
+        column, span_mask, scale = ctx.ones_column, ctx.span_mask, ctx.scale
+        if column is None:
+            raise RuntimeError("_ChunkedAttention needs a ones column in v to backpropagate")
+        grad_q, grad_k, grad_v = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        grad_mask = None
+        if mask is not None and ctx.needs_input_grad[3]:
+            grad_mask = q.new_zeros((q.shape[0], *mask.shape[1:]))
+        for i0, i1, lo, hi in ctx.spans:
+            if hi <= lo:
+                continue
+            rows, keys, values = q[:, :, i0:i1], k[:, :, lo:hi], v[:, :, lo:hi]
+            grad = grad_out[:, :, i0:i1].clone(memory_format=torch.contiguous_format)
+            grad[..., column] = grad_lse[:, :, i0:i1]  # [B, H, C, W]
+            chunk_out = out[:, :, i0:i1].clone()
+            chunk_out[..., column] = 0.0
+            chunk_mask = span_mask((i0, i1, lo, hi))
+            if chunk_mask is None:
+                dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                    grad, rows, keys, values, chunk_out, lse[:, :, i0:i1], 0.0, False, scale=scale
+                )
+            else:
+                logits = torch.matmul(rows, keys.transpose(-1, -2)).mul_(scale)  # [B, H, C, w]
+                logits += chunk_mask
+                weights = logits.sub_(lse[:, :, i0:i1].unsqueeze(-1)).exp_()  # P
+                grad_logits = torch.matmul(grad, values.transpose(-1, -2))  # dP
+                delta = (grad * chunk_out).sum(-1, keepdim=True)  # δ_i = dO_i . O_i
+                if grad_weights.numel():
+                    extra = grad_weights[:, :, i0:i1, : hi - lo]
+                    grad_logits += extra
+                    delta += (weights * extra).sum(-1, keepdim=True)
+                dv = torch.matmul(weights.transpose(-1, -2), grad)
+                grad_logits = weights.mul_(grad_logits.sub_(delta))  # dS = P ⊙ (dP - δ)
+                if grad_mask is not None:
+                    grad_mask[:, :, i0:i1, : hi - lo] = grad_logits
+                dq = torch.matmul(grad_logits, keys).mul_(scale)
+                dk = torch.matmul(grad_logits.transpose(-1, -2), rows).mul_(scale)
+            grad_q[:, :, i0:i1] += dq
+            grad_k[:, :, lo:hi] += dk
+            grad_v[:, :, lo:hi] += dv
+        if grad_mask is not None and mask is not None and grad_mask.shape != mask.shape:
+            grad_mask = grad_mask.sum_to_size(mask.shape)
+        return grad_q, grad_k, grad_v, grad_mask, None, None, None, None
+
+
+def _span_mask(mask: Tensor | Any) -> Any:
+    """span -> that span's mask (or None) from ``_ChunkedAttention``'s mask argument."""
+    if mask is None:
+        return lambda span: None
+    if isinstance(mask, Tensor):
+        return lambda span: mask[:, :, span[0] : span[1], : span[3] - span[2]]
+    return mask
+
+
+def band_spans(
+    n: int, m: int, clip: int, causal: bool
+) -> tuple[list[Span], list[Span], list[Span]]:
+    """Per chunk of queries (default positions: query i at M - N + i), the spans of the
+    far-left keys (at least ``clip`` before every query of the chunk), of the band, and
+    of the far-right keys (at least ``clip`` after every query; none when causal)."""
+    far_left, band, far_right = [], [], []
+    for i0 in range(0, n, CLIPPED_RELATIVE_QUERY_CHUNK):
+        i1 = min(n, i0 + CLIPPED_RELATIVE_QUERY_CHUNK)
+        first, last = m - n + i0, m - n + i1 - 1  # the chunk's query positions
+        hi = last + 1 if causal else m
+        left = max(0, min(hi, first - clip + 1))
+        right = max(left, min(hi, last + clip))
+        far_left.append((i0, i1, 0, left))
+        band.append((i0, i1, left, right))
+        far_right.append((i0, i1, right, hi))
+    return far_left, band, far_right
+
+
+def band_terms(parts: list[RelativePart], n: int, m: int, band: list[Span], causal: bool) -> Tensor:
+    """The relative terms on the band of consecutive spans (queries band[0][0] ..
+    band[-1][1] - 1, each span's own keys), summed: [B or 1, H, rows, width] with column
+    w of query i at key lo + w of i's span (columns past the span are filled but
+    unread), -inf where ``causal`` masks the key."""
+    device = parts[0].scores.device
+    width = max(hi - lo for _, _, lo, hi in band)
+    first_row, last_row = band[0][0], band[-1][1]
+    starts = torch.tensor(
+        [lo for i0, i1, lo, _ in band for _ in range(i0, i1)], dtype=torch.int64, device=device
+    )  # [rows]
+    keys = (starts.unsqueeze(1) + torch.arange(width, device=device)).clamp(max=m - 1)
+    queries = torch.arange(first_row, last_row, device=device).unsqueeze(1)  # [rows, 1]
+    diagonal_index = keys - queries + (n - 1)  # [rows, w]: entry kv - q + N - 1
+    count = last_row - first_row
+    total: Tensor | None = None
+    for side, scores, diagonal in parts:
+        if diagonal is None:  # "content": one value per key, [B, H, M]
+            term = scores[:, :, keys]  # [B, H, rows, w]
+        else:
+            rows = diagonal[diagonal_index]  # [rows, w]
+            if side == "query":  # [B, H, N, K]
+                chunk = scores[:, :, first_row:last_row]
+                term = torch.gather(chunk, -1, rows.expand(*scores.shape[:2], count, width))
+            elif side == "key":  # [B, H, M, K]: flat index key * K + row
+                flat = (keys * scores.shape[-1] + rows).flatten()  # [N * w]
+                flat_scores = scores.flatten(-2)  # [B, H, M * K]
+                term = torch.gather(flat_scores, -1, flat.expand(*scores.shape[:2], -1))
+                term = term.view(*scores.shape[:2], count, width)
+            else:  # "global": [H, K]
+                term = scores[:, rows].unsqueeze(0)  # [1, H, rows, w]
+        if total is None:
+            total = term
+        elif total.shape == torch.broadcast_shapes(total.shape, term.shape):
+            total = total.add_(term)
+        else:
+            total = total + term
+    assert total is not None  # parts is not empty
+    if causal:
+        masked = keys > queries + (m - n)  # key after the query
+        total = total.masked_fill_(masked, float("-inf"))
+    return total
+
+
+def far_terms(
+    parts: list[RelativePart], n: int, m: int, right: bool
+) -> tuple[Tensor | None, Tensor | None]:
+    """A and B of the far keys on one side (see the module docstring): the terms at the
+    row of the farthest diagonal, per query [B or 1, H, n] and per key [B or 1, H, m];
+    None where no term reads that side."""
+    per_query: Tensor | None = None
+    per_key: Tensor | None = None
+    for side, scores, diagonal in parts:
+        query_part = key_part = None
+        if diagonal is None:  # "content": one value per key
+            key_part = scores
+        else:
+            row = diagonal[-1:] if right else diagonal[:1]  # [1]
+            value = scores.index_select(-1, row).squeeze(-1)
+            if side == "query":
+                query_part = value  # [B, H, n]
+            elif side == "key":
+                key_part = value  # [B, H, m]
+            else:  # "global": [H]
+                query_part = value[None, :, None]
+        if query_part is not None:
+            per_query = query_part if per_query is None else per_query + query_part
+        if key_part is not None:
+            per_key = key_part if per_key is None else per_key + key_part
+    return per_query, per_key
+
+
+def clipped_relative_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    parts: list[RelativePart],
+    clip: int,
+    scale: float,
+    causal: bool,
+    value_term: Any = None,
+) -> Tensor:
+    """Attention with relative terms clipped at ``clip`` at default positions (the
+    queries are the last N of M keys), causal or not (see the module docstring).
+
+    q: [B, H, N, D]; k: [B, H, M, D]; v: [B, H, M, value_dim] (heads repeated for GQA by
+    the caller); parts: ``_relative_parts(q, k, dtype, causal)``; ``value_term(weights,
+    q_positions, k_positions)``: the encoding's ``_value_term``, or None. Returns
+    [B, H, N, value_dim] in q's dtype.
+    """
+    batch, heads, n, dim = q.shape
+    m, value_dim = k.shape[2], v.shape[-1]
+    far_left, band, far_right = band_spans(n, m, clip, causal)
+    left_a, left_b = far_terms(parts, n, m, right=False)  # [., H, N], [., H, M] or None
+    right_a, right_b = far_terms(parts, n, m, right=True)
+    trains = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (q, k, v, *(part.scores for part in parts))
+    )
+    # A_i enters a far side's log-sum-exp (softmax ignores a per-query constant); B_j
+    # rides in two more features, q [q_i, 1, 0] (left) or [q_i, 0, 1] (right) against
+    # k [k_j, B^L_j / s, B^R_j / s]; with gradients, v carries a column of ones
+    # (``_ChunkedAttention``). Everything is padded to one width, as the kernel needs.
+    by_key = left_b is not None or right_b is not None
+    extra = 2 if by_key else 0
+    width = max(dim + extra, value_dim + (1 if trains else 0))
+
+    def features(*columns: Tensor) -> Tensor:
+        """[B, H, L, width]: the columns side by side, zeros after them (no copy where
+        a single column fills the width)."""
+        full = [c.expand(batch, heads, *c.shape[2:]) for c in columns]
+        used = sum(c.shape[-1] for c in full)
+        if used == width and len(full) == 1:
+            return full[0]
+        zeros = full[0].new_zeros(1, 1, 1, 1).expand(batch, heads, full[0].shape[2], width - used)
+        return torch.cat([*full, zeros], dim=-1)
+
+    one_per_key, zero_per_key = k.new_ones(1, 1, m, 1), k.new_zeros(1, 1, m, 1)
+    if by_key:
+        left_keys = zero_per_key if left_b is None else left_b.unsqueeze(-1) / scale
+        right_keys = zero_per_key if right_b is None else right_b.unsqueeze(-1) / scale
+        keys = features(k, left_keys, right_keys)
+    else:
+        keys = features(k)
+    values = features(v, one_per_key) if trains else features(v)  # ones at value_dim
+    ones_column = value_dim if trains else None
+    if trains and any(part.scores.requires_grad for part in parts):
+        mask: Any = band_terms(parts, n, m, band, causal)  # [B, H, N, w], trained
+    else:  # each chunk's terms when a call needs them (a [B, H, C, w] tensor at a time)
+
+        def mask(span: Span) -> Tensor:
+            return band_terms(parts, n, m, [span], causal)[..., : span[3] - span[2]]
+
+    band_out, band_lse, band_weights = _ChunkedAttention.apply(
+        features(q), keys, values, mask, band, scale, ones_column, value_term is not None
+    )
+    pieces: list[tuple[Tensor, Tensor, int | None]] = [(band_out, band_lse, None)]
+    one_per_query, zero_per_query = q.new_ones(1, 1, n, 1), q.new_zeros(1, 1, n, 1)
+    for spans, per_query, selector, far_key in (
+        (far_left, left_a, (one_per_query, zero_per_query), 0),
+        (far_right, right_a, (zero_per_query, one_per_query), m - 1),
+    ):
+        if all(hi <= lo for _, _, lo, hi in spans):
+            continue
+        queries = features(q, *selector) if by_key else features(q)
+        out, lse, _ = _ChunkedAttention.apply(
+            queries, keys, values, None, spans, scale, ones_column, False
+        )
+        if per_query is not None:
+            lse = lse + per_query  # A_i
+        pieces.append((out, lse, far_key))
+    total_lse = pieces[0][1]
+    for _, lse, _ in pieces[1:]:
+        total_lse = torch.logaddexp(total_lse, lse)  # [B, H, N]
+    result: Tensor | None = None
+    for out, lse, side_key in pieces:
+        share = torch.exp(lse - total_lse).unsqueeze(-1)  # [B, H, N, 1]
+        part = share * out[..., :value_dim]
+        result = part if result is None else result + part
+        if value_term is not None and side_key is not None:
+            # that side's total weight times its row of the value table
+            positions = torch.arange(m - n, m, device=q.device)
+            key = torch.full((1,), side_key, dtype=torch.int64, device=q.device)
+            result = result + value_term(share, positions, key)
+    assert result is not None
+    if value_term is not None:
+        # the band's weights (softmax over the band alone), rescaled to the union
+        band_share = torch.exp(band_lse - total_lse).unsqueeze(-1)
+        weights = band_weights * band_share  # [B, H, N, w]
+        terms = []
+        chunks = weights.split(CLIPPED_RELATIVE_QUERY_CHUNK, dim=2)  # one per span of band
+        for (i0, i1, lo, hi), chunk in zip(band, chunks, strict=True):
+            positions = torch.arange(m - n + i0, m - n + i1, device=q.device)
+            keys_of_span = torch.arange(lo, hi, device=q.device)
+            terms.append(value_term(chunk[..., : hi - lo], positions, keys_of_span))
+        result = result + torch.cat(terms, dim=2)
+    return result

@@ -1,0 +1,288 @@
+"""Relative terms clipped at a distance on the CPU's sdpa backend: a band of exact terms
+plus the far keys as flash attention with extra features (``clipped_relative_attention``).
+
+The path is checked against the paper's formula written out in float64 (Shaw et al.
+2018, tests/reference/formulas.py) and, outputs and gradients into q, k, v and every
+parameter, against the eager oracle for each kind of relative term: query-side
+(BERT relative_key), both sides (relative_key_query, DeBERTa's c2p and p2c) and a
+value-side term (Shaw's), at clips small enough that far keys lie on both sides.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import (
+    assert_sdpa_matches_eager,
+    generated_class,
+    runtime_modules,
+    set_runtime,
+    spec_names,
+    spec_variant,
+    spy_calls,
+)
+from tests.reference import formulas
+
+clipped = importlib.import_module("generated._clipped_relative")
+F64 = torch.float64
+
+
+@functools.cache
+def variant(name: str) -> type[torch.nn.Module]:
+    """``name`` with a small clip (so that short sequences have far keys)."""
+    small = {
+        "shaw": ("max_distance: 16", "max_distance: 3"),
+        "bert_relative_key": ("max_distance: 511", "max_distance: 4"),
+        "bert_relative_key_query": ("max_distance: 511", "max_distance: 4"),
+        "deberta": ("buckets: 256, max_distance: 512", "buckets: 8, max_distance: 12"),
+    }[name]
+    return spec_variant(name, small, name=f"{name}_small_clip")
+
+
+def make(name: str, **options: int) -> torch.nn.Module:
+    extra = {"model_dim": 16} if name == "deberta" else {}
+    torch.manual_seed(3)
+    return variant(name)(heads=4, head_dim=8, **extra, **options).double()
+
+
+def spy_route(pe: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
+    """The query shapes that reach ``pe``'s ``clipped_relative_attention``."""
+    return spy_calls(
+        monkeypatch,
+        runtime_modules(pe),
+        "clipped_relative_attention",
+        lambda q, *_, **__: tuple(q.shape),
+    )
+
+
+def small_chunks(monkeypatch: pytest.MonkeyPatch, pe: torch.nn.Module, rows: int = 8) -> None:
+    set_runtime(monkeypatch, "CLIPPED_RELATIVE_QUERY_CHUNK", rows, pe)
+
+
+NAMES = ["shaw", "bert_relative_key", "bert_relative_key_query", "deberta"]
+SHAPES = [  # (n, m, kv_heads): far keys on both sides, N < M, one query, odd chunks
+    (40, 40, 4),
+    (25, 50, 2),
+    (1, 45, 1),
+    (37, 41, 4),
+]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(("n", "m", "kv_heads"), SHAPES)
+@pytest.mark.parametrize("name", NAMES)
+def test_the_clipped_path_matches_eager_with_gradients(
+    name: str, n: int, m: int, kv_heads: int, causal: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pe = make(name)
+    small_chunks(monkeypatch, pe)
+    route = spy_route(pe, monkeypatch)
+    assert pe.relative_clip is not None and m >= 3 * pe.relative_clip
+    assert_sdpa_matches_eager(pe, n, m, kv_heads, causal=causal)
+    assert route == [(2, 4, n, 8)]  # the sdpa call took the path
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_shaw_on_the_clipped_path_matches_the_paper_formula(causal: bool, monkeypatch) -> None:
+    """The catalogue's Shaw (clip 16) at 60 tokens, against z_i = sum_j a_ij (v_j +
+    R^V[clip(j - i)]) with a_ij = softmax(q_i . (k_j + R^K[clip(j - i)]) / sqrt(d))."""
+    pe = generated_class("shaw")(heads=2, head_dim=4).double()
+    route = spy_route(pe, monkeypatch)
+    q, k, v = (torch.randn(2, 2, 60, 4, dtype=F64) for _ in range(3))
+    rel_k, rel_v = torch.randn(33, 4, dtype=F64), torch.randn(33, 4, dtype=F64)
+    with torch.no_grad():
+        pe.distance_embedding.weight.copy_(rel_k)
+        pe.value_embedding.weight.copy_(rel_v)
+    expected = formulas.shaw_relative_attention(q, k, v, rel_k, rel_v, clip=16, causal=causal)
+    out = pe(q, k, v, causal=causal, backend="sdpa")
+    torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-10)
+    assert route == [(2, 2, 60, 4)]
+
+
+@pytest.mark.parametrize("value_dim", [5, 13])
+def test_a_value_width_other_than_the_head_width(value_dim: int, monkeypatch) -> None:
+    # 5: the values are padded to the keys' width; 13: the queries and keys to the values'
+    pe = make("shaw", value_dim=value_dim)
+    small_chunks(monkeypatch, pe)
+    route = spy_route(pe, monkeypatch)
+    generator = torch.Generator().manual_seed(4)
+    q, k = (torch.randn(2, 4, 30, 8, generator=generator, dtype=F64) for _ in range(2))
+    v = torch.randn(2, 4, 30, value_dim, generator=generator, dtype=F64, requires_grad=True)
+    for causal in (False, True):
+        want = pe(q, k, v, causal=causal, backend="eager")
+        got = pe(q, k, v, causal=causal, backend="sdpa")
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+        (want_grad,) = torch.autograd.grad(want.square().sum(), v)
+        (got_grad,) = torch.autograd.grad(got.square().sum(), v)
+        torch.testing.assert_close(got_grad, want_grad, rtol=1e-10, atol=1e-12)
+    assert len(route) == 2
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_frozen_tables_and_no_gradients(name: str, monkeypatch) -> None:
+    """Tables that do not train: the band's terms are made per chunk, in the backward
+    again; without any gradient the values carry no column of ones."""
+    pe = make(name)
+    pe.requires_grad_(False)
+    small_chunks(monkeypatch, pe)
+    route = spy_route(pe, monkeypatch)
+    generator = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 30, 8, generator=generator, dtype=F64, requires_grad=True)
+    k, v = (torch.randn(2, 2, 40, 8, generator=generator, dtype=F64) for _ in range(2))
+    k.requires_grad_()
+    for causal in (False, True):
+        want = pe(q, k, v, causal=causal, backend="eager")
+        got = pe(q, k, v, causal=causal, backend="sdpa")
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+        want_grads = torch.autograd.grad(want.square().sum(), (q, k))
+        got_grads = torch.autograd.grad(got.square().sum(), (q, k))
+        for a, b in zip(got_grads, want_grads, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+        with torch.no_grad():
+            inference = pe(q, k, v, causal=causal, backend="sdpa")
+        torch.testing.assert_close(inference, want.detach(), rtol=1e-10, atol=1e-12)
+    assert len(route) == 4
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    name=st.sampled_from(["shaw", "bert_relative_key_query", "deberta"]),
+    n=st.integers(1, 45),
+    extra_keys=st.integers(0, 30),
+    chunk=st.integers(1, 50),
+    kv_heads=st.sampled_from([1, 2, 4]),
+    causal=st.booleans(),
+)
+def test_any_length_and_chunking_match_eager(name, n, extra_keys, chunk, kv_heads, causal) -> None:
+    """Exact at every length, with far keys or none (the least keys per clip only weighs
+    speed, so it is lifted here), and any chunking."""
+    pe = make(name)
+    settings_now = {"CLIPPED_RELATIVE_QUERY_CHUNK": chunk, "CLIPPED_RELATIVE_MIN_KEYS_PER_CLIP": 0}
+    modules = [module for module in runtime_modules(pe) if hasattr(module, "band_spans")]
+    saved = [{key: getattr(module, key) for key in settings_now} for module in modules]
+    try:
+        for module in modules:
+            for key, value in settings_now.items():
+                setattr(module, key, value)
+        assert_sdpa_matches_eager(pe, n, n + extra_keys, kv_heads, causal=causal)
+    finally:
+        for module, values in zip(modules, saved, strict=True):
+            for key, value in values.items():
+                setattr(module, key, value)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("name", ["shaw", "bert_relative_key_query"])
+def test_float32_stays_within_float32_error(name: str, causal: bool, monkeypatch) -> None:
+    pe = generated_class(name)(heads=2, head_dim=16)
+    route = spy_route(pe, monkeypatch)
+    m = 3 * pe.relative_clip + 30
+    generator = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 2, m, 16, generator=generator) for _ in range(3))
+    q.requires_grad_()
+    want = pe.double()(q.double(), k.double(), v.double(), causal=causal, backend="eager")
+    (want_grad,) = torch.autograd.grad(want.square().sum(), q)
+    got = pe.float()(q, k, v, causal=causal, backend="sdpa")
+    (got_grad,) = torch.autograd.grad(got.square().sum(), q)
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=2e-5)
+    torch.testing.assert_close(got_grad.double(), want_grad.double(), rtol=1e-3, atol=1e-4)
+    assert route == [(1, 2, m, 16)]
+
+
+def _run(pe: torch.nn.Module, n: int, m: int, dtype=F64, **options) -> None:
+    q = torch.randn(1, 4, n, 8, dtype=dtype)
+    k, v = (torch.randn(1, 4, m, 8, dtype=dtype) for _ in range(2))
+    pe.to(dtype)(q, k, v, backend="sdpa", **options)
+
+
+def test_the_path_serves_from_three_clip_distances_of_keys(monkeypatch) -> None:
+    pe = make("bert_relative_key")
+    route = spy_route(pe, monkeypatch)
+    least = clipped.CLIPPED_RELATIVE_MIN_KEYS_PER_CLIP * pe.relative_clip
+    _run(pe, 5, least - 1)
+    assert route == []
+    _run(pe, 5, least)
+    assert route == [(1, 4, 5, 8)]
+
+
+def test_what_the_path_leaves_to_the_dense_terms(monkeypatch) -> None:
+    pe = make("deberta")
+    route = spy_route(pe, monkeypatch)
+    n = m = 40
+    positions = torch.arange(m)
+    _run(pe, n, m, window=5)
+    _run(pe, n, m, q_positions=positions, k_positions=positions)
+    _run(pe, n, m, attn_mask=torch.ones(n, m, dtype=torch.bool))
+    _run(pe, n, m, document_ids=torch.zeros(m, dtype=torch.int64))
+    _run(pe, n, m, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _run(pe, n, m, dtype=torch.float32)
+    assert route == []
+    _run(pe, n, m, dtype=torch.float32)
+    assert route == [(1, 4, n, 8)]
+
+
+def test_unclipped_relative_terms_keep_the_dense_path(monkeypatch) -> None:
+    pe = generated_class("transformer_xl")(heads=4, head_dim=8).double()
+    assert pe.relative_clip is None
+    calls = spy_calls(
+        monkeypatch, runtime_modules(pe), "clipped_relative_attention", lambda *_, **__: 1
+    )
+    _run(pe, 40, 40)
+    assert calls == []
+
+
+RELATIVE_CLIPS = {
+    name: generated_class(name).relative_clip
+    for name in spec_names()
+    if getattr(generated_class(name), "relative_clip", None) is not None
+}
+
+
+def test_the_catalogue_declares_its_clips() -> None:
+    assert RELATIVE_CLIPS == {
+        "bert_relative_key": 511,
+        "bert_relative_key_query": 511,
+        "deberta": 512,
+        "deberta_absolute_input": 512,
+        "shaw": 16,
+    }
+    for name in ("transformer_xl", "cope", "t5", "rope"):
+        assert generated_class(name).relative_clip is None
+
+
+@pytest.mark.parametrize("name", sorted(RELATIVE_CLIPS))
+def test_every_index_is_constant_past_its_clip(name: str) -> None:
+    """relative_clip = K: index(r) is one row for all r >= K and one for all r <= -K,
+    read off the generated index function (up to 2^50), and K is the least such
+    distance on at least one side."""
+    module = importlib.import_module(f"generated.{name}")
+    clip = RELATIVE_CLIPS[name]
+    far = torch.cat((torch.arange(clip, clip + 5000), torch.tensor([10**6, 2**40, 2**50])))
+    for sign in (1, -1):
+        rows = module._relative_index(sign * far)
+        assert (rows == rows[0]).all(), (name, sign)
+    below = module._relative_index(torch.tensor([clip - 1, 1 - clip]))
+    at = module._relative_index(torch.tensor([clip, -clip]))
+    assert (below != at).any()
+
+
+def test_causal_parts_read_only_the_rows_of_keys_at_or_before_the_query() -> None:
+    pe = generated_class("shaw")(heads=2, head_dim=4)
+    q, k = torch.randn(1, 2, 40, 4), torch.randn(1, 2, 40, 4)
+    (full,) = pe._relative_parts(q, k, torch.float32)
+    (causal,) = pe._relative_parts(q, k, torch.float32, causal=True)
+    assert full.scores.shape[-1] == 33 and causal.scores.shape[-1] == 17  # r = -16 .. 0
+    # every unmasked diagonal (key index - query index <= 0 here) reads the same table row
+    distances = torch.arange(-39, 40)
+    allowed = distances <= 0
+    rows_full = full.diagonal[allowed]
+    rows_causal = causal.diagonal[allowed]
+    assert torch.equal(rows_full - rows_full.min(), rows_causal - rows_causal.min())
+    assert int(causal.diagonal.max()) < 17
