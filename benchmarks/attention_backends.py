@@ -12,7 +12,9 @@ arithmetic). Reports ratios to the baseline and peak extra memory (CUDA).
 ``--compare-clipped`` also times, for a trained bias clipped at a distance (T5), the
 sdpa backend with its clipped-bias training path turned off (the query-chunked path it
 replaced) and the flex backend with its clipped-bias route turned on (the bias read per
-score as a constant, its gradient from a band and two triangles), in the same loop.
+score as a constant, its gradient from a band and two triangles), in the same loop; for
+relative terms clipped at a distance (Shaw, BERT relative_key, DeBERTa), the sdpa
+backend with its clipped-relative path (``clipped_relative_attention``) turned off.
 
 ``--compare-fused`` also times, for a bias of j - i alone (ALiBi, T5, KERPLE ...), the
 flex backend with its fused Triton route taken for every bias form and for none
@@ -50,6 +52,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import generated._clipped_relative as clipped_relative  # noqa: E402
 import generated._flex as flex_runtime  # noqa: E402
 import generated._flex_backend as flex_backend  # noqa: E402
 import generated._masks as masks  # noqa: E402
@@ -238,14 +241,18 @@ def runtime_setting(backend: str, setting: object, device: torch.device) -> Iter
 
 @contextlib.contextmanager
 def clipped_path_off() -> Iterator[None]:
-    """The runtime without its clipped-bias training path (``clipped_bias_attention``):
-    a trained bias clipped at a distance takes the query-chunked path instead."""
-    least = trained_bias.CLIPPED_BIAS_MIN_KEYS_PER_CLIP
+    """The runtime without its clipped-bias training path (``clipped_bias_attention``)
+    and its clipped-relative path (``clipped_relative_attention``): a trained bias
+    clipped at a distance takes the query-chunked path, relative terms the dense one."""
+    least_bias = trained_bias.CLIPPED_BIAS_MIN_KEYS_PER_CLIP
+    least_relative = clipped_relative.CLIPPED_RELATIVE_MIN_KEYS_PER_CLIP
     trained_bias.CLIPPED_BIAS_MIN_KEYS_PER_CLIP = 2**62
+    clipped_relative.CLIPPED_RELATIVE_MIN_KEYS_PER_CLIP = 2**62
     try:
         yield
     finally:
-        trained_bias.CLIPPED_BIAS_MIN_KEYS_PER_CLIP = least
+        trained_bias.CLIPPED_BIAS_MIN_KEYS_PER_CLIP = least_bias
+        clipped_relative.CLIPPED_RELATIVE_MIN_KEYS_PER_CLIP = least_relative
 
 
 @contextlib.contextmanager
@@ -313,7 +320,8 @@ def candidates(
                         return pe(q, k, v, causal=causal, backend=backend, window=args.window)
 
                 found.append((name, f"{backend} {label}".strip(), attend, params))
-        if "sdpa" in args.backends and args.compare_clipped and pe.clipped_distance:
+        clipped = pe.clipped_distance or pe.relative_clip
+        if "sdpa" in args.backends and args.compare_clipped and clipped:
 
             def attend_unclipped(pe=pe) -> torch.Tensor:
                 with clipped_path_off():
@@ -531,7 +539,8 @@ def main() -> None:
     parser.add_argument(
         "--compare-clipped",
         action="store_true",
-        help="also time sdpa without, and flex with, the clipped-bias training path (T5)",
+        help="also time sdpa without, and flex with, the clipped-bias training path (T5), "
+        "and sdpa without the clipped-relative path (Shaw, BERT relative_key, DeBERTa)",
     )
     parser.add_argument(
         "--compare-fused",

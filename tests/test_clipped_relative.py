@@ -61,8 +61,11 @@ def spy_route(pe: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> list[tupl
     )
 
 
-def small_chunks(monkeypatch: pytest.MonkeyPatch, pe: torch.nn.Module, rows: int = 8) -> None:
+def serve_short(monkeypatch: pytest.MonkeyPatch, pe: torch.nn.Module, rows: int = 8) -> None:
+    """``pe``'s clipped path in chunks of ``rows`` queries, at any number of keys (the
+    least count only weighs speed)."""
     set_runtime(monkeypatch, "CLIPPED_RELATIVE_QUERY_CHUNK", rows, pe)
+    set_runtime(monkeypatch, "CLIPPED_RELATIVE_MIN_KEYS", {False: 0, True: 0}, pe)
 
 
 NAMES = ["shaw", "bert_relative_key", "bert_relative_key_query", "deberta"]
@@ -81,7 +84,7 @@ def test_the_clipped_path_matches_eager_with_gradients(
     name: str, n: int, m: int, kv_heads: int, causal: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pe = make(name)
-    small_chunks(monkeypatch, pe)
+    serve_short(monkeypatch, pe)
     route = spy_route(pe, monkeypatch)
     assert pe.relative_clip is not None and m >= 3 * pe.relative_clip
     assert_sdpa_matches_eager(pe, n, m, kv_heads, causal=causal)
@@ -93,6 +96,7 @@ def test_shaw_on_the_clipped_path_matches_the_paper_formula(causal: bool, monkey
     """The catalogue's Shaw (clip 16) at 60 tokens, against z_i = sum_j a_ij (v_j +
     R^V[clip(j - i)]) with a_ij = softmax(q_i . (k_j + R^K[clip(j - i)]) / sqrt(d))."""
     pe = generated_class("shaw")(heads=2, head_dim=4).double()
+    serve_short(monkeypatch, pe, rows=16)
     route = spy_route(pe, monkeypatch)
     q, k, v = (torch.randn(2, 2, 60, 4, dtype=F64) for _ in range(3))
     rel_k, rel_v = torch.randn(33, 4, dtype=F64), torch.randn(33, 4, dtype=F64)
@@ -109,7 +113,7 @@ def test_shaw_on_the_clipped_path_matches_the_paper_formula(causal: bool, monkey
 def test_a_value_width_other_than_the_head_width(value_dim: int, monkeypatch) -> None:
     # 5: the values are padded to the keys' width; 13: the queries and keys to the values'
     pe = make("shaw", value_dim=value_dim)
-    small_chunks(monkeypatch, pe)
+    serve_short(monkeypatch, pe)
     route = spy_route(pe, monkeypatch)
     generator = torch.Generator().manual_seed(4)
     q, k = (torch.randn(2, 4, 30, 8, generator=generator, dtype=F64) for _ in range(2))
@@ -130,7 +134,7 @@ def test_frozen_tables_and_no_gradients(name: str, monkeypatch) -> None:
     again; without any gradient the values carry no column of ones."""
     pe = make(name)
     pe.requires_grad_(False)
-    small_chunks(monkeypatch, pe)
+    serve_short(monkeypatch, pe)
     route = spy_route(pe, monkeypatch)
     generator = torch.Generator().manual_seed(5)
     q = torch.randn(2, 4, 30, 8, generator=generator, dtype=F64, requires_grad=True)
@@ -163,7 +167,11 @@ def test_any_length_and_chunking_match_eager(name, n, extra_keys, chunk, kv_head
     """Exact at every length, with far keys or none (the least keys per clip only weighs
     speed, so it is lifted here), and any chunking."""
     pe = make(name)
-    settings_now = {"CLIPPED_RELATIVE_QUERY_CHUNK": chunk, "CLIPPED_RELATIVE_MIN_KEYS_PER_CLIP": 0}
+    settings_now = {
+        "CLIPPED_RELATIVE_QUERY_CHUNK": chunk,
+        "CLIPPED_RELATIVE_MIN_KEYS_PER_CLIP": 0,
+        "CLIPPED_RELATIVE_MIN_KEYS": {False: 0, True: 0},
+    }
     modules = [module for module in runtime_modules(pe) if hasattr(module, "band_spans")]
     saved = [{key: getattr(module, key) for key in settings_now} for module in modules]
     try:
@@ -181,6 +189,7 @@ def test_any_length_and_chunking_match_eager(name, n, extra_keys, chunk, kv_head
 @pytest.mark.parametrize("name", ["shaw", "bert_relative_key_query"])
 def test_float32_stays_within_float32_error(name: str, causal: bool, monkeypatch) -> None:
     pe = generated_class(name)(heads=2, head_dim=16)
+    serve_short(monkeypatch, pe, rows=32)
     route = spy_route(pe, monkeypatch)
     m = 3 * pe.relative_clip + 30
     generator = torch.Generator().manual_seed(6)
@@ -203,6 +212,7 @@ def _run(pe: torch.nn.Module, n: int, m: int, dtype=F64, **options) -> None:
 
 def test_the_path_serves_from_three_clip_distances_of_keys(monkeypatch) -> None:
     pe = make("bert_relative_key")
+    serve_short(monkeypatch, pe)
     route = spy_route(pe, monkeypatch)
     least = clipped.CLIPPED_RELATIVE_MIN_KEYS_PER_CLIP * pe.relative_clip
     _run(pe, 5, least - 1)
@@ -211,8 +221,28 @@ def test_the_path_serves_from_three_clip_distances_of_keys(monkeypatch) -> None:
     assert route == [(1, 4, 5, 8)]
 
 
+def test_the_path_serves_from_its_least_keys_with_and_without_gradients(monkeypatch) -> None:
+    pe = generated_class("shaw")(heads=2, head_dim=4)
+    route = spy_route(pe, monkeypatch)
+    forward, training = (
+        clipped.CLIPPED_RELATIVE_MIN_KEYS[False],
+        clipped.CLIPPED_RELATIVE_MIN_KEYS[True],
+    )
+    assert forward >= 3 * pe.relative_clip and training > forward
+    for m in (forward - 1, forward):
+        q, k, v = (torch.randn(1, 2, m, 4) for _ in range(3))
+        with torch.no_grad():
+            pe(q, k, v, backend="sdpa")
+    assert route == [(1, 2, forward, 4)]
+    for m in (training - 1, training):
+        q, k, v = (torch.randn(1, 2, m, 4) for _ in range(3))
+        pe(q, k, v, backend="sdpa").sum().backward()  # the tables train
+    assert route == [(1, 2, forward, 4), (1, 2, training, 4)]
+
+
 def test_what_the_path_leaves_to_the_dense_terms(monkeypatch) -> None:
     pe = make("deberta")
+    serve_short(monkeypatch, pe)
     route = spy_route(pe, monkeypatch)
     n = m = 40
     positions = torch.arange(m)
@@ -230,6 +260,7 @@ def test_what_the_path_leaves_to_the_dense_terms(monkeypatch) -> None:
 
 def test_unclipped_relative_terms_keep_the_dense_path(monkeypatch) -> None:
     pe = generated_class("transformer_xl")(heads=4, head_dim=8).double()
+    serve_short(monkeypatch, pe)
     assert pe.relative_clip is None
     calls = spy_calls(
         monkeypatch, runtime_modules(pe), "clipped_relative_attention", lambda *_, **__: 1
