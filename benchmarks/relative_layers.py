@@ -225,10 +225,11 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--tag", default="", help="appended to the result file names")
     add_out_argument(parser)
     args = parser.parse_args()
     report = run(args)
-    stem = f"relative_layers_{args.device.split(':')[0]}_{args.dtype}"
+    stem = f"relative_layers_{args.device.split(':')[0]}_{args.dtype}{args.tag}"
     write_results(args.out, stem, report, markdown(report))
 
 

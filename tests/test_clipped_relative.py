@@ -66,6 +66,7 @@ def serve_short(monkeypatch: pytest.MonkeyPatch, pe: torch.nn.Module, rows: int 
     least count only weighs speed)."""
     set_runtime(monkeypatch, "CLIPPED_RELATIVE_QUERY_CHUNK", rows, pe)
     set_runtime(monkeypatch, "CLIPPED_RELATIVE_MIN_KEYS", {False: 0, True: 0}, pe)
+    set_runtime(monkeypatch, "CLIPPED_RELATIVE_MIN_QUERIES", 0, pe)
 
 
 NAMES = ["shaw", "bert_relative_key", "bert_relative_key_query", "deberta"]
@@ -171,6 +172,7 @@ def test_any_length_and_chunking_match_eager(name, n, extra_keys, chunk, kv_head
         "CLIPPED_RELATIVE_QUERY_CHUNK": chunk,
         "CLIPPED_RELATIVE_MIN_KEYS_PER_CLIP": 0,
         "CLIPPED_RELATIVE_MIN_KEYS": {False: 0, True: 0},
+        "CLIPPED_RELATIVE_MIN_QUERIES": 0,
     }
     modules = [module for module in runtime_modules(pe) if hasattr(module, "band_spans")]
     saved = [{key: getattr(module, key) for key in settings_now} for module in modules]
@@ -221,14 +223,15 @@ def test_the_path_serves_from_three_clip_distances_of_keys(monkeypatch) -> None:
     assert route == [(1, 4, 5, 8)]
 
 
-def test_the_path_serves_from_its_least_keys_with_and_without_gradients(monkeypatch) -> None:
+def test_the_path_serves_from_its_least_keys_and_queries(monkeypatch) -> None:
     pe = generated_class("shaw")(heads=2, head_dim=4)
     route = spy_route(pe, monkeypatch)
     forward, training = (
         clipped.CLIPPED_RELATIVE_MIN_KEYS[False],
         clipped.CLIPPED_RELATIVE_MIN_KEYS[True],
     )
-    assert forward >= 3 * pe.relative_clip and training > forward
+    queries = clipped.CLIPPED_RELATIVE_MIN_QUERIES
+    assert forward >= 3 * pe.relative_clip and training > forward and forward > queries
     for m in (forward - 1, forward):
         q, k, v = (torch.randn(1, 2, m, 4) for _ in range(3))
         with torch.no_grad():
@@ -238,6 +241,15 @@ def test_the_path_serves_from_its_least_keys_with_and_without_gradients(monkeypa
         q, k, v = (torch.randn(1, 2, m, 4) for _ in range(3))
         pe(q, k, v, backend="sdpa").sum().backward()  # the tables train
     assert route == [(1, 2, forward, 4), (1, 2, training, 4)]
+    for n in (queries - 1, queries):
+        q, k, v = (
+            torch.randn(1, 2, n, 4),
+            torch.randn(1, 2, forward, 4),
+            torch.randn(1, 2, forward, 4),
+        )
+        with torch.no_grad():
+            pe(q, k, v, backend="sdpa")
+    assert route[2:] == [(1, 2, queries, 4)]
 
 
 def test_what_the_path_leaves_to_the_dense_terms(monkeypatch) -> None:

@@ -49,6 +49,11 @@ CLIPPED_RELATIVE_MIN_KEYS_PER_CLIP = 3
 #: -> 5.7x plain SDPA at N = 256; a training step 3.3x -> 3.6x at N = 512, 6.6x ->
 #: 3.2x at N = 1024)
 CLIPPED_RELATIVE_MIN_KEYS: dict[bool, int] = {False: 256, True: 1024}
+#: and at least this many queries: a few queries (a decode step) pay the path's fixed
+#: cost and gain little (2048 keys, batch 2, 8 heads, no gradients: one query 1.1 ->
+#: 1.3 ms for Shaw and 0.8 -> 1.3 ms for BERT relative_key; at 64 queries every kind
+#: was as fast or faster, Shaw 19 -> 6 ms)
+CLIPPED_RELATIVE_MIN_QUERIES = 64
 
 #: (i0, i1, lo, hi): queries i0 .. i1 - 1 read keys lo .. hi - 1
 Span = tuple[int, int, int, int]
@@ -56,10 +61,11 @@ Span = tuple[int, int, int, int]
 
 def clipped_relative_serves(q: Tensor, m: int, clip: int | None, trains: bool) -> bool:
     """Whether ``clipped_relative_attention`` runs relative terms clipped at ``clip``
-    (None: not clipped) over ``m`` keys, for a training step (``trains``) or not: the
-    CPU (its flash kernel returns the log-sum-exp), float32 or float64, no autocast,
-    eager mode, at least ``CLIPPED_RELATIVE_MIN_KEYS_PER_CLIP`` keys per unit of the
-    clip and ``CLIPPED_RELATIVE_MIN_KEYS`` keys. The caller checks the rest: default
+    (None: not clipped) for queries ``q`` over ``m`` keys, for a training step
+    (``trains``) or not: the CPU (its flash kernel returns the log-sum-exp), float32 or
+    float64, no autocast, eager mode, at least ``CLIPPED_RELATIVE_MIN_KEYS_PER_CLIP``
+    keys per unit of the clip, ``CLIPPED_RELATIVE_MIN_KEYS`` keys and
+    ``CLIPPED_RELATIVE_MIN_QUERIES`` queries. The caller checks the rest: default
     positions, no window, documents, attn_mask or position bias."""
     return (
         clip is not None
@@ -69,6 +75,7 @@ def clipped_relative_serves(q: Tensor, m: int, clip: int | None, trains: bool) -
         and not torch.compiler.is_compiling()
         and m >= CLIPPED_RELATIVE_MIN_KEYS_PER_CLIP * clip
         and m >= CLIPPED_RELATIVE_MIN_KEYS[trains]
+        and q.shape[2] >= CLIPPED_RELATIVE_MIN_QUERIES
     )
 
 
