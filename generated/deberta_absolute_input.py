@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ._attention import PositionalAttention
-from ._distances import default_distances
+from ._distances import default_distances, diagonal_rows
 from ._inputs import cache_get, cache_put, check_positions, positive_int
 from ._masks import relative_positions
 from ._terms import RelativePart
@@ -277,13 +277,7 @@ class DebertaAbsoluteInput(PositionalAttention):
         relative = default_distances(n, m, device)  # j - i per diagonal
         if sign == "query_minus_key":
             relative = -relative
-        index = _relative_index(relative)  # table rows
-        if torch.compiler.is_compiling():
-            low, high = 0, RELATIVE_ROWS - 1
-        else:
-            reached = index[:m] if causal else index
-            low, high = int(reached.min()), int(reached.max())
-        return index.clamp(low, high) - low, torch.arange(low, high + 1, device=device)
+        return diagonal_rows(_relative_index(relative), RELATIVE_ROWS, m, causal)
 
     def _relative_parts(
         self, q: Tensor, k: Tensor, dtype: torch.dtype, causal: bool = False

@@ -329,3 +329,26 @@ def test_causal_parts_read_only_the_rows_of_keys_at_or_before_the_query() -> Non
     rows_causal = causal.diagonal[allowed]
     assert torch.equal(rows_full - rows_full.min(), rows_causal - rows_causal.min())
     assert int(causal.diagonal.max()) < 17
+
+
+@pytest.mark.parametrize("name", ["shaw", "deberta"])
+def test_the_bnhd_layout_takes_the_path_too(name: str, monkeypatch) -> None:
+    """Hugging Face's [batch, seq, heads, dim] projections: q, k and v reach the flash
+    kernel as strided views (no extra feature to add for Shaw), gradients included."""
+    pe = make(name)
+    serve_short(monkeypatch, pe)
+    route = spy_route(pe, monkeypatch)
+    generator = torch.Generator().manual_seed(7)
+    q, k, v = (
+        torch.randn(2, 40, 4, 8, generator=generator, dtype=F64, requires_grad=True)
+        for _ in range(3)
+    )
+    for causal in (False, True):
+        want = pe(q, k, v, layout="bnhd", causal=causal, backend="eager")
+        got = pe(q, k, v, layout="bnhd", causal=causal, backend="sdpa")
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+        want_grads = torch.autograd.grad(want.square().sum(), (q, k, v))
+        got_grads = torch.autograd.grad(got.square().sum(), (q, k, v))
+        for a, b in zip(got_grads, want_grads, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+    assert route == [(2, 4, 40, 8)] * 2

@@ -25,6 +25,23 @@ def default_distances(n: int, m: int, device: torch.device) -> Tensor:
     return torch.arange(-(m - 1), n, device=device)
 
 
+def diagonal_rows(index: Tensor, table_rows: int, m: int, causal: bool) -> tuple[Tensor, Tensor]:
+    """The table rows a relative term reads, per diagonal of default positions.
+
+    index: the table row of each diagonal, int64 [N + M - 1] (``default_distances``'
+    order), in [0, table_rows). Returns each diagonal's row counted from the first row
+    reached, and those rows, int64 [K]: the rows the diagonals reach (with ``causal``,
+    the first M diagonals, whose key is not after the query; the others read a row
+    within them), or every row of the table while compiling (no host sync).
+    """
+    if torch.compiler.is_compiling():
+        low, high = 0, table_rows - 1
+    else:
+        reached = index[:m] if causal else index
+        low, high = int(reached.min()), int(reached.max())
+    return index.clamp(low, high) - low, torch.arange(low, high + 1, device=index.device)
+
+
 class _QueryReversedDiagonals(torch.autograd.Function):
     """A per-distance vector [H, N + M - 1] as an [H, N, M] view with queries reversed.
 
