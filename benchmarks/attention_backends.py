@@ -247,7 +247,7 @@ def clipped_path_off() -> Iterator[None]:
     least_bias = trained_bias.CLIPPED_BIAS_MIN_KEYS_PER_CLIP
     least_relative = clipped_relative.CLIPPED_RELATIVE_MIN_KEYS_PER_CLIP
     trained_bias.CLIPPED_BIAS_MIN_KEYS_PER_CLIP = 2**62
-    clipped_relative.CLIPPED_RELATIVE_MIN_KEYS_PER_CLIP = 2**62
+    clipped_relative.CLIPPED_RELATIVE_MIN_KEYS_PER_CLIP = {False: 2**62, True: 2**62}
     try:
         yield
     finally:

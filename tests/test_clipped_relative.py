@@ -87,7 +87,7 @@ def test_the_clipped_path_matches_eager_with_gradients(
     pe = make(name)
     serve_short(monkeypatch, pe)
     route = spy_route(pe, monkeypatch)
-    assert pe.relative_clip is not None and m >= 3 * pe.relative_clip
+    assert pe.relative_clip is not None
     assert_sdpa_matches_eager(pe, n, m, kv_heads, causal=causal)
     assert route == [(2, 4, n, 8)]  # the sdpa call took the path
 
@@ -170,7 +170,7 @@ def test_any_length_and_chunking_match_eager(name, n, extra_keys, chunk, kv_head
     pe = make(name)
     settings_now = {
         "CLIPPED_RELATIVE_QUERY_CHUNK": chunk,
-        "CLIPPED_RELATIVE_MIN_KEYS_PER_CLIP": 0,
+        "CLIPPED_RELATIVE_MIN_KEYS_PER_CLIP": {False: 0, True: 0},
         "CLIPPED_RELATIVE_MIN_KEYS": {False: 0, True: 0},
         "CLIPPED_RELATIVE_MIN_QUERIES": 0,
     }
@@ -212,15 +212,17 @@ def _run(pe: torch.nn.Module, n: int, m: int, dtype=F64, **options) -> None:
     pe.to(dtype)(q, k, v, backend="sdpa", **options)
 
 
-def test_the_path_serves_from_three_clip_distances_of_keys(monkeypatch) -> None:
+@pytest.mark.parametrize("trains", [False, True])
+def test_the_path_serves_from_some_clip_distances_of_keys(trains: bool, monkeypatch) -> None:
     pe = make("bert_relative_key")
     serve_short(monkeypatch, pe)
     route = spy_route(pe, monkeypatch)
-    least = clipped.CLIPPED_RELATIVE_MIN_KEYS_PER_CLIP * pe.relative_clip
-    _run(pe, 5, least - 1)
-    assert route == []
-    _run(pe, 5, least)
-    assert route == [(1, 4, 5, 8)]
+    least = clipped.CLIPPED_RELATIVE_MIN_KEYS_PER_CLIP[trains] * pe.relative_clip
+    for m in (least - 1, least):
+        q, k, v = (torch.randn(1, 4, m, 8, dtype=F64) for _ in range(3))
+        with torch.set_grad_enabled(trains):
+            pe(q, k, v, backend="sdpa")  # with gradients, the table trains
+    assert route == [(1, 4, least, 8)]
 
 
 def test_the_path_serves_from_its_least_keys_and_queries(monkeypatch) -> None:
@@ -232,6 +234,7 @@ def test_the_path_serves_from_its_least_keys_and_queries(monkeypatch) -> None:
     )
     queries = clipped.CLIPPED_RELATIVE_MIN_QUERIES
     assert forward >= 3 * pe.relative_clip and training > forward and forward > queries
+    assert all(forward >= per_clip * pe.relative_clip for per_clip in (2, 3))
     for m in (forward - 1, forward):
         q, k, v = (torch.randn(1, 2, m, 4) for _ in range(3))
         with torch.no_grad():

@@ -39,11 +39,13 @@ from ._terms import RelativePart
 #: queries per chunk: each chunk is one flash call over its far keys on each side and
 #: one over the band of about C + 2K keys (C + K causal) within K - 1 of its queries
 CLIPPED_RELATIVE_QUERY_CHUNK = 256
-#: the clipped path serves at least this many keys per unit of the clip: with fewer,
-#: the band spans nearly every key and the far calls only add work (2-core CPU,
-#: float32, batch 2, 8 heads, N = 1024: DeBERTa, clip 512, 13.4x -> 5.9x plain SDPA
-#: forward, but BERT relative_key, clip 511, trains at 5.8x against the dense 5.4x)
-CLIPPED_RELATIVE_MIN_KEYS_PER_CLIP = 3
+#: the clipped path serves at least this many keys per unit of the clip, without and
+#: with gradients: with fewer, the band spans nearly every key and the far calls only
+#: add work (2-core CPU, float32, batch 2, 8 heads, against plain SDPA: at N = 1024,
+#: twice the clip, every kind's forward gained, BERT relative_key_query 14.2x -> 6.7x,
+#: BERT relative_key 5.6x -> 5.0x, but BERT relative_key trained at 5.5x against the
+#: dense 5.0x; at N = 512, about the clip, its forward lost, 4.0x -> 5.2x)
+CLIPPED_RELATIVE_MIN_KEYS_PER_CLIP: dict[bool, int] = {False: 2, True: 3}
 #: and at least this many keys, without and with gradients: below them the fixed cost
 #: of its calls outweighs the dense terms (Shaw, clip 16, same machine: forward 8.7x
 #: -> 5.7x plain SDPA at N = 256; a training step 3.3x -> 3.6x at N = 512, 6.6x ->
@@ -73,7 +75,7 @@ def clipped_relative_serves(q: Tensor, m: int, clip: int | None, trains: bool) -
         and q.dtype in (torch.float32, torch.float64)
         and not torch.is_autocast_enabled("cpu")
         and not torch.compiler.is_compiling()
-        and m >= CLIPPED_RELATIVE_MIN_KEYS_PER_CLIP * clip
+        and m >= CLIPPED_RELATIVE_MIN_KEYS_PER_CLIP[trains] * clip
         and m >= CLIPPED_RELATIVE_MIN_KEYS[trains]
         and q.shape[2] >= CLIPPED_RELATIVE_MIN_QUERIES
     )
