@@ -189,7 +189,9 @@ class PositionalAttention(SdpaBackend, FlexBackend):
           not return: "eager" on CUDA; on the CPU "sdpa", whose value-term path forms
           the weights once and chunks causal queries (Shaw, 2 threads, float32, N =
           2048, causal: 8.9x plain SDPA forward against eager's 27x, training 4.6x
-          against 12x; not causal within 15% of eager);
+          against 12x; not causal within 15% of eager), and past 2 clip distances of
+          keys reads them from a band and the far keys' totals
+          (``clipped_relative_attention``: 2.1-2.7x forward, 2.2-2.6x training);
         - on CUDA, a position bias or relative terms that stay in the logits: "flex"
           (H200, attention_backends_cuda_bfloat16_fused.md: ALiBi forward 1.6-2.9x
           against sdpa's 3.3-6.5x and training 1.6-2.3x against 2.2-3.8x, T5 forward
