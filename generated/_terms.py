@@ -389,3 +389,8 @@ class AttentionTerms(nn.Module):
         """Gradients flow into the position terms' parameters (tables, slopes, kernels):
         the module holds nothing else."""
         return torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
+
+    def _trains_step(self, q: Tensor, k: Tensor, v: Tensor) -> bool:
+        """Gradients flow from this call: into q, k, v or the module's parameters."""
+        inputs_train = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        return inputs_train or self._trains_terms()

@@ -164,6 +164,14 @@ def spy_calls(
     return calls
 
 
+def spy_query_shapes(
+    monkeypatch: pytest.MonkeyPatch, pe: torch.nn.Module, name: str
+) -> list[tuple[int, ...]]:
+    """The shapes of the queries that reach the runtime function ``name`` of ``pe``
+    (its first argument), one per call (a ``spy_calls`` record)."""
+    return spy_calls(monkeypatch, runtime_modules(pe), name, lambda q, *_, **__: tuple(q.shape))
+
+
 def bias_kind(q: Any, k: Any, v: Any, scale: float, *args: Any, **keywords: Any) -> str:
     """The ``bias_kind`` of a ``fused_distance_attention`` call (a ``spy_calls`` record)."""
     return str(args[1] if len(args) > 1 else keywords.get("bias_kind", "none"))

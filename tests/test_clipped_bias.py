@@ -23,6 +23,7 @@ from tests.conftest import (
     set_runtime,
     spec_variant,
     spy_calls,
+    spy_query_shapes,
 )
 
 trained = importlib.import_module("generated._trained_bias")
@@ -144,13 +145,6 @@ def _clipped(name: str, **replace: str) -> type[torch.nn.Module]:
     return spec_variant(name, *replacements, name=f"{name}_clipped_at_8")
 
 
-def spy_route(pe: torch.nn.Module, monkeypatch) -> list[tuple[int, ...]]:
-    """The query shapes that will reach ``pe``'s ``clipped_bias_attention``."""
-    return spy_calls(
-        monkeypatch, runtime_modules(pe), "clipped_bias_attention", lambda q, *_: tuple(q.shape)
-    )
-
-
 @pytest.mark.parametrize("name", ["t5", "t5_decoder"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize(("n", "m", "kv_heads"), [(70, 70, 4), (50, 80, 2), (64, 64, 1)])
@@ -160,7 +154,7 @@ def test_t5_training_takes_the_clipped_path_and_matches_eager(
     pe = _clipped(name)(heads=4, head_dim=8).double()
     monkeypatch.setitem(runtime_value("SDPA_QUERY_CHUNK", pe), "cpu", 16)
     set_runtime(monkeypatch, "CLIPPED_BIAS_BAND_ROWS", 16, pe)
-    route = spy_route(pe, monkeypatch)
+    route = spy_query_shapes(monkeypatch, pe, "clipped_bias_attention")
     assert pe.clipped_distance == 8
     assert_sdpa_matches_eager(pe, n, m, kv_heads, causal=causal)
     assert route == [(2, 4, n, 8)]  # the sdpa call, not the eager one
@@ -175,7 +169,7 @@ def test_a_bias_inside_the_scale_is_scaled_on_the_clipped_path(monkeypatch) -> N
         },
     )
     pe = cls(heads=4, head_dim=8).double()
-    route = spy_route(pe, monkeypatch)
+    route = spy_query_shapes(monkeypatch, pe, "clipped_bias_attention")
     assert pe.position_bias_inside_scale and pe.scale != 1.0
     assert_sdpa_matches_eager(pe, 70, 70, 4)
     assert route
@@ -183,7 +177,7 @@ def test_a_bias_inside_the_scale_is_scaled_on_the_clipped_path(monkeypatch) -> N
 
 def test_the_catalogue_t5_serves_from_eight_clip_distances_of_keys(monkeypatch) -> None:
     pe = generated_class("t5")(heads=2, head_dim=8).double()
-    route = spy_route(pe, monkeypatch)
+    route = spy_query_shapes(monkeypatch, pe, "clipped_bias_attention")
     assert pe.clipped_distance == 128
     min_keys = trained.CLIPPED_BIAS_MIN_KEYS_PER_CLIP * 128
     for m in (min_keys - 1, min_keys):
@@ -194,7 +188,7 @@ def test_the_catalogue_t5_serves_from_eight_clip_distances_of_keys(monkeypatch) 
 
 def test_the_clipped_path_is_for_training_the_table_in_full_precision(monkeypatch) -> None:
     pe = _clipped("t5")(heads=4, head_dim=8)
-    route = spy_route(pe, monkeypatch)
+    route = spy_query_shapes(monkeypatch, pe, "clipped_bias_attention")
     q, k, v = (torch.randn(1, 4, 70, 8, requires_grad=True) for _ in range(3))
     with torch.no_grad():
         pe(q, k, v, backend="sdpa")
@@ -212,7 +206,7 @@ def test_the_clipped_path_is_for_training_the_table_in_full_precision(monkeypatc
 
 def test_the_clipped_path_traces_whole_under_compile(monkeypatch) -> None:
     pe = _clipped("t5")(heads=4, head_dim=8).double()
-    route = spy_route(pe, monkeypatch)
+    route = spy_query_shapes(monkeypatch, pe, "clipped_bias_attention")
     inputs = {
         key: torch.randn(
             1, 4, 70, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(3)

@@ -26,6 +26,7 @@ from tests.conftest import (
     spec_names,
     spec_variant,
     spy_calls,
+    spy_query_shapes,
 )
 from tests.reference import formulas
 
@@ -49,16 +50,6 @@ def make(name: str, **options: int) -> torch.nn.Module:
     extra = {"model_dim": 16} if name == "deberta" else {}
     torch.manual_seed(3)
     return variant(name)(heads=4, head_dim=8, **extra, **options).double()
-
-
-def spy_route(pe: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
-    """The query shapes that reach ``pe``'s ``clipped_relative_attention``."""
-    return spy_calls(
-        monkeypatch,
-        runtime_modules(pe),
-        "clipped_relative_attention",
-        lambda q, *_, **__: tuple(q.shape),
-    )
 
 
 def serve_short(monkeypatch: pytest.MonkeyPatch, pe: torch.nn.Module, rows: int = 8) -> None:
@@ -86,7 +77,7 @@ def test_the_clipped_path_matches_eager_with_gradients(
 ) -> None:
     pe = make(name)
     serve_short(monkeypatch, pe)
-    route = spy_route(pe, monkeypatch)
+    route = spy_query_shapes(monkeypatch, pe, "clipped_relative_attention")
     assert pe.relative_clip is not None
     assert_sdpa_matches_eager(pe, n, m, kv_heads, causal=causal)
     assert route == [(2, 4, n, 8)]  # the sdpa call took the path
@@ -98,7 +89,7 @@ def test_shaw_on_the_clipped_path_matches_the_paper_formula(causal: bool, monkey
     R^V[clip(j - i)]) with a_ij = softmax(q_i . (k_j + R^K[clip(j - i)]) / sqrt(d))."""
     pe = generated_class("shaw")(heads=2, head_dim=4).double()
     serve_short(monkeypatch, pe, rows=16)
-    route = spy_route(pe, monkeypatch)
+    route = spy_query_shapes(monkeypatch, pe, "clipped_relative_attention")
     q, k, v = (torch.randn(2, 2, 60, 4, dtype=F64) for _ in range(3))
     rel_k, rel_v = torch.randn(33, 4, dtype=F64), torch.randn(33, 4, dtype=F64)
     with torch.no_grad():
@@ -115,7 +106,7 @@ def test_a_value_width_other_than_the_head_width(value_dim: int, monkeypatch) ->
     # 5: the values are padded to the keys' width; 13: the queries and keys to the values'
     pe = make("shaw", value_dim=value_dim)
     serve_short(monkeypatch, pe)
-    route = spy_route(pe, monkeypatch)
+    route = spy_query_shapes(monkeypatch, pe, "clipped_relative_attention")
     generator = torch.Generator().manual_seed(4)
     q, k = (torch.randn(2, 4, 30, 8, generator=generator, dtype=F64) for _ in range(2))
     v = torch.randn(2, 4, 30, value_dim, generator=generator, dtype=F64, requires_grad=True)
@@ -136,7 +127,7 @@ def test_frozen_tables_and_no_gradients(name: str, monkeypatch) -> None:
     pe = make(name)
     pe.requires_grad_(False)
     serve_short(monkeypatch, pe)
-    route = spy_route(pe, monkeypatch)
+    route = spy_query_shapes(monkeypatch, pe, "clipped_relative_attention")
     generator = torch.Generator().manual_seed(5)
     q = torch.randn(2, 4, 30, 8, generator=generator, dtype=F64, requires_grad=True)
     k, v = (torch.randn(2, 2, 40, 8, generator=generator, dtype=F64) for _ in range(2))
@@ -192,7 +183,7 @@ def test_any_length_and_chunking_match_eager(name, n, extra_keys, chunk, kv_head
 def test_float32_stays_within_float32_error(name: str, causal: bool, monkeypatch) -> None:
     pe = generated_class(name)(heads=2, head_dim=16)
     serve_short(monkeypatch, pe, rows=32)
-    route = spy_route(pe, monkeypatch)
+    route = spy_query_shapes(monkeypatch, pe, "clipped_relative_attention")
     m = 3 * pe.relative_clip + 30
     generator = torch.Generator().manual_seed(6)
     q, k, v = (torch.randn(1, 2, m, 16, generator=generator) for _ in range(3))
@@ -216,7 +207,7 @@ def _run(pe: torch.nn.Module, n: int, m: int, dtype=F64, **options) -> None:
 def test_the_path_serves_from_some_clip_distances_of_keys(trains: bool, monkeypatch) -> None:
     pe = make("bert_relative_key")
     serve_short(monkeypatch, pe)
-    route = spy_route(pe, monkeypatch)
+    route = spy_query_shapes(monkeypatch, pe, "clipped_relative_attention")
     least = clipped.CLIPPED_RELATIVE_MIN_KEYS_PER_CLIP[trains] * pe.relative_clip
     for m in (least - 1, least):
         q, k, v = (torch.randn(1, 4, m, 8, dtype=F64) for _ in range(3))
@@ -227,7 +218,7 @@ def test_the_path_serves_from_some_clip_distances_of_keys(trains: bool, monkeypa
 
 def test_the_path_serves_from_its_least_keys_and_queries(monkeypatch) -> None:
     pe = generated_class("shaw")(heads=2, head_dim=4)
-    route = spy_route(pe, monkeypatch)
+    route = spy_query_shapes(monkeypatch, pe, "clipped_relative_attention")
     forward, training = (
         clipped.CLIPPED_RELATIVE_MIN_KEYS[False],
         clipped.CLIPPED_RELATIVE_MIN_KEYS[True],
@@ -258,7 +249,7 @@ def test_the_path_serves_from_its_least_keys_and_queries(monkeypatch) -> None:
 def test_what_the_path_leaves_to_the_dense_terms(monkeypatch) -> None:
     pe = make("deberta")
     serve_short(monkeypatch, pe)
-    route = spy_route(pe, monkeypatch)
+    route = spy_query_shapes(monkeypatch, pe, "clipped_relative_attention")
     n = m = 40
     positions = torch.arange(m)
     _run(pe, n, m, window=5)
@@ -340,7 +331,7 @@ def test_the_bnhd_layout_takes_the_path_too(name: str, monkeypatch) -> None:
     kernel as strided views (no extra feature to add for Shaw), gradients included."""
     pe = make(name)
     serve_short(monkeypatch, pe)
-    route = spy_route(pe, monkeypatch)
+    route = spy_query_shapes(monkeypatch, pe, "clipped_relative_attention")
     generator = torch.Generator().manual_seed(7)
     q, k, v = (
         torch.randn(2, 40, 4, 8, generator=generator, dtype=F64, requires_grad=True)

@@ -144,15 +144,13 @@ class SdpaBackend(AttentionTerms):
         n, m = q.shape[2], k.shape[2]
         default = q_positions is None and k_positions is None and document_ids is None
         clipped = self.relative_clip
-        trains = self._trains_terms() or (
-            torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-        )
         if (
-            default
+            clipped is not None
+            and default
             and attn_mask is None
             and window is None
             and not self.has_position_bias
-            and clipped_relative_serves(q, m, clipped, trains)
+            and clipped_relative_serves(q, m, clipped, self._trains_step(q, k, v))
         ):
             # terms read one row past the clip: a band of exact terms plus far keys as
             # plain flash attention (``clipped_relative_attention``)
