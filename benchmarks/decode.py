@@ -5,7 +5,9 @@ calls ``forward(..., keys_rotated=True)`` (only the query is rotated); the basel
 ``F.scaled_dot_product_attention`` of the query against the same cache with no encoding.
 Bias encodings (ALiBi, T5, KERPLE) add their bias for the one query row. Each candidate
 is timed alternately with the baseline; ``--compile`` also times the module under
-``torch.compile`` (what a decoding loop would run).
+``torch.compile`` (what a decoding loop would run); ``--compare-dense`` also times
+relative encodings with their terms built densely and their rows projected every step
+(the few-query path and kept rows off).
 
     python benchmarks/decode.py --device cuda --dtype bfloat16 --cache 8192 --compile
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -31,8 +34,25 @@ from attention_backends import (  # noqa: E402
 )
 
 from generated import ENCODINGS  # noqa: E402
+from generated import _few_queries as few_queries  # noqa: E402
+from generated import _terms as terms  # noqa: E402
 
 DEFAULT_ENCODINGS = ["rope", "rope_gptj", "alibi", "t5", "kerple_log"]
+
+
+def without_few_query_path(step: Callable[[], object]) -> Callable[[], object]:
+    """``step`` with the relative terms built as before ``few_query_inputs`` and kept
+    rows: every key over every row (``_relative_terms``), rows projected each step."""
+
+    def dense_step() -> object:
+        most, keep = few_queries.FEW_QUERY_RELATIVE_MAX_QUERIES, terms.KEEP_RELATIVE_ROWS
+        few_queries.FEW_QUERY_RELATIVE_MAX_QUERIES, terms.KEEP_RELATIVE_ROWS = 0, False
+        try:
+            return step()
+        finally:
+            few_queries.FEW_QUERY_RELATIVE_MAX_QUERIES, terms.KEEP_RELATIVE_ROWS = most, keep
+
+    return dense_step
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -55,11 +75,16 @@ def run(args: argparse.Namespace) -> dict:
         variants = {"module": pe}
         if args.compile:
             variants["module, compiled"] = torch.compile(pe, fullgraph=True)
+        if args.compare_dense and pe.has_relative_terms:
+            variants["module, dense terms"] = pe
         for label, module in variants.items():
             for backend in args.backends:
 
                 def step(module=module, backend=backend, cache=cache, rotated=rotated) -> object:
                     return module(q, cache, values, backend=backend, keys_rotated=rotated)
+
+                if label == "module, dense terms":
+                    step = without_few_query_path(step)
 
                 with torch.no_grad():
                     seconds, base = paired_seconds(step, baseline, device, args.repeats)
@@ -130,6 +155,11 @@ def main() -> None:
     parser.add_argument("--cache", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument(
+        "--compare-dense",
+        action="store_true",
+        help="also time relative encodings without the few-query path and kept rows",
+    )
     parser.add_argument("--tag", default="", help="appended to the result file names")
     add_out_argument(parser)
     args = parser.parse_args()

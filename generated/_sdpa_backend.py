@@ -19,6 +19,7 @@ from torch import Tensor
 
 from ._clipped_relative import clipped_relative_attention, clipped_relative_serves
 from ._distances import distance_chunk_view, half_precision_bias
+from ._few_queries import few_queries, few_query_inputs, few_query_relative_serves
 from ._inputs import (
     Rotated,
     repeat_kv,
@@ -187,7 +188,16 @@ class SdpaBackend(AttentionTerms):
         k, v = repeat_kv(k, groups), repeat_kv(v, groups)  # the terms read every head
         n, m = q.shape[2], k.shape[2]
         dtype = compute_dtype(q)
-        parts = list(self._relative_terms(q, k, q_positions, k_positions, dtype).values())
+        factors = None
+        if q_positions is None and k_positions is None and few_queries(n):
+            factors = self._relative_factors(q, k, dtype, causal)
+        if factors and few_query_relative_serves(factors, clipped):
+            # a decode step: no key projected over every row; terms with one value per
+            # key ride in q (``_few_queries``)
+            q, terms = few_query_inputs(q, factors, n, m, clipped, self.scale)
+            parts = [] if terms is None else [terms]
+        else:
+            parts = list(self._relative_terms(q, k, q_positions, k_positions, dtype).values())
         if self.has_position_bias:
             bias = self._position_bias(q_positions, k_positions, n, m, q.device)
             assert bias is not None  # has_position_bias

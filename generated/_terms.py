@@ -20,6 +20,8 @@ from torch import Tensor, nn
 
 from ._inputs import (
     Rotated,
+    cache_get,
+    cache_put,
     check_attention_inputs,
     check_axis_positions,
     check_position_pair,
@@ -30,22 +32,98 @@ from ._inputs import (
 )
 from ._numerics import autocast_off, compute_dtype
 
+# Whether ``_reused_relative_rows`` keeps projected relative rows across calls without
+# gradients (Transformer-XL's block of distances grows with the keys: [M, H, D] per
+# projection, as much as one layer's key cache). False: every call projects its rows.
+KEEP_RELATIVE_ROWS = True
+
+
+class RelativeFactors(NamedTuple):
+    """One relative term at default positions as its two factors
+    (``AttentionTerms._relative_factors``): the table rows it reads and what they are
+    dotted with, multiplied by no one yet.
+
+    side: what the rows are dotted with. "query": x = q [B, H, N, D], the term of query
+    i and key j being scale * x_i . rows[row]; "key": x = k [B, H, M, D],
+    scale * x_j . rows[row]; "global": x a trained vector per head [H, D],
+    scale * x . rows[row]; "content": x = k against the one row [1, H, D] of a trained
+    vector per head (Transformer-XL's u . k_j: one value per key, diagonal None). rows:
+    [K, H, D]; row = diagonal[j - i + N - 1] (query and key indices), diagonal int64
+    [N + M - 1]; scale: the logits' scale where the term sits inside it, else 1.
+    """
+
+    side: str
+    x: Tensor
+    rows: Tensor
+    diagonal: Tensor | None
+    scale: float
+
 
 class RelativePart(NamedTuple):
     """One relative term at default positions, as its projection over the K table rows
     it reads (``AttentionTerms._relative_parts``): no [B, H, N, M] tensor.
 
-    side: what the table row is dotted with. "query": q_i ([B, H, N, K] scores, the
-    term of query i and key j being scores[..., i, row]); "key": k_j ([B, H, M, K],
-    scores[..., j, row]); "global": a trained vector per head ([H, K], scores[h, row]);
-    "content": no row at all (scores [B, H, M], one value per key: Transformer-XL's
-    u . k_j). row = diagonal[j - i + N - 1] (query and key indices), diagonal int64
-    [N + M - 1] (None for "content"). Each term is scaled as it enters the logits.
+    side: as ``RelativeFactors``; scores: "query" [B, H, N, K] (the term of query i and
+    key j being scores[..., i, row]), "key" [B, H, M, K] (scores[..., j, row]), "global"
+    [H, K] (scores[h, row]), "content" [B, H, M] (one value per key). row =
+    diagonal[j - i + N - 1], diagonal int64 [N + M - 1] (None for "content").
     """
 
     side: str
     scores: Tensor
     diagonal: Tensor | None
+
+
+def project_factors(factors: RelativeFactors) -> RelativePart:
+    """The term's projection over its rows (scale * x . rows^T): ``RelativePart``'s
+    scores."""
+    side, x, rows, diagonal, scale = factors
+    x, rows = scaled_factors(x, rows, scale)
+    if side == "query":
+        scores = torch.einsum("bhnd,khd->bhnk", x, rows)  # [B, H, N, K]
+    elif side == "key":
+        scores = torch.einsum("bhmd,khd->bhmk", x, rows)  # [B, H, M, K]
+    elif side == "global":
+        scores = torch.einsum("hd,khd->hk", x, rows)  # [H, K]
+    else:  # "content": u . k_j
+        scores = torch.einsum("bhmd,hd->bhm", x, rows[0])  # [B, H, M]
+    return RelativePart(side, scores, diagonal)
+
+
+def scaled_factors(x: Tensor, rows: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """x and rows with the scale on the smaller of them (none where it is 1)."""
+    if scale == 1.0:
+        return x, rows
+    if x.numel() <= rows.numel():
+        return x * scale, rows
+    return x, rows * scale
+
+
+def merged_factors(factors: list[RelativeFactors]) -> list[RelativeFactors]:
+    """factors with each position-only term that reads the same rows, diagonals and
+    scale as an earlier query-side term folded into it: (q_i + v) . R, Transformer-XL's
+    content-position and position-position terms as one (Dai et al. 2019, eq. 2)."""
+    merged: list[RelativeFactors] = []
+    for part in factors:
+        twin = next(
+            (
+                i
+                for i, other in enumerate(merged)
+                if part.side == "global"
+                and other.side == "query"
+                and other.rows is part.rows
+                and other.diagonal is part.diagonal
+                and other.scale == part.scale
+            ),
+            None,
+        )
+        if twin is None:
+            merged.append(part)
+        else:
+            query = merged[twin]
+            shifted = query.x + part.x[None, :, None, :].to(query.x.dtype)  # [B, H, N, D]
+            merged[twin] = query._replace(x=shifted)
+    return merged
 
 
 class AttentionTerms(nn.Module):
@@ -262,15 +340,86 @@ class AttentionTerms(nn.Module):
         on an H100."""
         return None
 
+    def _relative_factors(
+        self, q: Tensor, k: Tensor, dtype: torch.dtype, causal: bool = False
+    ) -> list[RelativeFactors] | None:
+        """The relative terms at default positions as their factors (``RelativeFactors``:
+        the K table rows each reads, what they are dotted with, the row of each
+        diagonal), for paths that never build a [B, H, N, M] term per pair; None where
+        the encoding has no such form (then ``_relative_terms``' dense tensors serve).
+        With ``causal`` the diagonals whose key comes after the query may read any row
+        (they are masked). k has q's heads."""
+        return None
+
     def _relative_parts(
         self, q: Tensor, k: Tensor, dtype: torch.dtype, causal: bool = False
     ) -> list[RelativePart] | None:
-        """The relative terms at default positions as projections over their table rows
-        (``RelativePart``), for backends that read them per score or per band instead
-        of as [B, H, N, M] tensors; None where the encoding has no such form (then
-        ``_relative_terms``' dense tensors serve). With ``causal`` the diagonals whose
-        key comes after the query may read any row (they are masked). k has q's heads."""
-        return None
+        """The terms of ``_relative_factors`` projected over their rows
+        (``RelativePart``), for backends that read them per score or per band."""
+        factors = self._relative_factors(q, k, dtype, causal)
+        if factors is None:
+            return None
+        return [project_factors(part) for part in merged_factors(factors)]
+
+    def _relative_rows(
+        self, projection: str, rows: Tensor, dtype: torch.dtype, device: torch.device
+    ) -> Tensor:
+        """The relative table's rows ``rows`` (row ids, or distances for a table computed
+        from them) as the terms read with ``projection`` read them: [K, H, D].
+        Encodings with a relative table override it."""
+        raise NotImplementedError("this encoding has no relative table")
+
+    def _reused_relative_rows(
+        self,
+        projection: str,
+        rows: Tensor,
+        dtype: torch.dtype,
+        device: torch.device,
+        table_rows: int | None,
+    ) -> Tensor:
+        """``_relative_rows(projection, rows, dtype, device)``, [K, H, D], kept across
+        calls where no gradient reaches the parameters: a decode loop reads the same
+        projected rows every step (projecting Transformer-XL's M sinusoid rows took half
+        of a CPU decode step against 4096 keys, DeBERTa's table a tenth).
+
+        table_rows: rows are row ids of a table of that many rows (all of them are
+        projected once), or None: rows are distances, and the kept block of distances
+        grows by doubling to cover each call's (not kept where the distances are sparse,
+        as explicit positions far apart give). Keyed on the parameters' version
+        counters, so an in-place update (an optimizer step, load_state_dict) projects
+        afresh. Eager mode only: under torch.compile, with gradients, or with
+        ``KEEP_RELATIVE_ROWS`` off, the rows are projected every call. Rows in ascending
+        order come back as a view of the kept block: read them, never write into them.
+        """
+        reusable = KEEP_RELATIVE_ROWS and not torch.compiler.is_compiling()
+        if not reusable or self._trains_terms() or rows.numel() == 0:
+            return self._relative_rows(projection, rows, dtype, device)
+        low, high = int(rows.min()), int(rows.max())  # a host sync, in eager mode
+        in_order = bool((rows.diff() == 1).all())  # low, low + 1, ..., high: a slice
+        if table_rows is not None:
+            first, last = 0, table_rows - 1
+        elif high - low + 1 > 2 * rows.numel():  # sparse distances: project them alone
+            return self._relative_rows(projection, rows, dtype, device)
+        else:
+            first, last = low, high
+        parameters = tuple(self.parameters())
+        versions = tuple((id(p), p._version) for p in parameters)
+        prefix = ("relative_rows", projection, dtype, str(device))
+        cached = cache_get(self._cache, (*prefix, versions))
+        if cached is not None:
+            start, block = cached
+            stop = start + block.shape[0]
+            if start <= first and last < stop:
+                return block[low - start : high + 1 - start] if in_order else block[rows - start]
+            size = stop - start  # grow by at least the block's size on each short side
+            first = min(first, start - size) if first < start else start
+            last = max(last, stop - 1 + size) if last >= stop else stop - 1
+        span = torch.arange(first, last + 1, device=rows.device)
+        block = self._relative_rows(projection, span, dtype, device)  # [last - first + 1, H, D]
+        for stale in [key for key in self._cache if key[: len(prefix)] == prefix]:
+            del self._cache[stale]  # other parameter versions are never read again
+        cache_put(self._cache, (*prefix, versions), (first, block))
+        return block[low - first : high + 1 - first] if in_order else block[rows - first]
 
     def _distance_bias(self, n: int, m: int, device: torch.device) -> Tensor:
         """The position-only bias per distance for default positions: [heads, N + M - 1].

@@ -41,7 +41,7 @@ from ._attention import PositionalAttention
 from ._distances import default_distances, diagonal_rows
 from ._inputs import cache_get, cache_put
 from ._masks import relative_positions
-from ._terms import RelativePart
+from ._terms import RelativeFactors
 
 __all__ = ["BertRelativeKey"]
 
@@ -184,19 +184,18 @@ class BertRelativeKey(PositionalAttention):
             relative = -relative
         return diagonal_rows(_relative_index(relative), RELATIVE_ROWS, m, causal)
 
-    def _relative_parts(
+    def _relative_factors(
         self, q: Tensor, k: Tensor, dtype: torch.dtype, causal: bool = False
-    ) -> list[RelativePart]:
-        """Each relative term at default positions as its projection over the K rows
-        ([B, H, N, K], [B, H, M, K] or [H, K]) and the row of each diagonal, so no
-        [B, H, N, M] tensor is built; with ``causal``, only the rows that unmasked
-        diagonals read. k has q's heads.
+    ) -> list[RelativeFactors]:
+        """Each relative term at default positions as its factors: the K table rows it
+        reads (scaled as it enters the logits) with q, k or a trained vector, and the
+        row of each diagonal, so no [B, H, N, M] tensor is built; with ``causal``, only
+        the rows that unmasked diagonals read. k has q's heads.
         """
         n, m = q.shape[2], k.shape[2]
-        parts: list[RelativePart] = []
+        factors: list[RelativeFactors] = []
         # content_position: q_i . R[index(i - j)]
         diagonal, table_rows = self._relative_diagonals(n, m, q.device, "query_minus_key", causal)
         rows = self._relative_rows("none", table_rows, dtype, q.device)
-        scores = torch.einsum("bhnd,khd->bhnk", q.to(dtype), rows * self.scale)  # [B, H, N, K]
-        parts.append(RelativePart("query", scores, diagonal))
-        return parts
+        factors.append(RelativeFactors("query", q.to(dtype), rows, diagonal, self.scale))
+        return factors

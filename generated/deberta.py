@@ -51,7 +51,7 @@ from ._attention import PositionalAttention
 from ._distances import default_distances, diagonal_rows
 from ._inputs import cache_get, cache_put, positive_int
 from ._masks import relative_positions
-from ._terms import RelativePart
+from ._terms import RelativeFactors
 
 __all__ = ["Deberta"]
 
@@ -204,13 +204,13 @@ class Deberta(PositionalAttention):
         index, table_rows = self._relative_layout(
             q_positions, k_positions, n, m, q.device, "query_minus_key"
         )
-        rows = self._relative_rows("key", table_rows, dtype, q.device)
+        rows = self._reused_relative_rows("key", table_rows, dtype, q.device, RELATIVE_ROWS)
         # the scale goes on the [K, H, D] rows, the smallest tensor of the term
         scores = torch.einsum("bhnd,khd->bhnk", q.to(dtype), rows * self.scale)  # [B, H, N, K]
         term = _gather_rows(scores, index)  # [B, H, N, M]
         terms["content_position"] = term
         # position_content: k_j . W_q R[index(i - j)]
-        rows = self._relative_rows("query", table_rows, dtype, q.device)
+        rows = self._reused_relative_rows("query", table_rows, dtype, q.device, RELATIVE_ROWS)
         scores = torch.einsum("bhmd,khd->bhmk", k.to(dtype), rows * self.scale)  # [B, H, M, K]
         term = _gather_rows(scores, index.transpose(-1, -2)).transpose(-1, -2)  # [B, H, N, M]
         terms["position_content"] = term
@@ -229,23 +229,21 @@ class Deberta(PositionalAttention):
             relative = -relative
         return diagonal_rows(_relative_index(relative), RELATIVE_ROWS, m, causal)
 
-    def _relative_parts(
+    def _relative_factors(
         self, q: Tensor, k: Tensor, dtype: torch.dtype, causal: bool = False
-    ) -> list[RelativePart]:
-        """Each relative term at default positions as its projection over the K rows
-        ([B, H, N, K], [B, H, M, K] or [H, K]) and the row of each diagonal, so no
-        [B, H, N, M] tensor is built; with ``causal``, only the rows that unmasked
-        diagonals read. k has q's heads.
+    ) -> list[RelativeFactors]:
+        """Each relative term at default positions as its factors: the K table rows it
+        reads (scaled as it enters the logits) with q, k or a trained vector, and the
+        row of each diagonal, so no [B, H, N, M] tensor is built; with ``causal``, only
+        the rows that unmasked diagonals read. k has q's heads.
         """
         n, m = q.shape[2], k.shape[2]
-        parts: list[RelativePart] = []
+        factors: list[RelativeFactors] = []
         # content_position: q_i . W_k R[index(i - j)]
         diagonal, table_rows = self._relative_diagonals(n, m, q.device, "query_minus_key", causal)
-        rows = self._relative_rows("key", table_rows, dtype, q.device)
-        scores = torch.einsum("bhnd,khd->bhnk", q.to(dtype), rows * self.scale)  # [B, H, N, K]
-        parts.append(RelativePart("query", scores, diagonal))
+        rows = self._reused_relative_rows("key", table_rows, dtype, q.device, RELATIVE_ROWS)
+        factors.append(RelativeFactors("query", q.to(dtype), rows, diagonal, self.scale))
         # position_content: k_j . W_q R[index(i - j)]
-        rows = self._relative_rows("query", table_rows, dtype, q.device)
-        scores = torch.einsum("bhmd,khd->bhmk", k.to(dtype), rows * self.scale)  # [B, H, M, K]
-        parts.append(RelativePart("key", scores, diagonal))
-        return parts
+        rows = self._reused_relative_rows("query", table_rows, dtype, q.device, RELATIVE_ROWS)
+        factors.append(RelativeFactors("key", k.to(dtype), rows, diagonal, self.scale))
+        return factors

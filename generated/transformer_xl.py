@@ -45,7 +45,7 @@ from ._attention import PositionalAttention
 from ._distances import default_distances
 from ._inputs import cache_get, cache_put, positive_int, score_bias_positions
 from ._masks import relative_positions
-from ._terms import RelativePart
+from ._terms import RelativeFactors
 
 __all__ = ["TransformerXl"]
 
@@ -202,7 +202,7 @@ class TransformerXl(PositionalAttention):
         index, table_rows = self._relative_layout(
             q_positions, k_positions, n, m, q.device, "query_minus_key"
         )
-        rows = self._relative_rows("relative", table_rows, dtype, q.device)
+        rows = self._reused_relative_rows("relative", table_rows, dtype, q.device, None)
         # the scale goes on the [K, H, D] rows, the smallest tensor of the term
         scores = torch.einsum("bhnd,khd->bhnk", q.to(dtype), rows * self.scale)  # [B, H, N, K]
         if q_positions is None and k_positions is None:
@@ -233,31 +233,29 @@ class TransformerXl(PositionalAttention):
         high, low = (n - 1, 1 - m) if sign == "key_minus_query" else (m - 1, 1 - n)
         if causal:  # key minus query position at most 0
             high, low = (0, 1 - m) if sign == "key_minus_query" else (m - 1, 0)
-        rows = torch.arange(high, low - 1, -1, device=device)  # descending distance
-        return (high - relative).clamp(0, high - low), rows
+        rows = torch.arange(low, high + 1, device=device)  # ascending distance
+        return (relative - low).clamp(0, high - low), rows
 
-    def _relative_parts(
+    def _relative_factors(
         self, q: Tensor, k: Tensor, dtype: torch.dtype, causal: bool = False
-    ) -> list[RelativePart]:
-        """Each relative term at default positions as its projection over the K rows
-        ([B, H, N, K], [B, H, M, K] or [H, K]) and the row of each diagonal, so no
-        [B, H, N, M] tensor is built; with ``causal``, only the rows that unmasked
-        diagonals read. k has q's heads.
+    ) -> list[RelativeFactors]:
+        """Each relative term at default positions as its factors: the K table rows it
+        reads (scaled as it enters the logits) with q, k or a trained vector, and the
+        row of each diagonal, so no [B, H, N, M] tensor is built; with ``causal``, only
+        the rows that unmasked diagonals read. k has q's heads.
         """
         n, m = q.shape[2], k.shape[2]
-        parts: list[RelativePart] = []
+        factors: list[RelativeFactors] = []
         # content_position: q_i . W_R R[index(i - j)]
         diagonal, table_rows = self._relative_diagonals(n, m, q.device, "query_minus_key", causal)
-        rows = self._relative_rows("relative", table_rows, dtype, q.device)
-        scores = torch.einsum("bhnd,khd->bhnk", q.to(dtype), rows * self.scale)  # [B, H, N, K]
-        parts.append(RelativePart("query", scores, diagonal))
+        rows = self._reused_relative_rows("relative", table_rows, dtype, q.device, None)
+        factors.append(RelativeFactors("query", q.to(dtype), rows, diagonal, self.scale))
         # position_position: v_h . W_R R[index(i - j)]
-        scores = torch.einsum("hd,khd->hk", self.r_r_bias.to(dtype), rows * self.scale)  # [H, K]
-        parts.append(RelativePart("global", scores, diagonal))
-        content = torch.einsum("hd,bhmd->bhm", self.r_w_bias.to(dtype), k.to(dtype))  # [B, H, M]
-        content = content * self.scale
-        parts.append(RelativePart("content", content, None))
-        return parts
+        v = self.r_r_bias.to(dtype)  # [H, D]
+        factors.append(RelativeFactors("global", v, rows, diagonal, self.scale))
+        u = self.r_w_bias.to(dtype).unsqueeze(0)  # [1, H, D]: one row, read by every key
+        factors.append(RelativeFactors("content", k.to(dtype), u, None, self.scale))
+        return factors
 
     def score_bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
         """The position-only term v_h . R[index(r)] as it enters the logits.
@@ -271,7 +269,7 @@ class TransformerXl(PositionalAttention):
         index, table_rows = self._relative_layout(
             q_positions, k_positions, n, m, device, "query_minus_key"
         )
-        rows = self._relative_rows("relative", table_rows, torch.float32, device)
+        rows = self._reused_relative_rows("relative", table_rows, torch.float32, device, None)
         term = self._global_position(index, rows, torch.float32)
         return term * self.scale
 

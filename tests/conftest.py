@@ -77,6 +77,29 @@ def spec_variant(
     return encoding_class(module_from_spec(path))
 
 
+# clips small enough that short sequences have keys past them on both sides
+SMALL_CLIPS = {
+    "shaw": ("max_distance: 16", "max_distance: 3"),
+    "bert_relative_key": ("max_distance: 511", "max_distance: 4"),
+    "bert_relative_key_query": ("max_distance: 511", "max_distance: 4"),
+    "deberta": ("buckets: 256, max_distance: 512", "buckets: 8, max_distance: 12"),
+}
+
+
+@functools.cache
+def small_clip_variant(name: str) -> type[torch.nn.Module]:
+    """The catalogue's ``name`` (a key of ``SMALL_CLIPS``) with a small clip."""
+    return spec_variant(name, SMALL_CLIPS[name], name=f"{name}_small_clip")
+
+
+def small_clip_module(name: str, **options: int) -> torch.nn.Module:
+    """A float64 ``small_clip_variant(name)`` with 4 heads of width 8 (DeBERTa's rows 16
+    wide), seeded."""
+    extra = {"model_dim": 16} if name == "deberta" else {}
+    torch.manual_seed(3)
+    return small_clip_variant(name)(heads=4, head_dim=8, **extra, **options).double()
+
+
 def run_backend(
     pe: torch.nn.Module, inputs: dict[str, torch.Tensor], backend: str, **options: object
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -10,7 +10,6 @@ value-side term (Shaw's), at clips small enough that far keys lie on both sides.
 
 from __future__ import annotations
 
-import functools
 import importlib
 
 import pytest
@@ -23,8 +22,8 @@ from tests.conftest import (
     generated_class,
     runtime_modules,
     set_runtime,
+    small_clip_module,
     spec_names,
-    spec_variant,
     spy_calls,
     spy_query_shapes,
 )
@@ -34,22 +33,8 @@ clipped = importlib.import_module("generated._clipped_relative")
 F64 = torch.float64
 
 
-@functools.cache
-def variant(name: str) -> type[torch.nn.Module]:
-    """``name`` with a small clip (so that short sequences have far keys)."""
-    small = {
-        "shaw": ("max_distance: 16", "max_distance: 3"),
-        "bert_relative_key": ("max_distance: 511", "max_distance: 4"),
-        "bert_relative_key_query": ("max_distance: 511", "max_distance: 4"),
-        "deberta": ("buckets: 256, max_distance: 512", "buckets: 8, max_distance: 12"),
-    }[name]
-    return spec_variant(name, small, name=f"{name}_small_clip")
-
-
 def make(name: str, **options: int) -> torch.nn.Module:
-    extra = {"model_dim": 16} if name == "deberta" else {}
-    torch.manual_seed(3)
-    return variant(name)(heads=4, head_dim=8, **extra, **options).double()
+    return small_clip_module(name, **options)
 
 
 def serve_short(monkeypatch: pytest.MonkeyPatch, pe: torch.nn.Module, rows: int = 8) -> None:

@@ -439,9 +439,13 @@ class _LargestTensor:
 @pytest.mark.parametrize("name", ["shaw", "bert_relative_key_query", "deberta", "transformer_xl"])
 @pytest.mark.parametrize("backend", ["eager", "sdpa"])
 def test_no_pairwise_feature_tensor_is_formed(name: str, backend: str) -> None:
-    """Terms go through [B, H, N, K] scores and an [N, M] index, never [N, M, head_dim]."""
+    """Terms go through [B, H, N, K] scores and an [N, M] index, never [N, M, head_dim].
+
+    Without gradients a projected table is projected whole once ([512, model_dim] for
+    DeBERTa), so N is large enough that [N, M, head_dim] is larger still.
+    """
     pe = generated_class(name)(heads=1, head_dim=32)
-    n = 64
+    n = 128
     q, k, v = (torch.randn(1, 1, n, 32) for _ in range(3))
     explicit = torch.arange(n)
     with torch.no_grad(), _LargestTensor() as seen:

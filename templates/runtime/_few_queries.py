@@ -1,0 +1,125 @@
+"""Relative terms of a few queries (a decode step) from their factors, O(M) per query.
+
+At default positions query i of N sits at M - N + i and key j at j, and each term reads
+the table row diagonal[j - i + N - 1] (``RelativeFactors``). The dense path projects
+every key over every row it might read (k . R^T, [B, H, M, K]) for a key-side term
+(BERT's relative_key_query, DeBERTa's position-to-content): against 4096 cached keys
+on a 2-core CPU one decode step then took 21-29x SDPA. Here:
+
+- query-side and position-only terms project the few queries (or a vector per head)
+  over the K rows, [B, H, N, K], and gather per pair;
+- a key-side term clipped at distance c (every r = j - i <= -c reads one row) reads,
+  for the keys at least c before every query (j <= M - N - c), the far row alone: one
+  product k_j . R_far per key. Only the w <= N + c - 1 keys after them read rows that
+  vary, and those pairs gather their own rows ([N, w, H, D]), or, where that is larger
+  than the projection, project the w keys over the K rows;
+- Transformer-XL's u . k_j is one product per key.
+
+The sum is one [B or 1, H, N, M] tensor, the additive mask of a single SDPA call.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._terms import RelativeFactors, merged_factors, scaled_factors
+
+# The most queries a call may have for ``few_query_inputs``; above it the dense
+# terms (or, from CLIPPED_RELATIVE_MIN_QUERIES on, the clipped path) serve.
+FEW_QUERY_RELATIVE_MAX_QUERIES = 16
+
+
+def few_queries(n: int) -> bool:
+    """Whether N queries are few enough for ``few_query_inputs``
+    (``FEW_QUERY_RELATIVE_MAX_QUERIES``)."""
+    return n <= FEW_QUERY_RELATIVE_MAX_QUERIES
+
+
+def few_query_relative_serves(factors: list[RelativeFactors], clip: int | None) -> bool:
+    """Whether ``few_query_inputs`` computes these terms (of few queries): any
+    key-side term needs a clip."""
+    return clip is not None or all(part.side != "key" for part in factors)
+
+
+def few_query_inputs(
+    q: Tensor, factors: list[RelativeFactors], n: int, m: int, clip: int | None, scale: float
+) -> tuple[Tensor, Tensor | None]:
+    """q and the additive mask that give the relative terms ``factors`` of N queries at
+    default positions (the queries are the last N of M keys) inside
+    ``scale * q' . k + mask``: q' [B, H, N, D] in q's dtype, mask [B or 1, H, N, M] (a
+    new tensor, None where every term went into q').
+
+    A term with one value per key, s u . k_j, is scale * (u s / scale) . k_j: it goes
+    into q' as u s / scale. So does a key-side term's far row R_far (every key at least
+    ``clip`` before every query reads it), leaving k_j . (R[row] - R_far) on the keys
+    after them. clip: ``relative_clip``, needed for key-side terms.
+    """
+    shift: Tensor | None = None  # [H, D], added to every query
+    total: Tensor | None = None
+    for side, x, rows, diagonal, part_scale in merged_factors(factors):
+        if side == "content":  # u . k_j
+            shift = _added(shift, rows[0] * (part_scale / scale))
+            continue
+        assert diagonal is not None  # only "content" has none
+        if side == "key":
+            assert clip is not None  # few_query_relative_serves
+            far = max(0, m - n - clip + 1)  # keys at least clip before every query
+            far_row = rows[diagonal[0]] if far else None  # [H, D]: the farthest distance
+            if far_row is not None:
+                shift = _added(shift, far_row * (part_scale / scale))
+            term = _key_side_term(x, rows, diagonal, n, m, far, far_row) * part_scale
+        else:
+            keys = torch.arange(m, device=x.device)
+            queries = torch.arange(n, device=x.device).unsqueeze(1)  # [N, 1]
+            row = diagonal[keys - queries + (n - 1)]  # [N, M]
+            x, rows = scaled_factors(x, rows, part_scale)
+            if side == "query":
+                scores = torch.einsum("bhnd,khd->bhnk", x, rows)  # [B, H, N, K]
+                term = torch.gather(scores, -1, row.expand(*scores.shape[:2], n, m))
+            else:  # "global": a vector per head
+                scores = torch.einsum("hd,khd->hk", x, rows)  # [H, K]
+                term = scores[:, row].unsqueeze(0)  # [1, H, N, M]
+        if total is None:
+            total = term
+        elif total.shape == torch.broadcast_shapes(total.shape, term.shape):
+            total = total.add_(term)
+        else:
+            total = total + term
+    if shift is not None:
+        q = (q.to(shift.dtype) + shift[None, :, None, :]).to(q.dtype)  # [B, H, N, D]
+    return q, total
+
+
+def _added(total: Tensor | None, value: Tensor) -> Tensor:
+    return value if total is None else total + value
+
+
+def _key_side_term(
+    k: Tensor, rows: Tensor, diagonal: Tensor, n: int, m: int, far: int, far_row: Tensor | None
+) -> Tensor:
+    """k_j . (rows[diagonal[j - i + N - 1]] - far_row) for the N queries, zero on the
+    first ``far`` keys (which read far_row): [B, H, N, M], a new tensor.
+
+    k: [B, H, M, D]; rows: [K, H, D]; far_row: [H, D], or None (then far is 0).
+    """
+    batch, heads, _, dim = k.shape
+    out = k.new_zeros(batch, heads, n, m) if far else k.new_empty(batch, heads, n, m)
+    near = k[:, :, far:]  # [B, H, w, D]
+    width = m - far
+    keys = torch.arange(far, m, device=k.device)
+    queries = torch.arange(n, device=k.device).unsqueeze(1)  # [N, 1]
+    row = diagonal[keys - queries + (n - 1)]  # [N, w]
+    if n * dim <= batch * rows.shape[0]:  # each pair's own row: [N, w, H, D]
+        picked = rows.index_select(0, row.flatten()).view(n, width, heads, dim)
+        picked = picked.permute(2, 0, 1, 3)  # [H, N, w, D]
+        near_terms = torch.linalg.vecdot(near.unsqueeze(2), picked)  # [B, H, N, w]
+    else:  # the w keys over the K rows, [B, H, w, K], then each pair's entry
+        scores = torch.einsum("bhwd,khd->bhwk", near, rows)
+        flat = (torch.arange(width, device=k.device) * rows.shape[0] + row).flatten()
+        near_terms = torch.gather(scores.flatten(-2), -1, flat.expand(batch, heads, -1))
+        near_terms = near_terms.view(batch, heads, n, width)
+    if far_row is not None:  # far_row is in the queries already
+        near_terms = near_terms - torch.einsum("bhwd,hd->bhw", near, far_row).unsqueeze(2)
+    out[..., far:] = near_terms
+    return out

@@ -1,0 +1,231 @@
+"""Relative terms of a few queries (a decode step) on the sdpa backend: no key is
+projected over every table row (``few_query_inputs``), terms with one value per key
+ride in the queries, and projected rows are kept across calls without gradients
+(``_reused_relative_rows``).
+
+Every case is checked against the eager oracle, which builds each term densely from the
+index map (outputs, and gradients into q, k, v and every parameter); the kept rows
+against a fresh copy of the module, which has nothing kept.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests.conftest import (
+    assert_sdpa_matches_eager,
+    generated_class,
+    set_runtime,
+    small_clip_module,
+    spy_query_shapes,
+)
+
+F64 = torch.float64
+NAMES = ["shaw", "bert_relative_key", "bert_relative_key_query", "deberta", "transformer_xl"]
+SHAPES = [  # (n, m, kv_heads)
+    (1, 30, 4),  # a decode step with keys past the clip: the far row rides in q
+    (3, 30, 2),  # a few queries, grouped-query heads
+    (16, 40, 1),  # the most queries; a key-side term projects the window's keys
+    (2, 5, 4),  # no key past the clip
+    (1, 5, 4),  # one key past BERT's clip
+    (1, 1, 4),  # one key
+]
+
+
+def make(name: str) -> torch.nn.Module:
+    if name == "transformer_xl":  # no clip: its terms are query-side and per key
+        torch.manual_seed(3)
+        return generated_class(name)(heads=4, head_dim=8, model_dim=16).double()
+    return small_clip_module(name)
+
+
+def rows_projected(monkeypatch: pytest.MonkeyPatch, pe: torch.nn.Module) -> list[int]:
+    """The number of rows each call of ``pe._relative_rows`` (this instance's) projects."""
+    sizes: list[int] = []
+    original = pe._relative_rows
+
+    def spy(projection: str, rows: torch.Tensor, *args: object) -> torch.Tensor:
+        sizes.append(rows.numel())
+        return original(projection, rows, *args)
+
+    monkeypatch.setattr(pe, "_relative_rows", spy)
+    return sizes
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(("n", "m", "kv_heads"), SHAPES)
+@pytest.mark.parametrize("name", NAMES)
+def test_few_queries_match_eager_with_gradients(
+    name: str, n: int, m: int, kv_heads: int, causal: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pe = make(name)
+    route = spy_query_shapes(monkeypatch, pe, "few_query_inputs")
+    assert_sdpa_matches_eager(pe, n, m, kv_heads, causal=causal)
+    assert route == [(2, 4, n, 8)]  # the sdpa call took the path
+
+
+@pytest.mark.parametrize("name", ["bert_relative_key_query", "deberta", "transformer_xl"])
+def test_few_queries_with_masks(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A window, a boolean and an additive attn_mask, and packed documents go on top of
+    the terms, as on the dense path."""
+    pe = make(name)
+    route = spy_query_shapes(monkeypatch, pe, "few_query_inputs")
+    generator = torch.Generator().manual_seed(6)
+    n, m = 3, 30
+    keep = torch.rand(2, 1, n, m, generator=generator) > 0.3
+    keep[..., -1] = True  # every query keeps a key
+    additive = torch.randn(2, 4, n, m, generator=generator, dtype=F64)
+    documents = torch.zeros(2, m, dtype=torch.int64)
+    documents[:, 12:] = 1
+    cases: list[dict[str, object]] = [
+        {"window": 5, "causal": True},
+        {"attn_mask": keep},
+        {"attn_mask": additive, "causal": True},
+        {"document_ids": documents, "causal": True},
+    ]
+    for options in cases:
+        assert_sdpa_matches_eager(pe, n, m, 2, **options)
+    assert len(route) == len(cases)
+
+
+def test_more_queries_or_explicit_positions_build_dense_terms(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past FEW_QUERY_RELATIVE_MAX_QUERIES, and at explicit positions, the terms come
+    from ``_relative_terms`` (dense, per pair); a lower setting is obeyed."""
+    pe = make("deberta")
+    route = spy_query_shapes(monkeypatch, pe, "few_query_inputs")
+    q, k, v = (torch.randn(1, 4, 17, 8, dtype=F64) for _ in range(3))
+    with torch.no_grad():
+        pe(q, k, v, backend="sdpa")  # 17 queries
+        positions = torch.arange(17)
+        pe(q[:, :, :2], k, v, q_positions=positions[-2:], k_positions=positions, backend="sdpa")
+        assert route == []
+        set_runtime(monkeypatch, "FEW_QUERY_RELATIVE_MAX_QUERIES", 2, pe)
+        pe(q[:, :, :3], k, v, backend="sdpa")
+        assert route == []
+        pe(q[:, :, :2], k, v, backend="sdpa")
+    assert route == [(1, 4, 2, 8)]
+
+
+@pytest.mark.parametrize("name", ["bert_relative_key_query", "deberta", "transformer_xl"])
+def test_bfloat16_within_bfloat16_error(name: str) -> None:
+    pe = make(name).float()
+    generator = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 4, 1, 8, generator=generator)
+    k, v = (torch.randn(2, 2, 40, 8, generator=generator) for _ in range(2))
+    want = pe(q, k, v, backend="eager")  # float32, from the rounded inputs below
+    low = [t.bfloat16() for t in (q, k, v)]
+    got = pe(*low, backend="sdpa")
+    assert got.dtype == torch.bfloat16
+    want = pe(*(t.float() for t in low), backend="eager")
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_transformer_xl_reads_one_query_side_projection() -> None:
+    """(q_i + v) . R: the position-only term folds into the query-side one (Dai et al.
+    2019, eq. 2), whose rows and diagonals it shares; u . k_j stays per key."""
+    pe = make("transformer_xl")
+    q, k = torch.randn(1, 4, 3, 8, dtype=F64), torch.randn(1, 4, 9, 8, dtype=F64)
+    parts = pe._relative_parts(q, k, F64)
+    assert parts is not None
+    assert [part.side for part in parts] == ["query", "content"]
+    factors = pe._relative_factors(q, k, F64)
+    query, position = factors[0], factors[1]
+    rows = (query.rows * query.scale).transpose(0, 1)  # [H, K, D]
+    want = torch.einsum("bhnd,hkd->bhnk", q + position.x[None, :, None, :], rows)
+    torch.testing.assert_close(parts[0].scores, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["deberta", "transformer_xl"])
+def test_a_decode_loop_projects_its_rows_a_few_times(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without gradients the projected rows are kept: DeBERTa's table is projected once
+    per projection, Transformer-XL's block of distances doubles as the cache grows (16
+    keys, then 32, then 64), and each step equals a fresh module with nothing kept."""
+    pe = make(name)
+    fresh = copy.deepcopy(pe)
+    calls = rows_projected(monkeypatch, pe)
+    generator = torch.Generator().manual_seed(8)
+    keys = torch.randn(1, 2, 48, 8, generator=generator, dtype=F64)
+    values = torch.randn(1, 2, 48, 8, generator=generator, dtype=F64)
+    steps = 0
+    for m in range(16, 49):
+        q = torch.randn(1, 4, 1, 8, generator=generator, dtype=F64)
+        with torch.no_grad():
+            got = pe(q, keys[:, :, :m], values[:, :, :m], causal=True, backend="sdpa")
+        want = fresh(q, keys[:, :, :m], values[:, :, :m], causal=True, backend="eager")
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+        steps += 1
+    assert len(calls) == (2 if name == "deberta" else 3) < steps  # one per projection
+
+
+def test_kept_distances_grow_on_both_sides() -> None:
+    """Transformer-XL's kept block of distances i - j grows down (more queries reach
+    negative distances) and up (more keys), and serves calls inside it."""
+    pe = make("transformer_xl")
+    fresh = copy.deepcopy(pe)
+    generator = torch.Generator().manual_seed(9)
+    for n, m in [(1, 20), (3, 20), (1, 50), (12, 12), (2, 7)]:
+        q = torch.randn(1, 4, n, 8, generator=generator, dtype=F64)
+        k, v = (torch.randn(1, 2, m, 8, generator=generator, dtype=F64) for _ in range(2))
+        with torch.no_grad():
+            got = pe(q, k, v, backend="sdpa")
+        torch.testing.assert_close(got, fresh(q, k, v, backend="eager"), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("update", ["in_place", "load_state_dict"])
+@pytest.mark.parametrize("name", ["deberta", "transformer_xl"])
+def test_an_update_of_the_parameters_is_seen(name: str, update: str) -> None:
+    pe = make(name)
+    q, k, v = torch.randn(1, 4, 1, 8, dtype=F64), *(torch.randn(1, 4, 20, 8, dtype=F64),) * 2
+    with torch.no_grad():
+        before = pe(q, k, v, backend="sdpa")  # rows kept
+        changed = {key: value * 1.5 for key, value in pe.state_dict().items()}
+        if update == "in_place":
+            for parameter in pe.parameters():
+                parameter.mul_(1.5)
+        else:
+            pe.load_state_dict(changed)
+        after = pe(q, k, v, backend="sdpa")
+    fresh = make(name)
+    fresh.load_state_dict(changed)
+    want = fresh(q, k, v, backend="eager")
+    torch.testing.assert_close(after, want, rtol=1e-10, atol=1e-12)
+    assert not torch.allclose(before, after)
+
+
+def test_rows_kept_in_inference_mode_are_not_saved_for_backward() -> None:
+    pe = make("deberta")
+    q = torch.randn(1, 4, 1, 8, dtype=F64)
+    k = torch.randn(1, 4, 20, 8, dtype=F64, requires_grad=True)
+    v = torch.randn(1, 4, 20, 8, dtype=F64)
+    with torch.inference_mode():
+        pe(q, k, v, backend="sdpa")
+    pe.requires_grad_(False)  # rows may be kept again, but not the inference ones
+    got = pe(q, k, v, backend="sdpa")
+    (grad,) = torch.autograd.grad(got.sum(), k)
+    want = pe(q, k, v, backend="eager")
+    (want_grad,) = torch.autograd.grad(want.sum(), k)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(grad, want_grad, rtol=1e-10, atol=1e-12)
+
+
+def test_far_apart_positions_do_not_project_the_range_between(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Transformer-XL's rows are distances: explicit positions a million apart project
+    the three distances present, not a million rows."""
+    pe = make("transformer_xl")
+    sizes = rows_projected(monkeypatch, pe)
+    q, k, v = (torch.randn(1, 4, 2, 8, dtype=F64) for _ in range(3))
+    positions = torch.tensor([0, 1_000_000])
+    with torch.no_grad():
+        got = pe(q, k, v, q_positions=positions, k_positions=positions, backend="sdpa")
+    want = pe(q, k, v, q_positions=positions, k_positions=positions, backend="eager")
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    assert sizes and max(sizes) <= 3  # distances -1e6, 0 and 1e6
