@@ -24,6 +24,11 @@ gradient; FlexAttention's score_mod otherwise), in the same loop; with a trainin
 and a bias that trains, also the route with its gradient summed in the kernel
 (``FUSED_DISTANCE_TRAINED_DEVICES``).
 
+``--compare-parts`` also times, for relative terms (BERT, DeBERTa, Transformer-XL ...),
+the sdpa backend without its route that gathers each query chunk's terms from their
+projections over the table rows (``_sdpa_relative_parts``): the dense terms, built per
+chunk at the chunk's positions under causal masking, in the same loop.
+
 ``--window W`` adds a sliding window (query - W < key <= query when causal, |query - key|
 < W otherwise) to every candidate (``forward(..., window=W)``; plain flex with the same
 block mask); the baseline is then SDPA with the equivalent boolean [N, N] mask, built
@@ -57,6 +62,7 @@ import generated._flex as flex_runtime  # noqa: E402
 import generated._flex_backend as flex_backend  # noqa: E402
 import generated._masks as masks  # noqa: E402
 import generated._numerics as numerics  # noqa: E402
+import generated._sdpa_backend as sdpa_backend  # noqa: E402
 import generated._trained_bias as trained_bias  # noqa: E402
 from generated import ENCODINGS  # noqa: E402
 
@@ -256,6 +262,18 @@ def clipped_path_off() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def parts_route_off() -> Iterator[None]:
+    """The sdpa backend without ``_sdpa_relative_parts``: relative terms built densely
+    (per query chunk at its positions when causal or windowed)."""
+    serve = sdpa_backend.relative_parts_serve
+    sdpa_backend.relative_parts_serve = lambda factors, causal: False
+    try:
+        yield
+    finally:
+        sdpa_backend.relative_parts_serve = serve
+
+
+@contextlib.contextmanager
 def clipped_flex_route_on(device: torch.device) -> Iterator[None]:
     """The runtime with flex training a clipped bias through a constant per-score read
     and the attached band-and-triangle gradient on ``device``
@@ -328,6 +346,13 @@ def candidates(
                     return pe(q, k, v, causal=causal, backend="sdpa", window=args.window)
 
             found.append((name, "sdpa, no clipped path", attend_unclipped, params))
+        if "sdpa" in args.backends and args.compare_parts and pe.has_relative_terms:
+
+            def attend_dense(pe=pe) -> torch.Tensor:
+                with parts_route_off():
+                    return pe(q, k, v, causal=causal, backend="sdpa", window=args.window)
+
+            found.append((name, "sdpa, dense terms", attend_dense, params))
         if "flex" in args.backends and args.compare_clipped and pe.clipped_distance:
 
             def attend_clipped_flex(pe=pe) -> torch.Tensor:
@@ -541,6 +566,11 @@ def main() -> None:
         action="store_true",
         help="also time sdpa without, and flex with, the clipped-bias training path (T5), "
         "and sdpa without the clipped-relative path (Shaw, BERT relative_key, DeBERTa)",
+    )
+    parser.add_argument(
+        "--compare-parts",
+        action="store_true",
+        help="also time sdpa with relative terms built densely, not from their projections",
     )
     parser.add_argument(
         "--compare-fused",

@@ -89,10 +89,11 @@ class _ChunkedAttention(torch.autograd.Function):
     and a zero output, where a span has no keys) and, with ``with_weights``, the
     weights in the mask's layout (else an empty tensor).
 
-    q, k: [B, H, N or M, W]; v: [B, H, M, W]. Where gradients flow, v's column
-    ``ones_column`` is all ones: the log-sum-exp's gradient g adds g_i P_ij to dS_ij,
-    which the flash backward gives with that column's output gradient set to g and its
-    output to 0. Unmasked spans run the CPU FlashAttention kernels forward and backward;
+    q, k: [B, H, N or M, W]; v: [B, H, M, W]. Where the log-sum-exp gets a gradient,
+    v's column ``ones_column`` is all ones: the log-sum-exp's gradient g adds g_i P_ij to
+    dS_ij, which the flash backward gives with that column's output gradient set to g
+    and its output to 0 (ones_column None: the log-sum-exp is not differentiable, and
+    v is as it is). Unmasked spans run the CPU FlashAttention kernels forward and backward;
     masked ones (the band) flash forward and an explicit backward, whose dS is also the
     mask's gradient.
     """
@@ -130,6 +131,8 @@ class _ChunkedAttention(torch.autograd.Function):
             if weights.numel():
                 logits = torch.matmul(rows, keys.transpose(-1, -2)).mul_(scale).add_(chunk_mask)
                 weights[:, :, i0:i1, : hi - lo] = logits.sub_(chunk_lse.unsqueeze(-1)).exp_()
+        if ones_column is None:
+            ctx.mark_non_differentiable(lse)
         ctx.save_for_backward(q, k, v, mask if isinstance(mask, Tensor) else None, out, lse)
         ctx.span_mask, ctx.spans, ctx.scale, ctx.ones_column = span_mask, spans, scale, ones_column
         return out, lse, weights
@@ -141,8 +144,6 @@ class _ChunkedAttention(torch.autograd.Function):
     ) -> tuple[Tensor | None, ...]:
         q, k, v, mask, out, lse = ctx.saved_tensors
         column, span_mask, scale = ctx.ones_column, ctx.span_mask, ctx.scale
-        if column is None:
-            raise RuntimeError("_ChunkedAttention needs a ones column in v to backpropagate")
         grad_q, grad_k, grad_v = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         grad_mask = None
         if mask is not None and ctx.needs_input_grad[3]:
@@ -152,9 +153,10 @@ class _ChunkedAttention(torch.autograd.Function):
                 continue
             rows, keys, values = q[:, :, i0:i1], k[:, :, lo:hi], v[:, :, lo:hi]
             grad = grad_out[:, :, i0:i1].clone(memory_format=torch.contiguous_format)
-            grad[..., column] = grad_lse[:, :, i0:i1]  # [B, H, C, W]
-            chunk_out = out[:, :, i0:i1].clone()
-            chunk_out[..., column] = 0.0
+            chunk_out = out[:, :, i0:i1].clone(memory_format=torch.contiguous_format)
+            if column is not None:  # the log-sum-exp's gradient through the ones
+                grad[..., column] = grad_lse[:, :, i0:i1]  # [B, H, C, W]
+                chunk_out[..., column] = 0.0
             chunk_mask = span_mask((i0, i1, lo, hi))
             if chunk_mask is None:
                 dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -191,6 +193,51 @@ def _span_mask(mask: Tensor | Any) -> Any:
     if isinstance(mask, Tensor):
         return lambda span: mask[:, :, span[0] : span[1], : span[3] - span[2]]
     return mask
+
+
+def chunked_relative_serves(q: Tensor, v: Tensor) -> bool:
+    """Whether ``chunked_relative_attention`` runs for q and v: the CPU, float32 or
+    float64, no autocast, eager mode, values as wide as the queries."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.float64)
+        and not torch.is_autocast_enabled("cpu")
+        and not torch.compiler.is_compiling()
+        and v.shape[-1] == q.shape[-1]
+    )
+
+
+def chunked_relative_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    parts: list[RelativePart],
+    spans: list[Span],
+    scale: float,
+    causal: bool,
+) -> Tensor:
+    """softmax(scale q kᵀ + terms) v at default positions, each span (i0, i1, lo, hi):
+    queries i0 .. i1 - 1 against keys lo .. hi - 1, its terms gathered from ``parts``
+    over its keys (``band_terms``, -inf after each query where ``causal`` masks them).
+
+    q: [B, H, N, D]; k, v: [B, H, M, D] (heads repeated for GQA by the caller) -> [B, H,
+    N, D]. Where the terms' projections get gradients, every span's terms are gathered
+    at once ([B, H, N, widest]) and ``_ChunkedAttention`` gives them their gradient span
+    by span: a slice per span through autograd would zero-fill a gradient of the full
+    projections for each (BERT relative_key_query's training step at N = 512 on a
+    2-core CPU: 10.3x plain SDPA that way). Otherwise each span's terms are gathered
+    when its call needs them, in the backward again.
+    """
+    n, m = q.shape[2], k.shape[2]
+    if torch.is_grad_enabled() and any(part.scores.requires_grad for part in parts):
+        mask: Any = band_terms(parts, n, m, spans, causal)  # [B, H, N, widest]
+    else:
+
+        def mask(span: Span) -> Tensor:
+            return band_terms(parts, n, m, [span], causal)[..., : span[3] - span[2]]
+
+    out, _, _ = _ChunkedAttention.apply(q, k, v, mask, spans, scale, None, False)
+    return out
 
 
 def band_spans(

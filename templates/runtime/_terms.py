@@ -88,6 +88,12 @@ def project_factors(factors: RelativeFactors) -> RelativePart:
     return RelativePart(side, scores, diagonal)
 
 
+def projected_parts(factors: list[RelativeFactors]) -> list[RelativePart]:
+    """The terms ``factors`` (merged where they share rows, ``merged_factors``) projected
+    over their rows."""
+    return [project_factors(part) for part in merged_factors(factors)]
+
+
 def scaled_factors(x: Tensor, rows: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     """x and rows with the scale on the smaller of them (none where it is 1)."""
     if scale == 1.0:
@@ -355,9 +361,7 @@ class AttentionTerms(nn.Module):
         """The terms of ``_relative_factors`` projected over their rows
         (``RelativePart``), for backends that read them per score or per band."""
         factors = self._relative_factors(q, k, dtype, causal)
-        if factors is None:
-            return None
-        return [project_factors(part) for part in merged_factors(factors)]
+        return None if factors is None else projected_parts(factors)
 
     def _relative_rows(
         self, projection: str, rows: Tensor, dtype: torch.dtype, device: torch.device

@@ -1,0 +1,138 @@
+"""Relative terms at default positions on the sdpa backend, gathered per query chunk from
+their projections over the table rows (``_sdpa_relative_parts``): on the CPU in float32
+or float64 through ``chunked_relative_attention`` (flash calls per chunk, the terms'
+gradient span by span), elsewhere through one SDPA call per chunk.
+
+Each case is checked against the eager oracle, outputs and gradients into q, k, v and
+every parameter, with chunks of 8 queries so that every sequence spans several.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import (
+    assert_sdpa_matches_eager,
+    generated_class,
+    runtime_modules,
+    set_runtime,
+    small_clip_module,
+    spy_calls,
+    spy_query_shapes,
+)
+
+F64 = torch.float64
+NAMES = ["bert_relative_key", "bert_relative_key_query", "deberta", "transformer_xl"]
+SHAPES = [(40, 40, 4), (25, 50, 2), (17, 30, 1)]  # (n, m, kv_heads)
+
+
+def make(name: str) -> torch.nn.Module:
+    if name == "transformer_xl":  # no clip
+        torch.manual_seed(3)
+        return generated_class(name)(heads=4, head_dim=8, model_dim=16).double()
+    return small_clip_module(name)
+
+
+@pytest.fixture
+def chunks_of_8(monkeypatch: pytest.MonkeyPatch) -> None:
+    masks = [module for module in runtime_modules() if module.__name__.endswith("_masks")]
+    monkeypatch.setitem(masks[0].SDPA_QUERY_CHUNK, "cpu", 8)
+
+
+@pytest.mark.usefixtures("chunks_of_8")
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(("n", "m", "kv_heads"), SHAPES)
+@pytest.mark.parametrize("name", NAMES)
+def test_chunked_terms_match_eager_with_gradients(
+    name: str, n: int, m: int, kv_heads: int, causal: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pe = make(name)
+    route = spy_query_shapes(monkeypatch, pe, "chunked_relative_attention")
+    assert_sdpa_matches_eager(pe, n, m, kv_heads, causal=causal)
+    key_side = name in ("bert_relative_key_query", "deberta")
+    if causal and not key_side:  # a causal training step without key-side terms
+        assert route == []  # builds each chunk's terms at its positions
+    else:
+        assert route == [(2, 4, n, 8)]
+
+
+@pytest.mark.usefixtures("chunks_of_8")
+@pytest.mark.parametrize("name", NAMES)
+def test_without_gradients_and_with_frozen_tables(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No gradient into the terms: each chunk's terms are gathered when its call needs
+    them (forward, and again in the backward for q and k)."""
+    pe = make(name)
+    pe.requires_grad_(False)
+    route = spy_query_shapes(monkeypatch, pe, "chunked_relative_attention")
+    generator = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 30, 8, generator=generator, dtype=F64, requires_grad=True)
+    k = torch.randn(2, 2, 36, 8, generator=generator, dtype=F64, requires_grad=True)
+    v = torch.randn(2, 2, 36, 8, generator=generator, dtype=F64)
+    for causal in (False, True):
+        want = pe(q, k, v, causal=causal, backend="eager")
+        got = pe(q, k, v, causal=causal, backend="sdpa")
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+        want_grads = torch.autograd.grad(want.square().sum(), (q, k))
+        got_grads = torch.autograd.grad(got.square().sum(), (q, k))
+        for a, b in zip(got_grads, want_grads, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+        with torch.no_grad():
+            torch.testing.assert_close(pe(q, k, v, causal=causal, backend="sdpa"), want.detach())
+    key_side = name in ("bert_relative_key_query", "deberta")
+    assert len(route) == (4 if key_side else 3)  # causal with gradients into q: per chunk
+
+
+@pytest.mark.usefixtures("chunks_of_8")
+@pytest.mark.parametrize("name", ["bert_relative_key_query", "deberta", "transformer_xl"])
+def test_windows_documents_and_other_value_widths_take_sdpa_per_chunk(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A window or documents, and values of another width, go through one SDPA call per
+    chunk with the chunk's terms (and its mask) as attn_mask."""
+    pe = make(name)
+    flash = spy_query_shapes(monkeypatch, pe, "chunked_relative_attention")
+    route = spy_calls(monkeypatch, runtime_modules(pe), "band_terms", lambda *_: None)
+    documents = torch.zeros(2, 30, dtype=torch.int64)
+    documents[:, 11:] = 1
+    for options in ({"window": 6}, {"window": 5, "causal": True}, {"document_ids": documents}):
+        assert_sdpa_matches_eager(pe, 30, 30, 2, **options)
+    generator = torch.Generator().manual_seed(6)
+    q, k = (torch.randn(1, 4, 24, 8, generator=generator, dtype=F64) for _ in range(2))
+    v = torch.randn(1, 4, 24, 5, generator=generator, dtype=F64)
+    with torch.no_grad():
+        want = pe(q, k, v, backend="eager")
+        torch.testing.assert_close(pe(q, k, v, backend="sdpa"), want, rtol=1e-10, atol=1e-12)
+    assert flash == [] and len(route) > 0
+
+
+@pytest.mark.usefixtures("chunks_of_8")
+@pytest.mark.parametrize("name", ["bert_relative_key_query", "deberta"])
+def test_bfloat16_within_bfloat16_error(name: str) -> None:
+    pe = make(name).float()
+    generator = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, 4, 30, 8, generator=generator).bfloat16() for _ in range(3))
+    for causal in (False, True):
+        got = pe(q, k, v, causal=causal, backend="sdpa")
+        want = pe(q.float(), k.float(), v.float(), causal=causal, backend="eager")
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_explicit_positions_and_position_bias_keep_the_dense_terms(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pe = make("deberta")
+    route = spy_calls(monkeypatch, runtime_modules(pe), "band_terms", lambda *_: None)
+    positions = torch.arange(30)
+    q, k, v = (torch.randn(1, 4, 30, 8, dtype=F64) for _ in range(3))
+    with torch.no_grad():
+        pe(q, k, v, q_positions=positions, k_positions=positions, backend="sdpa")
+        pe(q, k, v, attn_mask=torch.ones(30, 30, dtype=torch.bool), backend="sdpa")
+    assert route == []
+    set_runtime(monkeypatch, "FEW_QUERY_RELATIVE_MAX_QUERIES", 40, pe)
+    with torch.no_grad():
+        pe(q, k, v, backend="sdpa")  # 30 queries are few now: not the chunked terms
+    assert route == []
