@@ -85,6 +85,28 @@ def test_fullgraph_compile_of_sdpa_query_chunks(name: str, monkeypatch) -> None:
         torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("name", ["bert_relative_key_query", "deberta", "transformer_xl"])
+def test_fullgraph_compile_of_relative_terms_from_their_projections(name: str, monkeypatch) -> None:
+    """More than a few queries at default positions: each chunk's terms gathered from
+    the projections (``_sdpa_relative_parts``) trace whole, causal or not, windowed,
+    with gradients into q."""
+    masks = importlib.import_module("generated._masks")
+    monkeypatch.setitem(masks.SDPA_QUERY_CHUNK, "cpu", 8)
+    d = head_dim_for(name, 8)
+    pe = generated_class(name)(heads=4, head_dim=d).eval()
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 20, d, generator=generator, requires_grad=True)
+    k, v = (torch.randn(1, 2, 24, d, generator=generator) for _ in "kv")
+    compiled = torch.compile(pe, fullgraph=True, backend="eager")
+    for options in ({"causal": False}, {"causal": True}, {"causal": True, "window": 5}):
+        want = pe(q, k, v, backend="eager", **options)
+        got = compiled(q, k, v, backend="sdpa", **options)
+        torch.testing.assert_close(got, want)
+        (want_grad,) = torch.autograd.grad(want.square().sum(), q)
+        (got_grad,) = torch.autograd.grad(got.square().sum(), q)
+        torch.testing.assert_close(got_grad, want_grad)
+
+
 COMPILED_ROTATIONS = [
     *[
         (name, "default")
