@@ -133,6 +133,25 @@ def assert_sdpa_matches_eager(
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
 
 
+def assert_sdpa_matches_eager_without_trained_terms(
+    pe: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """For causal and not: the sdpa output and its gradients into q and k (the tensors
+    that require them) equal the eager oracle's, float64, and so does a call without
+    autograd."""
+    for causal in (False, True):
+        want = pe(q, k, v, causal=causal, backend="eager")
+        got = pe(q, k, v, causal=causal, backend="sdpa")
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+        want_grads = torch.autograd.grad(want.square().sum(), (q, k))
+        got_grads = torch.autograd.grad(got.square().sum(), (q, k))
+        for a, b in zip(got_grads, want_grads, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+        with torch.no_grad():
+            inference = pe(q, k, v, causal=causal, backend="sdpa")
+        torch.testing.assert_close(inference, want.detach(), rtol=1e-10, atol=1e-12)
+
+
 def runtime_modules(pe: torch.nn.Module | None = None) -> list[ModuleType]:
     """The modules whose globals ``pe``'s runtime reads: a variant built in memory
     inlines the whole runtime into its own module; the generated modules (and no

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._masks import accumulated
 from ._terms import RelativePart
 
 #: queries per chunk: each chunk is one flash call over its far keys on each side and
@@ -290,12 +291,7 @@ def band_terms(parts: list[RelativePart], n: int, m: int, band: list[Span], caus
                 term = term.view(*scores.shape[:2], count, width)
             else:  # "global": [H, K]
                 term = scores[:, rows].unsqueeze(0)  # [1, H, rows, w]
-        if total is None:
-            total = term
-        elif total.shape == torch.broadcast_shapes(total.shape, term.shape):
-            total = total.add_(term)
-        else:
-            total = total + term
+        total = accumulated(total, term)
     assert total is not None  # parts is not empty
     if causal:
         masked = keys > queries + (m - n)  # key after the query

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ._masks import accumulated
 from ._terms import RelativeFactors, merged_factors, scaled_factors
 
 # The most queries a call may have for ``few_query_inputs``; above it the dense
@@ -59,7 +60,7 @@ def few_query_inputs(
     total: Tensor | None = None
     for side, x, rows, diagonal, part_scale in merged_factors(factors):
         if side == "content":  # u . k_j
-            shift = _added(shift, rows[0] * (part_scale / scale))
+            shift = accumulated(shift, rows[0] * (part_scale / scale))
             continue
         assert diagonal is not None  # only "content" has none
         if side == "key":
@@ -67,7 +68,7 @@ def few_query_inputs(
             far = max(0, m - n - clip + 1)  # keys at least clip before every query
             far_row = rows[diagonal[0]] if far else None  # [H, D]: the farthest distance
             if far_row is not None:
-                shift = _added(shift, far_row * (part_scale / scale))
+                shift = accumulated(shift, far_row * (part_scale / scale))
             term = _key_side_term(x, rows, diagonal, n, m, far, far_row) * part_scale
         else:
             keys = torch.arange(m, device=x.device)
@@ -80,19 +81,10 @@ def few_query_inputs(
             else:  # "global": a vector per head
                 scores = torch.einsum("hd,khd->hk", x, rows)  # [H, K]
                 term = scores[:, row].unsqueeze(0)  # [1, H, N, M]
-        if total is None:
-            total = term
-        elif total.shape == torch.broadcast_shapes(total.shape, term.shape):
-            total = total.add_(term)
-        else:
-            total = total + term
+        total = accumulated(total, term)
     if shift is not None:
         q = (q.to(shift.dtype) + shift[None, :, None, :]).to(q.dtype)  # [B, H, N, D]
     return q, total
-
-
-def _added(total: Tensor | None, value: Tensor) -> Tensor:
-    return value if total is None else total + value
 
 
 def _key_side_term(

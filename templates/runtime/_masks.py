@@ -210,6 +210,17 @@ def apply_masks(logits: Tensor, allowed: Tensor | None, attn_mask: Tensor | None
     return logits
 
 
+def accumulated(total: Tensor | None, term: Tensor) -> Tensor:
+    """total + term, in place where total is a fresh tensor of the broadcast shape (the
+    caller's own sum); term itself where there is no total yet (then it must be fresh:
+    later terms are added into it)."""
+    if total is None:
+        return term
+    if total.shape == torch.broadcast_shapes(total.shape, term.shape):
+        return total.add_(term)
+    return total + term
+
+
 def sum_into_new(parts: list[Tensor]) -> Tensor:
     """The sum of broadcastable tensors as one freshly allocated tensor (summed in place).
 
