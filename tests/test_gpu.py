@@ -375,8 +375,10 @@ def test_inductor_compiled_rotation_matches_the_kernel_with_gradients(name: str)
 )
 def test_auto_picks_the_measured_backend_on_cuda(name: str, expected: str) -> None:
     pe = generated_class(name)(heads=4, head_dim=64).to(CUDA)
-    q = torch.randn(1, 4, 16, 64, device=CUDA)
+    q = torch.randn(1, 4, 64, 64, device=CUDA)
     assert pe._auto_backend(q) == expected
+    decode_step = "eager" if expected == "eager" else "sdpa"
+    assert pe._auto_backend(q[:, :, :1]) == decode_step
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -9,11 +9,12 @@ trajectory in decode loops.
 from __future__ import annotations
 
 import importlib
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from tests.conftest import generated_class, head_dim_for, spec_names
+from tests.conftest import generated_class, head_dim_for, runtime_value, spec_names
 
 NAMES = spec_names()
 F64 = torch.float64
@@ -375,3 +376,17 @@ def test_auto_on_the_cpu_is_sdpa(name: str, expected: str) -> None:
     too, whose sdpa path forms the weights once and chunks causal queries."""
     pe = generated_class(name)(heads=4, head_dim=64)
     assert pe._auto_backend(torch.randn(1, 4, 16, 64)) == expected
+
+
+@pytest.mark.parametrize(("name", "queries"), [("t5", 16), ("deberta", 1), ("alibi", 3)])
+def test_auto_runs_sdpa_for_a_decode_step_on_any_device(name: str, queries: int) -> None:
+    """A few queries take sdpa on CUDA too: flex would compile a kernel for every key
+    count of a decoding loop. (A stand-in for a CUDA tensor: only its shape and device
+    are read.)"""
+    pe = generated_class(name)(heads=4, head_dim=64)
+    limit = runtime_value("AUTO_SDPA_MAX_QUERIES")
+    assert queries <= limit
+    on_cuda = SimpleNamespace(is_cuda=True, shape=(1, 4, queries, 64))
+    assert pe._auto_backend(on_cuda) == "sdpa"
+    more = SimpleNamespace(is_cuda=True, shape=(1, 4, limit + 1, 64))
+    assert pe._auto_backend(more) == "flex"

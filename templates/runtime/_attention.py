@@ -44,6 +44,14 @@ from ._masks import (
 from ._numerics import autocast_off
 from ._sdpa_backend import SdpaBackend
 
+# "auto" runs sdpa for calls of at most this many queries (decode steps, a few
+# speculative tokens) whatever the device: FlexAttention compiles one kernel per shape
+# (``run_flex``, dynamic=False), and a decoding loop has a new key count every step, so
+# each step would compile (FLEX_RECOMPILE_LIMIT kernels, then the unfused reference).
+# A step of few queries reads each key once on sdpa too, with its bias [B, H, N, M]
+# small (``few_query_inputs`` for relative terms).
+AUTO_SDPA_MAX_QUERIES = 16
+
 
 class PositionalAttention(SdpaBackend, FlexBackend):
     """Attention whose logits are the sum of an encoding's terms; subclassed per encoding.
@@ -198,11 +206,14 @@ class PositionalAttention(SdpaBackend, FlexBackend):
           2.6-4.0x against 3.4-6.8x and training 3.8-6.6x against 5.4-18x, N = 2048 and
           8192 alike; H100, attention_backends_cuda_bfloat16_family.md: the relative
           family 11-16x against 15-32x at N = 2048);
-        - otherwise (no position term in the logits, a bias folded into q and k, or the
-          CPU, where FlexAttention is not fused): "sdpa" (FlashAttention where it can).
+        - otherwise (no position term in the logits, a bias folded into q and k, the
+          CPU, where FlexAttention is not fused, or at most ``AUTO_SDPA_MAX_QUERIES``
+          queries, a decode step): "sdpa" (FlashAttention where it can).
         """
         if self.has_value_term:
             return "eager" if q.is_cuda else "sdpa"
+        if q.shape[2] <= AUTO_SDPA_MAX_QUERIES:
+            return "sdpa"
         folded = self.folds_position_bias and self.fold_bias is not False
         in_logits = self.has_relative_terms or (self.has_position_bias and not folded)
         flex_width = q.shape[-1] >= 16 and q.shape[-1] & (q.shape[-1] - 1) == 0
