@@ -59,5 +59,15 @@ step 200 family python3 benchmarks/attention_backends.py --device cuda --dtype b
     --lengths 2048 --modes forward train --causal no --repeats 10 --tag _family --out "$out"
 step 200 decode python3 benchmarks/decode.py --device cuda --dtype bfloat16 --compile \
     --out "$out"
+# relative-table decode steps with and without the few-query path and kept rows, and
+# the relative family's terms gathered per chunk from their projections against the
+# dense terms (sdpa; flex in the same run)
+step 200 decode_relative python3 benchmarks/decode.py --device cuda --dtype bfloat16 \
+    --encodings bert_relative_key_query deberta transformer_xl --compare-dense \
+    --batch 4 --heads 16 --kv-heads 16 --head-dim 64 --cache 8192 --tag _relative --out "$out"
+step 300 relative_parts python3 benchmarks/attention_backends.py --device cuda \
+    --dtype bfloat16 --encodings bert_relative_key_query deberta transformer_xl \
+    --backends sdpa flex --lengths 2048 --modes forward train --causal both --compare-parts \
+    --repeats 10 --tag _relative_parts --out "$out"
 step 200 relative_layers python3 benchmarks/relative_layers.py --device cuda \
     --dtype bfloat16 --modes forward train --lengths 512 2048 --out "$out"
