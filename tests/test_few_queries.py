@@ -229,3 +229,19 @@ def test_far_apart_positions_do_not_project_the_range_between(
     want = pe(q, k, v, q_positions=positions, k_positions=positions, backend="eager")
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
     assert sizes and max(sizes) <= 3  # distances -1e6, 0 and 1e6
+
+
+def test_a_range_far_from_the_kept_block_replaces_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Transformer-XL: distances near a million (both positions shifted far apart), then
+    default positions near zero: the second call projects its own few distances, not
+    the million between the two ranges."""
+    pe = make("transformer_xl")
+    sizes = rows_projected(monkeypatch, pe)
+    q, k, v = (torch.randn(1, 4, 20, 8, dtype=F64) for _ in range(3))
+    far = {"q_positions": torch.arange(1_000_000, 1_000_020), "k_positions": torch.arange(20)}
+    with torch.no_grad():
+        got_far = pe(q, k, v, backend="sdpa", **far)
+        got = pe(q, k, v, backend="sdpa")
+    torch.testing.assert_close(got_far, pe(q, k, v, backend="eager", **far))
+    torch.testing.assert_close(got, pe(q, k, v, backend="eager"))
+    assert sizes and max(sizes) <= 100  # 39 distances a call, grown at most 2x

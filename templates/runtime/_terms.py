@@ -387,7 +387,8 @@ class AttentionTerms(nn.Module):
         table_rows: rows are row ids of a table of that many rows (all of them are
         projected once), or None: rows are distances, and the kept block of distances
         grows by doubling to cover each call's (not kept where the distances are sparse,
-        as explicit positions far apart give). Keyed on the parameters' version
+        as explicit positions far apart give; a range far from the kept block replaces
+        it, so the gap between them is never projected). Keyed on the parameters' version
         counters, so an in-place update (an optimizer step, load_state_dict) projects
         afresh. Eager mode only: under torch.compile, with gradients, or with
         ``KEEP_RELATIVE_ROWS`` off, the rows are projected every call. Rows in ascending
@@ -413,9 +414,12 @@ class AttentionTerms(nn.Module):
             stop = start + block.shape[0]
             if start <= first and last < stop:
                 return block[low - start : high + 1 - start] if in_order else block[rows - start]
-            size = stop - start  # grow by at least the block's size on each short side
-            first = min(first, start - size) if first < start else start
-            last = max(last, stop - 1 + size) if last >= stop else stop - 1
+            size, wanted = stop - start, last - first + 1
+            if max(last + 1, stop) - min(first, start) <= 2 * (size + wanted):
+                # near the kept block: grow it by at least its size on each short side
+                first = min(first, start - size) if first < start else start
+                last = max(last, stop - 1 + size) if last >= stop else stop - 1
+            # else far from it: keep the new range alone (never the gap between them)
         span = torch.arange(first, last + 1, device=rows.device)
         block = self._relative_rows(projection, span, dtype, device)  # [last - first + 1, H, D]
         for stale in [key for key in self._cache if key[: len(prefix)] == prefix]:
