@@ -104,8 +104,7 @@ def _key_side_term(
     row = diagonal[keys - queries + (n - 1)]  # [N, w]
     if n * dim <= batch * rows.shape[0]:  # each pair's own row: [N, w, H, D]
         picked = rows.index_select(0, row.flatten()).view(n, width, heads, dim)
-        picked = picked.permute(2, 0, 1, 3)  # [H, N, w, D]
-        near_terms = torch.linalg.vecdot(near.unsqueeze(2), picked)  # [B, H, N, w]
+        near_terms = torch.einsum("bhwd,nwhd->bhnw", near, picked)  # no [B, H, N, w, D]
     else:  # the w keys over the K rows, [B, H, w, K], then each pair's entry
         scores = torch.einsum("bhwd,khd->bhwk", near, rows)
         flat = (torch.arange(width, device=k.device) * rows.shape[0] + row).flatten()
