@@ -104,7 +104,10 @@ def _key_side_term(
     row = diagonal[keys - queries + (n - 1)]  # [N, w]
     if n * dim <= batch * rows.shape[0]:  # each pair's own row: [N, w, H, D]
         picked = rows.index_select(0, row.flatten()).view(n, width, heads, dim)
-        near_terms = torch.einsum("bhwd,nwhd->bhnw", near, picked)  # no [B, H, N, w, D]
+        if n == 1:  # the product in place of the copy an einsum makes of near
+            near_terms = torch.linalg.vecdot(near, picked[0].transpose(0, 1)).unsqueeze(2)
+        else:  # an einsum copies near once; a product would be N times its size
+            near_terms = torch.einsum("bhwd,nwhd->bhnw", near, picked)  # [B, H, N, w]
     else:  # the w keys over the K rows, [B, H, w, K], then each pair's entry
         scores = torch.einsum("bhwd,khd->bhwk", near, rows)
         flat = (torch.arange(width, device=k.device) * rows.shape[0] + row).flatten()
