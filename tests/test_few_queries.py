@@ -27,8 +27,9 @@ F64 = torch.float64
 NAMES = ["shaw", "bert_relative_key", "bert_relative_key_query", "deberta", "transformer_xl"]
 SHAPES = [  # (n, m, kv_heads)
     (1, 30, 4),  # a decode step with keys past the clip: the far row rides in q
-    (3, 30, 2),  # a few queries, grouped-query heads
-    (16, 40, 1),  # the most queries; a key-side term projects the window's keys
+    (3, 30, 2),  # a few queries, grouped-query heads; the window's keys projected
+    (2, 30, 4),  # two queries, each near pair reading its own row
+    (16, 40, 1),  # the most queries
     (2, 5, 4),  # no key past the clip
     (1, 5, 4),  # one key past BERT's clip
     (1, 1, 4),  # one key
