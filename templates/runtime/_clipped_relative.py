@@ -25,6 +25,10 @@ Gradients: ``_ChunkedAttention`` runs one of those calls for every chunk and is
 differentiable in q, k, v, the band's terms, its weights and the log-sum-exp, so the
 relative tables and projections train through the terms; nothing of size [N, M] is
 built, and no per-chunk slice of a full-size tensor goes through autograd.
+
+Terms that are not clipped, or too few keys for the far calls to pay, go through
+``chunked_relative_attention``: the same chunks and the same gather (``band_terms``)
+over every key a chunk may read, one flash call per chunk with its terms as the mask.
 """
 
 from __future__ import annotations
