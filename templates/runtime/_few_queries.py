@@ -7,15 +7,17 @@ every key over every row it might read (k . R^T, [B, H, M, K]) for a key-side te
 on a 2-core CPU one decode step then took 21-29x SDPA. Here:
 
 - query-side and position-only terms project the few queries (or a vector per head)
-  over the K rows, [B, H, N, K], and gather per pair;
-- a key-side term clipped at distance c (every r = j - i <= -c reads one row) reads,
-  for the keys at least c before every query (j <= M - N - c), the far row alone: one
-  product k_j . R_far per key. Only the w <= N + c - 1 keys after them read rows that
-  vary, and those pairs gather their own rows ([N, w, H, D]), or, where that is larger
-  than the projection, project the w keys over the K rows;
-- Transformer-XL's u . k_j is one product per key.
+  over the K rows, [B, H, N, K], and gather per pair (Transformer-XL's two as one,
+  (q_i + v) . R, ``merged_factors``);
+- a key-side term clipped at distance c (every r = j - i <= -c reads one row) reads
+  the far row R_far at every key at least c before every query (j <= M - N - c). That
+  part, s k_j . R_far, is scale * (R_far s / scale) . k_j: it rides in the queries,
+  like Transformer-XL's u . k_j, and no key pays for it. Only the w <= N + c - 1 keys
+  after them get a term, s k_j . (R[row] - R_far), each pair reading its own row
+  ([N, w, H, D]), or, where that is larger than the projection, the w keys projected
+  over the K rows.
 
-The sum is one [B or 1, H, N, M] tensor, the additive mask of a single SDPA call.
+What remains is one [B or 1, H, N, M] tensor, the additive mask of a single SDPA call.
 """
 
 from __future__ import annotations
