@@ -228,6 +228,13 @@ def cache_get(cache: dict[tuple[Any, ...], Any], key: tuple[Any, ...]) -> Any:
     return value
 
 
+def parameter_states(module: torch.nn.Module) -> tuple[tuple[int, int, int], ...]:
+    """(id, storage address, version counter) of each of module's parameters: a cache key
+    part that changes with an in-place update (an optimizer step, load_state_dict) and
+    with a new tensor assigned to ``.data`` (which leaves the version counter as it is)."""
+    return tuple((id(p), p.data_ptr(), p._version) for p in module.parameters())
+
+
 def cache_put(cache: dict[tuple[Any, ...], Any], key: tuple[Any, ...], value: Any) -> Any:
     """Store value as the most recent entry, keeping the CACHE_SIZE most recent ones."""
     if torch.compiler.is_compiling():

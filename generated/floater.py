@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from ._attention import PositionalAttention
-from ._inputs import cache_get, cache_put, check_positions, positive_int
+from ._inputs import cache_get, cache_put, check_positions, parameter_states, positive_int
 from ._numerics import compute_dtype
 
 __all__ = ["Floater"]
@@ -183,14 +183,12 @@ class Floater(PositionalAttention):
     def _cached_trajectory(self, count: int, dtype: torch.dtype) -> Tensor:
         """trajectory(count, dtype) without autograd, reusing and extending a cached one.
 
-        Keyed on dtype, device and the parameters' version counters, so an in-place
-        update (an optimizer step, load_state_dict) starts a new trajectory; a decode
-        step one position further integrates one more position, not all of them.
+        Keyed on dtype, device and ``parameter_states``, so an in-place update (an
+        optimizer step, load_state_dict) or a new ``.data`` starts a new trajectory; a
+        decode step one position further integrates one more position, not all of them.
         """
-        parameters = tuple(self.parameters())
-        device = parameters[0].device
-        versions = tuple(p._version for p in parameters)
-        key = ("trajectory", dtype, str(device), tuple(id(p) for p in parameters), versions)
+        device = next(self.parameters()).device
+        key = ("trajectory", dtype, str(device), parameter_states(self))
         states = cache_get(self._cache, key)
         if states is None or states.shape[0] < count:
             if self.max_positions is not None and count > self.max_positions:
@@ -199,7 +197,7 @@ class Floater(PositionalAttention):
             if states is None:
                 states = self.trajectory(1, dtype)
             states = self._integrate(states, count, weights)
-            for stale in [other for other in self._cache if other[:4] == key[:4]]:
+            for stale in [other for other in self._cache if other[:3] == key[:3]]:
                 del self._cache[stale]  # older parameter versions are never read again
             cache_put(self._cache, key, states)
         return states[:count]

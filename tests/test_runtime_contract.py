@@ -351,6 +351,12 @@ def test_floater_decode_step_integrates_one_position_without_autograd() -> None:
     with torch.no_grad():
         loaded = pe.embed(x[:, :1], positions=torch.tensor([[30]]))
         torch.testing.assert_close(loaded, other.embed(x[:, :1], positions=torch.tensor([[30]])))
+    # and so does a new tensor assigned to .data (its version counter does not move)
+    with torch.no_grad():
+        pe.dynamics_out.bias.data = pe.dynamics_out.bias.data + 0.5
+        assigned = pe.embed(x[:, :1], positions=torch.tensor([[30]]))
+    want = x[:, :1] + pe.trajectory(31).detach()[30]
+    torch.testing.assert_close(assigned, want, atol=0, rtol=0)
     # with autograd on the trajectory is integrated afresh and differentiable
     pe.embed(x[:, :4]).sum().backward()
     assert pe.dynamics_out.bias.grad is not None

@@ -24,6 +24,7 @@ from ._inputs import (
     check_axis_positions,
     check_position_pair,
     check_positions,
+    parameter_states,
     positive_int,
     repeat_kv,
     to_bhnd,
@@ -388,9 +389,9 @@ class AttentionTerms(nn.Module):
         projected once), or None: rows are distances, and the kept block of distances
         grows by doubling to cover each call's (not kept where the distances are sparse,
         as explicit positions far apart give; a range far from the kept block replaces
-        it, so the gap between them is never projected). Keyed on the parameters' version
-        counters, so an in-place update (an optimizer step, load_state_dict) projects
-        afresh. Eager mode only: under torch.compile, with gradients, or with
+        it, so the gap between them is never projected). Keyed on ``parameter_states``,
+        so an in-place update (an optimizer step, load_state_dict) or a new ``.data``
+        projects afresh. Eager mode only: under torch.compile, with gradients, or with
         ``KEEP_RELATIVE_ROWS`` off, the rows are projected every call. Rows in ascending
         order come back as a view of the kept block: read them, never write into them.
         """
@@ -405,8 +406,7 @@ class AttentionTerms(nn.Module):
             return self._relative_rows(projection, rows, dtype, device)
         else:
             first, last = low, high
-        parameters = tuple(self.parameters())
-        versions = tuple((id(p), p._version) for p in parameters)
+        versions = parameter_states(self)
         prefix = ("relative_rows", projection, dtype, str(device))
         cached = cache_get(self._cache, (*prefix, versions))
         if cached is not None:
