@@ -94,9 +94,12 @@ def small_clip_variant(name: str) -> type[torch.nn.Module]:
 
 def small_clip_module(name: str, **options: int) -> torch.nn.Module:
     """A float64 ``small_clip_variant(name)`` with 4 heads of width 8 (DeBERTa's rows 16
-    wide), seeded."""
-    extra = {"model_dim": 16} if name == "deberta" else {}
+    wide), seeded; Transformer-XL, which has no clip, as the catalogue has it (rows 16
+    wide)."""
     torch.manual_seed(3)
+    if name == "transformer_xl":
+        return generated_class(name)(heads=4, head_dim=8, model_dim=16, **options).double()
+    extra = {"model_dim": 16} if name == "deberta" else {}
     return small_clip_variant(name)(heads=4, head_dim=8, **extra, **options).double()
 
 

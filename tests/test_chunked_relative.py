@@ -15,7 +15,6 @@ import torch
 from tests.conftest import (
     assert_sdpa_matches_eager,
     assert_sdpa_matches_eager_without_trained_terms,
-    generated_class,
     runtime_modules,
     set_runtime,
     small_clip_module,
@@ -29,9 +28,6 @@ SHAPES = [(40, 40, 4), (25, 50, 2), (17, 30, 1)]  # (n, m, kv_heads)
 
 
 def make(name: str) -> torch.nn.Module:
-    if name == "transformer_xl":  # no clip
-        torch.manual_seed(3)
-        return generated_class(name)(heads=4, head_dim=8, model_dim=16).double()
     return small_clip_module(name)
 
 

@@ -17,7 +17,6 @@ import torch
 
 from tests.conftest import (
     assert_sdpa_matches_eager,
-    generated_class,
     set_runtime,
     small_clip_module,
     spy_query_shapes,
@@ -37,9 +36,6 @@ SHAPES = [  # (n, m, kv_heads)
 
 
 def make(name: str) -> torch.nn.Module:
-    if name == "transformer_xl":  # no clip: its terms are query-side and per key
-        torch.manual_seed(3)
-        return generated_class(name)(heads=4, head_dim=8, model_dim=16).double()
     return small_clip_module(name)
 
 
