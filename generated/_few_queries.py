@@ -27,8 +27,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ._clipped_relative import band_terms
 from ._masks import accumulated
-from ._terms import RelativeFactors, merged_factors, scaled_factors
+from ._terms import RelativeFactors, RelativePart, merged_factors, project_factors
 
 # The most queries a call may have for ``few_query_inputs``; above it the dense
 # terms (or, from CLIPPED_RELATIVE_MIN_QUERIES on, the clipped path) serve.
@@ -62,30 +63,23 @@ def few_query_inputs(
     """
     shift: Tensor | None = None  # [H, D], added to every query
     total: Tensor | None = None
-    for side, x, rows, diagonal, part_scale in merged_factors(factors):
+    gathered: list[RelativePart] = []  # query-side and position-only terms, projected
+    for part in merged_factors(factors):
+        side, x, rows, diagonal, part_scale = part
         if side == "content":  # u . k_j
             shift = accumulated(shift, rows[0] * (part_scale / scale))
-            continue
-        assert diagonal is not None  # only "content" has none
-        if side == "key":
-            assert clip is not None  # few_query_relative_serves
+        elif side == "key":
+            assert clip is not None and diagonal is not None  # few_query_relative_serves
             far = max(0, m - n - clip + 1)  # keys at least clip before every query
             far_row = rows[diagonal[0]] if far else None  # [H, D]: the farthest distance
             if far_row is not None:
                 shift = accumulated(shift, far_row * (part_scale / scale))
             term = _key_side_term(x, rows, diagonal, n, m, far, far_row) * part_scale
-        else:
-            keys = torch.arange(m, device=x.device)
-            queries = torch.arange(n, device=x.device).unsqueeze(1)  # [N, 1]
-            row = diagonal[keys - queries + (n - 1)]  # [N, M]
-            x, rows = scaled_factors(x, rows, part_scale)
-            if side == "query":
-                scores = torch.einsum("bhnd,khd->bhnk", x, rows)  # [B, H, N, K]
-                term = torch.gather(scores, -1, row.expand(*scores.shape[:2], n, m))
-            else:  # "global": a vector per head
-                scores = torch.einsum("hd,khd->hk", x, rows)  # [H, K]
-                term = scores[:, row].unsqueeze(0)  # [1, H, N, M]
-        total = accumulated(total, term)
+            total = accumulated(total, term)
+        else:  # the few queries (or a vector per head) over the K rows, gathered per pair
+            gathered.append(project_factors(part))
+    if gathered:
+        total = accumulated(total, band_terms(gathered, n, m, [(0, n, 0, m)], False))
     if shift is not None:
         q = (q.to(shift.dtype) + shift[None, :, None, :]).to(q.dtype)  # [B, H, N, D]
     return q, total

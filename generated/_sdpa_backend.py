@@ -204,12 +204,12 @@ class SdpaBackend(AttentionTerms):
         if by_parts:
             # the terms of each chunk gathered from the projections over the table rows
             # (``band_terms``: row-major, no transposed key-side term)
-            groups = q.shape[1] // k.shape[1]
-            factors = self._relative_factors(q, repeat_kv(k, groups), compute_dtype(q), causal)
+            heads_k = repeat_kv(k, q.shape[1] // k.shape[1])  # the terms read every head
+            factors = self._relative_factors(q, heads_k, compute_dtype(q), causal)
             if factors and relative_parts_serve(factors, causal):
                 relative_parts = projected_parts(factors)
                 return self._sdpa_relative_parts(
-                    q, k, v, relative_parts, causal, window, document_ids
+                    q, k, heads_k, v, relative_parts, causal, window, document_ids
                 )
         if default and attn_mask is None and (causal or window is not None):
             spans = query_chunks(n, m, q.device.type, causal, window)
@@ -274,6 +274,7 @@ class SdpaBackend(AttentionTerms):
         self,
         q: Tensor,
         k: Tensor,
+        heads_k: Tensor,
         v: Tensor,
         parts: list[RelativePart],
         causal: bool,
@@ -281,14 +282,14 @@ class SdpaBackend(AttentionTerms):
         document_ids: Tensor | None,
     ) -> Tensor:
         """SDPA at default positions with the relative terms ``parts`` gathered per
-        query chunk (``query_chunks``) over the keys it may read, as its mask."""
+        query chunk (``query_chunks``) over the keys it may read, as its mask. heads_k:
+        k with q's heads (k itself without grouped-query heads)."""
         n, m = q.shape[2], k.shape[2]
         allowed = attention_allowed(None, None, n, m, q.device, False, window, document_ids)
         spans = query_chunks(n, m, q.device.type, causal, window)
         if allowed is None and chunked_relative_serves(q, v):
             # flash calls per chunk, the terms' gradient without a full-size one per chunk
-            groups = q.shape[1] // k.shape[1]
-            heads_k, heads_v = repeat_kv(k, groups), repeat_kv(v, groups)
+            heads_v = repeat_kv(v, q.shape[1] // v.shape[1])
             out = chunked_relative_attention(q, heads_k, heads_v, parts, spans, self.scale, causal)
             return out.to(v.dtype)
         gqa: dict[str, Any] = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}

@@ -194,9 +194,9 @@ class BertRelativeKeyQuery(PositionalAttention):
         self, q: Tensor, k: Tensor, dtype: torch.dtype, causal: bool = False
     ) -> list[RelativeFactors]:
         """Each relative term at default positions as its factors: the K table rows it
-        reads (scaled as it enters the logits) with q, k or a trained vector, and the
-        row of each diagonal, so no [B, H, N, M] tensor is built; with ``causal``, only
-        the rows that unmasked diagonals read. k has q's heads.
+        reads, what they are dotted with (q, k or a trained vector), the scale it enters
+        the logits with and the row of each diagonal, so no [B, H, N, M] tensor is built;
+        with ``causal``, only the rows that unmasked diagonals read. k has q's heads.
         """
         n, m = q.shape[2], k.shape[2]
         factors: list[RelativeFactors] = []

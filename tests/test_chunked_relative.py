@@ -109,11 +109,13 @@ def test_bfloat16_within_bfloat16_error(name: str) -> None:
         torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
 
 
-def test_explicit_positions_and_position_bias_keep_the_dense_terms(
+def test_explicit_positions_and_attn_mask_keep_the_dense_terms(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     pe = make("deberta")
     route = spy_calls(monkeypatch, runtime_modules(pe), "band_terms", lambda *_: None)
+    flash = spy_query_shapes(monkeypatch, pe, "chunked_relative_attention")
+    few = spy_query_shapes(monkeypatch, pe, "few_query_inputs")
     positions = torch.arange(30)
     q, k, v = (torch.randn(1, 4, 30, 8, dtype=F64) for _ in range(3))
     with torch.no_grad():
@@ -123,4 +125,4 @@ def test_explicit_positions_and_position_bias_keep_the_dense_terms(
     set_runtime(monkeypatch, "FEW_QUERY_RELATIVE_MAX_QUERIES", 40, pe)
     with torch.no_grad():
         pe(q, k, v, backend="sdpa")  # 30 queries are few now: not the chunked terms
-    assert route == []
+    assert flash == [] and few == [(1, 4, 30, 8)]
