@@ -223,11 +223,16 @@ class Deberta(PositionalAttention):
         """Default positions: the row of each diagonal, int64 [N + M - 1] (entry
         kv - q + N - 1, as ``default_distances``), and the K table rows it reads. With
         ``causal`` only diagonals whose key is not after the query (the first M) count
-        toward the rows; the rest read a row within them."""
+        toward the rows; the rest read a row within them. Cached per shape."""
+        key = ("relative_diagonals", sign, n, m, causal, str(device))
+        cached = cache_get(self._cache, key)
+        if cached is not None:
+            return cached
         relative = default_distances(n, m, device)  # j - i per diagonal
         if sign == "query_minus_key":
             relative = -relative
-        return diagonal_rows(_relative_index(relative), RELATIVE_ROWS, m, causal)
+        diagonals = diagonal_rows(_relative_index(relative), RELATIVE_ROWS, m, causal)
+        return cache_put(self._cache, key, diagonals)
 
     def _relative_factors(
         self, q: Tensor, k: Tensor, dtype: torch.dtype, causal: bool = False

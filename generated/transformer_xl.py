@@ -226,7 +226,11 @@ class TransformerXl(PositionalAttention):
         """Default positions: the row of each diagonal, int64 [N + M - 1] (entry
         kv - q + N - 1, as ``default_distances``), and the K table rows it reads. With
         ``causal`` only diagonals whose key is not after the query (the first M) count
-        toward the rows; the rest read a row within them."""
+        toward the rows; the rest read a row within them. Cached per shape."""
+        key = ("relative_diagonals", sign, n, m, causal, str(device))
+        cached = cache_get(self._cache, key)
+        if cached is not None:
+            return cached
         relative = default_distances(n, m, device)  # j - i per diagonal
         if sign == "query_minus_key":
             relative = -relative
@@ -234,7 +238,8 @@ class TransformerXl(PositionalAttention):
         if causal:  # key minus query position at most 0
             high, low = (0, 1 - m) if sign == "key_minus_query" else (m - 1, 0)
         rows = torch.arange(low, high + 1, device=device)  # ascending distance
-        return (relative - low).clamp(0, high - low), rows
+        diagonals = (relative - low).clamp(0, high - low), rows
+        return cache_put(self._cache, key, diagonals)
 
     def _relative_factors(
         self, q: Tensor, k: Tensor, dtype: torch.dtype, causal: bool = False
