@@ -24,6 +24,10 @@ gradient; FlexAttention's score_mod otherwise), in the same loop; with a trainin
 and a bias that trains, also the route with its gradient summed in the kernel
 (``FUSED_DISTANCE_TRAINED_DEVICES``).
 
+For relative terms read from their projections (BERT, DeBERTa, Transformer-XL) it
+times the flex backend with and without the kernel's forward that reads them per score
+(``FUSED_RELATIVE_DEVICES``; a training step stays on FlexAttention either way).
+
 ``--compare-parts`` also times, for relative terms (BERT, DeBERTa, Transformer-XL ...),
 the sdpa backend without its route that gathers each query chunk's terms from their
 projections over the table rows (``_sdpa_relative_parts``): the dense terms, built per
@@ -291,13 +295,18 @@ def fused_route(device: torch.device, on: bool, trained: bool = False) -> Iterat
     """The runtime with flex's fused route (a bias of j - i through the Triton kernel,
     ``FUSED_DISTANCE_ROUTES``) taken on ``device`` for every bias form, or for none;
     ``trained``: a bias that trains too, its gradient summed in the kernel
-    (``FUSED_DISTANCE_TRAINED_DEVICES``)."""
+    (``FUSED_DISTANCE_TRAINED_DEVICES``). Relative terms read from their projections
+    take the kernel's forward likewise (``FUSED_RELATIVE_DEVICES``)."""
     routes = flex_backend.FUSED_DISTANCE_ROUTES
     trained_devices = flex_backend.FUSED_DISTANCE_TRAINED_DEVICES
+    relative_devices = flex_backend.FUSED_RELATIVE_DEVICES
     flex_backend.FUSED_DISTANCE_ROUTES = {
         form: (devices | {device.type}) if on else devices - {device.type}
         for form, devices in routes.items()
     }
+    flex_backend.FUSED_RELATIVE_DEVICES = (
+        relative_devices | {device.type} if on else relative_devices - {device.type}
+    )
     if trained:
         flex_backend.FUSED_DISTANCE_TRAINED_DEVICES = trained_devices | {device.type}
     try:
@@ -305,6 +314,7 @@ def fused_route(device: torch.device, on: bool, trained: bool = False) -> Iterat
     finally:
         flex_backend.FUSED_DISTANCE_ROUTES = routes
         flex_backend.FUSED_DISTANCE_TRAINED_DEVICES = trained_devices
+        flex_backend.FUSED_RELATIVE_DEVICES = relative_devices
 
 
 def candidates(
@@ -360,9 +370,10 @@ def candidates(
                     return pe(q, k, v, causal=causal, backend="flex", window=args.window)
 
             found.append((name, "flex, clipped gradient", attend_clipped_flex, params))
-        if "flex" in args.backends and args.compare_fused and pe.bias_by_distance:
+        fused_forms = pe.bias_by_distance or pe.has_relative_terms
+        if "flex" in args.backends and args.compare_fused and fused_forms:
             routes = [(True, False, "flex, fused kernel"), (False, False, "flex, no fused kernel")]
-            if params and "train" in args.modes:
+            if params and "train" in args.modes and pe.bias_by_distance:
                 routes.append((True, True, "flex, fused kernel, gradient in kernel"))
             for on, trained, label in routes:
 
@@ -575,7 +586,10 @@ def main() -> None:
     parser.add_argument(
         "--compare-fused",
         action="store_true",
-        help="also time flex with the fused Triton kernel for biases of j - i (CUDA)",
+        help=(
+            "also time flex with and without the fused Triton kernel for biases of j - i "
+            "and relative terms (CUDA)"
+        ),
     )
     parser.add_argument(
         "--window",

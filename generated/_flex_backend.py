@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from ._distance_kernel import (
+    RelativeRows,
     distance_attention_forward,
     fused_distance_attention,
     fused_distance_attention_serves,
@@ -32,7 +33,7 @@ from ._masks import (
     sum_into_new,
 )
 from ._numerics import autocast_off, compute_dtype
-from ._terms import AttentionTerms
+from ._terms import AttentionTerms, RelativePart
 from ._trained_bias import (
     attach_clipped_bias_gradient,
     band_gradient_pays,
@@ -53,6 +54,12 @@ CLIPPED_BIAS_FLEX_DEVICES: set[str] = set()
 #: when causal (T5 forward 3.34-4.21x against 2.74-3.69x) and when T5's table trains at
 #: N = 2048, so it stays on flex.
 FUSED_DISTANCE_ROUTES: dict[str, set[str]] = {"slope": {"cuda"}, "vector": set()}
+#: device types where the flex backend runs relative terms read from their projections
+#: (BERT's, DeBERTa's and Transformer-XL's tables, at default positions) through the
+#: fused kernel's forward (``fused_relative_attention``) where no gradient is needed,
+#: instead of FlexAttention's score_mod. Empty until timed on a GPU; tests add the CPU,
+#: interpreted.
+FUSED_RELATIVE_DEVICES: set[str] = set()
 #: device types where a bias that trains (ALiBi's learned slopes, T5's table, KERPLE's
 #: parameters) takes that route with its gradient added up inside the dQ kernel
 #: (``fused_distance_attention`` with a bias that needs a gradient); elsewhere a trained
@@ -114,6 +121,12 @@ class FlexBackend(AttentionTerms):
         if self.has_relative_terms:
             heads_k = repeat_kv(k, q.shape[1] // k.shape[1])
             relative_parts = self._relative_parts(q, heads_k, dtype, causal) if default else None
+            if relative_parts is not None and not (has_bias or attn_mask is not None):
+                fused = self._fused_relative_attention(
+                    q, k, v, relative_parts, causal, window, document_ids
+                )
+                if fused is not None:
+                    return fused
             if relative_parts is not None:  # read per score from [B, H, N, K] projections
                 relative_fn = flex_relative_terms(relative_parts, n, dtype, q.device)
             else:  # dense: the [B, H, N, M] terms, captured
@@ -255,6 +268,75 @@ class FlexBackend(AttentionTerms):
         return attach_clipped_bias_gradient(
             out, clipped, q, k, v, lse, self.scale, causal, triangle
         )
+
+    def _fused_relative_attention(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        parts: list[RelativePart],
+        causal: bool,
+        window: int | None,
+        document_ids: Tensor | None,
+    ) -> Tensor | None:
+        """flex's route for relative terms at default positions (no position bias,
+        attn_mask or documents) through the fused kernel, which reads each term from
+        its projection per score (``fused_relative_attention``), where
+        FUSED_RELATIVE_DEVICES lists the device and no gradient is needed (the kernel
+        has no backward). At most one query-side term (a trained vector per head
+        counts as one, read alike by every query) and one key-side term (Transformer-
+        XL's u . k_j, one value per key, counts as one); None otherwise."""
+        if (
+            q.device.type not in FUSED_RELATIVE_DEVICES
+            or document_ids is not None
+            or self._trains_step(q, k, v)
+            or not fused_distance_attention_serves(q, k, v)
+        ):
+            return None
+        batch, heads, n = q.shape[:3]
+        slots: dict[str, RelativeRows] = {}
+        for side, scores, diagonal in parts:
+            slot = "query" if side in ("query", "global") else "key"
+            if slot in slots:
+                return None
+            if side == "global":  # [H, K]: every query alike
+                scores = scores[None, :, None, :].expand(batch, heads, n, scores.shape[-1])
+            elif side == "content":  # [B, H, M]: one value per key
+                scores = scores[..., None]
+            if diagonal is None:
+                slots[slot] = RelativeRows(scores.float(), None)
+            else:
+                key = ("fused_relative_diagonal", slot, n, k.shape[2], causal, str(q.device))
+                slots[slot] = RelativeRows(scores.float(), *self._kernel_diagonal(diagonal, key))
+        out, _ = distance_attention_forward(
+            q,
+            k,
+            v,
+            None,
+            "none",
+            0,
+            self.scale,
+            causal,
+            window,
+            slots.get("query"),
+            slots.get("key"),
+        )
+        return out
+
+    def _kernel_diagonal(self, diagonal: Tensor, key: tuple[Any, ...]) -> tuple[Tensor, int, int]:
+        """A term's diagonal [N + M - 1] as the fused kernel reads it: int32, with the last
+        index up to which it holds its first row and the first from which on it holds its
+        last (beyond a clip; tiles past them read one value per query or key). Found with
+        host syncs once per ``key`` (the shape) and cached."""
+        cached = cache_get(self._cache, key)
+        if cached is None:
+            rows = diagonal.to(torch.int32)
+            left = torch.nonzero(rows != rows[0])  # [changes, 1]
+            right = torch.nonzero(rows != rows[-1])
+            below = int(left[0, 0]) - 1 if left.numel() else rows.numel() - 1
+            above = int(right[-1, 0]) + 1 if right.numel() else 0
+            cached = cache_put(self._cache, key, (rows, below, above))
+        return cached
 
     def _flex_with_clipped_gradient(
         self,

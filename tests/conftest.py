@@ -220,3 +220,36 @@ def spy_query_shapes(
 def bias_kind(q: Any, k: Any, v: Any, scale: float, *args: Any, **keywords: Any) -> str:
     """The ``bias_kind`` of a ``fused_distance_attention`` call (a ``spy_calls`` record)."""
     return str(args[1] if len(args) > 1 else keywords.get("bias_kind", "none"))
+
+
+def interpret_distance_kernels(
+    monkeypatch: pytest.MonkeyPatch, pe: torch.nn.Module | None = None
+) -> None:
+    """Serve CPU tensors in ``pe``'s runtime (default: generated/'s) with the fused
+    attention kernels (``_distance_kernel``) defined afresh under TRITON_INTERPRET=1 for
+    the test, every route of the flex backend to them open to the CPU."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    set_runtime(monkeypatch, "TRITON_CACHE", {}, pe)
+    helpers = ("tile_logits", "larger", "plus", "diagonal_sums_into", "relative_tile")
+    for helper in helpers:
+        set_runtime(monkeypatch, f"_distance_{helper}", None, pe)
+    set_runtime(monkeypatch, "FUSED_DISTANCE_DEVICES", {"cpu"}, pe)
+    set_runtime(monkeypatch, "FUSED_DISTANCE_ROUTES", {"slope": {"cpu"}, "vector": {"cpu"}}, pe)
+    set_runtime(monkeypatch, "FUSED_RELATIVE_DEVICES", {"cpu"}, pe)
+    (module,) = [m for m in runtime_modules(pe) if "_distance_attention_kernels" in vars(m)]
+    import triton.language
+    from triton.runtime import interpreter
+
+    # the interpreter looks for triton.language among a kernel's globals; the runtime
+    # imports it inside the function that defines the kernels
+    monkeypatch.setattr(module, "tl", triton.language, raising=False)
+
+    original = interpreter._patch_lang_tensor
+
+    def patch_lang_tensor(tensor: Any, scope: Any) -> None:
+        # the interpreter holds a scalar as a 1-element array, and NumPy 2.4 refuses
+        # int() of one (a loop bound read from program_id: triton-lang/triton#9171)
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(())))
+
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patch_lang_tensor)

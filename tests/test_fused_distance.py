@@ -29,6 +29,7 @@ import generated._flex_backend as flex_backend
 from tests.conftest import (
     bias_kind,
     generated_class,
+    interpret_distance_kernels,
     run_backend,
     runtime_modules,
     set_runtime,
@@ -42,37 +43,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def interpret(monkeypatch: pytest.MonkeyPatch, pe: torch.nn.Module | None = None) -> None:
-    """Serve CPU tensors in ``pe``'s runtime (default: generated/'s) with the kernels
-    interpreted."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    set_runtime(monkeypatch, "TRITON_CACHE", {}, pe)
-    for helper in ("_distance_tile_logits", "_distance_larger", "_distance_plus"):
-        set_runtime(monkeypatch, helper, None, pe)
-    set_runtime(monkeypatch, "FUSED_DISTANCE_DEVICES", {"cpu"}, pe)
-    set_runtime(monkeypatch, "FUSED_DISTANCE_ROUTES", {"slope": {"cpu"}, "vector": {"cpu"}}, pe)
-    (module,) = [m for m in runtime_modules(pe) if "_distance_attention_kernels" in vars(m)]
-    import triton.language
-    from triton.runtime import interpreter
-
-    # the interpreter looks for triton.language among a kernel's globals; the runtime
-    # imports it inside the function that defines the kernels
-    monkeypatch.setattr(module, "tl", triton.language, raising=False)
-
-    original = interpreter._patch_lang_tensor
-
-    def patch_lang_tensor(tensor: Any, scope: Any) -> None:
-        # the interpreter holds a scalar as a 1-element array, and NumPy 2.4 refuses
-        # int() of one (a loop bound read from program_id: triton-lang/triton#9171)
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(())))
-
-    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patch_lang_tensor)
-
-
 @pytest.fixture
 def interpreted(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
-    interpret(monkeypatch)
+    interpret_distance_kernels(monkeypatch)
     yield runtime
 
 
@@ -304,7 +277,7 @@ def test_any_shape_band_and_bias_match_the_formula(
     n, extra_keys, groups, causal, window, kind, clip
 ) -> None:
     with pytest.MonkeyPatch.context() as monkeypatch:  # hypothesis reruns the body
-        interpret(monkeypatch)
+        interpret_distance_kernels(monkeypatch)
         _assert_kernel_matches_formula(
             n, n + extra_keys, 2 * groups, 2, kind, clip, 2 * clip + 1, causal, window, seed=n
         )
@@ -349,7 +322,7 @@ def test_nothing_is_served_where_the_devices_are_not_listed() -> None:
 
 def spy_kinds(pe: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Serve ``pe``'s runtime interpreted and record the bias kind of each fused call."""
-    interpret(monkeypatch, pe)
+    interpret_distance_kernels(monkeypatch, pe)
     return spy_calls(monkeypatch, runtime_modules(pe), "fused_distance_attention", bias_kind)
 
 

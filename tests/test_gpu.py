@@ -251,6 +251,46 @@ def test_trained_biases_through_the_fused_distance_kernel_on_cuda(
     assert kinds and "none" not in kinds and attached == []
 
 
+@pytest.mark.parametrize(("name", "candidate"), [("deberta", 0), ("transformer_xl", 1)])
+def test_fused_distance_kernel_reads_relative_terms_on_cuda(
+    name: str, candidate: int, monkeypatch
+) -> None:
+    """``FUSED_RELATIVE_DEVICES`` on CUDA: flex's forward with the relative terms read
+    from their projections in the compiled kernel (DeBERTa's c2p and p2c through their
+    log-bucket diagonals; Transformer-XL's merged (q + v) . R and u . k_j per key)
+    against eager in float32 and bf16 (on the same rounded inputs), not causal and
+    causal with a window, GQA, N < M; one tile candidate per case."""
+    configs = runtime_value("_distance_attention_configs")
+
+    def one_candidate(kernel: str) -> list[object]:
+        return configs(kernel)[candidate:][:1]
+
+    set_runtime(monkeypatch, "_distance_attention_configs", one_candidate)
+    cache = runtime_value("TRITON_CACHE")
+    set_runtime(monkeypatch, "TRITON_CACHE", {k: v for k, v in cache.items() if "tuned" not in k})
+    set_runtime(monkeypatch, "FUSED_RELATIVE_DEVICES", {"cuda"})
+    launches = spy_calls(monkeypatch, runtime_modules(), "distance_attention_forward", len)
+    torch.manual_seed(0)
+    pe = generated_class(name)(heads=4, head_dim=64).to(CUDA)
+    with torch.no_grad():
+        for parameter in pe.parameters():  # unit scale, so that the relative terms matter
+            parameter.normal_()
+    inputs = [torch.randn(2, h, length, 64, device=CUDA) for h, length in ((4, 1000), (2, 1100))]
+    inputs.append(torch.randn(2, 2, 1100, 64, device=CUDA))
+    for dtype in (torch.float32, torch.bfloat16):
+        for causal, window in ((False, None), (True, 300)):
+            q, k, v = (t.to(dtype) for t in inputs)
+            with torch.no_grad():
+                got = pe(q, k, v, backend="flex", causal=causal, window=window)
+                wide = (q.float(), k.float(), v.float())
+                want = pe(*wide, backend="eager", causal=causal, window=window)
+            loose = dtype == torch.bfloat16
+            torch.testing.assert_close(
+                got.float(), want, atol=1.5e-2 if loose else 2e-4, rtol=1e-2 if loose else 2e-3
+            )
+    assert len(launches) == 4
+
+
 def test_alibi_takes_the_fused_kernel_by_default_on_cuda(monkeypatch) -> None:
     """The shipped routes: ALiBi's flex backend runs the fused kernel on CUDA, T5's runs
     FlexAttention (``FUSED_DISTANCE_ROUTES``), both agreeing with eager in bf16."""

@@ -14,7 +14,7 @@ autotuned over a few tile shapes; the CPU suite runs them under TRITON_INTERPRET
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -48,6 +48,7 @@ _distance_tile_logits: Any = None
 _distance_larger: Any = None
 _distance_plus: Any = None
 _distance_diagonal_sums_into: Any = None
+_distance_relative_tile: Any = None
 
 
 def fused_distance_attention_serves(q: Tensor, k: Tensor, v: Tensor) -> bool:
@@ -101,6 +102,7 @@ def _distance_attention_kernels() -> dict[str, Any]:
     The bias of each tile comes from ``tile_logits``.
     """
     global _distance_tile_logits, _distance_larger, _distance_plus, _distance_diagonal_sums_into
+    global _distance_relative_tile
     if "attention" in TRITON_CACHE:
         return dict(TRITON_CACHE["attention"])
     import triton
@@ -191,6 +193,60 @@ def _distance_attention_kernels() -> dict[str, Any]:
             tl.atomic_add(grad_row + index * stride, sums)
 
     @triton.jit
+    def relative_tile(
+        s,  # [BLOCK_M, BLOCK_N] float32 logits in base-2 units
+        row_at,  # this (batch, head)'s projection: entry (x, k) at x * stride_x + k * stride_k
+        stride_x,
+        stride_k,
+        diagonal,  # int32 [N + M - 1]: the row k of each j - i + N - 1 (where DIAGONAL)
+        below,  # diagonal[d] == diagonal[0] for every d <= below
+        above,  # diagonal[d] == diagonal[N + M - 2] for every d >= above
+        start_m,
+        start_n,
+        n,
+        m,
+        DIAGONAL: tl.constexpr,  # False: every score reads row 0 (one value per x)
+        KEY_SIDE: tl.constexpr,  # x is the key index j (else the query index i)
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        """s plus one relative term of the tile (the projection of query i, or key j, onto
+        the table row of j - i), in base-2 units; nothing outside the N x M scores. A tile
+        whose diagonals all lie past one of the diagonal's constant ends (beyond a clip)
+        reads one value per query or key instead of a gather per score."""
+        log2e: tl.constexpr = 1.4426950408889634
+        rows = start_m + tl.arange(0, BLOCK_M)
+        cols = start_n + tl.arange(0, BLOCK_N)
+        if KEY_SIDE:
+            x = cols[None, :].to(tl.int64)  # [1, BLOCK_N]
+            x_inside = cols[None, :] < m
+        else:
+            x = rows[:, None].to(tl.int64)  # [BLOCK_M, 1]
+            x_inside = rows[:, None] < n
+        if not DIAGONAL:
+            term = tl.load(row_at + x * stride_x, mask=x_inside, other=0.0)
+            s = s + log2e * term.to(tl.float32)
+        else:
+            first = start_n - (start_m + BLOCK_M - 1) + n - 1  # the tile's least j - i + N - 1
+            last = start_n + BLOCK_N - 1 - start_m + n - 1  # and its greatest
+            if last <= below:
+                row = tl.load(diagonal).to(tl.int64)
+                term = tl.load(row_at + x * stride_x + row * stride_k, mask=x_inside, other=0.0)
+                s = s + log2e * term.to(tl.float32)
+            elif first >= above:
+                row = tl.load(diagonal + n + m - 2).to(tl.int64)
+                term = tl.load(row_at + x * stride_x + row * stride_k, mask=x_inside, other=0.0)
+                s = s + log2e * term.to(tl.float32)
+            else:
+                inside = (rows[:, None] < n) & (cols[None, :] < m)
+                index = tl.load(
+                    diagonal + (cols[None, :] - rows[:, None] + n - 1), mask=inside, other=0
+                )
+                at = row_at + x * stride_x + index.to(tl.int64) * stride_k  # [BLOCK_M, BLOCK_N]
+                s = s + log2e * tl.load(at, mask=inside, other=0.0).to(tl.float32)
+        return s
+
+    @triton.jit
     def larger(a, b):
         return tl.maximum(a, b)
 
@@ -200,6 +256,7 @@ def _distance_attention_kernels() -> dict[str, Any]:
 
     _distance_tile_logits, _distance_larger, _distance_plus = tile_logits, larger, plus
     _distance_diagonal_sums_into = diagonal_sums_into
+    _distance_relative_tile = relative_tile
 
     @triton.jit
     def forward(
@@ -236,11 +293,29 @@ def _distance_attention_kernels() -> dict[str, Any]:
         r_lo,
         r_hi,
         qk_scale,  # the logit scale times log2(e)
+        query_rows_ptr,  # relative term of query i: [B, H, N, K] (any strides)
+        query_rows_stride_b,
+        query_rows_stride_h,
+        query_rows_stride_x,
+        query_rows_stride_k,
+        query_diagonal_ptr,
+        query_below,
+        query_above,
+        key_rows_ptr,  # relative term of key j: [B, H, M, K]
+        key_rows_stride_b,
+        key_rows_stride_h,
+        key_rows_stride_x,
+        key_rows_stride_k,
+        key_diagonal_ptr,
+        key_below,
+        key_above,
         HEAD_DIM: tl.constexpr,
         VALUE_DIM: tl.constexpr,
         BIAS: tl.constexpr,
         BAND: tl.constexpr,
         IEEE: tl.constexpr,  # float32 inputs: exact products, not TF32
+        QUERY_ROWS: tl.constexpr,  # 0 none, 1 the row of each diagonal, 2 row 0 (per query)
+        KEY_ROWS: tl.constexpr,  # the same for the key-side term (2: one value per key)
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
@@ -262,6 +337,8 @@ def _distance_attention_kernels() -> dict[str, Any]:
         k_at = k_ptr + batch * stride_kb + kv_head * stride_kh
         v_at = v_ptr + batch * stride_vb + kv_head * stride_vh
         bias_row = bias_ptr + head * bias_stride_h
+        query_rows_at = query_rows_ptr + batch * query_rows_stride_b + head * query_rows_stride_h
+        key_rows_at = key_rows_ptr + batch * key_rows_stride_b + head * key_rows_stride_h
         row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
         row_sum = tl.full([BLOCK_M], 0.0, tl.float32)
         acc = tl.full([BLOCK_M, VALUE_DIM], 0.0, tl.float32)
@@ -279,8 +356,45 @@ def _distance_attention_kernels() -> dict[str, Any]:
                 s = tl.dot(q, k_t, input_precision="ieee")
             else:
                 s = tl.dot(q, k_t)
+            s = s * qk_scale
+            if QUERY_ROWS > 0:
+                s = _distance_relative_tile(
+                    s,
+                    query_rows_at,
+                    query_rows_stride_x,
+                    query_rows_stride_k,
+                    query_diagonal_ptr,
+                    query_below,
+                    query_above,
+                    start_m,
+                    start_n,
+                    n,
+                    m,
+                    QUERY_ROWS == 1,
+                    False,
+                    BLOCK_M,
+                    BLOCK_N,
+                )
+            if KEY_ROWS > 0:
+                s = _distance_relative_tile(
+                    s,
+                    key_rows_at,
+                    key_rows_stride_x,
+                    key_rows_stride_k,
+                    key_diagonal_ptr,
+                    key_below,
+                    key_above,
+                    start_m,
+                    start_n,
+                    n,
+                    m,
+                    KEY_ROWS == 1,
+                    True,
+                    BLOCK_M,
+                    BLOCK_N,
+                )
             s = _distance_tile_logits(
-                s * qk_scale,
+                s,
                 start_m,
                 start_n,
                 n,
@@ -695,6 +809,8 @@ def _tuned_distance_kernel(name: str) -> Any:
 
         kernel = _distance_attention_kernels()[name]
         tuning_key = ["n", "m", "HEAD_DIM", "VALUE_DIM", "BIAS", "BAND", "IEEE"]
+        if name == "forward":
+            tuning_key += ["QUERY_ROWS", "KEY_ROWS"]
         reset: list[str] = []
         if name == "query_grad":  # it adds the bias's gradient: zeroed before each trial
             tuning_key.append("BIAS_GRAD")
@@ -755,6 +871,36 @@ def _distance_bias_arguments(
     return (*values, r_lo, r_hi), meta
 
 
+class RelativeRows(NamedTuple):
+    """A relative term as the kernels read it: ``scores`` [B, H, X, K] float32 (any
+    strides, broadcast dimensions as stride 0), X the queries (N) for a query-side term
+    or the keys (M) for a key-side one; the score of query i and key j reads row
+    ``diagonal[j - i + N - 1]`` (int32 [N + M - 1]) of its x, or row 0 where
+    ``diagonal`` is None (one value per query or per key).
+
+    ``below`` and ``above`` (None: N + M - 2) are indices of the diagonal up to which,
+    and from which on, it holds its first and last row (a clip): a tile wholly past
+    them reads one value per query or key. They must hold; the defaults always do."""
+
+    scores: Tensor
+    diagonal: Tensor | None
+    below: int = 0
+    above: int | None = None
+
+
+def _relative_rows_arguments(q: Tensor, rows: RelativeRows | None) -> tuple[tuple[Any, ...], int]:
+    """The forward kernel's arguments of one relative term (pointer, strides of batch,
+    head, x and row, diagonal, its constant ends) and its QUERY_ROWS / KEY_ROWS code: 0
+    none (the pointers are never read), 1 a row per diagonal, 2 row 0."""
+    if rows is None:
+        return (q, 0, 0, 0, 0, q, 0, 0), 0
+    scores, diagonal, below, above = rows
+    if diagonal is None:
+        return (scores, *scores.stride(), scores, 0, 0), 2
+    ends = (below, diagonal.shape[0] - 1 if above is None else above)
+    return (scores, *scores.stride(), diagonal, *ends), 1
+
+
 def distance_attention_forward(
     q: Tensor,
     k: Tensor,
@@ -765,8 +911,12 @@ def distance_attention_forward(
     scale: float,
     causal: bool,
     window: int | None,
+    query_rows: RelativeRows | None = None,
+    key_rows: RelativeRows | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """One forward launch: out [B, H, N, value_dim] in q's dtype, lse [B, H, N] float32."""
+    """One forward launch: out [B, H, N, value_dim] in q's dtype, lse [B, H, N] float32;
+    ``query_rows`` and ``key_rows`` add relative terms to the logits (forward only: the
+    backward kernels do not read them)."""
     batch, heads, n, head_dim = q.shape
     m, value_dim = k.shape[2], v.shape[-1]
     out = q.new_empty((batch, heads, n, value_dim))
@@ -774,6 +924,8 @@ def distance_attention_forward(
     if out.numel() == 0:
         return out, lse.fill_(float("-inf"))
     bias_args, meta = _distance_bias_arguments(q, bias, kind, base, n, m, causal, window)
+    query_args, query_code = _relative_rows_arguments(q, query_rows)
+    key_args, key_code = _relative_rows_arguments(q, key_rows)
     _launch_distance_kernel(
         "forward",
         n,
@@ -796,9 +948,13 @@ def distance_attention_forward(
         *out.stride(),
         *bias_args[1:],
         scale * math.log2(math.e),
+        *query_args,
+        *key_args,
         HEAD_DIM=head_dim,
         VALUE_DIM=value_dim,
         IEEE=q.dtype == torch.float32,
+        QUERY_ROWS=query_code,
+        KEY_ROWS=key_code,
         **meta,
     )
     return out, lse
@@ -943,6 +1099,35 @@ class _FusedDistanceAttention(torch.autograd.Function):
         return (*grads, None, None, None, None, None)
 
 
+def _check_fused_inputs(q: Tensor, k: Tensor, v: Tensor, caller: str) -> None:
+    """ValueError naming the argument unless q [B, H, N, D], k [B, H_kv, M, D] and v
+    [B, H_kv, M, value_dim] fit the kernels (``fused_distance_attention_serves``)."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(
+            "q, k and v must be [batch, heads, seq, dim]; got shapes "
+            f"{list(q.shape)}, {list(k.shape)} and {list(v.shape)}"
+        )
+    batch, heads, n, head_dim = q.shape
+    if k.shape[0] != batch or k.shape[-1] != head_dim or v.shape[:3] != k.shape[:3]:
+        raise ValueError(
+            f"k must be [{batch}, kv_heads, M, {head_dim}] and v [{batch}, kv_heads, M, "
+            f"value_dim]; got {list(k.shape)} and {list(v.shape)}"
+        )
+    if k.shape[1] == 0 or heads % k.shape[1] or n > k.shape[2]:
+        raise ValueError(
+            f"k's heads must divide q's {heads} and q's length {n} must not exceed k's "
+            f"{k.shape[2]} (default positions); got k of shape {list(k.shape)}"
+        )
+    if not fused_distance_attention_serves(q, k, v):
+        raise ValueError(
+            f"{caller} needs q, k and v alike in float16, bfloat16 or "
+            f"float32 on a device in FUSED_DISTANCE_DEVICES {sorted(FUSED_DISTANCE_DEVICES)}, "
+            "head and value widths powers of two from 16 to 256, eager mode and Triton; "
+            f"got {q.dtype}, {k.dtype}, {v.dtype} on {q.device} with widths {head_dim} "
+            f"and {v.shape[-1]}"
+        )
+
+
 def fused_distance_attention(
     q: Tensor,
     k: Tensor,
@@ -978,30 +1163,8 @@ def fused_distance_attention(
     """
     if bias_kind not in DISTANCE_BIAS_KINDS:
         raise ValueError(f"bias_kind must be one of {DISTANCE_BIAS_KINDS}, got {bias_kind!r}")
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(
-            "q, k and v must be [batch, heads, seq, dim]; got shapes "
-            f"{list(q.shape)}, {list(k.shape)} and {list(v.shape)}"
-        )
-    batch, heads, n, head_dim = q.shape
-    if k.shape[0] != batch or k.shape[-1] != head_dim or v.shape[:3] != k.shape[:3]:
-        raise ValueError(
-            f"k must be [{batch}, kv_heads, M, {head_dim}] and v [{batch}, kv_heads, M, "
-            f"value_dim]; got {list(k.shape)} and {list(v.shape)}"
-        )
-    if k.shape[1] == 0 or heads % k.shape[1] or n > k.shape[2]:
-        raise ValueError(
-            f"k's heads must divide q's {heads} and q's length {n} must not exceed k's "
-            f"{k.shape[2]} (default positions); got k of shape {list(k.shape)}"
-        )
-    if not fused_distance_attention_serves(q, k, v):
-        raise ValueError(
-            "fused_distance_attention needs q, k and v alike in float16, bfloat16 or "
-            f"float32 on a device in FUSED_DISTANCE_DEVICES {sorted(FUSED_DISTANCE_DEVICES)}, "
-            "head and value widths powers of two from 16 to 256, eager mode and Triton; "
-            f"got {q.dtype}, {k.dtype}, {v.dtype} on {q.device} with widths {head_dim} "
-            f"and {v.shape[-1]}"
-        )
+    _check_fused_inputs(q, k, v, "fused_distance_attention")
+    heads = q.shape[1]
     if (bias is None) != (bias_kind == "none"):
         raise ValueError(f'bias must be given exactly when bias_kind is not "none" ({bias_kind!r})')
     if bias is not None:
@@ -1019,3 +1182,88 @@ def fused_distance_attention(
     if torch.is_grad_enabled() and any(needs_grad):
         return _FusedDistanceAttention.apply(*args)
     return distance_attention_forward(*args)
+
+
+def _check_relative_rows(
+    name: str, rows: RelativeRows, leading: tuple[int, int, int], diagonals: int, device: Any
+) -> None:
+    """ValueError naming ``name`` unless its scores are float32 [*leading, K] on
+    ``device`` and its diagonal (where given) int32 [diagonals] with rows in [0, K),
+    constant up to ``below`` and from ``above`` on (host syncs: eager callers only)."""
+    scores, diagonal, below, above = rows
+    if scores.dim() != 4 or tuple(scores.shape[:3]) != leading:
+        raise ValueError(
+            f"{name}.scores must be [{', '.join(map(str, leading))}, K]; got {list(scores.shape)}"
+        )
+    if scores.dtype != torch.float32 or scores.device != device:
+        raise ValueError(
+            f"{name}.scores must be float32 on {device}; got {scores.dtype} on {scores.device}"
+        )
+    if diagonal is None:
+        return
+    if diagonal.dtype != torch.int32 or tuple(diagonal.shape) != (diagonals,):
+        raise ValueError(
+            f"{name}.diagonal must be int32 [{diagonals}] on {device}; got "
+            f"{diagonal.dtype} {list(diagonal.shape)} on {diagonal.device}"
+        )
+    if diagonal.device != device:
+        raise ValueError(f"{name}.diagonal must be on {device}; got {diagonal.device}")
+    if not bool(((diagonal >= 0) & (diagonal < scores.shape[3])).all()):
+        raise ValueError(f"{name}.diagonal must hold rows in [0, {scores.shape[3]})")
+    above = diagonals - 1 if above is None else above
+    if not (
+        0 <= below < diagonals
+        and 0 <= above < diagonals
+        and bool((diagonal[: below + 1] == diagonal[0]).all())
+        and bool((diagonal[above:] == diagonal[-1]).all())
+    ):
+        raise ValueError(
+            f"{name}.below and .above must be indices of the diagonal up to which and from "
+            f"which on it holds its first and last row; got {below} and {above}"
+        )
+
+
+def fused_relative_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    query_rows: RelativeRows | None = None,
+    key_rows: RelativeRows | None = None,
+    causal: bool = False,
+    window: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """softmax(q kᵀ · scale + a(i, j) + c(i, j) + mask) v for default positions, fused
+    in Triton with the relative terms read from their projections: a(i, j) =
+    query_rows.scores[b, h, i, row] and c(i, j) = key_rows.scores[b, h, j, row'], each
+    row from its diagonal at j - i + N - 1 (row 0 without one). These are the
+    projections over a relative table (Shaw et al. 2018; BERT's relative_key_query,
+    Huang et al. 2020; DeBERTa's c2p and p2c, He et al. 2021; Transformer-XL's
+    (q_i + v) · R and u · k_j, Dai et al. 2019), so no [B, H, N, M] tensor is formed and
+    each score costs two loads per term.
+
+    q, k, v, ``causal`` and ``window``: as ``fused_distance_attention`` (query i at
+    position i + M - N). query_rows.scores: [B, H, N, K]; key_rows.scores: [B, H, M, K],
+    any strides (expanded dimensions included), read in float32; diagonals: int32
+    [N + M - 1] with entries in [0, K), and the ends past which each is constant
+    (``RelativeRows``; checked here with host syncs). Returns out [B, H, N, value_dim] in
+    q's dtype and lse [B, H, N] float32. Forward only: ValueError where a gradient would
+    be needed.
+    """
+    _check_fused_inputs(q, k, v, "fused_relative_attention")
+    batch, heads, n = q.shape[:3]
+    m = k.shape[2]
+    for name, rows, length in (("query_rows", query_rows, n), ("key_rows", key_rows, m)):
+        if rows is not None:
+            _check_relative_rows(name, rows, (batch, heads, length), n + m - 1, q.device)
+    if window is not None:
+        window = check_window(window)
+    inputs = [q, k, v] + [rows.scores for rows in (query_rows, key_rows) if rows is not None]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+        raise ValueError(
+            "fused_relative_attention has no backward: call it under torch.no_grad() "
+            "or with inputs that need no gradient"
+        )
+    return distance_attention_forward(
+        q, k, v, None, "none", 0, scale, causal, window, query_rows, key_rows
+    )
