@@ -25,8 +25,8 @@ and a bias that trains, also the route with its gradient summed in the kernel
 (``FUSED_DISTANCE_TRAINED_DEVICES``).
 
 For relative terms read from their projections (BERT, DeBERTa, Transformer-XL) it
-times the flex backend with and without the kernel's forward that reads them per score
-(``FUSED_RELATIVE_DEVICES``; a training step stays on FlexAttention either way).
+times the flex backend with and without the kernels that read them per score
+(``FUSED_RELATIVE_DEVICES``, ``FUSED_RELATIVE_TRAINED_DEVICES``).
 
 ``--compare-parts`` also times, for relative terms (BERT, DeBERTa, Transformer-XL ...),
 the sdpa backend without its route that gathers each query chunk's terms from their
@@ -296,16 +296,21 @@ def fused_route(device: torch.device, on: bool, trained: bool = False) -> Iterat
     ``FUSED_DISTANCE_ROUTES``) taken on ``device`` for every bias form, or for none;
     ``trained``: a bias that trains too, its gradient summed in the kernel
     (``FUSED_DISTANCE_TRAINED_DEVICES``). Relative terms read from their projections
-    take the kernel's forward likewise (``FUSED_RELATIVE_DEVICES``)."""
+    take the kernels likewise (``FUSED_RELATIVE_DEVICES`` and
+    ``FUSED_RELATIVE_TRAINED_DEVICES``)."""
     routes = flex_backend.FUSED_DISTANCE_ROUTES
     trained_devices = flex_backend.FUSED_DISTANCE_TRAINED_DEVICES
     relative_devices = flex_backend.FUSED_RELATIVE_DEVICES
+    relative_trained = flex_backend.FUSED_RELATIVE_TRAINED_DEVICES
     flex_backend.FUSED_DISTANCE_ROUTES = {
         form: (devices | {device.type}) if on else devices - {device.type}
         for form, devices in routes.items()
     }
     flex_backend.FUSED_RELATIVE_DEVICES = (
         relative_devices | {device.type} if on else relative_devices - {device.type}
+    )
+    flex_backend.FUSED_RELATIVE_TRAINED_DEVICES = (
+        relative_trained | {device.type} if on else relative_trained - {device.type}
     )
     if trained:
         flex_backend.FUSED_DISTANCE_TRAINED_DEVICES = trained_devices | {device.type}
@@ -315,6 +320,7 @@ def fused_route(device: torch.device, on: bool, trained: bool = False) -> Iterat
         flex_backend.FUSED_DISTANCE_ROUTES = routes
         flex_backend.FUSED_DISTANCE_TRAINED_DEVICES = trained_devices
         flex_backend.FUSED_RELATIVE_DEVICES = relative_devices
+        flex_backend.FUSED_RELATIVE_TRAINED_DEVICES = relative_trained
 
 
 def candidates(

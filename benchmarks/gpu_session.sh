@@ -57,12 +57,13 @@ step 180 fused_kernel python3 benchmarks/fused_distance.py --kinds none clipped 
 step 200 family python3 benchmarks/attention_backends.py --device cuda --dtype bfloat16 \
     --encodings bert_relative_key deberta transformer_xl fire --backends sdpa flex \
     --lengths 2048 --modes forward train --causal no --repeats 10 --tag _family --out "$out"
-# the relative family's forward with its terms read from their projections in the fused
-# kernel (FUSED_RELATIVE_DEVICES) against FlexAttention's score_mod, the measurement the
-# route waits for; test_gpu_fused checks the kernel's relative terms first
-step 240 fused_relative python3 benchmarks/attention_backends.py --device cuda \
+# the relative family with its terms read from their projections in the fused kernels
+# (FUSED_RELATIVE_DEVICES, FUSED_RELATIVE_TRAINED_DEVICES) against FlexAttention's
+# score_mod, the measurement the route waits for; test_gpu_fused checks the kernels'
+# relative terms first
+step 400 fused_relative python3 benchmarks/attention_backends.py --device cuda \
     --dtype bfloat16 --encodings bert_relative_key bert_relative_key_query deberta \
-    transformer_xl --backends flex --lengths 2048 --modes forward --causal both \
+    transformer_xl --backends flex --lengths 2048 --modes forward train --causal both \
     --compare-fused --repeats 10 --tag _fused_relative --out "$out"
 step 200 decode python3 benchmarks/decode.py --device cuda --dtype bfloat16 --compile \
     --out "$out"

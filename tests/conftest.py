@@ -236,6 +236,7 @@ def interpret_distance_kernels(
     set_runtime(monkeypatch, "FUSED_DISTANCE_DEVICES", {"cpu"}, pe)
     set_runtime(monkeypatch, "FUSED_DISTANCE_ROUTES", {"slope": {"cpu"}, "vector": {"cpu"}}, pe)
     set_runtime(monkeypatch, "FUSED_RELATIVE_DEVICES", {"cpu"}, pe)
+    set_runtime(monkeypatch, "FUSED_RELATIVE_TRAINED_DEVICES", {"cpu"}, pe)
     (module,) = [m for m in runtime_modules(pe) if "_distance_attention_kernels" in vars(m)]
     import triton.language
     from triton.runtime import interpreter

@@ -199,9 +199,10 @@ def test_a_constant_bias_gets_no_gradient_work(interpreted) -> None:
 
 @pytest.mark.parametrize("bias_trains", [False, True])
 def test_what_the_autotuner_zeroes_is_never_an_input(interpreted, bias_trains, monkeypatch):
-    # on CUDA the dQ kernel is autotuned with reset_to_zero=["grad_bias_ptr"], so the
-    # tensor passed there is zeroed by every trial: a scratch float or the bias's
-    # gradient, never q or another input (the first version passed q when no bias trained)
+    # on CUDA the dQ kernel is autotuned with reset_to_zero=["grad_bias_ptr",
+    # "grad_rows_ptr"] and the dK kernel with ["grad_rows_ptr"], so the tensors passed
+    # there are zeroed by every trial: a scratch float or a gradient being summed, never
+    # q or another input (the first version passed q when no bias trained)
     launches = []
     launch = runtime._launch_distance_kernel
 
@@ -214,15 +215,31 @@ def test_what_the_autotuner_zeroes_is_never_an_input(interpreted, bias_trains, m
     bias = torch.randn(2, 5).requires_grad_(bias_trains)
     out, _ = runtime.fused_distance_attention(q, k, v, 0.3, bias, "vector", 2)
     out.sum().backward()
-    ((_, args, meta),) = [launch for launch in launches if launch[0] == "query_grad"]
-    zeroed = args[
-        runtime._distance_attention_kernels()["query_grad"].arg_names.index("grad_bias_ptr")
+    # and relative terms on both sides, whose scores train where the bias would
+    diagonal = (torch.arange(39) % 3).int()
+    terms = [
+        runtime.RelativeRows(torch.randn(1, 2, 20, 3).requires_grad_(bias_trains), diagonal)
+        for _ in range(2)
     ]
-    others = [t for t in args if isinstance(t, torch.Tensor) and t is not zeroed]
-    assert meta["BIAS_GRAD"] is bias_trains
-    assert zeroed.dtype == torch.float32 and len(others) == 8  # q k v dO lse δ dQ bias
-    assert all(zeroed.data_ptr() != t.data_ptr() for t in others)
+    out, _ = runtime.fused_relative_attention(q, k, v, 0.3, *terms)
+    out.sum().backward()
+    kernels = runtime._distance_attention_kernels()
+    resets = {"query_grad": ["grad_bias_ptr", "grad_rows_ptr"], "key_grad": ["grad_rows_ptr"]}
+    for name, reset in resets.items():
+        for _, args, meta in [launch for launch in launches if launch[0] == name]:
+            zeroed = [args[kernels[name].arg_names.index(argument)] for argument in reset]
+            inputs = [t for t in args if isinstance(t, torch.Tensor)]
+            inputs = [t for t in inputs if all(t is not z for z in zeroed)]
+            assert meta["ROWS_GRAD"] is (bias_trains and meta["QUERY_ROWS"] > 0)
+            for tensor in zeroed:
+                assert tensor.dtype == torch.float32
+                assert all(tensor.data_ptr() != t.data_ptr() for t in inputs)
+    assert [meta["BIAS_GRAD"] for name, _, meta in launches if name == "query_grad"] == [
+        bias_trains,
+        False,
+    ]
     assert (bias.grad is not None) is bias_trains
+    assert all((term.scores.grad is not None) is bias_trains for term in terms)
 
 
 @pytest.mark.parametrize("blocks", [(32, 16), (16, 32)])

@@ -28,7 +28,9 @@ from generated._terms import RelativePart
 from tests.conftest import (
     generated_class,
     interpret_distance_kernels,
+    run_backend,
     runtime_modules,
+    set_runtime,
     small_clip_variant,
     spy_calls,
 )
@@ -58,22 +60,27 @@ def formula(
     window: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 softmax(q kᵀ scale + relative terms + mask) v and the row log-sum-exp,
-    every score written out; query i at position i + M - N; key head h // (H / H_kv)
-    serves query head h."""
+    every score's terms gathered from their tables (differentiable in q, k, v and the
+    tables); query i at position i + M - N; key head h // (H / H_kv) serves query head
+    h."""
     q, k, v = q.double(), k.double(), v.double()
     batch, heads, n = q.shape[:3]
     m = k.shape[2]
     groups = heads // k.shape[1]
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     scores = q @ k.transpose(-1, -2) * scale  # [B, H, N, M]
+    index = torch.arange(m)[None, :] - torch.arange(n)[:, None] + n - 1  # [N, M]
     for rows, query_side in ((query_rows, True), (key_rows, False)):
         if rows is None:
             continue
-        table = rows.scores.double()
-        for i in range(n):
-            for j in range(m):
-                row = 0 if rows.diagonal is None else int(rows.diagonal[j - i + n - 1])
-                scores[:, :, i, j] += table[:, :, i if query_side else j, row]
+        table = rows.scores.double()  # [B, H, N or M, K]
+        row = torch.zeros_like(index) if rows.diagonal is None else rows.diagonal.long()[index]
+        if query_side:  # table[b, h, i, row[i, j]]
+            spread = table[:, :, :, None, :].expand(batch, heads, n, m, table.shape[-1])
+        else:  # table[b, h, j, row[i, j]]
+            spread = table[:, :, None, :, :].expand(batch, heads, n, m, table.shape[-1])
+        picked = row[None, None, :, :, None].expand(batch, heads, n, m, 1)
+        scores = scores + spread.gather(4, picked)[..., 0]
     r = torch.arange(m)[None, :] - (torch.arange(n)[:, None] + m - n)  # key - query position
     allowed = torch.ones(n, m, dtype=torch.bool)
     if causal:
@@ -114,21 +121,41 @@ def _assert_kernel_matches_formula(
     window: int | None,
     dtype: torch.dtype = torch.float32,
 ) -> None:
+    """Outputs, lse and the gradients into q, k, v and both terms' scores against the
+    float64 formula."""
     generator = torch.Generator().manual_seed(n * 100 + m)
     q = torch.randn(2, 4, n, 16, generator=generator)
     k = torch.randn(2, 2, m, 16, generator=generator)  # grouped-query heads
     v = torch.randn(2, 2, m, 32, generator=generator)  # value width != head width
-    query_rows = _rows(forms[0], 2, 4, n, n, m, generator)
-    key_rows = _rows(forms[1], 2, 4, m, n, m, generator)
-    inputs = [t.to(dtype) for t in (q, k, v)]
+    weight = torch.randn(2, 4, n, 32, generator=generator)  # d loss / d out
+    terms = [_rows(forms[0], 2, 4, n, n, m, generator), _rows(forms[1], 2, 4, m, n, m, generator)]
+    leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    leaves += [rows.scores.requires_grad_() for rows in terms if rows is not None]
     out, lse = runtime.fused_relative_attention(
-        *inputs, 0.3, query_rows, key_rows, causal=causal, window=window
+        *leaves[:3], 0.3, *terms, causal=causal, window=window
     )
-    want, want_lse = formula(*inputs, 0.3, query_rows, key_rows, causal, window)
+    grads = torch.autograd.grad((out * weight.to(dtype)).sum(), leaves)
+    wide = [t.detach().double().requires_grad_() for t in leaves]
+    wide_terms = iter(wide[3:])
+    wide_rows = [None if rows is None else rows._replace(scores=next(wide_terms)) for rows in terms]
+    want, want_lse = formula(*wide[:3], 0.3, *wide_rows, causal, window)
+    want_grads = torch.autograd.grad((want * weight.double()).sum(), wide)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     assert out.dtype == dtype and lse.dtype == torch.float32
     torch.testing.assert_close(out.double(), want, rtol=tolerance, atol=tolerance)
     torch.testing.assert_close(lse.double(), want_lse, rtol=tolerance, atol=tolerance)
+    names = ["q", "k", "v"] + [
+        side for side, rows in zip(("query", "key"), terms, strict=True) if rows
+    ]
+    for name, got, expected in zip(names, grads, want_grads, strict=True):
+        scale = max(expected.abs().max().item(), 1.0)
+        torch.testing.assert_close(
+            got.double(),
+            expected,
+            rtol=tolerance,
+            atol=tolerance * scale,
+            msg=lambda text, name=name: f"grad {name}: {text}",
+        )
 
 
 # a window of 15: the tile below the diagonal has r = -15 = -window, just outside
@@ -201,10 +228,6 @@ def test_bad_arguments_raise_value_errors_naming_them(interpreted) -> None:
     for message, (query_rows, key_rows) in cases.items():
         with pytest.raises(ValueError, match=message):
             runtime.fused_relative_attention(q, k, v, 1.0, query_rows, key_rows)
-    with pytest.raises(ValueError, match="no backward"):
-        runtime.fused_relative_attention(
-            q.requires_grad_(), k, v, 1.0, RelativeRows(table, diagonal)
-        )
     with pytest.raises(ValueError, match="k's heads must divide"):
         runtime.fused_relative_attention(q, k[:, :, :4], v[:, :, :4], 1.0)
 
@@ -265,19 +288,27 @@ EXPECTED_TERMS = {
 @pytest.mark.parametrize(("causal", "window"), [(False, None), (True, None), (True, 9)])
 @pytest.mark.parametrize("name", ENCODINGS)
 def test_relative_encodings_run_the_kernel_and_match_eager(name, causal, window, monkeypatch):
+    """A forward, and a training step with gradients into q, k, v and every parameter
+    (the tables and projections behind the terms), against the eager oracle of a
+    float64 copy."""
     pe = _module(name)
     terms = spy_terms(pe, monkeypatch)
     generator = torch.Generator().manual_seed(5)
-    q = torch.randn(2, 4, 40, 16, generator=generator)
-    k, v = (torch.randn(2, 2, 56, 16, generator=generator) for _ in range(2))
+    inputs = {"q": torch.randn(2, 4, 40, 16, generator=generator)}
+    inputs |= {key: torch.randn(2, 2, 56, 16, generator=generator) for key in ("k", "v")}
+    options = {"causal": causal, "window": window}
     with torch.no_grad():
-        got = pe(q, k, v, backend="flex", causal=causal, window=window)
-        oracle = copy.deepcopy(pe).double()
-        want = oracle(
-            q.double(), k.double(), v.double(), backend="eager", causal=causal, window=window
-        )
-    assert terms == [EXPECTED_TERMS[name]]
+        forward = pe(*inputs.values(), backend="flex", **options)
+    got, got_grads = run_backend(pe, inputs, "flex", **options)
+    oracle = copy.deepcopy(pe).double()
+    wide = {key: value.double() for key, value in inputs.items()}
+    want, want_grads = run_backend(oracle, wide, "eager", **options)
+    assert terms == [EXPECTED_TERMS[name]] * 2
+    torch.testing.assert_close(forward.double(), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    assert len(got_grads) == len(want_grads) == 3 + len(list(pe.parameters()))
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-5 * max(w.abs().max(), 1))
 
 
 def test_float16_modules_stay_within_float16_error(monkeypatch) -> None:
@@ -294,7 +325,7 @@ def test_float16_modules_stay_within_float16_error(monkeypatch) -> None:
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-def test_the_route_serves_only_forwards_it_computes(monkeypatch) -> None:
+def test_the_route_serves_only_what_it_computes(monkeypatch) -> None:
     pe = _module("bert_relative_key_query")
     terms = spy_terms(pe, monkeypatch)
     q, k, v = (torch.randn(1, 4, 24, 16) for _ in range(3))
@@ -303,10 +334,12 @@ def test_the_route_serves_only_forwards_it_computes(monkeypatch) -> None:
         pe(q, k, v, backend="flex", attn_mask=torch.ones(24, 24, dtype=torch.bool))
         pe(q, k, v, backend="flex", document_ids=torch.zeros(24, dtype=torch.long))
         pe(q.double(), k.double(), v.double(), backend="flex")  # float64
-    pe(q, k, v, backend="flex").sum().backward()  # a training step: flex's score_mod
-    assert all(p.grad is not None for p in pe.parameters() if p.requires_grad)
+    assert terms == []
+    # training steps take the kernels only where FUSED_RELATIVE_TRAINED_DEVICES says
+    set_runtime(monkeypatch, "FUSED_RELATIVE_TRAINED_DEVICES", set(), pe)
+    pe(q, k, v, backend="flex").sum().backward()  # gradients into the parameters
     pe.requires_grad_(False)
-    pe(q.requires_grad_(), k, v, backend="flex").sum().backward()  # gradients into q
+    pe(q.clone().requires_grad_(), k, v, backend="flex").sum().backward()  # into q alone
     assert terms == []
     with torch.no_grad():
         pe(q, k, v, backend="flex")
@@ -346,3 +379,22 @@ def test_the_route_finds_where_a_clipped_diagonal_turns_constant() -> None:
     # a diagonal with one row throughout is constant from either end
     _, below, above = pe._kernel_diagonal(torch.zeros(9, dtype=torch.long), ("flat",))  # type: ignore[operator]
     assert (below, above) == (8, 0)
+
+
+def test_each_term_gets_its_gradient_whatever_the_other_needs(interpreted) -> None:
+    generator = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 20, 16, generator=generator) for _ in range(3))
+    query_rows = _rows("table", 1, 2, 20, 20, 20, generator)
+    key_rows = _rows("clip 2", 1, 2, 20, 20, 20, generator)
+    assert query_rows is not None and key_rows is not None
+    for trained, frozen in ((key_rows, query_rows), (query_rows, key_rows)):
+        leaf = trained.scores.clone().requires_grad_()
+        rows = {id(trained): trained._replace(scores=leaf), id(frozen): frozen}
+        terms = (rows[id(query_rows)], rows[id(key_rows)])
+        out, _ = runtime.fused_relative_attention(q, k, v, 0.5, *terms)
+        (got,) = torch.autograd.grad(out.square().sum(), [leaf])
+        wide = leaf.detach().double().requires_grad_()
+        wide_terms = [t._replace(scores=wide) if t.scores is leaf else t for t in terms]
+        want_out, _ = formula(q, k, v, 0.5, *wide_terms, False, None)
+        (want,) = torch.autograd.grad(want_out.square().sum(), [wide])
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)

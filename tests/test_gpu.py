@@ -255,11 +255,13 @@ def test_trained_biases_through_the_fused_distance_kernel_on_cuda(
 def test_fused_distance_kernel_reads_relative_terms_on_cuda(
     name: str, candidate: int, monkeypatch
 ) -> None:
-    """``FUSED_RELATIVE_DEVICES`` on CUDA: flex's forward with the relative terms read
-    from their projections in the compiled kernel (DeBERTa's c2p and p2c through their
-    log-bucket diagonals; Transformer-XL's merged (q + v) . R and u . k_j per key)
-    against eager in float32 and bf16 (on the same rounded inputs), not causal and
-    causal with a window, GQA, N < M; one tile candidate per case."""
+    """``FUSED_RELATIVE_DEVICES`` and ``FUSED_RELATIVE_TRAINED_DEVICES`` on CUDA: flex
+    with the relative terms read from their projections in the compiled kernels
+    (DeBERTa's c2p and p2c through their log-bucket diagonals; Transformer-XL's merged
+    (q + v) . R and u . k_j per key), a forward and a training step (gradients into q,
+    k, v and the parameters) against eager in float32 and bf16 (on the same rounded
+    inputs), not causal and causal with a window, GQA, N < M; one tile candidate per
+    case."""
     configs = runtime_value("_distance_attention_configs")
 
     def one_candidate(kernel: str) -> list[object]:
@@ -269,7 +271,8 @@ def test_fused_distance_kernel_reads_relative_terms_on_cuda(
     cache = runtime_value("TRITON_CACHE")
     set_runtime(monkeypatch, "TRITON_CACHE", {k: v for k, v in cache.items() if "tuned" not in k})
     set_runtime(monkeypatch, "FUSED_RELATIVE_DEVICES", {"cuda"})
-    launches = spy_calls(monkeypatch, runtime_modules(), "distance_attention_forward", len)
+    set_runtime(monkeypatch, "FUSED_RELATIVE_TRAINED_DEVICES", {"cuda"})
+    launches = spy_calls(monkeypatch, runtime_modules(), "attend_fused", len)
     torch.manual_seed(0)
     pe = generated_class(name)(heads=4, head_dim=64).to(CUDA)
     with torch.no_grad():
@@ -288,7 +291,8 @@ def test_fused_distance_kernel_reads_relative_terms_on_cuda(
             torch.testing.assert_close(
                 got.float(), want, atol=1.5e-2 if loose else 2e-4, rtol=1e-2 if loose else 2e-3
             )
-    assert len(launches) == 4
+            assert_flex_matches_float32_eager(pe, inputs, dtype, causal=causal, window=window)
+    assert len(launches) == 8
 
 
 def test_alibi_takes_the_fused_kernel_by_default_on_cuda(monkeypatch) -> None:

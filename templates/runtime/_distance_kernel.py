@@ -1,10 +1,14 @@
-"""Fused attention with a bias of the key minus query position (optional Triton).
+"""Fused attention with a bias of the key minus query position, or relative terms read
+from their projections (optional Triton).
 
 softmax(scale * q k^T + b_h(j - i) + masks) v on FlashAttention-2's schedule (Dao 2023):
 the bias is computed in registers per tile, either c_h * |j - i| from one slope per head
 (ALiBi, Press et al. 2022) or read from a per-head vector indexed by the clamped
-distance (T5's clipped table, KERPLE), so no [B, H, N, M] tensor exists. Causal masks
-and windows are a band of tiles the loops skip. The backward recomputes the scores
+distance (T5's clipped table, KERPLE), so no [B, H, N, M] tensor exists. Relative-table
+terms (BERT, DeBERTa, Transformer-XL) are added the same way from their projections
+over the table rows, [B, H, N or M, K], each score reading the row of its diagonal
+(``fused_relative_attention``). Causal masks and windows are a band of tiles the loops
+skip. The backward recomputes the scores
 per tile; a bias that trains gets its gradient summed in the dQ kernel (one entry per
 tile past the clip, per-diagonal sums elsewhere), or, on the flex backend's other
 route, from a band and two triangles (see ``_trained_bias``). On CUDA each kernel is
@@ -49,6 +53,7 @@ _distance_larger: Any = None
 _distance_plus: Any = None
 _distance_diagonal_sums_into: Any = None
 _distance_relative_tile: Any = None
+_distance_relative_grad_into: Any = None
 
 
 def fused_distance_attention_serves(q: Tensor, k: Tensor, v: Tensor) -> bool:
@@ -102,7 +107,7 @@ def _distance_attention_kernels() -> dict[str, Any]:
     The bias of each tile comes from ``tile_logits``.
     """
     global _distance_tile_logits, _distance_larger, _distance_plus, _distance_diagonal_sums_into
-    global _distance_relative_tile
+    global _distance_relative_tile, _distance_relative_grad_into
     if "attention" in TRITON_CACHE:
         return dict(TRITON_CACHE["attention"])
     import triton
@@ -194,7 +199,7 @@ def _distance_attention_kernels() -> dict[str, Any]:
 
     @triton.jit
     def relative_tile(
-        s,  # [BLOCK_M, BLOCK_N] float32 logits in base-2 units
+        s,  # [BLOCK_M, BLOCK_N] float32 logits in base-2 units, or transposed
         row_at,  # this (batch, head)'s projection: entry (x, k) at x * stride_x + k * stride_k
         stride_x,
         stride_k,
@@ -209,20 +214,25 @@ def _distance_attention_kernels() -> dict[str, Any]:
         KEY_SIDE: tl.constexpr,  # x is the key index j (else the query index i)
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        KEYS_FIRST: tl.constexpr,  # s is [BLOCK_N, BLOCK_M] (the key-tile backward)
     ):
         """s plus one relative term of the tile (the projection of query i, or key j, onto
         the table row of j - i), in base-2 units; nothing outside the N x M scores. A tile
         whose diagonals all lie past one of the diagonal's constant ends (beyond a clip)
         reads one value per query or key instead of a gather per score."""
         log2e: tl.constexpr = 1.4426950408889634
-        rows = start_m + tl.arange(0, BLOCK_M)
-        cols = start_n + tl.arange(0, BLOCK_N)
-        if KEY_SIDE:
-            x = cols[None, :].to(tl.int64)  # [1, BLOCK_N]
-            x_inside = cols[None, :] < m
+        if KEYS_FIRST:
+            queries = (start_m + tl.arange(0, BLOCK_M))[None, :]
+            keys = (start_n + tl.arange(0, BLOCK_N))[:, None]
         else:
-            x = rows[:, None].to(tl.int64)  # [BLOCK_M, 1]
-            x_inside = rows[:, None] < n
+            queries = (start_m + tl.arange(0, BLOCK_M))[:, None]
+            keys = (start_n + tl.arange(0, BLOCK_N))[None, :]
+        if KEY_SIDE:
+            x = keys.to(tl.int64)
+            x_inside = keys < m
+        else:
+            x = queries.to(tl.int64)
+            x_inside = queries < n
         if not DIAGONAL:
             term = tl.load(row_at + x * stride_x, mask=x_inside, other=0.0)
             s = s + log2e * term.to(tl.float32)
@@ -238,13 +248,65 @@ def _distance_attention_kernels() -> dict[str, Any]:
                 term = tl.load(row_at + x * stride_x + row * stride_k, mask=x_inside, other=0.0)
                 s = s + log2e * term.to(tl.float32)
             else:
-                inside = (rows[:, None] < n) & (cols[None, :] < m)
-                index = tl.load(
-                    diagonal + (cols[None, :] - rows[:, None] + n - 1), mask=inside, other=0
-                )
-                at = row_at + x * stride_x + index.to(tl.int64) * stride_k  # [BLOCK_M, BLOCK_N]
+                inside = (queries < n) & (keys < m)
+                index = tl.load(diagonal + (keys - queries + n - 1), mask=inside, other=0)
+                at = row_at + x * stride_x + index.to(tl.int64) * stride_k  # the tile's shape
                 s = s + log2e * tl.load(at, mask=inside, other=0.0).to(tl.float32)
         return s
+
+    @triton.jit
+    def relative_grad_into(
+        grad_s,  # float32 dL/d(logit), 0 where masked: [BLOCK_M, BLOCK_N] for a query-side
+        # term, [BLOCK_N, BLOCK_M] (keys first) for a key-side one: its x along axis 0
+        grad_at,  # this (batch, head)'s gradient of the projection (float32)
+        stride_x,
+        stride_k,
+        diagonal,
+        below,
+        above,
+        start_m,
+        start_n,
+        n,
+        m,
+        DIAGONAL: tl.constexpr,
+        KEY_SIDE: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        """Adds each score's gradient into the entry of the projection that
+        ``relative_tile`` read for it (float32 atomics). A tile that reads one row per x
+        (no diagonal, or wholly past one of its ends) adds one sum per x."""
+        if KEY_SIDE:
+            queries = (start_m + tl.arange(0, BLOCK_M))[None, :]
+            keys = (start_n + tl.arange(0, BLOCK_N))[:, None]
+            x_line = start_n + tl.arange(0, BLOCK_N)  # the x of each row of grad_s
+            x_limit = m
+        else:
+            queries = (start_m + tl.arange(0, BLOCK_M))[:, None]
+            keys = (start_n + tl.arange(0, BLOCK_N))[None, :]
+            x_line = start_m + tl.arange(0, BLOCK_M)
+            x_limit = n
+        line_at = grad_at + x_line.to(tl.int64) * stride_x
+        line_inside = x_line < x_limit
+        if not DIAGONAL:
+            tl.atomic_add(line_at, tl.reduce(grad_s, 1, _distance_plus), mask=line_inside)
+        else:
+            first = start_n - (start_m + BLOCK_M - 1) + n - 1
+            last = start_n + BLOCK_N - 1 - start_m + n - 1
+            if last <= below:
+                row = tl.load(diagonal).to(tl.int64)
+                sums = tl.reduce(grad_s, 1, _distance_plus)
+                tl.atomic_add(line_at + row * stride_k, sums, mask=line_inside)
+            elif first >= above:
+                row = tl.load(diagonal + n + m - 2).to(tl.int64)
+                sums = tl.reduce(grad_s, 1, _distance_plus)
+                tl.atomic_add(line_at + row * stride_k, sums, mask=line_inside)
+            else:
+                inside = (queries < n) & (keys < m)
+                index = tl.load(diagonal + (keys - queries + n - 1), mask=inside, other=0)
+                x = x_line.to(tl.int64)[:, None]
+                at = grad_at + x * stride_x + index.to(tl.int64) * stride_k
+                tl.atomic_add(at, grad_s, mask=inside)
 
     @triton.jit
     def larger(a, b):
@@ -257,6 +319,7 @@ def _distance_attention_kernels() -> dict[str, Any]:
     _distance_tile_logits, _distance_larger, _distance_plus = tile_logits, larger, plus
     _distance_diagonal_sums_into = diagonal_sums_into
     _distance_relative_tile = relative_tile
+    _distance_relative_grad_into = relative_grad_into
 
     @triton.jit
     def forward(
@@ -374,6 +437,7 @@ def _distance_attention_kernels() -> dict[str, Any]:
                     False,
                     BLOCK_M,
                     BLOCK_N,
+                    False,
                 )
             if KEY_ROWS > 0:
                 s = _distance_relative_tile(
@@ -392,6 +456,7 @@ def _distance_attention_kernels() -> dict[str, Any]:
                     True,
                     BLOCK_M,
                     BLOCK_N,
+                    False,
                 )
             s = _distance_tile_logits(
                 s,
@@ -484,11 +549,35 @@ def _distance_attention_kernels() -> dict[str, Any]:
         r_hi,
         qk_scale,
         scale,
+        query_rows_ptr,  # relative terms, as in the forward
+        query_rows_stride_b,
+        query_rows_stride_h,
+        query_rows_stride_x,
+        query_rows_stride_k,
+        query_diagonal_ptr,
+        query_below,
+        query_above,
+        key_rows_ptr,
+        key_rows_stride_b,
+        key_rows_stride_h,
+        key_rows_stride_x,
+        key_rows_stride_k,
+        key_diagonal_ptr,
+        key_below,
+        key_above,
+        grad_rows_ptr,  # float32 gradient of this kernel's term: the key-side term's [B, H, M, K]
+        grad_rows_stride_b,
+        grad_rows_stride_h,
+        grad_rows_stride_x,
+        grad_rows_stride_k,
         HEAD_DIM: tl.constexpr,
         VALUE_DIM: tl.constexpr,
         BIAS: tl.constexpr,
         BAND: tl.constexpr,
         IEEE: tl.constexpr,
+        QUERY_ROWS: tl.constexpr,
+        KEY_ROWS: tl.constexpr,
+        ROWS_GRAD: tl.constexpr,  # add dL/d(key-side term) into grad_rows_ptr
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
@@ -523,6 +612,14 @@ def _distance_attention_kernels() -> dict[str, Any]:
             q_at = q_ptr + batch.to(tl.int64) * stride_qb + head * stride_qh
             g_at = grad_out_ptr + batch.to(tl.int64) * stride_gb + head * stride_gh
             bias_row = bias_ptr + head * bias_stride_h
+            wide_batch = batch.to(tl.int64)
+            query_rows_at = (
+                query_rows_ptr + wide_batch * query_rows_stride_b + head * query_rows_stride_h
+            )
+            key_rows_at = key_rows_ptr + wide_batch * key_rows_stride_b + head * key_rows_stride_h
+            grad_rows_at = (
+                grad_rows_ptr + wide_batch * grad_rows_stride_b + head * grad_rows_stride_h
+            )
             for start_m in range(lo, hi, BLOCK_M):
                 rows = start_m + tl.arange(0, BLOCK_M)  # [BLOCK_M] queries
                 q_t = tl.load(
@@ -534,8 +631,47 @@ def _distance_attention_kernels() -> dict[str, Any]:
                     s_t = tl.dot(k, q_t, input_precision="ieee")
                 else:
                     s_t = tl.dot(k, q_t)
+                s_t = s_t * qk_scale
+                if QUERY_ROWS > 0:
+                    s_t = _distance_relative_tile(
+                        s_t,
+                        query_rows_at,
+                        query_rows_stride_x,
+                        query_rows_stride_k,
+                        query_diagonal_ptr,
+                        query_below,
+                        query_above,
+                        start_m,
+                        start_n,
+                        n,
+                        m,
+                        QUERY_ROWS == 1,
+                        False,
+                        BLOCK_M,
+                        BLOCK_N,
+                        True,
+                    )
+                if KEY_ROWS > 0:
+                    s_t = _distance_relative_tile(
+                        s_t,
+                        key_rows_at,
+                        key_rows_stride_x,
+                        key_rows_stride_k,
+                        key_diagonal_ptr,
+                        key_below,
+                        key_above,
+                        start_m,
+                        start_n,
+                        n,
+                        m,
+                        KEY_ROWS == 1,
+                        True,
+                        BLOCK_M,
+                        BLOCK_N,
+                        True,
+                    )
                 s_t = _distance_tile_logits(
-                    s_t * qk_scale,
+                    s_t,
                     start_m,
                     start_n,
                     n,
@@ -570,6 +706,24 @@ def _distance_attention_kernels() -> dict[str, Any]:
                     grad_p_t = tl.dot(v, tl.trans(grad_out))
                     grad_s_t = p_t * (grad_p_t - delta[None, :])
                     grad_k += tl.dot(grad_s_t.to(q_t.dtype), tl.trans(q_t))
+                if ROWS_GRAD:
+                    _distance_relative_grad_into(
+                        grad_s_t,
+                        grad_rows_at,
+                        grad_rows_stride_x,
+                        grad_rows_stride_k,
+                        key_diagonal_ptr,
+                        key_below,
+                        key_above,
+                        start_m,
+                        start_n,
+                        n,
+                        m,
+                        KEY_ROWS == 1,
+                        True,
+                        BLOCK_M,
+                        BLOCK_N,
+                    )
         out_k = grad_k_ptr + batch.to(tl.int64) * stride_dkb + kv_head * stride_dkh
         out_v = grad_v_ptr + batch.to(tl.int64) * stride_dvb + kv_head * stride_dvh
         tl.store(
@@ -626,12 +780,36 @@ def _distance_attention_kernels() -> dict[str, Any]:
         r_hi,
         qk_scale,
         scale,
+        query_rows_ptr,  # relative terms, as in the forward
+        query_rows_stride_b,
+        query_rows_stride_h,
+        query_rows_stride_x,
+        query_rows_stride_k,
+        query_diagonal_ptr,
+        query_below,
+        query_above,
+        key_rows_ptr,
+        key_rows_stride_b,
+        key_rows_stride_h,
+        key_rows_stride_x,
+        key_rows_stride_k,
+        key_diagonal_ptr,
+        key_below,
+        key_above,
+        grad_rows_ptr,  # float32 gradient of this kernel's term: the query-side term's [B, H, N, K]
+        grad_rows_stride_b,
+        grad_rows_stride_h,
+        grad_rows_stride_x,
+        grad_rows_stride_k,
         HEAD_DIM: tl.constexpr,
         VALUE_DIM: tl.constexpr,
         BIAS: tl.constexpr,
         BAND: tl.constexpr,
         BIAS_GRAD: tl.constexpr,  # add dL/d(bias) into grad_bias_ptr (float32, as bias)
         IEEE: tl.constexpr,
+        QUERY_ROWS: tl.constexpr,
+        KEY_ROWS: tl.constexpr,
+        ROWS_GRAD: tl.constexpr,  # add dL/d(query-side term) into grad_rows_ptr
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
@@ -662,6 +840,9 @@ def _distance_attention_kernels() -> dict[str, Any]:
         v_at = v_ptr + batch * stride_vb + kv_head * stride_vh
         bias_row = bias_ptr + head * bias_stride_h
         grad_bias_row = grad_bias_ptr + head * bias_stride_h
+        query_rows_at = query_rows_ptr + batch * query_rows_stride_b + head * query_rows_stride_h
+        key_rows_at = key_rows_ptr + batch * key_rows_stride_b + head * key_rows_stride_h
+        grad_rows_at = grad_rows_ptr + batch * grad_rows_stride_b + head * grad_rows_stride_h
         grad_q = tl.full([BLOCK_M, HEAD_DIM], 0.0, tl.float32)
         # dL/d(bias) of the scores whose distance is clamped to the vector's first and
         # last entry (or, for a slope, sum dS |r|), added once at the end
@@ -685,8 +866,47 @@ def _distance_attention_kernels() -> dict[str, Any]:
                 s = tl.dot(q, k_t, input_precision="ieee")
             else:
                 s = tl.dot(q, k_t)
+            s = s * qk_scale
+            if QUERY_ROWS > 0:
+                s = _distance_relative_tile(
+                    s,
+                    query_rows_at,
+                    query_rows_stride_x,
+                    query_rows_stride_k,
+                    query_diagonal_ptr,
+                    query_below,
+                    query_above,
+                    start_m,
+                    start_n,
+                    n,
+                    m,
+                    QUERY_ROWS == 1,
+                    False,
+                    BLOCK_M,
+                    BLOCK_N,
+                    False,
+                )
+            if KEY_ROWS > 0:
+                s = _distance_relative_tile(
+                    s,
+                    key_rows_at,
+                    key_rows_stride_x,
+                    key_rows_stride_k,
+                    key_diagonal_ptr,
+                    key_below,
+                    key_above,
+                    start_m,
+                    start_n,
+                    n,
+                    m,
+                    KEY_ROWS == 1,
+                    True,
+                    BLOCK_M,
+                    BLOCK_N,
+                    False,
+                )
             s = _distance_tile_logits(
-                s * qk_scale,
+                s,
                 start_m,
                 start_n,
                 n,
@@ -712,6 +932,24 @@ def _distance_attention_kernels() -> dict[str, Any]:
                 grad_p = tl.dot(grad_out, v_t)
                 grad_s = p * (grad_p - delta[:, None])
                 grad_q += tl.dot(grad_s.to(k_t.dtype), tl.trans(k_t))
+            if ROWS_GRAD:
+                _distance_relative_grad_into(
+                    grad_s,
+                    grad_rows_at,
+                    grad_rows_stride_x,
+                    grad_rows_stride_k,
+                    query_diagonal_ptr,
+                    query_below,
+                    query_above,
+                    start_m,
+                    start_n,
+                    n,
+                    m,
+                    QUERY_ROWS == 1,
+                    False,
+                    BLOCK_M,
+                    BLOCK_N,
+                )
             if BIAS_GRAD:  # grad_s is dL/d(logit), 0 wherever the tile is masked
                 r_first = start_n - start_m - shift  # r on the tile's main diagonal
                 if BIAS == 1:  # d(c_h |r|) / d c_h = |r|
@@ -809,12 +1047,14 @@ def _tuned_distance_kernel(name: str) -> Any:
 
         kernel = _distance_attention_kernels()[name]
         tuning_key = ["n", "m", "HEAD_DIM", "VALUE_DIM", "BIAS", "BAND", "IEEE"]
-        if name == "forward":
-            tuning_key += ["QUERY_ROWS", "KEY_ROWS"]
+        tuning_key += ["QUERY_ROWS", "KEY_ROWS"]
         reset: list[str] = []
         if name == "query_grad":  # it adds the bias's gradient: zeroed before each trial
             tuning_key.append("BIAS_GRAD")
             reset.append("grad_bias_ptr")
+        if name in ("query_grad", "key_grad"):  # and each adds a relative term's
+            tuning_key.append("ROWS_GRAD")
+            reset.append("grad_rows_ptr")
         configs = _distance_attention_configs(name)
         tune = triton.autotune(configs, key=tuning_key, reset_to_zero=reset or None)
         TRITON_CACHE[key] = tune(kernel)
@@ -915,8 +1155,7 @@ def distance_attention_forward(
     key_rows: RelativeRows | None = None,
 ) -> tuple[Tensor, Tensor]:
     """One forward launch: out [B, H, N, value_dim] in q's dtype, lse [B, H, N] float32;
-    ``query_rows`` and ``key_rows`` add relative terms to the logits (forward only: the
-    backward kernels do not read them)."""
+    ``query_rows`` and ``key_rows`` add relative terms to the logits."""
     batch, heads, n, head_dim = q.shape
     m, value_dim = k.shape[2], v.shape[-1]
     out = q.new_empty((batch, heads, n, value_dim))
@@ -974,11 +1213,17 @@ def _distance_backward(
     causal: bool,
     window: int | None,
     bias_grad: bool = False,
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    query_rows: RelativeRows | None = None,
+    key_rows: RelativeRows | None = None,
+    rows_grad: tuple[bool, bool] = (False, False),
+) -> tuple[Tensor | None, ...]:
     """The gradients into q, k and v (in their dtypes) from two launches, given the
     forward's out and lse and the gradient into out; with ``bias_grad`` also the
     gradient into the bias (float32, bias's shape; contiguous bias), which the dQ kernel
-    adds up tile by tile (atomically, so in no fixed order), else None."""
+    adds up tile by tile (atomically, so in no fixed order), else None; then the
+    gradients into the relative terms' scores where ``rows_grad`` asks (float32
+    [B, H, N or M, K]: the query-side term's from the dQ kernel, the key-side term's
+    from the dK one, atomically), else None."""
     batch, heads, n, head_dim = q.shape
     kv_heads, m, value_dim = k.shape[1], k.shape[2], v.shape[-1]
     grad_q, grad_k, grad_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -986,8 +1231,15 @@ def _distance_backward(
     if bias_grad:
         assert bias is not None and bias.is_contiguous() and kind != "none"
         grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+    terms = (query_rows, key_rows)
+    grad_rows = [
+        None
+        if rows is None or not wanted
+        else torch.zeros_like(rows.scores, memory_format=torch.contiguous_format)
+        for rows, wanted in zip(terms, rows_grad, strict=True)
+    ]
     if q.numel() == 0 or k.numel() == 0:
-        return grad_q.zero_(), grad_k.zero_(), grad_v.zero_(), grad_bias
+        return grad_q.zero_(), grad_k.zero_(), grad_v.zero_(), grad_bias, *grad_rows
     # [B, H, N]: δ_i = dO_i . O_i, without float32 copies of dO and O
     delta = torch.empty((batch, heads, n), dtype=torch.float32, device=q.device)
     rows = FUSED_DISTANCE_BLOCKS[0]
@@ -1007,7 +1259,18 @@ def _distance_backward(
     bias_args, meta = _distance_bias_arguments(q, bias, kind, base, n, m, causal, window)
     meta.update(HEAD_DIM=head_dim, VALUE_DIM=value_dim, IEEE=q.dtype == torch.float32)
     strides = (*q.stride(), *k.stride(), *v.stride(), *grad_out.stride())
-    tail = (*bias_args[1:], scale * math.log2(math.e), scale)
+    query_args, query_code = _relative_rows_arguments(q, query_rows)
+    key_args, key_code = _relative_rows_arguments(q, key_rows)
+    meta.update(QUERY_ROWS=query_code, KEY_ROWS=key_code)
+    tail = (*bias_args[1:], scale * math.log2(math.e), scale, *query_args, *key_args)
+
+    def grad_rows_arguments(grad: Tensor | None) -> tuple[Any, ...]:
+        # never written without ROWS_GRAD, but zeroed by the autotuner's trials on CUDA
+        # (reset_to_zero): a scratch float, never an input
+        if grad is None:
+            return (torch.empty(1, device=q.device), 0, 0, 0, 0)
+        return (grad, *grad.stride())
+
     _launch_distance_kernel(
         "key_grad",
         m,
@@ -1032,6 +1295,8 @@ def _distance_backward(
         *grad_v.stride(),
         *strides,
         *tail,
+        *grad_rows_arguments(grad_rows[1]),
+        ROWS_GRAD=grad_rows[1] is not None,
         **meta,
     )
     _launch_distance_kernel(
@@ -1058,15 +1323,18 @@ def _distance_backward(
         *grad_q.stride(),
         *strides,
         *tail,
+        *grad_rows_arguments(grad_rows[0]),
         BIAS_GRAD=grad_bias is not None,
+        ROWS_GRAD=grad_rows[0] is not None,
         **meta,
     )
-    return grad_q, grad_k, grad_v, grad_bias
+    return grad_q, grad_k, grad_v, grad_bias, *grad_rows
 
 
 class _FusedDistanceAttention(torch.autograd.Function):
-    """``fused_distance_attention`` with gradients into q, k, v and the bias. Like
-    SDPA's flash kernels it has no double backward."""
+    """``fused_distance_attention`` and ``fused_relative_attention`` with gradients into
+    q, k, v, the bias and the relative terms' scores. Like SDPA's flash kernels it has
+    no double backward."""
 
     @staticmethod
     def forward(
@@ -1075,28 +1343,100 @@ class _FusedDistanceAttention(torch.autograd.Function):
         k: Tensor,
         v: Tensor,
         bias: Tensor | None,
+        query_scores: Tensor | None,
+        query_diagonal: Tensor | None,
+        key_scores: Tensor | None,
+        key_diagonal: Tensor | None,
         kind: str,
         base: int,
         scale: float,
         causal: bool,
         window: int | None,
+        ends: tuple[int, int | None, int, int | None],
     ) -> tuple[Tensor, Tensor]:
-        out, lse = distance_attention_forward(q, k, v, bias, kind, base, scale, causal, window)
-        ctx.save_for_backward(q, k, v, bias, out, lse)
-        ctx.settings = (kind, base, scale, causal, window)
+        rows = _relative_terms(query_scores, query_diagonal, key_scores, key_diagonal, ends)
+        out, lse = distance_attention_forward(
+            q, k, v, bias, kind, base, scale, causal, window, *rows
+        )
+        saved = (q, k, v, bias, query_scores, query_diagonal, key_scores, key_diagonal)
+        ctx.save_for_backward(*saved, out, lse)
+        ctx.settings = (kind, base, scale, causal, window, ends)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_out: Tensor, _grad_lse: Tensor | None) -> tuple[Tensor | None, ...]:
-        q, k, v, bias, out, lse = ctx.saved_tensors
-        kind, base, scale, causal, window = ctx.settings
-        bias_grad = bool(ctx.needs_input_grad[3])
-        grads = _distance_backward(
-            q, k, v, bias, out, lse, grad_out, kind, base, scale, causal, window, bias_grad
+        q, k, v, bias, query_scores, query_diagonal, key_scores, key_diagonal, out, lse = (
+            ctx.saved_tensors
         )
-        return (*grads, None, None, None, None, None)
+        kind, base, scale, causal, window, ends = ctx.settings
+        needs = ctx.needs_input_grad
+        rows = _relative_terms(query_scores, query_diagonal, key_scores, key_diagonal, ends)
+        grad_q, grad_k, grad_v, grad_bias, grad_query, grad_key = _distance_backward(
+            q,
+            k,
+            v,
+            bias,
+            out,
+            lse,
+            grad_out,
+            kind,
+            base,
+            scale,
+            causal,
+            window,
+            bool(needs[3]),
+            *rows,
+            (bool(needs[4]), bool(needs[6])),
+        )
+        return (grad_q, grad_k, grad_v, grad_bias, grad_query, None, grad_key, None, *[None] * 6)
+
+
+def _relative_terms(
+    query_scores: Tensor | None,
+    query_diagonal: Tensor | None,
+    key_scores: Tensor | None,
+    key_diagonal: Tensor | None,
+    ends: tuple[int, int | None, int, int | None],
+) -> tuple[RelativeRows | None, RelativeRows | None]:
+    """The query-side and key-side ``RelativeRows`` from their parts (None where a term
+    has no scores)."""
+    query = None if query_scores is None else RelativeRows(query_scores, query_diagonal, *ends[:2])
+    key = None if key_scores is None else RelativeRows(key_scores, key_diagonal, *ends[2:])
+    return query, key
+
+
+def attend_fused(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    bias: Tensor | None,
+    kind: str,
+    base: int,
+    scale: float,
+    causal: bool,
+    window: int | None,
+    query_rows: RelativeRows | None = None,
+    key_rows: RelativeRows | None = None,
+) -> tuple[Tensor, Tensor]:
+    """The fused kernels' out and lse for arguments already checked (the public
+    functions' checks, some of which sync with the device, are the caller's): through
+    ``_FusedDistanceAttention`` where a gradient is needed (into q, k, v, the bias or a
+    relative term's scores), else one forward launch."""
+    scores = [rows.scores if rows is not None else None for rows in (query_rows, key_rows)]
+    inputs = (q, k, v, bias, *scores)
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)):
+        return distance_attention_forward(
+            q, k, v, bias, kind, base, scale, causal, window, query_rows, key_rows
+        )
+    parts: list[Any] = []
+    ends: list[int | None] = []
+    for rows in (query_rows, key_rows):
+        parts += [None, None] if rows is None else [rows.scores, rows.diagonal]
+        ends += [0, None] if rows is None else [rows.below, rows.above]
+    settings = (kind, base, scale, causal, window, tuple(ends))
+    return _FusedDistanceAttention.apply(q, k, v, bias, *parts, *settings)
 
 
 def _check_fused_inputs(q: Tensor, k: Tensor, v: Tensor, caller: str) -> None:
@@ -1177,11 +1517,7 @@ def fused_distance_attention(
         bias = bias.float().contiguous()
     if window is not None:
         window = check_window(window)
-    args = (q, k, v, bias, bias_kind, bias_base, scale, causal, window)
-    needs_grad = [t is not None and t.requires_grad for t in (q, k, v, bias)]
-    if torch.is_grad_enabled() and any(needs_grad):
-        return _FusedDistanceAttention.apply(*args)
-    return distance_attention_forward(*args)
+    return attend_fused(q, k, v, bias, bias_kind, bias_base, scale, causal, window)
 
 
 def _check_relative_rows(
@@ -1247,8 +1583,11 @@ def fused_relative_attention(
     any strides (expanded dimensions included), read in float32; diagonals: int32
     [N + M - 1] with entries in [0, K), and the ends past which each is constant
     (``RelativeRows``; checked here with host syncs). Returns out [B, H, N, value_dim] in
-    q's dtype and lse [B, H, N] float32. Forward only: ValueError where a gradient would
-    be needed.
+    q's dtype and lse [B, H, N] float32. Differentiable in q, k, v and both scores: the
+    backward recomputes each tile's logits with the terms, and adds each score's dL/dS
+    into the entry its term read (the query-side term's in the dQ kernel, the key-side
+    term's in the dK one; float32 atomics, one sum per row where a tile reads one row),
+    so the projections' own backward takes the gradient on to q, k and the table.
     """
     _check_fused_inputs(q, k, v, "fused_relative_attention")
     batch, heads, n = q.shape[:3]
@@ -1258,12 +1597,4 @@ def fused_relative_attention(
             _check_relative_rows(name, rows, (batch, heads, length), n + m - 1, q.device)
     if window is not None:
         window = check_window(window)
-    inputs = [q, k, v] + [rows.scores for rows in (query_rows, key_rows) if rows is not None]
-    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
-        raise ValueError(
-            "fused_relative_attention has no backward: call it under torch.no_grad() "
-            "or with inputs that need no gradient"
-        )
-    return distance_attention_forward(
-        q, k, v, None, "none", 0, scale, causal, window, query_rows, key_rows
-    )
+    return attend_fused(q, k, v, None, "none", 0, scale, causal, window, query_rows, key_rows)

@@ -3,6 +3,7 @@ masks as a block mask, so no [B, H, N, M] tensor is formed.
 
 A bias of j - i alone at default positions goes through posgen's fused Triton kernel
 (``_distance_kernel``) where ``FUSED_DISTANCE_ROUTES`` lists the device for its form,
+relative-table terms where ``FUSED_RELATIVE_DEVICES`` does,
 and a trained table clipped at a distance (T5's) can take its gradient from a band and
 two triangles (``_trained_bias``) where ``CLIPPED_BIAS_FLEX_DEVICES`` says.
 """
@@ -16,6 +17,7 @@ from torch import Tensor
 
 from ._distance_kernel import (
     RelativeRows,
+    attend_fused,
     distance_attention_forward,
     fused_distance_attention,
     fused_distance_attention_serves,
@@ -54,10 +56,12 @@ CLIPPED_BIAS_FLEX_DEVICES: set[str] = set()
 FUSED_DISTANCE_ROUTES: dict[str, set[str]] = {"slope": {"cuda"}, "vector": set()}
 #: device types where the flex backend runs relative terms read from their projections
 #: (BERT's, DeBERTa's and Transformer-XL's tables, at default positions) through the
-#: fused kernel's forward (``fused_relative_attention``) where no gradient is needed,
-#: instead of FlexAttention's score_mod. Empty until timed on a GPU; tests add the CPU,
+#: fused kernels (``fused_relative_attention``) instead of FlexAttention's score_mod:
+#: a forward that needs no gradient where the device is listed here, a training step
+#: where it is listed in both. Empty until timed on a GPU; tests add the CPU,
 #: interpreted.
 FUSED_RELATIVE_DEVICES: set[str] = set()
+FUSED_RELATIVE_TRAINED_DEVICES: set[str] = set()
 #: device types where a bias that trains (ALiBi's learned slopes, T5's table, KERPLE's
 #: parameters) takes that route with its gradient added up inside the dQ kernel
 #: (``fused_distance_attention`` with a bias that needs a gradient); elsewhere a trained
@@ -278,16 +282,18 @@ class FlexBackend(AttentionTerms):
         document_ids: Tensor | None,
     ) -> Tensor | None:
         """flex's route for relative terms at default positions (no position bias,
-        attn_mask or documents) through the fused kernel, which reads each term from
-        its projection per score (``fused_relative_attention``), where
-        FUSED_RELATIVE_DEVICES lists the device and no gradient is needed (the kernel
-        has no backward). At most one query-side term (a trained vector per head
-        counts as one, read alike by every query) and one key-side term (Transformer-
-        XL's u . k_j, one value per key, counts as one); None otherwise."""
+        attn_mask or documents) through the fused kernels, which read each term from its
+        projection per score (as ``fused_relative_attention``), where
+        FUSED_RELATIVE_DEVICES lists the device (and, for a call that needs gradients,
+        FUSED_RELATIVE_TRAINED_DEVICES). At most one query-side term (a trained vector
+        per head counts as one, read alike by every query) and one key-side term
+        (Transformer-XL's u . k_j, one value per key, counts as one); None otherwise."""
+        devices = FUSED_RELATIVE_DEVICES
+        if self._trains_step(q, k, v):
+            devices = devices & FUSED_RELATIVE_TRAINED_DEVICES
         if (
-            q.device.type not in FUSED_RELATIVE_DEVICES
+            q.device.type not in devices
             or document_ids is not None
-            or self._trains_step(q, k, v)
             or not fused_distance_attention_serves(q, k, v)
         ):
             return None
@@ -304,20 +310,11 @@ class FlexBackend(AttentionTerms):
             if diagonal is None:
                 slots[slot] = RelativeRows(scores.float(), None)
             else:
-                key = ("fused_relative_diagonal", slot, n, k.shape[2], causal, str(q.device))
-                slots[slot] = RelativeRows(scores.float(), *self._kernel_diagonal(diagonal, key))
-        out, _ = distance_attention_forward(
-            q,
-            k,
-            v,
-            None,
-            "none",
-            0,
-            self.scale,
-            causal,
-            window,
-            slots.get("query"),
-            slots.get("key"),
+                shape = ("fused_relative_diagonal", slot, n, k.shape[2], causal, str(q.device))
+                slots[slot] = RelativeRows(scores.float(), *self._kernel_diagonal(diagonal, shape))
+        query_rows, key_rows = slots.get("query"), slots.get("key")
+        out, _ = attend_fused(
+            q, k, v, None, "none", 0, self.scale, causal, window, query_rows, key_rows
         )
         return out
 
