@@ -180,6 +180,20 @@ def test_compiled_flex_trains_a_clipped_table_through_the_attached_gradient(
     assert attached == [1024] * 4
 
 
+def tune_one_candidate(monkeypatch: pytest.MonkeyPatch, candidate: int) -> None:
+    """The fused kernels autotuned over their tile candidate ``candidate`` alone, with no
+    tuned kernel kept from before (a compile per candidate, bias form, band and dtype
+    took over 150 s a case with all four)."""
+    configs = runtime_value("_distance_attention_configs")
+
+    def one_candidate(kernel: str) -> list[object]:
+        return configs(kernel)[candidate:][:1]
+
+    set_runtime(monkeypatch, "_distance_attention_configs", one_candidate)
+    cache = runtime_value("TRITON_CACHE")
+    set_runtime(monkeypatch, "TRITON_CACHE", {k: v for k, v in cache.items() if "tuned" not in k})
+
+
 @pytest.mark.parametrize(
     ("name", "candidate"), [("alibi", 0), ("t5", 1), ("t5_decoder", 2), ("kerple_log", 3)]
 )
@@ -193,15 +207,7 @@ def test_fused_distance_kernel_matches_eager_on_cuda(
     attached gradient, KERPLE is frozen and reads its full vector per score. Each case
     autotunes over one of the kernels' tile candidates (a compile per candidate, bias
     form, band and dtype took over 150 s a case): the four cases cover all four."""
-    configs = runtime_value("_distance_attention_configs")
-
-    def one_candidate(kernel: str) -> list[object]:
-        return configs(kernel)[candidate:][:1]
-
-    set_runtime(monkeypatch, "_distance_attention_configs", one_candidate)
-    cache = runtime_value("TRITON_CACHE")
-    tuned = {key: value for key, value in cache.items() if "tuned" not in key}
-    set_runtime(monkeypatch, "TRITON_CACHE", tuned)
+    tune_one_candidate(monkeypatch, candidate)
     set_runtime(monkeypatch, "FUSED_DISTANCE_ROUTES", {"slope": {"cuda"}, "vector": {"cuda"}})
     kinds = spy_calls(monkeypatch, runtime_modules(), "fused_distance_attention", bias_kind)
     torch.manual_seed(0)
@@ -227,14 +233,7 @@ def test_trained_biases_through_the_fused_distance_kernel_on_cuda(
     the autotuner's trials zeroed), against eager in float32 and bf16, causal and not,
     GQA, N < M; one tile candidate per case (they differ in shape: 128 x 32, 128 x 64,
     64 x 64)."""
-    configs = runtime_value("_distance_attention_configs")
-
-    def one_candidate(kernel: str) -> list[object]:
-        return configs(kernel)[candidate:][:1]
-
-    set_runtime(monkeypatch, "_distance_attention_configs", one_candidate)
-    cache = runtime_value("TRITON_CACHE")
-    set_runtime(monkeypatch, "TRITON_CACHE", {k: v for k, v in cache.items() if "tuned" not in k})
+    tune_one_candidate(monkeypatch, candidate)
     set_runtime(monkeypatch, "FUSED_DISTANCE_ROUTES", {"slope": {"cuda"}, "vector": {"cuda"}})
     set_runtime(monkeypatch, "FUSED_DISTANCE_TRAINED_DEVICES", {"cuda"})
     kinds = spy_calls(monkeypatch, runtime_modules(), "fused_distance_attention", bias_kind)
@@ -262,14 +261,7 @@ def test_fused_distance_kernel_reads_relative_terms_on_cuda(
     k, v and the parameters) against eager in float32 and bf16 (on the same rounded
     inputs), not causal and causal with a window, GQA, N < M; one tile candidate per
     case."""
-    configs = runtime_value("_distance_attention_configs")
-
-    def one_candidate(kernel: str) -> list[object]:
-        return configs(kernel)[candidate:][:1]
-
-    set_runtime(monkeypatch, "_distance_attention_configs", one_candidate)
-    cache = runtime_value("TRITON_CACHE")
-    set_runtime(monkeypatch, "TRITON_CACHE", {k: v for k, v in cache.items() if "tuned" not in k})
+    tune_one_candidate(monkeypatch, candidate)
     set_runtime(monkeypatch, "FUSED_RELATIVE_DEVICES", {"cuda"})
     set_runtime(monkeypatch, "FUSED_RELATIVE_TRAINED_DEVICES", {"cuda"})
     launches = spy_calls(monkeypatch, runtime_modules(), "attend_fused", len)

@@ -53,6 +53,7 @@ _distance_larger: Any = None
 _distance_plus: Any = None
 _distance_diagonal_sums_into: Any = None
 _distance_relative_tile: Any = None
+_distance_relative_logits: Any = None
 _distance_relative_grad_into: Any = None
 
 
@@ -107,7 +108,7 @@ def _distance_attention_kernels() -> dict[str, Any]:
     The bias of each tile comes from ``tile_logits``.
     """
     global _distance_tile_logits, _distance_larger, _distance_plus, _distance_diagonal_sums_into
-    global _distance_relative_tile, _distance_relative_grad_into
+    global _distance_relative_tile, _distance_relative_logits, _distance_relative_grad_into
     if "attention" in TRITON_CACHE:
         return dict(TRITON_CACHE["attention"])
     import triton
@@ -255,6 +256,72 @@ def _distance_attention_kernels() -> dict[str, Any]:
         return s
 
     @triton.jit
+    def relative_logits(
+        s,
+        query_at,
+        query_stride_x,
+        query_stride_k,
+        query_diagonal,
+        query_below,
+        query_above,
+        key_at,
+        key_stride_x,
+        key_stride_k,
+        key_diagonal,
+        key_below,
+        key_above,
+        start_m,
+        start_n,
+        n,
+        m,
+        QUERY_ROWS: tl.constexpr,  # 0 none, 1 the row of each diagonal, 2 row 0 (per query)
+        KEY_ROWS: tl.constexpr,  # the same for the key-side term (2: one value per key)
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        KEYS_FIRST: tl.constexpr,
+    ):
+        """s plus the tile's query-side and key-side relative terms (``relative_tile``)."""
+        if QUERY_ROWS > 0:
+            s = _distance_relative_tile(
+                s,
+                query_at,
+                query_stride_x,
+                query_stride_k,
+                query_diagonal,
+                query_below,
+                query_above,
+                start_m,
+                start_n,
+                n,
+                m,
+                QUERY_ROWS == 1,
+                False,
+                BLOCK_M,
+                BLOCK_N,
+                KEYS_FIRST,
+            )
+        if KEY_ROWS > 0:
+            s = _distance_relative_tile(
+                s,
+                key_at,
+                key_stride_x,
+                key_stride_k,
+                key_diagonal,
+                key_below,
+                key_above,
+                start_m,
+                start_n,
+                n,
+                m,
+                KEY_ROWS == 1,
+                True,
+                BLOCK_M,
+                BLOCK_N,
+                KEYS_FIRST,
+            )
+        return s
+
+    @triton.jit
     def relative_grad_into(
         grad_s,  # float32 dL/d(logit), 0 where masked: [BLOCK_M, BLOCK_N] for a query-side
         # term, [BLOCK_N, BLOCK_M] (keys first) for a key-side one: its x along axis 0
@@ -319,6 +386,7 @@ def _distance_attention_kernels() -> dict[str, Any]:
     _distance_tile_logits, _distance_larger, _distance_plus = tile_logits, larger, plus
     _distance_diagonal_sums_into = diagonal_sums_into
     _distance_relative_tile = relative_tile
+    _distance_relative_logits = relative_logits
     _distance_relative_grad_into = relative_grad_into
 
     @triton.jit
@@ -420,44 +488,30 @@ def _distance_attention_kernels() -> dict[str, Any]:
             else:
                 s = tl.dot(q, k_t)
             s = s * qk_scale
-            if QUERY_ROWS > 0:
-                s = _distance_relative_tile(
-                    s,
-                    query_rows_at,
-                    query_rows_stride_x,
-                    query_rows_stride_k,
-                    query_diagonal_ptr,
-                    query_below,
-                    query_above,
-                    start_m,
-                    start_n,
-                    n,
-                    m,
-                    QUERY_ROWS == 1,
-                    False,
-                    BLOCK_M,
-                    BLOCK_N,
-                    False,
-                )
-            if KEY_ROWS > 0:
-                s = _distance_relative_tile(
-                    s,
-                    key_rows_at,
-                    key_rows_stride_x,
-                    key_rows_stride_k,
-                    key_diagonal_ptr,
-                    key_below,
-                    key_above,
-                    start_m,
-                    start_n,
-                    n,
-                    m,
-                    KEY_ROWS == 1,
-                    True,
-                    BLOCK_M,
-                    BLOCK_N,
-                    False,
-                )
+            s = _distance_relative_logits(
+                s,
+                query_rows_at,
+                query_rows_stride_x,
+                query_rows_stride_k,
+                query_diagonal_ptr,
+                query_below,
+                query_above,
+                key_rows_at,
+                key_rows_stride_x,
+                key_rows_stride_k,
+                key_diagonal_ptr,
+                key_below,
+                key_above,
+                start_m,
+                start_n,
+                n,
+                m,
+                QUERY_ROWS,
+                KEY_ROWS,
+                BLOCK_M,
+                BLOCK_N,
+                False,
+            )
             s = _distance_tile_logits(
                 s,
                 start_m,
@@ -632,44 +686,30 @@ def _distance_attention_kernels() -> dict[str, Any]:
                 else:
                     s_t = tl.dot(k, q_t)
                 s_t = s_t * qk_scale
-                if QUERY_ROWS > 0:
-                    s_t = _distance_relative_tile(
-                        s_t,
-                        query_rows_at,
-                        query_rows_stride_x,
-                        query_rows_stride_k,
-                        query_diagonal_ptr,
-                        query_below,
-                        query_above,
-                        start_m,
-                        start_n,
-                        n,
-                        m,
-                        QUERY_ROWS == 1,
-                        False,
-                        BLOCK_M,
-                        BLOCK_N,
-                        True,
-                    )
-                if KEY_ROWS > 0:
-                    s_t = _distance_relative_tile(
-                        s_t,
-                        key_rows_at,
-                        key_rows_stride_x,
-                        key_rows_stride_k,
-                        key_diagonal_ptr,
-                        key_below,
-                        key_above,
-                        start_m,
-                        start_n,
-                        n,
-                        m,
-                        KEY_ROWS == 1,
-                        True,
-                        BLOCK_M,
-                        BLOCK_N,
-                        True,
-                    )
+                s_t = _distance_relative_logits(
+                    s_t,
+                    query_rows_at,
+                    query_rows_stride_x,
+                    query_rows_stride_k,
+                    query_diagonal_ptr,
+                    query_below,
+                    query_above,
+                    key_rows_at,
+                    key_rows_stride_x,
+                    key_rows_stride_k,
+                    key_diagonal_ptr,
+                    key_below,
+                    key_above,
+                    start_m,
+                    start_n,
+                    n,
+                    m,
+                    QUERY_ROWS,
+                    KEY_ROWS,
+                    BLOCK_M,
+                    BLOCK_N,
+                    True,
+                )
                 s_t = _distance_tile_logits(
                     s_t,
                     start_m,
@@ -867,44 +907,30 @@ def _distance_attention_kernels() -> dict[str, Any]:
             else:
                 s = tl.dot(q, k_t)
             s = s * qk_scale
-            if QUERY_ROWS > 0:
-                s = _distance_relative_tile(
-                    s,
-                    query_rows_at,
-                    query_rows_stride_x,
-                    query_rows_stride_k,
-                    query_diagonal_ptr,
-                    query_below,
-                    query_above,
-                    start_m,
-                    start_n,
-                    n,
-                    m,
-                    QUERY_ROWS == 1,
-                    False,
-                    BLOCK_M,
-                    BLOCK_N,
-                    False,
-                )
-            if KEY_ROWS > 0:
-                s = _distance_relative_tile(
-                    s,
-                    key_rows_at,
-                    key_rows_stride_x,
-                    key_rows_stride_k,
-                    key_diagonal_ptr,
-                    key_below,
-                    key_above,
-                    start_m,
-                    start_n,
-                    n,
-                    m,
-                    KEY_ROWS == 1,
-                    True,
-                    BLOCK_M,
-                    BLOCK_N,
-                    False,
-                )
+            s = _distance_relative_logits(
+                s,
+                query_rows_at,
+                query_rows_stride_x,
+                query_rows_stride_k,
+                query_diagonal_ptr,
+                query_below,
+                query_above,
+                key_rows_at,
+                key_rows_stride_x,
+                key_rows_stride_k,
+                key_diagonal_ptr,
+                key_below,
+                key_above,
+                start_m,
+                start_n,
+                n,
+                m,
+                QUERY_ROWS,
+                KEY_ROWS,
+                BLOCK_M,
+                BLOCK_N,
+                False,
+            )
             s = _distance_tile_logits(
                 s,
                 start_m,
