@@ -37,7 +37,10 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 # the fused kernel's cases compile a kernel per tile, bias form, band and dtype (about a
 # minute a case on an H200), so they have their own step
 step 540 test_gpu_fused python3 -m pytest -v --no-header -p no:cacheprovider -W ignore \
-    tests/test_gpu.py -k fused_distance_kernel
+    tests/test_gpu.py -k "fused_distance_kernel and not relative_terms"
+# the kernels with relative terms (forward and backward, two cases)
+step 420 test_gpu_relative python3 -m pytest -v --no-header -p no:cacheprovider -W ignore \
+    tests/test_gpu.py -k "fused_distance_kernel and relative_terms"
 step 480 test_gpu python3 -m pytest -v --no-header -p no:cacheprovider -W ignore \
     tests/test_gpu.py -k "not fused_distance_kernel"
 step 150 rotary python3 benchmarks/rotary.py --device cuda --dtype bfloat16 --compile \
@@ -59,7 +62,7 @@ step 200 family python3 benchmarks/attention_backends.py --device cuda --dtype b
     --lengths 2048 --modes forward train --causal no --repeats 10 --tag _family --out "$out"
 # the relative family with its terms read from their projections in the fused kernels
 # (FUSED_RELATIVE_DEVICES, FUSED_RELATIVE_TRAINED_DEVICES) against FlexAttention's
-# score_mod, the measurement the route waits for; test_gpu_fused checks the kernels'
+# score_mod, the measurement the route waits for; test_gpu_relative checks the kernels'
 # relative terms first
 step 400 fused_relative python3 benchmarks/attention_backends.py --device cuda \
     --dtype bfloat16 --encodings bert_relative_key bert_relative_key_query deberta \
