@@ -6,7 +6,9 @@
 #   bash benchmarks/gpu_session.sh [OUT [STEP ...]]   # OUT: where logs and results go
 #
 # The steps' limits add up to more than one device call may run (10 minutes) and than
-# a session's device time (30 minutes): name the steps each call should run, e.g.
+# a session's device time (15 to 30 minutes): name the steps each call should run, e.g.
+#   bash benchmarks/gpu_session.sh "$OUT" test_gpu_relative
+#   bash benchmarks/gpu_session.sh "$OUT" fused_relative
 #   bash benchmarks/gpu_session.sh "$OUT" test_gpu_fused
 #   bash benchmarks/gpu_session.sh "$OUT" fused_kernel fused
 #   bash benchmarks/gpu_session.sh "$OUT" test_gpu
@@ -64,7 +66,7 @@ step 200 family python3 benchmarks/attention_backends.py --device cuda --dtype b
 # (FUSED_RELATIVE_DEVICES, FUSED_RELATIVE_TRAINED_DEVICES) against FlexAttention's
 # score_mod, the measurement the route waits for; test_gpu_relative checks the kernels'
 # relative terms first
-step 400 fused_relative python3 benchmarks/attention_backends.py --device cuda \
+step 540 fused_relative python3 benchmarks/attention_backends.py --device cuda \
     --dtype bfloat16 --encodings bert_relative_key bert_relative_key_query deberta \
     transformer_xl --backends flex --lengths 2048 --modes forward train --causal both \
     --compare-fused --repeats 10 --tag _fused_relative --out "$out"
