@@ -231,7 +231,7 @@ def interpret_distance_kernels(
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     set_runtime(monkeypatch, "TRITON_CACHE", {}, pe)
     helpers = ("tile_logits", "larger", "plus", "diagonal_sums_into", "relative_tile")
-    helpers += ("relative_logits", "relative_grad_into")
+    helpers += ("relative_logits", "relative_grad_into", "tile_row")
     for helper in helpers:
         set_runtime(monkeypatch, f"_distance_{helper}", None, pe)
     set_runtime(monkeypatch, "FUSED_DISTANCE_DEVICES", {"cpu"}, pe)

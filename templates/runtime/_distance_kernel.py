@@ -53,6 +53,7 @@ _distance_larger: Any = None
 _distance_plus: Any = None
 _distance_diagonal_sums_into: Any = None
 _distance_relative_tile: Any = None
+_distance_tile_row: Any = None
 _distance_relative_logits: Any = None
 _distance_relative_grad_into: Any = None
 
@@ -109,6 +110,7 @@ def _distance_attention_kernels() -> dict[str, Any]:
     """
     global _distance_tile_logits, _distance_larger, _distance_plus, _distance_diagonal_sums_into
     global _distance_relative_tile, _distance_relative_logits, _distance_relative_grad_into
+    global _distance_tile_row
     if "attention" in TRITON_CACHE:
         return dict(TRITON_CACHE["attention"])
     import triton
@@ -238,14 +240,10 @@ def _distance_attention_kernels() -> dict[str, Any]:
             term = tl.load(row_at + x * stride_x, mask=x_inside, other=0.0)
             s = s + log2e * term.to(tl.float32)
         else:
-            first = start_n - (start_m + BLOCK_M - 1) + n - 1  # the tile's least j - i + N - 1
-            last = start_n + BLOCK_N - 1 - start_m + n - 1  # and its greatest
-            if last <= below:
-                row = tl.load(diagonal).to(tl.int64)
-                term = tl.load(row_at + x * stride_x + row * stride_k, mask=x_inside, other=0.0)
-                s = s + log2e * term.to(tl.float32)
-            elif first >= above:
-                row = tl.load(diagonal + n + m - 2).to(tl.int64)
+            one_row, row = _distance_tile_row(
+                diagonal, below, above, start_m, start_n, n, m, BLOCK_M, BLOCK_N
+            )
+            if one_row:
                 term = tl.load(row_at + x * stride_x + row * stride_k, mask=x_inside, other=0.0)
                 s = s + log2e * term.to(tl.float32)
             else:
@@ -254,6 +252,19 @@ def _distance_attention_kernels() -> dict[str, Any]:
                 at = row_at + x * stride_x + index.to(tl.int64) * stride_k  # the tile's shape
                 s = s + log2e * tl.load(at, mask=inside, other=0.0).to(tl.float32)
         return s
+
+    @triton.jit
+    def tile_row(
+        diagonal, below, above, start_m, start_n, n, m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+    ):
+        """(whether every score of the tile reads one row, that row as int64): true where
+        the tile's diagonals all lie at or before ``below`` (the diagonal's first row) or
+        at or after ``above`` (its last), beyond a clip."""
+        first = start_n - (start_m + BLOCK_M - 1) + n - 1  # the tile's least j - i + N - 1
+        last = start_n + BLOCK_N - 1 - start_m + n - 1  # and its greatest
+        past_above = first >= above
+        end = tl.where(past_above, n + m - 2, 0)  # the diagonal's entry at that end
+        return (last <= below) | past_above, tl.load(diagonal + end).to(tl.int64)
 
     @triton.jit
     def relative_logits(
@@ -358,14 +369,10 @@ def _distance_attention_kernels() -> dict[str, Any]:
         if not DIAGONAL:
             tl.atomic_add(line_at, tl.reduce(grad_s, 1, _distance_plus), mask=line_inside)
         else:
-            first = start_n - (start_m + BLOCK_M - 1) + n - 1
-            last = start_n + BLOCK_N - 1 - start_m + n - 1
-            if last <= below:
-                row = tl.load(diagonal).to(tl.int64)
-                sums = tl.reduce(grad_s, 1, _distance_plus)
-                tl.atomic_add(line_at + row * stride_k, sums, mask=line_inside)
-            elif first >= above:
-                row = tl.load(diagonal + n + m - 2).to(tl.int64)
+            one_row, row = _distance_tile_row(
+                diagonal, below, above, start_m, start_n, n, m, BLOCK_M, BLOCK_N
+            )
+            if one_row:
                 sums = tl.reduce(grad_s, 1, _distance_plus)
                 tl.atomic_add(line_at + row * stride_k, sums, mask=line_inside)
             else:
@@ -386,6 +393,7 @@ def _distance_attention_kernels() -> dict[str, Any]:
     _distance_tile_logits, _distance_larger, _distance_plus = tile_logits, larger, plus
     _distance_diagonal_sums_into = diagonal_sums_into
     _distance_relative_tile = relative_tile
+    _distance_tile_row = tile_row
     _distance_relative_logits = relative_logits
     _distance_relative_grad_into = relative_grad_into
 
