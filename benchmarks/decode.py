@@ -7,7 +7,9 @@ Bias encodings (ALiBi, T5, KERPLE) add their bias for the one query row. Each ca
 is timed alternately with the baseline; ``--compile`` also times the module under
 ``torch.compile`` (what a decoding loop would run); ``--compare-dense`` also times
 relative encodings with their terms built densely and their rows projected every step
-(the few-query path and kept rows off).
+(the few-query path and kept rows off); ``--compare-grouped`` also times each module
+with the grouped-query matmuls (``grouped_query_attention``) switched the other way on
+the device (on where ``GROUPED_QUERY_DEVICES`` leaves them off, and off where on).
 
     python benchmarks/decode.py --device cuda --dtype bfloat16 --cache 8192 --compile
 """
@@ -35,6 +37,7 @@ from attention_backends import (  # noqa: E402
 
 from generated import ENCODINGS  # noqa: E402
 from generated import _few_queries as few_queries  # noqa: E402
+from generated import _grouped_queries as grouped_queries  # noqa: E402
 from generated import _terms as terms  # noqa: E402
 
 DEFAULT_ENCODINGS = ["rope", "rope_gptj", "alibi", "t5", "kerple_log"]
@@ -53,6 +56,20 @@ def without_few_query_path(step: Callable[[], object]) -> Callable[[], object]:
             few_queries.FEW_QUERY_RELATIVE_MAX_QUERIES, terms.KEEP_RELATIVE_ROWS = most, keep
 
     return dense_step
+
+
+def with_grouped_queries(step: Callable[[], object], device: str, on: bool) -> Callable[[], object]:
+    """``step`` with ``device`` in ``GROUPED_QUERY_DEVICES`` (``on``) or out of it."""
+
+    def switched_step() -> object:
+        devices = grouped_queries.GROUPED_QUERY_DEVICES
+        grouped_queries.GROUPED_QUERY_DEVICES = devices | {device} if on else devices - {device}
+        try:
+            return step()
+        finally:
+            grouped_queries.GROUPED_QUERY_DEVICES = devices
+
+    return switched_step
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -77,6 +94,10 @@ def run(args: argparse.Namespace) -> dict:
             variants["module, compiled"] = torch.compile(pe, fullgraph=True)
         if args.compare_dense and pe.has_relative_terms:
             variants["module, dense terms"] = pe
+        grouped_on = device.type in grouped_queries.GROUPED_QUERY_DEVICES
+        grouped_label = "module, no grouped matmuls" if grouped_on else "module, grouped matmuls"
+        if args.compare_grouped:
+            variants[grouped_label] = pe
         for label, module in variants.items():
             for backend in args.backends:
 
@@ -85,6 +106,8 @@ def run(args: argparse.Namespace) -> dict:
 
                 if label == "module, dense terms":
                     step = without_few_query_path(step)
+                if label == grouped_label:
+                    step = with_grouped_queries(step, device.type, not grouped_on)
 
                 with torch.no_grad():
                     seconds, base = paired_seconds(step, baseline, device, args.repeats)
@@ -159,6 +182,11 @@ def main() -> None:
         "--compare-dense",
         action="store_true",
         help="also time relative encodings without the few-query path and kept rows",
+    )
+    parser.add_argument(
+        "--compare-grouped",
+        action="store_true",
+        help="also time each module with the grouped-query matmuls switched the other way",
     )
     parser.add_argument("--tag", default="", help="appended to the result file names")
     add_out_argument(parser)

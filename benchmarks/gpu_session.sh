@@ -70,8 +70,10 @@ step 540 fused_relative python3 benchmarks/attention_backends.py --device cuda \
     --dtype bfloat16 --encodings bert_relative_key bert_relative_key_query deberta \
     transformer_xl --backends flex --lengths 2048 --modes forward train --causal both \
     --compare-fused --repeats 10 --tag _fused_relative --out "$out"
-step 200 decode python3 benchmarks/decode.py --device cuda --dtype bfloat16 --compile \
-    --out "$out"
+# one decode step, eager and compiled, with the grouped-query matmuls
+# (GROUPED_QUERY_DEVICES, off on CUDA until this step times them) and without
+step 240 decode python3 benchmarks/decode.py --device cuda --dtype bfloat16 --compile \
+    --compare-grouped --out "$out"
 # relative-table decode steps with and without the few-query path and kept rows, and
 # the relative family's terms gathered per chunk from their projections against the
 # dense terms (sdpa; flex in the same run)

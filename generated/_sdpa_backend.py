@@ -26,6 +26,7 @@ from ._clipped_relative import (
 )
 from ._distances import distance_chunk_view, half_precision_bias
 from ._few_queries import few_queries, few_query_inputs, few_query_relative_serves
+from ._grouped_queries import scaled_dot_product
 from ._inputs import (
     Rotated,
     repeat_kv,
@@ -93,13 +94,12 @@ class SdpaBackend(AttentionTerms):
             v = repeat_kv(v, q.shape[1] // v.shape[1])
             q, k = self._fold_position_bias(q, k, q_positions, k_positions)
             has_bias = False  # now inside q' . k'
-        gqa: dict[str, Any] = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
         default_positions = q_positions is None and k_positions is None
         # a window folds into the per-distance vector (it depends on j - i alone); the
         # documents do not, so they take the materialised bias below
         by_distance = default_positions and attn_mask is None and document_ids is None
         if self.bias_by_distance and by_distance:
-            return self._sdpa_by_distance(q, k, v, causal, gqa, window)
+            return self._sdpa_by_distance(q, k, v, causal, window)
         # causal or window masking at default positions: chunks that skip masked keys
         chunkable = by_distance and (causal or window is not None)
         spans = query_chunks(n, m, q.device.type, causal, window) if chunkable else []
@@ -113,17 +113,18 @@ class SdpaBackend(AttentionTerms):
                     q_chunk, k_chunk, i1 - i0, hi - lo, q.device, q.dtype, causal, window
                 )
 
-            return self._sdpa_in_chunks(q, k, v, spans, chunk_bias, gqa)
+            return self._sdpa_in_chunks(q, k, v, spans, chunk_bias)
         if has_bias:
             bias = self._sdpa_bias(
                 q_positions, k_positions, n, m, q.device, q.dtype, causal, window, document_ids
             )
             if attn_mask is not None:
                 bias = apply_masks(bias, None, attn_mask)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=self.scale, **gqa)
+            return scaled_dot_product(q, k, v, bias, self.scale)
         only_causal = window is None and document_ids is None and attn_mask is None
         if causal and default_positions and n == m and only_causal:
             # keys 0..M-1 and queries 0..N-1: SDPA's own causal mask, no mask tensor
+            gqa: dict[str, Any] = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, **gqa)
         allowed = attention_allowed(
             q_positions, k_positions, n, m, q.device, causal, window, document_ids
@@ -136,7 +137,7 @@ class SdpaBackend(AttentionTerms):
             def chunk_allowed(i0: int, i1: int, lo: int, hi: int) -> Tensor:
                 return grid[i0:i1, lo:hi]
 
-            return self._sdpa_in_chunks(q, k, v, spans, chunk_allowed, gqa)
+            return self._sdpa_in_chunks(q, k, v, spans, chunk_allowed)
         mask: Tensor | None = allowed
         if attn_mask is not None:
             if allowed is None:
@@ -145,7 +146,7 @@ class SdpaBackend(AttentionTerms):
                 mask = allowed & attn_mask
             else:
                 mask = apply_masks(attn_mask.to(q.dtype), allowed, None)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, **gqa)
+        return scaled_dot_product(q, k, v, mask, self.scale)
 
     def _sdpa_relative(
         self,
@@ -292,7 +293,6 @@ class SdpaBackend(AttentionTerms):
             heads_v = repeat_kv(v, q.shape[1] // v.shape[1])
             out = chunked_relative_attention(q, heads_k, heads_v, parts, spans, self.scale, causal)
             return out.to(v.dtype)
-        gqa: dict[str, Any] = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
 
         def chunk_terms(i0: int, i1: int, lo: int, hi: int) -> Tensor:
             terms = band_terms(parts, n, m, [(i0, i1, lo, hi)], causal)[..., : hi - lo]
@@ -300,7 +300,7 @@ class SdpaBackend(AttentionTerms):
                 terms = block_fresh(terms, allowed[..., i0:i1, lo:hi])
             return terms.to(q.dtype)
 
-        return self._sdpa_in_chunks(q, k, v, spans, chunk_terms, gqa).to(v.dtype)
+        return self._sdpa_in_chunks(q, k, v, spans, chunk_terms).to(v.dtype)
 
     def _sdpa_by_distance(
         self,
@@ -308,7 +308,6 @@ class SdpaBackend(AttentionTerms):
         k: Tensor,
         v: Tensor,
         causal: bool,
-        gqa: dict[str, Any],
         window: int | None = None,
     ) -> Tensor:
         """SDPA with a bias of j - i alone, never an [H, N, M] tensor: O(N + M) memory.
@@ -342,7 +341,7 @@ class SdpaBackend(AttentionTerms):
         vec = half_precision_bias(vec, q.dtype)  # [H, N + M - 1]
         if n == 1:  # one query (a decode step): the vector is its row, in key order
             mask = vec[None, :, None, :]  # [1, H, 1, M]
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, **gqa)
+            return scaled_dot_product(q, k, v, mask, self.scale)
         if allowed is None and not vec.requires_grad:
             spans = [(0, n, 0, m)]  # nothing to skip: one call over every key
         else:
@@ -351,7 +350,7 @@ class SdpaBackend(AttentionTerms):
         def chunk_view(i0: int, i1: int, lo: int, hi: int) -> Tensor:
             return distance_chunk_view(vec, n, i0, i1, lo, hi)  # [1, H, rows, keys]
 
-        return self._sdpa_in_chunks(q, k, v, spans, chunk_view, gqa, queries_reversed=True)
+        return self._sdpa_in_chunks(q, k, v, spans, chunk_view, queries_reversed=True)
 
     def _sdpa_in_chunks(
         self,
@@ -360,7 +359,6 @@ class SdpaBackend(AttentionTerms):
         v: Tensor,
         spans: list[tuple[int, int, int, int]],
         mask_of: Any,
-        gqa: dict[str, Any],
         queries_reversed: bool = False,
     ) -> Tensor:
         """One SDPA call per (i0, i1, lo, hi) of ``query_chunks``: queries i0 .. i1 - 1
@@ -374,9 +372,7 @@ class SdpaBackend(AttentionTerms):
             if trained_mask_attention_serves(rows, mask):
                 out = trained_mask_attention(rows, keys, values, mask, self.scale)
             else:
-                out = F.scaled_dot_product_attention(
-                    rows, keys, values, attn_mask=mask, scale=self.scale, **gqa
-                )
+                out = scaled_dot_product(rows, keys, values, mask, self.scale)
             outs.append(out.flip(2) if queries_reversed else out)
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 

@@ -464,3 +464,30 @@ def test_fused_rotation_on_cuda_matches_the_cpu_formula(name: str, dtype: torch.
                 spacing = 2**-7 * want.abs() + 1e-6
                 assert bool(((got - want).abs() <= spacing).all())
     assert len(launches) == 8  # CUDA only: q and k, forward and backward, twice
+
+
+@pytest.mark.parametrize("name", ["alibi", "t5", "rope"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_query_decode_matches_eager_on_cuda(
+    monkeypatch: pytest.MonkeyPatch, name: str, dtype: torch.dtype
+) -> None:
+    """The grouped-query matmuls switched on for CUDA (``GROUPED_QUERY_DEVICES``, off
+    until timed): bf16 through bmm's float32 output, one query and three causal ones,
+    against the float32 oracle on the same rounded inputs."""
+    set_runtime(monkeypatch, "GROUPED_QUERY_DEVICES", {"cpu", "cuda"})
+    calls = spy_calls(monkeypatch, runtime_modules(), "grouped_query_attention", lambda *_: 1)
+    pe = generated_class(name)(heads=8, head_dim=64).to(CUDA)
+    for n, causal in ((1, False), (2, True)):
+        q = torch.randn(2, 8, n, 64, device=CUDA).to(dtype)
+        k = torch.randn(2, 2, 512, 64, device=CUDA).to(dtype)
+        v = torch.randn(2, 2, 512, 64, device=CUDA).to(dtype)
+        if pe.has_rotation:
+            k = pe.rotate_keys(k)
+        rotated = {"keys_rotated": True} if pe.has_rotation else {}
+        with torch.no_grad():
+            got = pe(q, k, v, causal=causal, backend="sdpa", **rotated)
+            oracle = pe(q.float(), k.float(), v.float(), causal=causal, backend="eager", **rotated)
+        assert got.dtype == dtype
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.float(), oracle, atol=tolerance, rtol=tolerance)
+    assert len(calls) == 2

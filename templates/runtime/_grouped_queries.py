@@ -1,0 +1,118 @@
+"""A few queries under grouped-query heads (a decode step) as two batched matmuls.
+
+With grouped-query attention (Ainslie et al. 2023) G = H / H_kv query heads share each
+key-value head. A decode step's N queries per head are few, so the G heads' queries of
+one key-value head fit in one small matrix of G * N rows, and the step is
+
+    logits = scale * Q_g K^T + mask      [G N, D] x [D, M] per (batch, key-value head)
+    out = softmax(logits) V              [G N, M] x [M, Dv]
+
+two batched matmuls that read each cached key and value once. Logits and softmax are
+float32 (float64 for float64 inputs; half-precision inputs through bmm's float32
+output), and the weights are rounded to v's dtype for the second product, as
+FlashAttention rounds its probabilities.
+
+On a 2-core x86 CPU (float32, one query, head_dim 64 or 128, 1024 to 8192 cached keys)
+these matmuls with an ALiBi-like mask took 0.27-0.31x the time of
+F.scaled_dot_product_attention with ``enable_gqa`` and no mask at G = 8, 0.62x at G = 2
+and 0.65-0.68x at G = 4 and batch 4, where SDPA with the mask took 1.0x; without
+grouped heads (G = 1) they took 1.07-1.25x, so there SDPA serves, as it does below
+about 2^17 key elements, where the extra calls cost more than they save.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ._masks import masked_softmax
+
+# Devices where a few grouped queries take the two batched matmuls
+# (``grouped_queries_serve``): the CPU, measured (see the module docstring). CUDA's
+# decode step is still to be timed against FlashAttention (``benchmarks/decode.py
+# --compare-grouped``), so there SDPA serves.
+GROUPED_QUERY_DEVICES: set[str] = {"cpu"}
+
+# The most query rows per key-value head (G * N): at G * N = 16 the matmuls took 0.79 to
+# 0.81x SDPA's time on the CPU, at 32 1.0x, at 64 1.1-1.2x.
+GROUPED_QUERY_MAX_ROWS = 16
+
+# The fewest key elements (B * H_kv * M * D) for the matmuls: at 2^17 (batch 1, 2
+# key-value heads, 1024 keys of 64) they took 0.93x SDPA's time, at half that 1.2x.
+GROUPED_QUERY_MIN_KEY_ELEMENTS = 1 << 17
+
+# Input dtypes the matmuls compute in as they are (the CPU has no float32 output for
+# half-precision matmuls, so there half precision stays with SDPA).
+_FULL_PRECISION = (torch.float32, torch.float64)
+
+
+def grouped_queries_serve(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether ``grouped_query_attention`` runs q [B, H, N, D] against k [B, H_kv, M, D]
+    and v: on ``GROUPED_QUERY_DEVICES``, with grouped heads (H > H_kv), at most
+    ``GROUPED_QUERY_MAX_ROWS`` query rows per key-value head, at least
+    ``GROUPED_QUERY_MIN_KEY_ELEMENTS`` key elements, float32/float64 inputs (any float
+    on CUDA), and keys and values whose batch and head axes merge without a copy."""
+    groups = q.shape[1] // k.shape[1]
+    if q.device.type not in GROUPED_QUERY_DEVICES or groups < 2:
+        return False
+    if groups * q.shape[2] > GROUPED_QUERY_MAX_ROWS:
+        return False
+    if k.numel() < GROUPED_QUERY_MIN_KEY_ELEMENTS:
+        return False
+    if q.device.type != "cuda" and q.dtype not in _FULL_PRECISION:
+        return False
+    return _heads_merge(k) and _heads_merge(v)
+
+
+def _heads_merge(t: Tensor) -> bool:
+    """Whether t [B, H_kv, M, d] views as [B * H_kv, M, d] (no copy)."""
+    return t.shape[0] == 1 or t.stride(0) == t.shape[1] * t.stride(1)
+
+
+def grouped_query_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float
+) -> Tensor:
+    """softmax(scale * q . k^T + mask) @ v with each key-value head's G query heads as
+    the rows of one matmul (see the module docstring); a row whose every key is masked
+    gives zeros, as SDPA does.
+
+    q: [B, H, N, D]; k: [B, H_kv, M, D]; v: [B, H_kv, M, Dv], H_kv dividing H and each
+    merging its batch and head axes (``grouped_queries_serve``); mask: None, bool
+    (True = attend) or additive float, broadcastable to [B, H, N, M]
+    -> [B, H, N, Dv] in v's dtype.
+    """
+    b, h, n, d = q.shape
+    heads_kv, m, dv = k.shape[1], k.shape[2], v.shape[-1]
+    rows = q.reshape(b * heads_kv, h // heads_kv * n, d)  # [B H_kv, G N, D]
+    keys = k.view(b * heads_kv, m, d).transpose(1, 2)  # [B H_kv, D, M]
+    products: Any = torch.bmm  # the float32-output overload is missing from older stubs
+    if q.dtype in _FULL_PRECISION:
+        logits = products(rows, keys)  # [B H_kv, G N, M]
+    else:
+        logits = products(rows, keys, torch.float32)  # half-precision inputs, float32 out
+    logits = logits.view(b, h, n, m).mul_(scale)  # [B, H, N, M]
+    if mask is None:
+        weights = torch.softmax(logits, dim=-1)
+    else:
+        if mask.dtype == torch.bool:
+            logits = logits.masked_fill_(~mask, float("-inf"))
+        else:
+            logits = logits.add_(mask)
+        weights = masked_softmax(logits)
+    weights = weights.to(v.dtype).view(b * heads_kv, h // heads_kv * n, m)
+    out = torch.bmm(weights, v.view(b * heads_kv, m, dv))  # [B H_kv, G N, Dv]
+    return out.view(b, h, n, dv)
+
+
+def scaled_dot_product(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float
+) -> Tensor:
+    """F.scaled_dot_product_attention(q, k, v, mask, scale), grouped-query heads
+    included, or ``grouped_query_attention`` where it serves (a decode step)."""
+    if grouped_queries_serve(q, k, v):
+        return grouped_query_attention(q, k, v, mask, scale)
+    gqa: dict[str, Any] = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, **gqa)

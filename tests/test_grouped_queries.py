@@ -1,0 +1,184 @@
+"""A few grouped-query heads' queries as two batched matmuls (``_grouped_queries``).
+
+The function is checked against softmax(scale q k^T + mask) v in float64 with the
+keys and values repeated per query head, outputs and gradients; the decode paths of
+the sdpa backend that call it are checked against the eager oracle, with a spy that
+the matmuls ran.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from generated import ENCODINGS
+from generated import _grouped_queries as grouped
+from tests.conftest import runtime_modules, set_runtime, spy_calls
+
+SCALE = 0.3
+
+
+def reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """softmax(SCALE q . k^T + mask) v in float64, each key-value head repeated for its
+    query heads; a row with every key masked gives zeros."""
+    groups = q.shape[1] // k.shape[1]
+    keys = k.double().repeat_interleave(groups, dim=1)
+    values = v.double().repeat_interleave(groups, dim=1)
+    logits = SCALE * q.double() @ keys.transpose(-1, -2)  # [B, H, N, M]
+    if mask is not None and mask.dtype == torch.bool:
+        logits = logits.masked_fill(~mask, float("-inf"))
+    elif mask is not None:
+        logits = logits + mask.double()
+    weights = torch.nan_to_num(torch.softmax(logits, dim=-1), nan=0.0)
+    return weights @ values
+
+
+def inputs(
+    batch: int, heads: int, heads_kv: int, n: int, m: int, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q = torch.randn(batch, heads, n, 8, dtype=dtype)
+    k = torch.randn(batch, heads_kv, m, 8, dtype=dtype)
+    v = torch.randn(batch, heads_kv, m, 6, dtype=dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "float"])
+@pytest.mark.parametrize(("heads", "heads_kv", "n"), [(4, 2, 1), (8, 2, 3), (6, 1, 2)])
+def test_matches_the_formula(mask_kind: str, heads: int, heads_kv: int, n: int) -> None:
+    q, k, v = inputs(2, heads, heads_kv, n, 11)
+    mask: torch.Tensor | None = None
+    if mask_kind == "bool":
+        mask = torch.rand(2, 1, n, 11) > 0.3
+        mask[0, 0, 0] = False  # a row with every key masked: zeros, as SDPA gives
+    elif mask_kind == "float":
+        mask = torch.randn(1, heads, n, 11)
+        mask[..., 2] = float("-inf")
+    out = grouped.grouped_query_attention(q, k, v, mask, SCALE)
+    assert out.shape == (2, heads, n, 6) and out.dtype == v.dtype
+    torch.testing.assert_close(out.double(), reference(q, k, v, mask), atol=2e-6, rtol=2e-6)
+    if mask_kind == "bool":
+        assert torch.equal(out[0, :, 0], torch.zeros_like(out[0, :, 0]))
+
+
+def test_gradients_match_the_formula() -> None:
+    q, k, v = inputs(2, 4, 2, 2, 9, torch.float64)
+    mask = torch.randn(1, 4, 2, 9, dtype=torch.float64)
+    leaves = [t.requires_grad_() for t in (q, k, v, mask)]
+    grad_out = torch.randn(2, 4, 2, 6, dtype=torch.float64)
+    got = torch.autograd.grad(
+        grouped.grouped_query_attention(q, k, v, mask, SCALE), leaves, grad_out
+    )
+    want = torch.autograd.grad(reference(q, k, v, mask), leaves, grad_out)
+    for name, a, b in zip("q k v mask".split(), got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10, msg=name)
+
+
+def test_strided_cache_slices_are_read_in_place() -> None:
+    """A slice of a preallocated cache (keys 0 .. M - 1 of a longer buffer) merges its
+    batch and head axes without a copy."""
+    q, _, _ = inputs(3, 4, 2, 1, 1)
+    buffer_k, buffer_v = torch.randn(3, 2, 20, 8), torch.randn(3, 2, 20, 6)
+    k, v = buffer_k[:, :, :13], buffer_v[:, :, :13]
+    assert grouped._heads_merge(k) and grouped._heads_merge(v)
+    out = grouped.grouped_query_attention(q, k, v, None, SCALE)
+    torch.testing.assert_close(out.double(), reference(q, k, v, None), atol=2e-6, rtol=2e-6)
+
+
+def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    return grouped.grouped_queries_serve(q, k, v)
+
+
+def test_where_the_matmuls_serve(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(grouped, "GROUPED_QUERY_MIN_KEY_ELEMENTS", 2 * 2 * 64 * 8)
+    q, k, v = inputs(2, 8, 2, 1, 64)
+    assert serves(q, k, v)
+    assert not serves(q, k[:, :, :63], v[:, :, :63])  # too few key elements
+    assert not serves(q.repeat(1, 1, 5, 1), k, v)  # 4 heads x 5 queries > 16 rows per kv head
+    assert not serves(q, k.repeat(1, 4, 1, 1), v.repeat(1, 4, 1, 1))  # no grouped heads
+    assert not serves(q.bfloat16(), k.bfloat16(), v.bfloat16())  # no float32 output on the CPU
+    # [B, M, H_kv, D] transposed (the bnhd layout): batch and heads do not merge
+    transposed = k.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not grouped._heads_merge(transposed) and not serves(q, transposed, v)
+    monkeypatch.setattr(grouped, "GROUPED_QUERY_DEVICES", set())
+    assert not serves(q, k, v)
+
+
+# ---------------------------------------------------------------- the sdpa backend
+
+
+def grouped_calls(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Every key count the matmuls ran with, on any key count (threshold 0)."""
+    set_runtime(monkeypatch, "GROUPED_QUERY_MIN_KEY_ELEMENTS", 0)
+    return spy_calls(
+        monkeypatch, runtime_modules(), "grouped_query_attention", lambda q, k, *_: k.shape[2]
+    )
+
+
+def decode_case(name: str, n: int, **call: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sdpa backend and the eager oracle on one call of N queries against 24 keys,
+    8 query heads reading 2 key-value heads, float64."""
+    pe = ENCODINGS[name](heads=8, head_dim=16).double()
+    q = torch.randn(2, 8, n, 16, dtype=torch.float64)
+    k = torch.randn(2, 2, 24, 16, dtype=torch.float64)
+    v = torch.randn(2, 2, 24, 16, dtype=torch.float64)
+    if pe.has_rotation:
+        k, call = pe.rotate_keys(k), {**call, "keys_rotated": True}
+    with torch.no_grad():
+        return pe(q, k, v, backend="sdpa", **call), pe(q, k, v, backend="eager", **call)
+
+
+CASES = {
+    "alibi, one query": ("alibi", 1, {}),  # the per-distance vector's row
+    "alibi, four causal queries": ("alibi", 4, {"causal": True}),  # query chunks
+    "kerple_log, one query": ("kerple_log", 1, {}),
+    "t5, explicit positions": (
+        "t5",
+        2,
+        {"q_positions": torch.tensor([30, 31]), "k_positions": torch.arange(8, 32)},
+    ),
+    "rope, rotated cache": ("rope", 1, {}),  # no mask
+    "rope, attn_mask": ("rope", 2, {"attn_mask": torch.arange(24) % 3 > 0}),
+    "rope, window": ("rope", 2, {"causal": True, "window": 5}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_decode_steps_take_the_matmuls_and_match_eager(
+    monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    name, n, call = CASES[case]
+    calls = grouped_calls(monkeypatch)
+    out, oracle = decode_case(name, n, **call)
+    assert calls, "the grouped matmuls did not run"
+    torch.testing.assert_close(out, oracle, atol=1e-10, rtol=1e-10)
+
+
+def test_a_fully_masked_query_gives_zeros(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = grouped_calls(monkeypatch)
+    mask = torch.ones(2, 1, 2, 24, dtype=torch.bool)
+    mask[1, :, 0] = False
+    out, oracle = decode_case("alibi", 2, q_positions=torch.tensor([22, 23]), attn_mask=mask)
+    assert calls
+    assert torch.equal(out[1, :, 0], torch.zeros_like(out[1, :, 0]))
+    torch.testing.assert_close(out, oracle, atol=1e-10, rtol=1e-10)
+
+
+def test_other_calls_keep_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off the device list, or in the bnhd layout (batch and heads do not merge), SDPA
+    serves and the output is the same."""
+    calls = grouped_calls(monkeypatch)
+    set_runtime(monkeypatch, "GROUPED_QUERY_DEVICES", set())
+    out, oracle = decode_case("alibi", 1)
+    torch.testing.assert_close(out, oracle, atol=1e-10, rtol=1e-10)
+    set_runtime(monkeypatch, "GROUPED_QUERY_DEVICES", {"cpu"})
+    pe = ENCODINGS["alibi"](heads=8, head_dim=16)
+    q, k, v = torch.randn(2, 1, 8, 16), torch.randn(2, 24, 2, 16), torch.randn(2, 24, 2, 16)
+    with torch.no_grad():
+        out = pe(q, k, v, backend="sdpa", layout="bnhd")
+        oracle = pe(q, k, v, backend="eager", layout="bnhd")
+    torch.testing.assert_close(out, oracle, atol=1e-5, rtol=1e-5)
+    assert calls == []
