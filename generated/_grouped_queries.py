@@ -19,7 +19,10 @@ these matmuls with an ALiBi-like mask took 0.27-0.31x the time of
 F.scaled_dot_product_attention with ``enable_gqa`` and no mask at G = 8, 0.62x at G = 2
 and 0.65-0.68x at G = 4 and batch 4, where SDPA with the mask took 1.0x; without
 grouped heads (G = 1) they took 1.07-1.25x, so there SDPA serves, as it does below
-about 2^17 key elements, where the extra calls cost more than they save.
+about 2^17 key elements, where the extra calls cost more than they save. In the
+modules, a decode step (batch 4, 32 heads, 8 key-value heads, head_dim 128) went from
+1.10-1.17x plain SDPA to 0.84-0.96x with 1024 cached keys and from 1.01-1.05x to
+0.63-0.77x with 8192 (benchmarks/results/decode_cpu_float32_cache*_grouped.md).
 """
 
 from __future__ import annotations
@@ -79,7 +82,8 @@ def grouped_query_attention(
 ) -> Tensor:
     """softmax(scale * q . k^T + mask) @ v with each key-value head's G query heads as
     the rows of one matmul (see the module docstring); a row whose every key is masked
-    gives zeros, as SDPA does.
+    gives zeros, as SDPA does. On the CPU weights below the smallest normal float
+    become 0.
 
     q: [B, H, N, D]; k: [B, H_kv, M, D]; v: [B, H_kv, M, Dv], H_kv dividing H and each
     merging its batch and head axes (``grouped_queries_serve``); mask: None, bool
@@ -104,6 +108,11 @@ def grouped_query_attention(
         else:
             logits = logits.add_(mask)
         weights = masked_softmax(logits)
+    if weights.device.type == "cpu":
+        # weights below the smallest normal float (a steep bias far from the query:
+        # ALiBi at 1024 keys) are denormal, and the CPU multiplies those slowly: the
+        # second product took 2x as long (``flush_denormals`` does this process-wide)
+        weights = F.threshold(weights, torch.finfo(weights.dtype).tiny, 0.0)
     weights = weights.to(v.dtype).view(b * heads_kv, h // heads_kv * n, m)
     out = torch.bmm(weights, v.view(b * heads_kv, m, dv))  # [B H_kv, G N, Dv]
     return out.view(b, h, n, dv)

@@ -182,3 +182,18 @@ def test_other_calls_keep_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
         oracle = pe(q, k, v, backend="eager", layout="bnhd")
     torch.testing.assert_close(out, oracle, atol=1e-5, rtol=1e-5)
     assert calls == []
+
+
+def test_denormal_weights_become_zero_on_the_cpu() -> None:
+    """A key whose weight is denormal (about e^-95) counts for nothing, even where its
+    value is large enough that the weight would show: the CPU multiplies denormals
+    slowly, so the matmuls flush them."""
+    q, k, v = inputs(1, 4, 2, 1, 10)
+    mask = torch.zeros(1, 4, 1, 10)
+    mask[..., 3] = -95.0 - SCALE * (q @ k.repeat_interleave(2, 1).transpose(-1, -2))[..., 3]
+    v[:, :, 3] = 1e38  # weight about e^-97 ~ 7e-43 times 1e38: 7e-5 where it is kept
+    out = grouped.grouped_query_attention(q, k, v, mask, SCALE)
+    without = mask.clone()
+    without[..., 3] = float("-inf")
+    torch.testing.assert_close(out.double(), reference(q, k, v, without), atol=1e-6, rtol=1e-6)
+    assert (reference(q, k, v, mask) - reference(q, k, v, without)).abs().max() > 1e-5
