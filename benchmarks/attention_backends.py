@@ -28,6 +28,9 @@ For relative terms read from their projections (BERT, DeBERTa, Transformer-XL) i
 times the flex backend with and without the kernels that read them per score
 (``FUSED_RELATIVE_DEVICES``, ``FUSED_RELATIVE_TRAINED_DEVICES``).
 
+``--compare-floor`` also times position biases on the sdpa backend without the floor
+under their entries far below each row's top (``BIAS_FLOOR_DEVICES``).
+
 ``--compare-parts`` also times, for relative terms (BERT, DeBERTa, Transformer-XL ...),
 the sdpa backend without its route that gathers each query chunk's terms from their
 projections over the table rows (``_sdpa_relative_parts``): the dense terms, built per
@@ -62,6 +65,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import generated._clipped_relative as clipped_relative  # noqa: E402
+import generated._distances as distances  # noqa: E402
 import generated._flex as flex_runtime  # noqa: E402
 import generated._flex_backend as flex_backend  # noqa: E402
 import generated._masks as masks  # noqa: E402
@@ -278,6 +282,18 @@ def parts_route_off() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def bias_floor_off(device: torch.device) -> Iterator[None]:
+    """The sdpa backend giving SDPA its bias as it is on ``device``: no floor under the
+    entries far below each row's top (``BIAS_FLOOR_DEVICES``)."""
+    devices = distances.BIAS_FLOOR_DEVICES
+    distances.BIAS_FLOOR_DEVICES = devices - {device.type}
+    try:
+        yield
+    finally:
+        distances.BIAS_FLOOR_DEVICES = devices
+
+
+@contextlib.contextmanager
 def clipped_flex_route_on(device: torch.device) -> Iterator[None]:
     """The runtime with flex training a clipped bias through a constant per-score read
     and the attached band-and-triangle gradient on ``device``
@@ -369,6 +385,13 @@ def candidates(
                     return pe(q, k, v, causal=causal, backend="sdpa", window=args.window)
 
             found.append((name, "sdpa, dense terms", attend_dense, params))
+        if "sdpa" in args.backends and args.compare_floor and pe.has_position_bias:
+
+            def attend_unfloored(pe=pe) -> torch.Tensor:
+                with bias_floor_off(device):
+                    return pe(q, k, v, causal=causal, backend="sdpa", window=args.window)
+
+            found.append((name, "sdpa, no bias floor", attend_unfloored, params))
         if "flex" in args.backends and args.compare_clipped and pe.clipped_distance:
 
             def attend_clipped_flex(pe=pe) -> torch.Tensor:
@@ -583,6 +606,11 @@ def main() -> None:
         action="store_true",
         help="also time sdpa without, and flex with, the clipped-bias training path (T5), "
         "and sdpa without the clipped-relative path (Shaw, BERT relative_key, DeBERTa)",
+    )
+    parser.add_argument(
+        "--compare-floor",
+        action="store_true",
+        help="also time sdpa with position biases given as they are (no BIAS_FLOOR)",
     )
     parser.add_argument(
         "--compare-parts",

@@ -24,7 +24,12 @@ from ._clipped_relative import (
     clipped_relative_attention,
     clipped_relative_serves,
 )
-from ._distances import distance_chunk_view, half_precision_bias
+from ._distances import (
+    bias_floor_serves,
+    distance_chunk_view,
+    floored_bias,
+    half_precision_bias,
+)
 from ._few_queries import few_queries, few_query_inputs, few_query_relative_serves
 from ._grouped_queries import scaled_dot_product
 from ._inputs import (
@@ -335,6 +340,9 @@ class SdpaBackend(AttentionTerms):
         vec = self._distance_bias(n, m, q.device)  # [H, N + M - 1]
         if self.position_bias_inside_scale:
             vec = vec * self.scale  # SDPA scales q.k only; this bias sits inside the scale
+        if bias_floor_serves(q.device, q.dtype):
+            # every query reads the key at its own position: distance 0, entry M - 1
+            vec = floored_bias(vec, vec[:, m - 1 : m])
         allowed = distance_allowed(n, m, q.device, causal, window)  # [N + M - 1] or None
         if allowed is not None:
             vec = vec.masked_fill(~allowed, float("-inf"))
@@ -396,6 +404,9 @@ class SdpaBackend(AttentionTerms):
         allowed = attention_allowed(
             q_positions, k_positions, n, m, device, causal, window, document_ids
         )
-        mask = half_precision_bias(apply_masks(bias, allowed, None), dtype)
+        mask = apply_masks(bias, allowed, None)
+        if bias_floor_serves(device, dtype):
+            mask = floored_bias(mask, mask.amax(dim=-1, keepdim=True))  # per query row
+        mask = half_precision_bias(mask, dtype)
         # SDPA's CPU kernels take a 4-D mask directly; a 3-D one is ~3x slower (measured)
         return mask.unsqueeze(0) if mask.dim() == 3 else mask  # [1 or B, H, N, M]

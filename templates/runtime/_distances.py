@@ -98,6 +98,37 @@ def expand_distance_bias(vec: Tensor, n: int, m: int) -> Tensor:
     return query_reversed_bias(vec, n, m).flip(-2)
 
 
+# Devices where the sdpa backend raises a bias's finite entries to at least
+# ``BIAS_FLOOR`` below the largest entry each query surely reads (``floored_bias``),
+# in float32 and half precision. A steep bias (ALiBi, KERPLE, Sandwich far from the
+# query) otherwise leaves softmax weights between 2^-149 and 2^-126, denormal floats,
+# on which CPU arithmetic is slow: an ALiBi training step through CPU SDPA (batch 2,
+# 16 heads, head_dim 64, N = 2048, float32, denormals not flushed) took 3.1x the
+# bias-free step with the bias as it is and 1.08x floored, with the same outputs to the
+# last bit. ``flush_denormals`` does more, process-wide; GPUs compute on denormals at
+# full speed.
+BIAS_FLOOR_DEVICES: set[str] = {"cpu"}
+
+# How far below that entry the floor sits. A floored key's weight is at most
+# e^(spread - BIAS_FLOOR) times the top key's, spread being how much higher its content
+# logit is: over M keys an output moves by at most M e^(spread - 40) of v's scale (8192
+# keys, spread 10: 8e-10, below float32's resolution); float64 is left exact.
+BIAS_FLOOR = 40.0
+
+
+def bias_floor_serves(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the sdpa backend floors a bias for SDPA in ``dtype`` on ``device``."""
+    return device.type in BIAS_FLOOR_DEVICES and dtype != torch.float64
+
+
+def floored_bias(bias: Tensor, top: Tensor) -> Tensor:
+    """bias with its finite entries raised to at least ``top - BIAS_FLOOR`` (top
+    broadcast against bias and detached: per head and query row, no higher than the
+    largest entry that row reads, so no row's largest logit moves); -inf stays."""
+    floor = top.detach() - BIAS_FLOOR
+    return torch.where(bias == float("-inf"), bias, torch.maximum(bias, floor))
+
+
 def half_precision_bias(bias: Tensor, dtype: torch.dtype) -> Tensor:
     """An additive bias cast to SDPA's ``dtype``; in float16 or bfloat16 its largest
     finite value along the last axis is subtracted first (detached).

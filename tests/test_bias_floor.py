@@ -1,0 +1,90 @@
+"""The floor under a bias given to CPU SDPA (``_distances.floored_bias``): finite entries
+at least ``BIAS_FLOOR`` below the largest entry each query row surely reads, so that no
+softmax weight is a slow denormal float; float64 exact, outputs unchanged."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from generated import ENCODINGS
+from generated import _distances as distances
+
+FLOOR = distances.BIAS_FLOOR
+
+
+def test_floored_bias_raises_finite_entries_only() -> None:
+    bias = torch.tensor([[0.0, -10.0, -45.0, float("-inf"), -100.0]], requires_grad=True)
+    top = torch.tensor([[-2.0]])
+    got = distances.floored_bias(bias, top)
+    floor = -2.0 - FLOOR
+    assert got.tolist() == [[0.0, -10.0, floor, float("-inf"), floor]]
+    (grad,) = torch.autograd.grad(got[:, [0, 1, 2, 4]].sum(), bias)
+    assert grad.tolist() == [[1.0, 1.0, 0.0, 0.0, 0.0]]  # floored entries get none
+
+
+def sdpa_masks(monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
+    """Every attn_mask F.scaled_dot_product_attention receives during the test."""
+    masks: list[torch.Tensor] = []
+    original = F.scaled_dot_product_attention
+
+    def spy(*args: Any, **keywords: Any) -> Any:
+        masks.append(keywords["attn_mask"])
+        return original(*args, **keywords)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    return masks
+
+
+def lowest_finite(mask: torch.Tensor) -> float:
+    return float(mask[torch.isfinite(mask)].min())
+
+
+def alibi_call(dtype: torch.dtype, **call: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """ALiBi's sdpa and eager outputs on 300 keys: head 0's slope 1/4 takes its bias to
+    -75 at the far keys."""
+    pe = ENCODINGS["alibi"](heads=4, head_dim=16).to(dtype)
+    q, k, v = (torch.randn(1, 4, 300, 16, dtype=dtype) for _ in range(3))
+    with torch.no_grad():
+        return pe(q, k, v, backend="sdpa", **call), pe(q, k, v, backend="eager", **call)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [{}, {"causal": True}, {"q_positions": torch.arange(300), "k_positions": torch.arange(300)}],
+    ids=["per distance", "per distance, causal", "explicit positions"],
+)
+def test_float32_masks_stop_at_the_floor_and_outputs_do_not_move(
+    monkeypatch: pytest.MonkeyPatch, call: dict[str, Any]
+) -> None:
+    masks = sdpa_masks(monkeypatch)
+    out, oracle = alibi_call(torch.float32, **call)
+    assert masks and all(lowest_finite(mask) >= -FLOOR for mask in masks)
+    torch.testing.assert_close(out, oracle, atol=2e-6, rtol=2e-6)
+
+
+def test_float64_masks_stay_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    masks = sdpa_masks(monkeypatch)
+    out, oracle = alibi_call(torch.float64)
+    assert masks and min(lowest_finite(mask) for mask in masks) == pytest.approx(-75.0 + 0.25)
+    torch.testing.assert_close(out, oracle, atol=1e-12, rtol=1e-12)
+
+
+def test_the_floor_follows_each_query_not_the_whole_table() -> None:
+    """T5 with every key-after-query bucket at +100 and the others from 0 down to -30:
+    the last query row reads none of the first (its keys are all before it), so a floor
+    from the table's largest entry (60) would lift that row's every logit to one value
+    and flatten its weights."""
+    pe = ENCODINGS["t5"](heads=2, head_dim=16)
+    with torch.no_grad():
+        weight = pe.relative_attention_bias.weight  # [buckets, heads]
+        weight[:16] = -2.0 * torch.arange(16.0)[:, None]  # j - i <= 0: bucket |j - i|, ...
+        weight[16:] = 100.0  # j - i > 0
+    q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))
+    with torch.no_grad():
+        out = pe(q, k, v, backend="sdpa")
+        oracle = pe(q, k, v, backend="eager")
+    torch.testing.assert_close(out, oracle, atol=2e-6, rtol=2e-6)
