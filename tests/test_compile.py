@@ -107,6 +107,28 @@ def test_fullgraph_compile_of_relative_terms_from_their_projections(name: str, m
         torch.testing.assert_close(got_grad, want_grad)
 
 
+@pytest.mark.parametrize("name", ["alibi", "t5", "rope", "kerple_log"])
+def test_fullgraph_compile_of_a_grouped_query_decode_step(name: str, monkeypatch) -> None:
+    """A decode step under grouped-query heads runs as the grouped matmuls
+    (``grouped_query_attention``, here at any key count) and traces whole: one query at
+    default positions, and two at explicit ones, causal."""
+    grouped = importlib.import_module("generated._grouped_queries")
+    monkeypatch.setattr(grouped, "GROUPED_QUERY_MIN_KEY_ELEMENTS", 0)
+    ran = []
+    matmuls = grouped.grouped_query_attention
+    monkeypatch.setattr(
+        grouped, "grouped_query_attention", lambda *args: ran.append(1) or matmuls(*args)
+    )
+    pe, q, k, v = _module_and_inputs(name, 8)
+    compiled = torch.compile(pe, fullgraph=True, backend="eager")
+    explicit = {"q_positions": torch.tensor([5, 6]), "k_positions": torch.arange(7)}
+    for rows, options in ((q[:, :, -1:], {}), (q[:, :, -2:], {"causal": True, **explicit})):
+        want = pe(rows, k, v, backend="eager", **options)
+        got = compiled(rows, k, v, backend="sdpa", **options)
+        torch.testing.assert_close(got, want)
+    assert ran
+
+
 COMPILED_ROTATIONS = [
     *[
         (name, "default")
