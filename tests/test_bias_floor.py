@@ -88,3 +88,24 @@ def test_the_floor_follows_each_query_not_the_whole_table() -> None:
         out = pe(q, k, v, backend="sdpa")
         oracle = pe(q, k, v, backend="eager")
     torch.testing.assert_close(out, oracle, atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("name", ["alibi", "t5"])
+def test_no_queries_read_nothing(name: str) -> None:
+    """N = 0: the per-distance vector has M - 1 entries and no distance 0 to floor from."""
+    pe = ENCODINGS[name](heads=4, head_dim=16)
+    q, k, v = torch.randn(1, 4, 0, 16), torch.randn(1, 4, 9, 16), torch.randn(1, 4, 9, 16)
+    for causal in (False, True):
+        assert pe(q, k, v, backend="sdpa", causal=causal).shape == (1, 4, 0, 16)
+
+
+def test_no_keys_give_zeros_with_explicit_positions() -> None:
+    """M = 0 at explicit positions: the materialised bias has empty rows, no maximum."""
+    pe = ENCODINGS["alibi"](heads=4, head_dim=16)
+    q, k, v = torch.randn(1, 4, 2, 16), torch.randn(1, 4, 0, 16), torch.randn(1, 4, 0, 16)
+    positions = {
+        "q_positions": torch.tensor([0, 1]),
+        "k_positions": torch.zeros(0, dtype=torch.long),
+    }
+    out = pe(q, k, v, backend="sdpa", **positions)
+    assert torch.equal(out, torch.zeros(1, 4, 2, 16))

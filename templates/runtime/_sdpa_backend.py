@@ -338,7 +338,7 @@ class SdpaBackend(AttentionTerms):
         vec = self._distance_bias(n, m, q.device)  # [H, N + M - 1]
         if self.position_bias_inside_scale:
             vec = vec * self.scale  # SDPA scales q.k only; this bias sits inside the scale
-        if bias_floor_serves(q.device, q.dtype):
+        if n and bias_floor_serves(q.device, q.dtype):
             # every query reads the key at its own position: distance 0, entry M - 1
             vec = floored_bias(vec, vec[:, m - 1 : m])
         allowed = distance_allowed(n, m, q.device, causal, window)  # [N + M - 1] or None
@@ -403,7 +403,7 @@ class SdpaBackend(AttentionTerms):
             q_positions, k_positions, n, m, device, causal, window, document_ids
         )
         mask = apply_masks(bias, allowed, None)
-        if bias_floor_serves(device, dtype):
+        if m and bias_floor_serves(device, dtype):
             mask = floored_bias(mask, mask.amax(dim=-1, keepdim=True))  # per query row
         mask = half_precision_bias(mask, dtype)
         # SDPA's CPU kernels take a 4-D mask directly; a 3-D one is ~3x slower (measured)
