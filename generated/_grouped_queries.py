@@ -54,12 +54,13 @@ GROUPED_QUERY_MIN_KEY_ELEMENTS = 1 << 17
 _FULL_PRECISION = (torch.float32, torch.float64)
 
 
-def grouped_queries_serve(q: Tensor, k: Tensor, v: Tensor) -> bool:
+def grouped_queries_serve(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> bool:
     """Whether ``grouped_query_attention`` runs q [B, H, N, D] against k [B, H_kv, M, D]
-    and v: on ``GROUPED_QUERY_DEVICES``, with grouped heads (H > H_kv), at most
-    ``GROUPED_QUERY_MAX_ROWS`` query rows per key-value head, at least
-    ``GROUPED_QUERY_MIN_KEY_ELEMENTS`` key elements, float32/float64 inputs (any float
-    on CUDA), and keys and values whose batch and head axes merge without a copy."""
+    and v (with ``mask``): on ``GROUPED_QUERY_DEVICES``, with grouped heads (H > H_kv),
+    at most ``GROUPED_QUERY_MAX_ROWS`` query rows per key-value head, at least
+    ``GROUPED_QUERY_MIN_KEY_ELEMENTS`` key elements, float32/float64 inputs (on CUDA
+    also half precision where no gradient is needed: bmm's float32-output overload is
+    a forward), and keys and values whose batch and head axes merge without a copy."""
     groups = q.shape[1] // k.shape[1]
     if q.device.type not in GROUPED_QUERY_DEVICES or groups < 2:
         return False
@@ -67,8 +68,11 @@ def grouped_queries_serve(q: Tensor, k: Tensor, v: Tensor) -> bool:
         return False
     if k.numel() < GROUPED_QUERY_MIN_KEY_ELEMENTS:
         return False
-    if q.device.type != "cuda" and q.dtype not in _FULL_PRECISION:
-        return False
+    if q.dtype not in _FULL_PRECISION:
+        inputs = (q, k, v) if mask is None else (q, k, v, mask)
+        trains = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+        if q.device.type != "cuda" or trains:
+            return False
     return _heads_merge(k) and _heads_merge(v)
 
 
@@ -123,7 +127,7 @@ def scaled_dot_product(
 ) -> Tensor:
     """F.scaled_dot_product_attention(q, k, v, mask, scale), grouped-query heads
     included, or ``grouped_query_attention`` where it serves (a decode step)."""
-    if grouped_queries_serve(q, k, v):
+    if grouped_queries_serve(q, k, v, mask):
         return grouped_query_attention(q, k, v, mask, scale)
     gqa: dict[str, Any] = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, **gqa)

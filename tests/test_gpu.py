@@ -491,3 +491,9 @@ def test_grouped_query_decode_matches_eager_on_cuda(
         tolerance = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(got.float(), oracle, atol=tolerance, rtol=tolerance)
     assert len(calls) == 2
+    # a gradient through half precision keeps SDPA (bmm's float32 output is a forward)
+    q.requires_grad_()
+    pe(q, k, v, causal=True, backend="sdpa", **rotated).float().sum().backward()
+    assert q.grad is not None
+    if dtype != torch.float32:
+        assert len(calls) == 2
