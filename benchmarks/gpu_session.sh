@@ -12,7 +12,12 @@
 #   bash benchmarks/gpu_session.sh "$OUT" test_gpu_fused
 #   bash benchmarks/gpu_session.sh "$OUT" fused_kernel fused
 #   bash benchmarks/gpu_session.sh "$OUT" test_gpu
-# (no STEP: all of them, in order).
+# (no STEP: all of them, in order). A session of 15 minutes (machine start included)
+# fits one call of about 8 minutes: the cheapest pair with a decision waiting on it is
+#   bash benchmarks/gpu_session.sh "$OUT" test_gpu_grouped decode_grouped
+# (the grouped-query decode matmuls on CUDA: checked against eager, then timed against
+# SDPA; list "cuda" in GROUPED_QUERY_DEVICES if they win), then test_gpu_relative and
+# fused_relative in sessions of their own.
 #
 # posgen's runtime needs only torch; the tests also import pydantic, jinja2, pyyaml,
 # click and hypothesis, and the peers (transformers, x-transformers, Liger-Kernel,
@@ -70,6 +75,12 @@ step 540 fused_relative python3 benchmarks/attention_backends.py --device cuda \
     --dtype bfloat16 --encodings bert_relative_key bert_relative_key_query deberta \
     transformer_xl --backends flex --lengths 2048 --modes forward train --causal both \
     --compare-fused --repeats 10 --tag _fused_relative --out "$out"
+# the grouped-query decode matmuls on CUDA against the eager oracle (a few seconds),
+# then one eager decode step with and without them (no compile: a minute or two)
+step 120 test_gpu_grouped python3 -m pytest -v --no-header -p no:cacheprovider -W ignore \
+    tests/test_gpu.py -k grouped_query
+step 180 decode_grouped python3 benchmarks/decode.py --device cuda --dtype bfloat16 \
+    --compare-grouped --repeats 100 --tag _grouped --out "$out"
 # one decode step, eager and compiled, with the grouped-query matmuls
 # (GROUPED_QUERY_DEVICES, off on CUDA until this step times them) and without
 step 240 decode python3 benchmarks/decode.py --device cuda --dtype bfloat16 --compile \
