@@ -255,17 +255,21 @@ def runtime_setting(backend: str, setting: object, device: torch.device) -> Iter
 
 @contextlib.contextmanager
 def clipped_path_off() -> Iterator[None]:
-    """The runtime without its clipped-bias training path (``clipped_bias_attention``)
-    and its clipped-relative path (``clipped_relative_attention``): a trained bias
-    clipped at a distance takes the query-chunked path, relative terms the dense one."""
+    """The runtime without its clipped-bias training path (``clipped_bias_attention``,
+    for a bias clipped at a distance and for the whole vector of one that is not) and
+    its clipped-relative path (``clipped_relative_attention``): a trained bias takes the
+    query-chunked path, relative terms the dense one."""
     least_bias = trained_bias.CLIPPED_BIAS_MIN_KEYS_PER_CLIP
+    least_whole = trained_bias.WHOLE_BIAS_MIN_KEYS
     least_relative = clipped_relative.CLIPPED_RELATIVE_MIN_KEYS_PER_CLIP
     trained_bias.CLIPPED_BIAS_MIN_KEYS_PER_CLIP = 2**62
+    trained_bias.WHOLE_BIAS_MIN_KEYS = {False: 2**62, True: 2**62}
     clipped_relative.CLIPPED_RELATIVE_MIN_KEYS_PER_CLIP = {False: 2**62, True: 2**62}
     try:
         yield
     finally:
         trained_bias.CLIPPED_BIAS_MIN_KEYS_PER_CLIP = least_bias
+        trained_bias.WHOLE_BIAS_MIN_KEYS = least_whole
         clipped_relative.CLIPPED_RELATIVE_MIN_KEYS_PER_CLIP = least_relative
 
 
@@ -370,7 +374,8 @@ def candidates(
                         return pe(q, k, v, causal=causal, backend=backend, window=args.window)
 
                 found.append((name, f"{backend} {label}".strip(), attend, params))
-        clipped = pe.clipped_distance or pe.relative_clip
+        trained_vector = pe.bias_by_distance and bool(params)  # the whole vector's path
+        clipped = pe.clipped_distance or pe.relative_clip or trained_vector
         if "sdpa" in args.backends and args.compare_clipped and clipped:
 
             def attend_unclipped(pe=pe) -> torch.Tensor:
@@ -604,8 +609,9 @@ def main() -> None:
     parser.add_argument(
         "--compare-clipped",
         action="store_true",
-        help="also time sdpa without, and flex with, the clipped-bias training path (T5), "
-        "and sdpa without the clipped-relative path (Shaw, BERT relative_key, DeBERTa)",
+        help="also time sdpa without, and flex with, the clipped-bias training path (T5; "
+        "sdpa also for trained biases with no clip: KERPLE, trained ALiBi slopes), and "
+        "sdpa without the clipped-relative path (Shaw, BERT relative_key, DeBERTa)",
     )
     parser.add_argument(
         "--compare-floor",

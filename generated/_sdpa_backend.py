@@ -52,6 +52,8 @@ from ._trained_bias import (
     clipped_bias_attention_serves,
     trained_mask_attention,
     trained_mask_attention_serves,
+    whole_bias_attention_serves,
+    whole_distance_bias,
 )
 
 
@@ -323,17 +325,10 @@ class SdpaBackend(AttentionTerms):
         output comes back in order.
         """
         n, m = q.shape[2], k.shape[2]
-        clip = self.clipped_distance
-        if (
-            clip is not None
-            and self._trains_terms()
-            and clipped_bias_attention_serves(q, m, clip, window)
-        ):
+        clipped = self._trained_distance_vector(q, n, m, causal, window)
+        if clipped is not None:
             # a training step without SDPA's math kernel: the bias's gradient from a band
             # of clip diagonals and two triangles (``_ClippedBiasAttention``)
-            clipped = self._clipped_distance_bias(q.device)  # [H, 2 clip + 1]
-            if self.position_bias_inside_scale:
-                clipped = clipped * self.scale
             groups = q.shape[1] // k.shape[1]
             k, v = repeat_kv(k, groups), repeat_kv(v, groups)
             return clipped_bias_attention(q, k, v, clipped.to(q.dtype), self.scale, causal)
@@ -359,6 +354,32 @@ class SdpaBackend(AttentionTerms):
             return distance_chunk_view(vec, n, i0, i1, lo, hi)  # [1, H, rows, keys]
 
         return self._sdpa_in_chunks(q, k, v, spans, chunk_view, queries_reversed=True)
+
+    def _trained_distance_vector(
+        self, q: Tensor, n: int, m: int, causal: bool, window: int | None
+    ) -> Tensor | None:
+        """The bias per distance as ``clipped_bias_attention`` trains it, [H, 2 K + 1]
+        (scaled where it sits inside the scale), or None where that path does not serve
+        this call: a bias clipped at K (T5) from ``_clipped_distance_bias``
+        (``clipped_bias_attention_serves``); one that is not clipped (KERPLE, trained
+        ALiBi slopes) as its whole per-distance vector (``whole_distance_bias``, K = M - 1,
+        floored as SDPA's mask is: ``whole_bias_attention_serves``)."""
+        if not self._trains_terms():
+            return None
+        clip = self.clipped_distance
+        if clip is not None:
+            if not clipped_bias_attention_serves(q, m, clip, window):
+                return None
+            clipped = self._clipped_distance_bias(q.device)  # [H, 2 clip + 1]
+            return clipped * self.scale if self.position_bias_inside_scale else clipped
+        if not whole_bias_attention_serves(q, m, window, causal):
+            return None
+        vec = self._distance_bias(n, m, q.device)  # [H, N + M - 1]
+        if self.position_bias_inside_scale:
+            vec = vec * self.scale
+        if bias_floor_serves(q.device, q.dtype):
+            vec = floored_bias(vec, vec[:, m - 1 : m])  # distance 0, as in the mask
+        return whole_distance_bias(vec, n, m)  # [H, 2 (M - 1) + 1]
 
     def _sdpa_in_chunks(
         self,
