@@ -98,11 +98,10 @@ def grouped_query_attention(
     heads_kv, m, dv = k.shape[1], k.shape[2], v.shape[-1]
     rows = q.reshape(b * heads_kv, h // heads_kv * n, d)  # [B H_kv, G N, D]
     keys = k.view(b * heads_kv, m, d).transpose(1, 2)  # [B H_kv, D, M]
-    products: Any = torch.bmm  # the float32-output overload is missing from older stubs
     if q.dtype in _FULL_PRECISION:
-        logits = products(rows, keys)  # [B H_kv, G N, M]
+        logits = torch.bmm(rows, keys)  # [B H_kv, G N, M]
     else:
-        logits = products(rows, keys, torch.float32)  # half-precision inputs, float32 out
+        logits = torch.bmm(rows, keys, torch.float32)  # half-precision inputs, float32 out
     logits = logits.view(b, h, n, m).mul_(scale)  # [B, H, N, M]
     if mask is None:
         weights = torch.softmax(logits, dim=-1)

@@ -332,12 +332,7 @@ class SdpaBackend(AttentionTerms):
             groups = q.shape[1] // k.shape[1]
             k, v = repeat_kv(k, groups), repeat_kv(v, groups)
             return clipped_bias_attention(q, k, v, clipped.to(q.dtype), self.scale, causal)
-        vec = self._distance_bias(n, m, q.device)  # [H, N + M - 1]
-        if self.position_bias_inside_scale:
-            vec = vec * self.scale  # SDPA scales q.k only; this bias sits inside the scale
-        if n and bias_floor_serves(q.device, q.dtype):
-            # every query reads the key at its own position: distance 0, entry M - 1
-            vec = floored_bias(vec, vec[:, m - 1 : m])
+        vec = self._floored_distance_bias(n, m, q.device, q.dtype)  # [H, N + M - 1]
         allowed = distance_allowed(n, m, q.device, causal, window)  # [N + M - 1] or None
         if allowed is not None:
             vec = vec.masked_fill(~allowed, float("-inf"))
@@ -374,12 +369,22 @@ class SdpaBackend(AttentionTerms):
             return clipped * self.scale if self.position_bias_inside_scale else clipped
         if not whole_bias_attention_serves(q, m, window, causal):
             return None
-        vec = self._distance_bias(n, m, q.device)  # [H, N + M - 1]
+        vec = self._floored_distance_bias(n, m, q.device, q.dtype)  # as in SDPA's mask
+        return whole_distance_bias(vec, n, m)  # [H, 2 (M - 1) + 1]
+
+    def _floored_distance_bias(
+        self, n: int, m: int, device: torch.device, dtype: torch.dtype
+    ) -> Tensor:
+        """The bias per distance for default positions as SDPA adds it, [H, N + M - 1]:
+        scaled where it sits inside the scale (SDPA scales q . k only), and floored
+        (``floored_bias``) where ``bias_floor_serves`` for ``dtype``: every query reads
+        the key at its own position, distance 0, entry M - 1."""
+        vec = self._distance_bias(n, m, device)  # [H, N + M - 1]
         if self.position_bias_inside_scale:
             vec = vec * self.scale
-        if bias_floor_serves(q.device, q.dtype):
-            vec = floored_bias(vec, vec[:, m - 1 : m])  # distance 0, as in the mask
-        return whole_distance_bias(vec, n, m)  # [H, 2 (M - 1) + 1]
+        if n and bias_floor_serves(device, dtype):
+            vec = floored_bias(vec, vec[:, m - 1 : m])
+        return vec
 
     def _sdpa_in_chunks(
         self,
