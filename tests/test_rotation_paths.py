@@ -94,6 +94,23 @@ def _interleave(t: torch.Tensor) -> torch.Tensor:
     return t.repeat_interleave(2, -1)
 
 
+@pytest.mark.parametrize("half_pairing", [True, False])
+def test_strided_pairs_rotate_both_ways(half_pairing: bool) -> None:
+    """x with odd strides (head_dim 9) and the gradient of out.sum() (an expanded
+    tensor, all strides 0) cannot be complex views: the rotation and its backward by
+    the negative angle take the strided passes."""
+    cos, sin = _tables(5, 4, half_pairing)
+    x = torch.randn(2, 3, 5, 9, dtype=torch.float64)
+    assert runtime.complex_pairs(x[..., :4]) is None
+    leaf = x.clone().requires_grad_()
+    got = runtime.apply_rotation(leaf, cos, sin, 4, half_pairing)
+    (got_grad,) = torch.autograd.grad(got.sum(), leaf)
+    want = _reference(x, cos, sin, half_pairing)
+    want_grad = _reference(torch.ones_like(x), cos, -sin, half_pairing)
+    torch.testing.assert_close(got.detach(), want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize(("half_pairing", "head_dim", "rotary_dim"), CASES)
 def test_the_backward_by_the_negative_angle_passes_gradcheck_twice(
     half_pairing: bool, head_dim: int, rotary_dim: int

@@ -168,7 +168,7 @@ def _rotate_once(
     """x rotated by its angles (by their negatives when ``inverse``), in x's dtype."""
     if fused:
         return launch_rotation(x, cos, sin, rotary_dim, half_pairing, inverse=inverse)
-    return rotate_into(x, cos, -sin if inverse else sin, rotary_dim, half_pairing)
+    return rotate_into(x, cos, sin, rotary_dim, half_pairing, inverse)
 
 
 def rotate_by_halves(
@@ -295,9 +295,17 @@ def rotation_partners(x: Tensor, half_pairing: bool) -> Tensor:
 ROTATION_CHUNK_BYTES: dict[str, int | None] = {"cpu": 1 << 20}
 
 
-def rotate_into(x: Tensor, cos: Tensor, sin: Tensor, rotary_dim: int, half_pairing: bool) -> Tensor:
+def rotate_into(
+    x: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    rotary_dim: int,
+    half_pairing: bool,
+    inverse: bool = False,
+) -> Tensor:
     """The rotation written into one new tensor of x's dtype (no autograd), computed in
-    cos's dtype in as few passes over x as eager ops allow.
+    cos's dtype in as few passes over x as eager ops allow; by the negative angles where
+    ``inverse`` (the gradient of a rotation).
 
     x: [..., N, D]; cos, sin: [N, rotary_dim] or [B, 1, N, rotary_dim]. Rows go
     ``rotation_chunk_rows`` at a time, so that the passes over a chunk find it in cache;
@@ -312,19 +320,12 @@ def rotate_into(x: Tensor, cos: Tensor, sin: Tensor, rotary_dim: int, half_pairi
     if x.dtype != cos.dtype:
         scratch = torch.empty((2, *x.shape[:-2], min(rows, n), d), dtype=cos.dtype, device=x.device)
     if rows >= n:  # one chunk (a decode step's few rows): no slicing
-        _rotate_chunk(x, cos, sin, out, d, half_pairing, scratch)
+        _rotate_chunk(x, cos, sin, out, d, half_pairing, scratch, inverse)
         return out
-    for start in range(0, n, rows):
-        stop = min(start + rows, n)
-        _rotate_chunk(
-            x[..., start:stop, :],
-            cos[..., start:stop, :],
-            sin[..., start:stop, :],
-            out[..., start:stop, :],
-            d,
-            half_pairing,
-            None if scratch is None else scratch[:, ..., : stop - start, :],
-        )
+    chunks = (t.split(rows, dim=-2) for t in (x, cos, sin, out))  # views of `rows` rows
+    for x_rows, cos_rows, sin_rows, out_rows in zip(*chunks, strict=True):
+        chunk_scratch = None if scratch is None else scratch[:, ..., : x_rows.shape[-2], :]
+        _rotate_chunk(x_rows, cos_rows, sin_rows, out_rows, d, half_pairing, chunk_scratch, inverse)
     return out
 
 
@@ -336,6 +337,7 @@ def _rotate_chunk(
     rotary_dim: int,
     half_pairing: bool,
     scratch: Tensor | None,
+    inverse: bool,
 ) -> None:
     """Writes the rotation of x's rows [..., n, D] into out's; through scratch
     [2, ..., n, rotary_dim] of cos's dtype (x widened, then rotated) where given."""
@@ -348,11 +350,11 @@ def _rotate_chunk(
     x_rotated = x if whole else x[..., :rotary_dim]
     out_rotated = out if whole else out[..., :rotary_dim]
     if scratch is None:
-        _rotate_rows(x_rotated, cos, sin, out_rotated, half_pairing)
+        _rotate_rows(x_rotated, cos, sin, out_rotated, half_pairing, inverse)
     else:
         widened, rotated = scratch.unbind(0)
         widened.copy_(x_rotated)
-        _rotate_rows(widened, cos, sin, rotated, half_pairing)
+        _rotate_rows(widened, cos, sin, rotated, half_pairing, inverse)
         out_rotated.copy_(rotated)  # rounded once
 
 
@@ -368,36 +370,42 @@ def rotation_chunk_rows(x: Tensor, rotary_dim: int, compute_dtype: torch.dtype) 
     return min(n, max(1, budget // max(row_bytes, 1)))
 
 
-def _rotate_rows(x: Tensor, cos: Tensor, sin: Tensor, out: Tensor, half_pairing: bool) -> None:
+def _rotate_rows(
+    x: Tensor, cos: Tensor, sin: Tensor, out: Tensor, half_pairing: bool, inverse: bool
+) -> None:
     """Writes the rotation of x [..., n, d] (the rotated features only) into out, in
-    out's dtype, which is cos's.
+    out's dtype, which is cos's; by the negative angles where ``inverse`` (a backward),
+    with no negated copy of sin.
 
     Half pairing: out = x * cos (a cos, b cos), then out_a -= b sin and out_b += a sin.
     Interleaved: pairs (2k, 2k + 1) are complex numbers and the rotation is one product
     with e^(i theta_k) where x is in cos's dtype (float32/float64) with even strides;
     elsewhere four strided passes.
     """
-    d = x.shape[-1]
+    sign = -1 if inverse else 1
     if half_pairing:
-        half = d // 2
+        half = x.shape[-1] // 2
+        a, b = x.split(half, dim=-1)
+        out_a, out_b = out.split(half, dim=-1)
         s = sin[..., :half]
         torch.mul(x, cos, out=out)  # a cos, b cos
-        out[..., :half].addcmul_(x[..., half:], s, value=-1)  # a cos - b sin
-        out[..., half:].addcmul_(x[..., :half], s)  # b cos + a sin
+        out_a.addcmul_(b, s, value=-sign)  # a cos - b sin
+        out_b.addcmul_(a, s, value=sign)  # b cos + a sin
         return
     pairs = complex_pairs(x) if x.dtype == cos.dtype else None
     out_pairs = complex_pairs(out)
     if pairs is not None and out_pairs is not None:
-        turn = torch.complex(cos[..., 0::2], sin[..., 0::2])  # e^(i theta) [..., d / 2]
-        torch.mul(pairs, turn, out=out_pairs)  # (a + ib)(cos + i sin)
+        c, s = cos[..., 0::2], sin[..., 0::2]
+        turn = torch.complex(c, -s if inverse else s)  # e^(+-i theta) [..., d / 2]
+        torch.mul(pairs, turn, out=out_pairs)  # (a + ib)(cos +- i sin)
         return
     c, s = cos[..., 0::2], sin[..., 0::2]  # each angle is repeated for its pair
     a, b = x[..., 0::2], x[..., 1::2]
     out_a, out_b = out[..., 0::2], out[..., 1::2]
     torch.mul(a, c, out=out_a)
-    out_a.addcmul_(b, s, value=-1)  # a cos - b sin
+    out_a.addcmul_(b, s, value=-sign)  # a cos - b sin
     torch.mul(b, c, out=out_b)
-    out_b.addcmul_(a, s)  # b cos + a sin
+    out_b.addcmul_(a, s, value=sign)  # b cos + a sin
 
 
 def complex_pairs(t: Tensor) -> Tensor | None:
