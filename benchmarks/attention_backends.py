@@ -7,7 +7,8 @@ each backend beside plain ``F.scaled_dot_product_attention`` with no position en
 alternately in the same loop. Also times compiled FlexAttention with no ``score_mod``
 ("flex, no bias": the floor of any score_mod) and, where transformers is installed,
 Hugging Face's T5 bias path (``T5Attention.compute_bias`` plus its attention
-arithmetic). Reports ratios to the baseline and peak extra memory (CUDA).
+arithmetic). Reports ratios to the baseline and peak extra memory (on CUDA from the
+allocator's statistics, on the CPU from the profiler's allocation records).
 
 ``--compare-clipped`` also times, for a trained bias clipped at a distance (T5), the
 sdpa backend with its clipped-bias training path turned off (the query-chunked path it
@@ -30,6 +31,10 @@ times the flex backend with and without the kernels that read them per score
 
 ``--compare-floor`` also times position biases on the sdpa backend without the floor
 under their entries far below each row's top (``BIAS_FLOOR_DEVICES``).
+
+``--compare-chunked`` also times training steps on the sdpa backend with its query
+chunks sliced through autograd (``CHUNKED_FLASH_DEVICES`` emptied: the path before
+``chunked_flash_attention``).
 
 ``--compare-parts`` also times, for relative terms (BERT, DeBERTa, Transformer-XL ...),
 the sdpa backend without its route that gathers each query chunk's terms from their
@@ -63,7 +68,11 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from cpu_memory import cpu_peak_extra_bytes  # noqa: E402
+
+import generated._chunked_flash as chunked_flash  # noqa: E402
 import generated._clipped_relative as clipped_relative  # noqa: E402
 import generated._distances as distances  # noqa: E402
 import generated._flex as flex_runtime  # noqa: E402
@@ -127,7 +136,11 @@ def paired_seconds(
 
 
 def peak_extra_bytes(fn: Call, device: torch.device) -> int | None:
-    """Peak memory a call allocates beyond what was allocated before it (CUDA only)."""
+    """Peak memory a call allocates beyond what was allocated before it: CUDA's
+    allocator statistics, or on the CPU the profiler's allocation records
+    (``cpu_memory.cpu_peak_extra_bytes``, a separate untimed call)."""
+    if device.type == "cpu":
+        return cpu_peak_extra_bytes(fn)
     if device.type != "cuda":
         return None
     _sync(device)
@@ -298,6 +311,18 @@ def bias_floor_off(device: torch.device) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def chunked_flash_off(device: torch.device) -> Iterator[None]:
+    """The sdpa backend's chunked training steps on ``device`` sliced per chunk through
+    autograd, as before ``chunked_flash_attention`` (``CHUNKED_FLASH_DEVICES``)."""
+    devices = chunked_flash.CHUNKED_FLASH_DEVICES
+    chunked_flash.CHUNKED_FLASH_DEVICES = devices - {device.type}
+    try:
+        yield
+    finally:
+        chunked_flash.CHUNKED_FLASH_DEVICES = devices
+
+
+@contextlib.contextmanager
 def clipped_flex_route_on(device: torch.device) -> Iterator[None]:
     """The runtime with flex training a clipped bias through a constant per-score read
     and the attached band-and-triangle gradient on ``device``
@@ -397,6 +422,13 @@ def candidates(
                     return pe(q, k, v, causal=causal, backend="sdpa", window=args.window)
 
             found.append((name, "sdpa, no bias floor", attend_unfloored, params))
+        if "sdpa" in args.backends and args.compare_chunked and "train" in args.modes:
+
+            def attend_sliced(pe=pe) -> torch.Tensor:
+                with chunked_flash_off(device):
+                    return pe(q, k, v, causal=causal, backend="sdpa", window=args.window)
+
+            found.append((name, "sdpa, chunks sliced", attend_sliced, params))
         if "flex" in args.backends and args.compare_clipped and pe.clipped_distance:
 
             def attend_clipped_flex(pe=pe) -> torch.Tensor:
@@ -554,7 +586,9 @@ def markdown(report: dict) -> str:
         "`F.scaled_dot_product_attention(q, k, v, is_causal=causal)` with no position "
         "encoding (FlashAttention on CUDA in half precision), the two timed alternately "
         "in the same loop. `train` is forward plus backward into q, k, v and the "
-        "module's parameters. Extra memory: peak allocation beyond the inputs (CUDA). "
+        "module's parameters. Extra memory: peak allocation beyond the inputs, output "
+        "included (CUDA: the allocator's peak; CPU: the profiler's allocation records, "
+        "where the table has them). "
         "With a window every candidate gets it, and the baseline is SDPA with the "
         "equivalent boolean mask.",
         "",
@@ -617,6 +651,12 @@ def main() -> None:
         "--compare-floor",
         action="store_true",
         help="also time sdpa with position biases given as they are (no BIAS_FLOOR)",
+    )
+    parser.add_argument(
+        "--compare-chunked",
+        action="store_true",
+        help="also time sdpa training steps with each query chunk sliced through autograd "
+        "(no chunked_flash_attention)",
     )
     parser.add_argument(
         "--compare-parts",

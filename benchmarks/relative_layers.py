@@ -192,7 +192,8 @@ def markdown(report: dict) -> str:
         "posgen layer = Hugging Face's own q/k/v projections + the generated module; "
         "ratio = its median time / the Hugging Face layer's, timed alternately in one "
         "loop (below 1: posgen is faster). `train`: forward and backward into the "
-        "hidden states and every parameter. Memory: peak beyond the inputs (CUDA).",
+        "hidden states and every parameter. Memory: peak beyond the inputs (CUDA: the "
+        "allocator's peak; CPU: the profiler's allocation records, where the table has them).",
         "",
         "| encoding | backend | N | mode | posgen ms | HF ms | ratio | posgen MiB | HF MiB |",
         "|---|---|---|---|---|---|---|---|---|",
