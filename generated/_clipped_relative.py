@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._chunked_flash import Span
 from ._masks import accumulated
 from ._terms import RelativePart
 
@@ -63,9 +64,6 @@ CLIPPED_RELATIVE_MIN_KEYS: dict[bool, int] = {False: 256, True: 1024}
 #: 1.3 ms for Shaw and 0.8 -> 1.3 ms for BERT relative_key; at 64 queries every kind
 #: was as fast or faster, Shaw 19 -> 6 ms)
 CLIPPED_RELATIVE_MIN_QUERIES = 64
-
-#: (i0, i1, lo, hi): queries i0 .. i1 - 1 read keys lo .. hi - 1
-Span = tuple[int, int, int, int]
 
 
 def clipped_relative_serves(q: Tensor, m: int, clip: int | None, trains: bool) -> bool:

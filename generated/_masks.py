@@ -157,12 +157,17 @@ def key_span(i0: int, i1: int, n: int, m: int, causal: bool, window: int | None)
 
 
 def query_chunks(
-    n: int, m: int, device_type: str, causal: bool, window: int | None
+    n: int, m: int, device_type: str, causal: bool, window: int | None, views: bool = False
 ) -> list[tuple[int, int, int, int]]:
     """(i0, i1, lo, hi) per SDPA call: queries i0 .. i1 - 1 and the keys [lo, hi) they may
-    read (``key_span``), ``SDPA_QUERY_CHUNK`` queries at a time on ``device_type``; one
-    call over every key where it sets no chunk or n fits in one."""
+    read (``key_span``), ``SDPA_QUERY_CHUNK`` queries at a time on ``device_type``, or
+    ``SDPA_LONG_QUERY_CHUNK``'s larger chunks for long sequences where every chunk's
+    mask is a view (``views``) and no window limits the keys; one call over every key
+    where it sets no chunk or n fits in one."""
     chunk = SDPA_QUERY_CHUNK.get(device_type)
+    long = SDPA_LONG_QUERY_CHUNK.get(device_type)
+    if chunk is not None and long is not None and views and window is None and n >= long[0]:
+        chunk = max(chunk, long[1])
     if chunk is None or n <= chunk:
         return [(0, n, 0, m)]
     return [
@@ -260,3 +265,14 @@ def block_fresh(scores: Tensor, allowed: Tensor) -> Tensor:
 #: against chunk 256); a causal window of 256 (..._window256.md): rope forward
 #: 1.26x -> 0.49x SDPA with the window's mask
 SDPA_QUERY_CHUNK: dict[str, int | None] = {"cpu": 256}
+#: where every chunk's mask is a view (no per-chunk [B, H, rows, M] tensor) and no
+#: window limits the keys (``query_chunks(..., views=True)``), per device type: from the
+#: first number of queries on, chunks of the second. The CPU flash kernel splits a
+#: call's queries into blocks of 256 rows from 768 queries on (64 below) and reads
+#: every block of keys once per block of queries, so a long sequence in chunks of 1024
+#: reads its keys a quarter as often. ALiBi, causal, 2-core CPU, float32, B=2, H=16,
+#: D=64, against plain SDPA, chunks of 256 -> 1024: N = 8192 forward 1.34x -> 1.18x,
+#: training step 1.54x -> 1.15x; N = 4096 forward 1.23x -> 1.21x, training 1.36x ->
+#: 1.13x; at N = 2048 chunks of 1024 lost (forward 1.17x -> 1.38x, training 1.21x ->
+#: 1.32x) (benchmarks/results/attention_backends_cpu_float32_chunks.md)
+SDPA_LONG_QUERY_CHUNK: dict[str, tuple[int, int]] = {"cpu": (4096, 1024)}

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ._chunked_flash import chunked_flash_attention, chunked_flash_serves
 from ._clipped_relative import (
     band_terms,
     chunked_relative_attention,
@@ -138,7 +139,9 @@ class SdpaBackend(AttentionTerms):
         )  # [N, M] or [B, 1, N, M], or None
         if allowed is not None and len(spans) > 1:
             # a window, or causal queries that are the last N of M keys: each chunk of
-            # queries against only the keys it may read
+            # queries against only the keys it may read, its mask a view of the grid
+            # (long chunks for a long sequence: ``SDPA_LONG_QUERY_CHUNK``)
+            spans = query_chunks(n, m, q.device.type, causal, window, views=True)
             grid = allowed  # [N, M]
 
             def chunk_allowed(i0: int, i1: int, lo: int, hi: int) -> Tensor:
@@ -342,8 +345,9 @@ class SdpaBackend(AttentionTerms):
             return scaled_dot_product(q, k, v, mask, self.scale)
         if allowed is None and not vec.requires_grad:
             spans = [(0, n, 0, m)]  # nothing to skip: one call over every key
-        else:
-            spans = query_chunks(n, m, q.device.type, causal, window)
+        else:  # views of the vector, but a trained one's chunks get scores of their own
+            views = not vec.requires_grad
+            spans = query_chunks(n, m, q.device.type, causal, window, views=views)
 
         def chunk_view(i0: int, i1: int, lo: int, hi: int) -> Tensor:
             return distance_chunk_view(vec, n, i0, i1, lo, hi)  # [1, H, rows, keys]
@@ -398,7 +402,15 @@ class SdpaBackend(AttentionTerms):
         """One SDPA call per (i0, i1, lo, hi) of ``query_chunks``: queries i0 .. i1 - 1
         against keys lo .. hi - 1 with the mask ``mask_of(i0, i1, lo, hi)``, whose rows
         run in reverse query order when ``queries_reversed`` (then the chunk's queries
-        go in reversed and its output comes back in order) -> [B, H, N, value_dim]."""
+        go in reversed and its output comes back in order) -> [B, H, N, value_dim].
+
+        A training step whose masks need no gradient runs as one autograd node
+        (``chunked_flash_attention``) where it serves: sliced per chunk through autograd,
+        q, k and v would each get a zero-filled full-size gradient per chunk."""
+        if chunked_flash_serves(q, k, v, spans) and not _needs_grad(mask_of(*spans[0])):
+            groups = q.shape[1] // k.shape[1]
+            k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+            return chunked_flash_attention(q, k, v, spans, mask_of, self.scale, queries_reversed)
         outs = []
         for i0, i1, lo, hi in spans:
             rows = q[:, :, i0:i1].flip(2) if queries_reversed else q[:, :, i0:i1]
@@ -436,3 +448,8 @@ class SdpaBackend(AttentionTerms):
         mask = half_precision_bias(mask, dtype)
         # SDPA's CPU kernels take a 4-D mask directly; a 3-D one is ~3x slower (measured)
         return mask.unsqueeze(0) if mask.dim() == 3 else mask  # [1 or B, H, N, M]
+
+
+def _needs_grad(mask: Tensor | None) -> bool:
+    """Whether a chunk's mask carries a gradient (a bias that trains)."""
+    return mask is not None and mask.requires_grad

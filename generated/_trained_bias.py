@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._chunked_flash import MaskOf, flash_chunks_backward, flash_chunks_forward
 from ._distances import anti_diagonal_sums, default_distances, distance_chunk_view
 from ._masks import distance_allowed, query_chunks
 from ._numerics import compute_dtype
@@ -141,7 +142,7 @@ def _flash_spans(n: int, m: int, causal: bool) -> list[tuple[int, int, int, int]
     """The CPU flash calls of ``clipped_bias_attention``: causal queries in chunks that
     skip the keys they may not read (the reversed-query view cannot use is_causal), all
     queries in one call otherwise (chunks there only add work)."""
-    return query_chunks(n, m, "cpu", causal, None) if causal else [(0, n, 0, m)]
+    return query_chunks(n, m, "cpu", causal, None, views=True) if causal else [(0, n, 0, m)]
 
 
 class _ClippedBiasAttention(torch.autograd.Function):
@@ -172,20 +173,8 @@ class _ClippedBiasAttention(torch.autograd.Function):
     ) -> Tensor:
         n, m = q.shape[2], k.shape[2]
         vec = clipped_distance_vector(clipped, n, m, causal)  # [H, N + M - 1]
-        out = q.new_empty(q.shape[:-1] + v.shape[-1:])  # [B, H, N, value_dim]
-        lse = q.new_empty(q.shape[:-1])  # [B, H, N]
-        for i0, i1, lo, hi in _flash_spans(n, m, causal):
-            chunk_out, chunk_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q[:, :, i0:i1].flip(2),
-                k[:, :, lo:hi],
-                v[:, :, lo:hi],
-                0.0,
-                False,
-                attn_mask=distance_chunk_view(vec, n, i0, i1, lo, hi),
-                scale=scale,
-            )
-            out[:, :, i0:i1] = chunk_out.flip(2)
-            lse[:, :, i0:i1] = chunk_lse.flip(-1)
+        spans = _flash_spans(n, m, causal)
+        out, lse = flash_chunks_forward(q, k, v, spans, _vector_view(vec, n), scale, True)
         ctx.save_for_backward(q, k, v, clipped, vec, out, lse)
         ctx.scale, ctx.causal = scale, causal
         return out
@@ -196,30 +185,24 @@ class _ClippedBiasAttention(torch.autograd.Function):
         q, k, v, clipped, vec, out, lse = ctx.saved_tensors
         scale, causal = ctx.scale, ctx.causal
         n, m = q.shape[2], k.shape[2]
+        spans, view = _flash_spans(n, m, causal), _vector_view(vec, n)
         grad_out = grad_out.contiguous()
-        dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        for i0, i1, lo, hi in _flash_spans(n, m, causal):
-            grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                grad_out[:, :, i0:i1].flip(2),
-                q[:, :, i0:i1].flip(2),
-                k[:, :, lo:hi],
-                v[:, :, lo:hi],
-                out[:, :, i0:i1].flip(2),
-                lse[:, :, i0:i1].flip(-1),
-                0.0,
-                False,
-                attn_mask=distance_chunk_view(vec, n, i0, i1, lo, hi),
-                scale=scale,
-            )
-            dq[:, :, i0:i1] = grads[0].flip(2)
-            dk[:, :, lo:hi] += grads[1]
-            dv[:, :, lo:hi] += grads[2]
+        dq, dk, dv = flash_chunks_backward(grad_out, q, k, v, out, lse, spans, view, scale, True)
         grad_clipped = None
         if ctx.needs_input_grad[3]:
             grad_clipped = clipped_bias_gradient(
                 q, k, v, clipped, vec, out, lse, grad_out, scale, causal, cpu_flash_triangle
             )
         return dq, dk, dv, grad_clipped, None, None
+
+
+def _vector_view(vec: Tensor, n: int) -> MaskOf:
+    """span -> the bias of its queries (reversed) against its keys, a view of ``vec``."""
+
+    def view(i0: int, i1: int, lo: int, hi: int) -> Tensor:
+        return distance_chunk_view(vec, n, i0, i1, lo, hi)  # [1, H, rows, keys]
+
+    return view
 
 
 def cpu_flash_triangle(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:

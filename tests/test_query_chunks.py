@@ -67,10 +67,17 @@ def test_query_chunks_match_eager_with_gradients(
         key_counts.append(k.shape[2])
         return original_trained(q, k, v, mask, scale)
 
+    original_flash = runtime.chunked_flash_attention
+
+    def spy_flash(q, k, v, spans, *args):  # a training step's chunks as one node
+        key_counts.extend(hi - lo for _, _, lo, hi in spans)
+        return original_flash(q, k, v, spans, *args)
+
     torch.manual_seed(0)
     pe = generated_class(name)(heads=4, head_dim=8).double()
     monkeypatch.setattr(runtime.F, "scaled_dot_product_attention", spy)
     monkeypatch.setattr(runtime, "trained_mask_attention", spy_trained)
+    monkeypatch.setattr(runtime, "chunked_flash_attention", spy_flash)
     assert_sdpa_matches_eager(pe, n, m, kv_heads, causal=causal, window=window)
     if pe.has_value_term:
         return  # no SDPA call to count
@@ -181,3 +188,41 @@ def test_trained_mask_attention_equals_sdpa_with_gradients(
     tolerance = 1e-12 if dtype == torch.float64 else 1e-5
     for got, want in zip(*grads, strict=True):
         torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize(
+    ("name", "m", "window", "train", "chunk"),
+    [
+        ("alibi", 12, None, False, 4),  # the per-distance vector's view
+        ("alibi", 12, None, True, 4),  # ... in a training step (one autograd node)
+        ("t5", 12, None, True, 2),  # a trained vector: each chunk's scores are its own
+        ("rope", 14, None, False, 4),  # the boolean grid's view (queries last N of M)
+        ("rope", 12, 3, False, 2),  # a window keeps the short chunks
+        ("fire", 12, None, False, 2),  # a bias built per chunk
+    ],
+)
+def test_long_sequences_take_long_chunks_where_masks_are_views(
+    name: str, m: int, window: int | None, train: bool, chunk: int, monkeypatch
+) -> None:
+    """From ``SDPA_LONG_QUERY_CHUNK``'s query count on, chunks whose masks are views of
+    one tensor (a per-distance vector that needs no gradient, the boolean grid) grow to
+    its chunk size; a window, a trained vector and a bias built per chunk keep
+    ``SDPA_QUERY_CHUNK``. Outputs and gradients stay the eager oracle's."""
+    monkeypatch.setitem(masks.SDPA_QUERY_CHUNK, "cpu", 2)
+    monkeypatch.setitem(masks.SDPA_LONG_QUERY_CHUNK, "cpu", (12, 4))
+    widths: list[int] = []  # the widest chunk of each chunked call
+    original = runtime.SdpaBackend._sdpa_in_chunks
+
+    def spy(self, q, k, v, spans, *args, **kwargs):
+        widths.append(max(i1 - i0 for i0, i1, _, _ in spans))
+        return original(self, q, k, v, spans, *args, **kwargs)
+
+    monkeypatch.setattr(runtime.SdpaBackend, "_sdpa_in_chunks", spy)
+    torch.manual_seed(0)
+    pe = generated_class(name)(heads=4, head_dim=8).double()
+    if not train:
+        for parameter in pe.parameters():
+            parameter.requires_grad_(False)
+    assert_sdpa_matches_eager(pe, 12, m, 2, causal=True, window=window)
+    assert widths and set(widths) == {chunk}
+    assert masks.query_chunks(11, 11, "cpu", True, None, views=True)[0][1] == 2  # below 12
