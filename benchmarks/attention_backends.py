@@ -245,8 +245,9 @@ def hf_t5_bias_path(
 @contextlib.contextmanager
 def runtime_setting(backend: str, setting: object, device: torch.device) -> Iterator[None]:
     """The runtime with one swept setting in place: flex's kernel options (a dict, {} for
-    FlexAttention's defaults) or sdpa's queries per call on ``device`` ("none": one call);
-    None leaves the runtime as it is."""
+    FlexAttention's defaults) or sdpa's queries per call on ``device`` ("none": one call;
+    long sequences then get no longer chunks, ``SDPA_LONG_QUERY_CHUNK``); None leaves
+    the runtime as it is."""
     if setting is None:
         yield
     elif backend == "flex":
@@ -257,13 +258,15 @@ def runtime_setting(backend: str, setting: object, device: torch.device) -> Iter
         finally:
             flex_runtime.flex_kernel_options = chosen
     else:
-        chunks = masks.SDPA_QUERY_CHUNK
-        before = chunks.get(device.type)
+        chunks, long_chunks = masks.SDPA_QUERY_CHUNK, masks.SDPA_LONG_QUERY_CHUNK
+        before, long_before = chunks.get(device.type), long_chunks.pop(device.type, None)
         chunks[device.type] = None if setting == "none" else int(str(setting))
         try:
             yield
         finally:
             chunks[device.type] = before
+            if long_before is not None:
+                long_chunks[device.type] = long_before
 
 
 @contextlib.contextmanager
@@ -638,7 +641,8 @@ def main() -> None:
         "--query-chunks",
         nargs="+",
         default=[],
-        help='sdpa queries per call to compare (masks.SDPA_QUERY_CHUNK; "none": one call)',
+        help="sdpa queries per call to compare (masks.SDPA_QUERY_CHUNK, with no longer chunks "
+        'for long sequences; "none": one call)',
     )
     parser.add_argument(
         "--compare-clipped",

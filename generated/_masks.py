@@ -271,8 +271,8 @@ SDPA_QUERY_CHUNK: dict[str, int | None] = {"cpu": 256}
 #: call's queries into blocks of 256 rows from 768 queries on (64 below) and reads
 #: every block of keys once per block of queries, so a long sequence in chunks of 1024
 #: reads its keys a quarter as often. ALiBi, causal, 2-core CPU, float32, B=2, H=16,
-#: D=64, against plain SDPA, chunks of 256 -> 1024: N = 8192 forward 1.34x -> 1.18x,
-#: training step 1.54x -> 1.15x; N = 4096 forward 1.23x -> 1.21x, training 1.36x ->
-#: 1.13x; at N = 2048 chunks of 1024 lost (forward 1.17x -> 1.38x, training 1.21x ->
-#: 1.32x) (benchmarks/results/attention_backends_cpu_float32_chunks.md)
+#: D=64, against plain SDPA, chunks of 256 -> 1024: N = 8192 forward 1.31x -> 1.16x,
+#: training step 1.50x -> 1.16x; N = 4096 forward 1.22x -> 1.25x, training 1.33x ->
+#: 1.23x; at N = 2048 chunks of 1024 lost (forward 1.19x -> 1.36x, training 1.22x ->
+#: 1.33x) (benchmarks/results/attention_backends_cpu_float32_chunks.md)
 SDPA_LONG_QUERY_CHUNK: dict[str, tuple[int, int]] = {"cpu": (4096, 1024)}

@@ -135,3 +135,27 @@ def test_a_boolean_mask_becomes_additive_and_four_dimensional() -> None:
     assert mask.shape == (1, 1, 2, 2) and mask.dtype == torch.float32
     assert mask[0, 0].tolist() == [[0.0, float("-inf")], [0.0, 0.0]]
     assert chunked.flash_mask(None, torch.float32) is None
+
+
+def test_sequence_slices_sum_their_gradients_into_one_buffer() -> None:
+    """Overlapping ranges, one slice unused: the slices are x's rows, and x's gradient
+    is what plain slicing gives (each row's gradients summed, zero where unread)."""
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 3, 9, 4, generator=generator, dtype=torch.float64)
+    ranges = [(0, 4), (2, 7), (5, 6), (1, 9)]
+    weights = [torch.randn(2, 3, b - a, 4, generator=generator, dtype=x.dtype) for a, b in ranges]
+    grads = []
+    for take in (chunked.sequence_slices, lambda t, r: [t[:, :, a:b] for a, b in r]):
+        leaf = x.clone().requires_grad_()
+        parts = take(leaf, ranges)
+        for (a, b), part in zip(ranges, parts, strict=True):
+            assert torch.equal(part, x[:, :, a:b])
+        used = [
+            (part * w).sum() for part, w in zip(parts, weights, strict=True) if part.shape[2] != 1
+        ]
+        (grad,) = torch.autograd.grad(sum(used), leaf)
+        grads.append(grad)
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=1e-15)
+    assert type(chunked.sequence_slices(x.requires_grad_(), ranges)[0].grad_fn).__name__ == (
+        "_SequenceSlicesBackward"
+    )

@@ -1,5 +1,5 @@
-"""CPU FlashAttention over query chunks with a mask that needs no gradient, trained
-without a per-chunk slice of q, k or v through autograd.
+"""CPU FlashAttention (Dao et al. 2022) over query chunks with a mask that needs no
+gradient, trained without a per-chunk slice of q, k or v through autograd.
 
 The sdpa backend sends causal and windowed attention to SDPA a chunk of queries at a
 time, each chunk against only the keys it may read (``query_chunks``). Sliced under
@@ -200,3 +200,34 @@ def flash_mask(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
     while mask.dim() < 4:
         mask = mask.unsqueeze(0)
     return mask
+
+
+def sequence_slices(x: Tensor, ranges: list[tuple[int, int]]) -> tuple[Tensor, ...]:
+    """x[:, :, a:b] for each (a, b) of ``ranges`` (x: [B, H, L, D]), as one autograd node
+    where x needs a gradient: the slices' gradients are added into one buffer of x's
+    size, where a slice through autograd (``slice_backward``) would zero-fill a gradient
+    of x's size for each and autograd would then sum them. For the chunks that
+    ``chunked_flash_attention`` does not serve (a mask that needs a gradient, half
+    precision)."""
+    trains = torch.is_grad_enabled() and x.requires_grad
+    if not trains or len(ranges) < 2 or torch.compiler.is_compiling():
+        return tuple(x[:, :, a:b] for a, b in ranges)
+    slices: tuple[Tensor, ...] = _SequenceSlices.apply(x, ranges)
+    return slices
+
+
+class _SequenceSlices(torch.autograd.Function):
+    """``sequence_slices`` as one autograd node."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, ranges: list[tuple[int, int]]) -> tuple[Tensor, ...]:
+        ctx.ranges, ctx.shape, ctx.dtype, ctx.device = ranges, x.shape, x.dtype, x.device
+        return tuple(x[:, :, a:b] for a, b in ranges)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        grad = torch.zeros(ctx.shape, dtype=ctx.dtype, device=ctx.device)  # [B, H, L, D]
+        for (a, b), part in zip(ctx.ranges, grads, strict=True):
+            if part is not None:
+                grad[:, :, a:b] += part
+        return grad, None

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._chunked_flash import chunked_flash_attention, chunked_flash_serves
+from ._chunked_flash import chunked_flash_attention, chunked_flash_serves, sequence_slices
 from ._clipped_relative import (
     band_terms,
     chunked_relative_attention,
@@ -410,9 +410,13 @@ class SdpaBackend(AttentionTerms):
             k, v = repeat_kv(k, groups), repeat_kv(v, groups)
             return chunked_flash_attention(q, k, v, spans, mask_of, self.scale, queries_reversed)
         outs = []
-        for i0, i1, lo, hi in spans:
-            rows = q[:, :, i0:i1].flip(2) if queries_reversed else q[:, :, i0:i1]
-            keys, values, mask = k[:, :, lo:hi], v[:, :, lo:hi], mask_of(i0, i1, lo, hi)
+        query_rows = sequence_slices(q, [(i0, i1) for i0, i1, _, _ in spans])
+        key_rows = [(lo, hi) for _, _, lo, hi in spans]
+        keys_and_values = sequence_slices(k, key_rows), sequence_slices(v, key_rows)
+        chunks = zip(spans, query_rows, *keys_and_values, strict=True)
+        for (i0, i1, lo, hi), rows, keys, values in chunks:
+            rows = rows.flip(2) if queries_reversed else rows
+            mask = mask_of(i0, i1, lo, hi)
             if trained_mask_attention_serves(rows, mask):
                 out = trained_mask_attention(rows, keys, values, mask, self.scale)
             else:
