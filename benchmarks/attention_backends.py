@@ -32,9 +32,10 @@ times the flex backend with and without the kernels that read them per score
 ``--compare-floor`` also times position biases on the sdpa backend without the floor
 under their entries far below each row's top (``BIAS_FLOOR_DEVICES``).
 
-``--compare-chunked`` also times training steps on the sdpa backend with its query
-chunks sliced through autograd (``CHUNKED_FLASH_DEVICES`` emptied: the path before
-``chunked_flash_attention``).
+``--compare-chunked`` also times training steps on the sdpa backend with one SDPA call
+per query chunk (``CHUNKED_FLASH_DEVICES`` emptied: no ``chunked_flash_attention``),
+its q, k and v slices taken as one autograd node (``sequence_slices``) and, as before
+either, each sliced through autograd on its own.
 
 ``--compare-parts`` also times, for relative terms (BERT, DeBERTa, Transformer-XL ...),
 the sdpa backend without its route that gathers each query chunk's terms from their
@@ -314,15 +315,20 @@ def bias_floor_off(device: torch.device) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def chunked_flash_off(device: torch.device) -> Iterator[None]:
-    """The sdpa backend's chunked training steps on ``device`` sliced per chunk through
-    autograd, as before ``chunked_flash_attention`` (``CHUNKED_FLASH_DEVICES``)."""
-    devices = chunked_flash.CHUNKED_FLASH_DEVICES
+def chunked_flash_off(device: torch.device, plain_slices: bool) -> Iterator[None]:
+    """The sdpa backend's chunked training steps on ``device`` as one SDPA call per
+    chunk, without ``chunked_flash_attention`` (``CHUNKED_FLASH_DEVICES``), and with
+    ``plain_slices`` each chunk's q, k and v sliced through autograd on its own (no
+    ``sequence_slices``)."""
+    devices, slices = chunked_flash.CHUNKED_FLASH_DEVICES, sdpa_backend.sequence_slices
     chunked_flash.CHUNKED_FLASH_DEVICES = devices - {device.type}
+    if plain_slices:
+        sdpa_backend.sequence_slices = lambda x, ranges: tuple(x[:, :, a:b] for a, b in ranges)
     try:
         yield
     finally:
         chunked_flash.CHUNKED_FLASH_DEVICES = devices
+        sdpa_backend.sequence_slices = slices
 
 
 @contextlib.contextmanager
@@ -426,12 +432,13 @@ def candidates(
 
             found.append((name, "sdpa, no bias floor", attend_unfloored, params))
         if "sdpa" in args.backends and args.compare_chunked and "train" in args.modes:
+            for plain, label in ((False, "per-chunk calls"), (True, "per-chunk calls, slices")):
 
-            def attend_sliced(pe=pe) -> torch.Tensor:
-                with chunked_flash_off(device):
-                    return pe(q, k, v, causal=causal, backend="sdpa", window=args.window)
+                def attend_sliced(pe=pe, plain=plain) -> torch.Tensor:
+                    with chunked_flash_off(device, plain):
+                        return pe(q, k, v, causal=causal, backend="sdpa", window=args.window)
 
-            found.append((name, "sdpa, chunks sliced", attend_sliced, params))
+                found.append((name, f"sdpa, {label}", attend_sliced, params))
         if "flex" in args.backends and args.compare_clipped and pe.clipped_distance:
 
             def attend_clipped_flex(pe=pe) -> torch.Tensor:
