@@ -39,21 +39,29 @@ MaskOf = Callable[[int, int, int, int], "Tensor | None"]
 CHUNKED_FLASH_DEVICES: set[str] = {"cpu"}
 
 
+def cpu_flash_serves(q: Tensor, v: Tensor) -> bool:
+    """Whether the CPU flash kernels, called per chunk with their log-sum-exp, take q
+    and v: the CPU, float32 or float64, no autocast, eager mode, values as wide as the
+    queries."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.float64)
+        and not torch.is_autocast_enabled("cpu")
+        and not torch.compiler.is_compiling()
+        and v.shape[-1] == q.shape[-1]
+    )
+
+
 def chunked_flash_serves(q: Tensor, k: Tensor, v: Tensor, spans: list[Span]) -> bool:
     """Whether ``chunked_flash_attention`` runs a chunked call: more than one span, a
     training step (a gradient reaches q, k or v), a device in ``CHUNKED_FLASH_DEVICES``
-    (the CPU), float32 or float64, no autocast, eager mode and values as wide as the
-    queries. The caller checks that the masks need no gradient."""
+    and ``cpu_flash_serves``. The caller checks that the masks need no gradient."""
     return (
         len(spans) > 1
         and torch.is_grad_enabled()
         and (q.requires_grad or k.requires_grad or v.requires_grad)
         and q.device.type in CHUNKED_FLASH_DEVICES
-        and q.device.type == "cpu"
-        and q.dtype in (torch.float32, torch.float64)
-        and not torch.is_autocast_enabled("cpu")
-        and not torch.compiler.is_compiling()
-        and v.shape[-1] == q.shape[-1]
+        and cpu_flash_serves(q, v)
     )
 
 

@@ -200,18 +200,6 @@ def _span_mask(mask: Tensor | Any) -> Any:
     return mask
 
 
-def chunked_relative_serves(q: Tensor, v: Tensor) -> bool:
-    """Whether ``chunked_relative_attention`` runs for q and v: the CPU, float32 or
-    float64, no autocast, eager mode, values as wide as the queries."""
-    return (
-        q.device.type == "cpu"
-        and q.dtype in (torch.float32, torch.float64)
-        and not torch.is_autocast_enabled("cpu")
-        and not torch.compiler.is_compiling()
-        and v.shape[-1] == q.shape[-1]
-    )
-
-
 def chunked_relative_attention(
     q: Tensor,
     k: Tensor,

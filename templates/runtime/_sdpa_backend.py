@@ -15,11 +15,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._chunked_flash import chunked_flash_attention, chunked_flash_serves, sequence_slices
+from ._chunked_flash import (
+    chunked_flash_attention,
+    chunked_flash_serves,
+    cpu_flash_serves,
+    sequence_slices,
+)
 from ._clipped_relative import (
     band_terms,
     chunked_relative_attention,
-    chunked_relative_serves,
     clipped_relative_attention,
     clipped_relative_serves,
 )
@@ -296,7 +300,7 @@ class SdpaBackend(AttentionTerms):
         n, m = q.shape[2], k.shape[2]
         allowed = attention_allowed(None, None, n, m, q.device, False, window, document_ids)
         spans = query_chunks(n, m, q.device.type, causal, window)
-        if allowed is None and chunked_relative_serves(q, v):
+        if allowed is None and cpu_flash_serves(q, v):
             # flash calls per chunk, the terms' gradient without a full-size one per chunk
             heads_v = repeat_kv(v, q.shape[1] // v.shape[1])
             out = chunked_relative_attention(q, heads_k, heads_v, parts, spans, self.scale, causal)
