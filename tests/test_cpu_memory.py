@@ -5,7 +5,10 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
 import torch
+
+from tests.conftest import generated_class
 
 _PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "cpu_memory.py"
 _SPEC = importlib.util.spec_from_file_location("cpu_memory", _PATH)
@@ -41,3 +44,31 @@ def test_attention_scores_show_as_quadratic_memory() -> None:
     dense = cpu_memory.cpu_peak_extra_bytes(lambda: (q @ q.transpose(-1, -2)).softmax(-1) @ q)
     assert dense is not None
     assert 2 * scores <= dense < 2 * scores + MIB
+
+
+@pytest.mark.parametrize("name", ["alibi", "t5", "kerple_log"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("train", [False, True])
+def test_biases_of_distance_hold_memory_linear_in_the_sequence(
+    name: str, causal: bool, train: bool
+) -> None:
+    """The sdpa backend's per-distance view, query chunks and training paths on the CPU:
+    doubling N at most doubles the peak (plus slack; a quadratic term would quadruple
+    it), and at N = 2048 the peak stays under one [H, N, N] float32 bias, which a
+    materialised bias alone would need."""
+    peaks = []
+    heads = 4
+    for n in (1024, 2048):
+        torch.manual_seed(0)
+        pe = generated_class(name)(heads=heads, head_dim=16)
+        q, k, v = (torch.randn(1, heads, n, 16, requires_grad=train) for _ in "qkv")
+
+        def step(pe=pe, q=q, k=k, v=v) -> object:
+            out = pe(q, k, v, causal=causal, backend="sdpa")
+            return torch.autograd.grad(out.sum(), (q, k, v)) if train else out
+
+        peak = cpu_memory.cpu_peak_extra_bytes(step)
+        assert peak is not None
+        peaks.append(peak)
+    assert peaks[1] < 2.5 * peaks[0], [p / MIB for p in peaks]
+    assert peaks[1] < heads * 2048 * 2048 * 4, peaks[1] / MIB
