@@ -11,6 +11,7 @@ sums each diagonal (``anti_diagonal_sums``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -93,6 +94,16 @@ def distance_chunk_view(vec: Tensor, n: int, i0: int, i1: int, lo: int, hi: int)
     start = lo - i1 + n
     part = vec[:, start : start + (i1 - i0) + (hi - lo) - 1]
     return query_reversed_bias(part, i1 - i0, hi - lo).unsqueeze(0)
+
+
+def distance_chunk_views(vec: Tensor, n: int) -> Callable[[int, int, int, int], Tensor]:
+    """span (i0, i1, lo, hi) -> ``distance_chunk_view`` of ``vec`` for it: the masks of
+    chunked flash calls with the queries reversed."""
+
+    def view(i0: int, i1: int, lo: int, hi: int) -> Tensor:
+        return distance_chunk_view(vec, n, i0, i1, lo, hi)  # [1, H, rows, keys]
+
+    return view
 
 
 def expand_distance_bias(vec: Tensor, n: int, m: int) -> Tensor:

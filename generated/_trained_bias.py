@@ -17,8 +17,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._chunked_flash import MaskOf, flash_chunks_backward, flash_chunks_forward
-from ._distances import anti_diagonal_sums, default_distances, distance_chunk_view
+from ._chunked_flash import cpu_flash_kernel_takes, flash_chunks_backward, flash_chunks_forward
+from ._distances import (
+    anti_diagonal_sums,
+    default_distances,
+    distance_chunk_view,
+    distance_chunk_views,
+)
 from ._masks import distance_allowed, query_chunks
 from ._numerics import compute_dtype
 
@@ -96,13 +101,7 @@ WHOLE_BIAS_MIN_KEYS = {False: 1024, True: 2048}
 def _flash_training_serves(q: Tensor, window: int | None) -> bool:
     """The CPU (its flash kernel returns the log-sum-exp the gradient needs), float32 or
     float64, no autocast, more than one query, no window."""
-    return (
-        q.device.type == "cpu"
-        and q.dtype in (torch.float32, torch.float64)
-        and not torch.is_autocast_enabled("cpu")
-        and q.shape[2] > 1
-        and window is None
-    )
+    return cpu_flash_kernel_takes(q) and q.shape[2] > 1 and window is None
 
 
 def clipped_bias_attention_serves(q: Tensor, m: int, clip: int, window: int | None) -> bool:
@@ -174,7 +173,7 @@ class _ClippedBiasAttention(torch.autograd.Function):
         n, m = q.shape[2], k.shape[2]
         vec = clipped_distance_vector(clipped, n, m, causal)  # [H, N + M - 1]
         spans = _flash_spans(n, m, causal)
-        out, lse = flash_chunks_forward(q, k, v, spans, _vector_view(vec, n), scale, True)
+        out, lse = flash_chunks_forward(q, k, v, spans, distance_chunk_views(vec, n), scale, True)
         ctx.save_for_backward(q, k, v, clipped, vec, out, lse)
         ctx.scale, ctx.causal = scale, causal
         return out
@@ -185,7 +184,7 @@ class _ClippedBiasAttention(torch.autograd.Function):
         q, k, v, clipped, vec, out, lse = ctx.saved_tensors
         scale, causal = ctx.scale, ctx.causal
         n, m = q.shape[2], k.shape[2]
-        spans, view = _flash_spans(n, m, causal), _vector_view(vec, n)
+        spans, view = _flash_spans(n, m, causal), distance_chunk_views(vec, n)
         grad_out = grad_out.contiguous()
         dq, dk, dv = flash_chunks_backward(grad_out, q, k, v, out, lse, spans, view, scale, True)
         grad_clipped = None
@@ -194,15 +193,6 @@ class _ClippedBiasAttention(torch.autograd.Function):
                 q, k, v, clipped, vec, out, lse, grad_out, scale, causal, cpu_flash_triangle
             )
         return dq, dk, dv, grad_clipped, None, None
-
-
-def _vector_view(vec: Tensor, n: int) -> MaskOf:
-    """span -> the bias of its queries (reversed) against its keys, a view of ``vec``."""
-
-    def view(i0: int, i1: int, lo: int, hi: int) -> Tensor:
-        return distance_chunk_view(vec, n, i0, i1, lo, hi)  # [1, H, rows, keys]
-
-    return view
 
 
 def cpu_flash_triangle(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:

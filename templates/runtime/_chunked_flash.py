@@ -37,14 +37,21 @@ MaskOf = Callable[[int, int, int, int], "Tensor | None"]
 CHUNKED_FLASH_DEVICES: set[str] = {"cpu"}
 
 
-def cpu_flash_serves(q: Tensor, v: Tensor) -> bool:
-    """Whether the CPU flash kernels, called per chunk with their log-sum-exp, take q
-    and v: the CPU, float32 or float64, no autocast, eager mode, values as wide as the
-    queries."""
+def cpu_flash_kernel_takes(q: Tensor) -> bool:
+    """Whether the CPU flash kernels, called directly for their log-sum-exp, take q: the
+    CPU, float32 or float64, no autocast."""
     return (
         q.device.type == "cpu"
         and q.dtype in (torch.float32, torch.float64)
         and not torch.is_autocast_enabled("cpu")
+    )
+
+
+def cpu_flash_serves(q: Tensor, v: Tensor) -> bool:
+    """Whether the chunked CPU flash paths run for q and v: ``cpu_flash_kernel_takes``,
+    eager mode, values as wide as the queries."""
+    return (
+        cpu_flash_kernel_takes(q)
         and not torch.compiler.is_compiling()
         and v.shape[-1] == q.shape[-1]
     )

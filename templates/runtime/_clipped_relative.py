@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._chunked_flash import Span
+from ._chunked_flash import Span, cpu_flash_kernel_takes
 from ._masks import accumulated
 from ._terms import RelativePart
 
@@ -74,9 +74,7 @@ def clipped_relative_serves(q: Tensor, m: int, clip: int | None, trains: bool) -
     positions, no window, documents, attn_mask or position bias."""
     return (
         clip is not None
-        and q.device.type == "cpu"
-        and q.dtype in (torch.float32, torch.float64)
-        and not torch.is_autocast_enabled("cpu")
+        and cpu_flash_kernel_takes(q)
         and not torch.compiler.is_compiling()
         and m >= CLIPPED_RELATIVE_MIN_KEYS_PER_CLIP[trains] * clip
         and m >= CLIPPED_RELATIVE_MIN_KEYS[trains]

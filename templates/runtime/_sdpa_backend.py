@@ -29,7 +29,7 @@ from ._clipped_relative import (
 )
 from ._distances import (
     bias_floor_serves,
-    distance_chunk_view,
+    distance_chunk_views,
     floored_bias,
     half_precision_bias,
 )
@@ -348,13 +348,11 @@ class SdpaBackend(AttentionTerms):
         if allowed is None and not vec.requires_grad:
             spans = [(0, n, 0, m)]  # nothing to skip: one call over every key
         else:  # views of the vector, but a trained one's chunks get scores of their own
-            views = not vec.requires_grad
-            spans = query_chunks(n, m, q.device.type, causal, window, views=views)
+            trained = vec.requires_grad
+            spans = query_chunks(n, m, q.device.type, causal, window, views=not trained)
 
-        def chunk_view(i0: int, i1: int, lo: int, hi: int) -> Tensor:
-            return distance_chunk_view(vec, n, i0, i1, lo, hi)  # [1, H, rows, keys]
-
-        return self._sdpa_in_chunks(q, k, v, spans, chunk_view, queries_reversed=True)
+        chunk_views = distance_chunk_views(vec, n)  # [1, H, rows, keys] per span
+        return self._sdpa_in_chunks(q, k, v, spans, chunk_views, queries_reversed=True)
 
     def _trained_distance_vector(
         self, q: Tensor, n: int, m: int, causal: bool, window: int | None
