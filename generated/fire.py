@@ -103,6 +103,22 @@ class Fire(PositionalAttention):
         threshold = (scale * self.fire_init_threshold.to(device=device, dtype=dtype)).abs()
         normaliser = torch.log1p(c * torch.maximum(q_pos, threshold)) + FIRE_EPS  # [..., N]
         normalised = torch.log1p(c * distance) / normaliser.unsqueeze(-1)  # [..., N, M]
-        weight = self.fire_mlp[0].weight
-        bias = self.fire_mlp(normalised.unsqueeze(-1).to(weight.dtype))  # [..., N, M, H]
-        return bias.movedim(-1, -3).to(dtype)  # [..., H, N, M]
+        return self._fire_heads(normalised).to(dtype)  # [..., H, N, M]
+
+    def _fire_heads(self, normalised: Tensor) -> Tensor:
+        """The MLP f at every pair, heads first: [..., N, M] -> [..., H, N, M], contiguous.
+
+        fire_mlp's two layers applied feature-first: the hidden layer as one broadcast
+        multiply-add [..., hidden, N, M] and the output layer as one matrix product over
+        it, so the bias comes out in the layout SDPA reads (f's output [..., N, M, H]
+        moved to heads first is strided, and reductions and copies over it were slow).
+        """
+        first, second = self.fire_mlp[0], self.fire_mlp[2]
+        t = normalised.to(first.weight.dtype).unsqueeze(-3)  # [..., 1, N, M]
+        hidden = torch.addcmul(first.bias[:, None, None], first.weight[:, :, None], t)
+        flat = hidden.relu_().flatten(-2)  # [..., hidden, N * M]
+        if flat.dim() == 2:
+            heads = torch.addmm(second.bias[:, None], second.weight, flat)  # [H, N * M]
+        else:  # batched positions
+            heads = torch.matmul(second.weight, flat).add_(second.bias[:, None])
+        return heads.unflatten(-1, normalised.shape[-2:])  # [..., H, N, M]

@@ -64,8 +64,8 @@ def fire_reference(pe: torch.nn.Module, q_pos: torch.Tensor, k_pos: torch.Tensor
     """FIRE (Li et al. 2023): f(psi(i - j) / psi(max(i, L))), psi(x) = log(|c| x + 1)."""
     w1, b1 = pe.fire_mlp[0].weight.detach().double(), pe.fire_mlp[0].bias.detach().double()
     w2, b2 = pe.fire_mlp[2].weight.detach().double(), pe.fire_mlp[2].bias.detach().double()
-    c = abs(float(pe.fire_c))
-    threshold = abs(float(pe.fire_threshold_scale) * float(pe.fire_init_threshold))
+    c = abs(pe.fire_c.item())
+    threshold = abs(pe.fire_threshold_scale.item() * pe.fire_init_threshold.item())
     heads = w2.shape[0]
     out = torch.zeros(heads, len(q_pos), len(k_pos), dtype=torch.float64)
     for a, i in enumerate(q_pos.tolist()):
