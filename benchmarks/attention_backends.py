@@ -37,6 +37,11 @@ per query chunk (``CHUNKED_FLASH_DEVICES`` emptied: no ``chunked_flash_attention
 its q, k and v slices taken as one autograd node (``sequence_slices``) and, as before
 either, each sliced through autograd on its own.
 
+``--compare-recomputed`` also times training steps on the sdpa backend whose chunk
+masks train (FIRE, TUPE-R) with one call per query chunk through autograd
+(``RECOMPUTED_MASK_DEVICES`` emptied: no ``recomputed_mask_attention``), in the same
+loop.
+
 ``--compare-parts`` also times, for relative terms (BERT, DeBERTa, Transformer-XL ...),
 the sdpa backend without its route that gathers each query chunk's terms from their
 projections over the table rows (``_sdpa_relative_parts``): the dense terms, built per
@@ -80,6 +85,7 @@ import generated._flex as flex_runtime  # noqa: E402
 import generated._flex_backend as flex_backend  # noqa: E402
 import generated._masks as masks  # noqa: E402
 import generated._numerics as numerics  # noqa: E402
+import generated._recomputed_mask as recomputed_mask  # noqa: E402
 import generated._sdpa_backend as sdpa_backend  # noqa: E402
 import generated._trained_bias as trained_bias  # noqa: E402
 from generated import ENCODINGS  # noqa: E402
@@ -332,6 +338,19 @@ def chunked_flash_off(device: torch.device, plain_slices: bool) -> Iterator[None
 
 
 @contextlib.contextmanager
+def recomputed_mask_off(device: torch.device) -> Iterator[None]:
+    """The sdpa backend's chunked training steps whose masks train on ``device`` as one
+    call per chunk through autograd, without ``recomputed_mask_attention``
+    (``RECOMPUTED_MASK_DEVICES``)."""
+    devices = recomputed_mask.RECOMPUTED_MASK_DEVICES
+    recomputed_mask.RECOMPUTED_MASK_DEVICES = devices - {device.type}
+    try:
+        yield
+    finally:
+        recomputed_mask.RECOMPUTED_MASK_DEVICES = devices
+
+
+@contextlib.contextmanager
 def clipped_flex_route_on(device: torch.device) -> Iterator[None]:
     """The runtime with flex training a clipped bias through a constant per-score read
     and the attached band-and-triangle gradient on ``device``
@@ -431,7 +450,7 @@ def candidates(
                     return pe(q, k, v, causal=causal, backend="sdpa", window=args.window)
 
             found.append((name, "sdpa, no bias floor", attend_unfloored, params))
-        if "sdpa" in args.backends and args.compare_chunked and "train" in args.modes:
+        if "sdpa" in args.backends and args.compare_chunked and q.requires_grad:
             for plain, label in ((False, "per-chunk calls"), (True, "per-chunk calls, slices")):
 
                 def attend_sliced(pe=pe, plain=plain) -> torch.Tensor:
@@ -439,6 +458,13 @@ def candidates(
                         return pe(q, k, v, causal=causal, backend="sdpa", window=args.window)
 
                 found.append((name, f"sdpa, {label}", attend_sliced, params))
+        if "sdpa" in args.backends and args.compare_recomputed and q.requires_grad:
+
+            def attend_per_chunk(pe=pe) -> torch.Tensor:
+                with recomputed_mask_off(device):
+                    return pe(q, k, v, causal=causal, backend="sdpa", window=args.window)
+
+            found.append((name, "sdpa, trained masks per chunk", attend_per_chunk, params))
         if "flex" in args.backends and args.compare_clipped and pe.clipped_distance:
 
             def attend_clipped_flex(pe=pe) -> torch.Tensor:
@@ -668,6 +694,12 @@ def main() -> None:
         action="store_true",
         help="also time sdpa training steps with each query chunk sliced through autograd "
         "(no chunked_flash_attention)",
+    )
+    parser.add_argument(
+        "--compare-recomputed",
+        action="store_true",
+        help="also time sdpa training steps whose chunk masks train with one call per "
+        "chunk through autograd (no recomputed_mask_attention)",
     )
     parser.add_argument(
         "--compare-parts",

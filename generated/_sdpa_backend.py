@@ -51,6 +51,7 @@ from ._masks import (
     sum_into_new,
 )
 from ._numerics import compute_dtype
+from ._recomputed_mask import recomputed_mask_attention, recomputed_mask_serves
 from ._terms import AttentionTerms, RelativeFactors, RelativePart, projected_parts
 from ._trained_bias import (
     clipped_bias_attention,
@@ -112,8 +113,10 @@ class SdpaBackend(AttentionTerms):
         by_distance = default_positions and attn_mask is None and document_ids is None
         if self.bias_by_distance and by_distance:
             return self._sdpa_by_distance(q, k, v, causal, window)
-        # causal or window masking at default positions: chunks that skip masked keys
-        chunkable = by_distance and (causal or window is not None)
+        # at default positions: chunks that skip masked keys (causal or window masking),
+        # and chunks of a bias of (query, key) over every key, so that no [H, N, M] bias
+        # (nor, where it trains, the graph that builds it) exists at once
+        chunkable = by_distance and (causal or window is not None or has_bias)
         spans = query_chunks(n, m, q.device.type, causal, window) if chunkable else []
         if has_bias and len(spans) > 1:
             # each chunk of queries gets the bias at its own positions, over the keys it
@@ -125,7 +128,10 @@ class SdpaBackend(AttentionTerms):
                     q_chunk, k_chunk, i1 - i0, hi - lo, q.device, q.dtype, causal, window
                 )
 
-            return self._sdpa_in_chunks(q, k, v, spans, chunk_bias)
+            # the bias depends on the module's parameters alone (default positions, no
+            # attn_mask): where they train, its gradient comes through them
+            trained = tuple(p for p in self.parameters() if p.requires_grad)
+            return self._sdpa_in_chunks(q, k, v, spans, chunk_bias, mask_inputs=trained)
         if has_bias:
             bias = self._sdpa_bias(
                 q_positions, k_positions, n, m, q.device, q.dtype, causal, window, document_ids
@@ -400,15 +406,26 @@ class SdpaBackend(AttentionTerms):
         spans: list[tuple[int, int, int, int]],
         mask_of: Any,
         queries_reversed: bool = False,
+        mask_inputs: tuple[Tensor, ...] = (),
     ) -> Tensor:
         """One SDPA call per (i0, i1, lo, hi) of ``query_chunks``: queries i0 .. i1 - 1
         against keys lo .. hi - 1 with the mask ``mask_of(i0, i1, lo, hi)``, whose rows
         run in reverse query order when ``queries_reversed`` (then the chunk's queries
         go in reversed and its output comes back in order) -> [B, H, N, value_dim].
+        ``mask_inputs``: where given, every tensor the masks are built from that may
+        need a gradient.
 
-        A training step whose masks need no gradient runs as one autograd node
-        (``chunked_flash_attention``) where it serves: sliced per chunk through autograd,
-        q, k and v would each get a zero-filled full-size gradient per chunk."""
+        A training step runs as one autograd node where it serves: with masks that
+        train (from ``mask_inputs``, rows in query order, from
+        ``RECOMPUTED_MASK_MIN_KEYS`` keys), ``recomputed_mask_attention``,
+        which makes each chunk's mask again in the backward rather than keep every
+        chunk's weights and mask graph; with masks that need no gradient,
+        ``chunked_flash_attention``. Sliced per chunk through autograd, q, k and v
+        would each get a zero-filled full-size gradient per chunk."""
+        if not queries_reversed and recomputed_mask_serves(q, k, v, mask_inputs):
+            groups = q.shape[1] // k.shape[1]
+            k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+            return recomputed_mask_attention(q, k, v, spans, mask_of, self.scale, mask_inputs)
         if chunked_flash_serves(q, k, v, spans) and not _needs_grad(mask_of(*spans[0])):
             groups = q.shape[1] // k.shape[1]
             k, v = repeat_kv(k, groups), repeat_kv(v, groups)

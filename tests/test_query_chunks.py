@@ -68,24 +68,32 @@ def test_query_chunks_match_eager_with_gradients(
         return original_trained(q, k, v, mask, scale)
 
     original_flash = runtime.chunked_flash_attention
+    original_recomputed = runtime.recomputed_mask_attention
 
     def spy_flash(q, k, v, spans, *args):  # a training step's chunks as one node
         key_counts.extend(hi - lo for _, _, lo, hi in spans)
         return original_flash(q, k, v, spans, *args)
+
+    def spy_recomputed(q, k, v, spans, *args):  # the same, where the masks train
+        key_counts.extend(hi - lo for _, _, lo, hi in spans)
+        return original_recomputed(q, k, v, spans, *args)
 
     torch.manual_seed(0)
     pe = generated_class(name)(heads=4, head_dim=8).double()
     monkeypatch.setattr(runtime.F, "scaled_dot_product_attention", spy)
     monkeypatch.setattr(runtime, "trained_mask_attention", spy_trained)
     monkeypatch.setattr(runtime, "chunked_flash_attention", spy_flash)
+    monkeypatch.setattr(runtime, "recomputed_mask_attention", spy_recomputed)
     assert_sdpa_matches_eager(pe, n, m, kv_heads, causal=causal, window=window)
     if pe.has_value_term:
         return  # no SDPA call to count
     masked = causal or window is not None
     plain = not (pe.has_position_bias or pe.has_relative_terms)
+    trained_by_distance = pe.bias_by_distance and any(True for _ in pe.parameters())
+    of_positions = pe.has_position_bias and not pe.bias_by_distance  # FIRE: per chunk
     if plain and causal and window is None and n == m:  # SDPA's own is_causal, no mask
         assert key_counts == [m]
-    elif masked or (pe.bias_by_distance and any(True for _ in pe.parameters())):
+    elif masked or trained_by_distance or of_positions:
         assert len(key_counts) == -(-n // 3)  # one call per chunk of 3 queries
         if masked:
             assert min(key_counts) < m  # masked keys are not read

@@ -1,0 +1,215 @@
+"""Chunked CPU attention whose masks train, each chunk's mask made again in the backward
+(``recomputed_mask_attention``): against an independent float64 softmax attention, and
+through the sdpa backend against the eager oracle for biases of (query, key) positions
+(FIRE, TUPE-R), with gradients into q, k, v and the module's parameters."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.conftest import generated_class
+
+recomputed = importlib.import_module("generated._recomputed_mask")
+sdpa_backend = importlib.import_module("generated._sdpa_backend")
+masks = importlib.import_module("generated._masks")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+cpu_memory = importlib.import_module("cpu_memory")
+
+SPANS = [(0, 3, 0, 5), (3, 7, 1, 9), (7, 10, 2, 12)]  # queries i0..i1-1, keys lo..hi-1
+MIB = 1 << 20
+
+
+def _off_spans(n: int, m: int) -> torch.Tensor:
+    """[N, M]: 0 on each span's keys, -inf elsewhere."""
+    grid = torch.full((n, m), float("-inf"), dtype=torch.float64)
+    for i0, i1, lo, hi in SPANS:
+        grid[i0:i1, lo:hi] = 0.0
+    return grid
+
+
+def _reference(q, k, v, bias, scale):
+    """softmax(scale q kᵀ + bias) v over the whole [N, M] grid, float64."""
+    scores = scale * q.double() @ k.double().transpose(-1, -2) + bias.double()
+    return scores.softmax(-1) @ v.double()
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, tolerance: float) -> None:
+    """got equals want to ``tolerance`` of want's largest magnitude."""
+    scale = max(want.abs().max().item(), 1e-30)
+    torch.testing.assert_close(got.double(), want, rtol=tolerance, atol=tolerance * scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shared", [False, True])
+def test_spans_match_softmax_attention_with_gradients_into_the_mask_inputs(
+    dtype: torch.dtype, shared: bool
+) -> None:
+    """Three overlapping spans; each span's mask is built from two trained tensors (a
+    per-head table and a per-key offset), as [1, H, rows, keys], or from one table
+    shared by the heads as [rows, keys] (``shared``): output and gradients into q, k, v
+    and both tensors equal float64 softmax attention over the grid with -inf off the
+    spans, the mask gradients summed over the dimensions the mask broadcasts."""
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 2, 10, 4, generator=generator, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 12, 4, generator=generator, dtype=torch.float64) for _ in "kv")
+    shape = (10, 12) if shared else (2, 10, 12)
+    table = torch.randn(shape, generator=generator, dtype=torch.float64)
+    offset = torch.randn(12, generator=generator, dtype=torch.float64)
+    cotangent = torch.randn(2, 2, 10, 4, generator=generator, dtype=torch.float64)
+    off = _off_spans(10, 12)
+
+    leaves = [t.to(dtype).requires_grad_() for t in (q, k, v, table, offset)]
+    q_, k_, v_, table_, offset_ = leaves
+
+    def mask_of(i0: int, i1: int, lo: int, hi: int) -> torch.Tensor:
+        part = table_[..., i0:i1, lo:hi] * 2 + offset_[lo:hi]  # [(H,) rows, keys]
+        part = part + off[i0:i1, lo:hi].to(dtype)
+        return part if shared else part.unsqueeze(0)
+
+    out = recomputed.recomputed_mask_attention(q_, k_, v_, SPANS, mask_of, 0.4, (table_, offset_))
+    grads = torch.autograd.grad(out, leaves, cotangent.to(dtype))
+
+    leaves64 = [t.clone().requires_grad_() for t in (q, k, v, table, offset)]
+    bias = leaves64[3] * 2 + leaves64[4] + off
+    want = _reference(*leaves64[:3], bias, 0.4)
+    want_grads = torch.autograd.grad(want, leaves64, cotangent)
+    tolerance = 1e-12 if dtype == torch.float64 else 2e-5
+    _close(out, want, tolerance)
+    for got, expected in zip(grads, want_grads, strict=True):
+        assert got.dtype == dtype
+        _close(got, expected, tolerance)
+
+
+def test_an_input_no_mask_reaches_gets_no_gradient() -> None:
+    """A mask input that no span's mask is built from gets None, the one used its
+    gradient."""
+    generator = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 2, 10, 4, generator=generator)
+    k, v = (torch.randn(1, 2, 12, 4, generator=generator) for _ in "kv")
+    used, unused = torch.zeros(12, requires_grad=True), torch.zeros(3, requires_grad=True)
+    off = _off_spans(10, 12).float()
+
+    def mask_of(i0: int, i1: int, lo: int, hi: int) -> torch.Tensor:
+        return off[i0:i1, lo:hi] + used[lo:hi]
+
+    out = recomputed.recomputed_mask_attention(q, k, v, SPANS, mask_of, 0.5, (used, unused))
+    grad_used, grad_unused = torch.autograd.grad(out.sum(), (used, unused), allow_unused=True)
+    assert grad_unused is None
+    assert grad_used is not None and grad_used.abs().sum() > 0
+
+
+def _training_step(pe, q, k, v, cotangent, causal: bool, backend: str):
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    params = list(pe.parameters())
+    out = pe(*leaves, causal=causal, backend=backend)
+    grads = torch.autograd.grad(out, leaves + params, cotangent, allow_unused=True)
+    return [out, *grads]
+
+
+@pytest.mark.parametrize(("name", "n"), [("fire", 600), ("tupe_r", 500)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_trained_bias_of_positions_takes_the_node_in_float32(
+    name: str, n: int, causal: bool, monkeypatch
+) -> None:
+    """FIRE and TUPE-R, causal and not, in the default chunks of 256 queries, float32,
+    grouped-query heads: one call of the node over every chunk, whose output and
+    gradients (q, k, v and every parameter) equal the eager oracle's in float64."""
+    assert masks.SDPA_QUERY_CHUNK["cpu"] == 256
+    monkeypatch.setattr(recomputed, "RECOMPUTED_MASK_MIN_KEYS", n)  # from 1024 by default
+    calls: list[int] = []
+    original = sdpa_backend.recomputed_mask_attention
+
+    def spy(q, k, v, spans, *args):
+        calls.append(len(spans))
+        return original(q, k, v, spans, *args)
+
+    monkeypatch.setattr(sdpa_backend, "recomputed_mask_attention", spy)
+    torch.manual_seed(0)
+    pe = generated_class(name)(heads=4, head_dim=16)
+    generator = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, n, 16, generator=generator)
+    k, v = (torch.randn(2, 2, n, 16, generator=generator) for _ in "kv")
+    cotangent = torch.randn(2, 4, n, 16, generator=generator)
+    got = _training_step(pe, q, k, v, cotangent, causal, "sdpa")
+    exact = copy.deepcopy(pe).double()  # the oracle in float64
+    want = _training_step(
+        exact, q.double(), k.double(), v.double(), cotangent.double(), causal, "eager"
+    )
+    assert calls == [-(-n // 256)]
+    assert all(t is not None for t in got + want)
+    for a, b in zip(got[:4], want[:4], strict=True):  # output, q, k, v
+        _close(a, b, 2e-5)
+    # parameters: a gradient that softmax makes 0 (FIRE's output-layer bias: a constant
+    # per head and query row) is rounding noise in both, small on the others' scale
+    largest = max(b.abs().max().item() for b in want[4:])
+    for a, b in zip(got[4:], want[4:], strict=True):
+        if b.abs().max().item() <= 1e-6 * largest:
+            assert a.abs().max().item() <= 1e-4 * largest
+        else:
+            _close(a, b, 2e-5)
+
+
+@pytest.mark.parametrize(
+    "case", ["frozen", "no gradient", "bfloat16", "device not listed", "few keys"]
+)
+def test_the_node_leaves_other_calls(case: str, monkeypatch) -> None:
+    """Frozen parameters, no gradient, half precision, the CPU taken out of
+    ``RECOMPUTED_MASK_DEVICES``, or fewer keys than ``RECOMPUTED_MASK_MIN_KEYS``: the
+    node does not run, and the result still equals the eager oracle's."""
+    monkeypatch.setitem(masks.SDPA_QUERY_CHUNK, "cpu", 4)
+    if case != "few keys":
+        monkeypatch.setattr(recomputed, "RECOMPUTED_MASK_MIN_KEYS", 1)
+    if case == "device not listed":
+        monkeypatch.setattr(recomputed, "RECOMPUTED_MASK_DEVICES", set())
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("recomputed_mask_attention ran")
+
+    monkeypatch.setattr(sdpa_backend, "recomputed_mask_attention", refuse)
+    dtype = torch.bfloat16 if case == "bfloat16" else torch.float32
+    pe = generated_class("fire")(heads=2, head_dim=8).to(dtype).requires_grad_(case != "frozen")
+    q, k, v = (torch.randn(1, 2, 10, 8, dtype=dtype, requires_grad=True) for _ in "qkv")
+    with torch.set_grad_enabled(case != "no gradient"):
+        out = pe(q, k, v, backend="sdpa")
+        want = pe(q, k, v, backend="eager")
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(out.float(), want.float(), rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("train", [False, True])
+def test_fire_holds_memory_linear_in_the_sequence(causal: bool, train: bool) -> None:
+    """FIRE's bias of (query, key) positions on the CPU sdpa backend, built a chunk of
+    queries at a time, beyond what plain SDPA holds for the same call: doubling N at
+    most 2.5x that extra memory (a quadratic term would quadruple it), and at N = 2048
+    under the [hidden, N, N] float32 layer that evaluating the MLP over every pair at
+    once holds."""
+    extras = []
+    heads = 4
+    for n in (1024, 2048):
+        torch.manual_seed(0)
+        pe = generated_class("fire")(heads=heads, head_dim=16)
+        q, k, v = (torch.randn(1, heads, n, 16, requires_grad=train) for _ in "qkv")
+
+        def step(plain: bool, pe=pe, q=q, k=k, v=v) -> object:
+            if plain:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            else:
+                out = pe(q, k, v, causal=causal, backend="sdpa")
+            return torch.autograd.grad(out.sum(), (q, k, v)) if train else out
+
+        step(False), step(True)  # caches and per-thread buffers exist before measuring
+        peak = cpu_memory.cpu_peak_extra_bytes(lambda: step(False))
+        baseline = cpu_memory.cpu_peak_extra_bytes(lambda: step(True))
+        assert peak is not None and baseline is not None
+        extras.append(peak - baseline)
+    hidden = pe.fire_mlp[0].out_features
+    assert extras[1] <= 2.5 * max(extras[0], 0) + MIB, [e / MIB for e in extras]
+    assert extras[1] < hidden * 2048 * 2048 * 4, extras[1] / MIB
