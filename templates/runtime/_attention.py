@@ -30,6 +30,7 @@ from ._inputs import (
     BACKENDS,
     Rotated,
     check_attention_inputs,
+    positions_are_default,
     repeat_kv,
     to_bhnd,
 )
@@ -175,6 +176,10 @@ class PositionalAttention(SdpaBackend, FlexBackend):
             sampled = self._sampled_positions(m, q.device)  # randomized encodings, training
             if sampled is not None:
                 k_positions, q_positions = sampled, sampled[m - n :]
+        elif positions_are_default(q_positions, k_positions, n, m):
+            # the defaults, given: the paths for default positions (per-distance views,
+            # query chunks that skip masked keys, cached tables) serve them
+            q_positions = k_positions = None
         attn_mask = check_attn_mask(attn_mask, q, m)
         document_ids = check_document_ids(document_ids, n, m, q.shape[0], q.device)
         if window is not None and window >= m and q_positions is None and k_positions is None:

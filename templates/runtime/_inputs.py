@@ -191,6 +191,24 @@ def check_position_pair(
     return q_positions, k_positions
 
 
+def positions_are_default(
+    q_positions: Tensor | None, k_positions: Tensor | None, n: int, m: int
+) -> bool:
+    """Whether validated positions (``check_position_pair``) that were given equal the
+    defaults in every batch row: queries M - N, ..., M - 1 and keys 0, ..., M - 1, as a
+    caller passing Hugging Face-style position ids for a plain sequence or a KV cache
+    does. One read of the tensors (a host sync on a GPU): eager mode only, False while
+    compiling, so that a traced call keeps the positions it was given."""
+    if torch.compiler.is_compiling() or (q_positions is None and k_positions is None):
+        return False
+    matches = []
+    for positions, start, length in ((q_positions, m - n, n), (k_positions, 0, m)):
+        if positions is not None:
+            default = torch.arange(start, start + length, device=positions.device)
+            matches.append((positions == default).all())
+    return bool(torch.stack(matches).all())
+
+
 def score_bias_positions(
     q_positions: Tensor, k_positions: Tensor, device: torch.device
 ) -> tuple[Tensor, Tensor]:
