@@ -47,6 +47,10 @@ the sdpa backend without its route that gathers each query chunk's terms from th
 projections over the table rows (``_sdpa_relative_parts``): the dense terms, built per
 chunk at the chunk's positions under causal masking, in the same loop.
 
+``--given-positions`` passes the default positions explicitly to every module call
+(``q_positions`` and ``k_positions`` 0 .. N - 1, as Hugging Face-style position ids
+are); the baseline is unchanged.
+
 ``--window W`` adds a sliding window (query - W < key <= query when causal, |query - key|
 < W otherwise) to every candidate (``forward(..., window=W)``; plain flex with the same
 block mask); the baseline is then SDPA with the equivalent boolean [N, N] mask, built
@@ -403,6 +407,9 @@ def candidates(
     found: list[tuple[str, str, Callable[[], torch.Tensor], list[torch.Tensor]]] = []
     device = q.device
     length = q.shape[2]
+    options: dict = {"window": args.window}  # every module call's keywords
+    if args.given_positions:  # Hugging Face-style position ids 0 .. N - 1
+        options["q_positions"] = options["k_positions"] = torch.arange(length, device=device)
     if device.type == "cuda" and "flex" in args.backends:
         no_bias = plain_flex(q, k, v, causal, args.window)
         found.append(("(no encoding)", "flex, no bias", no_bias, []))
@@ -424,7 +431,7 @@ def candidates(
 
                 def attend(pe=pe, backend=backend, setting=setting) -> torch.Tensor:
                     with runtime_setting(backend, setting, device):
-                        return pe(q, k, v, causal=causal, backend=backend, window=args.window)
+                        return pe(q, k, v, causal=causal, backend=backend, **options)
 
                 found.append((name, f"{backend} {label}".strip(), attend, params))
         trained_vector = pe.bias_by_distance and bool(params)  # the whole vector's path
@@ -433,21 +440,21 @@ def candidates(
 
             def attend_unclipped(pe=pe) -> torch.Tensor:
                 with clipped_path_off():
-                    return pe(q, k, v, causal=causal, backend="sdpa", window=args.window)
+                    return pe(q, k, v, causal=causal, backend="sdpa", **options)
 
             found.append((name, "sdpa, no clipped path", attend_unclipped, params))
         if "sdpa" in args.backends and args.compare_parts and pe.has_relative_terms:
 
             def attend_dense(pe=pe) -> torch.Tensor:
                 with parts_route_off():
-                    return pe(q, k, v, causal=causal, backend="sdpa", window=args.window)
+                    return pe(q, k, v, causal=causal, backend="sdpa", **options)
 
             found.append((name, "sdpa, dense terms", attend_dense, params))
         if "sdpa" in args.backends and args.compare_floor and pe.has_position_bias:
 
             def attend_unfloored(pe=pe) -> torch.Tensor:
                 with bias_floor_off(device):
-                    return pe(q, k, v, causal=causal, backend="sdpa", window=args.window)
+                    return pe(q, k, v, causal=causal, backend="sdpa", **options)
 
             found.append((name, "sdpa, no bias floor", attend_unfloored, params))
         if "sdpa" in args.backends and args.compare_chunked and q.requires_grad:
@@ -455,21 +462,21 @@ def candidates(
 
                 def attend_sliced(pe=pe, plain=plain) -> torch.Tensor:
                     with chunked_flash_off(device, plain):
-                        return pe(q, k, v, causal=causal, backend="sdpa", window=args.window)
+                        return pe(q, k, v, causal=causal, backend="sdpa", **options)
 
                 found.append((name, f"sdpa, {label}", attend_sliced, params))
         if "sdpa" in args.backends and args.compare_recomputed and q.requires_grad:
 
             def attend_per_chunk(pe=pe) -> torch.Tensor:
                 with recomputed_mask_off(device):
-                    return pe(q, k, v, causal=causal, backend="sdpa", window=args.window)
+                    return pe(q, k, v, causal=causal, backend="sdpa", **options)
 
             found.append((name, "sdpa, trained masks per chunk", attend_per_chunk, params))
         if "flex" in args.backends and args.compare_clipped and pe.clipped_distance:
 
             def attend_clipped_flex(pe=pe) -> torch.Tensor:
                 with clipped_flex_route_on(device):
-                    return pe(q, k, v, causal=causal, backend="flex", window=args.window)
+                    return pe(q, k, v, causal=causal, backend="flex", **options)
 
             found.append((name, "flex, clipped gradient", attend_clipped_flex, params))
         fused_forms = pe.bias_by_distance or pe.has_relative_terms
@@ -481,7 +488,7 @@ def candidates(
 
                 def attend_fused(pe=pe, on=on, trained=trained) -> torch.Tensor:
                     with fused_route(device, on, trained):
-                        return pe(q, k, v, causal=causal, backend="flex", window=args.window)
+                        return pe(q, k, v, causal=causal, backend="flex", **options)
 
                 found.append((name, label, attend_fused, params))
         if "flex" in args.backends and args.distance_vector and pe.bias_by_distance:
@@ -490,7 +497,7 @@ def candidates(
             by_vector._flex_bias = lambda *_: None  # read the [H, N + M - 1] vector
 
             def attend_vector(pe=by_vector) -> torch.Tensor:
-                return pe(q, k, v, causal=causal, backend="flex", window=args.window)
+                return pe(q, k, v, causal=causal, backend="flex", **options)
 
             params_vector = [p for p in by_vector.parameters() if p.requires_grad]
             found.append((name, "flex, distance vector", attend_vector, params_vector))
@@ -558,6 +565,7 @@ def run(args: argparse.Namespace) -> dict:
     return {
         **report_header(args, device),
         "window": args.window,
+        "given_positions": args.given_positions,
         "flush_denormal": args.flush_denormal,
         "rows": rows,
     }
@@ -616,6 +624,7 @@ def markdown(report: dict) -> str:
         f"# Attention backends vs plain SDPA ({header_text(report)}"
         + (f", window {report['window']}" if report.get("window") is not None else "")
         + (", denormals flushed" if report.get("flush_denormal") else "")
+        + (", positions given" if report.get("given_positions") else "")
         + ")",
         "",
         "Ratio: the candidate's median time over plain "
@@ -694,6 +703,12 @@ def main() -> None:
         action="store_true",
         help="also time sdpa training steps with each query chunk sliced through autograd "
         "(no chunked_flash_attention)",
+    )
+    parser.add_argument(
+        "--given-positions",
+        action="store_true",
+        help="pass q_positions and k_positions 0 .. N - 1 to every module call (as "
+        "Hugging Face-style position ids are)",
     )
     parser.add_argument(
         "--compare-recomputed",
