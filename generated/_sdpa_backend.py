@@ -134,10 +134,17 @@ class SdpaBackend(AttentionTerms):
             return self._sdpa_in_chunks(q, k, v, spans, chunk_bias, mask_inputs=trained)
         if has_bias:
             bias = self._sdpa_bias(
-                q_positions, k_positions, n, m, q.device, q.dtype, causal, window, document_ids
+                q_positions,
+                k_positions,
+                n,
+                m,
+                q.device,
+                q.dtype,
+                causal,
+                window,
+                document_ids,
+                attn_mask,
             )
-            if attn_mask is not None:
-                bias = apply_masks(bias, None, attn_mask)
             return scaled_dot_product(q, k, v, bias, self.scale)
         only_causal = window is None and document_ids is None and attn_mask is None
         if causal and default_positions and n == m and only_causal:
@@ -456,8 +463,13 @@ class SdpaBackend(AttentionTerms):
         causal: bool,
         window: int | None = None,
         document_ids: Tensor | None = None,
+        attn_mask: Tensor | None = None,
     ) -> Tensor:
-        """Additive mask for SDPA: the (scaled) position bias with -inf where masked."""
+        """Additive mask for SDPA: the (scaled) position bias with -inf where masked, plus
+        the caller's ``attn_mask``. Every mask joins before the floor, whose row maximum
+        must be of the entries the row reads: with ``attn_mask`` added after it, a row
+        whose largest entries the mask removed had every entry it reads lifted to the
+        same floor (ALiBi with only keys 100 or more away: outputs off by 2.5)."""
         bias = self._position_bias(q_positions, k_positions, n, m, device)
         assert bias is not None  # has_position_bias
         if self.position_bias_inside_scale:
@@ -465,7 +477,7 @@ class SdpaBackend(AttentionTerms):
         allowed = attention_allowed(
             q_positions, k_positions, n, m, device, causal, window, document_ids
         )
-        mask = apply_masks(bias, allowed, None)
+        mask = apply_masks(bias, allowed, attn_mask)
         if m and bias_floor_serves(device, dtype):
             mask = floored_bias(mask, mask.amax(dim=-1, keepdim=True))  # per query row
         mask = half_precision_bias(mask, dtype)

@@ -73,7 +73,12 @@ def alibi_call(dtype: torch.dtype, **call: Any) -> tuple[torch.Tensor, torch.Ten
 
 @pytest.mark.parametrize(
     "call",
-    [{}, {"causal": True}, {"q_positions": torch.arange(300), "k_positions": torch.arange(300)}],
+    [
+        {},
+        {"causal": True},
+        # not the defaults (which take the per-distance path): a bias per pair
+        {"q_positions": torch.arange(1, 301), "k_positions": torch.arange(1, 301)},
+    ],
     ids=["per distance", "per distance, causal", "explicit positions"],
 )
 def test_float32_masks_stop_at_the_floor_and_outputs_do_not_move(
@@ -107,6 +112,27 @@ def test_the_floor_follows_each_query_not_the_whole_table() -> None:
         out = pe(q, k, v, backend="sdpa")
         oracle = pe(q, k, v, backend="eager")
     torch.testing.assert_close(out, oracle, atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("boolean", [True, False])
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_floor_follows_what_the_attn_mask_leaves(boolean: bool, causal: bool) -> None:
+    """ALiBi (head 0's slope 1/2) with an attn_mask that keeps only keys at least 100
+    away (and key 0): every entry a row reads is 50 or more below the entries it
+    removes. A floor from the row's largest entry before the mask lifted every entry
+    the row reads to one value (outputs off by 2.5); from what the row reads, the
+    outputs equal the eager oracle's."""
+    pe = ENCODINGS["alibi"](heads=8, head_dim=8)
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 8, 300, 8, generator=generator) for _ in range(3))
+    token = torch.arange(300)
+    far = (token[:, None] - token[None, :]).abs() >= 100
+    far[:, 0] = True  # every row reads a key
+    mask = far if boolean else torch.where(far, 0.0, -1e4)
+    with torch.no_grad():
+        out = pe(q, k, v, attn_mask=mask, causal=causal, backend="sdpa")
+        oracle = pe(q, k, v, attn_mask=mask, causal=causal, backend="eager")
+    torch.testing.assert_close(out, oracle, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["alibi", "t5"])
