@@ -51,6 +51,10 @@ chunk at the chunk's positions under causal masking, in the same loop.
 (``q_positions`` and ``k_positions`` 0 .. N - 1, as Hugging Face-style position ids
 are); the baseline is unchanged.
 
+``--position-offset K`` passes ``q_positions`` and ``k_positions`` K .. K + N - 1:
+explicit positions that are not the defaults (for K >= 1), with the defaults' relative
+positions, so a bias is built per pair.
+
 ``--window W`` adds a sliding window (query - W < key <= query when causal, |query - key|
 < W otherwise) to every candidate (``forward(..., window=W)``; plain flex with the same
 block mask); the baseline is then SDPA with the equivalent boolean [N, N] mask, built
@@ -408,8 +412,10 @@ def candidates(
     device = q.device
     length = q.shape[2]
     options: dict = {"window": args.window}  # every module call's keywords
-    if args.given_positions:  # Hugging Face-style position ids 0 .. N - 1
-        options["q_positions"] = options["k_positions"] = torch.arange(length, device=device)
+    offset = 0 if args.given_positions else args.position_offset  # ids 0 .. N - 1, or K ..
+    if offset is not None:
+        positions = torch.arange(offset, offset + length, device=device)
+        options["q_positions"] = options["k_positions"] = positions
     if device.type == "cuda" and "flex" in args.backends:
         no_bias = plain_flex(q, k, v, causal, args.window)
         found.append(("(no encoding)", "flex, no bias", no_bias, []))
@@ -566,6 +572,7 @@ def run(args: argparse.Namespace) -> dict:
         **report_header(args, device),
         "window": args.window,
         "given_positions": args.given_positions,
+        "position_offset": args.position_offset,
         "flush_denormal": args.flush_denormal,
         "rows": rows,
     }
@@ -625,6 +632,11 @@ def markdown(report: dict) -> str:
         + (f", window {report['window']}" if report.get("window") is not None else "")
         + (", denormals flushed" if report.get("flush_denormal") else "")
         + (", positions given" if report.get("given_positions") else "")
+        + (
+            f", positions from {report['position_offset']}"
+            if report.get("position_offset") is not None
+            else ""
+        )
         + ")",
         "",
         "Ratio: the candidate's median time over plain "
@@ -709,6 +721,13 @@ def main() -> None:
         action="store_true",
         help="pass q_positions and k_positions 0 .. N - 1 to every module call (as "
         "Hugging Face-style position ids are)",
+    )
+    parser.add_argument(
+        "--position-offset",
+        type=int,
+        default=None,
+        help="pass q_positions and k_positions K .. K + N - 1 to every module call "
+        "(K >= 1: explicit positions that are not the defaults)",
     )
     parser.add_argument(
         "--compare-recomputed",

@@ -101,6 +101,7 @@ def attention_allowed(
     causal: bool,
     window: int | None = None,
     document_ids: Tensor | None = None,
+    query_documents: Tensor | None = None,
 ) -> Tensor | None:
     """True where query i may attend key j: [n, m] or [batch, 1, n, m]; None when nothing
     masks.
@@ -108,7 +109,8 @@ def attention_allowed(
     With d = query position - key position (positions as ``causal_allowed`` reads them):
     ``causal`` needs d >= 0, ``window`` needs |d| < window (with causal:
     0 <= d < window), and ``document_ids`` (keys' documents, [M] or [batch, M]) needs
-    document_ids[..., M - N + i] == document_ids[..., j].
+    query i's document, ``query_documents[..., i]`` (by default
+    document_ids[..., M - N + i]: the queries are the last N keys), to be key j's.
     """
     if not causal and window is None and document_ids is None:
         return None
@@ -123,7 +125,9 @@ def attention_allowed(
             near = distance < window if causal else distance.abs() < window
             allowed = near if allowed is None else allowed & near
     if document_ids is not None:
-        same = document_ids[..., m - n :].unsqueeze(-1) == document_ids.unsqueeze(-2)
+        if query_documents is None:
+            query_documents = document_ids[..., m - n :]
+        same = query_documents.unsqueeze(-1) == document_ids.unsqueeze(-2)
         allowed = same if allowed is None else allowed & same  # [..., n, m]
     assert allowed is not None
     return allowed.unsqueeze(1) if allowed.dim() == 3 else allowed

@@ -170,7 +170,10 @@ class T5(PositionalAttention):
                 cache_put(self._cache, key, buckets)
         table = self.relative_attention_bias.weight.to(device)  # [buckets, heads]
         dtype = torch.promote_types(table.dtype, torch.float32)  # a float64 table stays float64
-        return table[buckets].movedim(-1, -3).to(dtype)  # [..., heads, N, M]
+        # gathered heads first: each head's [N, M] comes out contiguous (table[buckets]
+        # moved heads first is strided, and row reductions over it were slow)
+        bias = table.t()[:, buckets]  # [heads, ..., N, M]
+        return bias.movedim(0, -3).to(dtype)  # [..., heads, N, M]
 
     def _distance_bias(self, n: int, m: int, device) -> Tensor:
         """table[bucket(r), h] for r = -(M - 1) .. N - 1: [heads, N + M - 1].

@@ -29,6 +29,7 @@ from ._clipped_relative import (
 )
 from ._distances import (
     bias_floor_serves,
+    distance_chunk_view,
     distance_chunk_views,
     floored_bias,
     half_precision_bias,
@@ -131,6 +132,23 @@ class SdpaBackend(AttentionTerms):
             trained = tuple(p for p in self.parameters() if p.requires_grad)
             return self._sdpa_in_chunks(q, k, v, spans, chunk_bias, mask_inputs=trained)
         if has_bias:
+            # explicit positions, an attn_mask or documents: the bias per pair, in chunks
+            # of queries over every key (where masking follows positions, no key can be
+            # skipped by its index), so that no [H, N, M] bias exists at once
+            spans = query_chunks(n, m, q.device.type, False, None)
+            if len(spans) > 1:
+                return self._sdpa_bias_in_chunks(
+                    q,
+                    k,
+                    v,
+                    spans,
+                    q_positions,
+                    k_positions,
+                    causal,
+                    window,
+                    document_ids,
+                    attn_mask,
+                )
             bias = self._sdpa_bias(
                 q_positions,
                 k_positions,
@@ -403,6 +421,67 @@ class SdpaBackend(AttentionTerms):
             vec = floored_bias(vec, vec[:, m - 1 : m])
         return vec
 
+    def _sdpa_bias_in_chunks(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        spans: list[tuple[int, int, int, int]],
+        q_positions: Tensor | None,
+        k_positions: Tensor | None,
+        causal: bool,
+        window: int | None,
+        document_ids: Tensor | None,
+        attn_mask: Tensor | None,
+    ) -> Tensor:
+        """SDPA with the position bias per pair and the masks, a span of queries at a time
+        over every key (``spans``: (i0, i1, 0, M)); each span's mask as ``_sdpa_bias``
+        builds it at the span's query positions, its documents and its rows of
+        ``attn_mask``. A row may read no key here (a mask can remove them all), so the
+        chunks take no path that needs one."""
+        n, m = q.shape[2], k.shape[2]
+        query_documents = None if document_ids is None else document_ids[..., m - n :]
+        # a bias of j - i at default positions: rows of its per-distance vector, made per
+        # chunk (a mask made again for a gradient must not share a graph with another)
+        by_distance = self.bias_by_distance and q_positions is None and k_positions is None
+
+        def chunk_mask(i0: int, i1: int, lo: int, hi: int) -> Tensor:
+            rows = None if q_positions is None else q_positions[..., i0:i1]
+            if rows is None:  # the default: the queries are the last N keys
+                rows = torch.arange(m - n + i0, m - n + i1, device=q.device)
+            keys = k_positions if k_positions is not None else torch.arange(m, device=q.device)
+            documents = None if query_documents is None else query_documents[..., i0:i1]
+            mask = attn_mask
+            if mask is not None and mask.dim() >= 2 and mask.shape[-2] == n:
+                mask = mask[..., i0:i1, :]  # the span's rows (a broadcast row stays)
+            bias = None
+            if by_distance:  # [1, H, rows, M], in query order (a copy)
+                vec = self._distance_bias(n, m, q.device)  # [H, N + M - 1]
+                bias = distance_chunk_view(vec, n, i0, i1, 0, m).flip(-2)
+            return self._sdpa_bias(
+                rows,
+                keys,
+                i1 - i0,
+                m,
+                q.device,
+                q.dtype,
+                causal,
+                window,
+                document_ids,
+                mask,
+                documents,
+                bias,
+            )
+
+        # what the masks are built from that may train: the module's parameters and a
+        # float attn_mask
+        inputs = [p for p in self.parameters() if p.requires_grad]
+        if attn_mask is not None and attn_mask.requires_grad:
+            inputs.append(attn_mask)
+        return self._sdpa_in_chunks(
+            q, k, v, spans, chunk_mask, mask_inputs=tuple(inputs), every_row_reads=False
+        )
+
     def _sdpa_in_chunks(
         self,
         q: Tensor,
@@ -412,13 +491,17 @@ class SdpaBackend(AttentionTerms):
         mask_of: Any,
         queries_reversed: bool = False,
         mask_inputs: tuple[Tensor, ...] = (),
+        every_row_reads: bool = True,
     ) -> Tensor:
         """One SDPA call per (i0, i1, lo, hi) of ``query_chunks``: queries i0 .. i1 - 1
         against keys lo .. hi - 1 with the mask ``mask_of(i0, i1, lo, hi)``, whose rows
         run in reverse query order when ``queries_reversed`` (then the chunk's queries
         go in reversed and its output comes back in order) -> [B, H, N, value_dim].
         ``mask_inputs``: where given, every tensor the masks are built from that may
-        need a gradient.
+        need a gradient. ``every_row_reads``: whether every query reads a key its mask
+        allows (the causal and window chunks at default positions); where not,
+        ``trained_mask_attention``, whose softmax of a row of -inf is NaN, is not used
+        (the CPU flash kernels give such a row zeros).
 
         A training step runs as one autograd node where it serves: with masks that
         train (from ``mask_inputs``, rows in query order, from
@@ -443,7 +526,7 @@ class SdpaBackend(AttentionTerms):
         for (i0, i1, lo, hi), rows, keys, values in chunks:
             rows = rows.flip(2) if queries_reversed else rows
             mask = mask_of(i0, i1, lo, hi)
-            if trained_mask_attention_serves(rows, mask):
+            if every_row_reads and trained_mask_attention_serves(rows, mask):
                 out = trained_mask_attention(rows, keys, values, mask, self.scale)
             else:
                 out = scaled_dot_product(rows, keys, values, mask, self.scale)
@@ -462,18 +545,24 @@ class SdpaBackend(AttentionTerms):
         window: int | None = None,
         document_ids: Tensor | None = None,
         attn_mask: Tensor | None = None,
+        query_documents: Tensor | None = None,
+        bias: Tensor | None = None,
     ) -> Tensor:
         """Additive mask for SDPA: the (scaled) position bias with -inf where masked, plus
-        the caller's ``attn_mask``. Every mask joins before the floor, whose row maximum
-        must be of the entries the row reads: with ``attn_mask`` added after it, a row
-        whose largest entries the mask removed had every entry it reads lifted to the
-        same floor (ALiBi with only keys 100 or more away: outputs off by 2.5)."""
-        bias = self._position_bias(q_positions, k_positions, n, m, device)
+        the caller's ``attn_mask`` (``query_documents``: see ``attention_allowed``;
+        ``bias``: the position bias at these positions where the caller has it).
+
+        Every mask joins before the floor, whose row maximum must be of the entries the
+        row reads: with ``attn_mask`` added after it, a row whose largest entries the
+        mask removed had every entry it reads lifted to the same floor (ALiBi with only
+        keys 100 or more away: outputs off by 2.5)."""
+        if bias is None:
+            bias = self._position_bias(q_positions, k_positions, n, m, device)
         assert bias is not None  # has_position_bias
         if self.position_bias_inside_scale:
             bias = bias * self.scale  # SDPA scales q.k only; this bias sits inside the scale
         allowed = attention_allowed(
-            q_positions, k_positions, n, m, device, causal, window, document_ids
+            q_positions, k_positions, n, m, device, causal, window, document_ids, query_documents
         )
         mask = apply_masks(bias, allowed, attn_mask)
         if m and bias_floor_serves(device, dtype):
