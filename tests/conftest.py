@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import inspect
 import sys
 import tempfile
@@ -101,6 +102,38 @@ def small_clip_module(name: str, **options: int) -> torch.nn.Module:
         return generated_class(name)(heads=4, head_dim=8, model_dim=16, **options).double()
     extra = {"model_dim": 16} if name == "deberta" else {}
     return small_clip_variant(name)(heads=4, head_dim=8, **extra, **options).double()
+
+
+def cpu_memory_module() -> ModuleType:
+    """benchmarks/cpu_memory.py, the CPU peak-memory measure the benchmarks report."""
+    path = ROOT / "benchmarks" / "cpu_memory.py"
+    spec = importlib.util.spec_from_file_location("cpu_memory", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def sdpa_extra_memory(pe: torch.nn.Module, n: int, causal: bool, train: bool) -> int:
+    """Bytes that ``pe``'s sdpa call on [1, heads, n, 16] inputs holds at its peak beyond
+    plain SDPA's peak for the same call (its kernel's per-thread buffers included),
+    each measured after a warm-up call, so that caches and buffers already exist;
+    ``train``: forward and backward into q, k and v."""
+    memory = cpu_memory_module()
+    q, k, v = (torch.randn(1, pe.heads, n, 16, requires_grad=train) for _ in "qkv")
+
+    def step(plain: bool) -> object:
+        if plain:
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        else:
+            out = pe(q, k, v, causal=causal, backend="sdpa")
+        return torch.autograd.grad(out.sum(), (q, k, v)) if train else out
+
+    step(False), step(True)
+    peak = memory.cpu_peak_extra_bytes(lambda: step(False))
+    baseline = memory.cpu_peak_extra_bytes(lambda: step(True))
+    assert peak is not None and baseline is not None
+    return int(peak - baseline)
 
 
 def run_backend(

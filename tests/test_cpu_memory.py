@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from tests.conftest import generated_class
+from tests.conftest import generated_class, sdpa_extra_memory
 
 _PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "cpu_memory.py"
 _SPEC = importlib.util.spec_from_file_location("cpu_memory", _PATH)
@@ -63,19 +62,6 @@ def test_biases_of_distance_hold_memory_linear_in_the_sequence(
     for n in (1024, 2048):
         torch.manual_seed(0)
         pe = generated_class(name)(heads=heads, head_dim=16)
-        q, k, v = (torch.randn(1, heads, n, 16, requires_grad=train) for _ in "qkv")
-
-        def step(plain: bool, pe=pe, q=q, k=k, v=v) -> object:
-            if plain:
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-            else:
-                out = pe(q, k, v, causal=causal, backend="sdpa")
-            return torch.autograd.grad(out.sum(), (q, k, v)) if train else out
-
-        step(False), step(True)  # caches and per-thread buffers exist before measuring
-        peak = cpu_memory.cpu_peak_extra_bytes(lambda: step(False))
-        baseline = cpu_memory.cpu_peak_extra_bytes(lambda: step(True))
-        assert peak is not None and baseline is not None
-        extras.append(peak - baseline)
+        extras.append(sdpa_extra_memory(pe, n, causal, train))
     assert extras[1] <= 2.5 * max(extras[0], 0) + MIB, [e / MIB for e in extras]
     assert extras[1] < heads * 2048 * 2048 * 4, extras[1] / MIB

@@ -7,20 +7,15 @@ from __future__ import annotations
 
 import copy
 import importlib
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from tests.conftest import generated_class
+from tests.conftest import generated_class, sdpa_extra_memory
 
 recomputed = importlib.import_module("generated._recomputed_mask")
 sdpa_backend = importlib.import_module("generated._sdpa_backend")
 masks = importlib.import_module("generated._masks")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-cpu_memory = importlib.import_module("cpu_memory")
 
 SPANS = [(0, 3, 0, 5), (3, 7, 1, 9), (7, 10, 2, 12)]  # queries i0..i1-1, keys lo..hi-1
 MIB = 1 << 20
@@ -192,24 +187,10 @@ def test_fire_holds_memory_linear_in_the_sequence(causal: bool, train: bool) -> 
     under the [hidden, N, N] float32 layer that evaluating the MLP over every pair at
     once holds."""
     extras = []
-    heads = 4
     for n in (1024, 2048):
         torch.manual_seed(0)
-        pe = generated_class("fire")(heads=heads, head_dim=16)
-        q, k, v = (torch.randn(1, heads, n, 16, requires_grad=train) for _ in "qkv")
-
-        def step(plain: bool, pe=pe, q=q, k=k, v=v) -> object:
-            if plain:
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-            else:
-                out = pe(q, k, v, causal=causal, backend="sdpa")
-            return torch.autograd.grad(out.sum(), (q, k, v)) if train else out
-
-        step(False), step(True)  # caches and per-thread buffers exist before measuring
-        peak = cpu_memory.cpu_peak_extra_bytes(lambda: step(False))
-        baseline = cpu_memory.cpu_peak_extra_bytes(lambda: step(True))
-        assert peak is not None and baseline is not None
-        extras.append(peak - baseline)
+        pe = generated_class("fire")(heads=4, head_dim=16)
+        extras.append(sdpa_extra_memory(pe, n, causal, train))
     hidden = pe.fire_mlp[0].out_features
     assert extras[1] <= 2.5 * max(extras[0], 0) + MIB, [e / MIB for e in extras]
     assert extras[1] < hidden * 2048 * 2048 * 4, extras[1] / MIB

@@ -475,7 +475,7 @@ class SdpaBackend(AttentionTerms):
 
         # what the masks are built from that may train: the module's parameters and a
         # float attn_mask
-        inputs = [p for p in self.parameters() if p.requires_grad]
+        inputs: list[Tensor] = [p for p in self.parameters() if p.requires_grad]
         if attn_mask is not None and attn_mask.requires_grad:
             inputs.append(attn_mask)
         return self._sdpa_in_chunks(
