@@ -90,3 +90,25 @@ def test_a_float_attn_mask_gets_its_gradient(monkeypatch) -> None:
         grads.append(grad)
     assert calls == [len(list(pe.parameters())) + 1]
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("name", ["bert_relative_key", "deberta", "transformer_xl", "shaw"])
+@pytest.mark.parametrize("case", sorted(set(CASES) - {"documents"}))
+def test_chunks_of_relative_terms_match_eager(name: str, case: str, monkeypatch) -> None:
+    """Relative terms (and Shaw's value term) at explicit positions or with an
+    attn_mask, chunks of 4 queries over every key (``_sdpa_relative_in_chunks``):
+    outputs and gradients equal the eager oracle's (float64)."""
+    monkeypatch.setitem(masks.SDPA_QUERY_CHUNK, "cpu", 4)
+    spans: list[int] = []
+    cls = generated_class(name)
+    original = cls._sdpa_relative_in_chunks
+
+    def spy(self, q, k, v, chunk_spans, *args):
+        spans.append(len(chunk_spans))
+        return original(self, q, k, v, chunk_spans, *args)
+
+    monkeypatch.setattr(cls, "_sdpa_relative_in_chunks", spy)
+    torch.manual_seed(0)
+    pe = cls(heads=4, head_dim=8).double()
+    assert_sdpa_matches_eager(pe, N, M, 2, **CASES[case])
+    assert spans == [3]  # one call, in three spans of every key

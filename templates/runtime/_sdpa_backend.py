@@ -272,6 +272,16 @@ class SdpaBackend(AttentionTerms):
                     for i0, i1, lo, hi in spans
                 ]
                 return torch.cat(outs, dim=2)
+        given = q_positions is not None or k_positions is not None or attn_mask is not None
+        if given and document_ids is None:
+            # explicit positions or an attn_mask: the dense terms a chunk of queries at a
+            # time over every key (each chunk at its queries' positions), so that no
+            # [B, H, N, M] terms exist at once
+            spans = query_chunks(n, m, q.device.type, False, None)
+            if len(spans) > 1:
+                return self._sdpa_relative_in_chunks(
+                    q, k, v, spans, q_positions, k_positions, causal, attn_mask, window
+                )
         groups = q.shape[1] // k.shape[1]
         k, v = repeat_kv(k, groups), repeat_kv(v, groups)  # the terms read every head
         n, m = q.shape[2], k.shape[2]
@@ -313,6 +323,36 @@ class SdpaBackend(AttentionTerms):
             return (out + self._value_term(weights, q_positions, k_positions)).to(v.dtype)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), scale=self.scale)
         return out.to(v.dtype)
+
+    def _sdpa_relative_in_chunks(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        spans: list[tuple[int, int, int, int]],
+        q_positions: Tensor | None,
+        k_positions: Tensor | None,
+        causal: bool,
+        attn_mask: Tensor | None,
+        window: int | None,
+    ) -> Tensor:
+        """``_sdpa_relative`` one span of queries at a time over every key (``spans``:
+        (i0, i1, 0, M)), each at its queries' positions (explicit, or the defaults' rows)
+        and with its rows of ``attn_mask`` -> [B, H, N, value_dim]."""
+        n, m = q.shape[2], k.shape[2]
+        if q_positions is None:  # the default: the queries are the last N keys
+            q_positions = torch.arange(m - n, m, device=q.device)
+        if k_positions is None:
+            k_positions = torch.arange(m, device=q.device)
+        outs = []
+        for i0, i1, _, _ in spans:
+            mask = attn_mask
+            if mask is not None and mask.dim() >= 2 and mask.shape[-2] == n:
+                mask = mask[..., i0:i1, :]  # the span's rows (a broadcast row stays)
+            rows = q_positions[..., i0:i1]
+            out = self._sdpa_relative(q[:, :, i0:i1], k, v, rows, k_positions, causal, mask, window)
+            outs.append(out)
+        return torch.cat(outs, dim=2)
 
     def _sdpa_relative_parts(
         self,
