@@ -209,6 +209,14 @@ def check_attn_mask(attn_mask: Tensor | None, q: Tensor, m: int) -> Tensor | Non
     return attn_mask.to(q.device)
 
 
+def attn_mask_rows(attn_mask: Tensor | None, n: int, i0: int, i1: int) -> Tensor | None:
+    """Rows i0 .. i1 - 1 (of n queries) of an attn_mask broadcastable to [B, H, n, M];
+    a mask whose row dimension broadcasts (size 1, or absent) stays as it is."""
+    if attn_mask is not None and attn_mask.dim() >= 2 and attn_mask.shape[-2] == n:
+        return attn_mask[..., i0:i1, :]
+    return attn_mask
+
+
 def apply_masks(logits: Tensor, allowed: Tensor | None, attn_mask: Tensor | None) -> Tensor:
     """Add masks to float logits: -inf where not allowed, plus an additive attn_mask."""
     if allowed is not None:

@@ -43,6 +43,7 @@ from ._inputs import (
 from ._masks import (
     apply_masks,
     attention_allowed,
+    attn_mask_rows,
     block_fresh,
     distance_allowed,
     masked_softmax,
@@ -346,9 +347,7 @@ class SdpaBackend(AttentionTerms):
             k_positions = torch.arange(m, device=q.device)
         outs = []
         for i0, i1, _, _ in spans:
-            mask = attn_mask
-            if mask is not None and mask.dim() >= 2 and mask.shape[-2] == n:
-                mask = mask[..., i0:i1, :]  # the span's rows (a broadcast row stays)
+            mask = attn_mask_rows(attn_mask, n, i0, i1)
             rows = q_positions[..., i0:i1]
             out = self._sdpa_relative(q[:, :, i0:i1], k, v, rows, k_positions, causal, mask, window)
             outs.append(out)
@@ -491,9 +490,7 @@ class SdpaBackend(AttentionTerms):
                 rows = torch.arange(m - n + i0, m - n + i1, device=q.device)
             keys = k_positions if k_positions is not None else torch.arange(m, device=q.device)
             documents = None if query_documents is None else query_documents[..., i0:i1]
-            mask = attn_mask
-            if mask is not None and mask.dim() >= 2 and mask.shape[-2] == n:
-                mask = mask[..., i0:i1, :]  # the span's rows (a broadcast row stays)
+            mask = attn_mask_rows(attn_mask, n, i0, i1)
             bias = None
             if by_distance:  # [1, H, rows, M], in query order (a copy)
                 vec = self._distance_bias(n, m, q.device)  # [H, N + M - 1]
