@@ -198,6 +198,19 @@ def flash_chunks_backward(
     return dq, dk, dv
 
 
+def recomputed_weights(
+    rows: Tensor, keys: Tensor, mask: Tensor | None, lse: Tensor, scale: float
+) -> Tensor:
+    """A span's softmax weights recomputed from its rows' log-sum-exp (as a flash
+    backward does): P = exp(scale q kᵀ + mask - lse), a fresh tensor. rows: [B, H, r, D];
+    keys: [B, H, c, D]; mask: additive, broadcastable to [B, H, r, c]; lse: [B, H, r]
+    -> [B, H, r, c]."""
+    scores = torch.matmul(rows, keys.transpose(-1, -2)).mul_(scale)  # [B, H, r, c]
+    if mask is not None:
+        scores += mask
+    return scores.sub_(lse.unsqueeze(-1)).exp_()
+
+
 def _rows(x: Tensor, i0: int, i1: int, reversed_order: bool) -> Tensor:
     """Rows i0 .. i1 - 1 of x [B, H, N, D], in reverse order where asked (a copy)."""
     rows = x[:, :, i0:i1]

@@ -209,11 +209,18 @@ def check_attn_mask(attn_mask: Tensor | None, q: Tensor, m: int) -> Tensor | Non
     return attn_mask.to(q.device)
 
 
-def attn_mask_rows(attn_mask: Tensor | None, n: int, i0: int, i1: int) -> Tensor | None:
-    """Rows i0 .. i1 - 1 (of n queries) of an attn_mask broadcastable to [B, H, n, M];
-    a mask whose row dimension broadcasts (size 1, or absent) stays as it is."""
-    if attn_mask is not None and attn_mask.dim() >= 2 and attn_mask.shape[-2] == n:
-        return attn_mask[..., i0:i1, :]
+def attn_mask_span(
+    attn_mask: Tensor | None, n: int, m: int, i0: int, i1: int, lo: int, hi: int
+) -> Tensor | None:
+    """Rows i0 .. i1 - 1 (of n queries) and columns lo .. hi - 1 (of m keys) of an
+    attn_mask broadcastable to [B, H, n, m]; a dimension that broadcasts (size 1, or
+    absent) stays as it is."""
+    if attn_mask is None:
+        return None
+    if attn_mask.dim() >= 2 and attn_mask.shape[-2] == n:
+        attn_mask = attn_mask[..., i0:i1, :]
+    if attn_mask.shape[-1] == m:
+        attn_mask = attn_mask[..., lo:hi]
     return attn_mask
 
 

@@ -45,7 +45,7 @@ from ._inputs import (
 from ._masks import (
     apply_masks,
     attention_allowed,
-    attn_mask_rows,
+    attn_mask_span,
     block_fresh,
     distance_allowed,
     masked_softmax,
@@ -123,17 +123,7 @@ class SdpaBackend(AttentionTerms):
         if has_bias and len(spans) > 1:
             # each chunk of queries gets the bias at its own positions, over the keys it
             # may read
-            def chunk_bias(i0: int, i1: int, lo: int, hi: int) -> Tensor:
-                q_chunk = torch.arange(m - n + i0, m - n + i1, device=q.device)
-                k_chunk = torch.arange(lo, hi, device=q.device)
-                return self._sdpa_bias(
-                    q_chunk, k_chunk, i1 - i0, hi - lo, q.device, q.dtype, causal, window
-                )
-
-            # the bias depends on the module's parameters alone (default positions, no
-            # attn_mask): where they train, its gradient comes through them
-            trained = tuple(p for p in self.parameters() if p.requires_grad)
-            return self._sdpa_in_chunks(q, k, v, spans, chunk_bias, mask_inputs=trained)
+            return self._sdpa_bias_in_chunks(q, k, v, spans, None, None, causal, window, None, None)
         if has_bias:
             # explicit positions, an attn_mask or documents: the bias per pair, in chunks
             # of queries over every key (where masking follows positions, no key can be
@@ -349,7 +339,7 @@ class SdpaBackend(AttentionTerms):
             k_positions = torch.arange(m, device=q.device)
         outs = []
         for i0, i1, _, _ in spans:
-            mask = attn_mask_rows(attn_mask, n, i0, i1)
+            mask = attn_mask_span(attn_mask, n, m, i0, i1, 0, m)
             rows = q_positions[..., i0:i1]
             out = self._sdpa_relative(q[:, :, i0:i1], k, v, rows, k_positions, causal, mask, window)
             outs.append(out)
@@ -475,39 +465,43 @@ class SdpaBackend(AttentionTerms):
         document_ids: Tensor | None,
         attn_mask: Tensor | None,
     ) -> Tensor:
-        """SDPA with the position bias per pair and the masks, a span of queries at a time
-        over every key (``spans``: (i0, i1, 0, M)); each span's mask as ``_sdpa_bias``
-        builds it at the span's query positions, its documents and its rows of
-        ``attn_mask``. A row may read no key here (a mask can remove them all), so the
-        chunks take no path that needs one."""
+        """SDPA with the position bias and the masks a span (i0, i1, lo, hi) of queries
+        at a time: each span's mask as ``_sdpa_bias`` builds it at the span's query and
+        key positions, with its documents and its part of ``attn_mask``. At default
+        positions with no attn_mask or documents every query reads a key (the spans of
+        ``query_chunks`` keep each query's own); otherwise the spans cover every key and
+        a row may read none, so the chunks take no path that needs one."""
         n, m = q.shape[2], k.shape[2]
         query_documents = None if document_ids is None else document_ids[..., m - n :]
+        default = q_positions is None and k_positions is None
         # a bias of j - i at default positions: rows of its per-distance vector, made per
         # chunk (a mask made again for a gradient must not share a graph with another)
-        by_distance = self.bias_by_distance and q_positions is None and k_positions is None
+        by_distance = self.bias_by_distance and default
 
         def chunk_mask(i0: int, i1: int, lo: int, hi: int) -> Tensor:
             rows = None if q_positions is None else q_positions[..., i0:i1]
             if rows is None:  # the default: the queries are the last N keys
                 rows = torch.arange(m - n + i0, m - n + i1, device=q.device)
-            keys = k_positions if k_positions is not None else torch.arange(m, device=q.device)
+            keys = None if k_positions is None else k_positions[..., lo:hi]
+            if keys is None:
+                keys = torch.arange(lo, hi, device=q.device)
+            key_documents = None if document_ids is None else document_ids[..., lo:hi]
             documents = None if query_documents is None else query_documents[..., i0:i1]
-            mask = attn_mask_rows(attn_mask, n, i0, i1)
             bias = None
-            if by_distance:  # [1, H, rows, M], in query order (a copy)
+            if by_distance:  # [1, H, rows, keys], in query order (a copy)
                 vec = self._distance_bias(n, m, q.device)  # [H, N + M - 1]
-                bias = distance_chunk_view(vec, n, i0, i1, 0, m).flip(-2)
+                bias = distance_chunk_view(vec, n, i0, i1, lo, hi).flip(-2)
             return self._sdpa_bias(
                 rows,
                 keys,
                 i1 - i0,
-                m,
+                hi - lo,
                 q.device,
                 q.dtype,
                 causal,
                 window,
-                document_ids,
-                mask,
+                key_documents,
+                attn_mask_span(attn_mask, n, m, i0, i1, lo, hi),
                 documents,
                 bias,
             )
@@ -517,8 +511,15 @@ class SdpaBackend(AttentionTerms):
         inputs: list[Tensor] = [p for p in self.parameters() if p.requires_grad]
         if attn_mask is not None and attn_mask.requires_grad:
             inputs.append(attn_mask)
+        every_row_reads = default and attn_mask is None and document_ids is None
         return self._sdpa_in_chunks(
-            q, k, v, spans, chunk_mask, mask_inputs=tuple(inputs), every_row_reads=False
+            q,
+            k,
+            v,
+            spans,
+            chunk_mask,
+            mask_inputs=tuple(inputs),
+            every_row_reads=every_row_reads,
         )
 
     def _sdpa_in_chunks(

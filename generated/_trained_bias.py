@@ -17,7 +17,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._chunked_flash import cpu_flash_kernel_takes, flash_chunks_backward, flash_chunks_forward
+from ._chunked_flash import (
+    cpu_flash_kernel_takes,
+    flash_chunks_backward,
+    flash_chunks_forward,
+    recomputed_weights,
+)
 from ._distances import (
     anti_diagonal_sums,
     default_distances,
@@ -242,9 +247,8 @@ def clipped_bias_gradient(
         lo, hi = max(0, first - clip + 1), min(m, (last + 1) if causal else (last + clip))
         rows = q[:, :, i0:i1].flip(2).to(dtype)  # [B, H, rows, D], reversed
         keys, values = k[:, :, lo:hi].to(dtype), v[:, :, lo:hi].to(dtype)
-        scores = torch.matmul(rows, keys.transpose(-1, -2)).mul_(scale)
-        scores += distance_chunk_view(vec, n, i0, i1, lo, hi)  # [B, H, rows, keys]
-        weights = scores.sub_(lse[:, :, i0:i1].flip(-1).unsqueeze(-1)).exp_()  # P
+        view = distance_chunk_view(vec, n, i0, i1, lo, hi)  # [1, H, rows, keys]
+        weights = recomputed_weights(rows, keys, view, lse[:, :, i0:i1].flip(-1), scale)  # P
         grad_weights = torch.matmul(grad_out[:, :, i0:i1].flip(2), values.transpose(-1, -2))
         grad_weights -= delta[:, :, i0:i1].flip(-1).unsqueeze(-1)  # dP - δ
         grad_scores = weights.mul_(grad_weights).sum(0)  # [H, rows, keys]: dS, batch summed

@@ -112,3 +112,36 @@ def test_chunks_of_relative_terms_match_eager(name: str, case: str, monkeypatch)
     pe = cls(heads=4, head_dim=8).double()
     assert_sdpa_matches_eager(pe, N, M, 2, **CASES[case])
     assert spans == [3]  # one call, in three spans of every key
+
+
+@pytest.mark.parametrize("name", ["alibi", "fire"])
+def test_spans_that_skip_keys_take_their_part_of_every_mask(name: str) -> None:
+    """``_sdpa_bias_in_chunks`` over spans that each read a window of the keys, with
+    documents and an attn_mask: each span's bias, documents and attn_mask columns are
+    its keys', so the result equals the eager oracle with the keys outside each span
+    masked as well (float64)."""
+    spans = [(0, 3, 0, 5), (3, 7, 1, 9), (7, 10, 2, 12)]
+    outside = torch.ones(N, M, dtype=torch.bool)
+    for i0, i1, lo, hi in spans:
+        outside[i0:i1, lo:hi] = False
+    documents = (TOKEN >= 4).long()
+    allowed = torch.rand(N, M, generator=torch.Generator().manual_seed(4)) > 0.2
+    allowed[torch.arange(N), torch.arange(N) + M - N] = True  # each query's own key
+    torch.manual_seed(0)
+    pe = generated_class(name)(heads=4, head_dim=8).double()
+    generator = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, N, 8, generator=generator, dtype=torch.float64)
+    k, v = (torch.randn(2, 4, M, 8, generator=generator, dtype=torch.float64) for _ in "kv")
+    masked = {"attn_mask": allowed & ~outside, "document_ids": documents}
+    given = {"q_positions": TOKEN[M - N :] + 1, "k_positions": TOKEN + 1}  # not defaults
+    for positions in ({}, given):
+        at = (positions.get("q_positions"), positions.get("k_positions"))
+        with torch.no_grad():
+            got = pe._sdpa_bias_in_chunks(q, k, v, spans, *at, False, None, documents, allowed)
+            want = pe(q, k, v, **masked, **positions, backend="eager")
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    masks_module = importlib.import_module("generated._masks")
+    mask = torch.arange(N * M).view(N, M)
+    assert torch.equal(masks_module.attn_mask_span(mask, N, M, 3, 7, 1, 9), mask[3:7, 1:9])
+    row = mask[:1]  # a row that broadcasts stays whole along the queries
+    assert torch.equal(masks_module.attn_mask_span(row, N, M, 3, 7, 1, 9), row[:, 1:9])

@@ -29,7 +29,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._chunked_flash import MaskOf, Span, cpu_flash_serves, flash_chunks_forward, flash_mask
+from ._chunked_flash import (
+    MaskOf,
+    Span,
+    cpu_flash_serves,
+    flash_chunks_forward,
+    flash_mask,
+    recomputed_weights,
+)
 
 #: devices where a chunked training step whose masks train runs as one autograd node
 #: (``recomputed_mask_attention``); only the CPU's flash kernel returns the log-sum-exp
@@ -146,11 +153,8 @@ def _chunk_gradients(
         assert mask is not None and mask.dtype != torch.bool  # a bias that trains
         rows, keys, values = q[:, :, i0:i1], k[:, :, lo:hi], v[:, :, lo:hi]
         grad_rows = grad_out[:, :, i0:i1]  # [B, H, rows, value_dim]
-        scores = torch.matmul(rows, keys.transpose(-1, -2)).mul_(scale)  # [B, H, rows, keys]
         additive = flash_mask(mask.detach(), q.dtype)
-        assert additive is not None
-        scores += additive
-        weights = scores.sub_(lse[:, :, i0:i1, None]).exp_()  # P
+        weights = recomputed_weights(rows, keys, additive, lse[:, :, i0:i1], scale)  # P
         dv[:, :, lo:hi] += torch.matmul(weights.transpose(-1, -2), grad_rows)
         grad_weights = torch.matmul(grad_rows, values.transpose(-1, -2))  # dP
         grad_scores = weights.mul_(grad_weights.sub_(delta[:, :, i0:i1, None]))  # dS
