@@ -42,6 +42,12 @@ masks train (FIRE, TUPE-R) with one call per query chunk through autograd
 (``RECOMPUTED_MASK_DEVICES`` emptied: no ``recomputed_mask_attention``), in the same
 loop.
 
+``--compare-directional`` also times training steps on the sdpa backend of a bias of
+j - i with trained scalars per head (KERPLE, trained ALiBi slopes) without its path that
+gets their gradients from one flash forward each (``DIRECTIONAL_BIAS_DEVICES`` emptied:
+no ``directional_bias_attention``; the query chunks' trained masks instead), in the
+same loop.
+
 ``--compare-parts`` also times, for relative terms (BERT, DeBERTa, Transformer-XL ...),
 the sdpa backend without its route that gathers each query chunk's terms from their
 projections over the table rows (``_sdpa_relative_parts``): the dense terms, built per
@@ -88,6 +94,7 @@ from cpu_memory import cpu_peak_extra_bytes  # noqa: E402
 
 import generated._chunked_flash as chunked_flash  # noqa: E402
 import generated._clipped_relative as clipped_relative  # noqa: E402
+import generated._directional_bias as directional_bias  # noqa: E402
 import generated._distances as distances  # noqa: E402
 import generated._flex as flex_runtime  # noqa: E402
 import generated._flex_backend as flex_backend  # noqa: E402
@@ -287,20 +294,17 @@ def runtime_setting(backend: str, setting: object, device: torch.device) -> Iter
 @contextlib.contextmanager
 def clipped_path_off() -> Iterator[None]:
     """The runtime without its clipped-bias training path (``clipped_bias_attention``,
-    for a bias clipped at a distance and for the whole vector of one that is not) and
-    its clipped-relative path (``clipped_relative_attention``): a trained bias takes the
-    query-chunked path, relative terms the dense one."""
+    for a bias clipped at a distance) and its clipped-relative path
+    (``clipped_relative_attention``): a trained bias takes the query-chunked path,
+    relative terms the dense one."""
     least_bias = trained_bias.CLIPPED_BIAS_MIN_KEYS_PER_CLIP
-    least_whole = trained_bias.WHOLE_BIAS_MIN_KEYS
     least_relative = clipped_relative.CLIPPED_RELATIVE_MIN_KEYS_PER_CLIP
     trained_bias.CLIPPED_BIAS_MIN_KEYS_PER_CLIP = 2**62
-    trained_bias.WHOLE_BIAS_MIN_KEYS = {False: 2**62, True: 2**62}
     clipped_relative.CLIPPED_RELATIVE_MIN_KEYS_PER_CLIP = {False: 2**62, True: 2**62}
     try:
         yield
     finally:
         trained_bias.CLIPPED_BIAS_MIN_KEYS_PER_CLIP = least_bias
-        trained_bias.WHOLE_BIAS_MIN_KEYS = least_whole
         clipped_relative.CLIPPED_RELATIVE_MIN_KEYS_PER_CLIP = least_relative
 
 
@@ -356,6 +360,19 @@ def recomputed_mask_off(device: torch.device) -> Iterator[None]:
         yield
     finally:
         recomputed_mask.RECOMPUTED_MASK_DEVICES = devices
+
+
+@contextlib.contextmanager
+def directional_path_off(device: torch.device) -> Iterator[None]:
+    """The sdpa backend's training steps of a per-distance bias with trained scalars
+    per head on ``device`` without ``directional_bias_attention``
+    (``DIRECTIONAL_BIAS_DEVICES``)."""
+    devices = directional_bias.DIRECTIONAL_BIAS_DEVICES
+    directional_bias.DIRECTIONAL_BIAS_DEVICES = devices - {device.type}
+    try:
+        yield
+    finally:
+        directional_bias.DIRECTIONAL_BIAS_DEVICES = devices
 
 
 @contextlib.contextmanager
@@ -440,8 +457,7 @@ def candidates(
                         return pe(q, k, v, causal=causal, backend=backend, **options)
 
                 found.append((name, f"{backend} {label}".strip(), attend, params))
-        trained_vector = pe.bias_by_distance and bool(params)  # the whole vector's path
-        clipped = pe.clipped_distance or pe.relative_clip or trained_vector
+        clipped = pe.clipped_distance or pe.relative_clip
         if "sdpa" in args.backends and args.compare_clipped and clipped:
 
             def attend_unclipped(pe=pe) -> torch.Tensor:
@@ -478,6 +494,14 @@ def candidates(
                     return pe(q, k, v, causal=causal, backend="sdpa", **options)
 
             found.append((name, "sdpa, trained masks per chunk", attend_per_chunk, params))
+        directional = pe.distance_bias_parameters and q.requires_grad
+        if "sdpa" in args.backends and args.compare_directional and directional:
+
+            def attend_undirected(pe=pe) -> torch.Tensor:
+                with directional_path_off(device):
+                    return pe(q, k, v, causal=causal, backend="sdpa", **options)
+
+            found.append((name, "sdpa, no directional path", attend_undirected, params))
         if "flex" in args.backends and args.compare_clipped and pe.clipped_distance:
 
             def attend_clipped_flex(pe=pe) -> torch.Tensor:
@@ -701,9 +725,8 @@ def main() -> None:
     parser.add_argument(
         "--compare-clipped",
         action="store_true",
-        help="also time sdpa without, and flex with, the clipped-bias training path (T5; "
-        "sdpa also for trained biases with no clip: KERPLE, trained ALiBi slopes), and "
-        "sdpa without the clipped-relative path (Shaw, BERT relative_key, DeBERTa)",
+        help="also time sdpa without, and flex with, the clipped-bias training path (T5), "
+        "and sdpa without the clipped-relative path (Shaw, BERT relative_key, DeBERTa)",
     )
     parser.add_argument(
         "--compare-floor",
@@ -734,6 +757,12 @@ def main() -> None:
         action="store_true",
         help="also time sdpa training steps whose chunk masks train with one call per "
         "chunk through autograd (no recomputed_mask_attention)",
+    )
+    parser.add_argument(
+        "--compare-directional",
+        action="store_true",
+        help="also time sdpa training steps of KERPLE and trained ALiBi slopes without "
+        "their per-scalar flash forwards (no directional_bias_attention)",
     )
     parser.add_argument(
         "--compare-parts",

@@ -29,6 +29,7 @@ from ._clipped_relative import (
     clipped_relative_attention,
     clipped_relative_serves,
 )
+from ._directional_bias import directional_bias_attention, directional_bias_serves
 from ._distances import (
     bias_floor_serves,
     distance_chunk_view,
@@ -60,8 +61,6 @@ from ._trained_bias import (
     clipped_bias_attention_serves,
     trained_mask_attention,
     trained_mask_attention_serves,
-    whole_bias_attention_serves,
-    whole_distance_bias,
 )
 
 
@@ -392,13 +391,9 @@ class SdpaBackend(AttentionTerms):
         output comes back in order.
         """
         n, m = q.shape[2], k.shape[2]
-        clipped = self._trained_distance_vector(q, n, m, causal, window)
-        if clipped is not None:
-            # a training step without SDPA's math kernel: the bias's gradient from a band
-            # of clip diagonals and two triangles (``_ClippedBiasAttention``)
-            groups = q.shape[1] // k.shape[1]
-            k, v = repeat_kv(k, groups), repeat_kv(v, groups)
-            return clipped_bias_attention(q, k, v, clipped.to(q.dtype), self.scale, causal)
+        out = self._trained_distance_attention(q, k, v, causal, window)
+        if out is not None:
+            return out
         vec = self._floored_distance_bias(n, m, q.device, q.dtype)  # [H, N + M - 1]
         allowed = distance_allowed(n, m, q.device, causal, window)  # [N + M - 1] or None
         if allowed is not None:
@@ -416,27 +411,41 @@ class SdpaBackend(AttentionTerms):
         chunk_views = distance_chunk_views(vec, n)  # [1, H, rows, keys] per span
         return self._sdpa_in_chunks(q, k, v, spans, chunk_views, queries_reversed=True)
 
-    def _trained_distance_vector(
-        self, q: Tensor, n: int, m: int, causal: bool, window: int | None
+    def _trained_distance_attention(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, window: int | None
     ) -> Tensor | None:
-        """The bias per distance as ``clipped_bias_attention`` trains it, [H, 2 K + 1]
-        (scaled where it sits inside the scale), or None where that path does not serve
-        this call: a bias clipped at K (T5) from ``_clipped_distance_bias``
-        (``clipped_bias_attention_serves``); one that is not clipped (KERPLE, trained
-        ALiBi slopes) as its whole per-distance vector (``whole_distance_bias``, K = M - 1,
-        floored as SDPA's mask is: ``whole_bias_attention_serves``)."""
-        if not self._trains_terms():
-            return None
+        """A CPU training step of a bias of j - i alone that never forms its [B, H, N, M]
+        scores or dS (SDPA's math kernel would), or None where neither path serves:
+
+        - trained scalars per head (``distance_bias_parameters``: KERPLE, trained ALiBi
+          slopes) get their gradients from one flash forward each
+          (``directional_bias_attention``, ``directional_bias_serves``);
+        - a bias clipped at K (T5, ``clipped_distance``) gets its gradient from a band of
+          K diagonals and two triangles (``clipped_bias_attention``,
+          ``clipped_bias_attention_serves``).
+        """
+        n, m = q.shape[2], k.shape[2]
+        groups = q.shape[1] // k.shape[1]
+        parameters = tuple(getattr(self, name) for name in self.distance_bias_parameters)
+        if directional_bias_serves(q, m, window, causal, parameters):
+
+            def vector() -> Tensor:  # [H, N + M - 1]: SDPA's mask in _sdpa_by_distance
+                vec = self._floored_distance_bias(n, m, q.device, q.dtype)
+                allowed = distance_allowed(n, m, q.device, causal, None)
+                return vec if allowed is None else vec.masked_fill(~allowed, float("-inf"))
+
+            k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+            return directional_bias_attention(q, k, v, vector, parameters, self.scale, causal)
         clip = self.clipped_distance
-        if clip is not None:
-            if not clipped_bias_attention_serves(q, m, clip, window):
-                return None
-            clipped = self._clipped_distance_bias(q.device)  # [H, 2 clip + 1]
-            return clipped * self.scale if self.position_bias_inside_scale else clipped
-        if not whole_bias_attention_serves(q, m, window, causal):
+        if clip is None or not self._trains_terms():
             return None
-        vec = self._floored_distance_bias(n, m, q.device, q.dtype)  # as in SDPA's mask
-        return whole_distance_bias(vec, n, m)  # [H, 2 (M - 1) + 1]
+        if not clipped_bias_attention_serves(q, m, clip, window):
+            return None
+        clipped = self._clipped_distance_bias(q.device)  # [H, 2 clip + 1]
+        if self.position_bias_inside_scale:
+            clipped = clipped * self.scale
+        k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+        return clipped_bias_attention(q, k, v, clipped.to(q.dtype), self.scale, causal)
 
     def _floored_distance_bias(
         self, n: int, m: int, device: torch.device, dtype: torch.dtype

@@ -147,6 +147,11 @@ class AttentionTerms(nn.Module):
     bias_by_distance: bool = False
     #: and is c_h |j - i| (ALiBi's slopes): ``_distance_slopes`` gives c_h
     bias_linear_in_distance: bool = False
+    #: the trained parameters ``_distance_bias`` is a function of, by attribute name, each
+    #: 0-D or 1-D with entry h reaching only row h of the vector (KERPLE's r1 and r2,
+    #: trained slopes): a CPU training step gets their gradients from one flash forward
+    #: each (``directional_bias_attention``); () where there are none or no such contract
+    distance_bias_parameters: tuple[str, ...] = ()
     #: and is constant past this distance on each side (T5's buckets past max_distance):
     #: ``_clipped_distance_bias`` gives it over -clip .. clip; None where it is not
     clipped_distance: int | None = None

@@ -8,6 +8,8 @@ and, for a bias constant past a clip distance K (T5's buckets), ``clipped_bias_a
 CPU flash attention with the bias as a constant strided view, whose table gradient is
 the sum of dS = P * (dP - delta) along the band |j - i| < K plus two far entries found
 from one causal flash pass over a triangle and from each row of dS summing to zero.
+(A bias of j - i whose trained scalars are one per head, KERPLE's or trained ALiBi
+slopes, takes ``directional_bias_attention`` instead: ``_directional_bias``.)
 """
 
 from __future__ import annotations
@@ -89,21 +91,7 @@ def band_gradient_pays(m: int, clip: int) -> bool:
 CLIPPED_BIAS_BAND_ROWS = 256
 
 
-#: a trained bias of j - i alone that is not clipped (KERPLE's, ALiBi's with trained
-#: slopes) trains through ``clipped_bias_attention`` with its whole per-distance vector
-#: as the band (``whole_distance_bias``) from this many keys on, without and with a
-#: causal mask. Against the chunked trained-mask path in one run (2-core CPU, float32,
-#: batch 2, 16 heads, head_dim 64, ratios to plain SDPA's training step,
-#: attention_backends_cpu_float32_bias_whole.md): at N = 1024 KERPLE 2.50x against
-#: 3.01x and trained ALiBi 2.59x against 2.98x, but causal 2.21x against 2.00x and
-#: 2.22x against 1.85x; at N = 2048 2.67x against 3.67x and 2.69x against 3.38x, causal
-#: 2.44x against 2.80x and 2.38x against 2.74x (in an earlier run KERPLE at N = 512 took
-#: 2.0x against 1.65x). The vector is floored as SDPA's mask is (``floored_bias``):
-#: unfloored, trained ALiBi's denormal weights took it to 5.4x at N = 2048.
-WHOLE_BIAS_MIN_KEYS = {False: 1024, True: 2048}
-
-
-def _flash_training_serves(q: Tensor, window: int | None) -> bool:
+def flash_training_serves(q: Tensor, window: int | None) -> bool:
     """The CPU (its flash kernel returns the log-sum-exp the gradient needs), float32 or
     float64, no autocast, more than one query, no window."""
     return cpu_flash_kernel_takes(q) and q.shape[2] > 1 and window is None
@@ -111,24 +99,9 @@ def _flash_training_serves(q: Tensor, window: int | None) -> bool:
 
 def clipped_bias_attention_serves(q: Tensor, m: int, clip: int, window: int | None) -> bool:
     """Whether ``clipped_bias_attention`` runs a training step with a bias clipped at
-    ``clip``: ``_flash_training_serves`` and at least ``CLIPPED_BIAS_MIN_KEYS_PER_CLIP``
+    ``clip``: ``flash_training_serves`` and at least ``CLIPPED_BIAS_MIN_KEYS_PER_CLIP``
     keys per unit of ``clip``."""
-    return _flash_training_serves(q, window) and band_gradient_pays(m, clip)
-
-
-def whole_bias_attention_serves(q: Tensor, m: int, window: int | None, causal: bool) -> bool:
-    """Whether ``clipped_bias_attention`` runs a training step with a bias of j - i that
-    is not clipped (``whole_distance_bias``): ``_flash_training_serves`` and at least
-    ``WHOLE_BIAS_MIN_KEYS[causal]`` keys."""
-    return _flash_training_serves(q, window) and m >= WHOLE_BIAS_MIN_KEYS[causal]
-
-
-def whole_distance_bias(vec: Tensor, n: int, m: int) -> Tensor:
-    """A per-distance vector of default positions [H, N + M - 1] (key minus query
-    position -(M - 1) .. N - 1) as the clipped vector ``clipped_bias_attention`` reads,
-    [H, 2 (M - 1) + 1]: clipped at M - 1, past which no pair lies, the distances
-    N .. M - 1, which no query reads, set to 0 (they get no gradient)."""
-    return torch.cat((vec, vec.new_zeros(vec.shape[0], m - n)), dim=1)
+    return flash_training_serves(q, window) and band_gradient_pays(m, clip)
 
 
 def clipped_distance_vector(clipped: Tensor, n: int, m: int, causal: bool) -> Tensor:
@@ -142,7 +115,7 @@ def clipped_distance_vector(clipped: Tensor, n: int, m: int, causal: bool) -> Te
     return vec if allowed is None else vec.masked_fill(~allowed, float("-inf"))
 
 
-def _flash_spans(n: int, m: int, causal: bool) -> list[tuple[int, int, int, int]]:
+def flash_spans(n: int, m: int, causal: bool) -> list[tuple[int, int, int, int]]:
     """The CPU flash calls of ``clipped_bias_attention``: causal queries in chunks that
     skip the keys they may not read (the reversed-query view cannot use is_causal), all
     queries in one call otherwise (chunks there only add work)."""
@@ -177,7 +150,7 @@ class _ClippedBiasAttention(torch.autograd.Function):
     ) -> Tensor:
         n, m = q.shape[2], k.shape[2]
         vec = clipped_distance_vector(clipped, n, m, causal)  # [H, N + M - 1]
-        spans = _flash_spans(n, m, causal)
+        spans = flash_spans(n, m, causal)
         out, lse = flash_chunks_forward(q, k, v, spans, distance_chunk_views(vec, n), scale, True)
         ctx.save_for_backward(q, k, v, clipped, vec, out, lse)
         ctx.scale, ctx.causal = scale, causal
@@ -189,7 +162,7 @@ class _ClippedBiasAttention(torch.autograd.Function):
         q, k, v, clipped, vec, out, lse = ctx.saved_tensors
         scale, causal = ctx.scale, ctx.causal
         n, m = q.shape[2], k.shape[2]
-        spans, view = _flash_spans(n, m, causal), distance_chunk_views(vec, n)
+        spans, view = flash_spans(n, m, causal), distance_chunk_views(vec, n)
         grad_out = grad_out.contiguous()
         dq, dk, dv = flash_chunks_backward(grad_out, q, k, v, out, lse, spans, view, scale, True)
         grad_clipped = None

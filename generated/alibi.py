@@ -77,6 +77,7 @@ class Alibi(PositionalAttention):
     position_bias_inside_scale = False
     bias_by_distance = True
     bias_linear_in_distance = True
+    distance_bias_parameters = ()
     clipped_distance = None
     folds_position_bias = False
     has_rotation = False

@@ -75,6 +75,7 @@ class AlibiLearned(PositionalAttention):
     position_bias_inside_scale = False
     bias_by_distance = True
     bias_linear_in_distance = True
+    distance_bias_parameters = ("slopes",)
     clipped_distance = None
     folds_position_bias = False
     has_rotation = False

@@ -68,6 +68,7 @@ class KerpleLog(PositionalAttention):
     position_bias_inside_scale = False
     bias_by_distance = True
     bias_linear_in_distance = False
+    distance_bias_parameters = ("r1", "r2")
     clipped_distance = None
     folds_position_bias = False
     has_rotation = False

@@ -50,6 +50,7 @@ class Nope(PositionalAttention):
     position_bias_inside_scale = False
     bias_by_distance = False
     bias_linear_in_distance = False
+    distance_bias_parameters = ()
     clipped_distance = None
     folds_position_bias = False
     has_rotation = False

@@ -61,6 +61,7 @@ class Sandwich(PositionalAttention):
     position_bias_inside_scale = False
     bias_by_distance = True
     bias_linear_in_distance = False
+    distance_bias_parameters = ()
     clipped_distance = None
     folds_position_bias = False
     has_rotation = False

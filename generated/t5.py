@@ -91,6 +91,7 @@ class T5(PositionalAttention):
     position_bias_inside_scale = False
     bias_by_distance = True
     bias_linear_in_distance = False
+    distance_bias_parameters = ()
     clipped_distance = 128
     folds_position_bias = False
     has_rotation = False

@@ -7,7 +7,6 @@ here, and the modules that take the path against their eager oracle.
 
 from __future__ import annotations
 
-import copy
 import importlib
 
 import pytest
@@ -28,7 +27,6 @@ from tests.conftest import (
 )
 
 trained = importlib.import_module("generated._trained_bias")
-distances = importlib.import_module("generated._distances")
 masks = importlib.import_module("generated._masks")
 
 
@@ -160,65 +158,6 @@ def test_t5_training_takes_the_clipped_path_and_matches_eager(
     assert pe.clipped_distance == 8
     assert_sdpa_matches_eager(pe, n, m, kv_heads, causal=causal)
     assert route == [(2, 4, n, 8)]  # the sdpa call, not the eager one
-
-
-@pytest.mark.parametrize("name", ["kerple_log", "kerple_power", "alibi_learned"])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize(("n", "m", "kv_heads"), [(70, 70, 4), (50, 80, 2)])
-def test_unclipped_trained_biases_take_the_whole_vector_as_the_band(
-    name, causal, n, m, kv_heads, monkeypatch
-) -> None:
-    """KERPLE and trained ALiBi slopes (no clip) train through the clipped path with
-    their whole per-distance vector (``whole_distance_bias``), here from 64 keys on."""
-    pe = generated_class(name)(heads=4, head_dim=8).double()
-    set_runtime(monkeypatch, "WHOLE_BIAS_MIN_KEYS", {False: 64, True: 64}, pe)
-    set_runtime(monkeypatch, "CLIPPED_BIAS_BAND_ROWS", 16, pe)
-    route = spy_query_shapes(monkeypatch, pe, "clipped_bias_attention")
-    assert pe.clipped_distance is None
-    assert_sdpa_matches_eager(pe, n, m, kv_heads, causal=causal)
-    assert route == [(2, 4, n, 8)]
-
-
-def test_the_whole_vector_serves_from_its_key_count_in_float32(monkeypatch) -> None:
-    """Below ``WHOLE_BIAS_MIN_KEYS`` keys the chunked path trains; from it on the whole
-    vector does, in float32 floored as SDPA's mask is, within float32 error of the
-    float64 oracle (slopes steep enough to reach the floor)."""
-    pe = generated_class("alibi_learned")(heads=4, head_dim=8)
-    with torch.no_grad():
-        pe.slopes.fill_(0.9)  # the bias falls past -40 within 45 keys
-    set_runtime(monkeypatch, "WHOLE_BIAS_MIN_KEYS", {False: 96, True: 2**62}, pe)
-    route = spy_query_shapes(monkeypatch, pe, "clipped_bias_attention")
-    lowest = spy_calls(
-        monkeypatch,
-        runtime_modules(pe),
-        "clipped_bias_attention",
-        lambda q, k, v, clipped, *_: float(clipped.detach().min()),
-    )
-    for m in (95, 96):
-        q, k, v = (torch.randn(1, 4, m, 8, requires_grad=True) for _ in range(3))
-        out = pe(q, k, v, backend="sdpa")
-        grads = torch.autograd.grad(out.square().sum(), (q, pe.slopes))
-        wide = copy.deepcopy(pe).double()
-        want = wide(q.double(), k.double(), v.double(), backend="eager")
-        want_grads = torch.autograd.grad(want.square().sum(), (q, wide.slopes))
-        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-6)
-        for got, expected in zip(grads, want_grads, strict=True):
-            torch.testing.assert_close(got.double(), expected.double(), rtol=1e-4, atol=1e-5)
-    pe(q, k, v, backend="sdpa", causal=True).sum().backward()  # causal: from 2**62 keys
-    assert route == [(1, 4, 96, 8)]
-    assert lowest[0] >= -distances.BIAS_FLOOR  # floored at distance 0's bias, 0
-
-
-def test_an_unclipped_bias_inside_the_scale_is_scaled_on_the_whole_vector(monkeypatch) -> None:
-    variant = spec_variant(
-        "kerple_log", ("placement: after_scale", "placement: before_scale"), name="kerple_inside"
-    )
-    pe = variant(heads=4, head_dim=8).double()
-    set_runtime(monkeypatch, "WHOLE_BIAS_MIN_KEYS", {False: 64, True: 64}, pe)
-    route = spy_query_shapes(monkeypatch, pe, "clipped_bias_attention")
-    assert pe.position_bias_inside_scale and pe.scale != 1.0
-    assert_sdpa_matches_eager(pe, 70, 70, 4)
-    assert route
 
 
 def test_a_bias_inside_the_scale_is_scaled_on_the_clipped_path(monkeypatch) -> None:

@@ -208,7 +208,9 @@ class ModulePlan:
     scale_factor: float | None  # logits scaled by 1/sqrt(factor * head_dim); None: unscaled
     arguments: tuple[ConstructorArgument, ...]
     blocks: tuple[Block, ...]
-    flags: tuple[tuple[str, bool | int | None], ...]  # PositionalAttention's composition flags
+    flags: tuple[
+        tuple[str, bool | int | tuple[str, ...] | None], ...
+    ]  # PositionalAttention's composition flags
 
 
 # --------------------------------------------------------------------------- builders
@@ -536,7 +538,9 @@ def _blocks(spec: Spec) -> tuple[Block, ...]:
     return tuple(blocks)
 
 
-def _flags(blocks: tuple[Block, ...]) -> tuple[tuple[str, bool | int | None], ...]:
+def _flags(
+    blocks: tuple[Block, ...],
+) -> tuple[tuple[str, bool | int | tuple[str, ...] | None], ...]:
     """The composition flags the runtime's PositionalAttention reads."""
     untied = any(isinstance(block, UntiedPlan) for block in blocks)
     bias = next((b for b in blocks if isinstance(b, BIAS_BLOCKS)), None)
@@ -552,6 +556,8 @@ def _flags(blocks: tuple[Block, ...]) -> tuple[tuple[str, bool | int | None], ..
         ("bias_by_distance", not untied and isinstance(bias, DISTANCE_BIAS_BLOCKS)),
         # c_h |j - i|: ALiBi's slopes, which a fused kernel computes per score
         ("bias_linear_in_distance", not untied and isinstance(bias, SlopeBiasPlan)),
+        # the per-distance vector's trained scalars, one per head each
+        ("distance_bias_parameters", () if untied else _distance_bias_parameters(bias)),
         (
             # every bucket past max_distance is the last of its direction
             "clipped_distance",
@@ -569,6 +575,17 @@ def _flags(blocks: tuple[Block, ...]) -> tuple[tuple[str, bool | int | None], ..
         ("has_value_term", relative is not None and relative.values is not None),
         ("relative_clip", _relative_clip(relative)),
     )
+
+
+def _distance_bias_parameters(bias: Block | None) -> tuple[str, ...]:
+    """The trained parameters a per-distance bias is a function of, where each is one
+    scalar per head whose entry h reaches only head h's row: KERPLE's r1 and r2, learned
+    ALiBi slopes (the heads past ``heads_with_bias`` get a fixed 0)."""
+    if isinstance(bias, KerplePlan):
+        return ("r1", "r2")
+    if isinstance(bias, SlopeBiasPlan) and bias.learned:
+        return ("slopes",)
+    return ()
 
 
 def _relative_clip(relative: RelativePlan | None) -> int | None:
