@@ -51,7 +51,7 @@ class _QueryReversedDiagonals(torch.autograd.Function):
     out[h, i', j] = vec[h, i' + j], where row i' = N - 1 - i is query i: for default
     positions the bias of query i and key j depends only on j - i, so reversing the
     queries turns every diagonal into an anti-diagonal, which one overlapping strided
-    view expresses with no copy. The backward sums each anti-diagonal of the gradient
+    view expresses with no [H, N, M] copy. The backward sums each anti-diagonal of the gradient
     with a skew (pad each row by N, reshape to rows of N + M - 1, sum the rows): no
     scatter and no atomics, so its cost is one pass over the gradient.
     """
@@ -59,10 +59,11 @@ class _QueryReversedDiagonals(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, vec: Tensor, n: int, m: int) -> Tensor:
         ctx.n, ctx.m = n, m
-        if vec.stride(-1) != 1:
-            vec = vec.contiguous()
-        # rows of a wider vector's slice keep that vector's row stride
-        return vec.as_strided((vec.shape[0], n, m), (vec.stride(0), 1, 1))
+        # a fresh copy (H (N + M - 1) values): as_strided reads from the start of its
+        # input's storage under torch.compile, not from a view's offset (a query chunk's
+        # slice of a trained vector read the entries from 0, the outputs off by 3)
+        vec = vec.clone(memory_format=torch.contiguous_format)
+        return vec.as_strided((vec.shape[0], n, m), (vec.shape[1], 1, 1))
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
