@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._chunked_flash import Span, flash_chunks_backward, flash_chunks_forward
+from ._chunked_flash import Span, cpu_flash_serves, flash_chunks_backward, flash_chunks_forward
 from ._distances import distance_chunk_views
 from ._trained_bias import flash_spans, flash_training_serves
 
@@ -60,18 +60,25 @@ DIRECTIONAL_BIAS_MIN_KEYS = {False: 768, True: 1024}
 
 
 def directional_bias_serves(
-    q: Tensor, m: int, window: int | None, causal: bool, parameters: tuple[Tensor, ...]
+    q: Tensor,
+    v: Tensor,
+    window: int | None,
+    causal: bool,
+    parameters: tuple[Tensor, ...],
 ) -> bool:
     """Whether ``directional_bias_attention`` runs a training step: gradients on and
     into one of ``parameters``, a device in ``DIRECTIONAL_BIAS_DEVICES``, at least
     ``DIRECTIONAL_BIAS_MIN_KEYS[causal]`` keys, and the CPU flash kernels' conditions
-    (``flash_training_serves``: float32 or float64, more than one query, no window)."""
+    (``flash_training_serves``: float32 or float64, more than one query, no window;
+    ``cpu_flash_serves``: eager mode, since TorchDynamo does not trace the backward's
+    second-order gradient, and values as wide as the queries)."""
     return (
         torch.is_grad_enabled()
         and any(p.requires_grad for p in parameters)
         and q.device.type in DIRECTIONAL_BIAS_DEVICES
-        and m >= DIRECTIONAL_BIAS_MIN_KEYS[causal]
+        and v.shape[2] >= DIRECTIONAL_BIAS_MIN_KEYS[causal]
         and flash_training_serves(q, window)
+        and cpu_flash_serves(q, v)
     )
 
 

@@ -427,7 +427,7 @@ class SdpaBackend(AttentionTerms):
         n, m = q.shape[2], k.shape[2]
         groups = q.shape[1] // k.shape[1]
         parameters = tuple(getattr(self, name) for name in self.distance_bias_parameters)
-        if directional_bias_serves(q, m, window, causal, parameters):
+        if directional_bias_serves(q, v, window, causal, parameters):
 
             def vector() -> Tensor:  # [H, N + M - 1]: SDPA's mask in _sdpa_by_distance
                 vec = self._floored_distance_bias(n, m, q.device, q.dtype)
