@@ -189,6 +189,10 @@ class ConstructorArgument:
     doc: str
 
 
+#: a composition flag's value: a switch, a distance, attribute names, or None (unset)
+FlagValue = bool | int | tuple[str, ...] | None
+
+
 @dataclass(frozen=True)
 class ModulePlan:
     """Everything module.py.jinja renders for one spec."""
@@ -208,9 +212,7 @@ class ModulePlan:
     scale_factor: float | None  # logits scaled by 1/sqrt(factor * head_dim); None: unscaled
     arguments: tuple[ConstructorArgument, ...]
     blocks: tuple[Block, ...]
-    flags: tuple[
-        tuple[str, bool | int | tuple[str, ...] | None], ...
-    ]  # PositionalAttention's composition flags
+    flags: tuple[tuple[str, FlagValue], ...]  # PositionalAttention's composition flags
 
 
 # --------------------------------------------------------------------------- builders
@@ -538,9 +540,7 @@ def _blocks(spec: Spec) -> tuple[Block, ...]:
     return tuple(blocks)
 
 
-def _flags(
-    blocks: tuple[Block, ...],
-) -> tuple[tuple[str, bool | int | tuple[str, ...] | None], ...]:
+def _flags(blocks: tuple[Block, ...]) -> tuple[tuple[str, FlagValue], ...]:
     """The composition flags the runtime's PositionalAttention reads."""
     untied = any(isinstance(block, UntiedPlan) for block in blocks)
     bias = next((b for b in blocks if isinstance(b, BIAS_BLOCKS)), None)

@@ -44,16 +44,15 @@ from ._trained_bias import flash_spans, flash_training_serves
 #: only the CPU's flash kernel returns the log-sum-exp it needs
 DIRECTIONAL_BIAS_DEVICES: set[str] = {"cpu"}
 
-#: the path serves calls of at least this many keys, without and with a causal mask;
-#: below, the query chunks' trained masks (``trained_mask_attention``) were as fast or
-#: faster. Against them (and, from 1024 keys without and 2048 with a causal mask, the
-#: band pass over every key it replaced) in one run (2-core CPU, float32, batch 2, 16
-#: heads, head_dim 64, training steps as time over plain SDPA's,
-#: attention_backends_cpu_float32_directional*.md): KERPLE (two scalars per head) at
-#: N = 512 1.93x against 1.92x, causal 1.60x against 1.21x; at 768 1.82x against 1.87x,
-#: causal 1.81x against 1.47x; at 1024 causal 1.77x against 1.89x; at 2048 1.72x
-#: against 2.54x, causal 1.90x against 2.36x. Trained ALiBi slopes (one) at 768 1.51x
-#: against 1.85x, at 2048 1.39x against 2.62x
+#: the path serves calls of at least this many keys, without and with a causal mask.
+#: Against the query chunks' trained masks (``trained_mask_attention``) in one run
+#: (2-core CPU, float32, batch 2, 16 heads, head_dim 64, training steps as time over
+#: plain SDPA's, attention_backends_cpu_float32_directional.md): KERPLE (two scalars
+#: per head) and trained ALiBi slopes (one) at N = 768 1.78x and 1.42x against 2.04x
+#: and 1.72x; at 2048 1.71x and 1.36x against 3.17x and 3.14x; causal at 1024 1.69x
+#: and 1.39x against 1.49x and 1.57x (tied overall, with 65 against 168 MiB), at 1536
+#: 1.79x and 1.45x against 2.14x and 1.96x, at 2048 1.83x and 1.52x against 2.27x and
+#: 2.36x. At 512 the two ran the same code (1.64-1.94x: that run's noise)
 DIRECTIONAL_BIAS_MIN_KEYS = {False: 768, True: 1024}
 
 
