@@ -82,6 +82,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -321,15 +322,23 @@ def parts_route_off() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def bias_floor_off(device: torch.device) -> Iterator[None]:
-    """The sdpa backend giving SDPA its bias as it is on ``device``: no floor under the
-    entries far below each row's top (``BIAS_FLOOR_DEVICES``)."""
-    devices = distances.BIAS_FLOOR_DEVICES
-    distances.BIAS_FLOOR_DEVICES = devices - {device.type}
+def device_set(module: ModuleType, name: str, device: torch.device, on: bool) -> Iterator[None]:
+    """The runtime with ``device`` added to (``on``) or taken from the device set
+    ``module.name`` that switches one of its paths (``BIAS_FLOOR_DEVICES``,
+    ``RECOMPUTED_MASK_DEVICES``, ``DIRECTIONAL_BIAS_DEVICES``,
+    ``CLIPPED_BIAS_FLEX_DEVICES``, ...)."""
+    devices = getattr(module, name)
+    setattr(module, name, devices | {device.type} if on else devices - {device.type})
     try:
         yield
     finally:
-        distances.BIAS_FLOOR_DEVICES = devices
+        setattr(module, name, devices)
+
+
+def bias_floor_off(device: torch.device) -> contextlib.AbstractContextManager[None]:
+    """The sdpa backend giving SDPA its bias as it is on ``device``: no floor under the
+    entries far below each row's top (``BIAS_FLOOR_DEVICES``)."""
+    return device_set(distances, "BIAS_FLOOR_DEVICES", device, on=False)
 
 
 @contextlib.contextmanager
@@ -349,43 +358,25 @@ def chunked_flash_off(device: torch.device, plain_slices: bool) -> Iterator[None
         sdpa_backend.sequence_slices = slices
 
 
-@contextlib.contextmanager
-def recomputed_mask_off(device: torch.device) -> Iterator[None]:
+def recomputed_mask_off(device: torch.device) -> contextlib.AbstractContextManager[None]:
     """The sdpa backend's chunked training steps whose masks train on ``device`` as one
     call per chunk through autograd, without ``recomputed_mask_attention``
     (``RECOMPUTED_MASK_DEVICES``)."""
-    devices = recomputed_mask.RECOMPUTED_MASK_DEVICES
-    recomputed_mask.RECOMPUTED_MASK_DEVICES = devices - {device.type}
-    try:
-        yield
-    finally:
-        recomputed_mask.RECOMPUTED_MASK_DEVICES = devices
+    return device_set(recomputed_mask, "RECOMPUTED_MASK_DEVICES", device, on=False)
 
 
-@contextlib.contextmanager
-def directional_path_off(device: torch.device) -> Iterator[None]:
+def directional_path_off(device: torch.device) -> contextlib.AbstractContextManager[None]:
     """The sdpa backend's training steps of a per-distance bias with trained scalars
     per head on ``device`` without ``directional_bias_attention``
     (``DIRECTIONAL_BIAS_DEVICES``)."""
-    devices = directional_bias.DIRECTIONAL_BIAS_DEVICES
-    directional_bias.DIRECTIONAL_BIAS_DEVICES = devices - {device.type}
-    try:
-        yield
-    finally:
-        directional_bias.DIRECTIONAL_BIAS_DEVICES = devices
+    return device_set(directional_bias, "DIRECTIONAL_BIAS_DEVICES", device, on=False)
 
 
-@contextlib.contextmanager
-def clipped_flex_route_on(device: torch.device) -> Iterator[None]:
+def clipped_flex_route_on(device: torch.device) -> contextlib.AbstractContextManager[None]:
     """The runtime with flex training a clipped bias through a constant per-score read
     and the attached band-and-triangle gradient on ``device``
     (``CLIPPED_BIAS_FLEX_DEVICES``)."""
-    devices = flex_backend.CLIPPED_BIAS_FLEX_DEVICES
-    flex_backend.CLIPPED_BIAS_FLEX_DEVICES = devices | {device.type}
-    try:
-        yield
-    finally:
-        flex_backend.CLIPPED_BIAS_FLEX_DEVICES = devices
+    return device_set(flex_backend, "CLIPPED_BIAS_FLEX_DEVICES", device, on=True)
 
 
 @contextlib.contextmanager
