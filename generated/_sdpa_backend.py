@@ -394,15 +394,12 @@ class SdpaBackend(AttentionTerms):
         out = self._trained_distance_attention(q, k, v, causal, window)
         if out is not None:
             return out
-        vec = self._floored_distance_bias(n, m, q.device, q.dtype)  # [H, N + M - 1]
-        allowed = distance_allowed(n, m, q.device, causal, window)  # [N + M - 1] or None
-        if allowed is not None:
-            vec = vec.masked_fill(~allowed, float("-inf"))
+        vec = self._masked_distance_bias(n, m, q.device, q.dtype, causal, window)
         vec = half_precision_bias(vec, q.dtype)  # [H, N + M - 1]
         if n == 1:  # one query (a decode step): the vector is its row, in key order
             mask = vec[None, :, None, :]  # [1, H, 1, M]
             return scaled_dot_product(q, k, v, mask, self.scale)
-        if allowed is None and not vec.requires_grad:
+        if not (causal or window is not None or vec.requires_grad):
             spans = [(0, n, 0, m)]  # nothing to skip: one call over every key
         else:  # views of the vector, but a trained one's chunks get scores of their own
             trained = vec.requires_grad
@@ -430,9 +427,7 @@ class SdpaBackend(AttentionTerms):
         if directional_bias_serves(q, v, window, causal, parameters):
 
             def vector() -> Tensor:  # [H, N + M - 1]: SDPA's mask in _sdpa_by_distance
-                vec = self._floored_distance_bias(n, m, q.device, q.dtype)
-                allowed = distance_allowed(n, m, q.device, causal, None)
-                return vec if allowed is None else vec.masked_fill(~allowed, float("-inf"))
+                return self._masked_distance_bias(n, m, q.device, q.dtype, causal, None)
 
             k, v = repeat_kv(k, groups), repeat_kv(v, groups)
             return directional_bias_attention(q, k, v, vector, parameters, self.scale, causal)
@@ -446,6 +441,21 @@ class SdpaBackend(AttentionTerms):
             clipped = clipped * self.scale
         k, v = repeat_kv(k, groups), repeat_kv(v, groups)
         return clipped_bias_attention(q, k, v, clipped.to(q.dtype), self.scale, causal)
+
+    def _masked_distance_bias(
+        self,
+        n: int,
+        m: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        causal: bool,
+        window: int | None,
+    ) -> Tensor:
+        """``_floored_distance_bias`` with -inf on the distances that causal or window
+        masking excludes (``distance_allowed``): [H, N + M - 1]."""
+        vec = self._floored_distance_bias(n, m, device, dtype)
+        allowed = distance_allowed(n, m, device, causal, window)  # [N + M - 1] or None
+        return vec if allowed is None else vec.masked_fill(~allowed, float("-inf"))
 
     def _floored_distance_bias(
         self, n: int, m: int, device: torch.device, dtype: torch.dtype

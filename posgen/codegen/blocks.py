@@ -55,6 +55,14 @@ class Block(Rendered):
     docstring).
     """
 
+    @property
+    def distance_bias_parameters(self) -> tuple[str, ...]:
+        """For a bias of j - i alone: the trained parameters (attribute names its macro
+        file creates) its per-distance vector is a function of, each one scalar per head
+        whose entry h reaches only head h's row (the runtime's flag of that name); ()
+        where there are none."""
+        return ()
+
 
 # --------------------------------------------------------------------------- input tables
 
@@ -366,6 +374,11 @@ class SlopeBiasPlan(Block):
         """The original fixed geometric slopes on every head (the cached buffer path)."""
         return not self.learned and not self.custom and self.heads_with_bias is None
 
+    @property
+    def distance_bias_parameters(self) -> tuple[str, ...]:
+        """Learned slopes, one per head (the heads past ``heads_with_bias`` get 0)."""
+        return ("slopes",) if self.learned else ()
+
 
 @dataclass(frozen=True)
 class KerplePlan(Block):
@@ -379,6 +392,11 @@ class KerplePlan(Block):
     def log(self) -> bool:
         """The logarithmic kernel (else the power kernel)."""
         return self.variant == "log"
+
+    @property
+    def distance_bias_parameters(self) -> tuple[str, ...]:
+        """r1 and r2, one each per head."""
+        return ("r1", "r2")
 
 
 @dataclass(frozen=True)

@@ -557,7 +557,10 @@ def _flags(blocks: tuple[Block, ...]) -> tuple[tuple[str, FlagValue], ...]:
         # c_h |j - i|: ALiBi's slopes, which a fused kernel computes per score
         ("bias_linear_in_distance", not untied and isinstance(bias, SlopeBiasPlan)),
         # the per-distance vector's trained scalars, one per head each
-        ("distance_bias_parameters", () if untied else _distance_bias_parameters(bias)),
+        (
+            "distance_bias_parameters",
+            bias.distance_bias_parameters if bias is not None and not untied else (),
+        ),
         (
             # every bucket past max_distance is the last of its direction
             "clipped_distance",
@@ -575,17 +578,6 @@ def _flags(blocks: tuple[Block, ...]) -> tuple[tuple[str, FlagValue], ...]:
         ("has_value_term", relative is not None and relative.values is not None),
         ("relative_clip", _relative_clip(relative)),
     )
-
-
-def _distance_bias_parameters(bias: Block | None) -> tuple[str, ...]:
-    """The trained parameters a per-distance bias is a function of, where each is one
-    scalar per head whose entry h reaches only head h's row: KERPLE's r1 and r2, learned
-    ALiBi slopes (the heads past ``heads_with_bias`` get a fixed 0)."""
-    if isinstance(bias, KerplePlan):
-        return ("r1", "r2")
-    if isinstance(bias, SlopeBiasPlan) and bias.learned:
-        return ("slopes",)
-    return ()
 
 
 def _relative_clip(relative: RelativePlan | None) -> int | None:
