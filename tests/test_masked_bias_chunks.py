@@ -35,6 +35,20 @@ CASES = {
 }
 
 
+def _spy_span_counts(monkeypatch, cls: type, method: str) -> list[int]:
+    """The number of spans of each call of the chunk method ``method`` of ``cls``
+    (called as (self, q, k, v, spans, ...)); each call still runs."""
+    counts: list[int] = []
+    original = getattr(cls, method)
+
+    def spy(self, q, k, v, chunk_spans, *args):
+        counts.append(len(chunk_spans))
+        return original(self, q, k, v, chunk_spans, *args)
+
+    monkeypatch.setattr(cls, method, spy)
+    return counts
+
+
 @pytest.mark.parametrize("name", ["alibi", "t5", "kerple_log", "fire"])
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("node", [False, True])
@@ -47,15 +61,8 @@ def test_chunks_of_a_bias_per_pair_match_eager(
     monkeypatch.setitem(masks.SDPA_QUERY_CHUNK, "cpu", 4)
     if node:
         monkeypatch.setattr(recomputed, "RECOMPUTED_MASK_MIN_KEYS", 1)
-    spans: list[int] = []
     cls = generated_class(name)
-    original = cls._sdpa_bias_in_chunks
-
-    def spy(self, q, k, v, chunk_spans, *args):
-        spans.append(len(chunk_spans))
-        return original(self, q, k, v, chunk_spans, *args)
-
-    monkeypatch.setattr(cls, "_sdpa_bias_in_chunks", spy)
+    spans = _spy_span_counts(monkeypatch, cls, "_sdpa_bias_in_chunks")
     torch.manual_seed(0)
     pe = cls(heads=4, head_dim=8).double()
     assert_sdpa_matches_eager(pe, N, M, 2, **CASES[case])
@@ -99,15 +106,8 @@ def test_chunks_of_relative_terms_match_eager(name: str, case: str, monkeypatch)
     attn_mask, chunks of 4 queries over every key (``_sdpa_relative_in_chunks``):
     outputs and gradients equal the eager oracle's (float64)."""
     monkeypatch.setitem(masks.SDPA_QUERY_CHUNK, "cpu", 4)
-    spans: list[int] = []
     cls = generated_class(name)
-    original = cls._sdpa_relative_in_chunks
-
-    def spy(self, q, k, v, chunk_spans, *args):
-        spans.append(len(chunk_spans))
-        return original(self, q, k, v, chunk_spans, *args)
-
-    monkeypatch.setattr(cls, "_sdpa_relative_in_chunks", spy)
+    spans = _spy_span_counts(monkeypatch, cls, "_sdpa_relative_in_chunks")
     torch.manual_seed(0)
     pe = cls(heads=4, head_dim=8).double()
     assert_sdpa_matches_eager(pe, N, M, 2, **CASES[case])
