@@ -59,7 +59,10 @@ are); the baseline is unchanged.
 
 ``--position-offset K`` passes ``q_positions`` and ``k_positions`` K .. K + N - 1:
 explicit positions that are not the defaults (for K >= 1), with the defaults' relative
-positions, so a bias is built per pair.
+positions. An encoding with ``shift_invariant`` (one that reads positions only as key
+minus query) treats them as the defaults; any other builds its bias per pair.
+``--compare-shifted`` also times such an encoding with that recognition off (the
+instance's ``shift_invariant`` False: the per-pair paths), in the same loop.
 
 ``--window W`` adds a sliding window (query - W < key <= query when causal, |query - key|
 < W otherwise) to every candidate (``forward(..., window=W)``; plain flex with the same
@@ -372,6 +375,17 @@ def directional_path_off(device: torch.device) -> contextlib.AbstractContextMana
     return device_set(directional_bias, "DIRECTIONAL_BIAS_DEVICES", device, on=False)
 
 
+@contextlib.contextmanager
+def shift_recognition_off(pe: torch.nn.Module) -> Iterator[None]:
+    """``pe`` keeping positions that are the defaults plus a constant as given (its
+    ``shift_invariant`` False), so that they take the per-pair paths."""
+    pe.shift_invariant = False
+    try:
+        yield
+    finally:
+        del pe.shift_invariant  # the class's flag again
+
+
 def clipped_flex_route_on(device: torch.device) -> contextlib.AbstractContextManager[None]:
     """The runtime with flex training a clipped bias through a constant per-score read
     and the attached band-and-triangle gradient on ``device``
@@ -493,6 +507,14 @@ def candidates(
                     return pe(q, k, v, causal=causal, backend="sdpa", **options)
 
             found.append((name, "sdpa, no directional path", attend_undirected, params))
+        if args.compare_shifted and pe.shift_invariant and args.position_offset:
+            for backend in args.backends:
+
+                def attend_as_given(pe=pe, backend=backend) -> torch.Tensor:
+                    with shift_recognition_off(pe):
+                        return pe(q, k, v, causal=causal, backend=backend, **options)
+
+                found.append((name, f"{backend}, positions as given", attend_as_given, params))
         if "flex" in args.backends and args.compare_clipped and pe.clipped_distance:
 
             def attend_clipped_flex(pe=pe) -> torch.Tensor:
@@ -748,6 +770,12 @@ def main() -> None:
         action="store_true",
         help="also time sdpa training steps whose chunk masks train with one call per "
         "chunk through autograd (no recomputed_mask_attention)",
+    )
+    parser.add_argument(
+        "--compare-shifted",
+        action="store_true",
+        help="with --position-offset, also time each shift-invariant encoding with its "
+        "shifted positions kept as given (the per-pair paths)",
     )
     parser.add_argument(
         "--compare-directional",

@@ -194,21 +194,31 @@ def check_position_pair(
 
 
 def positions_are_default(
-    q_positions: Tensor | None, k_positions: Tensor | None, n: int, m: int
+    q_positions: Tensor | None,
+    k_positions: Tensor | None,
+    n: int,
+    m: int,
+    shifted: bool = False,
 ) -> bool:
     """Whether validated positions (``check_position_pair``) that were given equal the
     defaults in every batch row: queries M - N, ..., M - 1 and keys 0, ..., M - 1, as a
     caller passing Hugging Face-style position ids for a plain sequence or a KV cache
-    does. One read of the tensors (a host sync on a GPU): eager mode only, False while
-    compiling, so that a traced call keeps the positions it was given."""
-    if torch.compiler.is_compiling() or (q_positions is None and k_positions is None):
-        return False
-    matches = []
+    does. With ``shifted``, also the defaults plus one constant per batch row, the same
+    for its queries and keys (positions 1 ... N; a rolling KV cache whose first key is
+    at position c): what an encoding with ``shift_invariant`` cannot tell from the
+    defaults. One read of the tensors (a host sync on a GPU): eager mode only, False
+    while compiling, so that a traced call keeps the positions it was given."""
+    if torch.compiler.is_compiling() or (q_positions is None and k_positions is None) or n > m:
+        return False  # (N > M: the default queries would sit before the first key)
+    offsets = []  # position minus default: [N] / [batch, N], [M] / [batch, M]
     for positions, start, length in ((q_positions, m - n, n), (k_positions, 0, m)):
         if positions is not None:
-            default = torch.arange(start, start + length, device=positions.device)
-            matches.append((positions == default).all())
-    return bool(torch.stack(matches).all())
+            offsets.append(positions - torch.arange(start, start + length, device=positions.device))
+    # each row's shift ([1] / [batch, 1]), or 0: a side left out is at the defaults
+    shifted = shifted and len(offsets) == 2
+    firsts = [offset[..., :1] for offset in offsets if shifted and offset.shape[-1]]
+    constant = firsts[0] if firsts else 0
+    return bool(torch.stack([(offset == constant).all() for offset in offsets]).all())
 
 
 def score_bias_positions(

@@ -31,6 +31,18 @@ def masked_softmax(logits: Tensor) -> Tensor:
     return weights.masked_fill(dead, 0.0)
 
 
+def attention_without_keys(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """[batch, heads, N, value_dim] zeros, in v's dtype: attention where N or M is 0.
+
+    With no keys every query row reads none, the rule for fully masked rows; with no
+    queries the output is empty. Tied to q, k and v (zero gradients) so that a backward
+    through it runs as through any other output.
+    """
+    batch, heads, n = q.shape[:3]
+    tie = (q.sum() + k.sum() + v.sum()).to(v.dtype) * 0  # 0-D, in the autograd graph
+    return torch.zeros(batch, heads, n, v.shape[-1], dtype=v.dtype, device=v.device) + tie
+
+
 def causal_allowed(
     q_positions: Tensor | None, k_positions: Tensor | None, n: int, m: int, device: torch.device
 ) -> Tensor:

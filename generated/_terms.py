@@ -171,6 +171,12 @@ class AttentionTerms(nn.Module):
     #: minus query positions >= this distance, and one for all <= minus it (Shaw's and
     #: BERT's clip, DeBERTa's log buckets past max_distance); None where it does not
     relative_clip: int | None = None
+    #: positions reach the logits, values and masks only as key minus query position, so
+    #: adding one constant to every position of a batch row changes nothing: positions
+    #: that are the defaults plus such a constant take the paths for default positions
+    #: (``positions_are_default``). False where a rotation, an absolute or contextual term
+    #: or a bias of the query position itself (FIRE) reads positions
+    shift_invariant: bool = False
     #: position axes of the rotation (M-RoPE: 3); explicit positions [axes, batch, seq]
     position_axes: int = 1
     #: backend "flex" runs torch.compile'd FlexAttention (None: on CUDA only; elsewhere

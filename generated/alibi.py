@@ -84,6 +84,7 @@ class Alibi(PositionalAttention):
     has_relative_terms = False
     has_value_term = False
     relative_clip = None
+    shift_invariant = True
 
     def __init__(
         self,

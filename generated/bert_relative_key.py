@@ -93,6 +93,7 @@ class BertRelativeKey(PositionalAttention):
     has_relative_terms = True
     has_value_term = False
     relative_clip = 511
+    shift_invariant = True
 
     def __init__(
         self,

@@ -95,6 +95,7 @@ class BertRelativeKeyQuery(PositionalAttention):
     has_relative_terms = True
     has_value_term = False
     relative_clip = 511
+    shift_invariant = True
 
     def __init__(
         self,

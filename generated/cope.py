@@ -62,6 +62,7 @@ class Cope(PositionalAttention):
     has_relative_terms = True
     has_value_term = False
     relative_clip = None
+    shift_invariant = False
 
     def __init__(
         self,

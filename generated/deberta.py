@@ -114,6 +114,7 @@ class Deberta(PositionalAttention):
     has_relative_terms = True
     has_value_term = False
     relative_clip = 512
+    shift_invariant = True
 
     def __init__(
         self,

@@ -120,6 +120,7 @@ class DebertaAbsoluteInput(PositionalAttention):
     has_relative_terms = True
     has_value_term = False
     relative_clip = 512
+    shift_invariant = True
 
     def __init__(
         self,

@@ -73,6 +73,7 @@ class MultiplicativeLearned(PositionalAttention):
     has_relative_terms = False
     has_value_term = False
     relative_clip = None
+    shift_invariant = True
 
     def __init__(
         self,

@@ -57,6 +57,7 @@ class Nope(PositionalAttention):
     has_relative_terms = False
     has_value_term = False
     relative_clip = None
+    shift_invariant = True
 
     def __init__(
         self,

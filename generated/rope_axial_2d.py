@@ -112,6 +112,7 @@ class RopeAxial2d(PositionalAttention):
     has_relative_terms = False
     has_value_term = False
     relative_clip = None
+    shift_invariant = False
 
     def __init__(
         self,

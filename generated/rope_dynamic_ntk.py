@@ -127,6 +127,7 @@ class RopeDynamicNtk(PositionalAttention):
     has_relative_terms = False
     has_value_term = False
     relative_clip = None
+    shift_invariant = False
 
     def __init__(
         self,

@@ -106,6 +106,7 @@ class RopeLinear(PositionalAttention):
     has_relative_terms = False
     has_value_term = False
     relative_clip = None
+    shift_invariant = False
 
     def __init__(
         self,

@@ -114,6 +114,7 @@ class RopeMrope(PositionalAttention):
     has_relative_terms = False
     has_value_term = False
     relative_clip = None
+    shift_invariant = False
 
     def __init__(
         self,

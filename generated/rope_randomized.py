@@ -105,6 +105,7 @@ class RopeRandomized(PositionalAttention):
     has_relative_terms = False
     has_value_term = False
     relative_clip = None
+    shift_invariant = False
 
     def __init__(
         self,

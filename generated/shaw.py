@@ -97,6 +97,7 @@ class Shaw(PositionalAttention):
     has_relative_terms = True
     has_value_term = True
     relative_clip = 16
+    shift_invariant = True
 
     def __init__(
         self,

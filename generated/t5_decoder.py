@@ -98,6 +98,7 @@ class T5Decoder(PositionalAttention):
     has_relative_terms = False
     has_value_term = False
     relative_clip = None
+    shift_invariant = True
 
     def __init__(
         self,

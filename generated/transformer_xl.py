@@ -116,6 +116,7 @@ class TransformerXl(PositionalAttention):
     has_relative_terms = True
     has_value_term = False
     relative_clip = None
+    shift_invariant = True
 
     def __init__(
         self,

@@ -25,7 +25,8 @@ def test_decode_with_rotated_key_cache_matches_full_forward(
     v = torch.randn(2, 2, STEPS, 8, generator=generator, dtype=torch.float64)
     k = k[:, :2]  # grouped-query: 2 key/value heads for 4 query heads
     # without explicit positions the cache holds keys 0 .. t and the query is the newest
-    positions = torch.arange(3, 3 + STEPS) if explicit else torch.arange(STEPS)
+    # explicit: every other position from 3, which no encoding takes for the defaults
+    positions = torch.arange(3, 3 + 2 * STEPS, 2) if explicit else torch.arange(STEPS)
     full = pe(q, k, v, causal=True, backend="eager", q_positions=positions, k_positions=positions)
     cache = k[:, :, :0]
     for t in range(STEPS):

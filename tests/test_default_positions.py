@@ -1,7 +1,9 @@
 """Positions given that equal the defaults (queries M - N .. M - 1, keys 0 .. M - 1, as
 Hugging Face-style position ids for a plain sequence or a KV cache are) take the paths
 for default positions in eager mode (``positions_are_default``): the same outputs as
-leaving them out, through the per-distance view rather than a bias per pair."""
+leaving them out, through the per-distance view rather than a bias per pair. So do the
+defaults plus a constant per batch row, for an encoding that reads positions only as
+key minus query (``shift_invariant``)."""
 
 from __future__ import annotations
 
@@ -55,9 +57,9 @@ def test_default_positions_given_equal_leaving_them_out(name: str, case: str) ->
 
 
 def test_a_bias_of_distance_takes_the_per_distance_view(monkeypatch) -> None:
-    """ALiBi with position ids 0 .. N - 1 given: the sdpa backend's per-distance path
-    runs; with positions one further along (not the defaults) it does not, and the
-    output still equals the eager oracle's."""
+    """ALiBi with position ids 0 .. N - 1 given, or 1 .. N: the sdpa backend's
+    per-distance path runs; with keys one further along than the queries (not the
+    defaults shifted) it does not, and the output still equals the eager oracle's."""
     calls: list[int] = []
     cls = generated_class("alibi")
     original = cls._sdpa_by_distance
@@ -71,10 +73,90 @@ def test_a_bias_of_distance_takes_the_per_distance_view(monkeypatch) -> None:
     q, k, v = (torch.randn(1, 4, 5, 8, dtype=torch.float64) for _ in "qkv")
     pe(q, k, v, backend="sdpa", q_positions=torch.arange(5), k_positions=torch.arange(5))
     assert calls == [5]
-    shifted = {"q_positions": torch.arange(1, 6), "k_positions": torch.arange(1, 6)}
-    got = pe(q, k, v, backend="sdpa", **shifted)
-    assert calls == [5]
-    torch.testing.assert_close(got, pe(q, k, v, backend="eager", **shifted))
+    pe(q, k, v, backend="sdpa", q_positions=torch.arange(1, 6), k_positions=torch.arange(1, 6))
+    assert calls == [5, 5]
+    apart = {"q_positions": torch.arange(5), "k_positions": torch.arange(1, 6)}
+    got = pe(q, k, v, backend="sdpa", **apart)
+    assert calls == [5, 5]
+    torch.testing.assert_close(got, pe(q, k, v, backend="eager", **apart))
+
+
+def _shifted_rows(n: int, m: int, shifts: tuple[int, int] = (3, 250)) -> dict[str, torch.Tensor]:
+    """The defaults plus shifts[0] in batch row 0 and shifts[1] in row 1: [2, N], [2, M]."""
+    column = torch.tensor(shifts)[:, None]  # [2, 1]
+    return {
+        "q_positions": torch.arange(m - n, m) + column,
+        "k_positions": torch.arange(m) + column,
+    }
+
+
+SHIFT_INVARIANT = [name for name in spec_names() if generated_class(name).shift_invariant]
+
+
+def test_the_shift_invariant_encodings_are_those_of_differences_alone() -> None:
+    """The plan's flag, for the catalogue: biases and relative terms of j - i, and the
+    encodings whose attention reads no position; not rotations, absolute or contextual
+    terms in the logits, FIRE (which reads the query position) or expression biases."""
+    assert set(SHIFT_INVARIANT) == {
+        *("alibi", "alibi_learned", "kerple_log", "kerple_power", "sandwich", "t5"),
+        *("t5_decoder", "shaw", "bert_relative_key", "bert_relative_key_query"),
+        *("deberta", "deberta_absolute_input", "transformer_xl", "nope", "sinusoidal"),
+        *("learned_absolute", "hierarchical_absolute", "floater", "complex_order"),
+        *("convolutional", "convolutional_grid", "multiplicative_learned"),
+        "multiplicative_sinusoidal",
+    }
+
+
+@pytest.mark.parametrize("name", SHIFT_INVARIANT)
+def test_shift_invariant_encodings_give_the_same_attention_at_shifted_positions(name) -> None:
+    """What the flag promises, checked on the eager oracle's literal terms (float64),
+    below the shortcut: every term, mask and value term at the defaults plus a
+    constant per batch row equals those at the defaults, causal or not, with a
+    window or without."""
+    n, m = 5, 9
+    head_dim = head_dim_for(name, 8)
+    pe = generated_class(name)(heads=4, head_dim=head_dim).double().eval()
+    generator = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 4, n, head_dim, generator=generator, dtype=torch.float64)
+    k = torch.randn(2, 4, m, head_dim, generator=generator, dtype=torch.float64)
+    v = torch.randn(2, 4, m, 8, generator=generator, dtype=torch.float64)
+    given = _shifted_rows(n, m)
+    q_positions, k_positions = inputs_module.check_position_pair(
+        given["q_positions"], given["k_positions"], n, m, 2, q.device
+    )
+    for causal, window in ((False, None), (True, None), (True, 3), (False, 4)):
+        want = pe._eager_attention(q, k, v, None, None, causal, None, window=window)
+        got = pe._eager_attention(q, k, v, q_positions, k_positions, causal, None, window=window)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=str((causal, window)))
+
+
+@pytest.mark.parametrize("name", ["alibi", "t5", "kerple_log", "deberta", "transformer_xl"])
+def test_shifted_positions_take_the_default_paths(name) -> None:
+    """Positions shifted per batch row give, bit for bit, the output of the defaults on
+    sdpa and eager (the shortcut ran), and the same gradients."""
+    n, m = 6, 10
+    pe = generated_class(name)(heads=4, head_dim=8).double()
+    generator = torch.Generator().manual_seed(3)
+    q, k = (torch.randn(2, 4, s, 8, generator=generator, dtype=torch.float64) for s in (n, m))
+    v = torch.randn(2, 4, m, 8, generator=generator, dtype=torch.float64)
+    for backend in ("sdpa", "eager"):
+        for causal in (False, True):
+            want = pe(q, k, v, causal=causal, backend=backend)
+            got = pe(q, k, v, causal=causal, backend=backend, **_shifted_rows(n, m))
+            assert torch.equal(got, want), (backend, causal)
+
+
+def test_shifts_change_what_reads_positions_themselves() -> None:
+    """FIRE divides by the query position (max(i, L), L = 512): positions shifted past L
+    are kept as given, so its output moves, and sdpa still matches the oracle there."""
+    pe = generated_class("fire")(heads=4, head_dim=8).double()
+    assert not pe.shift_invariant
+    generator = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 4, 6, 8, generator=generator, dtype=torch.float64) for _ in "qkv")
+    shifted = _shifted_rows(6, 6, shifts=(600, 2000))
+    got = pe(q, k, v, backend="sdpa", causal=True, **shifted)
+    torch.testing.assert_close(got, pe(q, k, v, backend="eager", causal=True, **shifted))
+    assert not torch.allclose(got, pe(q, k, v, backend="sdpa", causal=True), atol=1e-3)
 
 
 def test_randomized_positions_are_not_drawn_when_positions_are_given() -> None:
@@ -101,6 +183,38 @@ def test_randomized_positions_are_not_drawn_when_positions_are_given() -> None:
 )
 def test_positions_are_default_compares_every_row(q_positions, k_positions, n, m, want) -> None:
     assert inputs_module.positions_are_default(q_positions, k_positions, n, m) is want
+
+
+@pytest.mark.parametrize(
+    ("q_positions", "k_positions", "n", "m", "want"),
+    [
+        (torch.arange(2, 5), torch.arange(5), 3, 5, True),  # the defaults
+        (torch.arange(9, 12), torch.arange(7, 12), 3, 5, True),  # plus 7
+        (torch.arange(9, 12), None, 3, 5, False),  # keys default to 0 .. 4
+        (None, torch.arange(7, 12), 3, 5, False),  # queries default to 2 .. 4
+        (torch.tensor([[3, 4, 5], [12, 13, 14]]), torch.arange(5), 3, 5, False),
+        (
+            torch.tensor([[3, 4, 5], [12, 13, 14]]),
+            torch.tensor([[1, 2, 3, 4, 5], [10, 11, 12, 13, 14]]),
+            3,
+            5,
+            True,  # a constant per batch row
+        ),
+        (
+            torch.tensor([[3, 4, 5], [12, 13, 14]]),
+            torch.tensor([[1, 2, 3, 4, 5], [10, 11, 12, 13, 15]]),
+            3,
+            5,
+            False,  # one key off
+        ),
+        (torch.arange(5, 8), torch.arange(4, 9), 3, 5, False),  # keys one further along
+        (torch.arange(4, 8), torch.arange(5, 8), 4, 3, False),  # N > M, else a shift of 5
+        (torch.arange(0), torch.arange(4, 8), 0, 4, True),  # no queries
+    ],
+)
+def test_shifted_defaults_are_one_constant_per_row(q_positions, k_positions, n, m, want) -> None:
+    got = inputs_module.positions_are_default(q_positions, k_positions, n, m, shifted=True)
+    assert got is want
 
 
 def test_positions_are_left_as_given_while_compiling(monkeypatch) -> None:

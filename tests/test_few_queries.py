@@ -98,7 +98,7 @@ def test_more_queries_or_explicit_positions_build_dense_terms(
     q, k, v = (torch.randn(1, 4, 17, 8, dtype=F64) for _ in range(3))
     with torch.no_grad():
         pe(q, k, v, backend="sdpa")  # 17 queries
-        positions = torch.arange(1, 18)  # not the defaults, which would take the route
+        positions = torch.arange(0, 34, 2)  # no shift of the defaults (which take the route)
         pe(q[:, :, :2], k, v, q_positions=positions[-2:], k_positions=positions, backend="sdpa")
         assert route == []
         set_runtime(monkeypatch, "FEW_QUERY_RELATIVE_MAX_QUERIES", 2, pe)

@@ -323,9 +323,9 @@ def test_compiled_flex_with_windows_and_documents_matches_eager_on_cuda(
     params = [p for p in pe.parameters() if p.requires_grad]
     token = torch.arange(length, device=CUDA)
     documents = torch.stack([(token >= 100).long() + (token >= 400).long(), token // 200])
-    # block masks built per call (shifted: the default positions, given, take the
-    # default paths)
-    explicit = {"q_positions": token + 1, "k_positions": token + 1}
+    # block masks built per call (every other position: the defaults, given or shifted,
+    # take the default paths)
+    explicit = {"q_positions": 2 * token, "k_positions": 2 * token}
     for positions in ({}, explicit):
         for causal in (False, True):
             for masks in (

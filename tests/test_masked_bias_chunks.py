@@ -21,13 +21,15 @@ TOKEN = torch.arange(M)
 EMPTY_ROW = torch.ones(N, M, dtype=torch.bool)
 EMPTY_ROW[3] = False  # query 3 reads no key
 
+# explicit positions: keys 1 .. M and queries 4 .. N + 3, one further along than the
+# last N keys (so no shift of the defaults, which take the defaults' paths)
 CASES = {
-    "explicit positions": {"q_positions": torch.arange(3, 3 + N), "k_positions": TOKEN + 1},
-    "batched positions": {"k_positions": torch.stack([TOKEN, TOKEN + 3])},
+    "explicit positions": {"q_positions": torch.arange(4, 4 + N), "k_positions": TOKEN + 1},
+    "batched positions": {"k_positions": torch.stack([TOKEN, 2 * TOKEN])},
     "attn_mask, a row reading nothing": {"attn_mask": EMPTY_ROW},
     "documents": {"document_ids": (TOKEN >= 5).long()},
     "positions, causal and window": {
-        "q_positions": torch.arange(3, 3 + N),
+        "q_positions": torch.arange(4, 4 + N),
         "k_positions": TOKEN + 1,
         "causal": True,
         "window": 4,
@@ -133,7 +135,7 @@ def test_spans_that_skip_keys_take_their_part_of_every_mask(name: str) -> None:
     q = torch.randn(2, 4, N, 8, generator=generator, dtype=torch.float64)
     k, v = (torch.randn(2, 4, M, 8, generator=generator, dtype=torch.float64) for _ in "kv")
     masked = {"attn_mask": allowed & ~outside, "document_ids": documents}
-    given = {"q_positions": TOKEN[M - N :] + 1, "k_positions": TOKEN + 1}  # not defaults
+    given = {"q_positions": 2 * TOKEN[M - N :], "k_positions": 2 * TOKEN}  # no shift of them
     for positions in ({}, given):
         at = (positions.get("q_positions"), positions.get("k_positions"))
         with torch.no_grad():

@@ -210,6 +210,26 @@ def test_fully_masked_rows_are_zero_on_every_backend(name: str) -> None:
         torch.testing.assert_close(outs[2], outs[0], atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_no_queries_or_no_keys_give_zeros_on_every_backend(name: str) -> None:
+    """N = 0 or M = 0: an output of [batch, heads, N, value_dim] zeros (with no keys each
+    row is fully masked) on every backend, and a backward that gives zero gradients.
+    Keys, but no queries, with default positions; no keys with explicit query positions."""
+    pe = make(name)
+    explicit = {} if pe.position_axes > 1 else {"q_positions": torch.arange(3)}
+    for n, m, positions in ((0, 4, {}), (0, 0, {}), (3, 0, explicit)):
+        if n > m and not positions:
+            continue  # M-RoPE: explicit positions are [axes, batch, seq]
+        for backend in ("eager", "sdpa", "flex", "auto"):
+            q, k, v = (t.requires_grad_() for t in qkv(pe, batch=2, n=n, m=m))
+            out = pe(q, k, v, backend=backend, causal=True, **positions)
+            assert out.shape == (2, pe.heads, n, v.shape[-1]), (backend, n, m)
+            assert out.dtype == v.dtype and not out.any(), (backend, n, m)
+            out.sum().backward()
+            for tensor in (q, k, v):
+                assert tensor.grad is not None and not tensor.grad.any(), (backend, n, m)
+
+
 # 6. sparse Transformer-XL distances -----------------------------------------------------
 
 

@@ -577,6 +577,7 @@ def _flags(blocks: tuple[Block, ...]) -> tuple[tuple[str, FlagValue], ...]:
         ),
         ("has_value_term", relative is not None and relative.values is not None),
         ("relative_clip", _relative_clip(relative)),
+        ("shift_invariant", all(block.shift_invariant for block in blocks)),
     )
 
 

@@ -37,6 +37,7 @@ from ._inputs import (
 from ._masks import (
     apply_masks,
     attention_allowed,
+    attention_without_keys,
     check_attn_mask,
     check_document_ids,
     check_window,
@@ -97,7 +98,9 @@ class PositionalAttention(SdpaBackend, FlexBackend):
             q_positions: int64 [N] or [batch, N]; default the last N key positions
                 (k_positions[..., M - N:], or M - N, ..., M - 1), as with a KV cache.
                 N > M needs them explicitly.
-            k_positions: int64 [M] or [batch, M]; default 0, ..., M - 1.
+            k_positions: int64 [M] or [batch, M]; default 0, ..., M - 1. In eager mode,
+                positions equal to the defaults (or, where ``shift_invariant`` is set, the
+                defaults plus one constant per batch row) take the defaults' fast paths.
             causal: mask keys whose position is greater than the query's.
             attn_mask: bool (True = attend) or additive float mask, broadcastable to
                 [batch, heads, N, M].
@@ -132,7 +135,8 @@ class PositionalAttention(SdpaBackend, FlexBackend):
         Returns:
             [batch, heads, N, value_dim] in the dtype of v. A query row whose every key
             is masked (by ``causal``, ``window``, ``document_ids`` or ``attn_mask``) is
-            all zeros on every backend, as F.scaled_dot_product_attention gives.
+            all zeros on every backend, as F.scaled_dot_product_attention gives; so is
+            every row when M = 0.
         """
         q, k, v = to_bhnd(layout, q, k, v)
         out = self._attend(
@@ -176,15 +180,18 @@ class PositionalAttention(SdpaBackend, FlexBackend):
             sampled = self._sampled_positions(m, q.device)  # randomized encodings, training
             if sampled is not None:
                 k_positions, q_positions = sampled, sampled[m - n :]
-        elif positions_are_default(q_positions, k_positions, n, m):
-            # the defaults, given: the paths for default positions (per-distance views,
-            # query chunks that skip masked keys, cached tables) serve them
+        elif positions_are_default(q_positions, k_positions, n, m, self.shift_invariant):
+            # the defaults, given (or, where only differences count, shifted): the paths
+            # for default positions (per-distance views, query chunks that skip masked
+            # keys, cached tables) serve them
             q_positions = k_positions = None
         attn_mask = check_attn_mask(attn_mask, q, m)
         document_ids = check_document_ids(document_ids, n, m, q.shape[0], q.device)
         if window is not None and window >= m and q_positions is None and k_positions is None:
             window = None  # default positions: every |query - key| < M (N <= M)
         self._check_value_width(v)
+        if n == 0 or m == 0:
+            return attention_without_keys(q, k, v)
         if backend == "auto":
             backend = self._auto_backend(q)
         args = (q, k, v, q_positions, k_positions, causal, attn_mask, rotated)
