@@ -178,17 +178,19 @@ class PositionalAttention(SdpaBackend, FlexBackend):
             q, k, q_positions, k_positions, "keys" if keys_rotated else "none"
         )
         n, m = q.shape[2], k.shape[2]
+        document_ids = check_document_ids(document_ids, n, m, q.shape[0], q.device)
         if q_positions is None and k_positions is None:
             sampled = self._sampled_positions(m, q.device)  # randomized encodings, training
             if sampled is not None:
                 k_positions, q_positions = sampled, sampled[m - n :]
-        elif positions_are_default(q_positions, k_positions, n, m, self.shift_invariant):
-            # the defaults, given (or, where only differences count, shifted): the paths
-            # for default positions (per-distance views, query chunks that skip masked
-            # keys, cached tables) serve them
+        elif positions_are_default(
+            q_positions, k_positions, n, m, self.shift_invariant, document_ids
+        ):
+            # the defaults, given (or, where only differences count, shifted per row or
+            # per document): the paths for default positions (per-distance views, query
+            # chunks that skip masked keys, cached tables) serve them
             q_positions = k_positions = None
         attn_mask = check_attn_mask(attn_mask, q, m)
-        document_ids = check_document_ids(document_ids, n, m, q.shape[0], q.device)
         if window is not None and window >= m and q_positions is None and k_positions is None:
             window = None  # default positions: every |query - key| < M (N <= M)
         self._check_value_width(v)

@@ -128,6 +128,28 @@ def test_shift_invariant_encodings_give_the_same_attention_at_shifted_positions(
         want = pe._eager_attention(q, k, v, None, None, causal, None, window=window)
         got = pe._eager_attention(q, k, v, q_positions, k_positions, causal, None, window=window)
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=str((causal, window)))
+    # packed documents whose positions restart at each one (pairs across them masked)
+    documents, restarted = _restarting_documents(m)
+    for causal in (False, True):
+        kwargs = {"window": None, "document_ids": documents}
+        want = pe._eager_attention(q, k, v, None, None, causal, None, **kwargs)
+        at = (restarted[:, m - n :], restarted)  # [2, N], [2, M]
+        got = pe._eager_attention(q, k, v, *at, causal, None, **kwargs)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=f"documents {causal}")
+
+
+def _restarting_documents(m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Document ids [2, M] (row 0: three documents; row 1: document 0 in two runs with
+    document 1 between them) and positions [2, M] that count from 0 in each document
+    (row 1's document 0 counts on across the gap: its keys are at their indices)."""
+    documents = torch.tensor([[0] * 3 + [1] * 4 + [2] * (m - 7), [0] * 2 + [1] * 3 + [0] * (m - 5)])
+    restarted = torch.tensor(
+        [
+            [*range(3), *range(4), *range(m - 7)],
+            [0, 1, *range(3), *range(5, 5 + m - 5)],
+        ]
+    )
+    return documents, restarted
 
 
 @pytest.mark.parametrize("name", ["alibi", "t5", "kerple_log", "deberta", "transformer_xl"])
@@ -143,6 +165,24 @@ def test_shifted_positions_take_the_default_paths(name) -> None:
         for causal in (False, True):
             want = pe(q, k, v, causal=causal, backend=backend)
             got = pe(q, k, v, causal=causal, backend=backend, **_shifted_rows(n, m))
+            assert torch.equal(got, want), (backend, causal)
+
+
+@pytest.mark.parametrize("name", ["alibi", "t5", "shaw", "transformer_xl"])
+def test_positions_restarting_per_document_take_the_default_paths(name) -> None:
+    """Packed documents whose positions restart at each one: bit for bit the output of
+    default positions with the same documents (the shortcut ran), causal or not."""
+    n, m = 6, 10
+    pe = generated_class(name)(heads=4, head_dim=8).double()
+    generator = torch.Generator().manual_seed(5)
+    q, k = (torch.randn(2, 4, s, 8, generator=generator, dtype=torch.float64) for s in (n, m))
+    v = torch.randn(2, 4, m, 8, generator=generator, dtype=torch.float64)
+    documents, restarted = _restarting_documents(m)
+    given = {"q_positions": restarted[:, m - n :], "k_positions": restarted}
+    for backend in ("sdpa", "eager"):
+        for causal in (False, True):
+            want = pe(q, k, v, causal=causal, backend=backend, document_ids=documents)
+            got = pe(q, k, v, causal=causal, backend=backend, document_ids=documents, **given)
             assert torch.equal(got, want), (backend, causal)
 
 
@@ -214,6 +254,45 @@ def test_positions_are_default_compares_every_row(q_positions, k_positions, n, m
 )
 def test_shifted_defaults_are_one_constant_per_row(q_positions, k_positions, n, m, want) -> None:
     got = inputs_module.positions_are_default(q_positions, k_positions, n, m, shifted=True)
+    assert got is want
+
+
+DOCUMENTS = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2])  # keys 0-2, 3-4, 5-7
+
+
+@pytest.mark.parametrize(
+    ("q_positions", "k_positions", "documents", "want"),
+    [
+        (torch.tensor([0, 1, 2]), torch.tensor([0, 1, 2, 0, 1, 0, 1, 2]), DOCUMENTS, True),
+        (torch.tensor([7, 8, 9]), torch.tensor([4, 5, 6, 10, 11, 7, 8, 9]), DOCUMENTS, True),
+        # a document whose positions skip one
+        (torch.tensor([0, 1, 2]), torch.tensor([0, 1, 2, 0, 2, 0, 1, 2]), DOCUMENTS, False),
+        # queries not at their own keys' positions
+        (torch.tensor([0, 1, 3]), torch.tensor([0, 1, 2, 0, 1, 0, 1, 2]), DOCUMENTS, False),
+        # restarts without documents to mask the pairs across them
+        (torch.tensor([0, 1, 2]), torch.tensor([0, 1, 2, 0, 1, 0, 1, 2]), None, False),
+        # document 0 in two runs (ids 0, 1, 0): its positions count on across the gap
+        (
+            torch.tensor([5, 6, 7]),
+            torch.tensor([0, 1, 0, 1, 2, 5, 6, 7]),
+            torch.tensor([0, 0, 1, 1, 1, 0, 0, 0]),
+            True,
+        ),
+        # or go on from 2 after it: keys 1 and 5 are 4 apart, their positions 2
+        (
+            torch.tensor([2, 3, 4]),
+            torch.tensor([0, 1, 0, 1, 2, 2, 3, 4]),
+            torch.tensor([0, 0, 1, 1, 1, 0, 0, 0]),
+            False,
+        ),
+    ],
+)
+def test_shifted_defaults_with_documents_are_one_constant_per_document(
+    q_positions, k_positions, documents, want
+) -> None:
+    got = inputs_module.positions_are_default(
+        q_positions, k_positions, 3, 8, shifted=True, document_ids=documents
+    )
     assert got is want
 
 

@@ -197,26 +197,44 @@ def positions_are_default(
     n: int,
     m: int,
     shifted: bool = False,
+    document_ids: Tensor | None = None,
 ) -> bool:
     """Whether validated positions (``check_position_pair``) that were given equal the
     defaults in every batch row: queries M - N, ..., M - 1 and keys 0, ..., M - 1, as a
     caller passing Hugging Face-style position ids for a plain sequence or a KV cache
-    does. With ``shifted``, also the defaults plus one constant per batch row, the same
-    for its queries and keys (positions 1 ... N; a rolling KV cache whose first key is
-    at position c): what an encoding with ``shift_invariant`` cannot tell from the
-    defaults. One read of the tensors (a host sync on a GPU): eager mode only, False
-    while compiling, so that a traced call keeps the positions it was given."""
+    does. One read of the tensors (a host sync on a GPU): eager mode only, False while
+    compiling, so that a traced call keeps the positions it was given.
+
+    With ``shifted`` (an encoding with ``shift_invariant``), also the defaults plus a
+    constant: one per batch row (positions 1 ... N; a rolling KV cache whose oldest key
+    sits at position c), or, with validated ``document_ids``, one per document of a row
+    (packed sequences whose positions restart at each document), where each query
+    keeps the constant of its own key index M - N + i. Only pairs within a document are
+    ever attended, and there every key minus query position is the defaults'.
+    """
     if torch.compiler.is_compiling() or (q_positions is None and k_positions is None) or n > m:
         return False  # (N > M: the default queries would sit before the first key)
-    offsets = []  # position minus default: [N] / [batch, N], [M] / [batch, M]
-    for positions, start, length in ((q_positions, m - n, n), (k_positions, 0, m)):
-        if positions is not None:
-            offsets.append(positions - torch.arange(start, start + length, device=positions.device))
-    # each row's shift ([1] / [batch, 1]), or 0: a side left out is at the defaults
-    shifted = shifted and len(offsets) == 2
-    firsts = [offset[..., :1] for offset in offsets if shifted and offset.shape[-1]]
-    constant = firsts[0] if firsts else 0
-    return bool(torch.stack([(offset == constant).all() for offset in offsets]).all())
+    given = q_positions if q_positions is not None else k_positions
+    assert given is not None  # one of them, by the test above
+    device = given.device
+    q_offsets = None if q_positions is None else q_positions - torch.arange(m - n, m, device=device)
+    k_offsets = None if k_positions is None else k_positions - torch.arange(m, device=device)
+    if not shifted or q_offsets is None or k_offsets is None:
+        # a side left out is at the defaults, so the other must be too
+        offsets = [t for t in (q_offsets, k_offsets) if t is not None]
+        return bool(torch.stack([(t == 0).all() for t in offsets]).all())
+    checks = [(q_offsets == k_offsets[..., m - n :]).all()]  # [N] / [batch, N]
+    if m > 1:
+        if document_ids is None:  # one document per row: consecutive keys agree
+            steps = k_offsets[..., 1:] == k_offsets[..., :-1]  # [M - 1] / [batch, M - 1]
+        else:  # keys grouped by document, consecutive keys of a document agree
+            documents, k_offsets = torch.broadcast_tensors(document_ids, k_offsets)
+            order = documents.argsort(dim=-1)  # [M] / [batch, M]
+            documents, k_offsets = documents.gather(-1, order), k_offsets.gather(-1, order)
+            apart = documents[..., 1:] != documents[..., :-1]
+            steps = apart | (k_offsets[..., 1:] == k_offsets[..., :-1])
+        checks.append(steps.all())
+    return bool(torch.stack(checks).all())
 
 
 def score_bias_positions(
