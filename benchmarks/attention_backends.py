@@ -64,6 +64,13 @@ minus query) treats them as the defaults; any other builds its bias per pair.
 ``--compare-shifted`` also times such an encoding with that recognition off (the
 instance's ``shift_invariant`` False: the per-pair paths), in the same loop.
 
+``--documents D`` packs D documents of equal length into each sequence: every module
+call gets ``document_ids`` (and, with ``--restart-positions``, positions that restart at
+each document), and the baseline is SDPA with the equivalent boolean mask.
+``--compare-documents`` also times the sdpa backend with each chunk of queries over
+every key its causal mask or window allows, not only its documents' keys (no
+``document_spans``), in the same loop.
+
 ``--window W`` adds a sliding window (query - W < key <= query when causal, |query - key|
 < W otherwise) to every candidate (``forward(..., window=W)``; plain flex with the same
 block mask); the baseline is then SDPA with the equivalent boolean [N, N] mask, built
@@ -199,16 +206,45 @@ def as_step(attend: Callable[[], torch.Tensor], inputs: list[torch.Tensor], mode
     return train
 
 
-def window_allowed(n: int, causal: bool, window: int | None, device: torch.device) -> torch.Tensor:
+def window_allowed(
+    n: int,
+    causal: bool,
+    window: int | None,
+    device: torch.device,
+    document_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
     """bool [n, n], True where query i may attend key j at default positions: j <= i when
-    causal, |i - j| < window when a window is given."""
+    causal, |i - j| < window when a window is given, both in one document when
+    ``document_ids`` [n] are given."""
     distance = torch.arange(n, device=device)[:, None] - torch.arange(n, device=device)
     allowed = torch.ones(n, n, dtype=torch.bool, device=device)
     if causal:
         allowed &= distance >= 0
     if window is not None:
         allowed &= distance.abs() < window
+    if document_ids is not None:
+        allowed &= document_ids[:, None] == document_ids
     return allowed
+
+
+def packed_documents(n: int, count: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``count`` documents of equal length in n tokens: their ids [n] and the positions
+    [n] that restart at each document."""
+    ids = torch.arange(n, device=device) * count // n
+    starts = torch.searchsorted(ids, ids)  # each token's document's first token
+    return ids, torch.arange(n, device=device) - starts
+
+
+@contextlib.contextmanager
+def document_spans_off() -> Iterator[None]:
+    """The sdpa backend with each query chunk over every key its causal mask or window
+    allows, not narrowed to its documents' keys (``document_spans``)."""
+    narrow = sdpa_backend.document_spans
+    sdpa_backend.document_spans = lambda spans, *_: spans
+    try:
+        yield
+    finally:
+        sdpa_backend.document_spans = narrow
 
 
 def plain_flex(
@@ -438,6 +474,10 @@ def candidates(
     if offset is not None:
         positions = torch.arange(offset, offset + length, device=device)
         options["q_positions"] = options["k_positions"] = positions
+    if args.documents:
+        options["document_ids"], restarted = packed_documents(length, args.documents, device)
+        if args.restart_positions:
+            options["q_positions"] = options["k_positions"] = restarted
     if device.type == "cuda" and "flex" in args.backends:
         no_bias = plain_flex(q, k, v, causal, args.window)
         found.append(("(no encoding)", "flex, no bias", no_bias, []))
@@ -507,6 +547,13 @@ def candidates(
                     return pe(q, k, v, causal=causal, backend="sdpa", **options)
 
             found.append((name, "sdpa, no directional path", attend_undirected, params))
+        if "sdpa" in args.backends and args.compare_documents and args.documents:
+
+            def attend_every_key(pe=pe) -> torch.Tensor:
+                with document_spans_off():
+                    return pe(q, k, v, causal=causal, backend="sdpa", **options)
+
+            found.append((name, "sdpa, chunks over every key", attend_every_key, params))
         if args.compare_shifted and pe.shift_invariant and args.position_offset:
             for backend in args.backends:
 
@@ -564,9 +611,11 @@ def run(args: argparse.Namespace) -> dict:
                     for _ in range(3)
                 )
 
-                allowed = None  # the window's boolean mask, built once
-                if args.window is not None:
-                    allowed = window_allowed(length, causal, args.window, device)
+                allowed = None  # the window's or documents' boolean mask, built once
+                if args.window is not None or args.documents:
+                    ids = packed_documents(length, args.documents, device)[0]
+                    documents = ids if args.documents else None
+                    allowed = window_allowed(length, causal, args.window, device, documents)
 
                 def baseline_attend(q=q, k=k, v=v, causal=causal, allowed=allowed) -> torch.Tensor:
                     if allowed is not None:
@@ -608,6 +657,8 @@ def run(args: argparse.Namespace) -> dict:
     return {
         **report_header(args, device),
         "window": args.window,
+        "documents": args.documents,
+        "restart_positions": args.restart_positions,
         "given_positions": args.given_positions,
         "position_offset": args.position_offset,
         "flush_denormal": args.flush_denormal,
@@ -668,6 +719,8 @@ def markdown(report: dict) -> str:
         f"# Attention backends vs plain SDPA ({header_text(report)}"
         + (f", window {report['window']}" if report.get("window") is not None else "")
         + (", denormals flushed" if report.get("flush_denormal") else "")
+        + (f", {report['documents']} documents" if report.get("documents") else "")
+        + (", positions restart per document" if report.get("restart_positions") else "")
         + (", positions given" if report.get("given_positions") else "")
         + (
             f", positions from {report['position_offset']}"
@@ -683,8 +736,8 @@ def markdown(report: dict) -> str:
         "module's parameters. Extra memory: peak allocation beyond the inputs, output "
         "included (CUDA: the allocator's peak; CPU: the profiler's allocation records, "
         "where the table has them). "
-        "With a window every candidate gets it, and the baseline is SDPA with the "
-        "equivalent boolean mask.",
+        "With a window or documents every candidate gets them, and the baseline is SDPA "
+        "with the equivalent boolean mask.",
         "",
         "| encoding | backend | N | causal | mode | ms | ratio | extra MiB | baseline MiB |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -770,6 +823,22 @@ def main() -> None:
         action="store_true",
         help="also time sdpa training steps whose chunk masks train with one call per "
         "chunk through autograd (no recomputed_mask_attention)",
+    )
+    parser.add_argument(
+        "--documents",
+        type=int,
+        default=0,
+        help="pack this many equal documents into each sequence (document_ids)",
+    )
+    parser.add_argument(
+        "--restart-positions",
+        action="store_true",
+        help="with --documents, positions that restart at each document",
+    )
+    parser.add_argument(
+        "--compare-documents",
+        action="store_true",
+        help="with --documents, also time sdpa with chunks over every key (no document_spans)",
     )
     parser.add_argument(
         "--compare-shifted",

@@ -192,6 +192,38 @@ def query_chunks(
     ]
 
 
+def document_spans(
+    spans: list[tuple[int, int, int, int]], document_ids: Tensor | None, n: int, m: int
+) -> list[tuple[int, int, int, int]]:
+    """``spans`` (i0, i1, lo, hi) with each one's keys narrowed to those sharing a
+    document with one of its queries in some batch row (query i's document is key
+    M - N + i's): from the first such key to the last. Keys outside are masked for every
+    query of the span, so packed documents cost each chunk only its own documents' keys.
+
+    document_ids: validated int64 [M] or [batch, M], or None (spans unchanged). The
+    queries are keys themselves, so no span is left empty. One read of the ids per call
+    (a host sync): eager mode with several spans only; otherwise the spans as given.
+    """
+    if document_ids is None or len(spans) < 2 or torch.compiler.is_compiling():
+        return spans
+    ids = document_ids if document_ids.dim() == 2 else document_ids.unsqueeze(0)  # [B, M]
+    # (batch row, document) as one code, so that one isin serves every row
+    distinct, dense = torch.unique(ids, return_inverse=True)  # dense: [B, M] in [0, U)
+    rows = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1)  # [B, 1]
+    codes = dense + rows * distinct.numel()  # [B, M]
+    bounds = []
+    for i0, i1, lo, hi in spans:
+        keys = codes[:, lo:hi].contiguous()  # [B, hi - lo]
+        shared = torch.isin(keys, codes[:, m - n + i0 : m - n + i1].reshape(-1)).any(0)
+        at = shared.nonzero().squeeze(1)  # the keys' offsets from lo, in order
+        bounds.append(torch.stack([at[0], at[-1]]) + lo)
+    firsts_and_lasts = torch.stack(bounds).tolist()  # one sync for every span
+    return [
+        (i0, i1, first, last + 1)
+        for (i0, i1, _, _), (first, last) in zip(spans, firsts_and_lasts, strict=True)
+    ]
+
+
 def relative_positions(
     q_positions: Tensor | None, k_positions: Tensor | None, n: int, m: int, device: torch.device
 ) -> Tensor:

@@ -49,6 +49,7 @@ from ._masks import (
     attn_mask_span,
     block_fresh,
     distance_allowed,
+    document_spans,
     masked_softmax,
     query_chunks,
     sum_into_new,
@@ -125,9 +126,12 @@ class SdpaBackend(AttentionTerms):
             return self._sdpa_bias_in_chunks(q, k, v, spans, None, None, causal, window, None, None)
         if has_bias:
             # explicit positions, an attn_mask or documents: the bias per pair, in chunks
-            # of queries over every key (where masking follows positions, no key can be
-            # skipped by its index), so that no [H, N, M] bias exists at once
-            spans = query_chunks(n, m, q.device.type, False, None)
+            # of queries, so that no [H, N, M] bias exists at once; each chunk over the
+            # keys its documents hold, and at default positions only those its causal
+            # mask or window allow (where masking follows explicit positions, no key is
+            # skipped by its index)
+            spans = self._masked_query_chunks(n, m, q.device, default_positions, causal, window)
+            spans = document_spans(spans, document_ids, n, m)
             if len(spans) > 1:
                 return self._sdpa_bias_in_chunks(
                     q,
@@ -162,6 +166,22 @@ class SdpaBackend(AttentionTerms):
         allowed = attention_allowed(
             q_positions, k_positions, n, m, q.device, causal, window, document_ids
         )  # [N, M] or [B, 1, N, M], or None
+        if document_ids is not None and attn_mask is None:
+            # packed documents: each chunk of queries over its documents' keys
+            spans = self._masked_query_chunks(n, m, q.device, default_positions, causal, window)
+            spans = document_spans(spans, document_ids, n, m)
+            if len(spans) > 1:
+                grid_of_documents = allowed  # [N, M] or [B, 1, N, M]
+                assert grid_of_documents is not None  # documents were given
+
+                def chunk_documents(i0: int, i1: int, lo: int, hi: int) -> Tensor:
+                    return grid_of_documents[..., i0:i1, lo:hi]
+
+                # at default positions each query reads its own key; at others a row
+                # may read none
+                return self._sdpa_in_chunks(
+                    q, k, v, spans, chunk_documents, every_row_reads=default_positions
+                )
         if allowed is not None and len(spans) > 1:
             # a window, or causal queries that are the last N of M keys: each chunk of
             # queries against only the keys it may read, its mask a view of the grid
@@ -360,7 +380,9 @@ class SdpaBackend(AttentionTerms):
         k with q's heads (k itself without grouped-query heads)."""
         n, m = q.shape[2], k.shape[2]
         allowed = attention_allowed(None, None, n, m, q.device, False, window, document_ids)
-        spans = query_chunks(n, m, q.device.type, causal, window)
+        spans = document_spans(
+            query_chunks(n, m, q.device.type, causal, window), document_ids, n, m
+        )
         if allowed is None and cpu_flash_serves(q, v):
             # flash calls per chunk, the terms' gradient without a full-size one per chunk
             heads_v = repeat_kv(v, q.shape[1] // v.shape[1])
@@ -487,9 +509,10 @@ class SdpaBackend(AttentionTerms):
         """SDPA with the position bias and the masks a span (i0, i1, lo, hi) of queries
         at a time: each span's mask as ``_sdpa_bias`` builds it at the span's query and
         key positions, with its documents and its part of ``attn_mask``. At default
-        positions with no attn_mask or documents every query reads a key (the spans of
-        ``query_chunks`` keep each query's own); otherwise the spans cover every key and
-        a row may read none, so the chunks take no path that needs one."""
+        positions with no attn_mask every query reads a key (the spans of
+        ``query_chunks``, narrowed to the documents' keys by ``document_spans``, keep
+        each query's own); otherwise a row may read none, so the chunks take no path
+        that needs one."""
         n, m = q.shape[2], k.shape[2]
         query_documents = None if document_ids is None else document_ids[..., m - n :]
         default = q_positions is None and k_positions is None
@@ -530,7 +553,7 @@ class SdpaBackend(AttentionTerms):
         inputs: list[Tensor] = [p for p in self.parameters() if p.requires_grad]
         if attn_mask is not None and attn_mask.requires_grad:
             inputs.append(attn_mask)
-        every_row_reads = default and attn_mask is None and document_ids is None
+        every_row_reads = default and attn_mask is None
         return self._sdpa_in_chunks(
             q,
             k,
@@ -540,6 +563,21 @@ class SdpaBackend(AttentionTerms):
             mask_inputs=tuple(inputs),
             every_row_reads=every_row_reads,
         )
+
+    @staticmethod
+    def _masked_query_chunks(
+        n: int,
+        m: int,
+        device: torch.device,
+        default_positions: bool,
+        causal: bool,
+        window: int | None,
+    ) -> list[tuple[int, int, int, int]]:
+        """``query_chunks`` for masks that follow positions: at default positions the
+        keys each chunk's causal mask or window allows, else every key."""
+        if default_positions:
+            return query_chunks(n, m, device.type, causal, window)
+        return query_chunks(n, m, device.type, False, None)
 
     def _sdpa_in_chunks(
         self,

@@ -1,0 +1,138 @@
+"""Packed documents on the CPU sdpa backend: each chunk of queries reads only the keys
+of its own documents (``document_spans``), at default positions, at positions that
+restart per document and at explicit ones, against the eager oracle (float64, outputs
+and gradients into q, k, v and the parameters)."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from tests.conftest import (
+    assert_sdpa_matches_eager,
+    generated_class,
+    runtime_modules,
+    spy_calls,
+)
+
+masks = importlib.import_module("generated._masks")
+
+N = M = 24
+# three packed documents: keys 0-6, 7-16, 17-23
+DOCUMENTS = torch.tensor([0] * 7 + [1] * 10 + [2] * 7)
+RESTARTED = torch.cat([torch.arange(7), torch.arange(10), torch.arange(7)])
+# batch row 1: two documents, the first one in two runs (ids 5, 9, 5)
+BATCHED = torch.stack([DOCUMENTS, torch.tensor([5] * 4 + [9] * 16 + [5] * 4)])
+
+
+@pytest.fixture
+def chunks_of_6(monkeypatch: pytest.MonkeyPatch) -> None:
+    for module in runtime_modules():
+        if module.__name__.endswith("_masks"):
+            monkeypatch.setitem(module.SDPA_QUERY_CHUNK, "cpu", 6)
+
+
+def test_spans_are_narrowed_to_the_documents_of_their_queries() -> None:
+    spans = [(0, 6, 0, 24), (6, 12, 0, 24), (12, 18, 0, 24), (18, 24, 0, 24)]
+    assert masks.document_spans(spans, DOCUMENTS, N, M) == [
+        (0, 6, 0, 7),  # document 0
+        (6, 12, 0, 17),  # queries 6 (document 0) and 7-11 (document 1)
+        (12, 18, 7, 24),  # documents 1 and 2
+        (18, 24, 17, 24),  # document 2
+    ]
+    # causal spans of 12 queries (keys 12-23) keep within the keys they were given
+    causal = [(0, 6, 0, 18), (6, 12, 0, 24)]
+    assert masks.document_spans(causal, DOCUMENTS, 12, M) == [(0, 6, 7, 18), (6, 12, 17, 24)]
+
+
+def test_spans_take_the_union_over_batch_rows() -> None:
+    """Row 1's document 9 holds keys 4-19, its document 5 keys 0-3 and 20-23."""
+    spans = [(6, 12, 0, 24), (12, 18, 0, 24)]
+    # queries 6-11: row 0 reads keys 0-16 (documents 0 and 1), row 1 keys 4-19
+    # queries 12-17: row 0 reads keys 7-23 (documents 1 and 2), row 1 keys 4-19
+    assert masks.document_spans(spans, BATCHED, N, M) == [(6, 12, 0, 20), (12, 18, 4, 24)]
+
+
+def test_spans_stay_as_given_for_one_span_no_documents_or_while_compiling(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    spans = [(0, 12, 0, 24), (12, 24, 0, 24)]
+    assert masks.document_spans(spans, None, N, M) == spans
+    assert masks.document_spans(spans[:1], DOCUMENTS, N, M) == spans[:1]
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert masks.document_spans(spans, DOCUMENTS, N, M) == spans
+
+
+def _spy_spans(monkeypatch: pytest.MonkeyPatch, pe: torch.nn.Module) -> list[list[tuple]]:
+    """The spans of each ``_sdpa_in_chunks`` call of pe's class (each call still runs)."""
+    calls: list[list[tuple]] = []
+    cls = type(pe)
+    original = cls._sdpa_in_chunks
+
+    def spy(self, q, k, v, spans, *args, **kwargs):
+        calls.append(list(spans))
+        return original(self, q, k, v, spans, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "_sdpa_in_chunks", spy)
+    return calls
+
+
+CASES = {
+    "default positions": {},
+    "default positions, causal": {"causal": True},
+    "default positions, causal window": {"causal": True, "window": 5},
+    "restarting positions, causal": {
+        "causal": True,
+        "q_positions": RESTARTED,
+        "k_positions": RESTARTED,
+    },
+    "explicit positions": {"q_positions": 2 * RESTARTED, "k_positions": 2 * RESTARTED},
+    # document 1's keys one position further on: its first query (7) reads no key
+    "explicit positions, a query reading no key": {
+        "causal": True,
+        "q_positions": RESTARTED,
+        "k_positions": RESTARTED + (DOCUMENTS == 1).long(),
+    },
+}
+
+
+@pytest.mark.usefixtures("chunks_of_6")
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("name", ["nope", "rope", "alibi", "t5", "kerple_log", "fire"])
+def test_packed_documents_match_eager(name: str, case: str, monkeypatch) -> None:
+    """Every chunk of 6 queries reads at most its documents' keys (17 of 24 for the
+    chunk that straddles documents 0 and 1), and sdpa equals the oracle, with 2
+    key-value heads for 4 query heads."""
+    torch.manual_seed(0)
+    pe = generated_class(name)(heads=4, head_dim=8).double()
+    calls = _spy_spans(monkeypatch, pe)
+    assert_sdpa_matches_eager(pe, N, M, 2, document_ids=DOCUMENTS, **CASES[case])
+    assert calls, "the chunks ran"
+    for spans in calls:
+        assert max(hi - lo for _, _, lo, hi in spans) <= 17, spans
+
+
+@pytest.mark.usefixtures("chunks_of_6")
+@pytest.mark.parametrize("name", ["bert_relative_key_query", "deberta", "transformer_xl"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_packed_documents_of_relative_terms_match_eager(name: str, causal: bool) -> None:
+    torch.manual_seed(0)
+    pe = generated_class(name)(heads=4, head_dim=8).double()
+    assert_sdpa_matches_eager(pe, N, M, 2, document_ids=BATCHED, causal=causal)
+
+
+@pytest.mark.usefixtures("chunks_of_6")
+@pytest.mark.parametrize("name", ["bert_relative_key_query", "deberta"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_relative_terms_per_chunk_span_only_its_documents(name, causal, monkeypatch) -> None:
+    """The terms gathered per chunk from their projections (``band_terms``) span only
+    the chunk's documents' keys: at most 17 of 24."""
+    pe = generated_class(name)(heads=4, head_dim=8).double()
+    bands = spy_calls(monkeypatch, runtime_modules(pe), "band_terms", lambda *args: args[3])
+    q, k, v = (torch.randn(2, 4, N, 8, dtype=torch.float64) for _ in "qkv")
+    with torch.no_grad():
+        pe(q, k, v, backend="sdpa", document_ids=DOCUMENTS, causal=causal)
+    spans = [span for band in bands for span in band]
+    assert spans and max(hi - lo for _, _, lo, hi in spans) <= 17, spans
