@@ -62,7 +62,8 @@ explicit positions that are not the defaults (for K >= 1), with the defaults' re
 positions. An encoding with ``shift_invariant`` (one that reads positions only as key
 minus query) treats them as the defaults; any other builds its bias per pair.
 ``--compare-shifted`` also times such an encoding with that recognition off (the
-instance's ``shift_invariant`` False: the per-pair paths), in the same loop.
+instance's ``shift_invariant`` False: the per-pair paths), in the same loop; so it does
+for positions that restart per document (``--restart-positions``).
 
 ``--documents D`` packs D documents of equal length into each sequence: every module
 call gets ``document_ids`` (and, with ``--restart-positions``, positions that restart at
@@ -554,7 +555,8 @@ def candidates(
                     return pe(q, k, v, causal=causal, backend="sdpa", **options)
 
             found.append((name, "sdpa, chunks over every key", attend_every_key, params))
-        if args.compare_shifted and pe.shift_invariant and args.position_offset:
+        shifted = args.position_offset or (args.documents and args.restart_positions)
+        if args.compare_shifted and pe.shift_invariant and shifted:
             for backend in args.backends:
 
                 def attend_as_given(pe=pe, backend=backend) -> torch.Tensor:
@@ -843,8 +845,8 @@ def main() -> None:
     parser.add_argument(
         "--compare-shifted",
         action="store_true",
-        help="with --position-offset, also time each shift-invariant encoding with its "
-        "shifted positions kept as given (the per-pair paths)",
+        help="with --position-offset or --restart-positions, also time each "
+        "shift-invariant encoding with its shifted positions kept as given (per pair)",
     )
     parser.add_argument(
         "--compare-directional",

@@ -67,6 +67,13 @@ step 180 fused_kernel python3 benchmarks/fused_distance.py --kinds none clipped 
 step 200 family python3 benchmarks/attention_backends.py --device cuda --dtype bfloat16 \
     --encodings bert_relative_key deberta transformer_xl fire --backends sdpa flex \
     --lengths 2048 --modes forward train --causal no --repeats 10 --tag _family --out "$out"
+# packed documents (8 of N / 8 tokens, positions restarting at each): flex with the
+# per-distance vector (the positions recognised as the defaults shifted per document)
+# against the positions kept as given (a bias per pair)
+step 300 documents python3 benchmarks/attention_backends.py --device cuda --dtype bfloat16 \
+    --encodings alibi t5 kerple_log --backends flex --lengths 2048 8192 --modes forward train \
+    --causal yes --documents 8 --restart-positions --compare-shifted --repeats 10 \
+    --tag _documents --out "$out"
 # the relative family with its terms read from their projections in the fused kernels
 # (FUSED_RELATIVE_DEVICES, FUSED_RELATIVE_TRAINED_DEVICES) against FlexAttention's
 # score_mod, the measurement the route waits for; test_gpu_relative checks the kernels'
