@@ -55,11 +55,16 @@ class Block(Rendered):
     docstring).
     """
 
-    #: positions reach this block's part of attention only as key minus query position,
-    #: so adding one constant to every query and key position changes none of its logits
-    #: (the runtime's flag of that name). False unless a block says so: rotations,
-    #: absolute and contextual terms and FIRE read positions themselves.
-    shift_invariant: ClassVar[bool] = False
+    #: every block of the class reads positions only as key minus query position
+    reads_differences_only: ClassVar[bool] = False
+
+    @property
+    def shift_invariant(self) -> bool:
+        """Positions reach this block's part of attention only as key minus query
+        position, so adding one constant to every query and key position changes none of
+        its logits (the runtime's flag of that name). False unless a block says so:
+        rotations, absolute and contextual terms and FIRE read positions themselves."""
+        return self.reads_differences_only
 
     @property
     def distance_bias_parameters(self) -> tuple[str, ...]:
@@ -159,7 +164,7 @@ class AbsoluteTablePlan(Block):
     """An input-level table p combined with x (``embed``): x + p or x * p."""
 
     template: ClassVar[str] = "blocks/absolute_table.jinja"
-    shift_invariant: ClassVar[bool] = True  # input level: attention reads no position
+    reads_differences_only: ClassVar[bool] = True  # input level: attention reads no position
     table: InputTable
     multiply: bool  # x * p, feature-wise (else x + p)
 
@@ -179,7 +184,7 @@ class ComplexOrderPlan(Block):
     """Complex word-order embeddings (``embed`` returns real and imaginary parts)."""
 
     template: ClassVar[str] = "blocks/complex_order.jinja"
-    shift_invariant: ClassVar[bool] = True  # input level: attention reads no position
+    reads_differences_only: ClassVar[bool] = True  # input level: attention reads no position
     learned: bool  # module-owned per-feature frequency and phase
     frequency_base: float | None = None
 
@@ -360,7 +365,7 @@ class SlopeBiasPlan(Block):
     """bias[h, i, j] = -slope_h * |i - j|: ALiBi's geometric, learned or custom slopes."""
 
     template: ClassVar[str] = "blocks/slope_bias.jinja"
-    shift_invariant: ClassVar[bool] = True  # a function of |j - i|
+    reads_differences_only: ClassVar[bool] = True  # a function of |j - i|
     inside_scale: bool  # added to q.k before the scale (else after it)
     slopes: Literal["alibi_geometric", "learned", "custom"]  # named in a comment
     method: str = "_position_bias"  # the method that returns the [heads, N, M] bias
@@ -394,7 +399,7 @@ class KerplePlan(Block):
     """KERPLE: -r1_h log(1 + r2_h |i - j|) or -r1_h |i - j|^r2_h, r1 and r2 trained."""
 
     template: ClassVar[str] = "blocks/kerple.jinja"
-    shift_invariant: ClassVar[bool] = True  # a function of |j - i|
+    reads_differences_only: ClassVar[bool] = True  # a function of |j - i|
     inside_scale: bool
     variant: Literal["log", "power"]  # named in comments
 
@@ -425,7 +430,7 @@ class SandwichPlan(Block):
     """Sandwich: sum_k cos((i - j) / base^(2k / d')), the same for every head."""
 
     template: ClassVar[str] = "blocks/sandwich.jinja"
-    shift_invariant: ClassVar[bool] = True  # a function of i - j
+    reads_differences_only: ClassVar[bool] = True  # a function of i - j
     inside_scale: bool
     dim: int
     base: float
@@ -457,6 +462,18 @@ class ExprBiasPlan(Block):
     steps: tuple[str, ...]
     result: str
     uses_h: bool
+    of_difference: bool = False  # i and j only as i - j or j - i
+
+    @property
+    def shift_invariant(self) -> bool:
+        """An expression of i - j alone (it renders ``_distance_bias``)."""
+        return self.of_difference
+
+    @property
+    def distance_bias_parameters(self) -> tuple[str, ...]:
+        """Every parameter of an expression of i - j: each is 0-D or [heads], read as
+        name[h] (a view [H, 1, 1], so entry h reaches only head h's row)."""
+        return tuple(f"expr_{param.name}" for param in self.params) if self.of_difference else ()
 
 
 PositionBiasPlan = SlopeBiasPlan | KerplePlan | FirePlan | SandwichPlan | ExprBiasPlan
@@ -467,7 +484,7 @@ class TableBiasPlan(Block):
     """bias[h, i, j] = table[bucket(i, j), h], a trained scalar per (bucket, head)."""
 
     template: ClassVar[str] = "blocks/bias_table.jinja"
-    shift_invariant: ClassVar[bool] = True  # buckets of j - i
+    reads_differences_only: ClassVar[bool] = True  # buckets of j - i
     inside_scale: bool
     index: BucketIndexPlan
     init_std: float
@@ -662,7 +679,7 @@ class RelativePlan(Block):
     """Relative terms gathered from a table of relative rows, and a value term."""
 
     template: ClassVar[str] = "blocks/relative_table.jinja"
-    shift_invariant: ClassVar[bool] = True  # rows by j - i
+    reads_differences_only: ClassVar[bool] = True  # rows by j - i
     index: RelativeIndex | None
     table: RelativeTable | None
     terms: tuple[RelativeTermPlan, ...]

@@ -293,7 +293,6 @@ def _bucket_plan(index: LogBuckets) -> BucketIndexPlan:
 BiasBlock = SlopeBiasPlan | TableBiasPlan | KerplePlan | FirePlan | SandwichPlan | ExprBiasPlan
 BIAS_BLOCKS = (SlopeBiasPlan, TableBiasPlan, KerplePlan, FirePlan, SandwichPlan, ExprBiasPlan)
 # biases of j - i alone: the runtime's sdpa path takes them per distance (``_distance_bias``)
-DISTANCE_BIAS_BLOCKS = (SlopeBiasPlan, TableBiasPlan, KerplePlan, SandwichPlan)
 
 
 def _inverse_softplus(value: float) -> float:
@@ -321,6 +320,7 @@ def _expr_plan(bias: ExprBias, inside_scale: bool) -> ExprBiasPlan:
         steps=steps,
         result=result,
         uses_h=parsed.uses_h,
+        of_difference=parsed.of_difference,
     )
 
 
@@ -553,7 +553,8 @@ def _flags(blocks: tuple[Block, ...]) -> tuple[tuple[str, FlagValue], ...]:
             "position_bias_inside_scale",
             not untied and bias is not None and bias.inside_scale,
         ),
-        ("bias_by_distance", not untied and isinstance(bias, DISTANCE_BIAS_BLOCKS)),
+        # a bias of j - i alone gives its per-distance vector (``_distance_bias``)
+        ("bias_by_distance", not untied and bias is not None and bias.shift_invariant),
         # c_h |j - i|: ALiBi's slopes, which a fused kernel computes per score
         ("bias_linear_in_distance", not untied and isinstance(bias, SlopeBiasPlan)),
         # the per-distance vector's trained scalars, one per head each

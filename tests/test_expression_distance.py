@@ -1,0 +1,128 @@
+"""Expression biases that read positions only as i - j (or j - i) are biases of the
+relative position: they render ``_distance_bias`` and take the per-distance paths (the
+strided view, the directional gradients of their parameters, shifted positions), while
+the eager oracle keeps evaluating the expression per pair."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from posgen.spec.expr import ParamInfo, parse_expr
+from tests.conftest import (
+    assert_sdpa_matches_eager,
+    set_runtime,
+    spec_variant,
+    spy_query_shapes,
+)
+
+PARAMS = {"a": ParamInfo(per_head=False), "c": ParamInfo(per_head=True)}
+
+
+@pytest.mark.parametrize(
+    ("expr", "want"),
+    [
+        ("-abs(i - j)", True),
+        ("-c[h] * log1p(a * abs(j - i))", True),
+        ("-(i - j) ** 2 + (j - i) * a", True),
+        ("where(j - i > 0, -a * (j - i), 0.0)", True),
+        ("c[h] * h", True),  # no position at all
+        ("-abs(i) + j", False),
+        ("-abs(i - j) + 0 * i", False),
+        ("-abs(i - j) / maximum(i, 1.0)", False),
+        ("-abs((i + 1) - j)", False),  # the same function, but not written as i - j
+        ("-abs(i - i)", False),
+    ],
+)
+def test_an_expression_reads_the_difference_only_where_i_and_j_meet_in_a_subtraction(
+    expr: str, want: bool
+) -> None:
+    assert parse_expr(expr, PARAMS).of_difference is want
+
+
+def _expression_module(expr: str, params: str) -> type[torch.nn.Module]:
+    """KERPLE's spec with its bias replaced by ``expr`` and its ``params`` (YAML)."""
+    old = (
+        "      kind: kerple               # bias[h, i, j] = -r1_h * log(1 + r2_h * |i - j|)\n"
+        "      variant: log\n"
+    )
+    return spec_variant(
+        "kerple_log",
+        (old, f'      kind: expr\n      expr: "{expr}"\n      params: {params}\n'),
+        name="expression_bias",
+    )
+
+
+KERPLE_LOG = (
+    "-r1[h] * log1p(r2[h] * abs(i - j))",
+    "{r1: {shape: [heads], init: 1.0, positive: true},"
+    " r2: {shape: [heads], init: 0.5, positive: true, bounds: [0.01, 10]}}",
+)
+# a shared scalar, and a per-head one whose direction changes sign with the distance
+# (and the bias with it: no symmetry in j - i)
+MIXED = (
+    "-a * abs(j - i) + c[h] * sin(0.3 * (j - i))",
+    "{a: {shape: [], init: 0.2}, c: {shape: [heads], init: 0.7}}",
+)
+OF_QUERY = ("-abs(i - j) / maximum(i, 1.0)", "{}")
+
+
+@pytest.fixture(scope="module")
+def kerple_expression() -> type[torch.nn.Module]:
+    return _expression_module(*KERPLE_LOG)
+
+
+def test_flags_of_an_expression_of_the_difference(kerple_expression) -> None:
+    assert kerple_expression.bias_by_distance and kerple_expression.shift_invariant
+    assert kerple_expression.distance_bias_parameters == ("expr_r1", "expr_r2")
+    of_query = _expression_module(*OF_QUERY)
+    assert not (of_query.bias_by_distance or of_query.shift_invariant)
+    assert of_query.distance_bias_parameters == ()
+
+
+def test_the_per_distance_vector_is_the_formula(kerple_expression) -> None:
+    """Entry t of ``_distance_bias`` at r = t - (M - 1): -r1_h log(1 + r2_h |r|), with
+    r1 = softplus(raw r1) and r2 = clamp(softplus(raw r2), 0.01, 10), in float64."""
+    pe = kerple_expression(heads=4, head_dim=8).double()
+    with torch.no_grad():
+        pe.expr_r1.copy_(torch.tensor([0.3, -1.0, 2.0, 0.0]))
+        pe.expr_r2.copy_(torch.tensor([-6.0, 0.1, 1.0, 12.0]))
+    n, m = 5, 9
+    r = torch.arange(-(m - 1), n, dtype=torch.float64)  # key minus query
+    r1 = F.softplus(pe.expr_r1.detach())[:, None]
+    r2 = F.softplus(pe.expr_r2.detach()).clamp(0.01, 10)[:, None]
+    want = -r1 * torch.log1p(r2 * r.abs())
+    torch.testing.assert_close(pe._distance_bias(n, m, torch.device("cpu")), want)
+
+
+@pytest.mark.parametrize("case", [KERPLE_LOG, MIXED, OF_QUERY], ids=["kerple", "mixed", "query"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa_matches_the_oracle(case, causal: bool, monkeypatch) -> None:
+    """Outputs and gradients (the expression's parameters included) equal the eager
+    oracle's, with grouped-query heads; an expression of the difference goes through
+    the per-distance view."""
+    cls = _expression_module(*case)
+    route: list[int] = []
+    by_distance = cls._sdpa_by_distance
+
+    def spy(self, q, *args, **kwargs):
+        route.append(q.shape[2])
+        return by_distance(self, q, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "_sdpa_by_distance", spy)
+    pe = cls(heads=4, head_dim=8).double()
+    assert_sdpa_matches_eager(pe, 12, 20, 2, causal=causal)
+    assert bool(route) is (case is not OF_QUERY)
+
+
+@pytest.mark.parametrize("case", [KERPLE_LOG, MIXED], ids=["kerple", "mixed"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_parameters_train_through_the_directional_path(case, causal, monkeypatch) -> None:
+    """From 64 keys here: the parameters' gradients from flash forwards, one per
+    parameter (two where a direction changes sign), equal the oracle's."""
+    pe = _expression_module(*case)(heads=4, head_dim=8).double()
+    set_runtime(monkeypatch, "DIRECTIONAL_BIAS_MIN_KEYS", {False: 64, True: 64}, pe)
+    route = spy_query_shapes(monkeypatch, pe, "directional_bias_attention")
+    assert_sdpa_matches_eager(pe, 70, 70, 2, causal=causal)
+    assert route == [(2, 4, 70, 8)]
