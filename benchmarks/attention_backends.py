@@ -65,6 +65,12 @@ minus query) treats them as the defaults; any other builds its bias per pair.
 instance's ``shift_invariant`` False: the per-pair paths), in the same loop; so it does
 for positions that restart per document (``--restart-positions``).
 
+``--specs FILE ...`` times spec files beside the catalogue's encodings, each built in
+memory (as ``posgen check`` builds it), under its spec's name.
+``--compare-by-distance`` also times each bias of j - i (``bias_by_distance``) on the
+sdpa backend with its per-distance paths off (the instance's flags: the bias per pair,
+in chunks, as for a bias of positions), in the same loop.
+
 ``--documents D`` packs D documents of equal length into each sequence: every module
 call gets ``document_ids`` (and, with ``--restart-positions``, positions that restart at
 each document), and the baseline is SDPA with the equivalent boolean mask.
@@ -116,6 +122,7 @@ import generated._recomputed_mask as recomputed_mask  # noqa: E402
 import generated._sdpa_backend as sdpa_backend  # noqa: E402
 import generated._trained_bias as trained_bias  # noqa: E402
 from generated import ENCODINGS  # noqa: E402
+from posgen.codegen.inmemory import encoding_class, module_from_spec  # noqa: E402
 
 DEFAULT_ENCODINGS = [
     "alibi",
@@ -463,6 +470,28 @@ def fused_route(device: torch.device, on: bool, trained: bool = False) -> Iterat
         flex_backend.FUSED_RELATIVE_TRAINED_DEVICES = relative_trained
 
 
+def encoding(name: str) -> type[torch.nn.Module]:
+    """A catalogue encoding by name, or the module of a spec file (built in memory)."""
+    if name in ENCODINGS:
+        return ENCODINGS[name]
+    return encoding_class(module_from_spec(Path(name)))
+
+
+@contextlib.contextmanager
+def per_distance_paths_off(pe: torch.nn.Module) -> Iterator[None]:
+    """``pe`` with its bias of j - i built per pair (its ``bias_by_distance``,
+    ``distance_bias_parameters`` and ``shift_invariant`` off), as for a bias of
+    positions."""
+    flags = {"bias_by_distance": False, "distance_bias_parameters": (), "shift_invariant": False}
+    for flag, value in flags.items():
+        setattr(pe, flag, value)
+    try:
+        yield
+    finally:
+        for flag in flags:
+            delattr(pe, flag)  # the class's flags again
+
+
 def candidates(
     args: argparse.Namespace, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
 ) -> list[tuple[str, str, Callable[[], torch.Tensor], list[torch.Tensor]]]:
@@ -482,8 +511,9 @@ def candidates(
     if device.type == "cuda" and "flex" in args.backends:
         no_bias = plain_flex(q, k, v, causal, args.window)
         found.append(("(no encoding)", "flex, no bias", no_bias, []))
-    for name in args.encodings:
-        pe = ENCODINGS[name](heads=args.heads, head_dim=args.head_dim).to(device)
+    for name in [*args.encodings, *args.specs]:
+        pe = encoding(name)(heads=args.heads, head_dim=args.head_dim).to(device)
+        name = Path(name).stem  # a spec file's name
         limit = getattr(pe, "max_positions", None)
         if limit is not None and length > limit:
             print(f"{name:>14} skipped at N={length}: its table ends at {limit}", flush=True)
@@ -548,6 +578,13 @@ def candidates(
                     return pe(q, k, v, causal=causal, backend="sdpa", **options)
 
             found.append((name, "sdpa, no directional path", attend_undirected, params))
+        if "sdpa" in args.backends and args.compare_by_distance and pe.bias_by_distance:
+
+            def attend_per_pair(pe=pe) -> torch.Tensor:
+                with per_distance_paths_off(pe):
+                    return pe(q, k, v, causal=causal, backend="sdpa", **options)
+
+            found.append((name, "sdpa, bias per pair", attend_per_pair, params))
         if "sdpa" in args.backends and args.compare_documents and args.documents:
 
             def attend_every_key(pe=pe) -> torch.Tensor:
@@ -763,6 +800,17 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048])
     parser.add_argument("--encodings", nargs="+", default=DEFAULT_ENCODINGS)
+    parser.add_argument(
+        "--specs",
+        nargs="+",
+        default=[],
+        help="spec files to time beside the encodings (built in memory, as posgen check does)",
+    )
+    parser.add_argument(
+        "--compare-by-distance",
+        action="store_true",
+        help="also time each bias of j - i on sdpa with its per-distance paths off (per pair)",
+    )
     parser.add_argument("--backends", nargs="+", default=["sdpa", "eager"])
     parser.add_argument("--modes", nargs="+", choices=["forward", "train"], default=["forward"])
     parser.add_argument(
