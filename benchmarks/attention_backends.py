@@ -76,7 +76,9 @@ call gets ``document_ids`` (and, with ``--restart-positions``, positions that re
 each document), and the baseline is SDPA with the equivalent boolean mask.
 ``--compare-documents`` also times the sdpa backend with each chunk of queries over
 every key its causal mask or window allows, not only its documents' keys (no
-``document_spans``), in the same loop.
+``document_spans``; without a position term, one SDPA call where such chunks would hold
+more than ``DOCUMENT_CHUNKS_MAX_COVER`` of the pairs), and, without a position term,
+as one SDPA call with the documents' mask, in the same loop.
 
 ``--window W`` adds a sliding window (query - W < key <= query when causal, |query - key|
 < W otherwise) to every candidate (``forward(..., window=W)``; plain flex with the same
@@ -241,6 +243,19 @@ def packed_documents(n: int, count: int, device: torch.device) -> tuple[torch.Te
     ids = torch.arange(n, device=device) * count // n
     starts = torch.searchsorted(ids, ids)  # each token's document's first token
     return ids, torch.arange(n, device=device) - starts
+
+
+@contextlib.contextmanager
+def document_chunks_off() -> Iterator[None]:
+    """The sdpa backend with packed documents and no position term as one SDPA call
+    with the documents' mask, however few pairs its chunks would hold
+    (``DOCUMENT_CHUNKS_MAX_COVER``)."""
+    cover = sdpa_backend.DOCUMENT_CHUNKS_MAX_COVER
+    sdpa_backend.DOCUMENT_CHUNKS_MAX_COVER = -1.0
+    try:
+        yield
+    finally:
+        sdpa_backend.DOCUMENT_CHUNKS_MAX_COVER = cover
 
 
 @contextlib.contextmanager
@@ -592,6 +607,13 @@ def candidates(
                     return pe(q, k, v, causal=causal, backend="sdpa", **options)
 
             found.append((name, "sdpa, chunks over every key", attend_every_key, params))
+            if not (pe.has_position_bias or pe.has_relative_terms):
+
+                def attend_in_one_call(pe=pe) -> torch.Tensor:
+                    with document_chunks_off():
+                        return pe(q, k, v, causal=causal, backend="sdpa", **options)
+
+                found.append((name, "sdpa, one call", attend_in_one_call, params))
         shifted = args.position_offset or (args.documents and args.restart_positions)
         if args.compare_shifted and pe.shift_invariant and shifted:
             for backend in args.backends:

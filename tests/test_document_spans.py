@@ -136,3 +136,19 @@ def test_relative_terms_per_chunk_span_only_its_documents(name, causal, monkeypa
         pe(q, k, v, backend="sdpa", document_ids=DOCUMENTS, causal=causal)
     spans = [span for band in bands for span in band]
     assert spans and max(hi - lo for _, _, lo, hi in spans) <= 17, spans
+
+
+@pytest.mark.usefixtures("chunks_of_6")
+def test_without_a_position_term_chunks_serve_where_they_skip_enough(monkeypatch) -> None:
+    """``rope`` with documents: in chunks where they hold at most
+    ``DOCUMENT_CHUNKS_MAX_COVER`` (3/4) of the pairs, else one SDPA call with the mask;
+    the oracle's output either way."""
+    pe = generated_class("rope")(heads=4, head_dim=8).double()
+    calls = _spy_spans(monkeypatch, pe)
+    one_document = torch.zeros(M, dtype=torch.int64)
+    assert_sdpa_matches_eager(pe, N, M, 2, document_ids=one_document)
+    assert calls == []  # every pair: one call
+    assert_sdpa_matches_eager(pe, N, M, 2, document_ids=one_document, causal=True)
+    assert calls == [[(0, 6, 0, 6), (6, 12, 0, 12), (12, 18, 0, 18), (18, 24, 0, 24)]]  # 15/24
+    assert_sdpa_matches_eager(pe, N, M, 2, document_ids=DOCUMENTS)
+    assert calls[1:] == [[(0, 6, 0, 7), (6, 12, 0, 17), (12, 18, 7, 24), (18, 24, 17, 24)]]

@@ -222,6 +222,11 @@ def document_spans(
     ]
 
 
+def spans_cover(spans: list[tuple[int, int, int, int]], n: int, m: int) -> float:
+    """The fraction of the N x M (query, key) pairs that the spans (i0, i1, lo, hi) hold."""
+    return sum((i1 - i0) * (hi - lo) for i0, i1, lo, hi in spans) / max(n * m, 1)
+
+
 def relative_positions(
     q_positions: Tensor | None, k_positions: Tensor | None, n: int, m: int, device: torch.device
 ) -> Tensor:
@@ -326,6 +331,13 @@ def block_fresh(scores: Tensor, allowed: Tensor) -> Tensor:
 #: against chunk 256); a causal window of 256 (..._window256.md): rope forward
 #: 1.26x -> 0.49x SDPA with the window's mask
 SDPA_QUERY_CHUNK: dict[str, int | None] = {"cpu": 256}
+
+# With packed documents and no position term, the sdpa backend runs its queries in
+# chunks (each over its documents' keys, ``document_spans``) only where the chunks hold
+# at most this fraction of the N x M pairs; otherwise one SDPA call with the mask, which
+# beat chunks over every key (`rope`, N = 2048, 2 threads: about 1.0x against 1.27x
+# plain SDPA with the documents' mask, attention_backends_cpu_float32_documents.md)
+DOCUMENT_CHUNKS_MAX_COVER = 0.75
 #: where every chunk's mask is a view (no per-chunk [B, H, rows, M] tensor) and no
 #: window limits the keys (``query_chunks(..., views=True)``), per device type: from the
 #: first number of queries on, chunks of the second. The CPU flash kernel splits a

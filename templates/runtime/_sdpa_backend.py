@@ -42,6 +42,7 @@ from ._inputs import (
     repeat_kv,
 )
 from ._masks import (
+    DOCUMENT_CHUNKS_MAX_COVER,
     apply_masks,
     attention_allowed,
     attn_mask_span,
@@ -50,6 +51,7 @@ from ._masks import (
     document_spans,
     masked_softmax,
     query_chunks,
+    spans_cover,
     sum_into_new,
 )
 from ._numerics import compute_dtype
@@ -166,9 +168,9 @@ class SdpaBackend(AttentionTerms):
         )  # [N, M] or [B, 1, N, M], or None
         if document_ids is not None and attn_mask is None:
             # packed documents: each chunk of queries over its documents' keys
-            spans = self._masked_query_chunks(n, m, q.device, default_positions, causal, window)
-            spans = document_spans(spans, document_ids, n, m)
-            if len(spans) > 1:
+            reach = self._masked_query_chunks(n, m, q.device, default_positions, causal, window)
+            reach = document_spans(reach, document_ids, n, m)
+            if len(reach) > 1 and spans_cover(reach, n, m) <= DOCUMENT_CHUNKS_MAX_COVER:
                 grid_of_documents = allowed  # [N, M] or [B, 1, N, M]
                 assert grid_of_documents is not None  # documents were given
 
@@ -178,7 +180,7 @@ class SdpaBackend(AttentionTerms):
                 # at default positions each query reads its own key; at others a row
                 # may read none
                 return self._sdpa_in_chunks(
-                    q, k, v, spans, chunk_documents, every_row_reads=default_positions
+                    q, k, v, reach, chunk_documents, every_row_reads=default_positions
                 )
         if allowed is not None and len(spans) > 1:
             # a window, or causal queries that are the last N of M keys: each chunk of
