@@ -507,6 +507,62 @@ def per_distance_paths_off(pe: torch.nn.Module) -> Iterator[None]:
             delattr(pe, flag)  # the class's flags again
 
 
+def sdpa_switches(
+    args: argparse.Namespace, pe: torch.nn.Module, device: torch.device, training: bool
+) -> list[tuple[str, Callable[[], contextlib.AbstractContextManager[None]]]]:
+    """(label, switch) of each sdpa path the ``--compare-*`` flags time switched off (or
+    otherwise changed) for ``pe``, beside the path as shipped."""
+    if "sdpa" not in args.backends:
+        return []
+    clipped = pe.clipped_distance or pe.relative_clip
+    no_position_term = not (pe.has_position_bias or pe.has_relative_terms)
+    wanted = [
+        (args.compare_clipped and clipped, "sdpa, no clipped path", clipped_path_off),
+        (args.compare_parts and pe.has_relative_terms, "sdpa, dense terms", parts_route_off),
+        (
+            args.compare_floor and pe.has_position_bias,
+            "sdpa, no bias floor",
+            lambda: bias_floor_off(device),
+        ),
+        (
+            args.compare_chunked and training,
+            "sdpa, per-chunk calls",
+            lambda: chunked_flash_off(device, False),
+        ),
+        (
+            args.compare_chunked and training,
+            "sdpa, per-chunk calls, slices",
+            lambda: chunked_flash_off(device, True),
+        ),
+        (
+            args.compare_recomputed and training,
+            "sdpa, trained masks per chunk",
+            lambda: recomputed_mask_off(device),
+        ),
+        (
+            args.compare_directional and training and pe.distance_bias_parameters,
+            "sdpa, no directional path",
+            lambda: directional_path_off(device),
+        ),
+        (
+            args.compare_by_distance and pe.bias_by_distance,
+            "sdpa, bias per pair",
+            lambda: per_distance_paths_off(pe),
+        ),
+        (
+            args.compare_documents and args.documents,
+            "sdpa, chunks over every key",
+            document_spans_off,
+        ),
+        (
+            args.compare_documents and args.documents and no_position_term,
+            "sdpa, one call",
+            document_chunks_off,
+        ),
+    ]
+    return [(label, switch) for on, label, switch in wanted if on]
+
+
 def candidates(
     args: argparse.Namespace, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
 ) -> list[tuple[str, str, Callable[[], torch.Tensor], list[torch.Tensor]]]:
@@ -548,72 +604,13 @@ def candidates(
                         return pe(q, k, v, causal=causal, backend=backend, **options)
 
                 found.append((name, f"{backend} {label}".strip(), attend, params))
-        clipped = pe.clipped_distance or pe.relative_clip
-        if "sdpa" in args.backends and args.compare_clipped and clipped:
+        for label, switch in sdpa_switches(args, pe, device, q.requires_grad):
 
-            def attend_unclipped(pe=pe) -> torch.Tensor:
-                with clipped_path_off():
+            def attend_switched(pe=pe, switch=switch) -> torch.Tensor:
+                with switch():
                     return pe(q, k, v, causal=causal, backend="sdpa", **options)
 
-            found.append((name, "sdpa, no clipped path", attend_unclipped, params))
-        if "sdpa" in args.backends and args.compare_parts and pe.has_relative_terms:
-
-            def attend_dense(pe=pe) -> torch.Tensor:
-                with parts_route_off():
-                    return pe(q, k, v, causal=causal, backend="sdpa", **options)
-
-            found.append((name, "sdpa, dense terms", attend_dense, params))
-        if "sdpa" in args.backends and args.compare_floor and pe.has_position_bias:
-
-            def attend_unfloored(pe=pe) -> torch.Tensor:
-                with bias_floor_off(device):
-                    return pe(q, k, v, causal=causal, backend="sdpa", **options)
-
-            found.append((name, "sdpa, no bias floor", attend_unfloored, params))
-        if "sdpa" in args.backends and args.compare_chunked and q.requires_grad:
-            for plain, label in ((False, "per-chunk calls"), (True, "per-chunk calls, slices")):
-
-                def attend_sliced(pe=pe, plain=plain) -> torch.Tensor:
-                    with chunked_flash_off(device, plain):
-                        return pe(q, k, v, causal=causal, backend="sdpa", **options)
-
-                found.append((name, f"sdpa, {label}", attend_sliced, params))
-        if "sdpa" in args.backends and args.compare_recomputed and q.requires_grad:
-
-            def attend_per_chunk(pe=pe) -> torch.Tensor:
-                with recomputed_mask_off(device):
-                    return pe(q, k, v, causal=causal, backend="sdpa", **options)
-
-            found.append((name, "sdpa, trained masks per chunk", attend_per_chunk, params))
-        directional = pe.distance_bias_parameters and q.requires_grad
-        if "sdpa" in args.backends and args.compare_directional and directional:
-
-            def attend_undirected(pe=pe) -> torch.Tensor:
-                with directional_path_off(device):
-                    return pe(q, k, v, causal=causal, backend="sdpa", **options)
-
-            found.append((name, "sdpa, no directional path", attend_undirected, params))
-        if "sdpa" in args.backends and args.compare_by_distance and pe.bias_by_distance:
-
-            def attend_per_pair(pe=pe) -> torch.Tensor:
-                with per_distance_paths_off(pe):
-                    return pe(q, k, v, causal=causal, backend="sdpa", **options)
-
-            found.append((name, "sdpa, bias per pair", attend_per_pair, params))
-        if "sdpa" in args.backends and args.compare_documents and args.documents:
-
-            def attend_every_key(pe=pe) -> torch.Tensor:
-                with document_spans_off():
-                    return pe(q, k, v, causal=causal, backend="sdpa", **options)
-
-            found.append((name, "sdpa, chunks over every key", attend_every_key, params))
-            if not (pe.has_position_bias or pe.has_relative_terms):
-
-                def attend_in_one_call(pe=pe) -> torch.Tensor:
-                    with document_chunks_off():
-                        return pe(q, k, v, causal=causal, backend="sdpa", **options)
-
-                found.append((name, "sdpa, one call", attend_in_one_call, params))
+            found.append((name, label, attend_switched, params))
         shifted = args.position_offset or (args.documents and args.restart_positions)
         if args.compare_shifted and pe.shift_invariant and shifted:
             for backend in args.backends:

@@ -102,7 +102,8 @@ class PositionalAttention(SdpaBackend, FlexBackend):
                 N > M needs them explicitly.
             k_positions: int64 [M] or [batch, M]; default 0, ..., M - 1. In eager mode,
                 positions equal to the defaults (or, where ``shift_invariant`` is set, the
-                defaults plus one constant per batch row) take the defaults' fast paths.
+                defaults plus one constant per batch row, or per document with
+                ``document_ids``) take the defaults' fast paths.
             causal: mask keys whose position is greater than the query's.
             attn_mask: bool (True = attend) or additive float mask, broadcastable to
                 [batch, heads, N, M].

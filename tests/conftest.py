@@ -242,6 +242,22 @@ def spy_calls(
     return calls
 
 
+def spy_method(
+    monkeypatch: pytest.MonkeyPatch, cls: type, name: str, record: Callable[..., Any]
+) -> list[Any]:
+    """Wrap the method ``name`` of ``cls`` for the test: each call still runs, and
+    ``record`` of its arguments (without self) is appended to the returned list."""
+    calls: list[Any] = []
+    original = getattr(cls, name)
+
+    def spy(self: Any, *args: Any, **keywords: Any) -> Any:
+        calls.append(record(*args, **keywords))
+        return original(self, *args, **keywords)
+
+    monkeypatch.setattr(cls, name, spy)
+    return calls
+
+
 def spy_query_shapes(
     monkeypatch: pytest.MonkeyPatch, pe: torch.nn.Module, name: str
 ) -> list[tuple[int, ...]]:

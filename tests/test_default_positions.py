@@ -12,10 +12,21 @@ import importlib
 import pytest
 import torch
 
-from tests.conftest import generated_class, head_dim_for, spec_names
+from tests.conftest import generated_class, head_dim_for, spec_names, spy_method
 
 inputs_module = importlib.import_module("generated._inputs")
 sdpa_backend = importlib.import_module("generated._sdpa_backend")
+
+
+def _qkv(n: int, m: int, head_dim: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """q [2, 4, n, head_dim], k [2, 4, m, head_dim] and v [2, 4, m, 8], float64."""
+    generator = torch.Generator().manual_seed(seed)
+    shapes = ((n, head_dim), (m, head_dim), (m, 8))
+    return tuple(
+        torch.randn(2, 4, rows, width, generator=generator, dtype=torch.float64)
+        for rows, width in shapes
+    )
+
 
 GIVEN = {  # (n, m) -> position keywords equal to the defaults
     "both, 1-D": (
@@ -45,10 +56,7 @@ def test_default_positions_given_equal_leaving_them_out(name: str, case: str) ->
     torch.manual_seed(0)
     head_dim = head_dim_for(name, 8)
     pe = generated_class(name)(heads=4, head_dim=head_dim).double().eval()
-    generator = torch.Generator().manual_seed(1)
-    q = torch.randn(2, 4, n, head_dim, generator=generator, dtype=torch.float64)
-    k = torch.randn(2, 4, m, head_dim, generator=generator, dtype=torch.float64)
-    v = torch.randn(2, 4, m, 8, generator=generator, dtype=torch.float64)
+    q, k, v = _qkv(n, m, head_dim, seed=1)
     for backend in ("sdpa", "eager"):
         for causal in (False, True):
             want = pe(q, k, v, causal=causal, backend=backend)
@@ -60,15 +68,8 @@ def test_a_bias_of_distance_takes_the_per_distance_view(monkeypatch) -> None:
     """ALiBi with position ids 0 .. N - 1 given, or 1 .. N: the sdpa backend's
     per-distance path runs; with keys one further along than the queries (not the
     defaults shifted) it does not, and the output still equals the eager oracle's."""
-    calls: list[int] = []
     cls = generated_class("alibi")
-    original = cls._sdpa_by_distance
-
-    def spy(self, q, *args, **kwargs):
-        calls.append(q.shape[2])
-        return original(self, q, *args, **kwargs)
-
-    monkeypatch.setattr(cls, "_sdpa_by_distance", spy)
+    calls = spy_method(monkeypatch, cls, "_sdpa_by_distance", lambda q, *_, **__: q.shape[2])
     pe = cls(heads=4, head_dim=8).double()
     q, k, v = (torch.randn(1, 4, 5, 8, dtype=torch.float64) for _ in "qkv")
     pe(q, k, v, backend="sdpa", q_positions=torch.arange(5), k_positions=torch.arange(5))
@@ -116,10 +117,7 @@ def test_shift_invariant_encodings_give_the_same_attention_at_shifted_positions(
     n, m = 5, 9
     head_dim = head_dim_for(name, 8)
     pe = generated_class(name)(heads=4, head_dim=head_dim).double().eval()
-    generator = torch.Generator().manual_seed(2)
-    q = torch.randn(2, 4, n, head_dim, generator=generator, dtype=torch.float64)
-    k = torch.randn(2, 4, m, head_dim, generator=generator, dtype=torch.float64)
-    v = torch.randn(2, 4, m, 8, generator=generator, dtype=torch.float64)
+    q, k, v = _qkv(n, m, head_dim, seed=2)
     given = _shifted_rows(n, m)
     q_positions, k_positions = inputs_module.check_position_pair(
         given["q_positions"], given["k_positions"], n, m, 2, q.device
@@ -158,9 +156,7 @@ def test_shifted_positions_take_the_default_paths(name) -> None:
     sdpa and eager (the shortcut ran), and the same gradients."""
     n, m = 6, 10
     pe = generated_class(name)(heads=4, head_dim=8).double()
-    generator = torch.Generator().manual_seed(3)
-    q, k = (torch.randn(2, 4, s, 8, generator=generator, dtype=torch.float64) for s in (n, m))
-    v = torch.randn(2, 4, m, 8, generator=generator, dtype=torch.float64)
+    q, k, v = _qkv(n, m, 8, seed=3)
     for backend in ("sdpa", "eager"):
         for causal in (False, True):
             want = pe(q, k, v, causal=causal, backend=backend)
@@ -174,9 +170,7 @@ def test_positions_restarting_per_document_take_the_default_paths(name) -> None:
     default positions with the same documents (the shortcut ran), causal or not."""
     n, m = 6, 10
     pe = generated_class(name)(heads=4, head_dim=8).double()
-    generator = torch.Generator().manual_seed(5)
-    q, k = (torch.randn(2, 4, s, 8, generator=generator, dtype=torch.float64) for s in (n, m))
-    v = torch.randn(2, 4, m, 8, generator=generator, dtype=torch.float64)
+    q, k, v = _qkv(n, m, 8, seed=5)
     documents, restarted = _restarting_documents(m)
     given = {"q_positions": restarted[:, m - n :], "k_positions": restarted}
     for backend in ("sdpa", "eager"):
@@ -191,8 +185,7 @@ def test_shifts_change_what_reads_positions_themselves() -> None:
     are kept as given, so its output moves, and sdpa still matches the oracle there."""
     pe = generated_class("fire")(heads=4, head_dim=8).double()
     assert not pe.shift_invariant
-    generator = torch.Generator().manual_seed(4)
-    q, k, v = (torch.randn(2, 4, 6, 8, generator=generator, dtype=torch.float64) for _ in "qkv")
+    q, k, v = _qkv(6, 6, 8, seed=4)
     shifted = _shifted_rows(6, 6, shifts=(600, 2000))
     got = pe(q, k, v, backend="sdpa", causal=True, **shifted)
     torch.testing.assert_close(got, pe(q, k, v, backend="eager", causal=True, **shifted))

@@ -15,6 +15,7 @@ from tests.conftest import (
     generated_class,
     runtime_modules,
     spy_calls,
+    spy_method,
 )
 
 masks = importlib.import_module("generated._masks")
@@ -67,16 +68,7 @@ def test_spans_stay_as_given_for_one_span_no_documents_or_while_compiling(
 
 def _spy_spans(monkeypatch: pytest.MonkeyPatch, pe: torch.nn.Module) -> list[list[tuple]]:
     """The spans of each ``_sdpa_in_chunks`` call of pe's class (each call still runs)."""
-    calls: list[list[tuple]] = []
-    cls = type(pe)
-    original = cls._sdpa_in_chunks
-
-    def spy(self, q, k, v, spans, *args, **kwargs):
-        calls.append(list(spans))
-        return original(self, q, k, v, spans, *args, **kwargs)
-
-    monkeypatch.setattr(cls, "_sdpa_in_chunks", spy)
-    return calls
+    return spy_method(monkeypatch, type(pe), "_sdpa_in_chunks", lambda q, k, v, s, *_, **__: s)
 
 
 CASES = {

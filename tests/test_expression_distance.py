@@ -14,6 +14,7 @@ from tests.conftest import (
     assert_sdpa_matches_eager,
     set_runtime,
     spec_variant,
+    spy_method,
     spy_query_shapes,
 )
 
@@ -103,14 +104,7 @@ def test_sdpa_matches_the_oracle(case, causal: bool, monkeypatch) -> None:
     oracle's, with grouped-query heads; an expression of the difference goes through
     the per-distance view."""
     cls = _expression_module(*case)
-    route: list[int] = []
-    by_distance = cls._sdpa_by_distance
-
-    def spy(self, q, *args, **kwargs):
-        route.append(q.shape[2])
-        return by_distance(self, q, *args, **kwargs)
-
-    monkeypatch.setattr(cls, "_sdpa_by_distance", spy)
+    route = spy_method(monkeypatch, cls, "_sdpa_by_distance", lambda q, *_, **__: q.shape[2])
     pe = cls(heads=4, head_dim=8).double()
     assert_sdpa_matches_eager(pe, 12, 20, 2, causal=causal)
     assert bool(route) is (case is not OF_QUERY)

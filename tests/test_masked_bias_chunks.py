@@ -11,7 +11,7 @@ import importlib
 import pytest
 import torch
 
-from tests.conftest import assert_sdpa_matches_eager, generated_class
+from tests.conftest import assert_sdpa_matches_eager, generated_class, spy_method
 
 masks = importlib.import_module("generated._masks")
 recomputed = importlib.import_module("generated._recomputed_mask")
@@ -41,15 +41,7 @@ CASES = {
 def _spy_span_counts(monkeypatch, cls: type, method: str) -> list[int]:
     """The number of spans of each call of the chunk method ``method`` of ``cls``
     (called as (self, q, k, v, spans, ...)); each call still runs."""
-    counts: list[int] = []
-    original = getattr(cls, method)
-
-    def spy(self, q, k, v, chunk_spans, *args):
-        counts.append(len(chunk_spans))
-        return original(self, q, k, v, chunk_spans, *args)
-
-    monkeypatch.setattr(cls, method, spy)
-    return counts
+    return spy_method(monkeypatch, cls, method, lambda q, k, v, spans, *_: len(spans))
 
 
 @pytest.mark.parametrize("name", ["alibi", "t5", "kerple_log", "fire"])

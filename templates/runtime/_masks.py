@@ -331,12 +331,14 @@ def block_fresh(scores: Tensor, allowed: Tensor) -> Tensor:
 #: against chunk 256); a causal window of 256 (..._window256.md): rope forward
 #: 1.26x -> 0.49x SDPA with the window's mask
 SDPA_QUERY_CHUNK: dict[str, int | None] = {"cpu": 256}
-
-# With packed documents and no position term, the sdpa backend runs its queries in
-# chunks (each over its documents' keys, ``document_spans``) only where the chunks hold
-# at most this fraction of the N x M pairs; otherwise one SDPA call with the mask, which
-# beat chunks over every key (`rope`, N = 2048, 2 threads: about 1.0x against 1.27x
-# plain SDPA with the documents' mask, attention_backends_cpu_float32_documents.md)
+#: with packed documents and no position term, the sdpa backend runs its queries in
+#: chunks (each over its documents' keys, ``document_spans``) only where the chunks hold
+#: at most this fraction of the N x M pairs (``spans_cover``), else one SDPA call with
+#: the mask. `rope` at N = 2048 on 2 threads, against plain SDPA with the documents'
+#: mask (which is what one call runs): chunks over every key 1.27x
+#: (attention_backends_cpu_float32_documents.md, before this threshold); one document,
+#: causal (5/8 of the pairs), 0.73x in chunks against 1.13x in one call
+#: (..._documents_rope1.md)
 DOCUMENT_CHUNKS_MAX_COVER = 0.75
 #: where every chunk's mask is a view (no per-chunk [B, H, rows, M] tensor) and no
 #: window limits the keys (``query_chunks(..., views=True)``), per device type: from the
