@@ -250,12 +250,12 @@ def document_chunks_off() -> Iterator[None]:
     """The sdpa backend with packed documents and no position term as one SDPA call
     with the documents' mask, however few pairs its chunks would hold
     (``DOCUMENT_CHUNKS_MAX_COVER``)."""
-    cover = sdpa_backend.DOCUMENT_CHUNKS_MAX_COVER
-    sdpa_backend.DOCUMENT_CHUNKS_MAX_COVER = -1.0
+    cover = masks.DOCUMENT_CHUNKS_MAX_COVER
+    masks.DOCUMENT_CHUNKS_MAX_COVER = -1.0
     try:
         yield
     finally:
-        sdpa_backend.DOCUMENT_CHUNKS_MAX_COVER = cover
+        masks.DOCUMENT_CHUNKS_MAX_COVER = cover
 
 
 @contextlib.contextmanager

@@ -44,16 +44,15 @@ from ._inputs import (
     repeat_kv,
 )
 from ._masks import (
-    DOCUMENT_CHUNKS_MAX_COVER,
     apply_masks,
     attention_allowed,
     attn_mask_span,
     block_fresh,
     distance_allowed,
+    document_chunks_serve,
     document_spans,
     masked_softmax,
     query_chunks,
-    spans_cover,
     sum_into_new,
 )
 from ._numerics import compute_dtype
@@ -172,7 +171,7 @@ class SdpaBackend(AttentionTerms):
             # packed documents: each chunk of queries over its documents' keys
             reach = self._masked_query_chunks(n, m, q.device, default_positions, causal, window)
             reach = document_spans(reach, document_ids, n, m)
-            if len(reach) > 1 and spans_cover(reach, n, m) <= DOCUMENT_CHUNKS_MAX_COVER:
+            if document_chunks_serve(reach, n, m):
                 grid_of_documents = allowed  # [N, M] or [B, 1, N, M]
                 assert grid_of_documents is not None  # documents were given
 

@@ -227,6 +227,13 @@ def spans_cover(spans: list[tuple[int, int, int, int]], n: int, m: int) -> float
     return sum((i1 - i0) * (hi - lo) for i0, i1, lo, hi in spans) / max(n * m, 1)
 
 
+def document_chunks_serve(spans: list[tuple[int, int, int, int]], n: int, m: int) -> bool:
+    """Whether attention with no position term runs in the chunks ``spans`` (narrowed to
+    their documents' keys) rather than one call with the mask: several of them, holding
+    at most ``DOCUMENT_CHUNKS_MAX_COVER`` of the pairs."""
+    return len(spans) > 1 and spans_cover(spans, n, m) <= DOCUMENT_CHUNKS_MAX_COVER
+
+
 def relative_positions(
     q_positions: Tensor | None, k_positions: Tensor | None, n: int, m: int, device: torch.device
 ) -> Tensor:
