@@ -262,12 +262,12 @@ def document_chunks_off() -> Iterator[None]:
 def document_spans_off() -> Iterator[None]:
     """The sdpa backend with each query chunk over every key its causal mask or window
     allows, not narrowed to its documents' keys (``document_spans``)."""
-    narrow = sdpa_backend.document_spans
-    sdpa_backend.document_spans = lambda spans, *_: spans
+    narrow = masks.document_spans
+    masks.document_spans = lambda spans, *_: spans
     try:
         yield
     finally:
-        sdpa_backend.document_spans = narrow
+        masks.document_spans = narrow
 
 
 def plain_flex(
@@ -435,14 +435,21 @@ def directional_path_off(device: torch.device) -> contextlib.AbstractContextMana
 
 
 @contextlib.contextmanager
-def shift_recognition_off(pe: torch.nn.Module) -> Iterator[None]:
-    """``pe`` keeping positions that are the defaults plus a constant as given (its
-    ``shift_invariant`` False), so that they take the per-pair paths."""
-    pe.shift_invariant = False
+def instance_flags(pe: torch.nn.Module, **flags: object) -> Iterator[None]:
+    """``pe`` with its class's composition flags ``flags`` overridden on the instance."""
+    for flag, value in flags.items():
+        setattr(pe, flag, value)
     try:
         yield
     finally:
-        del pe.shift_invariant  # the class's flag again
+        for flag in flags:
+            delattr(pe, flag)  # the class's flags again
+
+
+def shift_recognition_off(pe: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
+    """``pe`` keeping positions that are the defaults plus a constant as given (its
+    ``shift_invariant`` False), so that they take the per-pair paths."""
+    return instance_flags(pe, shift_invariant=False)
 
 
 def clipped_flex_route_on(device: torch.device) -> contextlib.AbstractContextManager[None]:
@@ -492,19 +499,13 @@ def encoding(name: str) -> type[torch.nn.Module]:
     return encoding_class(module_from_spec(Path(name)))
 
 
-@contextlib.contextmanager
-def per_distance_paths_off(pe: torch.nn.Module) -> Iterator[None]:
+def per_distance_paths_off(pe: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
     """``pe`` with its bias of j - i built per pair (its ``bias_by_distance``,
     ``distance_bias_parameters`` and ``shift_invariant`` off), as for a bias of
     positions."""
-    flags = {"bias_by_distance": False, "distance_bias_parameters": (), "shift_invariant": False}
-    for flag, value in flags.items():
-        setattr(pe, flag, value)
-    try:
-        yield
-    finally:
-        for flag in flags:
-            delattr(pe, flag)  # the class's flags again
+    return instance_flags(
+        pe, bias_by_distance=False, distance_bias_parameters=(), shift_invariant=False
+    )
 
 
 def sdpa_switches(

@@ -50,9 +50,9 @@ from ._masks import (
     block_fresh,
     distance_allowed,
     document_chunks_serve,
-    document_spans,
     masked_softmax,
     query_chunks,
+    reachable_query_chunks,
     sum_into_new,
 )
 from ._numerics import compute_dtype
@@ -131,8 +131,9 @@ class SdpaBackend(AttentionTerms):
             # keys its documents hold, and at default positions only those its causal
             # mask or window allow (where masking follows explicit positions, no key is
             # skipped by its index)
-            spans = self._masked_query_chunks(n, m, q.device, default_positions, causal, window)
-            spans = document_spans(spans, document_ids, n, m)
+            spans = reachable_query_chunks(
+                n, m, q.device.type, causal, window, document_ids, default_positions
+            )
             if len(spans) > 1:
                 return self._sdpa_bias_in_chunks(
                     q,
@@ -169,8 +170,9 @@ class SdpaBackend(AttentionTerms):
         )  # [N, M] or [B, 1, N, M], or None
         if document_ids is not None and attn_mask is None:
             # packed documents: each chunk of queries over its documents' keys
-            reach = self._masked_query_chunks(n, m, q.device, default_positions, causal, window)
-            reach = document_spans(reach, document_ids, n, m)
+            reach = reachable_query_chunks(
+                n, m, q.device.type, causal, window, document_ids, default_positions
+            )
             if document_chunks_serve(reach, n, m):
                 grid_of_documents = allowed  # [N, M] or [B, 1, N, M]
                 assert grid_of_documents is not None  # documents were given
@@ -381,9 +383,7 @@ class SdpaBackend(AttentionTerms):
         k with q's heads (k itself without grouped-query heads)."""
         n, m = q.shape[2], k.shape[2]
         allowed = attention_allowed(None, None, n, m, q.device, False, window, document_ids)
-        spans = document_spans(
-            query_chunks(n, m, q.device.type, causal, window), document_ids, n, m
-        )
+        spans = reachable_query_chunks(n, m, q.device.type, causal, window, document_ids, True)
         if allowed is None and cpu_flash_serves(q, v):
             # flash calls per chunk, the terms' gradient without a full-size one per chunk
             heads_v = repeat_kv(v, q.shape[1] // v.shape[1])
@@ -564,21 +564,6 @@ class SdpaBackend(AttentionTerms):
             mask_inputs=tuple(inputs),
             every_row_reads=every_row_reads,
         )
-
-    @staticmethod
-    def _masked_query_chunks(
-        n: int,
-        m: int,
-        device: torch.device,
-        default_positions: bool,
-        causal: bool,
-        window: int | None,
-    ) -> list[tuple[int, int, int, int]]:
-        """``query_chunks`` for masks that follow positions: at default positions the
-        keys each chunk's causal mask or window allows, else every key."""
-        if default_positions:
-            return query_chunks(n, m, device.type, causal, window)
-        return query_chunks(n, m, device.type, False, None)
 
     def _sdpa_in_chunks(
         self,

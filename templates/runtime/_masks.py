@@ -222,16 +222,29 @@ def document_spans(
     ]
 
 
-def spans_cover(spans: list[tuple[int, int, int, int]], n: int, m: int) -> float:
-    """The fraction of the N x M (query, key) pairs that the spans (i0, i1, lo, hi) hold."""
-    return sum((i1 - i0) * (hi - lo) for i0, i1, lo, hi in spans) / max(n * m, 1)
+def reachable_query_chunks(
+    n: int,
+    m: int,
+    device_type: str,
+    causal: bool,
+    window: int | None,
+    document_ids: Tensor | None,
+    by_index: bool,
+) -> list[tuple[int, int, int, int]]:
+    """``query_chunks`` over the keys each chunk may read: where masking follows the
+    default positions (``by_index``), those its causal mask or window allows, else every
+    key (explicit positions skip no key by its index); then narrowed to its documents'
+    keys (``document_spans``)."""
+    spans = query_chunks(n, m, device_type, causal and by_index, window if by_index else None)
+    return document_spans(spans, document_ids, n, m)
 
 
 def document_chunks_serve(spans: list[tuple[int, int, int, int]], n: int, m: int) -> bool:
     """Whether attention with no position term runs in the chunks ``spans`` (narrowed to
     their documents' keys) rather than one call with the mask: several of them, holding
-    at most ``DOCUMENT_CHUNKS_MAX_COVER`` of the pairs."""
-    return len(spans) > 1 and spans_cover(spans, n, m) <= DOCUMENT_CHUNKS_MAX_COVER
+    at most ``DOCUMENT_CHUNKS_MAX_COVER`` of the N x M pairs."""
+    pairs = sum((i1 - i0) * (hi - lo) for i0, i1, lo, hi in spans)
+    return len(spans) > 1 and pairs <= DOCUMENT_CHUNKS_MAX_COVER * n * m
 
 
 def relative_positions(
@@ -340,7 +353,7 @@ def block_fresh(scores: Tensor, allowed: Tensor) -> Tensor:
 SDPA_QUERY_CHUNK: dict[str, int | None] = {"cpu": 256}
 #: with packed documents and no position term, the sdpa backend runs its queries in
 #: chunks (each over its documents' keys, ``document_spans``) only where the chunks hold
-#: at most this fraction of the N x M pairs (``spans_cover``), else one SDPA call with
+#: at most this fraction of the N x M pairs (``document_chunks_serve``), else one SDPA call with
 #: the mask. `rope` at N = 2048 on 2 threads, against plain SDPA with the documents'
 #: mask (which is what one call runs): chunks over every key 1.27x
 #: (attention_backends_cpu_float32_documents.md, before this threshold); one document,
