@@ -1,15 +1,19 @@
-"""Expression biases that read positions only as i - j (or j - i) are biases of the
-relative position: they render ``_distance_bias`` and take the per-distance paths (the
-strided view, the directional gradients of their parameters, shifted positions), while
-the eager oracle keeps evaluating the expression per pair."""
+"""Expression biases unchanged when i and j shift together (functions of j - i) are
+biases of the relative position: they render ``_distance_bias`` and take the
+per-distance paths (the strided view, the directional gradients of their parameters,
+shifted positions), while the eager oracle keeps evaluating the expression per pair."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
-from posgen.spec.expr import ParamInfo, parse_expr
+from posgen.spec.expr import ExprError, ParamInfo, parse_expr
 from tests.conftest import (
     assert_sdpa_matches_eager,
     set_runtime,
@@ -29,17 +33,94 @@ PARAMS = {"a": ParamInfo(per_head=False), "c": ParamInfo(per_head=True)}
         ("-(i - j) ** 2 + (j - i) * a", True),
         ("where(j - i > 0, -a * (j - i), 0.0)", True),
         ("c[h] * h", True),  # no position at all
+        ("-abs((i + 1) - j)", True),  # i + 1 - j: the shift cancels
+        ("2 * i - 2 * j", True),
+        ("0.5 * (i + 3) - j / 2", True),
+        ("-abs(i - j) + 0 * i", True),  # 0 * i is 0
+        ("-abs(i - i)", True),  # no position after all
+        ("minimum(i, j) - j", True),  # min(i - j, 0)
+        ("where(i < j, i, j + 1) - i", True),
         ("-abs(i) + j", False),
-        ("-abs(i - j) + 0 * i", False),
         ("-abs(i - j) / maximum(i, 1.0)", False),
-        ("-abs((i + 1) - j)", False),  # the same function, but not written as i - j
-        ("-abs(i - i)", False),
+        ("i < 5", False),
+        ("floor(i / 2) - floor(j / 2)", False),  # changes with an odd shift
+        ("minimum(i, 1.0) - j", False),
+        ("0.5 * i - j / 3", False),
+        ("a * i - a * j", False),  # true, but a parameter's value is not known here
     ],
 )
-def test_an_expression_reads_the_difference_only_where_i_and_j_meet_in_a_subtraction(
+def test_an_expression_reads_the_difference_where_a_common_shift_cancels(
     expr: str, want: bool
 ) -> None:
     assert parse_expr(expr, PARAMS).of_difference is want
+
+
+def _expressions() -> st.SearchStrategy[str]:
+    """Random expression texts over i, j, h, a, c[h] and small numbers."""
+    leaves = st.sampled_from(["i", "j", "h", "a", "c[h]", "1", "2", "0.5", "3"])
+
+    def grow(inner: st.SearchStrategy[str]) -> st.SearchStrategy[str]:
+        return st.one_of(
+            st.builds("-({})".format, inner),
+            st.builds("({}) + ({})".format, inner, inner),
+            st.builds("({}) - ({})".format, inner, inner),
+            st.builds("({}) * ({})".format, inner, inner),
+            st.builds("({}) / ({})".format, inner, inner),
+            st.builds("({}) ** 2".format, inner),
+            st.builds("abs({})".format, inner),
+            st.builds("sin({})".format, inner),
+            st.builds("floor({})".format, inner),
+            st.builds("minimum({}, {})".format, inner, inner),
+            st.builds("where(({}) < ({}), {}, {})".format, inner, inner, inner, inner),
+        )
+
+    return st.recursive(leaves, grow, max_leaves=8)
+
+
+def _value(expr: str, i: int, j: int) -> float:
+    """The expression in float64 by Python's own arithmetic (a = 0.7, c = [0.3, -1.2],
+    h = 1), independent of posgen's rendering."""
+    names = {
+        "i": float(i),
+        "j": float(j),
+        "h": 1,
+        "a": 0.7,
+        "c": [0.3, -1.2],
+        "abs": abs,
+        "sin": math.sin,
+        "floor": math.floor,
+        "minimum": min,
+        "where": lambda condition, yes, no: yes if condition else no,
+    }
+    return float(eval(expr, {"__builtins__": {}}, names))  # noqa: S307 - texts built above
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    expr=_expressions(),
+    points=st.lists(
+        st.tuples(st.integers(0, 300), st.integers(0, 300), st.integers(-500, 500)),
+        min_size=3,
+        max_size=3,
+    ),
+)
+def test_an_expression_marked_as_of_the_difference_is_unchanged_by_a_common_shift(
+    expr: str, points: list[tuple[int, int, int]]
+) -> None:
+    """Soundness: wherever ``of_difference`` is set, f(i + s, j + s) = f(i, j) in float64."""
+    try:
+        parsed = parse_expr(expr, PARAMS)
+    except ExprError:  # a call of constants, for one
+        assume(False)
+        return
+    assume(parsed.of_difference)
+    for i, j, shift in points:
+        try:
+            before, after = _value(expr, i, j), _value(expr, i + shift, j + shift)
+        except (ZeroDivisionError, OverflowError, ValueError):
+            continue
+        if math.isfinite(before) and math.isfinite(after):
+            assert math.isclose(before, after, rel_tol=1e-9, abs_tol=1e-9), (i, j, shift)
 
 
 def _expression_module(expr: str, params: str) -> type[torch.nn.Module]:
@@ -67,6 +148,8 @@ MIXED = (
     "{a: {shape: [], init: 0.2}, c: {shape: [heads], init: 0.7}}",
 )
 OF_QUERY = ("-abs(i - j) / maximum(i, 1.0)", "{}")
+# a shift that cancels without i - j written out: -a |i + 1 - j| + min(i - j, 0)
+SHIFTED = ("-a * abs((i + 1) - j) + minimum(i, j) - j", "{a: {shape: [], init: 0.3}}")
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +180,9 @@ def test_the_per_distance_vector_is_the_formula(kerple_expression) -> None:
     torch.testing.assert_close(pe._distance_bias(n, m, torch.device("cpu")), want)
 
 
-@pytest.mark.parametrize("case", [KERPLE_LOG, MIXED, OF_QUERY], ids=["kerple", "mixed", "query"])
+@pytest.mark.parametrize(
+    "case", [KERPLE_LOG, MIXED, SHIFTED, OF_QUERY], ids=["kerple", "mixed", "shifted", "query"]
+)
 @pytest.mark.parametrize("causal", [False, True])
 def test_sdpa_matches_the_oracle(case, causal: bool, monkeypatch) -> None:
     """Outputs and gradients (the expression's parameters included) equal the eager

@@ -462,7 +462,7 @@ class ExprBiasPlan(Block):
     steps: tuple[str, ...]
     result: str
     uses_h: bool
-    of_difference: bool = False  # i and j only as i - j or j - i
+    of_difference: bool = False  # unchanged when i and j shift together: f(0, j - i)
 
     @property
     def shift_invariant(self) -> bool:

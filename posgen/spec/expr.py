@@ -37,6 +37,8 @@ import math
 import re
 from dataclasses import dataclass
 
+from .expr_shift import reads_difference_only
+
 MAX_EXPR_CHARS = 500
 """Longest expression text (KERPLE-log is 34 characters)."""
 MAX_EXPR_NODES = 64
@@ -136,7 +138,7 @@ class Parsed:
     uses_j: bool
     uses_h: bool
     reads: frozenset[str] = frozenset()  # every variable and parameter it reads
-    # i and j are read only as i - j or j - i: a function of the relative position
+    # unchanged when i and j shift together: a function of j - i (expr_shift.py)
     of_difference: bool = False
 
 
@@ -190,25 +192,8 @@ def parse_expr(
         uses_j="j" in checker.used_names,
         uses_h="h" in checker.used_names,
         reads=frozenset(checker.used_names),
-        of_difference=_reads_positions_as_difference(tree.body),
+        of_difference=reads_difference_only(tree.body),
     )
-
-
-def _reads_positions_as_difference(body: ast.AST) -> bool:
-    """Whether every i and j in ``body`` is an operand of a subtraction of the two
-    (``i - j`` or ``j - i``), so that the expression depends on them only through
-    their difference (a function of the key minus query position)."""
-    positions = {
-        id(node) for node in ast.walk(body) if isinstance(node, ast.Name) and node.id in ("i", "j")
-    }
-    paired: set[int] = set()
-    for node in ast.walk(body):
-        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Sub):
-            left, right = node.left, node.right
-            if isinstance(left, ast.Name) and isinstance(right, ast.Name):
-                if {left.id, right.id} == {"i", "j"}:
-                    paired.update((id(left), id(right)))
-    return positions <= paired
 
 
 class _Checker:
