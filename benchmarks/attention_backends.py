@@ -78,7 +78,12 @@ each document), and the baseline is SDPA with the equivalent boolean mask.
 every key its causal mask or window allows, not only its documents' keys (no
 ``document_spans``; without a position term, one SDPA call where such chunks would hold
 more than ``DOCUMENT_CHUNKS_MAX_COVER`` of the pairs), and, without a position term,
-as one SDPA call with the documents' mask, in the same loop.
+as one SDPA call with the documents' mask, in the same loop; with relative terms, as
+one call over every query and key (``sdpa, terms in one call``: how terms at explicit
+positions with documents were built before they went a query chunk at a time).
+``--position-stride S`` spaces the positions S apart (with ``--given-positions``,
+``--position-offset`` or ``--restart-positions``): explicit positions that are not a
+shift of the defaults.
 
 ``--window W`` adds a sliding window (query - W < key <= query when causal, |query - key|
 < W otherwise) to every candidate (``forward(..., window=W)``; plain flex with the same
@@ -268,6 +273,19 @@ def document_spans_off() -> Iterator[None]:
         yield
     finally:
         masks.document_spans = narrow
+
+
+@contextlib.contextmanager
+def relative_chunks_off() -> Iterator[None]:
+    """The sdpa backend's relative terms in one call over every query and key (no
+    ``reachable_query_chunks`` in ``_sdpa_relative``): how terms at explicit positions
+    with packed documents were built before they went a query chunk at a time."""
+    chunks = sdpa_backend.reachable_query_chunks
+    sdpa_backend.reachable_query_chunks = lambda n, m, *_: [(0, n, 0, m)]
+    try:
+        yield
+    finally:
+        sdpa_backend.reachable_query_chunks = chunks
 
 
 def plain_flex(
@@ -560,6 +578,11 @@ def sdpa_switches(
             "sdpa, one call",
             document_chunks_off,
         ),
+        (
+            args.compare_documents and args.documents and pe.has_relative_terms,
+            "sdpa, terms in one call",
+            relative_chunks_off,
+        ),
     ]
     return [(label, switch) for on, label, switch in wanted if on]
 
@@ -573,13 +596,14 @@ def candidates(
     length = q.shape[2]
     options: dict = {"window": args.window}  # every module call's keywords
     offset = 0 if args.given_positions else args.position_offset  # ids 0 .. N - 1, or K ..
+    stride = args.position_stride
     if offset is not None:
-        positions = torch.arange(offset, offset + length, device=device)
+        positions = torch.arange(offset, offset + length, device=device) * stride
         options["q_positions"] = options["k_positions"] = positions
     if args.documents:
         options["document_ids"], restarted = packed_documents(length, args.documents, device)
         if args.restart_positions:
-            options["q_positions"] = options["k_positions"] = restarted
+            options["q_positions"] = options["k_positions"] = restarted * stride
     if device.type == "cuda" and "flex" in args.backends:
         no_bias = plain_flex(q, k, v, causal, args.window)
         found.append(("(no encoding)", "flex, no bias", no_bias, []))
@@ -720,6 +744,7 @@ def run(args: argparse.Namespace) -> dict:
         "restart_positions": args.restart_positions,
         "given_positions": args.given_positions,
         "position_offset": args.position_offset,
+        "position_stride": args.position_stride,
         "flush_denormal": args.flush_denormal,
         "rows": rows,
     }
@@ -784,6 +809,11 @@ def markdown(report: dict) -> str:
         + (
             f", positions from {report['position_offset']}"
             if report.get("position_offset") is not None
+            else ""
+        )
+        + (
+            f", positions {report['position_stride']} apart"
+            if report.get("position_stride", 1) != 1
             else ""
         )
         + ")",
@@ -887,6 +917,13 @@ def main() -> None:
         default=None,
         help="pass q_positions and k_positions K .. K + N - 1 to every module call "
         "(K >= 1: explicit positions that are not the defaults)",
+    )
+    parser.add_argument(
+        "--position-stride",
+        type=int,
+        default=1,
+        help="with --given-positions, --position-offset or --restart-positions, positions "
+        "S apart (S >= 2: explicit positions that no shift makes the defaults)",
     )
     parser.add_argument(
         "--compare-recomputed",

@@ -144,3 +144,48 @@ def test_without_a_position_term_chunks_serve_where_they_skip_enough(monkeypatch
     assert calls == [[(0, 6, 0, 6), (6, 12, 0, 12), (12, 18, 0, 18), (18, 24, 0, 24)]]  # 15/24
     assert_sdpa_matches_eager(pe, N, M, 2, document_ids=DOCUMENTS)
     assert calls[1:] == [[(0, 6, 0, 7), (6, 12, 0, 17), (12, 18, 7, 24), (18, 24, 17, 24)]]
+
+
+DENSE_CASES = [
+    "explicit positions",
+    "explicit positions, a query reading no key",
+    "default positions, causal window",
+]
+
+
+@pytest.mark.usefixtures("chunks_of_6")
+@pytest.mark.parametrize("case", DENSE_CASES)
+@pytest.mark.parametrize("name", ["shaw", "bert_relative_key_query", "deberta", "transformer_xl"])
+def test_dense_relative_terms_go_a_chunk_at_a_time_over_its_documents(
+    name: str, case: str, monkeypatch
+) -> None:
+    """Where the terms are built per pair (explicit positions, a value term, a window),
+    each chunk of 6 queries builds them over its documents' keys only (at most 17 of
+    24), forward and backward, and sdpa equals the oracle."""
+    torch.manual_seed(0)
+    pe = generated_class(name)(heads=4, head_dim=8).double()
+    assert_sdpa_matches_eager(pe, N, M, 2, document_ids=DOCUMENTS, **CASES[case])
+    assert_sdpa_matches_eager(pe, N, M, 2, document_ids=BATCHED, **CASES[case])
+    shapes = spy_method(
+        monkeypatch, type(pe), "_relative_terms", lambda q, k, *_, **__: (q.shape[2], k.shape[2])
+    )
+    q, k, v = (torch.randn(2, 4, N, 8, dtype=torch.float64, requires_grad=True) for _ in "qkv")
+    pe(q, k, v, backend="sdpa", document_ids=DOCUMENTS, **CASES[case]).sum().backward()
+    if case.startswith("explicit") or name == "shaw":
+        assert shapes, "the per-pair terms ran"
+    assert all(rows <= 6 and keys <= 17 for rows, keys in shapes), shapes
+
+
+@pytest.mark.usefixtures("chunks_of_6")
+def test_a_causal_training_step_of_query_side_terms_goes_per_chunk_with_documents(
+    monkeypatch,
+) -> None:
+    """Transformer-XL's causal training step builds each chunk's terms at its own
+    positions (``relative_parts_serve``): with documents too, over its documents' keys."""
+    pe = generated_class("transformer_xl")(heads=4, head_dim=8).double()
+    shapes = spy_method(
+        monkeypatch, type(pe), "_relative_terms", lambda q, k, *_, **__: (q.shape[2], k.shape[2])
+    )
+    q, k, v = (torch.randn(2, 4, N, 8, dtype=torch.float64, requires_grad=True) for _ in "qkv")
+    pe(q, k, v, backend="sdpa", document_ids=DOCUMENTS, causal=True).sum().backward()
+    assert shapes and all(rows <= 6 and keys <= 17 for rows, keys in shapes), shapes

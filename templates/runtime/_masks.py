@@ -291,6 +291,32 @@ def attn_mask_span(
     return attn_mask
 
 
+def documents_joined(
+    attn_mask: Tensor | None,
+    document_ids: Tensor | None,
+    n: int,
+    m: int,
+    span: tuple[int, int, int, int],
+) -> Tensor | None:
+    """The block ``span`` = (i0, i1, lo, hi) of an attn_mask (already cut to it: queries
+    i0 .. i1 - 1, keys lo .. hi - 1, or broadcastable) with the packed documents' rule
+    joined: a pair of different documents is masked (False, or -inf in an additive
+    mask). Query i's document is key M - N + i's; document_ids: [M] or [batch, M], or
+    None (the mask as given). -> bool or additive, [batch or 1, 1, rows, keys] where
+    documents are given."""
+    if document_ids is None:
+        return attn_mask
+    i0, i1, lo, hi = span
+    queries = document_ids[..., m - n + i0 : m - n + i1]  # [..., rows]
+    same = queries.unsqueeze(-1) == document_ids[..., lo:hi].unsqueeze(-2)  # [..., rows, keys]
+    same = same.unsqueeze(-3)  # [..., 1, rows, keys]: every head
+    if attn_mask is None:
+        return same
+    if attn_mask.dtype == torch.bool:
+        return attn_mask & same
+    return torch.where(same, attn_mask, float("-inf"))
+
+
 def apply_masks(logits: Tensor, allowed: Tensor | None, attn_mask: Tensor | None) -> Tensor:
     """Add masks to float logits: -inf where not allowed, plus an additive attn_mask."""
     if allowed is not None:

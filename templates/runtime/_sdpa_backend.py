@@ -48,6 +48,7 @@ from ._masks import (
     block_fresh,
     distance_allowed,
     document_chunks_serve,
+    documents_joined,
     masked_softmax,
     query_chunks,
     reachable_query_chunks,
@@ -222,10 +223,11 @@ class SdpaBackend(AttentionTerms):
         clipped path (``clipped_relative_attention``, CPU); for more than a few queries
         and no value-side term, each query chunk's terms gathered from their projections
         over the table rows (``_sdpa_relative_parts``); a few queries read theirs from
-        the factors (``few_query_inputs``). Otherwise the dense terms, and with causal or
-        window masking at default positions the queries go in chunks
-        (``query_chunks``), each with the explicit positions of its queries and of the
-        keys it may read: its terms span only those keys.
+        the factors (``few_query_inputs``). Otherwise the dense terms, with the queries
+        in chunks (``reachable_query_chunks``) wherever positions are given, masks apply
+        or documents are packed: each chunk at the positions of its queries and of the
+        keys it may read (its documents' keys, and at default positions those its causal
+        mask or window allows), so its terms span only those keys.
         """
         n, m = q.shape[2], k.shape[2]
         default = q_positions is None and k_positions is None and document_ids is None
@@ -268,32 +270,29 @@ class SdpaBackend(AttentionTerms):
                 return self._sdpa_relative_parts(
                     q, k, heads_k, v, relative_parts, causal, window, document_ids
                 )
-        if default and attn_mask is None and (causal or window is not None):
-            spans = query_chunks(n, m, q.device.type, causal, window)
-            if len(spans) > 1:
-                outs = [
-                    self._sdpa_relative(
-                        q[:, :, i0:i1],
-                        k[:, :, lo:hi],
-                        v[:, :, lo:hi],
-                        torch.arange(m - n + i0, m - n + i1, device=q.device),
-                        torch.arange(lo, hi, device=q.device),
-                        causal,
-                        None,
-                        window,
-                    )
-                    for i0, i1, lo, hi in spans
-                ]
-                return torch.cat(outs, dim=2)
         given = q_positions is not None or k_positions is not None or attn_mask is not None
-        if given and document_ids is None:
-            # explicit positions or an attn_mask: the dense terms a chunk of queries at a
-            # time over every key (each chunk at its queries' positions), so that no
-            # [B, H, N, M] terms exist at once
-            spans = query_chunks(n, m, q.device.type, False, None)
+        if given or causal or window is not None or document_ids is not None:
+            # the dense terms a chunk of queries at a time (each at its queries'
+            # positions), so that no [B, H, N, M] terms exist at once: over the keys its
+            # documents hold, and at default positions only those its causal mask or
+            # window allow (where masking follows explicit positions, no key is skipped
+            # by its index)
+            default_positions = q_positions is None and k_positions is None
+            spans = reachable_query_chunks(
+                n, m, q.device.type, causal, window, document_ids, default_positions
+            )
             if len(spans) > 1:
                 return self._sdpa_relative_in_chunks(
-                    q, k, v, spans, q_positions, k_positions, causal, attn_mask, window
+                    q,
+                    k,
+                    v,
+                    spans,
+                    q_positions,
+                    k_positions,
+                    causal,
+                    attn_mask,
+                    window,
+                    document_ids,
                 )
         groups = q.shape[1] // k.shape[1]
         k, v = repeat_kv(k, groups), repeat_kv(v, groups)  # the terms read every head
@@ -348,20 +347,31 @@ class SdpaBackend(AttentionTerms):
         causal: bool,
         attn_mask: Tensor | None,
         window: int | None,
+        document_ids: Tensor | None,
     ) -> Tensor:
-        """``_sdpa_relative`` one span of queries at a time over every key (``spans``:
-        (i0, i1, 0, M)), each at its queries' positions (explicit, or the defaults' rows)
-        and with its rows of ``attn_mask`` -> [B, H, N, value_dim]."""
+        """``_sdpa_relative`` one span of queries at a time (``spans``: (i0, i1, lo, hi),
+        queries i0 .. i1 - 1 against keys lo .. hi - 1), each at its queries' and keys'
+        positions (explicit, or the defaults' rows), with its block of ``attn_mask`` and
+        the documents' rule for that block joined into it -> [B, H, N, value_dim]."""
         n, m = q.shape[2], k.shape[2]
         if q_positions is None:  # the default: the queries are the last N keys
             q_positions = torch.arange(m - n, m, device=q.device)
         if k_positions is None:
             k_positions = torch.arange(m, device=q.device)
         outs = []
-        for i0, i1, _, _ in spans:
-            mask = attn_mask_span(attn_mask, n, m, i0, i1, 0, m)
-            rows = q_positions[..., i0:i1]
-            out = self._sdpa_relative(q[:, :, i0:i1], k, v, rows, k_positions, causal, mask, window)
+        for i0, i1, lo, hi in spans:
+            mask = attn_mask_span(attn_mask, n, m, i0, i1, lo, hi)
+            mask = documents_joined(mask, document_ids, n, m, (i0, i1, lo, hi))
+            out = self._sdpa_relative(
+                q[:, :, i0:i1],
+                k[:, :, lo:hi],
+                v[:, :, lo:hi],
+                q_positions[..., i0:i1],
+                k_positions[..., lo:hi],
+                causal,
+                mask,
+                window,
+            )
             outs.append(out)
         return torch.cat(outs, dim=2)
 
