@@ -75,14 +75,21 @@ def test_fullgraph_compile_of_the_flex_backend(name: str) -> None:
 def test_fullgraph_compile_of_sdpa_query_chunks(name: str, monkeypatch) -> None:
     """The per-chunk SDPA calls (``SDPA_QUERY_CHUNK``) trace whole: of a masked bias of
     j - i, of a window without a bias, and of biases and relative terms built at each
-    chunk's positions. Their key spans come from shapes alone."""
+    chunk's positions, with packed documents too. Their key spans come from shapes
+    alone (``document_spans`` narrows nothing while compiling)."""
     masks = importlib.import_module("generated._masks")
     monkeypatch.setitem(masks.SDPA_QUERY_CHUNK, "cpu", 2)
     pe, q, k, v = _module_and_inputs(name, 8)
     compiled = torch.compile(pe, fullgraph=True, backend="eager")
-    for window in (None, 3):
-        want = pe(q, k, v, causal=True, window=window, backend="eager")
-        got = compiled(q, k, v, causal=True, window=window, backend="sdpa")
+    documents = torch.tensor([0, 0, 0, 1, 1, 1, 1])
+    for options in (
+        {"window": None},
+        {"window": 3},
+        {"document_ids": documents},
+        {"document_ids": documents, **EXPLICIT},
+    ):
+        want = pe(q, k, v, causal=True, backend="eager", **options)
+        got = compiled(q, k, v, causal=True, backend="sdpa", **options)
         torch.testing.assert_close(got, want)
 
 
