@@ -70,10 +70,8 @@ def _binary_drift(node: ast.BinOp) -> Drift:
     left, right = drift(node.left), drift(node.right)
     if left is None or right is None:
         return None
-    if isinstance(node.op, ast.Add):
-        return left + right
-    if isinstance(node.op, ast.Sub):
-        return left - right
+    if isinstance(node.op, (ast.Add, ast.Sub)):
+        return _exact(node.op, left, right)  # (x + a c) +- (y + b c)
     if isinstance(node.op, ast.Mult):
         left_number, right_number = number_value(node.left), number_value(node.right)
         if left_number is not None:
@@ -107,15 +105,22 @@ def number_value(node: ast.AST) -> Fraction | None:
         if inner is None:
             return None
         return -inner if isinstance(node.op, ast.USub) else inner
-    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Mult, ast.Div)):
+    if isinstance(node, ast.BinOp):
         left, right = number_value(node.left), number_value(node.right)
         if left is None or right is None:
             return None
-        if isinstance(node.op, ast.Add):
-            return left + right
-        if isinstance(node.op, ast.Sub):
-            return left - right
-        if isinstance(node.op, ast.Mult):
-            return left * right
-        return left / right if right != 0 else None
+        return _exact(node.op, left, right)
+    return None
+
+
+def _exact(op: ast.operator, left: Fraction, right: Fraction) -> Fraction | None:
+    """left op right for + - * /, exactly; None for another operator or a division by 0."""
+    if isinstance(op, ast.Add):
+        return left + right
+    if isinstance(op, ast.Sub):
+        return left - right
+    if isinstance(op, ast.Mult):
+        return left * right
+    if isinstance(op, ast.Div) and right != 0:
+        return left / right
     return None
