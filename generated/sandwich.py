@@ -94,9 +94,16 @@ class Sandwich(PositionalAttention):
         q_pos = positions_or_default(q_positions, m - n, n, device)
         k_pos = positions_or_default(k_positions, 0, m, device)
         frequencies = _sandwich_frequencies(device)
-        # cos((i - j) w) = cos(i w) cos(j w) + sin(i w) sin(j w): p_i . p_j, no [N, M, d'] tensor
-        q_angles = q_pos.to(torch.float64).unsqueeze(-1) * frequencies  # [..., N, d'/2]
-        k_angles = k_pos.to(torch.float64).unsqueeze(-1) * frequencies  # [..., M, d'/2]
+        # cos((i - j) w) = cos(i w) cos(j w) + sin(i w) sin(j w): p_i . p_j, no [N, M, d'] tensor;
+        # positions taken from their least (per batch row), so the angles' rounding grows
+        # with the positions' spread, not their size (the product is the same for any shift)
+        origin = q_pos.new_zeros(())
+        if n and m:
+            origin = torch.minimum(q_pos.amin(-1, keepdim=True), k_pos.amin(-1, keepdim=True))
+        q_from = (q_pos - origin).to(torch.float64)  # [..., N]
+        k_from = (k_pos - origin).to(torch.float64)  # [..., M]
+        q_angles = q_from.unsqueeze(-1) * frequencies  # [..., N, d'/2]
+        k_angles = k_from.unsqueeze(-1) * frequencies  # [..., M, d'/2]
         q_rows = torch.cat([q_angles.cos(), q_angles.sin()], dim=-1)
         k_rows = torch.cat([k_angles.cos(), k_angles.sin()], dim=-1)
         bias = torch.matmul(q_rows, k_rows.transpose(-2, -1)).unsqueeze(-3)  # [..., 1, N, M]

@@ -116,6 +116,18 @@ def test_sandwich_values_match_the_formula() -> None:
     assert list(pe.state_dict()) == []  # nothing trained or saved
 
 
+def test_sandwich_at_large_positions_keeps_float64_precision() -> None:
+    """Positions near 2^40 (explicit, 3 apart, per batch row): the bias is the formula
+    of their differences to float64 precision, as near 0 (the angles are taken from the
+    least position; from 0, cos(i w) cos(j w) + sin(i w) sin(j w) lost 1e-4 there)."""
+    pe = _module("sandwich")
+    base = torch.tensor([[2**40], [2**40 + 7]])  # [batch, 1]
+    q_pos, k_pos = base + 3 * torch.arange(5), base + 3 * torch.arange(7) - 4  # [2, 5], [2, 7]
+    diff = (q_pos[:, :, None] - k_pos[:, None, :]).double()  # exact below 2^53
+    want = torch.stack([sandwich_reference(128, row, 4) for row in diff])
+    torch.testing.assert_close(pe.score_bias(q_pos, k_pos), want, rtol=1e-12, atol=1e-10)
+
+
 def test_fire_values_match_the_paper() -> None:
     pe = _module("fire")
     with torch.no_grad():  # a threshold the positions cross, and a non-default c
