@@ -44,6 +44,7 @@ from ._masks import (
     check_document_ids,
     check_window,
     masked_softmax,
+    pair_documents,
 )
 from ._numerics import autocast_off
 from ._sdpa_backend import SdpaBackend
@@ -252,7 +253,8 @@ class PositionalAttention(SdpaBackend, FlexBackend):
         """The literal decomposition in float32 (float64 for float64 inputs): the oracle."""
         n, m = q.shape[2], k.shape[2]
         with autocast_off(q.device.type):
-            terms = self._score_terms_exact(q, k, q_positions, k_positions, rotated)
+            documents = pair_documents(document_ids, n, m)
+            terms = self._score_terms_exact(q, k, q_positions, k_positions, rotated, documents)
             logits = terms.pop("content_content")
             for term in terms.values():
                 logits = logits + term  # [B, H, N, M]

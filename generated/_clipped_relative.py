@@ -42,7 +42,7 @@ from torch import Tensor
 
 from ._chunked_flash import Span, cpu_flash_kernel_takes
 from ._masks import accumulated
-from ._terms import RelativePart
+from ._terms import RelativeFactors, RelativePart, merged_factors, project_factors
 
 #: queries per chunk: each chunk is one flash call over its far keys on each side and
 #: one over the band of about C + 2K keys (C + K causal) within K - 1 of its queries
@@ -150,8 +150,12 @@ class _ChunkedAttention(torch.autograd.Function):
         grad_q, grad_k, grad_v = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         grad_mask = None
         if mask is not None and ctx.needs_input_grad[3]:
-            grad_mask = q.new_zeros((q.shape[0], *mask.shape[1:]))
+            # every span writes its block and zeros the columns past its keys (no fill
+            # of the whole [B, H, N, widest] gradient first)
+            grad_mask = q.new_empty((q.shape[0], *mask.shape[1:]))
         for i0, i1, lo, hi in ctx.spans:
+            if grad_mask is not None:
+                grad_mask[:, :, i0:i1, max(hi - lo, 0) :] = 0.0
             if hi <= lo:
                 continue
             rows, keys, values = q[:, :, i0:i1], k[:, :, lo:hi], v[:, :, lo:hi]
@@ -289,24 +293,28 @@ def band_terms(parts: list[RelativePart], n: int, m: int, band: list[Span], caus
     return total
 
 
-def far_terms(
-    parts: list[RelativePart], n: int, m: int, right: bool
-) -> tuple[Tensor | None, Tensor | None]:
+def far_terms(factors: list[RelativeFactors], right: bool) -> tuple[Tensor | None, Tensor | None]:
     """A and B of the far keys on one side (see the module docstring): the terms at the
     row of the farthest diagonal, per query [B or 1, H, n] and per key [B or 1, H, m];
-    None where no term reads that side."""
+    None where no term reads that side.
+
+    Each comes from its factors (x dotted with that one row), not from the terms'
+    projection over every row: a column picked from the projection would, in a
+    training step, give the projection a full-size gradient that is zero but for it
+    (four such for BERT relative_key_query's two terms and two sides)."""
     per_query: Tensor | None = None
     per_key: Tensor | None = None
-    for side, scores, diagonal in parts:
+    for factor in factors:
         query_part = key_part = None
-        if diagonal is None:  # "content": one value per key
-            key_part = scores
+        if factor.diagonal is None:  # "content": one value per key
+            key_part = project_factors(factor).scores  # [B, H, m]
         else:
-            row = diagonal[-1:] if right else diagonal[:1]  # [1]
-            value = scores.index_select(-1, row).squeeze(-1)
-            if side == "query":
+            row = factor.diagonal[-1:] if right else factor.diagonal[:1]  # [1]
+            one_row = factor._replace(rows=factor.rows.index_select(0, row))  # [1, H, D]
+            value = project_factors(one_row).scores.squeeze(-1)
+            if factor.side == "query":
                 query_part = value  # [B, H, n]
-            elif side == "key":
+            elif factor.side == "key":
                 key_part = value  # [B, H, m]
             else:  # "global": [H]
                 query_part = value[None, :, None]
@@ -321,7 +329,7 @@ def clipped_relative_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    parts: list[RelativePart],
+    factors: list[RelativeFactors],
     clip: int,
     scale: float,
     causal: bool,
@@ -331,15 +339,17 @@ def clipped_relative_attention(
     queries are the last N of M keys), causal or not (see the module docstring).
 
     q: [B, H, N, D]; k: [B, H, M, D]; v: [B, H, M, value_dim] (heads repeated for GQA by
-    the caller); parts: ``_relative_parts(q, k, dtype, causal)``; ``value_term(weights,
-    q_positions, k_positions)``: the encoding's ``_value_term``, or None. Returns
-    [B, H, N, value_dim] in q's dtype.
+    the caller); factors: ``_relative_factors(q, k, dtype, causal)``, projected over
+    their rows for the band; ``value_term(weights, q_positions, k_positions)``: the
+    encoding's ``_value_term``, or None. Returns [B, H, N, value_dim] in q's dtype.
     """
     batch, heads, n, dim = q.shape
     m, value_dim = k.shape[2], v.shape[-1]
+    factors = merged_factors(factors)
+    parts = [project_factors(factor) for factor in factors]
     far_left, band, far_right = band_spans(n, m, clip, causal)
-    left_a, left_b = far_terms(parts, n, m, right=False)  # [., H, N], [., H, M] or None
-    right_a, right_b = far_terms(parts, n, m, right=True)
+    left_a, left_b = far_terms(factors, right=False)  # [., H, N], [., H, M] or None
+    right_a, right_b = far_terms(factors, right=True)
     trains = torch.is_grad_enabled() and any(
         t.requires_grad for t in (q, k, v, *(part.scores for part in parts))
     )

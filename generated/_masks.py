@@ -259,7 +259,9 @@ def relative_positions(
 
 
 def check_attn_mask(attn_mask: Tensor | None, q: Tensor, m: int) -> Tensor | None:
-    """attn_mask: bool (True = attend) or additive float, broadcastable to [B, H, N, M]."""
+    """attn_mask: bool (True = attend) or additive float, broadcastable to [B, H, N, M];
+    returned on q's device with at least 2 dims (a [M] or 0-d mask as the [1, M] or
+    [1, 1] that broadcasting reads, as SDPA needs)."""
     if attn_mask is None:
         return None
     if not isinstance(attn_mask, Tensor):
@@ -275,6 +277,8 @@ def check_attn_mask(attn_mask: Tensor | None, q: Tensor, m: int) -> Tensor | Non
         ) from None
     if attn_mask.dim() > 4:
         raise ValueError(f"attn_mask must have at most 4 dims, got {attn_mask.dim()}")
+    if attn_mask.dim() < 2:
+        attn_mask = attn_mask.reshape((1,) * (2 - attn_mask.dim()) + tuple(attn_mask.shape))
     return attn_mask.to(q.device)
 
 
@@ -291,6 +295,23 @@ def attn_mask_span(
     if attn_mask.shape[-1] == m:
         attn_mask = attn_mask[..., lo:hi]
     return attn_mask
+
+
+def pair_documents(document_ids: Tensor | None, n: int, m: int) -> tuple[Tensor, Tensor] | None:
+    """(the queries' documents [..., N], the keys' documents [..., M]) of packed
+    ``document_ids`` (the keys' documents, [M] or [batch, M]; the queries are the last N
+    keys), for terms that read keys other than the pair's own (CoPE's count); None
+    without documents."""
+    if document_ids is None:
+        return None
+    return document_ids[..., m - n :], document_ids
+
+
+def same_document(documents: tuple[Tensor, Tensor]) -> Tensor:
+    """True where query i and key j are in one document: [N, M] or [batch, 1, N, M]."""
+    query_documents, key_documents = documents
+    same = query_documents.unsqueeze(-1) == key_documents.unsqueeze(-2)  # [..., N, M]
+    return same.unsqueeze(1) if same.dim() == 3 else same
 
 
 def documents_joined(

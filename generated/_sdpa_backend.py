@@ -52,6 +52,7 @@ from ._masks import (
     document_chunks_serve,
     documents_joined,
     masked_softmax,
+    pair_documents,
     query_chunks,
     reachable_query_chunks,
     sum_into_new,
@@ -218,8 +219,13 @@ class SdpaBackend(AttentionTerms):
         attn_mask: Tensor | None,
         window: int | None = None,
         document_ids: Tensor | None = None,
+        documents: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
         """SDPA with the relative terms (they depend on q and k) as the mask.
+
+        documents: the queries' and keys' documents for the terms (``pair_documents``)
+        where a chunk's call has the documents' rule in ``attn_mask`` instead of
+        ``document_ids``.
 
         At default positions, with no attn_mask or position bias, in this order: the
         clipped path (``clipped_relative_attention``, CPU); for more than a few queries
@@ -246,12 +252,12 @@ class SdpaBackend(AttentionTerms):
             # plain flash attention (``clipped_relative_attention``)
             groups = q.shape[1] // k.shape[1]
             heads_k, heads_v = repeat_kv(k, groups), repeat_kv(v, groups)
-            relative_parts = self._relative_parts(q, heads_k, compute_dtype(q), causal)
-            if relative_parts:
+            relative_factors = self._relative_factors(q, heads_k, compute_dtype(q), causal)
+            if relative_factors:
                 assert clipped is not None  # clipped_relative_serves
                 value_term = self._value_term if self.has_value_term else None
                 out = clipped_relative_attention(
-                    q, heads_k, heads_v, relative_parts, clipped, self.scale, causal, value_term
+                    q, heads_k, heads_v, relative_factors, clipped, self.scale, causal, value_term
                 )
                 return out.to(v.dtype)
         by_parts = (
@@ -309,7 +315,10 @@ class SdpaBackend(AttentionTerms):
             q, terms = few_query_inputs(q, factors, n, m, clipped, self.scale)
             parts = [] if terms is None else [terms]
         else:
-            parts = list(self._relative_terms(q, k, q_positions, k_positions, dtype).values())
+            if documents is None:
+                documents = pair_documents(document_ids, n, m)
+            by_name = self._relative_terms(q, k, q_positions, k_positions, dtype, documents)
+            parts = list(by_name.values())
         if self.has_position_bias:
             bias = self._position_bias(q_positions, k_positions, n, m, q.device)
             assert bias is not None  # has_position_bias
@@ -364,6 +373,10 @@ class SdpaBackend(AttentionTerms):
         for i0, i1, lo, hi in spans:
             mask = attn_mask_span(attn_mask, n, m, i0, i1, lo, hi)
             mask = documents_joined(mask, document_ids, n, m, (i0, i1, lo, hi))
+            documents = None
+            if document_ids is not None:
+                rows_documents = document_ids[..., m - n + i0 : m - n + i1]
+                documents = (rows_documents, document_ids[..., lo:hi])
             out = self._sdpa_relative(
                 q[:, :, i0:i1],
                 k[:, :, lo:hi],
@@ -373,6 +386,7 @@ class SdpaBackend(AttentionTerms):
                 causal,
                 mask,
                 window,
+                documents=documents,
             )
             outs.append(out)
         return torch.cat(outs, dim=2)

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from ._attention import PositionalAttention
-from ._masks import causal_allowed
+from ._masks import causal_allowed, same_document
 
 __all__ = ["Cope"]
 
@@ -82,18 +82,22 @@ class Cope(PositionalAttention):
         q_positions: Tensor | None,
         k_positions: Tensor | None,
         dtype: torch.dtype,
+        documents: tuple[Tensor, Tensor] | None = None,
     ) -> dict[str, Tensor]:
         """content_position = (1 - w) q_i . e[floor p_ij] + w q_i . e[ceil p_ij].
 
         q: [B, H, N, D], k: [B, H, M, D] (heads repeated). p_ij = sum of the gates
         sigmoid(q_i . k_t * scale) over keys t from j on, counting only keys at or before
-        the query (CoPE is causal: later keys have gate 0 whatever ``causal`` says),
-        clamped to max_positions - 1; w = p_ij - floor p_ij.
+        the query (CoPE is causal: later keys have gate 0 whatever ``causal`` says) and,
+        with packed ``documents``, in the query's document (so a packed document counts
+        as it would alone), clamped to max_positions - 1; w = p_ij - floor p_ij.
         """
         n, m = q.shape[2], k.shape[2]
         q, k = q.to(dtype), k.to(dtype)
         logits = torch.matmul(q, k.transpose(-2, -1)) * self.scale  # [B, H, N, M]
         visible = causal_allowed(q_positions, k_positions, n, m, q.device)  # key <= query
+        if documents is not None:
+            visible = visible & same_document(documents)  # [N, M] or [B, 1, N, M]
         gates = torch.sigmoid(logits) * visible.to(dtype)
         counted = gates.flip(-1).cumsum(-1).flip(-1).clamp(max=COPE_MAX_POSITIONS - 1)
         per_row = torch.matmul(q, self.cope_positions.to(dtype).t())  # [B, H, N, P]

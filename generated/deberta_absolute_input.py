@@ -244,8 +244,10 @@ class DebertaAbsoluteInput(PositionalAttention):
         q_positions: Tensor | None,
         k_positions: Tensor | None,
         dtype: torch.dtype,
+        documents: tuple[Tensor, Tensor] | None = None,
     ) -> dict[str, Tensor]:
-        """The terms that read relative positions, each as it enters the logits.
+        """The terms that read relative positions, each as it enters the logits (each
+        pair's from its own positions: ``documents`` change nothing).
 
         Content-dependent terms are [B, H, N, M]; position-only ones [H, N, M] (or
         [B, H, N, M] for batched positions).

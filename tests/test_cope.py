@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from tests.conftest import generated_class
+from tests.conftest import generated_class, runtime_modules
 
 F64 = torch.float64
 
@@ -79,3 +79,45 @@ def test_cope_gradients_reach_the_table_on_every_backend() -> None:
         grads.append((table_grad, q_grad))
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+@pytest.mark.parametrize("chunk", [4, 256])
+def test_a_packed_document_is_encoded_as_it_would_be_alone(
+    backend: str, chunk: int, monkeypatch
+) -> None:
+    """CoPE counts gates over the keys of the query's own document only: two documents
+    packed with positions restarting at each give each one the output (and the
+    gradients) it has alone, on every path, with query chunks of 4 as of 256."""
+    for module in runtime_modules():
+        if module.__name__.endswith("_masks"):
+            monkeypatch.setitem(module.SDPA_QUERY_CHUNK, "cpu", chunk)
+    torch.manual_seed(0)
+    pe = generated_class("cope")(heads=2, head_dim=8).double()
+    with torch.no_grad():
+        pe.cope_positions.copy_(torch.randn(*pe.cope_positions.shape, dtype=F64))
+    lengths = (5, 7)
+    q, k, v = (torch.randn(1, 2, sum(lengths), 8, dtype=F64, requires_grad=True) for _ in "qkv")
+    documents = torch.tensor([0] * lengths[0] + [1] * lengths[1])
+    positions = torch.cat([torch.arange(length) for length in lengths])
+    packed = pe(
+        q,
+        k,
+        v,
+        q_positions=positions,
+        k_positions=positions,
+        document_ids=documents,
+        causal=True,
+        backend=backend,
+    )
+    packed_grads = torch.autograd.grad(packed.square().sum(), (q, k, v))
+    start = 0
+    for length in lengths:
+        rows = slice(start, start + length)
+        alone_inputs = [t.detach()[:, :, rows].requires_grad_() for t in (q, k, v)]
+        alone = pe(*alone_inputs, causal=True, backend="eager")
+        alone_grads = torch.autograd.grad(alone.square().sum(), alone_inputs)
+        torch.testing.assert_close(packed[:, :, rows], alone, rtol=1e-10, atol=1e-12)
+        for got, want in zip(packed_grads, alone_grads, strict=True):
+            torch.testing.assert_close(got[:, :, rows], want, rtol=1e-9, atol=1e-11)
+        start += length

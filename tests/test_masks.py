@@ -137,8 +137,12 @@ def _assert_same(got: tuple, want: tuple, what: str) -> None:
 def test_every_backend_equals_eager_with_the_oracle_mask(name: str, mask_name: str) -> None:
     """Outputs and gradients (inputs and parameters) of every backend equal eager given
     the oracle's boolean attn_mask, at default, explicit and batched positions, causal
-    and not, with two key/value heads for four query heads."""
+    and not, with two key/value heads for four query heads. CoPE's count of gates reads
+    other keys, and documents bound it where a mask does not (a packed document counts
+    as it would alone: tests/test_cope.py), so with documents its oracle is eager with
+    the same documents."""
     pe = _make(name)
+    documents_bound_terms = name == "cope" and "document_ids" in MASKS[mask_name]
     q, k, v = _inputs(pe)
     inputs = [q, k, v, *(p for p in pe.parameters() if p.requires_grad)]
     masks = MASKS[mask_name]
@@ -148,6 +152,10 @@ def test_every_backend_equals_eager_with_the_oracle_mask(name: str, mask_name: s
             if masks.get("window") != 100:
                 assert not bool(allowed.all()), "the oracle masks nothing: a vacuous case"
             want = _outputs_and_grads(pe, inputs, attn_mask=allowed, backend="eager", **positions)
+            if documents_bound_terms:
+                want = _outputs_and_grads(
+                    pe, inputs, causal=causal, backend="eager", **masks, **positions
+                )
             for backend in BACKENDS:
                 if backend == "flex" and pe.has_value_term:
                     continue
@@ -347,3 +355,22 @@ def test_masks_trace_whole_under_fullgraph_compile(name: str) -> None:
             want = pe(q, k, v, causal=True, backend=backend, **masks)
             got = compiled(q, k, v, causal=True, backend=backend, **masks)
             torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("name", ["nope", "rope", "alibi", "t5", "deberta"])
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float64])
+def test_a_mask_of_fewer_than_two_dims_broadcasts_on_every_backend(name: str, dtype) -> None:
+    """An attn_mask of shape [M] (one value per key) or a 0-d one broadcasts to
+    [B, H, N, M] as PyTorch broadcasting reads it: sdpa and eager give the output of
+    the same mask expanded to 4 dims."""
+    torch.manual_seed(0)
+    pe = generated_class(name)(heads=4, head_dim=8).double()
+    q = torch.randn(2, 4, 3, 8, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 5, 8, dtype=torch.float64) for _ in "kv")
+    per_key = torch.tensor([True, True, False, True, True])
+    for mask in (per_key, torch.tensor(True)):
+        mask = mask.to(dtype) if dtype == torch.bool else torch.where(mask, 0.0, -3.0)
+        want = pe(q, k, v, attn_mask=mask.expand(2, 4, 3, 5), backend="eager")
+        for backend in ("eager", "sdpa"):
+            got = pe(q, k, v, attn_mask=mask, backend=backend)
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)

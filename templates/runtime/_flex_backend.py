@@ -30,6 +30,7 @@ from ._inputs import (
     repeat_kv,
 )
 from ._masks import (
+    pair_documents,
     sum_into_new,
 )
 from ._numerics import autocast_off, compute_dtype
@@ -132,7 +133,8 @@ class FlexBackend(AttentionTerms):
             if relative_parts is not None:  # read per score from [B, H, N, K] projections
                 relative_fn = flex_relative_terms(relative_parts, n, dtype, q.device)
             else:  # dense: the [B, H, N, M] terms, captured
-                terms = self._relative_terms(q, heads_k, q_positions, k_positions, dtype)
+                documents = pair_documents(document_ids, n, k.shape[2])
+                terms = self._relative_terms(q, heads_k, q_positions, k_positions, dtype, documents)
                 parts = list(terms.values())
                 added = sum_into_new(parts) if parts else None
         trains_terms = self._trains_terms()

@@ -464,7 +464,12 @@ class AttentionTerms(nn.Module):
         q_positions: Tensor | None,
         k_positions: Tensor | None,
         dtype: torch.dtype,
+        documents: tuple[Tensor, Tensor] | None = None,
     ) -> dict[str, Tensor]:
+        """The terms that depend on q and k, each as it enters the logits. documents:
+        the queries' and the keys' documents (``pair_documents``) where packed, for
+        terms that read keys other than the pair's own (CoPE counts only its
+        document's keys); None: one document."""
         return {}
 
     def _value_term(
@@ -513,6 +518,7 @@ class AttentionTerms(nn.Module):
         q_positions: Tensor | None,
         k_positions: Tensor | None,
         rotated: Rotated = "none",
+        documents: tuple[Tensor, Tensor] | None = None,
     ) -> dict[str, Tensor]:
         q, k = self._rotate_for_attention(q, k, q_positions, k_positions, rotated)
         k = repeat_kv(k, q.shape[1] // k.shape[1])  # [B, H, M, D]
@@ -527,7 +533,7 @@ class AttentionTerms(nn.Module):
                 bias = bias * self.scale
             terms["position_position"] = bias
         if self.has_relative_terms:
-            terms.update(self._relative_terms(q, k, q_positions, k_positions, dtype))
+            terms.update(self._relative_terms(q, k, q_positions, k_positions, dtype, documents))
         return terms
 
     def scores(

@@ -1,0 +1,180 @@
+"""Two revisions of the generated modules in one process: a change judged in one loop.
+
+``--before REV`` extracts that git revision's ``generated/`` into a temporary package
+(``generated_before``; the modules import their runtime relatively, so the copy is
+self-contained) and times on the CPU, for each encoding, plain SDPA, the module as it
+was at REV and the module in the working tree, taking turns in every repeat (medians
+of repeats), on the ``sdpa`` backend. The two modules share their state (``load_state_dict``) and
+their outputs are checked to agree before timing. Every ratio is time over plain
+``F.scaled_dot_product_attention`` with no position encoding, causal where the row is.
+
+    python benchmarks/revisions.py --before HEAD --encodings deberta --modes train
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Callable
+from io import BytesIO
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from attention_backends import (  # noqa: E402
+    add_out_argument,
+    header_text,
+    report_header,
+    write_results,
+)
+
+from generated import ENCODINGS  # noqa: E402
+
+
+def generated_at(revision: str, folder: Path) -> dict[str, type[torch.nn.Module]]:
+    """The encodings of ``revision``'s generated/, imported as the package
+    ``generated_before`` from a copy under ``folder``."""
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", revision, "generated"],
+        check=True,
+        capture_output=True,
+    ).stdout
+    with tarfile.open(fileobj=BytesIO(archive)) as tar:
+        tar.extractall(folder, filter="data")
+    (folder / "generated").rename(folder / "generated_before")
+    sys.path.insert(0, str(folder))
+    return importlib.import_module("generated_before").ENCODINGS
+
+
+def step(
+    pe: torch.nn.Module | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+) -> Callable[[], torch.Tensor]:
+    """One call (``pe`` None: plain SDPA), and its backward where q requires grad."""
+
+    def run() -> torch.Tensor:
+        if pe is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        else:
+            out = pe(q, k, v, causal=causal, backend="sdpa")
+        if q.requires_grad:
+            out.square().sum().backward()
+        return out
+
+    return run
+
+
+def interleaved_medians(calls: list[Callable[[], torch.Tensor]], repeats: int) -> list[float]:
+    """Median seconds of each call, after one warm-up each, the calls taking turns in
+    every repeat (CPU: the host clock)."""
+    for call in calls:
+        call()
+    times: list[list[float]] = [[] for _ in calls]
+    for _ in range(repeats):
+        for index, call in enumerate(calls):
+            start = time.perf_counter()
+            call()
+            times[index].append(time.perf_counter() - start)
+    return [statistics.median(seconds) for seconds in times]
+
+
+def run(args: argparse.Namespace) -> dict:
+    device = torch.device("cpu")  # the host clock; CUDA runs go through gpu_session.sh
+    dtype = getattr(torch, args.dtype)
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        before = generated_at(args.before, Path(folder))
+        for length in args.lengths:
+            for mode in args.modes:
+                for causal in args.causal:
+                    for name in args.encodings:
+                        torch.manual_seed(0)
+                        now = ENCODINGS[name](heads=args.heads, head_dim=args.head_dim)
+                        then = before[name](heads=args.heads, head_dim=args.head_dim)
+                        then.load_state_dict(now.state_dict())
+                        shape = (args.batch, args.heads, length, args.head_dim)
+                        train = mode == "train"
+                        q, k, v = (
+                            torch.randn(shape, dtype=dtype, requires_grad=train) for _ in "qkv"
+                        )
+                        with torch.no_grad():
+                            torch.testing.assert_close(
+                                now(q, k, v, causal=causal, backend="sdpa"),
+                                then(q, k, v, causal=causal, backend="sdpa"),
+                            )
+                        calls = [step(pe, q, k, v, causal) for pe in (None, then, now)]
+                        base, *medians = interleaved_medians(calls, args.repeats)
+                        labels = (args.before, "working tree")
+                        for label, seconds in zip(labels, medians, strict=True):
+                            row = {
+                                "encoding": name,
+                                "code": label,
+                                "n": length,
+                                "causal": causal,
+                                "mode": mode,
+                                "ms": seconds * 1e3,
+                                "ratio": seconds / base,
+                            }
+                            rows.append(row)
+                            print(
+                                f"{name:>24} {label:>12} N={length} causal={causal!s:5} "
+                                f"{mode:>7} {row['ratio']:.2f}x",
+                                flush=True,
+                            )
+    return {**report_header(args, device), "before": args.before, "rows": rows}
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        f"# Two revisions of the modules on `sdpa` ({header_text(report)})",
+        "",
+        f"The modules of `{report['before']}` and of the working tree and plain "
+        "`F.scaled_dot_product_attention` (no position encoding), taking turns in the same "
+        "loop; ratio: median time over the baseline's. `train` is forward plus "
+        "backward into q, k, v and the module's parameters.",
+        "",
+        "| encoding | code | N | causal | mode | ms | ratio |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in report["rows"]:
+        lines.append(
+            f"| {row['encoding']} | {row['code']} | {row['n']} | "
+            f"{'yes' if row['causal'] else 'no'} | {row['mode']} | {row['ms']:.1f} | "
+            f"{row['ratio']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--before", required=True, help="the git revision to compare with")
+    parser.add_argument("--encodings", nargs="+", required=True)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2048])
+    parser.add_argument("--modes", nargs="+", choices=["forward", "train"], default=["train"])
+    parser.add_argument(
+        "--causal", nargs="+", type=lambda text: text == "yes", default=[False, True]
+    )
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--tag", default="", help="appended to the result file names")
+    add_out_argument(parser)
+    args = parser.parse_args()
+    report = run(args)
+    write_results(args.out, f"revisions_cpu_{args.dtype}{args.tag}", report, markdown(report))
+
+
+if __name__ == "__main__":
+    main()
