@@ -315,24 +315,15 @@ def same_document(documents: tuple[Tensor, Tensor]) -> Tensor:
 
 
 def documents_joined(
-    attn_mask: Tensor | None,
-    document_ids: Tensor | None,
-    n: int,
-    m: int,
-    span: tuple[int, int, int, int],
+    attn_mask: Tensor | None, documents: tuple[Tensor, Tensor] | None
 ) -> Tensor | None:
-    """The block ``span`` = (i0, i1, lo, hi) of an attn_mask (already cut to it: queries
-    i0 .. i1 - 1, keys lo .. hi - 1, or broadcastable) with the packed documents' rule
-    joined: a pair of different documents is masked (False, or -inf in an additive
-    mask). Query i's document is key M - N + i's; document_ids: [M] or [batch, M], or
-    None (the mask as given). -> bool or additive, [batch or 1, 1, rows, keys] where
-    documents are given."""
-    if document_ids is None:
+    """An attn_mask (or a block of one, or None) with the packed documents' rule joined:
+    a pair of different documents is masked (False, or -inf in an additive mask).
+    documents: the queries' and keys' documents of that block (``pair_documents``, or
+    their slices), or None (the mask as given)."""
+    if documents is None:
         return attn_mask
-    i0, i1, lo, hi = span
-    queries = document_ids[..., m - n + i0 : m - n + i1]  # [..., rows]
-    same = queries.unsqueeze(-1) == document_ids[..., lo:hi].unsqueeze(-2)  # [..., rows, keys]
-    same = same.unsqueeze(-3)  # [..., 1, rows, keys]: every head
+    same = same_document(documents)  # [rows, keys] or [batch, 1, rows, keys]
     if attn_mask is None:
         return same
     if attn_mask.dtype == torch.bool:

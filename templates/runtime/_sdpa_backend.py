@@ -369,12 +369,11 @@ class SdpaBackend(AttentionTerms):
             k_positions = torch.arange(m, device=q.device)
         outs = []
         for i0, i1, lo, hi in spans:
-            mask = attn_mask_span(attn_mask, n, m, i0, i1, lo, hi)
-            mask = documents_joined(mask, document_ids, n, m, (i0, i1, lo, hi))
-            documents = None
+            documents = None  # the chunk's queries' and keys' documents
             if document_ids is not None:
                 rows_documents = document_ids[..., m - n + i0 : m - n + i1]
                 documents = (rows_documents, document_ids[..., lo:hi])
+            mask = documents_joined(attn_mask_span(attn_mask, n, m, i0, i1, lo, hi), documents)
             out = self._sdpa_relative(
                 q[:, :, i0:i1],
                 k[:, :, lo:hi],
