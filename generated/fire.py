@@ -28,10 +28,13 @@ Usage::
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 
 from ._attention import PositionalAttention
+from ._flex import flex_positions
 from ._inputs import positions_or_default, score_bias_positions
 
 __all__ = ["Fire"]
@@ -100,12 +103,48 @@ class Fire(PositionalAttention):
         q_pos = positions_or_default(q_positions, m - n, n, device).to(dtype)  # [..., N]
         k_pos = positions_or_default(k_positions, 0, m, device).to(dtype)  # [..., M]
         distance = (q_pos.unsqueeze(-1) - k_pos.unsqueeze(-2)).clamp(min=0)  # i - j >= 0
+        c, normaliser = self._fire_normaliser(q_pos, device, dtype)  # [], [..., N]
+        normalised = torch.log1p(c * distance) / normaliser.unsqueeze(-1)  # [..., N, M]
+        return self._fire_heads(normalised).to(dtype)  # [..., H, N, M]
+
+    def _fire_normaliser(self, q_pos: Tensor, device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """|c| and each query's psi(max(i, L)) + eps ([..., N]) in ``dtype``, L = |s L0|."""
         c = self.fire_c.to(device=device, dtype=dtype).abs()
         scale = self.fire_threshold_scale.to(device=device, dtype=dtype)
         threshold = (scale * self.fire_init_threshold.to(device=device, dtype=dtype)).abs()
         normaliser = torch.log1p(c * torch.maximum(q_pos, threshold)) + FIRE_EPS  # [..., N]
-        normalised = torch.log1p(c * distance) / normaliser.unsqueeze(-1)  # [..., N, M]
-        return self._fire_heads(normalised).to(dtype)  # [..., H, N, M]
+        return c, normaliser
+
+    def _flex_bias(
+        self,
+        q_positions: Tensor | None,
+        k_positions: Tensor | None,
+        n: int,
+        m: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> Any:
+        """FIRE per (batch, head, query, key) index for FlexAttention's score_mod, no
+        [H, N, M] tensor: each query's normaliser read from a [1 or B, N] row, and f's
+        hidden units unrolled, f_h(x) = b2_h + sum_u w2_hu relu(w1_u x + b1_u), from the
+        captured [hidden] and [heads, hidden] weights (a few operations per unit)."""
+        q_pos = positions_or_default(q_positions, m - n, n, device).to(dtype)  # [..., N]
+        c, normaliser = self._fire_normaliser(q_pos, device, dtype)
+        rows = normaliser.reshape(-1, n)  # [1 or B, N]
+        positions = flex_positions(q_positions, k_positions, n, m)
+        first, second = self.fire_mlp[0], self.fire_mlp[2]
+        w1, b1 = first.weight[:, 0].to(dtype), first.bias.to(dtype)  # [hidden]
+        w2, b2 = second.weight.to(dtype), second.bias.to(dtype)  # [heads, hidden], [heads]
+
+        def bias(b: Tensor, head: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
+            i, j = (index.to(dtype) for index in positions(b, qi, ki))
+            x = torch.log1p(c * (i - j).clamp(min=0)) / rows[b % rows.shape[0], qi]
+            total = b2[head]
+            for unit in range(FIRE_HIDDEN):
+                total = total + w2[head, unit] * torch.relu(w1[unit] * x + b1[unit])
+            return total
+
+        return bias
 
     def _fire_heads(self, normalised: Tensor) -> Tensor:
         """The MLP f at every pair, heads first: [..., N, M] -> [..., H, N, M], contiguous.

@@ -177,6 +177,40 @@ def test_alibi_flex_bias_is_arithmetic_of_the_indices() -> None:
     torch.testing.assert_close(bias(b, h, qi, ki), want)
 
 
+def test_fire_flex_bias_computes_the_mlp_per_score() -> None:
+    """FIRE without gradients into its weights: flex computes f(psi(i - j) / psi(max(i, L)))
+    inside the score_mod, capturing only the MLP's weights, |c| and one normaliser per
+    query (no [H, N, M] bias), equal to eager at every position kind, causal and not,
+    with q's gradient too."""
+    pe = _make("fire")
+    with torch.no_grad():  # kinks inside [0, 1], where psi's ratio lies; L = 5.12
+        pe.fire_mlp[0].bias.copy_(-torch.linspace(0.0, 1.0, pe.fire_mlp[0].bias.numel()))
+        pe.fire_mlp[0].weight.fill_(1.5)
+        pe.fire_threshold_scale.fill_(0.01)  # so that queries past L have their own
+    pe.requires_grad_(False)
+    q, k, v = _inputs(pe)
+    bias = pe._flex_bias(None, None, 5, 7, q.device, torch.float32)
+    hidden = pe.fire_mlp[0].bias.numel()
+    shapes = sorted(tuple(t.shape) for t in runtime_captured(bias))
+    assert shapes == sorted([(), (1, 5), (hidden,), (hidden,), (4, hidden), (4,)])
+    indices = [
+        torch.arange(size).view([-1 if d == a else 1 for d in range(4)])
+        for a, size in enumerate((2, 4, 5, 7))
+    ]  # b, h, qi, ki: broadcast
+    for positions in POSITIONS.values():
+        given = (positions.get("q_positions"), positions.get("k_positions"))
+        per_score = pe._flex_bias(*given, 5, 7, q.device, torch.float32)(*indices)
+        want_bias = pe._position_bias(*given, 5, 7, q.device)  # [(B,) H, N, M]
+        torch.testing.assert_close(per_score, want_bias.expand(2, 4, 5, 7), rtol=1e-5, atol=1e-6)
+        for causal in (False, True):
+            eager = pe(q, k, v, causal=causal, backend="eager", **positions)
+            flex = pe(q, k, v, causal=causal, backend="flex", **positions)
+            torch.testing.assert_close(flex, eager, rtol=1e-5, atol=1e-5)
+            want = torch.autograd.grad(eager.square().sum(), q)
+            got = torch.autograd.grad(flex.square().sum(), q)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
 def runtime_captured(function: object) -> list[torch.Tensor]:
     """The tensors a score_mod (or a bias function it calls) closes over."""
     found: list[torch.Tensor] = []
@@ -197,17 +231,18 @@ def runtime_captured(function: object) -> list[torch.Tensor]:
 def test_compiled_flex_matches_eager_and_is_compiled_once() -> None:
     """The torch.compile'd kernel (CPU here: forward only, FlexAttention has no CPU
     backward), one compiled function shared by ALiBi's per-distance vector, T5's,
-    DeBERTa's c2p and p2c read from their [B, H, N, K] projections, and an expression
-    bias computed inside the score_mod."""
+    DeBERTa's c2p and p2c read from their [B, H, N, K] projections, an expression bias
+    and FIRE's MLP computed inside the score_mod (FIRE not causal only: each compile
+    takes 10-15 s here)."""
     import generated._flex as flex_runtime
 
     expression = encoding_class(module_from_spec(EXPR_SPEC))
-    for name in ("alibi", "t5", "deberta", "expression"):
+    for name in ("alibi", "t5", "deberta", "expression", "fire"):
         pe = expression(heads=4, head_dim=8) if name == "expression" else _make(name)
         pe.flex_compile = True
         q, k, v = (t.detach() for t in _inputs(pe, batch=1, n=16, m=16))
         with torch.no_grad():
-            for causal in (False, True):
+            for causal in (False,) if name == "fire" else (False, True):
                 eager = pe(q, k, v, causal=causal, backend="eager")
                 flex = pe(q, k, v, causal=causal, backend="flex")
                 torch.testing.assert_close(flex, eager, rtol=1e-4, atol=1e-4)
