@@ -124,11 +124,13 @@ def _assert_kernel_matches_formula(
     """Outputs, lse and the gradients into q, k, v and both terms' scores against the
     float64 formula."""
     generator = torch.Generator().manual_seed(n * 100 + m)
-    q = torch.randn(2, 4, n, 16, generator=generator)
-    k = torch.randn(2, 2, m, 16, generator=generator)  # grouped-query heads
-    v = torch.randn(2, 2, m, 32, generator=generator)  # value width != head width
-    weight = torch.randn(2, 4, n, 32, generator=generator)  # d loss / d out
-    terms = [_rows(forms[0], 2, 4, n, n, m, generator), _rows(forms[1], 2, 4, m, n, m, generator)]
+    # one batch entry (the interpreter runs each program in NumPy; the modules' tests
+    # below take two), two key/value heads for four query heads
+    q = torch.randn(1, 4, n, 16, generator=generator)
+    k = torch.randn(1, 2, m, 16, generator=generator)  # grouped-query heads
+    v = torch.randn(1, 2, m, 32, generator=generator)  # value width != head width
+    weight = torch.randn(1, 4, n, 32, generator=generator)  # d loss / d out
+    terms = [_rows(forms[0], 1, 4, n, n, m, generator), _rows(forms[1], 1, 4, m, n, m, generator)]
     leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
     leaves += [rows.scores.requires_grad_() for rows in terms if rows is not None]
     out, lse = runtime.fused_relative_attention(
@@ -250,13 +252,13 @@ def test_nothing_is_served_where_the_devices_are_not_listed(monkeypatch) -> None
 ENCODINGS = ["bert_relative_key", "bert_relative_key_query", "deberta", "transformer_xl"]
 
 
-def _module(name: str) -> torch.nn.Module:
-    """``name`` with 4 heads of width 16, clipped near (BERT at 4, DeBERTa's log buckets
+def _module(name: str, heads: int = 4) -> torch.nn.Module:
+    """``name`` with ``heads`` heads of width 16, clipped near (BERT at 4, DeBERTa's log buckets
     at 12), its parameters drawn at unit scale so that the relative terms matter."""
     torch.manual_seed(7)
     extra = {"model_dim": 32} if name in ("deberta", "transformer_xl") else {}
     cls = generated_class(name) if name == "transformer_xl" else small_clip_variant(name)
-    pe = cls(heads=4, head_dim=16, **extra)
+    pe = cls(heads=heads, head_dim=16, **extra)
     with torch.no_grad():
         for parameter in pe.parameters():
             parameter.normal_()
@@ -293,11 +295,11 @@ def test_relative_encodings_run_the_kernel_and_match_eager(name, causal, window,
     """A forward, and a training step with gradients into q, k, v and every parameter
     (the tables and projections behind the terms), against the eager oracle of a
     float64 copy."""
-    pe = _module(name)
+    pe = _module(name, heads=2)
     terms = spy_terms(pe, monkeypatch)
     generator = torch.Generator().manual_seed(5)
-    inputs = {"q": torch.randn(2, 4, 40, 16, generator=generator)}
-    inputs |= {key: torch.randn(2, 2, 56, 16, generator=generator) for key in ("k", "v")}
+    inputs = {"q": torch.randn(2, 2, 40, 16, generator=generator)}  # one key/value head
+    inputs |= {key: torch.randn(2, 1, 56, 16, generator=generator) for key in ("k", "v")}
     options = {"causal": causal, "window": window}
     with torch.no_grad():
         forward = pe(*inputs.values(), backend="flex", **options)
