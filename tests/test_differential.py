@@ -2,10 +2,12 @@
 
 Hypothesis draws a call (query and key counts, grouped-query heads, causal, window,
 positions of several kinds, packed documents, an attn_mask of any broadcast shape, query
-chunks of 3 or the default) and the sdpa backend must give eager's output and gradients
-(into q, k, v and every trained parameter) in float64. A differential fuzz of this kind
-found three defects (CoPE's count across documents, a [M] attn_mask, Sandwich's precision
-at large positions); this test keeps the search running in the suite, small.
+chunks of 3 or the default) and the sdpa and flex backends must give eager's output and
+gradients (into q, k, v and every trained parameter) in float64. On the CPU flex runs
+FlexAttention's unfused forms, which call the same score_mod and mask_mod that the
+compiled GPU kernel inlines. A differential fuzz of this kind found four defects
+(CoPE's count across documents, a [M] attn_mask on sdpa and on flex, Sandwich's
+precision at large positions); these tests keep the search running in the suite, small.
 """
 
 from __future__ import annotations
@@ -126,22 +128,52 @@ def _run(pe: torch.nn.Module, inputs: list[torch.Tensor], backend: str, options:
     return out, grads
 
 
-@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(call=calls())
-def test_sdpa_equals_eager_on_random_calls(call: dict) -> None:
-    pe = _module(call["name"])
+def _inputs(pe: torch.nn.Module, call: dict) -> list[torch.Tensor]:
+    """q, k, v in float64 for the drawn call, then the module's trained parameters."""
     generator = torch.Generator().manual_seed(call["seed"])
     n, m, kv_heads = call["n"], call["m"], call["kv_heads"]
     shapes = ((2, 4, n, 8), (2, kv_heads, m, 8), (2, kv_heads, m, 8))
     inputs = [
         torch.randn(*shape, generator=generator, dtype=F64, requires_grad=True) for shape in shapes
     ]
-    inputs += [p for p in pe.parameters() if p.requires_grad]
+    return inputs + [p for p in pe.parameters() if p.requires_grad]
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(call=calls())
+def test_sdpa_equals_eager_on_random_calls(call: dict) -> None:
+    pe = _module(call["name"])
+    inputs = _inputs(pe, call)
     want, want_grads = _run(pe, inputs, "eager", call["options"])
     with _query_chunks(call["chunk"]):
         got, got_grads = _run(pe, inputs, "sdpa", call["options"])
         with torch.no_grad():
             inference = pe(*inputs[:3], backend="sdpa", **call["options"])
+    _assert_same(got, got_grads, inference, want, want_grads)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(call=calls().filter(lambda call: call["name"] != "shaw"))  # flex has no value term
+def test_flex_equals_eager_on_random_calls(call: dict) -> None:
+    """The score_mod and mask_mod through flex's differentiable reference and, without
+    gradients, through FlexAttention's own unfused kernel."""
+    pe = _module(call["name"])
+    inputs = _inputs(pe, call)
+    want, want_grads = _run(pe, inputs, "eager", call["options"])
+    got, got_grads = _run(pe, inputs, "flex", call["options"])
+    with torch.no_grad():
+        inference = pe(*inputs[:3], backend="flex", **call["options"])
+    _assert_same(got, got_grads, inference, want, want_grads)
+
+
+def _assert_same(
+    got: torch.Tensor,
+    got_grads: tuple,
+    inference: torch.Tensor,
+    want: torch.Tensor,
+    want_grads: tuple,
+) -> None:
+    """A backend's output, gradients and no-grad output against eager's, float64 tight."""
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
     torch.testing.assert_close(inference, want.detach(), rtol=1e-9, atol=1e-11)
     for got_grad, want_grad in zip(got_grads, want_grads, strict=True):

@@ -70,25 +70,26 @@ def flex_score_mod(
     bias computed per index.
 
     vec: [H, N + M - 1], entry kv - q + N - 1 (default positions, ``default_distances``);
-    added: [B or 1, H or 1, N, M] (a bias or mask as the sdpa backend would add it);
+    added: broadcastable to [B, H, N, M] (a bias or mask as the sdpa backend would add
+    it; a dimension of size 1, or absent, is read at index 0);
     bias_fn(b, h, q, kv): a bias per element (an expression), times ``bias_scale``;
     relative_fn(b, h, q, kv): relative terms per element, as they enter the logits.
     None when there is nothing to add.
     """
     if vec is None and added is None and bias_fn is None and relative_fn is None:
         return None
-    per_batch = per_head = False  # bound either way: dynamo reads every closure cell
+    # bound either way: dynamo reads every closure cell
+    per_batch = per_head = per_query = per_key = False
     if added is not None:
-        added = (
-            added if added.dim() == 4 else added.view(1, *([1] * (3 - added.dim())), *added.shape)
-        )
-        per_batch, per_head = added.shape[0] > 1, added.shape[1] > 1
+        added = added.reshape((1,) * (4 - added.dim()) + tuple(added.shape))  # 4 dims
+        per_batch, per_head, per_query, per_key = (size > 1 for size in added.shape)
 
     def score_mod(score: Tensor, b: Tensor, h: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
         if vec is not None:
             score = score + vec[h, ki - qi + (n - 1)]
         if added is not None:
-            score = score + added[b if per_batch else 0, h if per_head else 0, qi, ki]
+            index = (b if per_batch else 0, h if per_head else 0)
+            score = score + added[(*index, qi if per_query else 0, ki if per_key else 0)]
         if bias_fn is not None:
             score = score + bias_fn(b, h, qi, ki) * bias_scale
         if relative_fn is not None:
