@@ -88,8 +88,8 @@ def flex_score_mod(
         if vec is not None:
             score = score + vec[h, ki - qi + (n - 1)]
         if added is not None:
-            index = (b if per_batch else 0, h if per_head else 0)
-            score = score + added[(*index, qi if per_query else 0, ki if per_key else 0)]
+            row, column = (qi if per_query else 0), (ki if per_key else 0)
+            score = score + added[b if per_batch else 0, h if per_head else 0, row, column]
         if bias_fn is not None:
             score = score + bias_fn(b, h, qi, ki) * bias_scale
         if relative_fn is not None:
