@@ -67,6 +67,13 @@ step 180 fused_kernel python3 benchmarks/fused_distance.py --kinds none clipped 
 step 200 family python3 benchmarks/attention_backends.py --device cuda --dtype bfloat16 \
     --encodings bert_relative_key deberta transformer_xl fire --backends sdpa flex \
     --lengths 2048 --modes forward train --causal no --repeats 10 --tag _family --out "$out"
+# positions given two apart (no shift of the defaults): BERT's and DeBERTa's clipped
+# terms read per score at clip(j - i) from their projections over every table row
+# (_clipped_relative_parts), where they were captured as [B, H, N, M] tensors before
+step 200 family_strided python3 benchmarks/attention_backends.py --device cuda \
+    --dtype bfloat16 --encodings bert_relative_key_query deberta --backends sdpa flex \
+    --lengths 2048 --modes forward train --causal no --given-positions --position-stride 2 \
+    --repeats 10 --tag _family_strided --out "$out"
 # packed documents (8 of N / 8 tokens, positions restarting at each): flex with the
 # per-distance vector (the positions recognised as the defaults shifted per document)
 # against the positions kept as given (a bias per pair)

@@ -102,16 +102,32 @@ def flex_score_mod(
 
 
 def flex_relative_terms(
-    parts: list[RelativePart], n: int, dtype: torch.dtype, device: torch.device
+    parts: list[RelativePart],
+    n: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    positions: Any = None,
 ) -> Any:
-    """relative(b, h, qi, ki): the sum of the relative terms ``parts`` (default
-    positions, N queries) for one score, each read from its projection at its
-    diagonal's row: O(N·K) captured, no [B, H, N, M] tensor."""
+    """relative(b, h, qi, ki): the sum of the relative terms ``parts`` for one score,
+    each read from its projection at its diagonal's row: O(N·K) captured, no
+    [B, H, N, M] tensor.
+
+    Default positions (``positions`` None): N queries, the diagonal's entry
+    ki - qi + N - 1. Otherwise ``positions`` (``flex_positions``) gives the query and
+    key positions i and j, and the parts are ``_clipped_relative_parts``' with
+    N = K + 1: entry clip(j - i, -K, K) + K.
+    """
+    clip = n - 1
 
     def relative_terms(b: Tensor, h: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
+        if positions is None:
+            offset = ki - qi
+        else:
+            i, j = positions(b, qi, ki)
+            offset = (j - i).clamp(-clip, clip)
         total = torch.zeros((), dtype=dtype, device=device)
         for side, scores, diagonal in parts:
-            row = None if diagonal is None else diagonal[ki - qi + (n - 1)]
+            row = None if diagonal is None else diagonal[offset + clip]
             if side == "query":
                 total = total + scores[b, h, qi, row]
             elif side == "key":

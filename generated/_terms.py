@@ -359,14 +359,21 @@ class AttentionTerms(nn.Module):
         return None
 
     def _relative_factors(
-        self, q: Tensor, k: Tensor, dtype: torch.dtype, causal: bool = False
+        self,
+        q: Tensor,
+        k: Tensor,
+        dtype: torch.dtype,
+        causal: bool = False,
+        diagonals: tuple[int, int] | None = None,
     ) -> list[RelativeFactors] | None:
         """The relative terms at default positions as their factors (``RelativeFactors``:
         the K table rows each reads, what they are dotted with, the row of each
         diagonal), for paths that never build a [B, H, N, M] term per pair; None where
         the encoding has no such form (then ``_relative_terms``' dense tensors serve).
         With ``causal`` the diagonals whose key comes after the query may read any row
-        (they are masked). k has q's heads."""
+        (they are masked). k has q's heads. ``diagonals`` (n, m): the diagonals (and the
+        rows they read) of n queries against m keys at default positions instead of
+        q's and k's (``_clipped_relative_parts``)."""
         return None
 
     def _relative_parts(
@@ -375,6 +382,21 @@ class AttentionTerms(nn.Module):
         """The terms of ``_relative_factors`` projected over their rows
         (``RelativePart``), for backends that read them per score or per band."""
         factors = self._relative_factors(q, k, dtype, causal)
+        return None if factors is None else projected_parts(factors)
+
+    def _clipped_relative_parts(
+        self, q: Tensor, k: Tensor, dtype: torch.dtype
+    ) -> list[RelativePart] | None:
+        """The relative terms at any positions, where they are clipped at K =
+        ``relative_clip``: each projected over every table row its index reads, its
+        diagonal [2K + 1] indexed by key minus query position clipped to -K .. K, plus
+        K (the default diagonals of K + 1 queries and keys), so the term of query
+        position i and key position j reads row diagonal[clip(j - i, -K, K) + K].
+        O((N + M) K) for any positions; None where the terms are not clipped."""
+        clip = self.relative_clip
+        if clip is None:
+            return None
+        factors = self._relative_factors(q, k, dtype, diagonals=(clip + 1, clip + 1))
         return None if factors is None else projected_parts(factors)
 
     def _relative_rows(

@@ -246,14 +246,20 @@ class TransformerXl(PositionalAttention):
         return cache_put(self._cache, key, diagonals)
 
     def _relative_factors(
-        self, q: Tensor, k: Tensor, dtype: torch.dtype, causal: bool = False
+        self,
+        q: Tensor,
+        k: Tensor,
+        dtype: torch.dtype,
+        causal: bool = False,
+        diagonals: tuple[int, int] | None = None,
     ) -> list[RelativeFactors]:
         """Each relative term at default positions as its factors: the K table rows it
         reads, what they are dotted with (q, k or a trained vector), the scale it enters
         the logits with and the row of each diagonal, so no [B, H, N, M] tensor is built;
         with ``causal``, only the rows that unmasked diagonals read. k has q's heads.
+        ``diagonals`` (n, m): the diagonals of n queries and m keys instead of q's and k's.
         """
-        n, m = q.shape[2], k.shape[2]
+        n, m = diagonals if diagonals is not None else (q.shape[2], k.shape[2])
         factors: list[RelativeFactors] = []
         # content_position: q_i . W_R R[index(i - j)]
         diagonal, table_rows = self._relative_diagonals(n, m, q.device, "query_minus_key", causal)

@@ -11,7 +11,14 @@ import pytest
 import torch
 
 from posgen.codegen.inmemory import encoding_class, module_from_spec
-from tests.conftest import ROOT, generated_class, head_dim_for, spec_names
+from tests.conftest import (
+    ROOT,
+    generated_class,
+    head_dim_for,
+    runtime_modules,
+    small_clip_variant,
+    spec_names,
+)
 
 warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
 
@@ -136,6 +143,51 @@ def test_relative_terms_reach_flex_as_projections_not_dense_terms(name: str) -> 
         flex = pe(q, k, v, causal=causal, backend="flex")
         eager = pe(q, k, v, causal=causal, backend="eager")
         torch.testing.assert_close(flex, eager, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["bert_relative_key", "bert_relative_key_query", "deberta"])
+def test_clipped_relative_terms_at_given_positions_are_read_from_projections(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Positions that are no shift of the defaults (strided, per batch row): terms clipped
+    at K reach flex as projections over the 2K + 1 rows' diagonal, read per score at
+    clip(j - i, -K, K) + K, so flex captures no [B, H, N, M] tensor; small clips, so
+    positions reach past them on both sides; equal to eager with gradients."""
+    torch.manual_seed(0)
+    extra = {"model_dim": 16} if name == "deberta" else {}
+    pe = small_clip_variant(name)(heads=4, head_dim=8, **extra)
+    captured: list[object] = []
+    (runtime,) = [m for m in runtime_modules(pe) if hasattr(m, "FlexBackend")]
+    build = runtime.flex_score_mod
+
+    def spy(vec, added, *args, **kwargs):  # type: ignore[no-untyped-def]
+        captured.append(added)
+        return build(vec, added, *args, **kwargs)
+
+    monkeypatch.setattr(runtime, "flex_score_mod", spy)
+    clip = pe.relative_clip
+    assert clip is not None and clip < 13
+    heads_k = torch.randn(2, 4, 9, 8)
+    parts = pe._clipped_relative_parts(torch.randn(2, 4, 6, 8), heads_k, torch.float32)
+    assert parts and all(
+        part.diagonal is None or part.diagonal.shape == (2 * clip + 1,) for part in parts
+    )
+    q, k, v = _inputs(pe, n=6, m=9)
+    params = [p for p in pe.parameters() if p.requires_grad]
+    strided = {"q_positions": 3 * torch.arange(3, 9), "k_positions": 3 * torch.arange(9)}
+    rows = torch.tensor([[0, 1, 2, 5, 9, 14, 15, 16, 30], [7, 8, 9, 10, 11, 12, 13, 14, 15]])
+    batched = {"q_positions": rows[:, 3:], "k_positions": rows}
+    for positions in (strided, batched):
+        for causal in (False, True):
+            captured.clear()
+            flex = pe(q, k, v, causal=causal, backend="flex", **positions)
+            assert captured == [None]
+            eager = pe(q, k, v, causal=causal, backend="eager", **positions)
+            torch.testing.assert_close(flex, eager, rtol=1e-5, atol=1e-5)
+            want = torch.autograd.grad(eager.square().sum(), [q, k, *params])
+            got = torch.autograd.grad(flex.square().sum(), [q, k, *params])
+            for a, b in zip(got, want, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["t5", "t5_decoder"])
