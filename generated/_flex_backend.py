@@ -132,16 +132,14 @@ class FlexBackend(AttentionTerms):
                 )
                 if fused is not None:
                     return fused
-            clipped_parts = None
-            if relative_parts is None:  # given positions: clipped terms read every row
-                clipped_parts = self._clipped_relative_parts(q, heads_k, dtype)
             if relative_parts is not None:  # read per score from [B, H, N, K] projections
                 relative_fn = flex_relative_terms(relative_parts, n, dtype, q.device)
-            elif clipped_parts is not None:  # the same, at clip(j - i) of the positions
-                assert self.relative_clip is not None  # the parts are clipped
+            elif (clipped := self._clipped_relative_parts(q, heads_k, dtype)) is not None:
+                # given positions: the same, over every row, at clip(j - i) of the positions
+                assert self.relative_clip is not None  # the parts are clipped at it
                 positions = flex_positions(q_positions, k_positions, n, k.shape[2])
-                width = self.relative_clip + 1
-                relative_fn = flex_relative_terms(clipped_parts, width, dtype, q.device, positions)
+                width = self.relative_clip + 1  # the diagonals of K + 1 queries and keys
+                relative_fn = flex_relative_terms(clipped, width, dtype, q.device, positions)
             else:  # dense: the [B, H, N, M] terms, captured
                 documents = pair_documents(document_ids, n, k.shape[2])
                 terms = self._relative_terms(q, heads_k, q_positions, k_positions, dtype, documents)

@@ -18,6 +18,7 @@ from tests.conftest import (
     runtime_modules,
     small_clip_variant,
     spec_names,
+    spy_calls,
 )
 
 warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
@@ -156,15 +157,8 @@ def test_clipped_relative_terms_at_given_positions_are_read_from_projections(
     torch.manual_seed(0)
     extra = {"model_dim": 16} if name == "deberta" else {}
     pe = small_clip_variant(name)(heads=4, head_dim=8, **extra)
-    captured: list[object] = []
-    (runtime,) = [m for m in runtime_modules(pe) if hasattr(m, "FlexBackend")]
-    build = runtime.flex_score_mod
-
-    def spy(vec, added, *args, **kwargs):  # type: ignore[no-untyped-def]
-        captured.append(added)
-        return build(vec, added, *args, **kwargs)
-
-    monkeypatch.setattr(runtime, "flex_score_mod", spy)
+    # what each call's score_mod captures as a tensor per pair (its second argument)
+    captured = spy_calls(monkeypatch, runtime_modules(pe), "flex_score_mod", lambda *a: a[1])
     clip = pe.relative_clip
     assert clip is not None and clip < 13
     heads_k = torch.randn(2, 4, 9, 8)

@@ -115,17 +115,17 @@ def flex_relative_terms(
     key positions i and j, and the parts are ``_clipped_relative_parts``' with
     N = K + 1: entry clip(j - i, -K, K) + K.
     """
-    clip = n - 1
+    middle = n - 1  # the diagonal of key minus query 0 (K where the parts are clipped)
 
     def relative_terms(b: Tensor, h: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
         if positions is None:
             offset = ki - qi
         else:
             i, j = positions(b, qi, ki)
-            offset = (j - i).clamp(-clip, clip)
+            offset = (j - i).clamp(-middle, middle)
         total = torch.zeros((), dtype=dtype, device=device)
         for side, scores, diagonal in parts:
-            row = None if diagonal is None else diagonal[offset + clip]
+            row = None if diagonal is None else diagonal[offset + middle]
             if side == "query":
                 total = total + scores[b, h, qi, row]
             elif side == "key":
