@@ -32,6 +32,7 @@ from ._inputs import (
     BACKENDS,
     Rotated,
     check_attention_inputs,
+    check_flag,
     positions_are_default,
     repeat_kv,
     to_bhnd,
@@ -173,6 +174,8 @@ class PositionalAttention(SdpaBackend, FlexBackend):
         document_ids: Tensor | None = None,
     ) -> Tensor:
         check_attention_inputs(q, k, v, self._expected_heads(), self.head_dim)
+        check_flag(causal, "causal")
+        check_flag(keys_rotated, "keys_rotated")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         window = check_window(window)

@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from ._inputs import check_flag
 from ._masks import check_window
 from ._triton import TRITON_CACHE, triton_available
 
@@ -1540,6 +1541,7 @@ def fused_distance_attention(
     if bias_kind not in DISTANCE_BIAS_KINDS:
         raise ValueError(f"bias_kind must be one of {DISTANCE_BIAS_KINDS}, got {bias_kind!r}")
     _check_fused_inputs(q, k, v, "fused_distance_attention")
+    check_flag(causal, "causal")
     heads = q.shape[1]
     if (bias is None) != (bias_kind == "none"):
         raise ValueError(f'bias must be given exactly when bias_kind is not "none" ({bias_kind!r})')
@@ -1626,6 +1628,7 @@ def fused_relative_attention(
     so the projections' own backward takes the gradient on to q, k and the table.
     """
     _check_fused_inputs(q, k, v, "fused_relative_attention")
+    check_flag(causal, "causal")
     batch, heads, n = q.shape[:3]
     m = k.shape[2]
     for name, rows, length in (("query_rows", query_rows, n), ("key_rows", key_rows, m)):

@@ -34,6 +34,14 @@ def positive_int(value: int, name: str) -> int:
     return value
 
 
+def check_flag(value: bool, name: str) -> bool:
+    """``value`` if it is a bool, else ValueError naming ``name`` (a tensor or a string
+    would otherwise pass as "truthy" on one backend and fail on another)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
 def check_attention_inputs(
     q: Tensor, k: Tensor, v: Tensor | None, heads: int | None, head_dim: int
 ) -> None:

@@ -40,6 +40,7 @@ Usage::
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -130,6 +131,8 @@ class Convolutional(PositionalAttention):
                 "padding at the edges); explicit positions are not supported"
             )
         dtype = compute_dtype(x)
+        if x.shape[1] == 0:  # no tokens (conv1d refuses an input shorter than its kernel)
+            return torch.zeros(x.shape, dtype=dtype, device=x.device)
         weight = self.position_conv.weight.to(dtype)  # [model_dim, 1, kernel_size]
         bias = self.position_conv.bias
         bias = None if bias is None else bias.to(dtype)

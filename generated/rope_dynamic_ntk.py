@@ -62,6 +62,11 @@ def _inverse_frequencies(rotary_dim: int, length: Tensor | None, device: torch.d
     base' = base * (factor * s / original_max - (factor - 1))^(d / (d - 2)).
     Stateless: base' depends on this call's L alone, and base' >= base (s >= original_max).
     """
+    if rotary_dim <= 2:
+        raise ValueError(
+            f"NTK-aware scaling raises its factor to d / (d - 2): it needs more than 2 "
+            f"rotated features, got rotary_dim {rotary_dim}"
+        )
     if length is None:
         length = torch.tensor(ORIGINAL_MAX_POSITIONS, device=device)
     s = length.to(device, torch.float64).clamp(min=ORIGINAL_MAX_POSITIONS)
@@ -141,6 +146,7 @@ class RopeDynamicNtk(PositionalAttention):
                 f"head_dim {self.head_dim} x fraction {ROTARY_FRACTION} gives "
                 f"{self.rotary_dim} rotated features; it must be even and at least 2"
             )
+        _inverse_frequencies(self.rotary_dim, None, torch.device("cpu"))  # checks the width
 
     def _rotate(
         self, q: Tensor, k: Tensor, q_positions: Tensor | None, k_positions: Tensor | None

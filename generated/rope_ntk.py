@@ -60,6 +60,11 @@ def _inverse_frequencies(rotary_dim: int, length: Tensor | None, device: torch.d
     The lowest frequency becomes theta / factor (positions interpolated) while the highest
     stays (extrapolated).
     """
+    if rotary_dim <= 2:
+        raise ValueError(
+            f"NTK-aware scaling raises its factor to d / (d - 2): it needs more than 2 "
+            f"rotated features, got rotary_dim {rotary_dim}"
+        )
     base = ROTARY_BASE * NTK_FACTOR ** (rotary_dim / (rotary_dim - 2))
     return _geometric_frequencies(rotary_dim, device, base)
 
@@ -124,6 +129,7 @@ class RopeNtk(PositionalAttention):
                 f"head_dim {self.head_dim} x fraction {ROTARY_FRACTION} gives "
                 f"{self.rotary_dim} rotated features; it must be even and at least 2"
             )
+        _inverse_frequencies(self.rotary_dim, None, torch.device("cpu"))  # checks the width
         # float32 cos/sin [L, rotary_dim] for positions 0..L-1: plain attributes, not
         # buffers, so module.half() / .to(dtype) never lowers their precision, DDP never
         # broadcasts them, and a state_dict never holds them. Rebuilt past their length,

@@ -141,6 +141,19 @@ def _bad_calls(pe):
         "unknown backend": lambda: pe(q, k, v, backend="flash"),
         "mask shape": lambda: pe(q, k, v, attn_mask=torch.ones(3, 3, dtype=torch.bool)),
         "mask dtype": lambda: pe(q, k, v, attn_mask=torch.ones(4, 4, dtype=torch.long)),
+        # [4, 4] broadcasts with [B, H, 1, 4] to a larger shape, not to it
+        "mask rows past the queries, eager": lambda: pe(
+            q[:, :, :1], k, v, attn_mask=torch.ones(4, 4, dtype=torch.bool), backend="eager"
+        ),
+        "mask rows past the queries, sdpa": lambda: pe(
+            q[:, :, :1], k, v, attn_mask=torch.ones(4, 4, dtype=torch.bool), backend="sdpa"
+        ),
+        "mask batch past the inputs": lambda: pe(
+            q[:1], k[:1], v[:1], attn_mask=torch.ones(3, 1, 4, 4, dtype=torch.bool)
+        ),
+        "tensor causal": lambda: pe(q, k, v, causal=torch.tensor(True)),
+        "string causal": lambda: pe(q, k, v, causal="no"),
+        "integer keys_rotated": lambda: pe(q, k, v, keys_rotated=1),
     }
 
 
@@ -151,6 +164,21 @@ def test_bad_inputs_raise_value_error(name: str) -> None:
         with pytest.raises(ValueError):
             call()
             pytest.fail(f"{label} was accepted")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_float64_additive_masks_keep_float64_on_every_backend(name: str) -> None:
+    """float64 inputs with a float64 additive attn_mask: every backend adds the mask in
+    float64, as eager does (a mask rounded to the parameters' float32 moved the sdpa
+    outputs of ten bias encodings by 1e-8 to 1e-6)."""
+    pe = make(name, heads=2, head_dim=8)
+    for n, m in ((5, 9), (8, 8)):
+        q, k, v = (t.double() for t in qkv(pe, n=n, m=m))
+        mask = torch.randn(n, m, dtype=torch.float64) * 3
+        want = pe(q, k, v, attn_mask=mask, backend="eager")
+        for backend in ("sdpa", "auto"):
+            got = pe(q, k, v, attn_mask=mask, backend=backend)
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9, msg=f"{backend} {n}")
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -101,6 +101,7 @@ def assert_embed_contract(
     assert out.shape == (2, seq, d) and out.dtype == torch.float32
     for dtype in (torch.float64, torch.bfloat16):
         assert pe.embed(x.to(dtype)).dtype == dtype
+    assert pe.embed(x[:, :0]).shape == (2, 0, d)  # no tokens: nothing to encode
     batched = torch.stack([torch.arange(seq), torch.arange(3, 3 + seq)])
     if explicit_positions:
         assert pe.embed(x, batched).shape == (2, seq, d)

@@ -218,6 +218,17 @@ def test_ntk_base_matches_bloc97_and_x_transformers() -> None:
     torch.testing.assert_close(got, reference, rtol=2e-6, atol=0)
 
 
+@pytest.mark.parametrize("name", ["rope_ntk", "rope_dynamic_ntk"])
+def test_ntk_scaling_refuses_two_rotated_features_at_construction(name: str) -> None:
+    """base · factor^(d / (d - 2)) has no value at d = 2: the constructor says so,
+    naming rotary_dim, instead of every call dividing by zero; d = 4 works."""
+    cls = generated_class(name)
+    with pytest.raises(ValueError, match="rotary_dim 2"):
+        cls(heads=1, head_dim=2)
+    q = torch.randn(1, 1, 3, 4)
+    assert cls(heads=1, head_dim=4)(q, q, q).shape == (1, 1, 3, 4)
+
+
 def test_partial_rotary_matches_gpt_neox_layout() -> None:
     """rotary_pct 0.25 of head_dim 64: 16 features rotate with base^(-2k/16) (HF's
     partial_rotary_factor), the other 48 pass through."""

@@ -227,6 +227,7 @@ class NtkFrequencyPlan(FrequencyPlan):
     """NTK-aware: base · factor^(d / (d - 2))."""
 
     template: ClassVar[str] = "blocks/frequencies/ntk.jinja"
+    checks_width: ClassVar[bool] = True  # d / (d - 2) needs rotary_dim > 2
     factor: float
 
 
@@ -235,6 +236,7 @@ class DynamicNtkFrequencyPlan(FrequencyPlan):
     """Dynamic NTK: the NTK base for the call's length."""
 
     template: ClassVar[str] = "blocks/frequencies/dynamic_ntk.jinja"
+    checks_width: ClassVar[bool] = True  # d / (d - 2) needs rotary_dim > 2
     by_length: ClassVar[bool] = True
     factor: float
     original_max_positions: int

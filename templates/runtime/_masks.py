@@ -267,14 +267,15 @@ def check_attn_mask(attn_mask: Tensor | None, q: Tensor, m: int) -> Tensor | Non
     if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
         raise ValueError(f"attn_mask must be bool or floating point, got {attn_mask.dtype}")
     target = (q.shape[0], q.shape[1], q.shape[2], m)
-    try:
-        torch.broadcast_shapes(attn_mask.shape, target)
-    except RuntimeError:
-        raise ValueError(
-            f"attn_mask of shape {list(attn_mask.shape)} does not broadcast to {list(target)}"
-        ) from None
     if attn_mask.dim() > 4:
         raise ValueError(f"attn_mask must have at most 4 dims, got {attn_mask.dim()}")
+    # each of the mask's (trailing-aligned) dims is 1 or the target's: broadcasting the
+    # two shapes must give [B, H, N, M] itself, not a larger shape
+    aligned = target[len(target) - attn_mask.dim() :]
+    if any(size not in (1, want) for size, want in zip(attn_mask.shape, aligned, strict=True)):
+        raise ValueError(
+            f"attn_mask of shape {list(attn_mask.shape)} does not broadcast to {list(target)}"
+        )
     if attn_mask.dim() < 2:
         attn_mask = attn_mask.reshape((1,) * (2 - attn_mask.dim()) + tuple(attn_mask.shape))
     return attn_mask.to(q.device)

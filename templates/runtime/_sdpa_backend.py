@@ -663,6 +663,9 @@ class SdpaBackend(AttentionTerms):
         if bias is None:
             bias = self._position_bias(q_positions, k_positions, n, m, device)
         assert bias is not None  # has_position_bias
+        # float64 inputs: the masks join a float64 bias (as they join eager's logits),
+        # not one rounded to the parameters' float32
+        bias = bias.to(torch.promote_types(bias.dtype, dtype))
         if self.position_bias_inside_scale:
             bias = bias * self.scale  # SDPA scales q.k only; this bias sits inside the scale
         allowed = attention_allowed(
