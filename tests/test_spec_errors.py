@@ -94,3 +94,47 @@ def test_specs_whose_class_names_collide_are_rejected(tmp_path: Path) -> None:
     (diagnostic,) = caught.value.diagnostics
     assert diagnostic.field == "name" and diagnostic.line == 2
     assert "duplicate class name 'Layer1'" in diagnostic.message
+
+
+CATALOGUE = Path(__file__).parent.parent / "specs"
+
+
+@pytest.mark.parametrize(
+    ("file_name", "name_field"),
+    [("alibi.yaml\u00e9", "alibi"), ("alibi.txt", "alibi"), ("alibi\n.yaml", '"alibi\\n"')],
+)
+def test_a_spec_whose_file_is_not_name_dot_yaml_is_refused_before_generation(
+    tmp_path: Path, file_name: str, name_field: str
+) -> None:
+    """The generated header names the spec file, so validation refuses a file name that
+    is not the spec's name plus .yaml or .yml (a name ending in a newline included):
+    exit 2 at the name, no traceback, nothing written, for validate and generate alike."""
+    text = (CATALOGUE / "alibi.yaml").read_text(encoding="utf-8")
+    path = tmp_path / file_name
+    path.write_text(text.replace("name: alibi", f"name: {name_field}"), encoding="utf-8")
+    out = tmp_path / "out"
+    for command in (["validate", str(path)], ["generate", str(path), "--out", str(out)]):
+        result = CliRunner().invoke(main, command)
+        assert result.exit_code == 2, result.output
+        assert result.exception is None or isinstance(result.exception, SystemExit)
+        assert ":2:7: name: " in result.output or ":1:7: name: " in result.output
+        assert not out.exists()
+
+
+def test_a_symlinked_spec_is_named_by_the_link_not_its_target(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """specs/rope.yaml linking to store/rope-v2.yaml generates the bytes of the catalogue's
+    rope.py (its header names rope.yaml), and messages show the link's path."""
+    (tmp_path / "store").mkdir()
+    (tmp_path / "specs").mkdir()
+    target = tmp_path / "store" / "rope-v2.yaml"
+    target.write_bytes((CATALOGUE / "rope.yaml").read_bytes())
+    (tmp_path / "specs" / "rope.yaml").symlink_to(target)
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, ["validate", "specs/rope.yaml"])
+    assert result.exit_code == 0 and "specs/rope.yaml" in result.output, result.output
+    result = CliRunner().invoke(main, ["generate", "specs/rope.yaml", "--out", "out"])
+    assert result.exit_code == 0, result.output
+    generated = Path(__file__).parent.parent / "generated" / "rope.py"
+    assert (tmp_path / "out" / "rope.py").read_bytes() == generated.read_bytes()

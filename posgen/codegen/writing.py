@@ -28,7 +28,7 @@ import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path, PurePath
+from pathlib import Path
 
 from posgen.codegen.plan import ModulePlan, build_plan
 from posgen.codegen.render import (
@@ -45,7 +45,7 @@ _NEW_FILE_MODE = 0o666  # what open() asks for; the kernel applies the umask
 
 def plan_for(loaded: LoadedSpec) -> ModulePlan:
     """The plan of one loaded spec (named by its file name alone, never by a folder)."""
-    return build_plan(loaded.spec, PurePath(loaded.display_path).name, loaded.sha256)
+    return build_plan(loaded.spec, loaded.path.name, loaded.sha256)
 
 
 def render_tree(specs: list[LoadedSpec], with_registry: bool = True) -> dict[str, str]:

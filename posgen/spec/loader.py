@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 
 from posgen.spec.diagnostics import Diagnostic, SpecError, closest_name, dotted_path, quoted
-from posgen.spec.model import Spec, kind_tags
+from posgen.spec.model import Spec, kind_tags, kinds_at
 from posgen.spec.names import class_name_for
 from posgen.spec.yaml_source import (
     MAX_NESTING,
@@ -62,13 +62,18 @@ class LoadedSpec:
     name_position: tuple[int, int] = (1, 1)
 
 
+SPEC_SUFFIXES = (".yaml", ".yml")
+"""A spec file's name is its spec's name plus one of these (the generated header names it)."""
+
+
 def display_path(path: Path) -> str:
-    """The path as shown in diagnostics and headers: relative to the cwd when inside it."""
-    resolved = path.resolve()
+    """The path as shown in diagnostics and headers, as given (a symlink keeps its own
+    name): relative to the cwd when inside it."""
+    absolute = Path(os.path.abspath(path))
     try:
-        return resolved.relative_to(Path.cwd().resolve()).as_posix()
+        return absolute.relative_to(Path.cwd()).as_posix()
     except ValueError:
-        return resolved.as_posix()
+        return absolute.as_posix()
 
 
 def load_spec(path: Path) -> LoadedSpec:
@@ -78,7 +83,9 @@ def load_spec(path: Path) -> LoadedSpec:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
-        raise SpecError([Diagnostic(shown, 1, 1, "<file>", f"not UTF-8: {error.reason}")]) from None
+        line, col = _byte_position(raw, error.start)
+        message = f"not UTF-8: byte 0x{raw[error.start]:02x}, {error.reason}"
+        raise SpecError([Diagnostic(shown, line, col, "<file>", message)]) from None
     try:
         loaded = load_yaml(text, shown)
     except YamlError as error:
@@ -87,7 +94,7 @@ def load_spec(path: Path) -> LoadedSpec:
         spec = Spec.model_validate(loaded.data)
     except ValidationError as error:
         raise SpecError(_diagnostics(error, loaded, shown)) from None
-    if spec.name != path.stem:
+    if spec.name != path.stem or path.suffix not in SPEC_SUFFIXES:
         line, col = loaded.position_of(("name",))
         raise SpecError(
             [
@@ -96,14 +103,22 @@ def load_spec(path: Path) -> LoadedSpec:
                     line,
                     col,
                     "name",
-                    f"name {spec.name!r} must match the file name {quoted(path.name)} "
-                    f"(expected {quoted(path.stem)})",
+                    f"name {spec.name!r} must match the file name {quoted(path.name)}: "
+                    f"the file is NAME.yaml or NAME.yml (expected {quoted(path.stem)})",
                 )
             ]
         )
     return LoadedSpec(
         spec, path, shown, hashlib.sha256(raw).hexdigest(), loaded.position_of(("name",))
     )
+
+
+def _byte_position(raw: bytes, offset: int) -> tuple[int, int]:
+    """1-based (line, column) of byte ``offset``, columns in characters of the line's
+    text before it (decoded leniently: that text is valid UTF-8 up to the offset)."""
+    line_start = raw.rfind(b"\n", 0, offset) + 1
+    before = raw[line_start:offset].decode("utf-8", errors="replace")
+    return raw.count(b"\n", 0, offset) + 1, len(before) + 1
 
 
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # opening a FIFO returns at once (POSIX)
@@ -353,7 +368,8 @@ def _message(item: ErrorDetails, path: FieldPath = ()) -> str:
         hint = f" (did you mean {best!r}?)" if best else ""
         return f"unknown kind {quoted(tag)}; allowed: {context.get('expected_tags')}{hint}"
     if kind == "union_tag_not_found":
-        return f"'kind' is required; allowed kinds: {_describe_tags(item)}"
+        allowed = ", ".join(repr(tag) for tag in kinds_at(path)) or _describe_tags(item)
+        return f"'kind' is required; allowed kinds: {allowed}"
     if kind in ("cross_field", "unknown_field", "module_name", "free_text", "expr"):
         return item["msg"]
     if kind == "value_error":

@@ -26,6 +26,7 @@ import keyword
 import math
 import re
 import sys
+import types
 import typing
 from typing import Annotated, Any, Literal
 
@@ -53,14 +54,14 @@ from posgen.spec.expr import (
 )
 from posgen.spec.names import reserved_name_problem
 
-IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-MODULE_NAME = re.compile(r"^[a-z][a-z0-9]*(_[a-z0-9]+)*$")
+MODULE_NAME = re.compile(r"[a-z][a-z0-9]*(_[a-z0-9]+)*")  # fullmatch
 # Names a generated module must not take: copied beside other code, it would shadow them.
 RESERVED_MODULE_NAMES = frozenset(sys.stdlib_module_names) | {"torch", "posgen", "generated"}
 
 MAX_TABLE_ROWS = 1 << 21
-# Every trained table a spec's defaults create holds at most this many floats (512 MiB in
-# float32), whatever its rows and width: a module's memory is bounded by its spec.
+# Every trained table (and projection of one) a spec's defaults create holds at most this
+# many floats (512 MiB in float32), whatever its rows and width: a module's memory is
+# bounded by its spec.
 MAX_TABLE_ELEMENTS = 1 << 27
 # An ODE trajectory is integrated step by step (Python loop): a tighter horizon bound.
 MAX_ODE_POSITIONS = 1 << 16
@@ -180,12 +181,18 @@ def _what_character(ch: str) -> str:
 
 
 def plain_text(text: str) -> str:
-    """Accept one line of printable text; refuse control and bidirectional characters.
+    """Accept one line of printable text, not blank; refuse control and bidirectional
+    characters.
 
     Titles, references and models are printed by ``explain`` and ``list`` and quoted in
     generated docstrings: a control sequence (ESC ] ... BEL, U+009B) would reach the
     terminal, and a bidirectional override (U+202E) would show text other than it is.
     """
+    if not text.split():  # the words a docstring wraps (str.split: Unicode whitespace)
+        raise PydanticCustomError(
+            "free_text",
+            "blank: free text needs at least one printable character that is not a space",
+        )
     found = _FORBIDDEN_IN_TEXT.search(text)
     if found is None:
         return text
@@ -1101,7 +1108,7 @@ class ExprBias(SpecModel):
     def _parse(self) -> ExprBias:
         for name in self.params:
             if (
-                not PARAM_NAME.match(name)
+                not PARAM_NAME.fullmatch(name)
                 or name in RESERVED_PARAM_NAMES
                 or keyword.iskeyword(name)
             ):
@@ -1636,7 +1643,7 @@ class Spec(SpecModel):
     @field_validator("name")
     @classmethod
     def _module_name(cls, name: str) -> str:
-        if not MODULE_NAME.match(name):
+        if not MODULE_NAME.fullmatch(name):
             raise PydanticCustomError(
                 "module_name",
                 "got {shown}; a spec name is lower-case ASCII words (letters and digits) "
@@ -1656,7 +1663,8 @@ class Spec(SpecModel):
         return name
 
     def _trained_tables(self) -> list[tuple[str, int, int]]:
-        """(field, rows, width) of every trained table the spec's defaults create."""
+        """(field, rows, width) of every trained table and table projection the spec's
+        defaults create."""
         model_dim = self.defaults.model_dim or 0
         heads, head_dim = self.defaults.heads, self.defaults.head_dim
         tables: list[tuple[str, int, int]] = []
@@ -1670,6 +1678,13 @@ class Spec(SpecModel):
             untied_rows = untied.table.max_positions + 1
             at = "terms.position_position.untied.table.max_positions"
             tables.append((at, untied_rows, model_dim))
+        if untied is not None:  # its query and key projections, model_dim -> heads x head_dim
+            tables.append(("defaults.model_dim", model_dim, heads * head_dim))
+        for name in ("content_position", "position_content", "position_position"):
+            term = getattr(self.terms, name)
+            spec = getattr(term, "relative", None) or getattr(term, "global_", None)
+            if getattr(spec, "projection", "none") != "none":  # a Linear model_dim -> H x D
+                tables.append((f"terms.{name}", model_dim, heads * head_dim))
         section = self.relative
         rows = section.index.rows if section is not None else None
         if section is not None and rows is not None:
@@ -1703,9 +1718,10 @@ class Spec(SpecModel):
             if rows * width > MAX_TABLE_ELEMENTS:
                 raise cross_field_error(
                     at,
-                    f"this makes a trained table of {rows:,} rows x {width:,} features = "
-                    f"{rows * width:,} floats, past the limit of {MAX_TABLE_ELEMENTS:,} "
-                    "(2^27, 512 MiB in float32): use fewer rows or a narrower table",
+                    f"this makes a trained table (or projection) of {rows:,} rows x "
+                    f"{width:,} features = {rows * width:,} floats, past the limit of "
+                    f"{MAX_TABLE_ELEMENTS:,} (2^27, 512 MiB in float32): use fewer rows or "
+                    "a narrower table",
                 )
 
     @model_validator(mode="after")
@@ -1927,6 +1943,54 @@ def kind_tags() -> frozenset[str]:
             if field is not None:
                 tags.update(a for a in typing.get_args(field.annotation) if isinstance(a, str))
     return frozenset(tags)
+
+
+def kinds_at(path: tuple[str | int, ...]) -> list[str]:
+    """The ``kind`` values allowed at a field of the spec (``path`` of keys and list
+    indices from the top, as in the YAML), sorted; empty where the field is no union
+    of kinds. For the message of a mapping that lacks its ``kind``."""
+    annotations: list[Any] = [Spec]
+    for part in path:
+        annotations = [inner for a in annotations for inner in _field_types(a, part)]
+    tags: set[str] = set()
+    for annotation in annotations:
+        for model in _alternatives(annotation):
+            field = model.model_fields.get("kind") if _is_model(model) else None
+            if field is not None:
+                tags.update(a for a in typing.get_args(field.annotation) if isinstance(a, str))
+    return sorted(tags)
+
+
+def _alternatives(annotation: Any) -> list[Any]:
+    """The types an annotation admits, through Annotated and unions (one level of each)."""
+    origin = typing.get_origin(annotation)
+    if origin is Annotated:
+        return _alternatives(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):
+        return [t for arg in typing.get_args(annotation) for t in _alternatives(arg)]
+    return [annotation]
+
+
+def _is_model(annotation: Any) -> bool:
+    """Whether ``annotation`` is one of the spec's models."""
+    return isinstance(annotation, type) and issubclass(annotation, SpecModel)
+
+
+def _field_types(annotation: Any, part: str | int) -> list[Any]:
+    """The annotations of field ``part`` (a key, or a list index) of a value annotated
+    ``annotation``: a model's field, a dict's values, a list's or tuple's items."""
+    found: list[Any] = []
+    for alternative in _alternatives(annotation):
+        origin = typing.get_origin(alternative)
+        if _is_model(alternative) and isinstance(part, str):
+            named = alternative.model_fields.items()  # found by YAML key: alias or name
+            field = next((f for n, f in named if (f.alias or n) == part), None)
+            found.extend([] if field is None else [field.annotation])
+        elif origin is dict and isinstance(part, str):
+            found.append(typing.get_args(alternative)[1])
+        elif origin in (list, tuple) and isinstance(part, int):
+            found.extend(a for a in typing.get_args(alternative) if a is not Ellipsis)
+    return found
 
 
 def rotated_features(rotation: Rotation, head_dim: int) -> int:

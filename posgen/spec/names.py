@@ -18,7 +18,7 @@ import re
 from functools import cache
 from pathlib import Path
 
-_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # fullmatch
 
 RUNTIME_SOURCE = "runtime"
 """The runtime's folder in the templates folder: each ``_NAME.py`` in it is copied to
@@ -41,7 +41,7 @@ def identifier(name: str) -> str:
 
     ASCII, matching ``^[A-Za-z_][A-Za-z0-9_]*$``, not a keyword, soft keyword or builtin.
     """
-    if not _IDENTIFIER.match(name) or not name.isascii():
+    if not _IDENTIFIER.fullmatch(name) or not name.isascii():
         raise UnsafeName(f"{name!r} is not an ASCII identifier")
     if keyword.iskeyword(name) or keyword.issoftkeyword(name) or hasattr(builtins, name):
         raise UnsafeName(f"{name!r} is a Python keyword or builtin")

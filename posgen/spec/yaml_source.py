@@ -301,6 +301,29 @@ def _reject_forbidden_events(text: str, source_name: str) -> None:
             depth -= 1
 
 
+# Line breaks to YAML other than LF and CR LF, which posgen's positions count: a lone
+# carriage return, NEL, and the Unicode line and paragraph separators
+_OTHER_LINE_BREAK = re.compile("\r(?!\n)|[\x85\u2028\u2029]")
+
+
+def _reject_other_line_breaks(text: str, source_name: str) -> None:
+    """Refuse a raw line break other than LF or CR LF: PyYAML would count it as a new
+    line, so every position after it would be off by one line."""
+    found = _OTHER_LINE_BREAK.search(text)
+    if found is None:
+        return
+    before = text[: found.start()]
+    line = before.count("\n") + 1
+    col = found.start() - (before.rfind("\n") + 1) + 1
+    code = f"U+{ord(found.group()):04X}"
+    message = (
+        f"invalid YAML: a raw {code}, a line break to YAML; a spec's lines end with LF "
+        "(or CR LF), and text that needs the character writes it as an escape in a "
+        "double-quoted string"
+    )
+    raise YamlError(Diagnostic(source_name, line, col, "<document>", message))
+
+
 def _reader_error(error: yaml.reader.ReaderError, text: str, source_name: str) -> YamlError:
     """A character YAML refuses (a control character), at its line and column."""
     before = text[: error.position]
@@ -322,6 +345,7 @@ def load_yaml(text: str, source_name: str) -> LoadedYaml:
     Raises YamlError (with file:line:col) for syntax errors and for any construct
     the spec format forbids.
     """
+    _reject_other_line_breaks(text, source_name)
     builder = _Builder(source_name, text)
     try:
         _reject_forbidden_events(text, source_name)
