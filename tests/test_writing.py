@@ -94,6 +94,19 @@ def test_generate_refuses_to_overwrite_a_file_it_did_not_write(
     assert snapshot(out) == before, "something was written or removed"
 
 
+def test_a_dangling_symlink_where_a_module_goes_is_not_replaced(tmp_path: Path) -> None:
+    """A link posgen did not make stays, even to a missing file: exit 2 naming it,
+    nothing written (it was replaced and reported as created)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "rope.py").symlink_to(tmp_path / "missing.py")
+    result = invoke("generate", str(SPECS), "--out", str(out))
+    assert result.exit_code == 2
+    one_error_line(result, str(out / "rope.py"), "symbolic link")
+    assert [p.name for p in out.iterdir()] == ["rope.py"] and (out / "rope.py").is_symlink()
+    assert not (tmp_path / "missing.py").exists()
+
+
 def test_a_file_in_the_way_of_a_fresh_tree_means_nothing_is_written(tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()

@@ -117,8 +117,8 @@ def _check_folder(out_dir: Path) -> None:
 def _read_target(path: Path) -> bytes | None:
     """The bytes of the file at ``path``; None when there is none (or it just vanished).
 
-    Raises OutputError when ``path`` is a folder or anything else but a regular file
-    (posgen would have to replace it) or cannot be read.
+    Raises OutputError when ``path`` is a folder, a dangling symbolic link or anything
+    else but a regular file (posgen would have to replace it) or cannot be read.
     """
     try:
         mode = path.stat().st_mode
@@ -130,6 +130,11 @@ def _read_target(path: Path) -> bytes | None:
             )
         return path.read_bytes()
     except FileNotFoundError:
+        if path.is_symlink():  # a link posgen did not make, to nothing: not replaced
+            raise OutputError(
+                f"{path} is a symbolic link to a missing file, where posgen writes a "
+                "module: remove it or choose another --out"
+            ) from None
         return None
     except OSError as error:
         raise OutputError(f"cannot read {path}: {_reason(error)}") from None
