@@ -42,7 +42,7 @@ PARAMS = {"a": ParamInfo(per_head=False), "c": ParamInfo(per_head=True)}
         ("where(i < j, i, j + 1) - i", True),
         ("-abs(i) + j", False),
         ("-abs(i - j) / maximum(i, 1.0)", False),
-        ("i < 5", False),
+        ("where(i < 5, 1.0, 0.0)", False),
         ("floor(i / 2) - floor(j / 2)", False),  # changes with an odd shift
         ("minimum(i, 1.0) - j", False),
         ("0.5 * i - j / 3", False),
@@ -205,3 +205,39 @@ def test_the_parameters_train_through_the_directional_path(case, causal, monkeyp
     route = spy_query_shapes(monkeypatch, pe, "directional_bias_attention")
     assert_sdpa_matches_eager(pe, 70, 70, 2, causal=causal)
     assert route == [(2, 4, 70, 8)]
+
+
+def test_a_parameter_named_reference_is_not_the_modules_own_buffer() -> None:
+    """``reference`` becomes ``expr_reference``; the module's dtype and device buffer is
+    ``_expr_reference``, a name no parameter's attribute can take."""
+    pe = _expression_module("-abs(i - j) * reference", "{reference: {shape: [], init: 2.0}}")(
+        heads=2, head_dim=8
+    )
+    assert [name for name, _ in pe.named_parameters()] == ["expr_reference"]
+    assert [name for name, _ in pe.named_buffers()] == ["_expr_reference"]
+    assert list(pe.state_dict()) == ["expr_reference"]
+    positions = torch.arange(4)
+    want = -2.0 * (positions[:, None] - positions[None, :]).abs().float()
+    torch.testing.assert_close(pe.score_bias(positions, positions), want.expand(2, 4, 4))
+
+
+def test_an_expression_of_one_position_broadcasts_over_the_other_and_the_batch() -> None:
+    """``-0.1 * i`` assigns no j (ruff-clean), and its bias still spans every key and
+    each batch row of either side's positions."""
+    pe = _expression_module("-0.1 * i", "{}")(heads=2, head_dim=8).double()
+    q_positions = torch.tensor([3, 5])
+    k_positions = torch.arange(12).view(3, 4)  # [batch 3, M 4]
+    bias = pe.score_bias(q_positions, k_positions)
+    want = (-0.1 * q_positions.double())[None, None, :, None].expand(3, 2, 2, 4)
+    torch.testing.assert_close(bias, want)
+
+
+def test_an_expression_of_the_head_alone_gives_its_distance_vector() -> None:
+    """``c[h] * h`` reads neither i nor j: a bias of the difference, constant per head."""
+    pe = _expression_module("c[h] * h", "{c: {shape: [heads], init: 0.5}}")(
+        heads=4, head_dim=8
+    ).double()
+    vector = pe._distance_bias(2, 3, torch.device("cpu"))
+    want = (0.5 * torch.arange(4, dtype=torch.float64))[:, None].expand(4, 4)
+    torch.testing.assert_close(vector, want)
+    assert_sdpa_matches_eager(pe, 3, 5, 2, causal=True)

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import ast
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
+from posgen.cli import main
 from posgen.codegen.inmemory import encoding_class, module_from_spec
 from posgen.codegen.plan import PlanError, docstring_lines, literal
 from posgen.spec.diagnostics import SpecError
 from posgen.spec.loader import load_spec
 from posgen.spec.names import UnsafeName, identifier
-from tests.conftest import RUNTIME_FILES
+from tests.conftest import ROOT, RUNTIME_FILES
 
 TEMPLATE = """\
 name: {name}
@@ -150,3 +154,152 @@ def test_plan_primitives_refuse_unsafe_values() -> None:
     assert literal('say "hi"\n') == '"say \\"hi\\"\\n"'  # double quotes, escaped
     assert literal("\u202e") == '"\\u202e"'  # pure ASCII
     assert literal((1, 2.5, "half")) == '(1, 2.5, "half")' and literal((3,)) == "(3,)"
+
+
+# --------------------------------------------------------------------------- expressions
+
+EXPRESSION_SPEC = """\
+name: {name}
+title: an expression
+references: [ok]
+defaults: {{heads: 2, head_dim: 8}}
+scale: inv_sqrt_head_dim
+terms:
+  content_content: {content}
+  content_position: drop
+  position_content: drop
+  position_position: {position}
+claims: {{}}
+"""
+RUFF = shutil.which("ruff")
+
+
+def write_expression(
+    folder: Path, name: str, expr: str, params: str = "{}", frequencies: bool = False
+) -> tuple[Path, int, int]:
+    """A spec with ``expr`` as its position_position bias (or, with ``frequencies``, as
+    its rotation's schedule); returns its path and the line and column of the
+    expression's first character."""
+    if frequencies:
+        schedule = f'{{kind: expr, expr: "{expr}"}}'
+        content = f"{{rotate: {{base: 10000, pairing: half, frequencies: {schedule}}}}}"
+        position = "drop"
+    else:
+        content = "keep"
+        position = (
+            f'{{bias: {{kind: expr, expr: "{expr}", params: {params}, placement: after_scale}}}}'
+        )
+    text = EXPRESSION_SPEC.format(name=name, content=content, position=position)
+    path = folder / f"{name}.yaml"
+    path.write_text(text, encoding="utf-8")
+    (line,) = (row for row, line in enumerate(text.splitlines(), 1) if 'expr: "' in line)
+    column = text.splitlines()[line - 1].index('expr: "') + len('expr: "') + 1
+    return path, line, column
+
+
+COMPARISONS = "(< <= > >= == !=)"
+BADLY_TYPED = [
+    ("where(i, j, h)", 6, "where()'s first argument must be a comparison"),
+    ("where(i - j, 1.0, 0.0)", 6, "where()'s first argument must be a comparison"),
+    ("abs(i > j)", 4, "abs() takes numbers only"),
+    ("floor(i > j)", 6, "floor() takes numbers only"),
+    ("maximum(h, i == j) * 0.5", 11, "maximum() takes numbers only"),
+    ("-(i > j)", 2, "unary - takes numbers only"),
+    ("+(i > j)", 2, "unary + takes numbers only"),
+    ("(i > j) - (j > i)", 1, "operator - takes numbers only"),
+    ("i - (j > i)", 5, "operator - takes numbers only"),
+    ("(i > j) ** 2", 1, "operator ** takes numbers only"),
+    ("i % (j > i)", 5, "operator % takes numbers only"),
+    ("where(i < j, i < j, 1)", 13, "where() after its condition takes numbers only"),
+    ("(i < j) < 1", 1, "a comparison takes numbers only"),
+    ("i > j", 0, "the expression must be a number"),
+]
+
+
+@pytest.mark.parametrize(("expr", "offset", "message"), BADLY_TYPED)
+@pytest.mark.parametrize("command", ["validate", "generate"])
+def test_a_badly_typed_expression_is_a_spec_error_at_its_sub_expression(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    command: str,
+    expr: str,
+    offset: int,
+    message: str,
+) -> None:
+    """A boolean (a comparison) where a number belongs, or a number as where()'s
+    condition, is refused at the offending sub-expression (it would fail on every
+    call): exit 2, file:line:col, the field, what is allowed; nothing written."""
+    path, line, column = write_expression(tmp_path, "typed", expr)
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "out"
+    arguments = [path.name] + (["--out", str(out)] if command == "generate" else [])
+    result = CliRunner().invoke(main, [command, *arguments])
+    assert result.exit_code == 2, result.output
+    first = result.output.splitlines()[0]
+    prefix = f"typed.yaml:{line}:{column + offset}: terms.position_position.bias.expr: "
+    assert first.startswith(prefix), first
+    assert message in first and COMPARISONS in first
+    assert "Traceback" not in result.output
+    assert not out.exists()
+
+
+def test_a_boolean_frequency_schedule_is_a_spec_error(tmp_path: Path) -> None:
+    path, line, column = write_expression(tmp_path, "typed", "k < 3", frequencies=True)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["generate", str(path), "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    field = "terms.content_content.rotate.frequencies.expr"
+    assert f"typed.yaml:{line}:{column}: {field}: the expression must be a number" in (
+        result.output
+    )
+    assert "Traceback" not in result.output and not out.exists()
+
+
+# each reads only some of i, j, h (or k, d, base) and raises powers of every operand form
+RUFF_CLEAN_EXPRESSIONS = [
+    ("query_only", "-0.1 * i", "{}"),
+    ("key_only", "-0.1 * j", "{}"),
+    ("head_only", "c[h] * h", "{c: {shape: [heads], init: 0.5}}"),
+    ("parameter_only", "a ** 2 - 1", "{a: {shape: [], init: 0.5}}"),
+    (
+        "powers",
+        "-(i - j) ** 2 + a ** h + 2 ** -abs(i - j) + (-i) ** j + c[h] ** 0.5",
+        "{a: {shape: [], init: 0.5}, c: {shape: [heads], init: 0.5, positive: true}}",
+    ),
+]
+RUFF_CLEAN_SCHEDULES = [
+    ("pairs_only", "0.5 ** k"),
+    ("schedule", "base ** (-2 * k / d)"),
+]
+
+
+@pytest.mark.skipif(RUFF is None, reason="ruff (the pinned dev dependency) is not installed")
+def test_generated_expression_code_is_ruff_clean(tmp_path: Path) -> None:
+    """Modules and standalone files of expressions that leave names unread or raise
+    powers pass ``ruff format --check`` and ``ruff check`` (no unused local, no
+    spaced power of names)."""
+    specs, out, standalone = tmp_path / "specs", tmp_path / "out", tmp_path / "standalone"
+    specs.mkdir()
+    standalone.mkdir()
+    for name, expr, params in RUFF_CLEAN_EXPRESSIONS:
+        write_expression(specs, name, expr, params)
+    for name, expr in RUFF_CLEAN_SCHEDULES:
+        write_expression(specs, name, expr, frequencies=True)
+    runner = CliRunner()
+    result = runner.invoke(main, ["generate", str(specs), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    names = [name for name, *_ in RUFF_CLEAN_EXPRESSIONS + RUFF_CLEAN_SCHEDULES]
+    for name in names:
+        target = standalone / f"{name}_attention.py"
+        arguments = ["generate", str(specs), "--standalone", name, "--out", str(target)]
+        result = runner.invoke(main, arguments)
+        assert result.exit_code == 0, result.output
+    assert RUFF is not None
+    config = str(ROOT / "pyproject.toml")
+    for command in (["format", "--check"], ["check"]):
+        checked = subprocess.run(
+            [RUFF, *command, "--config", config, str(out), str(standalone)],
+            capture_output=True,
+            text=True,
+        )
+        assert checked.returncode == 0, checked.stdout + checked.stderr

@@ -288,6 +288,8 @@ class ExprFrequencyPlan(FrequencyPlan):
     expression: str  # rendered through ``py`` only
     steps: tuple[str, ...]
     result: str
+    uses_d: bool  # the steps read d (only names they read are assigned)
+    uses_base: bool
 
 
 @dataclass(frozen=True)
@@ -463,6 +465,8 @@ class ExprBiasPlan(Block):
     params: tuple[ExprParamPlan, ...]
     steps: tuple[str, ...]
     result: str
+    uses_i: bool  # the steps read i (only names they read are assigned)
+    uses_j: bool
     uses_h: bool
     of_difference: bool = False  # unchanged when i and j shift together: f(0, j - i)
 

@@ -319,6 +319,8 @@ def _expr_plan(bias: ExprBias, inside_scale: bool) -> ExprBiasPlan:
         params=params,
         steps=steps,
         result=result,
+        uses_i=parsed.uses_i,
+        uses_j=parsed.uses_j,
         uses_h=parsed.uses_h,
         of_difference=parsed.of_difference,
     )

@@ -78,8 +78,15 @@ def frequency_plan(frequencies: Frequencies) -> FrequencyPlan:
             original_max_positions=frequencies.original_max_positions,
         )
     if isinstance(frequencies, ExprFrequencies):
-        steps, result = render_steps(frequencies.parsed(), FREQUENCY_NAMES)
-        return ExprFrequencyPlan(expression=frequencies.expr, steps=steps, result=result)
+        parsed = frequencies.parsed()
+        steps, result = render_steps(parsed, FREQUENCY_NAMES)
+        return ExprFrequencyPlan(
+            expression=frequencies.expr,
+            steps=steps,
+            result=result,
+            uses_d="d" in parsed.reads,
+            uses_base="base" in parsed.reads,
+        )
     if isinstance(frequencies, LongRopeFrequencies):
         return LongRopeFrequencyPlan(
             short_factor=tuple(float(f) for f in frequencies.short_factor),

@@ -16,6 +16,7 @@ loader turns it into ``file:line:col``). The grammar:
 - numbers: int and float literals (finite, at most ``MAX_NUMBER_CHARS`` characters);
 - operators: ``+ - * / ** %`` (binary), ``-`` and ``+`` (unary), comparisons
   ``< <= > >= == !=`` (one operator per comparison, giving a boolean for ``where``);
+  no boolean operators (``and or not & | ~``);
 - functions (positional arguments only, fixed arity): ``abs log log1p exp sqrt sin cos
   sign floor`` (1), ``minimum maximum`` (2), ``clamp(x, lo, hi)`` and
   ``where(condition, a, b)`` (3); a call needs at least one argument that depends on
@@ -23,11 +24,17 @@ loader turns it into ``file:line:col``). The grammar:
 - limits: ``MAX_EXPR_CHARS`` characters of printable ASCII on one line,
   ``MAX_EXPR_NODES`` syntax nodes, nesting at most ``MAX_EXPR_DEPTH`` deep.
 
+Every node is then typed (``check_types``) as a number or a boolean: a comparison takes
+two numbers and gives a boolean, which only ``where``'s first argument takes; every
+other operator, function and argument takes numbers and gives a number, and the whole
+expression must be a number. A refusal names the offending sub-expression.
+
 Rendering (``render_steps``) never copies text from the spec: each node becomes one
 assignment ``tK = ...`` built from a fixed table of torch calls, the temporaries of its
 operands, ``repr`` of finite floats, and parameter locals ``p_NAME`` whose names were
 checked as identifiers. Every value is a tensor (numbers become 0-d tensors of the
-bias dtype), so every torch call receives tensors.
+bias dtype), so every torch call receives tensors. The lines are as ruff formats them
+(``binary_code``: ``t0**t1``); the templates assign only the names the steps read.
 """
 
 from __future__ import annotations
@@ -35,7 +42,9 @@ from __future__ import annotations
 import ast
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from .expr_shift import reads_difference_only
 
@@ -181,6 +190,7 @@ def parse_expr(
         )
     checker = _Checker(params, names)
     checker.check(tree.body, 1)
+    check_types(tree.body)
     if not checker.varying(tree.body):
         raise ExprError(
             f"the expression is a constant: it must use {', '.join(names)} or a parameter", 0
@@ -341,6 +351,60 @@ def _operator_offset(node: ast.BinOp) -> int:
     return int(getattr(node.left, "end_col_offset", None) or _offset(node))
 
 
+# --------------------------------------------------------------------------- types
+
+ExprType = Literal["number", "bool"]
+"""The static type of a node: comparisons give booleans, everything else numbers."""
+
+_CONDITION_ONLY = (
+    "a comparison (< <= > >= == !=) is a boolean, allowed only as where()'s condition "
+    "(where(cond, 1.0, 0.0) is a number)"
+)
+
+
+def check_types(body: ast.expr) -> None:
+    """Type every node of a whitelisted expression; raises ExprError at the offending
+    sub-expression. The expression itself must be a number."""
+    if type_of(body) == "bool":
+        raise ExprError(f"the expression must be a number; {_CONDITION_ONLY}", _offset(body))
+
+
+def type_of(node: ast.expr) -> ExprType:
+    """The type of a whitelisted node, after checking its operands' types."""
+    if isinstance(node, ast.Compare):
+        _expect_numbers((node.left, *node.comparators), "a comparison")
+        return "bool"
+    if isinstance(node, ast.BinOp):
+        _expect_numbers((node.left, node.right), f"operator {BINARY_OPERATORS[type(node.op)]}")
+    elif isinstance(node, ast.UnaryOp):
+        _expect_numbers((node.operand,), f"unary {UNARY_OPERATORS[type(node.op)]}")
+    elif isinstance(node, ast.Call):
+        _check_call_types(node)
+    return "number"  # numbers, names, name[h], arithmetic and calls
+
+
+def _check_call_types(node: ast.Call) -> None:
+    """where(bool, number, number); every other function takes numbers."""
+    assert isinstance(node.func, ast.Name)  # checked by _Checker
+    user, arguments = f"{node.func.id}()", node.args
+    if node.func.id == "where":
+        condition, *arguments = arguments
+        if type_of(condition) != "bool":
+            raise ExprError(
+                "where()'s first argument must be a comparison (< <= > >= == !=), not a number",
+                _offset(condition),
+            )
+        user = "where() after its condition"
+    _expect_numbers(arguments, user)
+
+
+def _expect_numbers(operands: Sequence[ast.expr], user: str) -> None:
+    """Each operand is a number; ``user`` names what takes them."""
+    for operand in operands:
+        if type_of(operand) == "bool":
+            raise ExprError(f"{user} takes numbers only; {_CONDITION_ONLY}", _offset(operand))
+
+
 # --------------------------------------------------------------------------- rendering
 
 
@@ -374,7 +438,7 @@ def render_steps(
             return f"p_{_param(node.value.id)}"
         if isinstance(node, ast.BinOp):
             left, right = visit(node.left), visit(node.right)
-            return emit(f"{left} {BINARY_OPERATORS[type(node.op)]} {right}")
+            return emit(binary_code(left, BINARY_OPERATORS[type(node.op)], right))
         if isinstance(node, ast.UnaryOp):
             operand = visit(node.operand)
             return emit(f"{UNARY_OPERATORS[type(node.op)]}{operand}")
@@ -392,7 +456,27 @@ def render_steps(
     return tuple(lines), result
 
 
+_SIMPLE_POWER_OPERAND = re.compile(
+    r"[-+~]*"  # unary signs
+    r"(?:[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*"  # a name or attribute chain
+    r"|[0-9][0-9_]*(?:\.[0-9_]*)?(?:[eE][-+]?[0-9_]+)?)"  # a decimal number
+)
+"""What ruff's formatter calls a simple power operand: a name, an attribute chain or a
+number literal, perhaps under unary signs (``x**-y``, ``a.b**2``). The steps' operands
+are names (``i``, ``p_NAME``, ``tK``)."""
+
+
+def binary_code(left: str, operator: str, right: str) -> str:
+    """``left operator right`` as ruff formats it: a power of two simple operands hugs
+    its operator (``t0**t1``), every other binary operation is spaced."""
+    if operator == "**" and all(
+        _SIMPLE_POWER_OPERAND.fullmatch(operand) for operand in (left, right)
+    ):
+        return f"{left}**{right}"
+    return f"{left} {operator} {right}"
+
+
 def _param(name: str) -> str:
-    if not PARAM_NAME.match(name) or name in RESERVED_PARAM_NAMES:
+    if not PARAM_NAME.fullmatch(name) or name in RESERVED_PARAM_NAMES:
         raise ExprError(f"invalid parameter name {name!r}", 0)
     return name
