@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
@@ -20,7 +21,13 @@ if TYPE_CHECKING:
 from posgen.catalogue import encoding_rows, model_rows
 from posgen.cli_errors import reports_spec_errors
 from posgen.cli_output import UsageError, say
-from posgen.cli_paths import DEFAULT_OUT, DEFAULT_SPECS, find_spec, spec_files
+from posgen.cli_paths import (
+    DEFAULT_OUT,
+    DEFAULT_SPECS,
+    check_replaceable,
+    find_spec,
+    spec_files,
+)
 from posgen.cli_standalone import generate_standalone
 from posgen.codegen.writing import (
     OutputError,
@@ -96,7 +103,7 @@ def generate(
     loaded = load_specs(spec_files(specs, catalogue=standalone is not None))
     try:
         if standalone is not None:
-            generate_standalone(loaded, standalone, out_dir, check or show_diff)
+            generate_standalone(loaded, standalone, out_dir, check or show_diff, show_diff)
             return
         tree = render_tree(loaded, with_registry=full)
         if check or show_diff:
@@ -165,7 +172,8 @@ def validate(specs: tuple[Path, ...]) -> None:
     "source",
     default=None,
     metavar="EXISTING",
-    help="Start from this spec (a catalogue name or a path) instead of the blank scaffold.",
+    help="Start from this spec (a spec name, or a path: ending in .yaml/.yml or holding a"
+    " path separator) instead of the blank scaffold.",
 )
 @click.option(
     "--out",
@@ -178,15 +186,24 @@ def validate(specs: tuple[Path, ...]) -> None:
 def new(name: str, source: str | None, out_file: Path | None) -> None:
     """Write a new spec NAME: a commented scaffold, or a copy of an existing spec.
 
-    The text is validated first; an existing file is never overwritten.
+    NAME must be a spec name (lower-case ASCII words of letters and digits joined by
+    single underscores, starting with a letter, at most 64 characters, not a name that
+    generated code or Python already uses). EXISTING is a file path when it ends in .yaml
+    or .yml or holds a path separator, and otherwise a spec name (./specs, then the
+    built-in catalogue). The text is validated first; an existing file is never
+    overwritten.
 
     \b
     Example:
         posgen new my_bias
         posgen new alibi_half --from alibi
     """
-    from posgen.scaffold import ScaffoldError, write_scaffold
+    from posgen.scaffold import ScaffoldError, check_spec_name, write_scaffold
 
+    try:
+        check_spec_name(name)
+    except ScaffoldError as error:
+        raise UsageError(str(error)) from None
     out = out_file if out_file is not None else DEFAULT_SPECS / f"{name}.yaml"
     origin = Path(find_spec(source, DEFAULT_SPECS).path) if source is not None else None
     try:
@@ -226,8 +243,8 @@ def from_hf(config_file: Path, name: str | None, out_file: Path | None) -> None:
         raise UsageError(f"{config_file}: cannot read a JSON config: {error}") from None
     if not isinstance(config, dict):
         raise UsageError(f"{config_file}: a config is a JSON object")
-    name = name or f"{config.get('model_type', 'model')}_positions".replace("-", "_")
     try:
+        name = _from_hf_name(name, config)
         text = spec_from_config(config, name, catalogue_dir())
         if out_file is None:
             validate_text(text, Path(f"{name}.yaml"))
@@ -237,6 +254,20 @@ def from_hf(config_file: Path, name: str | None, out_file: Path | None) -> None:
     except (ConfigError, ScaffoldError, OSError) as error:
         raise UsageError(f"{config_file}: {error}") from None
     say(f"wrote {out_file}")
+
+
+def _from_hf_name(name: str | None, config: dict[str, object]) -> str:
+    """``--name``, else the config's MODEL_TYPE_positions, checked as a spec name."""
+    from posgen.from_hf import default_name
+    from posgen.scaffold import ScaffoldError, check_spec_name
+
+    chosen = name or default_name(config)
+    try:
+        check_spec_name(chosen)
+    except ScaffoldError as error:
+        hint = "" if name else " (the default, from model_type: choose one with --name)"
+        raise ScaffoldError(f"{error}{hint}") from None
+    return chosen
 
 
 @main.command(name="list")
@@ -279,6 +310,10 @@ def list_specs(spec_dir: Path, by_model: bool) -> None:
 def explain(name_or_spec: str, spec_dir: Path) -> None:
     """Explain one encoding: its four score terms in words, with the formula.
 
+    NAME_OR_SPEC is a file path when it ends in .yaml or .yml or holds a path separator
+    (./rope), and otherwise a spec name, looked up in --specs (by default ./specs, then
+    the built-in catalogue), even where the working directory has a file of that name.
+
     \b
     Example:
         posgen explain t5
@@ -297,13 +332,16 @@ def explain(name_or_spec: str, spec_dir: Path) -> None:
     "out_file",
     type=click.Path(path_type=Path),
     default=None,
-    help="Write to this file instead of stdout.",
+    help="Write to this file instead of stdout (never over a file posgen did not write).",
 )
 def schema(out_file: Path | None) -> None:
     """Print the JSON Schema of the spec format (for editor completion).
 
-    With --out, the file is replaced as a whole (temporary file and rename); its
-    folder must exist.
+    With --out, the file is written whole or not at all (temporary file and rename); its
+    folder must exist. An existing FILE is replaced only when it already holds a JSON
+    Schema of posgen's spec format, as this command writes (a JSON object titled "Spec"
+    whose properties include name, terms and claims); any other file, a symbolic link
+    or a folder is refused (exit 2, nothing written).
 
     \b
     Example:
@@ -316,9 +354,30 @@ def schema(out_file: Path | None) -> None:
     if not out_file.parent.is_dir():
         _file_error(OutputError(f"cannot write {out_file}: no folder {out_file.parent}"))
     try:
+        check_replaceable(out_file, _is_spec_schema, "a JSON Schema of posgen's spec format")
         write_atomically(out_file, text.encode("utf-8"))  # whole or not at all
     except OutputError as error:
         _file_error(error)
+
+
+_SCHEMA_TITLE = "Spec"  # the title of the schema `posgen schema` writes
+_SCHEMA_PROPERTIES = ("name", "terms", "claims")  # properties every version of it has
+_MAX_SCHEMA_BYTES = 16 << 20  # a larger file is not one `posgen schema` wrote
+
+
+def _is_spec_schema(path: Path) -> bool:
+    """Whether ``path`` holds a JSON Schema of posgen's spec format, as ``posgen schema``
+    writes: a JSON object titled "Spec" whose properties include name, terms and claims."""
+    try:
+        with path.open("rb") as stream:
+            data = stream.read(_MAX_SCHEMA_BYTES + 1)
+        document = json.loads(data) if len(data) <= _MAX_SCHEMA_BYTES else None
+    except (OSError, ValueError):  # unreadable, not UTF-8, not JSON
+        return False
+    if not isinstance(document, dict) or document.get("title") != _SCHEMA_TITLE:
+        return False
+    properties = document.get("properties")
+    return isinstance(properties, dict) and all(key in properties for key in _SCHEMA_PROPERTIES)
 
 
 # --------------------------------------------------------------------------- check and plot
@@ -547,14 +606,21 @@ def _check(
     help="Largest distance on the decay curve.",
 )
 @click.option(
-    "--seed", type=int, default=0, show_default=True, help="Seed of the random weights and content."
+    "--seed",
+    type=click.IntRange(0, 2**32 - 1),  # as check's --seed
+    default=0,
+    show_default=True,
+    help="Seed of the random weights and content.",
 )
 @reports_spec_errors
 def plot(spec: Path, out_dir: Path, span: int, distance: int, seed: int) -> None:
     """Draw SPEC's position-only score heatmap per head and its decay curve (PNG).
 
-    Writes OUT/NAME_scores.png and OUT/NAME_decay.png. Needs matplotlib
-    (pip install 'posgen[plot]').
+    Writes OUT/NAME_scores.png and OUT/NAME_decay.png, each whole or not at all
+    (temporary file and rename). Each PNG carries posgen's mark (a "Software: posgen
+    plot" text chunk); an existing file is replaced only when it has that mark: any
+    other file, a symbolic link or a folder in the way is refused (exit 2, nothing
+    written). Needs matplotlib (pip install 'posgen[plot]').
 
     \b
     Example:
@@ -562,17 +628,47 @@ def plot(spec: Path, out_dir: Path, span: int, distance: int, seed: int) -> None
         posgen plot my_idea.yaml --span 128
     """
     loaded = load_specs(spec_files([spec]))[0]
-    from posgen.check.plot import CannotPlot, MissingMatplotlib, PlotFailed, plot_spec
+    from posgen.check.plot import (
+        CannotPlot,
+        MissingMatplotlib,
+        PlotFailed,
+        is_posgen_png,
+        plot_files,
+        render_plots,
+    )
 
+    _check_plot_targets(out_dir, plot_files(loaded.spec.name), is_posgen_png)
     try:
-        paths = plot_spec(loaded, out_dir, span=span, decay_span=distance, seed=seed)
+        images = render_plots(loaded, span=span, decay_span=distance, seed=seed)
     except (MissingMatplotlib, CannotPlot) as error:
         say(str(error), err=True)
         sys.exit(2)
     except PlotFailed as error:  # the module raised: a message and exit 1
         say(str(error), err=True)
         sys.exit(1)
-    except OSError as error:  # --out is a file, read-only, ...: one line, exit 2
+    _write_plots(out_dir, images)
+
+
+def _check_plot_targets(
+    out_dir: Path, file_names: tuple[str, ...], ours: Callable[[Path], bool]
+) -> None:
+    """Exit 2 with one line, before anything is drawn, unless ``out_dir`` can be a folder
+    and each file in it is absent or a PNG that ``ours`` recognises as posgen's."""
+    try:
+        if out_dir.exists() and not out_dir.is_dir():
+            raise OutputError(f"{out_dir} is a file, not a folder: --out needs a folder")
+        for file_name in file_names:
+            check_replaceable(out_dir / file_name, ours, "a PNG that posgen plot wrote")
+    except OutputError as error:
+        _file_error(error)
+
+
+def _write_plots(out_dir: Path, images: dict[str, bytes]) -> None:
+    """Write each PNG into ``out_dir`` atomically (its targets were checked) and say so."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for file_name, data in images.items():
+            write_atomically(out_dir / file_name, data)
+            say(f"wrote {out_dir / file_name}")
+    except (OSError, OutputError) as error:  # a read-only folder, ...: one line, exit 2
         _file_error(error, f"cannot write plots into {out_dir}")
-    for path in paths:
-        say(f"wrote {path}")

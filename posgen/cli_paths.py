@@ -6,18 +6,29 @@ otherwise the built-in catalogue shipped inside posgen (``catalogue_dir``), so `
 ``generate`` never falls back to the catalogue: with no SPECS and no ./specs it is a
 usage error that names the catalogue's folder.
 
+A spec argument of ``explain`` and ``new --from`` is a file path when it ends in .yaml
+or .yml or holds a path separator (``./rope``), and otherwise a spec name
+(``is_spec_path``), so that a file or folder ``rope`` in the working directory never
+hides the catalogue's ``rope``.
+
 A bad argument (no such file, no spec of that name, an empty directory) is a click usage
 error; what is wrong inside a spec file is the loader's ``SpecError``. Both exit 2.
+
+``check_replaceable`` guards the outputs that are not generated modules (``schema
+--out``, ``plot``'s PNGs): a target is replaced only when it is absent or a regular file
+that posgen recognises as its own, never a link, a folder or anyone else's file.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from pathlib import Path
+import stat
+from collections.abc import Callable, Sequence
+from pathlib import Path, PurePath
 
 from posgen.cli_output import UsageError
 from posgen.codegen.render import catalogue_dir
-from posgen.spec.loader import LoadedSpec, expand_spec_paths, load_spec
+from posgen.codegen.writing import OutputError
+from posgen.spec.loader import SPEC_SUFFIXES, LoadedSpec, expand_spec_paths, load_spec
 
 DEFAULT_SPECS = Path("specs")
 DEFAULT_OUT = Path("generated")
@@ -52,14 +63,20 @@ def spec_files(arguments: Sequence[Path], catalogue: bool = True) -> list[Path]:
     return paths
 
 
+def is_spec_path(argument: str) -> bool:
+    """Whether a spec argument is a file path (it ends in .yaml or .yml, or holds a path
+    separator) rather than a spec name."""
+    path = PurePath(argument)
+    return path.suffix in SPEC_SUFFIXES or path.name != argument
+
+
 def find_spec(name_or_path: str, spec_dir: Path) -> LoadedSpec:
-    """Load a spec given as a file path, or by name from ``spec_dir``.
+    """Load a spec given as a file path (``is_spec_path``), or by name from ``spec_dir``.
 
     The default ``spec_dir`` (``specs``) is ./specs, then the built-in catalogue.
     """
-    path = Path(name_or_path)
-    if path.suffix in (".yaml", ".yml") or path.exists():
-        return load_spec(path)
+    if is_spec_path(name_or_path):
+        return load_spec(Path(name_or_path))
     folders = [spec_folder(spec_dir)]
     if folders[0] == DEFAULT_SPECS:
         folders.append(catalogue_dir())
@@ -69,4 +86,25 @@ def find_spec(name_or_path: str, spec_dir: Path) -> LoadedSpec:
             return load_spec(candidate)
     known = sorted({p.stem for folder in folders for p in folder.glob("*.yaml")})
     shown = " or ".join(f"{folder}/" for folder in folders)
-    raise UsageError(f"no spec named {name_or_path!r} in {shown} (known: {', '.join(known)})")
+    hint = f"; for the file here, write ./{name_or_path}" if Path(name_or_path).exists() else ""
+    raise UsageError(f"no spec named {name_or_path!r} in {shown} (known: {', '.join(known)}){hint}")
+
+
+def check_replaceable(path: Path, ours: Callable[[Path], bool], what: str) -> None:
+    """Raise OutputError unless ``path`` is absent, or a regular file (not a link) that
+    ``ours`` recognises as posgen's; ``what`` says what posgen writes there."""
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return
+    except OSError as error:
+        raise OutputError(f"cannot read {path}: {error.strerror or error}") from None
+    if stat.S_ISLNK(mode):
+        problem = "is a symbolic link (posgen never writes through or replaces a link)"
+    elif not stat.S_ISREG(mode):
+        problem = "is not a regular file"
+    elif not ours(path):
+        problem = f"exists and is not {what}"
+    else:
+        return
+    raise OutputError(f"{path} {problem}; not overwriting it: move it away or choose another --out")

@@ -8,12 +8,15 @@ from pathlib import Path
 from posgen.cli_output import UsageError, say
 from posgen.cli_paths import DEFAULT_OUT
 from posgen.codegen.render import render_standalone
-from posgen.codegen.writing import NotOurs, plan_for, write_file
+from posgen.codegen.writing import NotOurs, compare, plan_for, unified_diff, write_file
 from posgen.spec.loader import LoadedSpec
 
 
-def generate_standalone(loaded: list[LoadedSpec], name: str, out: Path, dry: bool) -> None:
-    """Write (or, dry, compare: exit 0 up to date, 1 not) the module of the spec ``name``.
+def generate_standalone(
+    loaded: list[LoadedSpec], name: str, out: Path, dry: bool, show_diff: bool
+) -> None:
+    """Write (or, dry, compare: exit 0 up to date, 1 not) the module of the spec ``name``;
+    with ``show_diff`` (dry) print the unified diff first, as ``generate --diff`` does.
 
     The runtime is inlined. A file that posgen did not write is never overwritten.
     """
@@ -25,11 +28,21 @@ def generate_standalone(loaded: list[LoadedSpec], name: str, out: Path, dry: boo
         raise UsageError(f"--standalone needs --out FILE.py (a file, not a folder), got {out}")
     source = render_standalone(plan_for(chosen[0]))
     if dry:
-        same = out.is_file() and out.read_bytes() == source.encode("utf-8")
-        say(f"{out}: {'up to date' if same else 'out of date'}.")
-        sys.exit(0 if same else 1)
+        _report_drift(out, source, show_diff)
     try:
         written = write_file(out, source)
     except NotOurs:
         raise UsageError(f"{out} exists and was not written by posgen; not overwriting") from None
     say(f"{out}: {'written' if written else 'up to date'} (standalone {name}).")
+
+
+def _report_drift(out: Path, source: str, show_diff: bool) -> None:
+    """Say whether ``out`` holds ``source`` (with ``show_diff``, the diff too) and exit:
+    0 up to date, 1 not. Raises OutputError when ``out`` is not a file."""
+    tree = {out.name: source}
+    drift = compare(out.parent, tree, prune=False)
+    if show_diff:
+        # labelled a/FOLDER/FILE as generate --diff labels them (FOLDER: ``out``'s, by name)
+        say(unified_diff(out.parent.absolute(), tree, drift), nl=False)
+    say(f"{out}: {'up to date' if drift.clean else 'out of date'}.")
+    sys.exit(0 if drift.clean else 1)

@@ -2,8 +2,10 @@
 
 The blank scaffold is the NoPE baseline with every section written out and a comment on
 each field, so that a new idea starts from a spec that validates; ``--from`` copies an
-existing spec (catalogue or path) under the new name. Either way the text is validated
-before it is written, and posgen never overwrites a file.
+existing spec (catalogue or path) under the new name. NAME is checked first, by the spec
+model's own rule for ``name`` (``check_spec_name``), so that it is never read as YAML or
+as a pattern; then the whole text is validated before it is written, and posgen never
+overwrites a file.
 """
 
 from __future__ import annotations
@@ -14,8 +16,11 @@ import re
 import tempfile
 from pathlib import Path
 
-from posgen.spec.diagnostics import SpecError
+from pydantic import ValidationError
+
+from posgen.spec.diagnostics import SpecError, quoted
 from posgen.spec.loader import load_spec
+from posgen.spec.model import Spec
 
 SCAFFOLD = """\
 # yaml-language-server: $schema=schema.json
@@ -44,7 +49,23 @@ claims: {{relative: true}}
 
 
 class ScaffoldError(ValueError):
-    """A scaffold that cannot be written (the target exists, or the source is unknown)."""
+    """A scaffold that cannot be written (NAME is no spec name, the target exists, or the
+    source is unknown)."""
+
+
+def check_spec_name(name: str) -> None:
+    """Raise ScaffoldError naming ``name`` unless it is a valid spec ``name``.
+
+    The rule is the spec model's own (``Spec.name``: its length, pattern and reserved
+    names), applied to the field alone; a keyword or builtin name, which the model
+    checks across fields, is caught when the whole text is validated.
+    """
+    try:
+        Spec.model_validate({"name": name})
+    except ValidationError as error:
+        problems = [item["msg"] for item in error.errors() if item["loc"] == ("name",)]
+        if problems:
+            raise ScaffoldError(f"invalid NAME {quoted(name)}: {problems[0]}") from None
 
 
 def scaffold_text(name: str, source: Path | None) -> str:
@@ -54,7 +75,8 @@ def scaffold_text(name: str, source: Path | None) -> str:
         return SCAFFOLD.format(name=name, title=title)
     text = source.read_text(encoding="utf-8")
     old = load_spec(source).spec.name
-    renamed, count = re.subn(rf"^name: {re.escape(old)}\b", f"name: {name}", text, flags=re.M)
+    line = f"name: {name}"
+    renamed, count = re.subn(rf"^name: {re.escape(old)}\b", lambda _: line, text, flags=re.M)
     if count != 1:
         raise ScaffoldError(f"{source}: could not find its 'name: {old}' line to rename")
     return renamed

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -98,3 +99,107 @@ def test_paths_with_terminal_controls_are_escaped_in_every_command(tmp_path) -> 
         shown = result.output + (result.stderr if result.stderr_bytes else "")
         assert "\x1b" not in shown and "\x07" not in shown and "\u202e" not in shown, args
         assert "Traceback" not in shown, args
+
+
+# --------------------------------------------------------------------------- others' files
+
+
+def _precious(tmp_path):
+    """A file outside the output folder that a link in it points to."""
+    precious = tmp_path / "precious.txt"
+    precious.write_text("keep me\n")
+    return precious
+
+
+def test_plot_refuses_a_link_or_a_file_it_did_not_write(run, tmp_path) -> None:
+    """Checked before anything is drawn: no matplotlib is needed to refuse."""
+    precious = _precious(tmp_path)
+    plots = tmp_path / "plots"
+    plots.mkdir()
+    (plots / "alibi_scores.png").symlink_to(precious)
+    (plots / "alibi_decay.png").write_text("mine\n")
+    result = run("plot", "specs/alibi.yaml", "--out", str(plots))
+    assert result.exit_code == 2
+    assert "alibi_scores.png is a symbolic link" in result.stderr
+    (plots / "alibi_scores.png").unlink()
+    result = run("plot", "specs/alibi.yaml", "--out", str(plots))
+    assert result.exit_code == 2
+    assert "alibi_decay.png exists and is not a PNG that posgen plot wrote" in result.stderr
+    assert precious.read_text() == "keep me\n"
+    assert sorted(p.name for p in plots.iterdir()) == ["alibi_decay.png"]
+    assert (plots / "alibi_decay.png").read_text() == "mine\n"
+
+
+def test_plot_marks_its_pngs_and_replaces_only_those_atomically(run, tmp_path, monkeypatch) -> None:
+    pytest.importorskip("matplotlib")
+    from posgen.check.plot import is_posgen_png
+    from posgen.codegen import writing
+
+    renamed: list[str] = []
+    real_replace = writing.os.replace
+
+    def record(source, target) -> None:
+        renamed.append(Path(target).name)
+        real_replace(source, target)
+
+    monkeypatch.setattr(writing.os, "replace", record)
+    plots = tmp_path / "plots"
+    args = ("plot", "specs/alibi.yaml", "--out", str(plots), "--span", "8", "--distance", "8")
+    for _ in range(2):  # the second run replaces the PNGs the first wrote
+        result = run(*args)
+        assert result.exit_code == 0, result.output
+    assert renamed == ["alibi_scores.png", "alibi_decay.png"] * 2
+    files = sorted(plots.iterdir())  # no temporary file left behind
+    assert [p.name for p in files] == ["alibi_decay.png", "alibi_scores.png"]
+    assert all(is_posgen_png(p) for p in files)
+    unmarked = files[0].read_bytes().replace(b"posgen plot", b"someone's!!")
+    files[0].write_bytes(unmarked)  # a PNG, but not posgen's
+    result = run(*args)
+    assert result.exit_code == 2 and "not a PNG that posgen plot wrote" in result.stderr
+    assert files[0].read_bytes() == unmarked
+
+
+def test_schema_replaces_only_a_spec_schema(run, tmp_path) -> None:
+    precious = _precious(tmp_path)
+    link = tmp_path / "link.json"
+    link.symlink_to(precious)
+    theirs = tmp_path / "theirs.json"
+    theirs.write_text('{"title": "Theirs"}\n')
+    for target, problem in ((link, "is a symbolic link"), (theirs, "exists and is not")):
+        result = run("schema", "--out", str(target))
+        assert result.exit_code == 2 and problem in result.stderr, result.output
+        assert len(result.stderr.splitlines()) == 1
+    assert precious.read_text() == "keep me\n"
+    assert theirs.read_text() == '{"title": "Theirs"}\n'
+    # an older schema of the spec format (here, one without a field) is posgen's
+    older = json.loads((ROOT / "specs" / "schema.json").read_text())
+    del older["properties"]["values"]
+    ours = tmp_path / "schema.json"
+    ours.write_text(json.dumps(older))
+    assert run("schema", "--out", str(ours)).exit_code == 0
+    assert ours.read_text() == run("schema").stdout
+
+
+def test_schema_help_says_what_it_replaces(run) -> None:
+    shown = " ".join(run("schema", "--help").output.split())
+    assert "replaced as a whole" not in shown
+    assert "replaced only when it already holds a JSON Schema of posgen's spec format" in shown
+
+
+def test_standalone_diff_prints_the_unified_diff(run, tmp_path) -> None:
+    out = tmp_path / "alibi_attention.py"
+    assert run("generate", "--standalone", "alibi", "--out", str(out)).exit_code == 0
+    text = out.read_text()
+    out.write_text(text.replace("import math\n", "import  math\n", 1))
+    result = run("generate", "--standalone", "alibi", "--out", str(out), "--diff")
+    assert result.exit_code == 1
+    lines = result.stdout.splitlines()
+    assert (
+        f"--- a/{tmp_path.name}/{out.name}" in lines
+        and f"+++ b/{tmp_path.name}/{out.name}" in lines
+    )
+    assert "-import  math" in lines and "+import math" in lines
+    assert lines[-1] == f"{out}: out of date."
+    out.write_text(text)
+    clean = run("generate", "--standalone", "alibi", "--out", str(out), "--diff")
+    assert clean.exit_code == 0 and clean.stdout == f"{out}: up to date.\n"

@@ -33,6 +33,26 @@ def test_the_catalogue_is_the_checkouts_specs_folder_here() -> None:
     assert catalogue_dir() == SPECS
 
 
+def test_a_bare_name_is_a_spec_name_even_beside_a_file_of_that_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only an argument ending in .yaml/.yml or holding a path separator is a path."""
+    (tmp_path / "rope").mkdir()
+    (tmp_path / "alibi").write_text("my notes\n")
+    (tmp_path / "my_idea").write_text("name: my_idea\n")
+    monkeypatch.chdir(tmp_path)
+    for name in ("rope", "alibi"):
+        explained = invoke("explain", name)
+        assert explained.exit_code == 0 and "content_content" in explained.stdout, name
+    copied = invoke("new", "my_rope", "--from", "rope", "--out", "my_rope.yaml")
+    assert copied.exit_code == 0, copied.output
+    as_path = invoke("explain", "./rope")  # a path: the folder, which is no spec
+    assert as_path.exit_code == 2 and "not a regular file" in as_path.stderr
+    unknown = invoke("explain", "my_idea")  # a file here, but no spec name: a hint
+    assert unknown.exit_code == 2 and "no spec named 'my_idea'" in unknown.stderr
+    assert "for the file here, write ./my_idea" in unknown.stderr
+
+
 def test_list_explain_and_check_find_the_catalogue_from_any_directory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -94,3 +114,11 @@ def test_check_takes_the_largest_seed(tmp_path: Path, monkeypatch: pytest.Monkey
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["seed"] == 2**32 - 1 and report["ok"] is True
+
+
+@pytest.mark.parametrize("seed", ["999999999999999999999999", str(2**64), str(2**32), "-1"])
+def test_plot_refuses_a_seed_out_of_range(seed: str, tmp_path: Path) -> None:
+    result = invoke("plot", str(SPECS / "alibi.yaml"), "--out", str(tmp_path), "--seed", seed)
+    assert result.exit_code == 2
+    assert "Invalid value for '--seed'" in result.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -68,7 +68,7 @@ def test_settings_the_spec_language_cannot_state_are_named(tmp_path: Path) -> No
     mpt = {"model_type": "mpt", "n_heads": 12, "d_model": 768, "attn_config": {"alibi": True}}
     cases = [
         (scaled, "rope_scaling type 'wobbly'"),
-        (no_factor, "rope_scaling 'llama3' needs 'low_freq_factor'"),
+        (no_factor, "rope_scaling.low_freq_factor: missing; it must be a finite positive"),
         (mpt, "MPT's slopes for 12 heads"),
     ]
     cases.append(({"model_type": "bert"}, "no position settings"))
@@ -78,6 +78,58 @@ def test_settings_the_spec_language_cannot_state_are_named(tmp_path: Path) -> No
         result = CliRunner().invoke(main, ["from-hf", str(path)])
         assert result.exit_code == 2 and message in result.output, result.output
         assert "Traceback" not in result.output
+
+
+LLAMA = {"model_type": "llama", "num_attention_heads": 8, "hidden_size": 64}
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}
+MALFORMED = [
+    ({"model_type": "llama", "num_attention_heads": 8}, "no hidden size (hidden_size)"),
+    ({**LLAMA, "rope_theta": "abc"}, 'rope_theta: must be a finite positive number, got "abc"'),
+    ({**LLAMA, "rope_theta": float("inf")}, "rope_theta: must be a finite positive number"),
+    ({**LLAMA, "rope_scaling": "x"}, "rope_scaling: must be a mapping"),
+    ({**LLAMA, "num_attention_heads": 0}, "num_attention_heads: must be a positive integer"),
+    ({**LLAMA, "num_attention_heads": 8.0}, "num_attention_heads: must be a positive integer"),
+    ({**LLAMA, "head_dim": True}, "head_dim: must be a positive integer (not a boolean), got true"),
+    ({**LLAMA, "partial_rotary_factor": "half"}, "partial_rotary_factor: must be a finite"),
+    ({**LLAMA, "rope_scaling": {"rope_type": 4}}, "rope_scaling.rope_type: must be a string"),
+    ({**LLAMA, "rope_scaling": {"type": "linear"}}, "rope_scaling.factor: missing"),
+    ({**LLAMA, "rope_scaling": {**YARN, "factor": True}}, "rope_scaling.factor: must be a finite"),
+    ({**LLAMA, "rope_scaling": {**YARN, "truncate": "no"}}, "rope_scaling.truncate: must be true"),
+    ({**LLAMA, "rope_scaling": {**YARN, "mscale": -1}}, "rope_scaling.mscale: must be a finite"),
+    (
+        {**LLAMA, "rope_scaling": {"type": "dynamic", "factor": 2.0}},
+        "max_position_embeddings: missing; it must be a positive integer",
+    ),
+    (
+        {**LLAMA, "max_position_embeddings": 4096,
+         "rope_scaling": {"type": "longrope", "short_factor": ["a"], "long_factor": [1]}},
+        "rope_scaling.short_factor: must be a non-empty list of finite numbers",
+    ),
+    ({**LLAMA, "rope_scaling": {"mrope_section": [16, 0]}}, "rope_scaling.mrope_section: must"),
+    ({"relative_attention_num_buckets": "x"}, "relative_attention_num_buckets: must be a positive"),
+    ({"relative_attention_num_buckets": 32, "num_heads": 8, "d_kv": -1}, "d_kv: must be a"),
+    ({"model_type": "mpt", "n_heads": 8, "d_model": 64, "attn_config": "yes"}, "attn_config: must"),
+    (
+        {"model_type": "mpt", "n_heads": 8, "d_model": 64, "attn_config": {"alibi": 1}},
+        "attn_config.alibi: must be true or false, got 1",
+    ),
+    ({"model_type": "bloom", "n_head": True, "hidden_size": 64}, "n_head: must be a positive"),
+    ({"model_type": "bloom", "n_head": 8, "hidden_size": 4}, "hidden_size 4 is smaller than"),
+    ({"model_type": ["llama"]}, "model_type: must be a string"),
+    ({"model_type": "x y"}, "invalid NAME 'x y_positions'"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("index", range(len(MALFORMED)))
+def test_a_malformed_setting_is_named_with_what_it_allows(index: int, tmp_path: Path) -> None:
+    """Exit 2 and one message naming the key, never a traceback or a silent coercion."""
+    config, message = MALFORMED[index]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config), encoding="utf-8")
+    result = CliRunner().invoke(main, ["from-hf", str(path)])
+    assert isinstance(result.exception, SystemExit), repr(result.exception)
+    assert result.exit_code == 2 and message in result.stderr, result.output
+    assert result.stdout == ""
 
 
 SCALINGS = {

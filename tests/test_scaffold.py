@@ -46,9 +46,39 @@ def test_new_refuses_to_overwrite_and_bad_names(runner: CliRunner, tmp_path: Pat
     assert taken.exit_code == 2 and "never overwrites" in taken.output
     assert mine.read_text(encoding="utf-8") == "my own notes\n"
     bad = runner.invoke(main, ["new", "Bad-Name"])
-    assert bad.exit_code == 2 and "specs/Bad-Name.yaml:" in bad.output
+    assert bad.exit_code == 2 and "invalid NAME 'Bad-Name'" in bad.output
     assert not (tmp_path / "specs" / "Bad-Name.yaml").exists()
     unknown = runner.invoke(main, ["new", "x", "--from", "no_such_spec"])
     assert unknown.exit_code == 2 and "no spec named" in unknown.output
     for result in (taken, bad, unknown):
         assert "Traceback" not in result.output
+
+
+BAD_NAMES = {
+    "x\\1": "lower-case ASCII words",  # was a regex error (a group reference)
+    "a: b": "lower-case ASCII words",  # was an invalid-YAML error about the scaffold
+    "../escape": "lower-case ASCII words",  # would have written specs/../escape.yaml
+    "x" * 65: "at most 64 characters",
+    "os": "would shadow it",
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_NAMES))
+def test_a_bad_name_is_named_before_anything_is_read_or_written(
+    runner: CliRunner, tmp_path: Path, name: str
+) -> None:
+    """NAME is checked first, by the spec model's rule for ``name``."""
+    for args in ([], ["--from", "alibi"], ["--from", "alibi", "--out", "x.yaml"]):
+        result = runner.invoke(main, ["new", name, *args])
+        assert isinstance(result.exception, SystemExit), repr(result.exception)
+        assert result.exit_code == 2, result.output
+        assert "invalid NAME" in result.stderr and BAD_NAMES[name] in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_renamed_copy_takes_the_name_literally(tmp_path: Path) -> None:
+    """The name is never a regex replacement template (backslashes stay as written)."""
+    from posgen.scaffold import scaffold_text
+
+    text = scaffold_text("a\\1\\g<0>", SPECS / "alibi.yaml")
+    assert "\nname: a\\1\\g<0>\n" in text

@@ -2,11 +2,17 @@
 
 matplotlib is optional (``pip install 'posgen[plot]'``); ``require_matplotlib`` raises
 ``MissingMatplotlib`` with an installation hint when it is absent.
+
+``render_plots`` returns the PNGs as bytes; the command writes them. Each PNG carries
+posgen's mark, a ``Software`` text chunk reading ``posgen plot`` (``PNG_MARK``), so that
+``posgen plot`` replaces only PNGs it wrote (``is_posgen_png``).
 """
 
 from __future__ import annotations
 
+import io
 import math
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +24,9 @@ from posgen.check.search import Budget
 from posgen.spec.loader import LoadedSpec
 
 HINT = "posgen plot needs matplotlib: pip install 'posgen[plot]' (or 'matplotlib>=3.7')"
+PNG_MARK = {"Software": "posgen plot"}  # a tEXt chunk in every PNG posgen plot writes
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+_MAX_TEXT_CHUNK = 1 << 16  # a longer text chunk before the image data is not posgen's
 
 
 class MissingMatplotlib(RuntimeError):
@@ -53,17 +62,54 @@ def _score_title(probe: Probe) -> str:
     return "position-only score (constant content with q · k = 0)"
 
 
-def plot_spec(
-    loaded: LoadedSpec, out_dir: Path, span: int = 64, decay_span: int = 512, seed: int = 0
-) -> list[Path]:
-    """Write NAME_scores.png and NAME_decay.png into out_dir; return their paths."""
+def plot_files(name: str) -> tuple[str, str]:
+    """The file names ``posgen plot`` writes for the spec ``name``: scores, then decay."""
+    return f"{name}_scores.png", f"{name}_decay.png"
+
+
+def is_posgen_png(path: Path) -> bool:
+    """Whether the file at ``path`` is a PNG that carries posgen's mark (``PNG_MARK``).
+
+    The text chunks before the image data are read; any file that is not such a PNG, or
+    cannot be read, is not posgen's.
+    """
+    keyword, value = next(iter(PNG_MARK.items()))
+    wanted = keyword.encode("latin-1") + b"\0" + value.encode("latin-1")
+    try:
+        with path.open("rb") as stream:
+            if stream.read(len(_PNG_SIGNATURE)) != _PNG_SIGNATURE:
+                return False
+            return wanted in _text_chunks(stream)
+    except OSError:
+        return False
+
+
+def _text_chunks(stream: io.BufferedIOBase) -> list[bytes]:
+    """The data of the tEXt chunks of a PNG ``stream`` (past its signature) that come
+    before its image data."""
+    texts: list[bytes] = []
+    while True:
+        header = stream.read(8)
+        if len(header) < 8:
+            return texts
+        length, kind = struct.unpack(">I4s", header)
+        if kind in (b"IDAT", b"IEND") or length > _MAX_TEXT_CHUNK:
+            return texts
+        data = stream.read(length + 4)[:length]  # the chunk's data, then its CRC
+        if kind == b"tEXt":
+            texts.append(data)
+
+
+def render_plots(
+    loaded: LoadedSpec, span: int = 64, decay_span: int = 512, seed: int = 0
+) -> dict[str, bytes]:
+    """The PNGs of ``plot_files(name)``, file name -> bytes, each with posgen's mark."""
     plt = require_matplotlib()
-    out_dir.mkdir(parents=True, exist_ok=True)
     name = loaded.spec.name
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # small tensors: avoid oversubscription
     try:
-        return _plot(plt, loaded, out_dir, name, span, decay_span, seed)
+        return _plot(plt, loaded, name, span, decay_span, seed)
     except CannotPlot:
         raise
     except Exception as error:  # noqa: BLE001 - any failure of the module: a message
@@ -72,10 +118,18 @@ def plot_spec(
         torch.set_num_threads(threads)
 
 
+def _png(plt: Any, fig: Any) -> bytes:
+    """``fig`` as PNG bytes with posgen's mark; the figure is closed."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110, metadata=PNG_MARK)
+    plt.close(fig)
+    return buffer.getvalue()
+
+
 def _plot(
-    plt: Any, loaded: LoadedSpec, out_dir: Path, name: str, span: int, decay_span: int, seed: int
-) -> list[Path]:
-    """Compute the scores and curves, then draw and save both figures."""
+    plt: Any, loaded: LoadedSpec, name: str, span: int, decay_span: int, seed: int
+) -> dict[str, bytes]:
+    """Compute the scores and curves, then draw both figures as PNGs."""
     with torch.no_grad():
         probe = Probe(loaded, Budget(seed=seed, span=decay_span))
         if probe.route == "input" and probe.input_mode is None:
@@ -118,9 +172,7 @@ def _plot(
         ax.set_ylabel("query position i")
         fig.colorbar(image, ax=ax, shrink=0.8)
     fig.suptitle(f"{name}: {_score_title(probe)}\npositions 0–{span - 1}", fontsize=11)
-    scores_path = out_dir / f"{name}_scores.png"
-    fig.savefig(scores_path, dpi=110)
-    plt.close(fig)
+    scores_png = _png(plt, fig)
 
     # decay curve against distance
     fig, ax = plt.subplots(figsize=(9.5 if len(curves) > 1 else 7.5, 4.5), constrained_layout=True)
@@ -164,7 +216,5 @@ def _plot(
         bbox_to_anchor=(1.01, 1.0),
         borderaxespad=0.0,
     )
-    decay_path = out_dir / f"{name}_decay.png"
-    fig.savefig(decay_path, dpi=110)
-    plt.close(fig)
-    return [scores_path, decay_path]
+    scores_file, decay_file = plot_files(name)
+    return {scores_file: scores_png, decay_file: _png(plt, fig)}
