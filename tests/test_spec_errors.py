@@ -138,3 +138,19 @@ def test_a_symlinked_spec_is_named_by_the_link_not_its_target(
     assert result.exit_code == 0, result.output
     generated = Path(__file__).parent.parent / "generated" / "rope.py"
     assert (tmp_path / "out" / "rope.py").read_bytes() == generated.read_bytes()
+
+
+@pytest.mark.parametrize("invisible", ["\u200b", "\ufeff", "\u00ad", "\u2062", "\U000e0041"])
+def test_free_text_refuses_invisible_characters(tmp_path: Path, invisible: str) -> None:
+    """A title that shows as 'ALiBi bias' but holds an invisible character is refused
+    at the character's column (title: ALiBi| bias), naming what it is."""
+    text = (CATALOGUE / "alibi.yaml").read_text(encoding="utf-8")
+    title = next(line for line in text.splitlines() if line.startswith("title: "))
+    line_number = text.splitlines().index(title) + 1
+    spec = tmp_path / "alibi.yaml"
+    spec.write_text(text.replace(title, f"title: ALiBi{invisible} bias"), encoding="utf-8")
+    result = CliRunner().invoke(main, ["validate", str(spec)])
+    assert result.exit_code == 2, result.output
+    first = result.output.splitlines()[0]
+    assert f":{line_number}:8: title: an invisible character (U+{ord(invisible):04X}) " in first
+    assert "at character 6" in first

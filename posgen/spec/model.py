@@ -16,7 +16,8 @@ string into a number. Forms written as a single-key mapping (``{rotate: ...}``,
 
 Every number is bounded so that a generated module stays finite and its tables fit in
 memory; each field's description says why (``posgen schema`` shows them). Free text is
-one line of printable characters: no control characters, no bidirectional overrides.
+one line of printable characters: no control characters, no bidirectional overrides, no
+invisible characters.
 """
 
 from __future__ import annotations
@@ -164,10 +165,15 @@ def _tagged(*tags: str, what: str, leading: tuple[str, str] | None = None) -> Di
 # --------------------------------------------------------------------------- text fields
 
 # C0 and C1 controls (ESC starts terminal sequences, U+009B is CSI), DEL, line and
-# paragraph separators, and bidirectional marks, embeddings, overrides and isolates.
+# paragraph separators, bidirectional marks, embeddings, overrides and isolates, and
+# invisible characters (soft hyphen, zero-width space, word joiner and invisible
+# operators, byte-order mark, tags) that would make text differ from what it shows.
+# The schema's pattern leaves the invisible ones out (its regex dialect has no \U).
 _NOT_IN_TEXT = r"\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069"
+_INVISIBLE = r"\u00ad\u200b\u2060-\u2064\ufeff\U000e0000-\U000e007f"
+_INVISIBLE_CHARACTER = re.compile(f"[{_INVISIBLE}]")
 TEXT_PATTERN = f"^[^{_NOT_IN_TEXT}]*$"
-_FORBIDDEN_IN_TEXT = re.compile(f"[{_NOT_IN_TEXT}]")
+_FORBIDDEN_IN_TEXT = re.compile(f"[{_NOT_IN_TEXT}{_INVISIBLE}]")
 
 
 def _what_character(ch: str) -> str:
@@ -177,6 +183,8 @@ def _what_character(ch: str) -> str:
         return "a control character"
     if ch in "\u2028\u2029":
         return "a line or paragraph separator"
+    if _INVISIBLE_CHARACTER.fullmatch(ch):
+        return "an invisible character"
     return "a bidirectional control"
 
 
@@ -200,8 +208,8 @@ def plain_text(text: str) -> str:
     raise PydanticCustomError(
         "free_text",
         "{what} (U+{code}) at character {index}: free text is one line of printable "
-        "characters, without control characters (C0, C1, DEL), line separators or "
-        "bidirectional overrides",
+        "characters, without control characters (C0, C1, DEL), line separators, "
+        "bidirectional overrides or invisible characters",
         {"what": _what_character(ch), "code": f"{ord(ch):04X}", "index": found.start() + 1},
     )
 
