@@ -135,7 +135,12 @@ def _report_drift(out_dir: Path, tree: dict[str, str], full: bool, show_diff: bo
 
 
 def _file_error(error: OSError | OutputError, doing: str = "") -> NoReturn:
-    """One line naming the file on stderr, exit 2 (a bad path is a usage problem)."""
+    """One line naming the file on stderr, exit 2 (a bad path is a usage problem).
+
+    A closed stdout (``posgen generate --diff | head``) is no file error: it goes on to
+    click, which exits 1 quietly, as other tools do when their reader stops."""
+    if isinstance(error, BrokenPipeError):
+        raise error
     if isinstance(error, OSError):
         reason = error.strerror or str(error)
         if isinstance(error, (FileExistsError, NotADirectoryError)):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -203,3 +205,18 @@ def test_standalone_diff_prints_the_unified_diff(run, tmp_path) -> None:
     out.write_text(text)
     clean = run("generate", "--standalone", "alibi", "--out", str(out), "--diff")
     assert clean.exit_code == 0 and clean.stdout == f"{out}: up to date.\n"
+
+
+def test_a_reader_that_stops_early_ends_the_diff_quietly(tmp_path: Path) -> None:
+    """``posgen generate --diff | head``: the closed pipe ends the run with exit 1 and
+    nothing on stderr (it printed "Error: Broken pipe" and exited 2)."""
+    command = [sys.executable, "-m", "posgen", "generate", "--diff", "--out", str(tmp_path)]
+    with subprocess.Popen(
+        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    ) as process:
+        assert process.stdout is not None and process.stderr is not None
+        assert process.stdout.readline().startswith(b"--- a/")
+        process.stdout.close()  # the reader stops; the diff is megabytes, past any buffer
+        stderr = process.stderr.read().decode()
+        assert process.wait(timeout=120) == 1
+    assert stderr == ""
