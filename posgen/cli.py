@@ -632,7 +632,10 @@ def plot(spec: Path, out_dir: Path, span: int, distance: int, seed: int) -> None
         posgen plot specs/alibi.yaml --out plots/
         posgen plot my_idea.yaml --span 128
     """
-    loaded = load_specs(spec_files([spec]))[0]
+    files = spec_files([spec])
+    if len(files) != 1:  # a folder: plotting its first spec alone would hide the others
+        raise UsageError(f"plot draws one spec: name one file, not {spec} ({len(files)} specs)")
+    (loaded,) = load_specs(files)
     from posgen.check.plot import (
         CannotPlot,
         MissingMatplotlib,

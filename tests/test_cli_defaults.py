@@ -122,3 +122,11 @@ def test_plot_refuses_a_seed_out_of_range(seed: str, tmp_path: Path) -> None:
     assert result.exit_code == 2
     assert "Invalid value for '--seed'" in result.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_plot_of_a_folder_is_a_usage_error(tmp_path: Path) -> None:
+    """plot draws one spec: a folder of specs is refused (it plotted the first alone)."""
+    result = invoke("plot", str(SPECS), "--out", str(tmp_path / "plots"))
+    assert result.exit_code == 2
+    assert "plot draws one spec" in result.stderr
+    assert not (tmp_path / "plots").exists()
