@@ -24,6 +24,7 @@ from posgen.cli_output import UsageError, say
 from posgen.cli_paths import (
     DEFAULT_OUT,
     DEFAULT_SPECS,
+    GivenPath,
     check_replaceable,
     find_spec,
     spec_files,
@@ -55,11 +56,11 @@ def main() -> None:
 
 
 @main.command()
-@click.argument("specs", nargs=-1, type=click.Path(path_type=Path))
+@click.argument("specs", nargs=-1, type=GivenPath())
 @click.option(
     "--out",
     "out_dir",
-    type=click.Path(path_type=Path),
+    type=GivenPath(),
     default=DEFAULT_OUT,
     show_default=True,
     help="Directory of generated modules.",
@@ -153,7 +154,7 @@ def _file_error(error: OSError | OutputError, doing: str = "") -> NoReturn:
 
 
 @main.command()
-@click.argument("specs", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.argument("specs", nargs=-1, required=True, type=GivenPath())
 @reports_spec_errors
 def validate(specs: tuple[Path, ...]) -> None:
     """Validate SPECS (files or directories) and report every error.
@@ -183,7 +184,7 @@ def validate(specs: tuple[Path, ...]) -> None:
 @click.option(
     "--out",
     "out_file",
-    type=click.Path(path_type=Path),
+    type=GivenPath(),
     default=None,
     help="Where to write it (default: specs/NAME.yaml).",
 )
@@ -219,12 +220,12 @@ def new(name: str, source: str | None, out_file: Path | None) -> None:
 
 
 @main.command(name="from-hf")
-@click.argument("config_file", type=click.Path(path_type=Path))
+@click.argument("config_file", type=GivenPath())
 @click.option("--name", default=None, help="Spec name (default: MODEL_TYPE_positions).")
 @click.option(
     "--out",
     "out_file",
-    type=click.Path(path_type=Path),
+    type=GivenPath(),
     default=None,
     help="Write the spec here (validated; never over a file); default: print it.",
 )
@@ -279,7 +280,7 @@ def _from_hf_name(name: str | None, config: dict[str, object]) -> str:
 @click.option(
     "--specs",
     "spec_dir",
-    type=click.Path(path_type=Path),
+    type=GivenPath(),
     default=DEFAULT_SPECS,
     show_default=True,
     help="Directory of specs.",
@@ -306,7 +307,7 @@ def list_specs(spec_dir: Path, by_model: bool) -> None:
 @click.option(
     "--specs",
     "spec_dir",
-    type=click.Path(path_type=Path),
+    type=GivenPath(),
     default=DEFAULT_SPECS,
     show_default=True,
     help="Directory to look NAME up in.",
@@ -335,7 +336,7 @@ def explain(name_or_spec: str, spec_dir: Path) -> None:
 @click.option(
     "--out",
     "out_file",
-    type=click.Path(path_type=Path),
+    type=GivenPath(),
     default=None,
     help="Write to this file instead of stdout (never over a file posgen did not write).",
 )
@@ -407,7 +408,7 @@ def _property_names() -> tuple[str, ...]:
 
 
 @main.command()
-@click.argument("specs", nargs=-1, type=click.Path(path_type=Path))
+@click.argument("specs", nargs=-1, type=GivenPath())
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document, no tables.")
 @click.option(
     "--seed",
@@ -456,7 +457,7 @@ def _property_names() -> tuple[str, ...]:
 @click.option(
     "--weights",
     "weights_file",
-    type=click.Path(path_type=Path),
+    type=GivenPath(),
     default=None,
     help="A state_dict file (torch.save) to judge one spec's module at, as trained.",
 )
@@ -587,11 +588,11 @@ def _check(
 
 
 @main.command()
-@click.argument("spec", type=click.Path(path_type=Path))
+@click.argument("spec", type=GivenPath())
 @click.option(
     "--out",
     "out_dir",
-    type=click.Path(path_type=Path),
+    type=GivenPath(),
     default=Path("plots"),
     show_default=True,
     help="Directory for the PNG files.",

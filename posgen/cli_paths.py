@@ -24,11 +24,28 @@ from __future__ import annotations
 import stat
 from collections.abc import Callable, Sequence
 from pathlib import Path, PurePath
+from typing import Any
+
+import click
 
 from posgen.cli_output import UsageError
 from posgen.codegen.render import catalogue_dir
 from posgen.codegen.writing import OutputError
 from posgen.spec.loader import SPEC_SUFFIXES, LoadedSpec, expand_spec_paths, load_spec
+
+
+class GivenPath(click.Path):
+    """A path argument or option as a ``Path``; an empty string, which ``Path`` reads as
+    the current folder (so ``--out ''`` would write, and prune, there), is a usage error."""
+
+    def __init__(self) -> None:
+        super().__init__(path_type=Path)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if value == "":
+            self.fail("an empty path; write . for the current folder", param, ctx)
+        return super().convert(value, param, ctx)
+
 
 DEFAULT_SPECS = Path("specs")
 DEFAULT_OUT = Path("generated")

@@ -130,3 +130,24 @@ def test_plot_of_a_folder_is_a_usage_error(tmp_path: Path) -> None:
     assert result.exit_code == 2
     assert "plot draws one spec" in result.stderr
     assert not (tmp_path / "plots").exists()
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        ["generate", "--out", ""],
+        ["generate", "", "--out", "out"],
+        ["validate", ""],
+        ["schema", "--out", ""],
+        ["plot", "", "--out", "out"],
+    ],
+)
+def test_an_empty_path_is_a_usage_error(
+    arguments: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Path('') is the current folder: `--out ''` wrote into (and pruned) the cwd."""
+    monkeypatch.chdir(tmp_path)
+    result = invoke(*arguments)
+    assert result.exit_code == 2
+    assert "an empty path" in result.stderr
+    assert list(tmp_path.iterdir()) == []
