@@ -33,6 +33,7 @@ from pathlib import Path
 from posgen.codegen.plan import ModulePlan, build_plan
 from posgen.codegen.render import (
     GENERATED_MARKER,
+    STANDALONE_MARKER,
     render_module,
     render_registry,
     render_runtime,
@@ -108,6 +109,17 @@ def is_generated(path: Path) -> bool:
         return False
 
 
+def is_standalone(path: Path) -> bool:
+    """Whether a file posgen wrote is a ``--standalone`` module: a file of its own, which
+    a full run into its folder keeps (it is no stale part of the generated tree)."""
+    try:
+        with path.open("r", encoding="utf-8") as handle:
+            header = [handle.readline() for _ in range(3)]
+    except (OSError, UnicodeDecodeError):
+        return False
+    return header[0].startswith(GENERATED_MARKER) and header[2].startswith(STANDALONE_MARKER)
+
+
 def _check_folder(out_dir: Path) -> None:
     """Raise OutputError when ``out_dir`` exists but is not a folder."""
     if out_dir.exists() and not out_dir.is_dir():
@@ -155,7 +167,7 @@ def compare(out_dir: Path, tree: dict[str, str], prune: bool = True) -> Drift:
             drift.changed.append(name)
     if prune and out_dir.is_dir():
         for path in sorted(out_dir.glob("*.py")):
-            if path.name not in tree and is_generated(path):
+            if path.name not in tree and is_generated(path) and not is_standalone(path):
                 drift.extra.append(path.name)
     return drift
 
