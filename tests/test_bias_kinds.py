@@ -320,6 +320,10 @@ BAD_EXPRESSIONS = [
     ('"r1[h] * ' + "i + " * 150 + 'j"', 501, "past the limit of 500"),
     ('"r1[h] * (' + "i + " * 40 + 'j)"', 1, "syntax nodes, past the limit of 64"),
     ('"exp(1) + r1[h]"', 1, "exp() of constants: write the number instead"),
+    # numbers and comments as the rest of a spec spells them: Python would read these
+    ('"r1[h] * 0x10 * i"', 9, "number 0x10: write numbers in plain decimal"),
+    ('"r1[h] * 1_000 * i"', 9, "number 1_000: write numbers in plain decimal"),
+    ('"r1[h] * i # and j"', 11, "'#' would start a comment"),
 ]
 
 

@@ -155,6 +155,23 @@ def _offset(node: ast.AST) -> int:
     return int(getattr(node, "col_offset", 0))
 
 
+_PLAIN_DECIMAL = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
+
+
+def _check_number_spelling(text: str, nodes: list[ast.AST]) -> None:
+    """Number literals in plain decimal, as the spec's YAML numbers: no 0x/0o/0b prefix
+    and no _ separator (Python reads 0x10 and 1_000; the rest of a spec refuses them)."""
+    for node in nodes:
+        if isinstance(node, ast.Constant) and node.end_col_offset is not None:
+            spelled = text[node.col_offset : node.end_col_offset]
+            if not _PLAIN_DECIMAL.fullmatch(spelled):
+                raise ExprError(
+                    f"number {spelled}: write numbers in plain decimal (no 0x, 0o or 0b "
+                    "prefix, no _ separator), as everywhere in a spec",
+                    node.col_offset,
+                )
+
+
 def parse_expr(
     text: str, params: dict[str, ParamInfo], names: tuple[str, ...] = POSITION_NAMES
 ) -> Parsed:
@@ -174,6 +191,8 @@ def parse_expr(
                 f"character U+{ord(char):04X}: an expression is one line of printable ASCII",
                 index,
             )
+        if char == "#":  # Python would drop the rest as a comment
+            raise ExprError("'#' would start a comment: an expression holds none", index)
     if not text.strip():
         raise ExprError("empty expression", 0)
     try:
@@ -190,6 +209,7 @@ def parse_expr(
         )
     checker = _Checker(params, names)
     checker.check(tree.body, 1)
+    _check_number_spelling(text, nodes)
     check_types(tree.body)
     if not checker.varying(tree.body):
         raise ExprError(
