@@ -245,7 +245,7 @@ def from_hf(config_file: Path, name: str | None, out_file: Path | None) -> None:
 
     try:
         config = json.loads(config_file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
         raise UsageError(f"{config_file}: cannot read a JSON config: {error}") from None
     if not isinstance(config, dict):
         raise UsageError(f"{config_file}: a config is a JSON object")
@@ -378,7 +378,7 @@ def _is_spec_schema(path: Path) -> bool:
         with path.open("rb") as stream:
             data = stream.read(_MAX_SCHEMA_BYTES + 1)
         document = json.loads(data) if len(data) <= _MAX_SCHEMA_BYTES else None
-    except (OSError, ValueError):  # unreadable, not UTF-8, not JSON
+    except (OSError, ValueError, RecursionError):  # unreadable, not UTF-8, not JSON, too deep
         return False
     if not isinstance(document, dict) or document.get("title") != _SCHEMA_TITLE:
         return False
@@ -633,10 +633,9 @@ def plot(spec: Path, out_dir: Path, span: int, distance: int, seed: int) -> None
         posgen plot specs/alibi.yaml --out plots/
         posgen plot my_idea.yaml --span 128
     """
-    files = spec_files([spec])
-    if len(files) != 1:  # a folder: plotting its first spec alone would hide the others
-        raise UsageError(f"plot draws one spec: name one file, not {spec} ({len(files)} specs)")
-    (loaded,) = load_specs(files)
+    if spec.is_dir():  # plotting a folder's first spec would hide the rest
+        raise UsageError(f"plot draws one spec: name one file, not the folder {spec}")
+    (loaded,) = load_specs(spec_files([spec]))
     from posgen.check.plot import (
         CannotPlot,
         MissingMatplotlib,
@@ -667,7 +666,11 @@ def _check_plot_targets(
         if out_dir.exists() and not out_dir.is_dir():
             raise OutputError(f"{out_dir} is a file, not a folder: --out needs a folder")
         for file_name in file_names:
-            check_replaceable(out_dir / file_name, ours, "a PNG that posgen plot wrote")
+            check_replaceable(
+                out_dir / file_name,
+                ours,
+                "a PNG with posgen plot's mark (plots made before the mark have none: remove them)",
+            )
     except OutputError as error:
         _file_error(error)
 

@@ -92,6 +92,8 @@ def find_spec(name_or_path: str, spec_dir: Path) -> LoadedSpec:
 
     The default ``spec_dir`` (``specs``) is ./specs, then the built-in catalogue.
     """
+    if not name_or_path:
+        raise UsageError("an empty spec name or path: name a spec (rope) or a file (x.yaml)")
     if is_spec_path(name_or_path):
         return load_spec(Path(name_or_path))
     folders = [spec_folder(spec_dir)]

@@ -126,7 +126,7 @@ def test_plot_refuses_a_link_or_a_file_it_did_not_write(run, tmp_path) -> None:
     (plots / "alibi_scores.png").unlink()
     result = run("plot", "specs/alibi.yaml", "--out", str(plots))
     assert result.exit_code == 2
-    assert "alibi_decay.png exists and is not a PNG that posgen plot wrote" in result.stderr
+    assert "alibi_decay.png exists and is not a PNG with posgen plot's mark" in result.stderr
     assert precious.read_text() == "keep me\n"
     assert sorted(p.name for p in plots.iterdir()) == ["alibi_decay.png"]
     assert (plots / "alibi_decay.png").read_text() == "mine\n"
@@ -157,7 +157,7 @@ def test_plot_marks_its_pngs_and_replaces_only_those_atomically(run, tmp_path, m
     unmarked = files[0].read_bytes().replace(b"posgen plot", b"someone's!!")
     files[0].write_bytes(unmarked)  # a PNG, but not posgen's
     result = run(*args)
-    assert result.exit_code == 2 and "not a PNG that posgen plot wrote" in result.stderr
+    assert result.exit_code == 2 and "not a PNG with posgen plot's mark" in result.stderr
     assert files[0].read_bytes() == unmarked
 
 
@@ -167,7 +167,10 @@ def test_schema_replaces_only_a_spec_schema(run, tmp_path) -> None:
     link.symlink_to(precious)
     theirs = tmp_path / "theirs.json"
     theirs.write_text('{"title": "Theirs"}\n')
-    for target, problem in ((link, "is a symbolic link"), (theirs, "exists and is not")):
+    deep = tmp_path / "deep.json"  # past json's recursion limit: a RecursionError before
+    deep.write_text("[" * 200_000)
+    cases = ((link, "is a symbolic link"), (theirs, "exists and is not"), (deep, "is not"))
+    for target, problem in cases:
         result = run("schema", "--out", str(target))
         assert result.exit_code == 2 and problem in result.stderr, result.output
         assert len(result.stderr.splitlines()) == 1

@@ -125,11 +125,28 @@ def test_plot_refuses_a_seed_out_of_range(seed: str, tmp_path: Path) -> None:
 
 
 def test_plot_of_a_folder_is_a_usage_error(tmp_path: Path) -> None:
-    """plot draws one spec: a folder of specs is refused (it plotted the first alone)."""
-    result = invoke("plot", str(SPECS), "--out", str(tmp_path / "plots"))
-    assert result.exit_code == 2
-    assert "plot draws one spec" in result.stderr
+    """plot draws one spec: a folder is refused, of many specs (it plotted the first
+    alone) or of one."""
+    single = tmp_path / "single"
+    single.mkdir()
+    (single / "alibi.yaml").write_bytes((SPECS / "alibi.yaml").read_bytes())
+    for folder in (SPECS, single):
+        result = invoke("plot", str(folder), "--out", str(tmp_path / "plots"))
+        assert result.exit_code == 2
+        assert f"plot draws one spec: name one file, not the folder {folder}" in result.stderr
     assert not (tmp_path / "plots").exists()
+
+
+@pytest.mark.parametrize("command", [["explain", ""], ["new", "foo", "--from", ""]])
+def test_an_empty_spec_name_is_a_usage_error(
+    command: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """'' named no spec and hinted at a file './' (Path('') exists: the cwd)."""
+    monkeypatch.chdir(tmp_path)
+    result = invoke(*command)
+    assert result.exit_code == 2
+    assert "an empty spec name or path" in result.stderr
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize(

@@ -211,3 +211,14 @@ def test_a_scaled_llama_reproduces_its_logits_through_its_from_hf_spec(
         use_posgen_attention(model, lambda layer: cls())
         got = model(ids).logits
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_config_nested_past_the_json_reader_is_a_usage_error(tmp_path: Path) -> None:
+    """A config nested 200,000 deep: exit 2 naming the file, no RecursionError traceback."""
+    config = tmp_path / "config.json"
+    config.write_text("[" * 200_000)
+    result = CliRunner().invoke(main, ["from-hf", str(config), "--out", str(tmp_path / "x.yaml")])
+    assert result.exit_code == 2, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert "cannot read a JSON config" in result.output
+    assert not (tmp_path / "x.yaml").exists()

@@ -270,6 +270,9 @@ RUFF_CLEAN_EXPRESSIONS = [
 RUFF_CLEAN_SCHEDULES = [
     ("pairs_only", "0.5 ** k"),
     ("schedule", "base ** (-2 * k / d)"),
+    # longer than one line holds: FREQUENCY_EXPR is split into implicit concatenation
+    ("long_schedule", "where(k < 4, base ** (-2 * k / d), 0.5 * base ** (-2 * k / d)) + 0 * k"),
+    ("longer_schedule", f"base ** (-2.{'0' * 50} * k / d) + 0.{'0' * 50} * k"),  # 3 pieces
 ]
 
 

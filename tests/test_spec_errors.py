@@ -118,6 +118,8 @@ def test_a_spec_whose_file_is_not_name_dot_yaml_is_refused_before_generation(
         assert result.exit_code == 2, result.output
         assert result.exception is None or isinstance(result.exception, SystemExit)
         assert ":2:7: name: " in result.output or ":1:7: name: " in result.output
+        if name_field == "alibi":  # the name is right, the suffix is not
+            assert "(expected 'alibi.yaml')" in result.output
         assert not out.exists()
 
 
@@ -154,3 +156,19 @@ def test_free_text_refuses_invisible_characters(tmp_path: Path, invisible: str) 
     first = result.output.splitlines()[0]
     assert f":{line_number}:8: title: an invisible character (U+{ord(invisible):04X}) " in first
     assert "at character 6" in first
+
+
+def test_a_missing_kind_lists_the_kinds_of_the_union_the_mapping_is_in(tmp_path: Path) -> None:
+    """An untied term's bias allows fewer kinds than a bias term's: without its kind, the
+    message lists the untied term's (the kinds of every position_position form, before)."""
+    text = (CATALOGUE / "tupe_r.yaml").read_text(encoding="utf-8")
+    assert text.count("kind: learned_table") == 1
+    lines = [line for line in text.splitlines() if "kind: learned_table" not in line]
+    spec = tmp_path / "tupe_r.yaml"
+    spec.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    result = CliRunner().invoke(main, ["validate", str(spec)])
+    assert result.exit_code == 2
+    assert result.output.splitlines()[0].endswith(
+        "terms.position_position.bias: 'kind' is required; allowed kinds: 'learned_table', "
+        "'linear_slopes'"
+    ), result.output

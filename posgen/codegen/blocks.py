@@ -288,6 +288,9 @@ class ExprFrequencyPlan(FrequencyPlan):
     expression: str  # rendered through ``py`` only
     steps: tuple[str, ...]
     result: str
+    # the expression in pieces of one line each (one piece where it fits a line): a long
+    # one is rendered as implicit concatenation, as ruff leaves it
+    expression_parts: tuple[str, ...]
     uses_d: bool  # the steps read d (only names they read are assigned)
     uses_base: bool
 

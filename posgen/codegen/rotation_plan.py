@@ -30,6 +30,19 @@ from posgen.spec.model import (
     YarnFrequencies,
 )
 
+# ``FREQUENCY_EXPR = "..."`` fits a 100-column line up to this many characters; past
+# it the text goes in pieces of PIECE_CHARS, one indented line each
+ONE_LINE_CHARS = 80
+PIECE_CHARS = 70
+
+
+def line_pieces(expression: str) -> tuple[str, ...]:
+    """The expression whole where it fits one line, else in pieces of ``PIECE_CHARS``
+    (an expression holds no quote or backslash, so a piece never splits an escape)."""
+    if len(expression) <= ONE_LINE_CHARS:
+        return (expression,)
+    return tuple(expression[i : i + PIECE_CHARS] for i in range(0, len(expression), PIECE_CHARS))
+
 
 def rotation_plan(rotation: Rotation) -> RotationPlan:
     """The rotation block of a spec's plan."""
@@ -82,6 +95,7 @@ def frequency_plan(frequencies: Frequencies) -> FrequencyPlan:
         steps, result = render_steps(parsed, FREQUENCY_NAMES)
         return ExprFrequencyPlan(
             expression=frequencies.expr,
+            expression_parts=line_pieces(frequencies.expr),
             steps=steps,
             result=result,
             uses_d="d" in parsed.reads,

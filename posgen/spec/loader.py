@@ -96,18 +96,12 @@ def load_spec(path: Path) -> LoadedSpec:
         raise SpecError(_diagnostics(error, loaded, shown)) from None
     if spec.name != path.stem or path.suffix not in SPEC_SUFFIXES:
         line, col = loaded.position_of(("name",))
-        raise SpecError(
-            [
-                Diagnostic(
-                    shown,
-                    line,
-                    col,
-                    "name",
-                    f"name {spec.name!r} must match the file name {quoted(path.name)}: "
-                    f"the file is NAME.yaml or NAME.yml (expected {quoted(path.stem)})",
-                )
-            ]
+        expected = f"{spec.name}.yaml" if spec.name == path.stem else path.stem
+        message = (
+            f"name {spec.name!r} must match the file name {quoted(path.name)}: a spec file "
+            f"is NAME.yaml or NAME.yml (expected {quoted(expected)})"
         )
+        raise SpecError([Diagnostic(shown, line, col, "name", message)])
     return LoadedSpec(
         spec, path, shown, hashlib.sha256(raw).hexdigest(), loaded.position_of(("name",))
     )
@@ -267,7 +261,8 @@ def _diagnostics(error: ValidationError, loaded: LoadedYaml, shown: str) -> list
             path = key_path
         else:
             line, col = loaded.position_of(path)
-        found.append(Diagnostic(shown, line, col, dotted_path(path), _message(item, path)))
+        message = _message(item, path, loaded.data)
+        found.append(Diagnostic(shown, line, col, dotted_path(path), message))
     # a union reports one error per failed member; keep each position's first
     unique: dict[tuple[int, int, str], Diagnostic] = {}
     for diagnostic in found:
@@ -340,7 +335,8 @@ _MISSING_HINTS: dict[FieldPath, str] = {
 """Messages for required fields whose plain "required field is missing" says too little."""
 
 
-def _message(item: ErrorDetails, path: FieldPath = ()) -> str:
+def _message(item: ErrorDetails, path: FieldPath = (), data: object = None) -> str:
+    """The message of one pydantic error at ``path`` of the spec's parsed YAML ``data``."""
     kind = item["type"]
     context = item.get("ctx") or {}
     given = item.get("input")
@@ -368,7 +364,7 @@ def _message(item: ErrorDetails, path: FieldPath = ()) -> str:
         hint = f" (did you mean {best!r}?)" if best else ""
         return f"unknown kind {quoted(tag)}; allowed: {context.get('expected_tags')}{hint}"
     if kind == "union_tag_not_found":
-        allowed = ", ".join(repr(tag) for tag in kinds_at(path)) or _describe_tags(item)
+        allowed = ", ".join(repr(t) for t in kinds_at(path, data)) or _describe_tags(item)
         return f"'kind' is required; allowed kinds: {allowed}"
     if kind in ("cross_field", "unknown_field", "module_name", "free_text", "expr"):
         return item["msg"]
