@@ -137,34 +137,25 @@ def test_plot_of_a_folder_is_a_usage_error(tmp_path: Path) -> None:
     assert not (tmp_path / "plots").exists()
 
 
-@pytest.mark.parametrize("command", [["explain", ""], ["new", "foo", "--from", ""]])
-def test_an_empty_spec_name_is_a_usage_error(
-    command: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """'' named no spec and hinted at a file './' (Path('') exists: the cwd)."""
-    monkeypatch.chdir(tmp_path)
-    result = invoke(*command)
-    assert result.exit_code == 2
-    assert "an empty spec name or path" in result.stderr
-    assert list(tmp_path.iterdir()) == []
-
-
 @pytest.mark.parametrize(
-    "arguments",
+    ("arguments", "message"),
     [
-        ["generate", "--out", ""],
-        ["generate", "", "--out", "out"],
-        ["validate", ""],
-        ["schema", "--out", ""],
-        ["plot", "", "--out", "out"],
+        (["generate", "--out", ""], "an empty path"),
+        (["generate", "", "--out", "out"], "an empty path"),
+        (["validate", ""], "an empty path"),
+        (["schema", "--out", ""], "an empty path"),
+        (["plot", "", "--out", "out"], "an empty path"),
+        (["explain", ""], "an empty spec name or path"),
+        (["new", "foo", "--from", ""], "an empty spec name or path"),
     ],
 )
-def test_an_empty_path_is_a_usage_error(
-    arguments: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_an_empty_path_or_name_is_a_usage_error(
+    arguments: list[str], message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Path('') is the current folder: `--out ''` wrote into (and pruned) the cwd."""
+    """Path('') is the current folder: `--out ''` wrote into (and pruned) the cwd, and an
+    empty spec name hinted at a file './'."""
     monkeypatch.chdir(tmp_path)
     result = invoke(*arguments)
     assert result.exit_code == 2
-    assert "an empty path" in result.stderr
+    assert message in result.stderr
     assert list(tmp_path.iterdir()) == []
