@@ -294,6 +294,11 @@ class ExprFrequencyPlan(FrequencyPlan):
     uses_d: bool  # the steps read d (only names they read are assigned)
     uses_base: bool
 
+    @property
+    def fits_one_line(self) -> bool:
+        """The expression is one literal on its line (no implicit concatenation)."""
+        return len(self.expression_parts) == 1
+
 
 @dataclass(frozen=True)
 class RotationPlan(Block):
