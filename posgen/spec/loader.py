@@ -28,6 +28,7 @@ from posgen.spec.yaml_source import (
     LoadedYaml,
     YamlError,
     load_yaml,
+    text_position,
 )
 
 __all__ = [
@@ -108,11 +109,10 @@ def load_spec(path: Path) -> LoadedSpec:
 
 
 def _byte_position(raw: bytes, offset: int) -> tuple[int, int]:
-    """1-based (line, column) of byte ``offset``, columns in characters of the line's
-    text before it (decoded leniently: that text is valid UTF-8 up to the offset)."""
-    line_start = raw.rfind(b"\n", 0, offset) + 1
-    before = raw[line_start:offset].decode("utf-8", errors="replace")
-    return raw.count(b"\n", 0, offset) + 1, len(before) + 1
+    """1-based (line, column) of byte ``offset``, the column in characters (the bytes
+    before it, where decoding failed, are valid UTF-8)."""
+    before = raw[:offset].decode("utf-8", errors="replace")
+    return text_position(before, len(before))
 
 
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # opening a FIFO returns at once (POSIX)

@@ -301,6 +301,12 @@ def _reject_forbidden_events(text: str, source_name: str) -> None:
             depth -= 1
 
 
+def text_position(text: str, offset: int) -> Position:
+    """1-based (line, column) of character ``offset`` of ``text``, lines ending at LF."""
+    line_start = text.rfind("\n", 0, offset) + 1
+    return text.count("\n", 0, offset) + 1, offset - line_start + 1
+
+
 # Line breaks to YAML other than LF and CR LF, which posgen's positions count: a lone
 # carriage return, NEL, and the Unicode line and paragraph separators
 _OTHER_LINE_BREAK = re.compile("\r(?!\n)|[\x85\u2028\u2029]")
@@ -312,9 +318,7 @@ def _reject_other_line_breaks(text: str, source_name: str) -> None:
     found = _OTHER_LINE_BREAK.search(text)
     if found is None:
         return
-    before = text[: found.start()]
-    line = before.count("\n") + 1
-    col = found.start() - (before.rfind("\n") + 1) + 1
+    line, col = text_position(text, found.start())
     code = f"U+{ord(found.group()):04X}"
     message = (
         f"invalid YAML: a raw {code}, a line break to YAML; a spec's lines end with LF "
@@ -326,9 +330,7 @@ def _reject_other_line_breaks(text: str, source_name: str) -> None:
 
 def _reader_error(error: yaml.reader.ReaderError, text: str, source_name: str) -> YamlError:
     """A character YAML refuses (a control character), at its line and column."""
-    before = text[: error.position]
-    line = before.count("\n") + 1
-    col = error.position - (before.rfind("\n") + 1) + 1
+    line, col = text_position(text, error.position)
     character = error.character
     shown = chr(character) if isinstance(character, int) else str(character)
     message = (
