@@ -31,7 +31,13 @@ import click
 from posgen.cli_output import UsageError
 from posgen.codegen.render import catalogue_dir
 from posgen.codegen.writing import OutputError
-from posgen.spec.loader import SPEC_SUFFIXES, LoadedSpec, expand_spec_paths, load_spec
+from posgen.spec.loader import (
+    SPEC_SUFFIXES,
+    LoadedSpec,
+    expand_spec_paths,
+    load_spec,
+    specs_in,
+)
 
 
 class GivenPath(click.Path):
@@ -73,7 +79,7 @@ def spec_files(arguments: Sequence[Path], catalogue: bool = True) -> list[Path]:
     paths = expand_spec_paths([spec_folder(path) for path in named] if catalogue else named)
     if not paths:
         shown = ", ".join(str(p) for p in named)
-        raise UsageError(f"no spec files (*.yaml) found in {shown}")
+        raise UsageError(f"no spec files (*.yaml or *.yml) found in {shown}")
     for path in paths:
         if not path.exists():
             raise UsageError(f"no such spec file: {path}")
@@ -100,10 +106,16 @@ def find_spec(name_or_path: str, spec_dir: Path) -> LoadedSpec:
     if folders[0] == DEFAULT_SPECS:
         folders.append(catalogue_dir())
     for folder in folders:
-        candidate = folder / f"{name_or_path}.yaml"
-        if candidate.exists():
-            return load_spec(candidate)
-    known = sorted({p.stem for folder in folders for p in folder.glob("*.yaml")})
+        candidates = [folder / f"{name_or_path}{suffix}" for suffix in SPEC_SUFFIXES]
+        found = [candidate for candidate in candidates if candidate.exists()]
+        if len(found) > 1:
+            raise UsageError(
+                f"spec {name_or_path!r} is ambiguous: both {found[0]} and {found[1]} exist;"
+                " name the file"
+            )
+        if found:
+            return load_spec(found[0])
+    known = sorted({path.stem for folder in folders for path in specs_in(folder)})
     shown = " or ".join(f"{folder}/" for folder in folders)
     hint = f"; for the file here, write ./{name_or_path}" if Path(name_or_path).exists() else ""
     raise UsageError(f"no spec named {name_or_path!r} in {shown} (known: {', '.join(known)}){hint}")

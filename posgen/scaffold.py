@@ -19,7 +19,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from posgen.spec.diagnostics import SpecError, quoted
-from posgen.spec.loader import load_spec
+from posgen.spec.loader import SPEC_SUFFIXES, load_spec
 from posgen.spec.model import Spec
 
 SCAFFOLD = """\
@@ -103,9 +103,15 @@ def write_new_spec(text: str, out: Path) -> Path:
     """Validate ``text`` as the spec file ``out``, then create ``out`` (never over a file).
 
     Raises SpecError (nothing written) when the text does not validate, ScaffoldError
-    when ``out`` exists.
+    when ``out`` exists or its folder holds the same spec name with the other suffix
+    (``foo.yml`` beside a new ``foo.yaml``: two specs of one name).
     """
     validate_text(text, out)
+    for twin in (out.with_suffix(suffix) for suffix in SPEC_SUFFIXES if suffix != out.suffix):
+        if twin.exists():
+            raise ScaffoldError(
+                f"{twin} already holds spec {out.stem!r}: two files of one spec name would collide"
+            )
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
         with out.open("x", encoding="utf-8") as stream:  # exclusive: never overwrites

@@ -80,6 +80,36 @@ def test_a_local_specs_folder_comes_first_and_explain_still_knows_the_catalogue(
     assert unknown.exit_code == 2 and "no spec named 'no_such_encoding'" in unknown.output
 
 
+def test_yml_specs_in_a_folder_are_found_by_folder_and_by_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``NAME.yml`` spec is a spec wherever a ``NAME.yaml`` one is: a folder argument
+    expands to it, a bare name finds it, and a second file of the same name is refused."""
+    specs = tmp_path / "specs"
+    specs.mkdir()
+    shutil.copy(SPECS / "alibi.yaml", specs / "alibi.yml")
+    shutil.copy(SPECS / "t5.yaml", specs / "t5.yaml")
+    monkeypatch.chdir(tmp_path)
+    assert [path.name for path in spec_files(())] == ["alibi.yml", "t5.yaml"]
+    generated = invoke("generate", "--out", "gen")
+    assert generated.exit_code == 0, generated.output
+    assert (tmp_path / "gen" / "alibi.py").is_file() and (tmp_path / "gen" / "t5.py").is_file()
+    explained = invoke("explain", "alibi")
+    assert explained.exit_code == 0 and "ALiBi" in explained.stdout
+    twin = invoke("new", "alibi")  # specs/alibi.yaml would be a second spec 'alibi'
+    assert twin.exit_code == 2 and "specs/alibi.yml already holds spec 'alibi'" in twin.stderr
+    assert not (specs / "alibi.yaml").exists()
+    shutil.copy(SPECS / "alibi.yaml", specs / "alibi.yaml")
+    ambiguous = invoke("explain", "alibi")
+    assert ambiguous.exit_code == 2 and "spec 'alibi' is ambiguous" in ambiguous.stderr
+    both = invoke("validate", "specs")
+    assert both.exit_code == 2 and "duplicate spec name 'alibi'" in both.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    nothing = invoke("validate", str(empty))
+    assert nothing.exit_code == 2 and "no spec files (*.yaml or *.yml)" in nothing.stderr
+
+
 def test_generate_without_a_specs_folder_says_so_and_writes_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

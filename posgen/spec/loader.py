@@ -215,15 +215,23 @@ def _collisions(
     return found
 
 
+def specs_in(folder: Path) -> list[Path]:
+    """The spec files directly in ``folder`` (``*.yaml`` and ``*.yml``), sorted by name."""
+    return sorted(
+        (path for suffix in SPEC_SUFFIXES for path in folder.glob(f"*{suffix}")),
+        key=lambda path: path.name,
+    )
+
+
 def expand_spec_paths(arguments: Sequence[Path]) -> list[Path]:
-    """Spec files named directly, or every ``*.yaml`` in a named directory, sorted.
+    """Spec files named directly, or every spec file in a named directory (``specs_in``).
 
     Each file appears once, where it was first named (``unique_paths``).
     """
     files: list[Path] = []
     for argument in arguments:
         if argument.is_dir():
-            files.extend(sorted(argument.glob("*.yaml")))
+            files.extend(specs_in(argument))
         else:
             files.append(argument)
     return unique_paths(files)
