@@ -7,7 +7,8 @@ head), beside a plain ``clone`` of q and k (the memory-bound floor), Hugging Fac
 also compiles posgen's three modules),
 x-transformers' ``apply_rotary_pos_emb``, rotary-embedding-torch's
 ``RotaryEmbedding(dim).rotate_queries_or_keys`` and, on CUDA, Liger-Kernel's
-``LigerRopeFunction`` (each peer where it is installed). Every candidate is timed
+``LigerRopeFunction`` (each peer where it is installed: ``pip install -e ".[bench]"``
+takes them all). Every candidate is timed
 alternately with the copy and reported as a ratio to it (medians of repeats).
 
 Without ``--backward`` the rotation runs under no_grad. With it, each call is the forward
