@@ -6,10 +6,10 @@ from the runtime's modules), and the registry. ``render_standalone`` inlines the
 runtime into one module instead, its modules in the order of their imports.
 
 The gate parses and compiles every rendered file and allows only imports of torch, the
-standard-library ``contextlib``, ``math``, ``typing`` and ``warnings``, ``__future__``,
-(in a package) the sibling runtime modules and, lazily inside the runtime's optional
-Triton kernels, ``triton``, so a template bug cannot ship a module that fails to import
-or reaches for anything else.
+standard-library ``collections.abc``, ``contextlib``, ``math``, ``typing`` and
+``warnings``, ``__future__``, (in a package) the sibling runtime modules and, lazily
+inside the runtime's optional Triton kernels, ``triton``, so a template bug cannot ship
+a module that fails to import or reaches for anything else.
 """
 
 from __future__ import annotations
