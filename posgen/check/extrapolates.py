@@ -4,8 +4,10 @@ The training length is the smallest ``max_positions`` the spec states, else the 
 where a table ends, if that is earlier); hypothesis draws short query and key blocks at
 positions from there up to ``EXTRAPOLATION_FACTOR`` (16) times it (at most 2^20, but at
 least twice it, so tables of any length the schema allows are probed past their end),
-causal or not, and
-runs forward on the eager and the auto backend in float32. A ValueError is a clear
+causal or not, three ways: the block alone; the block with a few keys spread from
+position 0 before it (keys that span the whole range, as a long context has); and a
+whole sequence from position 0 to past the training length (up to ``LONG_KEYS`` keys).
+Each runs forward on the eager and the auto backend in float32. A ValueError is a clear
 refusal, any other exception an unclear one; both, and any non-finite output, refute the
 claim. An input-level embed that takes no explicit positions is driven with longer
 sequences from position 0 instead, whose last positions lie past the training length.
@@ -23,9 +25,12 @@ from posgen.check.search import FAR, SEEDS, Violation, generator, run_search
 from posgen.check.verdicts import Outcome, failed
 
 EXTRAPOLATION_FACTOR = 16  # extrapolation: positions up to 16x the training length
+LONG_KEYS = 4096  # a whole sequence from 0 is drawn where the training length is below it
+SPREAD_KEYS = 8  # at most this many keys spread before the block
 
-# queries N, keys M, the first key position, causal, the content's seed
-Example = tuple[int, int, int, bool, int]
+# queries N, keys M in a block from the first key position, keys spread before the
+# block (ascending, all below it), causal, the content's seed
+Example = tuple[int, int, int, tuple[int, ...], bool, int]
 
 
 def extrapolates(probe: Probe, claimed: bool | None) -> Outcome:
@@ -41,6 +46,9 @@ def extrapolates(probe: Probe, claimed: bool | None) -> Outcome:
     end = max(min(FAR, EXTRAPOLATION_FACTOR * start), 2 * start)
     default_only = probe.route == "input" and probe.input_mode == "default"
 
+    long_keys = min(end, 4 * start, LONG_KEYS)
+    kinds = ["block", "spread"] + (["from 0"] if long_keys > start else [])
+
     @st.composite
     def examples(draw: st.DrawFn) -> Example:
         n = draw(st.integers(1, 3))
@@ -48,9 +56,17 @@ def extrapolates(probe: Probe, claimed: bool | None) -> Outcome:
         if default_only:  # a longer sequence from 0: its last positions are past start
             m = draw(st.integers(start + 1, min(end, 4 * start)))
             n = min(n, m)
-            return n, m, 0, draw(st.booleans()), draw(SEEDS)
+            return n, m, 0, (), draw(st.booleans()), draw(SEEDS)
+        kind = draw(st.sampled_from(kinds))
+        if kind == "from 0":  # every position from 0 to past the training length
+            m = draw(st.integers(start + 1, long_keys))
+            return min(n, m), m, 0, (), draw(st.booleans()), draw(SEEDS)
         base = draw(st.integers(start, end - m))
-        return n, m, base, draw(st.booleans()), draw(SEEDS)
+        spread: tuple[int, ...] = ()
+        if kind == "spread" and base > 1:  # keys from position 0 up to the block
+            earlier = draw(st.sets(st.integers(1, base - 1), max_size=SPREAD_KEYS - 1))
+            spread = (0, *sorted(earlier))
+        return n, m, base, spread, draw(st.booleans()), draw(SEEDS)
 
     def check(example: Example) -> float:
         return _finite(probe, example, default_only)
@@ -58,11 +74,12 @@ def extrapolates(probe: Probe, claimed: bool | None) -> Outcome:
     search = run_search(check, examples(), probe.budget)
     if search.violation is not None:
         return failed("extrapolates", "claim", claimed, search)
-    where = (
-        f"sequences of {start + 1}-{min(end, 4 * start)} tokens"
-        if default_only
-        else f"positions in [{start}, {end})"
-    )
+    if default_only:
+        where = f"sequences of {start + 1}-{min(end, 4 * start)} tokens"
+    else:
+        where = f"positions in [{start}, {end}), keys spread from 0"
+        if long_keys > start:
+            where += f" and sequences from 0 of up to {long_keys} keys"
     return Outcome(
         "extrapolates",
         "claim",
@@ -95,14 +112,15 @@ def _run(
 
 def _finite(probe: Probe, example: Example, default_only: bool) -> float:
     """0.0 where every output is finite on eager and auto; else a Violation."""
-    n, m, base, causal, example_seed = example
-    k_pos = torch.arange(base, base + m)
-    q_pos = k_pos[m - n :]
+    n, m, base, spread, causal, example_seed = example
+    k_pos = torch.cat((torch.tensor(spread, dtype=torch.int64), torch.arange(base, base + m)))
+    q_pos = k_pos[-n:]
+    m = k_pos.shape[0]
     content = probe.content(generator(example_seed), n, m, dtype=torch.float32)
     where = (
         f"a sequence of {m} tokens (positions 0..{m - 1})"
         if default_only
-        else f"query positions {q_pos.tolist()}, key positions {k_pos.tolist()}"
+        else f"query positions {q_pos.tolist()}, key positions {_positions_text(k_pos)}"
     )
     top = int(k_pos.max())
     for backend in ("eager", "auto"):
@@ -133,3 +151,12 @@ def _finite(probe: Probe, example: Example, default_only: bool) -> float:
                 rank=top,
             )
     return 0.0
+
+
+def _positions_text(positions: Tensor) -> str:
+    """Key positions in evidence text: a contiguous run as a range."""
+    values = positions.tolist()
+    first, last = values[0], values[-1]
+    if len(values) > 8 and values == list(range(first, last + 1)):
+        return f"{first}..{last}"
+    return str(values)

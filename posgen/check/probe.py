@@ -18,7 +18,8 @@ validated ``Spec``:
   module's ``scores`` with constant content (the same q at every query, the same k at
   every key, q · k = 0 so that a kept content term adds nothing).
 
-No read goes past a table (``Probe.limit``: every max_positions, n² for n base rows).
+No read goes past a table (``Probe.limit``: the max_positions of an input or untied
+table, n² for n base rows).
 """
 
 from __future__ import annotations
@@ -102,13 +103,18 @@ class Probe:
         self.head_dim = int(self.pe32.head_dim)
         self.model_dim = int(self.pe32.model_dim) if self.spec.input is not None else None
         self.route = route_of(self.spec)
-        # the training length: the smallest max_positions (extrapolation starts there)
-        lengths: list[int] = stated(self.spec, "max_positions")
-        self.length: int | None = min(lengths) if lengths else None
-        # the positions a table can be read at: every max_positions, and n² for a table
-        # of n base rows (hierarchical decomposition); every read stays below it
-        limits = lengths + [n * n for n in stated(self.spec, "base_positions")]
+        # the positions a table can be read at: the max_positions of an input table or
+        # an untied table (or an ODE's integration horizon), and n² for a table of n base
+        # rows (hierarchical decomposition); every read stays below it. CoPE's
+        # max_positions is no such bound: it clamps counted positions.
+        tables = [self.spec.input, self.spec.untied]
+        read_bounds: list[int] = [v for table in tables for v in stated(table, "max_positions")]
+        limits = read_bounds + [n * n for n in stated(self.spec.input, "base_positions")]
         self.limit: int | None = min(limits) if limits else None
+        # the training length (extrapolation starts there): a table's end, or the range
+        # randomized positions are drawn from in training
+        lengths = read_bounds + stated(self.spec.positions, "max_positions")
+        self.length: int | None = min(lengths) if lengths else None
         self.span = min(budget.span, self.limit) if self.limit else budget.span
         self._token: float | None = None  # the table's constant token, once known
         self._tables: dict[float, Tensor] = {}  # token -> rows 0..n-1 of the table
@@ -130,9 +136,10 @@ class Probe:
 
     def _find_input_mode(self) -> int | None:
         """Set input_mode and input_note by calling embed; the width embed returns."""
-        probe_x = torch.zeros(1, 4, self.input_dim, dtype=F64)
+        count = min(4, self.limit) if self.limit is not None else 4  # never past a table
+        probe_x = torch.zeros(1, count, self.input_dim, dtype=F64)
         try:
-            width = self.embed(self.pe64, probe_x, torch.arange(4)).shape[-1]
+            width = self.embed(self.pe64, probe_x, torch.arange(count)).shape[-1]
             self.input_mode = "explicit"
             return width
         except ValueError:

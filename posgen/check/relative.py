@@ -1,10 +1,13 @@
 """The ``relative`` claim: shifting every position by c leaves the logits unchanged.
 
 hypothesis draws a few query and key positions in the first half of the span, a shift
-c ≥ 1 and a seed for random content (projected q and k, or token embeddings through
-embed on the input route); the float64 logits at the shifted positions must equal the
-unshifted ones within a tolerance that grows with the largest position. The input route
-needs explicit positions (an embed that only takes the default ones makes it n/a).
+c ≥ 1 (up to half the span, or far: past four times every length the spec states,
+``original_max_positions`` of a rope scaling included, at least to 2^16, at most 2^24,
+and never past a table) and a seed for random content (projected q and k, or token
+embeddings through embed on the input route); the float64 logits at the shifted
+positions must equal the unshifted ones within a tolerance that grows with the largest
+position. The input route needs explicit positions (an embed that only takes the
+default ones makes it n/a).
 """
 
 from __future__ import annotations
@@ -12,12 +15,27 @@ from __future__ import annotations
 import torch
 from hypothesis import strategies as st
 
-from posgen.check.probe import Probe, input_unreachable
+from posgen.check.probe import Probe, input_unreachable, stated
 from posgen.check.search import SEEDS, Violation, fmt, generator, run_search
 from posgen.check.verdicts import Outcome, failed
 
 # query positions, key positions, the shift c, the content's seed
 Example = tuple[list[int], list[int], int, int]
+
+FAR_SHIFT = 1 << 16  # far shifts reach at least this far ...
+MAX_SHIFT = 1 << 24  # ... and at most this far (float64 angles stay exact to ~1e-9)
+LENGTH_FIELDS = ("max_positions", "original_max_positions", "max_distance")
+
+
+def far_shift(probe: Probe, near: int) -> int:
+    """The largest shift drawn: past 4 × every length the spec states (a rope scaling's
+    switch at original_max_positions, a clip or bucket range), at least ``FAR_SHIFT``,
+    at most ``MAX_SHIFT``; where a table ends, positions + shift stay below its end."""
+    lengths = [value for name in LENGTH_FIELDS for value in stated(probe.spec, name)]
+    reach = min(max([FAR_SHIFT] + [4 * length for length in lengths]), MAX_SHIFT)
+    if probe.limit is not None:
+        reach = min(reach, probe.limit - near)
+    return max(reach, near)
 
 
 def relative(probe: Probe, claimed: bool | None) -> Outcome:
@@ -26,6 +44,7 @@ def relative(probe: Probe, claimed: bool | None) -> Outcome:
     if unreachable is not None:
         return unreachable
     limit = probe.span // 2
+    reach = far_shift(probe, limit)
 
     @st.composite
     def examples(draw: st.DrawFn) -> Example:
@@ -33,7 +52,7 @@ def relative(probe: Probe, claimed: bool | None) -> Outcome:
         m = draw(st.integers(1, 4))
         q_pos = draw(st.lists(st.integers(0, limit - 1), min_size=n, max_size=n))
         k_pos = draw(st.lists(st.integers(0, limit - 1), min_size=m, max_size=m))
-        shift = draw(st.integers(1, limit))
+        shift = draw(st.one_of(st.integers(1, limit), st.integers(1, reach)))
         return q_pos, k_pos, shift, draw(SEEDS)
 
     def check(example: Example) -> float:
@@ -47,8 +66,8 @@ def relative(probe: Probe, claimed: bool | None) -> Outcome:
         "claim",
         claimed,
         True,
-        f"logits unchanged under {search.examples} random shifts (c ≤ {limit}) of random "
-        f"content, float64",
+        f"logits unchanged under {search.examples} random shifts (c ≤ {limit}, and far "
+        f"ones up to {reach}) of random content, float64",
     )
 
 

@@ -90,38 +90,57 @@ def _unique(probe: Probe) -> tuple[Search, str]:
 
 
 def _table_rows(probe: Probe, span: int) -> _Compared:
-    """Input route: the table rows p_m."""
+    """Input route: the table rows p_m; with a rotation too, p_m and R_m (two positions
+    collide only where both agree: either tells them apart)."""
     table = probe.table(torch.arange(span))
     norms = table.norm(dim=-1)
+    rotation = _rotation_distance(probe) if probe.spec.rotation is not None else None
 
     def check(example: Pair) -> float:
         m, n = example
         distance = float((table[m] - table[n]).norm())
-        if distance <= 1e-12 * max(float(norms[m]), float(norms[n])):  # relative
-            raise Violation(
-                f"positions {m} and {n} get the same input encoding "
-                f"(|p_{m} - p_{n}| = {fmt(distance)})",
-                positions=[m, n],
-                distance=distance,
-                values=[table[m][:4].tolist(), table[n][:4].tolist()],
-            )
-        return distance
+        if distance > 1e-12 * max(float(norms[m]), float(norms[n])):  # relative
+            return distance
+        if rotation is not None:
+            turned, same = rotation(m, n)
+            if not same:
+                return turned
+        rotated = " and the same rotation" if rotation is not None else ""
+        raise Violation(
+            f"positions {m} and {n} get the same input encoding{rotated} "
+            f"(|p_{m} - p_{n}| = {fmt(distance)})",
+            positions=[m, n],
+            distance=distance,
+            values=[table[m][:4].tolist(), table[n][:4].tolist()],
+        )
 
-    return _Compared(check, table, "p_m", span)
+    what = "p_m and R_m" if rotation is not None else "p_m"
+    return _Compared(check, table, what, span)
+
+
+def _rotation_distance(probe: Probe) -> Callable[[int, int], tuple[float, bool]]:
+    """(|R_m - R_n| on the query or key side, whichever is smaller; whether the two
+    rotations are equal within a tolerance that grows with the position)."""
+    tol_base = 64 * EPS64 * probe.head_dim
+
+    def distance(m: int, n: int) -> tuple[float, bool]:
+        gap = min(
+            float((probe.rotation_matrix(m, side) - probe.rotation_matrix(n, side)).norm())
+            for side in (0, 1)  # the query and the key rotation
+        )
+        return gap, gap <= tol_base * (1 + max(m, n))
+
+    return distance
 
 
 def _rotations(probe: Probe, span: int) -> _Compared:
     """Rotation route: R_m on the query and the key side; one rotated vector per m."""
-    tol_base = 64 * EPS64 * probe.head_dim
+    rotation = _rotation_distance(probe)
 
     def check(example: Pair) -> float:
         m, n = example
-        distance = min(
-            float((probe.rotation_matrix(m, side) - probe.rotation_matrix(n, side)).norm())
-            for side in (0, 1)  # the query and the key rotation
-        )
-        tol = tol_base * (1 + max(m, n))
-        if distance <= tol:
+        distance, same = rotation(m, n)
+        if same:
             raise Violation(
                 f"positions {m} and {n} get the same rotation (|R_{m} - R_{n}| = {fmt(distance)})",
                 positions=[m, n],
@@ -168,20 +187,46 @@ def _score_rows_and_columns(probe: Probe, span: int) -> _Compared:
     return _Compared(check, features, "position scores (rows and columns)", span)
 
 
+# The scan checks at most this many candidate pairs (near pairs first, each verified by
+# the route's own check), so a degenerate encoding with millions of near pairs is bounded.
+SCAN_CANDIDATES = 4096
+
+
 def _nearest_pairs(features: Tensor, span: int) -> Callable[[], Iterable[Pair]]:
-    """The scan: the collision closest to position 0, else the closest pair of rows."""
+    """The scan: every near pair of rows, those that look equal first and each group
+    closest to position 0 first, for the route's check to judge; then the closest pair.
+
+    A pair is near where the squared distance of its rows, from their Gram matrix, is
+    within 1e-9 of the larger squared norm: loose, because that difference cancels, so
+    each near pair's distance is then computed directly and the check (with its own,
+    tighter tolerance) decides. Every near pair is offered, not just the first: a near
+    but distinct pair must not hide an equal one farther out.
+    """
 
     def scan() -> Iterable[Pair]:
-        norms = (features * features).sum(-1)
+        norms = (features * features).sum(-1)  # [span]
         gram = norms.unsqueeze(0) + norms.unsqueeze(1) - 2 * features @ features.T
         gram.fill_diagonal_(math.inf)
         scale = torch.maximum(norms.unsqueeze(0), norms.unsqueeze(1))  # relative
-        hit = gram <= 1e-9 * scale
-        if bool(hit.any()):
-            yield closest_pair(hit, 0)
-        else:
+        near = torch.triu(gram <= 1e-9 * scale, diagonal=1)  # [span, span], a < b
+        if not bool(near.any()):
             flat = int(gram.argmin())
             yield (flat // span, flat % span)
+            return
+        later, earlier = near.T.nonzero().unbind(1)  # ordered by b, then a: from 0 out
+        gaps = torch.cat(
+            [
+                (features[b] - features[a]).norm(dim=-1)
+                for a, b in zip(earlier.split(4096), later.split(4096), strict=True)
+            ]
+        )  # [pairs], direct
+        size = torch.maximum(norms[earlier], norms[later]).sqrt()
+        looks_equal = gaps <= 1e-10 * size
+        order = torch.argsort((~looks_equal).to(torch.int8), stable=True)[:SCAN_CANDIDATES]
+        for index in order.tolist():
+            yield int(earlier[index]), int(later[index])
+        closest = int(gaps.argmin())
+        yield int(earlier[closest]), int(later[closest])
 
     return scan
 
@@ -246,8 +291,7 @@ def unique_distances(probe: Probe) -> tuple[Search, str]:
         first = draw(st.integers(0, count - 2))  # (the list starts at distance 0)
         return first, first + draw(st.integers(1, count - 1 - first))
 
-    tol = 1e-12 * float(scale.max())  # relative; for the scan's first pass only
-    search = run_search(check, pairs(), probe.budget, _first_repeat(row, tol))
+    search = run_search(check, pairs(), probe.budget, _first_repeat(row))
     sampled = (
         ""
         if reach <= EXACT_DISTANCES
@@ -259,24 +303,40 @@ def unique_distances(probe: Probe) -> tuple[Search, str]:
     return search, f"position scores of distinct distances in (-{reach}, {reach}){sampled}"
 
 
-def _first_repeat(row: Tensor, tol: float) -> Callable[[], Iterable[Pair]]:
-    """The scan over distances: where sorted scores show a near-repeat, the collision
-    closest to distance 0 (distances walked by |d| until one repeats)."""
+def _first_repeat(row: Tensor) -> Callable[[], Iterable[Pair]]:
+    """The scan over distances (row [heads, D], ordered by |d|): the repeat closest to
+    distance 0, by the check's own rule
+    (every head's scores within 1e-12 of the pair's larger score), or nothing.
+
+    Exhaustive without comparing all pairs: two distances can only repeat where their
+    scores in one head (the most varied) are within the loosest tolerance of each other,
+    so candidates are the pairs inside such windows of the sorted scores.
+    """
 
     def scan() -> Iterable[Pair]:
-        ranked = row[:, row[0].argsort()]
-        hit = False
-        for step in range(1, 9):
-            close = (ranked[:, step:] - ranked[:, :-step]).abs().amax(dim=0) <= tol
-            if bool(close.any()):
-                hit = True
-                break
-        if not hit:
+        scale = row.abs().amax(dim=0)  # [D]
+        loose = 1e-12 * float(scale.max())
+        distinct = [scores.unique().numel() for scores in row.unbind(0)]
+        head = distinct.index(max(distinct))
+        ranked, order = row[head].sort()  # [D]
+        lower = torch.searchsorted(ranked, ranked - loose)  # each window [lower, upper)
+        upper = torch.searchsorted(ranked, ranked + loose, right=True)
+        if bool(((upper - lower) <= 1).all()):
             return
-        for index in range(1, row.shape[1]):
-            gaps = (row[:, :index] - row[:, index : index + 1]).abs().amax(dim=0)
-            if bool((gaps <= tol).any()):
-                yield int((gaps <= tol).nonzero()[0]), index
-                return
+        best: tuple[int, int] | None = None  # (later, earlier) index: by |d| (the order)
+        for start in range(row.shape[1]):
+            width = int(upper[start] - lower[start])
+            if width <= 1:
+                continue
+            a = order[start].expand(width)
+            b = order[int(lower[start]) : int(upper[start])]
+            gap = (row[:, a] - row[:, b]).abs().amax(dim=0)  # [width]
+            repeat = (a != b) & (gap <= 1e-12 * torch.maximum(scale[a], scale[b]))
+            for i, j in zip(a[repeat].tolist(), b[repeat].tolist(), strict=True):
+                key = (max(i, j), min(i, j))
+                if best is None or key < best:
+                    best = key
+        if best is not None:
+            yield best[1], best[0]
 
     return scan

@@ -1,0 +1,173 @@
+"""``posgen check`` finds what a claim hides: collisions behind a near pair, a shift past
+a rope scaling's switch, a long context that xPos refuses, and does not invent limits
+or collisions (CoPE's clamp, a rotation beside an input table, a two-row table)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from click.testing import CliRunner
+
+from posgen.check.probe import Probe
+from posgen.check.search import Budget
+from posgen.cli import main
+from posgen.spec.loader import load_spec
+from tests.conftest import SPECS, generated_class
+
+HEADER = """name: {name}
+title: a spec of tests/test_check_claims.py
+references: ["posgen tests"]
+"""
+
+
+def _write(folder: Path, name: str, body: str) -> Path:
+    path = folder / f"{name}.yaml"
+    path.write_text(HEADER.format(name=name) + body, encoding="utf-8")
+    return path
+
+
+def _verdicts(*args: str) -> dict[str, dict[str, Any]]:
+    """Each property's JSON record of one ``posgen check --json`` run of one spec."""
+    result = CliRunner().invoke(main, ["check", "--json", "--seed", "1", *args])
+    assert result.exit_code in (0, 1), result.output
+    (spec,) = json.loads(result.stdout)["specs"]
+    return {record["property"]: record for record in spec["properties"]}
+
+
+LEARNED = """defaults: {heads: 2, head_dim: 4, model_dim: 8}
+scale: inv_sqrt_head_dim
+input:
+  kind: add
+  table: {kind: learned, max_positions: MAX, init_std: 0.02}
+terms:
+  content_content: keep
+  content_position: absolute
+  position_content: absolute
+  position_position: absolute
+claims: {unique: true}
+"""
+
+
+def test_a_near_pair_does_not_hide_an_equal_pair_of_table_rows(tmp_path: Path) -> None:
+    """Rows 40 and 50 are equal; rows 5 and 6 differ by 1e-6 relative, which the scan
+    flags first as near (closer to position 0) but the check passes: the scan must go
+    on to the equal pair."""
+    spec = _write(tmp_path, "learned_near", LEARNED.replace("MAX", "64"))
+    cls = Probe(load_spec(spec), Budget()).cls
+    state = cls().state_dict()
+    (key,) = [name for name, value in state.items() if value.shape == (64, 8)]
+    table = torch.randn(64, 8, generator=torch.Generator().manual_seed(0))
+    table[50] = table[40]
+    table[6] = table[5] * (1 + 1e-6)
+    torch.save({**state, key: table}, tmp_path / "weights.pt")
+    args = [str(spec), "--only", "unique", "--max-examples", "5"]
+    unique = _verdicts(*args, "--weights", str(tmp_path / "weights.pt"))["unique"]
+    assert unique["verdict"] == "REFUTED: fails", unique
+    assert unique["counterexample"]["positions"] == [40, 50]
+
+
+def test_a_near_distance_does_not_hide_an_equal_one(tmp_path: Path) -> None:
+    """A bias of j - i whose scores at d = -5 and d = 300 are equal (-5e-7), beside one
+    large score (1e6 at d = 200) that made the scan's tolerance loose enough to flag
+    near distances first."""
+    body = """defaults: {heads: 2, head_dim: 8}
+scale: inv_sqrt_head_dim
+terms:
+  content_content: keep
+  content_position: drop
+  position_content: drop
+  position_position:
+    bias:
+      kind: expr
+      expr: "where(j - i == 300, -0.0000005, where(j - i == 200, 1000000.0, (j - i) * 0.0000001))"
+      params: {}
+      placement: after_scale
+claims: {unique: true}
+"""
+    spec = _write(tmp_path, "distance_collision", body)
+    unique = _verdicts(str(spec), "--only", "unique", "--max-examples", "20")["unique"]
+    assert unique["verdict"] == "REFUTED: fails", unique
+    assert sorted(unique["counterexample"]["distances"]) == [-5, 300]
+
+
+def test_a_shift_past_longropes_switch_refutes_a_relative_claim(tmp_path: Path) -> None:
+    """LongRoPE takes long_factor once a call's largest position passes
+    original_max_positions (4096): the logits of a pair shifted past it change."""
+    text = (SPECS / "rope_longrope.yaml").read_text(encoding="utf-8")
+    claimed = text.replace("name: rope_longrope", "name: longrope_relative")
+    claimed = claimed.replace("claims: {relative: false,", "claims: {relative: true,")
+    assert claimed.count("relative: true") == 1
+    spec = tmp_path / "longrope_relative.yaml"
+    spec.write_text(claimed, encoding="utf-8")
+    relative = _verdicts(str(spec), "--only", "relative", "--max-examples", "50")["relative"]
+    assert relative["verdict"] == "REFUTED: fails", relative
+    counterexample = relative["counterexample"]
+    assert max(counterexample["q_positions"] + counterexample["k_positions"]) < 4096
+    top = max(counterexample["q_positions"] + counterexample["k_positions"])
+    assert top + counterexample["shift"] >= 4096
+
+
+def test_xpos_that_refuses_a_long_context_does_not_extrapolate(tmp_path: Path) -> None:
+    """xPos with scale_base 4 raises once the keys span more than about 400 positions:
+    keys spread from position 0 to a far block find it; short far blocks alone did not."""
+    body = """defaults: {heads: 2, head_dim: 16}
+scale: inv_sqrt_head_dim
+terms:
+  content_content:
+    rotate:
+      base: 10000
+      pairing: interleaved
+      position_scale: {kind: xpos, scale_base: 4}
+  content_position: drop
+  position_content: drop
+  position_position: drop
+claims: {extrapolates: true}
+"""
+    spec = _write(tmp_path, "xpos_short_reach", body)
+    verdict = _verdicts(str(spec), "--only", "extrapolates", "--max-examples", "50")
+    extrapolates = verdict["extrapolates"]
+    assert extrapolates["verdict"] == "REFUTED: fails", extrapolates
+    assert "raises ValueError" in extrapolates["evidence"]
+
+
+def test_copes_clamp_is_not_a_table_end() -> None:
+    """CoPE's max_positions clamps counted positions; positions themselves are free."""
+    probe = Probe(load_spec(SPECS / "cope.yaml"), Budget(max_examples=5))
+    assert probe.limit is None and probe.length is None
+    assert probe.span == Budget().span
+    pe = generated_class("cope")()
+    q = torch.randn(1, pe.heads, 2, pe.head_dim)
+    far = torch.tensor([10**6, 10**6 + 1])
+    assert bool(pe(q, q, q, q_positions=far, k_positions=far).isfinite().all())
+
+
+def test_a_rotation_tells_apart_positions_an_input_table_does_not(tmp_path: Path) -> None:
+    """A depthwise-convolution input encodes position only at the edges; RoPE on the
+    logits tells every position apart, so the encoding is unique."""
+    body = """defaults: {heads: 2, head_dim: 8, model_dim: 16}
+scale: inv_sqrt_head_dim
+input:
+  kind: add
+  table: {kind: depthwise_conv, kernel_size: 3, padding: same, bias: true}
+terms:
+  content_content:
+    rotate: {base: 10000, pairing: half}
+  content_position: absolute
+  position_content: absolute
+  position_position: absolute
+claims: {unique: true}
+"""
+    spec = _write(tmp_path, "conv_rope", body)
+    unique = _verdicts(str(spec), "--only", "unique", "--max-examples", "10")["unique"]
+    assert unique["verdict"] == "confirmed: holds", unique
+    assert "p_m and R_m" in unique["evidence"]
+
+
+def test_a_table_of_two_rows_is_checked(tmp_path: Path) -> None:
+    """The input route is found with as many positions as the table has (it probed 4)."""
+    spec = _write(tmp_path, "two_rows", LEARNED.replace("MAX", "2"))
+    unique = _verdicts(str(spec), "--only", "unique", "--max-examples", "5")["unique"]
+    assert unique["verdict"] == "confirmed: holds", unique
