@@ -8,6 +8,7 @@ Spec errors print ``path:line:col: field: message`` lines and never a traceback.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -389,6 +390,19 @@ def _is_spec_schema(path: Path) -> bool:
 # --------------------------------------------------------------------------- check and plot
 
 
+class FiniteFloatRange(click.FloatRange):
+    """A ``click.FloatRange`` that also refuses NaN, which every comparison lets through
+    (a NaN time budget never runs out). Its bounds are finite, so inf is refused too."""
+
+    def convert(
+        self, value: object, param: click.Parameter | None, ctx: click.Context | None
+    ) -> float:
+        number: float = super().convert(value, param, ctx)
+        if math.isnan(number):
+            self.fail(f"{value!r} is not a number; a finite number is needed.", param, ctx)
+        return number
+
+
 def _property_names() -> tuple[str, ...]:
     # Kept in sync with posgen.check.runner.PROPERTIES (a test compares them); listed here so
     # that `--help` does not import torch.
@@ -440,7 +454,7 @@ def _property_names() -> tuple[str, ...]:
 @click.option(
     "--time-budget",
     "seconds",
-    type=click.FloatRange(0.1, 3600),
+    type=FiniteFloatRange(0.1, 3600),
     default=10.0,
     show_default=True,
     help="Seconds per property after which no new examples are drawn (only slow modules reach it).",
@@ -448,7 +462,7 @@ def _property_names() -> tuple[str, ...]:
 @click.option(
     "--spec-time-budget",
     "spec_seconds",
-    type=click.FloatRange(1, 36000),
+    type=FiniteFloatRange(1, 36000),
     default=45.0,
     show_default=True,
     help="Seconds per spec, shared by its "

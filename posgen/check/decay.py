@@ -7,7 +7,9 @@ averaged over log windows of distance, [0, 1), [1, 2), [2, 4), [4, 8), … up to
 (``distance_windows``, ``window_means``); it decays when no window mean rises over the
 previous one, the last is below the first, and at least half of the adjacent windows fall
 strictly. hypothesis draws the head, the query position (up to the table's end) and the
-content's seed. ``posgen plot`` draws the same curve and window means.
+content's seed. ``posgen plot`` draws the same curve and window means. A long curve is
+evaluated a chunk of distances at a time (``distance_chunk``), which bounds its memory
+and lets the runner's hard deadline stop it between chunks.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ import torch
 from hypothesis import strategies as st
 from torch import Tensor
 
-from posgen.check.probe import Probe, input_unreachable
+from posgen.check.probe import Probe, input_unreachable, stated
 from posgen.check.search import SEEDS, Violation, fmt, run_search
-from posgen.check.verdicts import Outcome, failed
+from posgen.check.verdicts import Outcome, failed, jsonable
+from posgen.spec.model import SpecModel
 
 Window = tuple[int, int]
 # the head, the query position, the content's seed
@@ -48,15 +51,51 @@ def decay_curve(
     example_seed: int | None = None,
     span: int | None = None,
 ) -> tuple[str, Tensor]:
-    """(label, curve[r]) for r in [0, span): keys j = i - r before query i."""
+    """(label, curve[r]) for r in [0, span): keys j = i - r before query i.
+
+    The distances go in chunks (``distance_chunk``), one call of the module each, so a
+    long span over many heads never holds an [heads, span, …] tensor at once and the
+    hard deadline's signal lands between calls; a span within one chunk (the default
+    512) is one call, as before. Keys are chunked only where each key's score depends
+    on that key alone (``keys_independent``)."""
     span = span or probe.span
+    chunk = distance_chunk(probe)
+    distances = torch.arange(span)
     if probe.route == "rotation" and probe.spec.bias is None:
-        return "RoFormer bound (1/(d/2)) Σ|S_j|", probe.roformer_bound(torch.arange(span))
+        # each distance's bound is its own row: chunks give the same values
+        bound = [probe.roformer_bound(part) for part in distances.split(chunk)]
+        return "RoFormer bound (1/(d/2)) Σ|S_j|", torch.cat(bound)
     query = span - 1 if query is None else query
-    keys = query - torch.arange(span)
-    scores = probe.position_scores(torch.tensor([query]), keys, example_seed)
+    keys = query - distances
+    parts = keys.split(chunk) if keys_independent(probe) else (keys,)
+    curve = []
+    for part in parts:
+        scores = probe.position_scores(torch.tensor([query]), part, example_seed)
+        curve.append(scores[min(head, scores.shape[0] - 1), 0])  # [len(part)]
     label = "p_i · p_j / √d" if probe.route == "input" else "position-only score"
-    return label, scores[min(head, scores.shape[0] - 1), 0]
+    return label, torch.cat(curve)
+
+
+# One call of the module scores at most this many (head, key, feature) elements of the
+# curve's constant content (2^22: 32 MiB of float64), within [MIN, MAX] keys.
+CHUNK_ELEMENTS = 1 << 22
+MIN_DISTANCE_CHUNK, MAX_DISTANCE_CHUNK = 512, 4096
+
+
+def distance_chunk(probe: Probe) -> int:
+    """How many distances of a decay curve one call of the module evaluates: bounded by
+    the heads × head_dim of the expanded content (``CHUNK_ELEMENTS``), never below 512
+    (so the default span is one call) nor above 4096 (a bias such as FIRE's expands each
+    score through a hidden layer the contract does not expose)."""
+    per_key = max(1, probe.heads * probe.head_dim)
+    return min(MAX_DISTANCE_CHUNK, max(MIN_DISTANCE_CHUNK, CHUNK_ELEMENTS // per_key))
+
+
+def keys_independent(probe: Probe) -> bool:
+    """Whether a key's position-only score depends only on that key (and the query), so
+    the keys can be scored in chunks: every form but a contextual one (CoPE counts gates
+    over the other keys between the key and the query)."""
+    return not stated(probe.spec, "contextual", SpecModel)
 
 
 def decay(probe: Probe, claimed: bool | None) -> Outcome:
@@ -84,14 +123,16 @@ def decay(probe: Probe, claimed: bool | None) -> Outcome:
     search = run_search(check, examples(), probe.budget)
     label, curve = decay_curve(probe)
     means = window_means(curve, windows)
-    shown = {
-        "label": label,
-        "windows": [list(w) for w in windows],
-        "means": means,
-        "head": 0,
-        "query": None if bound_route else span - 1,
-        "values": [float(v) for v in curve],  # the curve at distances 0, 1, ..., span - 1
-    }
+    shown = jsonable(  # non-finite means and values (a log bias at distance 0) as text
+        {
+            "label": label,
+            "windows": [list(w) for w in windows],
+            "means": means,
+            "head": 0,
+            "query": None if bound_route else span - 1,
+            "values": curve.tolist(),  # the curve at distances 0, 1, ..., span - 1
+        }
+    )
     if search.violation is not None:
         outcome = failed("decay", "claim", claimed, search)
         outcome.curve = shown

@@ -7,7 +7,7 @@ import textwrap
 from collections.abc import Sequence
 
 from posgen.check.search import Budget
-from posgen.check.verdicts import Report
+from posgen.check.verdicts import Report, jsonable
 
 
 def _claimed(value: bool | None) -> str:
@@ -71,7 +71,8 @@ def render_summary(reports: Sequence[Report], seconds: float) -> str:
 
 
 def render_json(reports: Sequence[Report], budget: Budget, seconds: float) -> str:
-    """Every report as one JSON document, with the budget the run used."""
+    """Every report as one JSON document, with the budget the run used: standard JSON,
+    a non-finite number written as the string "nan", "inf" or "-inf" (``jsonable``)."""
     document = {
         "ok": all(report.ok for report in reports),
         "seed": budget.seed,
@@ -81,4 +82,6 @@ def render_json(reports: Sequence[Report], budget: Budget, seconds: float) -> st
         "seconds": round(seconds, 3),
         "specs": [report.as_json() for report in reports],
     }
-    return json.dumps(document, indent=2, ensure_ascii=False)
+    # every float through jsonable (non-finite ones as the strings "nan", "inf", "-inf"),
+    # and allow_nan=False so that a bare NaN or Infinity (not JSON) can never be printed
+    return json.dumps(jsonable(document), indent=2, ensure_ascii=False, allow_nan=False)

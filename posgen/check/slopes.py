@@ -7,6 +7,12 @@ hypothesis draws head counts from 1 to 64 (a scan adds the spec's own count, 1, 
 recipe is known (``SLOPE_RECIPES``: ALiBi's geometric slopes, written here from Press et
 al. 2022), equal to it; and bias(i, i ± d) - bias(i, i) must be d times the step at
 distance 1 on each side that is not masked.
+
+Fresh modules are the initialisation. The module the probe judges (``probe.pe64``: with
+``posgen check --weights``, as trained) is measured too; where its slopes differ from the
+initialisation's (trained ``learned`` slopes), they must be positive and linear in
+distance (a trained value follows no recipe), and the evidence shows them, with the
+fresh modules' checks labelled as the initialisation.
 """
 
 from __future__ import annotations
@@ -16,8 +22,9 @@ from collections.abc import Callable
 import torch
 from hypothesis import strategies as st
 
+from posgen.check.contract import Encoding
 from posgen.check.probe import Probe, bias_of, float64_encoding
-from posgen.check.search import Violation, fmt, run_search, short_list
+from posgen.check.search import Search, Violation, fmt, run_search, short_list
 from posgen.check.verdicts import Outcome, failed
 
 DISTANCES = [1, 2, 3, 5, 8, 13, 21, 40]  # distances the linearity is checked at
@@ -93,40 +100,82 @@ def slopes(probe: Probe) -> Outcome:
     search = run_search(check, strategy, probe.budget, lambda: scan)
     if search.violation is not None:
         return failed("slopes", "block", None, search)
-    first = _measured(probe, probe.heads)
+    judged = _slopes_of(probe.pe64)  # the module the probe judges (as trained, if loaded)
+    trained = judged != _measured(probe, probe.heads)
+    if trained:
+        try:
+            _judged_slopes_hold(probe, judged, custom, _expected(bias, probe.heads))
+        except Violation as violation:
+            return failed("slopes", "block", None, Search(violation, "scan", search.examples, 0.0))
     known = _expected(bias, probe.heads) is not None
-    label = (
-        "alibi_geometric (the learned slopes' initialisation)"
-        if recipe_name == "learned"
-        else recipe_name
-    )
+    label = recipe_name
+    if recipe_name == "learned":
+        label = (
+            "alibi_geometric" if trained else "alibi_geometric (the learned slopes' initialisation)"
+        )
     how = (
         f"equal to an independent {label} recipe"
         if known
         else f"no independent implementation of {recipe_name!r}"
     )
     counts = f"{probe.heads} heads" if custom else f"{lowest}-64 heads"
+    linear = f"linear in distance on both sides (distances {short_list(DISTANCES, 9)})"
+    shown = short_list(fmt(s) for s in judged)
+    if trained:
+        return Outcome(
+            "slopes",
+            "block",
+            None,
+            True,
+            f"the module as loaded, {probe.heads} heads: {shown}; positive and {linear}. "
+            f"Its initialisation (fresh modules, {counts}): positive; {how}; linear in distance",
+        )
     return Outcome(
         "slopes",
         "block",
         None,
         True,
-        f"positive; {how} for {counts}; linear in distance on both sides "
-        f"(distances {short_list(DISTANCES, 9)}); {probe.heads} heads: "
-        f"{short_list(fmt(s) for s in first)}",
+        f"positive; {how} for {counts}; {linear}; {probe.heads} heads: {shown}",
     )
 
 
-def _measured(probe: Probe, heads: int) -> list[float]:
+def _judged_slopes_hold(
+    probe: Probe, judged: list[float], custom: bool, expected: list[float] | None
+) -> None:
+    """The judged module's slopes (trained: no recipe applies) are positive on every
+    head the bias reaches (custom values are the spec's own) and linear in distance."""
+    heads = probe.heads
+    _linear_in(probe.pe64, heads, " (the module as loaded)")
+    biased = [h for h in range(heads) if expected is None or expected[h] > 0]
+    if not custom and biased and min(judged[h] for h in biased) <= 0:
+        h = min(biased, key=lambda h: judged[h])
+        raise Violation(
+            f"the module as loaded, {heads} heads: head {h} has slope {fmt(judged[h])} ≤ 0 "
+            f"(slopes {short_list(fmt(s) for s in judged)})",
+            heads=heads,
+            head=h,
+            values=judged,
+        )
+
+
+def _slopes_of(pe: Encoding) -> list[float]:
     """slope_h = bias(i, i) - bias(i, i - 1), read through score_bias."""
-    pe = float64_encoding(probe.cls, heads, probe.head_dim)
     row = bias_of(pe, torch.tensor([5]), torch.tensor([5, 4]))[:, 0]  # [heads, 2]
     return (row[:, 0] - row[:, 1]).tolist()
 
 
+def _measured(probe: Probe, heads: int) -> list[float]:
+    """The slopes of a fresh module of ``heads`` heads (its initialisation)."""
+    return _slopes_of(float64_encoding(probe.cls, heads, probe.head_dim))
+
+
 def _linear(probe: Probe, heads: int) -> None:
+    """A fresh module of ``heads`` heads is linear in distance (``_linear_in``)."""
+    _linear_in(float64_encoding(probe.cls, heads, probe.head_dim), heads)
+
+
+def _linear_in(pe: Encoding, heads: int, which: str = "") -> None:
     """bias(i, i ± d) - bias(i, i) = d (bias(i, i ± 1) - bias(i, i)) on each side."""
-    pe = float64_encoding(probe.cls, heads, probe.head_dim)
     for side, sign in (("before", -1), ("after", 1)):
         keys = torch.tensor([ANCHOR] + [ANCHOR + sign * d for d in DISTANCES])
         row = bias_of(pe, torch.tensor([ANCHOR]), keys)[:, 0]  # [heads, 1 + D]
@@ -139,7 +188,7 @@ def _linear(probe: Probe, heads: int) -> None:
             if error > 1e-9 * (1.0 + float((d * step).abs().max())):
                 h = int((got - d * step).abs().argmax())
                 raise Violation(
-                    f"{heads} heads: head {h}, keys {side} query {ANCHOR}: bias at "
+                    f"{heads} heads{which}: head {h}, keys {side} query {ANCHOR}: bias at "
                     f"distance {d} is {fmt(float(got[h]))}, not {d} × the step at "
                     f"distance 1 ({fmt(float(step[h]))}): not linear in distance",
                     heads=heads,

@@ -97,9 +97,9 @@ class Outcome:
             "verdict": self.verdict,
             "ok": self.ok,
             "evidence": self.evidence,
-            "counterexample": self.counterexample,
+            "counterexample": jsonable(self.counterexample),
             "found_by": self.found_by,
-            "curve": self.curve,
+            "curve": jsonable(self.curve),
             "seconds": round(self.seconds, 3),
         }
 
@@ -154,7 +154,8 @@ def failed(name: str, kind: str, claimed: bool | None, search: Search) -> Outcom
 
 
 def jsonable(value: Any) -> Any:
-    """``value`` with tuples as lists, keys as strings and non-finite floats as text."""
+    """``value`` with tuples as lists, keys as strings and non-finite floats as text
+    ("nan", "inf", "-inf": standard JSON has no NaN or Infinity)."""
     if isinstance(value, dict):
         return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

@@ -4,7 +4,9 @@ A learned table's claims (does it decay? is it unique?) depend on its values, so
 checker can load a state_dict into the module it builds instead of its seeded random
 initialisation. The file is read with ``torch.load(weights_only=True)`` (tensors only,
 no code runs); it holds the module's state_dict, or a mapping with one under
-``state_dict``. Keys and shapes must match the module built with the spec's defaults.
+``state_dict``. Keys and shapes must match the module built with the spec's defaults,
+and every value must be dense, hold data, and be finite, of a dtype the module's tensor
+takes (a real floating dtype for a floating parameter): ``check_fit``.
 """
 
 from __future__ import annotations
@@ -38,8 +40,10 @@ def load_weights(path: Path) -> dict[str, Tensor]:
 
 
 def check_fit(module: nn.Module, weights: Mapping[str, Tensor], path: Path) -> None:
-    """Raise WeightsError unless ``weights`` has exactly ``module``'s keys and shapes."""
-    expected = {key: tuple(value.shape) for key, value in module.state_dict().items()}
+    """Raise WeightsError unless ``weights`` has exactly ``module``'s keys and shapes, and
+    every value is one the module can be judged at (``value_problem``)."""
+    state = module.state_dict()
+    expected = {key: tuple(value.shape) for key, value in state.items()}
     given = {key: tuple(value.shape) for key, value in weights.items()}
     problems = []
     if missing := sorted(set(expected) - set(given)):
@@ -49,5 +53,45 @@ def check_fit(module: nn.Module, weights: Mapping[str, Tensor], path: Path) -> N
     for key in sorted(set(expected) & set(given)):
         if expected[key] != given[key]:
             problems.append(f"{key} is {list(given[key])}, the module's is {list(expected[key])}")
+        elif (problem := value_problem(weights[key], state[key])) is not None:
+            problems.append(f"{key} {problem}")
     if problems:
         raise WeightsError(f"{path} does not fit the module: {'; '.join(problems)}")
+
+
+def value_problem(value: Tensor, like: Tensor) -> str | None:
+    """Why ``value`` cannot stand for the module's tensor ``like``, or None.
+
+    The value must be a dense (strided) tensor holding data (not on the meta device, which
+    has none), of a dtype the module's tensor takes without losing meaning: a real
+    floating dtype for a real floating parameter (``load_state_dict`` would silently drop
+    a complex value's imaginary part and read a bool or integer as a number), complex for
+    a complex one, the same dtype otherwise; and every floating value finite (NaN or inf
+    would make every property fail, or pass, for a reason that is not the encoding's).
+    """
+    if value.layout != torch.strided or value.is_nested:
+        layout = "nested" if value.is_nested else str(value.layout).removeprefix("torch.")
+        return f"is a {layout} tensor; a dense (strided) one is needed"
+    if value.is_meta:
+        return "is on the meta device (it holds no values)"
+    if like.is_complex():
+        if not value.is_complex():
+            return f"has dtype {_dtype_name(value)}; the module's is complex ({_dtype_name(like)})"
+    elif like.is_floating_point():
+        if not value.is_floating_point():
+            return (
+                f"has dtype {_dtype_name(value)}; the module's is {_dtype_name(like)}, "
+                "so a real floating dtype is needed"
+            )
+    elif value.dtype != like.dtype:
+        return f"has dtype {_dtype_name(value)}; the module's is {_dtype_name(like)}"
+    if (value.is_floating_point() or value.is_complex()) and not bool(torch.isfinite(value).all()):
+        bad = int((~torch.isfinite(value)).sum())
+        plural = "s" if bad > 1 else ""
+        return f"has {bad} non-finite value{plural} (NaN or ±inf); finite values are needed"
+    return None
+
+
+def _dtype_name(tensor: Tensor) -> str:
+    """``float32`` for torch.float32."""
+    return str(tensor.dtype).removeprefix("torch.")
