@@ -21,6 +21,7 @@ from torch import Tensor
 
 from ._chunked_flash import (
     cpu_flash_kernel_takes,
+    cpu_flash_serves,
     flash_chunks_backward,
     flash_chunks_forward,
     recomputed_weights,
@@ -97,11 +98,16 @@ def flash_training_serves(q: Tensor, window: int | None) -> bool:
     return cpu_flash_kernel_takes(q) and q.shape[2] > 1 and window is None
 
 
-def clipped_bias_attention_serves(q: Tensor, m: int, clip: int, window: int | None) -> bool:
+def clipped_bias_attention_serves(
+    q: Tensor, v: Tensor, m: int, clip: int, window: int | None
+) -> bool:
     """Whether ``clipped_bias_attention`` runs a training step with a bias clipped at
-    ``clip``: ``flash_training_serves`` and at least ``CLIPPED_BIAS_MIN_KEYS_PER_CLIP``
+    ``clip``: ``flash_training_serves``, values as wide as the queries (the CPU flash
+    kernel's rule, ``cpu_flash_serves``) and at least ``CLIPPED_BIAS_MIN_KEYS_PER_CLIP``
     keys per unit of ``clip``."""
-    return flash_training_serves(q, window) and band_gradient_pays(m, clip)
+    return (
+        flash_training_serves(q, window) and cpu_flash_serves(q, v) and band_gradient_pays(m, clip)
+    )
 
 
 def clipped_distance_vector(clipped: Tensor, n: int, m: int, causal: bool) -> Tensor:

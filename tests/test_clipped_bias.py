@@ -186,6 +186,28 @@ def test_the_catalogue_t5_serves_from_eight_clip_distances_of_keys(monkeypatch) 
     assert route == [(1, 2, min_keys, 8)]
 
 
+@pytest.mark.parametrize("value_dim", [5, 12])
+def test_values_of_another_width_train_off_the_clipped_path(value_dim, monkeypatch) -> None:
+    """The CPU flash kernel needs values as wide as the queries: T5 trained with values
+    of another width (a RuntimeError from SDPA before) takes the chunked path, as eager."""
+    pe = _clipped("t5")(heads=4, head_dim=8).double()
+    route = spy_query_shapes(monkeypatch, pe, "clipped_bias_attention")
+    generator = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 4, 70, 8, generator=generator, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(1, 4, 70, value_dim, generator=generator, dtype=torch.float64)
+    for causal in (False, True):
+        outputs = {}
+        for backend in ("eager", "sdpa", "auto"):
+            pe.zero_grad()
+            out = pe(q, k, v, backend=backend, causal=causal)
+            out.square().sum().backward()
+            grads = [p.grad.clone() for p in pe.parameters()]
+            outputs[backend] = (out.detach(), grads)
+        for backend in ("sdpa", "auto"):
+            torch.testing.assert_close(outputs[backend], outputs["eager"], rtol=1e-9, atol=1e-10)
+    assert route == []
+
+
 def test_the_clipped_path_is_for_training_the_table_in_full_precision(monkeypatch) -> None:
     pe = _clipped("t5")(heads=4, head_dim=8)
     route = spy_query_shapes(monkeypatch, pe, "clipped_bias_attention")

@@ -478,7 +478,7 @@ class SdpaBackend(AttentionTerms):
         clip = self.clipped_distance
         if clip is None or not self._trains_terms():
             return None
-        if not clipped_bias_attention_serves(q, m, clip, window):
+        if not clipped_bias_attention_serves(q, v, m, clip, window):
             return None
         clipped = self._clipped_distance_bias(q.device)  # [H, 2 clip + 1]
         if self.position_bias_inside_scale:
