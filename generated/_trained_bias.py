@@ -21,7 +21,6 @@ from torch import Tensor
 
 from ._chunked_flash import (
     cpu_flash_kernel_takes,
-    cpu_flash_serves,
     flash_chunks_backward,
     flash_chunks_forward,
     recomputed_weights,
@@ -103,10 +102,12 @@ def clipped_bias_attention_serves(
 ) -> bool:
     """Whether ``clipped_bias_attention`` runs a training step with a bias clipped at
     ``clip``: ``flash_training_serves``, values as wide as the queries (the CPU flash
-    kernel's rule, ``cpu_flash_serves``) and at least ``CLIPPED_BIAS_MIN_KEYS_PER_CLIP``
+    kernel's rule; also under compile) and at least ``CLIPPED_BIAS_MIN_KEYS_PER_CLIP``
     keys per unit of ``clip``."""
     return (
-        flash_training_serves(q, window) and cpu_flash_serves(q, v) and band_gradient_pays(m, clip)
+        flash_training_serves(q, window)
+        and v.shape[-1] == q.shape[-1]
+        and band_gradient_pays(m, clip)
     )
 
 
