@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -23,6 +24,7 @@ import pytest
 import torch
 from click.testing import CliRunner, Result
 from pydantic import BaseModel
+from pydantic_core import PydanticCustomError
 
 from posgen.cli import main
 from posgen.spec import model as spec_model
@@ -552,6 +554,26 @@ def test_control_and_bidi_characters_in_free_text_are_refused(
     assert diagnostic.field == {"title": "title"}.get(field, f"{field}[0]")
     assert (diagnostic.line, diagnostic.col) == position(text, value)
     assert diagnostic.message.startswith(f"{what} at character 5: free text is one line")
+
+
+def test_the_schema_pattern_refuses_what_the_loader_refuses_below_u_ffff() -> None:
+    """Every character of the Basic Multilingual Plane: the schema's text pattern (read
+    with Python's re, whose syntax for it matches ECMA-262's) refuses exactly those the
+    loader refuses; past U+FFFF only the tags differ (the pattern cannot name them)."""
+    pattern = re.compile(spec_model.TEXT_PATTERN)
+    refused_by_loader, refused_by_pattern = [], []
+    for code in range(0x10000):
+        if 0xD800 <= code <= 0xDFFF:
+            continue  # surrogates: no character of their own
+        text = f"a{chr(code)}b"
+        try:
+            spec_model.plain_text(text)
+        except PydanticCustomError:
+            refused_by_loader.append(code)
+        if pattern.fullmatch(text) is None:
+            refused_by_pattern.append(code)
+    assert refused_by_pattern == refused_by_loader
+    assert 0xFEFF in refused_by_pattern and 0x00AD in refused_by_pattern
 
 
 def test_a_raw_control_character_is_one_located_line(

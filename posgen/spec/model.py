@@ -168,11 +168,13 @@ def _tagged(*tags: str, what: str, leading: tuple[str, str] | None = None) -> Di
 # paragraph separators, bidirectional marks, embeddings, overrides and isolates, and
 # invisible characters (soft hyphen, zero-width space, word joiner and invisible
 # operators, byte-order mark, tags) that would make text differ from what it shows.
-# The schema's pattern leaves the invisible ones out (its regex dialect has no \U).
+# The schema's pattern refuses all but the tags (U+E0000 ..): its regex dialect
+# (ECMA-262) names no character past U+FFFF, and Python's sees no surrogate pairs.
 _NOT_IN_TEXT = r"\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069"
-_INVISIBLE = r"\u00ad\u200b\u2060-\u2064\ufeff\U000e0000-\U000e007f"
+_INVISIBLE_IN_BMP = r"\u00ad\u200b\u2060-\u2064\ufeff"
+_INVISIBLE = _INVISIBLE_IN_BMP + r"\U000e0000-\U000e007f"
 _INVISIBLE_CHARACTER = re.compile(f"[{_INVISIBLE}]")
-TEXT_PATTERN = f"^[^{_NOT_IN_TEXT}]*$"
+TEXT_PATTERN = f"^[^{_NOT_IN_TEXT}{_INVISIBLE_IN_BMP}]*$"
 _FORBIDDEN_IN_TEXT = re.compile(f"[{_NOT_IN_TEXT}{_INVISIBLE}]")
 
 
