@@ -289,6 +289,30 @@ def parameter_states(module: torch.nn.Module) -> tuple[tuple[int, int, int], ...
     return tuple((id(p), p.data_ptr(), p._version) for p in module.parameters())
 
 
+def parameter_snapshot(module: torch.nn.Module) -> tuple[Tensor, ...]:
+    """Detached copies of module's parameters, kept beside a value cached from them so
+    that ``parameters_unchanged`` can tell later whether the value still holds."""
+    return tuple(p.detach().clone() for p in module.parameters())
+
+
+def parameters_unchanged(module: torch.nn.Module, snapshot: tuple[Tensor, ...]) -> bool:
+    """Whether module's parameters hold the values of ``snapshot``, element for element.
+
+    ``parameter_states`` misses an in-place edit through ``p.data`` (an EMA update,
+    Hugging Face's ``_init_weights``): ``.data`` is a tensor with a version counter of its
+    own. Comparing the values sees every edit, at the cost of one read of each parameter
+    and a host sync (eager mode only; the caches are bypassed under torch.compile).
+    """
+    parameters = tuple(module.parameters())
+    return len(parameters) == len(snapshot) and all(
+        p.shape == kept.shape
+        and p.dtype == kept.dtype
+        and p.device == kept.device
+        and torch.equal(p.detach(), kept)
+        for p, kept in zip(parameters, snapshot, strict=True)
+    )
+
+
 def cache_put(cache: dict[tuple[Any, ...], Any], key: tuple[Any, ...], value: Any) -> Any:
     """Store value as the most recent entry, keeping the CACHE_SIZE most recent ones."""
     if torch.compiler.is_compiling():

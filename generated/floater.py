@@ -36,7 +36,15 @@ import torch
 from torch import Tensor, nn
 
 from ._attention import PositionalAttention
-from ._inputs import cache_get, cache_put, check_positions, parameter_states, positive_int
+from ._inputs import (
+    cache_get,
+    cache_put,
+    check_positions,
+    parameter_snapshot,
+    parameter_states,
+    parameters_unchanged,
+    positive_int,
+)
 from ._numerics import compute_dtype
 
 __all__ = ["Floater"]
@@ -185,13 +193,18 @@ class Floater(PositionalAttention):
     def _cached_trajectory(self, count: int, dtype: torch.dtype) -> Tensor:
         """trajectory(count, dtype) without autograd, reusing and extending a cached one.
 
-        Keyed on dtype, device and ``parameter_states``, so an in-place update (an
-        optimizer step, load_state_dict) or a new ``.data`` starts a new trajectory; a
-        decode step one position further integrates one more position, not all of them.
+        Keyed on dtype, device and ``parameter_states`` (an optimizer step,
+        load_state_dict or a new ``.data`` starts a new trajectory), and kept beside a copy
+        of the parameters that each reuse compares with (``parameters_unchanged``: an edit
+        through ``p.data`` starts afresh too); a decode step one position further
+        integrates one more position, not all of them.
         """
         device = next(self.parameters()).device
         key = ("trajectory", dtype, str(device), parameter_states(self))
-        states = cache_get(self._cache, key)
+        cached = cache_get(self._cache, key)
+        if cached is not None and not parameters_unchanged(self, cached[1]):
+            cached = None  # edited through .data since: integrate afresh
+        states = None if cached is None else cached[0]
         if states is None or states.shape[0] < count:
             if self.max_positions is not None and count > self.max_positions:
                 self.trajectory(count, dtype)  # raises the horizon ValueError
@@ -201,5 +214,5 @@ class Floater(PositionalAttention):
             states = self._integrate(states, count, weights)
             for stale in [other for other in self._cache if other[:3] == key[:3]]:
                 del self._cache[stale]  # older parameter versions are never read again
-            cache_put(self._cache, key, states)
+            cache_put(self._cache, key, (states, parameter_snapshot(self)))
         return states[:count]

@@ -163,7 +163,9 @@ class RopeAxial2d(PositionalAttention):
             q_cos, q_sin = self._cos_sin(q_positions, m - n, n, q.device, dtype, None)
         return self._apply_rotation(q, q_cos, q_sin), self._apply_rotation(k, k_cos, k_sin)
 
-    def _rotate_queries(self, q: Tensor, q_positions: Tensor | None, m: int) -> Tensor:
+    def _rotate_queries(
+        self, q: Tensor, q_positions: Tensor | None, k_positions: Tensor | None, m: int
+    ) -> Tensor:
         """q alone (keys already rotated): default positions are the last N of M."""
         n = q.shape[2]
         dtype = compute_dtype(q)

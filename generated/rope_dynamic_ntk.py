@@ -162,10 +162,17 @@ class RopeDynamicNtk(PositionalAttention):
             q_cos, q_sin = self._cos_sin(q_positions, m - n, n, q.device, dtype, length)
         return self._apply_rotation(q, q_cos, q_sin), self._apply_rotation(k, k_cos, k_sin)
 
-    def _rotate_queries(self, q: Tensor, q_positions: Tensor | None, m: int) -> Tensor:
-        """q alone (keys already rotated): default positions are the last N of M."""
+    def _rotate_queries(
+        self, q: Tensor, q_positions: Tensor | None, k_positions: Tensor | None, m: int
+    ) -> Tensor:
+        """q alone (keys already rotated): default positions are the last N of M.
+
+        The call's length, which picks the frequencies, counts the keys' positions too, as
+        ``_rotate`` does: keys rotated by ``rotate_keys`` over the same positions then
+        agree with a call that rotates both.
+        """
         n = q.shape[2]
-        length = _call_length((q_positions,), m, q.device)
+        length = _call_length((q_positions, k_positions), m, q.device)
         dtype = compute_dtype(q)
         q_cos, q_sin = self._cos_sin(q_positions, m - n, n, q.device, dtype, length)
         return self._apply_rotation(q, q_cos, q_sin)

@@ -221,7 +221,9 @@ class RopeXpos(PositionalAttention):
         scale = _xpos_scale(positions, reference, self.rotary_dim, dtype)
         return scale.unsqueeze(1) if positions.dim() == 2 else scale  # broadcast over heads
 
-    def _rotate_queries(self, q: Tensor, q_positions: Tensor | None, m: int) -> Tensor:
+    def _rotate_queries(
+        self, q: Tensor, q_positions: Tensor | None, k_positions: Tensor | None, m: int
+    ) -> Tensor:
         """q alone (keys already rotated): default positions are the last N of M."""
         n = q.shape[2]
         dtype = compute_dtype(q)

@@ -54,3 +54,29 @@ def test_rotate_keys_is_the_key_half_of_rotate() -> None:
     assert generated_class("alibi")(heads=2, head_dim=8).rotate_keys(k) is k
     with pytest.raises(ValueError, match="positions must have shape"):
         pe.rotate_keys(k, torch.arange(4))
+
+
+@pytest.mark.parametrize(
+    ("name", "start"),
+    [("rope_dynamic_ntk", 3000), ("rope_longrope", 4090)],
+)
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+def test_length_scheduled_keys_rotated_once_agree_with_rotating_both(
+    name: str, start: int, backend: str
+) -> None:
+    """A schedule that picks frequencies by the call's length: keys rotated once at
+    positions past the switch (dynamic NTK past 2048, LongRoPE's long factors past
+    4096), read by queries that are not the newest keys, agree with the call that
+    rotates both; the queries' length counts the keys' positions too (from the queries
+    alone: off by 0.22 for dynamic NTK and 2.4 for LongRoPE)."""
+    d = head_dim_for(name, 16)
+    pe = generated_class(name)(heads=4, head_dim=d).double()
+    generator = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 4, 2, d, generator=generator, dtype=torch.float64) * 3
+    k, v = (torch.randn(1, 2, 8, d, generator=generator, dtype=torch.float64) * 3 for _ in "kv")
+    keys = torch.arange(start, start + 8)
+    queries = keys[1:3]  # before the newest keys: their own length is below the switch
+    positions = {"q_positions": queries, "k_positions": keys}
+    both = pe(q, k, v, backend=backend, **positions)
+    once = pe(q, pe.rotate_keys(k, keys), v, backend=backend, keys_rotated=True, **positions)
+    torch.testing.assert_close(once, both, rtol=1e-10, atol=1e-10)

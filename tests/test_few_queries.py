@@ -175,7 +175,7 @@ def test_kept_distances_grow_on_both_sides() -> None:
         torch.testing.assert_close(got, fresh(q, k, v, backend="eager"), rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("update", ["in_place", "load_state_dict", "data"])
+@pytest.mark.parametrize("update", ["in_place", "load_state_dict", "data", "edit_through_data"])
 @pytest.mark.parametrize("name", ["deberta", "transformer_xl"])
 def test_an_update_of_the_parameters_is_seen(name: str, update: str) -> None:
     pe = make(name)
@@ -189,6 +189,9 @@ def test_an_update_of_the_parameters_is_seen(name: str, update: str) -> None:
         elif update == "data":  # a new tensor: the version counter stays as it was
             for parameter in pe.parameters():
                 parameter.data = parameter.data * 1.5
+        elif update == "edit_through_data":  # an EMA-style edit: .data counts no version
+            for parameter in pe.parameters():
+                parameter.data.mul_(1.5)
         else:
             pe.load_state_dict(changed)
         after = pe(q, k, v, backend="sdpa")

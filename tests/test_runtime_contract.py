@@ -382,6 +382,22 @@ def test_floater_decode_step_integrates_one_position_without_autograd() -> None:
     assert pe.dynamics_out.bias.grad is not None
 
 
+def test_floater_sees_an_edit_through_data() -> None:
+    """An EMA-style edit through ``.data`` leaves every version counter as it was: the
+    kept trajectory must still not serve the edited parameters."""
+    pe = make("floater", model_dim=8)
+    x = torch.randn(1, 5, 8)
+    with torch.no_grad():
+        before = pe.embed(x)  # a trajectory kept
+        for parameter in pe.parameters():
+            parameter.data.mul_(0.5)
+        after = pe.embed(x)
+    fresh = make("floater", model_dim=8)
+    fresh.load_state_dict(pe.state_dict())
+    torch.testing.assert_close(after, fresh.embed(x).detach(), rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(before, after)
+
+
 def test_floater_cache_stays_bounded() -> None:
     pe = make("floater", model_dim=8)
     limit = importlib.import_module("generated._inputs").CACHE_SIZE

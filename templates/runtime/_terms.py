@@ -24,7 +24,9 @@ from ._inputs import (
     check_axis_positions,
     check_position_pair,
     check_positions,
+    parameter_snapshot,
     parameter_states,
+    parameters_unchanged,
     positive_int,
     repeat_kv,
     to_bhnd,
@@ -231,6 +233,14 @@ class AttentionTerms(nn.Module):
         result to the cache and call ``forward(q, cache, v, keys_rotated=True, ...)``:
         each decode step then rotates only its new keys and its queries. Without a
         rotary part this returns k itself.
+
+        A schedule that depends on the call's length (dynamic NTK, LongRoPE) rotates
+        these keys at the length their positions reach, and the queries of a later
+        ``keys_rotated=True`` call at the length that call's q and k positions reach.
+        Keys rotated in one call and read at the same positions agree with rotating both
+        in the forward; keys cached before the length crossed the schedule's switch keep
+        the frequencies they were rotated with, as in Hugging Face's key caches. Pass
+        unrotated keys with ``keys_rotated=False`` to rotate every key at the new length.
         """
         (k,) = to_bhnd(layout, k)
         check_attention_inputs(k, k, None, None, self.head_dim)
@@ -285,7 +295,7 @@ class AttentionTerms(nn.Module):
                 raise ValueError(f"{n} queries but {m} keys: N > M needs explicit q_positions")
             q_axes = k_axes[..., m - n :]  # the queries are the newest keys
         if rotated == "keys":
-            q = self._rotate_queries(q, q_axes, m)
+            q = self._rotate_queries(q, q_axes, k_axes, m)
         else:
             q, k = self._rotate(q, k, q_axes, k_axes)
         return q, k, None, None, "both"
@@ -297,7 +307,9 @@ class AttentionTerms(nn.Module):
         """
         return None
 
-    def _rotate_queries(self, q: Tensor, q_positions: Tensor | None, m: int) -> Tensor:
+    def _rotate_queries(
+        self, q: Tensor, q_positions: Tensor | None, k_positions: Tensor | None, m: int
+    ) -> Tensor:
         return q
 
     def _rotate_keys(self, k: Tensor, k_positions: Tensor | None) -> Tensor:
@@ -316,7 +328,7 @@ class AttentionTerms(nn.Module):
         if not self.has_rotation or rotated == "both":
             return q, k
         if rotated == "keys":
-            return self._rotate_queries(q, q_positions, k.shape[2]), k
+            return self._rotate_queries(q, q_positions, k_positions, k.shape[2]), k
         return self._rotate(q, k, q_positions, k_positions)
 
     def score_bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor | None:
@@ -422,9 +434,11 @@ class AttentionTerms(nn.Module):
         projected once), or None: rows are distances, and the kept block of distances
         grows by doubling to cover each call's (not kept where the distances are sparse,
         as explicit positions far apart give; a range far from the kept block replaces
-        it, so the gap between them is never projected). Keyed on ``parameter_states``,
-        so an in-place update (an optimizer step, load_state_dict) or a new ``.data``
-        projects afresh. Eager mode only: under torch.compile, with gradients, or with
+        it, so the gap between them is never projected). Keyed on ``parameter_states``
+        (an optimizer step, load_state_dict or a new ``.data`` projects afresh) and
+        kept beside a copy of the parameters that each reuse compares with
+        (``parameters_unchanged``: an edit through ``p.data`` projects afresh too).
+        Eager mode only: under torch.compile, with gradients, or with
         ``KEEP_RELATIVE_ROWS`` off, the rows are projected every call. Rows in ascending
         order come back as a view of the kept block: read them, never write into them.
         """
@@ -442,8 +456,10 @@ class AttentionTerms(nn.Module):
         versions = parameter_states(self)
         prefix = ("relative_rows", projection, dtype, str(device))
         cached = cache_get(self._cache, (*prefix, versions))
+        if cached is not None and not parameters_unchanged(self, cached[2]):
+            cached = None  # edited through .data since: project afresh
         if cached is not None:
-            start, block = cached
+            start, block, _ = cached
             stop = start + block.shape[0]
             if start <= first and last < stop:
                 return block[low - start : high + 1 - start] if in_order else block[rows - start]
@@ -457,7 +473,7 @@ class AttentionTerms(nn.Module):
         block = self._relative_rows(projection, span, dtype, device)  # [last - first + 1, H, D]
         for stale in [key for key in self._cache if key[: len(prefix)] == prefix]:
             del self._cache[stale]  # other parameter versions are never read again
-        cache_put(self._cache, (*prefix, versions), (first, block))
+        cache_put(self._cache, (*prefix, versions), (first, block, parameter_snapshot(self)))
         return block[low - first : high + 1 - first] if in_order else block[rows - first]
 
     def _distance_bias(self, n: int, m: int, device: torch.device) -> Tensor:
