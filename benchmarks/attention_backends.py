@@ -775,7 +775,19 @@ def write_results(out: Path | None, stem: str, report: dict, table: str) -> None
 def describe_device(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    return f"{cpu_model()}, {torch.get_num_threads()} threads"
+
+
+def cpu_model() -> str:
+    """The CPU's model name where Linux says it (denormal arithmetic is slow on some CPUs
+    and not on others), else the architecture."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} ({platform.machine()})"
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def report_header(args: argparse.Namespace, device: torch.device) -> dict:

@@ -32,6 +32,7 @@ from ._clipped_relative import (
 from ._directional_bias import directional_bias_attention, directional_bias_serves
 from ._distances import (
     bias_floor_serves,
+    content_spread,
     distance_chunk_view,
     distance_chunk_views,
     floored_bias,
@@ -160,6 +161,7 @@ class SdpaBackend(AttentionTerms):
                 window,
                 document_ids,
                 attn_mask,
+                spread=self._floor_spread(q, k),
             )
             return scaled_dot_product(q, k, v, bias, self.scale)
         only_causal = window is None and document_ids is None and attn_mask is None
@@ -440,7 +442,8 @@ class SdpaBackend(AttentionTerms):
         out = self._trained_distance_attention(q, k, v, causal, window)
         if out is not None:
             return out
-        vec = self._masked_distance_bias(n, m, q.device, q.dtype, causal, window)
+        spread = self._floor_spread(q, k)
+        vec = self._masked_distance_bias(n, m, q.device, causal, window, spread)
         vec = half_precision_bias(vec, q.dtype)  # [H, N + M - 1]
         if n == 1:  # one query (a decode step): the vector is its row, in key order
             mask = vec[None, :, None, :]  # [1, H, 1, M]
@@ -471,9 +474,10 @@ class SdpaBackend(AttentionTerms):
         groups = q.shape[1] // k.shape[1]
         parameters = tuple(getattr(self, name) for name in self.distance_bias_parameters)
         if directional_bias_serves(q, v, window, causal, parameters):
+            spread = self._floor_spread(q, k)  # [H, N, 1] or None
 
             def vector() -> Tensor:  # [H, N + M - 1]: SDPA's mask in _sdpa_by_distance
-                return self._masked_distance_bias(n, m, q.device, q.dtype, causal, None)
+                return self._masked_distance_bias(n, m, q.device, causal, None, spread)
 
             k, v = repeat_kv(k, groups), repeat_kv(v, groups)
             return directional_bias_attention(q, k, v, vector, parameters, self.scale, causal)
@@ -493,29 +497,37 @@ class SdpaBackend(AttentionTerms):
         n: int,
         m: int,
         device: torch.device,
-        dtype: torch.dtype,
         causal: bool,
         window: int | None,
+        spread: Tensor | None,
     ) -> Tensor:
         """``_floored_distance_bias`` with -inf on the distances that causal or window
         masking excludes (``distance_allowed``): [H, N + M - 1]."""
-        vec = self._floored_distance_bias(n, m, device, dtype)
+        vec = self._floored_distance_bias(n, m, device, spread)
         allowed = distance_allowed(n, m, device, causal, window)  # [N + M - 1] or None
         return vec if allowed is None else vec.masked_fill(~allowed, float("-inf"))
 
     def _floored_distance_bias(
-        self, n: int, m: int, device: torch.device, dtype: torch.dtype
+        self, n: int, m: int, device: torch.device, spread: Tensor | None
     ) -> Tensor:
         """The bias per distance for default positions as SDPA adds it, [H, N + M - 1]:
         scaled where it sits inside the scale (SDPA scales q . k only), and floored
-        (``floored_bias``) where ``bias_floor_serves`` for ``dtype``: every query reads
-        the key at its own position, distance 0, entry M - 1."""
+        (``floored_bias``) where a ``spread`` [H, N, 1] is given (``_floor_spread``):
+        every query reads the key at its own position, distance 0, entry M - 1, and one
+        floor per head serves every query, so its spread is the head's largest."""
         vec = self._distance_bias(n, m, device)  # [H, N + M - 1]
         if self.position_bias_inside_scale:
             vec = vec * self.scale
-        if n and bias_floor_serves(device, dtype):
-            vec = floored_bias(vec, vec[:, m - 1 : m])
+        if n and spread is not None:
+            vec = floored_bias(vec, vec[:, m - 1 : m], spread.amax(dim=1))
         return vec
+
+    def _floor_spread(self, q: Tensor, k: Tensor) -> Tensor | None:
+        """``content_spread`` of q and k as SDPA reads them ([H, N, 1]) where the bias
+        is floored (``bias_floor_serves``), else None."""
+        if not bias_floor_serves(q.device, q.dtype):
+            return None
+        return content_spread(q, k, self.scale)
 
     def _sdpa_bias_in_chunks(
         self,
@@ -543,6 +555,7 @@ class SdpaBackend(AttentionTerms):
         # a bias of j - i at default positions: rows of its per-distance vector, made per
         # chunk (a mask made again for a gradient must not share a graph with another)
         by_distance = self.bias_by_distance and default
+        spread = self._floor_spread(q, k)  # [H, N, 1] or None
 
         def chunk_mask(i0: int, i1: int, lo: int, hi: int) -> Tensor:
             rows = None if q_positions is None else q_positions[..., i0:i1]
@@ -570,6 +583,7 @@ class SdpaBackend(AttentionTerms):
                 attn_mask_span(attn_mask, n, m, i0, i1, lo, hi),
                 documents,
                 bias,
+                None if spread is None else spread[:, i0:i1],
             )
 
         # what the masks are built from that may train: the module's parameters and a
@@ -653,10 +667,12 @@ class SdpaBackend(AttentionTerms):
         attn_mask: Tensor | None = None,
         query_documents: Tensor | None = None,
         bias: Tensor | None = None,
+        spread: Tensor | None = None,
     ) -> Tensor:
         """Additive mask for SDPA: the (scaled) position bias with -inf where masked, plus
         the caller's ``attn_mask`` (``query_documents``: see ``attention_allowed``;
-        ``bias``: the position bias at these positions where the caller has it).
+        ``bias``: the position bias at these positions where the caller has it), floored
+        (``floored_bias``) where a ``spread`` [H, N, 1] is given (``_floor_spread``).
 
         Every mask joins before the floor, whose row maximum must be of the entries the
         row reads: with ``attn_mask`` added after it, a row whose largest entries the
@@ -674,8 +690,9 @@ class SdpaBackend(AttentionTerms):
             q_positions, k_positions, n, m, device, causal, window, document_ids, query_documents
         )
         mask = apply_masks(bias, allowed, attn_mask)
-        if m and bias_floor_serves(device, dtype):
-            mask = floored_bias(mask, mask.amax(dim=-1, keepdim=True))  # per query row
+        if m and spread is not None:
+            top = mask.amax(dim=-1, keepdim=True)  # per query row
+            mask = floored_bias(mask, top, spread)
         mask = half_precision_bias(mask, dtype)
         # SDPA's CPU kernels take a 4-D mask directly; a 3-D one is ~3x slower (measured)
         return mask.unsqueeze(0) if mask.dim() == 3 else mask  # [1 or B, H, N, M]

@@ -1,5 +1,6 @@
 """The floor under a bias given to CPU SDPA (``_distances.floored_bias``): finite entries
-at least ``BIAS_FLOOR`` below the largest entry each query row surely reads, so that no
+raised to ``BIAS_FLOOR`` plus a bound on the row's content-logit spread
+(``content_spread``) below the largest entry each query row surely reads, so that no
 softmax weight is a slow denormal float; float64 exact, outputs unchanged."""
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ FLOOR = distances.BIAS_FLOOR
 
 def test_floored_bias_raises_finite_entries_only() -> None:
     bias = torch.tensor([[0.0, -10.0, -45.0, float("-inf"), -100.0]], requires_grad=True)
-    top = torch.tensor([[-2.0]])
-    got = distances.floored_bias(bias, top)
-    floor = -2.0 - FLOOR
+    top, spread = torch.tensor([[-2.0]]), torch.tensor([[1.5]])
+    got = distances.floored_bias(bias, top, spread)
+    floor = -2.0 - FLOOR - 1.5
     assert got.tolist() == [[0.0, -10.0, floor, float("-inf"), floor]]
     (grad,) = torch.autograd.grad(got[:, [0, 1, 2, 4]].sum(), bias)
     assert grad.tolist() == [[1.0, 1.0, 0.0, 0.0, 0.0]]  # floored entries get none
@@ -34,15 +35,101 @@ def test_floored_bias_with_and_without_a_gradient_takes_the_same_values() -> Non
     top = torch.tensor([[0.0], [3.0]])
     offsets = torch.tensor([-39.9995, -40.0005, -10.0, -80.0, float("-inf"), 0.0])
     bias = top + offsets + 1e-4 * torch.rand(2, 6, generator=generator)
+    no_spread = torch.zeros(2, 1)
     with torch.no_grad():
-        plain = distances.floored_bias(bias, top)
+        plain = distances.floored_bias(bias, top, no_spread)
     leaf = bias.clone().requires_grad_()
-    got = distances.floored_bias(leaf, top)
+    got = distances.floored_bias(leaf, top, no_spread)
     assert torch.equal(got, plain)
     (grad,) = torch.autograd.grad(got.sum(), leaf)
     kept = (bias >= top - FLOOR) & bias.isfinite()
     assert torch.equal(grad, kept.float())
     assert kept[:, 0].all() and not kept[:, 1].any()  # either side of the floor
+
+
+@pytest.mark.parametrize("spread", [float("inf"), float("nan")])
+def test_an_unbounded_spread_raises_nothing(spread: float) -> None:
+    """Content logits with inf or NaN entries bound nothing: the bias stays as it is."""
+    bias = torch.tensor([[0.0, -50.0, -1e30, float("-inf")]])
+    got = distances.floored_bias(bias, torch.tensor([[0.0]]), torch.tensor([[spread]]))
+    assert torch.equal(got, bias)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_content_spread_bounds_every_row_of_logits(kv_heads: int) -> None:
+    """float64 logits scale * q_i . k_j of every batch row and query: their spread over
+    the keys never passes the bound of that head and query (grouped keys included)."""
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(3, 4, 5, 8, generator=generator) * torch.rand(3, 4, 5, 1, generator=generator)
+    k = torch.randn(3, kv_heads, 7, 8, generator=generator) * 3
+    scale = -0.3  # a negative scale bounds the same spread
+    bound = distances.content_spread(q, k, scale).double()  # [H, N, 1]
+    assert bound.shape == (4, 5, 1)
+    keys = k.double().repeat_interleave(4 // kv_heads, dim=1)  # [B, H, M, D]
+    logits = scale * q.double() @ keys.transpose(-1, -2)  # [B, H, N, M]
+    spread = logits.amax(-1, keepdim=True) - logits.amin(-1, keepdim=True)
+    assert (spread <= bound * (1 + 1e-6)).all()
+
+
+def test_content_spread_is_reached_by_opposite_keys() -> None:
+    """A query along a key of the largest norm and that key's opposite: the logits
+    differ by exactly 2 |scale| |q| |k|."""
+    q, k = torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 3, 4)
+    q[..., 0] = 2.0
+    k[0, 0, 0, 0], k[0, 0, 1, 0], k[0, 0, 2, 1] = 3.0, -3.0, 1.0
+    assert distances.content_spread(q, k, 0.5).item() == 2 * 0.5 * 2.0 * 3.0
+
+
+def test_large_content_logits_keep_their_weights() -> None:
+    """ALiBi (head 0's slope 1/2) with two far keys whose content logits are 60 above the
+    rest, at distances 100 and 150: exact logits +10 and -15, so the nearer takes almost
+    all the weight. A floor 40 under the row's top bias alone lifted both to one value
+    (sdpa +0.000 against eager's +0.9999); a floor that leaves room for the content
+    spread keeps them apart."""
+    pe = ENCODINGS["alibi"](heads=8, head_dim=8)
+    q = torch.zeros(1, 8, 1, 8)
+    q[..., 0] = 1.0
+    k, v = torch.zeros(1, 8, 200, 8), torch.zeros(1, 8, 200, 8)
+    k[0, :, [99, 49], 0] = 60.0 / pe.scale
+    v[0, :, 99, 0], v[0, :, 49, 0] = 1.0, -1.0
+    with torch.no_grad():
+        oracle = pe.double()(q.double(), k.double(), v.double(), causal=True, backend="eager")
+        pe.float()
+        for queries in (q, q.expand(1, 8, 2, 8)):  # one query (a vector) and two (rows)
+            positions = {"q_positions": torch.tensor([199] * queries.shape[2])}
+            for call in ({"causal": True}, {**positions, "k_positions": torch.arange(200)}):
+                out = pe(queries, k, v, backend="sdpa", **call)
+                torch.testing.assert_close(out[:, :, -1:].double(), oracle, atol=1e-5, rtol=0)
+    assert oracle[0, 0, 0, 0] > 0.999
+
+
+def test_a_finite_hard_mask_stays_hard() -> None:
+    """Hugging Face's padding mask of finfo.min on key 0, whose content logit is 35 above
+    the others: a floor 40 under the row's top bias made it a soft -40 (sdpa 0.395
+    against eager's 0.370); with room for the content spread the key keeps no weight."""
+    pe = ENCODINGS["alibi"](heads=8, head_dim=8)
+    generator = torch.Generator().manual_seed(0)
+    q, k = torch.zeros(1, 8, 4, 8), torch.zeros(1, 8, 16, 8)
+    q[..., 0] = 1.0
+    k[:, :, 0, 0] = 35.0 / pe.scale
+    v = torch.randn(1, 8, 16, 8, generator=generator)
+    v[:, :, 0] = 10.0
+    mask = torch.zeros(1, 1, 4, 16)
+    mask[..., 0] = torch.finfo(torch.float32).min
+    positions = {"q_positions": torch.arange(12, 16), "k_positions": torch.arange(16)}
+    with torch.no_grad():
+        out = pe(q, k, v, attn_mask=mask, causal=True, backend="sdpa", **positions)
+        pe.double()
+        without_key_0 = pe(  # the same attention without key 0 at all, in float64
+            q.double(),
+            k.double()[:, :, 1:],
+            v.double()[:, :, 1:],
+            causal=True,
+            backend="eager",
+            q_positions=positions["q_positions"],
+            k_positions=positions["k_positions"][1:],
+        )
+    torch.testing.assert_close(out.double(), without_key_0, atol=1e-5, rtol=0)
 
 
 def sdpa_masks(monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
@@ -62,13 +149,19 @@ def lowest_finite(mask: torch.Tensor) -> float:
     return float(mask[torch.isfinite(mask)].min())
 
 
-def alibi_call(dtype: torch.dtype, **call: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """ALiBi's sdpa and eager outputs on 300 keys: head 0's slope 1/4 takes its bias to
-    -75 at the far keys."""
+def alibi_call(dtype: torch.dtype, **call: Any) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """ALiBi's sdpa and eager outputs on 300 keys (head 0's slope 1/4 takes its bias to
+    -75 at the far keys; q and k small enough that their content spread is below 10),
+    and that spread's bound."""
     pe = ENCODINGS["alibi"](heads=4, head_dim=16).to(dtype)
-    q, k, v = (torch.randn(1, 4, 300, 16, dtype=dtype) for _ in range(3))
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 300, 16, generator=generator).to(dtype) for _ in range(3))
+    q, k = q / 2, k / 2
+    spread = float(distances.content_spread(q, k, pe.scale).max())
+    assert spread < 10
     with torch.no_grad():
-        return pe(q, k, v, backend="sdpa", **call), pe(q, k, v, backend="eager", **call)
+        sdpa, eager = pe(q, k, v, backend="sdpa", **call), pe(q, k, v, backend="eager", **call)
+    return sdpa, eager, spread
 
 
 @pytest.mark.parametrize(
@@ -86,14 +179,15 @@ def test_float32_masks_stop_at_the_floor_and_outputs_do_not_move(
     monkeypatch: pytest.MonkeyPatch, call: dict[str, Any]
 ) -> None:
     masks = sdpa_masks(monkeypatch)
-    out, oracle = alibi_call(torch.float32, **call)
-    assert masks and all(lowest_finite(mask) >= -FLOOR for mask in masks)
+    out, oracle, spread = alibi_call(torch.float32, **call)
+    assert masks and all(lowest_finite(mask) >= -FLOOR - spread for mask in masks)
+    assert min(lowest_finite(mask) for mask in masks) < -FLOOR  # room for the spread
     torch.testing.assert_close(out, oracle, atol=2e-6, rtol=2e-6)
 
 
 def test_float64_masks_stay_exact(monkeypatch: pytest.MonkeyPatch) -> None:
     masks = sdpa_masks(monkeypatch)
-    out, oracle = alibi_call(torch.float64)
+    out, oracle, _ = alibi_call(torch.float64)
     assert masks and min(lowest_finite(mask) for mask in masks) == pytest.approx(-75.0 + 0.25)
     torch.testing.assert_close(out, oracle, atol=1e-12, rtol=1e-12)
 

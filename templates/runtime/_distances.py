@@ -121,10 +121,10 @@ def expand_distance_bias(vec: Tensor, n: int, m: int) -> Tensor:
 # full speed.
 BIAS_FLOOR_DEVICES: set[str] = {"cpu"}
 
-# How far below that entry the floor sits. A floored key's weight is at most
-# e^(spread - BIAS_FLOOR) times the top key's, spread being how much higher its content
-# logit is: over M keys an output moves by at most M e^(spread - 40) of v's scale (8192
-# keys, spread 10: 8e-10, below float32's resolution); float64 is left exact.
+# How far below that entry the floor sits, beyond a bound on how much the row's content
+# logits differ (``content_spread``): a floored key's weight is then at most e^-40 times
+# the row's largest, so over M keys an output moves by at most M e^-40 of v's scale (8192
+# keys: 3.5e-14, below float32's resolution); float64 is left exact.
 BIAS_FLOOR = 40.0
 
 
@@ -133,12 +133,33 @@ def bias_floor_serves(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type in BIAS_FLOOR_DEVICES and dtype != torch.float64
 
 
-def floored_bias(bias: Tensor, top: Tensor) -> Tensor:
-    """bias with its finite entries raised to at least ``top - BIAS_FLOOR`` (top
-    broadcast against bias and detached: per head and query row, no higher than the
-    largest entry that row reads, so no row's largest logit moves); -inf stays. The
-    gradient reaches the entries left as they were (``_Floor``)."""
-    floor = top.detach() - BIAS_FLOOR
+def content_spread(q: Tensor, k: Tensor, scale: float) -> Tensor:
+    """A bound on how far SDPA's content logits scale * q_i . k_j differ between the keys
+    of one query row: 2 |scale| |q_i| max_j |k_j| (Cauchy-Schwarz), [H, N, 1] in float32
+    (float64 for float64 inputs), the largest over the batch; the keys' bound is per key
+    head, read by its group of query heads. q [B, H, N, D], k [B, KVH, M, D]; detached.
+    Inf or NaN entries give an infinite or NaN bound, under which ``floored_bias``
+    raises nothing."""
+    heads, n = q.shape[1], q.shape[2]
+    if q.numel() == 0 or k.numel() == 0:
+        return torch.zeros(heads, n, 1, device=q.device)
+    dtype = torch.promote_types(q.dtype, torch.float32)  # half precision summed in float32
+    q_norms = torch.linalg.vector_norm(q.detach(), dim=-1, dtype=dtype)  # [B, H, N]
+    k_norms = torch.linalg.vector_norm(k.detach(), dim=-1, dtype=dtype)  # [B, KVH, M]
+    k_top = k_norms.amax(dim=(0, 2)).repeat_interleave(heads // k.shape[1])  # [H]
+    return (2 * abs(scale) * q_norms.amax(dim=0) * k_top[:, None]).unsqueeze(-1)
+
+
+def floored_bias(bias: Tensor, top: Tensor, spread: Tensor) -> Tensor:
+    """bias with its finite entries raised to at least ``top - BIAS_FLOOR - spread``
+    (top and spread broadcast against bias and detached: per head and query row, top no
+    higher than the largest entry that row reads, so no row's largest logit moves, and
+    spread a bound on how far the row's content logits differ, ``content_spread``);
+    -inf stays, and so does everything where the floor is -inf or NaN. A raised key's
+    weight was and stays below e^-BIAS_FLOOR times the row's largest. The gradient
+    reaches the entries left as they were (``_Floor``)."""
+    floor = top.detach() - BIAS_FLOOR - spread.detach()
+    floor = floor.nan_to_num(nan=float("-inf"), posinf=float("-inf"))
     if not (torch.is_grad_enabled() and bias.requires_grad):
         return _raised(bias, floor)
     floored: Tensor = _Floor.apply(bias, floor)

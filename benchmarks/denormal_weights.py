@@ -1,0 +1,117 @@
+"""How many softmax weights of a steep bias are denormal float32, with and without the
+sdpa backend's floor (``_distances.floored_bias``): a count, not a timing, so that it
+holds on every CPU (denormal arithmetic costs a lot on some and nothing on others).
+
+For ALiBi (Press et al. 2022) at the shapes of ``attention_backends.py`` (batch 2, 16
+heads, head_dim 64, randn q and k, default positions), each query row's weights
+softmax(s · q_i · k_j + b_ij) are counted where 0 < w < 2^-126 (float32's smallest
+normal), for the bias as it is, floored ``BIAS_FLOOR`` under the row's top entry (the
+floor before the content spread joined it) and floored ``BIAS_FLOOR`` plus
+``content_spread`` under it (the floor as shipped: the per-row form of a materialised
+bias, and the per-head form of the per-distance vector, whose top is distance 0).
+
+    python benchmarks/denormal_weights.py [--lengths 2048] [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.attention_backends import describe_device  # noqa: E402
+from generated import ENCODINGS  # noqa: E402
+from generated import _distances as distances  # noqa: E402
+
+BATCH, HEADS, HEAD_DIM = 2, 16, 64
+
+
+def floors(bias: torch.Tensor, spread: torch.Tensor) -> dict[str, torch.Tensor]:
+    """bias [H, N, M] as SDPA would get it: as it is and under each floor."""
+    row_top = bias.amax(dim=-1, keepdim=True)  # [H, N, 1]
+    distance_top = torch.zeros_like(row_top)  # ALiBi's bias at distance 0
+    return {
+        "as it is": bias,
+        "floor 40 under the row's top": distances.floored_bias(
+            bias, row_top, torch.zeros_like(spread)
+        ),
+        "floor 40 + spread under the row's top (shipped, per pair)": distances.floored_bias(
+            bias, row_top, spread
+        ),
+        "floor 40 + head's largest spread under distance 0 (shipped, per distance)": (
+            distances.floored_bias(bias, distance_top, spread.amax(dim=1, keepdim=True))
+        ),
+    }
+
+
+def denormal_share(
+    q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, scale: float, causal: bool
+) -> float:
+    """The share of weights in (0, 2^-126), one head at a time: q, k [B, H, N, D]."""
+    n, m = q.shape[2], k.shape[2]
+    tiny = torch.finfo(torch.float32).tiny
+    keep = torch.ones(n, m, dtype=torch.bool).tril(m - n) if causal else None
+    denormal = 0
+    for head in range(q.shape[1]):
+        logits = q[:, head] @ k[:, head].transpose(-1, -2) * scale + bias[head]  # [B, N, M]
+        if keep is not None:
+            logits = logits.masked_fill(~keep, float("-inf"))
+        weights = torch.softmax(logits, dim=-1)
+        denormal += int(((weights > 0) & (weights < tiny)).sum())
+    return denormal / (q.shape[0] * q.shape[1] * n * m)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2048])
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    pe = ENCODINGS["alibi"](heads=HEADS, head_dim=HEAD_DIM)
+    rows = []
+    for n in args.lengths:
+        q, k = (torch.randn(BATCH, HEADS, n, HEAD_DIM) for _ in "qk")
+        spread = distances.content_spread(q, k, pe.scale)  # [H, N, 1]
+        positions = torch.arange(n)
+        with torch.no_grad():
+            bias = pe.score_bias(positions, positions)  # [H, N, M]
+            for label, floored in floors(bias, spread).items():
+                for causal in (False, True):
+                    share = denormal_share(q, k, floored, pe.scale, causal)
+                    rows.append(
+                        {
+                            "N": n,
+                            "causal": causal,
+                            "bias": label,
+                            "denormal": share,
+                            "spread_median": float(spread.median()),
+                            "spread_max": float(spread.max()),
+                        }
+                    )
+                    print(f"N={n} causal={causal!s:5} {label}: {share:.2e}", flush=True)
+    header = (
+        f"# Denormal softmax weights of ALiBi ({describe_device(torch.device('cpu'))}, "
+        f"torch {torch.__version__}, float32, batch {BATCH}, heads {HEADS}, "
+        f"head_dim {HEAD_DIM})\n\n"
+        "Fraction of softmax weights in (0, 2^-126) with randn q and k; the content spread "
+        "bound 2·|scale|·|q_i|·max|k_j| (`content_spread`) per row: median "
+        f"{rows[0]['spread_median']:.1f}, largest {rows[0]['spread_max']:.1f}.\n\n"
+        "| N | causal | bias given to SDPA | denormal weights |\n|---|---|---|---|\n"
+    )
+    lines = [
+        f"| {r['N']} | {'yes' if r['causal'] else 'no'} | {r['bias']} | {r['denormal']:.2e} |"
+        for r in rows
+    ]
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / "denormal_weights_cpu_float32"
+    stem.with_suffix(".md").write_text(header + "\n".join(lines) + "\n")
+    stem.with_suffix(".json").write_text(json.dumps(rows, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
