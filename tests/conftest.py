@@ -6,6 +6,7 @@ import functools
 import importlib
 import importlib.util
 import inspect
+import os
 import sys
 import tempfile
 from collections.abc import Callable
@@ -17,6 +18,10 @@ import pytest
 import torch
 
 from posgen.codegen.inmemory import encoding_class, module_from_spec
+
+# posgen check's tables wrap at the terminal's width: one width for every test, whatever
+# the terminal (pytest-xdist's workers see 80 columns, a plain run falls back to 110)
+os.environ["COLUMNS"] = "110"
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = ROOT / "specs"
