@@ -475,6 +475,11 @@ def _property_names() -> tuple[str, ...]:
     default=None,
     help="A state_dict file (torch.save) to judge one spec's module at, as trained.",
 )
+@click.option(
+    "--strict",
+    is_flag=True,
+    help="Also exit 1 when a property ran out of its time budget with no verdict.",
+)
 @reports_spec_errors
 def check(
     specs: tuple[Path, ...],
@@ -486,6 +491,7 @@ def check(
     seconds: float,
     spec_seconds: float,
     weights_file: Path | None,
+    strict: bool,
 ) -> None:
     """Property-test SPECS (files or directories; default specs/) against their claims.
 
@@ -495,8 +501,9 @@ def check(
     A stated claim is judged; a false one is shown with a shrunk counterexample. An
     unstated claim is measured and shown, not judged.
 
-    Exit codes: 0 every claim holds; 1 a claim is refuted or a building block fails;
-    2 invalid spec or usage.
+    Exit codes: 0 no claim refuted and no building block failed; 1 a claim is refuted or
+    a building block fails (with --strict also: a property stopped by its time budget
+    with no verdict); 2 invalid spec or usage.
 
     \b
     Example:
@@ -511,7 +518,9 @@ def check(
     loaded = load_specs(spec_files(specs))
     weights = _trained_weights(loaded, weights_file) if weights_file is not None else None
     if os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY"):
-        _check(loaded, as_json, seed, max_examples, span, only, seconds, spec_seconds, weights)
+        _check(
+            loaded, as_json, seed, max_examples, span, only, seconds, spec_seconds, weights, strict
+        )
         return
     # hypothesis caches what it learns in ./.hypothesis; keep the user's directory clean
     from hypothesis.configuration import set_hypothesis_home_dir
@@ -519,7 +528,18 @@ def check(
     with tempfile.TemporaryDirectory(prefix="posgen-check-") as scratch:
         set_hypothesis_home_dir(scratch)
         try:
-            _check(loaded, as_json, seed, max_examples, span, only, seconds, spec_seconds, weights)
+            _check(
+                loaded,
+                as_json,
+                seed,
+                max_examples,
+                span,
+                only,
+                seconds,
+                spec_seconds,
+                weights,
+                strict,
+            )
         finally:
             set_hypothesis_home_dir(None)
 
@@ -549,6 +569,7 @@ def _check(
     seconds: float,
     spec_seconds: float,
     weights: dict[str, Tensor] | None = None,
+    strict: bool = False,
 ) -> None:
     import shutil
     import time
@@ -598,6 +619,19 @@ def _check(
     else:
         say(render_summary(reports, seconds))
     if not all(report.ok for report in reports):
+        sys.exit(1)
+    stopped = [
+        f"{report.name}: {outcome.name}"
+        for report in reports
+        for outcome in report.outcomes
+        if outcome.inconclusive
+    ]
+    if strict and stopped:
+        click.echo(
+            f"--strict: {len(stopped)} propert{'y' if len(stopped) == 1 else 'ies'} "
+            f"stopped by the time budget with no verdict ({', '.join(stopped)})",
+            err=True,
+        )
         sys.exit(1)
 
 

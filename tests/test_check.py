@@ -887,6 +887,26 @@ def test_a_module_error_while_plotting_is_a_message_not_a_traceback(
     assert "Traceback" not in result.output
 
 
+def test_strict_fails_a_run_whose_property_was_stopped_by_the_time_budget(monkeypatch, cli) -> None:
+    """A building block stopped at its hard limit has no verdict: the run exits 0 and says
+    "inconclusive (time budget)"; with --strict it exits 1 and names it on stderr."""
+    from posgen.check.deadline import OutOfTime
+
+    def out_of_time(probe):
+        raise OutOfTime
+
+    monkeypatch.setitem(BLOCK_CHECKS, "backends", out_of_time)
+    plain = cli("check", "specs/alibi.yaml", "--only", "backends")
+    assert plain.exit_code == 0 and "inconclusive (time budget)" in plain.output
+    strict = cli("check", "specs/alibi.yaml", "--only", "backends", "--strict")
+    assert strict.exit_code == 1
+    assert "--strict: 1 property stopped by the time budget with no verdict (alibi: backends)" in (
+        strict.stderr
+    )
+    finished = cli("check", "specs/nope.yaml", "--only", "unique", "--strict")
+    assert finished.exit_code == 0, finished.output
+
+
 def test_a_single_slow_example_is_stopped_at_the_hard_deadline(tmp_path) -> None:
     """An ODE whose far positions take minutes to integrate: every property ends within
     its share plus the grace, and the slow ones say "inconclusive (time budget)"."""
