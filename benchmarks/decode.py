@@ -7,9 +7,12 @@ Bias encodings (ALiBi, T5, KERPLE) add their bias for the one query row. Each ca
 is timed alternately with the baseline; ``--compile`` also times the module under
 ``torch.compile`` (what a decoding loop would run); ``--compare-dense`` also times
 relative encodings with their terms built densely and their rows projected every step
-(the few-query path and kept rows off); ``--compare-grouped`` also times each module
-with the grouped-query matmuls (``grouped_query_attention``) switched the other way on
-the device (on where ``GROUPED_QUERY_DEVICES`` leaves them off, and off where on).
+(the few-query path and kept rows off); ``--compare-unchecked`` also times them with
+their kept rows reused without comparing the parameters with the copy kept beside them
+(``parameters_unchanged``: what the check costs a step); ``--compare-grouped`` also
+times each module with the grouped-query matmuls (``grouped_query_attention``) switched
+the other way on the device (on where ``GROUPED_QUERY_DEVICES`` leaves them off, and off
+where on).
 
     python benchmarks/decode.py --device cuda --dtype bfloat16 --cache 8192 --compile
 """
@@ -58,6 +61,21 @@ def without_few_query_path(step: Callable[[], object]) -> Callable[[], object]:
     return dense_step
 
 
+def without_parameter_check(step: Callable[[], object]) -> Callable[[], object]:
+    """``step`` with kept relative rows reused on ``parameter_states`` alone, as before
+    ``parameters_unchanged`` compared the parameters with a kept copy."""
+
+    def unchecked_step() -> object:
+        check = terms.parameters_unchanged
+        terms.parameters_unchanged = lambda module, snapshot: True  # type: ignore[assignment]
+        try:
+            return step()
+        finally:
+            terms.parameters_unchanged = check
+
+    return unchecked_step
+
+
 def with_grouped_queries(step: Callable[[], object], device: str, on: bool) -> Callable[[], object]:
     """``step`` with ``device`` in ``GROUPED_QUERY_DEVICES`` (``on``) or out of it."""
 
@@ -94,6 +112,8 @@ def run(args: argparse.Namespace) -> dict:
             variants["module, compiled"] = torch.compile(pe, fullgraph=True)
         if args.compare_dense and pe.has_relative_terms:
             variants["module, dense terms"] = pe
+        if args.compare_unchecked and pe.has_relative_terms:
+            variants["module, rows unchecked"] = pe
         grouped_on = device.type in grouped_queries.GROUPED_QUERY_DEVICES
         grouped_label = "module, no grouped matmuls" if grouped_on else "module, grouped matmuls"
         if args.compare_grouped:
@@ -106,6 +126,8 @@ def run(args: argparse.Namespace) -> dict:
 
                 if label == "module, dense terms":
                     step = without_few_query_path(step)
+                if label == "module, rows unchecked":
+                    step = without_parameter_check(step)
                 if label == grouped_label:
                     step = with_grouped_queries(step, device.type, not grouped_on)
 
@@ -182,6 +204,11 @@ def main() -> None:
         "--compare-dense",
         action="store_true",
         help="also time relative encodings without the few-query path and kept rows",
+    )
+    parser.add_argument(
+        "--compare-unchecked",
+        action="store_true",
+        help="also time relative encodings reusing kept rows without comparing parameters",
     )
     parser.add_argument(
         "--compare-grouped",
