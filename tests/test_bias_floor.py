@@ -80,18 +80,20 @@ def test_content_spread_is_reached_by_opposite_keys() -> None:
     assert distances.content_spread(q, k, 0.5).item() == 2 * 0.5 * 2.0 * 3.0
 
 
-def test_large_content_logits_keep_their_weights() -> None:
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_large_content_logits_keep_their_weights(dtype: torch.dtype, tolerance: float) -> None:
     """ALiBi (head 0's slope 1/2) with two far keys whose content logits are 60 above the
     rest, at distances 100 and 150: exact logits +10 and -15, so the nearer takes almost
     all the weight. A floor 40 under the row's top bias alone lifted both to one value
     (sdpa +0.000 against eager's +0.9999); a floor that leaves room for the content
-    spread keeps them apart."""
+    spread keeps them apart, in float32 and in bfloat16 (floored too)."""
     pe = ENCODINGS["alibi"](heads=8, head_dim=8)
     q = torch.zeros(1, 8, 1, 8)
     q[..., 0] = 1.0
     k, v = torch.zeros(1, 8, 200, 8), torch.zeros(1, 8, 200, 8)
     k[0, :, [99, 49], 0] = 60.0 / pe.scale
     v[0, :, 99, 0], v[0, :, 49, 0] = 1.0, -1.0
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     with torch.no_grad():
         oracle = pe.double()(q.double(), k.double(), v.double(), causal=True, backend="eager")
         pe.float()
@@ -99,7 +101,8 @@ def test_large_content_logits_keep_their_weights() -> None:
             positions = {"q_positions": torch.tensor([199] * queries.shape[2])}
             for call in ({"causal": True}, {**positions, "k_positions": torch.arange(200)}):
                 out = pe(queries, k, v, backend="sdpa", **call)
-                torch.testing.assert_close(out[:, :, -1:].double(), oracle, atol=1e-5, rtol=0)
+                assert out.dtype == dtype
+                torch.testing.assert_close(out[:, :, -1:].double(), oracle, atol=tolerance, rtol=0)
     assert oracle[0, 0, 0, 0] > 0.999
 
 
