@@ -83,6 +83,31 @@ def spec_variant(
     return encoding_class(module_from_spec(path))
 
 
+EXPR_BIAS_SPEC = """\
+name: {name}
+title: an expression bias
+references: ["test"]
+defaults: {{heads: 2, head_dim: 8}}
+scale: inv_sqrt_head_dim
+terms:
+  content_content: keep
+  content_position: drop
+  position_content: drop
+  position_position:
+    bias: {{kind: expr, expr: "{expr}", params: {{}}, placement: after_scale}}
+claims: {claims}
+"""
+
+
+def expr_bias_spec(folder: Path, name: str, expr: str, claims: str = "{}") -> Path:
+    """``folder/name.yaml``: content plus the position-only bias ``expr`` of i and j
+    (after the scale), 2 heads of width 8, with ``claims`` (YAML flow mapping)."""
+    path = folder / f"{name}.yaml"
+    text = EXPR_BIAS_SPEC.format(name=name, expr=expr, claims=claims)
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
 # clips small enough that short sequences have keys past them on both sides
 SMALL_CLIPS = {
     "shaw": ("max_distance: 16", "max_distance: 3"),

@@ -15,7 +15,7 @@ from posgen.check.probe import Probe
 from posgen.check.search import Budget
 from posgen.cli import main
 from posgen.spec.loader import load_spec
-from tests.conftest import SPECS, generated_class
+from tests.conftest import SPECS, expr_bias_spec, generated_class
 
 HEADER = """name: {name}
 title: a spec of tests/test_check_claims.py
@@ -73,21 +73,8 @@ def test_a_near_distance_does_not_hide_an_equal_one(tmp_path: Path) -> None:
     """A bias of j - i whose scores at d = -5 and d = 300 are equal (-5e-7), beside one
     large score (1e6 at d = 200) that made the scan's tolerance loose enough to flag
     near distances first."""
-    body = """defaults: {heads: 2, head_dim: 8}
-scale: inv_sqrt_head_dim
-terms:
-  content_content: keep
-  content_position: drop
-  position_content: drop
-  position_position:
-    bias:
-      kind: expr
-      expr: "where(j - i == 300, -0.0000005, where(j - i == 200, 1000000.0, (j - i) * 0.0000001))"
-      params: {}
-      placement: after_scale
-claims: {unique: true}
-"""
-    spec = _write(tmp_path, "distance_collision", body)
+    expr = "where(j - i == 300, -0.0000005, where(j - i == 200, 1000000.0, (j - i) * 0.0000001))"
+    spec = expr_bias_spec(tmp_path, "distance_collision", expr, claims="{unique: true}")
     unique = _verdicts(str(spec), "--only", "unique", "--max-examples", "20")["unique"]
     assert unique["verdict"] == "REFUTED: fails", unique
     assert sorted(unique["counterexample"]["distances"]) == [-5, 300]

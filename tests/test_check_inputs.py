@@ -20,31 +20,10 @@ from posgen.check.search import Budget, Violation, generator
 from posgen.check.verdicts import Outcome, Report
 from posgen.cli import main
 from posgen.spec.loader import load_spec
-from tests.conftest import SPECS
+from tests.conftest import SPECS, expr_bias_spec
 
 ALIBI_LEARNED = str(SPECS / "alibi_learned.yaml")
 SMALL = Budget(max_examples=5, seed=0, span=64, seconds=5.0)
-
-EXPR_BIAS = """\
-name: {name}
-title: an expression bias
-references: ["test"]
-defaults: {{heads: 2, head_dim: 8}}
-scale: inv_sqrt_head_dim
-terms:
-  content_content: keep
-  content_position: drop
-  position_content: drop
-  position_position:
-    bias: {{kind: expr, expr: "{expr}", params: {{}}, placement: after_scale}}
-claims: {{}}
-"""
-
-
-def _expr_spec(tmp_path: Path, name: str, expr: str) -> Path:
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(EXPR_BIAS.format(name=name, expr=expr), encoding="utf-8")
-    return path
 
 
 def _strict_json(text: str) -> object:
@@ -133,7 +112,7 @@ def test_time_budgets_must_be_finite(option: str, value: str) -> None:
 def test_json_is_standard_where_the_curve_is_infinite(tmp_path: Path) -> None:
     """-log|i - j| is +inf at distance 0: the decay curve's value and window mean are
     written as the string "inf", never as the non-standard Infinity."""
-    path = _expr_spec(tmp_path, "log_bias", "-log(abs(i - j))")
+    path = expr_bias_spec(tmp_path, "log_bias", "-log(abs(i - j))")
     result = CliRunner().invoke(
         main, ["check", str(path), "--json", "--only", "decay", "--max-examples", "3"]
     )
@@ -251,7 +230,9 @@ def test_a_wrong_bf16_path_is_caught_at_large_logits(
     """A bias 0.001·i − |i − j| is ~1000 at far queries but the same across a row, so
     softmax ignores it: a bf16 path that attends uniformly there must still fail (a bound
     scaled by max|logit| let any output through), and the honest path must pass."""
-    probe = Probe(load_spec(_expr_spec(tmp_path, "row_constant", "0.001 * i - abs(i - j)")), SMALL)
+    probe = Probe(
+        load_spec(expr_bias_spec(tmp_path, "row_constant", "0.001 * i - abs(i - j)")), SMALL
+    )
     k_pos = torch.arange(1_000_000, 1_000_006)
     content = probe.content(generator(7), 3, 6, dtype=torch.bfloat16)
     honest = _bf16_and_fp32(probe, None, content, k_pos[3:], k_pos, False)
