@@ -16,15 +16,17 @@ bias, and the per-head form of the per-distance vector, whose top is distance 0)
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from benchmarks.attention_backends import describe_device  # noqa: E402
+from attention_backends import add_out_argument, describe_device, write_results  # noqa: E402
+
 from generated import ENCODINGS  # noqa: E402
 from generated import _distances as distances  # noqa: E402
 
@@ -66,10 +68,31 @@ def denormal_share(
     return denormal / (q.shape[0] * q.shape[1] * n * m)
 
 
+def markdown(report: dict) -> str:
+    """The report as a table, under a heading that names the machine and the shapes."""
+    first = report["rows"][0]
+    lines = [
+        f"# Denormal softmax weights of ALiBi ({report['device']}, torch {report['torch']}, "
+        f"float32, batch {BATCH}, heads {HEADS}, head_dim {HEAD_DIM})",
+        "",
+        "Fraction of softmax weights in (0, 2^-126) with randn q and k; the content spread "
+        "bound 2·|scale|·|q_i|·max|k_j| (`content_spread`) per row: median "
+        f"{first['spread_median']:.1f}, largest {first['spread_max']:.1f}.",
+        "",
+        "| N | causal | bias given to SDPA | denormal weights |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['N']} | {'yes' if r['causal'] else 'no'} | {r['bias']} | {r['denormal']:.2e} |"
+        for r in report["rows"]
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048])
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    add_out_argument(parser)
     args = parser.parse_args()
     torch.manual_seed(0)
     pe = ENCODINGS["alibi"](heads=HEADS, head_dim=HEAD_DIM)
@@ -93,24 +116,9 @@ def main() -> None:
                             "spread_max": float(spread.max()),
                         }
                     )
-                    print(f"N={n} causal={causal!s:5} {label}: {share:.2e}", flush=True)
-    header = (
-        f"# Denormal softmax weights of ALiBi ({describe_device(torch.device('cpu'))}, "
-        f"torch {torch.__version__}, float32, batch {BATCH}, heads {HEADS}, "
-        f"head_dim {HEAD_DIM})\n\n"
-        "Fraction of softmax weights in (0, 2^-126) with randn q and k; the content spread "
-        "bound 2·|scale|·|q_i|·max|k_j| (`content_spread`) per row: median "
-        f"{rows[0]['spread_median']:.1f}, largest {rows[0]['spread_max']:.1f}.\n\n"
-        "| N | causal | bias given to SDPA | denormal weights |\n|---|---|---|---|\n"
-    )
-    lines = [
-        f"| {r['N']} | {'yes' if r['causal'] else 'no'} | {r['bias']} | {r['denormal']:.2e} |"
-        for r in rows
-    ]
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / "denormal_weights_cpu_float32"
-    stem.with_suffix(".md").write_text(header + "\n".join(lines) + "\n")
-    stem.with_suffix(".json").write_text(json.dumps(rows, indent=2) + "\n")
+    report = {"device": describe_device(torch.device("cpu")), "torch": torch.__version__}
+    report["rows"] = rows
+    write_results(args.out, "denormal_weights_cpu_float32", report, markdown(report))
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ one fused Triton kernel each way (templates/runtime.py, ``fused_rotation``).
 from __future__ import annotations
 
 import argparse
-import platform
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -35,7 +34,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from attention_backends import add_out_argument, paired_seconds, write_results  # noqa: E402
+from attention_backends import (  # noqa: E402
+    add_out_argument,
+    describe_device,
+    paired_seconds,
+    write_results,
+)
 
 from generated import ENCODINGS  # noqa: E402
 
@@ -200,9 +204,7 @@ def run(args: argparse.Namespace) -> dict:
             )
             print(f"{shape:>22} {name:>26} {seconds / base:6.2f}x copy", flush=True)
     return {
-        "device": torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
+        "device": describe_device(device),
         "torch": torch.__version__,
         "dtype": args.dtype,
         "backward": args.backward,

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -31,6 +30,9 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from attention_backends import cpu_model  # noqa: E402
 
 import generated._numerics as numerics  # noqa: E402
 
@@ -82,7 +84,7 @@ def run(args: argparse.Namespace) -> dict:
             rows.append({"mask": name, "length": n, "time_ratio": ratio})
             print(f"N={n:<5} {name:<45} {ratio:6.2f}x", flush=True)
     return {
-        "device": platform.processor() or platform.machine(),
+        "device": cpu_model(),
         "torch": torch.__version__,
         "batch": args.batch,
         "heads": args.heads,
