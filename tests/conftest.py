@@ -83,27 +83,45 @@ def spec_variant(
     return encoding_class(module_from_spec(path))
 
 
-EXPR_BIAS_SPEC = """\
+SMALL_SPEC = """\
 name: {name}
-title: an expression bias
-references: ["test"]
+title: {title}
+references: ["{reference}"]
 defaults: {{heads: 2, head_dim: 8}}
 scale: inv_sqrt_head_dim
 terms:
   content_content: keep
   content_position: drop
   position_content: drop
-  position_position:
-    bias: {{kind: expr, expr: "{expr}", params: {{}}, placement: after_scale}}
-claims: {claims}
+  position_position: {position_position}
+claims: {{{claims}}}
 """
 
 
-def expr_bias_spec(folder: Path, name: str, expr: str, claims: str = "{}") -> Path:
-    """``folder/name.yaml``: content plus the position-only bias ``expr`` of i and j
-    (after the scale), 2 heads of width 8, with ``claims`` (YAML flow mapping)."""
+def small_spec_text(
+    name: str,
+    claims: str = "",
+    position_position: str = "drop",
+    title: str = "No positional encoding",
+    reference: str = "Kazemnejad et al. 2023, arXiv:2305.19466",
+) -> str:
+    """A spec of content plus at most a position-only term, 2 heads of width 8: NoPE by
+    default; ``claims`` is the inside of the claims mapping ("unique: true")."""
+    return SMALL_SPEC.format(
+        name=name,
+        claims=claims,
+        position_position=position_position,
+        title=title,
+        reference=reference,
+    )
+
+
+def expr_bias_spec(folder: Path, name: str, expr: str, claims: str = "") -> Path:
+    """``folder/name.yaml``: ``small_spec_text`` with the position-only bias ``expr`` of
+    i and j (after the scale)."""
+    bias = f'{{bias: {{kind: expr, expr: "{expr}", params: {{}}, placement: after_scale}}}}'
+    text = small_spec_text(name, claims, bias, "an expression bias", "test")
     path = folder / f"{name}.yaml"
-    text = EXPR_BIAS_SPEC.format(name=name, expr=expr, claims=claims)
     path.write_text(text, encoding="utf-8")
     return path
 

@@ -31,25 +31,11 @@ from posgen.check.slopes import alibi_geometric_slopes, slopes
 from posgen.check.verdicts import CLAIMS, Outcome, Report
 from posgen.cli import _property_names, main
 from posgen.spec.loader import load_spec
-from tests.conftest import ROOT, SPECS
+from tests.conftest import ROOT, SPECS, small_spec_text
 from tests.reference import formulas
 
 FALSE_CLAIMS = ROOT / "tests" / "specs" / "false_claims"
 TEST_BUDGET = Budget(max_examples=10, seed=0, span=256, seconds=3.0)
-
-NOPE = """\
-name: {name}
-title: No positional encoding
-references: ["Kazemnejad et al. 2023, arXiv:2305.19466"]
-defaults: {{heads: 2, head_dim: 8}}
-scale: inv_sqrt_head_dim
-terms:
-  content_content: keep
-  content_position: drop
-  position_content: drop
-  position_position: drop
-claims: {{{claims}}}
-"""
 
 
 @functools.cache
@@ -208,7 +194,7 @@ def test_learned_table_raises_the_clear_error(cli) -> None:
 
 def test_unclaimed_properties_are_measured_not_judged(cli, tmp_path: Path) -> None:
     spec = tmp_path / "idea.yaml"
-    spec.write_text(NOPE.format(name="idea", claims=""), encoding="utf-8")
+    spec.write_text(small_spec_text("idea", ""), encoding="utf-8")
     before = sorted(p.name for p in (ROOT / "generated").iterdir())
     result = cli("check", spec, "--max-examples", "5", "--span", "64")
     assert result.exit_code == 0, result.output
@@ -223,12 +209,10 @@ def test_unclaimed_properties_are_measured_not_judged(cli, tmp_path: Path) -> No
 
 def test_exit_codes(cli, tmp_path: Path) -> None:
     good = tmp_path / "nope_ok.yaml"
-    good.write_text(
-        NOPE.format(name="nope_ok", claims="relative: true, unique: false"), encoding="utf-8"
-    )
+    good.write_text(small_spec_text("nope_ok", "relative: true, unique: false"), encoding="utf-8")
     assert cli("check", good, "--max-examples", "5", "--span", "64").exit_code == 0
     bad = tmp_path / "nope_bad.yaml"
-    bad.write_text(NOPE.format(name="nope_bad", claims="relative: false"), encoding="utf-8")
+    bad.write_text(small_spec_text("nope_bad", "relative: false"), encoding="utf-8")
     assert cli("check", bad, "--only", "relative", "--max-examples", "5").exit_code == 1
     invalid = cli("check", "tests/specs/invalid/bad_pairing.yaml")
     assert invalid.exit_code == 2
@@ -492,9 +476,7 @@ def test_an_unknown_term_form_is_checked_through_the_contract(monkeypatch, tmp_p
     module.BACKENDS = ("auto", "eager")
     monkeypatch.setattr(probe_module, "module_from_loaded", lambda loaded: module)
     spec = tmp_path / "clipped.yaml"
-    spec.write_text(
-        NOPE.format(name="clipped", claims="relative: true, unique: true"), encoding="utf-8"
-    )
+    spec.write_text(small_spec_text("clipped", "relative: true, unique: true"), encoding="utf-8")
     report = check_loaded(load_spec(spec), Budget(max_examples=10, span=64))
     verdicts = {o.name: o.verdict for o in report.outcomes}
     assert verdicts["relative"] == "confirmed: holds"
@@ -540,9 +522,7 @@ class _UntiedAbsolute(_ClippedRelativeKeys):
 def test_absolute_scores_are_unique_by_rows_and_columns(monkeypatch, tmp_path) -> None:
     _hand_written(monkeypatch, _UntiedAbsolute)
     spec = tmp_path / "untied.yaml"
-    spec.write_text(
-        NOPE.format(name="untied", claims="unique: true, relative: false"), encoding="utf-8"
-    )
+    spec.write_text(small_spec_text("untied", "unique: true, relative: false"), encoding="utf-8")
     report = check_loaded(
         load_spec(spec), Budget(max_examples=10, span=64), only=["unique", "relative"]
     )
@@ -638,7 +618,7 @@ def test_a_module_that_cannot_be_built_is_an_error_not_a_traceback(
 ) -> None:
     _hand_written(monkeypatch, _Unbuildable)
     spec = tmp_path / "broken.yaml"
-    spec.write_text(NOPE.format(name="broken", claims="relative: true"), encoding="utf-8")
+    spec.write_text(small_spec_text("broken", "relative: true"), encoding="utf-8")
     result = cli("check", spec, "--max-examples", "3")
     assert result.exit_code == 1
     assert "building the module failed: RuntimeError: cannot build" in result.output

@@ -74,7 +74,7 @@ def test_a_near_distance_does_not_hide_an_equal_one(tmp_path: Path) -> None:
     large score (1e6 at d = 200) that made the scan's tolerance loose enough to flag
     near distances first."""
     expr = "where(j - i == 300, -0.0000005, where(j - i == 200, 1000000.0, (j - i) * 0.0000001))"
-    spec = expr_bias_spec(tmp_path, "distance_collision", expr, claims="{unique: true}")
+    spec = expr_bias_spec(tmp_path, "distance_collision", expr, claims="unique: true")
     unique = _verdicts(str(spec), "--only", "unique", "--max-examples", "20")["unique"]
     assert unique["verdict"] == "REFUTED: fails", unique
     assert sorted(unique["counterexample"]["distances"]) == [-5, 300]
