@@ -4,11 +4,15 @@
 (``generated_before``; the modules import their runtime relatively, so the copy is
 self-contained) and times on the CPU, for each encoding, plain SDPA, the module as it
 was at REV and the module in the working tree, taking turns in every repeat (medians
-of repeats), on the ``sdpa`` backend. The two modules share their state (``load_state_dict``) and
-their outputs are checked to agree before timing. Every ratio is time over plain
-``F.scaled_dot_product_attention`` with no position encoding, causal where the row is.
+of repeats), on the ``sdpa`` backend, N queries against N keys (``--queries``: fewer
+queries, the last of the keys, as in a decode step). The two modules share their
+state (``load_state_dict``) and their outputs are checked to agree before timing.
+Every ratio is time over plain ``F.scaled_dot_product_attention`` with no position
+encoding, causal where the row is.
 
     python benchmarks/revisions.py --before HEAD --encodings deberta --modes train
+    python benchmarks/revisions.py --before HEAD --encodings deberta --modes inference \
+        --queries 1 --lengths 4096 --causal yes  # a decode step
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -58,12 +63,24 @@ def generated_at(revision: str, folder: Path) -> dict[str, type[torch.nn.Module]
 
 
 def step(
-    pe: torch.nn.Module | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+    pe: torch.nn.Module | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    inference: bool = False,
 ) -> Callable[[], torch.Tensor]:
-    """One call (``pe`` None: plain SDPA), and its backward where q requires grad."""
+    """One call (``pe`` None: plain SDPA), and its backward where q requires grad; under
+    ``torch.no_grad`` where ``inference``."""
 
     def run() -> torch.Tensor:
-        if pe is None:
+        if inference:
+            with torch.no_grad():
+                return step(pe, q, k, v, causal)()
+        if pe is None and causal and q.shape[2] != k.shape[2]:  # the queries are the last
+            mask = causal_lower_right(q.shape[2], k.shape[2])
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        elif pe is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         else:
             out = pe(q, k, v, causal=causal, backend="sdpa")
@@ -103,22 +120,25 @@ def run(args: argparse.Namespace) -> dict:
                         then = before[name](heads=args.heads, head_dim=args.head_dim)
                         then.load_state_dict(now.state_dict())
                         shape = (args.batch, args.heads, length, args.head_dim)
+                        queries = args.queries or length  # the last ones of the keys
                         train = mode == "train"
-                        q, k, v = (
-                            torch.randn(shape, dtype=dtype, requires_grad=train) for _ in "qkv"
-                        )
+                        k, v = (torch.randn(shape, dtype=dtype, requires_grad=train) for _ in "kv")
+                        q_shape = (args.batch, args.heads, queries, args.head_dim)
+                        q = torch.randn(q_shape, dtype=dtype, requires_grad=train)
                         with torch.no_grad():
                             torch.testing.assert_close(
                                 now(q, k, v, causal=causal, backend="sdpa"),
                                 then(q, k, v, causal=causal, backend="sdpa"),
                             )
-                        calls = [step(pe, q, k, v, causal) for pe in (None, then, now)]
+                        inference = mode == "inference"
+                        calls = [step(pe, q, k, v, causal, inference) for pe in (None, then, now)]
                         base, *medians = interleaved_medians(calls, args.repeats)
                         labels = (args.before, "working tree")
                         for label, seconds in zip(labels, medians, strict=True):
                             row = {
                                 "encoding": name,
                                 "code": label,
+                                "queries": queries,
                                 "n": length,
                                 "causal": causal,
                                 "mode": mode,
@@ -127,7 +147,8 @@ def run(args: argparse.Namespace) -> dict:
                             }
                             rows.append(row)
                             print(
-                                f"{name:>24} {label:>12} N={length} causal={causal!s:5} "
+                                f"{name:>24} {label:>12} queries={queries} N={length} "
+                                f"causal={causal!s:5} "
                                 f"{mode:>7} {row['ratio']:.2f}x",
                                 flush=True,
                             )
@@ -141,14 +162,15 @@ def markdown(report: dict) -> str:
         f"The modules of `{report['before']}` and of the working tree and plain "
         "`F.scaled_dot_product_attention` (no position encoding), taking turns in the same "
         "loop; ratio: median time over the baseline's. `train` is forward plus "
-        "backward into q, k, v and the module's parameters.",
+        "backward into q, k, v and the module's parameters; `inference` is the forward "
+        "under `torch.no_grad()`.",
         "",
-        "| encoding | code | N | causal | mode | ms | ratio |",
-        "|---|---|---|---|---|---|---|",
+        "| encoding | code | queries | N | causal | mode | ms | ratio |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in report["rows"]:
         lines.append(
-            f"| {row['encoding']} | {row['code']} | {row['n']} | "
+            f"| {row['encoding']} | {row['code']} | {row.get('queries', row['n'])} | {row['n']} | "
             f"{'yes' if row['causal'] else 'no'} | {row['mode']} | {row['ms']:.1f} | "
             f"{row['ratio']:.2f} |"
         )
@@ -160,7 +182,9 @@ def main() -> None:
     parser.add_argument("--before", required=True, help="the git revision to compare with")
     parser.add_argument("--encodings", nargs="+", required=True)
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048])
-    parser.add_argument("--modes", nargs="+", choices=["forward", "train"], default=["train"])
+    parser.add_argument(
+        "--modes", nargs="+", choices=["forward", "train", "inference"], default=["train"]
+    )
     parser.add_argument(
         "--causal", nargs="+", type=lambda text: text == "yes", default=[False, True]
     )
@@ -169,6 +193,12 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--queries",
+        type=int,
+        default=None,
+        help="queries per call, the last of the N keys (default N; 1: a decode step)",
+    )
     parser.add_argument("--tag", default="", help="appended to the result file names")
     add_out_argument(parser)
     args = parser.parse_args()

@@ -204,17 +204,18 @@ class Deberta(PositionalAttention):
         """
         n, m = q.shape[2], k.shape[2]
         terms: dict[str, Tensor] = {}
+        kept = self._kept_relative_rows(dtype, q.device)  # compared with the parameters once
         # content_position: q_i . W_k R[index(i - j)]
         index, table_rows = self._relative_layout(
             q_positions, k_positions, n, m, q.device, "query_minus_key"
         )
-        rows = self._reused_relative_rows("key", table_rows, dtype, q.device, RELATIVE_ROWS)
+        rows = self._reused_relative_rows(kept, "key", table_rows, dtype, q.device, RELATIVE_ROWS)
         # the scale goes on the [K, H, D] rows, the smallest tensor of the term
         scores = torch.einsum("bhnd,khd->bhnk", q.to(dtype), rows * self.scale)  # [B, H, N, K]
         term = _gather_rows(scores, index)  # [B, H, N, M]
         terms["content_position"] = term
         # position_content: k_j . W_q R[index(i - j)]
-        rows = self._reused_relative_rows("query", table_rows, dtype, q.device, RELATIVE_ROWS)
+        rows = self._reused_relative_rows(kept, "query", table_rows, dtype, q.device, RELATIVE_ROWS)
         scores = torch.einsum("bhmd,khd->bhmk", k.to(dtype), rows * self.scale)  # [B, H, M, K]
         term = _gather_rows(scores, index.transpose(-1, -2)).transpose(-1, -2)  # [B, H, N, M]
         terms["position_content"] = term
@@ -254,11 +255,12 @@ class Deberta(PositionalAttention):
         """
         n, m = diagonals if diagonals is not None else (q.shape[2], k.shape[2])
         factors: list[RelativeFactors] = []
+        kept = self._kept_relative_rows(dtype, q.device)  # compared with the parameters once
         # content_position: q_i . W_k R[index(i - j)]
         diagonal, table_rows = self._relative_diagonals(n, m, q.device, "query_minus_key", causal)
-        rows = self._reused_relative_rows("key", table_rows, dtype, q.device, RELATIVE_ROWS)
+        rows = self._reused_relative_rows(kept, "key", table_rows, dtype, q.device, RELATIVE_ROWS)
         factors.append(RelativeFactors("query", q.to(dtype), rows, diagonal, self.scale))
         # position_content: k_j . W_q R[index(i - j)]
-        rows = self._reused_relative_rows("query", table_rows, dtype, q.device, RELATIVE_ROWS)
+        rows = self._reused_relative_rows(kept, "query", table_rows, dtype, q.device, RELATIVE_ROWS)
         factors.append(RelativeFactors("key", k.to(dtype), rows, diagonal, self.scale))
         return factors

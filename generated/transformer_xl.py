@@ -202,11 +202,12 @@ class TransformerXl(PositionalAttention):
         """
         n, m = q.shape[2], k.shape[2]
         terms: dict[str, Tensor] = {}
+        kept = self._kept_relative_rows(dtype, q.device)  # compared with the parameters once
         # content_position: q_i . W_R R[index(i - j)]
         index, table_rows = self._relative_layout(
             q_positions, k_positions, n, m, q.device, "query_minus_key"
         )
-        rows = self._reused_relative_rows("relative", table_rows, dtype, q.device, None)
+        rows = self._reused_relative_rows(kept, "relative", table_rows, dtype, q.device, None)
         # the scale goes on the [K, H, D] rows, the smallest tensor of the term
         scores = torch.einsum("bhnd,khd->bhnk", q.to(dtype), rows * self.scale)  # [B, H, N, K]
         if q_positions is None and k_positions is None:
@@ -261,9 +262,10 @@ class TransformerXl(PositionalAttention):
         """
         n, m = diagonals if diagonals is not None else (q.shape[2], k.shape[2])
         factors: list[RelativeFactors] = []
+        kept = self._kept_relative_rows(dtype, q.device)  # compared with the parameters once
         # content_position: q_i . W_R R[index(i - j)]
         diagonal, table_rows = self._relative_diagonals(n, m, q.device, "query_minus_key", causal)
-        rows = self._reused_relative_rows("relative", table_rows, dtype, q.device, None)
+        rows = self._reused_relative_rows(kept, "relative", table_rows, dtype, q.device, None)
         factors.append(RelativeFactors("query", q.to(dtype), rows, diagonal, self.scale))
         # position_position: v_h . W_R R[index(i - j)]
         v = self.r_r_bias.to(dtype)  # [H, D]
@@ -284,7 +286,8 @@ class TransformerXl(PositionalAttention):
         index, table_rows = self._relative_layout(
             q_positions, k_positions, n, m, device, "query_minus_key"
         )
-        rows = self._reused_relative_rows("relative", table_rows, torch.float32, device, None)
+        kept = self._kept_relative_rows(torch.float32, device)  # compared with the parameters once
+        rows = self._reused_relative_rows(kept, "relative", table_rows, torch.float32, device, None)
         term = self._global_position(index, rows, torch.float32)
         return term * self.scale
 

@@ -64,6 +64,22 @@ def test_few_queries_match_eager_with_gradients(
     assert route == [(2, 4, n, 8)]  # the sdpa call took the path
 
 
+@pytest.mark.parametrize("budget", [1, 3000])  # one key at a time; two or three
+@pytest.mark.parametrize(("n", "kv_heads"), [(1, 4), (2, 2)])
+@pytest.mark.parametrize("name", ["bert_relative_key_query", "deberta"])
+def test_key_side_terms_in_chunks_of_keys(
+    name: str, n: int, kv_heads: int, budget: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A key-side term's near keys gathered a few at a time (``KEY_SIDE_CHUNK_BYTES``)
+    give the eager oracle's outputs and gradients, causal or not."""
+    pe = make(name)
+    set_runtime(monkeypatch, "KEY_SIDE_CHUNK_BYTES", {"cpu": budget}, pe)
+    route = spy_query_shapes(monkeypatch, pe, "few_query_inputs")
+    for causal in (False, True):
+        assert_sdpa_matches_eager(pe, n, 30, kv_heads, causal=causal)
+    assert len(route) == 2
+
+
 @pytest.mark.parametrize("name", ["bert_relative_key_query", "deberta", "transformer_xl"])
 def test_few_queries_with_masks(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A window, a boolean and an additive attn_mask, and packed documents go on top of
@@ -159,6 +175,31 @@ def test_a_decode_loop_projects_its_rows_a_few_times(
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
         steps += 1
     assert len(calls) == (2 if name == "deberta" else 3) < steps  # one per projection
+
+
+def test_a_decode_step_compares_the_parameters_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeBERTa reads two kept projections a step (W_k R and W_q R); the parameters are
+    compared with their kept copy once per step, not once per projection."""
+    pe = make("deberta")
+    runtime = pe._kept_relative_rows.__func__.__globals__  # the runtime the module imports
+    compare = runtime["parameters_unchanged"]
+    comparisons: list[int] = []
+
+    def counting(module: torch.nn.Module, snapshot: tuple[torch.Tensor, ...]) -> bool:
+        comparisons.append(1)
+        return bool(compare(module, snapshot))
+
+    monkeypatch.setitem(runtime, "parameters_unchanged", counting)
+    generator = torch.Generator().manual_seed(10)
+    keys, values = (torch.randn(1, 2, 30, 8, generator=generator, dtype=F64) for _ in range(2))
+    fresh = copy.deepcopy(pe)
+    for _ in range(4):
+        q = torch.randn(1, 4, 1, 8, generator=generator, dtype=F64)
+        with torch.no_grad():
+            got = pe(q, keys, values, causal=True, backend="sdpa")
+        want = fresh(q, keys, values, causal=True, backend="eager")
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    assert len(comparisons) == 3  # the first step projects; each later one compares once
 
 
 def test_kept_distances_grow_on_both_sides() -> None:

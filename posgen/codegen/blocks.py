@@ -716,6 +716,12 @@ class RelativePlan(Block):
         return tuple(sorted(names))
 
     @property
+    def keeps_projected_rows(self) -> bool:
+        """Its table is projected, so the rows are kept across calls without gradients
+        (``_kept_relative_rows``)."""
+        return self.table is not None and self.table.projected
+
+    @property
     def shift(self) -> bool:
         """Some term reads default positions through the relative shift."""
         return any(term.relative_shift for term in self.terms)

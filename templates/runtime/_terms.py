@@ -417,33 +417,57 @@ class AttentionTerms(nn.Module):
         Encodings with a relative table override it."""
         raise NotImplementedError("this encoding has no relative table")
 
+    def _kept_relative_rows(
+        self, dtype: torch.dtype, device: torch.device
+    ) -> dict[str, tuple[int, Tensor]] | None:
+        """The projected relative rows kept from earlier calls, checked once for this
+        call: {projection: (first row, block [rows, H, D])}, which this call's
+        ``_reused_relative_rows`` read and extend; None where rows are not kept (under
+        torch.compile, with gradients into the parameters, or ``KEEP_RELATIVE_ROWS`` off).
+
+        Keyed on ``parameter_states`` (an optimizer step, load_state_dict or a new
+        ``.data`` starts afresh) and kept beside a copy of the parameters, compared once
+        here (``parameters_unchanged``: an edit through ``p.data``, which moves no version
+        counter, starts afresh too). A method that reads several projections takes this
+        once, so DeBERTa's two projections cost one comparison per call, not two.
+        """
+        if not KEEP_RELATIVE_ROWS or torch.compiler.is_compiling() or self._trains_terms():
+            return None
+        # blocks made in inference mode cannot enter autograd outside it: kept apart
+        prefix = ("relative_rows", dtype, str(device), torch.is_inference_mode_enabled())
+        versions = parameter_states(self)
+        cached = cache_get(self._cache, (*prefix, versions))
+        if cached is not None and parameters_unchanged(self, cached[1]):
+            return cached[0]
+        for stale in [key for key in self._cache if key[: len(prefix)] == prefix]:
+            del self._cache[stale]  # other parameter versions are never read again
+        kept: dict[str, tuple[int, Tensor]] = {}
+        cache_put(self._cache, (*prefix, versions), (kept, parameter_snapshot(self)))
+        return kept
+
     def _reused_relative_rows(
         self,
+        kept: dict[str, tuple[int, Tensor]] | None,
         projection: str,
         rows: Tensor,
         dtype: torch.dtype,
         device: torch.device,
         table_rows: int | None,
     ) -> Tensor:
-        """``_relative_rows(projection, rows, dtype, device)``, [K, H, D], kept across
-        calls where no gradient reaches the parameters: a decode loop reads the same
-        projected rows every step (projecting Transformer-XL's M sinusoid rows took half
-        of a CPU decode step against 4096 keys, DeBERTa's table a tenth).
+        """``_relative_rows(projection, rows, dtype, device)``, [K, H, D], read from and
+        kept in ``kept`` (``_kept_relative_rows``; None: projected every call): a decode
+        loop reads the same projected rows every step (projecting Transformer-XL's M
+        sinusoid rows took half of a CPU decode step against 4096 keys, DeBERTa's table a
+        tenth).
 
         table_rows: rows are row ids of a table of that many rows (all of them are
         projected once), or None: rows are distances, and the kept block of distances
         grows by doubling to cover each call's (not kept where the distances are sparse,
         as explicit positions far apart give; a range far from the kept block replaces
-        it, so the gap between them is never projected). Keyed on ``parameter_states``
-        (an optimizer step, load_state_dict or a new ``.data`` projects afresh) and
-        kept beside a copy of the parameters that each reuse compares with
-        (``parameters_unchanged``: an edit through ``p.data`` projects afresh too).
-        Eager mode only: under torch.compile, with gradients, or with
-        ``KEEP_RELATIVE_ROWS`` off, the rows are projected every call. Rows in ascending
-        order come back as a view of the kept block: read them, never write into them.
+        it, so the gap between them is never projected). Rows in ascending order come
+        back as a view of the kept block: read them, never write into them.
         """
-        reusable = KEEP_RELATIVE_ROWS and not torch.compiler.is_compiling()
-        if not reusable or self._trains_terms() or rows.numel() == 0:
+        if kept is None or rows.numel() == 0:
             return self._relative_rows(projection, rows, dtype, device)
         low, high = int(rows.min()), int(rows.max())  # a host sync, in eager mode
         in_order = bool((rows.diff() == 1).all())  # low, low + 1, ..., high: a slice
@@ -453,13 +477,8 @@ class AttentionTerms(nn.Module):
             return self._relative_rows(projection, rows, dtype, device)
         else:
             first, last = low, high
-        versions = parameter_states(self)
-        prefix = ("relative_rows", projection, dtype, str(device))
-        cached = cache_get(self._cache, (*prefix, versions))
-        if cached is not None and not parameters_unchanged(self, cached[2]):
-            cached = None  # edited through .data since: project afresh
-        if cached is not None:
-            start, block, _ = cached
+        if projection in kept:
+            start, block = kept[projection]
             stop = start + block.shape[0]
             if start <= first and last < stop:
                 return block[low - start : high + 1 - start] if in_order else block[rows - start]
@@ -471,9 +490,7 @@ class AttentionTerms(nn.Module):
             # else far from it: keep the new range alone (never the gap between them)
         span = torch.arange(first, last + 1, device=rows.device)
         block = self._relative_rows(projection, span, dtype, device)  # [last - first + 1, H, D]
-        for stale in [key for key in self._cache if key[: len(prefix)] == prefix]:
-            del self._cache[stale]  # other parameter versions are never read again
-        cache_put(self._cache, (*prefix, versions), (first, block, parameter_snapshot(self)))
+        kept[projection] = (first, block)
         return block[low - first : high + 1 - first] if in_order else block[rows - first]
 
     def _distance_bias(self, n: int, m: int, device: torch.device) -> Tensor:
