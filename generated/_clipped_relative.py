@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._chunked_flash import Span, cpu_flash_kernel_takes
+from ._chunked_flash import Span, cpu_flash_backward, cpu_flash_forward, cpu_flash_kernel_takes
 from ._masks import accumulated
 from ._terms import RelativeFactors, RelativePart, merged_factors, project_factors
 
@@ -126,9 +126,7 @@ class _ChunkedAttention(torch.autograd.Function):
                 continue
             rows, keys, values = q[:, :, i0:i1], k[:, :, lo:hi], v[:, :, lo:hi]
             chunk_mask = span_mask((i0, i1, lo, hi))
-            chunk_out, chunk_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                rows, keys, values, 0.0, False, attn_mask=chunk_mask, scale=scale
-            )
+            chunk_out, chunk_lse = cpu_flash_forward(rows, keys, values, chunk_mask, scale)
             out[:, :, i0:i1] = chunk_out
             lse[:, :, i0:i1] = chunk_lse
             if weights.numel():
@@ -166,8 +164,8 @@ class _ChunkedAttention(torch.autograd.Function):
                 chunk_out[..., column] = 0.0
             chunk_mask = span_mask((i0, i1, lo, hi))
             if chunk_mask is None:
-                dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                    grad, rows, keys, values, chunk_out, lse[:, :, i0:i1], 0.0, False, scale=scale
+                dq, dk, dv = cpu_flash_backward(
+                    grad, rows, keys, values, chunk_out, lse[:, :, i0:i1], None, scale
                 )
             else:
                 logits = torch.matmul(rows, keys.transpose(-1, -2)).mul_(scale)  # [B, H, C, w]

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from ._chunked_flash import (
+    cpu_flash_forward,
     cpu_flash_kernel_takes,
     flash_chunks_backward,
     flash_chunks_forward,
@@ -183,10 +184,7 @@ class _ClippedBiasAttention(torch.autograd.Function):
 def cpu_flash_triangle(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     """Top-left causal attention of r queries over r keys (query u reads keys <= u) with
     its log-sum-exp, by the CPU FlashAttention kernel: [B, H, r, value_dim], [B, H, r]."""
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, True, scale=scale
-    )
-    return out, lse
+    return cpu_flash_forward(q, k, v, None, scale, causal=True)
 
 
 def clipped_bias_gradient(

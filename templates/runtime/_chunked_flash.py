@@ -57,6 +57,49 @@ def cpu_flash_serves(q: Tensor, v: Tensor) -> bool:
     )
 
 
+def unit_rows(t: Tensor) -> Tensor:
+    """t with unit stride along its last dimension: itself where it has it, else a
+    contiguous copy."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def cpu_flash_forward(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, causal: bool = False
+) -> tuple[Tensor, Tensor]:
+    """softmax(scale q kᵀ + mask) v and each query row's log-sum-exp by the CPU flash
+    kernel, called directly: [B, H, N, value_dim], [B, H, N].
+
+    The kernel reads each row of q, k and v as contiguous features, so they go in with
+    unit stride along the last dimension (``unit_rows``): a transposed view gave wrong
+    outputs, NaN among them. ``F.scaled_dot_product_attention`` makes that copy itself
+    before it calls the kernel.
+    """
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        unit_rows(q), unit_rows(k), unit_rows(v), 0.0, causal, attn_mask=mask, scale=scale
+    )
+    return out, lse
+
+
+def cpu_flash_backward(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    mask: Tensor | None,
+    scale: float,
+    causal: bool = False,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The gradients of ``cpu_flash_forward`` into q, k and v (each dense input with
+    unit stride along its last dimension, as there): dq, dk, dv."""
+    dense = (unit_rows(t) for t in (grad_out, q, k, v, out))
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        *dense, lse, 0.0, causal, attn_mask=mask, scale=scale
+    )
+    return dq, dk, dv
+
+
 def chunked_flash_serves(q: Tensor, k: Tensor, v: Tensor, spans: list[Span]) -> bool:
     """Whether ``chunked_flash_attention`` runs a chunked call: more than one span, a
     training step (a gradient reaches q, k or v), a device in ``CHUNKED_FLASH_DEVICES``
@@ -136,14 +179,12 @@ def flash_chunks_forward(
     out = q.new_empty(q.shape[:-1] + v.shape[-1:])  # [B, H, N, value_dim]
     lse = q.new_empty(q.shape[:-1])  # [B, H, N]
     for i0, i1, lo, hi in spans:
-        chunk_out, chunk_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        chunk_out, chunk_lse = cpu_flash_forward(
             _rows(q, i0, i1, queries_reversed),
             k[:, :, lo:hi],
             v[:, :, lo:hi],
-            0.0,
-            False,
-            attn_mask=flash_mask(mask_of(i0, i1, lo, hi), q.dtype),
-            scale=scale,
+            flash_mask(mask_of(i0, i1, lo, hi), q.dtype),
+            scale,
         )
         out[:, :, i0:i1] = chunk_out.flip(2) if queries_reversed else chunk_out
         lse[:, :, i0:i1] = chunk_lse.flip(-1) if queries_reversed else chunk_lse
@@ -172,17 +213,15 @@ def flash_chunks_backward(
     dk: Tensor | None = None
     dv: Tensor | None = None
     for i0, i1, lo, hi in sorted(spans, key=lambda span: span[2] - span[3]):
-        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grads = cpu_flash_backward(
             _rows(grad_out, i0, i1, queries_reversed),
             _rows(q, i0, i1, queries_reversed),
             k[:, :, lo:hi],
             v[:, :, lo:hi],
             _rows(out, i0, i1, queries_reversed),
             lse[:, :, i0:i1].flip(-1) if queries_reversed else lse[:, :, i0:i1],
-            0.0,
-            False,
-            attn_mask=flash_mask(mask_of(i0, i1, lo, hi), q.dtype),
-            scale=scale,
+            flash_mask(mask_of(i0, i1, lo, hi), q.dtype),
+            scale,
         )
         dq[:, :, i0:i1] = grads[0].flip(2) if queries_reversed else grads[0]
         if dk is None or dv is None:

@@ -20,6 +20,7 @@ from ._chunked_flash import (
     chunked_flash_serves,
     cpu_flash_serves,
     sequence_slices,
+    unit_rows,
 )
 from ._clipped_relative import (
     band_terms,
@@ -100,6 +101,9 @@ class SdpaBackend(AttentionTerms):
     ) -> Tensor:
         """F.scaled_dot_product_attention with the position terms as an additive mask."""
         q, k = self._rotate_for_attention(q, k, q_positions, k_positions, rotated)
+        # the CPU flash kernels called directly read rows as contiguous features: one
+        # copy of a transposed view here, rather than one per chunk (SDPA would copy too)
+        q, k, v = unit_rows(q), unit_rows(k), unit_rows(v)
         if self.has_relative_terms:
             return self._sdpa_relative(
                 q, k, v, q_positions, k_positions, causal, attn_mask, window, document_ids
