@@ -230,6 +230,20 @@ def test_no_queries_or_no_keys_give_zeros_on_every_backend(name: str) -> None:
                 assert tensor.grad is not None and not tensor.grad.any(), (backend, n, m)
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_an_empty_batch_gives_an_empty_output_on_every_backend(name: str) -> None:
+    """Batch 0: an empty [0, heads, N, value_dim] output on every backend (CoPE's flex
+    score_mod once read entry 0 of its empty captured terms), and a backward."""
+    pe = make(name)
+    backends = ["eager", "sdpa", "auto"] + ([] if pe.has_value_term else ["flex"])
+    for backend in backends:
+        q, k, v = (t.requires_grad_() for t in qkv(pe, batch=0, n=3, m=5))
+        out = pe(q, k, v, backend=backend, causal=True)
+        assert out.shape == (0, pe.heads, 3, v.shape[-1]), backend
+        out.sum().backward()
+        assert q.grad is not None and q.grad.shape == q.shape, backend
+
+
 # 6. sparse Transformer-XL distances -----------------------------------------------------
 
 

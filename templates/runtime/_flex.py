@@ -82,7 +82,8 @@ def flex_score_mod(
     per_batch = per_head = per_query = per_key = False
     if added is not None:
         added = added.reshape((1,) * (4 - added.dim()) + tuple(added.shape))  # 4 dims
-        per_batch, per_head, per_query, per_key = (size > 1 for size in added.shape)
+        # a dimension of size 0 is indexed too: index 0 would be out of range
+        per_batch, per_head, per_query, per_key = (size != 1 for size in added.shape)
 
     def score_mod(score: Tensor, b: Tensor, h: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
         if vec is not None:
