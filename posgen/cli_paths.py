@@ -81,6 +81,10 @@ def spec_files(arguments: Sequence[Path], catalogue: bool = True) -> list[Path]:
         shown = ", ".join(str(p) for p in named)
         raise UsageError(f"no spec files (*.yaml or *.yml) found in {shown}")
     for path in paths:
+        if path.is_symlink() and not path.exists():
+            raise UsageError(
+                f"cannot read spec file {path}: a symbolic link to nothing (dangling, or a loop)"
+            )
         if not path.exists():
             raise UsageError(f"no such spec file: {path}")
     return paths

@@ -142,6 +142,31 @@ def test_a_symlinked_spec_is_named_by_the_link_not_its_target(
     assert (tmp_path / "out" / "rope.py").read_bytes() == generated.read_bytes()
 
 
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["validate", "specs"],
+        ["generate", "specs/alibi.yaml", "--out", "out"],
+        ["check", "specs/alibi.yaml"],
+        ["list", "--specs", "specs"],
+        ["plot", "specs/alibi.yaml"],
+    ],
+)
+def test_a_symbolic_link_loop_is_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: list[str]
+) -> None:
+    """specs/alibi.yaml linking to itself: exit 2, the link named as unreadable, no
+    traceback, nothing written (Path.resolve raised RuntimeError on the loop)."""
+    (tmp_path / "specs").mkdir()
+    (tmp_path / "specs" / "alibi.yaml").symlink_to("alibi.yaml")
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, command)
+    assert result.exit_code == 2, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert "specs/alibi.yaml" in result.output and "symbolic link" in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["specs"]
+
+
 @pytest.mark.parametrize("invisible", ["\u200b", "\ufeff", "\u00ad", "\u2062", "\U000e0041"])
 def test_free_text_refuses_invisible_characters(tmp_path: Path, invisible: str) -> None:
     """A title that shows as 'ALiBi bias' but holds an invisible character is refused

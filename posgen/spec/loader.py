@@ -238,11 +238,18 @@ def expand_spec_paths(arguments: Sequence[Path]) -> list[Path]:
 
 
 def unique_paths(paths: Iterable[Path]) -> list[Path]:
-    """``paths`` without repeats of the same file (compared resolved), first-seen order."""
+    """``paths`` without repeats of the same file (compared resolved), first-seen order.
+
+    A path that cannot be resolved (a symbolic-link loop) is kept as named: reading it
+    then reports the file as unreadable, as for any other spec that cannot be read.
+    """
     seen: set[Path] = set()
     unique: list[Path] = []
     for path in paths:
-        key = path.resolve()
+        try:
+            key = path.resolve()
+        except (OSError, RuntimeError):  # RuntimeError: a loop, before Python 3.13
+            key = path.absolute()
         if key not in seen:
             seen.add(key)
             unique.append(path)
