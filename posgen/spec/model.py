@@ -1121,12 +1121,14 @@ class ExprBias(SpecModel):
                 not PARAM_NAME.fullmatch(name)
                 or name in RESERVED_PARAM_NAMES
                 or keyword.iskeyword(name)
+                or keyword.issoftkeyword(name)
+                or hasattr(builtins, name)  # a local of that name would hide the builtin
             ):
                 raise cross_field_error(
                     "params",
                     f"parameter name {quoted(name)} must be lower-case letters, digits and "
                     "underscores (at most 31, starting with a letter), and not i, j, h, a "
-                    "function name or a Python keyword",
+                    "function name, a Python keyword or a Python builtin (type, len, ...)",
                 )
         infos = {name: ParamInfo(per_head=param.per_head) for name, param in self.params.items()}
         try:
