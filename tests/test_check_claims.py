@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from click.testing import CliRunner
 
@@ -78,6 +79,29 @@ def test_a_near_distance_does_not_hide_an_equal_one(tmp_path: Path) -> None:
     unique = _verdicts(str(spec), "--only", "unique", "--max-examples", "20")["unique"]
     assert unique["verdict"] == "REFUTED: fails", unique
     assert sorted(unique["counterexample"]["distances"]) == [-5, 300]
+
+
+@pytest.mark.parametrize(
+    ("name", "expr", "claim", "found"),
+    [
+        # NaN past position 1000: a shift there changes the logits from finite to NaN
+        ("nan_when_shifted", "-abs(i - j) + where(i > 1000, log(0 - i), 0)", "relative", None),
+        # every distance past 100 scores NaN
+        ("nan_far_distances", "where(abs(i - j) > 100, log(0 - i - 1), j - i)", "unique", 101),
+        # every position scores +inf (10**10**10 overflows float64)
+        ("infinite_everywhere", "i + 10**10**10", "unique", None),
+    ],
+)
+def test_non_finite_scores_refute_a_claim(
+    tmp_path: Path, name: str, expr: str, claim: str, found: int | None
+) -> None:
+    """NaN compares unequal to everything (a shift's |Δ| of NaN was not > tol) and +inf
+    minus +inf is NaN (no gap was ever <= tol): such scores confirmed false claims."""
+    spec = expr_bias_spec(tmp_path, name, expr, claims=f"{claim}: true")
+    verdict = _verdicts(str(spec), "--only", claim, "--max-examples", "30")[claim]
+    assert verdict["verdict"] == "REFUTED: fails", verdict
+    if found is not None:  # the non-finite distance nearest 0, found by the scan
+        assert verdict["counterexample"]["distances"] == [found]
 
 
 def test_a_shift_past_longropes_switch_refutes_a_relative_claim(tmp_path: Path) -> None:

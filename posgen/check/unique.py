@@ -164,6 +164,14 @@ def _score_rows_and_columns(probe: Probe, span: int) -> _Compared:
 
     def check(example: Pair) -> float:
         m, n = example
+        for position in (m, n):
+            rows = (scores[:, position, :], scores[:, :, position])
+            if not all(bool(torch.isfinite(part).all()) for part in rows):
+                raise Violation(
+                    f"position {position} gets position scores that are not finite (NaN "
+                    "or inf), as a query or as a key: they tell no position apart",
+                    positions=[position],
+                )
         gap = max(
             float((scores[:, m, :] - scores[:, n, :]).abs().max()),
             float((scores[:, :, m] - scores[:, :, n]).abs().max()),
@@ -271,6 +279,18 @@ def unique_distances(probe: Probe) -> tuple[Search, str]:
         i1, i2 = sorted(example, key=lambda i: distances[i])
         d1, d2 = distances[i1], distances[i2]
         a, b = row[:, i1], row[:, i2]
+        for distance, scores in ((d1, a), (d2, b)):
+            if not bool(torch.isfinite(scores).all()):  # NaN or inf tells nothing apart
+                raise Violation(
+                    f"distance k - q = {distance} gets a position score that is not finite "
+                    f"({fmt(float(scores[~torch.isfinite(scores)][0]))}; e.g. query "
+                    f"{reach}, key {reach + distance})",
+                    rank=abs(distance),
+                    distances=[distance],
+                    query=reach,
+                    keys=[reach + distance],
+                    values=[scores.tolist()],
+                )
         gap = float((a - b).abs().max())
         size = max(float(scale[i1]), float(scale[i2]))
         if gap <= 1e-12 * size:  # relative: a tiny table is not a collision
@@ -314,6 +334,11 @@ def _first_repeat(row: Tensor) -> Callable[[], Iterable[Pair]]:
     """
 
     def scan() -> Iterable[Pair]:
+        unfinished = (~torch.isfinite(row)).any(dim=0).nonzero()  # [bad, 1], ordered by |d|
+        if unfinished.numel():  # the non-finite score nearest distance 0 (the check refutes it)
+            bad = int(unfinished[0])
+            yield (bad, bad + 1) if bad + 1 < row.shape[1] else (bad - 1, bad)
+            return
         scale = row.abs().amax(dim=0)  # [D]
         loose = 1e-12 * float(scale.max())
         distinct = [scores.unique().numel() for scores in row.unbind(0)]
