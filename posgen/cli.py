@@ -32,8 +32,10 @@ from posgen.cli_paths import (
 )
 from posgen.cli_standalone import generate_standalone
 from posgen.codegen.writing import (
+    NotOurs,
     OutputError,
     compare,
+    is_generated,
     render_tree,
     unified_diff,
     write_atomically,
@@ -123,8 +125,15 @@ def generate(
 
 
 def _report_drift(out_dir: Path, tree: dict[str, str], full: bool, show_diff: bool) -> None:
-    """``generate --check`` / ``--diff``: print the drift and exit (0 clean, 1 drifted)."""
+    """``generate --check`` / ``--diff``: print the drift and exit (0 clean, 1 drifted).
+
+    A file in the way that posgen did not write is no drift that ``posgen generate``
+    would fix (it refuses to replace the file): that is an error, exit 2, as there.
+    """
     drift = compare(out_dir, tree, prune=full)
+    blocking = [name for name in drift.changed if not is_generated(out_dir / name)]
+    if blocking:
+        raise NotOurs(out_dir / blocking[0])
     if show_diff:
         say(unified_diff(out_dir, tree, drift), nl=False)
     if drift.clean:

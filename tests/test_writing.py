@@ -94,6 +94,23 @@ def test_generate_refuses_to_overwrite_a_file_it_did_not_write(
     assert snapshot(out) == before, "something was written or removed"
 
 
+@pytest.mark.parametrize("mode", ["--check", "--diff"])
+def test_check_names_a_file_it_did_not_write_as_an_error_not_drift(
+    tree: dict[str, str], tmp_path: Path, mode: str
+) -> None:
+    """--check and --diff said "changed: rope.py ... run `posgen generate`" for a file
+    that generate then refuses to replace: they report it as generate does, exit 2."""
+    out = tmp_path / "out"
+    full_copy(tree, out)
+    (out / "rope.py").write_text("MY_OWN = 1\n")
+    before = snapshot(out)
+    result = invoke("generate", str(SPECS), "--out", str(out), mode)
+    assert result.exit_code == 2, result.output
+    one_error_line(result, str(out / "rope.py"), "not written by posgen")
+    assert "changed" not in result.stdout and "MY_OWN" not in result.stdout
+    assert snapshot(out) == before
+
+
 def test_a_dangling_symlink_where_a_module_goes_is_not_replaced(tmp_path: Path) -> None:
     """A link posgen did not make stays, even to a missing file: exit 2 naming it,
     nothing written (it was replaced and reported as created)."""
