@@ -104,6 +104,22 @@ def test_non_finite_scores_refute_a_claim(
         assert verdict["counterexample"]["distances"] == [found]
 
 
+@pytest.mark.parametrize("name", ["rope_dynamic_ntk", "fire"])
+def test_a_small_budget_still_tries_far_shifts(tmp_path: Path, name: str) -> None:
+    """Ten random examples may draw no far shift (seed 0 drew none): the fixed shifts,
+    powers of two up to the far reach, refute a false relative claim whatever the budget."""
+    text = (SPECS / f"{name}.yaml").read_text(encoding="utf-8")
+    head, _, _ = text.partition("\nclaims:")
+    spec = tmp_path / f"{name}.yaml"
+    spec.write_text(head + "\nclaims: {relative: true}\n", encoding="utf-8")
+    result = CliRunner().invoke(
+        main,
+        ["check", "--json", "--seed", "0", str(spec), "--only", "relative", "--max-examples", "10"],
+    )
+    (record,) = json.loads(result.stdout)["specs"][0]["properties"]
+    assert record["verdict"] == "REFUTED: fails", record
+
+
 def test_a_shift_past_longropes_switch_refutes_a_relative_claim(tmp_path: Path) -> None:
     """LongRoPE takes long_factor once a call's largest position passes
     original_max_positions (4096): the logits of a pair shifted past it change."""

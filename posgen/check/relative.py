@@ -4,16 +4,18 @@ hypothesis draws a few query and key positions in the first half of the span, a 
 c ≥ 1 (up to half the span, or far: past four times every length the spec states,
 ``original_max_positions`` of a rope scaling included, at least to 2^16, at most 2^24,
 and never past a table) and a seed for random content (projected q and k, or token
-embeddings through embed on the input route); the float64 logits at the shifted
-positions must equal the unshifted ones within a tolerance that grows with the largest
-position (NaN logits, or an infinite one that the shift changes, refute it). The
-input route needs explicit positions (an embed that only takes the
+embeddings through embed on the input route); then every run tries the same fixed
+shifts, each power of two up to the far reach (``fixed_shifts``). The float64 logits
+at the shifted positions must equal the unshifted ones within a tolerance that grows
+with the largest position (NaN logits, or an infinite one that the shift changes,
+refute it). The input route needs explicit positions (an embed that only takes the
 default ones makes it n/a).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 
 import torch
 from hypothesis import strategies as st
@@ -61,7 +63,7 @@ def relative(probe: Probe, claimed: bool | None) -> Outcome:
     def check(example: Example) -> float:
         return _shifted_logits_agree(probe, example)
 
-    search = run_search(check, examples(), probe.budget)
+    search = run_search(check, examples(), probe.budget, fixed_shifts(limit, reach))
     if search.violation is not None:
         return failed("relative", "claim", claimed, search)
     return Outcome(
@@ -69,9 +71,28 @@ def relative(probe: Probe, claimed: bool | None) -> Outcome:
         "claim",
         claimed,
         True,
-        f"logits unchanged under {search.examples} random shifts (c ≤ {limit}, and far "
-        f"ones up to {reach}) of random content, float64",
+        f"logits unchanged under {search.examples} shifts of random content, float64: "
+        f"random ones (c ≤ {limit}, and far ones up to {reach}) and c = 1, 2, 4, … "
+        f"{reach}",
     )
+
+
+def fixed_shifts(limit: int, reach: int) -> Callable[[], Iterable[Example]]:
+    """The examples every run tries after the random ones, whatever its budget: the
+    queries at 0 and limit - 1 against keys at 0, limit / 2 and limit - 1, shifted by
+    every power of two up to ``reach`` and by ``reach`` itself (a budget of a few
+    random examples may draw no far shift, and a switch such as LongRoPE's at 4096
+    shows only past it)."""
+
+    def scan() -> Iterable[Example]:
+        queries, keys = sorted({0, limit - 1}), sorted({0, limit // 2, limit - 1})
+        shift = 1
+        while shift < reach:
+            yield queries, keys, shift, 0
+            shift *= 2
+        yield queries, keys, reach, 0
+
+    return scan
 
 
 def _shifted_logits_agree(probe: Probe, example: Example) -> float:
