@@ -231,6 +231,9 @@ def test_diff_against_a_file_that_is_not_utf8(tree: dict[str, str], tmp_path: Pa
     assert result.exit_code == 1  # drift, as the contract says
     assert f"a/{tmp_path.name}/t5.py: not UTF-8 text, differs" in result.stdout
     assert "changed: t5.py" in result.stdout
+    # its header makes it posgen's (bytes past it are not read as text): replaced
+    assert invoke("generate", str(SPECS), "--out", str(tmp_path)).exit_code == 0
+    assert (tmp_path / "t5.py").read_text(encoding="utf-8") == tree["t5.py"]
 
 
 def test_an_unwritable_out_writes_nothing_and_says_which_file(

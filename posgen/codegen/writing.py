@@ -101,11 +101,15 @@ class Drift:
 
 
 def is_generated(path: Path) -> bool:
-    """Whether a file carries the posgen header (only such files are ever replaced or removed)."""
+    """Whether a file carries the posgen header (only such files are ever replaced or removed).
+
+    Its first bytes are compared, so bytes past the header that are not UTF-8 (a
+    damaged generated module) leave it posgen's, to be replaced."""
+    marker = GENERATED_MARKER.encode("utf-8")
     try:
-        with path.open("r", encoding="utf-8") as handle:
-            return handle.readline().startswith(GENERATED_MARKER)
-    except (OSError, UnicodeDecodeError):
+        with path.open("rb") as handle:
+            return handle.read(len(marker)) == marker
+    except OSError:
         return False
 
 
