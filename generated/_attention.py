@@ -178,6 +178,11 @@ class PositionalAttention(SdpaBackend, FlexBackend):
         check_flag(keys_rotated, "keys_rotated")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if backend == "flex" and self.has_value_term:  # refused for every shape, empty too
+            raise ValueError(
+                'backend="flex" cannot add a value-side term (it needs the attention '
+                'weights): use backend="eager" or "auto"'
+            )
         window = check_window(window)
         q, k, q_positions, k_positions, rotated = self._positions_and_axes(
             q, k, q_positions, k_positions, "keys" if keys_rotated else "none"

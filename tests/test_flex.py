@@ -51,6 +51,17 @@ POSITIONS = {
 }
 
 
+@pytest.mark.parametrize(("batch", "n", "m"), [(2, 0, 7), (2, 0, 0), (0, 5, 7)])
+def test_flex_refuses_a_value_term_whatever_the_shape(batch: int, n: int, m: int) -> None:
+    """Shaw's value term needs the weights: flex refuses it for empty inputs as well,
+    which every backend otherwise answers without attending."""
+    pe = _make("shaw")
+    q, k, v = _inputs(pe, batch=batch, n=n, m=m)
+    with pytest.raises(ValueError, match='backend="flex" cannot add a value-side term'):
+        pe(q, k, v, backend="flex")
+    assert pe(q, k, v, backend="sdpa").shape == (batch, pe.heads, n, v.shape[-1])
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_flex_matches_eager_outputs_and_gradients(name: str) -> None:
     pe = _make(name)

@@ -95,13 +95,8 @@ class FlexBackend(AttentionTerms):
         FUSED_DISTANCE_ROUTES lists the device for its form); otherwise it is computed
         per score (``_flex_bias``) or read from its [H, N + M - 1] vector (O(N + M)
         memory); other position terms are captured as the tensor the sdpa backend
-        would add. Value-side terms need the weights and are refused.
+        would add. Value-side terms need the weights: ``_attend`` refuses them.
         """
-        if self.has_value_term:
-            raise ValueError(
-                'backend="flex" cannot add a value-side term (it needs the attention '
-                'weights): use backend="eager" or "auto"'
-            )
         q, k = self._rotate_for_attention(q, k, q_positions, k_positions, rotated)
         n, m = q.shape[2], k.shape[2]
         dtype = compute_dtype(q)
