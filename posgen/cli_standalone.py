@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import keyword
 import sys
 from pathlib import Path
 
@@ -10,6 +11,7 @@ from posgen.cli_paths import DEFAULT_OUT
 from posgen.codegen.render import render_standalone
 from posgen.codegen.writing import NotOurs, compare, plan_for, unified_diff, write_file
 from posgen.spec.loader import LoadedSpec
+from posgen.spec.model import RESERVED_MODULE_NAMES
 
 
 def generate_standalone(
@@ -26,6 +28,7 @@ def generate_standalone(
         raise UsageError(f"--standalone: no spec named {name!r}; known: {known}")
     if out == DEFAULT_OUT or out.is_dir() or out.suffix != ".py":
         raise UsageError(f"--standalone needs --out FILE.py (a file, not a folder), got {out}")
+    _check_module_name(out)
     source = render_standalone(plan_for(chosen[0]))
     if dry:
         _report_drift(out, source, show_diff)
@@ -34,6 +37,22 @@ def generate_standalone(
     except NotOurs:
         raise UsageError(f"{out} exists and was not written by posgen; not overwriting") from None
     say(f"{out}: {'written' if written else 'up to date'} (standalone {name}).")
+
+
+def _check_module_name(out: Path) -> None:
+    """The file is imported by its stem: refuse one Python cannot import by name, or one
+    that would shadow a standard-library or required module beside the user's code."""
+    stem = out.stem
+    if not stem.isidentifier() or keyword.iskeyword(stem):
+        raise UsageError(
+            f"--out {out}: {stem!r} is not a name Python can import; name the file as its "
+            "module, e.g. t5_attention.py"
+        )
+    if stem in RESERVED_MODULE_NAMES:
+        raise UsageError(
+            f"--out {out}: a module named {stem!r} would shadow the standard-library or "
+            "required module of that name; choose another name"
+        )
 
 
 def _report_drift(out: Path, source: str, show_diff: bool) -> None:

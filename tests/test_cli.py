@@ -191,6 +191,27 @@ def test_schema_help_says_what_it_replaces(run) -> None:
     assert "replaced only when it already holds a JSON Schema of posgen's spec format" in shown
 
 
+@pytest.mark.parametrize(
+    ("file_name", "says"),
+    [
+        ("torch.py", "would shadow the standard-library or required module"),
+        ("json.py", "would shadow the standard-library or required module"),
+        ("t5-attention.py", "is not a name Python can import"),
+        ("class.py", "is not a name Python can import"),
+    ],
+)
+def test_standalone_refuses_a_file_that_cannot_be_imported_as_itself(
+    run, tmp_path, file_name: str, says: str
+) -> None:
+    """The standalone file is imported by its name: one that would shadow a module or
+    that ``import`` cannot name is a usage error (exit 2), and nothing is written."""
+    out = tmp_path / file_name
+    result = run("generate", "--standalone", "alibi", "--out", str(out))
+    assert result.exit_code == 2
+    assert says in result.output and "Traceback" not in result.output
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_standalone_diff_prints_the_unified_diff(run, tmp_path) -> None:
     out = tmp_path / "alibi_attention.py"
     assert run("generate", "--standalone", "alibi", "--out", str(out)).exit_code == 0
