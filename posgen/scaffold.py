@@ -83,7 +83,13 @@ def scaffold_text(name: str, source: Path | None) -> str:
 
 
 def write_scaffold(name: str, out: Path, source: Path | None) -> Path:
-    """Validate the new spec's text, then create ``out`` with it (never over a file)."""
+    """Validate the new spec's text, then create ``out`` with it (never over a file).
+    Raises ScaffoldError first where ``out`` is no file name for the spec ``name``."""
+    if out.stem != name or out.suffix not in SPEC_SUFFIXES:
+        raise ScaffoldError(
+            f"--out {out}: spec {name!r} goes in a file named {name}.yaml or {name}.yml "
+            "(a spec's name is its file's name)"
+        )
     return write_new_spec(scaffold_text(name, source), out)
 
 

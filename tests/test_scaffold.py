@@ -82,3 +82,16 @@ def test_a_renamed_copy_takes_the_name_literally(tmp_path: Path) -> None:
 
     text = scaffold_text("a\\1\\g<0>", SPECS / "alibi.yaml")
     assert "\nname: a\\1\\g<0>\n" in text
+
+
+@pytest.mark.parametrize("out", ["other.yaml", "my_idea.txt", "sub/My_idea.yaml"])
+def test_out_must_be_the_spec_file_of_name(runner: CliRunner, tmp_path: Path, out: str) -> None:
+    """A spec's name is its file's name, so ``--out`` of another name is a usage error
+    that says which file the spec goes in (not a diagnostic in a file never written)."""
+    result = runner.invoke(main, ["new", "my_idea", "--out", out])
+    assert result.exit_code == 2
+    assert f"--out {out}: spec 'my_idea' goes in a file named my_idea.yaml" in result.output
+    assert list(tmp_path.iterdir()) == []
+    written = runner.invoke(main, ["new", "my_idea", "--out", "sub/my_idea.yml"])
+    assert written.exit_code == 0, written.output
+    assert load_spec(tmp_path / "sub" / "my_idea.yml").spec.name == "my_idea"

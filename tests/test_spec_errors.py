@@ -119,7 +119,7 @@ def test_a_spec_whose_file_is_not_name_dot_yaml_is_refused_before_generation(
         assert result.exception is None or isinstance(result.exception, SystemExit)
         assert ":2:7: name: " in result.output or ":1:7: name: " in result.output
         if name_field == "alibi":  # the name is right, the suffix is not
-            assert "(expected 'alibi.yaml')" in result.output
+            assert "(rename the file 'alibi.yaml')" in result.output
         assert not out.exists()
 
 

@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 
 from posgen.spec.diagnostics import Diagnostic, SpecError, closest_name, dotted_path, quoted
-from posgen.spec.model import Spec, kind_tags, kinds_at
+from posgen.spec.model import Spec, is_spec_name, kind_tags, kinds_at
 from posgen.spec.names import class_name_for
 from posgen.spec.yaml_source import (
     MAX_NESTING,
@@ -97,10 +97,14 @@ def load_spec(path: Path) -> LoadedSpec:
         raise SpecError(_diagnostics(error, loaded, shown)) from None
     if spec.name != path.stem or path.suffix not in SPEC_SUFFIXES:
         line, col = loaded.position_of(("name",))
-        expected = f"{spec.name}.yaml" if spec.name == path.stem else path.stem
+        renamed = quoted(f"{spec.name}.yaml")
+        if spec.name == path.stem or not is_spec_name(path.stem):
+            fix = f"rename the file {renamed}"
+        else:
+            fix = f"set name: {path.stem}, or rename the file {renamed}"
         message = (
             f"name {spec.name!r} must match the file name {quoted(path.name)}: a spec file "
-            f"is NAME.yaml or NAME.yml (expected {quoted(expected)})"
+            f"is NAME.yaml or NAME.yml ({fix})"
         )
         raise SpecError([Diagnostic(shown, line, col, "name", message)])
     return LoadedSpec(

@@ -59,6 +59,12 @@ MODULE_NAME = re.compile(r"[a-z][a-z0-9]*(_[a-z0-9]+)*")  # fullmatch
 # Names a generated module must not take: copied beside other code, it would shadow them.
 RESERVED_MODULE_NAMES = frozenset(sys.stdlib_module_names) | {"torch", "posgen", "generated"}
 
+
+def is_spec_name(name: str) -> bool:
+    """Whether ``name`` passes the ``name`` field's checks (form, reserved names)."""
+    valid_form = MODULE_NAME.fullmatch(name) is not None
+    return valid_form and name not in RESERVED_MODULE_NAMES and reserved_name_problem(name) is None
+
 MAX_TABLE_ROWS = 1 << 21
 # Every trained table (and projection of one) a spec's defaults create holds at most this
 # many floats (512 MiB in float32), whatever its rows and width: a module's memory is
