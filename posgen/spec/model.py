@@ -65,6 +65,7 @@ def is_spec_name(name: str) -> bool:
     valid_form = MODULE_NAME.fullmatch(name) is not None
     return valid_form and name not in RESERVED_MODULE_NAMES and reserved_name_problem(name) is None
 
+
 MAX_TABLE_ROWS = 1 << 21
 # Every trained table (and projection of one) a spec's defaults create holds at most this
 # many floats (512 MiB in float32), whatever its rows and width: a module's memory is
