@@ -350,9 +350,21 @@ def runtime_setting(backend: str, setting: object, device: torch.device) -> Iter
     """The runtime with one swept setting in place: flex's kernel options (a dict, {} for
     FlexAttention's defaults) or sdpa's queries per call on ``device`` ("none": one call;
     long sequences then get no longer chunks, ``SDPA_LONG_QUERY_CHUNK``); None leaves
-    the runtime as it is."""
+    the runtime as it is; ("mask", MiB): the bytes a chunk's own mask may take
+    (``SDPA_MASK_CHUNK_BYTES``, "none": no cap)."""
     if setting is None:
         yield
+    elif isinstance(setting, tuple):
+        budgets = masks.SDPA_MASK_CHUNK_BYTES
+        before_budget = budgets.pop(device.type, None)
+        if setting[1] != "none":
+            budgets[device.type] = int(float(setting[1]) * (1 << 20))
+        try:
+            yield
+        finally:
+            budgets.pop(device.type, None)
+            if before_budget is not None:
+                budgets[device.type] = before_budget
     elif backend == "flex":
         chosen = flex_runtime.flex_kernel_options
         flex_runtime.flex_kernel_options = lambda q, has_score_mod: setting or None
@@ -894,6 +906,13 @@ def main() -> None:
         help='flex kernel options to compare, as JSON ("{}" = FlexAttention defaults)',
     )
     parser.add_argument(
+        "--mask-chunk-mib",
+        nargs="+",
+        default=[],
+        help="sdpa: the MiB a query chunk's own mask may take to compare "
+        '(masks.SDPA_MASK_CHUNK_BYTES; "none": no cap, chunks of SDPA_QUERY_CHUNK)',
+    )
+    parser.add_argument(
         "--query-chunks",
         nargs="+",
         default=[],
@@ -1008,6 +1027,8 @@ def main() -> None:
     args.causal = {"yes": [True], "no": [False], "both": [False, True]}[args.causal]
     args.flex_options = {text: json.loads(text) for text in args.flex_options}
     args.query_chunks = {f"chunk {text}": text for text in args.query_chunks}
+    for text in args.mask_chunk_mib:  # swept beside the chunk sizes
+        args.query_chunks[f"mask chunks {text} MiB"] = ("mask", text)
     # every shape, mask and score_mod is one compilation of flex_attention
     torch._dynamo.config.recompile_limit = flex_runtime.FLEX_RECOMPILE_LIMIT
     report = run(args)

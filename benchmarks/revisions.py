@@ -13,6 +13,7 @@ encoding, causal where the row is.
     python benchmarks/revisions.py --before HEAD --encodings deberta --modes train
     python benchmarks/revisions.py --before HEAD --encodings deberta --modes inference \
         --queries 1 --lengths 4096 --causal yes  # a decode step
+    python benchmarks/revisions.py --before HEAD --encodings alibi t5 --position-stride 2
 """
 
 from __future__ import annotations
@@ -69,21 +70,22 @@ def step(
     v: torch.Tensor,
     causal: bool,
     inference: bool = False,
+    positions: dict[str, torch.Tensor] | None = None,
 ) -> Callable[[], torch.Tensor]:
     """One call (``pe`` None: plain SDPA), and its backward where q requires grad; under
-    ``torch.no_grad`` where ``inference``."""
+    ``torch.no_grad`` where ``inference``; the module at ``positions`` where given."""
 
     def run() -> torch.Tensor:
         if inference:
             with torch.no_grad():
-                return step(pe, q, k, v, causal)()
+                return step(pe, q, k, v, causal, positions=positions)()
         if pe is None and causal and q.shape[2] != k.shape[2]:  # the queries are the last
             mask = causal_lower_right(q.shape[2], k.shape[2])
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         elif pe is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         else:
-            out = pe(q, k, v, causal=causal, backend="sdpa")
+            out = pe(q, k, v, causal=causal, backend="sdpa", **(positions or {}))
         if q.requires_grad:
             out.square().sum().backward()
         return out
@@ -125,13 +127,19 @@ def run(args: argparse.Namespace) -> dict:
                         k, v = (torch.randn(shape, dtype=dtype, requires_grad=train) for _ in "kv")
                         q_shape = (args.batch, args.heads, queries, args.head_dim)
                         q = torch.randn(q_shape, dtype=dtype, requires_grad=train)
+                        given = {}
+                        if args.position_stride is not None:  # increasing, as is the mask
+                            keys = args.position_stride * torch.arange(length) + 5
+                            given = {"q_positions": keys[length - queries :], "k_positions": keys}
                         with torch.no_grad():
                             torch.testing.assert_close(
-                                now(q, k, v, causal=causal, backend="sdpa"),
-                                then(q, k, v, causal=causal, backend="sdpa"),
+                                now(q, k, v, causal=causal, backend="sdpa", **given),
+                                then(q, k, v, causal=causal, backend="sdpa", **given),
                             )
                         inference = mode == "inference"
-                        calls = [step(pe, q, k, v, causal, inference) for pe in (None, then, now)]
+                        calls = [
+                            step(pe, q, k, v, causal, inference, given) for pe in (None, then, now)
+                        ]
                         base, *medians = interleaved_medians(calls, args.repeats)
                         labels = (args.before, "working tree")
                         for label, seconds in zip(labels, medians, strict=True):
@@ -142,6 +150,7 @@ def run(args: argparse.Namespace) -> dict:
                                 "n": length,
                                 "causal": causal,
                                 "mode": mode,
+                                "position_stride": args.position_stride,
                                 "ms": seconds * 1e3,
                                 "ratio": seconds / base,
                             }
@@ -152,7 +161,8 @@ def run(args: argparse.Namespace) -> dict:
                                 f"{mode:>7} {row['ratio']:.2f}x",
                                 flush=True,
                             )
-    return {**report_header(args, device), "before": args.before, "rows": rows}
+    header = report_header(args, device)
+    return {**header, "before": args.before, "position_stride": args.position_stride, "rows": rows}
 
 
 def markdown(report: dict) -> str:
@@ -163,7 +173,13 @@ def markdown(report: dict) -> str:
         "`F.scaled_dot_product_attention` (no position encoding), taking turns in the same "
         "loop; ratio: median time over the baseline's. `train` is forward plus "
         "backward into q, k, v and the module's parameters; `inference` is the forward "
-        "under `torch.no_grad()`.",
+        "under `torch.no_grad()`."
+        + (
+            f" Positions given explicitly: key j at {report['position_stride']} j + 5, the "
+            "queries at the last keys' positions."
+            if report.get("position_stride") is not None
+            else ""
+        ),
         "",
         "| encoding | code | queries | N | causal | mode | ms | ratio |",
         "|---|---|---|---|---|---|---|---|",
@@ -198,6 +214,12 @@ def main() -> None:
         type=int,
         default=None,
         help="queries per call, the last of the N keys (default N; 1: a decode step)",
+    )
+    parser.add_argument(
+        "--position-stride",
+        type=int,
+        default=None,
+        help="give positions explicitly, keys S j + 5 (no shift of the defaults where S > 1)",
     )
     parser.add_argument("--tag", default="", help="appended to the result file names")
     add_out_argument(parser)
