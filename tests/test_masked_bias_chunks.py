@@ -65,6 +65,42 @@ def test_chunks_of_a_bias_per_pair_match_eager(
     assert spans == [3]  # one call, in three spans
 
 
+@pytest.mark.parametrize(
+    ("case", "budget_rows", "min_rows", "chunk_rows"),
+    [
+        ("explicit positions", 3, 1, 3),  # a row of [1, H, 1, M]: three rows fit
+        ("batched positions", 3, 1, 1),  # a row of [B, H, 1, M], B = 2: one fits
+        ("explicit positions", 1, 2, 2),  # never fewer than the least rows
+    ],
+)
+def test_chunks_whose_masks_are_their_own_fit_the_byte_budget(
+    case: str, budget_rows: int, min_rows: int, chunk_rows: int, monkeypatch
+) -> None:
+    """Each chunk of queries builds its own bias, so chunks are cut to queries whose
+    float64 mask rows (heads x keys x 8 bytes, times the batch where positions are
+    batched) fit ``SDPA_MASK_CHUNK_BYTES``, never below ``SDPA_MASK_CHUNK_MIN_ROWS``,
+    with ``SDPA_QUERY_CHUNK`` left at its default (which would take all 10 queries at
+    once); outputs and gradients still equal the eager oracle's."""
+    heads = 4
+    monkeypatch.setitem(masks.SDPA_MASK_CHUNK_BYTES, "cpu", budget_rows * heads * M * 8)
+    monkeypatch.setattr(masks, "SDPA_MASK_CHUNK_MIN_ROWS", min_rows)
+    cls = generated_class("t5")
+    spans = _spy_span_counts(monkeypatch, cls, "_sdpa_bias_in_chunks")
+    torch.manual_seed(0)
+    pe = cls(heads=heads, head_dim=8).double()
+    assert_sdpa_matches_eager(pe, N, M, 2, **CASES[case])
+    assert spans == [-(-N // chunk_rows)]  # one call, in ceil(N / rows) spans
+
+
+def test_the_mask_budget_never_lengthens_a_chunk() -> None:
+    """A mask row of one byte leaves ``SDPA_QUERY_CHUNK`` as the chunk; a device with no
+    budget is not cut."""
+    chunk = masks.SDPA_QUERY_CHUNK["cpu"]
+    spans = masks.query_chunks(3 * chunk, 3 * chunk, "cpu", False, None, mask_row_bytes=1)
+    assert [i1 - i0 for i0, i1, _, _ in spans] == [chunk] * 3
+    assert masks.mask_chunk_rows("no such device", 1 << 40) >= 1 << 40
+
+
 def test_a_float_attn_mask_gets_its_gradient(monkeypatch) -> None:
     """A trained float attn_mask beside FIRE's trained bias, through the recomputed-mask
     node: its gradient equals the eager oracle's."""

@@ -171,17 +171,27 @@ def key_span(i0: int, i1: int, n: int, m: int, causal: bool, window: int | None)
 
 
 def query_chunks(
-    n: int, m: int, device_type: str, causal: bool, window: int | None, views: bool = False
+    n: int,
+    m: int,
+    device_type: str,
+    causal: bool,
+    window: int | None,
+    views: bool = False,
+    mask_row_bytes: int = 0,
 ) -> list[tuple[int, int, int, int]]:
     """(i0, i1, lo, hi) per SDPA call: queries i0 .. i1 - 1 and the keys [lo, hi) they may
     read (``key_span``), ``SDPA_QUERY_CHUNK`` queries at a time on ``device_type``, or
     ``SDPA_LONG_QUERY_CHUNK``'s larger chunks for long sequences where every chunk's
     mask is a view (``views``) and no window limits the keys; one call over every key
-    where it sets no chunk or n fits in one."""
+    where it sets no chunk or n fits in one. ``mask_row_bytes``: where each chunk builds
+    a mask of its own, the bytes of one query's row of it, which caps the chunk at
+    ``SDPA_MASK_CHUNK_BYTES`` (``mask_chunk_rows``)."""
     chunk = SDPA_QUERY_CHUNK.get(device_type)
     long = SDPA_LONG_QUERY_CHUNK.get(device_type)
     if chunk is not None and long is not None and views and window is None and n >= long[0]:
         chunk = max(chunk, long[1])
+    if chunk is not None and mask_row_bytes:
+        chunk = min(chunk, mask_chunk_rows(device_type, mask_row_bytes))
     if chunk is None or n <= chunk:
         return [(0, n, 0, m)]
     return [
@@ -230,13 +240,112 @@ def reachable_query_chunks(
     window: int | None,
     document_ids: Tensor | None,
     by_index: bool,
+    mask_row_bytes: int = 0,
+    positions: tuple[Tensor | None, Tensor | None] = (None, None),
 ) -> list[tuple[int, int, int, int]]:
     """``query_chunks`` over the keys each chunk may read: where masking follows the
-    default positions (``by_index``), those its causal mask or window allows, else every
-    key (explicit positions skip no key by its index); then narrowed to its documents'
-    keys (``document_spans``)."""
-    spans = query_chunks(n, m, device_type, causal and by_index, window if by_index else None)
+    default positions (``by_index``), those its causal mask or window allows; else every
+    key, narrowed where ``positions`` (q_positions, k_positions) are given to the keys
+    the causal mask or window may let the chunk read at them (``position_spans``); then
+    to its documents' keys (``document_spans``). ``mask_row_bytes``: see
+    ``query_chunks``."""
+    spans = query_chunks(
+        n,
+        m,
+        device_type,
+        causal and by_index,
+        window if by_index else None,
+        mask_row_bytes=mask_row_bytes,
+    )
+    if not by_index:
+        spans = position_spans(spans, *positions, causal, window, n, m)
     return document_spans(spans, document_ids, n, m)
+
+
+def position_spans(
+    spans: list[tuple[int, int, int, int]],
+    q_positions: Tensor | None,
+    k_positions: Tensor | None,
+    causal: bool,
+    window: int | None,
+    n: int,
+    m: int,
+) -> list[tuple[int, int, int, int]]:
+    """``spans`` (i0, i1, lo, hi) with each one's keys narrowed, where masking follows
+    explicit positions, to the first and last key that the causal mask or window may
+    let one of its queries read: a key at or before the span's latest query position
+    (causal), within ``window`` of its earliest (causal) or of any (not causal), in some
+    batch row. Keys outside are masked for every query of the span, so increasing
+    positions given with a causal mask (Hugging Face's ``position_ids``, say) skip the
+    keys after each chunk, as default positions do. A span whose queries may read no
+    key keeps its keys.
+
+    q_positions: [N] or [batch, N]; k_positions: [M] or [batch, M]; either None for
+    the defaults. Key bounds come from prefix and suffix minima and maxima of the key
+    positions (O(M), no [spans, M] grid) and one read of them per call (a host sync):
+    eager mode with several spans only; otherwise the spans as given."""
+    given = q_positions is not None or k_positions is not None
+    masked = causal or window is not None
+    if not (given and masked) or len(spans) < 2 or torch.compiler.is_compiling():
+        return spans
+    device = q_positions.device if q_positions is not None else k_positions.device  # type: ignore[union-attr]
+    q_pos = positions_or_default(q_positions, m - n, n, device).reshape(-1, n)  # [B or 1, N]
+    k_pos = positions_or_default(k_positions, 0, m, device).reshape(-1, m)  # [B or 1, M]
+    # each span's latest and earliest query position over its queries and batch rows
+    sizes = torch.tensor([i1 - i0 for i0, i1, _, _ in spans], device=device)
+    span_of = torch.repeat_interleave(torch.arange(len(spans), device=device), sizes)
+    latest = (
+        q_pos.amax(0)
+        .new_zeros(len(spans))
+        .scatter_reduce_(0, span_of, q_pos.amax(0), "amax", include_self=False)
+    )  # [S]
+    earliest = (
+        q_pos.amin(0)
+        .new_zeros(len(spans))
+        .scatter_reduce_(0, span_of, q_pos.amin(0), "amin", include_self=False)
+    )  # [S]
+    k_low, k_high = k_pos.amin(0), k_pos.amax(0)  # [M]: the keys' lowest and highest positions
+    # keys some query may read: position <= top (k_low), and > bottom (k_high)
+    top = latest if causal else latest + (window - 1)  # type: ignore[operator]  # window set
+    first, last = _index_range_at_most(k_low, top)  # [S] each
+    if window is not None:
+        first_above, last_above = _index_range_above(k_high, earliest - window)
+        first, last = torch.maximum(first, first_above), torch.minimum(last, last_above)
+    bounds = torch.stack([first, last]).t().tolist()  # one sync for every span
+    return [
+        (i0, i1, max(lo, first_key), min(hi, last_key + 1))
+        if first_key <= last_key and max(lo, first_key) < min(hi, last_key + 1)
+        else (i0, i1, lo, hi)
+        for (i0, i1, lo, hi), (first_key, last_key) in zip(spans, bounds, strict=True)
+    ]
+
+
+def _index_range_at_most(values: Tensor, bound: Tensor) -> tuple[Tensor, Tensor]:
+    """The first and last index j of ``values`` [M] with values[j] <= bound, for each
+    entry of ``bound`` [S] (first > last where there is none): searches in the running
+    minimum from the left (non-increasing) and from the right (non-decreasing)."""
+    from_left = values.cummin(0).values  # [M], non-increasing
+    from_right = values.flip(0).cummin(0).values.flip(0)  # [M], non-decreasing
+    first = torch.searchsorted(-from_left, -bound)  # first j with from_left[j] <= bound
+    last = torch.searchsorted(from_right, bound, right=True) - 1  # last j with from_right <= bound
+    return first, last
+
+
+def _index_range_above(values: Tensor, bound: Tensor) -> tuple[Tensor, Tensor]:
+    """The first and last index j of ``values`` [M] with values[j] > bound, for each
+    entry of ``bound`` [S] (first > last where there is none)."""
+    first, last = _index_range_at_most(-values, -bound - 1)  # -v <= -b - 1 <=> v > b (ints)
+    return first, last
+
+
+def mask_chunk_rows(device_type: str, mask_row_bytes: int) -> int:
+    """The most queries per chunk whose own mask, at ``mask_row_bytes`` a query, fits in
+    ``SDPA_MASK_CHUNK_BYTES`` on ``device_type``: at least ``SDPA_MASK_CHUNK_MIN_ROWS``
+    (no cap where the device sets no budget)."""
+    budget = SDPA_MASK_CHUNK_BYTES.get(device_type)
+    if budget is None:
+        return 1 << 62
+    return max(SDPA_MASK_CHUNK_MIN_ROWS, budget // max(mask_row_bytes, 1))
 
 
 def document_chunks_serve(spans: list[tuple[int, int, int, int]], n: int, m: int) -> bool:
@@ -390,6 +499,20 @@ def block_fresh(scores: Tensor, allowed: Tensor) -> Tensor:
 #: against chunk 256); a causal window of 256 (..._window256.md): rope forward
 #: 1.26x -> 0.49x SDPA with the window's mask
 SDPA_QUERY_CHUNK: dict[str, int | None] = {"cpu": 256}
+#: where every chunk of queries builds a mask of its own (a position bias at explicit
+#: positions, or one that no per-distance vector gives), the bytes that one chunk's
+#: mask may take, per device type, and the fewest queries a chunk is cut to. glibc's
+#: malloc gives each block of more than 32 MiB back to the system when it is freed, so
+#: the next chunk's block is paged in afresh (a fault per 4 KiB, about 1 us each);
+#: smaller blocks are reused from the heap. 2-core CPU, float32, N = 2048, batch 2, 16
+#: heads, positions 2 apart, against plain SDPA, chunks of 256 -> masks of at most
+#: 8 MiB (64 queries): forward ALiBi 2.45x -> 2.25x, T5 2.96x -> 2.42x, FIRE 3.03x ->
+#: 2.85x (causal 2.99x -> 2.30x; ALiBi and T5 causal within noise), training steps T5
+#: 3.04x -> 2.51x, FIRE 3.55x -> 2.80x (causal 2.52x -> 2.21x, 3.95x -> 2.45x); peak
+#: extra memory of the forward 118 -> 42 MiB; 4 MiB lost to per-chunk work
+#: (benchmarks/results/attention_backends_cpu_float32_mask_chunks.md)
+SDPA_MASK_CHUNK_BYTES: dict[str, int] = {"cpu": 8 << 20}
+SDPA_MASK_CHUNK_MIN_ROWS = 32
 #: with packed documents and no position term, the sdpa backend runs its queries in
 #: chunks (each over its documents' keys, ``document_spans``) only where the chunks hold
 #: at most this fraction of the N x M pairs (``document_chunks_serve``), else one SDPA call with

@@ -68,6 +68,26 @@ from ._trained_bias import (
 )
 
 
+def bias_row_bytes(
+    q: Tensor,
+    m: int,
+    q_positions: Tensor | None,
+    k_positions: Tensor | None,
+    document_ids: Tensor | None,
+    attn_mask: Tensor | None,
+) -> int:
+    """The bytes of one query's row of the mask that ``_sdpa_bias`` builds for a chunk
+    of queries: [B or 1, H, 1, M] in float32 or wider (a bias is made in float32 at
+    least), with the batch where batched positions, documents or an attn_mask give each
+    batch row its own."""
+    per_row = (q_positions, k_positions, document_ids)
+    batched = any(t is not None and t.dim() == 2 for t in per_row)
+    if attn_mask is not None and attn_mask.dim() == 4 and attn_mask.shape[0] > 1:
+        batched = True
+    rows = q.shape[0] if batched else 1
+    return rows * q.shape[1] * m * max(q.element_size(), 4)
+
+
 def relative_parts_serve(factors: list[RelativeFactors], causal: bool) -> bool:
     """Whether ``_sdpa_relative_parts`` runs these relative terms: everywhere but a
     causal training step without a key-side term. That one builds each query chunk's
@@ -125,7 +145,12 @@ class SdpaBackend(AttentionTerms):
         # and chunks of a bias of (query, key) over every key, so that no [H, N, M] bias
         # (nor, where it trains, the graph that builds it) exists at once
         chunkable = by_distance and (causal or window is not None or has_bias)
-        spans = query_chunks(n, m, q.device.type, causal, window) if chunkable else []
+        row_bytes = 0  # no bias: masks that are views
+        if has_bias and not self._flash_chunks_train(q, k, v, attn_mask):
+            row_bytes = bias_row_bytes(q, m, q_positions, k_positions, document_ids, attn_mask)
+        spans: list[tuple[int, int, int, int]] = []
+        if chunkable:
+            spans = query_chunks(n, m, q.device.type, causal, window, mask_row_bytes=row_bytes)
         if has_bias and len(spans) > 1:
             # each chunk of queries gets the bias at its own positions, over the keys it
             # may read
@@ -137,7 +162,15 @@ class SdpaBackend(AttentionTerms):
             # mask or window allow (where masking follows explicit positions, no key is
             # skipped by its index)
             spans = reachable_query_chunks(
-                n, m, q.device.type, causal, window, document_ids, default_positions
+                n,
+                m,
+                q.device.type,
+                causal,
+                window,
+                document_ids,
+                default_positions,
+                row_bytes,
+                (q_positions, k_positions),
             )
             if len(spans) > 1:
                 return self._sdpa_bias_in_chunks(
@@ -177,7 +210,14 @@ class SdpaBackend(AttentionTerms):
         if document_ids is not None and attn_mask is None:
             # packed documents: each chunk of queries over its documents' keys
             reach = reachable_query_chunks(
-                n, m, q.device.type, causal, window, document_ids, default_positions
+                n,
+                m,
+                q.device.type,
+                causal,
+                window,
+                document_ids,
+                default_positions,
+                positions=(q_positions, k_positions),
             )
             if document_chunks_serve(reach, n, m):
                 grid_of_documents = allowed  # [N, M] or [B, 1, N, M]
@@ -211,6 +251,21 @@ class SdpaBackend(AttentionTerms):
             else:
                 mask = apply_masks(attn_mask.to(q.dtype), allowed, None)
         return scaled_dot_product(q, k, v, mask, self.scale)
+
+    def _flash_chunks_train(
+        self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None
+    ) -> bool:
+        """Whether a training step's chunks of a bias run as ``chunked_flash_attention``
+        (the masks need no gradient), which keeps the longer chunks: its backward adds
+        each chunk's dK and dV into gradients over every key, so shorter chunks cost
+        more than the faults they save (2-core CPU, float32, ALiBi at positions 2 apart,
+        N = 2048, batch 2, 16 heads, training step against plain SDPA: 1.59x in chunks
+        of 256, 1.84x in chunks of 64, attention_backends_cpu_float32_flash_chunks_train.md;
+        trained tables and kernels, whose masks have gradients, gained from shorter
+        chunks: T5 3.04x -> 2.51x, FIRE 3.55x -> 2.80x, ..._mask_chunks.md)."""
+        inputs_train = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        mask_trains = attn_mask is not None and attn_mask.requires_grad
+        return inputs_train and not (self._trains_terms() or mask_trains)
 
     def _sdpa_relative(
         self,
@@ -291,7 +346,14 @@ class SdpaBackend(AttentionTerms):
             # by its index)
             default_positions = q_positions is None and k_positions is None
             spans = reachable_query_chunks(
-                n, m, q.device.type, causal, window, document_ids, default_positions
+                n,
+                m,
+                q.device.type,
+                causal,
+                window,
+                document_ids,
+                default_positions,
+                positions=(q_positions, k_positions),
             )
             if len(spans) > 1:
                 return self._sdpa_relative_in_chunks(
