@@ -250,10 +250,12 @@ def main() -> None:
     parser.add_argument(
         "--backward", action="store_true", help="time forward and backward (input gradients)"
     )
+    parser.add_argument("--tag", default="", help="appended to the result file names")
     add_out_argument(parser)
     args = parser.parse_args()
     report = run(args)
-    stem = f"rotary_{args.device.split(':')[0]}_{args.dtype}{'_backward' if args.backward else ''}"
+    backward = "_backward" if args.backward else ""
+    stem = f"rotary_{args.device.split(':')[0]}_{args.dtype}{backward}{args.tag}"
     write_results(args.out, stem, report, markdown(report))
 
 
