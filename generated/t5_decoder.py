@@ -173,8 +173,11 @@ class T5Decoder(PositionalAttention):
         table = self.relative_attention_bias.weight.to(device)  # [buckets, heads]
         dtype = torch.promote_types(table.dtype, torch.float32)  # a float64 table stays float64
         # gathered heads first: each head's [N, M] comes out contiguous (table[buckets]
-        # moved heads first is strided, and row reductions over it were slow)
-        bias = table.t()[:, buckets]  # [heads, ..., N, M]
+        # moved heads first is strided, and row reductions over it were slow), by one
+        # gather along the buckets (advanced indexing took 4x as long on the CPU)
+        heads_first = table.t().contiguous()  # [heads, buckets]
+        flat = buckets.reshape(1, -1).expand(heads_first.shape[0], -1)  # [heads, ... N M]
+        bias = torch.gather(heads_first, 1, flat).view(-1, *buckets.shape)  # [heads, ..., N, M]
         return bias.movedim(0, -3).to(dtype)  # [..., heads, N, M]
 
     def _distance_bias(self, n: int, m: int, device) -> Tensor:
