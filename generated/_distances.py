@@ -171,9 +171,11 @@ def floored_bias(bias: Tensor, top: Tensor, spread: Tensor) -> Tensor:
 def _raised(bias: Tensor, floor: Tensor) -> Tensor:
     """max(bias, floor), -inf where bias is -inf: a maximum and an in-place fill. The
     select form ``where(bias == -inf, bias, maximum(bias, floor))`` took 28.7 ms against
-    17.8 ms on a [16, 256, 2048] float32 chunk (2-core CPU)."""
+    17.8 ms on a [16, 256, 2048] float32 chunk (2-core CPU); finding the -inf entries
+    with ``isneginf`` rather than ``== -inf`` took the pair from 1.9-2.5 ms to 1.3-1.7 ms
+    on a [16, 64, 2048] one."""
     out = torch.maximum(bias, floor)
-    return out.masked_fill_(bias == float("-inf"), float("-inf"))
+    return out.masked_fill_(torch.isneginf(bias), float("-inf"))
 
 
 class _Floor(torch.autograd.Function):
