@@ -209,8 +209,10 @@ class SdpaBackend(AttentionTerms):
         allowed = attention_allowed(
             q_positions, k_positions, n, m, q.device, causal, window, document_ids
         )  # [N, M] or [B, 1, N, M], or None
-        if document_ids is not None and attn_mask is None:
-            # packed documents: each chunk of queries over its documents' keys
+        narrows = document_ids is not None or not default_positions
+        if allowed is not None and attn_mask is None and narrows:
+            # packed documents, or causal or window masking at explicit positions: each
+            # chunk of queries over its documents' keys and those its positions may reach
             reach = reachable_query_chunks(
                 n,
                 m,
@@ -223,7 +225,6 @@ class SdpaBackend(AttentionTerms):
             )
             if document_chunks_serve(reach, n, m):
                 grid_of_documents = allowed  # [N, M] or [B, 1, N, M]
-                assert grid_of_documents is not None  # documents were given
 
                 def chunk_documents(i0: int, i1: int, lo: int, hi: int) -> Tensor:
                     return grid_of_documents[..., i0:i1, lo:hi]

@@ -107,11 +107,11 @@ INCREASING = {"q_positions": 2 * torch.arange(M - N, M), "k_positions": 2 * torc
 SHUFFLED = {"q_positions": torch.randperm(N, generator=torch.Generator().manual_seed(0)) * 3}
 
 
-@pytest.mark.parametrize("name", ["alibi", "t5", "fire", "deberta"])
+@pytest.mark.parametrize("name", ["alibi", "t5", "fire", "deberta", "rope"])
 @pytest.mark.parametrize("positions", ["increasing", "shuffled", "increasing, batched"])
 @pytest.mark.parametrize("window", [None, 3])
 def test_narrowed_chunks_match_eager(name: str, positions: str, window, monkeypatch) -> None:
-    """Biases and relative terms at explicit positions, causal, in chunks of
+    """Biases, relative terms and a rotation at explicit positions, causal, in chunks of
     4 queries narrowed to their keys: outputs and gradients equal the eager oracle's."""
     monkeypatch.setitem(masks.SDPA_QUERY_CHUNK, "cpu", 4)
     given_positions = {

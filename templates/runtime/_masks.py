@@ -350,8 +350,9 @@ def mask_chunk_rows(device_type: str, mask_row_bytes: int) -> int:
 
 def document_chunks_serve(spans: list[tuple[int, int, int, int]], n: int, m: int) -> bool:
     """Whether attention with no position term runs in the chunks ``spans`` (narrowed to
-    their documents' keys) rather than one call with the mask: several of them, holding
-    at most ``DOCUMENT_CHUNKS_MAX_COVER`` of the N x M pairs."""
+    their documents' keys, or to the keys explicit positions may reach) rather than one
+    call with the mask: several of them, holding at most ``DOCUMENT_CHUNKS_MAX_COVER``
+    of the N x M pairs."""
     pairs = sum((i1 - i0) * (hi - lo) for i0, i1, lo, hi in spans)
     return len(spans) > 1 and pairs <= DOCUMENT_CHUNKS_MAX_COVER * n * m
 
