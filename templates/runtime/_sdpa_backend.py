@@ -158,9 +158,9 @@ class SdpaBackend(AttentionTerms):
         if has_bias:
             # explicit positions, an attn_mask or documents: the bias per pair, in chunks
             # of queries, so that no [H, N, M] bias exists at once; each chunk over the
-            # keys its documents hold, and at default positions only those its causal
-            # mask or window allow (where masking follows explicit positions, no key is
-            # skipped by its index)
+            # keys its documents hold and only those its causal mask or window allow, by
+            # index at default positions and by position at explicit ones
+            # (``position_spans``)
             spans = reachable_query_chunks(
                 n,
                 m,
@@ -294,8 +294,9 @@ class SdpaBackend(AttentionTerms):
         the factors (``few_query_inputs``). Otherwise the dense terms, with the queries
         in chunks (``reachable_query_chunks``) wherever positions are given, masks apply
         or documents are packed: each chunk at the positions of its queries and of the
-        keys it may read (its documents' keys, and at default positions those its causal
-        mask or window allows), so its terms span only those keys.
+        keys it may read (its documents' keys, and those its causal mask or window
+        allows: by index at default positions, by position at explicit ones), so its
+        terms span only those keys.
         """
         n, m = q.shape[2], k.shape[2]
         default = q_positions is None and k_positions is None and document_ids is None
@@ -342,9 +343,8 @@ class SdpaBackend(AttentionTerms):
         if given or causal or window is not None or document_ids is not None:
             # the dense terms a chunk of queries at a time (each at its queries'
             # positions), so that no [B, H, N, M] terms exist at once: over the keys its
-            # documents hold, and at default positions only those its causal mask or
-            # window allow (where masking follows explicit positions, no key is skipped
-            # by its index)
+            # documents hold and only those its causal mask or window allow, by index at
+            # default positions and by position at explicit ones (``position_spans``)
             default_positions = q_positions is None and k_positions is None
             spans = reachable_query_chunks(
                 n,
