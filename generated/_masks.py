@@ -290,25 +290,19 @@ def position_spans(
     masked = causal or window is not None
     if not (given and masked) or len(spans) < 2 or torch.compiler.is_compiling():
         return spans
-    device = q_positions.device if q_positions is not None else k_positions.device  # type: ignore[union-attr]
+    given_positions = q_positions if q_positions is not None else k_positions
+    assert given_positions is not None  # given
+    device = given_positions.device
     q_pos = positions_or_default(q_positions, m - n, n, device).reshape(-1, n)  # [B or 1, N]
     k_pos = positions_or_default(k_positions, 0, m, device).reshape(-1, m)  # [B or 1, M]
     # each span's latest and earliest query position over its queries and batch rows
     sizes = torch.tensor([i1 - i0 for i0, i1, _, _ in spans], device=device)
-    span_of = torch.repeat_interleave(torch.arange(len(spans), device=device), sizes)
-    latest = (
-        q_pos.amax(0)
-        .new_zeros(len(spans))
-        .scatter_reduce_(0, span_of, q_pos.amax(0), "amax", include_self=False)
-    )  # [S]
-    earliest = (
-        q_pos.amin(0)
-        .new_zeros(len(spans))
-        .scatter_reduce_(0, span_of, q_pos.amin(0), "amin", include_self=False)
-    )  # [S]
+    span_of = torch.repeat_interleave(torch.arange(len(spans), device=device), sizes)  # [N]
+    latest = _per_span(q_pos.amax(0), span_of, len(spans), "amax")  # [S]
+    earliest = _per_span(q_pos.amin(0), span_of, len(spans), "amin")  # [S]
     k_low, k_high = k_pos.amin(0), k_pos.amax(0)  # [M]: the keys' lowest and highest positions
     # keys some query may read: position <= top (k_low), and > bottom (k_high)
-    top = latest if causal else latest + (window - 1)  # type: ignore[operator]  # window set
+    top = latest if window is None or causal else latest + (window - 1)
     first, last = _index_range_at_most(k_low, top)  # [S] each
     if window is not None:
         first_above, last_above = _index_range_above(k_high, earliest - window)
@@ -320,6 +314,13 @@ def position_spans(
         else (i0, i1, lo, hi)
         for (i0, i1, lo, hi), (first_key, last_key) in zip(spans, bounds, strict=True)
     ]
+
+
+def _per_span(per_query: Tensor, span_of: Tensor, spans: int, reduce: str) -> Tensor:
+    """``reduce`` ("amax" or "amin") of ``per_query`` [N] over each span's queries
+    (``span_of`` [N]: the span of each query) -> [spans]."""
+    out = per_query.new_zeros(spans)
+    return out.scatter_reduce_(0, span_of, per_query, reduce, include_self=False)
 
 
 def _index_range_at_most(values: Tensor, bound: Tensor) -> tuple[Tensor, Tensor]:
