@@ -281,7 +281,7 @@ def relative_chunks_off() -> Iterator[None]:
     ``reachable_query_chunks`` in ``_sdpa_relative``): how terms at explicit positions
     with packed documents were built before they went a query chunk at a time."""
     chunks = sdpa_backend.reachable_query_chunks
-    sdpa_backend.reachable_query_chunks = lambda n, m, *_: [(0, n, 0, m)]
+    sdpa_backend.reachable_query_chunks = lambda n, m, *_, **__: [(0, n, 0, m)]
     try:
         yield
     finally:

@@ -241,16 +241,15 @@ def reachable_query_chunks(
     causal: bool,
     window: int | None,
     document_ids: Tensor | None,
-    by_index: bool,
+    q_positions: Tensor | None,
+    k_positions: Tensor | None,
     mask_row_bytes: int = 0,
-    positions: tuple[Tensor | None, Tensor | None] = (None, None),
 ) -> list[tuple[int, int, int, int]]:
-    """``query_chunks`` over the keys each chunk may read: where masking follows the
-    default positions (``by_index``), those its causal mask or window allows; else every
-    key, narrowed where ``positions`` (q_positions, k_positions) are given to the keys
-    the causal mask or window may let the chunk read at them (``position_spans``); then
-    to its documents' keys (``document_spans``). ``mask_row_bytes``: see
-    ``query_chunks``."""
+    """``query_chunks`` over the keys each chunk may read: those its causal mask or
+    window allows, by index at default positions (both None), and at explicit ones by
+    position (``position_spans``); then narrowed to its documents' keys
+    (``document_spans``). ``mask_row_bytes``: see ``query_chunks``."""
+    by_index = q_positions is None and k_positions is None
     spans = query_chunks(
         n,
         m,
@@ -259,8 +258,7 @@ def reachable_query_chunks(
         window if by_index else None,
         mask_row_bytes=mask_row_bytes,
     )
-    if not by_index:
-        spans = position_spans(spans, *positions, causal, window, n, m)
+    spans = position_spans(spans, q_positions, k_positions, causal, window, n, m)
     return document_spans(spans, document_ids, n, m)
 
 

@@ -168,9 +168,9 @@ class SdpaBackend(AttentionTerms):
                 causal,
                 window,
                 document_ids,
-                default_positions,
+                q_positions,
+                k_positions,
                 row_bytes,
-                (q_positions, k_positions),
             )
             if len(spans) > 1:
                 return self._sdpa_bias_in_chunks(
@@ -212,14 +212,7 @@ class SdpaBackend(AttentionTerms):
             # packed documents, or causal or window masking at explicit positions: each
             # chunk of queries over its documents' keys and those its positions may reach
             reach = reachable_query_chunks(
-                n,
-                m,
-                q.device.type,
-                causal,
-                window,
-                document_ids,
-                default_positions,
-                positions=(q_positions, k_positions),
+                n, m, q.device.type, causal, window, document_ids, q_positions, k_positions
             )
             if document_chunks_serve(reach, n, m):
                 grid_of_documents = allowed  # [N, M] or [B, 1, N, M]
@@ -345,16 +338,8 @@ class SdpaBackend(AttentionTerms):
             # positions), so that no [B, H, N, M] terms exist at once: over the keys its
             # documents hold and only those its causal mask or window allow, by index at
             # default positions and by position at explicit ones (``position_spans``)
-            default_positions = q_positions is None and k_positions is None
             spans = reachable_query_chunks(
-                n,
-                m,
-                q.device.type,
-                causal,
-                window,
-                document_ids,
-                default_positions,
-                positions=(q_positions, k_positions),
+                n, m, q.device.type, causal, window, document_ids, q_positions, k_positions
             )
             if len(spans) > 1:
                 return self._sdpa_relative_in_chunks(
@@ -473,7 +458,9 @@ class SdpaBackend(AttentionTerms):
         k with q's heads (k itself without grouped-query heads)."""
         n, m = q.shape[2], k.shape[2]
         allowed = attention_allowed(None, None, n, m, q.device, False, window, document_ids)
-        spans = reachable_query_chunks(n, m, q.device.type, causal, window, document_ids, True)
+        spans = reachable_query_chunks(
+            n, m, q.device.type, causal, window, document_ids, None, None
+        )
         if allowed is None and cpu_flash_serves(q, v):
             # flash calls per chunk, the terms' gradient without a full-size one per chunk
             heads_v = repeat_kv(v, q.shape[1] // v.shape[1])
