@@ -16,11 +16,9 @@ import re
 import tempfile
 from pathlib import Path
 
-from pydantic import ValidationError
-
 from posgen.spec.diagnostics import SpecError, quoted
 from posgen.spec.loader import SPEC_SUFFIXES, load_spec
-from posgen.spec.model import Spec
+from posgen.spec.model import spec_name_problem
 
 SCAFFOLD = """\
 # yaml-language-server: $schema=schema.json
@@ -54,18 +52,12 @@ class ScaffoldError(ValueError):
 
 
 def check_spec_name(name: str) -> None:
-    """Raise ScaffoldError naming ``name`` unless it is a valid spec ``name``.
-
-    The rule is the spec model's own (``Spec.name``: its length, pattern and reserved
-    names), applied to the field alone; a keyword or builtin name, which the model
-    checks across fields, is caught when the whole text is validated.
-    """
-    try:
-        Spec.model_validate({"name": name})
-    except ValidationError as error:
-        problems = [item["msg"] for item in error.errors() if item["loc"] == ("name",)]
-        if problems:
-            raise ScaffoldError(f"invalid NAME {quoted(name)}: {problems[0]}") from None
+    """Raise ScaffoldError naming ``name`` unless it is a valid spec ``name`` by the
+    field's own rule (``spec_name_problem``); a keyword or builtin name, which the model
+    checks across fields, is caught when the whole text is validated."""
+    problem = spec_name_problem(name)
+    if problem is not None:
+        raise ScaffoldError(f"invalid NAME {quoted(name)}: {problem}")
 
 
 def scaffold_text(name: str, source: Path | None) -> str:

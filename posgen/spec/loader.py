@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 
 from posgen.spec.diagnostics import Diagnostic, SpecError, closest_name, dotted_path, quoted
-from posgen.spec.model import Spec, is_spec_name, kind_tags, kinds_at
+from posgen.spec.model import Spec, kind_tags, kinds_at, spec_name_problem
 from posgen.spec.names import class_name_for
 from posgen.spec.yaml_source import (
     MAX_NESTING,
@@ -98,7 +98,7 @@ def load_spec(path: Path) -> LoadedSpec:
     if spec.name != path.stem or path.suffix not in SPEC_SUFFIXES:
         line, col = loaded.position_of(("name",))
         renamed = quoted(f"{spec.name}.yaml")
-        if spec.name == path.stem or not is_spec_name(path.stem):
+        if spec.name == path.stem or spec_name_problem(path.stem) is not None:
             fix = f"rename the file {renamed}"
         else:
             fix = f"set name: {path.stem}, or rename the file {renamed}"

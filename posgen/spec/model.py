@@ -38,6 +38,7 @@ from pydantic import (
     Discriminator,
     Field,
     Tag,
+    ValidationError,
     field_validator,
     model_validator,
 )
@@ -60,10 +61,16 @@ MODULE_NAME = re.compile(r"[a-z][a-z0-9]*(_[a-z0-9]+)*")  # fullmatch
 RESERVED_MODULE_NAMES = frozenset(sys.stdlib_module_names) | {"torch", "posgen", "generated"}
 
 
-def is_spec_name(name: str) -> bool:
-    """Whether ``name`` passes the ``name`` field's checks (form, reserved names)."""
-    valid_form = MODULE_NAME.fullmatch(name) is not None
-    return valid_form and name not in RESERVED_MODULE_NAMES and reserved_name_problem(name) is None
+def spec_name_problem(name: str) -> str | None:
+    """Why ``name`` fails the ``name`` field's own rule (``Spec.name``: its length,
+    pattern and reserved names), or None. A keyword or builtin name, which the model
+    checks across fields, passes here and is caught when a whole spec is validated."""
+    try:
+        Spec.model_validate({"name": name})
+    except ValidationError as error:
+        problems = [item["msg"] for item in error.errors() if item["loc"] == ("name",)]
+        return problems[0] if problems else None
+    return None
 
 
 MAX_TABLE_ROWS = 1 << 21
