@@ -503,7 +503,9 @@ def block_fresh(scores: Tensor, allowed: Tensor) -> Tensor:
 SDPA_QUERY_CHUNK: dict[str, int | None] = {"cpu": 256}
 #: where every chunk of queries builds a mask of its own (a position bias at explicit
 #: positions, or one that no per-distance vector gives), the bytes that one chunk's
-#: mask may take, per device type, and the fewest queries a chunk is cut to. glibc's
+#: mask may take, per device type, and the fewest queries a chunk is cut to; where the
+#: masks need no gradient, the chunks keep ``SDPA_QUERY_CHUNK`` queries and only each
+#: part of their masks is cut so (``_mask_buffer.AssembledMasks``). glibc's
 #: malloc gives each block of more than 32 MiB back to the system when it is freed, so
 #: the next chunk's block is paged in afresh (a fault per 4 KiB, about 1 us each);
 #: smaller blocks are reused from the heap. 2-core CPU, float32, N = 2048, batch 2, 16

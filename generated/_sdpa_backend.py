@@ -37,6 +37,7 @@ from ._distances import (
     distance_chunk_view,
     distance_chunk_views,
     floored_bias,
+    floored_rows,
     half_precision_bias,
 )
 from ._few_queries import few_queries, few_query_inputs, few_query_relative_serves
@@ -45,6 +46,7 @@ from ._inputs import (
     Rotated,
     repeat_kv,
 )
+from ._mask_buffer import AssembledMasks
 from ._masks import (
     apply_masks,
     attention_allowed,
@@ -53,6 +55,7 @@ from ._masks import (
     distance_allowed,
     document_chunks_serve,
     documents_joined,
+    mask_chunk_rows,
     masked_softmax,
     pair_documents,
     query_chunks,
@@ -147,16 +150,21 @@ class SdpaBackend(AttentionTerms):
         # and chunks of a bias of (query, key) over every key, so that no [H, N, M] bias
         # (nor, where it trains, the graph that builds it) exists at once
         chunkable = by_distance and (causal or window is not None or has_bias)
-        row_bytes = 0  # no bias: masks that are views
-        if has_bias and not self._flash_chunks_train(q, k, v, attn_mask):
+        row_bytes = 0  # no bias, or masks built in parts: chunks of SDPA_QUERY_CHUNK
+        part_rows = None  # queries per part of a chunk's mask (``AssembledMasks``)
+        if has_bias:
             row_bytes = bias_row_bytes(q, m, q_positions, k_positions, document_ids, attn_mask)
+            if self._masks_need_no_grad(attn_mask):
+                part_rows, row_bytes = mask_chunk_rows(q.device.type, row_bytes), 0
         spans: list[tuple[int, int, int, int]] = []
         if chunkable:
             spans = query_chunks(n, m, q.device.type, causal, window, mask_row_bytes=row_bytes)
         if has_bias and len(spans) > 1:
             # each chunk of queries gets the bias at its own positions, over the keys it
             # may read
-            return self._sdpa_bias_in_chunks(q, k, v, spans, None, None, causal, window, None, None)
+            return self._sdpa_bias_in_chunks(
+                q, k, v, spans, None, None, causal, window, None, None, part_rows
+            )
         if has_bias:
             # explicit positions, an attn_mask or documents: the bias per pair, in chunks
             # of queries, so that no [H, N, M] bias exists at once; each chunk over the
@@ -186,6 +194,7 @@ class SdpaBackend(AttentionTerms):
                     window,
                     document_ids,
                     attn_mask,
+                    part_rows,
                 )
             bias = self._sdpa_bias(
                 q_positions,
@@ -248,20 +257,25 @@ class SdpaBackend(AttentionTerms):
                 mask = apply_masks(attn_mask.to(q.dtype), allowed, None)
         return scaled_dot_product(q, k, v, mask, self.scale)
 
-    def _flash_chunks_train(
-        self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None
-    ) -> bool:
-        """Whether a training step's chunks of a bias run as ``chunked_flash_attention``
-        (the masks need no gradient), which keeps the longer chunks: its backward adds
-        each chunk's dK and dV into gradients over every key, so shorter chunks cost
-        more than the faults they save (2-core CPU, float32, ALiBi at positions 2 apart,
-        N = 2048, batch 2, 16 heads, training step against plain SDPA: 1.59x in chunks
-        of 256, 1.84x in chunks of 64, attention_backends_cpu_float32_flash_chunks_train.md;
-        trained tables and kernels, whose masks have gradients, gained from shorter
-        chunks: T5 3.04x -> 2.51x, FIRE 3.55x -> 2.80x, ..._mask_chunks.md)."""
-        inputs_train = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    def _masks_need_no_grad(self, attn_mask: Tensor | None) -> bool:
+        """Whether the masks of a call get no gradient (no parameter of the module and no
+        float ``attn_mask`` trains). Then the chunks of a bias built per chunk keep
+        ``SDPA_QUERY_CHUNK`` queries, and in eager mode their masks are built
+        ``mask_chunk_rows`` queries at a time into one buffer (``AssembledMasks``,
+        through ``_sdpa_in_chunks``). Short chunks cost a training step more than their
+        masks' faults: its flash backward adds every chunk's dK and dV over all keys
+        (2-core CPU, float32, ALiBi at positions 2 apart, N = 2048, batch 2, 16 heads,
+        against plain SDPA: 1.59x in chunks of 256, 1.84x in chunks of 64,
+        attention_backends_cpu_float32_flash_chunks_train.md). With the masks in parts,
+        in one loop against chunks cut to 8 MiB masks (or, training, whole masks of 256
+        queries): forward ALiBi 2.02x -> 1.47x, T5 2.21x -> 1.69x, KERPLE 2.34x -> 1.66x,
+        FIRE 2.83x -> 2.08x (causal 1.95x -> 1.76x, 2.02x -> 1.95x, 2.12x -> 1.78x,
+        2.69x -> 2.53x); ALiBi's training step 1.64x -> 1.42x
+        (benchmarks/results/revisions_cpu_float32_assembled_masks.md). Masks that train
+        are cut to ``SDPA_MASK_CHUNK_BYTES`` instead (``recomputed_mask_attention``
+        builds each again with its graph)."""
         mask_trains = attn_mask is not None and attn_mask.requires_grad
-        return inputs_train and not (self._trains_terms() or mask_trains)
+        return not (self._trains_terms() or (torch.is_grad_enabled() and mask_trains))
 
     def _sdpa_relative(
         self,
@@ -595,10 +609,12 @@ class SdpaBackend(AttentionTerms):
         window: int | None,
         document_ids: Tensor | None,
         attn_mask: Tensor | None,
+        part_rows: int | None = None,
     ) -> Tensor:
         """SDPA with the position bias and the masks a span (i0, i1, lo, hi) of queries
         at a time: each span's mask as ``_sdpa_bias`` builds it at the span's query and
-        key positions, with its documents and its part of ``attn_mask``. At default
+        key positions, with its documents and its part of ``attn_mask``, ``part_rows``
+        queries at a time into one buffer where given (``AssembledMasks``). At default
         positions with no attn_mask every query reads a key (the spans of
         ``query_chunks``, narrowed to the documents' keys by ``document_spans``, keep
         each query's own); otherwise a row may read none, so the chunks take no path
@@ -611,7 +627,7 @@ class SdpaBackend(AttentionTerms):
         by_distance = self.bias_by_distance and default
         spread = self._floor_spread(q, k)  # [H, N, 1] or None
 
-        def chunk_mask(i0: int, i1: int, lo: int, hi: int) -> Tensor:
+        def chunk_mask(i0: int, i1: int, lo: int, hi: int, out: Tensor | None = None) -> Tensor:
             rows = None if q_positions is None else q_positions[..., i0:i1]
             if rows is None:  # the default: the queries are the last N keys
                 rows = torch.arange(m - n + i0, m - n + i1, device=q.device)
@@ -638,6 +654,7 @@ class SdpaBackend(AttentionTerms):
                 documents,
                 bias,
                 None if spread is None else spread[:, i0:i1],
+                out,
             )
 
         # what the masks are built from that may train: the module's parameters and a
@@ -654,6 +671,7 @@ class SdpaBackend(AttentionTerms):
             chunk_mask,
             mask_inputs=tuple(inputs),
             every_row_reads=every_row_reads,
+            mask_parts=part_rows,
         )
 
     def _sdpa_in_chunks(
@@ -666,6 +684,7 @@ class SdpaBackend(AttentionTerms):
         queries_reversed: bool = False,
         mask_inputs: tuple[Tensor, ...] = (),
         every_row_reads: bool = True,
+        mask_parts: int | None = None,
     ) -> Tensor:
         """One SDPA call per (i0, i1, lo, hi) of ``query_chunks``: queries i0 .. i1 - 1
         against keys lo .. hi - 1 with the mask ``mask_of(i0, i1, lo, hi)``, whose rows
@@ -675,7 +694,11 @@ class SdpaBackend(AttentionTerms):
         need a gradient. ``every_row_reads``: whether every query reads a key its mask
         allows (the causal and window chunks at default positions); where not,
         ``trained_mask_attention``, whose softmax of a row of -inf is NaN, is not used
-        (the CPU flash kernels give such a row zeros).
+        (the CPU flash kernels give such a row zeros). ``mask_parts``: where given, the
+        masks need no gradient, and in eager mode where the call is done with each mask
+        before it asks for the next (the chunked flash node, and the loop where no
+        gradient flows) each is built that many queries at a time into one buffer
+        (``AssembledMasks``, ``mask_of`` taking an ``out`` argument).
 
         A training step runs as one autograd node where it serves: with masks that
         train (from ``mask_inputs``, rows in query order, from
@@ -688,10 +711,17 @@ class SdpaBackend(AttentionTerms):
             groups = q.shape[1] // k.shape[1]
             k, v = repeat_kv(k, groups), repeat_kv(v, groups)
             return recomputed_mask_attention(q, k, v, spans, mask_of, self.scale, mask_inputs)
-        if chunked_flash_serves(q, k, v, spans) and not _needs_grad(mask_of(*spans[0])):
+        parts = None if torch.compiler.is_compiling() else mask_parts  # eager mode only
+        flash_serves = chunked_flash_serves(q, k, v, spans)
+        if flash_serves and (mask_parts is not None or not _needs_grad(mask_of(*spans[0]))):
             groups = q.shape[1] // k.shape[1]
             k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+            if parts is not None:
+                mask_of = AssembledMasks(mask_of, parts, spans)
             return chunked_flash_attention(q, k, v, spans, mask_of, self.scale, queries_reversed)
+        recorded = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        if parts is not None and not recorded:
+            mask_of = AssembledMasks(mask_of, parts, spans)
         outs = []
         query_rows = sequence_slices(q, [(i0, i1) for i0, i1, _, _ in spans])
         key_rows = [(lo, hi) for _, _, lo, hi in spans]
@@ -722,11 +752,13 @@ class SdpaBackend(AttentionTerms):
         query_documents: Tensor | None = None,
         bias: Tensor | None = None,
         spread: Tensor | None = None,
+        out: Tensor | None = None,
     ) -> Tensor:
         """Additive mask for SDPA: the (scaled) position bias with -inf where masked, plus
         the caller's ``attn_mask`` (``query_documents``: see ``attention_allowed``;
         ``bias``: the position bias at these positions where the caller has it), floored
-        (``floored_bias``) where a ``spread`` [H, N, 1] is given (``_floor_spread``).
+        (``floored_bias``) where a ``spread`` [H, N, 1] is given (``_floor_spread``);
+        written into ``out`` [1 or B, H, N, M] where given (no gradient then).
 
         Every mask joins before the floor, whose row maximum must be of the entries the
         row reads: with ``attn_mask`` added after it, a row whose largest entries the
@@ -744,10 +776,15 @@ class SdpaBackend(AttentionTerms):
             q_positions, k_positions, n, m, device, causal, window, document_ids, query_documents
         )
         mask = apply_masks(bias, allowed, attn_mask)
+        into = None if out is None else out.view(mask.shape)  # [H, N, M] or [B, H, N, M]
+        # the floor writes into ``out`` only where no cast follows: half precision takes
+        # the bias shifted before its cast (``half_precision_bias``)
+        floor_into = into if into is not None and into.dtype == mask.dtype else None
         if m and spread is not None:
-            top = mask.amax(dim=-1, keepdim=True)  # per query row
-            mask = floored_bias(mask, top, spread)
+            mask = floored_rows(mask, spread, floor_into)  # under each query row's largest
         mask = half_precision_bias(mask, dtype)
+        if into is not None and mask is not into:
+            mask = into.copy_(mask)
         # SDPA's CPU kernels take a 4-D mask directly; a 3-D one is ~3x slower (measured)
         return mask.unsqueeze(0) if mask.dim() == 3 else mask  # [1 or B, H, N, M]
 

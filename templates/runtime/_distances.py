@@ -9,6 +9,7 @@ sums each diagonal (``anti_diagonal_sums``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -158,22 +159,51 @@ def floored_bias(bias: Tensor, top: Tensor, spread: Tensor) -> Tensor:
     -inf stays, and so does everything where the floor is -inf or NaN. A raised key's
     weight was and stays below e^-BIAS_FLOOR times the row's largest. The gradient
     reaches the entries left as they were (``_Floor``)."""
-    floor = top.detach() - BIAS_FLOOR - spread.detach()
-    floor = floor.nan_to_num(nan=float("-inf"), posinf=float("-inf"))
+    floor = _floor_under(top, spread)
     if not (torch.is_grad_enabled() and bias.requires_grad):
         return _raised(bias, floor)
     floored: Tensor = _Floor.apply(bias, floor)
     return floored
 
 
-def _raised(bias: Tensor, floor: Tensor) -> Tensor:
-    """max(bias, floor), -inf where bias is -inf: a maximum and an in-place fill. The
+def floored_rows(bias: Tensor, spread: Tensor, out: Tensor | None = None) -> Tensor:
+    """``floored_bias`` of bias [..., rows, keys] under each row's largest entry, in as
+    few passes as its entries allow, written into ``out`` (bias's shape) where given and
+    the floor changes an entry. In eager mode without autograd, one host read of each
+    row's smallest entry against its floor leaves a bias whose every entry is at or
+    above its floor as it is (a shallow bias: T5's, ALiBi's nearest keys) and raises one
+    with no -inf entry by a maximum alone (no fill). On a [16, 64, 2048] float32 chunk
+    (2-core CPU) the raise took 1.4 ms with the fill and 0.3 ms without; the row minima
+    0.08 ms."""
+    top = bias.amax(dim=-1, keepdim=True)  # [..., rows, 1]
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and bias.requires_grad):
+        return floored_bias(bias, top, spread)
+    floor = _floor_under(top, spread)
+    low = bias.amin(dim=-1, keepdim=True)  # [..., rows, 1]
+    above_floor, finite = torch.stack([(low >= floor).all(), (low > -math.inf).all()]).tolist()
+    if above_floor:  # max(bias, floor) is bias
+        return bias
+    return torch.maximum(bias, floor, out=out) if finite else _raised(bias, floor, out)
+
+
+def _floor_under(top: Tensor, spread: Tensor) -> Tensor:
+    """``top - BIAS_FLOOR - spread``, detached, with NaN and +inf as -inf (no floor)."""
+    floor = top.detach() - BIAS_FLOOR - spread.detach()
+    return floor.nan_to_num(nan=-math.inf, posinf=-math.inf, neginf=-math.inf)
+
+
+def _raised(bias: Tensor, floor: Tensor, out: Tensor | None = None) -> Tensor:
+    """max(bias, floor), -inf where bias is -inf (into ``out`` where given): a maximum and
+    an in-place select. The
     select form ``where(bias == -inf, bias, maximum(bias, floor))`` took 28.7 ms against
     17.8 ms on a [16, 256, 2048] float32 chunk (2-core CPU); finding the -inf entries
     with ``isneginf`` rather than ``== -inf`` took the pair from 1.9-2.5 ms to 1.3-1.7 ms
-    on a [16, 64, 2048] one."""
-    out = torch.maximum(bias, floor)
-    return out.masked_fill_(torch.isneginf(bias), float("-inf"))
+    on a [16, 64, 2048] one, and the select in place rather than a ``masked_fill_`` from
+    1.4 to 1.1 ms."""
+    out = torch.maximum(bias, floor, out=out)
+    if torch.compiler.is_compiling():  # traced: no out= (inductor fuses the two anyway)
+        return torch.where(torch.isneginf(bias), bias, out)
+    return torch.where(torch.isneginf(bias), bias, out, out=out)
 
 
 class _Floor(torch.autograd.Function):
