@@ -64,6 +64,7 @@ from ._masks import (
 )
 from ._numerics import compute_dtype
 from ._recomputed_mask import recomputed_mask_attention, recomputed_mask_serves
+from ._skewed_relative import skewed_relative_attention, skewed_relative_serves
 from ._terms import AttentionTerms, RelativeFactors, RelativePart, projected_parts
 from ._trained_bias import (
     clipped_bias_attention,
@@ -343,6 +344,15 @@ class SdpaBackend(AttentionTerms):
             # (``band_terms``: row-major, no transposed key-side term)
             heads_k = repeat_kv(k, q.shape[1] // k.shape[1])  # the terms read every head
             factors = self._relative_factors(q, heads_k, compute_dtype(q), causal)
+            spans = query_chunks(n, m, q.device.type, causal, None)
+            plain = window is None and document_ids is None
+            if plain and factors and skewed_relative_serves(factors, q, heads_k, v, spans):
+                # one query-side term: a strided view of each chunk's own projection
+                heads_v = repeat_kv(v, q.shape[1] // v.shape[1])
+                out = skewed_relative_attention(
+                    q, heads_k, heads_v, factors, spans, self.scale, causal
+                )
+                return out.to(v.dtype)
             if factors and relative_parts_serve(factors, causal):
                 relative_parts = projected_parts(factors)
                 return self._sdpa_relative_parts(

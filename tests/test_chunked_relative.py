@@ -70,7 +70,10 @@ def test_without_gradients_and_with_frozen_tables(
     v = torch.randn(2, 2, 36, 8, generator=generator, dtype=F64)
     assert_sdpa_matches_eager_without_trained_terms(pe, q, k, v)
     key_side = name in ("bert_relative_key_query", "deberta")
-    assert len(route) == (4 if key_side else 3)  # causal with gradients into q: per chunk
+    calls = 4 if key_side else 3  # causal with gradients into q: per chunk
+    if name == "transformer_xl":  # its calls without autograd: views (test_skewed_relative)
+        calls = 1
+    assert len(route) == calls
 
 
 @pytest.mark.usefixtures("chunks_of_8")
