@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.conftest import generated_class
+from tests.conftest import assert_sdpa_matches_eager, generated_class
 
 few = importlib.import_module("generated._few_queries")
 masks = importlib.import_module("generated._masks")
@@ -55,15 +55,21 @@ def test_transformer_xl_chunks_as_strided_views_match_eager(
     assert calls == [-(-n // 4)]
 
 
-def test_a_training_step_keeps_its_own_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With gradients on, the skewed path (no autograd) is not taken."""
+@pytest.mark.parametrize(("n", "m", "kv_heads"), [(10, 10, 4), (10, 13, 2), (12, 14, 1)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_transformer_xl_training_steps_through_the_views_match_eager(
+    n: int, m: int, kv_heads: int, causal: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same chunks with gradients (``_SkewedAttention``): outputs and gradients into
+    q, k, v and every parameter (W_R, u, v) equal the eager oracle's (float64)."""
     monkeypatch.setitem(masks.SDPA_QUERY_CHUNK, "cpu", 4)
     monkeypatch.setattr(few, "FEW_QUERY_RELATIVE_MAX_QUERIES", 1)
     calls = _spy_calls(monkeypatch)
+    torch.manual_seed(0)
     pe = generated_class("transformer_xl")(heads=4, head_dim=8).double()
-    q, k, v = (torch.randn(1, 4, 10, 8, dtype=torch.float64, requires_grad=True) for _ in "qkv")
-    pe(q, k, v, backend="sdpa").sum().backward()
-    assert calls == []
+    assert len(list(pe.parameters())) == 3
+    assert_sdpa_matches_eager(pe, n, m, kv_heads, causal=causal)
+    assert calls == [-(-n // 4)]
 
 
 def _query_term(table_rows: int, n: int, m: int) -> Any:

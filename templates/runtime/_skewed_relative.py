@@ -16,32 +16,43 @@ s (q + u s' / s) . k.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._chunked_flash import Span
+from ._chunked_flash import Span, cpu_flash_forward, cpu_flash_serves
 from ._terms import RelativeFactors, merged_factors, scaled_factors
+
+#: devices where the sdpa backend takes ``skewed_relative_attention`` (its chunks of
+#: queries are ``SDPA_QUERY_CHUNK``'s; the training step runs the CPU flash kernels)
+SKEWED_RELATIVE_DEVICES: set[str] = {"cpu"}
 
 
 def skewed_relative_serves(
     factors: list[RelativeFactors], q: Tensor, k: Tensor, v: Tensor, spans: list[Span]
 ) -> bool:
-    """Whether ``skewed_relative_attention`` runs these terms: eager mode with no
-    gradient anywhere, the terms one query-side term (after ``merged_factors``) and
-    terms of one value per key, in q's dtype, and the chunks' windows of diagonals
-    fewer rows to project than the query-side term's table (Transformer-XL's
-    N + M - 1; a clipped table's 2K + 1 rows are cheaper projected once)."""
+    """Whether ``skewed_relative_attention`` runs these terms: eager mode on a device in
+    ``SKEWED_RELATIVE_DEVICES``, the terms one
+    query-side term (after ``merged_factors``) and terms of one value per key, in q's
+    dtype, a training step only where the CPU flash kernels take q
+    (``cpu_flash_serves``), and the chunks' windows of diagonals fewer rows to project
+    than the query-side term's table (Transformer-XL's N + M - 1; a clipped table's
+    2K + 1 rows are cheaper projected once)."""
     if torch.compiler.is_compiling() or not factors:
+        return False
+    if q.device.type not in SKEWED_RELATIVE_DEVICES:
         return False
     merged = merged_factors(factors)
     queries = [factor for factor in merged if factor.side == "query"]
     if len(queries) != 1 or any(factor.side not in ("query", "content") for factor in merged):
         return False
     tensors = [q, k, v, *(t for factor in merged for t in (factor.x, factor.rows))]
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return False
     if any(t.dtype != q.dtype for t in tensors):
+        return False
+    trains = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    if trains and not cpu_flash_serves(q, v):
         return False
     windows = sum((i1 - i0) * ((i1 - i0) + (hi - lo) - 1) for i0, i1, lo, hi in spans)
     return windows < q.shape[2] * queries[0].rows.shape[0]
@@ -56,14 +67,14 @@ def skewed_relative_attention(
     scale: float,
     causal: bool,
 ) -> Tensor:
-    """softmax(scale q kᵀ + terms) v at default positions, one SDPA call per span with
-    its query-side term as a strided view of its projection (see the module docstring)
-    and the terms of one value per key joined into q; ``causal`` masks the diagonals
-    whose key comes after the query (key position M - N + i at most).
+    """softmax(scale q kᵀ + terms) v at default positions, one attention call per span
+    with its query-side term as a strided view of its projection (see the module
+    docstring) and the terms of one value per key joined into q; ``causal`` masks the
+    diagonals whose key comes after the query (key position M - N + i at most).
 
     q: [B, H, N, D]; k, v: [B, H, M, D] (heads repeated for grouped queries by the
-    caller) -> [B, H, N, value_dim]; no autograd (``skewed_relative_serves``)."""
-    n, m = q.shape[2], k.shape[2]
+    caller) -> [B, H, N, value_dim]. Without autograd, SDPA per span; with it, one
+    node (``_SkewedAttention``) whose backward makes each span's view again."""
     merged = merged_factors(factors)
     (query_term,) = [factor for factor in merged if factor.side == "query"]
     assert query_term.diagonal is not None  # a query-side term reads rows by diagonal
@@ -71,22 +82,102 @@ def skewed_relative_attention(
         q = q + (content.scale / scale) * content.rows[0][:, None, :]  # [H, 1, D] per head
     x, table = scaled_factors(query_term.x, query_term.rows, query_term.scale)
     table = table.permute(1, 0, 2).contiguous()  # [H, K, D]: each chunk's rows in one read
+    diagonal = query_term.diagonal
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, x, table)):
+        out: Tensor = _SkewedAttention.apply(q, k, v, x, table, diagonal, spans, scale, causal)
+        return out
     outs = []
     for i0, i1, lo, hi in spans:
-        rows, keys = i1 - i0, hi - lo
-        t0 = lo - (i1 - 1) + n - 1  # the chunk's first diagonal
-        window = table.index_select(1, query_term.diagonal[t0 : t0 + rows + keys - 1])
-        # [H, W, D] -> [B, H, rows, W], contiguous (the rows' transpose read in place)
-        projected = torch.matmul(x[:, :, i0:i1], window.transpose(-1, -2))
-        # entry (a, c) of the chunk's terms is projected[..., a, c - a + rows - 1]
-        if causal:  # diagonal t reads a key after the query past t = m - 1
-            projected[..., max(0, m - t0) :] = float("-inf")
-        b, h, width = projected.shape[0], projected.shape[1], projected.shape[-1]
-        strides = (h * rows * width, rows * width, width - 1, 1)
-        start = projected.storage_offset() + rows - 1
-        terms = projected.as_strided((b, h, rows, keys), strides, start)  # [B, H, rows, keys]
-        out = F.scaled_dot_product_attention(
-            q[:, :, i0:i1], k[:, :, lo:hi], v[:, :, lo:hi], attn_mask=terms, scale=scale
+        terms, _ = skewed_terms(x, table, diagonal, (i0, i1, lo, hi), q.shape[2], causal)
+        rows, keys, values = q[:, :, i0:i1], k[:, :, lo:hi], v[:, :, lo:hi]
+        outs.append(
+            F.scaled_dot_product_attention(rows, keys, values, attn_mask=terms, scale=scale)
         )
-        outs.append(out)
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
+def skewed_terms(
+    x: Tensor, table: Tensor, diagonal: Tensor, span: Span, n: int, causal: bool
+) -> tuple[Tensor, Tensor]:
+    """The terms x_i . table[:, diagonal[j - i + N - 1]] of span (i0, i1, lo, hi) as a
+    strided view [B, H, r, keys] of the span's projection [B, H, r, W] (which it keeps
+    alive), and the table rows of its W diagonals, int64 [W]. x: [B, H, N, D] (scaled);
+    table: [H, K, D]; ``causal``: -inf on the diagonals past key position M - N + i,
+    M = keys of a span that ends at the last key."""
+    i0, i1, lo, hi = span
+    rows, keys = i1 - i0, hi - lo
+    m = diagonal.shape[0] - n + 1  # diagonals: N + M - 1
+    t0 = lo - (i1 - 1) + n - 1  # the span's first diagonal
+    window = diagonal[t0 : t0 + rows + keys - 1]  # [W]
+    # [B, H, r, D] @ [H, D, W] -> [B, H, r, W], contiguous (the rows' transpose read in place)
+    projected = torch.matmul(x[:, :, i0:i1], table.index_select(1, window).transpose(-1, -2))
+    if causal:  # diagonal t reads a key after the query past t = M - 1
+        projected[..., max(0, m - t0) :] = float("-inf")
+    # entry (a, c) of the span's terms is projected[..., a, c - a + r - 1]
+    b, h, width = projected.shape[0], projected.shape[1], projected.shape[-1]
+    strides = (h * rows * width, rows * width, width - 1, 1)
+    start = projected.storage_offset() + rows - 1
+    return projected.as_strided((b, h, rows, keys), strides, start), window
+
+
+class _SkewedAttention(torch.autograd.Function):
+    """``skewed_relative_attention`` with gradients into q, k, v, x and the table, as
+    one node: the CPU flash kernel forward per span, and a backward per span that
+    makes its view again and forms P, dS = P (dP - delta) explicitly (as the CPU flash
+    backward does inside), dS being also the terms' gradient: laid into the span's
+    projection through the same view (each (query, key) its own entry), then into x's
+    rows and the table's rows of the span's diagonals."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        x: Tensor,
+        table: Tensor,
+        diagonal: Tensor,
+        spans: list[Span],
+        scale: float,
+        causal: bool,
+    ) -> Tensor:
+        n = q.shape[2]
+        out = q.new_empty(q.shape[:-1] + v.shape[-1:])  # [B, H, N, value_dim]
+        lse = q.new_empty(q.shape[:-1])  # [B, H, N]
+        for i0, i1, lo, hi in spans:
+            terms, _ = skewed_terms(x, table, diagonal, (i0, i1, lo, hi), n, causal)
+            rows, keys, values = q[:, :, i0:i1], k[:, :, lo:hi], v[:, :, lo:hi]
+            out[:, :, i0:i1], lse[:, :, i0:i1] = cpu_flash_forward(rows, keys, values, terms, scale)
+        ctx.save_for_backward(q, k, v, x, table, diagonal, out, lse)
+        ctx.spans, ctx.scale, ctx.causal = spans, scale, causal
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        q, k, v, x, table, diagonal, out, lse = ctx.saved_tensors
+        scale, n = ctx.scale, q.shape[2]
+        grads = [torch.zeros_like(t) for t in (q, k, v, x, table)]
+        grad_q, grad_k, grad_v, grad_x, grad_table = grads
+        for i0, i1, lo, hi in ctx.spans:
+            terms, window = skewed_terms(x, table, diagonal, (i0, i1, lo, hi), n, ctx.causal)
+            rows, keys, values = q[:, :, i0:i1], k[:, :, lo:hi], v[:, :, lo:hi]
+            grad = grad_out[:, :, i0:i1]
+            logits = torch.matmul(rows, keys.transpose(-1, -2)).mul_(scale).add_(terms)
+            weights = logits.sub_(lse[:, :, i0:i1].unsqueeze(-1)).exp_()  # P [B, H, r, c]
+            grad_logits = torch.matmul(grad, values.transpose(-1, -2))  # dP
+            delta = (grad * out[:, :, i0:i1]).sum(-1, keepdim=True)  # dO_i . O_i
+            grad_v[:, :, lo:hi] += torch.matmul(weights.transpose(-1, -2), grad)
+            grad_logits = weights.mul_(grad_logits.sub_(delta))  # dS = P (dP - delta)
+            grad_q[:, :, i0:i1] += torch.matmul(grad_logits, keys).mul_(scale)
+            grad_k[:, :, lo:hi] += torch.matmul(grad_logits.transpose(-1, -2), rows).mul_(scale)
+            # dS into the projection's entries the view reads ([B, H, r, W]), then into
+            # x (its rows) and the table (the span's diagonals' rows)
+            grad_projected = q.new_zeros(terms.shape[:2] + (i1 - i0, window.shape[0]))
+            grad_terms = grad_projected.as_strided(terms.shape, terms.stride(), i1 - i0 - 1)
+            grad_terms.copy_(grad_logits)
+            window_rows = table.index_select(1, window)  # [H, W, D]
+            grad_x[:, :, i0:i1] += torch.matmul(grad_projected, window_rows)
+            grad_rows = torch.einsum("bhrw,bhrd->hwd", grad_projected, x[:, :, i0:i1])
+            grad_table.index_add_(1, window, grad_rows)
+        return grad_q, grad_k, grad_v, grad_x, grad_table, None, None, None, None
