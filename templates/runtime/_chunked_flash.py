@@ -235,6 +235,37 @@ def flash_chunks_backward(
     return dq, dk, dv
 
 
+def explicit_flash_backward(
+    grad: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    mask: Tensor,
+    scale: float,
+    grad_weights: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The gradients of softmax(scale q kᵀ + mask) v from its rows' log-sum-exp, as the
+    flash backward forms them, but explicit so that dS (also the additive mask's
+    gradient) comes out: P = exp(scale q kᵀ + mask - lse), dP = dO vᵀ, δ_i = dO_i . O_i,
+    dS = P ⊙ (dP - δ), dq = scale dS k, dk = scale dSᵀ q, dv = Pᵀ dO. ``grad_weights``:
+    a gradient into P as well (added to dP, and its share to δ). q: [B, H, r, D]; k, v:
+    [B, H, c, D]; mask: broadcastable to [B, H, r, c]; lse: [B, H, r] -> dq, dk, dv, dS.
+    """
+    weights = recomputed_weights(q, k, mask, lse, scale)  # P
+    grad_logits = torch.matmul(grad, v.transpose(-1, -2))  # dP
+    delta = (grad * out).sum(-1, keepdim=True)  # δ_i = dO_i . O_i
+    if grad_weights is not None:
+        grad_logits += grad_weights
+        delta += (weights * grad_weights).sum(-1, keepdim=True)
+    grad_v = torch.matmul(weights.transpose(-1, -2), grad)
+    grad_logits = weights.mul_(grad_logits.sub_(delta))  # dS = P ⊙ (dP - δ)
+    grad_q = torch.matmul(grad_logits, k).mul_(scale)
+    grad_k = torch.matmul(grad_logits.transpose(-1, -2), q).mul_(scale)
+    return grad_q, grad_k, grad_v, grad_logits
+
+
 def recomputed_weights(
     rows: Tensor, keys: Tensor, mask: Tensor | None, lse: Tensor, scale: float
 ) -> Tensor:

@@ -38,7 +38,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._chunked_flash import Span, cpu_flash_backward, cpu_flash_forward, cpu_flash_kernel_takes
+from ._chunked_flash import (
+    Span,
+    cpu_flash_backward,
+    cpu_flash_forward,
+    cpu_flash_kernel_takes,
+    explicit_flash_backward,
+)
 from ._masks import accumulated
 from ._terms import RelativeFactors, RelativePart, merged_factors, project_factors
 
@@ -166,21 +172,12 @@ class _ChunkedAttention(torch.autograd.Function):
                     grad, rows, keys, values, chunk_out, lse[:, :, i0:i1], None, scale
                 )
             else:
-                logits = torch.matmul(rows, keys.transpose(-1, -2)).mul_(scale)  # [B, H, C, w]
-                logits += chunk_mask
-                weights = logits.sub_(lse[:, :, i0:i1].unsqueeze(-1)).exp_()  # P
-                grad_logits = torch.matmul(grad, values.transpose(-1, -2))  # dP
-                delta = (grad * chunk_out).sum(-1, keepdim=True)  # δ_i = dO_i . O_i
-                if grad_weights.numel():
-                    extra = grad_weights[:, :, i0:i1, : hi - lo]
-                    grad_logits += extra
-                    delta += (weights * extra).sum(-1, keepdim=True)
-                dv = torch.matmul(weights.transpose(-1, -2), grad)
-                grad_logits = weights.mul_(grad_logits.sub_(delta))  # dS = P ⊙ (dP - δ)
+                extra = grad_weights[:, :, i0:i1, : hi - lo] if grad_weights.numel() else None
+                dq, dk, dv, grad_logits = explicit_flash_backward(
+                    grad, rows, keys, values, chunk_out, lse[:, :, i0:i1], chunk_mask, scale, extra
+                )
                 if grad_mask is not None:
                     grad_mask[:, :, i0:i1, : hi - lo] = grad_logits
-                dq = torch.matmul(grad_logits, keys).mul_(scale)
-                dk = torch.matmul(grad_logits.transpose(-1, -2), rows).mul_(scale)
             grad_q[:, :, i0:i1] += dq
             grad_k[:, :, lo:hi] += dk
             grad_v[:, :, lo:hi] += dv

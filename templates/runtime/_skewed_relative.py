@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._chunked_flash import Span, cpu_flash_forward, cpu_flash_serves
+from ._chunked_flash import Span, cpu_flash_forward, cpu_flash_serves, explicit_flash_backward
 from ._terms import RelativeFactors, merged_factors, scaled_factors
 
 #: devices where the sdpa backend takes ``skewed_relative_attention`` (its chunks of
@@ -123,8 +123,8 @@ def skewed_terms(
 class _SkewedAttention(torch.autograd.Function):
     """``skewed_relative_attention`` with gradients into q, k, v, x and the table, as
     one node: the CPU flash kernel forward per span, and a backward per span that
-    makes its view again and forms P, dS = P (dP - delta) explicitly (as the CPU flash
-    backward does inside), dS being also the terms' gradient: laid into the span's
+    makes its view again and forms dS explicitly (``explicit_flash_backward``), dS
+    being also the terms' gradient: laid into the span's
     projection through the same view (each (query, key) its own entry), then into x's
     rows and the table's rows of the span's diagonals."""
 
@@ -162,15 +162,19 @@ class _SkewedAttention(torch.autograd.Function):
         for i0, i1, lo, hi in ctx.spans:
             terms, window = skewed_terms(x, table, diagonal, (i0, i1, lo, hi), n, ctx.causal)
             rows, keys, values = q[:, :, i0:i1], k[:, :, lo:hi], v[:, :, lo:hi]
-            grad = grad_out[:, :, i0:i1]
-            logits = torch.matmul(rows, keys.transpose(-1, -2)).mul_(scale).add_(terms)
-            weights = logits.sub_(lse[:, :, i0:i1].unsqueeze(-1)).exp_()  # P [B, H, r, c]
-            grad_logits = torch.matmul(grad, values.transpose(-1, -2))  # dP
-            delta = (grad * out[:, :, i0:i1]).sum(-1, keepdim=True)  # dO_i . O_i
-            grad_v[:, :, lo:hi] += torch.matmul(weights.transpose(-1, -2), grad)
-            grad_logits = weights.mul_(grad_logits.sub_(delta))  # dS = P (dP - delta)
-            grad_q[:, :, i0:i1] += torch.matmul(grad_logits, keys).mul_(scale)
-            grad_k[:, :, lo:hi] += torch.matmul(grad_logits.transpose(-1, -2), rows).mul_(scale)
+            dq, dk, dv, grad_logits = explicit_flash_backward(
+                grad_out[:, :, i0:i1],
+                rows,
+                keys,
+                values,
+                out[:, :, i0:i1],
+                lse[:, :, i0:i1],
+                terms,
+                scale,
+            )  # grad_logits: dS [B, H, r, keys]
+            grad_q[:, :, i0:i1] += dq
+            grad_k[:, :, lo:hi] += dk
+            grad_v[:, :, lo:hi] += dv
             # dS into the projection's entries the view reads ([B, H, r, W]), then into
             # x (its rows) and the table (the span's diagonals' rows)
             grad_projected = q.new_zeros(terms.shape[:2] + (i1 - i0, window.shape[0]))
