@@ -286,6 +286,47 @@ def band_terms(parts: list[RelativePart], n: int, m: int, band: list[Span], caus
     return total
 
 
+def terms_at_positions(
+    parts: list[RelativePart],
+    q_positions: Tensor,
+    k_positions: Tensor,
+    span: Span,
+    clip: int,
+) -> Tensor:
+    """The relative terms ``parts`` of span (i0, i1, lo, hi) at any positions, summed:
+    [B or 1, H, r, keys]. The parts are ``_clipped_relative_parts``' (projected once
+    for every span), so the term of query position i and key position j reads row
+    diagonal[clip(j - i, -K, K) + K]; a gather per term and per pair, no projection.
+    q_positions: the span's queries' positions, [r] or [B, r]; k_positions: its keys',
+    [keys] or [B, keys]."""
+    i0, i1, lo, hi = span
+    rows_count, keys = i1 - i0, hi - lo
+    q_pos = q_positions.reshape(-1, rows_count)  # [1 or B, r]
+    k_pos = k_positions.reshape(-1, keys)  # [1 or B, keys]
+    entry = (k_pos.unsqueeze(1) - q_pos.unsqueeze(2)).clamp(-clip, clip) + clip  # [., r, keys]
+    total: Tensor | None = None
+    for side, scores, diagonal in parts:
+        if diagonal is None:  # "content": one value per key, [B, H, M]
+            term = scores[:, :, None, lo:hi]  # [B, H, 1, keys]
+        else:
+            rows = diagonal[entry]  # [1 or B, r, keys]
+            if side == "query":  # [B, H, N, R]: scores[b, h, i, row]
+                chunk = scores[:, :, i0:i1]
+                index = rows.unsqueeze(1).expand(*chunk.shape[:2], rows_count, keys)
+                term = torch.gather(chunk, -1, index)
+            elif side == "key":  # [B, H, M, R]: scores[b, h, j, row], flat j * R + row
+                chunk = scores[:, :, lo:hi].flatten(-2)  # [B, H, keys * R]
+                width = scores.shape[-1]
+                flat = (torch.arange(keys, device=rows.device) * width + rows).flatten(-2)
+                index = flat.unsqueeze(1).expand(*chunk.shape[:2], rows_count * keys)
+                term = torch.gather(chunk, -1, index).view(*chunk.shape[:2], rows_count, keys)
+            else:  # "global": [H, R]
+                term = scores[:, rows].transpose(0, 1)  # [1 or B, H, r, keys]
+        total = accumulated(total, term)
+    assert total is not None  # parts is not empty
+    return total
+
+
 def far_terms(factors: list[RelativeFactors], right: bool) -> tuple[Tensor | None, Tensor | None]:
     """A and B of the far keys on one side (see the module docstring): the terms at the
     row of the farthest diagonal, per query [B or 1, H, n] and per key [B or 1, H, m];
