@@ -15,7 +15,7 @@ import torch
 
 from generated import _distances as distances
 from generated import _mask_buffer as mask_buffer
-from tests.conftest import assert_sdpa_matches_eager, generated_class
+from tests.conftest import assert_sdpa_matches_eager, generated_class, spy_calls
 
 masks = importlib.import_module("generated._masks")
 backend = importlib.import_module("generated._sdpa_backend")
@@ -124,6 +124,16 @@ CASES: dict[str, dict[str, Any]] = {
 }
 
 
+def _chunks_of_4_in_parts_of_3(monkeypatch: pytest.MonkeyPatch, itemsize: int) -> list[int]:
+    """Chunks of 4 queries, their masks' parts 3 rows of [1, 4, 1, 12] at ``itemsize``
+    bytes an entry: the rows per part of every ``AssembledMasks`` made (each still
+    runs)."""
+    monkeypatch.setitem(masks.SDPA_QUERY_CHUNK, "cpu", 4)
+    monkeypatch.setitem(masks.SDPA_MASK_CHUNK_BYTES, "cpu", 3 * 4 * 12 * itemsize)
+    monkeypatch.setattr(masks, "SDPA_MASK_CHUNK_MIN_ROWS", 1)
+    return spy_calls(monkeypatch, [backend], "AssembledMasks", lambda _, rows, __: rows)
+
+
 @pytest.mark.parametrize("name", ["alibi", "t5", "fire"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_inference_chunks_built_in_parts_match_eager(
@@ -132,17 +142,7 @@ def test_inference_chunks_built_in_parts_match_eager(
     """Chunks of 4 queries whose masks are built 3 rows at a time (a budget of 3 rows of
     [1, 4, 1, 12] float64): the output without autograd equals the eager oracle's, in
     float64, and every chunk took its mask from the parts."""
-    monkeypatch.setitem(masks.SDPA_QUERY_CHUNK, "cpu", 4)
-    monkeypatch.setitem(masks.SDPA_MASK_CHUNK_BYTES, "cpu", 3 * 4 * 12 * 8)
-    monkeypatch.setattr(masks, "SDPA_MASK_CHUNK_MIN_ROWS", 1)
-    parts: list[int] = []
-    original = backend.AssembledMasks
-
-    def spy(mask_of: Any, rows: int, spans: list[tuple[int, int, int, int]]) -> Any:
-        parts.append(rows)
-        return original(mask_of, rows, spans)
-
-    monkeypatch.setattr(backend, "AssembledMasks", spy)
+    parts = _chunks_of_4_in_parts_of_3(monkeypatch, 8)
     got, want = _inference_outputs(name, torch.float64, 2, **CASES[case])
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
     assert parts == [3]
@@ -154,9 +154,7 @@ def test_float32_parts_under_the_floor_match_eager(
 ) -> None:
     """ALiBi with positions 60 apart (head 0's bias reaches -165, below the floor), in
     float32: the floored masks written into the parts give the float64 oracle's output."""
-    monkeypatch.setitem(masks.SDPA_QUERY_CHUNK, "cpu", 4)
-    monkeypatch.setitem(masks.SDPA_MASK_CHUNK_BYTES, "cpu", 3 * 4 * 12 * 4)
-    monkeypatch.setattr(masks, "SDPA_MASK_CHUNK_MIN_ROWS", 1)
+    _chunks_of_4_in_parts_of_3(monkeypatch, 4)
     floored: list[bool] = []
     original = distances.floored_rows
 
@@ -180,17 +178,7 @@ def test_training_chunks_built_in_parts_match_eager(
     chunked flash node, chunks of 4 queries with masks built 3 rows at a time, forward
     and again in the backward: outputs and gradients into q, k and v equal the eager
     oracle's (float64)."""
-    monkeypatch.setitem(masks.SDPA_QUERY_CHUNK, "cpu", 4)
-    monkeypatch.setitem(masks.SDPA_MASK_CHUNK_BYTES, "cpu", 3 * 4 * 12 * 8)
-    monkeypatch.setattr(masks, "SDPA_MASK_CHUNK_MIN_ROWS", 1)
-    built: list[int] = []
-    original = backend.AssembledMasks
-
-    def spy(mask_of: Any, rows: int, spans: list[tuple[int, int, int, int]]) -> Any:
-        built.append(rows)
-        return original(mask_of, rows, spans)
-
-    monkeypatch.setattr(backend, "AssembledMasks", spy)
+    built = _chunks_of_4_in_parts_of_3(monkeypatch, 8)
     torch.manual_seed(0)
     pe = generated_class(name)(heads=4, head_dim=8).double().requires_grad_(False)
     positions = {"q_positions": 2 * torch.arange(2, 12), "k_positions": 2 * torch.arange(12) + 1}
@@ -206,9 +194,7 @@ def test_half_precision_parts_are_shifted_before_their_cast(
     part is floored, then shifted by its row maximum before the cast
     (``half_precision_bias``) as it is written into the buffer, so the output stays
     within bfloat16's error of the float64 oracle."""
-    monkeypatch.setitem(masks.SDPA_QUERY_CHUNK, "cpu", 4)
-    monkeypatch.setitem(masks.SDPA_MASK_CHUNK_BYTES, "cpu", 3 * 4 * 12 * 4)
-    monkeypatch.setattr(masks, "SDPA_MASK_CHUNK_MIN_ROWS", 1)
+    _chunks_of_4_in_parts_of_3(monkeypatch, 4)
     pe = generated_class("t5")(heads=4, head_dim=8)
     with torch.no_grad():
         (table,) = pe.parameters()
