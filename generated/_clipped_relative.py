@@ -263,25 +263,7 @@ def band_terms(parts: list[RelativePart], n: int, m: int, band: list[Span], caus
     keys = (starts.unsqueeze(1) + torch.arange(width, device=device)).clamp(max=m - 1)
     queries = torch.arange(first_row, last_row, device=device).unsqueeze(1)  # [rows, 1]
     diagonal_index = keys - queries + (n - 1)  # [rows, w]: entry kv - q + N - 1
-    count = last_row - first_row
-    total: Tensor | None = None
-    for side, scores, diagonal in parts:
-        if diagonal is None:  # "content": one value per key, [B, H, M]
-            term = scores[:, :, keys]  # [B, H, rows, w]
-        else:
-            rows = diagonal[diagonal_index]  # [rows, w]
-            if side == "query":  # [B, H, N, K]
-                chunk = scores[:, :, first_row:last_row]
-                term = torch.gather(chunk, -1, rows.expand(*scores.shape[:2], count, width))
-            elif side == "key":  # [B, H, M, K]: flat index key * K + row
-                flat = (keys * scores.shape[-1] + rows).flatten()  # [N * w]
-                flat_scores = scores.flatten(-2)  # [B, H, M * K]
-                term = torch.gather(flat_scores, -1, flat.expand(*scores.shape[:2], -1))
-                term = term.view(*scores.shape[:2], count, width)
-            else:  # "global": [H, K]
-                term = scores[:, rows].unsqueeze(0)  # [1, H, rows, w]
-        total = accumulated(total, term)
-    assert total is not None  # parts is not empty
+    total = gathered_terms(parts, diagonal_index.unsqueeze(0), keys, first_row)
     if causal:
         masked = keys > queries + (m - n)  # key after the query
         total = total.masked_fill_(masked, float("-inf"))
@@ -302,28 +284,37 @@ def terms_at_positions(
     q_positions: the span's queries' positions, [r] or [B, r]; k_positions: its keys',
     [keys] or [B, keys]."""
     i0, i1, lo, hi = span
-    rows_count, keys = i1 - i0, hi - lo
-    q_pos = q_positions.reshape(-1, rows_count)  # [1 or B, r]
-    k_pos = k_positions.reshape(-1, keys)  # [1 or B, keys]
+    q_pos = q_positions.reshape(-1, i1 - i0)  # [1 or B, r]
+    k_pos = k_positions.reshape(-1, hi - lo)  # [1 or B, keys]
     entry = (k_pos.unsqueeze(1) - q_pos.unsqueeze(2)).clamp(-clip, clip) + clip  # [., r, keys]
+    keys = torch.arange(lo, hi, device=entry.device).unsqueeze(0)  # [1, keys]
+    return gathered_terms(parts, entry, keys, i0)
+
+
+def gathered_terms(
+    parts: list[RelativePart], diagonal_index: Tensor, keys: Tensor, first_row: int
+) -> Tensor:
+    """The relative terms ``parts`` of queries first_row .. first_row + r - 1, each
+    against keys ``keys`` [r or 1, w] (key indices), read from their projections at
+    their diagonals' rows (``diagonal[diagonal_index]``, diagonal_index [1 or B, r, w]),
+    summed: [B or 1, H, r, w]."""
+    count, width = diagonal_index.shape[-2:]
     total: Tensor | None = None
     for side, scores, diagonal in parts:
         if diagonal is None:  # "content": one value per key, [B, H, M]
-            term = scores[:, :, None, lo:hi]  # [B, H, 1, keys]
+            term = scores[:, :, keys]  # [B, H, r or 1, w]
         else:
-            rows = diagonal[entry]  # [1 or B, r, keys]
-            if side == "query":  # [B, H, N, R]: scores[b, h, i, row]
-                chunk = scores[:, :, i0:i1]
-                index = rows.unsqueeze(1).expand(*chunk.shape[:2], rows_count, keys)
-                term = torch.gather(chunk, -1, index)
-            elif side == "key":  # [B, H, M, R]: scores[b, h, j, row], flat j * R + row
-                chunk = scores[:, :, lo:hi].flatten(-2)  # [B, H, keys * R]
-                width = scores.shape[-1]
-                flat = (torch.arange(keys, device=rows.device) * width + rows).flatten(-2)
-                index = flat.unsqueeze(1).expand(*chunk.shape[:2], rows_count * keys)
-                term = torch.gather(chunk, -1, index).view(*chunk.shape[:2], rows_count, keys)
-            else:  # "global": [H, R]
-                term = scores[:, rows].transpose(0, 1)  # [1 or B, H, r, keys]
+            rows = diagonal[diagonal_index].unsqueeze(1)  # [1 or B, 1, r, w]
+            if side == "query":  # [B, H, N, K]
+                chunk = scores[:, :, first_row : first_row + count]
+                term = torch.gather(chunk, -1, rows.expand(*scores.shape[:2], count, width))
+            elif side == "key":  # [B, H, M, K]: flat index key * K + row
+                flat = (keys * scores.shape[-1] + rows).flatten(-2)  # [1 or B, 1, r * w]
+                flat_scores = scores.flatten(-2)  # [B, H, M * K]
+                term = torch.gather(flat_scores, -1, flat.expand(*scores.shape[:2], -1))
+                term = term.view(*scores.shape[:2], count, width)
+            else:  # "global": [H, K]
+                term = scores[:, rows.squeeze(1)].transpose(0, 1)  # [1 or B, H, r, w]
         total = accumulated(total, term)
     assert total is not None  # parts is not empty
     return total

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._chunked_flash import Span, cpu_flash_forward, cpu_flash_serves, explicit_flash_backward
-from ._terms import RelativeFactors, merged_factors, scaled_factors
+from ._terms import RelativeFactors, scaled_factors
 
 #: devices where the sdpa backend takes ``skewed_relative_attention`` (its chunks of
 #: queries are ``SDPA_QUERY_CHUNK``'s; the training step runs the CPU flash kernels)
@@ -37,7 +37,8 @@ def skewed_relative_serves(
 ) -> bool:
     """Whether ``skewed_relative_attention`` runs these terms: eager mode on a device in
     ``SKEWED_RELATIVE_DEVICES``, the terms one
-    query-side term (after ``merged_factors``) and terms of one value per key, in q's
+    query-side term and terms of one value per key (``factors`` as ``merged_factors``
+    gives them), in q's
     dtype, a training step only where the CPU flash kernels take q
     (``cpu_flash_serves``), and the chunks' windows of diagonals fewer rows to project
     than the query-side term's table (Transformer-XL's N + M - 1; a clipped table's
@@ -46,11 +47,10 @@ def skewed_relative_serves(
         return False
     if q.device.type not in SKEWED_RELATIVE_DEVICES:
         return False
-    merged = merged_factors(factors)
-    queries = [factor for factor in merged if factor.side == "query"]
-    if len(queries) != 1 or any(factor.side not in ("query", "content") for factor in merged):
+    queries = [factor for factor in factors if factor.side == "query"]
+    if len(queries) != 1 or any(factor.side not in ("query", "content") for factor in factors):
         return False
-    tensors = [q, k, v, *(t for factor in merged for t in (factor.x, factor.rows))]
+    tensors = [q, k, v, *(t for factor in factors for t in (factor.x, factor.rows))]
     if any(t.dtype != q.dtype for t in tensors):
         return False
     trains = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
@@ -75,12 +75,12 @@ def skewed_relative_attention(
     diagonals whose key comes after the query (key position M - N + i at most).
 
     q: [B, H, N, D]; k, v: [B, H, M, D] (heads repeated for grouped queries by the
-    caller) -> [B, H, N, value_dim]. Without autograd, SDPA per span; with it, one
-    node (``_SkewedAttention``) whose backward makes each span's view again."""
-    merged = merged_factors(factors)
-    (query_term,) = [factor for factor in merged if factor.side == "query"]
+    caller); ``factors`` merged (``merged_factors``) -> [B, H, N, value_dim]. Without
+    autograd, SDPA per span; with it, one node (``_SkewedAttention``) whose backward
+    makes each span's view again."""
+    (query_term,) = [factor for factor in factors if factor.side == "query"]
     assert query_term.diagonal is not None  # a query-side term reads rows by diagonal
-    for content in (factor for factor in merged if factor.side == "content"):
+    for content in (factor for factor in factors if factor.side == "content"):
         q = q + (content.scale / scale) * content.rows[0][:, None, :]  # [H, 1, D] per head
     x, table = scaled_factors(query_term.x, query_term.rows, query_term.scale)
     table = table.permute(1, 0, 2).contiguous()  # [H, K, D]: each chunk's rows in one read

@@ -64,7 +64,13 @@ from ._masks import (
 from ._numerics import compute_dtype
 from ._recomputed_mask import recomputed_mask_attention, recomputed_mask_serves
 from ._skewed_relative import skewed_relative_attention, skewed_relative_serves
-from ._terms import AttentionTerms, RelativeFactors, RelativePart, projected_parts
+from ._terms import (
+    AttentionTerms,
+    RelativeFactors,
+    RelativePart,
+    merged_factors,
+    projected_parts,
+)
 from ._trained_bias import (
     clipped_bias_attention,
     clipped_bias_attention_serves,
@@ -343,6 +349,8 @@ class SdpaBackend(AttentionTerms):
             # (``band_terms``: row-major, no transposed key-side term)
             heads_k = repeat_kv(k, q.shape[1] // k.shape[1])  # the terms read every head
             factors = self._relative_factors(q, heads_k, compute_dtype(q), causal)
+            if factors:  # once: q + v is a new [B, H, N, D]; merging again is then a no-op
+                factors = merged_factors(factors)
             spans = query_chunks(n, m, q.device.type, causal, None)
             plain = window is None and document_ids is None
             if plain and factors and skewed_relative_serves(factors, q, heads_k, v, spans):
@@ -447,6 +455,7 @@ class SdpaBackend(AttentionTerms):
         if k_positions is None:
             k_positions = torch.arange(m, device=q.device)
         clipped = self._clipped_parts_for_chunks(q, k, v, attn_mask)
+        clip = self.relative_clip  # the clip those parts are read at
         outs = []
         for i0, i1, lo, hi in spans:
             documents = None  # the chunk's queries' and keys' documents
@@ -454,11 +463,10 @@ class SdpaBackend(AttentionTerms):
                 rows_documents = document_ids[..., m - n + i0 : m - n + i1]
                 documents = (rows_documents, document_ids[..., lo:hi])
             mask = documents_joined(attn_mask_span(attn_mask, n, m, i0, i1, lo, hi), documents)
-            if clipped is not None:
+            if clipped is not None and clip is not None:
                 rows_at, keys_at = q_positions[..., i0:i1], k_positions[..., lo:hi]
-                assert self.relative_clip is not None  # _clipped_parts_for_chunks
                 terms = terms_at_positions(
-                    clipped, rows_at, keys_at, (i0, i1, lo, hi), self.relative_clip
+                    clipped, rows_at, keys_at, (i0, i1, lo, hi), clip
                 )  # [B or 1, H, rows, keys], a fresh tensor
                 allowed = attention_allowed(
                     rows_at, keys_at, i1 - i0, hi - lo, q.device, causal, window, None
@@ -498,8 +506,7 @@ class SdpaBackend(AttentionTerms):
         (benchmarks/results/revisions_cpu_float32_relative_at_positions.md)."""
         if self.relative_clip is None or self.has_value_term or self.has_position_bias:
             return None
-        mask_trains = attn_mask is not None and attn_mask.requires_grad
-        trains = self._trains_step(q, k, v) or (torch.is_grad_enabled() and mask_trains)
+        trains = self._trains_step(q, k, v) or not self._masks_need_no_grad(attn_mask)
         if trains or torch.compiler.is_compiling():
             return None
         heads_k = repeat_kv(k, q.shape[1] // k.shape[1])  # the terms read every head
