@@ -126,7 +126,8 @@ import generated._flex_backend as flex_backend  # noqa: E402
 import generated._masks as masks  # noqa: E402
 import generated._numerics as numerics  # noqa: E402
 import generated._recomputed_mask as recomputed_mask  # noqa: E402
-import generated._sdpa_backend as sdpa_backend  # noqa: E402
+import generated._sdpa_chunks as sdpa_chunks  # noqa: E402
+import generated._sdpa_relative as sdpa_relative  # noqa: E402
 import generated._trained_bias as trained_bias  # noqa: E402
 from generated import ENCODINGS  # noqa: E402
 from posgen.codegen.inmemory import encoding_class, module_from_spec  # noqa: E402
@@ -280,12 +281,12 @@ def relative_chunks_off() -> Iterator[None]:
     """The sdpa backend's relative terms in one call over every query and key (no
     ``reachable_query_chunks`` in ``_sdpa_relative``): how terms at explicit positions
     with packed documents were built before they went a query chunk at a time."""
-    chunks = sdpa_backend.reachable_query_chunks
-    sdpa_backend.reachable_query_chunks = lambda n, m, *_, **__: [(0, n, 0, m)]
+    chunks = sdpa_relative.reachable_query_chunks
+    sdpa_relative.reachable_query_chunks = lambda n, m, *_, **__: [(0, n, 0, m)]
     try:
         yield
     finally:
-        sdpa_backend.reachable_query_chunks = chunks
+        sdpa_relative.reachable_query_chunks = chunks
 
 
 def plain_flex(
@@ -405,12 +406,12 @@ def clipped_path_off() -> Iterator[None]:
 def parts_route_off() -> Iterator[None]:
     """The sdpa backend without ``_sdpa_relative_parts``: relative terms built densely
     (per query chunk at its positions when causal or windowed)."""
-    serve = sdpa_backend.relative_parts_serve
-    sdpa_backend.relative_parts_serve = lambda factors, causal: False
+    serve = sdpa_relative.relative_parts_serve
+    sdpa_relative.relative_parts_serve = lambda factors, causal: False
     try:
         yield
     finally:
-        sdpa_backend.relative_parts_serve = serve
+        sdpa_relative.relative_parts_serve = serve
 
 
 @contextlib.contextmanager
@@ -439,15 +440,15 @@ def chunked_flash_off(device: torch.device, plain_slices: bool) -> Iterator[None
     chunk, without ``chunked_flash_attention`` (``CHUNKED_FLASH_DEVICES``), and with
     ``plain_slices`` each chunk's q, k and v sliced through autograd on its own (no
     ``sequence_slices``)."""
-    devices, slices = chunked_flash.CHUNKED_FLASH_DEVICES, sdpa_backend.sequence_slices
+    devices, slices = chunked_flash.CHUNKED_FLASH_DEVICES, sdpa_chunks.sequence_slices
     chunked_flash.CHUNKED_FLASH_DEVICES = devices - {device.type}
     if plain_slices:
-        sdpa_backend.sequence_slices = lambda x, ranges: tuple(x[:, :, a:b] for a, b in ranges)
+        sdpa_chunks.sequence_slices = lambda x, ranges: tuple(x[:, :, a:b] for a, b in ranges)
     try:
         yield
     finally:
         chunked_flash.CHUNKED_FLASH_DEVICES = devices
-        sdpa_backend.sequence_slices = slices
+        sdpa_chunks.sequence_slices = slices
 
 
 def recomputed_mask_off(device: torch.device) -> contextlib.AbstractContextManager[None]:

@@ -19,6 +19,7 @@ from tests.conftest import assert_sdpa_matches_eager, generated_class, spy_calls
 
 masks = importlib.import_module("generated._masks")
 backend = importlib.import_module("generated._sdpa_backend")
+chunks = importlib.import_module("generated._sdpa_chunks")
 
 FLOOR = distances.BIAS_FLOOR
 
@@ -131,7 +132,7 @@ def _chunks_of_4_in_parts_of_3(monkeypatch: pytest.MonkeyPatch, itemsize: int) -
     monkeypatch.setitem(masks.SDPA_QUERY_CHUNK, "cpu", 4)
     monkeypatch.setitem(masks.SDPA_MASK_CHUNK_BYTES, "cpu", 3 * 4 * 12 * itemsize)
     monkeypatch.setattr(masks, "SDPA_MASK_CHUNK_MIN_ROWS", 1)
-    return spy_calls(monkeypatch, [backend], "AssembledMasks", lambda _, rows, __: rows)
+    return spy_calls(monkeypatch, [chunks], "AssembledMasks", lambda _, rows, __: rows)
 
 
 @pytest.mark.parametrize("name", ["alibi", "t5", "fire"])

@@ -14,7 +14,7 @@ from tests.conftest import generated_class
 
 chunked = importlib.import_module("generated._chunked_flash")
 masks = importlib.import_module("generated._masks")
-sdpa_backend = importlib.import_module("generated._sdpa_backend")
+sdpa_chunks = importlib.import_module("generated._sdpa_chunks")
 
 SPANS = [(0, 3, 0, 5), (3, 7, 1, 9), (7, 10, 2, 12)]  # queries i0..i1-1, keys lo..hi-1
 
@@ -76,13 +76,13 @@ def test_a_causal_alibi_training_step_in_float32_takes_the_path(monkeypatch) -> 
     one chunked call, whose output and gradients equal the eager oracle's."""
     assert masks.SDPA_QUERY_CHUNK["cpu"] == 256
     calls: list[int] = []
-    original = sdpa_backend.chunked_flash_attention
+    original = sdpa_chunks.chunked_flash_attention
 
     def spy(q, k, v, spans, *args):
         calls.append(len(spans))
         return original(q, k, v, spans, *args)
 
-    monkeypatch.setattr(sdpa_backend, "chunked_flash_attention", spy)
+    monkeypatch.setattr(sdpa_chunks, "chunked_flash_attention", spy)
     pe = generated_class("alibi")(heads=4, head_dim=16)
     generator = torch.Generator().manual_seed(1)
     q = torch.randn(1, 4, 600, 16, generator=generator)
@@ -118,7 +118,7 @@ def test_the_path_leaves_other_calls_to_sdpa_per_chunk(case: str, name: str, mon
     def refuse(*args, **kwargs):
         raise AssertionError("chunked_flash_attention ran")
 
-    monkeypatch.setattr(sdpa_backend, "chunked_flash_attention", refuse)
+    monkeypatch.setattr(sdpa_chunks, "chunked_flash_attention", refuse)
     dtype = torch.bfloat16 if case == "bfloat16" else torch.float32
     pe = generated_class(name)(heads=2, head_dim=8).to(dtype)
     q, k, v = (torch.randn(1, 2, 10, 8, dtype=dtype, requires_grad=True) for _ in "qkv")

@@ -12,6 +12,7 @@ import torch
 from tests.conftest import assert_sdpa_matches_eager, generated_class
 
 runtime = importlib.import_module("generated._sdpa_backend")
+chunks = importlib.import_module("generated._sdpa_chunks")
 distances = importlib.import_module("generated._distances")
 NAMES = ["alibi", "t5", "t5_decoder"]
 
@@ -49,7 +50,7 @@ def test_sdpa_mask_is_a_view_of_a_per_distance_vector(name: str, monkeypatch) ->
     n = m = 64
     seen = []  # the masks given to SDPA, or to trained-mask attention (a trained bias)
     original = runtime.F.scaled_dot_product_attention
-    original_trained = runtime.trained_mask_attention
+    original_trained = chunks.trained_mask_attention
 
     def spy(*args, **kwargs):
         seen.append(kwargs.get("attn_mask"))
@@ -60,7 +61,7 @@ def test_sdpa_mask_is_a_view_of_a_per_distance_vector(name: str, monkeypatch) ->
         return original_trained(q, k, v, mask, scale)
 
     monkeypatch.setattr(runtime.F, "scaled_dot_product_attention", spy)
-    monkeypatch.setattr(runtime, "trained_mask_attention", spy_trained)
+    monkeypatch.setattr(chunks, "trained_mask_attention", spy_trained)
     q = torch.randn(1, 4, n, 8)
     for causal in (False, True):
         pe(q, q, q, causal=causal, backend="sdpa")

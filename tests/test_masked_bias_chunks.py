@@ -107,7 +107,7 @@ def test_a_float_attn_mask_gets_its_gradient(monkeypatch) -> None:
     monkeypatch.setitem(masks.SDPA_QUERY_CHUNK, "cpu", 4)
     monkeypatch.setattr(recomputed, "RECOMPUTED_MASK_MIN_KEYS", 1)
     calls: list[int] = []
-    backend = importlib.import_module("generated._sdpa_backend")
+    backend = importlib.import_module("generated._sdpa_chunks")
     original = backend.recomputed_mask_attention
 
     def spy(q, k, v, spans, mask_of, scale, inputs):

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from tests.conftest import assert_sdpa_matches_eager, generated_class
 
 runtime = importlib.import_module("generated._sdpa_backend")
+chunks = importlib.import_module("generated._sdpa_chunks")
 masks = importlib.import_module("generated._masks")
 trained = importlib.import_module("generated._trained_bias")
 
@@ -57,7 +58,7 @@ def test_query_chunks_match_eager_with_gradients(
     monkeypatch.setitem(masks.SDPA_QUERY_CHUNK, "cpu", 3)
     key_counts: list[int] = []  # keys per attention call: SDPA, or trained-mask attention
     original = runtime.F.scaled_dot_product_attention
-    original_trained = runtime.trained_mask_attention
+    original_trained = chunks.trained_mask_attention
 
     def spy(q, k, v, **kwargs):
         key_counts.append(k.shape[2])
@@ -67,8 +68,8 @@ def test_query_chunks_match_eager_with_gradients(
         key_counts.append(k.shape[2])
         return original_trained(q, k, v, mask, scale)
 
-    original_flash = runtime.chunked_flash_attention
-    original_recomputed = runtime.recomputed_mask_attention
+    original_flash = chunks.chunked_flash_attention
+    original_recomputed = chunks.recomputed_mask_attention
 
     def spy_flash(q, k, v, spans, *args):  # a training step's chunks as one node
         key_counts.extend(hi - lo for _, _, lo, hi in spans)
@@ -81,9 +82,9 @@ def test_query_chunks_match_eager_with_gradients(
     torch.manual_seed(0)
     pe = generated_class(name)(heads=4, head_dim=8).double()
     monkeypatch.setattr(runtime.F, "scaled_dot_product_attention", spy)
-    monkeypatch.setattr(runtime, "trained_mask_attention", spy_trained)
-    monkeypatch.setattr(runtime, "chunked_flash_attention", spy_flash)
-    monkeypatch.setattr(runtime, "recomputed_mask_attention", spy_recomputed)
+    monkeypatch.setattr(chunks, "trained_mask_attention", spy_trained)
+    monkeypatch.setattr(chunks, "chunked_flash_attention", spy_flash)
+    monkeypatch.setattr(chunks, "recomputed_mask_attention", spy_recomputed)
     assert_sdpa_matches_eager(pe, n, m, kv_heads, causal=causal, window=window)
     if pe.has_value_term:
         return  # no SDPA call to count
@@ -219,13 +220,13 @@ def test_long_sequences_take_long_chunks_where_masks_are_views(
     monkeypatch.setitem(masks.SDPA_QUERY_CHUNK, "cpu", 2)
     monkeypatch.setitem(masks.SDPA_LONG_QUERY_CHUNK, "cpu", (12, 4))
     widths: list[int] = []  # the widest chunk of each chunked call
-    original = runtime.SdpaBackend._sdpa_in_chunks
+    original = chunks.SdpaChunks._sdpa_in_chunks
 
     def spy(self, q, k, v, spans, *args, **kwargs):
         widths.append(max(i1 - i0 for i0, i1, _, _ in spans))
         return original(self, q, k, v, spans, *args, **kwargs)
 
-    monkeypatch.setattr(runtime.SdpaBackend, "_sdpa_in_chunks", spy)
+    monkeypatch.setattr(chunks.SdpaChunks, "_sdpa_in_chunks", spy)
     torch.manual_seed(0)
     pe = generated_class(name)(heads=4, head_dim=8).double()
     if not train:

@@ -14,7 +14,7 @@ import torch
 from tests.conftest import generated_class, sdpa_extra_memory
 
 recomputed = importlib.import_module("generated._recomputed_mask")
-sdpa_backend = importlib.import_module("generated._sdpa_backend")
+sdpa_chunks = importlib.import_module("generated._sdpa_chunks")
 masks = importlib.import_module("generated._masks")
 
 SPANS = [(0, 3, 0, 5), (3, 7, 1, 9), (7, 10, 2, 12)]  # queries i0..i1-1, keys lo..hi-1
@@ -119,13 +119,13 @@ def test_a_trained_bias_of_positions_takes_the_node_in_float32(
     assert masks.SDPA_QUERY_CHUNK["cpu"] == 256
     monkeypatch.setattr(recomputed, "RECOMPUTED_MASK_MIN_KEYS", n)  # from 1024 by default
     calls: list[int] = []
-    original = sdpa_backend.recomputed_mask_attention
+    original = sdpa_chunks.recomputed_mask_attention
 
     def spy(q, k, v, spans, *args):
         calls.append(len(spans))
         return original(q, k, v, spans, *args)
 
-    monkeypatch.setattr(sdpa_backend, "recomputed_mask_attention", spy)
+    monkeypatch.setattr(sdpa_chunks, "recomputed_mask_attention", spy)
     torch.manual_seed(0)
     pe = generated_class(name)(heads=4, head_dim=16)
     generator = torch.Generator().manual_seed(1)
@@ -167,7 +167,7 @@ def test_the_node_leaves_other_calls(case: str, monkeypatch) -> None:
     def refuse(*args, **kwargs):
         raise AssertionError("recomputed_mask_attention ran")
 
-    monkeypatch.setattr(sdpa_backend, "recomputed_mask_attention", refuse)
+    monkeypatch.setattr(sdpa_chunks, "recomputed_mask_attention", refuse)
     dtype = torch.bfloat16 if case == "bfloat16" else torch.float32
     pe = generated_class("fire")(heads=2, head_dim=8).to(dtype).requires_grad_(case != "frozen")
     q, k, v = (torch.randn(1, 2, 10, 8, dtype=dtype, requires_grad=True) for _ in "qkv")

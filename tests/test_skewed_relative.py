@@ -14,7 +14,7 @@ from tests.conftest import assert_sdpa_matches_eager, generated_class
 
 few = importlib.import_module("generated._few_queries")
 masks = importlib.import_module("generated._masks")
-backend = importlib.import_module("generated._sdpa_backend")
+relative = importlib.import_module("generated._sdpa_relative")
 skewed = importlib.import_module("generated._skewed_relative")
 terms = importlib.import_module("generated._terms")
 
@@ -22,13 +22,13 @@ terms = importlib.import_module("generated._terms")
 def _spy_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The number of spans of each ``skewed_relative_attention`` call; each still runs."""
     calls: list[int] = []
-    original = backend.skewed_relative_attention
+    original = relative.skewed_relative_attention
 
     def spy(q: Any, k: Any, v: Any, factors: Any, spans: Any, scale: Any, causal: Any) -> Any:
         calls.append(len(spans))
         return original(q, k, v, factors, spans, scale, causal)
 
-    monkeypatch.setattr(backend, "skewed_relative_attention", spy)
+    monkeypatch.setattr(relative, "skewed_relative_attention", spy)
     return calls
 
 

@@ -1,0 +1,332 @@
+"""The ``sdpa`` backend's relative terms: position terms that depend on q and k (Shaw et
+al. 2018; BERT's relative_key and relative_key_query, Huang et al. 2020; DeBERTa's c2p and
+p2c, He et al. 2021; Transformer-XL, Dai et al. 2019) as SDPA's mask, never an
+[B, H, N, M] tensor at once.
+
+``SdpaRelative._sdpa_relative`` picks the route: terms clipped at a distance on a band of
+keys with the far keys as plain flash attention (``_clipped_relative``); a lone
+query-side term as a strided view of each chunk's own projection (``_skewed_relative``);
+each chunk's terms gathered from projections over the table rows; a decode step's terms
+from their factors (``_few_queries``); or the dense terms per chunk of queries at their
+positions (explicit positions, masks, documents).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ._chunked_flash import cpu_flash_serves
+from ._clipped_relative import (
+    band_terms,
+    chunked_relative_attention,
+    clipped_relative_attention,
+    clipped_relative_serves,
+    terms_at_positions,
+)
+from ._few_queries import few_queries, few_query_inputs, few_query_relative_serves
+from ._grouped_queries import scaled_dot_product
+from ._inputs import repeat_kv
+from ._masks import (
+    apply_masks,
+    attention_allowed,
+    attn_mask_span,
+    block_fresh,
+    documents_joined,
+    masked_softmax,
+    pair_documents,
+    query_chunks,
+    reachable_query_chunks,
+    sum_into_new,
+)
+from ._numerics import compute_dtype
+from ._sdpa_chunks import SdpaChunks
+from ._skewed_relative import skewed_relative_attention, skewed_relative_serves
+from ._terms import (
+    RelativeFactors,
+    RelativePart,
+    merged_factors,
+    projected_parts,
+)
+
+
+def relative_parts_serve(factors: list[RelativeFactors], causal: bool) -> bool:
+    """Whether ``_sdpa_relative_parts`` runs these relative terms: everywhere but a
+    causal training step without a key-side term. That one builds each query chunk's
+    terms at its own positions instead: it projects only the chunk's queries, while the
+    parts gather every chunk's terms over the widest chunk's keys (2-core CPU, float32,
+    batch 2, 8 heads, N = 1024, against plain SDPA: BERT relative_key 3.30x per chunk
+    against 4.05x from the parts, Transformer-XL 5.35x against 6.95x; with a key-side
+    term, whose projection each chunk would redo, the parts won: BERT
+    relative_key_query 6.9x -> 6.3x, DeBERTa 6.2x -> 5.4x)."""
+    trains = torch.is_grad_enabled() and any(
+        part.x.requires_grad or part.rows.requires_grad for part in factors
+    )
+    return not (causal and trains and all(part.side != "key" for part in factors))
+
+
+class SdpaRelative(SdpaChunks):
+    """The ``sdpa`` backend's relative terms (see the module docstring)."""
+
+    def _sdpa_relative(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        q_positions: Tensor | None,
+        k_positions: Tensor | None,
+        causal: bool,
+        attn_mask: Tensor | None,
+        window: int | None = None,
+        document_ids: Tensor | None = None,
+        documents: tuple[Tensor, Tensor] | None = None,
+    ) -> Tensor:
+        """SDPA with the relative terms (they depend on q and k) as the mask.
+
+        documents: the queries' and keys' documents for the terms (``pair_documents``)
+        where a chunk's call has the documents' rule in ``attn_mask`` instead of
+        ``document_ids``.
+
+        At default positions, with no attn_mask or position bias, in this order: the
+        clipped path (``clipped_relative_attention``, CPU); for more than a few queries
+        and no value-side term, each query chunk's terms gathered from their projections
+        over the table rows (``_sdpa_relative_parts``); a few queries read theirs from
+        the factors (``few_query_inputs``). Otherwise the dense terms, with the queries
+        in chunks (``reachable_query_chunks``) wherever positions are given, masks apply
+        or documents are packed: each chunk at the positions of its queries and of the
+        keys it may read (its documents' keys, and those its causal mask or window
+        allows: by index at default positions, by position at explicit ones), so its
+        terms span only those keys.
+        """
+        n, m = q.shape[2], k.shape[2]
+        default = q_positions is None and k_positions is None and document_ids is None
+        clipped = self.relative_clip
+        if (
+            clipped is not None
+            and default
+            and attn_mask is None
+            and window is None
+            and not self.has_position_bias
+            and clipped_relative_serves(q, m, clipped, self._trains_step(q, k, v))
+        ):
+            # terms read one row past the clip: a band of exact terms plus far keys as
+            # plain flash attention (``clipped_relative_attention``)
+            groups = q.shape[1] // k.shape[1]
+            heads_k, heads_v = repeat_kv(k, groups), repeat_kv(v, groups)
+            relative_factors = self._relative_factors(q, heads_k, compute_dtype(q), causal)
+            if relative_factors:
+                assert clipped is not None  # clipped_relative_serves
+                value_term = self._value_term if self.has_value_term else None
+                out = clipped_relative_attention(
+                    q, heads_k, heads_v, relative_factors, clipped, self.scale, causal, value_term
+                )
+                return out.to(v.dtype)
+        by_parts = (
+            q_positions is None
+            and k_positions is None
+            and attn_mask is None
+            and not self.has_position_bias
+            and not self.has_value_term
+            and not few_queries(n)
+        )
+        if by_parts:
+            # the terms of each chunk gathered from the projections over the table rows
+            # (``band_terms``: row-major, no transposed key-side term)
+            heads_k = repeat_kv(k, q.shape[1] // k.shape[1])  # the terms read every head
+            factors = self._relative_factors(q, heads_k, compute_dtype(q), causal)
+            if factors:  # once: q + v is a new [B, H, N, D]; merging again is then a no-op
+                factors = merged_factors(factors)
+            spans = query_chunks(n, m, q.device.type, causal, None)
+            plain = window is None and document_ids is None
+            if plain and factors and skewed_relative_serves(factors, q, heads_k, v, spans):
+                # one query-side term: a strided view of each chunk's own projection
+                heads_v = repeat_kv(v, q.shape[1] // v.shape[1])
+                out = skewed_relative_attention(
+                    q, heads_k, heads_v, factors, spans, self.scale, causal
+                )
+                return out.to(v.dtype)
+            if factors and relative_parts_serve(factors, causal):
+                relative_parts = projected_parts(factors)
+                return self._sdpa_relative_parts(
+                    q, k, heads_k, v, relative_parts, causal, window, document_ids
+                )
+        given = q_positions is not None or k_positions is not None or attn_mask is not None
+        if given or causal or window is not None or document_ids is not None:
+            # the dense terms a chunk of queries at a time (each at its queries'
+            # positions), so that no [B, H, N, M] terms exist at once: over the keys its
+            # documents hold and only those its causal mask or window allow, by index at
+            # default positions and by position at explicit ones (``position_spans``)
+            spans = reachable_query_chunks(
+                n, m, q.device.type, causal, window, document_ids, q_positions, k_positions
+            )
+            if len(spans) > 1:
+                return self._sdpa_relative_in_chunks(
+                    q,
+                    k,
+                    v,
+                    spans,
+                    q_positions,
+                    k_positions,
+                    causal,
+                    attn_mask,
+                    window,
+                    document_ids,
+                )
+        groups = q.shape[1] // k.shape[1]
+        k, v = repeat_kv(k, groups), repeat_kv(v, groups)  # the terms read every head
+        n, m = q.shape[2], k.shape[2]
+        dtype = compute_dtype(q)
+        factors = None
+        if q_positions is None and k_positions is None and few_queries(n):
+            factors = self._relative_factors(q, k, dtype, causal)
+        if factors and few_query_relative_serves(factors, clipped):
+            # a decode step: no key projected over every row; terms with one value per
+            # key ride in q (``_few_queries``)
+            q, terms = few_query_inputs(q, factors, n, m, clipped, self.scale)
+            parts = [] if terms is None else [terms]
+        else:
+            if documents is None:
+                documents = pair_documents(document_ids, n, m)
+            by_name = self._relative_terms(q, k, q_positions, k_positions, dtype, documents)
+            parts = list(by_name.values())
+        if self.has_position_bias:
+            bias = self._position_bias(q_positions, k_positions, n, m, q.device)
+            assert bias is not None  # has_position_bias
+            bias = bias.to(dtype)
+            if self.position_bias_inside_scale:
+                bias = bias * self.scale
+            parts.append(bias)
+        if parts:
+            mask = sum_into_new(parts)  # [B, H, N, M], a fresh tensor
+        else:
+            mask = torch.zeros((n, m), dtype=dtype, device=q.device)
+        allowed = attention_allowed(
+            q_positions, k_positions, n, m, q.device, causal, window, document_ids
+        )
+        if allowed is not None:
+            mask = block_fresh(mask, allowed)
+        mask = apply_masks(mask, None, attn_mask)
+        if self.has_value_term:
+            # the value term needs the weights, which SDPA does not return: form them
+            # once and apply them to v here as well (an SDPA call on top would double
+            # the work: Shaw at N = 512 on the CPU ran 10.6x plain SDPA, eager 6.7x)
+            content = torch.matmul(q.to(dtype), k.to(dtype).transpose(-2, -1)) * self.scale
+            weights = masked_softmax(content + mask)  # [B, H, N, M]
+            out = torch.matmul(weights, v.to(dtype))
+            return (out + self._value_term(weights, q_positions, k_positions)).to(v.dtype)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), scale=self.scale)
+        return out.to(v.dtype)
+
+    def _sdpa_relative_in_chunks(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        spans: list[tuple[int, int, int, int]],
+        q_positions: Tensor | None,
+        k_positions: Tensor | None,
+        causal: bool,
+        attn_mask: Tensor | None,
+        window: int | None,
+        document_ids: Tensor | None,
+    ) -> Tensor:
+        """``_sdpa_relative`` one span of queries at a time (``spans``: (i0, i1, lo, hi),
+        queries i0 .. i1 - 1 against keys lo .. hi - 1), each at its queries' and keys'
+        positions (explicit, or the defaults' rows), with its block of ``attn_mask`` and
+        the documents' rule for that block joined into it -> [B, H, N, value_dim]."""
+        n, m = q.shape[2], k.shape[2]
+        if q_positions is None:  # the default: the queries are the last N keys
+            q_positions = torch.arange(m - n, m, device=q.device)
+        if k_positions is None:
+            k_positions = torch.arange(m, device=q.device)
+        clipped = self._clipped_parts_for_chunks(q, k, v, attn_mask)
+        clip = self.relative_clip  # the clip those parts are read at
+        outs = []
+        for i0, i1, lo, hi in spans:
+            documents = None  # the chunk's queries' and keys' documents
+            if document_ids is not None:
+                rows_documents = document_ids[..., m - n + i0 : m - n + i1]
+                documents = (rows_documents, document_ids[..., lo:hi])
+            mask = documents_joined(attn_mask_span(attn_mask, n, m, i0, i1, lo, hi), documents)
+            if clipped is not None and clip is not None:
+                rows_at, keys_at = q_positions[..., i0:i1], k_positions[..., lo:hi]
+                terms = terms_at_positions(
+                    clipped, rows_at, keys_at, (i0, i1, lo, hi), clip
+                )  # [B or 1, H, rows, keys], a fresh tensor
+                allowed = attention_allowed(
+                    rows_at, keys_at, i1 - i0, hi - lo, q.device, causal, window, None
+                )
+                if allowed is not None:
+                    terms = block_fresh(terms, allowed)
+                terms = apply_masks(terms, None, mask).to(q.dtype)
+                rows, keys, values = q[:, :, i0:i1], k[:, :, lo:hi], v[:, :, lo:hi]
+                outs.append(scaled_dot_product(rows, keys, values, terms, self.scale))
+                continue
+            out = self._sdpa_relative(
+                q[:, :, i0:i1],
+                k[:, :, lo:hi],
+                v[:, :, lo:hi],
+                q_positions[..., i0:i1],
+                k_positions[..., lo:hi],
+                causal,
+                mask,
+                window,
+                documents=documents,
+            )
+            outs.append(out)
+        return torch.cat(outs, dim=2)
+
+    def _clipped_parts_for_chunks(
+        self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None
+    ) -> list[RelativePart] | None:
+        """The relative terms projected once for every chunk of ``_sdpa_relative_in_chunks``
+        at any positions (``_clipped_relative_parts``: each side over the 2K + 1 rows
+        of a table clipped at K), where they serve: eager mode with no gradient, terms
+        clipped at a distance, no value-side term and no position bias; else None (each
+        chunk then projects its own). Each chunk used to project every key it reads
+        again. 2-core CPU, float32, N = 2048, batch 2, 8 heads, positions 2 apart,
+        against plain SDPA in one loop: DeBERTa 8.66x -> 4.98x (causal 7.72x -> 4.92x),
+        BERT relative_key_query 12.6x -> 6.04x (10.3x -> 6.36x), BERT relative_key
+        3.75x -> 3.44x (no key side: within noise causal)
+        (benchmarks/results/revisions_cpu_float32_relative_at_positions.md)."""
+        if self.relative_clip is None or self.has_value_term or self.has_position_bias:
+            return None
+        trains = self._trains_step(q, k, v) or not self._masks_need_no_grad(attn_mask)
+        if trains or torch.compiler.is_compiling():
+            return None
+        heads_k = repeat_kv(k, q.shape[1] // k.shape[1])  # the terms read every head
+        return self._clipped_relative_parts(q, heads_k, compute_dtype(q))
+
+    def _sdpa_relative_parts(
+        self,
+        q: Tensor,
+        k: Tensor,
+        heads_k: Tensor,
+        v: Tensor,
+        parts: list[RelativePart],
+        causal: bool,
+        window: int | None,
+        document_ids: Tensor | None,
+    ) -> Tensor:
+        """SDPA at default positions with the relative terms ``parts`` gathered per
+        query chunk (``query_chunks``) over the keys it may read, as its mask. heads_k:
+        k with q's heads (k itself without grouped-query heads)."""
+        n, m = q.shape[2], k.shape[2]
+        allowed = attention_allowed(None, None, n, m, q.device, False, window, document_ids)
+        spans = reachable_query_chunks(
+            n, m, q.device.type, causal, window, document_ids, None, None
+        )
+        if allowed is None and cpu_flash_serves(q, v):
+            # flash calls per chunk, the terms' gradient without a full-size one per chunk
+            heads_v = repeat_kv(v, q.shape[1] // v.shape[1])
+            out = chunked_relative_attention(q, heads_k, heads_v, parts, spans, self.scale, causal)
+            return out.to(v.dtype)
+
+        def chunk_terms(i0: int, i1: int, lo: int, hi: int) -> Tensor:
+            terms = band_terms(parts, n, m, [(i0, i1, lo, hi)], causal)[..., : hi - lo]
+            if allowed is not None:  # a window or documents
+                terms = block_fresh(terms, allowed[..., i0:i1, lo:hi])
+            return terms.to(q.dtype)
+
+        return self._sdpa_in_chunks(q, k, v, spans, chunk_terms).to(v.dtype)
