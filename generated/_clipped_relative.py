@@ -35,6 +35,7 @@ over every key a chunk may read, one flash call per chunk with its terms as the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -70,6 +71,17 @@ CLIPPED_RELATIVE_MIN_KEYS: dict[bool, int] = {False: 256, True: 1024}
 #: 1.3 ms for Shaw and 0.8 -> 1.3 ms for BERT relative_key; at 64 queries every kind
 #: was as fast or faster, Shaw 19 -> 6 ms)
 CLIPPED_RELATIVE_MIN_QUERIES = 64
+#: terms that get no gradient project their query side over every query at once up to
+#: this many bytes, and per span of queries past it (``span_terms``): glibc maps an
+#: allocation of 32 MiB or more afresh each time, which is then faulted in a page at a
+#: time (2-core CPU, BERT relative_key_query's [2, 8, 2048, 1023] float32 projection:
+#: 105 ms into a new tensor, 61 ms into one already paged in). No gradient, batch 2,
+#: 8 heads, against plain SDPA in one loop: BERT relative_key_query at N = 2048 4.44x
+#: -> 4.00x (causal 3.12x -> 2.86x), at 1024 7.00x -> 5.80x; BERT relative_key 2.51x ->
+#: 2.29x (2.50x -> 2.24x), at 1024 3.18x -> 2.86x; Shaw, whose 33 rows make a 4 MB
+#: projection, lost 5% per span at N = 2048 (1.93x -> 2.04x)
+#: (benchmarks/results/revisions_cpu_float32_span_terms.md)
+QUERY_PROJECTION_WHOLE_BYTES = 32 << 20
 
 
 def clipped_relative_serves(q: Tensor, m: int, clip: int | None, trains: bool) -> bool:
@@ -201,30 +213,30 @@ def chunked_relative_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    parts: list[RelativePart],
+    factors: list[RelativeFactors],
     spans: list[Span],
     scale: float,
     causal: bool,
 ) -> Tensor:
     """softmax(scale q kᵀ + terms) v at default positions, each span (i0, i1, lo, hi):
-    queries i0 .. i1 - 1 against keys lo .. hi - 1, its terms gathered from ``parts``
-    over its keys (``band_terms``, -inf after each query where ``causal`` masks them).
+    queries i0 .. i1 - 1 against keys lo .. hi - 1, its terms gathered from the
+    projections of ``factors`` (merged) over its keys (``band_terms``, -inf after each
+    query where ``causal`` masks them).
 
     q: [B, H, N, D]; k, v: [B, H, M, D] (heads repeated for GQA by the caller) -> [B, H,
     N, D]. Where the terms' projections get gradients, every span's terms are gathered
     at once ([B, H, N, widest]) and ``_ChunkedAttention`` gives them their gradient span
     by span: a slice per span through autograd would zero-fill a gradient of the full
     projections for each (BERT relative_key_query's training step at N = 512 on a
-    2-core CPU: 10.3x plain SDPA that way). Otherwise each span's terms are gathered
-    when its call needs them, in the backward again.
+    2-core CPU: 10.3x plain SDPA that way). Otherwise each span's terms are made when
+    its call needs them (``span_terms``), in the backward again.
     """
     n, m = q.shape[2], k.shape[2]
-    if torch.is_grad_enabled() and any(part.scores.requires_grad for part in parts):
-        mask: Any = band_terms(parts, n, m, spans, causal)  # [B, H, N, widest]
+    mask: Any
+    if terms_train(factors):  # [B, H, N, widest]
+        mask = band_terms([project_factors(factor) for factor in factors], n, m, spans, causal)
     else:
-
-        def mask(span: Span) -> Tensor:
-            return band_terms(parts, n, m, [span], causal)[..., : span[3] - span[2]]
+        mask = span_terms(factors, n, m, causal)
 
     out, _, _ = _ChunkedAttention.apply(q, k, v, mask, spans, scale, None, False)
     return out
@@ -249,11 +261,19 @@ def band_spans(
     return far_left, band, far_right
 
 
-def band_terms(parts: list[RelativePart], n: int, m: int, band: list[Span], causal: bool) -> Tensor:
+def band_terms(
+    parts: list[RelativePart],
+    n: int,
+    m: int,
+    band: list[Span],
+    causal: bool,
+    band_queries_only: bool = False,
+) -> Tensor:
     """The relative terms on the band of consecutive spans (queries band[0][0] ..
     band[-1][1] - 1, each span's own keys), summed: [B or 1, H, rows, width] with column
     w of query i at key lo + w of i's span (columns past the span are filled but
-    unread), -inf where ``causal`` masks the key."""
+    unread), -inf where ``causal`` masks the key. ``band_queries_only``: the query-side
+    parts were projected for the band's queries alone ([B, H, rows, K]), not all N."""
     device = parts[0].scores.device
     width = max(hi - lo for _, _, lo, hi in band)
     first_row, last_row = band[0][0], band[-1][1]
@@ -263,11 +283,65 @@ def band_terms(parts: list[RelativePart], n: int, m: int, band: list[Span], caus
     keys = (starts.unsqueeze(1) + torch.arange(width, device=device)).clamp(max=m - 1)
     queries = torch.arange(first_row, last_row, device=device).unsqueeze(1)  # [rows, 1]
     diagonal_index = keys - queries + (n - 1)  # [rows, w]: entry kv - q + N - 1
-    total = gathered_terms(parts, diagonal_index.unsqueeze(0), keys, first_row)
+    query_row = 0 if band_queries_only else first_row  # the band's first query's row
+    total = gathered_terms(parts, diagonal_index.unsqueeze(0), keys, query_row)
     if causal:
         masked = keys > queries + (m - n)  # key after the query
         total = total.masked_fill_(masked, float("-inf"))
     return total
+
+
+def terms_train(factors: list[RelativeFactors]) -> bool:
+    """Whether gradients flow into the relative terms of ``factors``."""
+    return torch.is_grad_enabled() and any(
+        t.requires_grad for factor in factors for t in (factor.x, factor.rows)
+    )
+
+
+def span_terms(
+    factors: list[RelativeFactors], n: int, m: int, causal: bool
+) -> Callable[[Span], Tensor]:
+    """Each span's relative terms (``band_terms`` over its keys) for terms that get no
+    gradient, ``factors`` merged, projected as ``projected_once`` and
+    ``parts_of_span`` split the work."""
+    once, per_span = projected_once(factors)
+
+    def terms(span: Span) -> Tensor:
+        i0, i1, lo, hi = span
+        parts = parts_of_span(factors, once, i0, i1)
+        return band_terms(parts, n, m, [span], causal, per_span)[..., : hi - lo]
+
+    return terms
+
+
+def projected_once(factors: list[RelativeFactors]) -> tuple[list[RelativePart | None], bool]:
+    """The projections of ``factors`` made once for every span of a call: the key-side,
+    global and content terms, and the query-side ones too where their projections of
+    every query come to at most ``QUERY_PROJECTION_WHOLE_BYTES``; else those are None
+    (``parts_of_span`` projects them per span over only its queries), and the flag says
+    so."""
+    query_bytes = sum(
+        factor.x.numel() // factor.x.shape[-1] * factor.rows.shape[0] * factor.x.element_size()
+        for factor in factors
+        if factor.side == "query"
+    )  # [B, H, N, K] per query-side term
+    per_span = query_bytes > QUERY_PROJECTION_WHOLE_BYTES
+    once = [
+        None if per_span and factor.side == "query" else project_factors(factor)
+        for factor in factors
+    ]
+    return once, per_span
+
+
+def parts_of_span(
+    factors: list[RelativeFactors], once: list[RelativePart | None], i0: int, i1: int
+) -> list[RelativePart]:
+    """The parts of queries i0 .. i1 - 1: those of ``projected_once``, the query-side
+    ones it left out projected over these queries alone ([B, H, i1 - i0, K])."""
+    return [
+        project_factors(factor._replace(x=factor.x[:, :, i0:i1])) if part is None else part
+        for factor, part in zip(factors, once, strict=True)
+    ]
 
 
 def terms_at_positions(
@@ -276,19 +350,21 @@ def terms_at_positions(
     k_positions: Tensor,
     span: Span,
     clip: int,
+    span_queries_only: bool = False,
 ) -> Tensor:
     """The relative terms ``parts`` of span (i0, i1, lo, hi) at any positions, summed:
-    [B or 1, H, r, keys]. The parts are ``_clipped_relative_parts``' (projected once
-    for every span), so the term of query position i and key position j reads row
+    [B or 1, H, r, keys]. The parts are those of ``_clipped_relative_factors``
+    (``parts_of_span``), so the term of query position i and key position j reads row
     diagonal[clip(j - i, -K, K) + K]; a gather per term and per pair, no projection.
     q_positions: the span's queries' positions, [r] or [B, r]; k_positions: its keys',
-    [keys] or [B, keys]."""
+    [keys] or [B, keys]. ``span_queries_only``: the query-side parts hold the span's
+    queries alone, not all N."""
     i0, i1, lo, hi = span
     q_pos = q_positions.reshape(-1, i1 - i0)  # [1 or B, r]
     k_pos = k_positions.reshape(-1, hi - lo)  # [1 or B, keys]
     entry = (k_pos.unsqueeze(1) - q_pos.unsqueeze(2)).clamp(-clip, clip) + clip  # [., r, keys]
     keys = torch.arange(lo, hi, device=entry.device).unsqueeze(0)  # [1, keys]
-    return gathered_terms(parts, entry, keys, i0)
+    return gathered_terms(parts, entry, keys, 0 if span_queries_only else i0)
 
 
 def gathered_terms(
@@ -373,13 +449,11 @@ def clipped_relative_attention(
     batch, heads, n, dim = q.shape
     m, value_dim = k.shape[2], v.shape[-1]
     factors = merged_factors(factors)
-    parts = [project_factors(factor) for factor in factors]
     far_left, band, far_right = band_spans(n, m, clip, causal)
     left_a, left_b = far_terms(factors, right=False)  # [., H, N], [., H, M] or None
     right_a, right_b = far_terms(factors, right=True)
-    trains = torch.is_grad_enabled() and any(
-        t.requires_grad for t in (q, k, v, *(part.scores for part in parts))
-    )
+    trained_terms = terms_train(factors)
+    trains = trained_terms or (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
     # A_i enters a far side's log-sum-exp (softmax ignores a per-query constant); B_j
     # rides in two more features, q [q_i, 1, 0] (left) or [q_i, 0, 1] (right) against
     # k [k_j, B^L_j / s, B^R_j / s]; with gradients, v carries a column of ones
@@ -407,12 +481,11 @@ def clipped_relative_attention(
         keys = features(k)
     values = features(v, one_per_key) if trains else features(v)  # ones at value_dim
     ones_column = value_dim if trains else None
-    if trains and any(part.scores.requires_grad for part in parts):
-        mask: Any = band_terms(parts, n, m, band, causal)  # [B, H, N, w], trained
+    mask: Any
+    if trained_terms:  # [B, H, N, w]
+        mask = band_terms([project_factors(factor) for factor in factors], n, m, band, causal)
     else:  # each chunk's terms when a call needs them (a [B, H, C, w] tensor at a time)
-
-        def mask(span: Span) -> Tensor:
-            return band_terms(parts, n, m, [span], causal)[..., : span[3] - span[2]]
+        mask = span_terms(factors, n, m, causal)
 
     band_out, band_lse, band_weights = _ChunkedAttention.apply(
         features(q), keys, values, mask, band, scale, ones_column, value_term is not None

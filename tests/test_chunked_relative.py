@@ -9,6 +9,8 @@ every parameter, with chunks of 8 queries so that every sequence spans several.
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -58,13 +60,17 @@ def test_chunked_terms_match_eager_with_gradients(
 
 
 @pytest.mark.usefixtures("chunks_of_8")
+@pytest.mark.parametrize("per_span", [False, True])
 @pytest.mark.parametrize("name", NAMES)
 def test_without_gradients_and_with_frozen_tables(
-    name: str, monkeypatch: pytest.MonkeyPatch
+    name: str, per_span: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """No gradient into the terms: each chunk's terms are gathered when its call needs
-    them (forward, and again in the backward for q and k)."""
+    them (forward, and again in the backward for q and k), with the queries projected
+    once or (``per_span``: ``QUERY_PROJECTION_WHOLE_BYTES`` 0) per chunk."""
     pe = make(name)
+    if per_span:
+        set_runtime(monkeypatch, "QUERY_PROJECTION_WHOLE_BYTES", 0, pe)
     pe.requires_grad_(False)
     route = spy_query_shapes(monkeypatch, pe, "chunked_relative_attention")
     generator = torch.Generator().manual_seed(5)
@@ -85,7 +91,7 @@ def test_windows_documents_and_other_value_widths_take_sdpa_per_chunk(
     chunk with the chunk's terms (and its mask) as attn_mask."""
     pe = make(name)
     flash = spy_query_shapes(monkeypatch, pe, "chunked_relative_attention")
-    route = spy_calls(monkeypatch, runtime_modules(pe), "band_terms", lambda *_: None)
+    route = spy_calls(monkeypatch, runtime_modules(pe), "band_terms", lambda *_, **__: None)
     documents = torch.zeros(2, 30, dtype=torch.int64)
     documents[:, 11:] = 1
     for options in ({"window": 6}, {"window": 5, "causal": True}, {"document_ids": documents}):
@@ -116,7 +122,7 @@ def test_explicit_positions_and_attn_mask_keep_the_dense_terms(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     pe = make("deberta")
-    route = spy_calls(monkeypatch, runtime_modules(pe), "band_terms", lambda *_: None)
+    route = spy_calls(monkeypatch, runtime_modules(pe), "band_terms", lambda *_, **__: None)
     flash = spy_query_shapes(monkeypatch, pe, "chunked_relative_attention")
     few = spy_query_shapes(monkeypatch, pe, "few_query_inputs")
     positions = torch.arange(0, 60, 2)  # no shift of the defaults (those take their paths)
@@ -129,3 +135,51 @@ def test_explicit_positions_and_attn_mask_keep_the_dense_terms(
     with torch.no_grad():
         pe(q, k, v, backend="sdpa")  # 30 queries are few now: not the chunked terms
     assert flash == [] and few == [(1, 4, 30, 8)]
+
+
+@pytest.mark.parametrize("per_span", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_span_terms_project_each_spans_queries_alone(
+    causal: bool, per_span: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``span_terms``, the terms of a span without gradients: a query-side, a key-side,
+    a global and a content term (rows clipped by a diagonal index, N < M) equal, span by
+    span, the terms gathered from projections of every query at once. Past
+    ``QUERY_PROJECTION_WHOLE_BYTES`` each query-side projection covers only that span's
+    queries; within it, every query is projected once."""
+    clipped = importlib.import_module("generated._clipped_relative")
+    monkeypatch.setattr(clipped, "QUERY_PROJECTION_WHOLE_BYTES", 0 if per_span else 1 << 30)
+    terms_module = importlib.import_module("generated._terms")
+    generator = torch.Generator().manual_seed(8)
+    n, m, rows_count = 11, 15, 7
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator, dtype=F64)
+
+    diagonal = (torch.arange(n + m - 1) - (m - 1)).clamp(-3, 3) + 3  # [N + M - 1] in 0..6
+    factors = [
+        terms_module.RelativeFactors(
+            "query", rand(2, 3, n, 4), rand(rows_count, 3, 4), diagonal, 0.5
+        ),
+        terms_module.RelativeFactors(
+            "key", rand(2, 3, m, 4), rand(rows_count, 3, 4), diagonal, 1.0
+        ),
+        terms_module.RelativeFactors("global", rand(3, 4), rand(rows_count, 3, 4), diagonal, 1.0),
+        terms_module.RelativeFactors("content", rand(2, 3, m, 4), rand(1, 3, 4), None, 1.0),
+    ]
+    whole = [terms_module.project_factors(factor) for factor in factors]
+    projected = spy_calls(
+        monkeypatch, [clipped], "project_factors", lambda factor: (factor.side, factor.x.shape[-2])
+    )
+    terms_of = clipped.span_terms(factors, n, m, causal)
+    spans = [(0, 4, 0, 9), (4, 8, 2, 13), (8, 11, 5, 15)]
+    for i0, i1, lo, hi in spans:
+        got = terms_of((i0, i1, lo, hi))
+        want = clipped.band_terms(whole, n, m, [(i0, i1, lo, hi)], causal)[..., : hi - lo]
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-13)
+    # the others once (rows of x: a global term's [H, D] has H), then each span's
+    others = [("key", m), ("global", 3), ("content", m)]
+    if per_span:
+        assert projected == [*others, *(("query", i1 - i0) for i0, i1, _, _ in spans)]
+    else:
+        assert projected == [("query", n), *others]

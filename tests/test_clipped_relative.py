@@ -106,13 +106,18 @@ def test_a_value_width_other_than_the_head_width(value_dim: int, monkeypatch) ->
     assert len(route) == 2
 
 
+@pytest.mark.parametrize("per_span", [False, True])
 @pytest.mark.parametrize("name", NAMES)
-def test_frozen_tables_and_no_gradients(name: str, monkeypatch) -> None:
+def test_frozen_tables_and_no_gradients(name: str, per_span: bool, monkeypatch) -> None:
     """Tables that do not train: the band's terms are made per chunk, in the backward
-    again; without any gradient the values carry no column of ones."""
+    again; without any gradient the values carry no column of ones. With
+    ``QUERY_PROJECTION_WHOLE_BYTES`` 0 (``per_span``) each chunk projects its own
+    queries."""
     pe = make(name)
     pe.requires_grad_(False)
     serve_short(monkeypatch, pe)
+    if per_span:
+        set_runtime(monkeypatch, "QUERY_PROJECTION_WHOLE_BYTES", 0, pe)
     route = spy_query_shapes(monkeypatch, pe, "clipped_relative_attention")
     generator = torch.Generator().manual_seed(5)
     q = torch.randn(2, 4, 30, 8, generator=generator, dtype=F64, requires_grad=True)

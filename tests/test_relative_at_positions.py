@@ -1,6 +1,6 @@
 """Relative terms clipped at a distance, at explicit positions or under masks, on the
 CPU sdpa backend without autograd: projected once for every query chunk
-(``_clipped_relative_parts``) and gathered per pair at each chunk's positions
+(``_clipped_relative_factors``, ``projected_once``) and gathered per pair at each chunk's positions
 (``_clipped_relative.terms_at_positions``), against the eager oracle (float64)."""
 
 from __future__ import annotations
@@ -24,16 +24,21 @@ CASES: dict[str, dict[str, Any]] = {
 }
 
 
+@pytest.mark.parametrize("per_span", [False, True])
 @pytest.mark.parametrize("name", ["bert_relative_key", "bert_relative_key_query", "deberta"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_terms_projected_once_match_eager(
-    name: str, case: str, monkeypatch: pytest.MonkeyPatch
+    name: str, case: str, per_span: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Tables clipped at a few rows (distances up to 33 reach past the clip), chunks of
     4 queries: the output without autograd equals the eager oracle's, each chunk's
-    terms read from the projections made once for the call."""
+    terms read from the projections made once for the call, or with
+    ``QUERY_PROJECTION_WHOLE_BYTES`` 0 (``per_span``) the query side projected per
+    chunk."""
     pe = small_clip_module(name)
     set_runtime(monkeypatch, "SDPA_QUERY_CHUNK", {"cpu": 4}, pe)
+    if per_span:
+        set_runtime(monkeypatch, "QUERY_PROJECTION_WHOLE_BYTES", 0, pe)
     spans = spy_calls(monkeypatch, runtime_modules(pe), "terms_at_positions", lambda *args: args[3])
     generator = torch.Generator().manual_seed(1)
     q = torch.randn(2, 4, N, 8, generator=generator, dtype=torch.float64)

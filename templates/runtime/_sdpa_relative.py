@@ -13,17 +13,23 @@ positions (explicit positions, masks, documents).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._chunked_flash import cpu_flash_serves
+from ._chunked_flash import Span, cpu_flash_serves
 from ._clipped_relative import (
     band_terms,
     chunked_relative_attention,
     clipped_relative_attention,
     clipped_relative_serves,
+    parts_of_span,
+    projected_once,
+    span_terms,
     terms_at_positions,
+    terms_train,
 )
 from ._few_queries import few_queries, few_query_inputs, few_query_relative_serves
 from ._grouped_queries import scaled_dot_product
@@ -45,9 +51,8 @@ from ._sdpa_chunks import SdpaChunks
 from ._skewed_relative import skewed_relative_attention, skewed_relative_serves
 from ._terms import (
     RelativeFactors,
-    RelativePart,
     merged_factors,
-    projected_parts,
+    project_factors,
 )
 
 
@@ -147,9 +152,8 @@ class SdpaRelative(SdpaChunks):
                 )
                 return out.to(v.dtype)
             if factors and relative_parts_serve(factors, causal):
-                relative_parts = projected_parts(factors)
                 return self._sdpa_relative_parts(
-                    q, k, heads_k, v, relative_parts, causal, window, document_ids
+                    q, k, heads_k, v, factors, causal, window, document_ids
                 )
         given = q_positions is not None or k_positions is not None or attn_mask is not None
         if given or causal or window is not None or document_ids is not None:
@@ -240,8 +244,9 @@ class SdpaRelative(SdpaChunks):
             q_positions = torch.arange(m - n, m, device=q.device)
         if k_positions is None:
             k_positions = torch.arange(m, device=q.device)
-        clipped = self._clipped_parts_for_chunks(q, k, v, attn_mask)
-        clip = self.relative_clip  # the clip those parts are read at
+        clipped = self._clipped_factors_for_chunks(q, k, v, attn_mask)
+        clip = self.relative_clip  # the clip those factors are read at
+        once, per_span = projected_once(clipped) if clipped is not None else ([], False)
         outs = []
         for i0, i1, lo, hi in spans:
             documents = None  # the chunk's queries' and keys' documents
@@ -251,8 +256,9 @@ class SdpaRelative(SdpaChunks):
             mask = documents_joined(attn_mask_span(attn_mask, n, m, i0, i1, lo, hi), documents)
             if clipped is not None and clip is not None:
                 rows_at, keys_at = q_positions[..., i0:i1], k_positions[..., lo:hi]
+                parts = parts_of_span(clipped, once, i0, i1)
                 terms = terms_at_positions(
-                    clipped, rows_at, keys_at, (i0, i1, lo, hi), clip
+                    parts, rows_at, keys_at, (i0, i1, lo, hi), clip, per_span
                 )  # [B or 1, H, rows, keys], a fresh tensor
                 allowed = attention_allowed(
                     rows_at, keys_at, i1 - i0, hi - lo, q.device, causal, window, None
@@ -277,16 +283,18 @@ class SdpaRelative(SdpaChunks):
             outs.append(out)
         return torch.cat(outs, dim=2)
 
-    def _clipped_parts_for_chunks(
+    def _clipped_factors_for_chunks(
         self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None
-    ) -> list[RelativePart] | None:
-        """The relative terms projected once for every chunk of ``_sdpa_relative_in_chunks``
-        at any positions (``_clipped_relative_parts``: each side over the 2K + 1 rows
-        of a table clipped at K), where they serve: eager mode with no gradient, terms
-        clipped at a distance, no value-side term and no position bias; else None (each
-        chunk then projects its own). Each chunk used to project every key it reads
-        again. 2-core CPU, float32, N = 2048, batch 2, 8 heads, positions 2 apart,
-        against plain SDPA in one loop: DeBERTa 8.66x -> 4.98x (causal 7.72x -> 4.92x),
+    ) -> list[RelativeFactors] | None:
+        """The factors of the relative terms for every chunk of
+        ``_sdpa_relative_in_chunks`` at any positions (``_clipped_relative_factors``:
+        each side over the 2K + 1 rows of a table clipped at K), projected once per call
+        (``projected_once``: the query side per chunk where it is large), where they
+        serve: eager mode with no gradient, terms clipped at a distance, no value-side
+        term and no position bias; else None (each chunk then builds its terms at its
+        positions). Each chunk used to project every key it reads again. 2-core CPU,
+        float32, N = 2048, batch 2, 8 heads, positions 2 apart, against plain SDPA in
+        one loop: DeBERTa 8.66x -> 4.98x (causal 7.72x -> 4.92x),
         BERT relative_key_query 12.6x -> 6.04x (10.3x -> 6.36x), BERT relative_key
         3.75x -> 3.44x (no key side: within noise causal)
         (benchmarks/results/revisions_cpu_float32_relative_at_positions.md)."""
@@ -296,7 +304,7 @@ class SdpaRelative(SdpaChunks):
         if trains or torch.compiler.is_compiling():
             return None
         heads_k = repeat_kv(k, q.shape[1] // k.shape[1])  # the terms read every head
-        return self._clipped_relative_parts(q, heads_k, compute_dtype(q))
+        return self._clipped_relative_factors(q, heads_k, compute_dtype(q))
 
     def _sdpa_relative_parts(
         self,
@@ -304,14 +312,15 @@ class SdpaRelative(SdpaChunks):
         k: Tensor,
         heads_k: Tensor,
         v: Tensor,
-        parts: list[RelativePart],
+        factors: list[RelativeFactors],
         causal: bool,
         window: int | None,
         document_ids: Tensor | None,
     ) -> Tensor:
-        """SDPA at default positions with the relative terms ``parts`` gathered per
-        query chunk (``query_chunks``) over the keys it may read, as its mask. heads_k:
-        k with q's heads (k itself without grouped-query heads)."""
+        """SDPA at default positions with the relative terms of ``factors`` (merged)
+        gathered per query chunk (``query_chunks``) over the keys it may read from their
+        projections, as its mask. heads_k: k with q's heads (k itself without
+        grouped-query heads)."""
         n, m = q.shape[2], k.shape[2]
         allowed = attention_allowed(None, None, n, m, q.device, False, window, document_ids)
         spans = reachable_query_chunks(
@@ -320,11 +329,22 @@ class SdpaRelative(SdpaChunks):
         if allowed is None and cpu_flash_serves(q, v):
             # flash calls per chunk, the terms' gradient without a full-size one per chunk
             heads_v = repeat_kv(v, q.shape[1] // v.shape[1])
-            out = chunked_relative_attention(q, heads_k, heads_v, parts, spans, self.scale, causal)
+            out = chunked_relative_attention(
+                q, heads_k, heads_v, factors, spans, self.scale, causal
+            )
             return out.to(v.dtype)
+        span_of: Callable[[Span], Tensor]
+        if terms_train(factors):  # each chunk's terms from projections of every query
+            parts = [project_factors(factor) for factor in factors]
+
+            def span_of(span: Span) -> Tensor:
+                return band_terms(parts, n, m, [span], causal)[..., : span[3] - span[2]]
+
+        else:
+            span_of = span_terms(factors, n, m, causal)
 
         def chunk_terms(i0: int, i1: int, lo: int, hi: int) -> Tensor:
-            terms = band_terms(parts, n, m, [(i0, i1, lo, hi)], causal)[..., : hi - lo]
+            terms = span_of((i0, i1, lo, hi))
             if allowed is not None:  # a window or documents
                 terms = block_fresh(terms, allowed[..., i0:i1, lo:hi])
             return terms.to(q.dtype)

@@ -398,16 +398,26 @@ class AttentionTerms(nn.Module):
         self, q: Tensor, k: Tensor, dtype: torch.dtype
     ) -> list[RelativePart] | None:
         """The relative terms at any positions, where they are clipped at K =
-        ``relative_clip``: each projected over every table row its index reads, its
-        diagonal [2K + 1] indexed by key minus query position clipped to -K .. K, plus
-        K (the default diagonals of K + 1 queries and keys), so the term of query
-        position i and key position j reads row diagonal[clip(j - i, -K, K) + K].
-        O((N + M) K) for any positions; None where the terms are not clipped."""
+        ``relative_clip``: each projected over every table row its index reads
+        (``_clipped_relative_factors``). O((N + M) K) for any positions; None where the
+        terms are not clipped."""
+        factors = self._clipped_relative_factors(q, k, dtype)
+        return None if factors is None else [project_factors(part) for part in factors]
+
+    def _clipped_relative_factors(
+        self, q: Tensor, k: Tensor, dtype: torch.dtype
+    ) -> list[RelativeFactors] | None:
+        """The factors of the relative terms at any positions (merged), where they are
+        clipped at K = ``relative_clip``: each term's rows are every table row its index
+        reads, its diagonal [2K + 1] indexed by key minus query position clipped to
+        -K .. K, plus K (the default diagonals of K + 1 queries and keys), so the term
+        of query position i and key position j reads row diagonal[clip(j - i, -K, K) + K].
+        None where the terms are not clipped."""
         clip = self.relative_clip
         if clip is None:
             return None
         factors = self._relative_factors(q, k, dtype, diagonals=(clip + 1, clip + 1))
-        return None if factors is None else projected_parts(factors)
+        return None if factors is None else merged_factors(factors)
 
     def _relative_rows(
         self, projection: str, rows: Tensor, dtype: torch.dtype, device: torch.device
