@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._mask_buffer import ChunkBuffer
+
 #: (i0, i1, lo, hi): queries i0 .. i1 - 1 read keys lo .. hi - 1
 Span = tuple[int, int, int, int]
 #: a span's mask, [rows, keys] or [1 or B, H, rows, keys], float or bool (True: read);
@@ -247,6 +249,7 @@ def explicit_flash_backward(
     mask: Tensor,
     scale: float,
     grad_weights: Tensor | None = None,
+    scratch: tuple[ChunkBuffer, ChunkBuffer] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The gradients of softmax(scale q kᵀ + mask) v from its rows' log-sum-exp, as the
     flash backward forms them, but explicit so that dS (also the additive mask's
@@ -254,9 +257,15 @@ def explicit_flash_backward(
     dS = P ⊙ (dP - δ), dq = scale dS k, dk = scale dSᵀ q, dv = Pᵀ dO. ``grad_weights``:
     a gradient into P as well (added to dP, and its share to δ). q: [B, H, r, D]; k, v:
     [B, H, c, D]; mask: broadcastable to [B, H, r, c]; lse: [B, H, r] -> dq, dk, dv, dS.
-    """
-    weights = recomputed_weights(q, k, mask, lse, scale)  # P
-    grad_logits = torch.matmul(grad, v.transpose(-1, -2))  # dP
+    ``scratch``: buffers for P and dP ([B, H, r, c] each), where a loop over chunks
+    reuses them (dS, made in P's, is then valid until the next call)."""
+    shape = (*q.shape[:-1], k.shape[-2])  # [B, H, r, c]
+    weights_into = grad_into = None
+    if scratch is not None:
+        weights_into = scratch[0].view(shape, q.dtype, q.device)
+        grad_into = scratch[1].view(shape, q.dtype, q.device)
+    weights = recomputed_weights(q, k, mask, lse, scale, weights_into)  # P
+    grad_logits = torch.matmul(grad, v.transpose(-1, -2), out=grad_into)  # dP
     delta = (grad * out).sum(-1, keepdim=True)  # δ_i = dO_i . O_i
     if grad_weights is not None:
         grad_logits += grad_weights
@@ -269,13 +278,18 @@ def explicit_flash_backward(
 
 
 def recomputed_weights(
-    rows: Tensor, keys: Tensor, mask: Tensor | None, lse: Tensor, scale: float
+    rows: Tensor,
+    keys: Tensor,
+    mask: Tensor | None,
+    lse: Tensor,
+    scale: float,
+    out: Tensor | None = None,
 ) -> Tensor:
     """A span's softmax weights recomputed from its rows' log-sum-exp (as a flash
-    backward does): P = exp(scale q kᵀ + mask - lse), a fresh tensor. rows: [B, H, r, D];
-    keys: [B, H, c, D]; mask: additive, broadcastable to [B, H, r, c]; lse: [B, H, r]
-    -> [B, H, r, c]."""
-    scores = torch.matmul(rows, keys.transpose(-1, -2)).mul_(scale)  # [B, H, r, c]
+    backward does): P = exp(scale q kᵀ + mask - lse), a fresh tensor (or ``out``).
+    rows: [B, H, r, D]; keys: [B, H, c, D]; mask: additive, broadcastable to
+    [B, H, r, c]; lse: [B, H, r] -> [B, H, r, c]."""
+    scores = torch.matmul(rows, keys.transpose(-1, -2), out=out).mul_(scale)  # [B, H, r, c]
     if mask is not None:
         scores += mask
     return scores.sub_(lse.unsqueeze(-1)).exp_()

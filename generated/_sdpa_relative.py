@@ -336,14 +336,17 @@ class SdpaRelative(SdpaChunks):
             )
             return out.to(v.dtype)
         span_of: Callable[[Span], Tensor]
-        if terms_train(factors):  # each chunk's terms from projections of every query
+        recorded = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        if recorded or terms_train(factors):
+            # each chunk's terms from projections of every query, fresh tensors (a
+            # chunk's SDPA call through autograd keeps its mask for the backward)
             parts = [project_factors(factor) for factor in factors]
 
             def span_of(span: Span) -> Tensor:
                 return band_terms(parts, n, m, [span], causal)[..., : span[3] - span[2]]
 
         else:
-            span_of = span_terms(factors, n, m, causal)
+            span_of = span_terms(factors, n, m, causal, spans)
 
         def chunk_terms(i0: int, i1: int, lo: int, hi: int) -> Tensor:
             terms = span_of((i0, i1, lo, hi))

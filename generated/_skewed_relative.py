@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._chunked_flash import Span, cpu_flash_forward, cpu_flash_serves, explicit_flash_backward
+from ._mask_buffer import ChunkBuffer
 from ._terms import RelativeFactors, scaled_factors
 
 #: devices where the sdpa backend takes ``skewed_relative_attention`` (its chunks of
@@ -89,8 +90,10 @@ def skewed_relative_attention(
         out: Tensor = _SkewedAttention.apply(q, k, v, x, table, diagonal, spans, scale, causal)
         return out
     outs = []
+    projections = projection_buffer(x, spans)
     for i0, i1, lo, hi in spans:
-        terms, _ = skewed_terms(x, table, diagonal, (i0, i1, lo, hi), q.shape[2], causal)
+        span = (i0, i1, lo, hi)
+        terms, _ = skewed_terms(x, table, diagonal, span, q.shape[2], causal, projections)
         rows, keys, values = q[:, :, i0:i1], k[:, :, lo:hi], v[:, :, lo:hi]
         outs.append(
             F.scaled_dot_product_attention(rows, keys, values, attn_mask=terms, scale=scale)
@@ -98,21 +101,43 @@ def skewed_relative_attention(
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
+def projection_buffer(x: Tensor, spans: list[Span]) -> ChunkBuffer:
+    """A buffer for the spans' projections [B, H, r, W] (``skewed_terms``' ``out``),
+    W = r + keys - 1, made one at a time. x: [B, H, N, D]."""
+    per_row = x.shape[0] * x.shape[1]
+    return ChunkBuffer(
+        max(per_row * (i1 - i0) * (i1 - i0 + hi - lo - 1) for i0, i1, lo, hi in spans)
+    )
+
+
 def skewed_terms(
-    x: Tensor, table: Tensor, diagonal: Tensor, span: Span, n: int, causal: bool
+    x: Tensor,
+    table: Tensor,
+    diagonal: Tensor,
+    span: Span,
+    n: int,
+    causal: bool,
+    out: ChunkBuffer | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The terms x_i . table[:, diagonal[j - i + N - 1]] of span (i0, i1, lo, hi) as a
     strided view [B, H, r, keys] of the span's projection [B, H, r, W] (which it keeps
-    alive), and the table rows of its W diagonals, int64 [W]. x: [B, H, N, D] (scaled);
-    table: [H, K, D]; ``causal``: -inf on the diagonals past key position M - N + i,
-    M = keys of a span that ends at the last key."""
+    alive; made in ``out`` where given, no autograd then), and the table rows of its W
+    diagonals, int64 [W]. x: [B, H, N, D] (scaled); table: [H, K, D]; ``causal``: -inf
+    on the diagonals past key position M - N + i, M = keys of a span that ends at the
+    last key."""
     i0, i1, lo, hi = span
     rows, keys = i1 - i0, hi - lo
     m = diagonal.shape[0] - n + 1  # diagonals: N + M - 1
     t0 = lo - (i1 - 1) + n - 1  # the span's first diagonal
     window = diagonal[t0 : t0 + rows + keys - 1]  # [W]
+    window_rows = table.index_select(1, window).transpose(-1, -2)  # [H, D, W]
     # [B, H, r, D] @ [H, D, W] -> [B, H, r, W], contiguous (the rows' transpose read in place)
-    projected = torch.matmul(x[:, :, i0:i1], table.index_select(1, window).transpose(-1, -2))
+    if out is None:
+        projected = torch.matmul(x[:, :, i0:i1], window_rows)
+    else:
+        shape = (x.shape[0], x.shape[1], rows, window.shape[0])
+        into = out.view(shape, torch.promote_types(x.dtype, table.dtype), x.device)
+        projected = torch.matmul(x[:, :, i0:i1], window_rows, out=into)
     if causal:  # diagonal t reads a key after the query past t = M - 1
         projected[..., max(0, m - t0) :] = float("-inf")
     # entry (a, c) of the span's terms is projected[..., a, c - a + r - 1]
@@ -146,8 +171,10 @@ class _SkewedAttention(torch.autograd.Function):
         n = q.shape[2]
         out = q.new_empty(q.shape[:-1] + v.shape[-1:])  # [B, H, N, value_dim]
         lse = q.new_empty(q.shape[:-1])  # [B, H, N]
+        projections = projection_buffer(x, spans)
         for i0, i1, lo, hi in spans:
-            terms, _ = skewed_terms(x, table, diagonal, (i0, i1, lo, hi), n, causal)
+            span = (i0, i1, lo, hi)
+            terms, _ = skewed_terms(x, table, diagonal, span, n, causal, projections)
             rows, keys, values = q[:, :, i0:i1], k[:, :, lo:hi], v[:, :, lo:hi]
             out[:, :, i0:i1], lse[:, :, i0:i1] = cpu_flash_forward(rows, keys, values, terms, scale)
         ctx.save_for_backward(q, k, v, x, table, diagonal, out, lse)
@@ -161,8 +188,12 @@ class _SkewedAttention(torch.autograd.Function):
         scale, n = ctx.scale, q.shape[2]
         grads = [torch.zeros_like(t) for t in (q, k, v, x, table)]
         grad_q, grad_k, grad_v, grad_x, grad_table = grads
+        projections, grad_projections = (projection_buffer(x, ctx.spans) for _ in "pg")
+        pairs = q.shape[0] * q.shape[1] * max((i1 - i0) * (hi - lo) for i0, i1, lo, hi in ctx.spans)
+        scratch = (ChunkBuffer(pairs), ChunkBuffer(pairs))  # P and dP of a span
         for i0, i1, lo, hi in ctx.spans:
-            terms, window = skewed_terms(x, table, diagonal, (i0, i1, lo, hi), n, ctx.causal)
+            span = (i0, i1, lo, hi)
+            terms, window = skewed_terms(x, table, diagonal, span, n, ctx.causal, projections)
             rows, keys, values = q[:, :, i0:i1], k[:, :, lo:hi], v[:, :, lo:hi]
             dq, dk, dv, grad_logits = explicit_flash_backward(
                 grad_out[:, :, i0:i1],
@@ -173,13 +204,15 @@ class _SkewedAttention(torch.autograd.Function):
                 lse[:, :, i0:i1],
                 terms,
                 scale,
+                scratch=scratch,
             )  # grad_logits: dS [B, H, r, keys]
             grad_q[:, :, i0:i1] += dq
             grad_k[:, :, lo:hi] += dk
             grad_v[:, :, lo:hi] += dv
             # dS into the projection's entries the view reads ([B, H, r, W]), then into
             # x (its rows) and the table (the span's diagonals' rows)
-            grad_projected = q.new_zeros(terms.shape[:2] + (i1 - i0, window.shape[0]))
+            shape = terms.shape[:2] + (i1 - i0, window.shape[0])  # [B, H, r, W]
+            grad_projected = grad_projections.view(shape, q.dtype, q.device).zero_()
             grad_terms = grad_projected.as_strided(terms.shape, terms.stride(), i1 - i0 - 1)
             grad_terms.copy_(grad_logits)
             window_rows = table.index_select(1, window)  # [H, W, D]

@@ -171,8 +171,8 @@ def test_span_terms_project_each_spans_queries_alone(
     projected = spy_calls(
         monkeypatch, [clipped], "project_factors", lambda factor: (factor.side, factor.x.shape[-2])
     )
-    terms_of = clipped.span_terms(factors, n, m, causal)
     spans = [(0, 4, 0, 9), (4, 8, 2, 13), (8, 11, 5, 15)]
+    terms_of = clipped.span_terms(factors, n, m, causal, spans)
     for i0, i1, lo, hi in spans:
         got = terms_of((i0, i1, lo, hi))
         want = clipped.band_terms(whole, n, m, [(i0, i1, lo, hi)], causal)[..., : hi - lo]

@@ -46,6 +46,7 @@ from ._chunked_flash import (
     cpu_flash_kernel_takes,
     explicit_flash_backward,
 )
+from ._mask_buffer import ChunkBuffer
 from ._masks import accumulated
 from ._terms import RelativeFactors, RelativePart, merged_factors, project_factors
 
@@ -167,6 +168,8 @@ class _ChunkedAttention(torch.autograd.Function):
             # every span writes its block and zeros the columns past its keys (no fill
             # of the whole [B, H, N, widest] gradient first)
             grad_mask = q.new_empty((q.shape[0], *mask.shape[1:]))
+        pairs = q.shape[0] * q.shape[1] * max((i1 - i0) * (hi - lo) for i0, i1, lo, hi in ctx.spans)
+        scratch = (ChunkBuffer(pairs), ChunkBuffer(pairs))  # P and dP of a masked span
         for i0, i1, lo, hi in ctx.spans:
             if grad_mask is not None:
                 grad_mask[:, :, i0:i1, max(hi - lo, 0) :] = 0.0
@@ -186,7 +189,16 @@ class _ChunkedAttention(torch.autograd.Function):
             else:
                 extra = grad_weights[:, :, i0:i1, : hi - lo] if grad_weights.numel() else None
                 dq, dk, dv, grad_logits = explicit_flash_backward(
-                    grad, rows, keys, values, chunk_out, lse[:, :, i0:i1], chunk_mask, scale, extra
+                    grad,
+                    rows,
+                    keys,
+                    values,
+                    chunk_out,
+                    lse[:, :, i0:i1],
+                    chunk_mask,
+                    scale,
+                    extra,
+                    scratch,
                 )
                 if grad_mask is not None:
                     grad_mask[:, :, i0:i1, : hi - lo] = grad_logits
@@ -234,7 +246,7 @@ def chunked_relative_attention(
     if terms_train(factors):  # [B, H, N, widest]
         mask = band_terms([project_factors(factor) for factor in factors], n, m, spans, causal)
     else:
-        mask = span_terms(factors, n, m, causal)
+        mask = span_terms(factors, n, m, causal, spans)
 
     out, _, _ = _ChunkedAttention.apply(q, k, v, mask, spans, scale, None, False)
     return out
@@ -266,12 +278,14 @@ def band_terms(
     band: list[Span],
     causal: bool,
     band_queries_only: bool = False,
+    scratch: tuple[ChunkBuffer, ChunkBuffer] | None = None,
 ) -> Tensor:
     """The relative terms on the band of consecutive spans (queries band[0][0] ..
     band[-1][1] - 1, each span's own keys), summed: [B or 1, H, rows, width] with column
     w of query i at key lo + w of i's span (columns past the span are filled but
     unread), -inf where ``causal`` masks the key. ``band_queries_only``: the query-side
-    parts were projected for the band's queries alone ([B, H, rows, K]), not all N."""
+    parts were projected for the band's queries alone ([B, H, rows, K]), not all N.
+    ``scratch``: see ``gathered_terms``."""
     device = parts[0].scores.device
     width = max(hi - lo for _, _, lo, hi in band)
     first_row, last_row = band[0][0], band[-1][1]
@@ -282,7 +296,7 @@ def band_terms(
     queries = torch.arange(first_row, last_row, device=device).unsqueeze(1)  # [rows, 1]
     diagonal_index = keys - queries + (n - 1)  # [rows, w]: entry kv - q + N - 1
     query_row = 0 if band_queries_only else first_row  # the band's first query's row
-    total = gathered_terms(parts, diagonal_index.unsqueeze(0), keys, query_row)
+    total = gathered_terms(parts, diagonal_index.unsqueeze(0), keys, query_row, scratch)
     if causal:
         masked = keys > queries + (m - n)  # key after the query
         total = total.masked_fill_(masked, float("-inf"))
@@ -297,17 +311,23 @@ def terms_train(factors: list[RelativeFactors]) -> bool:
 
 
 def span_terms(
-    factors: list[RelativeFactors], n: int, m: int, causal: bool
+    factors: list[RelativeFactors], n: int, m: int, causal: bool, spans: list[Span]
 ) -> Callable[[Span], Tensor]:
     """Each span's relative terms (``band_terms`` over its keys) for terms that get no
     gradient, ``factors`` merged, projected as ``projected_once`` and
-    ``parts_of_span`` split the work."""
+    ``parts_of_span`` split the work, and gathered into two buffers that every span of
+    ``spans`` reuses (``gathered_terms``' scratch): a span's terms are valid until the
+    next span's are made."""
     once, per_span = projected_once(factors)
+    batch = max(factor.x.shape[0] if factor.x.dim() == 4 else 1 for factor in factors)
+    heads = max(factor.rows.shape[1] for factor in factors)
+    largest = batch * heads * max((i1 - i0) * (hi - lo) for i0, i1, lo, hi in spans)
+    scratch = (ChunkBuffer(largest), ChunkBuffer(largest))
 
     def terms(span: Span) -> Tensor:
         i0, i1, lo, hi = span
         parts = parts_of_span(factors, once, i0, i1)
-        return band_terms(parts, n, m, [span], causal, per_span)[..., : hi - lo]
+        return band_terms(parts, n, m, [span], causal, per_span, scratch)[..., : hi - lo]
 
     return terms
 
@@ -366,26 +386,39 @@ def terms_at_positions(
 
 
 def gathered_terms(
-    parts: list[RelativePart], diagonal_index: Tensor, keys: Tensor, first_row: int
+    parts: list[RelativePart],
+    diagonal_index: Tensor,
+    keys: Tensor,
+    first_row: int,
+    scratch: tuple[ChunkBuffer, ChunkBuffer] | None = None,
 ) -> Tensor:
     """The relative terms ``parts`` of queries first_row .. first_row + r - 1, each
     against keys ``keys`` [r or 1, w] (key indices), read from their projections at
     their diagonals' rows (``diagonal[diagonal_index]``, diagonal_index [1 or B, r, w]),
-    summed: [B or 1, H, r, w]."""
+    summed: [B or 1, H, r, w]. ``scratch``: where given (no autograd), the query- and
+    key-side gathers write into its buffers (the sum, then each later term), so the
+    result is valid until the next call with them."""
     count, width = diagonal_index.shape[-2:]
     total: Tensor | None = None
     for side, scores, diagonal in parts:
+        into = None
+        if scratch is not None and side in ("query", "key"):
+            buffer = scratch[0 if total is None else 1]
+            into = buffer.view((*scores.shape[:2], count, width), scores.dtype, scores.device)
         if diagonal is None:  # "content": one value per key, [B, H, M]
             term = scores[:, :, keys]  # [B, H, r or 1, w]
         else:
             rows = diagonal[diagonal_index].unsqueeze(1)  # [1 or B, 1, r, w]
             if side == "query":  # [B, H, N, K]
                 chunk = scores[:, :, first_row : first_row + count]
-                term = torch.gather(chunk, -1, rows.expand(*scores.shape[:2], count, width))
+                index = rows.expand(*scores.shape[:2], count, width)
+                term = torch.gather(chunk, -1, index, out=into)
             elif side == "key":  # [B, H, M, K]: flat index key * K + row
                 flat = (keys * scores.shape[-1] + rows).flatten(-2)  # [1 or B, 1, r * w]
                 flat_scores = scores.flatten(-2)  # [B, H, M * K]
-                term = torch.gather(flat_scores, -1, flat.expand(*scores.shape[:2], -1))
+                flat_into = None if into is None else into.view(*scores.shape[:2], -1)
+                index = flat.expand(*scores.shape[:2], -1)
+                term = torch.gather(flat_scores, -1, index, out=flat_into)
                 term = term.view(*scores.shape[:2], count, width)
             else:  # "global": [H, K]
                 term = scores[:, rows.squeeze(1)].transpose(0, 1)  # [1 or B, H, r, w]
@@ -483,7 +516,7 @@ def clipped_relative_attention(
     if trained_terms:  # [B, H, N, w]
         mask = band_terms([project_factors(factor) for factor in factors], n, m, band, causal)
     else:  # each chunk's terms when a call needs them (a [B, H, C, w] tensor at a time)
-        mask = span_terms(factors, n, m, causal)
+        mask = span_terms(factors, n, m, causal, band)
 
     band_out, band_lse, band_weights = _ChunkedAttention.apply(
         features(q), keys, values, mask, band, scale, ones_column, value_term is not None

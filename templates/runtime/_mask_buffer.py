@@ -76,3 +76,26 @@ class AssembledMasks:
         for s0 in range(i0 if first is None else i0 + rows, i1, rows):
             self.mask_of(s0, min(s0 + rows, i1), lo, hi, out[..., s0 - i0 : s0 - i0 + rows, :])
         return out
+
+
+class ChunkBuffer:
+    """One flat buffer for a tensor that each chunk of a call makes afresh and is done
+    with before the next chunk makes its own (a chunk's projection or terms, given to
+    its attention call): ``view`` gives each chunk its tensor at the buffer's start,
+    valid until the next ``view``. glibc maps an allocation of 32 MiB or more afresh
+    each time and the kernel faults it in a page at a time, so such a tensor made per
+    chunk costs its pages per chunk; here once per call. ``largest``: the most entries
+    any chunk's tensor has (the buffer is made at the first ``view``)."""
+
+    def __init__(self, largest: int):
+        self.largest = largest
+        self.flat: Tensor | None = None
+
+    def view(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+        """A contiguous tensor of ``shape`` at the buffer's start (uninitialised)."""
+        size = math.prod(shape)
+        assert size <= self.largest, (shape, self.largest)
+        if self.flat is None:
+            self.flat = torch.empty(self.largest, dtype=dtype, device=device)
+        assert self.flat.dtype == dtype and self.flat.device == device  # one kind per buffer
+        return self.flat[:size].view(shape)
