@@ -275,6 +275,13 @@ def explicit_flash_backward(
     return grad_q, grad_k, grad_v, grad_logits
 
 
+def explicit_backward_scratch(q: Tensor, spans: list[Span]) -> tuple[ChunkBuffer, ChunkBuffer]:
+    """Buffers for ``explicit_flash_backward``'s P and dP ([B, H, r, keys] each) that a
+    loop over ``spans`` (i0, i1, lo, hi) of q [B, H, N, D] reuses span by span."""
+    pairs = q.shape[0] * q.shape[1] * max((i1 - i0) * (hi - lo) for i0, i1, lo, hi in spans)
+    return ChunkBuffer(pairs), ChunkBuffer(pairs)
+
+
 def recomputed_weights(
     rows: Tensor,
     keys: Tensor,

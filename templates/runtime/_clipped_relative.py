@@ -44,6 +44,7 @@ from ._chunked_flash import (
     cpu_flash_backward,
     cpu_flash_forward,
     cpu_flash_kernel_takes,
+    explicit_backward_scratch,
     explicit_flash_backward,
 )
 from ._mask_buffer import ChunkBuffer
@@ -168,8 +169,7 @@ class _ChunkedAttention(torch.autograd.Function):
             # every span writes its block and zeros the columns past its keys (no fill
             # of the whole [B, H, N, widest] gradient first)
             grad_mask = q.new_empty((q.shape[0], *mask.shape[1:]))
-        pairs = q.shape[0] * q.shape[1] * max((i1 - i0) * (hi - lo) for i0, i1, lo, hi in ctx.spans)
-        scratch = (ChunkBuffer(pairs), ChunkBuffer(pairs))  # P and dP of a masked span
+        scratch = explicit_backward_scratch(q, ctx.spans)  # P and dP of a span
         for i0, i1, lo, hi in ctx.spans:
             if grad_mask is not None:
                 grad_mask[:, :, i0:i1, max(hi - lo, 0) :] = 0.0

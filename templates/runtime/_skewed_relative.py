@@ -22,7 +22,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._chunked_flash import Span, cpu_flash_forward, cpu_flash_serves, explicit_flash_backward
+from ._chunked_flash import (
+    Span,
+    cpu_flash_forward,
+    cpu_flash_serves,
+    explicit_backward_scratch,
+    explicit_flash_backward,
+)
 from ._mask_buffer import ChunkBuffer
 from ._terms import RelativeFactors, scaled_factors
 
@@ -187,8 +193,7 @@ class _SkewedAttention(torch.autograd.Function):
         grads = [torch.zeros_like(t) for t in (q, k, v, x, table)]
         grad_q, grad_k, grad_v, grad_x, grad_table = grads
         projections, grad_projections = (projection_buffer(x, ctx.spans) for _ in "pg")
-        pairs = q.shape[0] * q.shape[1] * max((i1 - i0) * (hi - lo) for i0, i1, lo, hi in ctx.spans)
-        scratch = (ChunkBuffer(pairs), ChunkBuffer(pairs))  # P and dP of a span
+        scratch = explicit_backward_scratch(q, ctx.spans)  # P and dP of a span
         for i0, i1, lo, hi in ctx.spans:
             span = (i0, i1, lo, hi)
             terms, window = skewed_terms(x, table, diagonal, span, n, ctx.causal, projections)
