@@ -321,10 +321,7 @@ def span_terms(
     ``spans`` reuses (``gathered_terms``' scratch): a span's terms are valid until the
     next span's are made."""
     once, per_span = projected_once(factors)
-    batch = max(factor.x.shape[0] if factor.x.dim() == 4 else 1 for factor in factors)
-    heads = max(factor.rows.shape[1] for factor in factors)
-    largest = batch * heads * max((i1 - i0) * (hi - lo) for i0, i1, lo, hi in spans)
-    scratch = (ChunkBuffer(largest), ChunkBuffer(largest))
+    scratch = gather_scratch(factors, spans)
 
     def terms(span: Span) -> Tensor:
         i0, i1, lo, hi = span
@@ -332,6 +329,17 @@ def span_terms(
         return band_terms(parts, n, m, [span], causal, per_span, scratch)[..., : hi - lo]
 
     return terms
+
+
+def gather_scratch(
+    factors: list[RelativeFactors], spans: list[Span]
+) -> tuple[ChunkBuffer, ChunkBuffer]:
+    """Buffers for ``gathered_terms``' gathers ([B, H, r, keys] each) that a loop over
+    ``spans`` (i0, i1, lo, hi) of the terms of ``factors`` reuses span by span."""
+    batch = max(factor.x.shape[0] if factor.x.dim() == 4 else 1 for factor in factors)
+    heads = max(factor.rows.shape[1] for factor in factors)
+    largest = batch * heads * max((i1 - i0) * (hi - lo) for i0, i1, lo, hi in spans)
+    return ChunkBuffer(largest), ChunkBuffer(largest)
 
 
 def projected_once(factors: list[RelativeFactors]) -> tuple[list[RelativePart | None], bool]:
@@ -371,6 +379,7 @@ def terms_at_positions(
     span: Span,
     clip: int,
     span_queries_only: bool = False,
+    scratch: tuple[ChunkBuffer, ChunkBuffer] | None = None,
 ) -> Tensor:
     """The relative terms ``parts`` of span (i0, i1, lo, hi) at any positions, summed:
     [B or 1, H, r, keys]. The parts are those of ``_clipped_relative_factors``
@@ -378,13 +387,13 @@ def terms_at_positions(
     diagonal[clip(j - i, -K, K) + K]; a gather per term and per pair, no projection.
     q_positions: the span's queries' positions, [r] or [B, r]; k_positions: its keys',
     [keys] or [B, keys]. ``span_queries_only``: the query-side parts hold the span's
-    queries alone, not all N."""
+    queries alone, not all N. ``scratch``: see ``gathered_terms``."""
     i0, i1, lo, hi = span
     q_pos = q_positions.reshape(-1, i1 - i0)  # [1 or B, r]
     k_pos = k_positions.reshape(-1, hi - lo)  # [1 or B, keys]
     entry = (k_pos.unsqueeze(1) - q_pos.unsqueeze(2)).clamp(-clip, clip) + clip  # [., r, keys]
     keys = torch.arange(lo, hi, device=entry.device).unsqueeze(0)  # [1, keys]
-    return gathered_terms(parts, entry, keys, 0 if span_queries_only else i0)
+    return gathered_terms(parts, entry, keys, 0 if span_queries_only else i0, scratch)
 
 
 def gathered_terms(

@@ -27,6 +27,7 @@ from ._clipped_relative import (
     chunked_relative_attention,
     clipped_relative_attention,
     clipped_relative_serves,
+    gather_scratch,
     parts_of_span,
     projected_once,
     span_terms,
@@ -249,6 +250,8 @@ class SdpaRelative(SdpaChunks):
         clipped = self._clipped_factors_for_chunks(q, k, v, attn_mask)
         clip = self.relative_clip  # the clip those factors are read at
         once, per_span = projected_once(clipped) if clipped is not None else ([], False)
+        # no autograd here: each chunk's terms are gathered into buffers the chunks reuse
+        scratch = gather_scratch(clipped, spans) if clipped is not None else None
         outs = []
         for i0, i1, lo, hi in spans:
             documents = None  # the chunk's queries' and keys' documents
@@ -260,8 +263,8 @@ class SdpaRelative(SdpaChunks):
                 rows_at, keys_at = q_positions[..., i0:i1], k_positions[..., lo:hi]
                 parts = parts_of_span(clipped, once, i0, i1)
                 terms = terms_at_positions(
-                    parts, rows_at, keys_at, (i0, i1, lo, hi), clip, per_span
-                )  # [B or 1, H, rows, keys], a fresh tensor
+                    parts, rows_at, keys_at, (i0, i1, lo, hi), clip, per_span, scratch
+                )  # [B or 1, H, rows, keys], valid until the next chunk's
                 allowed = attention_allowed(
                     rows_at, keys_at, i1 - i0, hi - lo, q.device, causal, window, None
                 )
