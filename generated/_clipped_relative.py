@@ -49,7 +49,7 @@ from ._chunked_flash import (
     explicit_backward_scratch,
     explicit_flash_backward,
 )
-from ._mask_buffer import ChunkBuffer
+from ._mask_buffer import ChunkBuffer, largest_span
 from ._masks import accumulated
 from ._terms import RelativeFactors, RelativePart, merged_factors, project_factors
 
@@ -338,7 +338,7 @@ def gather_scratch(
     ``spans`` (i0, i1, lo, hi) of the terms of ``factors`` reuses span by span."""
     batch = max(factor.x.shape[0] if factor.x.dim() == 4 else 1 for factor in factors)
     heads = max(factor.rows.shape[1] for factor in factors)
-    largest = batch * heads * max((i1 - i0) * (hi - lo) for i0, i1, lo, hi in spans)
+    largest = batch * heads * largest_span(spans)
     return ChunkBuffer(largest), ChunkBuffer(largest)
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._mask_buffer import ChunkBuffer
+from ._mask_buffer import ChunkBuffer, largest_span
 
 #: (i0, i1, lo, hi): queries i0 .. i1 - 1 read keys lo .. hi - 1
 Span = tuple[int, int, int, int]
@@ -278,7 +278,7 @@ def explicit_flash_backward(
 def explicit_backward_scratch(q: Tensor, spans: list[Span]) -> tuple[ChunkBuffer, ChunkBuffer]:
     """Buffers for ``explicit_flash_backward``'s P and dP ([B, H, r, keys] each) that a
     loop over ``spans`` (i0, i1, lo, hi) of q [B, H, N, D] reuses span by span."""
-    pairs = q.shape[0] * q.shape[1] * max((i1 - i0) * (hi - lo) for i0, i1, lo, hi in spans)
+    pairs = q.shape[0] * q.shape[1] * largest_span(spans)
     return ChunkBuffer(pairs), ChunkBuffer(pairs)
 
 

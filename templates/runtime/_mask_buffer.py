@@ -46,7 +46,7 @@ class AssembledMasks:
 
     def __init__(self, mask_of: BuiltMask, rows: int, spans: list[tuple[int, int, int, int]]):
         self.mask_of, self.rows, self.spans = mask_of, rows, len(spans)
-        self.largest = max((i1 - i0) * (hi - lo) for i0, i1, lo, hi in spans)  # queries x keys
+        self.largest = largest_span(spans)  # queries x keys
         self.buffer: Tensor | None = None  # flat, while held
         self.lead: tuple[int, ...] = ()  # the masks' leading dims: () or (1 or B, H)
         self.served = 0  # masks given since the buffer was made
@@ -76,6 +76,11 @@ class AssembledMasks:
         for s0 in range(i0 if first is None else i0 + rows, i1, rows):
             self.mask_of(s0, min(s0 + rows, i1), lo, hi, out[..., s0 - i0 : s0 - i0 + rows, :])
         return out
+
+
+def largest_span(spans: list[tuple[int, int, int, int]]) -> int:
+    """The most (query, key) pairs of one span (i0, i1, lo, hi) of ``spans``."""
+    return max((i1 - i0) * (hi - lo) for i0, i1, lo, hi in spans)
 
 
 class ChunkBuffer:

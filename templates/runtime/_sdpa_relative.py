@@ -66,9 +66,7 @@ def relative_parts_serve(factors: list[RelativeFactors], causal: bool) -> bool:
     against 4.05x from the parts, Transformer-XL 5.35x against 6.95x; with a key-side
     term, whose projection each chunk would redo, the parts won: BERT
     relative_key_query 6.9x -> 6.3x, DeBERTa 6.2x -> 5.4x)."""
-    trains = torch.is_grad_enabled() and any(
-        part.x.requires_grad or part.rows.requires_grad for part in factors
-    )
+    trains = terms_train(factors)
     return not (causal and trains and all(part.side != "key" for part in factors))
 
 
