@@ -9,8 +9,9 @@ p2c, He et al. 2021; Transformer-XL, Dai et al. 2019) as SDPA's mask, never an
 keys with the far keys as plain flash attention (``_clipped_relative``); a lone
 query-side term as a strided view of each chunk's own projection (``_skewed_relative``);
 each chunk's terms gathered from projections over the table rows; a decode step's terms
-from their factors (``_few_queries``); or the dense terms per chunk of queries at their
-positions (explicit positions, masks, documents).
+from their factors (``_few_queries``); or the terms per chunk of queries at their
+positions (explicit positions, masks, documents): without autograd gathered from factors
+made once per call (``clipped_span_terms``, ``_ranged_relative``), else dense.
 """
 
 from __future__ import annotations
@@ -23,15 +24,13 @@ from torch import Tensor
 
 from ._chunked_flash import Span, cpu_flash_serves
 from ._clipped_relative import (
+    TermsAtPositions,
     band_terms,
     chunked_relative_attention,
     clipped_relative_attention,
     clipped_relative_serves,
-    gather_scratch,
-    parts_of_span,
-    projected_once,
+    clipped_span_terms,
     span_terms,
-    terms_at_positions,
     terms_train,
 )
 from ._few_queries import few_queries, few_query_inputs, few_query_relative_serves
@@ -50,6 +49,7 @@ from ._masks import (
     sum_into_new,
 )
 from ._numerics import compute_dtype
+from ._ranged_relative import ranged_diagonals, ranged_span_terms, span_distance_bounds
 from ._sdpa_chunks import SdpaChunks
 from ._skewed_relative import skewed_relative_attention, skewed_relative_serves
 from ._terms import (
@@ -245,11 +245,8 @@ class SdpaRelative(SdpaChunks):
             q_positions = torch.arange(m - n, m, device=q.device)
         if k_positions is None:
             k_positions = torch.arange(m, device=q.device)
-        clipped = self._clipped_factors_for_chunks(q, k, v, attn_mask)
-        clip = self.relative_clip  # the clip those factors are read at
-        once, per_span = projected_once(clipped) if clipped is not None else ([], False)
         # no autograd here: each chunk's terms are gathered into buffers the chunks reuse
-        scratch = gather_scratch(clipped, spans) if clipped is not None else None
+        at_positions = self._terms_at_positions(q, k, v, attn_mask, spans, q_positions, k_positions)
         outs = []
         for i0, i1, lo, hi in spans:
             documents = None  # the chunk's queries' and keys' documents
@@ -257,12 +254,10 @@ class SdpaRelative(SdpaChunks):
                 rows_documents = document_ids[..., m - n + i0 : m - n + i1]
                 documents = (rows_documents, document_ids[..., lo:hi])
             mask = documents_joined(attn_mask_span(attn_mask, n, m, i0, i1, lo, hi), documents)
-            if clipped is not None and clip is not None:
+            if at_positions is not None:
                 rows_at, keys_at = q_positions[..., i0:i1], k_positions[..., lo:hi]
-                parts = parts_of_span(clipped, once, i0, i1)
-                terms = terms_at_positions(
-                    parts, rows_at, keys_at, (i0, i1, lo, hi), clip, per_span, scratch
-                )  # [B or 1, H, rows, keys], valid until the next chunk's
+                # [B or 1, H, rows, keys], valid until the next chunk's
+                terms = at_positions((i0, i1, lo, hi), rows_at, keys_at)
                 allowed = attention_allowed(
                     rows_at, keys_at, i1 - i0, hi - lo, q.device, causal, window, None
                 )
@@ -286,28 +281,52 @@ class SdpaRelative(SdpaChunks):
             outs.append(out)
         return torch.cat(outs, dim=2)
 
-    def _clipped_factors_for_chunks(
-        self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None
-    ) -> list[RelativeFactors] | None:
-        """The factors of the relative terms for every chunk of
-        ``_sdpa_relative_in_chunks`` at any positions (``_clipped_relative_factors``:
-        each side over the 2K + 1 rows of a table clipped at K), projected once per call
-        (``projected_once``: the query side per chunk where it is large), where they
-        serve: eager mode with no gradient, terms clipped at a distance, no value-side
-        term and no position bias; else None (each chunk then builds its terms at its
-        positions). Each chunk used to project every key it reads again. 2-core CPU,
-        float32, N = 2048, batch 2, 8 heads, positions 2 apart, against plain SDPA in
-        one loop: DeBERTa 8.66x -> 4.98x (causal 7.72x -> 4.92x),
-        BERT relative_key_query 12.6x -> 6.04x (10.3x -> 6.36x), BERT relative_key
-        3.75x -> 3.44x (no key side: within noise causal)
-        (benchmarks/results/revisions_cpu_float32_relative_at_positions.md)."""
-        if self.relative_clip is None or self.has_value_term or self.has_position_bias:
+    def _terms_at_positions(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        attn_mask: Tensor | None,
+        spans: list[Span],
+        q_positions: Tensor,
+        k_positions: Tensor,
+    ) -> TermsAtPositions | None:
+        """The relative terms of each span of ``_sdpa_relative_in_chunks`` at its
+        positions, from factors made once per call, where they serve: eager mode with no
+        gradient, no value-side term and no position bias; else None (each chunk then
+        builds its terms at its positions). Each chunk used to project every key it
+        reads again.
+
+        Terms clipped at K = ``relative_clip`` (``clipped_span_terms``) read the 2K + 1
+        rows of their table at every position (``_clipped_relative_factors``). 2-core
+        CPU, float32, N = 2048, batch 2, 8 heads, positions 2 apart, against plain SDPA
+        in one loop: DeBERTa 8.66x -> 4.98x (causal 7.72x -> 4.92x), BERT
+        relative_key_query 12.6x -> 6.04x (10.3x -> 6.36x), BERT relative_key 3.75x ->
+        3.44x (no key side: within noise causal)
+        (benchmarks/results/revisions_cpu_float32_relative_at_positions.md).
+
+        Terms read by distance with no clip (``ranged_span_terms``) have factors made
+        over every distance the spans reach (``ranged_diagonals``), where those are few
+        enough; each span projects only the rows it reads."""
+        if self.has_value_term or self.has_position_bias:
             return None
         trains = self._trains_step(q, k, v) or not self._masks_need_no_grad(attn_mask)
         if trains or torch.compiler.is_compiling():
             return None
         heads_k = repeat_kv(k, q.shape[1] // k.shape[1])  # the terms read every head
-        return self._clipped_relative_factors(q, heads_k, compute_dtype(q))
+        dtype = compute_dtype(q)
+        clip = self.relative_clip
+        if clip is not None:
+            clipped = self._clipped_relative_factors(q, heads_k, dtype)
+            return None if clipped is None else clipped_span_terms(clipped, clip, spans)
+        bounds = span_distance_bounds(spans, q_positions, k_positions)
+        diagonals = ranged_diagonals(bounds, q.shape[2], k.shape[2])
+        if diagonals is None:
+            return None
+        factors = self._relative_factors(q, heads_k, dtype, diagonals=diagonals)
+        if not factors:
+            return None
+        return ranged_span_terms(merged_factors(factors), diagonals, bounds, spans)
 
     def _sdpa_relative_parts(
         self,

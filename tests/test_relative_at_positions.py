@@ -10,7 +10,13 @@ from typing import Any
 import pytest
 import torch
 
-from tests.conftest import runtime_modules, set_runtime, small_clip_module, spy_calls
+from tests.conftest import (
+    runtime_modules,
+    runtime_value,
+    set_runtime,
+    small_clip_module,
+    spy_calls,
+)
 
 N, M = 10, 12
 TOKEN = torch.arange(M)
@@ -48,3 +54,57 @@ def test_terms_projected_once_match_eager(
         want = pe(q, k, v, backend="eager", **CASES[case])
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
     assert [i1 - i0 for i0, i1, _, _ in spans] == [4, 4, 2]
+
+
+def _distinct_distances(q_positions: torch.Tensor, k_positions: torch.Tensor) -> int:
+    """How many distinct key minus query positions the pairs have (over batch rows)."""
+    queries = q_positions.reshape(-1, q_positions.shape[-1])  # [1 or B, r]
+    keys = k_positions.reshape(-1, k_positions.shape[-1])  # [1 or B, w]
+    return int((keys.unsqueeze(1) - queries.unsqueeze(2)).unique().numel())
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_ranged_terms_match_eager(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Transformer-XL, whose rows are read by distance with no clip, in chunks of 4
+    queries: the output without autograd equals the eager oracle's, and each chunk
+    projects exactly the rows its own pairs read (``span_rows``: one per distinct
+    distance, here positions 3 apart leave most of a chunk's range unread)."""
+    pe = small_clip_module("transformer_xl")
+    set_runtime(monkeypatch, "SDPA_QUERY_CHUNK", {"cpu": 4}, pe)
+    spans: list[tuple[int, int, int, int]] = []
+    spy_calls(monkeypatch, runtime_modules(pe), "span_part", lambda *args: spans.append(args[1]))
+    span_rows = runtime_value("span_rows", pe)  # the rows a chunk projects: used [K']
+    used = spy_calls(monkeypatch, runtime_modules(pe), "span_rows", lambda *a: span_rows(*a)[0])
+    generator = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, N, 8, generator=generator, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, M, 8, generator=generator, dtype=torch.float64) for _ in "kv")
+    with torch.no_grad():
+        got = pe(q, k, v, backend="sdpa", **CASES[case])
+        want = pe(q, k, v, backend="eager", **CASES[case])
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    # Transformer-XL's merged query-side term, then u . k per key: two parts per chunk
+    chunks = spans[::2]
+    assert [i1 - i0 for i0, i1, _, _ in chunks] == [4, 4, 2]
+    k_positions = CASES[case].get("k_positions", TOKEN)
+    q_positions = CASES[case].get("q_positions", k_positions[..., M - N :])  # the last N
+    for (i0, i1, lo, hi), read in zip(chunks, used, strict=True):
+        assert read.numel() == _distinct_distances(q_positions[..., i0:i1], k_positions[..., lo:hi])
+
+
+def test_ranged_terms_far_apart_positions_stay_dense(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Positions so far apart that the distances they reach pass
+    ``RANGED_DIAGONALS_PER_POSITION`` per query and key: no factors over that range;
+    the chunks build their terms at the distances present, and agree with the eager
+    oracle."""
+    pe = small_clip_module("transformer_xl")
+    set_runtime(monkeypatch, "SDPA_QUERY_CHUNK", {"cpu": 4}, pe)
+    calls = spy_calls(monkeypatch, runtime_modules(pe), "span_part", lambda *args: args[1])
+    generator = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 4, N, 8, generator=generator, dtype=torch.float64)
+    k, v = (torch.randn(1, 4, M, 8, generator=generator, dtype=torch.float64) for _ in "kv")
+    given = {"q_positions": 50 * torch.arange(N), "k_positions": 50 * TOKEN + 7}
+    with torch.no_grad():
+        got = pe(q, k, v, backend="sdpa", **given)
+        want = pe(q, k, v, backend="eager", **given)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    assert calls == []

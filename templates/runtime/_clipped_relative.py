@@ -83,6 +83,10 @@ CLIPPED_RELATIVE_MIN_QUERIES = 64
 #: (benchmarks/results/revisions_cpu_float32_span_terms.md)
 QUERY_PROJECTION_WHOLE_BYTES = 32 << 20
 
+#: a span's relative terms from its queries' and keys' positions ([r] or [B, r], [w] or
+#: [B, w]): [B or 1, H, r, w], valid until the next span's are made
+TermsAtPositions = Callable[[Span, Tensor, Tensor], Tensor]
+
 
 def clipped_relative_serves(q: Tensor, m: int, clip: int | None, trains: bool) -> bool:
     """Whether ``clipped_relative_attention`` runs relative terms clipped at ``clip``
@@ -368,6 +372,23 @@ def parts_of_span(
         project_factors(factor._replace(x=factor.x[:, :, i0:i1])) if part is None else part
         for factor, part in zip(factors, once, strict=True)
     ]
+
+
+def clipped_span_terms(
+    factors: list[RelativeFactors], clip: int, spans: list[Span]
+) -> TermsAtPositions:
+    """The terms of ``factors`` (``_clipped_relative_factors``: clipped at ``clip``) for
+    each span of ``spans`` at its positions (``terms_at_positions``), projected once for
+    the call (``projected_once``: the query side per span where it is large) and
+    gathered into buffers the spans reuse (``gather_scratch``). No autograd."""
+    once, per_span = projected_once(factors)
+    scratch = gather_scratch(factors, spans)
+
+    def terms(span: Span, q_positions: Tensor, k_positions: Tensor) -> Tensor:
+        parts = parts_of_span(factors, once, span[0], span[1])
+        return terms_at_positions(parts, q_positions, k_positions, span, clip, per_span, scratch)
+
+    return terms
 
 
 def terms_at_positions(
