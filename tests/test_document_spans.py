@@ -161,7 +161,9 @@ def test_dense_relative_terms_go_a_chunk_at_a_time_over_its_documents(
 ) -> None:
     """Where the terms are built per pair (explicit positions, a value term, a window),
     each chunk of 6 queries builds them over its documents' keys only (at most 17 of
-    24), forward and backward, and sdpa equals the oracle."""
+    24), forward and backward, and sdpa equals the oracle; a training step with terms
+    clipped at a distance at explicit positions does so inside one node over the chunks
+    (``relative_attention_at_positions``)."""
     torch.manual_seed(0)
     pe = generated_class(name)(heads=4, head_dim=8).double()
     assert_sdpa_matches_eager(pe, N, M, 2, document_ids=DOCUMENTS, **CASES[case])
@@ -169,10 +171,17 @@ def test_dense_relative_terms_go_a_chunk_at_a_time_over_its_documents(
     shapes = spy_method(
         monkeypatch, type(pe), "_relative_terms", lambda q, k, *_, **__: (q.shape[2], k.shape[2])
     )
+    node = spy_calls(
+        monkeypatch, runtime_modules(pe), "relative_attention_at_positions", lambda *a: a[5]
+    )
     q, k, v = (torch.randn(2, 4, N, 8, dtype=torch.float64, requires_grad=True) for _ in "qkv")
     pe(q, k, v, backend="sdpa", document_ids=DOCUMENTS, **CASES[case]).sum().backward()
+    shapes += [(i1 - i0, hi - lo) for spans in node for i0, i1, lo, hi in spans]
     if case.startswith("explicit") or name == "shaw":
         assert shapes, "the per-pair terms ran"
+    assert bool(node) == (
+        case.startswith("explicit") and name in ("bert_relative_key_query", "deberta")
+    )
     assert all(rows <= 6 and keys <= 17 for rows, keys in shapes), shapes
 
 

@@ -23,6 +23,7 @@ runtime = importlib.import_module("generated._sdpa_backend")
 chunks = importlib.import_module("generated._sdpa_chunks")
 masks = importlib.import_module("generated._masks")
 trained = importlib.import_module("generated._trained_bias")
+relative = importlib.import_module("generated._sdpa_relative")
 
 
 CHUNK_CASES = [  # (n, m, kv_heads, causal, window)
@@ -79,12 +80,19 @@ def test_query_chunks_match_eager_with_gradients(
         key_counts.extend(hi - lo for _, _, lo, hi in spans)
         return original_recomputed(q, k, v, spans, *args)
 
+    original_positioned = relative.relative_attention_at_positions
+
+    def spy_positioned(q, k, v, parts, clip, spans, *args):  # the same, clipped terms
+        key_counts.extend(hi - lo for _, _, lo, hi in spans)
+        return original_positioned(q, k, v, parts, clip, spans, *args)
+
     torch.manual_seed(0)
     pe = generated_class(name)(heads=4, head_dim=8).double()
     monkeypatch.setattr(runtime.F, "scaled_dot_product_attention", spy)
     monkeypatch.setattr(chunks, "trained_mask_attention", spy_trained)
     monkeypatch.setattr(chunks, "chunked_flash_attention", spy_flash)
     monkeypatch.setattr(chunks, "recomputed_mask_attention", spy_recomputed)
+    monkeypatch.setattr(relative, "relative_attention_at_positions", spy_positioned)
     assert_sdpa_matches_eager(pe, n, m, kv_heads, causal=causal, window=window)
     if pe.has_value_term:
         return  # no SDPA call to count

@@ -108,3 +108,50 @@ def test_ranged_terms_far_apart_positions_stay_dense(monkeypatch: pytest.MonkeyP
         want = pe(q, k, v, backend="eager", **given)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
     assert calls == []
+
+
+TRAINING_CASES: dict[str, dict[str, Any]] = {
+    **CASES,
+    # the first 5 queries come before every key (the first chunk reads none): rows
+    # that read no key give zeros
+    "causal, rows without keys": {
+        "q_positions": torch.arange(N),
+        "k_positions": TOKEN + 5,
+        "causal": True,
+    },
+    "float attn_mask": {"attn_mask": torch.randn(2, 1, N, M, generator=torch.Generator())},
+}
+
+
+@pytest.mark.parametrize("name", ["bert_relative_key", "bert_relative_key_query", "deberta"])
+@pytest.mark.parametrize("case", sorted(TRAINING_CASES))
+def test_trained_terms_at_positions_match_eager(
+    name: str, case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A training step with terms clipped at a few rows, chunks of 4 queries, as one node
+    over the chunks (``relative_attention_at_positions``; causal BERT relative_key, with
+    no key-side term, per chunk): the output and the gradients of q, k, v and every
+    parameter equal the eager oracle's (float64)."""
+    pe = small_clip_module(name)
+    set_runtime(monkeypatch, "SDPA_QUERY_CHUNK", {"cpu": 4}, pe)
+    calls = spy_calls(
+        monkeypatch, runtime_modules(pe), "relative_attention_at_positions", lambda *a: a[5]
+    )
+    generator = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, N, 8, generator=generator, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, M, 8, generator=generator, dtype=torch.float64) for _ in "kv")
+    weights = torch.randn(2, 4, N, 8, generator=generator, dtype=torch.float64)
+    grads = {}
+    for backend in ("sdpa", "eager"):
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        pe.zero_grad()
+        out = pe(*inputs, backend=backend, **TRAINING_CASES[case])
+        (out * weights).sum().backward()
+        grads[backend] = [out, *(t.grad for t in inputs)]
+        grads[backend] += [p.grad.clone() for p in pe.parameters() if p.grad is not None]
+    assert len(grads["sdpa"]) == len(grads["eager"]) > 4  # the tables got gradients
+    for got, want in zip(grads["sdpa"], grads["eager"], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
+    # causal with no key-side term, each chunk's own terms serve instead
+    one_node = not (name == "bert_relative_key" and TRAINING_CASES[case].get("causal"))
+    assert [[i1 - i0 for i0, i1, _, _ in spans] for spans in calls] == [[4, 4, 2]] * one_node

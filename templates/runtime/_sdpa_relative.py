@@ -48,6 +48,11 @@ from ._masks import (
 )
 from ._numerics import compute_dtype
 from ._ranged_relative import ranged_diagonals, ranged_span_terms, span_distance_bounds
+from ._relative_at_positions import (
+    SpanMasks,
+    relative_attention_at_positions,
+    relative_attention_at_positions_serves,
+)
 from ._sdpa_chunks import SdpaChunks
 from ._skewed_relative import skewed_relative_attention, skewed_relative_serves
 from ._terms import (
@@ -68,6 +73,40 @@ def relative_parts_serve(factors: list[RelativeFactors], causal: bool) -> bool:
     relative_key_query 6.9x -> 6.3x, DeBERTa 6.2x -> 5.4x)."""
     trains = terms_train(factors)
     return not (causal and trains and all(part.side != "key" for part in factors))
+
+
+def span_masks(
+    q_positions: Tensor,
+    k_positions: Tensor,
+    causal: bool,
+    attn_mask: Tensor | None,
+    window: int | None,
+    document_ids: Tensor | None,
+) -> SpanMasks:
+    """(span, its terms) -> the terms with the span's masks joined (in place where the
+    terms have the full shape): -inf where the causal mask or window forbids a pair by
+    position, where packed documents differ or a bool ``attn_mask`` is False, plus a float
+    one. Span (i0, i1, lo, hi): queries i0 .. i1 - 1 against keys lo .. hi - 1;
+    q_positions: [N] or [B, N]; k_positions: [M] or [B, M]; document_ids: the keys'
+    documents (the queries are the last N keys)."""
+    n, m = q_positions.shape[-1], k_positions.shape[-1]
+    documents = pair_documents(document_ids, n, m)
+
+    def masked(span: Span, terms: Tensor) -> Tensor:
+        i0, i1, lo, hi = span
+        rows_at, keys_at = q_positions[..., i0:i1], k_positions[..., lo:hi]
+        allowed = attention_allowed(
+            rows_at, keys_at, i1 - i0, hi - lo, terms.device, causal, window, None
+        )
+        if allowed is not None:
+            terms = block_fresh(terms, allowed)
+        span_documents = None  # the span's queries' and keys' documents
+        if documents is not None:
+            span_documents = (documents[0][..., i0:i1], documents[1][..., lo:hi])
+        mask = documents_joined(attn_mask_span(attn_mask, n, m, i0, i1, lo, hi), span_documents)
+        return apply_masks(terms, None, mask)
+
+    return masked
 
 
 class SdpaRelative(SdpaChunks):
@@ -243,28 +282,30 @@ class SdpaRelative(SdpaChunks):
             q_positions = torch.arange(m - n, m, device=q.device)
         if k_positions is None:
             k_positions = torch.arange(m, device=q.device)
+        masked = span_masks(q_positions, k_positions, causal, attn_mask, window, document_ids)
         # no autograd here: each chunk's terms are gathered into buffers the chunks reuse
         at_positions = self._terms_at_positions(q, k, v, attn_mask, spans, q_positions, k_positions)
+        if at_positions is None:
+            trained = self._trained_terms_at_positions(
+                q, k, v, spans, q_positions, k_positions, causal, attn_mask, masked
+            )
+            if trained is not None:
+                return trained
         outs = []
         for i0, i1, lo, hi in spans:
+            if at_positions is not None:
+                rows_at, keys_at = q_positions[..., i0:i1], k_positions[..., lo:hi]
+                # [B or 1, H, rows, keys], valid until the next chunk's
+                terms = at_positions((i0, i1, lo, hi), rows_at, keys_at)
+                terms = masked((i0, i1, lo, hi), terms).to(q.dtype)
+                rows, keys, values = q[:, :, i0:i1], k[:, :, lo:hi], v[:, :, lo:hi]
+                outs.append(scaled_dot_product(rows, keys, values, terms, self.scale))
+                continue
             documents = None  # the chunk's queries' and keys' documents
             if document_ids is not None:
                 rows_documents = document_ids[..., m - n + i0 : m - n + i1]
                 documents = (rows_documents, document_ids[..., lo:hi])
             mask = documents_joined(attn_mask_span(attn_mask, n, m, i0, i1, lo, hi), documents)
-            if at_positions is not None:
-                rows_at, keys_at = q_positions[..., i0:i1], k_positions[..., lo:hi]
-                # [B or 1, H, rows, keys], valid until the next chunk's
-                terms = at_positions((i0, i1, lo, hi), rows_at, keys_at)
-                allowed = attention_allowed(
-                    rows_at, keys_at, i1 - i0, hi - lo, q.device, causal, window, None
-                )
-                if allowed is not None:
-                    terms = block_fresh(terms, allowed)
-                terms = apply_masks(terms, None, mask).to(q.dtype)
-                rows, keys, values = q[:, :, i0:i1], k[:, :, lo:hi], v[:, :, lo:hi]
-                outs.append(scaled_dot_product(rows, keys, values, terms, self.scale))
-                continue
             out = self._sdpa_relative(
                 q[:, :, i0:i1],
                 k[:, :, lo:hi],
@@ -325,6 +366,44 @@ class SdpaRelative(SdpaChunks):
         if not factors:
             return None
         return ranged_span_terms(merged_factors(factors), diagonals, bounds, spans)
+
+    def _trained_terms_at_positions(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        spans: list[Span],
+        q_positions: Tensor,
+        k_positions: Tensor,
+        causal: bool,
+        attn_mask: Tensor | None,
+        masked: SpanMasks,
+    ) -> Tensor | None:
+        """A training step of ``_sdpa_relative_in_chunks`` with terms clipped at a
+        distance as one autograd node over the spans (``relative_attention_at_positions``)
+        where it serves: the CPU flash kernels (``cpu_flash_serves``), query- and
+        key-side terms only, no value-side term or position bias, an ``attn_mask`` that
+        needs no gradient, and not causal without a key-side term
+        (``relative_parts_serve``: there each chunk's own terms project only its
+        queries, over the few keys it reads); else None. ``masked``: a span's terms with
+        its masks joined (``span_masks``) -> [B, H, N, value_dim]."""
+        clip = self.relative_clip
+        if clip is None or self.has_value_term or self.has_position_bias:
+            return None
+        if not cpu_flash_serves(q, v) or (attn_mask is not None and attn_mask.requires_grad):
+            return None
+        groups = q.shape[1] // k.shape[1]
+        heads_k, heads_v = repeat_kv(k, groups), repeat_kv(v, groups)  # every head reads
+        factors = self._clipped_relative_factors(q, heads_k, compute_dtype(q))
+        if factors is None or not relative_parts_serve(factors, causal):
+            return None
+        parts = [project_factors(factor) for factor in factors]
+        if not relative_attention_at_positions_serves(parts):
+            return None
+        out = relative_attention_at_positions(
+            q, heads_k, heads_v, parts, clip, spans, q_positions, k_positions, masked, self.scale
+        )
+        return out.to(v.dtype)
 
     def _sdpa_relative_parts(
         self,

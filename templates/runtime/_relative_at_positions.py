@@ -1,0 +1,210 @@
+"""A CPU training step with relative terms clipped at a distance, at any positions, as one
+autograd node over the query chunks.
+
+Where the terms are clipped at K (``relative_clip``: Shaw et al. 2018's clip, BERT's
+relative_key and relative_key_query, Huang et al. 2020, DeBERTa's log buckets, He et al.
+2021), the term of query position i and key position j reads row
+diagonal[clip(j - i, -K, K) + K] of the table's 2K + 1 rows at any positions, so the
+terms' projections over those rows (``_clipped_relative_factors``: q R^Tᵀ, [B, H, N,
+2K + 1], and k R^Qᵀ, [B, H, M, 2K + 1]) are made once per call, with autograd, and are
+this node's inputs. The forward gathers each chunk's terms from them at its positions
+(``terms_at_positions``, into buffers the chunks reuse), joins its masks and runs the
+CPU flash kernel; it keeps q, k, v, the projections, the output and each row's
+log-sum-exp. The backward makes each chunk's terms again, forms dq, dk, dv and dS from
+the recomputed weights (``explicit_flash_backward``), and adds dS into the projections'
+gradients at the rows each pair read (a scatter-add per term into the chunk's rows of
+the query side, and into the keys' rows of the key side), from where autograd takes
+them to q, k and the tables. No [B, H, N, M] tensor and no per-chunk graph is kept.
+
+Before, each chunk built its terms at its positions through autograd: it projected every
+key it reads on the table again, and SDPA ran its math kernel, its mask needing a
+gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._chunked_flash import (
+    Span,
+    cpu_flash_forward,
+    explicit_backward_scratch,
+    explicit_flash_backward,
+)
+from ._clipped_relative import terms_at_positions
+from ._mask_buffer import ChunkBuffer, largest_span
+from ._terms import RelativePart
+
+#: a span's terms with its masks joined (in place where it can): (span, terms) -> masked
+SpanMasks = Callable[[Span, Tensor], Tensor]
+
+
+def relative_attention_at_positions(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    parts: list[RelativePart],
+    clip: int,
+    spans: list[Span],
+    q_positions: Tensor,
+    k_positions: Tensor,
+    masked: SpanMasks,
+    scale: float,
+) -> Tensor:
+    """softmax(scale q kᵀ + terms + masks) v, span by span (queries i0 .. i1 - 1 against
+    keys lo .. hi - 1, partitioning the queries, each with a key), the terms read from
+    ``parts`` (the query- and key-side projections of ``_clipped_relative_factors``,
+    clipped at ``clip``) at the positions of each pair. See the module docstring.
+
+    q: [B, H, N, D]; k, v: [B, H, M, D] (heads repeated for GQA by the caller);
+    q_positions: [N] or [B, N]; k_positions: [M] or [B, M]; ``masked``: a span's
+    terms with its masks joined (no gradient) -> [B, H, N, D], differentiable (once) in
+    q, k, v and the parts' projections.
+    """
+    layout = _PositionedParts(parts, clip, q_positions, k_positions, masked)
+    scores = [part.scores for part in parts]
+    out: Tensor = _RelativeAtPositions.apply(q, k, v, spans, layout, scale, *scores)
+    return out
+
+
+def relative_attention_at_positions_serves(parts: list[RelativePart]) -> bool:
+    """Whether ``relative_attention_at_positions`` takes these parts: query- and
+    key-side terms only (the node scatters dS into those two layouts)."""
+    return all(part.side in ("query", "key") for part in parts)
+
+
+class _PositionedParts:
+    """What the node needs to make a span's terms again and route their gradient: the
+    parts' sides and diagonals, the clip, the positions and the masks."""
+
+    def __init__(
+        self,
+        parts: list[RelativePart],
+        clip: int,
+        q_positions: Tensor,
+        k_positions: Tensor,
+        masked: SpanMasks,
+    ):
+        self.sides = [part.side for part in parts]
+        self.diagonals = [part.diagonal for part in parts]
+        self.clip, self.masked = clip, masked
+        self.q_positions, self.k_positions = q_positions, k_positions
+
+    def parts(self, scores: tuple[Tensor, ...]) -> list[RelativePart]:
+        """The parts with these projections."""
+        return [
+            RelativePart(side, part, diagonal)
+            for side, part, diagonal in zip(self.sides, scores, self.diagonals, strict=True)
+        ]
+
+    def entry(self, span: Span) -> Tensor:
+        """Each pair's diagonal: [1 or B, r, w], clip(j - i, -K, K) + K."""
+        i0, i1, lo, hi = span
+        queries = self.q_positions[..., i0:i1].reshape(-1, i1 - i0)  # [1 or B, r]
+        keys = self.k_positions[..., lo:hi].reshape(-1, hi - lo)  # [1 or B, w]
+        distance = keys.unsqueeze(1) - queries.unsqueeze(2)  # [1 or B, r, w]
+        return distance.clamp(-self.clip, self.clip) + self.clip
+
+    def scratch(
+        self, scores: tuple[Tensor, ...], spans: list[Span]
+    ) -> tuple[ChunkBuffer, ChunkBuffer]:
+        """Buffers for a span's gathered terms ([B, H, r, w] each) that the spans reuse."""
+        batch, heads = scores[0].shape[:2]
+        largest = batch * heads * largest_span(spans)
+        return ChunkBuffer(largest), ChunkBuffer(largest)
+
+    def terms(
+        self, span: Span, scores: tuple[Tensor, ...], scratch: tuple[ChunkBuffer, ChunkBuffer]
+    ) -> Tensor:
+        """The span's terms with its masks joined: [B or 1, H, r, w], in ``scratch``
+        (valid until the next span's)."""
+        i0, i1, lo, hi = span
+        q_at, k_at = self.q_positions[..., i0:i1], self.k_positions[..., lo:hi]
+        terms = terms_at_positions(self.parts(scores), q_at, k_at, span, self.clip, False, scratch)
+        return self.masked(span, terms)
+
+    def add_gradient(self, span: Span, grad_logits: Tensor, grads: list[Tensor | None]) -> None:
+        """dS of the span [B, H, r, w] added into each projection's gradient (``grads``,
+        [B, H, N or M, K] each, None where that part needs none) at the rows its pairs
+        read."""
+        i0, i1, lo, hi = span
+        entry = self.entry(span)
+        batch, heads, rows, width = grad_logits.shape
+        for side, diagonal, grad in zip(self.sides, self.diagonals, grads, strict=True):
+            if grad is None:
+                continue
+            assert diagonal is not None  # a query- or key-side part
+            read = diagonal[entry].unsqueeze(1)  # [1 or B, 1, r, w]: the row each pair read
+            if side == "query":  # [B, H, N, K]: the span's queries' rows
+                index = read.expand(batch, heads, rows, width)
+                grad[:, :, i0:i1].scatter_add_(-1, index, grad_logits)
+            else:  # "key", [B, H, M, K]: flat index key * K + row
+                keys = torch.arange(lo, hi, device=entry.device)  # [w]
+                flat = (keys * grad.shape[-1] + read).flatten(-2)  # [1 or B, 1, r * w]
+                index = flat.expand(batch, heads, rows * width)
+                grad.view(batch, heads, -1).scatter_add_(-1, index, grad_logits.flatten(-2))
+
+
+class _RelativeAtPositions(torch.autograd.Function):
+    """``relative_attention_at_positions`` as one autograd node (see the module
+    docstring)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        spans: list[Span],
+        layout: _PositionedParts,
+        scale: float,
+        *scores: Tensor,
+    ) -> Tensor:
+        out = q.new_empty(q.shape[:-1] + v.shape[-1:])  # [B, H, N, D]
+        lse = q.new_empty(q.shape[:-1])  # [B, H, N]
+        scratch = layout.scratch(scores, spans)
+        for i0, i1, lo, hi in spans:
+            terms = layout.terms((i0, i1, lo, hi), scores, scratch)  # [B or 1, H, r, w]
+            rows, keys, values = q[:, :, i0:i1], k[:, :, lo:hi], v[:, :, lo:hi]
+            mask = terms.to(q.dtype)  # [B or 1, H, r, w], additive
+            out[:, :, i0:i1], lse[:, :, i0:i1] = cpu_flash_forward(rows, keys, values, mask, scale)
+        ctx.save_for_backward(q, k, v, out, lse, *scores)
+        ctx.spans, ctx.layout, ctx.scale = spans, layout, scale
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        q, k, v, out, lse, *scores = ctx.saved_tensors
+        layout: _PositionedParts = ctx.layout
+        grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        trained = ctx.needs_input_grad[6:]
+        grads = [
+            torch.zeros_like(t) if needs else None for t, needs in zip(scores, trained, strict=True)
+        ]
+        scratch = layout.scratch(tuple(scores), ctx.spans)
+        weights_scratch = explicit_backward_scratch(q, ctx.spans)  # P and dP of a span
+        for i0, i1, lo, hi in ctx.spans:
+            span = (i0, i1, lo, hi)
+            terms = layout.terms(span, tuple(scores), scratch)
+            rows, keys, values = q[:, :, i0:i1], k[:, :, lo:hi], v[:, :, lo:hi]
+            dq, dk, dv, grad_logits = explicit_flash_backward(
+                grad_out[:, :, i0:i1],
+                rows,
+                keys,
+                values,
+                out[:, :, i0:i1],
+                lse[:, :, i0:i1],
+                terms.to(q.dtype),
+                ctx.scale,
+                scratch=weights_scratch,
+            )  # grad_logits: dS [B, H, r, w]
+            grad_q[:, :, i0:i1] = dq
+            grad_k[:, :, lo:hi] += dk
+            grad_v[:, :, lo:hi] += dv
+            layout.add_gradient(span, grad_logits, grads)
+        return grad_q, grad_k, grad_v, None, None, None, *grads
