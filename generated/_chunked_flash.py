@@ -277,6 +277,44 @@ def explicit_flash_backward(
     return grad_q, grad_k, grad_v, grad_logits
 
 
+def explicit_span_backward(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    span: Span,
+    mask: Tensor,
+    scale: float,
+    grads: tuple[Tensor, Tensor, Tensor],
+    scratch: tuple[ChunkBuffer, ChunkBuffer],
+) -> Tensor:
+    """``explicit_flash_backward`` of one span (i0, i1, lo, hi) of a chunked node:
+    queries i0 .. i1 - 1 of q [B, H, N, D] (and of grad_out, out, lse) against keys
+    lo .. hi - 1 of k and v, with the span's additive ``mask``. Adds dq into the span's
+    rows of grads[0] and dk, dv into its keys' rows of grads[1], grads[2]; returns dS
+    [B, H, r, keys], in ``scratch`` (``explicit_backward_scratch``: valid until the
+    next span's)."""
+    i0, i1, lo, hi = span
+    grad_q, grad_k, grad_v = grads
+    dq, dk, dv, grad_logits = explicit_flash_backward(
+        grad_out[:, :, i0:i1],
+        q[:, :, i0:i1],
+        k[:, :, lo:hi],
+        v[:, :, lo:hi],
+        out[:, :, i0:i1],
+        lse[:, :, i0:i1],
+        mask,
+        scale,
+        scratch=scratch,
+    )
+    grad_q[:, :, i0:i1] += dq
+    grad_k[:, :, lo:hi] += dk
+    grad_v[:, :, lo:hi] += dv
+    return grad_logits
+
+
 def explicit_backward_scratch(q: Tensor, spans: list[Span]) -> tuple[ChunkBuffer, ChunkBuffer]:
     """Buffers for ``explicit_flash_backward``'s P and dP ([B, H, r, keys] each) that a
     loop over ``spans`` (i0, i1, lo, hi) of q [B, H, N, D] reuses span by span."""

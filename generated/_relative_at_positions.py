@@ -35,7 +35,7 @@ from ._chunked_flash import (
     Span,
     cpu_flash_forward,
     explicit_backward_scratch,
-    explicit_flash_backward,
+    explicit_span_backward,
 )
 from ._clipped_relative import terms_at_positions
 from ._mask_buffer import ChunkBuffer, largest_span
@@ -183,30 +183,17 @@ class _RelativeAtPositions(torch.autograd.Function):
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, out, lse, *scores = ctx.saved_tensors
         layout: _PositionedParts = ctx.layout
-        grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        qkv_grads = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         trained = ctx.needs_input_grad[6:]
         grads = [
             torch.zeros_like(t) if needs else None for t, needs in zip(scores, trained, strict=True)
         ]
         scratch = layout.scratch(tuple(scores), ctx.spans)
         weights_scratch = explicit_backward_scratch(q, ctx.spans)  # P and dP of a span
-        for i0, i1, lo, hi in ctx.spans:
-            span = (i0, i1, lo, hi)
-            terms = layout.terms(span, tuple(scores), scratch)
-            rows, keys, values = q[:, :, i0:i1], k[:, :, lo:hi], v[:, :, lo:hi]
-            dq, dk, dv, grad_logits = explicit_flash_backward(
-                grad_out[:, :, i0:i1],
-                rows,
-                keys,
-                values,
-                out[:, :, i0:i1],
-                lse[:, :, i0:i1],
-                terms.to(q.dtype),
-                ctx.scale,
-                scratch=weights_scratch,
-            )  # grad_logits: dS [B, H, r, w]
-            grad_q[:, :, i0:i1] = dq
-            grad_k[:, :, lo:hi] += dk
-            grad_v[:, :, lo:hi] += dv
+        for span in ctx.spans:
+            terms = layout.terms(span, tuple(scores), scratch).to(q.dtype)
+            grad_logits = explicit_span_backward(
+                grad_out, q, k, v, out, lse, span, terms, ctx.scale, qkv_grads, weights_scratch
+            )  # dS [B, H, r, w]
             layout.add_gradient(span, grad_logits, grads)
-        return grad_q, grad_k, grad_v, None, None, None, *grads
+        return *qkv_grads, None, None, None, *grads

@@ -27,7 +27,7 @@ from ._chunked_flash import (
     cpu_flash_forward,
     cpu_flash_serves,
     explicit_backward_scratch,
-    explicit_flash_backward,
+    explicit_span_backward,
 )
 from ._mask_buffer import ChunkBuffer
 from ._terms import RelativeFactors, scaled_factors
@@ -197,21 +197,10 @@ class _SkewedAttention(torch.autograd.Function):
         for i0, i1, lo, hi in ctx.spans:
             span = (i0, i1, lo, hi)
             terms, window = skewed_terms(x, table, diagonal, span, n, ctx.causal, projections)
-            rows, keys, values = q[:, :, i0:i1], k[:, :, lo:hi], v[:, :, lo:hi]
-            dq, dk, dv, grad_logits = explicit_flash_backward(
-                grad_out[:, :, i0:i1],
-                rows,
-                keys,
-                values,
-                out[:, :, i0:i1],
-                lse[:, :, i0:i1],
-                terms,
-                scale,
-                scratch=scratch,
-            )  # grad_logits: dS [B, H, r, keys]
-            grad_q[:, :, i0:i1] += dq
-            grad_k[:, :, lo:hi] += dk
-            grad_v[:, :, lo:hi] += dv
+            qkv_grads = (grad_q, grad_k, grad_v)
+            grad_logits = explicit_span_backward(
+                grad_out, q, k, v, out, lse, span, terms, scale, qkv_grads, scratch
+            )  # dS [B, H, r, keys]
             # dS into the projection's entries the view reads ([B, H, r, W]), then into
             # x (its rows) and the table (the span's diagonals' rows)
             shape = terms.shape[:2] + (i1 - i0, window.shape[0])  # [B, H, r, W]
