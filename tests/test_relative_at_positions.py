@@ -5,6 +5,7 @@ CPU sdpa backend without autograd: projected once for every query chunk
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import pytest
@@ -31,7 +32,9 @@ CASES: dict[str, dict[str, Any]] = {
 
 
 @pytest.mark.parametrize("per_span", [False, True])
-@pytest.mark.parametrize("name", ["bert_relative_key", "bert_relative_key_query", "deberta"])
+@pytest.mark.parametrize(
+    "name", ["bert_relative_key", "bert_relative_key_query", "deberta", "shaw"]
+)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_terms_projected_once_match_eager(
     name: str, case: str, per_span: bool, monkeypatch: pytest.MonkeyPatch
@@ -40,7 +43,8 @@ def test_terms_projected_once_match_eager(
     4 queries: the output without autograd equals the eager oracle's, each chunk's
     terms read from the projections made once for the call, or with
     ``QUERY_PROJECTION_WHOLE_BYTES`` 0 (``per_span``) the query side projected per
-    chunk."""
+    chunk. Shaw's value term reads each chunk's weights, formed in place in its terms
+    (``_chunk_weights``)."""
     pe = small_clip_module(name)
     set_runtime(monkeypatch, "SDPA_QUERY_CHUNK", {"cpu": 4}, pe)
     if per_span:
@@ -155,3 +159,20 @@ def test_trained_terms_at_positions_match_eager(
     # causal with no key-side term, each chunk's own terms serve instead
     one_node = not (name == "bert_relative_key" and TRAINING_CASES[case].get("causal"))
     assert [[i1 - i0 for i0, i1, _, _ in spans] for spans in calls] == [[4, 4, 2]] * one_node
+
+
+def test_softmax_in_place_matches_a_float64_softmax_with_masked_rows() -> None:
+    """``masked_softmax_`` (the weights of a chunk with a value term, formed in its
+    terms): a float64 softmax per row, and zeros for a row whose every key is masked,
+    written into the logits themselves."""
+    masks = importlib.import_module("generated._masks")
+    generator = torch.Generator().manual_seed(5)
+    logits = 30 * torch.randn(2, 3, 5, 7, generator=generator, dtype=torch.float64)
+    logits[0, 1, 2] = float("-inf")  # a row that reads no key
+    logits[1, 0, :, :3] = float("-inf")
+    want = torch.where(
+        torch.isinf(logits).all(-1, keepdim=True), 0.0, torch.softmax(logits, dim=-1)
+    )
+    got = masks.masked_softmax_(logits)
+    assert got.data_ptr() == logits.data_ptr()
+    torch.testing.assert_close(got, want.nan_to_num(0.0), rtol=1e-12, atol=0.0)

@@ -29,6 +29,18 @@ def masked_softmax(logits: Tensor) -> Tensor:
     return weights.masked_fill(dead, 0.0)
 
 
+def masked_softmax_(logits: Tensor) -> Tensor:
+    """``masked_softmax`` in place in logits (no autograd): softmax over the last dim, a
+    row whose every key is masked gives zeros. Three passes over logits and no new
+    tensor of its size (a fresh one of 32 MiB or more is mapped and faulted in afresh
+    each time)."""
+    top = logits.amax(dim=-1, keepdim=True)  # [..., N, 1]
+    top.masked_fill_(top == float("-inf"), 0.0)  # a row of -inf: exp gives 0 everywhere
+    weights = logits.sub_(top).exp_()
+    total = weights.sum(dim=-1, keepdim=True)
+    return weights.div_(total.masked_fill_(total == 0.0, 1.0))
+
+
 def attention_without_keys(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """[batch, heads, N, value_dim] zeros, in v's dtype: attention where N or M is 0.
 
