@@ -37,9 +37,9 @@ from ._chunked_flash import (
     explicit_backward_scratch,
     explicit_span_backward,
 )
-from ._clipped_relative import terms_at_positions
-from ._mask_buffer import ChunkBuffer, largest_span
-from ._terms import RelativePart
+from ._clipped_relative import clipped_entry, gather_buffers, terms_at_positions
+from ._mask_buffer import ChunkBuffer
+from ._terms import RelativeFactors, RelativePart
 
 #: a span's terms with its masks joined (in place where it can): (span, terms) -> masked
 SpanMasks = Callable[[Span, Tensor], Tensor]
@@ -73,10 +73,10 @@ def relative_attention_at_positions(
     return out
 
 
-def relative_attention_at_positions_serves(parts: list[RelativePart]) -> bool:
-    """Whether ``relative_attention_at_positions`` takes these parts: query- and
-    key-side terms only (the node scatters dS into those two layouts)."""
-    return all(part.side in ("query", "key") for part in parts)
+def relative_attention_at_positions_serves(factors: list[RelativeFactors]) -> bool:
+    """Whether ``relative_attention_at_positions`` takes the terms of these factors:
+    query- and key-side terms only (the node scatters dS into those two layouts)."""
+    return all(factor.side in ("query", "key") for factor in factors)
 
 
 class _PositionedParts:
@@ -106,18 +106,14 @@ class _PositionedParts:
     def entry(self, span: Span) -> Tensor:
         """Each pair's diagonal: [1 or B, r, w], clip(j - i, -K, K) + K."""
         i0, i1, lo, hi = span
-        queries = self.q_positions[..., i0:i1].reshape(-1, i1 - i0)  # [1 or B, r]
-        keys = self.k_positions[..., lo:hi].reshape(-1, hi - lo)  # [1 or B, w]
-        distance = keys.unsqueeze(1) - queries.unsqueeze(2)  # [1 or B, r, w]
-        return distance.clamp(-self.clip, self.clip) + self.clip
+        q_at, k_at = self.q_positions[..., i0:i1], self.k_positions[..., lo:hi]
+        return clipped_entry(q_at, k_at, span, self.clip)
 
     def scratch(
         self, scores: tuple[Tensor, ...], spans: list[Span]
     ) -> tuple[ChunkBuffer, ChunkBuffer]:
         """Buffers for a span's gathered terms ([B, H, r, w] each) that the spans reuse."""
-        batch, heads = scores[0].shape[:2]
-        largest = batch * heads * largest_span(spans)
-        return ChunkBuffer(largest), ChunkBuffer(largest)
+        return gather_buffers(scores[0].shape[0], scores[0].shape[1], spans)
 
     def terms(
         self, span: Span, scores: tuple[Tensor, ...], scratch: tuple[ChunkBuffer, ChunkBuffer]

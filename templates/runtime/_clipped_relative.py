@@ -48,7 +48,7 @@ from ._chunked_flash import (
     explicit_flash_backward,
 )
 from ._mask_buffer import ChunkBuffer, largest_span
-from ._masks import accumulated
+from ._masks import accumulated, relative_positions
 from ._terms import RelativeFactors, RelativePart, merged_factors, project_factors
 
 #: queries per chunk: each chunk is one flash call over its far keys on each side and
@@ -338,10 +338,21 @@ def gather_scratch(
 ) -> tuple[ChunkBuffer, ChunkBuffer]:
     """Buffers for ``gathered_terms``' gathers ([B, H, r, keys] each) that a loop over
     ``spans`` (i0, i1, lo, hi) of the terms of ``factors`` reuses span by span."""
-    batch = max(factor.x.shape[0] if factor.x.dim() == 4 else 1 for factor in factors)
-    heads = max(factor.rows.shape[1] for factor in factors)
+    return gather_buffers(*batch_and_heads(factors), spans)
+
+
+def gather_buffers(batch: int, heads: int, spans: list[Span]) -> tuple[ChunkBuffer, ChunkBuffer]:
+    """Two buffers of [batch, heads, r, keys] for the largest span (i0, i1, lo, hi) of
+    ``spans``: ``gathered_terms``' scratch."""
     largest = batch * heads * largest_span(spans)
     return ChunkBuffer(largest), ChunkBuffer(largest)
+
+
+def batch_and_heads(factors: list[RelativeFactors]) -> tuple[int, int]:
+    """The batch (1 where no factor has one) and the heads the terms of ``factors``
+    have."""
+    batch = max(factor.x.shape[0] if factor.x.dim() == 4 else 1 for factor in factors)
+    return batch, max(factor.rows.shape[1] for factor in factors)
 
 
 def projected_once(factors: list[RelativeFactors]) -> tuple[list[RelativePart | None], bool]:
@@ -408,11 +419,24 @@ def terms_at_positions(
     [keys] or [B, keys]. ``span_queries_only``: the query-side parts hold the span's
     queries alone, not all N. ``scratch``: see ``gathered_terms``."""
     i0, i1, lo, hi = span
-    q_pos = q_positions.reshape(-1, i1 - i0)  # [1 or B, r]
-    k_pos = k_positions.reshape(-1, hi - lo)  # [1 or B, keys]
-    entry = (k_pos.unsqueeze(1) - q_pos.unsqueeze(2)).clamp(-clip, clip) + clip  # [., r, keys]
+    entry = clipped_entry(q_positions, k_positions, span, clip)  # [1 or B, r, keys]
     keys = torch.arange(lo, hi, device=entry.device).unsqueeze(0)  # [1, keys]
     return gathered_terms(parts, entry, keys, 0 if span_queries_only else i0, scratch)
+
+
+def span_distances(q_positions: Tensor, k_positions: Tensor, span: Span) -> Tensor:
+    """Key minus query position of each pair of span (i0, i1, lo, hi), given its
+    queries' positions ([r] or [B, r]) and its keys' ([w] or [B, w]): [1 or B, r, w]."""
+    i0, i1, lo, hi = span
+    distances = relative_positions(q_positions, k_positions, i1 - i0, hi - lo, q_positions.device)
+    return distances.reshape(-1, i1 - i0, hi - lo)
+
+
+def clipped_entry(q_positions: Tensor, k_positions: Tensor, span: Span, clip: int) -> Tensor:
+    """Each pair's diagonal among the 2K + 1 of terms clipped at K = ``clip``
+    (``_clipped_relative_factors``), clip(j - i, -K, K) + K: [1 or B, r, w]
+    (``span_distances``)."""
+    return span_distances(q_positions, k_positions, span).clamp(-clip, clip) + clip
 
 
 def gathered_terms(

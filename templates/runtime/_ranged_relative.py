@@ -25,7 +25,13 @@ import torch
 from torch import Tensor
 
 from ._chunked_flash import Span
-from ._clipped_relative import TermsAtPositions, gather_scratch, gathered_terms
+from ._clipped_relative import (
+    TermsAtPositions,
+    batch_and_heads,
+    gather_scratch,
+    gathered_terms,
+    span_distances,
+)
 from ._mask_buffer import ChunkBuffer
 from ._terms import RelativeFactors, RelativePart, project_factors, scaled_factors
 
@@ -122,8 +128,7 @@ def ranged_span_terms(
     terms are valid until the next span's are made. No autograd."""
     low = 1 - diagonals[1]  # the least distance the diagonals hold
     rows = max(factor.rows.shape[0] for factor in factors)
-    batch = max(factor.x.shape[0] if factor.x.dim() == 4 else 1 for factor in factors)
-    heads = max(factor.rows.shape[1] for factor in factors)
+    batch, heads = batch_and_heads(factors)
     widest = max(
         max(i1 - i0, hi - lo) * min(rows, greatest - least + 1)
         for (i0, i1, lo, hi), (least, greatest) in zip(spans, bounds, strict=True)
@@ -135,15 +140,12 @@ def ranged_span_terms(
     scratch = gather_scratch(factors, spans)
 
     def terms(span: Span, q_positions: Tensor, k_positions: Tensor) -> Tensor:
-        i0, i1, lo, hi = span
-        queries = q_positions.reshape(-1, i1 - i0)  # [1 or B, r]
-        keys = k_positions.reshape(-1, hi - lo)  # [1 or B, w]
-        entry = keys.unsqueeze(1) - queries.unsqueeze(2) - low  # [1 or B, r, w]
+        entry = span_distances(q_positions, k_positions, span) - low  # [1 or B, r, w]
         parts = [
             span_part(factor, span, entry, buffer)
             for factor, buffer in zip(factors, buffers, strict=True)
         ]
-        columns = torch.arange(hi - lo, device=entry.device).unsqueeze(0)  # [1, w]
+        columns = torch.arange(span[3] - span[2], device=entry.device).unsqueeze(0)  # [1, w]
         return gathered_terms(parts, entry, columns, 0, scratch)
 
     return terms

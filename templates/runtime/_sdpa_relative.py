@@ -423,9 +423,9 @@ class SdpaRelative(SdpaChunks):
         factors = self._clipped_relative_factors(q, heads_k, compute_dtype(q))
         if factors is None or not relative_parts_serve(factors, causal):
             return None
-        parts = [project_factors(factor) for factor in factors]
-        if not relative_attention_at_positions_serves(parts):
+        if not relative_attention_at_positions_serves(factors):
             return None
+        parts = [project_factors(factor) for factor in factors]
         out = relative_attention_at_positions(
             q, heads_k, heads_v, parts, clip, spans, q_positions, k_positions, masked, self.scale
         )

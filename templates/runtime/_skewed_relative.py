@@ -194,10 +194,10 @@ class _SkewedAttention(torch.autograd.Function):
         grad_q, grad_k, grad_v, grad_x, grad_table = grads
         projections, grad_projections = (projection_buffer(x, ctx.spans) for _ in "pg")
         scratch = explicit_backward_scratch(q, ctx.spans)  # P and dP of a span
+        qkv_grads = (grad_q, grad_k, grad_v)
         for i0, i1, lo, hi in ctx.spans:
             span = (i0, i1, lo, hi)
             terms, window = skewed_terms(x, table, diagonal, span, n, ctx.causal, projections)
-            qkv_grads = (grad_q, grad_k, grad_v)
             grad_logits = explicit_span_backward(
                 grad_out, q, k, v, out, lse, span, terms, scale, qkv_grads, scratch
             )  # dS [B, H, r, keys]
