@@ -2,16 +2,18 @@
 # Do not edit by hand: edit the template and run `posgen generate`.
 """The ``sdpa`` backend's relative terms: position terms that depend on q and k (Shaw et
 al. 2018; BERT's relative_key and relative_key_query, Huang et al. 2020; DeBERTa's c2p and
-p2c, He et al. 2021; Transformer-XL, Dai et al. 2019) as SDPA's mask, never an
-[B, H, N, M] tensor at once.
+p2c, He et al. 2021; Transformer-XL, Dai et al. 2019; CoPE, Golovneva et al. 2024) as
+SDPA's mask, never an [B, H, N, M] tensor at once.
 
-``SdpaRelative._sdpa_relative`` picks the route: terms clipped at a distance on a band of
-keys with the far keys as plain flash attention (``_clipped_relative``); a lone
-query-side term as a strided view of each chunk's own projection (``_skewed_relative``);
-each chunk's terms gathered from projections over the table rows; a decode step's terms
-from their factors (``_few_queries``); or the terms per chunk of queries at their
-positions (explicit positions, masks, documents): without autograd gathered from factors
-made once per call (``clipped_span_terms``, ``_ranged_relative``), else dense.
+``SdpaRelative._sdpa_relative`` picks the route: CoPE's counted terms, in eager mode on
+the CPU, as one node over query chunks (``_counted_positions``); terms clipped at a
+distance on a band of keys with the far keys as plain flash attention
+(``_clipped_relative``); a lone query-side term as a strided view of each chunk's own
+projection (``_skewed_relative``); each chunk's terms gathered from projections over the
+table rows; a decode step's terms from their factors (``_few_queries``); or the terms
+per chunk of queries at their positions (explicit positions, masks, documents): without
+autograd gathered from factors made once per call (``clipped_span_terms``,
+``_ranged_relative``), else dense.
 """
 
 from __future__ import annotations
@@ -33,20 +35,27 @@ from ._clipped_relative import (
     span_terms,
     terms_train,
 )
+from ._counted_positions import (
+    CountedChunks,
+    counted_position_attention,
+    counted_position_attention_serves,
+)
 from ._few_queries import few_queries, few_query_inputs, few_query_relative_serves
 from ._grouped_queries import scaled_dot_product
-from ._inputs import repeat_kv
+from ._inputs import positions_or_default, repeat_kv
 from ._masks import (
     apply_masks,
     attention_allowed,
     attn_mask_span,
     block_fresh,
+    causal_allowed,
     documents_joined,
     masked_softmax,
     masked_softmax_,
     pair_documents,
     query_chunks,
     reachable_query_chunks,
+    same_document,
     sum_into_new,
 )
 from ._numerics import compute_dtype
@@ -78,6 +87,36 @@ def relative_parts_serve(factors: list[RelativeFactors], causal: bool) -> bool:
     return not (causal and trains and all(part.side != "key" for part in factors))
 
 
+def counting_query_chunks(
+    n: int,
+    m: int,
+    device_type: str,
+    causal: bool,
+    window: int | None,
+    document_ids: Tensor | None,
+    q_positions: Tensor | None,
+    k_positions: Tensor | None,
+    mask_row_bytes: int = 0,
+) -> list[Span]:
+    """``reachable_query_chunks`` for terms that count keys (CoPE: every key at or before
+    a query's position in its document, masked or not): each span reaches to the last
+    key its queries count as well. A window without a causal mask can leave out of a
+    span, at explicit positions, a key that its queries count (a later key at an earlier
+    position); their counts then missed its gate."""
+    spans = reachable_query_chunks(
+        n, m, device_type, causal, window, document_ids, q_positions, k_positions, mask_row_bytes
+    )
+    if window is None or causal:
+        return spans  # the count reads no key the masks leave out of a span
+    counted_spans = reachable_query_chunks(
+        n, m, device_type, True, None, document_ids, q_positions, k_positions, mask_row_bytes
+    )
+    return [
+        (i0, i1, lo, max(hi, counted[3]))
+        for (i0, i1, lo, hi), counted in zip(spans, counted_spans, strict=True)
+    ]
+
+
 def span_masks(
     q_positions: Tensor,
     k_positions: Tensor,
@@ -85,15 +124,23 @@ def span_masks(
     attn_mask: Tensor | None,
     window: int | None,
     document_ids: Tensor | None,
+    keys_reversed: bool = False,
 ) -> SpanMasks:
     """(span, its terms) -> the terms with the span's masks joined (in place where the
     terms have the full shape): -inf where the causal mask or window forbids a pair by
     position, where packed documents differ or a bool ``attn_mask`` is False, plus a float
-    one. Span (i0, i1, lo, hi): queries i0 .. i1 - 1 against keys lo .. hi - 1;
-    q_positions: [N] or [B, N]; k_positions: [M] or [B, M]; document_ids: the keys'
-    documents (the queries are the last N keys)."""
+    one. Span (i0, i1, lo, hi): queries i0 .. i1 - 1 against keys lo .. hi - 1 (of the
+    keys in reversed order, the latest first, where ``keys_reversed``); q_positions: [N]
+    or [B, N]; k_positions: [M] or [B, M]; document_ids: the keys' documents (the
+    queries are the last N keys)."""
     n, m = q_positions.shape[-1], k_positions.shape[-1]
     documents = pair_documents(document_ids, n, m)
+    if keys_reversed:
+        k_positions = k_positions.flip(-1)
+        if documents is not None:
+            documents = (documents[0], documents[1].flip(-1))
+        if attn_mask is not None and attn_mask.shape[-1] == m:
+            attn_mask = attn_mask.flip(-1)
 
     def masked(span: Span, terms: Tensor) -> Tensor:
         i0, i1, lo, hi = span
@@ -134,7 +181,9 @@ class SdpaRelative(SdpaChunks):
         where a chunk's call has the documents' rule in ``attn_mask`` instead of
         ``document_ids``.
 
-        At default positions, with no attn_mask or position bias, in this order: the
+        CoPE (``_counted_position_table``), in eager mode on the CPU with no attn_mask
+        that trains: one node over chunks of queries (``_sdpa_counted``). Else at
+        default positions, with no attn_mask or position bias, in this order: the
         clipped path (``clipped_relative_attention``, CPU); for more than a few queries
         and no value-side term, each query chunk's terms gathered from their projections
         over the table rows (``_sdpa_relative_parts``); a few queries read theirs from
@@ -142,10 +191,20 @@ class SdpaRelative(SdpaChunks):
         in chunks (``reachable_query_chunks``) wherever positions are given, masks apply
         or documents are packed: each chunk at the positions of its queries and of the
         keys it may read (its documents' keys, and those its causal mask or window
-        allows: by index at default positions, by position at explicit ones), so its
-        terms span only those keys.
+        allows: by index at default positions, by position at explicit ones; for CoPE
+        those its queries count too, ``counting_query_chunks``), so its terms span only
+        those keys.
         """
         n, m = q.shape[2], k.shape[2]
+        table = self._counted_position_table()
+        mask_trains = attn_mask is not None and attn_mask.requires_grad
+        serves = counted_position_attention_serves(
+            q, m, not (torch.is_grad_enabled() and mask_trains)
+        )
+        if table is not None and documents is None and serves:
+            return self._sdpa_counted(
+                q, k, v, table, q_positions, k_positions, causal, attn_mask, window, document_ids
+            )
         default = q_positions is None and k_positions is None and document_ids is None
         clipped = self.relative_clip
         if (
@@ -202,7 +261,8 @@ class SdpaRelative(SdpaChunks):
             # positions), so that no [B, H, N, M] terms exist at once: over the keys its
             # documents hold and only those its causal mask or window allow, by index at
             # default positions and by position at explicit ones (``position_spans``)
-            spans = reachable_query_chunks(
+            chunks_of = reachable_query_chunks if table is None else counting_query_chunks
+            spans = chunks_of(
                 n, m, q.device.type, causal, window, document_ids, q_positions, k_positions
             )
             if len(spans) > 1:
@@ -330,6 +390,58 @@ class SdpaRelative(SdpaChunks):
             )
             outs.append(out)
         return torch.cat(outs, dim=2)
+
+    def _sdpa_counted(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        table: Tensor,
+        q_positions: Tensor | None,
+        k_positions: Tensor | None,
+        causal: bool,
+        attn_mask: Tensor | None,
+        window: int | None,
+        document_ids: Tensor | None,
+    ) -> Tensor:
+        """CoPE's attention as one node over chunks of queries, keys in reversed order
+        (``counted_position_attention``): each chunk over the keys it may read or count
+        (a key is counted where it is at or before the query's position, in its
+        document), so that its counts are exact -> [B, H, N, value_dim]."""
+        n, m = q.shape[2], k.shape[2]
+        dtype = compute_dtype(q)
+        heads = q.shape[1]
+        row_bytes = q.shape[0] * heads * m * dtype.itemsize  # one query's row of a buffer
+        spans = counting_query_chunks(
+            n, m, "cpu", causal, window, document_ids, q_positions, k_positions, row_bytes
+        )
+        q_positions = positions_or_default(q_positions, m - n, n, q.device)
+        k_positions = positions_or_default(k_positions, 0, m, q.device)
+        masked = span_masks(
+            q_positions, k_positions, causal, attn_mask, window, document_ids, keys_reversed=True
+        )
+        reversed_positions = k_positions.flip(-1)
+        documents = pair_documents(document_ids, n, m)
+        if documents is not None:
+            documents = (documents[0], documents[1].flip(-1))  # the keys' reversed
+
+        def counted(span: Span) -> Tensor:
+            i0, i1, lo, hi = span
+            rows_at, keys_at = q_positions[..., i0:i1], reversed_positions[..., lo:hi]
+            allowed = causal_allowed(rows_at, keys_at, i1 - i0, hi - lo, q.device)
+            if documents is not None:
+                span_documents = (documents[0][..., i0:i1], documents[1][..., lo:hi])
+                allowed = allowed & same_document(span_documents)
+            return allowed  # [r, w] or [B, 1, r, w]
+
+        # the spans over the reversed keys: keys lo .. hi - 1 are m - hi .. m - lo - 1 there
+        reversed_spans = [(i0, i1, m - hi, m - lo) for i0, i1, lo, hi in spans]
+        chunks = CountedChunks(reversed_spans, masked, counted, self.scale)
+        groups = heads // k.shape[1]
+        keys = repeat_kv(k.to(dtype), groups).flip(2)  # [B, H, M, D], the latest first
+        values = repeat_kv(v.to(dtype), groups).flip(2)
+        out = counted_position_attention(q.to(dtype), keys, values, table.to(dtype), chunks)
+        return out.to(v.dtype)
 
     def _chunk_weights(self, q: Tensor, k: Tensor, span: Span, terms: Tensor) -> Tensor:
         """softmax(scale q kᵀ + terms) of the span's (i0, i1, lo, hi) queries and keys

@@ -75,6 +75,9 @@ class Cope(PositionalAttention):
         self.cope_positions = nn.Parameter(torch.empty(COPE_MAX_POSITIONS, self.head_dim))
         nn.init.normal_(self.cope_positions, std=0.02)
 
+    def _counted_position_table(self) -> Tensor | None:
+        return self.cope_positions
+
     def _relative_terms(
         self,
         q: Tensor,

@@ -86,6 +86,12 @@ def test_query_chunks_match_eager_with_gradients(
         key_counts.extend(hi - lo for _, _, lo, hi in spans)
         return original_positioned(q, k, v, parts, clip, spans, *args)
 
+    original_counted = relative.counted_position_attention
+
+    def spy_counted(q, k, v, table, counted_chunks):  # the same, CoPE's counted terms
+        key_counts.extend(hi - lo for _, _, lo, hi in counted_chunks.spans)
+        return original_counted(q, k, v, table, counted_chunks)
+
     torch.manual_seed(0)
     pe = generated_class(name)(heads=4, head_dim=8).double()
     monkeypatch.setattr(runtime.F, "scaled_dot_product_attention", spy)
@@ -93,6 +99,7 @@ def test_query_chunks_match_eager_with_gradients(
     monkeypatch.setattr(chunks, "chunked_flash_attention", spy_flash)
     monkeypatch.setattr(chunks, "recomputed_mask_attention", spy_recomputed)
     monkeypatch.setattr(relative, "relative_attention_at_positions", spy_positioned)
+    monkeypatch.setattr(relative, "counted_position_attention", spy_counted)
     assert_sdpa_matches_eager(pe, n, m, kv_heads, causal=causal, window=window)
     if pe.has_value_term:
         return  # no SDPA call to count
@@ -100,9 +107,10 @@ def test_query_chunks_match_eager_with_gradients(
     plain = not (pe.has_position_bias or pe.has_relative_terms)
     trained_by_distance = pe.bias_by_distance and any(True for _ in pe.parameters())
     of_positions = pe.has_position_bias and not pe.bias_by_distance  # FIRE: per chunk
+    counted = name == "cope"  # a node over query chunks, masked or not (its buffers)
     if plain and causal and window is None and n == m:  # SDPA's own is_causal, no mask
         assert key_counts == [m]
-    elif masked or trained_by_distance or of_positions:
+    elif masked or trained_by_distance or of_positions or counted:
         assert len(key_counts) == -(-n // 3)  # one call per chunk of 3 queries
         if masked:
             assert min(key_counts) < m  # masked keys are not read

@@ -386,6 +386,11 @@ class AttentionTerms(nn.Module):
         q's and k's (``_clipped_relative_parts``)."""
         return None
 
+    def _counted_position_table(self) -> Tensor | None:
+        """CoPE's table e [max_positions, head_dim], read at positions counted by gates
+        of the content logits (``_counted_positions``); None for other encodings."""
+        return None
+
     def _relative_parts(
         self, q: Tensor, k: Tensor, dtype: torch.dtype, causal: bool = False
     ) -> list[RelativePart] | None:
