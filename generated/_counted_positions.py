@@ -250,13 +250,11 @@ class _CountedPositionAttention(torch.autograd.Function):
         dtable = torch.zeros_like(table)
         scratch = ChunkScratch(groups, chunks.spans, backward=True)
         assert scratch.grads is not None
-        steps = torch.arange(table.shape[0], device=table.device, dtype=table.dtype)  # [P]
         for span in chunks.spans:
             i0, i1, lo, hi = span
             rows, width = i1 - i0, hi - lo
             queries, span_keys, span_values = _span_inputs(q, keys, values, span)
             chunk = _chunk_logits(queries, span_keys, table, span, chunks, scratch, batch)
-            assert chunk.gates is not None  # the backward's scratch keeps them
             grad_rows = grad_out[:, :, i0:i1].reshape(groups, rows, -1)  # [G, r, Dv]
             out_rows = out[:, :, i0:i1].reshape(groups, rows, -1)
             # dl = w (dO vᵀ - rowsum(dO o)): the logits' gradient, [G, r, w]
@@ -266,33 +264,10 @@ class _CountedPositionAttention(torch.autograd.Function):
             dvalues[:, :, lo:hi] += torch.bmm(chunk.weights.transpose(1, 2), grad_rows).view(
                 batch, heads, width, -1
             )
-            # the term: base_0 before key a, base[floor c] + c slope[floor c] to key b
-            a, b = chunk.near
-            dnear = dlogits[..., a:b]
             gathered = scratch.gathered.view(chunk.floors.shape, q.dtype, q.device)
-            dbase = torch.zeros_like(chunk.slope).scatter_add_(-1, chunk.floors, dnear)
-            dbase[..., 0] += dlogits[..., :a].sum(-1)
-            scaled = torch.mul(dnear, chunk.counts[..., a:b], out=gathered)
-            dslope = torch.zeros_like(chunk.slope).scatter_add_(-1, chunk.floors, scaled)
-            dslope -= steps * dbase  # base_p = E_p - p slope_p (- E_(P-1), see below)
-            dslope[..., -1] = 0.0  # slope at P - 1 is the constant 0
-            dprojected = dbase.clone()  # [G, r, P]: dE
-            # the term from key b on is E_(P-1) (the forward left out that constant of
-            # the row; its gradient, minus the others' sum in exact arithmetic, is not)
-            dprojected[..., -1] += dlogits[..., b:].sum(-1)
-            dprojected[..., 1:] += dslope[..., :-1]
-            dprojected[..., :-1] -= dslope[..., :-1]
+            dprojected = _term_backward(chunk, dlogits, gathered)  # [G, r, P]: dE; dl -> ds
             dq_rows = torch.bmm(dprojected, table.expand(groups, -1, -1))  # [G, r, D]
             dtable += dprojected.reshape(-1, table.shape[0]).t() @ queries.reshape(-1, q.shape[-1])
-            # the count's adjoint: dc = dl slope[floor c] (0 once saturated); the gates'
-            # gradient is its sum over keys from j back to the latest (a suffix sum in
-            # reversed order)
-            dcounts = torch.gather(chunk.slope, -1, chunk.floors, out=gathered).mul_(dnear)
-            dgates = dcounts.flip(-1).cumsum_(-1).flip(-1)  # [G, r, u]
-            # sigmoid' = g (1 - g), zero where the key is not counted (g = 0 there)
-            near_gates = chunk.gates[..., a:b]  # before a: every gate 0
-            near_gates.addcmul_(near_gates, near_gates, value=-1.0)
-            dnear.addcmul_(dgates, near_gates)  # ds: the content logits' gradient
             dq_rows.baddbmm_(dlogits, span_keys, alpha=chunks.scale)
             dq[:, :, i0:i1] = dq_rows.view(batch, heads, rows, -1)
             dkeys[:, :, lo:hi] += (
@@ -301,3 +276,36 @@ class _CountedPositionAttention(torch.autograd.Function):
                 .view(batch, heads, width, -1)
             )
         return dq, dkeys, dvalues, dtable, None
+
+
+def _term_backward(chunk: _ChunkLogits, dlogits: Tensor, gathered: Tensor) -> Tensor:
+    """From a chunk's logits' gradient dl [G, r, w]: the gradient of its table
+    projections E = q eᵀ, dE [G, r, P]; and the gates' gradient through the counts added
+    into dl in place, which is then the content logits' gradient ds. gathered: scratch
+    of the floors' shape."""
+    assert chunk.gates is not None  # the backward's scratch keeps them
+    a, b = chunk.near
+    # the term: base_0 before key a, base[floor c] + c slope[floor c] to key b, and
+    # E_(P-1) from b on (the forward left out that constant of the row; its gradient,
+    # minus the others' sum in exact arithmetic, is not)
+    dnear = dlogits[..., a:b]
+    dbase = torch.zeros_like(chunk.slope).scatter_add_(-1, chunk.floors, dnear)
+    dbase[..., 0] += dlogits[..., :a].sum(-1)
+    scaled = torch.mul(dnear, chunk.counts[..., a:b], out=gathered)
+    dslope = torch.zeros_like(chunk.slope).scatter_add_(-1, chunk.floors, scaled)
+    steps = torch.arange(chunk.slope.shape[-1], device=dlogits.device, dtype=dlogits.dtype)
+    dslope -= steps * dbase  # base_p = E_p - p slope_p
+    dslope[..., -1] = 0.0  # slope at P - 1 is the constant 0
+    dprojected = dbase.clone()  # [G, r, P]
+    dprojected[..., -1] += dlogits[..., b:].sum(-1)
+    dprojected[..., 1:] += dslope[..., :-1]  # slope_p = E_(p+1) - E_p
+    dprojected[..., :-1] -= dslope[..., :-1]
+    # the count's adjoint: dc = dl slope[floor c] (0 once saturated); the gates'
+    # gradient is its sum over keys from j back to the latest (a suffix sum in reversed
+    # order); sigmoid' = g (1 - g), zero where the key is not counted (g = 0 there)
+    dcounts = torch.gather(chunk.slope, -1, chunk.floors, out=gathered).mul_(dnear)
+    dgates = dcounts.flip(-1).cumsum_(-1).flip(-1)  # [G, r, b - a]
+    near_gates = chunk.gates[..., a:b]  # before a: every gate 0
+    near_gates.addcmul_(near_gates, near_gates, value=-1.0)
+    dnear.addcmul_(dgates, near_gates)
+    return dprojected
