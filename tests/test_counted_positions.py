@@ -215,3 +215,22 @@ def test_dense_chunks_read_every_key_they_count(
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
     for a, b in zip(got_grads, want_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+def test_a_decode_step_keeps_the_dense_terms(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Below ``COUNTED_MIN_QUERIES`` queries (a decode step) the node's reversed copy of
+    the keys and values would cost more than the dense terms of so few rows: those serve
+    there, from that many queries on the node, and both agree with the oracle."""
+    fewest = runtime_value("COUNTED_MIN_QUERIES")
+    runs = spy_calls(
+        monkeypatch, runtime_modules(), "counted_position_attention", lambda *a, **_: True
+    )
+    pe = _cope()
+    for n, node in ((1, False), (fewest - 1, False), (fewest, True)):
+        inputs = _inputs(n=n)
+        runs.clear()
+        with torch.no_grad():
+            got = pe(**inputs, causal=True, backend="sdpa")
+            want = pe(**inputs, causal=True, backend="eager")
+        assert runs == ([True] if node else []), n
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
