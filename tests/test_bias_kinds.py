@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 from posgen.cli import main
 from posgen.codegen.inmemory import encoding_class, module_from_spec
-from tests.conftest import ROOT, generated_class, run_backend, spec_variant
+from tests.conftest import ROOT, generated_class, run_backend, spec_variant, spy_method
 
 runtime_inputs = importlib.import_module("generated._inputs")
 EXPR_SPEC = ROOT / "tests" / "specs" / "expr" / "kerple_log_expr.yaml"
@@ -138,6 +138,55 @@ def test_fire_values_match_the_paper() -> None:
     batched = pe.score_bias(torch.stack([Q_POS, Q_POS + 20]), torch.stack([K_POS, K_POS + 20]))
     assert batched.shape == (2, 4, 5, 7)
     torch.testing.assert_close(batched[1], fire_reference(pe, Q_POS + 20, K_POS + 20))
+
+
+def _fire_bias_by_autograd(pe: torch.nn.Module, q_pos: torch.Tensor, k_pos: torch.Tensor):
+    """FIRE's bias [H, N, M] through the literal MLP, relu(w1 x + b1) then w2, in
+    float64 with autograd, from copies of pe's parameters (returned by name)."""
+    params = {name: p.detach().clone().requires_grad_() for name, p in pe.named_parameters()}
+    w1, b1 = params["fire_mlp.0.weight"][:, 0], params["fire_mlp.0.bias"]
+    w2, b2 = params["fire_mlp.2.weight"], params["fire_mlp.2.bias"]
+    c = params["fire_c"].abs()
+    threshold = (params["fire_threshold_scale"] * float(pe.fire_init_threshold)).abs()
+    i, j = q_pos.double()[:, None], k_pos.double()[None, :]
+    normaliser = torch.log1p(c * torch.maximum(i, threshold)) + 1e-6  # [N, 1]
+    x = torch.log1p(c * (i - j).clamp(min=0)) / normaliser  # [N, M]
+    hidden = torch.relu(x[..., None] * w1 + b1)  # [N, M, hidden]
+    return (hidden @ w2.t() + b2).permute(2, 0, 1), params
+
+
+@pytest.mark.parametrize("heads", [4, 20])
+@pytest.mark.parametrize("units", ["initial", "breakpoints among the inputs"])
+def test_fire_gradients_match_the_literal_mlp(
+    units: str, heads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bias, f taken piece by piece between its hidden units' breakpoints (4 heads)
+    or layer by layer (20 heads, more than half the hidden units): its values and
+    gradients into f's weights, c and the threshold are those of the literal MLP
+    (autograd in float64), at the initial weights with a unit of w1 = 0, and with every
+    breakpoint inside x's range (0 .. 1), alternate signs of w1, and pairs with x below
+    the first breakpoint (x = 0 at distance 0)."""
+    pe = _module("fire", heads=heads)
+    pieces = spy_method(monkeypatch, type(pe), "_fire_pieces", lambda: True)
+    first = pe.fire_mlp[0]
+    with torch.no_grad():
+        pe.fire_threshold_scale.fill_(8.0 / 512.0)  # queries past the threshold too
+        if units == "initial":
+            first.weight[3] = 0.0  # a constant unit
+        else:
+            crossings = torch.linspace(0.05, 0.95, first.bias.numel(), dtype=torch.float64)
+            signs = torch.tensor([-1.0, 1.0], dtype=torch.float64).repeat(len(crossings) // 2)
+            first.weight[:, 0] = first.weight[:, 0].abs().clamp(min=0.1) * signs
+            first.bias.copy_(-first.weight[:, 0] * crossings)
+    weights = torch.randn(heads, len(Q_POS), len(K_POS), dtype=torch.float64)
+    (pe.score_bias(Q_POS, K_POS) * weights).sum().backward()
+    assert bool(pieces) == (heads == 4)
+    want, params = _fire_bias_by_autograd(pe, Q_POS, K_POS)
+    torch.testing.assert_close(pe.score_bias(Q_POS, K_POS), want.detach(), rtol=1e-12, atol=1e-12)
+    (want * weights).sum().backward()
+    for name, parameter in pe.named_parameters():
+        assert params[name].grad is not None, name
+        torch.testing.assert_close(parameter.grad, params[name].grad, rtol=1e-10, atol=1e-12)
 
 
 def test_fire_future_keys_share_distance_zero() -> None:
