@@ -179,8 +179,10 @@ class SdpaRelative(SdpaChunks):
         where a chunk's call has the documents' rule in ``attn_mask`` instead of
         ``document_ids``.
 
-        CoPE (``_counted_position_table``), in eager mode on the CPU with no attn_mask
-        that trains: one node over chunks of queries (``_sdpa_counted``). Else at
+        CoPE (``_counted_position_table``), in eager mode on the CPU, past a decode
+        step's queries and with no attn_mask that trains
+        (``counted_position_attention_serves``): one node over chunks of queries
+        (``_sdpa_counted``). Else at
         default positions, with no attn_mask or position bias, in this order: the
         clipped path (``clipped_relative_attention``, CPU); for more than a few queries
         and no value-side term, each query chunk's terms gathered from their projections
