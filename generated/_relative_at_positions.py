@@ -33,9 +33,9 @@ from torch import Tensor
 
 from ._chunked_flash import (
     Span,
-    cpu_flash_forward,
     explicit_backward_scratch,
     explicit_span_backward,
+    flash_chunks_forward,
 )
 from ._clipped_relative import clipped_entry, gather_buffers, terms_at_positions
 from ._mask_buffer import ChunkBuffer
@@ -162,14 +162,12 @@ class _RelativeAtPositions(torch.autograd.Function):
         scale: float,
         *scores: Tensor,
     ) -> Tensor:
-        out = q.new_empty(q.shape[:-1] + v.shape[-1:])  # [B, H, N, D]
-        lse = q.new_empty(q.shape[:-1])  # [B, H, N]
         scratch = layout.scratch(scores, spans)
-        for i0, i1, lo, hi in spans:
-            terms = layout.terms((i0, i1, lo, hi), scores, scratch)  # [B or 1, H, r, w]
-            rows, keys, values = q[:, :, i0:i1], k[:, :, lo:hi], v[:, :, lo:hi]
-            mask = terms.to(q.dtype)  # [B or 1, H, r, w], additive
-            out[:, :, i0:i1], lse[:, :, i0:i1] = cpu_flash_forward(rows, keys, values, mask, scale)
+
+        def terms_of(i0: int, i1: int, lo: int, hi: int) -> Tensor:  # [B or 1, H, r, w]
+            return layout.terms((i0, i1, lo, hi), scores, scratch)
+
+        out, lse = flash_chunks_forward(q, k, v, spans, terms_of, scale, False)
         ctx.save_for_backward(q, k, v, out, lse, *scores)
         ctx.spans, ctx.layout, ctx.scale = spans, layout, scale
         return out

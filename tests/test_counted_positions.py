@@ -49,6 +49,19 @@ def _inputs(
     return {"q": q, "k": k, "v": v}
 
 
+def _assert_sdpa_matches_eager(
+    pe: torch.nn.Module, inputs: dict[str, torch.Tensor], **options: Any
+) -> None:
+    """The sdpa output and its gradients into q, k, v and the table equal the eager
+    oracle's (float64)."""
+    want, want_grads = run_backend(pe, inputs, "eager", **options)
+    got, got_grads = run_backend(pe, inputs, "sdpa", **options)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    assert len(got_grads) == len(want_grads) == 4  # q, k, v, the table
+    for a, b in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
 @pytest.fixture
 def small_chunks(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """Chunks of 4 queries and count blocks of 8 keys; the spans each chunk runs."""
@@ -97,15 +110,11 @@ CASES: dict[str, dict[str, Any]] = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_counted_attention_matches_the_eager_oracle(case: str, small_chunks: list[Any]) -> None:
     pe, inputs = _cope(), _inputs()
-    want, want_grads = run_backend(pe, inputs, "eager", **CASES[case])
-    got, got_grads = run_backend(pe, inputs, "sdpa", **CASES[case])
+    _assert_sdpa_matches_eager(pe, inputs, **CASES[case])
     assert len(small_chunks) >= N // 4 * 2  # every chunk, forward and backward
-    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
-    assert len(got_grads) == len(want_grads) == 4  # q, k, v, the table
-    for a, b in zip(got_grads, want_grads, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
     with torch.no_grad():
         inference = pe(**inputs, backend="sdpa", **CASES[case])
+        want = pe(**inputs, backend="eager", **CASES[case])
     torch.testing.assert_close(inference, want, rtol=1e-10, atol=1e-12)
 
 
@@ -116,23 +125,14 @@ def test_counts_that_never_or_at_once_reach_the_end(
 ) -> None:
     """Gates near 0 keep every count below 15 over every key (every count block runs);
     gates near 1 make it 15 at the second counted key."""
-    pe, inputs = _cope(), _inputs(gates=gates)
-    want, want_grads = run_backend(pe, inputs, "eager", causal=causal)
-    got, got_grads = run_backend(pe, inputs, "sdpa", causal=causal)
-    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
-    for a, b in zip(got_grads, want_grads, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+    _assert_sdpa_matches_eager(_cope(), _inputs(gates=gates), causal=causal)
 
 
 def test_grouped_keys_and_fewer_queries_than_keys(small_chunks: list[Any]) -> None:
     """GQA (2 key heads for 4 query heads) and 12 queries, the last 12 of 40 keys."""
     pe, inputs = _cope(), _inputs(n=12, kv_heads=2)
     for causal in (False, True):
-        want, want_grads = run_backend(pe, inputs, "eager", causal=causal)
-        got, got_grads = run_backend(pe, inputs, "sdpa", causal=causal)
-        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
-        for a, b in zip(got_grads, want_grads, strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+        _assert_sdpa_matches_eager(pe, inputs, causal=causal)
 
 
 @pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
@@ -207,14 +207,8 @@ def test_dense_chunks_read_every_key_they_count(
     leaves out of a chunk a later key at an earlier position, which its queries count."""
     set_runtime(monkeypatch, "counted_position_attention_serves", lambda *_: False)
     monkeypatch.setitem(runtime_value("SDPA_QUERY_CHUNK"), "cpu", 4)
-    pe, inputs = _cope(), _inputs()
-    case = CASES["window and an early last key"]
-    want, want_grads = run_backend(pe, inputs, "eager", **case)
-    got, got_grads = run_backend(pe, inputs, "sdpa", **case)
+    _assert_sdpa_matches_eager(_cope(), _inputs(), **CASES["window and an early last key"])
     assert small_chunks == []  # the dense terms ran
-    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
-    for a, b in zip(got_grads, want_grads, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
 
 
 def test_a_decode_step_keeps_the_dense_terms(monkeypatch: pytest.MonkeyPatch) -> None:

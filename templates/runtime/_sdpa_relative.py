@@ -198,10 +198,12 @@ class SdpaRelative(SdpaChunks):
         n, m = q.shape[2], k.shape[2]
         table = self._counted_position_table()
         mask_trains = attn_mask is not None and attn_mask.requires_grad
-        serves = counted_position_attention_serves(
-            q, m, not (torch.is_grad_enabled() and mask_trains)
-        )
-        if table is not None and documents is None and serves:
+        mask_needs_no_grad = not (torch.is_grad_enabled() and mask_trains)
+        if (
+            table is not None
+            and documents is None  # a chunk's call of _sdpa_relative_in_chunks
+            and counted_position_attention_serves(q, m, mask_needs_no_grad)
+        ):
             return self._sdpa_counted(
                 q, k, v, table, q_positions, k_positions, causal, attn_mask, window, document_ids
             )
@@ -341,10 +343,9 @@ class SdpaRelative(SdpaChunks):
         positions (explicit, or the defaults' rows), with its block of ``attn_mask`` and
         the documents' rule for that block joined into it -> [B, H, N, value_dim]."""
         n, m = q.shape[2], k.shape[2]
-        if q_positions is None:  # the default: the queries are the last N keys
-            q_positions = torch.arange(m - n, m, device=q.device)
-        if k_positions is None:
-            k_positions = torch.arange(m, device=q.device)
+        # the defaults: the queries are the last N of the keys 0 .. M - 1
+        q_positions = positions_or_default(q_positions, m - n, n, q.device)
+        k_positions = positions_or_default(k_positions, 0, m, q.device)
         masked = span_masks(q_positions, k_positions, causal, attn_mask, window, document_ids)
         # no autograd here: each chunk's terms are gathered into buffers the chunks reuse
         at_positions = self._terms_at_positions(q, k, v, attn_mask, spans, q_positions, k_positions)
