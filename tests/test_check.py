@@ -742,7 +742,8 @@ def test_spec_time_cap_shares_the_budget() -> None:
         Budget(max_examples=10_000, span=64, seconds=100.0, spec_seconds=1.0),
         only=["relative", "kv_cache"],
     )
-    assert all("time budget" in o.evidence for o in report.outcomes)
+    evidence = [o.evidence for o in report.outcomes]
+    assert all("time budget" in text for text in evidence), evidence
 
 
 # mutations: a deliberately broken module, its rendered source edited in memory
