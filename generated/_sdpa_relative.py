@@ -100,13 +100,13 @@ def counting_query_chunks(
 ) -> list[Span]:
     """``reachable_query_chunks`` for terms that count keys (CoPE: every key at or before
     a query's position in its document, masked or not): each span reaches to the last
-    key its queries count as well. A window without a causal mask can leave out of a
-    span, at explicit positions, a key that its queries count (a later key at an earlier
-    position); their counts then missed its gate."""
+    key its queries count as well. A window, causal or not, can leave out of a span, at
+    explicit positions, a key that its queries count (a later key at an earlier
+    position, before the window); their counts then missed its gate."""
     spans = reachable_query_chunks(
         n, m, device_type, causal, window, document_ids, q_positions, k_positions, mask_row_bytes
     )
-    if window is None or causal:
+    if window is None:
         return spans  # the count reads no key the masks leave out of a span
     counted_spans = reachable_query_chunks(
         n, m, device_type, True, None, document_ids, q_positions, k_positions, mask_row_bytes

@@ -88,12 +88,24 @@ CASES: dict[str, dict[str, Any]] = {
         "causal": True,
     },
     "permuted window": {"q_positions": PERMUTED, "k_positions": PERMUTED, "window": 9},
+    "permuted window causal": {
+        "q_positions": PERMUTED,
+        "k_positions": PERMUTED,
+        "window": 9,
+        "causal": True,
+    },
     # the last key, at position 0, is outside every window but the first queries' and
-    # yet counted by every query: each chunk must read it
+    # yet counted by every query: each chunk must read it (causal or not)
     "window and an early last key": {
         "q_positions": OUTLIER,
         "k_positions": OUTLIER,
         "window": 6,
+    },
+    "causal window and an early last key": {
+        "q_positions": OUTLIER,
+        "k_positions": OUTLIER,
+        "window": 6,
+        "causal": True,
     },
     "window": {"window": 6},
     "window causal": {"window": 6, "causal": True},
@@ -199,15 +211,19 @@ def test_counts_sum_the_counted_gates_in_blocks(monkeypatch: pytest.MonkeyPatch)
     torch.testing.assert_close(counts[0, 0, :8], want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize(
+    "case", ["window and an early last key", "causal window and an early last key"]
+)
 def test_dense_chunks_read_every_key_they_count(
-    small_chunks: list[Any], monkeypatch: pytest.MonkeyPatch
+    case: str, small_chunks: list[Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Where the node does not run (torch.compile, CUDA), the dense terms per chunk of
-    queries read every key their counts read too: a window at explicit positions
-    leaves out of a chunk a later key at an earlier position, which its queries count."""
+    queries read every key their counts read too: a window at explicit positions, causal
+    or not, leaves out of a chunk a later key at an earlier position, which its queries
+    count."""
     set_runtime(monkeypatch, "counted_position_attention_serves", lambda *_: False)
     monkeypatch.setitem(runtime_value("SDPA_QUERY_CHUNK"), "cpu", 4)
-    _assert_sdpa_matches_eager(_cope(), _inputs(), **CASES["window and an early last key"])
+    _assert_sdpa_matches_eager(_cope(), _inputs(), **CASES[case])
     assert small_chunks == []  # the dense terms ran
 
 
