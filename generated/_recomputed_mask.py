@@ -35,9 +35,10 @@ from ._chunked_flash import (
     MaskOf,
     Span,
     cpu_flash_serves,
+    explicit_backward_scratch,
+    explicit_span_backward,
     flash_chunks_forward,
     flash_mask,
-    recomputed_weights,
 )
 
 #: devices where a chunked training step whose masks train runs as one autograd node
@@ -144,30 +145,26 @@ def _chunk_gradients(
 ) -> tuple[Tensor, Tensor, Tensor, list[Tensor | None]]:
     """dq, dk, dv and the gradients of ``trained`` (the mask inputs that need one, None
     where a mask does not reach an input), one span at a time from its recomputed
-    weights (see the module docstring)."""
-    delta = (grad_out * out).sum(-1)  # [B, H, N]: δ_i = dO_i . O_i
-    dq = torch.empty_like(q)
-    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    weights (``explicit_span_backward``, as the other chunked nodes: P and dP in
+    buffers the spans reuse)."""
+    grads = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    scratch = explicit_backward_scratch(q, spans)  # P and dP of a span
     trained_grads: list[Tensor | None] = [None] * len(trained)
-    for i0, i1, lo, hi in spans:
+    for span in spans:
         with torch.enable_grad():
-            mask = mask_of(i0, i1, lo, hi)  # [rows, keys] or [1 or B, 1 or H, rows, keys]
+            mask = mask_of(*span)  # [rows, keys] or [1 or B, 1 or H, rows, keys]
         assert mask is not None and mask.dtype != torch.bool  # a bias that trains
-        rows, keys, values = q[:, :, i0:i1], k[:, :, lo:hi], v[:, :, lo:hi]
-        grad_rows = grad_out[:, :, i0:i1]  # [B, H, rows, value_dim]
         additive = flash_mask(mask.detach(), q.dtype)
-        weights = recomputed_weights(rows, keys, additive, lse[:, :, i0:i1], scale)  # P
-        dv[:, :, lo:hi] += torch.matmul(weights.transpose(-1, -2), grad_rows)
-        grad_weights = torch.matmul(grad_rows, values.transpose(-1, -2))  # dP
-        grad_scores = weights.mul_(grad_weights.sub_(delta[:, :, i0:i1, None]))  # dS
-        dq[:, :, i0:i1] = torch.matmul(grad_scores, keys).mul_(scale)
-        dk[:, :, lo:hi] += torch.matmul(grad_scores.transpose(-1, -2), rows).mul_(scale)
+        assert additive is not None  # of a mask
+        grad_scores = explicit_span_backward(
+            grad_out, q, k, v, out, lse, span, additive, scale, grads, scratch
+        )  # dS [B, H, rows, keys]
         if not mask.requires_grad:
             continue
         grad_mask = grad_scores.sum_to_size(mask.shape).to(mask.dtype)  # over broadcast dims
         parts = torch.autograd.grad(mask, trained, grad_mask, allow_unused=True)
         for index, part in enumerate(parts):
             if part is not None:
-                total = trained_grads[index]
-                trained_grads[index] = part if total is None else total + part
-    return dq, dk, dv, trained_grads
+                total = trained_grads[index]  # a first part may alias dS's buffer: copied
+                trained_grads[index] = part.clone() if total is None else total.add_(part)
+    return (*grads, trained_grads)

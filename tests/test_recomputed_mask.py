@@ -82,6 +82,36 @@ def test_spans_match_softmax_attention_with_gradients_into_the_mask_inputs(
         _close(got, expected, tolerance)
 
 
+def test_strided_inputs_and_a_mask_that_is_a_view_of_its_input() -> None:
+    """q, k and v as [B, N, H, D] tensors seen as [B, H, N, D], and two spans of one
+    shape whose masks are the same trained tensor unsqueezed: its gradient through the
+    view is a view of a span's dS, which the next span's weights overwrite in their
+    buffer, so the first part is copied. Output and gradients equal float64 softmax
+    attention."""
+    generator = torch.Generator().manual_seed(7)
+    q, k, v = (
+        torch.randn(1, 8, 3, 4, generator=generator, dtype=torch.float64).transpose(1, 2)
+        for _ in "qkv"
+    )  # [B, H, N, D] views of [B, N, H, D] tensors; one batch row: dS is not summed
+    pattern = torch.randn(3, 4, 8, generator=generator, dtype=torch.float64)
+    cotangent = torch.randn(1, 3, 8, 4, generator=generator, dtype=torch.float64)
+    spans = [(0, 4, 0, 8), (4, 8, 0, 8)]
+    leaves = [t.float().requires_grad_() for t in (q, k, v, pattern)]
+
+    def mask_of(i0: int, i1: int, lo: int, hi: int) -> torch.Tensor:
+        return leaves[3].unsqueeze(0)  # [1, H, 4, 8], every span alike
+
+    out = recomputed.recomputed_mask_attention(*leaves[:3], spans, mask_of, 0.5, (leaves[3],))
+    grads = torch.autograd.grad(out, leaves, cotangent.float())
+
+    leaves64 = [t.clone().requires_grad_() for t in (q, k, v, pattern)]
+    want = _reference(*leaves64[:3], leaves64[3].repeat(1, 2, 1), 0.5)
+    want_grads = torch.autograd.grad(want, leaves64, cotangent)
+    _close(out, want, 2e-5)
+    for got, expected in zip(grads, want_grads, strict=True):
+        _close(got, expected, 2e-5)
+
+
 def test_an_input_no_mask_reaches_gets_no_gradient() -> None:
     """A mask input that no span's mask is built from gets None, the one used its
     gradient."""
