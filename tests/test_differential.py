@@ -1,8 +1,9 @@
 """Random calls, every fast path against the eager oracle.
 
 Hypothesis draws a call (query and key counts, grouped-query heads, causal, window,
-positions of several kinds, packed documents, an attn_mask of any broadcast shape, query
-chunks of 3 or the default) and the sdpa and flex backends must give eager's output and
+positions of several kinds (permuted too), packed documents, an attn_mask of any
+broadcast shape, query chunks of 3 or the default) and the sdpa and flex backends must
+give eager's output and
 gradients (into q, k, v and every trained parameter) in float64. On the CPU flex runs
 FlexAttention's unfused forms, which call the same score_mod and mask_mod that the
 compiled GPU kernel inlines. A differential fuzz of this kind found four defects
@@ -56,18 +57,33 @@ def _module(name: str) -> torch.nn.Module:
 
 @contextlib.contextmanager
 def _query_chunks(size: int | None) -> Iterator[None]:
-    """``SDPA_QUERY_CHUNK`` on the CPU set to ``size`` (None: as shipped) for the call."""
+    """Chunks of ``size`` queries on the CPU for the call (None: as shipped):
+    ``SDPA_QUERY_CHUNK``, and the chunks sized by their masks' bytes
+    (``SDPA_MASK_CHUNK_BYTES``: CoPE's node, masks that train) cut to ``size`` rows."""
     modules = [module for module in runtime_modules() if module.__name__.endswith("_masks")]
-    saved = [dict(module.SDPA_QUERY_CHUNK) for module in modules]
+    holders = [
+        module for module in runtime_modules() if hasattr(module, "SDPA_MASK_CHUNK_MIN_ROWS")
+    ]
+    saved = [
+        (dict(module.SDPA_QUERY_CHUNK), dict(module.SDPA_MASK_CHUNK_BYTES)) for module in modules
+    ]
+    saved_rows = [module.SDPA_MASK_CHUNK_MIN_ROWS for module in holders]
     try:
         if size is not None:
             for module in modules:
                 module.SDPA_QUERY_CHUNK["cpu"] = size
+                module.SDPA_MASK_CHUNK_BYTES["cpu"] = 1
+            for module in holders:
+                module.SDPA_MASK_CHUNK_MIN_ROWS = size
         yield
     finally:
-        for module, chunks in zip(modules, saved, strict=True):
+        for module, (chunks, budgets) in zip(modules, saved, strict=True):
             module.SDPA_QUERY_CHUNK.clear()
             module.SDPA_QUERY_CHUNK.update(chunks)
+            module.SDPA_MASK_CHUNK_BYTES.clear()
+            module.SDPA_MASK_CHUNK_BYTES.update(budgets)
+        for module, rows in zip(holders, saved_rows, strict=True):
+            module.SDPA_MASK_CHUNK_MIN_ROWS = rows
 
 
 @st.composite
@@ -83,7 +99,8 @@ def calls(draw: st.DrawFn) -> dict:
         runs = draw(st.lists(st.integers(0, 2), min_size=m, max_size=m))
         documents = torch.tensor(sorted(runs) if draw(st.booleans()) else runs)
         options["document_ids"] = documents
-    kind = draw(st.sampled_from(["none", "shifted", "restarted", "strided", "increasing"]))
+    kinds = ["none", "shifted", "restarted", "strided", "increasing", "permuted"]
+    kind = draw(st.sampled_from(kinds))
     if kind == "shifted":
         k_positions = torch.arange(m) + draw(st.integers(1, 50))
     elif kind == "restarted" and documents is not None:
@@ -96,6 +113,8 @@ def calls(draw: st.DrawFn) -> dict:
     elif kind == "increasing":
         gaps = draw(st.lists(st.integers(1, 3), min_size=m, max_size=m))
         k_positions = torch.cumsum(torch.tensor(gaps), 0)
+    elif kind == "permuted":  # a later key may sit at an earlier position
+        k_positions = torch.tensor(draw(st.permutations(range(m))))
     else:
         k_positions = None
     if k_positions is not None:
