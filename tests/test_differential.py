@@ -3,12 +3,13 @@
 Hypothesis draws a call (query and key counts, grouped-query heads, causal, window,
 positions of several kinds (permuted too), packed documents, an attn_mask of any
 broadcast shape, query chunks of 3 or the default) and the sdpa and flex backends must
-give eager's output and
-gradients (into q, k, v and every trained parameter) in float64. On the CPU flex runs
-FlexAttention's unfused forms, which call the same score_mod and mask_mod that the
-compiled GPU kernel inlines. A differential fuzz of this kind found four defects
-(CoPE's count across documents, a [M] attn_mask on sdpa and on flex, Sandwich's
-precision at large positions); these tests keep the search running in the suite, small.
+give eager's output and gradients (into q, k, v and every trained parameter) in
+float64. On the CPU flex runs FlexAttention's unfused forms, which call the same
+score_mod and mask_mod that the compiled GPU kernel inlines. A differential fuzz of
+this kind found five defects (CoPE's count across documents and, with a causal window
+at permuted positions, past its chunk's keys; a [M] attn_mask on sdpa and on flex;
+Sandwich's precision at large positions); these tests keep the search running in the
+suite, small.
 """
 
 from __future__ import annotations
