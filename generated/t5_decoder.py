@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from ._attention import PositionalAttention
-from ._distances import default_distances, expand_distance_bias
+from ._distances import bias_at_entries, default_distances, expand_distance_bias
 from ._flex import flex_positions
 from ._inputs import cache_get, cache_put, score_bias_positions
 from ._masks import relative_positions
@@ -163,15 +163,32 @@ class T5Decoder(PositionalAttention):
     ) -> Tensor:
         if q_positions is None and k_positions is None:
             return expand_distance_bias(self._distance_bias(n, m, device), n, m)
-        # explicit positions: each pair's entry of the clipped vector, read at its key
-        # minus query position clipped to +-MAX_DISTANCE (every bucket past it is its
-        # direction's last), rather than its bucket by the log formula per pair (T5 at
-        # positions 2 apart, 2-core CPU, N = 2048: the formula took a fifth of a forward)
-        relative = relative_positions(q_positions, k_positions, n, m, device)  # [..., N, M]
-        entry = relative.clamp(-MAX_DISTANCE, MAX_DISTANCE) + MAX_DISTANCE
-        clipped = self._clipped_distance_bias(device)  # [heads, 2 MAX_DISTANCE + 1]
-        flat = entry.reshape(1, -1).expand(clipped.shape[0], -1)  # [heads, ... N M]
-        return torch.gather(clipped, 1, flat).view(-1, *entry.shape).movedim(0, -3)
+        if 2 * MAX_DISTANCE + 1 <= n * m:  # the clipped vector is no longer than the pairs
+            # explicit positions: each pair's entry of the clipped vector, read at its key
+            # minus query position clipped to +-MAX_DISTANCE (every bucket past it is its
+            # direction's last), rather than its bucket by the log formula per pair (T5
+            # at positions 2 apart, 2-core CPU, N = 2048: the formula took a fifth of a
+            # forward)
+            relative = relative_positions(q_positions, k_positions, n, m, device)  # [..., N, M]
+            entry = relative.clamp(-MAX_DISTANCE, MAX_DISTANCE) + MAX_DISTANCE
+            clipped = self._clipped_distance_bias(device)  # [heads, 2 MAX_DISTANCE + 1]
+            return bias_at_entries(clipped, entry)  # [..., heads, N, M]
+        cacheable = q_positions is None and k_positions is None
+        key = ("buckets", n, m, str(device))
+        buckets = cache_get(self._cache, key) if cacheable else None
+        if buckets is None:
+            buckets = _relative_buckets(relative_positions(q_positions, k_positions, n, m, device))
+            if cacheable:
+                cache_put(self._cache, key, buckets)
+        table = self.relative_attention_bias.weight.to(device)  # [buckets, heads]
+        dtype = torch.promote_types(table.dtype, torch.float32)  # a float64 table stays float64
+        # gathered heads first: each head's [N, M] comes out contiguous (table[buckets]
+        # moved heads first is strided, and row reductions over it were slow), by one
+        # gather along the buckets (advanced indexing took 4x as long on the CPU)
+        heads_first = table.t().contiguous()  # [heads, buckets]
+        flat = buckets.reshape(1, -1).expand(heads_first.shape[0], -1)  # [heads, ... N M]
+        bias = torch.gather(heads_first, 1, flat).view(-1, *buckets.shape)  # [heads, ..., N, M]
+        return bias.movedim(0, -3).to(dtype)  # [..., heads, N, M]
 
     def _distance_bias(self, n: int, m: int, device) -> Tensor:
         """table[bucket(r), h] for r = -(M - 1) .. N - 1: [heads, N + M - 1].

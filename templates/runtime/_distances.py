@@ -111,6 +111,15 @@ def expand_distance_bias(vec: Tensor, n: int, m: int) -> Tensor:
     return query_reversed_bias(vec, n, m).flip(-2)
 
 
+def bias_at_entries(vector: Tensor, entry: Tensor) -> Tensor:
+    """A bias per distance read at each pair's entry: vector [H, L], entry int64
+    [..., N, M] (each in 0 .. L - 1) -> [..., H, N, M], by one gather along the entries,
+    heads first (each head's [N, M] comes out contiguous; advanced indexing took 4x as
+    long on the CPU). Its backward scatters into the L entries, not the pairs."""
+    flat = entry.reshape(1, -1).expand(vector.shape[0], -1)  # [H, ... N M]
+    return torch.gather(vector, 1, flat).view(-1, *entry.shape).movedim(0, -3)
+
+
 # Devices where the sdpa backend raises a bias's finite entries to at least
 # ``BIAS_FLOOR`` below the largest entry each query surely reads (``floored_bias``),
 # in float32 and half precision. A steep bias (ALiBi, KERPLE, Sandwich far from the
