@@ -122,6 +122,28 @@ def bias_at_entries(vector: Tensor, entry: Tensor) -> Tensor:
     return torch.gather(vector, 1, flat).view(-1, *entry.shape).movedim(0, -3)
 
 
+#: a bias of |key - query| at explicit positions on these devices is made once per
+#: distance 0 .. D and read per pair (``distance_vector_length``): a host read of D per
+#: call, which a GPU would wait for
+DISTANCE_VECTOR_DEVICES: set[str] = {"cpu"}
+#: ... where D + 1 is at most this many entries per query and key of the call (positions
+#: a step apart reach N + M - 1 distances); positions farther apart compute it per pair
+DISTANCE_VECTOR_PER_POSITION = 4
+
+
+def distance_vector_length(distance: Tensor, n: int, m: int) -> int | None:
+    """1 + the largest of ``distance`` (|key - query| per pair, int64 [..., N, M]) where a
+    bias vector over the distances 0 .. that largest is to be made and read per pair
+    (``bias_at_entries``): eager mode on a device in ``DISTANCE_VECTOR_DEVICES``, at
+    most ``DISTANCE_VECTOR_PER_POSITION`` (n + m) entries; else None."""
+    if torch.compiler.is_compiling() or distance.device.type not in DISTANCE_VECTOR_DEVICES:
+        return None
+    if distance.numel() == 0:
+        return None
+    length = int(distance.max()) + 1
+    return length if length <= DISTANCE_VECTOR_PER_POSITION * (n + m) else None
+
+
 # Devices where the sdpa backend raises a bias's finite entries to at least
 # ``BIAS_FLOOR`` below the largest entry each query surely reads (``floored_bias``),
 # in float32 and half precision. A steep bias (ALiBi, KERPLE, Sandwich far from the

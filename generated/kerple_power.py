@@ -33,7 +33,12 @@ import torch
 from torch import Tensor, nn
 
 from ._attention import PositionalAttention
-from ._distances import default_distances, expand_distance_bias
+from ._distances import (
+    bias_at_entries,
+    default_distances,
+    distance_vector_length,
+    expand_distance_bias,
+)
 from ._flex import flex_positions
 from ._inputs import score_bias_positions
 from ._masks import relative_positions
@@ -100,7 +105,14 @@ class KerplePower(PositionalAttention):
         if q_positions is None and k_positions is None:
             return expand_distance_bias(self._distance_bias(n, m, device), n, m)
         r1, r2 = self._kernel_parameters(device)
-        distance = relative_positions(q_positions, k_positions, n, m, device).abs()
+        distance = relative_positions(q_positions, k_positions, n, m, device).abs()  # [..., N, M]
+        length = distance_vector_length(distance, n, m)
+        if length is not None:
+            # the kernel once per distance, read per pair: no log or power per pair and
+            # head, and a backward into the distances' entries, not the pairs
+            distances = torch.arange(length, device=device).to(r1.dtype)  # [D + 1]
+            per_distance = _kerple_kernel(distances, r1[:, None], r2[:, None])  # [H, D + 1]
+            return bias_at_entries(per_distance, distance)  # [..., H, N, M]
         distance = distance.unsqueeze(-3).to(r1.dtype)  # [..., 1, N, M]
         return _kerple_kernel(distance, r1.view(-1, 1, 1), r2.view(-1, 1, 1))  # [..., H, N, M]
 

@@ -97,6 +97,33 @@ def test_kerple_values_match_the_paper(variant: str) -> None:
     torch.testing.assert_close(default, want, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("variant", ["log", "power"])
+@pytest.mark.parametrize("spread", [1, 50])
+def test_kerple_bias_and_gradients_at_near_and_far_positions(variant: str, spread: int) -> None:
+    """Explicit positions close together (the kernel once per distance, read per pair)
+    and far apart (more distances than the pairs' queries and keys: the kernel per
+    pair), batched: the bias and the gradients of r1 and r2 equal autograd through the
+    paper's formula in float64."""
+    pe = _module(f"kerple_{variant}")
+    q_pos = torch.stack([Q_POS, Q_POS + 2]) * spread  # [2, N]
+    k_pos = torch.stack([K_POS, K_POS.flip(0)]) * spread  # [2, M]
+    generator = torch.Generator().manual_seed(2)
+    weights = torch.randn(2, 4, 5, 7, generator=generator, dtype=torch.float64)
+    bias = pe.score_bias(q_pos, k_pos)  # [2, H, N, M]
+    got = torch.autograd.grad((bias * weights).sum(), [pe.r1, pe.r2])
+
+    r1, r2 = (t.detach().clone().requires_grad_() for t in (pe.r1, pe.r2))
+    p, a = r1.clamp(min=0.01)[:, None, None], r2.clamp(min=0.01)[:, None, None]
+    if variant == "power":
+        a = a.clamp(max=2.0)
+    distance = (q_pos.double()[:, None, :, None] - k_pos.double()[:, None, None, :]).abs()
+    want = -p * torch.log1p(a * distance) if variant == "log" else -p * distance**a
+    want_grads = torch.autograd.grad((want * weights).sum(), [r1, r2])
+    torch.testing.assert_close(bias, want, rtol=1e-12, atol=1e-12)
+    for grad, want_grad in zip(got, want_grads, strict=True):
+        torch.testing.assert_close(grad, want_grad, rtol=1e-10, atol=1e-12)
+
+
 def test_kerple_initialisation_follows_the_authors_code() -> None:
     pe = generated_class("kerple_log")(heads=64, head_dim=8)
     assert pe.r1.shape == pe.r2.shape == (64,)
