@@ -34,8 +34,8 @@ count's adjoint) times sigmoid' (zero where a key is not counted), and ds = dl p
 that, for dq and dk. No [B, H, N, M] tensor and no graph per chunk is kept.
 
 Before, the terms were a dozen dense [B, H, N, M] tensors through autograd. 2-core CPU,
-float32, N = 2048, batch 2, 8 heads, against plain SDPA in one loop: forward 34x ->
-2.1x (causal 10.8x -> 2.7x), training step 23x -> 2.3x (11x -> 2.5x)
+float32, N = 2048, batch 2, 8 heads, against plain SDPA in one loop: forward 44.1x ->
+2.37x (causal 13.8x -> 2.44x), training step 24.4x -> 2.29x (16.8x -> 2.46x)
 (benchmarks/results/revisions_cpu_float32_counted_positions.md).
 """
 
