@@ -122,26 +122,46 @@ def bias_at_entries(vector: Tensor, entry: Tensor) -> Tensor:
     return torch.gather(vector, 1, flat).view(-1, *entry.shape).movedim(0, -3)
 
 
-#: a bias of |key - query| at explicit positions on these devices is made once per
-#: distance 0 .. D and read per pair (``distance_vector_length``): a host read of D per
-#: call, which a GPU would wait for
+#: a bias of the key minus query position alone, at explicit positions on these
+#: devices, is made once per distance the pairs reach and read per pair
+#: (``distance_vector_range``, ``bias_read_per_distance``): a host read of the distances'
+#: least and largest per call, which a GPU would wait for
 DISTANCE_VECTOR_DEVICES: set[str] = {"cpu"}
-#: ... where D + 1 is at most this many entries per query and key of the call (positions
-#: a step apart reach N + M - 1 distances); positions farther apart compute it per pair
+#: ... where those distances are at most this many per query and key of the call
+#: (positions a step apart reach N + M - 1); positions farther apart compute it per pair
 DISTANCE_VECTOR_PER_POSITION = 4
 
 
-def distance_vector_length(distance: Tensor, n: int, m: int) -> int | None:
-    """1 + the largest of ``distance`` (|key - query| per pair, int64 [..., N, M]) where a
-    bias vector over the distances 0 .. that largest is to be made and read per pair
-    (``bias_at_entries``): eager mode on a device in ``DISTANCE_VECTOR_DEVICES``, at
-    most ``DISTANCE_VECTOR_PER_POSITION`` (n + m) entries; else None."""
+def distance_vector_range(distance: Tensor, n: int, m: int) -> tuple[int, int] | None:
+    """(least, count) of ``distance`` (a distance per pair, int64 [..., N, M]) where a
+    bias vector over the distances least .. least + count - 1 is to be made and read per
+    pair (``bias_at_entries``): eager mode on a device in ``DISTANCE_VECTOR_DEVICES``,
+    at most ``DISTANCE_VECTOR_PER_POSITION`` (n + m) entries; else None."""
     if torch.compiler.is_compiling() or distance.device.type not in DISTANCE_VECTOR_DEVICES:
         return None
     if distance.numel() == 0:
         return None
-    length = int(distance.max()) + 1
-    return length if length <= DISTANCE_VECTOR_PER_POSITION * (n + m) else None
+    least, largest = torch.stack(torch.aminmax(distance)).tolist()  # one host read
+    count = largest - least + 1
+    return (least, count) if count <= DISTANCE_VECTOR_PER_POSITION * (n + m) else None
+
+
+def bias_read_per_distance(
+    bias_of_distances: Callable[[Tensor], Tensor], relative: Tensor, n: int, m: int
+) -> Tensor | None:
+    """A bias of the key minus query position alone at explicit positions, made once per
+    distance and read per pair: ``bias_of_distances`` maps distances int64 [L] to the
+    bias [H, L] (or [1, L] for a bias alike in every head); relative: key minus query
+    position per pair, int64 [..., N, M]. Returns [..., H or 1, N, M], or None where
+    ``distance_vector_range`` declines (the caller then computes the bias per pair).
+    The formula then runs L times per head, not N M times, and its backward reaches
+    the parameters through the L entries."""
+    reach = distance_vector_range(relative, n, m)
+    if reach is None:
+        return None
+    least, count = reach
+    distances = torch.arange(least, least + count, device=relative.device)  # [L]
+    return bias_at_entries(bias_of_distances(distances), relative - least)  # [..., H, N, M]
 
 
 # Devices where the sdpa backend raises a bias's finite entries to at least

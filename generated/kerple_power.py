@@ -33,12 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from ._attention import PositionalAttention
-from ._distances import (
-    bias_at_entries,
-    default_distances,
-    distance_vector_length,
-    expand_distance_bias,
-)
+from ._distances import bias_read_per_distance, default_distances, expand_distance_bias
 from ._flex import flex_positions
 from ._inputs import score_bias_positions
 from ._masks import relative_positions
@@ -104,23 +99,26 @@ class KerplePower(PositionalAttention):
     ) -> Tensor:
         if q_positions is None and k_positions is None:
             return expand_distance_bias(self._distance_bias(n, m, device), n, m)
+        relative = relative_positions(q_positions, k_positions, n, m, device)  # [..., N, M]
+        # the kernel once per distance, read per pair where the distances are few: no log
+        # or power per pair and head, and a backward into the distances' entries
+        by_distance = bias_read_per_distance(self._bias_of_distances, relative, n, m)
+        if by_distance is not None:
+            return by_distance  # [..., H, N, M]
         r1, r2 = self._kernel_parameters(device)
-        distance = relative_positions(q_positions, k_positions, n, m, device).abs()  # [..., N, M]
-        length = distance_vector_length(distance, n, m)
-        if length is not None:
-            # the kernel once per distance, read per pair: no log or power per pair and
-            # head, and a backward into the distances' entries, not the pairs
-            distances = torch.arange(length, device=device).to(r1.dtype)  # [D + 1]
-            per_distance = _kerple_kernel(distances, r1[:, None], r2[:, None])  # [H, D + 1]
-            return bias_at_entries(per_distance, distance)  # [..., H, N, M]
-        distance = distance.unsqueeze(-3).to(r1.dtype)  # [..., 1, N, M]
+        distance = relative.abs().unsqueeze(-3).to(r1.dtype)  # [..., 1, N, M]
         return _kerple_kernel(distance, r1.view(-1, 1, 1), r2.view(-1, 1, 1))  # [..., H, N, M]
 
     def _distance_bias(self, n: int, m: int, device) -> Tensor:
         """The kernel at |r| for r = -(M - 1) .. N - 1: [heads, N + M - 1] (not cached:
         r1 and r2 are trained)."""
-        r1, r2 = self._kernel_parameters(device)
-        distance = default_distances(n, m, device).abs().to(r1.dtype)  # [N + M - 1]
+        return self._bias_of_distances(default_distances(n, m, device))
+
+    def _bias_of_distances(self, relative: Tensor) -> Tensor:
+        """The kernel at |r| for each key minus query position r of ``relative`` (int64
+        [L]): [heads, L]."""
+        r1, r2 = self._kernel_parameters(relative.device)
+        distance = relative.abs().to(r1.dtype)  # [L]
         return _kerple_kernel(distance, r1[:, None], r2[:, None])
 
     def _flex_bias(

@@ -27,8 +27,9 @@ import torch
 from torch import Tensor
 
 from ._attention import PositionalAttention
-from ._distances import default_distances, expand_distance_bias
+from ._distances import bias_read_per_distance, default_distances, expand_distance_bias
 from ._inputs import cache_get, cache_put, positions_or_default, score_bias_positions
+from ._masks import relative_positions
 
 __all__ = ["Sandwich"]
 
@@ -91,6 +92,11 @@ class Sandwich(PositionalAttention):
     ) -> Tensor:
         if q_positions is None and k_positions is None:
             return expand_distance_bias(self._distance_bias(n, m, device), n, m)
+        relative = relative_positions(q_positions, k_positions, n, m, device)  # [..., N, M]
+        # once per distance and read per pair where the distances are few (one head)
+        by_distance = bias_read_per_distance(self._sandwich_of_distances, relative, n, m)
+        if by_distance is not None:  # [..., 1, N, M]
+            return by_distance.expand(*by_distance.shape[:-3], self.heads, n, m)
         q_pos = positions_or_default(q_positions, m - n, n, device)
         k_pos = positions_or_default(k_positions, 0, m, device)
         frequencies = _sandwich_frequencies(device)
@@ -116,11 +122,15 @@ class Sandwich(PositionalAttention):
         key = ("sandwich_bias", n, m, str(device), dtype)
         bias = cache_get(self._cache, key)
         if bias is None:
-            distance = default_distances(n, m, device).to(torch.float64)  # [N + M - 1]
-            angles = distance.unsqueeze(-1) * _sandwich_frequencies(device)
-            vec = angles.cos().sum(-1).to(dtype)  # [N + M - 1]
+            vec = self._sandwich_of_distances(default_distances(n, m, device))  # [1, N + M - 1]
             bias = cache_put(self._cache, key, vec.expand(self.heads, -1))
         return bias
+
+    def _sandwich_of_distances(self, relative: Tensor) -> Tensor:
+        """sum_k cos(r w_k) for each key minus query position r of ``relative`` (int64
+        [L]), angles in float64: [1, L], one row for every head."""
+        angles = relative.to(torch.float64).unsqueeze(-1) * _sandwich_frequencies(relative.device)
+        return angles.cos().sum(-1).to(self._dtype()).unsqueeze(0)  # [1, L]
 
     def _dtype(self) -> torch.dtype:
         """float32, or float64 for a float64 module."""

@@ -132,10 +132,14 @@ def test_kerple_initialisation_follows_the_authors_code() -> None:
     assert float(pe.r1.detach().max()) > 1  # uniform on [0, 2), not [0, 1)
 
 
-def test_sandwich_values_match_the_formula() -> None:
+@pytest.mark.parametrize("spread", [1, 40], ids=["near", "far"])
+def test_sandwich_values_match_the_formula(spread: int) -> None:
+    """Positions close together (the bias once per distance, read per pair) and far
+    apart (per pair), and the defaults."""
     pe = _module("sandwich")
-    want = sandwich_reference(128, _pairs(Q_POS, K_POS), 4)
-    torch.testing.assert_close(pe.score_bias(Q_POS, K_POS), want, rtol=1e-12, atol=1e-10)
+    q_pos, k_pos = Q_POS * spread, K_POS * spread
+    want = sandwich_reference(128, _pairs(q_pos, k_pos), 4)
+    torch.testing.assert_close(pe.score_bias(q_pos, k_pos), want, rtol=1e-12, atol=1e-10)
     q = torch.zeros(1, 4, 5, 8, dtype=torch.float64)
     default = pe.score_terms(q, q)["position_position"]
     want = sandwich_reference(128, _pairs(torch.arange(5), torch.arange(5)), 4)

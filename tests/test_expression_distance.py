@@ -13,11 +13,14 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from posgen.codegen.expr_cost import per_head_pair_work
 from posgen.spec.expr import ExprError, ParamInfo, parse_expr
 from tests.conftest import (
     assert_sdpa_matches_eager,
+    runtime_modules,
     set_runtime,
     spec_variant,
+    spy_calls,
     spy_method,
     spy_query_shapes,
 )
@@ -248,3 +251,72 @@ def test_an_expression_of_the_head_alone_gives_its_distance_vector() -> None:
     want = (0.5 * torch.arange(4, dtype=torch.float64))[:, None].expand(4, 4)
     torch.testing.assert_close(vector, want)
     assert_sdpa_matches_eager(pe, 3, 5, 2, causal=True)
+
+
+@pytest.mark.parametrize(
+    ("expr", "work"),
+    [
+        ("-a * abs(j - i)", 0),  # no head: [N, M] work, shared by the heads
+        ("-a * log1p(abs(j - i))", 0),
+        ("c[h] * h", 0),  # no position
+        ("-c[h] * abs(j - i)", 1),  # ALiBi: one product per head and pair
+        ("-abs(i - j) * h", 1),
+        ("-c[h] * abs(j - i) + 1.0", 2),
+        ("-a * abs(j - i) + c[h] * sin(0.3 * (j - i))", 2),  # the sine is per pair alone
+        ("c[h] * (j - i) ** 2", 1),  # the power reads no head
+        ("(c[h] * (j - i)) ** 2", 5),
+        ("-r1[h] * log1p(r2[h] * abs(i - j))", 6),  # KERPLE: product, log1p, product
+    ],
+)
+def test_per_head_work_per_pair(expr: str, work: int) -> None:
+    parsed = parse_expr(expr, {**PARAMS, "r1": PARAMS["c"], "r2": PARAMS["c"]})
+    assert per_head_pair_work(parsed.tree.body, frozenset({"c", "r1", "r2"})) == work
+
+
+def _kerple_reference(pe: torch.nn.Module, r: torch.Tensor) -> tuple[torch.Tensor, list]:
+    """-r1_h log(1 + r2_h |r|) in float64 with r1 = softplus(raw), r2 = clamp(softplus(raw),
+    0.01, 10), and the leaves its gradients are taken for."""
+    r1, r2 = (t.detach().clone().requires_grad_() for t in (pe.expr_r1, pe.expr_r2))
+    p = F.softplus(r1)[:, None, None]
+    q = F.softplus(r2).clamp(0.01, 10)[:, None, None]
+    return -p * torch.log1p(q * r.abs()), [r1, r2]
+
+
+def _mixed_reference(pe: torch.nn.Module, r: torch.Tensor) -> tuple[torch.Tensor, list]:
+    """-a |r| + c_h sin(0.3 r) in float64, and its leaves."""
+    a, c = (t.detach().clone().requires_grad_() for t in (pe.expr_a, pe.expr_c))
+    return -a * r.abs() + c[:, None, None] * torch.sin(0.3 * r), [a, c]
+
+
+@pytest.mark.parametrize("spread", [1, 40], ids=["near", "far"])
+@pytest.mark.parametrize("case", ["kerple", "mixed"])
+def test_the_bias_and_its_gradients_at_explicit_positions(
+    case: str, spread: int, monkeypatch
+) -> None:
+    """Batched explicit positions close together and far apart: the bias and its
+    parameters' gradients equal autograd through the formula in float64, written
+    independently. KERPLE's expression, with much work per head and pair, is made once
+    per distance and read per pair (``bias_read_per_distance``) where the distances are
+    few (near); the mixed one, whose sine reads no head, is computed per pair."""
+    pe = _expression_module(*(KERPLE_LOG if case == "kerple" else MIXED))(heads=3, head_dim=8)
+    pe = pe.double()
+    leaves = [pe.expr_r1, pe.expr_r2] if case == "kerple" else [pe.expr_a, pe.expr_c]
+    with torch.no_grad():
+        leaves[0].copy_(torch.tensor(0.4) if case == "mixed" else torch.tensor([0.3, -1.0, 2.0]))
+        leaves[1].copy_(torch.tensor([0.7, -1.1, 0.2]))
+    reads = spy_calls(monkeypatch, runtime_modules(pe), "bias_at_entries", lambda v, e: v.shape)
+    q_pos = torch.tensor([[3, 4, 9, 10, 12], [14, 6, 7, 0, 1]]) * spread  # [2, N]
+    k_pos = torch.tensor([[0, 1, 2, 4, 7, 9, 11], [11, 9, 2, 0, 5, 3, 8]]) * spread  # [2, M]
+    weights = torch.randn(2, 3, 5, 7, generator=torch.Generator().manual_seed(3)).double()
+    bias = pe.score_bias(q_pos, k_pos)  # [2, H, N, M]
+    got = torch.autograd.grad((bias * weights).sum(), leaves)
+
+    r = (k_pos[:, None, None, :] - q_pos[:, None, :, None]).double()  # [2, 1, N, M]
+    reference = _kerple_reference if case == "kerple" else _mixed_reference
+    want, want_leaves = reference(pe, r)
+    want_grads = torch.autograd.grad((want * weights).sum(), want_leaves)
+    torch.testing.assert_close(bias, want, rtol=1e-12, atol=1e-12)
+    for grad, want_grad in zip(got, want_grads, strict=True):
+        torch.testing.assert_close(grad, want_grad, rtol=1e-10, atol=1e-12)
+    # near: one entry per distance -14 .. 11; far: 40 times as many, computed per pair
+    assert reads == ([(3, 26)] if case == "kerple" and spread == 1 else [])

@@ -477,6 +477,9 @@ class ExprBiasPlan(Block):
     uses_j: bool
     uses_h: bool
     of_difference: bool = False  # unchanged when i and j shift together: f(0, j - i)
+    # and at explicit positions made once per distance and read per pair, where its
+    # per-head work per pair outweighs the read (``expr_cost``)
+    read_per_distance: bool = False
 
     @property
     def shift_invariant(self) -> bool:

@@ -58,6 +58,7 @@ from posgen.codegen.blocks import (
     UntiedPlan,
     ValueTermPlan,
 )
+from posgen.codegen.expr_cost import DISTANCE_VECTOR_MIN_WORK, per_head_pair_work
 from posgen.codegen.rotation_plan import rotation_plan
 from posgen.describe import (
     TermLine,
@@ -303,6 +304,7 @@ def _inverse_softplus(value: float) -> float:
 def _expr_plan(bias: ExprBias, inside_scale: bool) -> ExprBiasPlan:
     parsed = bias.parsed()
     steps, result = render_steps(parsed)
+    per_head = frozenset(name for name, param in bias.params.items() if param.per_head)
     params = tuple(
         ExprParamPlan(
             name=identifier(name),
@@ -323,6 +325,8 @@ def _expr_plan(bias: ExprBias, inside_scale: bool) -> ExprBiasPlan:
         uses_j=parsed.uses_j,
         uses_h=parsed.uses_h,
         of_difference=parsed.of_difference,
+        read_per_distance=parsed.of_difference
+        and per_head_pair_work(parsed.tree.body, per_head) >= DISTANCE_VECTOR_MIN_WORK,
     )
 
 
