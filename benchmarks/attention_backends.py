@@ -29,6 +29,11 @@ For relative terms read from their projections (BERT, DeBERTa, Transformer-XL) i
 times the flex backend with and without the kernels that read them per score
 (``FUSED_RELATIVE_DEVICES``, ``FUSED_RELATIVE_TRAINED_DEVICES``).
 
+``--compare-distance-vector`` also times, at explicit positions, each bias of j - i that
+is made once per distance the pairs reach and read per pair (KERPLE, Sandwich, an
+expression of j - i) on the sdpa backend with that vector off (``DISTANCE_VECTOR_DEVICES``
+emptied in the module's runtime: the bias per pair), in the same loop.
+
 ``--compare-floor`` also times position biases on the sdpa backend without the floor
 under their entries far below each row's top (``BIAS_FLOOR_DEVICES``).
 
@@ -428,6 +433,17 @@ def device_set(module: ModuleType, name: str, device: torch.device, on: bool) ->
         setattr(module, name, devices)
 
 
+def distance_vector_off(
+    pe: torch.nn.Module, device: torch.device
+) -> contextlib.AbstractContextManager[None]:
+    """The sdpa backend computing ``pe``'s bias of j - i per pair at explicit positions on
+    ``device``, not once per distance (``DISTANCE_VECTOR_DEVICES``), in its runtime: the
+    module's own for a spec built in memory (the runtime inlined), else generated/'s."""
+    module = sys.modules[type(pe).__module__]
+    runtime = module if "DISTANCE_VECTOR_DEVICES" in vars(module) else distances
+    return device_set(runtime, "DISTANCE_VECTOR_DEVICES", device, on=False)
+
+
 def bias_floor_off(device: torch.device) -> contextlib.AbstractContextManager[None]:
     """The sdpa backend giving SDPA its bias as it is on ``device``: no floor under the
     entries far below each row's top (``BIAS_FLOOR_DEVICES``)."""
@@ -551,6 +567,11 @@ def sdpa_switches(
     wanted = [
         (args.compare_clipped and clipped, "sdpa, no clipped path", clipped_path_off),
         (args.compare_parts and pe.has_relative_terms, "sdpa, dense terms", parts_route_off),
+        (
+            args.compare_distance_vector and pe.bias_by_distance,
+            "sdpa, bias of j - i per pair",
+            lambda: distance_vector_off(pe, device),
+        ),
         (
             args.compare_floor and pe.has_position_bias,
             "sdpa, no bias floor",
@@ -927,6 +948,12 @@ def main() -> None:
         "and sdpa without the clipped-relative path (Shaw, BERT relative_key, DeBERTa)",
     )
     parser.add_argument(
+        "--compare-distance-vector",
+        action="store_true",
+        help="also time sdpa with a bias of j - i at explicit positions per pair, not read "
+        "from a vector over the distances (DISTANCE_VECTOR_DEVICES emptied)",
+    )
+    parser.add_argument(
         "--compare-floor",
         action="store_true",
         help="also time sdpa with position biases given as they are (no BIAS_FLOOR)",
@@ -1023,6 +1050,12 @@ def main() -> None:
     parser.add_argument("--tag", default="", help="appended to the result file names")
     add_out_argument(parser)
     args = parser.parse_args()
+    explicit = args.given_positions or args.position_offset is not None or args.restart_positions
+    if args.position_stride != 1 and not explicit:
+        parser.error(
+            "--position-stride: give positions with --given-positions, --position-offset "
+            "or --restart-positions (without them every call takes the defaults)"
+        )
     if args.flush_denormal and not numerics.flush_denormals():
         parser.error("--flush-denormal: denormals are not flushed on every thread")
     args.causal = {"yes": [True], "no": [False], "both": [False, True]}[args.causal]
