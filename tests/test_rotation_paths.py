@@ -167,6 +167,10 @@ def test_rows_in_chunks_give_the_rotation_of_every_row(
     want = _reference(x.double(), cos, sin, half_pairing)
     tolerance = {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 8e-3}[dtype]
     torch.testing.assert_close(got.double(), want, rtol=tolerance, atol=tolerance)
+    # by the negative angles (a backward's), in the same chunks
+    back = runtime.rotate_into(x, cos.to(compute), sin.to(compute), rotary_dim, half_pairing, True)
+    want_back = _reference(x.double(), cos, -sin, half_pairing)
+    torch.testing.assert_close(back.double(), want_back, rtol=tolerance, atol=tolerance)
     monkeypatch.setitem(runtime.ROTATION_CHUNK_BYTES, "cpu", None)  # one chunk
     whole = runtime.rotate_into(x, cos.to(compute), sin.to(compute), rotary_dim, half_pairing)
     assert torch.equal(got, whole)
