@@ -167,13 +167,20 @@ def paired_seconds(
     ratio is steadier than two separate medians. On CUDA each call is timed with CUDA
     events (device time, no host launch gap); on the CPU with the host clock.
     """
+    seconds, base = interleaved_seconds([fn, baseline], device, repeats)
+    return seconds, base
+
+
+def interleaved_seconds(calls: list[Call], device: torch.device, repeats: int) -> list[float]:
+    """Median times of ``calls``, taking turns in every repeat after warm-up (see
+    ``paired_seconds``)."""
     for _ in range(3):
-        fn()
-        baseline()
+        for call in calls:
+            call()
     _sync(device)
-    times: dict[int, list[float]] = {0: [], 1: []}
+    times: dict[int, list[float]] = {index: [] for index in range(len(calls))}
     for _ in range(repeats):
-        for index, call in enumerate((fn, baseline)):
+        for index, call in enumerate(calls):
             if device.type == "cuda":
                 start_event = torch.cuda.Event(enable_timing=True)
                 end_event = torch.cuda.Event(enable_timing=True)
@@ -186,7 +193,7 @@ def paired_seconds(
                 start = time.perf_counter()
                 call()
                 times[index].append(time.perf_counter() - start)
-    return statistics.median(times[0]), statistics.median(times[1])
+    return [statistics.median(times[index]) for index in range(len(calls))]
 
 
 def peak_extra_bytes(fn: Call, device: torch.device) -> int | None:

@@ -17,7 +17,12 @@ input gradients through ``torch.autograd.grad``), and the floor is a copy whose 
 copies the gradient (one read and one write each way). On CUDA posgen's rotation is then
 one fused Triton kernel each way (templates/runtime.py, ``fused_rotation``).
 
+``--before REV`` also times posgen's three modules as generated at that git revision
+(``revisions.generated_at``), the copy, the module at REV and the module now taking
+turns in every repeat; ``--no-peers`` leaves the peers out.
+
     python benchmarks/rotary.py --device cpu --dtype float32
+    python benchmarks/rotary.py --before HEAD --no-peers --shapes 2,16,2048,128
     python benchmarks/rotary.py --device cuda --dtype bfloat16 --compile --backward
 """
 
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -37,9 +43,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from attention_backends import (  # noqa: E402
     add_out_argument,
     describe_device,
+    interleaved_seconds,
     paired_seconds,
     write_results,
 )
+from revisions import generated_at  # noqa: E402
 
 from generated import ENCODINGS  # noqa: E402
 
@@ -164,19 +172,36 @@ def run(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     rows = []
+    before = None
+    if args.before is not None:
+        before = generated_at(args.before, Path(tempfile.mkdtemp(prefix="posgen_rotary_")))
     for batch, heads, length, head_dim in args.shapes:
         q = torch.randn(batch, heads, length, head_dim, device=device, dtype=dtype)
         k = torch.randn(batch, heads, length, head_dim, device=device, dtype=dtype)
         grads = (torch.randn_like(q), torch.randn_like(k)) if args.backward else None
         copy = timed_call(copy_rotation, q, k, grads)
+        shape = str((batch, heads, length, head_dim))
         candidates: dict[str, Callable[[], object]] = {}
         for name in ("rope", "rope_gptj", "rope_partial"):
             pe = ENCODINGS[name](heads=heads, head_dim=head_dim).to(device)
-            candidates[f"posgen {name}"] = timed_call(pe.rotate, q, k, grads)
+            now = timed_call(pe.rotate, q, k, grads)
+            if before is not None:
+                then = before[name](heads=heads, head_dim=head_dim).to(device).rotate
+                then_s, now_s, base = interleaved_seconds(
+                    [timed_call(then, q, k, grads), now, copy], device, args.repeats
+                )
+                for label, seconds in (
+                    (f"posgen {name} at {args.before}", then_s),
+                    (f"posgen {name}", now_s),
+                ):
+                    rows.append(_row(batch, heads, length, head_dim, label, seconds, base))
+                    print(f"{shape:>22} {label:>26} {seconds / base:6.2f}x copy", flush=True)
+            else:
+                candidates[f"posgen {name}"] = now
             if args.compile:
                 compiled = torch.compile(pe.rotate, fullgraph=True)
                 candidates[f"posgen {name}, compiled"] = timed_call(compiled, q, k, grads)
-        for name, rotation in peers(q, args.compile).items():
+        for name, rotation in (peers(q, args.compile) if args.peers else {}).items():
             if name == "liger_kernel":
                 liger_grads = (
                     None if grads is None else (liger_layout(grads[0]), liger_layout(grads[1]))
@@ -187,28 +212,32 @@ def run(args: argparse.Namespace) -> dict:
             else:
                 candidates[name] = timed_call(rotation, q, k, grads)
         for name, call in candidates.items():
-            shape = str((batch, heads, length, head_dim))
             try:
                 seconds, base = paired_seconds(call, copy, device, args.repeats)
             except Exception as error:  # a peer that does not run here is reported, not fatal
                 print(f"{shape:>22} {name:>26} skipped: {type(error).__name__}: {error}")
                 continue
-            rows.append(
-                {
-                    "shape": [batch, heads, length, head_dim],
-                    "candidate": name,
-                    "seconds": seconds,
-                    "copy_seconds": base,
-                    "ratio_to_copy": seconds / base,
-                }
-            )
+            rows.append(_row(batch, heads, length, head_dim, name, seconds, base))
             print(f"{shape:>22} {name:>26} {seconds / base:6.2f}x copy", flush=True)
     return {
         "device": describe_device(device),
         "torch": torch.__version__,
         "dtype": args.dtype,
         "backward": args.backward,
+        "before": args.before,
         "rows": rows,
+    }
+
+
+def _row(
+    batch: int, heads: int, length: int, head_dim: int, name: str, seconds: float, base: float
+) -> dict:
+    return {
+        "shape": [batch, heads, length, head_dim],
+        "candidate": name,
+        "seconds": seconds,
+        "copy_seconds": base,
+        "ratio_to_copy": seconds / base,
     }
 
 
@@ -224,6 +253,15 @@ def markdown(report: dict) -> str:
         f"Ratio of each candidate's median time to {what[1]}, timed alternately in the same "
         f"run ({what[2]} autograd). posgen's `rope_partial` rotates a quarter of each head.",
         "",
+        *(
+            [
+                f"Rows `at {report['before']}` are posgen's modules as generated at that git "
+                "revision, timed in turns with the copy and the modules as they are now.",
+                "",
+            ]
+            if report.get("before")
+            else []
+        ),
         "| shape [B, H, N, D] | candidate | ratio to copy |",
         "|---|---|---|",
     ]
@@ -249,6 +287,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--backward", action="store_true", help="time forward and backward (input gradients)"
+    )
+    parser.add_argument(
+        "--before", default=None, help="also time posgen's modules at this git revision"
+    )
+    parser.add_argument(
+        "--no-peers", dest="peers", action="store_false", help="time posgen's modules only"
     )
     parser.add_argument("--tag", default="", help="appended to the result file names")
     add_out_argument(parser)
