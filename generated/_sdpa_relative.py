@@ -32,6 +32,7 @@ from ._clipped_relative import (
     clipped_relative_attention,
     clipped_relative_serves,
     clipped_span_terms,
+    projected_for_gathers,
     span_terms,
     terms_train,
 )
@@ -542,7 +543,7 @@ class SdpaRelative(SdpaChunks):
             return None
         if not relative_attention_at_positions_serves(factors):
             return None
-        parts = [project_factors(factor) for factor in factors]
+        parts = [projected_for_gathers(factor) for factor in factors]
         out = relative_attention_at_positions(
             q, heads_k, heads_v, parts, clip, spans, q_positions, k_positions, masked, self.scale
         )

@@ -20,6 +20,7 @@ from tests.conftest import (
 )
 
 N, M = 10, 12
+KEY_SIDE = ("bert_relative_key_query", "deberta")  # the encodings with a key-side term
 TOKEN = torch.arange(M)
 GIVEN = {"q_positions": 3 * torch.arange(2, 2 + N), "k_positions": 3 * TOKEN + 1}
 CASES: dict[str, dict[str, Any]] = {
@@ -50,6 +51,7 @@ def test_terms_projected_once_match_eager(
     if per_span:
         set_runtime(monkeypatch, "QUERY_PROJECTION_WHOLE_BYTES", 0, pe)
     spans = spy_calls(monkeypatch, runtime_modules(pe), "terms_at_positions", lambda *args: args[3])
+    by_rows = spy_calls(monkeypatch, runtime_modules(pe), "rows_major_projection", _side)
     generator = torch.Generator().manual_seed(1)
     q = torch.randn(2, 4, N, 8, generator=generator, dtype=torch.float64)
     k, v = (torch.randn(2, 2, M, 8, generator=generator, dtype=torch.float64) for _ in "kv")
@@ -58,6 +60,8 @@ def test_terms_projected_once_match_eager(
         want = pe(q, k, v, backend="eager", **CASES[case])
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
     assert [i1 - i0 for i0, i1, _, _ in spans] == [4, 4, 2]
+    # a key-side term's projection is stored row by row for the gathers
+    assert by_rows == ["key"] * (name in KEY_SIDE)
 
 
 def _distinct_distances(q_positions: torch.Tensor, k_positions: torch.Tensor) -> int:
@@ -141,6 +145,7 @@ def test_trained_terms_at_positions_match_eager(
     calls = spy_calls(
         monkeypatch, runtime_modules(pe), "relative_attention_at_positions", lambda *a: a[5]
     )
+    by_rows = spy_calls(monkeypatch, runtime_modules(pe), "rows_major_projection", _side)
     generator = torch.Generator().manual_seed(1)
     q = torch.randn(2, 4, N, 8, generator=generator, dtype=torch.float64)
     k, v = (torch.randn(2, 2, M, 8, generator=generator, dtype=torch.float64) for _ in "kv")
@@ -159,6 +164,50 @@ def test_trained_terms_at_positions_match_eager(
     # causal with no key-side term, each chunk's own terms serve instead
     one_node = not (name == "bert_relative_key" and TRAINING_CASES[case].get("causal"))
     assert [[i1 - i0 for i0, i1, _, _ in spans] for spans in calls] == [[4, 4, 2]] * one_node
+    assert by_rows == ["key"] * (name in KEY_SIDE)
+
+
+def _side(factor: Any) -> str:
+    """The side of a ``RelativeFactors`` (a ``spy_calls`` record)."""
+    return str(factor.side)
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_key_side_projection_reads_and_trains_alike_in_either_layout(batched: bool) -> None:
+    """``flat_key_side`` reads each pair's entry k_j . R_row alike from a key-side
+    projection stored row by row (``rows_major_projection``: [B, H, K, M] under a
+    [B, H, M, K] view) and key by key, and a gradient added through its flat index
+    lands on the same entries; both against indexing the [B, H, M, K] tensor."""
+    runtime = importlib.import_module("generated._clipped_relative")
+    terms = importlib.import_module("generated._terms")
+    generator = torch.Generator().manual_seed(4)
+    batch, heads, m, rows_count, r = 2, 3, 6, 5, 4
+    x = torch.randn(batch, heads, m, 8, generator=generator, dtype=torch.float64)
+    rows = torch.randn(rows_count, heads, 8, generator=generator, dtype=torch.float64)
+    factor = terms.RelativeFactors("key", x, rows, torch.arange(rows_count), 1.0)
+    by_rows = runtime.rows_major_projection(factor).scores  # [B, H, M, K]
+    by_keys = terms.project_factors(factor).scores
+    assert runtime.rows_major(by_rows) and not runtime.rows_major(by_keys)
+    torch.testing.assert_close(by_rows, by_keys, rtol=1e-12, atol=1e-12)
+    keys = torch.tensor([[1, 2, 4]])  # [1, w]
+    read = torch.randint(0, rows_count, (batch if batched else 1, 1, r, 3), generator=generator)
+    grad = torch.randn(batch, heads, r * 3, generator=generator, dtype=torch.float64)
+    pairs = (  # [B, H, r, w] each: the entry [b, h, key, row] of every pair
+        torch.arange(batch)[:, None, None, None].expand(batch, heads, r, 3),
+        torch.arange(heads)[None, :, None, None].expand(batch, heads, r, 3),
+        keys[None, None].expand(batch, heads, r, 3),
+        read.expand(batch, heads, r, 3),
+    )
+    want_grad = torch.zeros_like(by_keys).index_put_(pairs, grad.view(batch, heads, r, 3), True)
+    for scores in (by_rows, by_keys):
+        flat_scores, flat = runtime.flat_key_side(scores, keys, read)
+        index = flat.expand(batch, heads, -1)
+        got = torch.gather(flat_scores, -1, index).view(batch, heads, r, 3)
+        torch.testing.assert_close(got, scores[pairs], rtol=0, atol=0)
+        got_grad = torch.zeros_like(scores)  # laid out as scores
+        flat_grad, _ = runtime.flat_key_side(got_grad, keys, read)
+        flat_grad.scatter_add_(-1, index, grad)
+        torch.testing.assert_close(got_grad, want_grad, rtol=0, atol=1e-15)
 
 
 def test_softmax_in_place_matches_a_float64_softmax_with_masked_rows() -> None:

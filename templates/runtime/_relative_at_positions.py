@@ -35,7 +35,7 @@ from ._chunked_flash import (
     explicit_span_backward,
     flash_chunks_forward,
 )
-from ._clipped_relative import clipped_entry, gather_buffers, terms_at_positions
+from ._clipped_relative import clipped_entry, flat_key_side, gather_buffers, terms_at_positions
 from ._mask_buffer import ChunkBuffer
 from ._terms import RelativeFactors, RelativePart
 
@@ -138,11 +138,11 @@ class _PositionedParts:
             if side == "query":  # [B, H, N, K]: the span's queries' rows
                 index = read.expand(batch, heads, rows, width)
                 grad[:, :, i0:i1].scatter_add_(-1, index, grad_logits)
-            else:  # "key", [B, H, M, K]: flat index key * K + row
+            else:  # "key", [B, H, M, K] laid out as its projection (``flat_key_side``)
                 keys = torch.arange(lo, hi, device=entry.device)  # [w]
-                flat = (keys * grad.shape[-1] + read).flatten(-2)  # [1 or B, 1, r * w]
+                flat_grad, flat = flat_key_side(grad, keys, read)  # flat: [1 or B, 1, r w]
                 index = flat.expand(batch, heads, rows * width)
-                grad.view(batch, heads, -1).scatter_add_(-1, index, grad_logits.flatten(-2))
+                flat_grad.scatter_add_(-1, index, grad_logits.flatten(-2))
 
 
 class _RelativeAtPositions(torch.autograd.Function):
