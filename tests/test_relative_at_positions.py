@@ -225,3 +225,35 @@ def test_softmax_in_place_matches_a_float64_softmax_with_masked_rows() -> None:
     got = masks.masked_softmax_(logits)
     assert got.data_ptr() == logits.data_ptr()
     torch.testing.assert_close(got, want.nan_to_num(0.0), rtol=1e-12, atol=0.0)
+
+
+def test_softmax_node_in_place_gives_softmaxs_weights_and_gradients() -> None:
+    """``masked_softmax_in_place`` (Shaw's weights through autograd, formed in the fresh
+    logits): the weights and the gradients reaching what the logits were made from
+    equal those of autograd through a float64 softmax with masked rows zeroed, a row
+    that reads no key giving zeros and no NaN."""
+    masks = importlib.import_module("generated._masks")
+    generator = torch.Generator().manual_seed(6)
+    content = (
+        5 * torch.randn(2, 3, 5, 7, generator=generator, dtype=torch.float64)
+    ).requires_grad_()
+    mask = torch.zeros(2, 3, 5, 7, dtype=torch.float64)
+    mask[0, 1, 2] = float("-inf")  # a row that reads no key
+    mask[1, 0, :, :3] = float("-inf")
+    mask = mask.requires_grad_()  # a trained bias
+    cotangent = torch.randn(2, 3, 5, 7, generator=generator, dtype=torch.float64)
+
+    logits = content + mask
+    got = masks.masked_softmax_in_place(logits)
+    assert got.data_ptr() == logits.data_ptr()  # formed in the logits' storage
+    got_grads = torch.autograd.grad((got * cotangent).sum(), [content, mask])
+
+    leaves = [t.detach().clone().requires_grad_() for t in (content, mask)]
+    reference = leaves[0] + leaves[1]
+    dead = torch.isneginf(reference.detach()).all(-1, keepdim=True)
+    want = torch.softmax(reference.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)
+    want_grads = torch.autograd.grad((want * cotangent).sum(), leaves)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0.0)
+    for grad, want_grad in zip(got_grads, want_grads, strict=True):
+        assert not grad.isnan().any()
+        torch.testing.assert_close(grad, want_grad, rtol=1e-12, atol=1e-14)

@@ -9,6 +9,8 @@ chunks in which masked CPU attention visits only the keys a chunk may see.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -27,6 +29,37 @@ def masked_softmax(logits: Tensor) -> Tensor:
     dead = logits.amax(dim=-1, keepdim=True) == float("-inf")  # [..., N, 1]
     weights = torch.softmax(logits.masked_fill(dead, 0.0), dim=-1)
     return weights.masked_fill(dead, 0.0)
+
+
+def masked_softmax_in_place(logits: Tensor) -> Tensor:
+    """``masked_softmax`` of a fresh logits tensor that no one else reads, formed in
+    place in it (``masked_softmax_``) with autograd: one node whose backward is
+    softmax's, w * (g - sum(g w)), zero in a fully masked row (its weights are 0).
+    Through autograd, ``masked_softmax`` takes two full-size masked fills forward and
+    two more backward; in Shaw's training step at positions 2 apart (N = 2048, 8 heads,
+    2-core x86) those took 17 ms of a 256-query chunk's 100 ms each way. Eager mode;
+    elsewhere, and without autograd, ``masked_softmax``."""
+    if torch.compiler.is_compiling() or not (torch.is_grad_enabled() and logits.requires_grad):
+        return masked_softmax(logits)
+    weights: Tensor = _MaskedSoftmaxInPlace.apply(logits)
+    return weights
+
+
+class _MaskedSoftmaxInPlace(torch.autograd.Function):
+    """``masked_softmax_in_place``'s node."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: Tensor) -> Tensor:
+        weights = masked_softmax_(logits)  # logits' storage
+        ctx.mark_dirty(logits)
+        ctx.save_for_backward(weights)
+        return weights
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        (weights,) = ctx.saved_tensors
+        return torch._softmax_backward_data(grad, weights, -1, weights.dtype)
 
 
 def masked_softmax_(logits: Tensor) -> Tensor:

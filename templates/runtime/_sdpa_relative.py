@@ -49,8 +49,8 @@ from ._masks import (
     block_fresh,
     causal_allowed,
     documents_joined,
-    masked_softmax,
     masked_softmax_,
+    masked_softmax_in_place,
     pair_documents,
     query_chunks,
     reachable_query_chunks,
@@ -320,7 +320,7 @@ class SdpaRelative(SdpaChunks):
             # once and apply them to v here as well (an SDPA call on top would double
             # the work: Shaw at N = 512 on the CPU ran 10.6x plain SDPA, eager 6.7x)
             content = torch.matmul(q.to(dtype), k.to(dtype).transpose(-2, -1)) * self.scale
-            weights = masked_softmax(content + mask)  # [B, H, N, M]
+            weights = masked_softmax_in_place(content + mask)  # [B, H, N, M]
             out = torch.matmul(weights, v.to(dtype))
             return (out + self._value_term(weights, q_positions, k_positions)).to(v.dtype)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), scale=self.scale)
