@@ -365,7 +365,7 @@ def _rotate_halves_by_rows(
     x: Tensor, cos: Tensor, sin: Tensor, out: Tensor, rotary_dim: int, rows: int, inverse: bool
 ) -> None:
     """The half pairing of x [..., N, D] in its own dtype (cos's) written into out,
-    ``rows`` rows at a time, as ``_rotate_chunk`` and ``_rotate_rows`` do, with every
+    ``rows`` rows at a time (``_rotate_rows`` gives it one chunk of every row), with every
     operand (x, out, their rotated features and halves, cos, sin's first half) cut into
     row chunks by one split each up front: per chunk only the three passes remain
     (and the copy of whole rows where rotary_dim < D). Against slicing each chunk in
@@ -413,16 +413,10 @@ def _rotate_rows(
     with e^(i theta_k) where x is in cos's dtype (float32/float64) with even strides;
     elsewhere four strided passes.
     """
-    sign = -1 if inverse else 1
-    if half_pairing:
-        half = x.shape[-1] // 2
-        a, b = x.split(half, dim=-1)
-        out_a, out_b = out.split(half, dim=-1)
-        s = sin[..., :half]
-        torch.mul(x, cos, out=out)  # a cos, b cos
-        out_a.addcmul_(b, s, value=-sign)  # a cos - b sin
-        out_b.addcmul_(a, s, value=sign)  # b cos + a sin
+    if half_pairing:  # every row in one chunk
+        _rotate_halves_by_rows(x, cos, sin, out, x.shape[-1], max(x.shape[-2], 1), inverse)
         return
+    sign = -1 if inverse else 1
     pairs = complex_pairs(x) if x.dtype == cos.dtype else None
     out_pairs = complex_pairs(out)
     if pairs is not None and out_pairs is not None:
