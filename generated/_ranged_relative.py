@@ -19,9 +19,17 @@ buffer every chunk reuses, and each pair's term is gathered from there into anot
 Before, each chunk built its terms as the dense path does: the distinct distances by
 sorting its pairs, then each term as an [B, H, r, w] tensor and their sum, every one
 fresh, so glibc mapped and the kernel faulted in each of them per chunk.
+
+A CPU training step of a lone query-side term (Transformer-XL's, with its u . k_j
+joined into q) runs the chunks as one node (``ranged_attention_at_positions``, over
+``attention_at_positions``): each chunk projects its queries over the rows it reads in
+the forward and again in the backward, where dS is laid into that projection at each
+pair's row and from there into x and the rows read. No chunk keeps a graph.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -34,7 +42,8 @@ from ._clipped_relative import (
     gathered_terms,
     span_distances,
 )
-from ._mask_buffer import ChunkBuffer
+from ._mask_buffer import ChunkBuffer, largest_span
+from ._relative_at_positions import SpanMasks, attention_at_positions
 from ._terms import RelativeFactors, RelativePart, project_factors, scaled_factors
 
 #: the factors made once per call read at most this many diagonals per query and key of
@@ -107,14 +116,20 @@ def span_part(
     read = rows.transpose(0, 1).index_select(1, used)  # [H, K', D]
     x = x[:, :, i0:i1] if side == "query" else x[:, :, lo:hi]  # [B, H, r or w, D]
     x, read = scaled_factors(x, read, scale)
+    return RelativePart(side, projected_by_head(x, read, buffer), span_diagonal)
+
+
+def projected_by_head(x: Tensor, read: Tensor, buffer: ChunkBuffer) -> Tensor:
+    """x [B, H, r, D] against the rows ``read`` [H, K', D]: [B, H, r, K'], a view of
+    ``buffer`` laid out head by head ([H, B * r, K']). One matrix product per head over
+    the batch's rows: a broadcast matmul would copy the rows per batch row and its
+    result into the buffer."""
     batch, heads, count, width = x.shape
-    # one matrix product per head over the batch's rows: [H, B * r, D] @ [H, D, K']
-    # (a broadcast matmul copies the table per batch row and its result into ``out``)
-    by_head = x.transpose(0, 1).reshape(heads, batch * count, width)
-    shape = (heads, batch * count, used.shape[0])
+    by_head = x.transpose(0, 1).reshape(heads, batch * count, width)  # [H, B * r, D]
+    shape = (heads, batch * count, read.shape[1])
     into = buffer.view(shape, torch.promote_types(x.dtype, read.dtype), x.device)
     scores = torch.bmm(by_head, read.transpose(-1, -2), out=into)  # [H, B * r, K']
-    return RelativePart(side, scores.unflatten(1, (batch, count)).transpose(0, 1), span_diagonal)
+    return scores.unflatten(1, (batch, count)).transpose(0, 1)
 
 
 def ranged_span_terms(
@@ -151,3 +166,136 @@ def ranged_span_terms(
         return gathered_terms(parts, entry, columns, 0, scratch)
 
     return terms
+
+
+def ranged_attention_serves(factors: list[RelativeFactors]) -> bool:
+    """Whether ``ranged_attention_at_positions`` takes these merged factors: one
+    query-side term (Transformer-XL's (q_i + v) . R) and terms of one value per key
+    (its u . k_j), which join the queries."""
+    sides = [factor.side for factor in factors]
+    return sides.count("query") == 1 and all(side in ("query", "content") for side in sides)
+
+
+def ranged_attention_at_positions(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    factors: list[RelativeFactors],
+    diagonals: tuple[int, int],
+    bounds: list[tuple[int, int]],
+    spans: list[Span],
+    q_positions: Tensor,
+    k_positions: Tensor,
+    masked: SpanMasks,
+    scale: float,
+) -> Tensor:
+    """softmax(scale q kᵀ + terms + masks) v at explicit positions as one autograd node
+    over the spans (``attention_at_positions``), for a CPU training step: each span
+    projects its queries over only the rows its pairs read, in the forward and again in
+    the backward, which lays dS into that projection at the row each pair read and from
+    there into x's rows and the table's rows (``_RangedRows``). Before, each span built
+    its terms through autograd.
+
+    q: [B, H, N, D]; k, v: [B, H, M, D] (heads repeated for GQA); ``factors`` merged,
+    made at the default ``diagonals`` (n', m') of ``ranged_diagonals``, as
+    ``ranged_attention_serves`` takes them; ``bounds``: each span's distances
+    (``span_distance_bounds``) -> [B, H, N, value_dim], differentiable (once) in q, k,
+    v and the factors' tensors."""
+    (query_term,) = [factor for factor in factors if factor.side == "query"]
+    assert query_term.diagonal is not None  # a query-side term reads rows by diagonal
+    for content in (factor for factor in factors if factor.side == "content"):
+        q = q + (content.scale / scale) * content.rows[0][:, None, :]  # [H, 1, D] per head
+    x, rows = scaled_factors(query_term.x, query_term.rows, query_term.scale)
+    positions = (q_positions, k_positions)
+    layout = _RangedRows(query_term.diagonal, 1 - diagonals[1], bounds, positions, masked)
+    return attention_at_positions(q, k, v, spans, layout, scale, [x, rows])
+
+
+class _RangedScratch(NamedTuple):
+    """Buffers a pass over the spans reuses: a span's projection (then its gradient,
+    the terms being gathered by then), [H, B * r, K'], and its gathered terms."""
+
+    projection: ChunkBuffer
+    terms: ChunkBuffer
+
+
+class _RangedRows:
+    """``ranged_attention_at_positions``' terms of a span and their gradient (the
+    ``SpanTerms`` of ``attention_at_positions``), from the inputs x [B, H, N, D] (scaled)
+    and rows [T, H, D]: term_ij = x_i . rows[used[lut[diagonal[j - i - low]]]]."""
+
+    def __init__(
+        self,
+        diagonal: Tensor,
+        low: int,
+        bounds: list[tuple[int, int]],
+        positions: tuple[Tensor, Tensor],
+        masked: SpanMasks,
+    ):
+        self.diagonal, self.low, self.bounds = diagonal, low, bounds
+        self.q_positions, self.k_positions = positions  # [N] or [B, N]; [M] or [B, M]
+        self.masked = masked
+        # the last span's rows read (``used`` [K']) and each pair's row among them
+        # ([1 or B, r, w]), which its gradient goes back through
+        self.read: tuple[Span, Tensor, Tensor] | None = None
+
+    def scratch(self, inputs: tuple[Tensor, ...], spans: list[Span]) -> _RangedScratch:
+        """A projection buffer for the span that reads the most rows and a buffer for
+        the largest span's terms."""
+        x, rows = inputs
+        per_row = x.shape[0] * x.shape[1]
+        widest = max(
+            (i1 - i0) * min(rows.shape[0], greatest - least + 1)
+            for (i0, i1, _, _), (least, greatest) in zip(spans, self.bounds, strict=True)
+        )  # a span's queries times the rows it can read
+        return _RangedScratch(
+            ChunkBuffer(per_row * widest), ChunkBuffer(per_row * largest_span(spans))
+        )
+
+    def terms(self, span: Span, inputs: tuple[Tensor, ...], scratch: _RangedScratch) -> Tensor:
+        """The span's terms with its masks joined: [B, H, r, w] in ``scratch``."""
+        x, rows = inputs
+        i0, i1, lo, hi = span
+        q_at, k_at = self.q_positions[..., i0:i1], self.k_positions[..., lo:hi]
+        entry = span_distances(q_at, k_at, span) - self.low  # [1 or B, r, w]
+        used, lut = span_rows(self.diagonal, entry, rows.shape[0])
+        pair_rows = lut[self.diagonal[entry]]  # [1 or B, r, w]: each pair's row among used
+        read = rows.transpose(0, 1).index_select(1, used)  # [H, K', D]
+        projected = projected_by_head(x[:, :, i0:i1], read, scratch.projection)  # [B, H, r, K']
+        batch, heads, count, width = *projected.shape[:3], hi - lo
+        shape = (batch, heads, count, width)
+        into = scratch.terms.view(shape, projected.dtype, projected.device)
+        index = pair_rows.unsqueeze(1).expand(shape)
+        terms = torch.gather(projected, -1, index, out=into)  # [B, H, r, w]
+        self.read = (span, used, pair_rows)
+        return self.masked(span, terms)
+
+    def add_gradient(
+        self,
+        span: Span,
+        grad_logits: Tensor,
+        inputs: tuple[Tensor, ...],
+        grads: list[Tensor | None],
+        scratch: _RangedScratch,
+    ) -> None:
+        """dS [B, H, r, w] into the span's projection at the row each pair read, then
+        into x's rows of the span's queries and into the rows it read."""
+        assert self.read is not None and self.read[0] == span  # its terms were the last
+        _, used, pair_rows = self.read
+        x, rows = inputs
+        grad_x, grad_rows = grads
+        i0, i1, _, _ = span
+        batch, heads, count, _ = grad_logits.shape
+        shape = (heads, batch * count, used.shape[0])
+        by_head = scratch.projection.view(shape, grad_logits.dtype, grad_logits.device).zero_()
+        grad_projected = by_head.unflatten(1, (batch, count)).transpose(0, 1)  # [B, H, r, K']
+        index = pair_rows.unsqueeze(1).expand(grad_logits.shape)
+        grad_projected.scatter_add_(-1, index, grad_logits)
+        if grad_x is not None:  # [H, B * r, K'] @ [H, K', D], back to [B, H, r, D]
+            read = rows.transpose(0, 1).index_select(1, used)  # [H, K', D]
+            grad_span = torch.bmm(by_head, read.to(by_head.dtype))
+            grad_x[:, :, i0:i1] += grad_span.unflatten(1, (batch, count)).transpose(0, 1)
+        if grad_rows is not None:  # [H, K', B * r] @ [H, B * r, D] -> [H, K', D]
+            x_span = x[:, :, i0:i1].transpose(0, 1).reshape(heads, batch * count, -1)
+            grad_read = torch.bmm(by_head.transpose(1, 2), x_span.to(by_head.dtype))
+            grad_rows.index_add_(0, used, grad_read.transpose(0, 1).to(grad_rows.dtype))

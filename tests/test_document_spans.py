@@ -163,7 +163,8 @@ def test_dense_relative_terms_go_a_chunk_at_a_time_over_its_documents(
     each chunk of 6 queries builds them over its documents' keys only (at most 17 of
     24), forward and backward, and sdpa equals the oracle; a training step with terms
     clipped at a distance at explicit positions does so inside one node over the chunks
-    (``relative_attention_at_positions``)."""
+    (``relative_attention_at_positions``), and Transformer-XL's, read by distance with
+    no clip, in every case (``ranged_attention_at_positions``)."""
     torch.manual_seed(0)
     pe = generated_class(name)(heads=4, head_dim=8).double()
     assert_sdpa_matches_eager(pe, N, M, 2, document_ids=DOCUMENTS, **CASES[case])
@@ -174,14 +175,18 @@ def test_dense_relative_terms_go_a_chunk_at_a_time_over_its_documents(
     node = spy_calls(
         monkeypatch, runtime_modules(pe), "relative_attention_at_positions", lambda *a: a[5]
     )
+    ranged = spy_calls(
+        monkeypatch, runtime_modules(pe), "ranged_attention_at_positions", lambda *a: a[6]
+    )
     q, k, v = (torch.randn(2, 4, N, 8, dtype=torch.float64, requires_grad=True) for _ in "qkv")
     pe(q, k, v, backend="sdpa", document_ids=DOCUMENTS, **CASES[case]).sum().backward()
-    shapes += [(i1 - i0, hi - lo) for spans in node for i0, i1, lo, hi in spans]
-    if case.startswith("explicit") or name == "shaw":
+    shapes += [(i1 - i0, hi - lo) for spans in node + ranged for i0, i1, lo, hi in spans]
+    if case.startswith("explicit") or name in ("shaw", "transformer_xl"):
         assert shapes, "the per-pair terms ran"
     assert bool(node) == (
         case.startswith("explicit") and name in ("bert_relative_key_query", "deberta")
     )
+    assert bool(ranged) == (name == "transformer_xl")
     assert all(rows <= 6 and keys <= 17 for rows, keys in shapes), shapes
 
 
@@ -189,9 +194,9 @@ def test_dense_relative_terms_go_a_chunk_at_a_time_over_its_documents(
 def test_a_causal_training_step_of_query_side_terms_goes_per_chunk_with_documents(
     monkeypatch,
 ) -> None:
-    """Transformer-XL's causal training step builds each chunk's terms at its own
+    """BERT relative_key's causal training step builds each chunk's terms at its own
     positions (``relative_parts_serve``): with documents too, over its documents' keys."""
-    pe = generated_class("transformer_xl")(heads=4, head_dim=8).double()
+    pe = generated_class("bert_relative_key")(heads=4, head_dim=8).double()
     shapes = spy_method(
         monkeypatch, type(pe), "_relative_terms", lambda q, k, *_, **__: (q.shape[2], k.shape[2])
     )

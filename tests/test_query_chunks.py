@@ -86,6 +86,12 @@ def test_query_chunks_match_eager_with_gradients(
         key_counts.extend(hi - lo for _, _, lo, hi in spans)
         return original_positioned(q, k, v, parts, clip, spans, *args)
 
+    original_ranged = relative.ranged_attention_at_positions
+
+    def spy_ranged(q, k, v, factors, diagonals, bounds, spans, *args):  # unclipped terms
+        key_counts.extend(hi - lo for _, _, lo, hi in spans)
+        return original_ranged(q, k, v, factors, diagonals, bounds, spans, *args)
+
     original_counted = relative.counted_position_attention
 
     def spy_counted(q, k, v, table, counted_chunks):  # the same, CoPE's counted terms
@@ -99,6 +105,7 @@ def test_query_chunks_match_eager_with_gradients(
     monkeypatch.setattr(chunks, "chunked_flash_attention", spy_flash)
     monkeypatch.setattr(chunks, "recomputed_mask_attention", spy_recomputed)
     monkeypatch.setattr(relative, "relative_attention_at_positions", spy_positioned)
+    monkeypatch.setattr(relative, "ranged_attention_at_positions", spy_ranged)
     monkeypatch.setattr(relative, "counted_position_attention", spy_counted)
     assert_sdpa_matches_eager(pe, n, m, kv_heads, causal=causal, window=window)
     if pe.has_value_term:

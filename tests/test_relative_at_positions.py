@@ -167,6 +167,63 @@ def test_trained_terms_at_positions_match_eager(
     assert by_rows == ["key"] * (name in KEY_SIDE)
 
 
+@pytest.mark.parametrize("case", sorted(TRAINING_CASES))
+def test_trained_ranged_terms_match_eager(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Transformer-XL training step (rows read by distance with no clip), chunks of 4
+    queries, as one node over the chunks (``ranged_attention_at_positions``), each
+    projecting its queries over the rows its pairs read in the forward and again in the
+    backward: the output and the gradients of q, k, v and every parameter (W_R, u, v)
+    equal the eager oracle's (float64)."""
+    pe = small_clip_module("transformer_xl")
+    set_runtime(monkeypatch, "SDPA_QUERY_CHUNK", {"cpu": 4}, pe)
+    calls = spy_calls(
+        monkeypatch, runtime_modules(pe), "ranged_attention_at_positions", lambda *a: a[6]
+    )
+    generator = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, N, 8, generator=generator, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, M, 8, generator=generator, dtype=torch.float64) for _ in "kv")
+    weights = torch.randn(2, 4, N, 8, generator=generator, dtype=torch.float64)
+    grads = {}
+    for backend in ("sdpa", "eager"):
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        pe.zero_grad()
+        out = pe(*inputs, backend=backend, **TRAINING_CASES[case])
+        (out * weights).sum().backward()
+        grads[backend] = [out, *(t.grad for t in inputs)]
+        grads[backend] += [p.grad.clone() for p in pe.parameters() if p.grad is not None]
+    assert len(grads["sdpa"]) == len(grads["eager"]) == 7  # W_R, u and v trained
+    for got, want in zip(grads["sdpa"], grads["eager"], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
+    assert [[i1 - i0 for i0, i1, _, _ in spans] for spans in calls] == [[4, 4, 2]]
+
+
+def test_trained_ranged_terms_far_apart_positions_stay_per_chunk(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A training step at positions whose distances pass
+    ``RANGED_DIAGONALS_PER_POSITION`` per query and key: no node over that range; each
+    chunk builds its terms through autograd, and the gradients agree with the eager
+    oracle's."""
+    pe = small_clip_module("transformer_xl")
+    set_runtime(monkeypatch, "SDPA_QUERY_CHUNK", {"cpu": 4}, pe)
+    calls = spy_calls(monkeypatch, runtime_modules(pe), "attention_at_positions", lambda *a: 1)
+    generator = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 4, N, 8, generator=generator, dtype=torch.float64)
+    k, v = (torch.randn(1, 4, M, 8, generator=generator, dtype=torch.float64) for _ in "kv")
+    given = {"q_positions": 50 * torch.arange(N), "k_positions": 50 * TOKEN + 7}
+    grads = {}
+    for backend in ("sdpa", "eager"):
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        pe.zero_grad()
+        out = pe(*inputs, backend=backend, **given)
+        out.square().sum().backward()
+        grads[backend] = [out, *(t.grad for t in inputs)]
+        grads[backend] += [p.grad.clone() for p in pe.parameters() if p.grad is not None]
+    for got, want in zip(grads["sdpa"], grads["eager"], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
+    assert calls == []
+
+
 def _side(factor: Any) -> str:
     """The side of a ``RelativeFactors`` (a ``spy_calls`` record)."""
     return str(factor.side)

@@ -1,5 +1,10 @@
-"""A CPU training step with relative terms clipped at a distance, at any positions, as one
-autograd node over the query chunks.
+"""A CPU training step with relative terms at any positions, as one autograd node over the
+query chunks (``attention_at_positions``): the forward makes each chunk's terms from the
+node's inputs (a ``SpanTerms`` layout), joins its masks and runs the CPU flash kernel;
+the backward makes them again, forms dS (``explicit_flash_backward``) and lets the
+layout route it into the inputs' gradients. This module's layout is for terms clipped
+at a distance (``relative_attention_at_positions``); ``_ranged_relative`` has one for
+terms read by distance with no clip.
 
 Where the terms are clipped at K (``relative_clip``: Shaw et al. 2018's clip, BERT's
 relative_key and relative_key_query, Huang et al. 2020, DeBERTa's log buckets, He et al.
@@ -24,7 +29,7 @@ gradient.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -66,8 +71,49 @@ def relative_attention_at_positions(
     q, k, v and the parts' projections.
     """
     layout = _PositionedParts(parts, clip, q_positions, k_positions, masked)
-    scores = [part.scores for part in parts]
-    out: Tensor = _RelativeAtPositions.apply(q, k, v, spans, layout, scale, *scores)
+    return attention_at_positions(q, k, v, spans, layout, scale, [part.scores for part in parts])
+
+
+class SpanTerms(Protocol):
+    """How ``attention_at_positions`` makes a span's terms from its differentiable
+    ``inputs`` (the tensors the terms are made of) and routes dS back into them."""
+
+    def scratch(self, inputs: tuple[Tensor, ...], spans: list[Span]) -> Any:
+        """Buffers that the spans of one pass (forward or backward) reuse."""
+        ...
+
+    def terms(self, span: Span, inputs: tuple[Tensor, ...], scratch: Any) -> Tensor:
+        """The span's (i0, i1, lo, hi) terms with its masks joined: [B or 1, H, r, w],
+        valid until the next span's."""
+        ...
+
+    def add_gradient(
+        self,
+        span: Span,
+        grad_logits: Tensor,
+        inputs: tuple[Tensor, ...],
+        grads: list[Tensor | None],
+        scratch: Any,
+    ) -> None:
+        """dS of the span [B, H, r, w], whose terms were the last made, added into
+        ``grads`` (one per input, None where that input needs none)."""
+        ...
+
+
+def attention_at_positions(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    spans: list[Span],
+    layout: SpanTerms,
+    scale: float,
+    inputs: list[Tensor],
+) -> Tensor:
+    """softmax(scale q kᵀ + terms) v span by span as one autograd node, each span's
+    terms made by ``layout`` from ``inputs`` in the forward and again in the backward
+    (see the module docstring): [B, H, N, value_dim], differentiable (once) in q, k, v
+    and ``inputs``. q: [B, H, N, D]; k, v: [B, H, M, D] (heads repeated for GQA)."""
+    out: Tensor = _AttentionAtPositions.apply(q, k, v, spans, layout, scale, *inputs)
     return out
 
 
@@ -108,22 +154,29 @@ class _PositionedParts:
         return clipped_entry(q_at, k_at, span, self.clip)
 
     def scratch(
-        self, scores: tuple[Tensor, ...], spans: list[Span]
+        self, inputs: tuple[Tensor, ...], spans: list[Span]
     ) -> tuple[ChunkBuffer, ChunkBuffer]:
         """Buffers for a span's gathered terms ([B, H, r, w] each) that the spans reuse."""
-        return gather_buffers(scores[0].shape[0], scores[0].shape[1], spans)
+        return gather_buffers(inputs[0].shape[0], inputs[0].shape[1], spans)
 
     def terms(
-        self, span: Span, scores: tuple[Tensor, ...], scratch: tuple[ChunkBuffer, ChunkBuffer]
+        self, span: Span, inputs: tuple[Tensor, ...], scratch: tuple[ChunkBuffer, ChunkBuffer]
     ) -> Tensor:
         """The span's terms with its masks joined: [B or 1, H, r, w], in ``scratch``
         (valid until the next span's)."""
         i0, i1, lo, hi = span
         q_at, k_at = self.q_positions[..., i0:i1], self.k_positions[..., lo:hi]
-        terms = terms_at_positions(self.parts(scores), q_at, k_at, span, self.clip, False, scratch)
+        terms = terms_at_positions(self.parts(inputs), q_at, k_at, span, self.clip, False, scratch)
         return self.masked(span, terms)
 
-    def add_gradient(self, span: Span, grad_logits: Tensor, grads: list[Tensor | None]) -> None:
+    def add_gradient(
+        self,
+        span: Span,
+        grad_logits: Tensor,
+        inputs: tuple[Tensor, ...],
+        grads: list[Tensor | None],
+        scratch: Any,
+    ) -> None:
         """dS of the span [B, H, r, w] added into each projection's gradient (``grads``,
         [B, H, N or M, K] each, None where that part needs none) at the rows its pairs
         read."""
@@ -145,9 +198,8 @@ class _PositionedParts:
                 flat_grad.scatter_add_(-1, index, grad_logits.flatten(-2))
 
 
-class _RelativeAtPositions(torch.autograd.Function):
-    """``relative_attention_at_positions`` as one autograd node (see the module
-    docstring)."""
+class _AttentionAtPositions(torch.autograd.Function):
+    """``attention_at_positions`` as one autograd node (see the module docstring)."""
 
     @staticmethod
     def forward(
@@ -156,36 +208,37 @@ class _RelativeAtPositions(torch.autograd.Function):
         k: Tensor,
         v: Tensor,
         spans: list[Span],
-        layout: _PositionedParts,
+        layout: SpanTerms,
         scale: float,
-        *scores: Tensor,
+        *inputs: Tensor,
     ) -> Tensor:
-        scratch = layout.scratch(scores, spans)
+        scratch = layout.scratch(inputs, spans)
 
         def terms_of(i0: int, i1: int, lo: int, hi: int) -> Tensor:  # [B or 1, H, r, w]
-            return layout.terms((i0, i1, lo, hi), scores, scratch)
+            return layout.terms((i0, i1, lo, hi), inputs, scratch)
 
         out, lse = flash_chunks_forward(q, k, v, spans, terms_of, scale, False)
-        ctx.save_for_backward(q, k, v, out, lse, *scores)
+        ctx.save_for_backward(q, k, v, out, lse, *inputs)
         ctx.spans, ctx.layout, ctx.scale = spans, layout, scale
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        q, k, v, out, lse, *scores = ctx.saved_tensors
-        layout: _PositionedParts = ctx.layout
+        q, k, v, out, lse, *saved = ctx.saved_tensors
+        inputs = tuple(saved)
+        layout: SpanTerms = ctx.layout
         qkv_grads = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         trained = ctx.needs_input_grad[6:]
         grads = [
-            torch.zeros_like(t) if needs else None for t, needs in zip(scores, trained, strict=True)
+            torch.zeros_like(t) if needs else None for t, needs in zip(inputs, trained, strict=True)
         ]
-        scratch = layout.scratch(tuple(scores), ctx.spans)
+        scratch = layout.scratch(inputs, ctx.spans)
         weights_scratch = explicit_backward_scratch(q, ctx.spans)  # P and dP of a span
         for span in ctx.spans:
-            terms = layout.terms(span, tuple(scores), scratch).to(q.dtype)
+            terms = layout.terms(span, inputs, scratch).to(q.dtype)
             grad_logits = explicit_span_backward(
                 grad_out, q, k, v, out, lse, span, terms, ctx.scale, qkv_grads, weights_scratch
             )  # dS [B, H, r, w]
-            layout.add_gradient(span, grad_logits, grads)
+            layout.add_gradient(span, grad_logits, inputs, grads, scratch)
         return *qkv_grads, None, None, None, *grads
