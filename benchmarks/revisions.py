@@ -131,6 +131,11 @@ def run(args: argparse.Namespace) -> dict:
                         if args.position_stride is not None:  # increasing, as is the mask
                             keys = args.position_stride * torch.arange(length) + 5
                             given = {"q_positions": keys[length - queries :], "k_positions": keys}
+                        if args.window is not None:
+                            given["window"] = args.window
+                        if args.documents is not None:  # equal lengths, ids 0 .. D - 1
+                            per_document = -(-length // args.documents)
+                            given["document_ids"] = torch.arange(length) // per_document
                         with torch.no_grad():
                             torch.testing.assert_close(
                                 now(q, k, v, causal=causal, backend="sdpa", **given),
@@ -162,7 +167,14 @@ def run(args: argparse.Namespace) -> dict:
                                 flush=True,
                             )
     header = report_header(args, device)
-    return {**header, "before": args.before, "position_stride": args.position_stride, "rows": rows}
+    return {
+        **header,
+        "before": args.before,
+        "position_stride": args.position_stride,
+        "window": args.window,
+        "documents": args.documents,
+        "rows": rows,
+    }
 
 
 def markdown(report: dict) -> str:
@@ -178,6 +190,21 @@ def markdown(report: dict) -> str:
             f" Positions given explicitly: key j at {report['position_stride']} j + 5, the "
             "queries at the last keys' positions."
             if report.get("position_stride") is not None
+            else ""
+        )
+        + (
+            f" The modules with a sliding window of {report['window']}."
+            if report.get("window") is not None
+            else ""
+        )
+        + (
+            f" The modules with {report['documents']} packed documents of equal length."
+            if report.get("documents") is not None
+            else ""
+        )
+        + (
+            " The baseline has no window and no documents."
+            if report.get("window") is not None or report.get("documents") is not None
             else ""
         ),
         "",
@@ -220,6 +247,13 @@ def main() -> None:
         type=int,
         default=None,
         help="give positions explicitly, keys S j + 5 (no shift of the defaults where S > 1)",
+    )
+    parser.add_argument("--window", type=int, default=None, help="every module call with window=W")
+    parser.add_argument(
+        "--documents",
+        type=int,
+        default=None,
+        help="every module call with D packed documents of equal length (document_ids)",
     )
     parser.add_argument("--tag", default="", help="appended to the result file names")
     add_out_argument(parser)

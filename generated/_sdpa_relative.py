@@ -198,7 +198,12 @@ class SdpaRelative(SdpaChunks):
         and no value-side term, a lone query-side term as a strided view of each
         chunk's projection (``skewed_relative_attention``), else each query chunk's
         terms gathered from their projections over the table rows
-        (``_sdpa_relative_parts``); a few queries read theirs from the factors
+        (``_sdpa_relative_parts``), but for terms read by distance with no clip under a
+        window or documents, which go per chunk (Transformer-XL, 2-core CPU, float32,
+        N = 2048, batch 2, 8 heads, against plain SDPA: a window of 256, forward 4.96x
+        -> 1.79x, training step 10.9x -> 1.29x; 4 documents, 4.32x -> 1.35x and 12.0x
+        -> 1.12x; benchmarks/results/revisions_cpu_float32_unclipped_chunks_*.md); a
+        few queries read theirs from the factors
         (``few_query_inputs``). Otherwise the dense terms, with the queries in chunks
         (``reachable_query_chunks``) wherever positions are given, masks apply or
         documents are packed: each chunk at the positions of its queries and of the
@@ -265,7 +270,10 @@ class SdpaRelative(SdpaChunks):
                     q, heads_k, heads_v, factors, spans, self.scale, causal
                 )
                 return out.to(v.dtype)
-            if factors and relative_parts_serve(factors, causal):
+            # terms read by distance with no clip would be projected over all N + M - 1
+            # diagonals; under a window or documents each chunk projects only its own
+            per_chunk = clipped is None and not plain and not torch.compiler.is_compiling()
+            if factors and relative_parts_serve(factors, causal) and not per_chunk:
                 return self._sdpa_relative_parts(
                     q, k, heads_k, v, factors, causal, window, document_ids
                 )

@@ -17,6 +17,7 @@ from tests.conftest import (
     set_runtime,
     small_clip_module,
     spy_calls,
+    spy_method,
 )
 
 N, M = 10, 12
@@ -222,6 +223,46 @@ def test_trained_ranged_terms_far_apart_positions_stay_per_chunk(
     for got, want in zip(grads["sdpa"], grads["eager"], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
     assert calls == []
+
+
+@pytest.mark.parametrize("train", [False, True])
+@pytest.mark.parametrize(
+    "given", [{"window": 3}, {"document_ids": (TOKEN >= 5).long()}], ids=["window", "documents"]
+)
+def test_unclipped_terms_under_a_window_or_documents_go_per_chunk(
+    given: dict[str, Any], train: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Transformer-XL at default positions (no clip: the parts would project every
+    query over all N + M - 1 diagonals) under a window or documents, not causal: each
+    chunk of 4 queries projects its own rows, from factors made once per call without
+    autograd (``ranged_span_terms``) or in one node when training
+    (``ranged_attention_at_positions``), never through ``_sdpa_relative_parts``; the
+    output and gradients equal the eager oracle's (float64)."""
+    pe = small_clip_module("transformer_xl")
+    set_runtime(monkeypatch, "SDPA_QUERY_CHUNK", {"cpu": 4}, pe)
+    set_runtime(monkeypatch, "FEW_QUERY_RELATIVE_MAX_QUERIES", 2, pe)  # 12 are not few
+    parts = spy_method(monkeypatch, type(pe), "_sdpa_relative_parts", lambda *a, **k: 1)
+    ranged = spy_calls(monkeypatch, runtime_modules(pe), "ranged_span_terms", lambda *a: 1)
+    node = spy_calls(
+        monkeypatch, runtime_modules(pe), "ranged_attention_at_positions", lambda *a: 1
+    )
+    generator = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, M, 8, generator=generator, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, M, 8, generator=generator, dtype=torch.float64) for _ in "kv")
+    results = {}
+    for backend in ("sdpa", "eager"):
+        inputs = [t.clone().requires_grad_(train) for t in (q, k, v)]
+        pe.zero_grad()
+        with torch.set_grad_enabled(train):
+            out = pe(*inputs, backend=backend, **given)
+        results[backend] = [out]
+        if train:
+            out.square().sum().backward()
+            results[backend] += [t.grad for t in inputs]
+            results[backend] += [p.grad.clone() for p in pe.parameters() if p.grad is not None]
+    for got, want in zip(results["sdpa"], results["eager"], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
+    assert (parts, ranged, node) == ([], [1] * (not train), [1] * train)
 
 
 def _side(factor: Any) -> str:
