@@ -265,6 +265,46 @@ def test_unclipped_terms_under_a_window_or_documents_go_per_chunk(
     assert (parts, ranged, node) == ([], [1] * (not train), [1] * train)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(
+    "given", [{"window": 3}, {"document_ids": (TOKEN >= 5).long()}], ids=["window", "documents"]
+)
+@pytest.mark.parametrize("name", ["bert_relative_key", "bert_relative_key_query", "deberta"])
+def test_clipped_terms_train_per_chunk_under_a_window_or_documents_unless_causal(
+    name: str, given: dict[str, Any], causal: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A training step with clipped terms at default positions under a window or
+    documents: not causal, its chunks of 4 queries run as one node
+    (``relative_attention_at_positions``) rather than gathering their terms from
+    projections of every query through autograd (``_sdpa_relative_parts``); causal,
+    not as that node. The output and gradients equal the eager oracle's (float64)."""
+    pe = small_clip_module(name)
+    set_runtime(monkeypatch, "SDPA_QUERY_CHUNK", {"cpu": 4}, pe)
+    set_runtime(monkeypatch, "FEW_QUERY_RELATIVE_MAX_QUERIES", 2, pe)  # 12 are not few
+    parts = spy_method(monkeypatch, type(pe), "_sdpa_relative_parts", lambda *a, **k: 1)
+    node = spy_calls(
+        monkeypatch, runtime_modules(pe), "relative_attention_at_positions", lambda *a: 1
+    )
+    generator = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, M, 8, generator=generator, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, M, 8, generator=generator, dtype=torch.float64) for _ in "kv")
+    results = {}
+    for backend in ("sdpa", "eager"):
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        pe.zero_grad()
+        out = pe(*inputs, backend=backend, causal=causal, **given)
+        out.square().sum().backward()
+        results[backend] = [out, *(t.grad for t in inputs)]
+        results[backend] += [p.grad.clone() for p in pe.parameters() if p.grad is not None]
+    for got, want in zip(results["sdpa"], results["eager"], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
+    assert node == [1] * (not causal)
+    if causal:  # the parts; BERT relative_key (no key-side term): each chunk's own terms
+        assert parts == [1] * (name != "bert_relative_key")
+    else:
+        assert parts == []
+
+
 def _side(factor: Any) -> str:
     """The side of a ``RelativeFactors`` (a ``spy_calls`` record)."""
     return str(factor.side)

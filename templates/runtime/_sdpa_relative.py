@@ -200,8 +200,13 @@ class SdpaRelative(SdpaChunks):
         window or documents, which go per chunk (Transformer-XL, 2-core CPU, float32,
         N = 2048, batch 2, 8 heads, against plain SDPA: a window of 256, forward 4.96x
         -> 1.79x, training step 10.9x -> 1.29x; 4 documents, 4.32x -> 1.35x and 12.0x
-        -> 1.12x; benchmarks/results/revisions_cpu_float32_unclipped_chunks_*.md); a
-        few queries read theirs from the factors
+        -> 1.12x; benchmarks/results/revisions_cpu_float32_unclipped_chunks_*.md), and
+        for a training step under a window or documents without a causal mask, whose
+        chunks then run as one node (``_trained_terms_at_positions``; BERT
+        relative_key_query 5.57x -> 2.72x with a window of 256, 5.21x -> 2.33x with 4
+        documents, DeBERTa 3.48x -> 2.10x and 2.84x -> 1.63x,
+        ``…_clipped_chunks_*.md``; causal, DeBERTa lost in a scratch run); a few
+        queries read theirs from the factors
         (``few_query_inputs``). Otherwise the dense terms, with the queries in chunks
         (``reachable_query_chunks``) wherever positions are given, masks apply or
         documents are packed: each chunk at the positions of its queries and of the
@@ -268,9 +273,14 @@ class SdpaRelative(SdpaChunks):
                     q, heads_k, heads_v, factors, spans, self.scale, causal
                 )
                 return out.to(v.dtype)
-            # terms read by distance with no clip would be projected over all N + M - 1
-            # diagonals; under a window or documents each chunk projects only its own
-            per_chunk = clipped is None and not plain and not torch.compiler.is_compiling()
+            # under a window or documents: terms read by distance with no clip would be
+            # projected over all N + M - 1 diagonals, where each chunk projects only its
+            # own; a training step without a causal mask runs its chunks as one node
+            per_chunk = (
+                not plain
+                and not torch.compiler.is_compiling()
+                and (clipped is None or (self._trains_step(q, k, v) and not causal))
+            )
             if factors and relative_parts_serve(factors, causal) and not per_chunk:
                 return self._sdpa_relative_parts(
                     q, k, heads_k, v, factors, causal, window, document_ids
