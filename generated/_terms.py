@@ -135,6 +135,28 @@ def merged_factors(factors: list[RelativeFactors]) -> list[RelativeFactors]:
     return merged
 
 
+def lone_query_term(factors: list[RelativeFactors]) -> bool:
+    """Whether merged ``factors`` are one query-side term (Transformer-XL's (q_i + v) .
+    W_R R_(i-j)) and terms of one value per key (its u . k_j), which can join q."""
+    sides = [factor.side for factor in factors]
+    return sides.count("query") == 1 and all(side in ("query", "content") for side in sides)
+
+
+def joined_query_term(
+    q: Tensor, factors: list[RelativeFactors], scale: float
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """For ``lone_query_term`` factors: q with each term of one value per key joined
+    into it (s q . k + s' u . k = s (q + u s' / s) . k), and the query-side term's x
+    [B, H, N, D] and rows [K, H, D] with its scale on one of them (``scaled_factors``)
+    and its diagonals' rows [T]: (q, x, rows, diagonal)."""
+    (query_term,) = [factor for factor in factors if factor.side == "query"]
+    assert query_term.diagonal is not None  # a query-side term reads rows by diagonal
+    for content in (factor for factor in factors if factor.side == "content"):
+        q = q + (content.scale / scale) * content.rows[0][:, None, :]  # [H, 1, D] per head
+    x, rows = scaled_factors(query_term.x, query_term.rows, query_term.scale)
+    return q, x, rows, query_term.diagonal
+
+
 class AttentionTerms(nn.Module):
     """The flags, hooks and term-by-term logits of an encoding (see the module
     docstring); ``PositionalAttention`` adds the backends and ``forward``."""

@@ -42,7 +42,13 @@ from ._clipped_relative import (
 )
 from ._mask_buffer import ChunkBuffer, largest_span
 from ._relative_at_positions import SpanMasks, attention_at_positions
-from ._terms import RelativeFactors, RelativePart, project_factors, scaled_factors
+from ._terms import (
+    RelativeFactors,
+    RelativePart,
+    joined_query_term,
+    project_factors,
+    scaled_factors,
+)
 
 #: the factors made once per call read at most this many diagonals per query and key of
 #: the call (positions a step apart reach N + M - 1, two steps apart about twice that);
@@ -166,14 +172,6 @@ def ranged_span_terms(
     return terms
 
 
-def ranged_attention_serves(factors: list[RelativeFactors]) -> bool:
-    """Whether ``ranged_attention_at_positions`` takes these merged factors: one
-    query-side term (Transformer-XL's (q_i + v) . R) and terms of one value per key
-    (its u . k_j), which join the queries."""
-    sides = [factor.side for factor in factors]
-    return sides.count("query") == 1 and all(side in ("query", "content") for side in sides)
-
-
 def ranged_attention_at_positions(
     q: Tensor,
     k: Tensor,
@@ -196,16 +194,12 @@ def ranged_attention_at_positions(
 
     q: [B, H, N, D]; k, v: [B, H, M, D] (heads repeated for GQA); ``factors`` merged,
     made at the default ``diagonals`` (n', m') of ``ranged_diagonals``, as
-    ``ranged_attention_serves`` takes them; ``bounds``: each span's distances
+    ``lone_query_term`` takes them; ``bounds``: each span's distances
     (``span_distance_bounds``) -> [B, H, N, value_dim], differentiable (once) in q, k,
     v and the factors' tensors."""
-    (query_term,) = [factor for factor in factors if factor.side == "query"]
-    assert query_term.diagonal is not None  # a query-side term reads rows by diagonal
-    for content in (factor for factor in factors if factor.side == "content"):
-        q = q + (content.scale / scale) * content.rows[0][:, None, :]  # [H, 1, D] per head
-    x, rows = scaled_factors(query_term.x, query_term.rows, query_term.scale)
+    q, x, rows, diagonal = joined_query_term(q, factors, scale)
     positions = (q_positions, k_positions)
-    layout = _RangedRows(query_term.diagonal, 1 - diagonals[1], bounds, positions, masked)
+    layout = _RangedRows(diagonal, 1 - diagonals[1], bounds, positions, masked)
     return attention_at_positions(q, k, v, spans, layout, scale, [x, rows])
 
 

@@ -61,7 +61,6 @@ from ._masks import (
 from ._numerics import compute_dtype
 from ._ranged_relative import (
     ranged_attention_at_positions,
-    ranged_attention_serves,
     ranged_diagonals,
     ranged_span_terms,
     span_distance_bounds,
@@ -75,6 +74,7 @@ from ._sdpa_chunks import SdpaChunks
 from ._skewed_relative import skewed_relative_attention, skewed_relative_serves
 from ._terms import (
     RelativeFactors,
+    lone_query_term,
     merged_factors,
     project_factors,
 )
@@ -594,7 +594,7 @@ class SdpaRelative(SdpaChunks):
         node over the spans, each projecting its queries over the rows its pairs read
         (``ranged_attention_at_positions``), where the spans reach few enough distances
         (``ranged_diagonals``) and the terms are one query-side term and terms of one
-        value per key (``ranged_attention_serves``); else None. heads_k, heads_v: k and
+        value per key (``lone_query_term``); else None. heads_k, heads_v: k and
         v with q's heads. Before, each span built its terms at its positions through
         autograd: Transformer-XL's training step at positions 2 apart ran 7.8x plain
         SDPA's (2-core CPU, float32, N = 2048, batch 2, 8 heads)."""
@@ -606,7 +606,7 @@ class SdpaRelative(SdpaChunks):
         if not factors:
             return None
         factors = merged_factors(factors)
-        if not ranged_attention_serves(factors):
+        if not lone_query_term(factors):
             return None
         out = ranged_attention_at_positions(
             q,

@@ -30,7 +30,7 @@ from ._chunked_flash import (
     explicit_span_backward,
 )
 from ._mask_buffer import ChunkBuffer
-from ._terms import RelativeFactors, scaled_factors
+from ._terms import RelativeFactors, joined_query_term, lone_query_term
 
 #: devices where the sdpa backend takes ``skewed_relative_attention`` (its chunks of
 #: queries are ``SDPA_QUERY_CHUNK``'s; the training step runs the CPU flash kernels)
@@ -52,8 +52,7 @@ def skewed_relative_serves(
         return False
     if q.device.type not in SKEWED_RELATIVE_DEVICES:
         return False
-    queries = [factor for factor in factors if factor.side == "query"]
-    if len(queries) != 1 or any(factor.side not in ("query", "content") for factor in factors):
+    if not lone_query_term(factors):
         return False
     tensors = [q, k, v, *(t for factor in factors for t in (factor.x, factor.rows))]
     if any(t.dtype != q.dtype for t in tensors):
@@ -62,7 +61,8 @@ def skewed_relative_serves(
     if trains and not cpu_flash_serves(q, v):
         return False
     windows = sum((i1 - i0) * ((i1 - i0) + (hi - lo) - 1) for i0, i1, lo, hi in spans)
-    return windows < q.shape[2] * queries[0].rows.shape[0]
+    (table_rows,) = [factor.rows.shape[0] for factor in factors if factor.side == "query"]
+    return windows < q.shape[2] * table_rows
 
 
 def skewed_relative_attention(
@@ -83,13 +83,8 @@ def skewed_relative_attention(
     caller); ``factors`` merged (``merged_factors``) -> [B, H, N, value_dim]. Without
     autograd, SDPA per span; with it, one node (``_SkewedAttention``) whose backward
     makes each span's view again."""
-    (query_term,) = [factor for factor in factors if factor.side == "query"]
-    assert query_term.diagonal is not None  # a query-side term reads rows by diagonal
-    for content in (factor for factor in factors if factor.side == "content"):
-        q = q + (content.scale / scale) * content.rows[0][:, None, :]  # [H, 1, D] per head
-    x, table = scaled_factors(query_term.x, query_term.rows, query_term.scale)
+    q, x, table, diagonal = joined_query_term(q, factors, scale)
     table = table.permute(1, 0, 2).contiguous()  # [H, K, D]: each chunk's rows in one read
-    diagonal = query_term.diagonal
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, x, table)):
         out: Tensor = _SkewedAttention.apply(q, k, v, x, table, diagonal, spans, scale, causal)
         return out
