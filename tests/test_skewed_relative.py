@@ -32,7 +32,11 @@ def _spy_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize(("n", "m", "kv_heads"), [(10, 10, 4), (10, 13, 2), (12, 14, 1)])
+# (4, 14): one chunk against more keys, whose window (17 rows) passes a causal table's
+# 14 rows (SKEWED_MAX_WINDOW_RATIO)
+@pytest.mark.parametrize(
+    ("n", "m", "kv_heads"), [(10, 10, 4), (10, 13, 2), (12, 14, 1), (4, 14, 2)]
+)
 @pytest.mark.parametrize("causal", [False, True])
 def test_transformer_xl_chunks_as_strided_views_match_eager(
     n: int, m: int, kv_heads: int, causal: bool, monkeypatch: pytest.MonkeyPatch
@@ -55,7 +59,11 @@ def test_transformer_xl_chunks_as_strided_views_match_eager(
     assert calls == [-(-n // 4)]
 
 
-@pytest.mark.parametrize(("n", "m", "kv_heads"), [(10, 10, 4), (10, 13, 2), (12, 14, 1)])
+# (4, 14): one chunk against more keys, whose window (17 rows) passes a causal table's
+# 14 rows (SKEWED_MAX_WINDOW_RATIO)
+@pytest.mark.parametrize(
+    ("n", "m", "kv_heads"), [(10, 10, 4), (10, 13, 2), (12, 14, 1), (4, 14, 2)]
+)
 @pytest.mark.parametrize("causal", [False, True])
 def test_transformer_xl_training_steps_through_the_views_match_eager(
     n: int, m: int, kv_heads: int, causal: bool, monkeypatch: pytest.MonkeyPatch
@@ -80,13 +88,15 @@ def _query_term(table_rows: int, n: int, m: int) -> Any:
     return terms.RelativeFactors("query", x, rows, diagonal, 1.0)
 
 
-@pytest.mark.parametrize(("table_rows", "serves"), [(8 + 8 - 1, True), (5, False)])
+@pytest.mark.parametrize(("table_rows", "serves"), [(8 + 8 - 1, True), (6, True), (5, False)])
 def test_the_view_serves_where_its_windows_are_cheaper_than_the_table(
     table_rows: int, serves: bool
 ) -> None:
     """Chunks of 4 of 8 queries over 8 keys project windows of 11 rows each (88 in all):
-    fewer than 8 queries on 15 rows (one row per distance), more than on a clipped
-    table's 5."""
+    fewer than 8 queries on 15 rows (one row per distance), at most
+    ``SKEWED_MAX_WINDOW_RATIO`` (2) times 8 queries on a clipped table's 6 (96), more
+    than that on 5 (80)."""
+    assert skewed.SKEWED_MAX_WINDOW_RATIO == 2
     q = k = v = torch.zeros(1, 2, 8, 4)
     spans = [(0, 4, 0, 8), (4, 8, 0, 8)]
     factors = [_query_term(table_rows, 8, 8)]
