@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.conftest import (
+    assert_sdpa_matches_eager,
     runtime_modules,
     runtime_value,
     set_runtime,
@@ -180,21 +181,8 @@ def test_trained_ranged_terms_match_eager(case: str, monkeypatch: pytest.MonkeyP
     calls = spy_calls(
         monkeypatch, runtime_modules(pe), "ranged_attention_at_positions", lambda *a: a[6]
     )
-    generator = torch.Generator().manual_seed(1)
-    q = torch.randn(2, 4, N, 8, generator=generator, dtype=torch.float64)
-    k, v = (torch.randn(2, 2, M, 8, generator=generator, dtype=torch.float64) for _ in "kv")
-    weights = torch.randn(2, 4, N, 8, generator=generator, dtype=torch.float64)
-    grads = {}
-    for backend in ("sdpa", "eager"):
-        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
-        pe.zero_grad()
-        out = pe(*inputs, backend=backend, **TRAINING_CASES[case])
-        (out * weights).sum().backward()
-        grads[backend] = [out, *(t.grad for t in inputs)]
-        grads[backend] += [p.grad.clone() for p in pe.parameters() if p.grad is not None]
-    assert len(grads["sdpa"]) == len(grads["eager"]) == 7  # W_R, u and v trained
-    for got, want in zip(grads["sdpa"], grads["eager"], strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
+    assert_sdpa_matches_eager(pe, N, M, 2, **TRAINING_CASES[case])
+    assert sum(p.grad is not None for p in pe.parameters()) == 3  # W_R, u and v trained
     assert [[i1 - i0 for i0, i1, _, _ in spans] for spans in calls] == [[4, 4, 2]]
 
 
@@ -208,20 +196,8 @@ def test_trained_ranged_terms_far_apart_positions_stay_per_chunk(
     pe = small_clip_module("transformer_xl")
     set_runtime(monkeypatch, "SDPA_QUERY_CHUNK", {"cpu": 4}, pe)
     calls = spy_calls(monkeypatch, runtime_modules(pe), "attention_at_positions", lambda *a: 1)
-    generator = torch.Generator().manual_seed(1)
-    q = torch.randn(1, 4, N, 8, generator=generator, dtype=torch.float64)
-    k, v = (torch.randn(1, 4, M, 8, generator=generator, dtype=torch.float64) for _ in "kv")
     given = {"q_positions": 50 * torch.arange(N), "k_positions": 50 * TOKEN + 7}
-    grads = {}
-    for backend in ("sdpa", "eager"):
-        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
-        pe.zero_grad()
-        out = pe(*inputs, backend=backend, **given)
-        out.square().sum().backward()
-        grads[backend] = [out, *(t.grad for t in inputs)]
-        grads[backend] += [p.grad.clone() for p in pe.parameters() if p.grad is not None]
-    for got, want in zip(grads["sdpa"], grads["eager"], strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
+    assert_sdpa_matches_eager(pe, N, M, 4, **given)
     assert calls == []
 
 
@@ -246,22 +222,15 @@ def test_unclipped_terms_under_a_window_or_documents_go_per_chunk(
     node = spy_calls(
         monkeypatch, runtime_modules(pe), "ranged_attention_at_positions", lambda *a: 1
     )
-    generator = torch.Generator().manual_seed(1)
-    q = torch.randn(2, 4, M, 8, generator=generator, dtype=torch.float64)
-    k, v = (torch.randn(2, 2, M, 8, generator=generator, dtype=torch.float64) for _ in "kv")
-    results = {}
-    for backend in ("sdpa", "eager"):
-        inputs = [t.clone().requires_grad_(train) for t in (q, k, v)]
-        pe.zero_grad()
-        with torch.set_grad_enabled(train):
-            out = pe(*inputs, backend=backend, **given)
-        results[backend] = [out]
-        if train:
-            out.square().sum().backward()
-            results[backend] += [t.grad for t in inputs]
-            results[backend] += [p.grad.clone() for p in pe.parameters() if p.grad is not None]
-    for got, want in zip(results["sdpa"], results["eager"], strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
+    if train:
+        assert_sdpa_matches_eager(pe, M, M, 2, **given)
+    else:
+        generator = torch.Generator().manual_seed(1)
+        q, k, v = (torch.randn(2, 4, M, 8, generator=generator, dtype=torch.float64) for _ in "qkv")
+        with torch.no_grad():
+            got = pe(q, k, v, backend="sdpa", **given)
+            want = pe(q, k, v, backend="eager", **given)
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
     assert (parts, ranged, node) == ([], [1] * (not train), [1] * train)
 
 
@@ -285,19 +254,7 @@ def test_clipped_terms_train_per_chunk_under_a_window_or_documents_unless_causal
     node = spy_calls(
         monkeypatch, runtime_modules(pe), "relative_attention_at_positions", lambda *a: 1
     )
-    generator = torch.Generator().manual_seed(1)
-    q = torch.randn(2, 4, M, 8, generator=generator, dtype=torch.float64)
-    k, v = (torch.randn(2, 2, M, 8, generator=generator, dtype=torch.float64) for _ in "kv")
-    results = {}
-    for backend in ("sdpa", "eager"):
-        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
-        pe.zero_grad()
-        out = pe(*inputs, backend=backend, causal=causal, **given)
-        out.square().sum().backward()
-        results[backend] = [out, *(t.grad for t in inputs)]
-        results[backend] += [p.grad.clone() for p in pe.parameters() if p.grad is not None]
-    for got, want in zip(results["sdpa"], results["eager"], strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
+    assert_sdpa_matches_eager(pe, M, M, 2, causal=causal, **given)
     assert node == [1] * (not causal)
     if causal:  # the parts; BERT relative_key (no key-side term): each chunk's own terms
         assert parts == [1] * (name != "bert_relative_key")
