@@ -276,10 +276,10 @@ class SdpaRelative(SdpaChunks):
             # under a window or documents: terms read by distance with no clip would be
             # projected over all N + M - 1 diagonals, where each chunk projects only its
             # own; a training step without a causal mask runs its chunks as one node
+            # (where the CPU flash kernels take q: ``_trained_terms_at_positions``)
+            one_node = self._trains_step(q, k, v) and not causal and cpu_flash_serves(q, v)
             per_chunk = (
-                not plain
-                and not torch.compiler.is_compiling()
-                and (clipped is None or (self._trains_step(q, k, v) and not causal))
+                not plain and not torch.compiler.is_compiling() and (clipped is None or one_node)
             )
             if factors and relative_parts_serve(factors, causal) and not per_chunk:
                 return self._sdpa_relative_parts(
