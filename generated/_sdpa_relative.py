@@ -203,11 +203,11 @@ class SdpaRelative(SdpaChunks):
         N = 2048, batch 2, 8 heads, against plain SDPA: a window of 256, forward 4.96x
         -> 1.79x, training step 10.9x -> 1.29x; 4 documents, 4.32x -> 1.35x and 12.0x
         -> 1.12x; benchmarks/results/revisions_cpu_float32_unclipped_chunks_*.md), and
-        for a training step under a window or documents without a causal mask, whose
-        chunks then run as one node (``_trained_terms_at_positions``; BERT
-        relative_key_query 5.57x -> 2.72x with a window of 256, 5.21x -> 2.33x with 4
-        documents, DeBERTa 3.48x -> 2.10x and 2.84x -> 1.63x,
-        ``…_clipped_chunks_*.md``; causal, DeBERTa lost in a scratch run); a few
+        for a training step under a window or documents, whose chunks then run as one
+        node (``_trained_terms_at_positions``; BERT relative_key_query 5.57x -> 2.72x
+        with a window of 256, 5.21x -> 2.33x with 4 documents, DeBERTa 3.48x -> 2.10x
+        and 2.84x -> 1.63x; causal 4.58x -> 3.70x and 4.32x -> 3.34x, 3.09x -> 2.68x
+        and 2.97x -> 2.65x; ``…_clipped_chunks_*.md``); a few
         queries read theirs from the factors
         (``few_query_inputs``). Otherwise the dense terms, with the queries in chunks
         (``reachable_query_chunks``) wherever positions are given, masks apply or
@@ -277,9 +277,9 @@ class SdpaRelative(SdpaChunks):
                 return out.to(v.dtype)
             # under a window or documents: terms read by distance with no clip would be
             # projected over all N + M - 1 diagonals, where each chunk projects only its
-            # own; a training step without a causal mask runs its chunks as one node
-            # (where the CPU flash kernels take q: ``_trained_terms_at_positions``)
-            one_node = self._trains_step(q, k, v) and not causal and cpu_flash_serves(q, v)
+            # own; a training step runs its chunks as one node (where the CPU flash
+            # kernels take q: ``_trained_terms_at_positions``)
+            one_node = self._trains_step(q, k, v) and cpu_flash_serves(q, v)
             per_chunk = (
                 not plain and not torch.compiler.is_compiling() and (clipped is None or one_node)
             )

@@ -162,9 +162,9 @@ def test_dense_relative_terms_go_a_chunk_at_a_time_over_its_documents(
     """Where the terms are built per pair (explicit positions, a value term, a window),
     each chunk of 6 queries builds them over its documents' keys only (at most 17 of
     24), forward and backward, and sdpa equals the oracle; a training step with terms
-    clipped at a distance at explicit positions does so inside one node over the chunks
+    clipped at a distance and a key-side term does so inside one node over the chunks
     (``relative_attention_at_positions``), and Transformer-XL's, read by distance with
-    no clip, in every case (``ranged_attention_at_positions``)."""
+    no clip, too (``ranged_attention_at_positions``), in every case."""
     torch.manual_seed(0)
     pe = generated_class(name)(heads=4, head_dim=8).double()
     assert_sdpa_matches_eager(pe, N, M, 2, document_ids=DOCUMENTS, **CASES[case])
@@ -183,9 +183,7 @@ def test_dense_relative_terms_go_a_chunk_at_a_time_over_its_documents(
     shapes += [(i1 - i0, hi - lo) for spans in node + ranged for i0, i1, lo, hi in spans]
     if case.startswith("explicit") or name in ("shaw", "transformer_xl"):
         assert shapes, "the per-pair terms ran"
-    assert bool(node) == (
-        case.startswith("explicit") and name in ("bert_relative_key_query", "deberta")
-    )
+    assert bool(node) == (name in ("bert_relative_key_query", "deberta"))
     assert bool(ranged) == (name == "transformer_xl")
     assert all(rows <= 6 and keys <= 17 for rows, keys in shapes), shapes
 

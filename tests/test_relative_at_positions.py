@@ -239,14 +239,16 @@ def test_unclipped_terms_under_a_window_or_documents_go_per_chunk(
     "given", [{"window": 3}, {"document_ids": (TOKEN >= 5).long()}], ids=["window", "documents"]
 )
 @pytest.mark.parametrize("name", ["bert_relative_key", "bert_relative_key_query", "deberta"])
-def test_clipped_terms_train_per_chunk_under_a_window_or_documents_unless_causal(
+def test_clipped_terms_train_per_chunk_under_a_window_or_documents(
     name: str, given: dict[str, Any], causal: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A training step with clipped terms at default positions under a window or
-    documents: not causal, its chunks of 4 queries run as one node
+    documents: its chunks of 4 queries run as one node
     (``relative_attention_at_positions``) rather than gathering their terms from
-    projections of every query through autograd (``_sdpa_relative_parts``); causal,
-    not as that node. The output and gradients equal the eager oracle's (float64)."""
+    projections of every query through autograd (``_sdpa_relative_parts``); BERT
+    relative_key's causal step, with no key-side term, builds each chunk's own terms
+    (``relative_parts_serve``). The output and gradients equal the eager oracle's
+    (float64)."""
     pe = small_clip_module(name)
     set_runtime(monkeypatch, "SDPA_QUERY_CHUNK", {"cpu": 4}, pe)
     set_runtime(monkeypatch, "FEW_QUERY_RELATIVE_MAX_QUERIES", 2, pe)  # 12 are not few
@@ -255,11 +257,8 @@ def test_clipped_terms_train_per_chunk_under_a_window_or_documents_unless_causal
         monkeypatch, runtime_modules(pe), "relative_attention_at_positions", lambda *a: 1
     )
     assert_sdpa_matches_eager(pe, M, M, 2, causal=causal, **given)
-    assert node == [1] * (not causal)
-    if causal:  # the parts; BERT relative_key (no key-side term): each chunk's own terms
-        assert parts == [1] * (name != "bert_relative_key")
-    else:
-        assert parts == []
+    assert parts == []
+    assert node == [1] * (not (causal and name == "bert_relative_key"))
 
 
 def _side(factor: Any) -> str:
