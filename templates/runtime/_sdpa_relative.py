@@ -197,7 +197,7 @@ class SdpaRelative(SdpaChunks):
         chunk's projection (``skewed_relative_attention``), else each query chunk's
         terms gathered from their projections over the table rows
         (``_sdpa_relative_parts``), but for terms read by distance with no clip under a
-        window or documents, which go per chunk (Transformer-XL, 2-core CPU, float32,
+        window or documents, which go per chunk on the CPU (Transformer-XL, float32,
         N = 2048, batch 2, 8 heads, against plain SDPA: a window of 256, forward 4.96x
         -> 1.79x, training step 10.9x -> 1.29x; 4 documents, 4.32x -> 1.35x and 12.0x
         -> 1.12x; benchmarks/results/revisions_cpu_float32_unclipped_chunks_*.md), and
@@ -276,10 +276,13 @@ class SdpaRelative(SdpaChunks):
             # under a window or documents: terms read by distance with no clip would be
             # projected over all N + M - 1 diagonals, where each chunk projects only its
             # own; a training step runs its chunks as one node (where the CPU flash
-            # kernels take q: ``_trained_terms_at_positions``)
+            # kernels take q: ``_trained_terms_at_positions``). Measured on the CPU only.
             one_node = self._trains_step(q, k, v) and cpu_flash_serves(q, v)
             per_chunk = (
-                not plain and not torch.compiler.is_compiling() and (clipped is None or one_node)
+                not plain
+                and q.device.type == "cpu"
+                and not torch.compiler.is_compiling()
+                and (clipped is None or one_node)
             )
             if factors and relative_parts_serve(factors, causal) and not per_chunk:
                 return self._sdpa_relative_parts(
