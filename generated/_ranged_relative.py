@@ -113,29 +113,36 @@ def span_part(
     i0, i1, lo, hi = span
     if diagonal is None:  # "content": one value per key
         return project_factors(factor._replace(x=x[:, :, lo:hi]))  # [B, H, w]
-    used, lut = span_rows(diagonal, entry, rows.shape[0])
-    span_diagonal = lut[diagonal]  # [T]: each diagonal's row among the rows read
     if side == "global":
+        used, lut = span_rows(diagonal, entry, rows.shape[0])
         read = rows.index_select(0, used)  # [K', H, D]
-        return project_factors(RelativeFactors(side, x, read, span_diagonal, scale))
+        return project_factors(RelativeFactors(side, x, read, lut[diagonal], scale))
     assert buffer is not None  # a query- or key-side term
-    read = rows.transpose(0, 1).index_select(1, used)  # [H, K', D]
     x = x[:, :, i0:i1] if side == "query" else x[:, :, lo:hi]  # [B, H, r or w, D]
+    projected, _, span_diagonal = projected_on_rows_read(x, rows, diagonal, entry, scale, buffer)
+    return RelativePart(side, projected, span_diagonal)
+
+
+def projected_on_rows_read(
+    x: Tensor, rows: Tensor, diagonal: Tensor, entry: Tensor, scale: float, buffer: ChunkBuffer
+) -> tuple[Tensor, Tensor, Tensor]:
+    """A span's queries or keys x [B, H, r, D] projected, times ``scale``, on only the
+    rows of ``rows`` [T, H, D] that its pairs read (``span_rows``; ``diagonal`` [T'],
+    the row of each diagonal; ``entry`` [1 or B, r, w], each pair's diagonal).
+
+    Returns the projection [B, H, r, K'], a view of ``buffer`` laid out head by head
+    ([H, B * r, K']: one matrix product per head over the batch's rows, where a
+    broadcast matmul would copy the rows per batch row and its result into the buffer),
+    the rows read ``used`` [K'], and each diagonal's row among them [T']."""
+    used, lut = span_rows(diagonal, entry, rows.shape[0])
+    read = rows.transpose(0, 1).index_select(1, used)  # [H, K', D]
     x, read = scaled_factors(x, read, scale)
-    return RelativePart(side, projected_by_head(x, read, buffer), span_diagonal)
-
-
-def projected_by_head(x: Tensor, read: Tensor, buffer: ChunkBuffer) -> Tensor:
-    """x [B, H, r, D] against the rows ``read`` [H, K', D]: [B, H, r, K'], a view of
-    ``buffer`` laid out head by head ([H, B * r, K']). One matrix product per head over
-    the batch's rows: a broadcast matmul would copy the rows per batch row and its
-    result into the buffer."""
     batch, heads, count, width = x.shape
     by_head = x.transpose(0, 1).reshape(heads, batch * count, width)  # [H, B * r, D]
     shape = (heads, batch * count, read.shape[1])
     into = buffer.view(shape, torch.promote_types(x.dtype, read.dtype), x.device)
     scores = torch.bmm(by_head, read.transpose(-1, -2), out=into)  # [H, B * r, K']
-    return scores.unflatten(1, (batch, count)).transpose(0, 1)
+    return scores.unflatten(1, (batch, count)).transpose(0, 1), used, lut[diagonal]
 
 
 def ranged_span_terms(
@@ -252,10 +259,10 @@ class _RangedRows:
         i0, i1, lo, hi = span
         q_at, k_at = self.q_positions[..., i0:i1], self.k_positions[..., lo:hi]
         entry = span_distances(q_at, k_at, span) - self.low  # [1 or B, r, w]
-        used, lut = span_rows(self.diagonal, entry, rows.shape[0])
-        pair_rows = lut[self.diagonal[entry]]  # [1 or B, r, w]: each pair's row among used
-        read = rows.transpose(0, 1).index_select(1, used)  # [H, K', D]
-        projected = projected_by_head(x[:, :, i0:i1], read, scratch.projection)  # [B, H, r, K']
+        projected, used, span_diagonal = projected_on_rows_read(
+            x[:, :, i0:i1], rows, self.diagonal, entry, 1.0, scratch.projection
+        )  # [B, H, r, K']
+        pair_rows = span_diagonal[entry]  # [1 or B, r, w]: each pair's row among used
         batch, heads, count, width = *projected.shape[:3], hi - lo
         shape = (batch, heads, count, width)
         into = scratch.terms.view(shape, projected.dtype, projected.device)

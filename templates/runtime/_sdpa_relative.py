@@ -561,8 +561,8 @@ class SdpaRelative(SdpaChunks):
         (``relative_parts_serve``: there each chunk's own terms project only its
         queries, over the few keys it reads); else None. ``masked``: a span's terms with
         its masks joined (``span_masks``) -> [B, H, N, value_dim]."""
-        if self.has_value_term or self.has_position_bias:
-            return None
+        if self.has_value_term or self.has_position_bias or not self._trains_step(q, k, v):
+            return None  # without autograd ``_terms_at_positions`` had its say
         if not cpu_flash_serves(q, v) or (attn_mask is not None and attn_mask.requires_grad):
             return None
         groups = q.shape[1] // k.shape[1]
