@@ -15,7 +15,8 @@ in one more feature, s [q_i, 1] . [k_j, B_j / s]: the far keys need no [N, M] te
 CPU FlashAttention runs them (with no extra feature at all where no term reads the
 key, as in Shaw's and BERT's relative_key). Queries go ``CLIPPED_RELATIVE_QUERY_CHUNK``
 at a time; only the band of keys within K - 1 of one of a chunk's queries has its terms
-gathered, and its attention is one more flash call with those terms as the mask. The
+gathered (or, where the table has rows enough, viewed: ``_band_views``), and its
+attention is one more flash call with those terms as the mask. The
 three calls (far left, band, far right) are merged by their log-sum-exp, which is
 softmax over the union of their keys; a value-side term (Shaw's z_i = sum_j a_ij
 R^V[index(j - i)]) reads the band's weights and, for each far side, that side's total
@@ -39,6 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._band_views import band_view_span_terms, band_view_terms, band_views_serve
 from ._chunked_flash import (
     Span,
     cpu_flash_backward,
@@ -254,7 +256,7 @@ def chunked_relative_attention(
     n, m = q.shape[2], k.shape[2]
     mask: Any
     if terms_train(factors):  # [B, H, N, widest]
-        mask = band_terms([project_factors(factor) for factor in factors], n, m, spans, causal)
+        mask = trained_band_terms(factors, n, m, spans, causal)
     else:
         mask = span_terms(factors, n, m, causal, spans)
 
@@ -313,6 +315,17 @@ def band_terms(
     return total
 
 
+def trained_band_terms(
+    factors: list[RelativeFactors], n: int, m: int, spans: list[Span], causal: bool
+) -> Tensor:
+    """``band_terms`` of every span of ``spans`` with autograd, ``factors`` merged: as
+    strided views of projections in diagonal order where they serve
+    (``band_views_serve``), else gathered from their projections over the table rows."""
+    if band_views_serve(factors, spans, n):
+        return band_view_terms(factors, n, m, spans, causal)
+    return band_terms([project_factors(factor) for factor in factors], n, m, spans, causal)
+
+
 def terms_train(factors: list[RelativeFactors]) -> bool:
     """Whether gradients flow into the relative terms of ``factors``."""
     return torch.is_grad_enabled() and any(
@@ -327,7 +340,10 @@ def span_terms(
     gradient, ``factors`` merged, projected as ``projected_once`` and
     ``parts_of_span`` split the work, and gathered into two buffers that every span of
     ``spans`` reuses (``gathered_terms``' scratch): a span's terms are valid until the
-    next span's are made."""
+    next span's are made. Where the views serve (``band_views_serve``), the terms are
+    strided views of projections in diagonal order instead (``band_view_span_terms``)."""
+    if band_views_serve(factors, spans, n):
+        return band_view_span_terms(factors, n, m, causal, spans)
     once, per_span = projected_once(factors)
     scratch = gather_scratch(factors, spans)
 
@@ -613,7 +629,7 @@ def clipped_relative_attention(
     ones_column = value_dim if trains else None
     mask: Any
     if trained_terms:  # [B, H, N, w]
-        mask = band_terms([project_factors(factor) for factor in factors], n, m, band, causal)
+        mask = trained_band_terms(factors, n, m, band, causal)
     else:  # each chunk's terms when a call needs them (a [B, H, C, w] tensor at a time)
         mask = span_terms(factors, n, m, causal, band)
 
