@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._band_views import band_view_span_terms, band_view_terms, band_views_serve
+from ._band_views import BandViews, band_views, band_views_serve
 from ._chunked_flash import (
     Span,
     cpu_flash_backward,
@@ -120,9 +120,10 @@ class _ChunkedAttention(torch.autograd.Function):
     """softmax(scale q kᵀ + mask) v for each span: queries i0 .. i1 - 1 against keys
     lo .. hi - 1, with the mask's rows i0 .. i1 - 1 and columns 0 .. hi - lo - 1 (None:
     no mask; a function of the span: the span's mask, made when needed and given no
-    gradient). Returns the output [B, H, N, W], the rows' log-sum-exp [B, H, N] (-inf,
-    and a zero output, where a span has no keys) and, with ``with_weights``, the
-    weights in the mask's layout (else an empty tensor).
+    gradient, or ``BandViews``, whose ``inputs`` follow as ``mask_inputs`` and get
+    their gradients through its ``add_gradient``). Returns the output [B, H, N, W], the
+    rows' log-sum-exp [B, H, N] (-inf, and a zero output, where a span has no keys) and,
+    with ``with_weights``, the weights in the mask's layout (else an empty tensor).
 
     q, k: [B, H, N or M, W]; v: [B, H, M, W]. Where the log-sum-exp gets a gradient,
     v's column ``ones_column`` is all ones: the log-sum-exp's gradient g adds g_i P_ij to
@@ -144,6 +145,7 @@ class _ChunkedAttention(torch.autograd.Function):
         scale: float,
         ones_column: int | None,
         with_weights: bool,
+        *mask_inputs: Tensor,
     ) -> tuple[Tensor, Tensor, Tensor]:
         batch, heads, n = q.shape[:3]
         out = q.new_empty(batch, heads, n, v.shape[-1])
@@ -168,6 +170,7 @@ class _ChunkedAttention(torch.autograd.Function):
             ctx.mark_non_differentiable(lse)
         ctx.save_for_backward(q, k, v, mask if isinstance(mask, Tensor) else None, out, lse)
         ctx.span_mask, ctx.spans, ctx.scale, ctx.ones_column = span_mask, spans, scale, ones_column
+        ctx.views = mask if isinstance(mask, BandViews) else None
         return out, lse, weights
 
     @staticmethod
@@ -179,6 +182,7 @@ class _ChunkedAttention(torch.autograd.Function):
         column, span_mask, scale = ctx.ones_column, ctx.span_mask, ctx.scale
         grad_q, grad_k, grad_v = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         grad_mask = None
+        views = ctx.views if any(ctx.needs_input_grad[8:]) else None  # BandViews to train
         if mask is not None and ctx.needs_input_grad[3]:
             # every span writes its block and zeros the columns past its keys (no fill
             # of the whole [B, H, N, widest] gradient first)
@@ -216,12 +220,17 @@ class _ChunkedAttention(torch.autograd.Function):
                 )
                 if grad_mask is not None:
                     grad_mask[:, :, i0:i1, : hi - lo] = grad_logits
+                if views is not None:
+                    views.add_gradient((i0, i1, lo, hi), grad_logits)
             grad_q[:, :, i0:i1] += dq
             grad_k[:, :, lo:hi] += dk
             grad_v[:, :, lo:hi] += dv
         if grad_mask is not None and mask is not None and grad_mask.shape != mask.shape:
             grad_mask = grad_mask.sum_to_size(mask.shape)
-        return grad_q, grad_k, grad_v, grad_mask, None, None, None, None
+        input_grads = [] if ctx.views is None else ctx.views.gradients()
+        if views is None:
+            input_grads = [None for _ in input_grads]
+        return grad_q, grad_k, grad_v, grad_mask, None, None, None, None, *input_grads
 
 
 def _span_mask(mask: Tensor | Any) -> Any:
@@ -257,12 +266,13 @@ def chunked_relative_attention(
     """
     n, m = q.shape[2], k.shape[2]
     mask: Any
-    if terms_train(factors):  # [B, H, N, widest]
-        mask = trained_band_terms(factors, n, m, spans, causal)
+    inputs: list[Tensor] = []
+    if terms_train(factors):
+        mask, inputs = trained_band_mask(factors, n, m, spans, causal)
     else:
         mask = span_terms(factors, n, m, causal, spans)
 
-    out, _, _ = _ChunkedAttention.apply(q, k, v, mask, spans, scale, None, False)
+    out, _, _ = _ChunkedAttention.apply(q, k, v, mask, spans, scale, None, False, *inputs)
     return out
 
 
@@ -317,15 +327,19 @@ def band_terms(
     return total
 
 
-def trained_band_terms(
+def trained_band_mask(
     factors: list[RelativeFactors], n: int, m: int, spans: list[Span], causal: bool
-) -> Tensor:
-    """``band_terms`` of every span of ``spans`` with autograd, ``factors`` merged: as
-    strided views of projections in diagonal order where they serve
-    (``band_views_serve``), else gathered from their projections over the table rows."""
+) -> tuple[Tensor | BandViews, list[Tensor]]:
+    """The terms of every span of ``spans`` with autograd, ``factors`` merged, as a mask
+    of ``_ChunkedAttention`` and the tensors to pass after it (``mask_inputs``): strided
+    views of projections in diagonal order, made per span, where they serve
+    (``band_views_serve``); else ``band_terms``, gathered from the projections over the
+    table rows into one [B, H, N, widest] tensor."""
     if band_views_serve(factors, spans, n):
-        return band_view_terms(factors, n, m, spans, causal)
-    return band_terms([project_factors(factor) for factor in factors], n, m, spans, causal)
+        views = band_views(factors, n, m, spans, causal)
+        return views, views.inputs
+    parts = [project_factors(factor) for factor in factors]
+    return band_terms(parts, n, m, spans, causal), []
 
 
 def terms_train(factors: list[RelativeFactors]) -> bool:
@@ -343,9 +357,9 @@ def span_terms(
     ``parts_of_span`` split the work, and gathered into two buffers that every span of
     ``spans`` reuses (``gathered_terms``' scratch): a span's terms are valid until the
     next span's are made. Where the views serve (``band_views_serve``), the terms are
-    strided views of projections in diagonal order instead (``band_view_span_terms``)."""
+    strided views of projections in diagonal order instead (``band_views``)."""
     if band_views_serve(factors, spans, n):
-        return band_view_span_terms(factors, n, m, causal, spans)
+        return band_views(factors, n, m, spans, causal)
     once, per_span = projected_once(factors)
     scratch = gather_scratch(factors, spans)
 
@@ -630,13 +644,14 @@ def clipped_relative_attention(
     values = features(v, one_per_key) if trains else features(v)  # ones at value_dim
     ones_column = value_dim if trains else None
     mask: Any
-    if trained_terms:  # [B, H, N, w]
-        mask = trained_band_terms(factors, n, m, band, causal)
+    inputs: list[Tensor] = []
+    if trained_terms:  # [B, H, N, w], or views made per span
+        mask, inputs = trained_band_mask(factors, n, m, band, causal)
     else:  # each chunk's terms when a call needs them (a [B, H, C, w] tensor at a time)
         mask = span_terms(factors, n, m, causal, band)
 
     band_out, band_lse, band_weights = _ChunkedAttention.apply(
-        features(q), keys, values, mask, band, scale, ones_column, value_term is not None
+        features(q), keys, values, mask, band, scale, ones_column, value_term is not None, *inputs
     )
     pieces: list[tuple[Tensor, Tensor, int | None]] = [(band_out, band_lse, None)]
     one_per_query, zero_per_query = q.new_ones(1, 1, n, 1), q.new_zeros(1, 1, n, 1)

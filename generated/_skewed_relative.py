@@ -158,6 +158,33 @@ def skewed_terms(
     return projected.as_strided((b, h, rows, keys), strides, start), window
 
 
+def skewed_gradient(
+    grad_terms: Tensor,
+    terms: Tensor,
+    window: Tensor,
+    x: Tensor,
+    table: Tensor,
+    span: Span,
+    buffer: ChunkBuffer,
+    grad_x: Tensor,
+    grad_table: Tensor,
+) -> None:
+    """Adds the gradient of span's terms, dS [B, H, r, keys], into x's and the table's:
+    laid through the view ``terms`` (``skewed_terms``' first output, its diagonals' rows
+    ``window``) into the span's projection gradient [B, H, r, W] (in ``buffer``, zeroed
+    first: each (query, key) its own entry), then into x's rows, dx = dP R, and the
+    rows of the span's diagonals, dR = dPᵀ x. grad_x: [B, H, N, D]; grad_table: [H, K,
+    D]."""
+    i0, i1 = span[0], span[1]
+    shape = terms.shape[:2] + (i1 - i0, window.shape[0])  # [B, H, r, W]
+    grad_projected = buffer.view(shape, grad_terms.dtype, grad_terms.device).zero_()
+    grad_projected.as_strided(terms.shape, terms.stride(), i1 - i0 - 1).copy_(grad_terms)
+    window_rows = table.index_select(1, window)  # [H, W, D]
+    grad_x[:, :, i0:i1] += torch.matmul(grad_projected, window_rows)
+    grad_rows = torch.einsum("bhrw,bhrd->hwd", grad_projected, x[:, :, i0:i1])
+    grad_table.index_add_(1, window, grad_rows)
+
+
 class _SkewedAttention(torch.autograd.Function):
     """``skewed_relative_attention`` with gradients into q, k, v, x and the table, as
     one node: the CPU flash kernel forward per span, and a backward per span that
@@ -208,14 +235,7 @@ class _SkewedAttention(torch.autograd.Function):
             grad_logits = explicit_span_backward(
                 grad_out, q, k, v, out, lse, span, terms, scale, qkv_grads, scratch
             )  # dS [B, H, r, keys]
-            # dS into the projection's entries the view reads ([B, H, r, W]), then into
-            # x (its rows) and the table (the span's diagonals' rows)
-            shape = terms.shape[:2] + (i1 - i0, window.shape[0])  # [B, H, r, W]
-            grad_projected = grad_projections.view(shape, q.dtype, q.device).zero_()
-            grad_terms = grad_projected.as_strided(terms.shape, terms.stride(), i1 - i0 - 1)
-            grad_terms.copy_(grad_logits)
-            window_rows = table.index_select(1, window)  # [H, W, D]
-            grad_x[:, :, i0:i1] += torch.matmul(grad_projected, window_rows)
-            grad_rows = torch.einsum("bhrw,bhrd->hwd", grad_projected, x[:, :, i0:i1])
-            grad_table.index_add_(1, window, grad_rows)
+            skewed_gradient(
+                grad_logits, terms, window, x, table, span, grad_projections, grad_x, grad_table
+            )
         return grad_q, grad_k, grad_v, grad_x, grad_table, None, None, None, None

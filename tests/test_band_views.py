@@ -44,15 +44,20 @@ def make(name: str) -> torch.nn.Module:
     return variant(heads=4, head_dim=8, model_dim=16).double()
 
 
-def force_views(monkeypatch: pytest.MonkeyPatch, pe: torch.nn.Module) -> dict[str, list[int]]:
-    """The views at any width (the tests' clips are a few rows), and spies on the two
-    entries: their calls, trained and not."""
+def trains(factors: list, *_: object) -> bool:
+    """Whether gradients flow into the relative terms of ``factors``."""
+    return any(factor.x.requires_grad or factor.rows.requires_grad for factor in factors)
+
+
+def views_made(monkeypatch: pytest.MonkeyPatch, pe: torch.nn.Module) -> list[bool]:
+    """Each time ``pe``'s terms are made into views, whether they train."""
+    return spy_calls(monkeypatch, runtime_modules(pe), "band_views", trains)
+
+
+def force_views(monkeypatch: pytest.MonkeyPatch, pe: torch.nn.Module) -> list[bool]:
+    """The views at any width (the tests' clips are a few rows): ``views_made``."""
     set_runtime(monkeypatch, "BAND_VIEW_MAX_WIDTH_RATIO", 10**6, pe)
-    modules = runtime_modules(pe)
-    return {
-        "trained": spy_calls(monkeypatch, modules, "band_view_terms", lambda *a, **k: 1),
-        "span": spy_calls(monkeypatch, modules, "band_view_span_terms", lambda *a, **k: 1),
-    }
+    return views_made(monkeypatch, pe)
 
 
 def clipped_path(monkeypatch: pytest.MonkeyPatch, pe: torch.nn.Module) -> None:
@@ -83,7 +88,7 @@ def test_the_band_as_views_matches_eager_with_gradients(
     clipped_path(monkeypatch, pe)
     calls = force_views(monkeypatch, pe)
     assert_sdpa_matches_eager(pe, n, m, kv_heads, causal=causal)
-    assert calls["trained"] == [1]  # the band's terms, trained, came from the views
+    assert calls == [True]  # the band's terms, trained, came from the views
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -95,7 +100,7 @@ def test_the_band_as_views_without_autograd(
     clipped_path(monkeypatch, pe)
     calls = force_views(monkeypatch, pe)
     eager_and_sdpa_without_grad(pe, 37, 45, causal=causal)
-    assert calls["span"] == [1] and calls["trained"] == []
+    assert calls == [False]
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -111,7 +116,7 @@ def test_chunks_over_every_key_as_views(
     calls = force_views(monkeypatch, pe)
     assert_sdpa_matches_eager(pe, 30, 33, 2, causal=causal)
     eager_and_sdpa_without_grad(pe, 30, 33, causal=causal)
-    assert calls["trained"] == [1] and calls["span"] == [1]
+    assert calls == [True, False]
 
 
 def test_chunks_under_a_window_as_views(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -122,7 +127,7 @@ def test_chunks_under_a_window_as_views(monkeypatch: pytest.MonkeyPatch) -> None
     calls = force_views(monkeypatch, pe)
     for causal in (False, True):
         eager_and_sdpa_without_grad(pe, 30, 33, causal=causal, window=6)
-    assert calls["span"] == [1, 1]
+    assert calls == [False, False]
 
 
 @pytest.mark.parametrize(
@@ -136,8 +141,8 @@ def test_the_views_serve_tables_wide_enough_for_their_bands(
     1.5x BERT's 1023 rows serve; 3x DeBERTa's 512 and Shaw's 33 rows (clip 16) keep
     their gathers."""
     pe = generated_class(name)(heads=2, head_dim=8)
-    spans = spy_calls(monkeypatch, runtime_modules(pe), "band_view_span_terms", lambda *a: 1)
+    calls = views_made(monkeypatch, pe)
     q = k = v = torch.zeros(1, 2, 2048, 8)
     with torch.no_grad():
         pe(q, k, v, backend="sdpa")
-    assert spans == ([1] if serves else [])
+    assert calls == ([False] if serves else [])
