@@ -44,10 +44,10 @@ def band_diagonals(spans: list[Span], n: int) -> tuple[int, int] | None:
 
 
 def band_views_serve(factors: list[RelativeFactors], spans: list[Span], n: int) -> bool:
-    """Whether ``band_view_terms`` and ``band_view_span_terms`` take these terms (merged,
-    ``merged_factors``) over ``spans``: eager mode, at most one query-side and one
-    key-side term and no other, and the diagonals the spans reach at most
-    ``BAND_VIEW_MAX_WIDTH_RATIO`` times as many as each term's table rows."""
+    """Whether ``band_views`` takes these terms (merged, ``merged_factors``) over
+    ``spans``: eager mode, at most one query-side and one key-side term and no other,
+    and the diagonals the spans reach at most ``BAND_VIEW_MAX_WIDTH_RATIO`` times as
+    many as each term's table rows."""
     if torch.compiler.is_compiling() or not factors:
         return False
     sides = [factor.side for factor in factors]
