@@ -34,6 +34,8 @@ from ._terms import RelativeFactors, scaled_factors
 
 #: the chunks' diagonals may number up to this many times the rows of a term's table
 BAND_VIEW_MAX_WIDTH_RATIO = 2
+#: devices where the views serve (measured on the CPU only; CUDA keeps the gathers)
+BAND_VIEW_DEVICES: set[str] = {"cpu"}
 
 
 def band_diagonals(spans: list[Span], n: int) -> tuple[int, int] | None:
@@ -47,10 +49,12 @@ def band_diagonals(spans: list[Span], n: int) -> tuple[int, int] | None:
 
 def band_views_serve(factors: list[RelativeFactors], spans: list[Span], n: int) -> bool:
     """Whether ``band_views`` takes these terms (merged, ``merged_factors``) over
-    ``spans``: eager mode, at most one query-side and one key-side term and no other,
-    and the diagonals the spans reach at most ``BAND_VIEW_MAX_WIDTH_RATIO`` times as
-    many as each term's table rows."""
+    ``spans``: eager mode on a device in ``BAND_VIEW_DEVICES``, at most one query-side
+    and one key-side term and no other, and the diagonals the spans reach at most
+    ``BAND_VIEW_MAX_WIDTH_RATIO`` times as many as each term's table rows."""
     if torch.compiler.is_compiling() or not factors:
+        return False
+    if factors[0].x.device.type not in BAND_VIEW_DEVICES:
         return False
     sides = [factor.side for factor in factors]
     if any(side not in ("query", "key") for side in sides) or len(set(sides)) < len(sides):

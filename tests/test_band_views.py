@@ -146,3 +146,17 @@ def test_the_views_serve_tables_wide_enough_for_their_bands(
     with torch.no_grad():
         pe(q, k, v, backend="sdpa")
     assert calls == ([False] if serves else [])
+
+
+def test_the_views_serve_only_the_devices_they_were_measured_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Off the devices of ``BAND_VIEW_DEVICES`` (CUDA, unmeasured) the band keeps its
+    gathers."""
+    pe = generated_class("bert_relative_key_query")(heads=2, head_dim=8)
+    set_runtime(monkeypatch, "BAND_VIEW_DEVICES", set(), pe)
+    calls = views_made(monkeypatch, pe)
+    q = k = v = torch.zeros(1, 2, 2048, 8)
+    with torch.no_grad():
+        pe(q, k, v, backend="sdpa")
+    assert calls == []
