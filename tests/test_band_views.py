@@ -1,9 +1,9 @@
 """Relative terms of query chunks as strided views of projections in diagonal order
-(``_band_views``): on the clipped path's band (trained and not), on the chunks of every
-key (``chunked_relative_attention``) and under a window (``_sdpa_relative_parts``),
-outputs and gradients against the eager oracle in float64, with the views forced on at
-the small clips of the tests and spied on, so that each test runs them; and the rule
-that picks them at the catalogue's clips.
+(``_band_views``), the mask of a training step: on the clipped path's band and on the
+chunks of every key (``chunked_relative_attention``), outputs and gradients against the
+eager oracle in float64, with the views forced on at the small clips of the tests and
+spied on, so that each test runs them; calls without autograd keep the gathers; and the
+rule that picks the views at the catalogue's clips.
 """
 
 from __future__ import annotations
@@ -93,14 +93,14 @@ def test_the_band_as_views_matches_eager_with_gradients(
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("name", NAMES)
-def test_the_band_as_views_without_autograd(
+def test_without_autograd_the_band_keeps_its_gathers(
     name: str, causal: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pe = make(name)
     clipped_path(monkeypatch, pe)
     calls = force_views(monkeypatch, pe)
     eager_and_sdpa_without_grad(pe, 37, 45, causal=causal)
-    assert calls == [False]
+    assert calls == []
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -109,25 +109,14 @@ def test_chunks_over_every_key_as_views(
     name: str, causal: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Without the clipped path (too few keys for it): each chunk of queries over every
-    key it reads (``chunked_relative_attention``), trained and not."""
+    key it reads (``chunked_relative_attention``); the views only where terms train."""
     pe = make(name)
     set_runtime(monkeypatch, "CLIPPED_RELATIVE_MIN_KEYS", {False: 10**6, True: 10**6}, pe)
     set_runtime(monkeypatch, "SDPA_QUERY_CHUNK", {"cpu": 8}, pe)
     calls = force_views(monkeypatch, pe)
     assert_sdpa_matches_eager(pe, 30, 33, 2, causal=causal)
     eager_and_sdpa_without_grad(pe, 30, 33, causal=causal)
-    assert calls == [True, False]
-
-
-def test_chunks_under_a_window_as_views(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Under a window, without autograd, each chunk's terms over the keys it may read
-    (``_sdpa_relative_parts``)."""
-    pe = make("bert_relative_key_query")
-    set_runtime(monkeypatch, "SDPA_QUERY_CHUNK", {"cpu": 8}, pe)
-    calls = force_views(monkeypatch, pe)
-    for causal in (False, True):
-        eager_and_sdpa_without_grad(pe, 30, 33, causal=causal, window=6)
-    assert calls == [False, False]
+    assert calls == [True]
 
 
 @pytest.mark.parametrize(
@@ -138,14 +127,13 @@ def test_the_views_serve_tables_wide_enough_for_their_bands(
     name: str, serves: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """At the catalogue's clips and N = 2048, the band's chunks reach 1533 diagonals:
-    1.5x BERT's 1023 rows serve; 3x DeBERTa's 512 and Shaw's 33 rows (clip 16) keep
-    their gathers."""
+    1.5x BERT's 1023 rows serve a forward whose terms train; 3x DeBERTa's 512 and
+    Shaw's 33 rows (clip 16) keep their gathers."""
     pe = generated_class(name)(heads=2, head_dim=8)
     calls = views_made(monkeypatch, pe)
     q = k = v = torch.zeros(1, 2, 2048, 8)
-    with torch.no_grad():
-        pe(q, k, v, backend="sdpa")
-    assert calls == ([False] if serves else [])
+    pe(q, k, v, backend="sdpa")  # the module's tables train
+    assert calls == ([True] if serves else [])
 
 
 def test_the_views_serve_only_the_devices_they_were_measured_on(
@@ -157,6 +145,5 @@ def test_the_views_serve_only_the_devices_they_were_measured_on(
     set_runtime(monkeypatch, "BAND_VIEW_DEVICES", set(), pe)
     calls = views_made(monkeypatch, pe)
     q = k = v = torch.zeros(1, 2, 2048, 8)
-    with torch.no_grad():
-        pe(q, k, v, backend="sdpa")
+    pe(q, k, v, backend="sdpa")  # the module's tables train
     assert calls == []

@@ -354,10 +354,9 @@ def span_terms(
     gradient, ``factors`` merged, projected as ``projected_once`` and
     ``parts_of_span`` split the work, and gathered into two buffers that every span of
     ``spans`` reuses (``gathered_terms``' scratch): a span's terms are valid until the
-    next span's are made. Where the views serve (``band_views_serve``), the terms are
-    strided views of projections in diagonal order instead (``band_views``)."""
-    if band_views_serve(factors, spans, n):
-        return band_views(factors, n, m, spans, causal)
+    next span's are made. (The strided views of ``band_views`` serve terms that train:
+    without autograd they were 4-7% faster at 8 heads without a causal mask, but 6-11%
+    slower causal at 16, benchmarks/results/revisions_cpu_float32_band_views_inference*.md.)"""
     once, per_span = projected_once(factors)
     scratch = gather_scratch(factors, spans)
 
