@@ -153,7 +153,10 @@ class BandViews:
         some = self.inputs[0]
         shape = (views[0].shape[0], views[0].shape[1], i1 - i0, hi - lo)
         out = self.sums.view(shape, some.dtype, some.device)
-        sum_into(views, out)
+        if len(views) == 2:  # one pass
+            torch.add(views[0], views[1], out=out)
+        else:
+            out.copy_(views[0])
         if self.causal and self.query is None:
             out.masked_fill_(causal_block(span, self.m - self.n, out.device), float("-inf"))
         return out
@@ -197,11 +200,3 @@ def band_views(
         x, rows = scaled_factors(query.x, query.rows, query.scale)
         query_inputs = (x, rows.permute(1, 0, 2).contiguous(), query.diagonal)  # [H, K, D]
     return BandViews(query_inputs, key_projection, n, m, bounds, causal, spans)
-
-
-def sum_into(views: list[Tensor], out: Tensor) -> None:
-    """Writes the sum of one or two views into out, in one pass."""
-    if len(views) == 2:
-        torch.add(views[0], views[1], out=out)
-    else:
-        out.copy_(views[0])

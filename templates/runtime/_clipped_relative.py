@@ -225,9 +225,8 @@ class _ChunkedAttention(torch.autograd.Function):
             grad_v[:, :, lo:hi] += dv
         if grad_mask is not None and mask is not None and grad_mask.shape != mask.shape:
             grad_mask = grad_mask.sum_to_size(mask.shape)
+        # None for each input where no add_gradient ran (they needed no gradient)
         input_grads = [] if ctx.views is None else ctx.views.gradients()
-        if views is None:
-            input_grads = [None for _ in input_grads]
         return grad_q, grad_k, grad_v, grad_mask, None, None, None, None, *input_grads
 
 
