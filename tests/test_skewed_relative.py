@@ -101,3 +101,59 @@ def test_the_view_serves_where_its_windows_are_cheaper_than_the_table(
     spans = [(0, 4, 0, 8), (4, 8, 0, 8)]
     factors = [_query_term(table_rows, 8, 8)]
     assert skewed.skewed_relative_serves(factors, q, k, v, spans) is serves
+
+
+def _clipped_diagonals(n: int, m: int, clip: int) -> torch.Tensor:
+    """The table row of each diagonal t = j - i + N - 1 of a table clipped at ``clip``
+    (BERT's): clamp(j - i, -clip, clip) + clip, int64 [N + M - 1]."""
+    return (torch.arange(n + m - 1) - (n - 1)).clamp(-clip, clip) + clip
+
+
+@pytest.mark.parametrize(
+    ("diagonal", "causal", "want"),
+    [
+        # span (4, 8, 0, 12) of 12 queries and keys reads diagonals 4 .. 18: distances
+        # -7 .. 7, clipped at 3 to rows 0 0 0 0 0 1 2 3 4 5 6 6 6 6 6
+        (_clipped_diagonals(12, 12, 3), False, (4, 10, 15)),
+        # causal: diagonals from 12 - 4 = 8 on read keys after the query
+        (_clipped_diagonals(12, 12, 3), True, (4, 7, 8)),
+        # a row per distance (Transformer-XL's): every column projected
+        (torch.arange(23), False, (0, 14, 15)),
+        # one row for every distance: one column projected
+        (torch.zeros(23, dtype=torch.int64), False, (0, 0, 15)),
+    ],
+)
+def test_a_span_projects_each_run_of_one_clipped_row_once(
+    diagonal: torch.Tensor, causal: bool, want: tuple[int, int, int]
+) -> None:
+    """``diagonal_window``: the columns projected run from the last of the leading
+    run of one row to the first of the trailing run, up to the causal mask."""
+    window = skewed.diagonal_window(diagonal, (4, 8, 0, 12), 12, causal)
+    assert (window.first, window.last, window.visible) == want
+    assert torch.equal(window.rows, diagonal[4:19])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("span", [(4, 8, 0, 12), (0, 4, 0, 6), (8, 12, 5, 12)])
+def test_skewed_terms_are_the_clipped_table_read_per_pair(
+    span: tuple[int, int, int, int], causal: bool
+) -> None:
+    """Each entry (a, c) of a span's terms is x_(i0 + a) . R[h, row(lo + c - i0 - a)]
+    (float64, read pair by pair), -inf where ``causal`` hides key lo + c from query
+    i0 + a; the projection buffer's runs are copies of the one column projected."""
+    generator = torch.Generator().manual_seed(5)
+    n, clip = 12, 3
+    x = torch.randn(2, 3, n, 4, generator=generator, dtype=torch.float64)
+    table = torch.randn(3, 2 * clip + 1, 4, generator=generator, dtype=torch.float64)
+    diagonal = _clipped_diagonals(n, n, clip)
+    buffer = skewed.projection_buffer(x, [span])
+    got, _ = skewed.skewed_terms(x, table, diagonal, span, n, causal, buffer)
+    i0, i1, lo, hi = span
+    want = torch.empty(2, 3, i1 - i0, hi - lo, dtype=torch.float64)
+    for a in range(i1 - i0):
+        for c in range(hi - lo):
+            i, j = i0 + a, lo + c
+            row = table[:, min(max(j - i, -clip), clip) + clip]  # [H, D]
+            hidden = causal and j > i
+            want[:, :, a, c] = float("-inf") if hidden else (x[:, :, i] * row).sum(-1)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from ._chunked_flash import Span
+from ._diagonal_projection import DiagonalWindow, window_of, window_projection
 from ._mask_buffer import ChunkBuffer, largest_span
 from ._skewed_relative import projection_buffer, skewed_gradient, skewed_terms
 from ._terms import RelativeFactors, scaled_factors
@@ -68,10 +69,9 @@ def key_side_projection(factor: RelativeFactors, t0: int, t1: int) -> Tensor:
     """A key-side term's s k_j . R[diagonal[t]] over the diagonals t1 down to t0 (reversed
     order): [B, H, M, t1 - t0 + 1], contiguous."""
     assert factor.diagonal is not None  # a key-side term reads rows by diagonal
-    window = factor.diagonal[t0 : t1 + 1].flip(0)  # [W]
-    x, rows = scaled_factors(factor.x, factor.rows, factor.scale)
-    window_rows = rows.index_select(0, window).permute(1, 2, 0)  # [H, D, W]
-    return torch.matmul(x, window_rows)  # [B, H, M, D] @ [H, D, W]
+    rows = factor.diagonal[t0 : t1 + 1].flip(0)  # [W]
+    x, table = scaled_factors(factor.x, factor.rows, factor.scale)  # table: [K, H, D]
+    return window_projection(x, table.permute(1, 0, 2), window_of(rows, rows.shape[0]))
 
 
 def key_side_view(projection: Tensor, span: Span, n: int, t1: int) -> Tensor:
@@ -134,7 +134,7 @@ class BandViews:
         if query is not None:  # each span's projection, and its gradient
             self.projections = projection_buffer(query[0], spans)
             self.grad_projections = projection_buffer(query[0], spans)
-        self.last: tuple[Span, Tensor, Tensor] | None = None  # span, its view, its diagonals
+        self.last: tuple[Span, Tensor, DiagonalWindow] | None = None  # span, view, diagonals
         self.grads: list[Tensor] | None = None
 
     def __call__(self, span: Span) -> Tensor:
@@ -142,6 +142,7 @@ class BandViews:
         i0, i1, lo, hi = span
         views = []
         if self.query is not None:
+            assert self.projections is not None
             x, table, diagonal = self.query
             view, window = skewed_terms(
                 x, table, diagonal, span, self.n, self.causal, self.projections

@@ -29,6 +29,12 @@ from ._chunked_flash import (
     explicit_backward_scratch,
     explicit_span_backward,
 )
+from ._diagonal_projection import (
+    DiagonalWindow,
+    add_window_gradient,
+    project_window,
+    window_of,
+)
 from ._mask_buffer import ChunkBuffer
 from ._terms import RelativeFactors, joined_query_term, lone_query_term
 
@@ -119,6 +125,17 @@ def projection_buffer(x: Tensor, spans: list[Span]) -> ChunkBuffer:
     )
 
 
+def diagonal_window(diagonal: Tensor, span: Span, n: int, causal: bool) -> DiagonalWindow:
+    """The ``DiagonalWindow`` of span (i0, i1, lo, hi): its W = r + keys - 1 diagonals
+    from t0 = lo - (i1 - 1) + N - 1, those past key position M - N + i hidden where
+    ``causal``. diagonal: the table row of each of the N + M - 1 diagonals, int64."""
+    i0, i1, lo, hi = span
+    m = diagonal.shape[0] - n + 1  # diagonals: N + M - 1
+    t0 = lo - (i1 - 1) + n - 1
+    rows = diagonal[t0 : t0 + (i1 - i0) + (hi - lo) - 1]  # [W]
+    return window_of(rows, min(rows.shape[0], max(0, m - t0)) if causal else rows.shape[0])
+
+
 def skewed_terms(
     x: Tensor,
     table: Tensor,
@@ -126,40 +143,30 @@ def skewed_terms(
     span: Span,
     n: int,
     causal: bool,
-    out: ChunkBuffer | None = None,
-) -> tuple[Tensor, Tensor]:
+    out: ChunkBuffer,
+) -> tuple[Tensor, DiagonalWindow]:
     """The terms x_i . table[:, diagonal[j - i + N - 1]] of span (i0, i1, lo, hi) as a
-    strided view [B, H, r, keys] of the span's projection [B, H, r, W] (which it keeps
-    alive; made in ``out`` where given, no autograd then), and the table rows of its W
-    diagonals, int64 [W]. x: [B, H, N, D] (scaled); table: [H, K, D]; ``causal``: -inf
-    on the diagonals past key position M - N + i, M = keys of a span that ends at the
-    last key."""
-    i0, i1, lo, hi = span
-    rows, keys = i1 - i0, hi - lo
-    m = diagonal.shape[0] - n + 1  # diagonals: N + M - 1
-    t0 = lo - (i1 - 1) + n - 1  # the span's first diagonal
-    window = diagonal[t0 : t0 + rows + keys - 1]  # [W]
-    window_rows = table.index_select(1, window).transpose(-1, -2)  # [H, D, W]
-    # [B, H, r, D] @ [H, D, W] -> [B, H, r, W], contiguous (the rows' transpose read in place)
-    if out is None:
-        projected = torch.matmul(x[:, :, i0:i1], window_rows)
-    else:
-        shape = (x.shape[0], x.shape[1], rows, window.shape[0])
-        into = out.view(shape, torch.promote_types(x.dtype, table.dtype), x.device)
-        projected = torch.matmul(x[:, :, i0:i1], window_rows, out=into)
-    if causal:  # diagonal t reads a key after the query past t = M - 1
-        projected[..., max(0, m - t0) :] = float("-inf")
+    strided view [B, H, r, keys] of the span's projection [B, H, r, W] (made in ``out``
+    by ``project_window``, each run of one row projected once; no autograd), and its
+    ``DiagonalWindow``. x: [B, H, N, D] (scaled); table: [H, K, D], x's dtype;
+    ``causal``: -inf on the diagonals past key position M - N + i, M = keys of a span
+    that ends at the last key."""
+    i0, i1 = span[0], span[1]
+    rows, keys = i1 - i0, span[3] - span[2]
+    window = diagonal_window(diagonal, span, n, causal)
+    batch, heads, width = x.shape[0], x.shape[1], window.rows.shape[0]
+    projected = out.view((batch, heads, rows, width), x.dtype, x.device)
+    project_window(x[:, :, i0:i1], table, window, projected)
     # entry (a, c) of the span's terms is projected[..., a, c - a + r - 1]
-    b, h, width = projected.shape[0], projected.shape[1], projected.shape[-1]
-    strides = (h * rows * width, rows * width, width - 1, 1)
+    strides = (heads * rows * width, rows * width, width - 1, 1)
     start = projected.storage_offset() + rows - 1
-    return projected.as_strided((b, h, rows, keys), strides, start), window
+    return projected.as_strided((batch, heads, rows, keys), strides, start), window
 
 
 def skewed_gradient(
     grad_terms: Tensor,
     terms: Tensor,
-    window: Tensor,
+    window: DiagonalWindow,
     x: Tensor,
     table: Tensor,
     span: Span,
@@ -168,19 +175,17 @@ def skewed_gradient(
     grad_table: Tensor,
 ) -> None:
     """Adds the gradient of span's terms, dS [B, H, r, keys], into x's and the table's:
-    laid through the view ``terms`` (``skewed_terms``' first output, its diagonals' rows
-    ``window``) into the span's projection gradient [B, H, r, W] (in ``buffer``, zeroed
+    laid through the view ``terms`` (``skewed_terms``' first output, ``window`` its
+    second) into the span's projection gradient [B, H, r, W] (in ``buffer``, zeroed
     first: each (query, key) its own entry), then into x's rows, dx = dP R, and the
-    rows of the span's diagonals, dR = dPᵀ x. grad_x: [B, H, N, D]; grad_table: [H, K,
-    D]."""
+    rows of the span's diagonals, dR = dPᵀ x (``add_window_gradient``). grad_x: [B, H,
+    N, D]; grad_table: [H, K, D]."""
     i0, i1 = span[0], span[1]
-    shape = terms.shape[:2] + (i1 - i0, window.shape[0])  # [B, H, r, W]
+    shape = terms.shape[:2] + (i1 - i0, window.rows.shape[0])  # [B, H, r, W]
     grad_projected = buffer.view(shape, grad_terms.dtype, grad_terms.device).zero_()
     grad_projected.as_strided(terms.shape, terms.stride(), i1 - i0 - 1).copy_(grad_terms)
-    window_rows = table.index_select(1, window)  # [H, W, D]
-    grad_x[:, :, i0:i1] += torch.matmul(grad_projected, window_rows)
-    grad_rows = torch.einsum("bhrw,bhrd->hwd", grad_projected, x[:, :, i0:i1])
-    grad_table.index_add_(1, window, grad_rows)
+    rows_x, rows_grad_x = x[:, :, i0:i1], grad_x[:, :, i0:i1]
+    add_window_gradient(grad_projected, window, rows_x, table, rows_grad_x, grad_table)
 
 
 class _SkewedAttention(torch.autograd.Function):
