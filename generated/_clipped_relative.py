@@ -355,9 +355,13 @@ def span_terms(
     gradient, ``factors`` merged, projected as ``projected_once`` and
     ``parts_of_span`` split the work, and gathered into two buffers that every span of
     ``spans`` reuses (``gathered_terms``' scratch): a span's terms are valid until the
-    next span's are made. (The strided views of ``band_views`` serve terms that train:
-    without autograd they were 4-7% faster at 8 heads without a causal mask, but 6-11%
-    slower causal at 16, benchmarks/results/revisions_cpu_float32_band_views_inference*.md.)"""
+    next span's are made; or, where they serve (``band_views_serve``), the strided views
+    of ``band_views``, made per span (5-29% faster than the gathers without autograd at
+    N = 1024 and 2048, 8 and 16 heads, but for one case within 1%, with up to 44% more
+    peak memory for the projections over every diagonal,
+    benchmarks/results/revisions_cpu_float32_views_inference_h*.md)."""
+    if band_views_serve(factors, spans, n):
+        return band_views(factors, n, m, spans, causal)
     once, per_span = projected_once(factors)
     scratch = gather_scratch(factors, spans)
 

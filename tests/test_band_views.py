@@ -2,8 +2,8 @@
 (``_band_views``), the mask of a training step: on the clipped path's band and on the
 chunks of every key (``chunked_relative_attention``), outputs and gradients against the
 eager oracle in float64, with the views forced on at the small clips of the tests and
-spied on, so that each test runs them; calls without autograd keep the gathers; and the
-rule that picks the views at the catalogue's clips.
+spied on, so that each test runs them, with autograd and without; and the rule that
+picks the views at the catalogue's clips.
 """
 
 from __future__ import annotations
@@ -93,14 +93,38 @@ def test_the_band_as_views_matches_eager_with_gradients(
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("name", NAMES)
-def test_without_autograd_the_band_keeps_its_gathers(
+def test_without_autograd_the_band_is_views_too(
     name: str, causal: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pe = make(name)
     clipped_path(monkeypatch, pe)
     calls = force_views(monkeypatch, pe)
     eager_and_sdpa_without_grad(pe, 37, 45, causal=causal)
-    assert calls == []
+    assert calls == [False]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("name", NAMES)
+def test_views_as_a_plain_mask_where_only_values_train(
+    name: str, causal: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gradients into v alone (q, k and the relative tables frozen): the views are a
+    mask that gets no gradient; the output and v's gradient equal the eager oracle's."""
+    pe = make(name).requires_grad_(False)
+    clipped_path(monkeypatch, pe)
+    calls = force_views(monkeypatch, pe)
+    generator = torch.Generator().manual_seed(6)
+    q = torch.randn(2, 4, 37, 8, generator=generator, dtype=F64)
+    k = torch.randn(2, 2, 45, 8, generator=generator, dtype=F64)
+    v = torch.randn(2, 2, 45, 8, generator=generator, dtype=F64, requires_grad=True)
+    outputs, grads = [], []
+    for backend in ("eager", "sdpa"):
+        out = pe(q, k, v, causal=causal, backend=backend)
+        outputs.append(out)
+        grads.append(torch.autograd.grad(out.square().sum(), v)[0])
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-9, atol=1e-11)
+    assert calls == [False]
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -109,14 +133,14 @@ def test_chunks_over_every_key_as_views(
     name: str, causal: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Without the clipped path (too few keys for it): each chunk of queries over every
-    key it reads (``chunked_relative_attention``); the views only where terms train."""
+    key it reads (``chunked_relative_attention``), with autograd and without."""
     pe = make(name)
     set_runtime(monkeypatch, "CLIPPED_RELATIVE_MIN_KEYS", {False: 10**6, True: 10**6}, pe)
     set_runtime(monkeypatch, "SDPA_QUERY_CHUNK", {"cpu": 8}, pe)
     calls = force_views(monkeypatch, pe)
     assert_sdpa_matches_eager(pe, 30, 33, 2, causal=causal)
     eager_and_sdpa_without_grad(pe, 30, 33, causal=causal)
-    assert calls == [True]
+    assert calls == [True, False]
 
 
 @pytest.mark.parametrize(
