@@ -67,22 +67,33 @@ def band_views_serve(factors: list[RelativeFactors], spans: list[Span], n: int) 
     return all(width <= BAND_VIEW_MAX_WIDTH_RATIO * factor.rows.shape[0] for factor in factors)
 
 
-def key_side_projection(factor: RelativeFactors, t0: int, t1: int) -> Tensor:
+def band_keys(spans: list[Span]) -> tuple[int, int]:
+    """The first key of ``spans`` (i0, i1, lo, hi) and one past their last (of spans
+    with a pair; ``band_diagonals`` is not None)."""
+    ranges = [(lo, hi) for i0, i1, lo, hi in spans if hi > lo and i1 > i0]
+    return min(lo for lo, _ in ranges), max(hi for _, hi in ranges)
+
+
+def key_side_projection(
+    factor: RelativeFactors, t0: int, t1: int, first_key: int, end_key: int
+) -> Tensor:
     """A key-side term's s k_j . R[diagonal[t]] over the diagonals t1 down to t0 (reversed
-    order): [B, H, M, t1 - t0 + 1], contiguous."""
+    order), for keys first_key .. end_key - 1 (those the spans read: chunked prefill
+    reads few of them): [B, H, end_key - first_key, t1 - t0 + 1], contiguous."""
     assert factor.diagonal is not None  # a key-side term reads rows by diagonal
     rows = factor.diagonal[t0 : t1 + 1].flip(0)  # [W]
     x, table = scaled_factors(factor.x, factor.rows, factor.scale)  # table: [K, H, D]
-    return window_projection(x, table.permute(1, 0, 2), window_of(rows, rows.shape[0]))
+    keys = x[:, :, first_key:end_key]  # [B, H, keys, D]
+    return window_projection(keys, table.permute(1, 0, 2), window_of(rows, rows.shape[0]))
 
 
-def key_side_view(projection: Tensor, span: Span, n: int, t1: int) -> Tensor:
+def key_side_view(projection: Tensor, span: Span, n: int, t1: int, first_key: int) -> Tensor:
     """The terms [B, H, r, w] of span (i0, i1, lo, hi) in a ``key_side_projection`` over
-    .. t1: entry (i, j) at [j, t1 - (j - i + N - 1)]."""
+    .. t1 from key ``first_key``: entry (i, j) at [j - first_key, t1 - (j - i + N - 1)]."""
     i0, i1, lo, hi = span
     batch, heads, _, width = projection.shape
     strides = (projection.stride(0), projection.stride(1), 1, width - 1)
-    start = projection.storage_offset() + lo * width + (t1 - (lo - i0 + n - 1))
+    start = projection.storage_offset() + (lo - first_key) * width + (t1 - (lo - i0 + n - 1))
     return projection.as_strided((batch, heads, i1 - i0, hi - lo), strides, start)
 
 
@@ -112,7 +123,8 @@ class BandViews:
     row of each diagonal: each span projects its own queries on the diagonals it reaches
     (``skewed_terms``, -inf on the diagonals a causal mask hides), in a backward again;
     ``key``: a key-side term's ``key_side_projection`` over the diagonals ``bounds``,
-    made once for every key. None where there is no such term."""
+    made once for every key the spans read, from ``first_key``. None where there is no
+    such term."""
 
     def __init__(
         self,
@@ -121,11 +133,12 @@ class BandViews:
         n: int,
         m: int,
         bounds: tuple[int, int],
+        first_key: int,
         causal: bool,
         spans: list[Span],
     ) -> None:
         self.query, self.key, self.n, self.m = query, key, n, m
-        self.bounds, self.causal = bounds, causal
+        self.bounds, self.first_key, self.causal = bounds, first_key, causal
         self.inputs = [
             *(query[:2] if query is not None else ()),
             *([key] if key is not None else []),
@@ -152,7 +165,7 @@ class BandViews:
             self.last = (span, view, window)
             views.append(view)
         if self.key is not None:
-            views.append(key_side_view(self.key, span, self.n, self.bounds[1]))
+            views.append(key_side_view(self.key, span, self.n, self.bounds[1], self.first_key))
         some = self.inputs[0]
         shape = (views[0].shape[0], views[0].shape[1], i1 - i0, hi - lo)
         out = self.sums.view(shape, some.dtype, some.device)
@@ -170,7 +183,8 @@ class BandViews:
         if self.grads is None:
             self.grads = [torch.zeros_like(t) for t in self.inputs]
         if self.key is not None:
-            key_side_view(self.grads[-1], span, self.n, self.bounds[1]).copy_(grad_terms)
+            grad_view = key_side_view(self.grads[-1], span, self.n, self.bounds[1], self.first_key)
+            grad_view.copy_(grad_terms)
         if self.query is not None:
             assert self.last is not None and self.last[0] == span
             assert self.grad_projections is not None
@@ -196,10 +210,13 @@ def band_views(
     bounds = band_diagonals(spans, n)
     assert bounds is not None  # band_views_serve
     query, key = sides_of(factors)
-    key_projection = None if key is None else key_side_projection(key, *bounds)
+    first_key, end_key = band_keys(spans)
+    key_projection = None
+    if key is not None:
+        key_projection = key_side_projection(key, *bounds, first_key, end_key)
     query_inputs = None
     if query is not None:
         assert query.diagonal is not None  # a query-side term reads rows by diagonal
         x, rows = scaled_factors(query.x, query.rows, query.scale)
         query_inputs = (x, rows.permute(1, 0, 2).contiguous(), query.diagonal)  # [H, K, D]
-    return BandViews(query_inputs, key_projection, n, m, bounds, causal, spans)
+    return BandViews(query_inputs, key_projection, n, m, bounds, first_key, causal, spans)
