@@ -162,8 +162,9 @@ class BandViews:
             )
             self.last = (span, view, window)
             views.append(view)
-        if self.key is not None:
-            views.append(key_side_view(self.key, span, self.n, self.bounds[1], self.first_key))
+        if self.key is None:  # the query side's view, read in place (-inf where causal)
+            return views[0]
+        views.append(key_side_view(self.key, span, self.n, self.bounds[1], self.first_key))
         some = self.inputs[0]
         shape = (views[0].shape[0], views[0].shape[1], i1 - i0, hi - lo)
         out = self.sums.view(shape, some.dtype, some.device)
