@@ -10,8 +10,10 @@ view of Q with row stride W - 1 (``_skewed_relative``'s relative shift). A key-s
 s k_j . R[diagonal[t]] projected once for every key on the diagonals t0 .. t1 that any
 chunk reaches, in reversed order, K[j, t1 - t], puts the term of query i and key j at
 offset (W - 1) j + i: a view with unit stride along the queries and stride W - 1 along
-the keys. A chunk's terms are the sum of the two views, one pass with no per-pair
-index; the gathers they replace read the key side a cache line per pair. The views of
+the keys. A chunk's terms are the key-side view added into the query side's projection
+through its view (each pair its own entry), one pass with no per-pair index, and
+attention reads that view as its mask in place; the gathers they replace read the key
+side a cache line per pair. The views of
 two (query, key) pairs never share an entry, so dS goes back by copies through the same
 views: into K's gradient, and through each chunk's Q (projected again) into x and R.
 
@@ -113,9 +115,10 @@ def sides_of(factors: list[RelativeFactors]) -> tuple[RelativeFactors | None, ..
 class BandViews:
     """The terms of each span as strided views: callable on a span for its terms [B, H,
     r, w] (valid until the next span's), made when a call needs them (in a backward
-    again) in one buffer the spans reuse, so no [B, H, N, w] tensor of them exists at
-    once. As a mask of ``_ChunkedAttention`` that trains, its ``inputs`` get their
-    gradients by ``add_gradient``, dS copied back through the same views.
+    again) in the query side's projection, a buffer the spans reuse (a key-side term
+    alone: a buffer of its own), so no [B, H, N, w] tensor of them exists at once. As a
+    mask of ``_ChunkedAttention`` that trains, its ``inputs`` get their gradients by
+    ``add_gradient``, dS copied back through the same views.
 
     ``query``: a query-side term's x [B, H, N, D] (scaled), its table [H, K, D] and the
     row of each diagonal: each span projects its own queries on the diagonals it reaches
@@ -142,7 +145,7 @@ class BandViews:
             *([key] if key is not None else []),
         ]
         some = self.inputs[0]
-        self.sums = ChunkBuffer(largest_span(spans) * some.shape[0] * some.shape[1])
+        self.key_terms = ChunkBuffer(largest_span(spans) * some.shape[0] * some.shape[1])
         self.projections = self.grad_projections = None
         if query is not None:  # each span's projection, and its gradient
             self.projections = projection_buffer(query[0], spans)
@@ -164,15 +167,13 @@ class BandViews:
             views.append(view)
         if self.key is None:  # the query side's view, read in place (-inf where causal)
             return views[0]
-        views.append(key_side_view(self.key, span, self.n, self.bounds[1], self.first_key))
+        key_view = key_side_view(self.key, span, self.n, self.bounds[1], self.first_key)
+        if views:  # the key side added into the query side's projection (its own entries)
+            return views[0].add_(key_view)
         some = self.inputs[0]
-        shape = (views[0].shape[0], views[0].shape[1], i1 - i0, hi - lo)
-        out = self.sums.view(shape, some.dtype, some.device)
-        if len(views) == 2:  # one pass
-            torch.add(views[0], views[1], out=out)
-        else:
-            out.copy_(views[0])
-        if self.causal and self.query is None:
+        shape = (key_view.shape[0], key_view.shape[1], i1 - i0, hi - lo)
+        out = self.key_terms.view(shape, some.dtype, some.device).copy_(key_view)
+        if self.causal:
             out.masked_fill_(causal_block(span, self.m - self.n, out.device), float("-inf"))
         return out
 
