@@ -41,10 +41,15 @@ BAND_VIEW_MAX_WIDTH_RATIO = 2
 BAND_VIEW_DEVICES: set[str] = {"cpu"}
 
 
+def spans_with_pairs(spans: list[Span]) -> list[Span]:
+    """The spans (i0, i1, lo, hi) of ``spans`` with at least one query and one key."""
+    return [span for span in spans if span[3] > span[2] and span[1] > span[0]]
+
+
 def band_diagonals(spans: list[Span], n: int) -> tuple[int, int] | None:
     """The first and last diagonal t = j - i + N - 1 that a (query, key) pair of
     ``spans`` (i0, i1, lo, hi) lies on; None where no span has a pair."""
-    reached = [(lo - (i1 - 1), hi - 1 - i0) for i0, i1, lo, hi in spans if hi > lo and i1 > i0]
+    reached = [(lo - (i1 - 1), hi - 1 - i0) for i0, i1, lo, hi in spans_with_pairs(spans)]
     if not reached:
         return None
     return min(first for first, _ in reached) + n - 1, max(last for _, last in reached) + n - 1
@@ -72,8 +77,8 @@ def band_views_serve(factors: list[RelativeFactors], spans: list[Span], n: int) 
 def band_keys(spans: list[Span]) -> tuple[int, int]:
     """The first key of ``spans`` (i0, i1, lo, hi) and one past their last (of spans
     with a pair; ``band_diagonals`` is not None)."""
-    ranges = [(lo, hi) for i0, i1, lo, hi in spans if hi > lo and i1 > i0]
-    return min(lo for lo, _ in ranges), max(hi for _, hi in ranges)
+    pairs = spans_with_pairs(spans)
+    return min(span[2] for span in pairs), max(span[3] for span in pairs)
 
 
 def key_side_projection(

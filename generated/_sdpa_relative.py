@@ -28,13 +28,13 @@ from torch import Tensor
 from ._chunked_flash import Span, cpu_flash_serves
 from ._clipped_relative import (
     TermsAtPositions,
+    band_mask,
     band_terms,
     chunked_relative_attention,
     clipped_relative_attention,
     clipped_relative_serves,
     clipped_span_terms,
     projected_for_gathers,
-    span_terms,
     terms_train,
 )
 from ._counted_positions import (
@@ -666,7 +666,7 @@ class SdpaRelative(SdpaChunks):
                 return band_terms(parts, n, m, [span], causal)[..., : span[3] - span[2]]
 
         else:
-            span_of = span_terms(factors, n, m, causal, spans)
+            span_of = band_mask(factors, n, m, spans, causal)[0]  # views or gathers
 
         def chunk_terms(i0: int, i1: int, lo: int, hi: int) -> Tensor:
             terms = span_of((i0, i1, lo, hi))

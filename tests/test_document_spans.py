@@ -119,10 +119,10 @@ def test_packed_documents_of_relative_terms_match_eager(name: str, causal: bool)
 @pytest.mark.parametrize("name", ["bert_relative_key_query", "deberta"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_relative_terms_per_chunk_span_only_its_documents(name, causal, monkeypatch) -> None:
-    """The terms made per chunk from their projections (``span_terms``: gathered, or
+    """The terms made per chunk from their projections (``band_mask``: gathered, or
     strided views) span only the chunk's documents' keys: at most 17 of 24."""
     pe = generated_class(name)(heads=4, head_dim=8).double()
-    bands = spy_calls(monkeypatch, runtime_modules(pe), "span_terms", lambda *args: args[4])
+    bands = spy_calls(monkeypatch, runtime_modules(pe), "band_mask", lambda *args: args[3])
     q, k, v = (torch.randn(2, 4, N, 8, dtype=torch.float64) for _ in "qkv")
     with torch.no_grad():
         pe(q, k, v, backend="sdpa", document_ids=DOCUMENTS, causal=causal)

@@ -168,7 +168,7 @@ class _ChunkedAttention(torch.autograd.Function):
             ctx.mark_non_differentiable(lse)
         ctx.save_for_backward(q, k, v, mask if isinstance(mask, Tensor) else None, out, lse)
         ctx.span_mask, ctx.spans, ctx.scale, ctx.ones_column = span_mask, spans, scale, ones_column
-        ctx.views = mask if isinstance(mask, BandViews) else None
+        ctx.views = mask if isinstance(mask, BandViews) and mask_inputs else None  # to train
         return out, lse, weights
 
     @staticmethod
@@ -254,21 +254,16 @@ def chunked_relative_attention(
     query where ``causal`` masks them).
 
     q: [B, H, N, D]; k, v: [B, H, M, D] (heads repeated for GQA by the caller) -> [B, H,
-    N, D]. Where the terms' projections get gradients, every span's terms are gathered
-    at once ([B, H, N, widest]) and ``_ChunkedAttention`` gives them their gradient span
-    by span: a slice per span through autograd would zero-fill a gradient of the full
-    projections for each (BERT relative_key_query's training step at N = 512 on a
-    2-core CPU: 10.3x plain SDPA that way). Otherwise each span's terms are made when
-    its call needs them (``span_terms``), in the backward again.
+    N, D]. The terms are ``band_mask``'s: strided views made per span where they serve;
+    else, where the terms' projections get gradients, every span's terms gathered at
+    once ([B, H, N, widest]), which ``_ChunkedAttention`` gives their gradient span by
+    span (a slice per span through autograd would zero-fill a gradient of the full
+    projections for each: BERT relative_key_query's training step at N = 512 on a
+    2-core CPU took 10.3x plain SDPA that way); otherwise each span's terms when its
+    call needs them (``span_terms``), in the backward again.
     """
     n, m = q.shape[2], k.shape[2]
-    mask: Any
-    inputs: list[Tensor] = []
-    if terms_train(factors):
-        mask, inputs = trained_band_mask(factors, n, m, spans, causal)
-    else:
-        mask = span_terms(factors, n, m, causal, spans)
-
+    mask, inputs = band_mask(factors, n, m, spans, causal)
     out, _, _ = _ChunkedAttention.apply(q, k, v, mask, spans, scale, None, False, *inputs)
     return out
 
@@ -324,19 +319,27 @@ def band_terms(
     return total
 
 
-def trained_band_mask(
+def band_mask(
     factors: list[RelativeFactors], n: int, m: int, spans: list[Span], causal: bool
-) -> tuple[Tensor | BandViews, list[Tensor]]:
-    """The terms of every span of ``spans`` with autograd, ``factors`` merged, as a mask
-    of ``_ChunkedAttention`` and the tensors to pass after it (``mask_inputs``): strided
-    views of projections in diagonal order, made per span, where they serve
-    (``band_views_serve``); else ``band_terms``, gathered from the projections over the
-    table rows into one [B, H, N, widest] tensor."""
+) -> tuple[Any, list[Tensor]]:
+    """The terms of every span of ``spans``, ``factors`` merged, as a mask of
+    ``_ChunkedAttention`` and the tensors to pass after it (``mask_inputs``): where they
+    serve (``band_views_serve``), strided views of projections in diagonal order, made
+    per span, whose inputs follow where the terms train (without autograd 5-29% faster
+    than the gathers at N = 1024 and 2048, 8 and 16 heads, but for one case within 1%,
+    with up to 44% more peak memory for the projections over every diagonal,
+    benchmarks/results/revisions_cpu_float32_views_inference_h*.md); else, where the
+    terms train, ``band_terms`` gathered from the projections over the table rows into
+    one [B, H, N, widest] tensor, and otherwise each span's terms when a call needs
+    them (``span_terms``)."""
+    trains = terms_train(factors)
     if band_views_serve(factors, spans, n):
         views = band_views(factors, n, m, spans, causal)
-        return views, views.inputs
-    parts = [project_factors(factor) for factor in factors]
-    return band_terms(parts, n, m, spans, causal), []
+        return views, views.inputs if trains else []
+    if trains:
+        parts = [project_factors(factor) for factor in factors]
+        return band_terms(parts, n, m, spans, causal), []
+    return span_terms(factors, n, m, causal, spans), []
 
 
 def terms_train(factors: list[RelativeFactors]) -> bool:
@@ -353,13 +356,7 @@ def span_terms(
     gradient, ``factors`` merged, projected as ``projected_once`` and
     ``parts_of_span`` split the work, and gathered into two buffers that every span of
     ``spans`` reuses (``gathered_terms``' scratch): a span's terms are valid until the
-    next span's are made; or, where they serve (``band_views_serve``), the strided views
-    of ``band_views``, made per span (5-29% faster than the gathers without autograd at
-    N = 1024 and 2048, 8 and 16 heads, but for one case within 1%, with up to 44% more
-    peak memory for the projections over every diagonal,
-    benchmarks/results/revisions_cpu_float32_views_inference_h*.md)."""
-    if band_views_serve(factors, spans, n):
-        return band_views(factors, n, m, spans, causal)
+    next span's are made."""
     once, per_span = projected_once(factors)
     scratch = gather_scratch(factors, spans)
 
@@ -614,8 +611,8 @@ def clipped_relative_attention(
     far_left, band, far_right = band_spans(n, m, clip, causal)
     left_a, left_b = far_terms(factors, right=False)  # [., H, N], [., H, M] or None
     right_a, right_b = far_terms(factors, right=True)
-    trained_terms = terms_train(factors)
-    trains = trained_terms or (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
+    grads = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    trains = grads or terms_train(factors)
     # A_i enters a far side's log-sum-exp (softmax ignores a per-query constant); B_j
     # rides in two more features, q [q_i, 1, 0] (left) or [q_i, 0, 1] (right) against
     # k [k_j, B^L_j / s, B^R_j / s]; with gradients, v carries a column of ones
@@ -643,13 +640,7 @@ def clipped_relative_attention(
         keys = features(k)
     values = features(v, one_per_key) if trains else features(v)  # ones at value_dim
     ones_column = value_dim if trains else None
-    mask: Any
-    inputs: list[Tensor] = []
-    if trained_terms:  # [B, H, N, w], or views made per span
-        mask, inputs = trained_band_mask(factors, n, m, band, causal)
-    else:  # each chunk's terms when a call needs them (a [B, H, C, w] tensor at a time)
-        mask = span_terms(factors, n, m, causal, band)
-
+    mask, inputs = band_mask(factors, n, m, band, causal)
     band_out, band_lse, band_weights = _ChunkedAttention.apply(
         features(q), keys, values, mask, band, scale, ones_column, value_term is not None, *inputs
     )
