@@ -37,7 +37,7 @@ over every key a chunk may read, one flash call per chunk with its terms as the 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -96,6 +96,36 @@ QUERY_PROJECTION_WHOLE_BYTES = 32 << 20
 #: a span's relative terms from its queries' and keys' positions ([r] or [B, r], [w] or
 #: [B, w]): [B or 1, H, r, w], valid until the next span's are made
 TermsAtPositions = Callable[[Span, Tensor, Tensor], Tensor]
+
+
+class ClippedLayout(NamedTuple):
+    """Where the keys of each chunk of queries lie for ``clipped_relative_attention``:
+    the spans (i0, i1, lo, hi) of its far-left keys, of its band and of its far-right
+    keys (``band_spans`` at default positions), the band's terms as a mask of
+    ``_ChunkedAttention`` and the tensors that follow it (``band_mask``), and the
+    queries' and keys' positions ([N] or [B, N], [M] or [B, M]) that a value-side term
+    reads."""
+
+    far_left: list[Span]
+    band: list[Span]
+    far_right: list[Span]
+    mask: Any
+    mask_inputs: list[Tensor]
+    q_positions: Tensor
+    k_positions: Tensor
+
+
+def default_layout(
+    factors: list[RelativeFactors], n: int, m: int, clip: int, causal: bool, device: torch.device
+) -> ClippedLayout:
+    """The ``ClippedLayout`` at default positions (query i at M - N + i, key j at j),
+    ``factors`` merged."""
+    far_left, band, far_right = band_spans(n, m, clip, causal)
+    mask, inputs = band_mask(factors, n, m, band, causal)
+    q_positions = torch.arange(m - n, m, device=device)
+    return ClippedLayout(
+        far_left, band, far_right, mask, inputs, q_positions, torch.arange(m, device=device)
+    )
 
 
 def clipped_relative_serves(q: Tensor, m: int, clip: int | None, trains: bool) -> bool:
@@ -598,19 +628,26 @@ def clipped_relative_attention(
     scale: float,
     causal: bool,
     value_term: Any = None,
+    layout: ClippedLayout | None = None,
 ) -> Tensor:
-    """Attention with relative terms clipped at ``clip`` at default positions (the
-    queries are the last N of M keys), causal or not (see the module docstring).
+    """Attention with relative terms clipped at ``clip``, causal or not (see the module
+    docstring): at default positions (the queries are the last N of M keys), or where
+    ``layout`` gives the spans and the band's terms (``_position_band``: explicit
+    positions).
 
     q: [B, H, N, D]; k: [B, H, M, D]; v: [B, H, M, value_dim] (heads repeated for GQA by
     the caller); factors: ``_relative_factors(q, k, dtype, causal)``, projected over
-    their rows for the band; ``value_term(weights, q_positions, k_positions)``: the
-    encoding's ``_value_term``, or None. Returns [B, H, N, value_dim] in q's dtype.
+    their rows for the band (with ``layout``, those its band's terms were made of);
+    ``value_term(weights, q_positions, k_positions)``: the encoding's ``_value_term``,
+    or None. Returns [B, H, N, value_dim] in q's dtype.
     """
     batch, heads, n, dim = q.shape
     m, value_dim = k.shape[2], v.shape[-1]
     factors = merged_factors(factors)
-    far_left, band, far_right = band_spans(n, m, clip, causal)
+    if layout is None:
+        layout = default_layout(factors, n, m, clip, causal, q.device)
+    far_left, band, far_right = layout.far_left, layout.band, layout.far_right
+    q_positions, k_positions = layout.q_positions, layout.k_positions
     left_a, left_b = far_terms(factors, right=False)  # [., H, N], [., H, M] or None
     right_a, right_b = far_terms(factors, right=True)
     grads = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
@@ -642,15 +679,22 @@ def clipped_relative_attention(
         keys = features(k)
     values = features(v, one_per_key) if trains else features(v)  # ones at value_dim
     ones_column = value_dim if trains else None
-    mask, inputs = band_mask(factors, n, m, band, causal)
     band_out, band_lse, band_weights = _ChunkedAttention.apply(
-        features(q), keys, values, mask, band, scale, ones_column, value_term is not None, *inputs
+        features(q),
+        keys,
+        values,
+        layout.mask,
+        band,
+        scale,
+        ones_column,
+        value_term is not None,
+        *layout.mask_inputs,
     )
-    pieces: list[tuple[Tensor, Tensor, int | None]] = [(band_out, band_lse, None)]
+    pieces: list[tuple[Tensor, Tensor, Tensor | None]] = [(band_out, band_lse, None)]
     one_per_query, zero_per_query = q.new_ones(1, 1, n, 1), q.new_zeros(1, 1, n, 1)
     for spans, per_query, selector, far_key in (
-        (far_left, left_a, (one_per_query, zero_per_query), 0),
-        (far_right, right_a, (zero_per_query, one_per_query), m - 1),
+        (far_left, left_a, (one_per_query, zero_per_query), k_positions[..., :1]),
+        (far_right, right_a, (zero_per_query, one_per_query), k_positions[..., -1:]),
     ):
         if all(hi <= lo for _, _, lo, hi in spans):
             continue
@@ -670,10 +714,9 @@ def clipped_relative_attention(
         part = share * out[..., :value_dim]
         result = part if result is None else result + part
         if value_term is not None and side_key is not None:
-            # that side's total weight times its row of the value table
-            positions = torch.arange(m - n, m, device=q.device)
-            key = torch.full((1,), side_key, dtype=torch.int64, device=q.device)
-            result = result + value_term(share, positions, key)
+            # that side's total weight times its row of the value table, read at the
+            # side's farthest key
+            result = result + value_term(share, q_positions, side_key)
     assert result is not None
     if value_term is not None:
         # the band's weights (softmax over the band alone), rescaled to the union
@@ -682,8 +725,7 @@ def clipped_relative_attention(
         terms = []
         chunks = weights.split(CLIPPED_RELATIVE_QUERY_CHUNK, dim=2)  # one per span of band
         for (i0, i1, lo, hi), chunk in zip(band, chunks, strict=True):
-            positions = torch.arange(m - n + i0, m - n + i1, device=q.device)
-            keys_of_span = torch.arange(lo, hi, device=q.device)
-            terms.append(value_term(chunk[..., : hi - lo], positions, keys_of_span))
+            rows_at, keys_at = q_positions[..., i0:i1], k_positions[..., lo:hi]
+            terms.append(value_term(chunk[..., : hi - lo], rows_at, keys_at))
         result = result + torch.cat(terms, dim=2)
     return result

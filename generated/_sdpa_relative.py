@@ -61,6 +61,7 @@ from ._masks import (
     sum_into_new,
 )
 from ._numerics import compute_dtype
+from ._position_band import position_layout
 from ._ranged_relative import (
     ranged_attention_at_positions,
     ranged_diagonals,
@@ -192,7 +193,9 @@ class SdpaRelative(SdpaChunks):
         CoPE (``_counted_position_table``), in eager mode on the CPU, past a decode
         step's queries and with no attn_mask that trains
         (``counted_position_attention_serves``): one node over chunks of queries
-        (``_sdpa_counted``). Else at
+        (``_sdpa_counted``). Clipped terms at sorted explicit positions with no
+        attn_mask, window, documents or position bias: the clipped path with its band
+        found by position (``_clipped_at_positions``, CPU). Else at
         default positions, with no attn_mask or position bias, in this order: the
         clipped path (``clipped_relative_attention``, CPU); for more than a few queries
         and no value-side term, a lone query-side term as a strided view of each
@@ -251,6 +254,19 @@ class SdpaRelative(SdpaChunks):
                     q, heads_k, heads_v, relative_factors, clipped, self.scale, causal, value_term
                 )
                 return out.to(v.dtype)
+        if (
+            clipped is not None
+            and not default
+            and document_ids is None
+            and attn_mask is None
+            and window is None
+            and not self.has_position_bias
+            and clipped_relative_serves(q, m, clipped, self._trains_step(q, k, v))
+        ):
+            # sorted positions: the band and far keys found by position
+            by_position = self._clipped_at_positions(q, k, v, q_positions, k_positions, causal)
+            if by_position is not None:
+                return by_position
         by_parts = (
             q_positions is None
             and k_positions is None
@@ -358,6 +374,37 @@ class SdpaRelative(SdpaChunks):
             out = torch.matmul(weights, v.to(dtype))
             return (out + self._value_term(weights, q_positions, k_positions)).to(v.dtype)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), scale=self.scale)
+        return out.to(v.dtype)
+
+    def _clipped_at_positions(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        q_positions: Tensor | None,
+        k_positions: Tensor | None,
+        causal: bool,
+    ) -> Tensor | None:
+        """``clipped_relative_attention`` at explicit positions, its band and far keys
+        found by position (``position_layout``), where the positions are sorted; else
+        None. Before, each chunk of queries had its terms gathered per pair over every
+        key it may read."""
+        n, m = q.shape[2], k.shape[2]
+        q_positions = positions_or_default(q_positions, m - n, n, q.device)
+        k_positions = positions_or_default(k_positions, 0, m, q.device)
+        groups = q.shape[1] // k.shape[1]
+        heads_k, heads_v = repeat_kv(k, groups), repeat_kv(v, groups)
+        factors = self._clipped_relative_factors(q, heads_k, compute_dtype(q))
+        clip = self.relative_clip
+        if not factors or clip is None:
+            return None
+        layout = position_layout(factors, q_positions, k_positions, clip, causal)
+        if layout is None:
+            return None
+        value_term = self._value_term if self.has_value_term else None
+        out = clipped_relative_attention(
+            q, heads_k, heads_v, factors, clip, self.scale, causal, value_term, layout
+        )
         return out.to(v.dtype)
 
     def _sdpa_relative_in_chunks(

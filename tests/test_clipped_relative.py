@@ -232,9 +232,10 @@ def test_what_the_path_leaves_to_the_dense_terms(monkeypatch) -> None:
     serve_short(monkeypatch, pe)
     route = spy_query_shapes(monkeypatch, pe, "clipped_relative_attention")
     n = m = 40
-    positions = torch.arange(0, 2 * m, 2)  # no shift of the defaults (they take their paths)
+    # positions not sorted (sorted ones take the path: tests/test_position_band.py)
+    positions = torch.arange(0, 2 * m, 2)
     _run(pe, n, m, window=5)
-    _run(pe, n, m, q_positions=positions, k_positions=positions)
+    _run(pe, n, m, q_positions=positions.flip(0), k_positions=positions)
     _run(pe, n, m, attn_mask=torch.ones(n, m, dtype=torch.bool))
     _run(pe, n, m, document_ids=torch.zeros(m, dtype=torch.int64))
     _run(pe, n, m, dtype=torch.bfloat16)

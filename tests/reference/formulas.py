@@ -394,6 +394,8 @@ def shaw_relative_attention(
     clip: int,
     scale: float | None = None,
     causal: bool = False,
+    q_positions: Tensor | list[int] | None = None,
+    k_positions: Tensor | list[int] | None = None,
 ) -> Tensor:
     """Relation-aware self-attention, Shaw, Uszkoreit & Vaswani 2018 (arXiv:1803.02155), Sec. 3.
 
@@ -407,6 +409,8 @@ def shaw_relative_attention(
     ``q`` is ``[..., N, d]``, ``k``/``v`` ``[..., M, d]``; ``rel_k``/``rel_v`` are ``[2c+1, d]``
     (shared across heads, as in the paper). ``scale`` defaults to ``1/sqrt(d)`` (the paper's
     ``1/sqrt(d_z)``). ``causal=True`` masks keys with ``j > i``. Literal double loop over i, j.
+    ``q_positions`` / ``k_positions`` (1-D, length N / M): the positions that stand for i
+    and j in every formula above (default: the indices themselves).
     """
     if clip < 0:
         raise ValueError(f"clip must be >= 0, got {clip}")
@@ -417,15 +421,18 @@ def shaw_relative_attention(
     n, m = q64.shape[-2], k64.shape[-2]
     s = 1.0 / math.sqrt(q64.shape[-1]) if scale is None else float(scale)
 
+    q_at = list(range(n)) if q_positions is None else _as_int_list(q_positions)
+    k_at = list(range(m)) if k_positions is None else _as_int_list(k_positions)
+
     def rel_index(i: int, j: int) -> int:
-        return min(max(j - i, -clip), clip) + clip
+        return min(max(k_at[j] - q_at[i], -clip), clip) + clip
 
     lead = torch.broadcast_shapes(q64.shape[:-2], k64.shape[:-2])
     outputs = []
     for i in range(n):
         row_logits = []
         for j in range(m):
-            if causal and j > i:
+            if causal and k_at[j] > q_at[i]:
                 row_logits.append(torch.full(lead, float("-inf"), dtype=F64))
                 continue
             key = k64[..., j, :] + rk[rel_index(i, j)]

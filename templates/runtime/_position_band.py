@@ -1,0 +1,188 @@
+"""The clipped path's band at explicit positions (``clipped_relative_attention``, CPU).
+
+Where the relative terms are clipped at K (``relative_clip``: Shaw et al. 2018, BERT's
+relative_key and relative_key_query, Huang et al. 2020, DeBERTa's log buckets, He et
+al. 2021), query position p_i and key position s_j read row
+diagonal[clip(s_j - p_i, -K, K) + K] of the 2K + 1 rows of
+``_clipped_relative_factors``. With both positions sorted (non-decreasing along the
+sequence), the keys at s_j <= min p - K of a chunk of queries are a prefix of the keys
+and those at s_j >= max p + K a suffix, and every pair with one of them reads the row
+at -K or at K: they are the far keys of ``clipped_relative_attention``, plain flash
+attention with one more feature per key, as at default positions. Only the band between
+them has its terms gathered per pair, at its positions (``terms_at_positions``), where
+before every key a chunk may read was.
+
+Batched positions ([B, N] and [B, M]) take the prefix that is far for every batch row
+and the suffix likewise; the band's terms and its causal mask are per batch row. Causal
+means key position <= query position, as for every other path. Deciding the layout reads
+the positions on the host (sortedness, the spans, and under a causal mask that every
+query has a key at or before it in its band): eager mode only, as the clipped path is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._chunked_flash import Span
+from ._clipped_relative import (
+    CLIPPED_RELATIVE_QUERY_CHUNK,
+    ClippedLayout,
+    clipped_span_terms,
+    gathered_terms,
+    projected_for_gathers,
+    terms_train,
+)
+from ._terms import RelativeFactors
+
+
+def position_layout(
+    factors: list[RelativeFactors],
+    q_positions: Tensor,
+    k_positions: Tensor,
+    clip: int,
+    causal: bool,
+) -> ClippedLayout | None:
+    """The ``ClippedLayout`` of queries at ``q_positions`` ([N] or [B, N], int64) and keys
+    at ``k_positions`` ([M] or [B, M]) for terms clipped at ``clip`` (``factors``: the
+    merged ``_clipped_relative_factors``); None where it does not serve: positions not
+    sorted, or under ``causal`` a query with no key at or before it in its band (its
+    band's row would be all -inf)."""
+    q_pos, k_pos = _batched(q_positions, k_positions)  # [P, N], [P, M]
+    if not bool(_sorted(q_pos) and _sorted(k_pos)):
+        return None
+    spans = _position_spans(q_pos, k_pos, clip, causal)
+    if spans is None:
+        return None
+    far_left, band, far_right = spans
+    if terms_train(factors):
+        parts = [projected_for_gathers(factor) for factor in factors]
+        mask: Any = _band_terms(parts, q_pos, k_pos, band, clip, causal)
+    else:
+        mask = _span_terms(factors, q_pos, k_pos, band, clip, causal)
+    return ClippedLayout(far_left, band, far_right, mask, [], q_positions, k_positions)
+
+
+def _batched(q_positions: Tensor, k_positions: Tensor) -> tuple[Tensor, Tensor]:
+    """Both positions as [P, N] and [P, M], P the batch where either has one, else 1,
+    contiguous (as ``torch.searchsorted`` reads them without a copy and a warning)."""
+    q_pos = q_positions.reshape(-1, q_positions.shape[-1])
+    k_pos = k_positions.reshape(-1, k_positions.shape[-1])
+    rows = max(q_pos.shape[0], k_pos.shape[0])
+    return q_pos.expand(rows, -1).contiguous(), k_pos.expand(rows, -1).contiguous()
+
+
+def _sorted(positions: Tensor) -> Tensor:
+    """Whether each row of ``positions`` [P, L] is non-decreasing (a 0-d bool)."""
+    return (positions[:, 1:] >= positions[:, :-1]).all()
+
+
+def _position_spans(
+    q_pos: Tensor, k_pos: Tensor, clip: int, causal: bool
+) -> tuple[list[Span], list[Span], list[Span]] | None:
+    """Per chunk of ``CLIPPED_RELATIVE_QUERY_CHUNK`` queries, the spans of its far-left
+    keys (at least ``clip`` before each of its queries, in every batch row), of its band
+    and of its far-right keys (at least ``clip`` after; none when ``causal``), from
+    sorted positions q_pos [P, N] and k_pos [P, M]; None where ``causal`` leaves a query
+    no key in its band. One host sync."""
+    n, m = q_pos.shape[-1], k_pos.shape[-1]
+    starts = torch.arange(0, n, CLIPPED_RELATIVE_QUERY_CHUNK, device=q_pos.device)  # [S]
+    ends = (starts + CLIPPED_RELATIVE_QUERY_CHUNK).clamp(max=n)
+    first, last = q_pos[:, starts], q_pos[:, ends - 1]  # [P, S]: each chunk's extremes
+    # keys at s <= first - K, and the first key at s >= last + K, over every batch row
+    left = torch.searchsorted(k_pos, first - clip, right=True).amin(0)  # [S]
+    right = torch.searchsorted(k_pos, last + clip).amax(0)  # [S]
+    # the keys each chunk reads: those at s <= last under a causal mask
+    hi = torch.searchsorted(k_pos, last, right=True).amax(0) if causal else torch.full_like(left, m)
+    lo = torch.minimum(left, hi)  # [S]: the band's first key
+    band_end = torch.maximum(lo, torch.minimum(right, hi))  # [S]: past its last
+    if causal:
+        # every query has a key at or before it, and one in its chunk's band unless the
+        # band is empty (the CPU flash kernel gives a row masked throughout a
+        # log-sum-exp of 0, not -inf)
+        reach = torch.searchsorted(k_pos, q_pos, right=True)  # [P, N]: keys at s <= p
+        sizes = ends - starts
+        band_first = lo.repeat_interleave(sizes)  # [N]
+        band_empty = (band_end <= lo).repeat_interleave(sizes)  # [N]
+        rows_served = ((reach > band_first) | band_empty) & (reach > 0)
+    else:
+        rows_served = torch.ones(1, dtype=torch.bool, device=q_pos.device)
+    served = rows_served.all().unsqueeze(0).long()
+    bounds = torch.cat([lo, band_end, hi, served]).tolist()  # one sync
+    if not bounds[-1]:
+        return None
+    count = len(starts)
+    far_left, band, far_right = [], [], []
+    for chunk in range(count):
+        i0 = chunk * CLIPPED_RELATIVE_QUERY_CHUNK
+        i1 = min(n, i0 + CLIPPED_RELATIVE_QUERY_CHUNK)
+        first_band, past_band = bounds[chunk], bounds[count + chunk]
+        far_left.append((i0, i1, 0, first_band))
+        band.append((i0, i1, first_band, past_band))
+        far_right.append((i0, i1, past_band, bounds[2 * count + chunk]))
+    return far_left, band, far_right
+
+
+def _pair_entries(
+    q_pos: Tensor, k_pos: Tensor, keys: Tensor, clip: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """For queries at q_pos [P, r] against the key indices ``keys`` [r, w] (each row a
+    query's keys), each pair's diagonal among the 2K + 1, clip(s - p, -K, K) + K,
+    [P, r, w], and the pairs' key and query positions ([P, r, w], [P, r, 1])."""
+    keys_at = k_pos[:, keys]  # [P, r, w]
+    queries_at = q_pos.unsqueeze(-1)  # [P, r, 1]
+    entry = (keys_at - queries_at).clamp(-clip, clip) + clip
+    return entry, keys_at, queries_at
+
+
+def _band_terms(
+    parts: list[Any],
+    q_pos: Tensor,
+    k_pos: Tensor,
+    band: list[Span],
+    clip: int,
+    causal: bool,
+) -> Tensor:
+    """The band's terms of every query at once, gathered through autograd from the
+    projections ``parts`` (``projected_for_gathers``): [B or 1, H, N, width], column w
+    of query i at key lo + w of its span (columns past the span filled but unread),
+    -inf where ``causal`` masks the pair (key position after the query's)."""
+    device = q_pos.device
+    width = max(hi - lo for _, _, lo, hi in band)
+    starts = torch.tensor(
+        [lo for i0, i1, lo, _ in band for _ in range(i0, i1)], dtype=torch.int64, device=device
+    )  # [N]
+    m = k_pos.shape[-1]
+    keys = (starts.unsqueeze(1) + torch.arange(width, device=device)).clamp(max=m - 1)  # [N, w]
+    entry, keys_at, queries_at = _pair_entries(q_pos, k_pos, keys, clip)
+    total = gathered_terms(parts, entry, keys, 0)
+    if causal:
+        total = total.masked_fill_((keys_at > queries_at).unsqueeze(1), float("-inf"))
+    return total
+
+
+def _span_terms(
+    factors: list[RelativeFactors],
+    q_pos: Tensor,
+    k_pos: Tensor,
+    band: list[Span],
+    clip: int,
+    causal: bool,
+) -> Any:
+    """span -> its band terms at its positions ([B or 1, H, r, w], -inf where ``causal``
+    masks the pair), for terms that get no gradient: gathered into buffers the spans
+    reuse (``clipped_span_terms``), so valid until the next span's."""
+    terms_of = clipped_span_terms(factors, clip, band)
+
+    def terms(span: Span) -> Tensor:
+        i0, i1, lo, hi = span
+        rows_at, keys_at = q_pos[:, i0:i1], k_pos[:, lo:hi]
+        terms = terms_of(span, rows_at, keys_at)
+        if causal:
+            later = keys_at.unsqueeze(-2) > rows_at.unsqueeze(-1)  # [P, r, w]
+            terms = terms.masked_fill_(later.unsqueeze(1), float("-inf"))
+        return terms
+
+    return terms

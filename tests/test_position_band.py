@@ -1,0 +1,249 @@
+"""Relative terms clipped at a distance at explicit, sorted positions on the CPU's sdpa
+backend: the clipped path's band and far keys found by position (``_position_band``,
+``clipped_relative_attention`` with a layout).
+
+Checked against Shaw et al. 2018's formula in float64 (tests/reference/formulas.py) at
+explicit positions, and, outputs and gradients into q, k, v and every parameter, against
+the eager oracle for every kind of clipped term (query side, both sides, a value-side
+term) at positions spread out, batched, repeated and of queries between the keys; the
+spans against hand-worked ones; and the positions the path leaves to the chunks.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import pytest
+import torch
+
+from tests.conftest import (
+    assert_sdpa_matches_eager,
+    generated_class,
+    runtime_modules,
+    set_runtime,
+    small_clip_module,
+    spy_query_shapes,
+)
+from tests.reference import formulas
+
+position_band = importlib.import_module("generated._position_band")
+F64 = torch.float64
+N, M = 30, 40
+NAMES = ["shaw", "bert_relative_key", "bert_relative_key_query", "deberta"]
+KEYS = torch.arange(M)
+CASES: dict[str, dict[str, torch.Tensor]] = {
+    # the defaults' layout two apart: bands of about half the keys
+    "stride 2": {"q_positions": 2 * torch.arange(M - N, M) + 5, "k_positions": 2 * KEYS + 5},
+    # queries between the keys, three apart against two
+    "queries between keys": {"q_positions": 3 * torch.arange(N) + 1, "k_positions": 2 * KEYS},
+    "batched": {
+        "q_positions": torch.stack([torch.arange(M - N, M), 2 * torch.arange(M - N, M) + 1]),
+        "k_positions": torch.stack([KEYS, 2 * KEYS]),
+    },
+    # positions repeated (two tokens at each), queries past every key
+    "repeated": {"q_positions": torch.arange(N) // 2 + 10, "k_positions": KEYS // 2},
+}
+
+
+def serve_short(monkeypatch: pytest.MonkeyPatch, pe: torch.nn.Module, rows: int = 8) -> None:
+    """``pe``'s clipped path in chunks of ``rows`` queries, at any number of keys."""
+    set_runtime(monkeypatch, "CLIPPED_RELATIVE_QUERY_CHUNK", rows, pe)
+    set_runtime(monkeypatch, "CLIPPED_RELATIVE_MIN_KEYS", {False: 0, True: 0}, pe)
+    set_runtime(monkeypatch, "CLIPPED_RELATIVE_MIN_QUERIES", 0, pe)
+
+
+def layouts(monkeypatch: pytest.MonkeyPatch, pe: torch.nn.Module) -> list[bool]:
+    """One record per ``position_layout`` call: whether it served (gave a layout)."""
+    served: list[bool] = []
+    for module in runtime_modules(pe):
+        if "position_layout" not in vars(module):
+            continue
+        original = vars(module)["position_layout"]
+
+        def spy(*args: Any, _original: Any = original) -> Any:
+            layout = _original(*args)
+            served.append(layout is not None)
+            return layout
+
+        monkeypatch.setattr(module, "position_layout", spy)
+    return served
+
+
+def inputs(n: int = N, m: int = M, kv_heads: int = 2, seed: int = 5) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    shapes = [(2, 4, n, 8), (2, kv_heads, m, 8), (2, kv_heads, m, 8)]
+    return [torch.randn(*shape, generator=generator, dtype=F64) for shape in shapes]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("name", NAMES)
+def test_the_band_by_position_matches_eager_with_gradients(
+    name: str, case: str, causal: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Clips of 2-3 rows, chunks of 8 queries (far keys on both sides of most chunks):
+    the output and the gradients into q, k, v and the tables equal the eager oracle's,
+    and so does a call without autograd (each chunk's terms gathered into buffers)."""
+    pe = small_clip_module(name)
+    serve_short(monkeypatch, pe)
+    served = layouts(monkeypatch, pe)
+    route = spy_query_shapes(monkeypatch, pe, "clipped_relative_attention")
+    assert_sdpa_matches_eager(pe, N, M, 2, causal=causal, **CASES[case])
+    q, k, v = inputs()
+    with torch.no_grad():
+        got = pe(q, k, v, causal=causal, backend="sdpa", **CASES[case])
+        want = pe(q, k, v, causal=causal, backend="eager", **CASES[case])
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    assert served == [True] * 2  # a call with autograd, one without
+    assert route == [(2, 4, N, 8)] * 2
+
+
+@pytest.mark.parametrize("name", ["bert_relative_key_query", "deberta"])
+def test_frozen_tables_and_a_query_side_per_chunk(name: str, monkeypatch) -> None:
+    """Tables that do not train, gradients into q, k, v only: the band's terms come per
+    chunk, in the backward again; with ``QUERY_PROJECTION_WHOLE_BYTES`` 0 each chunk
+    projects its own queries."""
+    pe = small_clip_module(name).requires_grad_(False)
+    serve_short(monkeypatch, pe)
+    set_runtime(monkeypatch, "QUERY_PROJECTION_WHOLE_BYTES", 0, pe)
+    served = layouts(monkeypatch, pe)
+    q, k, v = (t.requires_grad_() for t in inputs())
+    for causal in (False, True):
+        options = {"causal": causal, **CASES["stride 2"]}
+        got = pe(q, k, v, backend="sdpa", **options)
+        want = pe(q, k, v, backend="eager", **options)
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+        got_grads = torch.autograd.grad(got.square().sum(), (q, k, v))
+        want_grads = torch.autograd.grad(want.square().sum(), (q, k, v))
+        for a, b in zip(got_grads, want_grads, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+    assert served == [True, True]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_shaw_at_explicit_positions_matches_the_paper_formula(causal: bool, monkeypatch) -> None:
+    """The catalogue's Shaw (clip 16) with 48 queries at positions 3 apart against 64
+    keys at uneven sorted positions, against z_i = sum_j a_ij (v_j + R^V[clip(s_j -
+    p_i)]) with a_ij = softmax(q_i . (k_j + R^K[clip(s_j - p_i)]) / sqrt(d))."""
+    pe = generated_class("shaw")(heads=2, head_dim=4).double()
+    serve_short(monkeypatch, pe, rows=16)
+    route = spy_query_shapes(monkeypatch, pe, "clipped_relative_attention")
+    generator = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 2, 48, 4, generator=generator, dtype=F64)
+    k, v = (torch.randn(2, 2, 64, 4, generator=generator, dtype=F64) for _ in "kv")
+    rel_k, rel_v = (torch.randn(33, 4, generator=generator, dtype=F64) for _ in "kv")
+    with torch.no_grad():
+        pe.distance_embedding.weight.copy_(rel_k)
+        pe.value_embedding.weight.copy_(rel_v)
+    q_positions = 3 * torch.arange(48) + 20
+    k_positions = torch.randint(1, 5, (64,), generator=generator).cumsum(0)  # gaps of 1 to 4
+    expected = formulas.shaw_relative_attention(
+        q, k, v, rel_k, rel_v, clip=16, causal=causal, q_positions=q_positions,
+        k_positions=k_positions,
+    )  # fmt: skip
+    out = pe(
+        q, k, v, causal=causal, backend="sdpa", q_positions=q_positions, k_positions=k_positions
+    )
+    torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-10)
+    assert route == [(2, 2, 48, 4)]
+
+
+def test_the_spans_by_position() -> None:
+    """Chunks of 3 queries at 4, 5, 6 | 9, 10, 20 against keys at 0, 2, ..., 22, clip 3:
+    far left are the keys at or below the chunk's first position minus 3, far right
+    those at or above its last plus 3 (under a causal mask, only keys at or below its
+    last position are read)."""
+    chunk = position_band.CLIPPED_RELATIVE_QUERY_CHUNK
+    try:
+        position_band.CLIPPED_RELATIVE_QUERY_CHUNK = 3
+        q_pos = torch.tensor([[4, 5, 6, 9, 10, 20]])
+        k_pos = 2 * torch.arange(12).unsqueeze(0)  # 0, 2, ..., 22
+        spans = position_band._position_spans(q_pos, k_pos, 3, False)
+        causal_spans = position_band._position_spans(q_pos, k_pos, 3, True)
+    finally:
+        position_band.CLIPPED_RELATIVE_QUERY_CHUNK = chunk
+    # chunk 1: keys <= 1 (index 0) far left, >= 9 (index 5 on) far right
+    # chunk 2: keys <= 6 (indices 0-3) far left, >= 23 (none) far right
+    assert spans == (
+        [(0, 3, 0, 1), (3, 6, 0, 4)],
+        [(0, 3, 1, 5), (3, 6, 4, 12)],
+        [(0, 3, 5, 12), (3, 6, 12, 12)],
+    )
+    # causal: chunk 1 reads keys <= 6 (indices 0-3), chunk 2 keys <= 20 (0-10)
+    assert causal_spans == (
+        [(0, 3, 0, 1), (3, 6, 0, 4)],
+        [(0, 3, 1, 4), (3, 6, 4, 11)],
+        [(0, 3, 4, 4), (3, 6, 11, 11)],
+    )
+
+
+BATCHED_KEYS = torch.stack([KEYS, 3 * KEYS])
+NOT_SERVED: dict[str, dict[str, Any]] = {
+    "queries not sorted": {"q_positions": torch.arange(N).flip(0), "k_positions": KEYS},
+    "keys not sorted in one batch row": {
+        "k_positions": torch.stack([KEYS, KEYS.roll(1)]),
+        "q_positions": torch.arange(N),
+    },
+    # causal: the first queries come before every key
+    "a query with no key": {"q_positions": torch.arange(N), "k_positions": KEYS + 5},
+    # causal: positions 0 .. 9 ten times over; each chunk's keys at or before its first
+    # query lie 3 or more before it, while its band holds later keys
+    "a query whose keys are all far": {
+        "q_positions": torch.arange(N) + 6,
+        "k_positions": torch.cat([torch.zeros(M - 10, dtype=torch.int64), 20 + torch.arange(10)]),
+    },
+}
+
+
+@pytest.mark.parametrize("case", sorted(NOT_SERVED))
+def test_positions_the_band_leaves_to_the_chunks(case: str, monkeypatch) -> None:
+    """Unsorted positions, and under a causal mask a query left with no key or none in
+    its band while the band holds keys (the CPU flash kernel would give that row a
+    log-sum-exp of 0): the layout declines and the chunks' path serves, as eager."""
+    pe = small_clip_module("bert_relative_key_query")
+    serve_short(monkeypatch, pe)
+    served = layouts(monkeypatch, pe)
+    route = spy_query_shapes(monkeypatch, pe, "clipped_relative_attention")
+    q, k, v = inputs()
+    options = {"causal": True, **NOT_SERVED[case]}
+    with torch.no_grad():
+        got = pe(q, k, v, backend="sdpa", **options)
+        want = pe(q, k, v, backend="eager", **options)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, equal_nan=True)
+    assert served == [False]
+    assert route == []
+
+
+def test_masks_and_documents_keep_the_chunks(monkeypatch) -> None:
+    """A window, documents or an attn_mask at explicit positions: the band by position
+    does not serve (the masks are not in its layout)."""
+    pe = small_clip_module("deberta")
+    serve_short(monkeypatch, pe)
+    served = layouts(monkeypatch, pe)
+    q, k, v = inputs()
+    given = CASES["stride 2"]
+    for extra in (
+        {"window": 9},
+        {"document_ids": (KEYS >= 20).long()},
+        {"attn_mask": torch.ones(N, M, dtype=torch.bool)},
+    ):
+        with torch.no_grad():
+            got = pe(q, k, v, backend="sdpa", **given, **extra)
+            want = pe(q, k, v, backend="eager", **given, **extra)
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    assert served == []
+
+
+def test_grouped_queries_and_float32(monkeypatch) -> None:
+    """One key head for four query heads, float32: within float32 error of the float64
+    oracle, through the band by position."""
+    pe = small_clip_module("bert_relative_key_query")
+    serve_short(monkeypatch, pe)
+    served = layouts(monkeypatch, pe)
+    q, k, v = inputs(kv_heads=1)
+    given = {"causal": True, **CASES["queries between keys"]}
+    want = pe(q, k, v, backend="eager", **given)
+    got = pe.float()(q.float(), k.float(), v.float(), backend="sdpa", **given)
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+    assert served == [True]
