@@ -307,8 +307,7 @@ def band_spans(
     far-left keys (at least ``clip`` before every query of the chunk), of the band, and
     of the far-right keys (at least ``clip`` after every query; none when causal)."""
     far_left, band, far_right = [], [], []
-    for i0 in range(0, n, CLIPPED_RELATIVE_QUERY_CHUNK):
-        i1 = min(n, i0 + CLIPPED_RELATIVE_QUERY_CHUNK)
+    for i0, i1 in clipped_query_chunks(n):
         first, last = m - n + i0, m - n + i1 - 1  # the chunk's query positions
         hi = last + 1 if causal else m
         left = max(0, min(hi, first - clip + 1))
@@ -317,6 +316,13 @@ def band_spans(
         band.append((i0, i1, left, right))
         far_right.append((i0, i1, right, hi))
     return far_left, band, far_right
+
+
+def clipped_query_chunks(n: int) -> list[tuple[int, int]]:
+    """The chunks (i0, i1) of ``CLIPPED_RELATIVE_QUERY_CHUNK`` queries (the last one
+    shorter) that the clipped path takes N queries in."""
+    chunk = CLIPPED_RELATIVE_QUERY_CHUNK
+    return [(i0, min(n, i0 + chunk)) for i0 in range(0, n, chunk)]
 
 
 def band_terms(

@@ -30,8 +30,8 @@ from torch import Tensor
 
 from ._chunked_flash import Span
 from ._clipped_relative import (
-    CLIPPED_RELATIVE_QUERY_CHUNK,
     ClippedLayout,
+    clipped_query_chunks,
     clipped_span_terms,
     gathered_terms,
     projected_for_gathers,
@@ -84,14 +84,14 @@ def _sorted(positions: Tensor) -> Tensor:
 def _position_spans(
     q_pos: Tensor, k_pos: Tensor, clip: int, causal: bool
 ) -> tuple[list[Span], list[Span], list[Span]] | None:
-    """Per chunk of ``CLIPPED_RELATIVE_QUERY_CHUNK`` queries, the spans of its far-left
+    """Per chunk of queries (``clipped_query_chunks``), the spans of its far-left
     keys (at least ``clip`` before each of its queries, in every batch row), of its band
     and of its far-right keys (at least ``clip`` after; none when ``causal``), from
     sorted positions q_pos [P, N] and k_pos [P, M]; None where ``causal`` leaves a query
     no key in its band. One host sync."""
     n, m = q_pos.shape[-1], k_pos.shape[-1]
-    starts = torch.arange(0, n, CLIPPED_RELATIVE_QUERY_CHUNK, device=q_pos.device)  # [S]
-    ends = (starts + CLIPPED_RELATIVE_QUERY_CHUNK).clamp(max=n)
+    chunks = clipped_query_chunks(n)
+    starts, ends = torch.tensor(chunks, dtype=torch.int64, device=q_pos.device).unbind(1)  # [S]
     first, last = q_pos[:, starts], q_pos[:, ends - 1]  # [P, S]: each chunk's extremes
     # keys at s <= first - K, and the first key at s >= last + K, over every batch row
     left = torch.searchsorted(k_pos, first - clip, right=True).amin(0)  # [S]
@@ -115,11 +115,9 @@ def _position_spans(
     bounds = torch.cat([lo, band_end, hi, served]).tolist()  # one sync
     if not bounds[-1]:
         return None
-    count = len(starts)
+    count = len(chunks)
     far_left, band, far_right = [], [], []
-    for chunk in range(count):
-        i0 = chunk * CLIPPED_RELATIVE_QUERY_CHUNK
-        i1 = min(n, i0 + CLIPPED_RELATIVE_QUERY_CHUNK)
+    for chunk, (i0, i1) in enumerate(chunks):
         first_band, past_band = bounds[chunk], bounds[count + chunk]
         far_left.append((i0, i1, 0, first_band))
         band.append((i0, i1, first_band, past_band))

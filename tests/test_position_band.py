@@ -149,20 +149,16 @@ def test_shaw_at_explicit_positions_matches_the_paper_formula(causal: bool, monk
     assert route == [(2, 2, 48, 4)]
 
 
-def test_the_spans_by_position() -> None:
+def test_the_spans_by_position(monkeypatch: pytest.MonkeyPatch) -> None:
     """Chunks of 3 queries at 4, 5, 6 | 9, 10, 20 against keys at 0, 2, ..., 22, clip 3:
     far left are the keys at or below the chunk's first position minus 3, far right
     those at or above its last plus 3 (under a causal mask, only keys at or below its
     last position are read)."""
-    chunk = position_band.CLIPPED_RELATIVE_QUERY_CHUNK
-    try:
-        position_band.CLIPPED_RELATIVE_QUERY_CHUNK = 3
-        q_pos = torch.tensor([[4, 5, 6, 9, 10, 20]])
-        k_pos = 2 * torch.arange(12).unsqueeze(0)  # 0, 2, ..., 22
-        spans = position_band._position_spans(q_pos, k_pos, 3, False)
-        causal_spans = position_band._position_spans(q_pos, k_pos, 3, True)
-    finally:
-        position_band.CLIPPED_RELATIVE_QUERY_CHUNK = chunk
+    set_runtime(monkeypatch, "CLIPPED_RELATIVE_QUERY_CHUNK", 3)
+    q_pos = torch.tensor([[4, 5, 6, 9, 10, 20]])
+    k_pos = 2 * torch.arange(12).unsqueeze(0)  # 0, 2, ..., 22
+    spans = position_band._position_spans(q_pos, k_pos, 3, False)
+    causal_spans = position_band._position_spans(q_pos, k_pos, 3, True)
     # chunk 1: keys <= 1 (index 0) far left, >= 9 (index 5 on) far right
     # chunk 2: keys <= 6 (indices 0-3) far left, >= 23 (none) far right
     assert spans == (
