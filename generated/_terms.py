@@ -82,10 +82,12 @@ def project_factors(factors: RelativeFactors) -> RelativePart:
     scores."""
     side, x, rows, diagonal, scale = factors
     x, rows = scaled_factors(x, rows, scale)
-    if side == "query":
-        scores = torch.einsum("bhnd,khd->bhnk", x, rows)  # [B, H, N, K]
-    elif side == "key":
-        scores = torch.einsum("bhmd,khd->bhmk", x, rows)  # [B, H, M, K]
+    if side in ("query", "key"):
+        # [B, H, N or M, D] @ [H, D, K]: a contiguous [B, H, N or M, K], one matmul per
+        # batch row and head (an einsum over "bhnd,khd" ran one per head over the batch
+        # and laid its result out [H, B, N, K]: forward and backward of x [2, 8, 2048,
+        # 64] on 512 rows took 57 ms against 41, 2-core x86)
+        scores = torch.matmul(x, rows.permute(1, 2, 0))
     elif side == "global":
         scores = torch.einsum("hd,khd->hk", x, rows)  # [H, K]
     else:  # "content": u . k_j
