@@ -725,7 +725,10 @@ def clipped_relative_attention(
     if value_term is not None:
         # the band's weights (softmax over the band alone), rescaled to the union
         band_share = torch.exp(band_lse - total_lse).unsqueeze(-1)
-        weights = band_weights * band_share  # [B, H, N, w]
+        if band_weights.requires_grad:
+            weights = band_weights * band_share  # [B, H, N, w]
+        else:  # no autograd: in place, no second [B, H, N, w]
+            weights = band_weights.mul_(band_share)
         terms = []
         chunks = weights.split(CLIPPED_RELATIVE_QUERY_CHUNK, dim=2)  # one per span of band
         for (i0, i1, lo, hi), chunk in zip(band, chunks, strict=True):
