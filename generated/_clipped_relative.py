@@ -29,6 +29,10 @@ differentiable in q, k, v, the band's terms, its weights and the log-sum-exp, so
 relative tables and projections train through the terms; nothing of size [N, M] is
 built, and no per-chunk slice of a full-size tensor goes through autograd.
 
+The geometry of a call, its spans and its band's terms, is a ``ClippedLayout``: at
+default positions ``default_layout``; at explicit, sorted positions
+``_position_band.position_layout``, whose far keys are found by position.
+
 Terms that are not clipped, or too few keys for the far calls to pay, go through
 ``chunked_relative_attention``: the same chunks and the same gather (``band_terms``)
 over every key a chunk may read, one flash call per chunk with its terms as the mask.
