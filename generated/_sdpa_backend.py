@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._chunked_flash import unit_rows
+from ._clipped_relative import clipped_relative_attention, clipped_relative_serves
 from ._directional_bias import directional_bias_attention, directional_bias_serves
 from ._distances import (
     bias_floor_serves,
@@ -31,6 +32,7 @@ from ._distances import (
 from ._grouped_queries import scaled_dot_product
 from ._inputs import (
     Rotated,
+    positions_or_default,
     repeat_kv,
 )
 from ._masks import (
@@ -43,6 +45,8 @@ from ._masks import (
     query_chunks,
     reachable_query_chunks,
 )
+from ._numerics import compute_dtype
+from ._position_band import clipped_bias_factors, position_layout
 from ._sdpa_relative import SdpaRelative
 from ._trained_bias import (
     clipped_bias_attention,
@@ -127,6 +131,13 @@ class SdpaBackend(SdpaRelative):
             return self._sdpa_bias_in_chunks(
                 q, k, v, spans, None, None, causal, window, None, None, part_rows
             )
+        plain = window is None and document_ids is None and attn_mask is None
+        if has_bias and not default_positions and plain:
+            # a bias clipped at a distance at sorted positions: the far keys as flash
+            # attention, the bias read per pair only on the band between them
+            by_position = self._clipped_bias_at_positions(q, k, v, q_positions, k_positions, causal)
+            if by_position is not None:
+                return by_position
         if has_bias:
             # explicit positions, an attn_mask or documents: the bias per pair, in chunks
             # of queries, so that no [H, N, M] bias exists at once; each chunk over the
@@ -218,6 +229,43 @@ class SdpaBackend(SdpaRelative):
             else:
                 mask = apply_masks(attn_mask.to(q.dtype), allowed, None)
         return scaled_dot_product(q, k, v, mask, self.scale)
+
+    def _clipped_bias_at_positions(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        q_positions: Tensor | None,
+        k_positions: Tensor | None,
+        causal: bool,
+    ) -> Tensor | None:
+        """A bias clipped at a distance (``clipped_distance``: T5's buckets) at explicit,
+        sorted positions as the clipped path's one relative term
+        (``clipped_bias_factors``, ``position_layout``): each chunk's keys at least the
+        clip before or after its queries run as plain flash attention, with the bias's
+        end entry added to their log-sum-exp, and only the band between them reads the
+        bias per pair. None where it does not serve (``clipped_relative_serves``, or
+        ``position_layout``'s rule); before, every chunk read the bias per pair over
+        every key it may read."""
+        clip = self.clipped_distance
+        n, m = q.shape[2], k.shape[2]
+        if clip is None or not clipped_relative_serves(q, m, clip, self._trains_step(q, k, v)):
+            return None
+        q_positions = positions_or_default(q_positions, m - n, n, q.device)
+        k_positions = positions_or_default(k_positions, 0, m, q.device)
+        clipped = self._clipped_distance_bias(q.device).to(compute_dtype(q))  # [H, 2K + 1]
+        if self.position_bias_inside_scale:
+            clipped = clipped * self.scale
+        factors = clipped_bias_factors(clipped)
+        layout = position_layout(factors, q_positions, k_positions, clip, causal)
+        if layout is None:
+            return None
+        groups = q.shape[1] // k.shape[1]
+        heads_k, heads_v = repeat_kv(k, groups), repeat_kv(v, groups)
+        out = clipped_relative_attention(
+            q, heads_k, heads_v, factors, clip, self.scale, causal, None, layout
+        )
+        return out.to(v.dtype)
 
     def _sdpa_by_distance(
         self,

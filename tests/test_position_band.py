@@ -23,6 +23,7 @@ from tests.conftest import (
     runtime_modules,
     set_runtime,
     small_clip_module,
+    spec_variant,
     spy_query_shapes,
 )
 from tests.reference import formulas
@@ -243,3 +244,86 @@ def test_grouped_queries_and_float32(monkeypatch) -> None:
     got = pe.float()(q.float(), k.float(), v.float(), backend="sdpa", **given)
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
     assert served == [True]
+
+
+def t5_module(name: str = "t5") -> torch.nn.Module:
+    """The catalogue's T5 bias (32 buckets, clipped at 128), 4 heads of width 8, float64,
+    with a table drawn from a normal distribution (its zeros would hide a wrong row);
+    "t5_inside_scale": T5 with a 1/sqrt(d) scale that its bias sits inside of."""
+    torch.manual_seed(0)
+    if name == "t5_inside_scale":
+        inside = spec_variant(
+            "t5",
+            ("scale: none ", "scale: inv_sqrt_head_dim "),
+            ("placement: after_scale", "placement: before_scale"),
+            name=name,
+        )
+        pe = inside(heads=4, head_dim=8).double()
+    else:
+        pe = generated_class(name)(heads=4, head_dim=8).double()
+    with torch.no_grad():
+        pe.relative_attention_bias.weight.normal_()
+    return pe
+
+
+T5_N, T5_M = 300, 400
+T5_CASES: dict[str, dict[str, torch.Tensor]] = {
+    "stride 2": {
+        "q_positions": 2 * torch.arange(T5_M - T5_N, T5_M) + 5,
+        "k_positions": 2 * torch.arange(T5_M) + 5,
+    },
+    "batched": {
+        "q_positions": torch.stack(
+            [3 * torch.arange(T5_M - T5_N, T5_M), torch.arange(T5_M - T5_N, T5_M) + 7]
+        ),
+        "k_positions": torch.stack([3 * torch.arange(T5_M), torch.arange(T5_M) + 7]),
+    },
+}
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", sorted(T5_CASES))
+@pytest.mark.parametrize("name", ["t5", "t5_decoder", "t5_inside_scale"])
+def test_a_clipped_bias_at_positions_matches_eager_with_gradients(
+    name: str, case: str, causal: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """T5's bias (one row per direction past 128) at explicit sorted positions, chunks
+    of 64 queries: the far keys run as flash attention with the end entry added to
+    their log-sum-exp, the band reads the bias per pair. Output and gradients into q,
+    k, v and the table equal the eager oracle's, and so does a call without autograd."""
+    pe = t5_module(name)
+    serve_short(monkeypatch, pe, rows=64)
+    served = layouts(monkeypatch, pe)
+    route = spy_query_shapes(monkeypatch, pe, "clipped_relative_attention")
+    assert_sdpa_matches_eager(pe, T5_N, T5_M, 2, causal=causal, **T5_CASES[case])
+    q, k, v = inputs(T5_N, T5_M)
+    with torch.no_grad():
+        got = pe(q, k, v, causal=causal, backend="sdpa", **T5_CASES[case])
+        want = pe(q, k, v, causal=causal, backend="eager", **T5_CASES[case])
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    assert served == [True] * 2
+    assert route == [(2, 4, T5_N, 8)] * 2
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_t5_at_explicit_positions_matches_the_paper_formula(causal: bool, monkeypatch) -> None:
+    """The catalogue's T5 with 300 queries 3 apart against 400 keys at uneven sorted
+    positions, against softmax(q_i . k_j + table[bucket(s_j - p_i), h]) v (Raffel et
+    al. 2020; no 1/sqrt(d)) written out in float64 (tests/reference/formulas.py)."""
+    pe = t5_module()
+    serve_short(monkeypatch, pe, rows=64)
+    route = spy_query_shapes(monkeypatch, pe, "clipped_relative_attention")
+    generator = torch.Generator().manual_seed(8)
+    q = torch.randn(1, 4, T5_N, 8, generator=generator, dtype=F64)
+    k, v = (torch.randn(1, 4, T5_M, 8, generator=generator, dtype=F64) for _ in "kv")
+    q_positions = 3 * torch.arange(T5_N) + 100
+    k_positions = torch.randint(1, 5, (T5_M,), generator=generator).cumsum(0)  # gaps of 1 to 4
+    table = pe.relative_attention_bias.weight.detach()
+    bias = formulas.t5_bias(table, q_positions, k_positions, True, 32, 128)  # [H, N, M]
+    causal_at = {"causal_q_positions": q_positions, "causal_k_positions": k_positions}
+    expected = formulas.attention(q, k, v, bias, scale=1.0, **(causal_at if causal else {}))
+    out = pe(
+        q, k, v, causal=causal, backend="sdpa", q_positions=q_positions, k_positions=k_positions
+    )
+    torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-10)
+    assert route == [(1, 4, T5_N, 8)]

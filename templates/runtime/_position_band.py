@@ -65,6 +65,20 @@ def position_layout(
     return ClippedLayout(far_left, band, far_right, mask, [], q_positions, k_positions)
 
 
+def clipped_bias_factors(clipped: Tensor) -> list[RelativeFactors]:
+    """A position bias c[clip(j - i, -K, K) + K] (T5's buckets past max_distance,
+    Raffel et al. 2020), c = ``clipped`` [H, 2K + 1] as the logits add it, as the one
+    relative term of the clipped path: a "global" term whose x is 1 per head and whose
+    rows are c's entries ([2K + 1, H, 1]), row t read at diagonal t. Its far keys then
+    add a constant per head, and the band's terms are c read per pair; c trains through
+    both where it needs a gradient."""
+    heads, width = clipped.shape
+    ones = clipped.new_ones(heads, 1)  # [H, 1]
+    rows = clipped.t().unsqueeze(-1)  # [2K + 1, H, 1]
+    diagonal = torch.arange(width, device=clipped.device)
+    return [RelativeFactors("global", ones, rows, diagonal, 1.0)]
+
+
 def _batched(q_positions: Tensor, k_positions: Tensor) -> tuple[Tensor, Tensor]:
     """Both positions as [P, N] and [P, M], P the batch where either has one, else 1,
     contiguous (as ``torch.searchsorted`` reads them without a copy and a warning)."""
