@@ -46,7 +46,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from ._band_views import BandViews, band_views, band_views_serve
+from ._band_views import band_views, band_views_serve
 from ._chunked_flash import (
     Span,
     cpu_flash_backward,
@@ -154,8 +154,9 @@ class _ChunkedAttention(torch.autograd.Function):
     """softmax(scale q kᵀ + mask) v for each span: queries i0 .. i1 - 1 against keys
     lo .. hi - 1, with the mask's rows i0 .. i1 - 1 and columns 0 .. hi - lo - 1 (None:
     no mask; a function of the span: the span's mask, made when needed and given no
-    gradient, or ``BandViews``, whose ``inputs`` follow as ``mask_inputs`` and get
-    their gradients through its ``add_gradient``). Returns the output [B, H, N, W], the
+    gradient, or a mask that trains, ``BandViews`` or ``_position_band.TrainedBand``,
+    whose ``inputs`` follow as ``mask_inputs`` and get their gradients through its
+    ``add_gradient`` and ``gradients``). Returns the output [B, H, N, W], the
     rows' log-sum-exp [B, H, N] (-inf, and a zero output, where a span has no keys) and,
     with ``with_weights``, the weights in the mask's layout (else an empty tensor).
 
@@ -204,7 +205,7 @@ class _ChunkedAttention(torch.autograd.Function):
             ctx.mark_non_differentiable(lse)
         ctx.save_for_backward(q, k, v, mask if isinstance(mask, Tensor) else None, out, lse)
         ctx.span_mask, ctx.spans, ctx.scale, ctx.ones_column = span_mask, spans, scale, ones_column
-        ctx.views = mask if isinstance(mask, BandViews) and mask_inputs else None  # to train
+        ctx.views = mask if mask_inputs else None  # a mask that trains its inputs
         return out, lse, weights
 
     @staticmethod
@@ -216,7 +217,7 @@ class _ChunkedAttention(torch.autograd.Function):
         column, span_mask, scale = ctx.ones_column, ctx.span_mask, ctx.scale
         grad_q, grad_k, grad_v = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         grad_mask = None
-        views = ctx.views if any(ctx.needs_input_grad[8:]) else None  # BandViews to train
+        views = ctx.views if any(ctx.needs_input_grad[8:]) else None  # a mask to train
         if mask is not None and ctx.needs_input_grad[3]:
             # every span writes its block and zeros the columns past its keys (no fill
             # of the whole [B, H, N, widest] gradient first)

@@ -24,6 +24,7 @@ from tests.conftest import (
     set_runtime,
     small_clip_module,
     spec_variant,
+    spy_calls,
     spy_query_shapes,
 )
 from tests.reference import formulas
@@ -289,12 +290,14 @@ def test_a_clipped_bias_at_positions_matches_eager_with_gradients(
 ) -> None:
     """T5's bias (one row per direction past 128) at explicit sorted positions, chunks
     of 64 queries: the far keys run as flash attention with the end entry added to
-    their log-sum-exp, the band reads the bias per pair. Output and gradients into q,
-    k, v and the table equal the eager oracle's, and so does a call without autograd."""
+    their log-sum-exp, the band reads the bias per pair (with autograd, span by span:
+    ``TrainedBand``). Output and gradients into q, k, v and the table equal the eager
+    oracle's, and so does a call without autograd."""
     pe = t5_module(name)
     serve_short(monkeypatch, pe, rows=64)
     served = layouts(monkeypatch, pe)
     route = spy_query_shapes(monkeypatch, pe, "clipped_relative_attention")
+    by_span = spy_calls(monkeypatch, runtime_modules(pe), "TrainedBand", lambda *args: 1)
     assert_sdpa_matches_eager(pe, T5_N, T5_M, 2, causal=causal, **T5_CASES[case])
     q, k, v = inputs(T5_N, T5_M)
     with torch.no_grad():
@@ -303,6 +306,7 @@ def test_a_clipped_bias_at_positions_matches_eager_with_gradients(
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
     assert served == [True] * 2
     assert route == [(2, 4, T5_N, 8)] * 2
+    assert by_span == [1]  # the call with autograd
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -35,7 +35,8 @@ from ._clipped_relative import (
     projected_for_gathers,
     terms_train,
 )
-from ._terms import RelativeFactors
+from ._relative_at_positions import PositionedParts, SpanMasks
+from ._terms import RelativeFactors, RelativePart
 
 
 def position_layout(
@@ -57,9 +58,17 @@ def position_layout(
     if spans is None:
         return None
     far_left, band, far_right = spans
+    mask: Any
     if terms_train(factors):
         parts = [projected_for_gathers(factor) for factor in factors]
-        mask: Any = _band_terms(parts, q_pos, k_pos, band, clip, causal)
+        if all(factor.side == "global" for factor in factors):
+            # a bias alone (T5's): its gradient is [H, 2K + 1], where the band's terms
+            # gathered at once and their gradient would be two [1, H, N, w]
+            trained = TrainedBand(parts, q_pos, k_pos, band, clip, causal)
+            return ClippedLayout(
+                far_left, band, far_right, trained, trained.inputs, q_positions, k_positions
+            )
+        mask = _band_terms(parts, q_pos, k_pos, band, clip, causal)
     else:
         mask = _span_terms(factors, q_pos, k_pos, band, clip, causal)
     return ClippedLayout(far_left, band, far_right, mask, [], q_positions, k_positions)
@@ -175,6 +184,66 @@ def _band_terms(
     return total
 
 
+class TrainedBand:
+    """The band's terms of each span as a mask of ``_ChunkedAttention`` that trains:
+    callable on a span for its terms [B or 1, H, r, w] (-inf where ``causal`` masks the
+    pair), gathered at its positions from the projections ``inputs`` into buffers the
+    spans reuse (valid until the next span's; in the backward again), whose gradients
+    ``add_gradient`` adds dS into at the rows each pair read (``PositionedParts``). No
+    [B, H, N, w] tensor of the terms or of their gradient exists at once.
+
+    parts: the projections of ``projected_for_gathers`` (with autograd: the node's
+    inputs); q_pos [P, N], k_pos [P, M]; band: its spans (i0, i1, lo, hi)."""
+
+    def __init__(
+        self,
+        parts: list[RelativePart],
+        q_pos: Tensor,
+        k_pos: Tensor,
+        band: list[Span],
+        clip: int,
+        causal: bool,
+    ) -> None:
+        masked = _causal_masked if causal else _unmasked
+        self.layout = PositionedParts(parts, clip, q_pos, k_pos, masked(q_pos, k_pos))
+        self.inputs = [part.scores for part in parts]
+        self.scratch = self.layout.scratch(tuple(self.inputs), band)
+        self.grads: list[Tensor | None] | None = None
+
+    def __call__(self, span: Span) -> Tensor:
+        """Span (i0, i1, lo, hi)'s terms [B or 1, H, r, w], valid until the next span's."""
+        return self.layout.terms(span, tuple(self.inputs), self.scratch)
+
+    def add_gradient(self, span: Span, grad_terms: Tensor) -> None:
+        """Adds span's dS [B, H, r, w] into the gradients of ``inputs``."""
+        if self.grads is None:
+            self.grads = [torch.zeros_like(t) for t in self.inputs]
+        self.layout.add_gradient(span, grad_terms, tuple(self.inputs), self.grads, self.scratch)
+
+    def gradients(self) -> list[Tensor | None]:
+        """The gradients of ``inputs`` (None before any ``add_gradient``), handed over:
+        a later ``add_gradient`` starts from zeros again."""
+        grads, self.grads = self.grads, None
+        return [None for _ in self.inputs] if grads is None else list(grads)
+
+
+def _causal_masked(q_pos: Tensor, k_pos: Tensor) -> SpanMasks:
+    """(span, its terms) -> the terms with -inf where the key's position is after the
+    query's, in place."""
+
+    def masked(span: Span, terms: Tensor) -> Tensor:
+        i0, i1, lo, hi = span
+        later = k_pos[:, lo:hi].unsqueeze(-2) > q_pos[:, i0:i1].unsqueeze(-1)  # [P, r, w]
+        return terms.masked_fill_(later.unsqueeze(1), float("-inf"))
+
+    return masked
+
+
+def _unmasked(q_pos: Tensor, k_pos: Tensor) -> SpanMasks:
+    """(span, its terms) -> the terms as they are."""
+    return lambda span, terms: terms
+
+
 def _span_terms(
     factors: list[RelativeFactors],
     q_pos: Tensor,
@@ -187,14 +256,10 @@ def _span_terms(
     masks the pair), for terms that get no gradient: gathered into buffers the spans
     reuse (``clipped_span_terms``), so valid until the next span's."""
     terms_of = clipped_span_terms(factors, clip, band)
+    masked = (_causal_masked if causal else _unmasked)(q_pos, k_pos)
 
     def terms(span: Span) -> Tensor:
         i0, i1, lo, hi = span
-        rows_at, keys_at = q_pos[:, i0:i1], k_pos[:, lo:hi]
-        terms = terms_of(span, rows_at, keys_at)
-        if causal:
-            later = keys_at.unsqueeze(-2) > rows_at.unsqueeze(-1)  # [P, r, w]
-            terms = terms.masked_fill_(later.unsqueeze(1), float("-inf"))
-        return terms
+        return masked(span, terms_of(span, q_pos[:, i0:i1], k_pos[:, lo:hi]))
 
     return terms

@@ -70,7 +70,7 @@ def relative_attention_at_positions(
     terms with its masks joined (no gradient) -> [B, H, N, D], differentiable (once) in
     q, k, v and the parts' projections.
     """
-    layout = _PositionedParts(parts, clip, q_positions, k_positions, masked)
+    layout = PositionedParts(parts, clip, q_positions, k_positions, masked)
     return attention_at_positions(q, k, v, spans, layout, scale, [part.scores for part in parts])
 
 
@@ -123,7 +123,7 @@ def relative_attention_at_positions_serves(factors: list[RelativeFactors]) -> bo
     return all(factor.side in ("query", "key") for factor in factors)
 
 
-class _PositionedParts:
+class PositionedParts:
     """What the node needs to make a span's terms again and route their gradient: the
     parts' sides and diagonals, the clip, the positions and the masks."""
 
@@ -178,19 +178,23 @@ class _PositionedParts:
         scratch: Any,
     ) -> None:
         """dS of the span [B, H, r, w] added into each projection's gradient (``grads``,
-        [B, H, N or M, K] each, None where that part needs none) at the rows its pairs
-        read."""
+        [B, H, N or M, K] each, or [H, K] for a "global" part; None where that part
+        needs none) at the rows its pairs read."""
         i0, i1, lo, hi = span
         entry = self.entry(span)
         batch, heads, rows, width = grad_logits.shape
         for side, diagonal, grad in zip(self.sides, self.diagonals, grads, strict=True):
             if grad is None:
                 continue
-            assert diagonal is not None  # a query- or key-side part
+            assert diagonal is not None  # a query-side, key-side or global part
             read = diagonal[entry].unsqueeze(1)  # [1 or B, 1, r, w]: the row each pair read
             if side == "query":  # [B, H, N, K]: the span's queries' rows
                 index = read.expand(batch, heads, rows, width)
                 grad[:, :, i0:i1].scatter_add_(-1, index, grad_logits)
+            elif side == "global":  # [H, K]: every batch row's pairs into one row per head
+                index = read.expand(batch, 1, rows, width).reshape(1, -1)  # [1, B r w]
+                by_head = grad_logits.transpose(0, 1).reshape(heads, -1)  # [H, B r w]
+                grad.scatter_add_(-1, index.expand(heads, -1), by_head)
             else:  # "key", [B, H, M, K] laid out as its projection (``flat_key_side``)
                 keys = torch.arange(lo, hi, device=entry.device)  # [w]
                 flat_grad, flat = flat_key_side(grad, keys, read)  # flat: [1 or B, 1, r w]
