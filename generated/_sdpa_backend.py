@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._chunked_flash import unit_rows
-from ._clipped_relative import clipped_relative_attention, clipped_relative_serves
+from ._clipped_relative import clipped_relative_serves
 from ._directional_bias import directional_bias_attention, directional_bias_serves
 from ._distances import (
     bias_floor_serves,
@@ -32,7 +32,6 @@ from ._distances import (
 from ._grouped_queries import scaled_dot_product
 from ._inputs import (
     Rotated,
-    positions_or_default,
     repeat_kv,
 )
 from ._masks import (
@@ -46,7 +45,7 @@ from ._masks import (
     reachable_query_chunks,
 )
 from ._numerics import compute_dtype
-from ._position_band import clipped_bias_factors, position_layout
+from ._position_band import clipped_attention_at_positions, clipped_bias_factors
 from ._sdpa_relative import SdpaRelative
 from ._trained_bias import (
     clipped_bias_attention,
@@ -248,24 +247,19 @@ class SdpaBackend(SdpaRelative):
         ``position_layout``'s rule); before, every chunk read the bias per pair over
         every key it may read."""
         clip = self.clipped_distance
-        n, m = q.shape[2], k.shape[2]
-        if clip is None or not clipped_relative_serves(q, m, clip, self._trains_step(q, k, v)):
+        if clip is None or not clipped_relative_serves(
+            q, k.shape[2], clip, self._trains_step(q, k, v)
+        ):
             return None
-        q_positions = positions_or_default(q_positions, m - n, n, q.device)
-        k_positions = positions_or_default(k_positions, 0, m, q.device)
         clipped = self._clipped_distance_bias(q.device).to(compute_dtype(q))  # [H, 2K + 1]
         if self.position_bias_inside_scale:
             clipped = clipped * self.scale
         factors = clipped_bias_factors(clipped)
-        layout = position_layout(factors, q_positions, k_positions, clip, causal)
-        if layout is None:
-            return None
         groups = q.shape[1] // k.shape[1]
         heads_k, heads_v = repeat_kv(k, groups), repeat_kv(v, groups)
-        out = clipped_relative_attention(
-            q, heads_k, heads_v, factors, clip, self.scale, causal, None, layout
+        return clipped_attention_at_positions(
+            q, heads_k, heads_v, factors, q_positions, k_positions, clip, self.scale, causal
         )
-        return out.to(v.dtype)
 
     def _sdpa_by_distance(
         self,

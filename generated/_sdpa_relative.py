@@ -61,7 +61,7 @@ from ._masks import (
     sum_into_new,
 )
 from ._numerics import compute_dtype
-from ._position_band import position_layout
+from ._position_band import clipped_attention_at_positions
 from ._ranged_relative import (
     ranged_attention_at_positions,
     ranged_diagonals,
@@ -389,23 +389,25 @@ class SdpaRelative(SdpaChunks):
         found by position (``position_layout``), where the positions are sorted; else
         None. Before, each chunk of queries had its terms gathered per pair over every
         key it may read."""
-        n, m = q.shape[2], k.shape[2]
-        q_positions = positions_or_default(q_positions, m - n, n, q.device)
-        k_positions = positions_or_default(k_positions, 0, m, q.device)
         groups = q.shape[1] // k.shape[1]
         heads_k, heads_v = repeat_kv(k, groups), repeat_kv(v, groups)
         factors = self._clipped_relative_factors(q, heads_k, compute_dtype(q))
         clip = self.relative_clip
         if not factors or clip is None:
             return None
-        layout = position_layout(factors, q_positions, k_positions, clip, causal)
-        if layout is None:
-            return None
         value_term = self._value_term if self.has_value_term else None
-        out = clipped_relative_attention(
-            q, heads_k, heads_v, factors, clip, self.scale, causal, value_term, layout
+        return clipped_attention_at_positions(
+            q,
+            heads_k,
+            heads_v,
+            factors,
+            q_positions,
+            k_positions,
+            clip,
+            self.scale,
+            causal,
+            value_term,
         )
-        return out.to(v.dtype)
 
     def _sdpa_relative_in_chunks(
         self,

@@ -30,11 +30,13 @@ from ._chunked_flash import Span
 from ._clipped_relative import (
     ClippedLayout,
     clipped_query_chunks,
+    clipped_relative_attention,
     clipped_span_terms,
     gathered_terms,
     projected_for_gathers,
     terms_train,
 )
+from ._inputs import positions_or_default
 from ._relative_at_positions import PositionedParts, SpanMasks
 from ._terms import RelativeFactors, RelativePart
 
@@ -72,6 +74,34 @@ def position_layout(
     else:
         mask = _span_terms(factors, q_pos, k_pos, band, clip, causal)
     return ClippedLayout(far_left, band, far_right, mask, [], q_positions, k_positions)
+
+
+def clipped_attention_at_positions(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    factors: list[RelativeFactors],
+    q_positions: Tensor | None,
+    k_positions: Tensor | None,
+    clip: int,
+    scale: float,
+    causal: bool,
+    value_term: Any = None,
+) -> Tensor | None:
+    """``clipped_relative_attention`` of the terms ``factors`` (clipped at ``clip``:
+    ``_clipped_relative_factors`` or ``clipped_bias_factors``) at explicit positions
+    ([N] or [B, N] and [M] or [B, M]; None: the defaults), its band and far keys found
+    by position (``position_layout``): [B, H, N, value_dim] in v's dtype, or None where
+    the layout declines. q: [B, H, N, D]; k, v: [B, H, M, D] (heads repeated for GQA
+    by the caller)."""
+    n, m = q.shape[2], k.shape[2]
+    q_positions = positions_or_default(q_positions, m - n, n, q.device)
+    k_positions = positions_or_default(k_positions, 0, m, q.device)
+    layout = position_layout(factors, q_positions, k_positions, clip, causal)
+    if layout is None:
+        return None
+    out = clipped_relative_attention(q, k, v, factors, clip, scale, causal, value_term, layout)
+    return out.to(v.dtype)
 
 
 def clipped_bias_factors(clipped: Tensor) -> list[RelativeFactors]:
