@@ -86,11 +86,14 @@ def test_the_band_by_position_matches_eager_with_gradients(
 ) -> None:
     """Clips of 2-3 rows, chunks of 8 queries (far keys on both sides of most chunks):
     the output and the gradients into q, k, v and the tables equal the eager oracle's,
-    and so does a call without autograd (each chunk's terms gathered into buffers)."""
+    and so does a call without autograd (each chunk's terms gathered into buffers). With
+    autograd, terms with one projection (Shaw's, BERT relative_key's) read the band span
+    by span (``TrainedBand``), both sides' terms gather it at once."""
     pe = small_clip_module(name)
     serve_short(monkeypatch, pe)
     served = layouts(monkeypatch, pe)
     route = spy_query_shapes(monkeypatch, pe, "clipped_relative_attention")
+    by_span = spy_calls(monkeypatch, runtime_modules(pe), "TrainedBand", lambda *args: 1)
     assert_sdpa_matches_eager(pe, N, M, 2, causal=causal, **CASES[case])
     q, k, v = inputs()
     with torch.no_grad():
@@ -99,6 +102,7 @@ def test_the_band_by_position_matches_eager_with_gradients(
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
     assert served == [True] * 2  # a call with autograd, one without
     assert route == [(2, 4, N, 8)] * 2
+    assert by_span == [1] * (name in ("shaw", "bert_relative_key"))
 
 
 @pytest.mark.parametrize("name", ["bert_relative_key_query", "deberta"])

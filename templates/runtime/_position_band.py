@@ -10,7 +10,14 @@ and those at s_j >= max p + K a suffix, and every pair with one of them reads th
 at -K or at K: they are the far keys of ``clipped_relative_attention``, plain flash
 attention with one more feature per key, as at default positions. Only the band between
 them has its terms gathered per pair, at its positions (``terms_at_positions``), where
-before every key a chunk may read was.
+before every key a chunk may read was. A position bias clipped at K (T5's buckets,
+Raffel et al. 2020) enters as one term with no content (``clipped_bias_factors``).
+
+In a training step the band's terms are gathered for every query at once through
+autograd where the terms have a query- and a key-side projection (the gathers let the
+projections go after the forward); with one projection, or a bias alone, span by span
+in the forward and again in the backward (``TrainedBand``), so that no [B, H, N, w]
+tensor of the band or of its gradient exists.
 
 Batched positions ([B, N] and [B, M]) take the prefix that is far for every batch row
 and the suffix likewise; the band's terms and its causal mask are per batch row. Causal
@@ -63,9 +70,12 @@ def position_layout(
     mask: Any
     if terms_train(factors):
         parts = [projected_for_gathers(factor) for factor in factors]
-        if all(factor.side == "global" for factor in factors):
-            # a bias alone (T5's): its gradient is [H, 2K + 1], where the band's terms
-            # gathered at once and their gradient would be two [1, H, N, w]
+        if sum(factor.side in ("query", "key") for factor in factors) <= 1:
+            # a bias alone (T5's, whose gradient is [H, 2K + 1]) or one projection
+            # (Shaw's and BERT relative_key's query side): span by span, where the band's
+            # terms gathered at once and their gradient would be two [B or 1, H, N, w]
+            # (the per-span form keeps the projections until the backward: with both
+            # sides, BERT relative_key_query's step peaked higher that way)
             trained = TrainedBand(parts, q_pos, k_pos, band, clip, causal)
             return ClippedLayout(
                 far_left, band, far_right, trained, trained.inputs, q_positions, k_positions
