@@ -38,6 +38,7 @@ from torch import Tensor
 from ._chunked_flash import Span
 from ._clipped_relative import (
     ClippedLayout,
+    band_key_grid,
     clipped_query_chunks,
     clipped_relative_attention,
     clipped_span_terms,
@@ -188,20 +189,8 @@ def _position_spans(
     return far_left, band, far_right
 
 
-def _pair_entries(
-    q_pos: Tensor, k_pos: Tensor, keys: Tensor, clip: int
-) -> tuple[Tensor, Tensor, Tensor]:
-    """For queries at q_pos [P, r] against the key indices ``keys`` [r, w] (each row a
-    query's keys), each pair's diagonal among the 2K + 1, clip(s - p, -K, K) + K,
-    [P, r, w], and the pairs' key and query positions ([P, r, w], [P, r, 1])."""
-    keys_at = k_pos[:, keys]  # [P, r, w]
-    queries_at = q_pos.unsqueeze(-1)  # [P, r, 1]
-    entry = (keys_at - queries_at).clamp(-clip, clip) + clip
-    return entry, keys_at, queries_at
-
-
 def _band_terms(
-    parts: list[Any],
+    parts: list[RelativePart],
     q_pos: Tensor,
     k_pos: Tensor,
     band: list[Span],
@@ -212,14 +201,9 @@ def _band_terms(
     projections ``parts`` (``projected_for_gathers``): [B or 1, H, N, width], column w
     of query i at key lo + w of its span (columns past the span filled but unread),
     -inf where ``causal`` masks the pair (key position after the query's)."""
-    device = q_pos.device
-    width = max(hi - lo for _, _, lo, hi in band)
-    starts = torch.tensor(
-        [lo for i0, i1, lo, _ in band for _ in range(i0, i1)], dtype=torch.int64, device=device
-    )  # [N]
-    m = k_pos.shape[-1]
-    keys = (starts.unsqueeze(1) + torch.arange(width, device=device)).clamp(max=m - 1)  # [N, w]
-    entry, keys_at, queries_at = _pair_entries(q_pos, k_pos, keys, clip)
+    keys = band_key_grid(band, k_pos.shape[-1], q_pos.device)  # [N, w]
+    keys_at, queries_at = k_pos[:, keys], q_pos.unsqueeze(-1)  # [P, N, w], [P, N, 1]
+    entry = (keys_at - queries_at).clamp(-clip, clip) + clip  # the row among the 2K + 1
     total = gathered_terms(parts, entry, keys, 0)
     if causal:
         total = total.masked_fill_((keys_at > queries_at).unsqueeze(1), float("-inf"))

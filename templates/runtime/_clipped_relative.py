@@ -344,12 +344,8 @@ def band_terms(
     parts were projected for the band's queries alone ([B, H, rows, K]), not all N.
     ``scratch``: see ``gathered_terms``."""
     device = parts[0].scores.device
-    width = max(hi - lo for _, _, lo, hi in band)
     first_row, last_row = band[0][0], band[-1][1]
-    starts = torch.tensor(
-        [lo for i0, i1, lo, _ in band for _ in range(i0, i1)], dtype=torch.int64, device=device
-    )  # [rows]
-    keys = (starts.unsqueeze(1) + torch.arange(width, device=device)).clamp(max=m - 1)
+    keys = band_key_grid(band, m, device)  # [rows, w]
     queries = torch.arange(first_row, last_row, device=device).unsqueeze(1)  # [rows, 1]
     diagonal_index = keys - queries + (n - 1)  # [rows, w]: entry kv - q + N - 1
     query_row = 0 if band_queries_only else first_row  # the band's first query's row
@@ -358,6 +354,17 @@ def band_terms(
         masked = keys > queries + (m - n)  # key after the query
         total = total.masked_fill_(masked, float("-inf"))
     return total
+
+
+def band_key_grid(band: list[Span], m: int, device: torch.device) -> Tensor:
+    """The key index of each column of the band's terms laid out one row per query:
+    [rows, widest], row i of span (i0, i1, lo, hi) holding lo, lo + 1, ... (past the
+    span's keys, clamped to the last of the M keys: filled but unread)."""
+    width = max(hi - lo for _, _, lo, hi in band)
+    starts = torch.tensor(
+        [lo for i0, i1, lo, _ in band for _ in range(i0, i1)], dtype=torch.int64, device=device
+    )  # [rows]
+    return (starts.unsqueeze(1) + torch.arange(width, device=device)).clamp(max=m - 1)
 
 
 def band_mask(
