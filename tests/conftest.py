@@ -326,22 +326,8 @@ def interpret_distance_kernels(
     attention kernels (``_distance_kernel``) defined afresh under TRITON_INTERPRET=1 for
     the test, every route of the flex backend to them open to the CPU."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    set_runtime(monkeypatch, "TRITON_CACHE", {}, pe)
-    helpers = ("tile_logits", "larger", "plus", "diagonal_sums_into", "relative_tile")
-    helpers += ("relative_logits", "relative_grad_into", "tile_row")
-    for helper in helpers:
-        set_runtime(monkeypatch, f"_distance_{helper}", None, pe)
-    set_runtime(monkeypatch, "FUSED_DISTANCE_DEVICES", {"cpu"}, pe)
-    set_runtime(monkeypatch, "FUSED_DISTANCE_ROUTES", {"slope": {"cpu"}, "vector": {"cpu"}}, pe)
-    set_runtime(monkeypatch, "FUSED_RELATIVE_DEVICES", {"cpu"}, pe)
-    set_runtime(monkeypatch, "FUSED_RELATIVE_TRAINED_DEVICES", {"cpu"}, pe)
-    (module,) = [m for m in runtime_modules(pe) if "_distance_attention_kernels" in vars(m)]
-    import triton.language
+    open_distance_kernels_to_cpu(monkeypatch, pe)
     from triton.runtime import interpreter
-
-    # the interpreter looks for triton.language among a kernel's globals; the runtime
-    # imports it inside the function that defines the kernels
-    monkeypatch.setattr(module, "tl", triton.language, raising=False)
 
     original = interpreter._patch_lang_tensor
 
@@ -352,3 +338,21 @@ def interpret_distance_kernels(
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(())))
 
     monkeypatch.setattr(interpreter, "_patch_lang_tensor", patch_lang_tensor)
+
+
+def open_distance_kernels_to_cpu(
+    monkeypatch: pytest.MonkeyPatch, pe: torch.nn.Module | None = None
+) -> None:
+    """``pe``'s runtime (default: generated/'s) with the fused attention kernels defined
+    afresh on first use in the test (as TRITON_INTERPRET then says), and the kernels and
+    every route of the flex backend to them serving CPU tensors."""
+    set_runtime(monkeypatch, "TRITON_CACHE", {}, pe)
+    helpers = ("tile_logits", "larger", "plus", "diagonal_sums_into", "relative_tile")
+    helpers += ("relative_logits", "relative_grad_into", "tile_row")
+    for helper in helpers:
+        set_runtime(monkeypatch, f"_distance_{helper}", None, pe)
+    set_runtime(monkeypatch, "tl", None, pe)  # bound again with the kernels
+    set_runtime(monkeypatch, "FUSED_DISTANCE_DEVICES", {"cpu"}, pe)
+    set_runtime(monkeypatch, "FUSED_DISTANCE_ROUTES", {"slope": {"cpu"}, "vector": {"cpu"}}, pe)
+    set_runtime(monkeypatch, "FUSED_RELATIVE_DEVICES", {"cpu"}, pe)
+    set_runtime(monkeypatch, "FUSED_RELATIVE_TRAINED_DEVICES", {"cpu"}, pe)

@@ -250,9 +250,11 @@ def test_trained_biases_through_the_fused_distance_kernel_on_cuda(
     assert kinds and "none" not in kinds and attached == []
 
 
+@pytest.mark.parametrize(("causal", "window"), [(False, None), (True, 300)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("name", "candidate"), [("deberta", 0), ("transformer_xl", 1)])
 def test_fused_distance_kernel_reads_relative_terms_on_cuda(
-    name: str, candidate: int, monkeypatch
+    name: str, candidate: int, dtype: torch.dtype, causal: bool, window: int | None, monkeypatch
 ) -> None:
     """``FUSED_RELATIVE_DEVICES`` and ``FUSED_RELATIVE_TRAINED_DEVICES`` on CUDA: flex
     with the relative terms read from their projections in the compiled kernels
@@ -260,7 +262,8 @@ def test_fused_distance_kernel_reads_relative_terms_on_cuda(
     (q + v) . R and u . k_j per key), a forward and a training step (gradients into q,
     k, v and the parameters) against eager in float32 and bf16 (on the same rounded
     inputs), not causal and causal with a window, GQA, N < M; one tile candidate per
-    case."""
+    case (each dtype and mask a case of its own, so that their kernels compile in
+    parallel under pytest-xdist)."""
     tune_one_candidate(monkeypatch, candidate)
     set_runtime(monkeypatch, "FUSED_RELATIVE_DEVICES", {"cuda"})
     set_runtime(monkeypatch, "FUSED_RELATIVE_TRAINED_DEVICES", {"cuda"})
@@ -277,19 +280,16 @@ def test_fused_distance_kernel_reads_relative_terms_on_cuda(
             parameter.normal_()
     inputs = [torch.randn(2, h, length, 64, device=CUDA) for h, length in ((4, 1000), (2, 1100))]
     inputs.append(torch.randn(2, 2, 1100, 64, device=CUDA))
-    for dtype in (torch.float32, torch.bfloat16):
-        for causal, window in ((False, None), (True, 300)):
-            q, k, v = (t.to(dtype) for t in inputs)
-            with torch.no_grad():
-                got = pe(q, k, v, backend="flex", causal=causal, window=window)
-                wide = (q.float(), k.float(), v.float())
-                want = pe(*wide, backend="eager", causal=causal, window=window)
-            loose = dtype == torch.bfloat16
-            torch.testing.assert_close(
-                got.float(), want, atol=1.5e-2 if loose else 2e-4, rtol=1e-2 if loose else 2e-3
-            )
-            assert_flex_matches_float32_eager(pe, inputs, dtype, causal=causal, window=window)
-    assert launches == [(True, True)] * 8  # 2 dtypes x 2 masks x (forward, training step)
+    q, k, v = (t.to(dtype) for t in inputs)
+    with torch.no_grad():
+        got = pe(q, k, v, backend="flex", causal=causal, window=window)
+        want = pe(q.float(), k.float(), v.float(), backend="eager", causal=causal, window=window)
+    loose = dtype == torch.bfloat16
+    torch.testing.assert_close(
+        got.float(), want, atol=1.5e-2 if loose else 2e-4, rtol=1e-2 if loose else 2e-3
+    )
+    assert_flex_matches_float32_eager(pe, inputs, dtype, causal=causal, window=window)
+    assert launches == [(True, True)] * 2  # the forward and the training step
 
 
 def test_alibi_takes_the_fused_kernel_by_default_on_cuda(monkeypatch) -> None:

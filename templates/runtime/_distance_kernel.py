@@ -57,6 +57,12 @@ _distance_relative_tile: Any = None
 _distance_tile_row: Any = None
 _distance_relative_logits: Any = None
 _distance_relative_grad_into: Any = None
+#: triton.language, bound by ``_distance_attention_kernels``: Triton's compiler resolves
+#: each parameter's ``tl.constexpr`` annotation (a string, under ``from __future__ import
+#: annotations``) among a function's globals and closure cells, and a helper whose body
+#: never names ``tl`` (``relative_logits``) has no cell for it; the interpreter looks
+#: for it among the globals too
+tl: Any = None
 
 
 def fused_distance_attention_serves(q: Tensor, k: Tensor, v: Tensor) -> bool:
@@ -111,7 +117,7 @@ def _distance_attention_kernels() -> dict[str, Any]:
     """
     global _distance_tile_logits, _distance_larger, _distance_plus, _distance_diagonal_sums_into
     global _distance_relative_tile, _distance_relative_logits, _distance_relative_grad_into
-    global _distance_tile_row
+    global _distance_tile_row, tl
     if "attention" in TRITON_CACHE:
         return dict(TRITON_CACHE["attention"])
     import triton
