@@ -203,4 +203,7 @@ class T5Decoder(PositionalAttention):
             buckets = cache_put(self._cache, key, _relative_buckets(relative))
         table = self.relative_attention_bias.weight.to(device)  # [buckets, heads]
         dtype = torch.promote_types(table.dtype, torch.float32)  # a float64 table stays float64
-        return table[buckets].t().to(dtype)  # [heads, N + M - 1]
+        # gathered heads first, so that distances (keys) are contiguous: CUDA's fused SDPA
+        # kernels want a mask with key stride 1 (table[buckets].t(), heads innermost, sent
+        # a decode step's one-row mask to SDPA's math kernel: 22x plain SDPA on an H200)
+        return table.t().index_select(1, buckets).to(dtype)  # [heads, N + M - 1]

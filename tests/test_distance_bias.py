@@ -9,7 +9,7 @@ import importlib
 import pytest
 import torch
 
-from tests.conftest import assert_sdpa_matches_eager, generated_class
+from tests.conftest import assert_sdpa_matches_eager, generated_class, set_runtime, spec_names
 
 runtime = importlib.import_module("generated._sdpa_backend")
 chunks = importlib.import_module("generated._sdpa_chunks")
@@ -42,6 +42,32 @@ def test_diagonal_view_backward_is_the_sum_of_each_diagonal() -> None:
         for j in range(m):
             want[:, j - i + n - 1] += grad[:, i, j]  # query i, key j: distance j - i - (m - n)
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize(
+    "name", [name for name in spec_names() if generated_class(name).bias_by_distance]
+)
+def test_decode_step_mask_has_contiguous_keys(name: str, monkeypatch) -> None:
+    """One query against the cache (a decode step) reads its per-distance vector as the
+    mask's one row: its keys must be contiguous (stride 1), which CUDA's fused SDPA
+    kernels require of a mask; T5's vector came heads innermost (key stride H) and every
+    T5 decode step on an H200 fell to SDPA's math kernel (22x plain SDPA)."""
+    pe = generated_class(name)(heads=4, head_dim=8)
+    set_runtime(monkeypatch, "GROUPED_QUERY_DEVICES", set())  # SDPA, as on CUDA
+    masks = []
+    original = runtime.F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        masks.append(kwargs.get("attn_mask"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(runtime.F, "scaled_dot_product_attention", spy)
+    q, k = torch.randn(2, 4, 1, 8), torch.randn(2, 2, 40, 8)  # grouped-query heads
+    for dtype in (torch.float32, torch.bfloat16):
+        with torch.no_grad():
+            pe(q.to(dtype), k.to(dtype), k.to(dtype))
+    assert [mask.shape for mask in masks] == [(1, 4, 1, 40)] * 2
+    assert [mask.stride(-1) for mask in masks] == [1, 1]
 
 
 @pytest.mark.parametrize("name", NAMES)
