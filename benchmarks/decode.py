@@ -12,7 +12,8 @@ their kept rows reused without comparing the parameters with the copy kept besid
 (``parameters_unchanged``: what the check costs a step); ``--compare-grouped`` also
 times each module with the grouped-query matmuls (``grouped_query_attention``) switched
 the other way on the device (on where ``GROUPED_QUERY_DEVICES`` leaves them off, and off
-where on).
+where on). ``--profile`` prints, per encoding and backend, the operators of a few
+untimed module steps by device time (self time on the CPU), to see where a step goes.
 
     python benchmarks/decode.py --device cuda --dtype bfloat16 --cache 8192 --compile
 """
@@ -90,6 +91,26 @@ def with_grouped_queries(step: Callable[[], object], device: str, on: bool) -> C
     return switched_step
 
 
+def print_profile(step: Callable[[], object], device: torch.device, title: str) -> None:
+    """The operators of five calls of ``step`` (after two untimed ones), by self device
+    time (CUDA) or self CPU time, with their call counts: the top fifteen."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    for _ in range(2):
+        step()
+    with profile(activities=activities) as recorded:
+        for _ in range(5):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(f"-- profile: {title} (5 steps)")
+    print(recorded.key_averages().table(sort_by=key, row_limit=15), flush=True)
+
+
 def run(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
@@ -133,6 +154,8 @@ def run(args: argparse.Namespace) -> dict:
 
                 with torch.no_grad():
                     seconds, base = paired_seconds(step, baseline, device, args.repeats)
+                    if args.profile:
+                        print_profile(step, device, f"{name}, {label}, {backend}")
                 rows.append(
                     {
                         "encoding": name,
@@ -214,6 +237,11 @@ def main() -> None:
         "--compare-grouped",
         action="store_true",
         help="also time each module with the grouped-query matmuls switched the other way",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also print each step's operators by device time (torch.profiler)",
     )
     parser.add_argument("--tag", default="", help="appended to the result file names")
     add_out_argument(parser)

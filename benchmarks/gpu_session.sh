@@ -13,11 +13,16 @@
 #   bash benchmarks/gpu_session.sh "$OUT" fused_kernel fused
 #   bash benchmarks/gpu_session.sh "$OUT" test_gpu
 # (no STEP: all of them, in order). A session of 15 minutes (machine start included)
-# fits one call of about 8 minutes: the cheapest pair with a decision waiting on it is
-#   bash benchmarks/gpu_session.sh "$OUT" test_gpu_grouped decode_grouped
-# (the grouped-query decode matmuls on CUDA: checked against eager, then timed against
-# SDPA; list "cuda" in GROUPED_QUERY_DEVICES if they win), then test_gpu_relative and
-# fused_relative in sessions of their own.
+# fits one call of about 9 minutes. benchmarks/gpu_relative_session.sh ran on
+# 2026-12-04: it runs the compile-heavy tests under pytest-xdist while other processes
+# fill Triton's and inductor's on-disk caches, then times from the warm caches. What
+# waits next, in this order:
+#   bash benchmarks/gpu_session.sh "$OUT" test_gpu_relative
+# (why DeBERTa's bf16 case with a causal window failed on the H200), then
+#   bash benchmarks/gpu_session.sh "$OUT" decode family_strided
+# (T5's decode step since its mask's keys are contiguous, compiled steps, and the
+# clipped terms at given positions). The test steps stop with SIGINT at their limit,
+# so pytest still prints its failure summary (-rf).
 #
 # posgen's runtime needs only torch; the tests also import pydantic, jinja2, pyyaml,
 # click and hypothesis, and the peers (transformers, x-transformers, Liger-Kernel,
@@ -37,18 +42,18 @@ step() {  # step SECONDS NAME COMMAND...: run with a limit, log to OUT/NAME.log
         return 0
     fi
     echo "== $name (limit ${limit}s)"
-    timeout "$limit" "$@" 2>&1 | tee "$out/$name.log" | tail -25
+    timeout -s INT -k 30 "$limit" "$@" 2>&1 | tee "$out/$name.log" | tail -25
 }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 # the fused kernel's cases compile a kernel per tile, bias form, band and dtype (about a
 # minute a case on an H200), so they have their own step
-step 540 test_gpu_fused python3 -m pytest -v --no-header -p no:cacheprovider -W ignore \
+step 540 test_gpu_fused python3 -m pytest -v -rf --tb=short --no-header -p no:cacheprovider -W ignore \
     tests/test_gpu.py -k "fused_distance_kernel and not relative_terms"
 # the kernels with relative terms (forward and backward, two cases)
-step 420 test_gpu_relative python3 -m pytest -v --no-header -p no:cacheprovider -W ignore \
+step 420 test_gpu_relative python3 -m pytest -v -rf --tb=short --no-header -p no:cacheprovider -W ignore \
     tests/test_gpu.py -k "fused_distance_kernel and relative_terms"
-step 480 test_gpu python3 -m pytest -v --no-header -p no:cacheprovider -W ignore \
+step 480 test_gpu python3 -m pytest -v -rf --tb=short --no-header -p no:cacheprovider -W ignore \
     tests/test_gpu.py -k "not fused_distance_kernel"
 step 150 rotary python3 benchmarks/rotary.py --device cuda --dtype bfloat16 --compile \
     --shapes 4,32,4096,128 --repeats 30 --out "$out"
@@ -91,7 +96,7 @@ step 540 fused_relative python3 benchmarks/attention_backends.py --device cuda \
     --compare-fused --repeats 10 --tag _fused_relative --out "$out"
 # the grouped-query decode matmuls on CUDA against the eager oracle (a few seconds),
 # then one eager decode step with and without them (no compile: a minute or two)
-step 120 test_gpu_grouped python3 -m pytest -v --no-header -p no:cacheprovider -W ignore \
+step 120 test_gpu_grouped python3 -m pytest -v -rf --tb=short --no-header -p no:cacheprovider -W ignore \
     tests/test_gpu.py -k grouped_query
 step 180 decode_grouped python3 benchmarks/decode.py --device cuda --dtype bfloat16 \
     --compare-grouped --repeats 100 --tag _grouped --out "$out"

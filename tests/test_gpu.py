@@ -252,7 +252,12 @@ def test_trained_biases_through_the_fused_distance_kernel_on_cuda(
 
 @pytest.mark.parametrize(("causal", "window"), [(False, None), (True, 300)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("name", "candidate"), [("deberta", 0), ("transformer_xl", 1)])
+# Transformer-XL's float32 forward with candidate 1 (128 x 128 tiles, three stages) needs
+# 232456 bytes of shared memory, 8 more than a Hopper block may have (sm_90 compile,
+# tests/test_kernel_compile.py): as the only candidate it cannot launch, the likely cause
+# of both float32 cases failing on an H200 (their reports were cut off). Among the four
+# the autotuner skips it; the case takes candidate 3.
+@pytest.mark.parametrize(("name", "candidate"), [("deberta", 0), ("transformer_xl", 3)])
 def test_fused_distance_kernel_reads_relative_terms_on_cuda(
     name: str, candidate: int, dtype: torch.dtype, causal: bool, window: int | None, monkeypatch
 ) -> None:
