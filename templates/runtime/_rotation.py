@@ -377,10 +377,12 @@ def _rotate_halves_by_rows(
     whole = rotary_dim == x.shape[-1]
     x_rotated = x if whole else x[..., :rotary_dim]
     out_rotated = out if whole else out[..., :rotary_dim]
-    a, b = x_rotated.split(half, dim=-1)
-    out_a, out_b = out_rotated.split(half, dim=-1)
+    a, b = x_rotated[..., :half], x_rotated[..., half:]
+    out_a, out_b = out_rotated[..., :half], out_rotated[..., half:]
     operands = (x, out, x_rotated, out_rotated, cos, a, b, out_a, out_b, sin[..., :half])
-    chunks = zip(*(t.split(rows, dim=-2) for t in operands), strict=True)  # [..., rows, *]
+    chunks: list[tuple[Tensor, ...]] = [operands]  # one chunk: a decode step's few rows
+    if rows < x.shape[-2]:
+        chunks = list(zip(*(t.split(rows, dim=-2) for t in operands), strict=True))
     for x_rows, out_rows, x_rot, out_rot, cos_rows, a_rows, b_rows, oa, ob, s in chunks:
         if not whole:  # whole rows first, then the rotated features over them
             out_rows.copy_(x_rows)
