@@ -47,14 +47,16 @@ step() {  # step SECONDS NAME COMMAND...: run with a limit, log to OUT/NAME.log
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 # the fused kernel's cases compile a kernel per tile, bias form, band and dtype (about a
-# minute a case on an H200), so they have their own step
+# minute a case on an H200), so they have their own step; the compiles are CPU work, so
+# the test steps spread their cases over pytest-xdist workers (16 cores there)
 step 540 test_gpu_fused python3 -m pytest -v -rf --tb=short --no-header -p no:cacheprovider -W ignore \
-    tests/test_gpu.py -k "fused_distance_kernel and not relative_terms"
-# the kernels with relative terms (forward and backward, two cases)
+    -n 6 tests/test_gpu.py -k "fused_distance_kernel and not relative_terms"
+# the kernels with relative terms (forward and training step; two encodings x two
+# dtypes x two masks)
 step 420 test_gpu_relative python3 -m pytest -v -rf --tb=short --no-header -p no:cacheprovider -W ignore \
-    tests/test_gpu.py -k "fused_distance_kernel and relative_terms"
+    -n 8 tests/test_gpu.py -k "fused_distance_kernel and relative_terms"
 step 480 test_gpu python3 -m pytest -v -rf --tb=short --no-header -p no:cacheprovider -W ignore \
-    tests/test_gpu.py -k "not fused_distance_kernel"
+    -n 14 tests/test_gpu.py -k "not fused_distance_kernel"
 step 150 rotary python3 benchmarks/rotary.py --device cuda --dtype bfloat16 --compile \
     --shapes 4,32,4096,128 --repeats 30 --out "$out"
 step 150 rotary_backward python3 benchmarks/rotary.py --device cuda --dtype bfloat16 \

@@ -9,7 +9,14 @@ import importlib
 import pytest
 import torch
 
-from tests.conftest import assert_sdpa_matches_eager, generated_class, set_runtime, spec_names
+from tests.conftest import (
+    assert_sdpa_matches_eager,
+    generated_class,
+    runtime_modules,
+    set_runtime,
+    spec_names,
+    spy_calls,
+)
 
 runtime = importlib.import_module("generated._sdpa_backend")
 chunks = importlib.import_module("generated._sdpa_chunks")
@@ -54,20 +61,17 @@ def test_decode_step_mask_has_contiguous_keys(name: str, monkeypatch) -> None:
     T5 decode step on an H200 fell to SDPA's math kernel (22x plain SDPA)."""
     pe = generated_class(name)(heads=4, head_dim=8)
     set_runtime(monkeypatch, "GROUPED_QUERY_DEVICES", set())  # SDPA, as on CUDA
-    masks = []
-    original = runtime.F.scaled_dot_product_attention
-
-    def spy(*args, **kwargs):
-        masks.append(kwargs.get("attn_mask"))
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(runtime.F, "scaled_dot_product_attention", spy)
+    masks = spy_calls(
+        monkeypatch,
+        runtime_modules(pe),
+        "scaled_dot_product",  # SDPA's one caller: the mask goes to it unchanged
+        lambda q, k, v, mask, scale: (tuple(mask.shape), mask.stride(-1)),
+    )
     q, k = torch.randn(2, 4, 1, 8), torch.randn(2, 2, 40, 8)  # grouped-query heads
     for dtype in (torch.float32, torch.bfloat16):
         with torch.no_grad():
             pe(q.to(dtype), k.to(dtype), k.to(dtype))
-    assert [mask.shape for mask in masks] == [(1, 4, 1, 40)] * 2
-    assert [mask.stride(-1) for mask in masks] == [1, 1]
+    assert masks == [((1, 4, 1, 40), 1)] * 2  # [1, H, 1, M], key stride 1
 
 
 @pytest.mark.parametrize("name", NAMES)
