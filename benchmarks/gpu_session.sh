@@ -102,10 +102,10 @@ step 120 test_gpu_grouped python3 -m pytest -v -rf --tb=short --no-header -p no:
     tests/test_gpu.py -k grouped_query
 step 180 decode_grouped python3 benchmarks/decode.py --device cuda --dtype bfloat16 \
     --compare-grouped --repeats 100 --tag _grouped --out "$out"
-# one decode step, eager and compiled, with the grouped-query matmuls
-# (GROUPED_QUERY_DEVICES, off on CUDA until this step times them) and without
+# one decode step, eager and compiled as a CUDA graph (an eager step was host-bound on
+# the H200: RoPE 39 us of device time in a 145-301 us step), with a profile of each
 step 240 decode python3 benchmarks/decode.py --device cuda --dtype bfloat16 --compile \
-    --compare-grouped --out "$out"
+    --compile-mode reduce-overhead --profile --out "$out"
 # relative-table decode steps with and without the few-query path and kept rows, and
 # the relative family's terms gathered per chunk from their projections against the
 # dense terms (sdpa; flex in the same run)

@@ -116,6 +116,8 @@ def compiling(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     ("name", "dtype", "causal", "window"),
     [
         ("alibi", torch.bfloat16, True, None),  # the slope, per score
+        ("alibi_learned", torch.float16, False, 64),  # a slope that trains
+        ("kerple_log", torch.bfloat16, False, None),  # a full vector that trains
         ("t5", torch.float32, True, 96),  # a clipped vector that trains (IEEE products)
         ("deberta", torch.bfloat16, False, None),  # both sides through diagonals, trained
         ("transformer_xl", torch.float16, True, None),  # a key-side term per key
