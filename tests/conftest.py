@@ -319,6 +319,13 @@ def bias_kind(q: Any, k: Any, v: Any, scale: float, *args: Any, **keywords: Any)
     return str(args[1] if len(args) > 1 else keywords.get("bias_kind", "none"))
 
 
+#: skips a test (or, as ``pytestmark``, a module) where Triton is not installed
+needs_triton = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None,
+    reason="triton is not installed (pip install -c constraints/cpu.txt -e '.[dev]')",
+)
+
+
 def interpret_distance_kernels(
     monkeypatch: pytest.MonkeyPatch, pe: torch.nn.Module | None = None
 ) -> None:

@@ -14,7 +14,6 @@ the same code path; bfloat16 runs on CUDA (tests/test_gpu.py).
 from __future__ import annotations
 
 import copy
-import importlib.util
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
@@ -30,6 +29,7 @@ from tests.conftest import (
     bias_kind,
     generated_class,
     interpret_distance_kernels,
+    needs_triton,
     run_backend,
     runtime_modules,
     set_runtime,
@@ -37,10 +37,7 @@ from tests.conftest import (
     spy_calls,
 )
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None,
-    reason="triton is not installed (pip install -c constraints/cpu.txt -e '.[dev]')",
-)
+pytestmark = needs_triton
 
 
 @pytest.fixture

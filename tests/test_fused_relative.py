@@ -14,7 +14,6 @@ checked in float16 (see tests/test_fused_distance.py).
 from __future__ import annotations
 
 import copy
-import importlib.util
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
@@ -28,6 +27,7 @@ from generated._terms import RelativePart
 from tests.conftest import (
     generated_class,
     interpret_distance_kernels,
+    needs_triton,
     run_backend,
     runtime_modules,
     set_runtime,
@@ -35,10 +35,7 @@ from tests.conftest import (
     spy_calls,
 )
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None,
-    reason="triton is not installed (pip install -c constraints/cpu.txt -e '.[dev]')",
-)
+pytestmark = needs_triton
 
 RelativeRows = runtime.RelativeRows
 

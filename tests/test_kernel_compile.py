@@ -11,7 +11,6 @@ at least one candidate of each kernel must fit the shared memory of a Hopper blo
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 from typing import Any
 
@@ -20,15 +19,13 @@ import torch
 
 from tests.conftest import (
     generated_class,
+    needs_triton,
     open_distance_kernels_to_cpu,
     runtime_value,
     set_runtime,
 )
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None,
-    reason="triton is not installed (pip install -c constraints/cpu.txt -e '.[dev]')",
-)
+pytestmark = needs_triton
 
 #: the shared memory one block may opt into on an H100 or H200 (227 KiB)
 HOPPER_SHARED_BYTES = 232448

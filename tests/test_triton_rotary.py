@@ -9,7 +9,6 @@ kernel serves the generated modules (tests/test_gpu.py).
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -20,12 +19,7 @@ import torch
 
 import generated._rotation as rotation
 import generated._rotation_kernel as kernel
-from tests.conftest import ROOT, generated_class, head_dim_for, set_runtime
-
-needs_triton = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None,
-    reason="triton is not installed (pip install -c constraints/cpu.txt -e '.[dev]')",
-)
+from tests.conftest import ROOT, generated_class, head_dim_for, needs_triton, set_runtime
 
 
 @pytest.fixture
