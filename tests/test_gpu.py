@@ -140,7 +140,8 @@ def assert_flex_matches_float32_eager(
 ) -> None:
     """flex on q, k, v = ``inputs`` cast to ``dtype`` against eager in float32 on the same
     rounded values: the output and the gradients of its squared sum into q, k, v and the
-    parameters that train, float32 tight, bfloat16 within bfloat16 error."""
+    parameters that train, float32 tight, bfloat16 within bfloat16 error (each gradient
+    relative to its own scale, or to 3% of the largest gradient's where it is smaller)."""
     params = [p for p in pe.parameters() if p.requires_grad]
     q, k, v = (t.to(dtype).requires_grad_() for t in inputs)
     flex = pe(q, k, v, backend="flex", **options)
@@ -152,8 +153,14 @@ def assert_flex_matches_float32_eager(
     torch.testing.assert_close(
         flex.float(), eager, atol=1.5e-2 if loose else 2e-4, rtol=1e-2 if loose else 2e-3
     )
+    # each gradient within its own scale, but at least 3% of the largest one's: one that
+    # cancels to zero (DeBERTa's pos_key_proj.bias adds q_i . b to every key of row i,
+    # which softmax ignores) keeps its terms' rounding: 0.029 against float32's 4e-5
+    # (6e-5 of the largest gradient, 454) in float16 under the interpreter, the likely
+    # cause of DeBERTa's bf16 case failing on an H200 (its report was cut off)
+    floor = 3e-2 * max(b.abs().max().item() for b in want)
     for a, b in zip(got, want, strict=True):
-        scale = b.abs().max().item()
+        scale = max(b.abs().max().item(), floor)
         tolerance = 3e-2 if loose else 2e-3
         torch.testing.assert_close(a.float(), b, atol=tolerance * scale, rtol=tolerance)
 
