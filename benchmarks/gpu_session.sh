@@ -18,7 +18,8 @@
 # fill Triton's and inductor's on-disk caches, then times from the warm caches. What
 # waits next, in this order:
 #   bash benchmarks/gpu_session.sh "$OUT" test_gpu_relative
-# (why DeBERTa's bf16 case with a causal window failed on the H200), then
+# (all eight cases, DeBERTa's bf16 one since its test's tolerance fix: if they pass, list
+# "cuda" in FUSED_RELATIVE_DEVICES for forwards, 1.1-1.4x faster than the score_mod), then
 #   bash benchmarks/gpu_session.sh "$OUT" decode family_strided
 # (T5's decode step since its mask's keys are contiguous, compiled steps, and the
 # clipped terms at given positions). The test steps stop with SIGINT at their limit,
