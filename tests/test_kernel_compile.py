@@ -38,10 +38,14 @@ POINTER_TYPES = {
 }
 
 
+#: recorded launches: (kernel name, positional arguments, keyword arguments)
+Launches = list[tuple[str, tuple[Any, ...], dict[str, Any]]]
+
+
 class Launch:
     """A kernel's launches, recorded (``kernel[grid](*args, **meta)``) instead of run."""
 
-    def __init__(self, name: str, record: list[tuple[str, tuple[Any, ...], dict[str, Any]]]):
+    def __init__(self, name: str, record: Launches):
         self.name, self.record = name, record
 
     def __getitem__(self, grid: Any) -> Callable[..., None]:
@@ -104,7 +108,7 @@ def compiling(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     open_distance_kernels_to_cpu(monkeypatch)
     set_runtime(monkeypatch, "FUSED_DISTANCE_TRAINED_DEVICES", {"cpu"})
     kernels = runtime_value("_distance_attention_kernels")()
-    launches: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
+    launches: Launches = []
     runtime_value("TRITON_CACHE")["attention"] = {name: Launch(name, launches) for name in kernels}
     return {"kernels": kernels, "launches": launches}
 
@@ -164,11 +168,11 @@ def test_rotation_kernel_compiles_for_hopper(
     set_runtime(monkeypatch, "TRITON_CACHE", {})
     set_runtime(monkeypatch, "FUSED_ROTATION_DEVICES", ["cuda", "cpu"])
     kernel = runtime_value("_rotation_kernel")()
-    launches: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
+    launches: Launches = []
     runtime_value("TRITON_CACHE")["kernel"] = Launch("rotate", launches)
     name = "rope" if half_pairing else "rope_gptj"
     pe = generated_class(name)(heads=4, head_dim=64)
-    q, k = (torch.randn(2, 4, 40, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    k = torch.randn(2, 4, 40, 64, dtype=torch.bfloat16, requires_grad=True)
     rotated = pe.rotate_keys(k)
     rotated.float().sum().backward()
     assert [meta["INVERSE"] for _, _, meta in launches] == [False, True]
