@@ -7,7 +7,11 @@ Bias encodings (ALiBi, T5, KERPLE) add their bias for the one query row. Each ca
 is timed alternately with the baseline; ``--compile`` also times the module under
 ``torch.compile`` (what a decoding loop would run; ``--compile-mode reduce-overhead``
 replays it as a CUDA graph, without the per-step launches that make an eager step
-host-bound on a GPU); ``--compare-dense`` also times
+host-bound on a GPU); ``--static-slots S`` also times the step as a decoding loop
+under CUDA graphs runs it: compiled once for a cache of S slots of which the first M
+hold keys, with the query's position as a tensor and the empty slots masked by
+``attn_mask`` (so every step has the same shapes and replays one graph), beside plain
+SDPA compiled the same way; ``--compare-dense`` also times
 relative encodings with their terms built densely and their rows projected every step
 (the few-query path and kept rows off); ``--compare-unchecked`` also times them with
 their kept rows reused without comparing the parameters with the copy kept beside them
@@ -26,6 +30,7 @@ import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -113,6 +118,65 @@ def print_profile(step: Callable[[], object], device: torch.device, title: str) 
     print(recorded.key_averages().table(sort_by=key, row_limit=15), flush=True)
 
 
+class StaticCache(NamedTuple):
+    """A preallocated cache whose first M slots hold keys: keys, values [B, KVH, S, D];
+    the query's position M - 1 as int64 [1]; mask: bool [1, 1, 1, S], True on the
+    filled slots."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    query_position: torch.Tensor
+    mask: torch.Tensor
+
+
+def static_cache_inputs(
+    args: argparse.Namespace, keys: torch.Tensor, values: torch.Tensor
+) -> StaticCache:
+    """``keys`` and ``values`` (M of them) in the first slots of a cache of
+    ``args.static_slots`` slots, the rest zeros."""
+    m, slots = keys.shape[2], args.static_slots
+    if slots < m:
+        raise SystemExit(f"--static-slots must be at least --cache ({m}), got {slots}")
+    shape = (*keys.shape[:2], slots, keys.shape[3])
+    static_keys = keys.new_zeros(shape)
+    static_values = values.new_zeros((*shape[:3], values.shape[3]))
+    static_keys[:, :, :m] = keys
+    static_values[:, :, :m] = values
+    filled = torch.arange(slots, device=keys.device) < m  # [S]
+    position = torch.tensor([m - 1], device=keys.device)
+    return StaticCache(static_keys, static_values, position, filled[None, None, None, :])
+
+
+def masked_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, gqa: dict
+) -> torch.Tensor:
+    """Plain SDPA over a static cache, its empty slots masked: the baseline a decoding
+    loop under CUDA graphs would run without an encoding."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
+
+
+def static_label(what: str, args: argparse.Namespace) -> str:
+    """The variant name of a compiled static-cache step of ``what``."""
+    mode = f", {args.compile_mode}" if args.compile_mode is not None else ""
+    return f"{what}, compiled{mode}, {args.static_slots}-slot cache"
+
+
+def timed_row(name: str, label: str, backend: str, seconds: float, base: float) -> dict:
+    """One result row, printed as it is made."""
+    print(
+        f"{name:>12} {label:>17} {backend:>5} {seconds * 1e6:9.1f} us {seconds / base:6.2f}x sdpa",
+        flush=True,
+    )
+    return {
+        "encoding": name,
+        "variant": label,
+        "backend": backend,
+        "seconds": seconds,
+        "baseline_seconds": base,
+        "time_ratio": seconds / base,
+    }
+
+
 def run(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
@@ -125,7 +189,18 @@ def run(args: argparse.Namespace) -> dict:
     def baseline() -> object:
         return F.scaled_dot_product_attention(q, keys, values, **gqa)
 
+    static = static_cache_inputs(args, keys, values) if args.static_slots else None
     rows = []
+    if static is not None:
+        compiled_sdpa = torch.compile(masked_sdpa, fullgraph=True, mode=args.compile_mode)
+        with torch.no_grad():
+            seconds, base = paired_seconds(
+                lambda: compiled_sdpa(q, static.keys, static.values, static.mask, gqa),
+                baseline,
+                device,
+                args.repeats,
+            )
+        rows.append(timed_row("(none)", static_label("SDPA", args), "-", seconds, base))
     for name in args.encodings:
         pe = ENCODINGS[name](heads=args.heads, head_dim=args.head_dim).to(device)
         cache = pe.rotate_keys(keys) if pe.has_rotation else keys  # rotated once
@@ -136,6 +211,10 @@ def run(args: argparse.Namespace) -> dict:
             if args.compile_mode is not None:
                 label += f" ({args.compile_mode})"
             variants[label] = torch.compile(pe, fullgraph=True, mode=args.compile_mode)
+        if static is not None:
+            variants[static_label("module", args)] = torch.compile(
+                pe, fullgraph=True, mode=args.compile_mode
+            )
         if args.compare_dense and pe.has_relative_terms:
             variants["module, dense terms"] = pe
         if args.compare_unchecked and pe.has_relative_terms:
@@ -150,6 +229,22 @@ def run(args: argparse.Namespace) -> dict:
                 def step(module=module, backend=backend, cache=cache, rotated=rotated) -> object:
                     return module(q, cache, values, backend=backend, keys_rotated=rotated)
 
+                if static is not None and label == static_label("module", args):
+                    static_cache = pe.rotate_keys(static.keys) if rotated else static.keys
+
+                    def step(
+                        module=module, backend=backend, cache=static_cache, rotated=rotated
+                    ) -> object:
+                        return module(
+                            q,
+                            cache,
+                            static.values,
+                            backend=backend,
+                            keys_rotated=rotated,
+                            q_positions=static.query_position,
+                            attn_mask=static.mask,
+                        )
+
                 if label == "module, dense terms":
                     step = without_few_query_path(step)
                 if label == "module, rows unchecked":
@@ -161,21 +256,7 @@ def run(args: argparse.Namespace) -> dict:
                     seconds, base = paired_seconds(step, baseline, device, args.repeats)
                     if args.profile:
                         print_profile(step, device, f"{name}, {label}, {backend}")
-                rows.append(
-                    {
-                        "encoding": name,
-                        "variant": label,
-                        "backend": backend,
-                        "seconds": seconds,
-                        "baseline_seconds": base,
-                        "time_ratio": seconds / base,
-                    }
-                )
-                print(
-                    f"{name:>12} {label:>17} {backend:>5} {seconds * 1e6:9.1f} us "
-                    f"{seconds / base:6.2f}x sdpa",
-                    flush=True,
-                )
+                rows.append(timed_row(name, label, backend, seconds, base))
     return {
         "device": describe_device(device),
         "torch": torch.__version__,
@@ -186,6 +267,7 @@ def run(args: argparse.Namespace) -> dict:
             "kv_heads": args.kv_heads,
             "head_dim": args.head_dim,
             "cache": m,
+            "static_slots": args.static_slots,
         },
         "rows": rows,
     }
@@ -204,6 +286,18 @@ def markdown(report: dict) -> str:
         "`F.scaled_dot_product_attention` of the query against the same cache, timed "
         "alternately in one loop (medians).",
         "",
+    ]
+    if shape.get("static_slots"):
+        lines += [
+            f"Rows on a {shape['static_slots']}-slot cache: compiled once for a "
+            f"preallocated cache whose first {shape['cache']} slots hold the keys, the "
+            "query's position passed as a tensor and the empty slots masked by "
+            "`attn_mask` (a decoding loop's step under CUDA graphs); the SDPA row is "
+            "plain SDPA compiled over the same cache and mask. Their ratios are to the "
+            "same eager SDPA on the filled keys.",
+            "",
+        ]
+    lines += [
         "| encoding | variant | backend | µs | ratio to SDPA |",
         "|---|---|---|---|---|",
     ]
@@ -232,6 +326,12 @@ def main() -> None:
         "--compile-mode",
         default=None,
         help="torch.compile's mode for --compile (reduce-overhead: CUDA graphs on CUDA)",
+    )
+    parser.add_argument(
+        "--static-slots",
+        type=int,
+        default=0,
+        help="also time compiled steps over a preallocated cache of this many slots",
     )
     parser.add_argument(
         "--compare-dense",

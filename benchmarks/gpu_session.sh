@@ -20,9 +20,10 @@
 #   bash benchmarks/gpu_session.sh "$OUT" test_gpu_relative
 # (all eight cases, DeBERTa's bf16 one since its test's tolerance fix: if they pass, list
 # "cuda" in FUSED_RELATIVE_DEVICES for forwards, 1.1-1.4x faster than the score_mod), then
-#   bash benchmarks/gpu_session.sh "$OUT" decode family_strided
-# (T5's decode step since its mask's keys are contiguous, compiled steps, and the
-# clipped terms at given positions). The test steps stop with SIGINT at their limit,
+#   bash benchmarks/gpu_session.sh "$OUT" decode_static decode family_strided
+# (decoding-loop steps as CUDA graphs over a preallocated cache, T5's decode step since
+# its mask's keys are contiguous, compiled steps, and the clipped terms at given
+# positions). The test steps stop with SIGINT at their limit,
 # so pytest still prints its failure summary (-rf).
 #
 # posgen's runtime needs only torch; the tests also import pydantic, jinja2, pyyaml,
@@ -107,6 +108,12 @@ step 180 decode_grouped python3 benchmarks/decode.py --device cuda --dtype bfloa
 # the H200: RoPE 39 us of device time in a 145-301 us step), with a profile of each
 step 240 decode python3 benchmarks/decode.py --device cuda --dtype bfloat16 --compile \
     --compile-mode reduce-overhead --profile --out "$out"
+# a decoding loop's step under CUDA graphs over a preallocated cache (8000 of 8192 slots
+# filled, the query's position a tensor, the empty slots masked), beside plain SDPA
+# compiled the same way: the form the <= 1.3x decode target waits on
+step 300 decode_static python3 benchmarks/decode.py --device cuda --dtype bfloat16 \
+    --encodings rope rope_gptj alibi t5 kerple_log --cache 8000 --static-slots 8192 \
+    --compile-mode reduce-overhead --repeats 100 --tag _static_cache --out "$out"
 # relative-table decode steps with and without the few-query path and kept rows, and
 # the relative family's terms gathered per chunk from their projections against the
 # dense terms (sdpa; flex in the same run)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import shutil
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -113,6 +114,54 @@ def test_fullgraph_compile_of_relative_terms_from_their_projections(name: str, m
         (want_grad,) = torch.autograd.grad(want.square().sum(), q)
         (got_grad,) = torch.autograd.grad(got.square().sum(), q)
         torch.testing.assert_close(got_grad, want_grad)
+
+
+@pytest.mark.parametrize("name", spec_names())
+def test_a_decoding_loop_over_a_static_cache_compiles_once(name: str) -> None:
+    """A decoding loop for CUDA graphs keeps its shapes fixed: the cache has S slots,
+    the first L_b of row b hold keys, the query's position L_b - 1 is a tensor and
+    ``attn_mask`` hides the empty slots. Four such steps (L growing by one, two rows of
+    different lengths, grouped-query heads, rotated keys where the encoding rotates)
+    trace one graph, and each row matches the eager oracle on its filled keys alone."""
+    d = head_dim_for(name, 8)
+    pe = generated_class(name)(heads=4, head_dim=d).eval()
+    generator = torch.Generator().manual_seed(0)
+    slots = 12
+    keys, values = (torch.randn(2, 2, slots, d, generator=generator) for _ in "kv")
+    rotated = bool(pe.has_rotation)
+    cache = pe.rotate_keys(keys) if rotated else keys
+    graphs: list[torch.fx.GraphModule] = []
+
+    def counting_backend(graph: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        graphs.append(graph)
+        return graph.forward
+
+    compiled = torch.compile(pe, fullgraph=True, backend=counting_backend)
+    with torch.no_grad():
+        for step in range(4):
+            lengths = torch.tensor([3, 6]) + step  # filled slots per row
+            q = torch.randn(2, 4, 1, d, generator=generator)
+            position = (lengths - 1)[:, None]  # [2, 1]
+            filled = torch.arange(slots)[None, :] < lengths[:, None]  # [2, S]
+            got = compiled(
+                q,
+                cache,
+                values,
+                q_positions=position,
+                attn_mask=filled[:, None, None, :],
+                keys_rotated=rotated,
+            )
+            for row, length in enumerate(lengths.tolist()):
+                want = pe(
+                    q[row : row + 1],
+                    cache[row : row + 1, :, :length],
+                    values[row : row + 1, :, :length],
+                    q_positions=position[row],
+                    keys_rotated=rotated,
+                    backend="eager",
+                )
+                torch.testing.assert_close(got[row : row + 1], want)
+    assert len(graphs) == 1
 
 
 @pytest.mark.parametrize("name", ["alibi", "t5", "rope", "kerple_log"])
