@@ -14,6 +14,13 @@ encoding, causal where the row is.
     python benchmarks/revisions.py --before HEAD --encodings deberta --modes inference \
         --queries 1 --lengths 4096 --causal yes  # a decode step
     python benchmarks/revisions.py --before HEAD --encodings alibi t5 --position-stride 2
+    python benchmarks/revisions.py --before HEAD --encodings alibi t5 --modes inference \
+        --queries 1 --lengths 1024 --growing 64  # a decode loop: a new key count per call
+
+``--growing G`` gives each call the first L of the N keys, L taking the G values
+N - G + 1 .. N in turn (the same L for every call of a repeat): the key count changes
+from call to call, as in a decode loop whose cache grows a key per step, so caches
+keyed by shape miss as they do there.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from io import BytesIO
+from itertools import cycle
 from pathlib import Path
 
 import torch
@@ -71,9 +79,18 @@ def step(
     causal: bool,
     inference: bool = False,
     positions: dict[str, torch.Tensor] | None = None,
+    key_counts: list[int] | None = None,
 ) -> Callable[[], torch.Tensor]:
     """One call (``pe`` None: plain SDPA), and its backward where q requires grad; under
-    ``torch.no_grad`` where ``inference``; the module at ``positions`` where given."""
+    ``torch.no_grad`` where ``inference``; the module at ``positions`` where given; with
+    ``key_counts``, each call reads the first L keys, L the next of them in turn."""
+    if key_counts is not None:
+        counts = cycle(key_counts)
+        calls = {
+            count: step(pe, q, k[:, :, :count], v[:, :, :count], causal, inference, positions)
+            for count in key_counts
+        }
+        return lambda: calls[next(counts)]()
 
     def run() -> torch.Tensor:
         if inference:
@@ -142,8 +159,12 @@ def run(args: argparse.Namespace) -> dict:
                                 then(q, k, v, causal=causal, backend="sdpa", **given),
                             )
                         inference = mode == "inference"
+                        counts = None
+                        if args.growing:
+                            counts = list(range(length - args.growing + 1, length + 1))
                         calls = [
-                            step(pe, q, k, v, causal, inference, given) for pe in (None, then, now)
+                            step(pe, q, k, v, causal, inference, given, counts)
+                            for pe in (None, then, now)
                         ]
                         base, *medians = interleaved_medians(calls, args.repeats)
                         labels = (args.before, "working tree")
@@ -173,6 +194,7 @@ def run(args: argparse.Namespace) -> dict:
         "position_stride": args.position_stride,
         "window": args.window,
         "documents": args.documents,
+        "growing": args.growing,
         "rows": rows,
     }
 
@@ -200,6 +222,12 @@ def markdown(report: dict) -> str:
         + (
             f" The modules with {report['documents']} packed documents of equal length."
             if report.get("documents") is not None
+            else ""
+        )
+        + (
+            f" Each call reads the first L keys, L taking the {report['growing']} values up "
+            "to N in turn (a new key count every call, as in a decode loop)."
+            if report.get("growing")
             else ""
         )
         + (
@@ -254,6 +282,12 @@ def main() -> None:
         type=int,
         default=None,
         help="every module call with D packed documents of equal length (document_ids)",
+    )
+    parser.add_argument(
+        "--growing",
+        type=int,
+        default=0,
+        help="each call reads the first L keys, L cycling through the last G key counts",
     )
     parser.add_argument("--tag", default="", help="appended to the result file names")
     add_out_argument(parser)

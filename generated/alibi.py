@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from ._attention import PositionalAttention
-from ._distances import default_distances, expand_distance_bias
+from ._distances import distance_span_vector, expand_distance_bias
 from ._flex import flex_positions
 from ._inputs import cache_get, cache_put, score_bias_positions
 from ._masks import relative_positions
@@ -151,9 +151,10 @@ class Alibi(PositionalAttention):
     def _distance_bias(self, n: int, m: int, device) -> Tensor:
         """-slope_h * |r| for r = -(M - 1) .. N - 1: [heads, N + M - 1], cached (O(N))."""
         dtype = torch.promote_types(self.slopes.dtype, torch.float32)
-        key = ("slope_bias", n, m, str(device), dtype)
-        bias = cache_get(self._cache, key)
-        if bias is None:
-            distance = default_distances(n, m, device).abs().to(dtype)  # [N + M - 1]
-            bias = cache_put(self._cache, key, -self._exact_slopes(device)[:, None] * distance)
-        return bias
+        slopes = self._exact_slopes(device)[:, None]  # [heads, 1]
+
+        def of_distances(relative: Tensor) -> Tensor:  # [L] -> [heads, L]
+            return -slopes * relative.abs().to(dtype)
+
+        key = ("slope_bias", str(device), dtype)
+        return distance_span_vector(self._cache, key, n, m, device, of_distances)

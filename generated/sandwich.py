@@ -27,8 +27,8 @@ import torch
 from torch import Tensor
 
 from ._attention import PositionalAttention
-from ._distances import bias_read_per_distance, default_distances, expand_distance_bias
-from ._inputs import cache_get, cache_put, positions_or_default, score_bias_positions
+from ._distances import bias_read_per_distance, distance_span_vector, expand_distance_bias
+from ._inputs import positions_or_default, score_bias_positions
 from ._masks import relative_positions
 
 __all__ = ["Sandwich"]
@@ -119,12 +119,9 @@ class Sandwich(PositionalAttention):
     def _distance_bias(self, n: int, m: int, device) -> Tensor:
         """sum_k cos(r w_k) for r = -(M - 1) .. N - 1: [heads, N + M - 1], cached."""
         dtype = self._dtype()
-        key = ("sandwich_bias", n, m, str(device), dtype)
-        bias = cache_get(self._cache, key)
-        if bias is None:
-            vec = self._sandwich_of_distances(default_distances(n, m, device))  # [1, N + M - 1]
-            bias = cache_put(self._cache, key, vec.expand(self.heads, -1))
-        return bias
+        key = ("sandwich_bias", str(device), dtype)
+        vec = distance_span_vector(self._cache, key, n, m, device, self._sandwich_of_distances)
+        return vec.expand(self.heads, -1)  # [heads, N + M - 1]
 
     def _sandwich_of_distances(self, relative: Tensor) -> Tensor:
         """sum_k cos(r w_k) for each key minus query position r of ``relative`` (int64

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from ._attention import PositionalAttention
-from ._distances import bias_at_entries, default_distances, expand_distance_bias
+from ._distances import bias_at_entries, distance_span_vector, expand_distance_bias
 from ._flex import flex_positions
 from ._inputs import cache_get, cache_put, score_bias_positions
 from ._masks import relative_positions
@@ -196,11 +196,8 @@ class T5Decoder(PositionalAttention):
         One gather per distance, not per (query, key) pair: its backward touches
         N + M - 1 rows of the table (the [N, M] gather's backward scatters N * M).
         """
-        key = ("distance_buckets", n, m, str(device))
-        buckets = cache_get(self._cache, key)
-        if buckets is None:
-            relative = default_distances(n, m, device)  # key minus query position
-            buckets = cache_put(self._cache, key, _relative_buckets(relative))
+        key = ("distance_buckets", str(device))
+        buckets = distance_span_vector(self._cache, key, n, m, device, _relative_buckets)
         table = self.relative_attention_bias.weight.to(device)  # [buckets, heads]
         dtype = torch.promote_types(table.dtype, torch.float32)  # a float64 table stays float64
         # gathered heads first, so that distances (keys) are contiguous: CUDA's fused SDPA

@@ -100,5 +100,48 @@ def test_sdpa_mask_is_a_view_of_a_per_distance_vector(name: str, monkeypatch) ->
         assert mask.shape == (1, 4, n, m)
         assert mask.untyped_storage().nbytes() == 4 * (n + m - 1) * mask.element_size()
     for value in pe._cache.values():  # nothing cached grows with N * M
-        tensors = value if isinstance(value, tuple) else (value,)
-        assert all(t.numel() <= 4 * (n + m) for t in tensors)
+        parts = value if isinstance(value, tuple) else (value,)
+        tensors = [part for part in parts if isinstance(part, torch.Tensor)]
+        # a kept per-distance vector reaches back and ahead to powers of two: at most
+        # twice the N + M - 1 distances, per head
+        assert tensors and all(t.numel() <= 4 * 2 * (n + m) for t in tensors)
+
+
+def test_a_kept_distance_vector_serves_every_shape_it_spans() -> None:
+    """``distance_span_vector`` gives exactly the vector of (N, M)'s own distances, and
+    makes a new one only when a call reaches past the kept one: in a decode loop (N = 1,
+    M = 1 .. 40) only where M - 1 passes the power of two kept, and for a prefill of 20
+    queries once, after which calls of 1 or 5 queries up to 64 keys fit."""
+    made: list[tuple[int, int]] = []
+
+    def of_distances(relative: torch.Tensor) -> torch.Tensor:  # [L] -> [2, L]
+        made.append((int(relative[0]), int(relative[-1])))
+        return torch.stack([relative * 3 + 1, relative.square()])
+
+    cache: dict = {}
+    calls = [(1, m) for m in range(1, 41)] + [(20, 40)] + [(n, m) for n in (1, 5) for m in (30, 64)]
+    for n, m in calls:
+        got = distances.distance_span_vector(cache, ("k",), n, m, torch.device("cpu"), of_distances)
+        want_distances = torch.arange(-(m - 1), n)
+        assert torch.equal(got, torch.stack([want_distances * 3 + 1, want_distances.square()]))
+    # reached back 0, 1, 2, 4, 8, 16, 32, 64 keys during the loop (M - 1 = 0, 1, 2, 3, 5,
+    # 9, 17, 33), then 32 ahead for the prefill; the last calls fit the kept vector
+    back = [0, 1, 2, 4, 8, 16, 32, 64]
+    assert made == [(-reach, 0) for reach in back] + [(-64, 32)]
+
+
+@pytest.mark.parametrize("name", ["alibi", "t5", "t5_decoder", "sandwich"])
+def test_a_decode_loop_reads_its_bias_from_one_kept_vector(name: str) -> None:
+    """A decode loop's bias per distance (one query, one key more each step, after a
+    prefill), a slice of a vector kept from earlier steps, equals ``score_bias`` at the
+    same positions given explicitly (a bias per pair, by another path)."""
+    pe = _module(name)
+    device = torch.device("cpu")
+    shapes = [(16, 16)] + [(1, m) for m in range(17, 70)] + [(4, 70)]
+    for n, m in shapes:
+        vector = pe._distance_bias(n, m, device)  # [H, N + M - 1]
+        assert vector.shape == (4, n + m - 1)
+        per_pair = pe.score_bias(torch.arange(m - n, m), torch.arange(m))  # [H, N, M]
+        torch.testing.assert_close(
+            distances.expand_distance_bias(vector, n, m), per_pair, rtol=1e-12, atol=1e-12
+        )

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ._inputs import cache_get, cache_put
+
 
 def default_distances(n: int, m: int, device: torch.device) -> Tensor:
     """Key minus query position, one per diagonal, for default positions: int64 [n + m - 1].
@@ -25,6 +27,44 @@ def default_distances(n: int, m: int, device: torch.device) -> Tensor:
     -(M - 1) to N - 1; entry t holds r = t - (M - 1).
     """
     return torch.arange(-(m - 1), n, device=device)
+
+
+def distance_span_vector(
+    cache: dict[tuple[Any, ...], Any],
+    key: tuple[Any, ...],
+    n: int,
+    m: int,
+    device: torch.device,
+    of_distances: Callable[[Tensor], Tensor],
+) -> Tensor:
+    """``of_distances(default_distances(n, m, device))`` ([..., N + M - 1]), as a slice of
+    a vector kept in ``cache`` under ``key`` that spans more distances.
+
+    ``of_distances`` maps key minus query positions (int64 [L]) to a value per distance
+    ([..., L]) that depends on the distance alone, so the vector for (N, M) is the part
+    of any wider one between r = -(M - 1) and N - 1. The kept vector reaches back and
+    ahead to powers of two, at least as far as the calls before it: a decode loop's
+    steps (N = 1, M one more each step) slice one vector made for up to twice their
+    keys, where a vector per (N, M) was made again each step. While compiling, the
+    vector is made in the graph."""
+    if torch.compiler.is_compiling():
+        return of_distances(default_distances(n, m, device))
+    back, ahead = m - 1, n - 1  # the distances this call reads: -back .. ahead
+    kept = cache_get(cache, key)
+    if kept is None or kept[0] < back or kept[1] < ahead:
+        reach_back, reach_ahead = _power_of_two_at_least(back), _power_of_two_at_least(ahead)
+        if kept is not None:
+            reach_back, reach_ahead = max(reach_back, kept[0]), max(reach_ahead, kept[1])
+        distances = torch.arange(-reach_back, reach_ahead + 1, device=device)
+        kept = cache_put(cache, key, (reach_back, reach_ahead, of_distances(distances)))
+    reach_back, _, vector = kept
+    start = reach_back - back  # entry of r = -(M - 1)
+    return vector[..., start : start + n + m - 1]
+
+
+def _power_of_two_at_least(count: int) -> int:
+    """The least power of two at least ``count`` (0 for 0)."""
+    return 0 if count <= 0 else 1 << (count - 1).bit_length()
 
 
 def diagonal_rows(index: Tensor, table_rows: int, m: int, causal: bool) -> tuple[Tensor, Tensor]:
