@@ -7,15 +7,17 @@ Bias encodings (ALiBi, T5, KERPLE) add their bias for the one query row. Each ca
 is timed alternately with the baseline; ``--compile`` also times the module under
 ``torch.compile`` (what a decoding loop would run; ``--compile-mode reduce-overhead``
 replays it as a CUDA graph, without the per-step launches that make an eager step
-host-bound on a GPU); ``--static-slots S`` also times the step as a decoding loop
-under CUDA graphs runs it: compiled once for a cache of S slots of which the first M
-hold keys, with the query's position as a tensor and the empty slots masked by
-``attn_mask`` (so every step has the same shapes and replays one graph), beside plain
-SDPA compiled the same way; ``--compare-dense`` also times
-relative encodings with their terms built densely and their rows projected every step
-(the few-query path and kept rows off); ``--compare-unchecked`` also times them with
-their kept rows reused without comparing the parameters with the copy kept beside them
-(``parameters_unchanged``: what the check costs a step); ``--compare-grouped`` also
+host-bound on a GPU); ``--static-slots S`` also times the step as a decoding loop under
+CUDA graphs runs it: compiled once for a cache of S slots of which the first M hold
+keys, with the query's position as a tensor and the empty slots masked by ``attn_mask``
+(so every step has the same shapes and replays one graph), beside plain SDPA compiled
+the same way; ``--growing G`` gives each call the first L cached keys, L cycling through
+the last G counts, so the key count changes every step as it does in a decoding loop (a
+benchmark that repeats one M hides work redone per shape); ``--compare-dense`` also
+times relative encodings with their terms built densely and their rows projected every
+step (the few-query path and kept rows off); ``--compare-unchecked`` also times them
+with their kept rows reused without comparing the parameters with the copy kept beside
+them (``parameters_unchanged``: what the check costs a step); ``--compare-grouped`` also
 times each module with the grouped-query matmuls (``grouped_query_attention``) switched
 the other way on the device (on where ``GROUPED_QUERY_DEVICES`` leaves them off, and off
 where on). ``--profile`` prints, per encoding and backend, the operators of a few
@@ -28,7 +30,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from itertools import cycle, repeat
 from pathlib import Path
 from typing import NamedTuple
 
@@ -118,6 +121,13 @@ def print_profile(step: Callable[[], object], device: torch.device, title: str) 
     print(recorded.key_averages().table(sort_by=key, row_limit=15), flush=True)
 
 
+def key_counts(args: argparse.Namespace, m: int) -> Iterator[int | None]:
+    """The key count of each call of one timed step: under ``--growing G`` the counts
+    M - G + 1 .. M in turn (every step, called once per repeat, takes the same count in
+    a repeat), else None (all M keys)."""
+    return cycle(range(m - args.growing + 1, m + 1)) if args.growing else repeat(None)
+
+
 class StaticCache(NamedTuple):
     """A preallocated cache whose first M slots hold keys: keys, values [B, KVH, S, D];
     the query's position M - 1 as int64 [1]; mask: bool [1, 1, 1, S], True on the
@@ -186,8 +196,11 @@ def run(args: argparse.Namespace) -> dict:
     values = torch.randn_like(keys)
     gqa = {"enable_gqa": True} if args.kv_heads != args.heads else {}
 
-    def baseline() -> object:
-        return F.scaled_dot_product_attention(q, keys, values, **gqa)
+    baseline_counts = key_counts(args, m)
+
+    def baseline(counts: Iterator[int | None] = baseline_counts) -> object:
+        count = next(counts)
+        return F.scaled_dot_product_attention(q, keys[:, :, :count], values[:, :, :count], **gqa)
 
     static = static_cache_inputs(args, keys, values) if args.static_slots else None
     rows = []
@@ -225,9 +238,23 @@ def run(args: argparse.Namespace) -> dict:
             variants[grouped_label] = pe
         for label, module in variants.items():
             for backend in args.backends:
+                step_counts = key_counts(args, m)
 
-                def step(module=module, backend=backend, cache=cache, rotated=rotated) -> object:
-                    return module(q, cache, values, backend=backend, keys_rotated=rotated)
+                def step(
+                    module=module,
+                    backend=backend,
+                    cache=cache,
+                    rotated=rotated,
+                    counts=step_counts,
+                ) -> object:
+                    count = next(counts)
+                    return module(
+                        q,
+                        cache[:, :, :count],
+                        values[:, :, :count],
+                        backend=backend,
+                        keys_rotated=rotated,
+                    )
 
                 if static is not None and label == static_label("module", args):
                     static_cache = pe.rotate_keys(static.keys) if rotated else static.keys
@@ -268,6 +295,7 @@ def run(args: argparse.Namespace) -> dict:
             "head_dim": args.head_dim,
             "cache": m,
             "static_slots": args.static_slots,
+            "growing": args.growing,
         },
         "rows": rows,
     }
@@ -287,6 +315,14 @@ def markdown(report: dict) -> str:
         "alternately in one loop (medians).",
         "",
     ]
+    if shape.get("growing"):
+        lines += [
+            f"Each call reads the first L cached keys, L taking the {shape['growing']} "
+            f"values up to {shape['cache']} in turn, the same in every call of a repeat: "
+            "a new key count every step, as in a decoding loop (the static-cache rows "
+            "keep their shapes).",
+            "",
+        ]
     if shape.get("static_slots"):
         lines += [
             f"Rows on a {shape['static_slots']}-slot cache: compiled once for a "
@@ -326,6 +362,13 @@ def main() -> None:
         "--compile-mode",
         default=None,
         help="torch.compile's mode for --compile (reduce-overhead: CUDA graphs on CUDA)",
+    )
+    parser.add_argument(
+        "--growing",
+        type=int,
+        default=0,
+        help="each call reads the first L of the cached keys, L cycling through the last "
+        "G counts (a decode loop's new key count every step)",
     )
     parser.add_argument(
         "--static-slots",

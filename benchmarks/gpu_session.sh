@@ -20,10 +20,12 @@
 #   bash benchmarks/gpu_session.sh "$OUT" test_gpu_relative
 # (all eight cases, DeBERTa's bf16 one since its test's tolerance fix: if they pass, list
 # "cuda" in FUSED_RELATIVE_DEVICES for forwards, 1.1-1.4x faster than the score_mod), then
-#   bash benchmarks/gpu_session.sh "$OUT" decode_static decode family_strided
-# (decoding-loop steps as CUDA graphs over a preallocated cache, T5's decode step since
-# its mask's keys are contiguous, compiled steps, and the clipped terms at given
-# positions). The test steps stop with SIGINT at their limit,
+#   bash benchmarks/gpu_session.sh "$OUT" decode_static decode_growing
+# (decoding-loop steps as CUDA graphs over a preallocated cache, the <= 1.3x decode
+# target's form, and eager steps with a new key count each call), then
+#   bash benchmarks/gpu_session.sh "$OUT" decode family_strided
+# (T5's decode step since its mask's keys are contiguous, compiled steps, and the
+# clipped terms at given positions). The test steps stop with SIGINT at their limit,
 # so pytest still prints its failure summary (-rf).
 #
 # posgen's runtime needs only torch; the tests also import pydantic, jinja2, pyyaml,
@@ -114,6 +116,11 @@ step 240 decode python3 benchmarks/decode.py --device cuda --dtype bfloat16 --co
 step 300 decode_static python3 benchmarks/decode.py --device cuda --dtype bfloat16 \
     --encodings rope rope_gptj alibi t5 kerple_log --cache 8000 --static-slots 8192 \
     --compile-mode reduce-overhead --repeats 100 --tag _static_cache --out "$out"
+# the eager step with a new key count every call (8129 to 8192 keys), as a decoding loop
+# runs it: per-shape work (tables, masks) is redone where a fixed M hid it
+step 150 decode_growing python3 benchmarks/decode.py --device cuda --dtype bfloat16 \
+    --encodings rope alibi t5 kerple_log deberta --growing 64 --repeats 128 \
+    --tag _growing --out "$out"
 # relative-table decode steps with and without the few-query path and kept rows, and
 # the relative family's terms gathered per chunk from their projections against the
 # dense terms (sdpa; flex in the same run)
