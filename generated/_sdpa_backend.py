@@ -282,7 +282,10 @@ class SdpaBackend(SdpaRelative):
             return out
         spread = self._floor_spread(q, k)
         vec = self._masked_distance_bias(n, m, q.device, causal, window, spread)
-        vec = half_precision_bias(vec, q.dtype)  # [H, N + M - 1]
+        if self.distance_bias_at_most_zero:  # the shift would be 0: every row reads r = 0
+            vec = vec.to(q.dtype)  # [H, N + M - 1]
+        else:
+            vec = half_precision_bias(vec, q.dtype)  # [H, N + M - 1]
         if n == 1:  # one query (a decode step): the vector is its row, in key order
             mask = vec[None, :, None, :]  # [1, H, 1, M]
             return scaled_dot_product(q, k, v, mask, self.scale)

@@ -178,6 +178,11 @@ class AttentionTerms(nn.Module):
     #: trained slopes): a CPU training step gets their gradients from one flash forward
     #: each (``directional_bias_attention``); () where there are none or no such contract
     distance_bias_parameters: tuple[str, ...] = ()
+    #: and its every entry is at most 0, the entry at distance 0 being 0, whatever the
+    #: parameters (ALiBi's fixed slopes, KERPLE's clamped kernels): every row of default
+    #: positions reads distance 0, so the row's largest entry is 0 and half precision
+    #: needs no shift (``half_precision_bias``)
+    distance_bias_at_most_zero: bool = False
     #: and is constant past this distance on each side (T5's buckets past max_distance):
     #: ``_clipped_distance_bias`` gives it over -clip .. clip; None where it is not
     clipped_distance: int | None = None

@@ -78,6 +78,7 @@ class Alibi(PositionalAttention):
     bias_by_distance = True
     bias_linear_in_distance = True
     distance_bias_parameters = ()
+    distance_bias_at_most_zero = True
     clipped_distance = None
     folds_position_bias = False
     has_rotation = False

@@ -76,6 +76,7 @@ class AlibiLearned(PositionalAttention):
     bias_by_distance = True
     bias_linear_in_distance = True
     distance_bias_parameters = ("slopes",)
+    distance_bias_at_most_zero = False
     clipped_distance = None
     folds_position_bias = False
     has_rotation = False

@@ -74,6 +74,7 @@ class Convolutional(PositionalAttention):
     bias_by_distance = False
     bias_linear_in_distance = False
     distance_bias_parameters = ()
+    distance_bias_at_most_zero = False
     clipped_distance = None
     folds_position_bias = False
     has_rotation = False

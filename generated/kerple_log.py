@@ -69,6 +69,7 @@ class KerpleLog(PositionalAttention):
     bias_by_distance = True
     bias_linear_in_distance = False
     distance_bias_parameters = ("r1", "r2")
+    distance_bias_at_most_zero = True
     clipped_distance = None
     folds_position_bias = False
     has_rotation = False

@@ -92,6 +92,7 @@ class T5Decoder(PositionalAttention):
     bias_by_distance = True
     bias_linear_in_distance = False
     distance_bias_parameters = ()
+    distance_bias_at_most_zero = False
     clipped_distance = 128
     folds_position_bias = False
     has_rotation = False

@@ -72,6 +72,7 @@ class TupeA(PositionalAttention):
     bias_by_distance = False
     bias_linear_in_distance = False
     distance_bias_parameters = ()
+    distance_bias_at_most_zero = False
     clipped_distance = None
     folds_position_bias = True
     has_rotation = False

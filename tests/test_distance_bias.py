@@ -145,3 +145,63 @@ def test_a_decode_loop_reads_its_bias_from_one_kept_vector(name: str) -> None:
         torch.testing.assert_close(
             distances.expand_distance_bias(vector, n, m), per_pair, rtol=1e-12, atol=1e-12
         )
+
+
+def _flagged_at_most_zero() -> list[str]:
+    """The specs whose bias of j - i alone is flagged ``distance_bias_at_most_zero``."""
+    return [
+        name
+        for name in spec_names()
+        if generated_class(name).bias_by_distance
+        and generated_class(name).distance_bias_at_most_zero
+    ]
+
+
+@pytest.mark.parametrize("name", _flagged_at_most_zero())
+def test_a_bias_flagged_at_most_zero_is_so_for_any_parameters(name: str) -> None:
+    """``distance_bias_at_most_zero`` (no half-precision shift) holds whatever the
+    parameters: with every parameter and buffer drawn at random, signs included, each
+    head's vector peaks at exactly 0, at distance 0, for decode and prefill shapes."""
+    cls = generated_class(name)
+    generator = torch.Generator().manual_seed(1)
+    for trial in range(5):
+        pe = cls(heads=6, head_dim=8)
+        with torch.no_grad():
+            for tensor in [*pe.parameters(), *pe.buffers()]:
+                if tensor.is_floating_point():
+                    tensor.copy_(torch.randn(tensor.shape, generator=generator) * 3)
+        pe._cache.clear()
+        for n, m in ((1, 1), (1, 40), (7, 7), (3, 20)):
+            vector = pe._distance_bias(n, m, torch.device("cpu"))  # [H, N + M - 1]
+            assert torch.equal(vector.amax(dim=-1), torch.zeros(6)), (trial, n, m)
+            assert torch.equal(vector[:, m - 1], torch.zeros(6))  # distance 0
+
+
+def test_the_flag_is_on_for_fixed_slopes_and_kerple_only() -> None:
+    """ALiBi's fixed slopes and KERPLE's clamped kernels take the flag; trained slopes do
+    not, since one that turns negative gives a bias above 0 far from the query."""
+    flagged = set(_flagged_at_most_zero())
+    assert {"alibi", "kerple_log", "kerple_power"} <= flagged
+    assert "alibi_learned" not in flagged
+    pe = generated_class("alibi_learned")(heads=2, head_dim=8)
+    with torch.no_grad():
+        pe.slopes.fill_(-0.5)
+    assert pe._distance_bias(1, 5, torch.device("cpu")).amax() > 0
+
+
+@pytest.mark.parametrize("name", ["alibi", "kerple_log"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_without_the_shift_gives_the_same_outputs(
+    name: str, dtype: torch.dtype, monkeypatch
+) -> None:
+    """Where the flag skips ``half_precision_bias``'s shift, the outputs equal those with
+    the shift taken, bit for bit (the shift is 0): a decode step and causal prefill."""
+    pe = generated_class(name)(heads=4, head_dim=8)
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 9, 8, generator=generator).to(dtype) for _ in "qkv")
+    calls = [(q[:, :, -1:], {}), (q, {"causal": True}), (q, {"causal": True, "window": 3})]
+    flagged = [pe(rows, k, v, backend="sdpa", **options) for rows, options in calls]
+    monkeypatch.setattr(type(pe), "distance_bias_at_most_zero", False)
+    shifted = [pe(rows, k, v, backend="sdpa", **options) for rows, options in calls]
+    for got, want in zip(flagged, shifted, strict=True):
+        assert torch.equal(got, want)

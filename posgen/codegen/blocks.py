@@ -74,6 +74,13 @@ class Block(Rendered):
         where there are none."""
         return ()
 
+    @property
+    def distance_bias_at_most_zero(self) -> bool:
+        """For a bias of j - i alone: every entry is at most 0 and the entry at distance 0
+        is 0, whatever the parameters (the runtime's flag of that name). False unless a
+        block says so."""
+        return False
+
 
 # --------------------------------------------------------------------------- input tables
 
@@ -405,6 +412,12 @@ class SlopeBiasPlan(Block):
         """Learned slopes, one per head (the heads past ``heads_with_bias`` get 0)."""
         return ("slopes",) if self.learned else ()
 
+    @property
+    def distance_bias_at_most_zero(self) -> bool:
+        """-slope_h |r| with fixed slopes, each at least 0 (the recipe's, or custom ones
+        in [0, 1000]); trained slopes may turn negative."""
+        return not self.learned
+
 
 @dataclass(frozen=True)
 class KerplePlan(Block):
@@ -424,6 +437,12 @@ class KerplePlan(Block):
     def distance_bias_parameters(self) -> tuple[str, ...]:
         """r1 and r2, one each per head."""
         return ("r1", "r2")
+
+    @property
+    def distance_bias_at_most_zero(self) -> bool:
+        """r1 and r2 are clamped to at least KERPLE_EPS > 0, so -r1 log(1 + r2 |r|) and
+        -r1 |r|^r2 are at most 0, and 0 at r = 0."""
+        return True
 
 
 @dataclass(frozen=True)

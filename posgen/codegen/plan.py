@@ -568,6 +568,11 @@ def _flags(blocks: tuple[Block, ...]) -> tuple[tuple[str, FlagValue], ...]:
             "distance_bias_parameters",
             bias.distance_bias_parameters if bias is not None and not untied else (),
         ),
+        # its entries at most 0, 0 at distance 0: no half-precision shift to find
+        (
+            "distance_bias_at_most_zero",
+            bias is not None and not untied and bias.distance_bias_at_most_zero,
+        ),
         (
             # every bucket past max_distance is the last of its direction
             "clipped_distance",
