@@ -205,3 +205,18 @@ def test_half_precision_without_the_shift_gives_the_same_outputs(
     shifted = [pe(rows, k, v, backend="sdpa", **options) for rows, options in calls]
     for got, want in zip(flagged, shifted, strict=True):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_bias_shifts_each_row_by_its_largest_finite_maximum(
+    dtype: torch.dtype,
+) -> None:
+    """Each row loses its largest entry before the cast; a row whose largest entry is
+    not finite (all -inf, a +inf, a NaN) is cast unshifted."""
+    inf, nan = float("inf"), float("nan")
+    rows = [[60.0, 59.5, -3.0], [-inf, -inf, -inf], [1.0, inf, 2.0], [nan, 4.0, 5.0]]
+    bias = torch.tensor(rows)
+    got = distances.half_precision_bias(bias, dtype)
+    want = [[0.0, -0.5, -63.0], rows[1], rows[2], rows[3]]
+    torch.testing.assert_close(got, torch.tensor(want).to(dtype), equal_nan=True)
+    assert got.dtype == dtype
