@@ -41,7 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from ._attention import PositionalAttention
-from ._distances import default_distances, diagonal_rows
+from ._distances import diagonal_rows, distance_span_vector
 from ._inputs import cache_get, cache_put, positive_int
 from ._masks import relative_positions
 from ._terms import RelativeFactors
@@ -199,10 +199,15 @@ class Shaw(PositionalAttention):
         cached = cache_get(self._cache, key)
         if cached is not None:
             return cached
-        relative = default_distances(n, m, device)  # j - i per diagonal
-        if sign == "query_minus_key":
-            relative = -relative
-        diagonals = diagonal_rows(_relative_index(relative), RELATIVE_ROWS, m, causal)
+
+        def index_of(relative: Tensor) -> Tensor:  # key minus query -> row, int64 [L]
+            return _relative_index(relative if sign == "key_minus_query" else -relative)
+
+        # the row per distance, sliced from a vector kept for a wider span (a decode
+        # step's new key count makes none)
+        index_key = ("relative_index", sign, str(device))
+        index = distance_span_vector(self._cache, index_key, n, m, device, index_of)
+        diagonals = diagonal_rows(index, index_of, n, m, causal, RELATIVE_ROWS)
         return cache_put(self._cache, key, diagonals)
 
     def _relative_factors(

@@ -11,6 +11,7 @@ against a fresh copy of the module, which has nothing kept.
 from __future__ import annotations
 
 import copy
+import importlib
 
 import pytest
 import torch
@@ -289,3 +290,38 @@ def test_a_range_far_from_the_kept_block_replaces_it(monkeypatch: pytest.MonkeyP
     torch.testing.assert_close(got_far, pe(q, k, v, backend="eager", **far))
     torch.testing.assert_close(got, pe(q, k, v, backend="eager"))
     assert sizes and max(sizes) <= 100  # 39 distances a call, grown at most 2x
+
+
+INDEXED = ["shaw", "bert_relative_key", "bert_relative_key_query", "deberta"]
+
+
+@pytest.mark.parametrize("name", INDEXED)
+def test_each_relative_index_is_monotone_in_the_distance(name: str) -> None:
+    """``diagonal_rows`` finds the rows a call reaches at its end distances, which holds
+    only for an index monotone in the key minus query position: every index kind of the
+    catalogue is (a clip, DeBERTa's signed log buckets), checked over r = -5000 .. 5000
+    at the specs' own clips and at a small one."""
+    small = importlib.import_module(type(make(name)).__module__)
+    for module in (importlib.import_module(f"generated.{name}"), small):
+        rows = module._relative_index(torch.arange(-5000, 5001))
+        assert (rows.diff() >= 0).all()
+
+
+@pytest.mark.parametrize("name", INDEXED)
+def test_a_decode_loop_gets_the_rows_each_shape_reaches(name: str) -> None:
+    """The diagonals' rows of a decode loop (one key more each step, after a prefill,
+    causal and not), sliced from a kept index vector with the reached rows found at
+    its ends, are those found by scanning the call's own index (min and max of the
+    diagonals read, the first M with causal) and count from the least."""
+    pe = make(name)
+    module = importlib.import_module(type(pe).__module__)
+    sign = "query_minus_key"  # the specs' convention; both are checked on the index
+    shapes = [(12, 12)] + [(1, m) for m in range(13, 60)] + [(5, 60)]
+    for causal in (False, True):
+        for n, m in shapes:
+            diagonal, rows = pe._relative_diagonals(n, m, torch.device("cpu"), sign, causal)
+            index = module._relative_index(-torch.arange(-(m - 1), n))  # [N + M - 1]
+            reached = index[:m] if causal else index
+            low, high = int(reached.min()), int(reached.max())
+            assert torch.equal(rows, torch.arange(low, high + 1))
+            assert torch.equal(diagonal, index.clamp(low, high) - low)

@@ -67,20 +67,31 @@ def _power_of_two_at_least(count: int) -> int:
     return 0 if count <= 0 else 1 << (count - 1).bit_length()
 
 
-def diagonal_rows(index: Tensor, table_rows: int, m: int, causal: bool) -> tuple[Tensor, Tensor]:
+def diagonal_rows(
+    index: Tensor,
+    index_of: Callable[[Tensor], Tensor],
+    n: int,
+    m: int,
+    causal: bool,
+    table_rows: int,
+) -> tuple[Tensor, Tensor]:
     """The table rows a relative term reads, per diagonal of default positions.
 
     index: the table row of each diagonal, int64 [N + M - 1] (``default_distances``'
-    order), in [0, table_rows). Returns each diagonal's row counted from the first row
-    reached, and those rows, int64 [K]: the rows the diagonals reach (with ``causal``,
-    the first M diagonals, whose key is not after the query; the others read a row
-    within them), or every row of the table while compiling (no host sync).
-    """
+    order), in [0, table_rows), given by ``index_of`` (key minus query positions, int64
+    [L] -> rows [L]), which is monotone in the distance (a clip, DeBERTa's signed log
+    buckets). Returns each diagonal's row counted from the first row reached, and those
+    rows, int64 [K]: the rows the diagonals reach (with ``causal``, the first M
+    diagonals, whose key is not after the query; the others read a row within them),
+    or every row of the table while compiling. Being monotone, the index reaches its
+    least and largest rows at the end distances, -(M - 1) and N - 1 (0 with
+    ``causal``): ``index_of`` finds them on the host, so a new shape (a decode step's)
+    costs no device sync."""
     if torch.compiler.is_compiling():
         low, high = 0, table_rows - 1
     else:
-        reached = index[:m] if causal else index
-        low, high = int(reached.min()), int(reached.max())
+        ends = torch.tensor([-(m - 1), 0 if causal else n - 1])  # on the host
+        low, high = sorted(index_of(ends).tolist())
     return index.clamp(low, high) - low, torch.arange(low, high + 1, device=index.device)
 
 
