@@ -5,6 +5,7 @@ softmax weight is a slow denormal float; float64 exact, outputs unchanged."""
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import pytest
@@ -252,3 +253,51 @@ def test_no_keys_give_zeros_with_explicit_positions() -> None:
     }
     out = pe(q, k, v, backend="sdpa", **positions)
     assert torch.equal(out, torch.zeros(1, 4, 2, 16))
+
+
+def spread_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """One entry per ``content_spread`` call the sdpa backend makes during the test."""
+    backend = importlib.import_module("generated._sdpa_backend")
+    calls: list[int] = []
+    original = backend.content_spread
+
+    def spy(*args: Any) -> Any:
+        calls.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(backend, "content_spread", spy)
+    return calls
+
+
+def test_floor_moves_nothing_within_the_floor_of_the_top() -> None:
+    top = torch.tensor([[0.0], [5.0]])
+    assert distances.floor_moves_nothing(torch.tensor([[0.0, -FLOOR], [5.0, 5.0 - FLOOR]]), top)
+    assert not distances.floor_moves_nothing(torch.tensor([[0.0, -FLOOR - 0.01]]), top[:1])
+    assert not distances.floor_moves_nothing(torch.tensor([[0.0, float("nan")]]), top[:1])
+    assert not distances.floor_moves_nothing(torch.tensor([[0.0, float("-inf")]]), top[:1])
+
+
+@pytest.mark.parametrize("steep", [False, True])
+def test_a_shallow_vector_skips_the_pass_over_the_keys(
+    monkeypatch: pytest.MonkeyPatch, steep: bool
+) -> None:
+    """A decode step of T5 (one query against 64 keys): with its table within 40 of the
+    entry at distance 0 no floor can move an entry, so ``content_spread`` (a pass over
+    every cached key) is not called and the mask is the vector as it is; with one bucket
+    at -100 (steep) the floor is taken and raises it. Outputs equal eager's either way."""
+    calls, masks = spread_calls(monkeypatch), sdpa_masks(monkeypatch)
+    pe = ENCODINGS["t5"](heads=4, head_dim=8)
+    with torch.no_grad():
+        table = pe.relative_attention_bias.weight
+        table.copy_(torch.linspace(-15.0, 15.0, table.numel()).view_as(table))
+        if steep:
+            table[15] = -100.0  # the farthest keys' bucket before the query
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 1, 8, generator=generator)
+    k, v = (torch.randn(1, 4, 200, 8, generator=generator) for _ in "kv")
+    with torch.no_grad():
+        out, oracle = pe(q, k, v, backend="sdpa"), pe(q, k, v, backend="eager")
+    torch.testing.assert_close(out, oracle)
+    assert len(calls) == int(steep)
+    vector = pe._distance_bias(1, 200, torch.device("cpu"))  # [H, M]
+    assert torch.equal(masks[-1][0, :, 0], vector) != steep

@@ -253,6 +253,17 @@ def content_spread(q: Tensor, k: Tensor, scale: float) -> Tensor:
     return (2 * abs(scale) * q_norms.amax(dim=0) * k_top[:, None]).unsqueeze(-1)
 
 
+def floor_moves_nothing(bias: Tensor, top: Tensor) -> bool:
+    """Whether every entry of bias [..., L] lies at most ``BIAS_FLOOR`` below top
+    [..., 1] (one host read): then ``floored_bias`` under that top, whose floor sits
+    ``BIAS_FLOOR`` and a spread of at least 0 below it, moves no entry whatever the
+    spread, so the pass over the keys that bounds the spread (``content_spread``) can be
+    skipped. False while compiling (no host read) and where an entry is NaN."""
+    if torch.compiler.is_compiling() or bias.numel() == 0:
+        return False
+    return bool((top - bias <= BIAS_FLOOR).all())
+
+
 def floored_bias(bias: Tensor, top: Tensor, spread: Tensor) -> Tensor:
     """bias with its finite entries raised to at least ``top - BIAS_FLOOR - spread``
     (top and spread broadcast against bias and detached: per head and query row, top no

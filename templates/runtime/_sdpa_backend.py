@@ -23,6 +23,7 @@ from ._distances import (
     content_spread,
     distance_chunk_view,
     distance_chunk_views,
+    floor_moves_nothing,
     floored_bias,
     floored_rows,
     half_precision_bias,
@@ -278,8 +279,13 @@ class SdpaBackend(SdpaRelative):
         out = self._trained_distance_attention(q, k, v, causal, window)
         if out is not None:
             return out
-        spread = self._floor_spread(q, k)
-        vec = self._masked_distance_bias(n, m, q.device, causal, window, spread)
+        vec = self._scaled_distance_bias(n, m, q.device)  # [H, N + M - 1]
+        top = vec[:, m - 1 : m]  # distance 0, read by every query: the floor's top
+        if bias_floor_serves(q.device, q.dtype) and not floor_moves_nothing(vec, top):
+            # shallow biases (T5's, KERPLE's) skip this pass over the keys: in a decode
+            # step it reads the whole cache once more
+            vec = floored_bias(vec, top, content_spread(q, k, self.scale).amax(dim=1))
+        vec = _distances_masked(vec, n, m, causal, window)
         if self.distance_bias_at_most_zero:  # the shift would be 0: every row reads r = 0
             vec = vec.to(q.dtype)  # [H, N + M - 1]
         else:
@@ -343,8 +349,7 @@ class SdpaBackend(SdpaRelative):
         """``_floored_distance_bias`` with -inf on the distances that causal or window
         masking excludes (``distance_allowed``): [H, N + M - 1]."""
         vec = self._floored_distance_bias(n, m, device, spread)
-        allowed = distance_allowed(n, m, device, causal, window)  # [N + M - 1] or None
-        return vec if allowed is None else vec.masked_fill(~allowed, float("-inf"))
+        return _distances_masked(vec, n, m, causal, window)
 
     def _floored_distance_bias(
         self, n: int, m: int, device: torch.device, spread: Tensor | None
@@ -354,12 +359,16 @@ class SdpaBackend(SdpaRelative):
         (``floored_bias``) where a ``spread`` [H, N, 1] is given (``_floor_spread``):
         every query reads the key at its own position, distance 0, entry M - 1, and one
         floor per head serves every query, so its spread is the head's largest."""
-        vec = self._distance_bias(n, m, device)  # [H, N + M - 1]
-        if self.position_bias_inside_scale:
-            vec = vec * self.scale
+        vec = self._scaled_distance_bias(n, m, device)  # [H, N + M - 1]
         if n and spread is not None:
             vec = floored_bias(vec, vec[:, m - 1 : m], spread.amax(dim=1))
         return vec
+
+    def _scaled_distance_bias(self, n: int, m: int, device: torch.device) -> Tensor:
+        """The bias per distance for default positions, scaled where it sits inside the
+        scale (SDPA scales q . k only): [H, N + M - 1]."""
+        vec = self._distance_bias(n, m, device)  # [H, N + M - 1]
+        return vec * self.scale if self.position_bias_inside_scale else vec
 
     def _floor_spread(self, q: Tensor, k: Tensor) -> Tensor | None:
         """``content_spread`` of q and k as SDPA reads them ([H, N, 1]) where the bias
@@ -495,3 +504,10 @@ class SdpaBackend(SdpaRelative):
             mask = into.copy_(mask)
         # SDPA's CPU kernels take a 4-D mask directly; a 3-D one is ~3x slower (measured)
         return mask.unsqueeze(0) if mask.dim() == 3 else mask  # [1 or B, H, N, M]
+
+
+def _distances_masked(vec: Tensor, n: int, m: int, causal: bool, window: int | None) -> Tensor:
+    """vec [H, N + M - 1] with -inf on the distances that causal or window masking
+    excludes (``distance_allowed``)."""
+    allowed = distance_allowed(n, m, vec.device, causal, window)  # [N + M - 1] or None
+    return vec if allowed is None else vec.masked_fill(~allowed, float("-inf"))
