@@ -196,11 +196,18 @@ def run(args: argparse.Namespace) -> dict:
     values = torch.randn_like(keys)
     gqa = {"enable_gqa": True} if args.kv_heads != args.heads else {}
 
-    baseline_counts = key_counts(args, m)
+    def fresh_baseline() -> Callable[[], object]:
+        """Plain SDPA on the cache, its key counts from the first (``key_counts``), so
+        that it takes the same count as the step it is paired with in every repeat."""
+        counts = key_counts(args, m)
 
-    def baseline(counts: Iterator[int | None] = baseline_counts) -> object:
-        count = next(counts)
-        return F.scaled_dot_product_attention(q, keys[:, :, :count], values[:, :, :count], **gqa)
+        def baseline() -> object:
+            count = next(counts)
+            return F.scaled_dot_product_attention(
+                q, keys[:, :, :count], values[:, :, :count], **gqa
+            )
+
+        return baseline
 
     static = static_cache_inputs(args, keys, values) if args.static_slots else None
     rows = []
@@ -209,7 +216,7 @@ def run(args: argparse.Namespace) -> dict:
         with torch.no_grad():
             seconds, base = paired_seconds(
                 lambda: compiled_sdpa(q, static.keys, static.values, static.mask, gqa),
-                baseline,
+                fresh_baseline(),
                 device,
                 args.repeats,
             )
@@ -280,7 +287,7 @@ def run(args: argparse.Namespace) -> dict:
                     step = with_grouped_queries(step, device.type, not grouped_on)
 
                 with torch.no_grad():
-                    seconds, base = paired_seconds(step, baseline, device, args.repeats)
+                    seconds, base = paired_seconds(step, fresh_baseline(), device, args.repeats)
                     if args.profile:
                         print_profile(step, device, f"{name}, {label}, {backend}")
                 rows.append(timed_row(name, label, backend, seconds, base))
