@@ -8,14 +8,19 @@ softmax(s · q_i · k_j + b_ij) are counted where 0 < w < 2^-126 (float32's smal
 normal), for the bias as it is, floored ``BIAS_FLOOR`` under the row's top entry (the
 floor before the content spread joined it) and floored ``BIAS_FLOOR`` plus
 ``content_spread`` under it (the floor as shipped: the per-row form of a materialised
-bias, and the per-head form of the per-distance vector, whose top is distance 0).
+bias, and the per-head form of the per-distance vector, whose top is distance 0), and
+for those two forms as they were before spreads past ``BIAS_FLOOR_MOST_SPREAD`` took
+the deeper floor. ``--content-scales`` multiplies q and k, so that the spread bound
+grows (about 22 at 1, 50 at 1.3 for the largest of a head).
 
-    python benchmarks/denormal_weights.py [--lengths 2048] [--out benchmarks/results]
+    python benchmarks/denormal_weights.py [--lengths 2048] [--content-scales 1 1.3]
+        [--out benchmarks/results]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -37,17 +42,31 @@ def floors(bias: torch.Tensor, spread: torch.Tensor) -> dict[str, torch.Tensor]:
     """bias [H, N, M] as SDPA would get it: as it is and under each floor."""
     row_top = bias.amax(dim=-1, keepdim=True)  # [H, N, 1]
     distance_top = torch.zeros_like(row_top)  # ALiBi's bias at distance 0
+    head_spread = spread.amax(dim=1, keepdim=True)  # [H, 1, 1]
+    shipped = {
+        "per pair": distances.floored_bias(bias, row_top, spread),
+        "per distance": distances.floored_bias(bias, distance_top, head_spread),
+    }
+    most = distances.BIAS_FLOOR_MOST_SPREAD
+    distances.BIAS_FLOOR_MOST_SPREAD = math.inf  # 40 + spread below, whatever the spread
+    try:
+        before = {
+            "per pair": distances.floored_bias(bias, row_top, spread),
+            "per distance": distances.floored_bias(bias, distance_top, head_spread),
+        }
+    finally:
+        distances.BIAS_FLOOR_MOST_SPREAD = most
     return {
         "as it is": bias,
         "floor 40 under the row's top": distances.floored_bias(
             bias, row_top, torch.zeros_like(spread)
         ),
-        "floor 40 + spread under the row's top (shipped, per pair)": distances.floored_bias(
-            bias, row_top, spread
+        "floor 40 + spread under the row's top (before 2026-12-04, per pair)": before["per pair"],
+        "floor 40 + head's largest spread under distance 0 (before 2026-12-04, per distance)": (
+            before["per distance"]
         ),
-        "floor 40 + head's largest spread under distance 0 (shipped, per distance)": (
-            distances.floored_bias(bias, distance_top, spread.amax(dim=1, keepdim=True))
-        ),
+        "floor under the row's top (shipped, per pair)": shipped["per pair"],
+        "floor under distance 0 (shipped, per distance)": shipped["per distance"],
     }
 
 
@@ -75,15 +94,24 @@ def markdown(report: dict) -> str:
         f"# Denormal softmax weights of ALiBi ({report['device']}, torch {report['torch']}, "
         f"float32, batch {BATCH}, heads {HEADS}, head_dim {HEAD_DIM})",
         "",
-        "Fraction of softmax weights in (0, 2^-126) with randn q and k; the content spread "
-        "bound 2·|scale|·|q_i|·max|k_j| (`content_spread`) per row: median "
-        f"{first['spread_median']:.1f}, largest {first['spread_max']:.1f}.",
+        "Fraction of softmax weights in (0, 2^-126) with randn q and k times the content "
+        "scale; the content spread bound 2·|scale|·|q_i|·max|k_j| (`content_spread`) per "
+        "row, median and largest, per content scale: "
+        + "; ".join(
+            f"{scale}: {median:.1f}, {largest:.1f}"
+            for scale, median, largest in sorted(
+                {(r["content_scale"], r["spread_median"], r["spread_max"]) for r in report["rows"]}
+            )
+        )
+        + ". The shipped floor sits 40 + spread below the top where the spread bound is at "
+        f"most {first['most_spread']:g}, else {first['deep']:g} + spread below.",
         "",
-        "| N | causal | bias given to SDPA | denormal weights |",
-        "|---|---|---|---|",
+        "| N | content scale | causal | bias given to SDPA | denormal weights |",
+        "|---|---|---|---|---|",
     ]
     lines += [
-        f"| {r['N']} | {'yes' if r['causal'] else 'no'} | {r['bias']} | {r['denormal']:.2e} |"
+        f"| {r['N']} | {r['content_scale']} | {'yes' if r['causal'] else 'no'} | "
+        f"{r['bias']} | {r['denormal']:.2e} |"
         for r in report["rows"]
     ]
     return "\n".join(lines) + "\n"
@@ -92,33 +120,46 @@ def markdown(report: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048])
+    parser.add_argument(
+        "--content-scales",
+        type=float,
+        nargs="+",
+        default=[1.0],
+        help="multiply q and k by each (a larger content spread bound)",
+    )
+    parser.add_argument("--tag", default="", help="appended to the result file names")
     add_out_argument(parser)
     args = parser.parse_args()
-    torch.manual_seed(0)
     pe = ENCODINGS["alibi"](heads=HEADS, head_dim=HEAD_DIM)
     rows = []
     for n in args.lengths:
-        q, k = (torch.randn(BATCH, HEADS, n, HEAD_DIM) for _ in "qk")
-        spread = distances.content_spread(q, k, pe.scale)  # [H, N, 1]
-        positions = torch.arange(n)
-        with torch.no_grad():
-            bias = pe.score_bias(positions, positions)  # [H, N, M]
-            for label, floored in floors(bias, spread).items():
-                for causal in (False, True):
-                    share = denormal_share(q, k, floored, pe.scale, causal)
-                    rows.append(
-                        {
-                            "N": n,
-                            "causal": causal,
-                            "bias": label,
-                            "denormal": share,
-                            "spread_median": float(spread.median()),
-                            "spread_max": float(spread.max()),
-                        }
-                    )
+        for content_scale in args.content_scales:
+            torch.manual_seed(0)
+            q, k = (torch.randn(BATCH, HEADS, n, HEAD_DIM) * content_scale for _ in "qk")
+            spread = distances.content_spread(q, k, pe.scale)  # [H, N, 1]
+            positions = torch.arange(n)
+            with torch.no_grad():
+                bias = pe.score_bias(positions, positions)  # [H, N, M]
+                for label, floored in floors(bias, spread).items():
+                    for causal in (False, True):
+                        share = denormal_share(q, k, floored, pe.scale, causal)
+                        rows.append(
+                            {
+                                "N": n,
+                                "content_scale": content_scale,
+                                "causal": causal,
+                                "bias": label,
+                                "denormal": share,
+                                "spread_median": float(spread.median()),
+                                "spread_max": float(spread.max()),
+                                "most_spread": distances.BIAS_FLOOR_MOST_SPREAD,
+                                "deep": distances.BIAS_FLOOR_DEEP,
+                            }
+                        )
     report = {"device": describe_device(torch.device("cpu")), "torch": torch.__version__}
     report["rows"] = rows
-    write_results(args.out, "denormal_weights_cpu_float32", report, markdown(report))
+    stem = f"denormal_weights_cpu_float32{args.tag}"
+    write_results(args.out, stem, report, markdown(report))
 
 
 if __name__ == "__main__":

@@ -232,6 +232,21 @@ BIAS_FLOOR_DEVICES: set[str] = {"cpu"}
 # keys: 3.5e-14, below float32's resolution); float64 is left exact.
 BIAS_FLOOR = 40.0
 
+# The largest spread bound under which the floor sits BIAS_FLOOR below: a floored key's
+# logit then lies about BIAS_FLOOR + spread under the row's largest (the bound is loose,
+# so the keys' own content differences are small beside it), at most 80 here, above
+# float32's denormal range of e^-103.3 .. e^-87.3. With a larger bound that distance
+# would land in the range: ALiBi with randn q and k scaled by 1.3 (bounds up to 50, 1024
+# keys) had 13.8% of its softmax weights denormal under such a floor against 2.6% with
+# no floor (benchmarks/results/denormal_weights_cpu_float32_content_scale.md).
+BIAS_FLOOR_MOST_SPREAD = 40.0
+
+# Past that bound the floor sits this far below the row's top less the spread instead:
+# a floored key's logit is then at least 105 under the row's largest, and its weight
+# exp(-105) rounds to exactly 0 rather than to a denormal (keys above the floor keep
+# their bias, as with no floor).
+BIAS_FLOOR_DEEP = 105.0
+
 
 def bias_floor_serves(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the sdpa backend floors a bias for SDPA in ``dtype`` on ``device``."""
@@ -302,8 +317,13 @@ def floored_rows(bias: Tensor, spread: Tensor, out: Tensor | None = None) -> Ten
 
 
 def _floor_under(top: Tensor, spread: Tensor) -> Tensor:
-    """``top - BIAS_FLOOR - spread``, detached, with NaN and +inf as -inf (no floor)."""
-    floor = top.detach() - BIAS_FLOOR - spread.detach()
+    """``top - BIAS_FLOOR - spread`` where the spread is at most ``BIAS_FLOOR_MOST_SPREAD``,
+    else ``top - BIAS_FLOOR_DEEP - spread`` (either way no floored key's weight was or
+    becomes more than e^-BIAS_FLOOR of the row's largest), detached, with NaN and +inf
+    as -inf (no floor)."""
+    spread = spread.detach()
+    below = torch.where(spread <= BIAS_FLOOR_MOST_SPREAD, BIAS_FLOOR, BIAS_FLOOR_DEEP)
+    floor = top.detach() - below - spread
     return floor.nan_to_num(nan=-math.inf, posinf=-math.inf, neginf=-math.inf)
 
 

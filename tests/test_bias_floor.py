@@ -301,3 +301,45 @@ def test_a_shallow_vector_skips_the_pass_over_the_keys(
     assert len(calls) == int(steep)
     vector = pe._distance_bias(1, 200, torch.device("cpu"))  # [H, M]
     assert torch.equal(masks[-1][0, :, 0], vector) != steep
+
+
+def test_a_wide_spread_puts_the_floor_deep_enough_for_zero_weights() -> None:
+    """Past ``BIAS_FLOOR_MOST_SPREAD`` the floor sits ``BIAS_FLOOR_DEEP`` + spread under
+    the top: a floored key's logit is then at least 105 under the row's largest, a weight
+    of exactly 0 in float32, where 40 + spread under it put such keys among the denormal
+    weights (e^-103.3 .. e^-87.3)."""
+    most, deep = distances.BIAS_FLOOR_MOST_SPREAD, distances.BIAS_FLOOR_DEEP
+    bias = torch.tensor([[0.0, -100.0, -300.0, float("-inf")], [0.0, -100.0, -300.0, -50.0]])
+    top, spread = torch.zeros(2, 1), torch.tensor([[most + 10.0], [most]])
+    got = distances.floored_bias(bias, top, spread)
+    wide, narrow = -deep - (most + 10.0), -FLOOR - most
+    assert got.tolist() == [[0.0, -100.0, wide, float("-inf")], [0.0, narrow, narrow, -50.0]]
+    assert torch.exp(torch.tensor(wide + most + 10.0)) == 0  # the widest content lift
+
+
+def _denormal_weights(logits: torch.Tensor) -> int:
+    weights = torch.softmax(logits, dim=-1)
+    return int(((weights > 0) & (weights < torch.finfo(torch.float32).tiny)).sum())
+
+
+@pytest.mark.parametrize("content_scale", [1.0, 1.5])
+def test_the_floor_adds_no_denormal_weights_whatever_the_spread(content_scale: float) -> None:
+    """ALiBi's per-distance vector floored as the sdpa backend floors it (under distance
+    0, each head's largest spread), 512 keys, randn q and k times 1 (spread bounds about
+    22) or 1.5 (about 50, past BIAS_FLOOR_MOST_SPREAD): the softmax weights in float32
+    have no denormal where the spread is narrow, and never more than the bias as it is
+    gives (40 + spread under the top, whatever the spread, put 6.8% of them there at 1.5,
+    against 2.0% as it is)."""
+    pe = ENCODINGS["alibi"](heads=8, head_dim=64)
+    generator = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 8, 512, 64, generator=generator) * content_scale for _ in "qk")
+    spread = distances.content_spread(q, k, pe.scale)  # [H, N, 1]
+    with torch.no_grad():
+        bias = pe.score_bias(torch.arange(512), torch.arange(512))  # [H, N, M]
+        floored = distances.floored_bias(
+            bias, torch.zeros(8, 1, 1), spread.amax(dim=1, keepdim=True)
+        )
+        content = q[0] @ k[0].transpose(-1, -2) * pe.scale  # [H, N, M]
+    plain, shipped = _denormal_weights(content + bias), _denormal_weights(content + floored)
+    assert plain > 0
+    assert shipped == 0 if content_scale == 1.0 else shipped <= plain
