@@ -177,7 +177,7 @@ def test_a_bias_flagged_at_most_zero_is_so_for_any_parameters(name: str) -> None
             assert torch.equal(vector[:, m - 1], torch.zeros(6))  # distance 0
 
 
-def test_the_flag_is_on_for_fixed_slopes_and_kerple_only() -> None:
+def test_the_flag_is_on_for_fixed_slopes_and_kerple_not_for_trained_slopes() -> None:
     """ALiBi's fixed slopes and KERPLE's clamped kernels take the flag; trained slopes do
     not, since one that turns negative gives a bias above 0 far from the query."""
     flagged = set(_flagged_at_most_zero())
