@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._inputs import cache_get, cache_put
+from ._triton import power_of_two_at_least
 
 
 def default_distances(n: int, m: int, device: torch.device) -> Tensor:
@@ -45,7 +46,7 @@ def distance_span_vector(
     ``of_distances`` maps key minus query positions (int64 [L]) to a value per distance
     ([..., L]) that depends on the distance alone, so the vector for (N, M) is the part
     of any wider one between r = -(M - 1) and N - 1. The kept vector reaches back and
-    ahead to powers of two, at least as far as the calls before it: a decode loop's
+    ahead to powers of two (at least 1), at least as far as the calls before it: a decode loop's
     steps (N = 1, M one more each step) slice one vector made for up to twice their
     keys, where a vector per (N, M) was made again each step. While compiling, the
     vector is made in the graph."""
@@ -54,7 +55,7 @@ def distance_span_vector(
     back, ahead = m - 1, n - 1  # the distances this call reads: -back .. ahead
     kept = cache_get(cache, key)
     if kept is None or kept[0] < back or kept[1] < ahead:
-        reach_back, reach_ahead = _power_of_two_at_least(back), _power_of_two_at_least(ahead)
+        reach_back, reach_ahead = power_of_two_at_least(back), power_of_two_at_least(ahead)
         if kept is not None:
             reach_back, reach_ahead = max(reach_back, kept[0]), max(reach_ahead, kept[1])
         distances = torch.arange(-reach_back, reach_ahead + 1, device=device)
@@ -62,11 +63,6 @@ def distance_span_vector(
     reach_back, _, vector = kept
     start = reach_back - back  # entry of r = -(M - 1)
     return vector[..., start : start + n + m - 1]
-
-
-def _power_of_two_at_least(count: int) -> int:
-    """The least power of two at least ``count`` (0 for 0)."""
-    return 0 if count <= 0 else 1 << (count - 1).bit_length()
 
 
 def diagonal_rows(

@@ -197,8 +197,12 @@ class T5Decoder(PositionalAttention):
         One gather per distance, not per (query, key) pair: its backward touches
         N + M - 1 rows of the table (the [N, M] gather's backward scatters N * M).
         """
+
+        def buckets_of(relative: Tensor) -> Tensor:  # key minus query position -> bucket
+            return _relative_buckets(relative)
+
         key = ("distance_buckets", str(device))
-        buckets = distance_span_vector(self._cache, key, n, m, device, _relative_buckets)
+        buckets = distance_span_vector(self._cache, key, n, m, device, buckets_of)
         table = self.relative_attention_bias.weight.to(device)  # [buckets, heads]
         dtype = torch.promote_types(table.dtype, torch.float32)  # a float64 table stays float64
         # gathered heads first, so that distances (keys) are contiguous: CUDA's fused SDPA

@@ -124,10 +124,10 @@ def test_a_kept_distance_vector_serves_every_shape_it_spans() -> None:
         got = distances.distance_span_vector(cache, ("k",), n, m, torch.device("cpu"), of_distances)
         want_distances = torch.arange(-(m - 1), n)
         assert torch.equal(got, torch.stack([want_distances * 3 + 1, want_distances.square()]))
-    # reached back 0, 1, 2, 4, 8, 16, 32, 64 keys during the loop (M - 1 = 0, 1, 2, 3, 5,
-    # 9, 17, 33), then 32 ahead for the prefill; the last calls fit the kept vector
-    back = [0, 1, 2, 4, 8, 16, 32, 64]
-    assert made == [(-reach, 0) for reach in back] + [(-64, 32)]
+    # reached back 1, 2, 4, 8, 16, 32, 64 keys and 1 ahead during the loop (M - 1 = 0,
+    # 2, 3, 5, 9, 17, 33), then 32 ahead for the prefill; the last calls fit the kept one
+    back = [1, 2, 4, 8, 16, 32, 64]
+    assert made == [(-reach, 1) for reach in back] + [(-64, 32)]
 
 
 @pytest.mark.parametrize("name", ["alibi", "t5", "t5_decoder", "sandwich"])

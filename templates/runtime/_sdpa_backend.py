@@ -280,12 +280,8 @@ class SdpaBackend(SdpaRelative):
         if out is not None:
             return out
         vec = self._scaled_distance_bias(n, m, q.device)  # [H, N + M - 1]
-        top = vec[:, m - 1 : m]  # distance 0, read by every query: the floor's top
-        if bias_floor_serves(q.device, q.dtype) and not floor_moves_nothing(vec, top):
-            # shallow biases (T5's, KERPLE's) skip this pass over the keys: in a decode
-            # step it reads the whole cache once more
-            vec = floored_bias(vec, top, content_spread(q, k, self.scale).amax(dim=1))
-        vec = _distances_masked(vec, n, m, causal, window)
+        spread = self._distance_floor_spread(q, k, vec)
+        vec = _distances_masked(_floored_distances(vec, m, spread), n, m, causal, window)
         if self.distance_bias_at_most_zero:  # the shift would be 0: every row reads r = 0
             vec = vec.to(q.dtype)  # [H, N + M - 1]
         else:
@@ -319,7 +315,10 @@ class SdpaBackend(SdpaRelative):
         groups = q.shape[1] // k.shape[1]
         parameters = tuple(getattr(self, name) for name in self.distance_bias_parameters)
         if directional_bias_serves(q, v, window, causal, parameters):
-            spread = self._floor_spread(q, k)  # [H, N, 1] or None
+            with torch.no_grad():  # the floor's spread is detached
+                spread = self._distance_floor_spread(
+                    q, k, self._scaled_distance_bias(n, m, q.device)
+                )
 
             def vector() -> Tensor:  # [H, N + M - 1]: SDPA's mask in _sdpa_by_distance
                 return self._masked_distance_bias(n, m, q.device, causal, None, spread)
@@ -346,29 +345,34 @@ class SdpaBackend(SdpaRelative):
         window: int | None,
         spread: Tensor | None,
     ) -> Tensor:
-        """``_floored_distance_bias`` with -inf on the distances that causal or window
-        masking excludes (``distance_allowed``): [H, N + M - 1]."""
-        vec = self._floored_distance_bias(n, m, device, spread)
-        return _distances_masked(vec, n, m, causal, window)
-
-    def _floored_distance_bias(
-        self, n: int, m: int, device: torch.device, spread: Tensor | None
-    ) -> Tensor:
         """The bias per distance for default positions as SDPA adds it, [H, N + M - 1]:
-        scaled where it sits inside the scale (SDPA scales q . k only), and floored
-        (``floored_bias``) where a ``spread`` [H, N, 1] is given (``_floor_spread``):
-        every query reads the key at its own position, distance 0, entry M - 1, and one
-        floor per head serves every query, so its spread is the head's largest."""
-        vec = self._scaled_distance_bias(n, m, device)  # [H, N + M - 1]
-        if n and spread is not None:
-            vec = floored_bias(vec, vec[:, m - 1 : m], spread.amax(dim=1))
-        return vec
+        scaled (``_scaled_distance_bias``), floored where a ``spread`` [H, 1] is given
+        (``_distance_floor_spread``) and -inf on the distances that causal or window
+        masking excludes (``distance_allowed``)."""
+        vec = _floored_distances(self._scaled_distance_bias(n, m, device), m, spread)
+        return _distances_masked(vec, n, m, causal, window)
 
     def _scaled_distance_bias(self, n: int, m: int, device: torch.device) -> Tensor:
         """The bias per distance for default positions, scaled where it sits inside the
         scale (SDPA scales q . k only): [H, N + M - 1]."""
         vec = self._distance_bias(n, m, device)  # [H, N + M - 1]
         return vec * self.scale if self.position_bias_inside_scale else vec
+
+    def _distance_floor_spread(self, q: Tensor, k: Tensor, vec: Tensor) -> Tensor | None:
+        """The spread [H, 1] the per-distance vector ``vec`` [H, N + M - 1] (as SDPA adds
+        it) is floored with (``_floored_distances``), or None where no floor is due: off
+        ``BIAS_FLOOR_DEVICES``, and where the floor would move nothing
+        (``floor_moves_nothing``: every entry within ``BIAS_FLOOR`` of the entry at
+        distance 0, the floor's top), so that shallow biases (T5's, KERPLE's) skip the
+        bound's pass over the keys, which in a decode step reads the whole cache once
+        more. Every query reads distance 0 and one floor per head serves them all, so
+        the spread is the head's largest (``content_spread``)."""
+        m = k.shape[2]
+        if not bias_floor_serves(q.device, q.dtype) or q.shape[2] == 0:
+            return None
+        if floor_moves_nothing(vec, vec[:, m - 1 : m]):
+            return None
+        return content_spread(q, k, self.scale).amax(dim=1)
 
     def _floor_spread(self, q: Tensor, k: Tensor) -> Tensor | None:
         """``content_spread`` of q and k as SDPA reads them ([H, N, 1]) where the bias
@@ -511,3 +515,9 @@ def _distances_masked(vec: Tensor, n: int, m: int, causal: bool, window: int | N
     excludes (``distance_allowed``)."""
     allowed = distance_allowed(n, m, vec.device, causal, window)  # [N + M - 1] or None
     return vec if allowed is None else vec.masked_fill(~allowed, float("-inf"))
+
+
+def _floored_distances(vec: Tensor, m: int, spread: Tensor | None) -> Tensor:
+    """vec [H, N + M - 1] floored (``floored_bias``) under its entry at distance 0 (entry
+    M - 1) with ``spread`` [H, 1], or as it is where spread is None."""
+    return vec if spread is None else floored_bias(vec, vec[:, m - 1 : m], spread)
