@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from ._attention import PositionalAttention
+from ._inputs import positions_or_default
 from ._numerics import compute_dtype
 from ._rotation import apply_rotation, cos_and_sin, spread_over_features
 
@@ -75,15 +76,32 @@ def _inverse_frequencies(rotary_dim: int, length: Tensor | None, device: torch.d
     return _geometric_frequencies(rotary_dim, device, base)
 
 
-def _call_length(positions: tuple[Tensor | None, ...], m: int, device: torch.device) -> Tensor:
-    """The call's largest position + 1, a 0-d int64 tensor (no host sync).
+def _length_regime(length: int) -> int | None:
+    """Which lengths share this length's theta: 0 up to original_max (s is clamped
+    there: the plain NTK base), None past it, where each length has a base of its own."""
+    return 0 if length <= ORIGINAL_MAX_POSITIONS else None
+
+
+def _call_length(
+    positions: tuple[Tensor | None, ...], m: int, device: torch.device
+) -> Tensor | int:
+    """The call's largest position + 1: M itself where every position is the default
+    (outside torch.compile), so that the host knows which table of cos and sin the call
+    reads (``_length_regime``); else a 0-d int64 tensor (no host sync).
 
     Default positions (None) reach M - 1 for keys and queries alike.
     """
+    if all(p is None for p in positions) and not torch.compiler.is_compiling():
+        return m
     ends = [p.max() + 1 for p in positions if p is not None and p.numel()]
     if len(ends) < len(positions):
         ends.append(torch.tensor(m, device=device))
     return torch.stack([end.to(device, torch.int64) for end in ends]).max()
+
+
+def _length_tensor(length: Tensor | int | None, device: torch.device) -> Tensor | None:
+    """``length`` as the 0-d tensor the schedule reads (``_call_length`` may give an int)."""
+    return torch.tensor(length, device=device) if isinstance(length, int) else length
 
 
 def _rotary_cos_sin(
@@ -148,6 +166,14 @@ class RopeDynamicNtk(PositionalAttention):
                 f"{self.rotary_dim} rotated features; it must be even and at least 2"
             )
         _inverse_frequencies(self.rotary_dim, None, torch.device("cpu"))  # checks the width
+        # float32 cos/sin [L, rotary_dim] for positions 0..L-1: plain attributes, not
+        # buffers, so module.half() / .to(dtype) never lowers their precision, DDP never
+        # broadcasts them, and a state_dict never holds them. Rebuilt past their length,
+        # on another device, and when made under inference mode but needed for autograd.
+        self._cos_cache = torch.empty(0, self.rotary_dim)
+        self._sin_cache = torch.empty(0, self.rotary_dim)
+        # the lengths whose frequencies the cache holds (``_length_regime``)
+        self._cache_regime: int | None = None
 
     def _rotate(
         self, q: Tensor, k: Tensor, q_positions: Tensor | None, k_positions: Tensor | None
@@ -193,16 +219,37 @@ class RopeDynamicNtk(PositionalAttention):
         count: int,
         device: torch.device,
         dtype: torch.dtype,
-        length: Tensor | None,
+        length: Tensor | int | None,
     ) -> tuple[Tensor, Tensor]:
         """[count, rotary_dim] (or [batch, 1, count, rotary_dim]) cos and sin.
 
-        Computed for every call: the schedule depends on the call's length, or xPos
-        scales by position.
+        Default positions of a call whose length the host knows (an int) read the
+        float32 cache, which holds the frequencies of that length's regime
+        (``_length_regime``; a call of another regime rebuilds it): a decoding loop
+        reuses it every step, where a schedule that changed with every length would not.
+        Lengths with a schedule of their own, explicit positions and float64 inputs are
+        computed directly.
         """
-        if positions is None:
+        if positions is None and (dtype == torch.float64 or torch.compiler.is_compiling()):
             positions = torch.arange(start, start + count, device=device)
-        return self._cos_sin_at(positions, dtype, length)
+        known = positions is None and isinstance(length, int)
+        regime = _length_regime(length) if known else None
+        if regime is None:
+            positions = positions_or_default(positions, start, count, device)
+            return self._cos_sin_at(positions, dtype, _length_tensor(length, device))
+        end = start + count
+        cache = self._cos_cache
+        stale = cache.is_inference() and not torch.is_inference_mode_enabled()
+        stale = stale or regime != self._cache_regime
+        if stale or cache.shape[0] < end or cache.device != torch.device(device):
+            size = max(end, 2 * cache.shape[0], 64)
+            positions = torch.arange(size, device=device)
+            # any length of the regime gives its frequencies: this call's
+            self._cos_cache, self._sin_cache = _rotary_cos_sin(
+                positions, self.rotary_dim, torch.float32, _length_tensor(length, device)
+            )
+            self._cache_regime = regime
+        return self._cos_cache[start:end], self._sin_cache[start:end]
 
     def _cos_sin_at(
         self, positions: Tensor, dtype: torch.dtype, length: Tensor | None

@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import copy
+import sys
+
 import pytest
 import torch
 
-from tests.conftest import generated_class, head_dim_for, spec_names
+from tests.conftest import generated_class, head_dim_for, spec_names, spec_variant, spy_calls
 
 STEPS = 6
 
@@ -80,3 +83,56 @@ def test_length_scheduled_keys_rotated_once_agree_with_rotating_both(
     both = pe(q, k, v, backend=backend, **positions)
     once = pe(q, pe.rotate_keys(k, keys), v, backend=backend, keys_rotated=True, **positions)
     torch.testing.assert_close(once, both, rtol=1e-10, atol=1e-10)
+
+
+#: a switch at length 24 (each spec's own at 2048 or 4096), so that short loops cross it
+SHORT_SWITCH = {
+    "rope_dynamic_ntk": ("original_max_positions: 2048}", "original_max_positions: 24}"),
+    "rope_longrope": ("original_max_positions: 4096\n", "original_max_positions: 24\n"),
+}
+
+
+@pytest.mark.parametrize(
+    ("name", "builds"),
+    [
+        # one table for every length up to the switch; past it each call computes its
+        # own: rotate at 5 + 15 lengths, rotate_keys and the step at 25, 30, 35 and 25
+        ("rope_dynamic_ntk", 1 + 5 + 15 + 2 * 4),
+        # one table for the short factors and one for the long, rebuilt on each crossing
+        ("rope_longrope", 4),
+    ],
+)
+def test_length_scheduled_tables_are_kept_per_regime_of_lengths(
+    name: str, builds: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At default positions a schedule by length reads a float32 table of cos and sin
+    kept for the lengths that share its frequencies (dynamic NTK up to original_max;
+    LongRoPE's short factors up to it and its long ones past it): a decoding loop builds
+    it when it crosses the switch, not every step. Every call, in rotate and in a decode
+    step over keys rotated once, equals the float64 per-call schedule (which
+    test_rope_scaling checks against Hugging Face), across the switch and back."""
+    cls = spec_variant(name, SHORT_SWITCH[name], name=f"{name}_switch_24")
+    d = head_dim_for(name, 16)
+    torch.manual_seed(0)
+    pe = cls(heads=2, head_dim=d)
+    oracle = copy.deepcopy(pe).double()
+    made = spy_calls(
+        monkeypatch,
+        [sys.modules[cls.__module__]],
+        "_rotary_cos_sin",
+        lambda positions, rotary_dim, dtype=torch.float32, length=None: dtype,
+    )
+    generator = torch.Generator().manual_seed(3)
+    lengths = [*range(10, 30), 12, *range(20, 40)]  # up past 24, back below, up again
+    for length in lengths:
+        k = torch.randn(1, 2, length, d, generator=generator)
+        q, v = k[:, :, -1:] * 2, k.flip(2)
+        got_q, got_k = pe.rotate(q, k)
+        want_q, want_k = oracle.rotate(q.double(), k.double())
+        torch.testing.assert_close(got_q, want_q.float(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got_k, want_k.float(), rtol=1e-5, atol=1e-5)
+        if length % 5 == 0:
+            step = pe(q, pe.rotate_keys(k), v, keys_rotated=True)
+            want = oracle(q.double(), k.double(), v.double(), backend="eager")
+            torch.testing.assert_close(step, want.float(), rtol=1e-5, atol=1e-5)
+    assert made.count(torch.float32) == builds  # the oracle's float64 calls aside

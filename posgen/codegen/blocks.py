@@ -203,8 +203,10 @@ class ComplexOrderPlan(Block):
 class FrequencyPlan(Rendered):
     """A schedule of rotary frequencies theta_k: renders ``_inverse_frequencies``.
 
-    ``by_length``: theta depends on the call's length (largest position + 1), so the
-    module computes it per call instead of reading a cache of cos and sin.
+    ``by_length``: theta depends on the call's length (largest position + 1). The
+    schedule renders ``_length_regime`` too, which groups the lengths that share theta:
+    the module keeps cos and sin for the regime of the last call whose length the host
+    knows (default positions) and computes them per call past any regime.
     """
 
     by_length: ClassVar[bool] = False
@@ -349,8 +351,10 @@ class RotationPlan(Block):
 
     @property
     def cached(self) -> bool:
-        """cos and sin of the default positions are cached (the same for every call)."""
-        return not self.frequencies.by_length and self.xpos_scale_base is None
+        """cos and sin of the default positions are cached: the same for every call, or
+        (a schedule by length) for every call of one regime of lengths. xPos scales them
+        by position about a reference that moves with the call."""
+        return self.xpos_scale_base is None
 
 
 # --------------------------------------------------------------------------- contextual
