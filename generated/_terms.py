@@ -13,6 +13,7 @@ hooks; ``_attention`` chooses between them.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -477,19 +478,36 @@ class AttentionTerms(nn.Module):
         counter, starts afresh too). A method that reads several projections takes this
         once, so DeBERTa's two projections cost one comparison per call, not two.
         """
-        if not KEEP_RELATIVE_ROWS or torch.compiler.is_compiling() or self._trains_terms():
+        if not KEEP_RELATIVE_ROWS:
             return None
-        # blocks made in inference mode cannot enter autograd outside it: kept apart
-        prefix = ("relative_rows", dtype, str(device), torch.is_inference_mode_enabled())
+        return self._kept_with_parameters(("relative_rows", dtype), device, dict)
+
+    def _kept_with_parameters(
+        self, name: tuple[Any, ...], device: torch.device, make: Callable[[], Any]
+    ) -> Any:
+        """``make()``, a value of the module's parameters alone, kept across calls while
+        they are unchanged; None where nothing is kept: under torch.compile (the graph
+        computes it) or with gradients into the parameters (training).
+
+        Keyed on ``name``, the device and ``parameter_states`` (an optimizer step,
+        load_state_dict or a new ``.data`` starts afresh), and kept beside a copy of the
+        parameters, compared at each read (``parameters_unchanged``: an edit through
+        ``p.data``, which moves no version counter, starts afresh too): a method reads
+        it once per call. A value made in inference mode is kept apart, since it cannot
+        enter autograd outside it.
+        """
+        if torch.compiler.is_compiling() or self._trains_terms():
+            return None
+        prefix = (*name, str(device), torch.is_inference_mode_enabled())
         versions = parameter_states(self)
         cached = cache_get(self._cache, (*prefix, versions))
         if cached is not None and parameters_unchanged(self, cached[1]):
             return cached[0]
         for stale in [key for key in self._cache if key[: len(prefix)] == prefix]:
             del self._cache[stale]  # other parameter versions are never read again
-        kept: dict[str, tuple[int, Tensor]] = {}
-        cache_put(self._cache, (*prefix, versions), (kept, parameter_snapshot(self)))
-        return kept
+        value = make()
+        cache_put(self._cache, (*prefix, versions), (value, parameter_snapshot(self)))
+        return value
 
     def _reused_relative_rows(
         self,

@@ -119,12 +119,13 @@ class TupeA(PositionalAttention):
         k_pos = positions_or_default(k_positions, 0, m, device)
         self._check_untied_range(q_pos)
         self._check_untied_range(k_pos)
-        query = self._untied_heads(q_pos + 1, self.position_query)  # [..., H, N, D]
-        key = self._untied_heads(k_pos + 1, self.position_key)  # [..., H, M, D]
+        kept_query, kept_key = self._kept_untied_rows(device) or (None, None)
+        query = self._untied_heads(q_pos + 1, self.position_query, kept_query)  # [..., H, N, D]
+        key = self._untied_heads(k_pos + 1, self.position_key, kept_key)  # [..., H, M, D]
         slots = torch.arange(2, device=device)
         slot_scores = (
-            self._untied_heads(slots, self.position_query)
-            * self._untied_heads(slots, self.position_key)
+            self._untied_heads(slots, self.position_query, kept_query)
+            * self._untied_heads(slots, self.position_key, kept_key)
         ).sum(-1)  # [H, 2]: query-0 constant, key-0 constant
         first_query = (q_pos == 0).unsqueeze(-2).unsqueeze(-1)  # [..., 1, N, 1]
         first_key = (k_pos == 0).unsqueeze(-2).unsqueeze(-1)  # [..., 1, M, 1]
@@ -178,14 +179,38 @@ class TupeA(PositionalAttention):
                 f"table of {self.max_positions} positions; this encoding cannot extrapolate"
             )
 
-    def _untied_heads(self, rows_index: Tensor, projection: nn.Linear) -> Tensor:
-        """[..., L] int64 table rows -> [..., heads, L, head_dim] projected rows."""
+    def _untied_rows(self, rows_index: Tensor, projection: nn.Linear) -> Tensor:
+        """[..., L] int64 table rows -> [..., L, heads, head_dim] projected rows, in
+        float32 or wider."""
         rows = self.position_embeddings(rows_index)  # [..., L, model_dim]
         rows = self.position_norm(rows)
         projected = projection(rows)  # [..., L, heads * head_dim]
         projected = projected.unflatten(-1, (self.heads, self.head_dim))  # [..., L, H, D]
-        dtype = torch.promote_types(projected.dtype, torch.float32)
-        return projected.movedim(-2, -3).to(dtype)  # [..., heads, L, head_dim]
+        return projected.to(torch.promote_types(projected.dtype, torch.float32))
+
+    def _kept_untied_rows(self, device: torch.device) -> tuple[Tensor, Tensor] | None:
+        """Every table row projected by U_q and by U_k, [rows, heads, head_dim] each,
+        kept while the parameters are unchanged (``_kept_with_parameters``: not while
+        they train, nor under torch.compile, where None), so that a decoding loop or
+        repeated inference reads rows instead of projecting them every call."""
+
+        def project() -> tuple[Tensor, Tensor]:
+            rows = torch.arange(self.position_embeddings.num_embeddings, device=device)
+            return (
+                self._untied_rows(rows, self.position_query),
+                self._untied_rows(rows, self.position_key),
+            )
+
+        return self._kept_with_parameters(("untied_rows",), device, project)
+
+    def _untied_heads(
+        self, rows_index: Tensor, projection: nn.Linear, kept: Tensor | None
+    ) -> Tensor:
+        """[..., L] int64 table rows -> [..., heads, L, head_dim] projected rows, read from
+        ``kept`` (that projection of every row, ``_kept_untied_rows``) where given."""
+        if kept is not None:
+            return kept[rows_index].movedim(-2, -3)
+        return self._untied_rows(rows_index, projection).movedim(-2, -3)
 
     def _position_bias(
         self, q_positions: Tensor | None, k_positions: Tensor | None, n: int, m: int, device
@@ -194,12 +219,13 @@ class TupeA(PositionalAttention):
         k_pos = positions_or_default(k_positions, 0, m, device)
         self._check_untied_range(q_pos)
         self._check_untied_range(k_pos)
-        query = self._untied_heads(q_pos + 1, self.position_query)  # [..., heads, N, head_dim]
-        key = self._untied_heads(k_pos + 1, self.position_key)  # [..., heads, M, head_dim]
+        kept_query, kept_key = self._kept_untied_rows(device) or (None, None)
+        query = self._untied_heads(q_pos + 1, self.position_query, kept_query)  # [..., H, N, D]
+        key = self._untied_heads(k_pos + 1, self.position_key, kept_key)  # [..., H, M, D]
         untied = torch.matmul(query, key.transpose(-2, -1))  # [..., heads, N, M]
         slots = torch.arange(2, device=device)  # row 0: first-token slot, row 1: position 0
-        slot_query = self._untied_heads(slots, self.position_query)  # [heads, 2, head_dim]
-        slot_key = self._untied_heads(slots, self.position_key)
+        slot_query = self._untied_heads(slots, self.position_query, kept_query)  # [H, 2, D]
+        slot_key = self._untied_heads(slots, self.position_key, kept_key)
         slot_scores = (slot_query * slot_key).sum(-1)  # [heads, 2]
         first_query = (q_pos == 0).unsqueeze(-1).unsqueeze(-3)  # [..., 1, N, 1]
         first_key = (k_pos == 0).unsqueeze(-2).unsqueeze(-3)  # [..., 1, 1, M]

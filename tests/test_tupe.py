@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from tests.conftest import generated_class, spec_variant
+from tests.conftest import generated_class, spec_variant, spy_method
 from tests.reference import tupe as ref
 from tests.reference.formulas import t5_relative_bucket
 
@@ -219,6 +219,46 @@ def test_generated_matches_reference(name: str, case: str, causal: bool) -> None
         _close(pe(q, k, v, causal=causal, backend=backend, **kwargs), outputs)
     if q_pos.dim() == 1:
         _close(pe.score_bias(q_pos, k_pos), _reference_scores(pe, q_pos.tolist(), k_pos.tolist()))
+
+
+@pytest.mark.parametrize("name", ["tupe_a", "tupe_r"])
+@pytest.mark.parametrize("fold", [False, True])
+def test_a_decoding_loop_projects_the_table_once_and_sees_edits(
+    name: str, fold: bool, monkeypatch
+) -> None:
+    """Without gradients the U_q and U_k projections of every table row are kept while
+    the parameters are unchanged: a decoding loop projects them once (rather than its M
+    keys every step), each step equals the float64 reference (with the bias and folded
+    into q and k), and an edit through ``.data`` (an EMA update, which moves no version
+    counter) is seen at the next step, as is an optimizer-style in-place update. With
+    gradients into the parameters every call projects afresh."""
+    pe = _randomised(generated_class(name))
+    pe.fold_bias = fold
+    rows = pe.position_embeddings.weight.shape[0]
+    made = spy_method(monkeypatch, type(pe), "_untied_rows", lambda index, projection: index.shape)
+    q, k, v = _qkv(batch=1, n=1, m=12)
+
+    def step(m: int) -> None:
+        query = q[:, :, :1] * (1 + m / 10)  # a new query each step, at position m - 1
+        with torch.no_grad():
+            got = pe(query, k[:, :, :m], v[:, :, :m], causal=True, backend="sdpa")
+        positions = torch.arange(m)
+        _, want = _reference_rows(
+            pe, query, k[:, :, :m], v[:, :, :m], positions[-1:], positions, True
+        )
+        _close(got, want)
+
+    for m in range(3, 13):
+        step(m)
+    assert made == [torch.Size([rows])] * 2  # once for U_q and once for U_k
+    pe.position_key.weight.data.mul_(1.5)
+    step(12)
+    with torch.no_grad():
+        pe.position_query.weight.add_(0.25)
+    step(12)
+    assert made == [torch.Size([rows])] * 6
+    pe(q, k, v)  # gradients into the parameters: nothing kept, rows projected per call
+    assert len(made) > 6 and torch.Size([rows]) not in made[6:]
 
 
 @pytest.mark.parametrize("base", ["tupe_a", "tupe_r"])
