@@ -72,25 +72,25 @@ def diagonal_rows(
     m: int,
     causal: bool,
     table_rows: int,
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, int]:
     """The table rows a relative term reads, per diagonal of default positions.
 
     index: the table row of each diagonal, int64 [N + M - 1] (``default_distances``'
     order), in [0, table_rows), given by ``index_of`` (key minus query positions, int64
     [L] -> rows [L]), which is monotone in the distance (a clip, DeBERTa's signed log
-    buckets). Returns each diagonal's row counted from the first row reached, and those
-    rows, int64 [K]: the rows the diagonals reach (with ``causal``, the first M
-    diagonals, whose key is not after the query; the others read a row within them),
-    or every row of the table while compiling. Being monotone, the index reaches its
-    least and largest rows at the end distances, -(M - 1) and N - 1 (0 with
-    ``causal``): ``index_of`` finds them on the host, so a new shape (a decode step's)
-    costs no device sync."""
+    buckets). Returns each diagonal's row counted from the first row reached, those
+    rows, int64 [K], and the first of them, on the host: the rows the diagonals reach
+    (with ``causal``, the first M diagonals, whose key is not after the query; the
+    others read a row within them), or every row of the table while compiling. Being
+    monotone, the index reaches its least and largest rows at the end distances,
+    -(M - 1) and N - 1 (0 with ``causal``): ``index_of`` finds them on the host, so a
+    new shape (a decode step's) costs no device sync."""
     if torch.compiler.is_compiling():
         low, high = 0, table_rows - 1
     else:
         ends = torch.tensor([-(m - 1), 0 if causal else n - 1])  # on the host
         low, high = sorted(index_of(ends).tolist())
-    return index.clamp(low, high) - low, torch.arange(low, high + 1, device=index.device)
+    return index.clamp(low, high) - low, torch.arange(low, high + 1, device=index.device), low
 
 
 class _QueryReversedDiagonals(torch.autograd.Function):

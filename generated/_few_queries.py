@@ -79,7 +79,8 @@ def few_query_inputs(
         elif side == "key":
             assert clip is not None and diagonal is not None  # few_query_relative_serves
             far = max(0, m - n - clip + 1)  # keys at least clip before every query
-            far_row = rows[diagonal[0]] if far else None  # [H, D]: the farthest distance
+            # [H, D]: the farthest distance's row (a tensor index, so no host read)
+            far_row = rows.index_select(0, diagonal[:1]).squeeze(0) if far else None
             if far_row is not None:
                 shift = accumulated(shift, far_row * (part_scale / scale))
             term = _key_side_term(x, rows, diagonal, n, m, far, far_row) * part_scale

@@ -514,6 +514,7 @@ class AttentionTerms(nn.Module):
         kept: dict[str, tuple[int, Tensor]] | None,
         projection: str,
         rows: Tensor,
+        low: int | None,
         dtype: torch.dtype,
         device: torch.device,
         table_rows: int | None,
@@ -524,17 +525,24 @@ class AttentionTerms(nn.Module):
         sinusoid rows took half of a CPU decode step against 4096 keys, DeBERTa's table a
         tenth).
 
-        table_rows: rows are row ids of a table of that many rows (all of them are
-        projected once), or None: rows are distances, and the kept block of distances
-        grows by doubling to cover each call's (not kept where the distances are sparse,
-        as explicit positions far apart give; a range far from the kept block replaces
-        it, so the gap between them is never projected). Rows in ascending order come
-        back as a view of the kept block: read them, never write into them.
+        low: where rows is the ascending run low, low + 1, ..., low + K - 1
+        (``_relative_diagonals``'), its first, which the host knows, so no bound is read
+        from the device; None: rows in any order, their bounds read from the device (a
+        host sync, in eager mode). table_rows: rows are row ids of a table of that many
+        rows (all of them are projected once), or None: rows are distances, and the kept
+        block of distances grows by doubling to cover each call's (not kept where the
+        distances are sparse, as explicit positions far apart give; a range far from the
+        kept block replaces it, so the gap between them is never projected). Rows in
+        ascending order come back as a view of the kept block: read them, never write
+        into them.
         """
         if kept is None or rows.numel() == 0:
             return self._relative_rows(projection, rows, dtype, device)
-        low, high = int(rows.min()), int(rows.max())  # a host sync, in eager mode
-        in_order = bool((rows.diff() == 1).all())  # low, low + 1, ..., high: a slice
+        if low is not None:
+            high, in_order = low + rows.shape[0] - 1, True
+        else:
+            low, high = int(rows.min()), int(rows.max())
+            in_order = bool((rows.diff() == 1).all())  # low, low + 1, ..., high: a slice
         if table_rows is not None:
             first, last = 0, table_rows - 1
         elif high - low + 1 > 2 * rows.numel():  # sparse distances: project them alone

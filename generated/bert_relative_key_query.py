@@ -135,9 +135,16 @@ class BertRelativeKeyQuery(PositionalAttention):
         index = _relative_index(relative)  # table rows
         if torch.compiler.is_compiling():  # no host sync: every row of the table
             low, high = 0, RELATIVE_ROWS - 1
+        elif index.numel() == 0:
+            low = high = 0
+        elif cacheable:
+            # default positions reach r from its least to its largest, 1 - M .. N - 1
+            # (i - j: 1 - N .. M - 1), and the index is monotone in r (every index kind
+            # is): its ends, found on the host, bound the rows (no host sync)
+            ends = torch.tensor([1 - m, n - 1] if sign == "key_minus_query" else [1 - n, m - 1])
+            low, high = _relative_index(ends).tolist()
         else:  # only the rows the index reaches
-            low = int(index.min()) if index.numel() else 0
-            high = int(index.max()) if index.numel() else 0
+            low, high = int(index.min()), int(index.max())
         index = index - low
         rows = torch.arange(low, high + 1, device=device)  # [K]
         if cacheable:
@@ -185,9 +192,10 @@ class BertRelativeKeyQuery(PositionalAttention):
 
     def _relative_diagonals(
         self, n: int, m: int, device, sign: str, causal: bool
-    ) -> tuple[Tensor, Tensor]:
+    ) -> tuple[Tensor, Tensor, int]:
         """Default positions: the row of each diagonal, int64 [N + M - 1] (entry
-        kv - q + N - 1, as ``default_distances``), and the K table rows it reads. With
+        kv - q + N - 1, as ``default_distances``), the K table rows it reads (an
+        ascending run) and the first of them, on the host. With
         ``causal`` only diagonals whose key is not after the query (the first M) count
         toward the rows; the rest read a row within them. Cached per shape."""
         key = ("relative_diagonals", sign, n, m, causal, str(device))
@@ -222,7 +230,9 @@ class BertRelativeKeyQuery(PositionalAttention):
         n, m = diagonals if diagonals is not None else (q.shape[2], k.shape[2])
         factors: list[RelativeFactors] = []
         # content_position: q_i . R[index(i - j)]
-        diagonal, table_rows = self._relative_diagonals(n, m, q.device, "query_minus_key", causal)
+        diagonal, table_rows, first_row = self._relative_diagonals(
+            n, m, q.device, "query_minus_key", causal
+        )
         rows = self._relative_rows("none", table_rows, dtype, q.device)
         factors.append(RelativeFactors("query", q.to(dtype), rows, diagonal, self.scale))
         # position_content: k_j . R[index(i - j)]

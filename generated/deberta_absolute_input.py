@@ -211,9 +211,16 @@ class DebertaAbsoluteInput(PositionalAttention):
         index = _relative_index(relative)  # table rows
         if torch.compiler.is_compiling():  # no host sync: every row of the table
             low, high = 0, RELATIVE_ROWS - 1
+        elif index.numel() == 0:
+            low = high = 0
+        elif cacheable:
+            # default positions reach r from its least to its largest, 1 - M .. N - 1
+            # (i - j: 1 - N .. M - 1), and the index is monotone in r (every index kind
+            # is): its ends, found on the host, bound the rows (no host sync)
+            ends = torch.tensor([1 - m, n - 1] if sign == "key_minus_query" else [1 - n, m - 1])
+            low, high = _relative_index(ends).tolist()
         else:  # only the rows the index reaches
-            low = int(index.min()) if index.numel() else 0
-            high = int(index.max()) if index.numel() else 0
+            low, high = int(index.min()), int(index.max())
         index = index - low
         rows = torch.arange(low, high + 1, device=device)  # [K]
         if cacheable:
@@ -260,13 +267,29 @@ class DebertaAbsoluteInput(PositionalAttention):
         index, table_rows = self._relative_layout(
             q_positions, k_positions, n, m, q.device, "query_minus_key"
         )
-        rows = self._reused_relative_rows(kept, "key", table_rows, dtype, q.device, RELATIVE_ROWS)
+        rows = self._reused_relative_rows(
+            kept,
+            "key",
+            table_rows,
+            None,
+            dtype,
+            q.device,
+            RELATIVE_ROWS,
+        )
         # the scale goes on the [K, H, D] rows, the smallest tensor of the term
         scores = torch.einsum("bhnd,khd->bhnk", q.to(dtype), rows * self.scale)  # [B, H, N, K]
         term = _gather_rows(scores, index)  # [B, H, N, M]
         terms["content_position"] = term
         # position_content: k_j . W_q R[index(i - j)]
-        rows = self._reused_relative_rows(kept, "query", table_rows, dtype, q.device, RELATIVE_ROWS)
+        rows = self._reused_relative_rows(
+            kept,
+            "query",
+            table_rows,
+            None,
+            dtype,
+            q.device,
+            RELATIVE_ROWS,
+        )
         scores = torch.einsum("bhmd,khd->bhmk", k.to(dtype), rows * self.scale)  # [B, H, M, K]
         term = _gather_rows(scores, index.transpose(-1, -2)).transpose(-1, -2)  # [B, H, N, M]
         terms["position_content"] = term
@@ -275,9 +298,10 @@ class DebertaAbsoluteInput(PositionalAttention):
 
     def _relative_diagonals(
         self, n: int, m: int, device, sign: str, causal: bool
-    ) -> tuple[Tensor, Tensor]:
+    ) -> tuple[Tensor, Tensor, int]:
         """Default positions: the row of each diagonal, int64 [N + M - 1] (entry
-        kv - q + N - 1, as ``default_distances``), and the K table rows it reads. With
+        kv - q + N - 1, as ``default_distances``), the K table rows it reads (an
+        ascending run) and the first of them, on the host. With
         ``causal`` only diagonals whose key is not after the query (the first M) count
         toward the rows; the rest read a row within them. Cached per shape."""
         key = ("relative_diagonals", sign, n, m, causal, str(device))
@@ -313,10 +337,28 @@ class DebertaAbsoluteInput(PositionalAttention):
         factors: list[RelativeFactors] = []
         kept = self._kept_relative_rows(dtype, q.device)  # compared with the parameters once
         # content_position: q_i . W_k R[index(i - j)]
-        diagonal, table_rows = self._relative_diagonals(n, m, q.device, "query_minus_key", causal)
-        rows = self._reused_relative_rows(kept, "key", table_rows, dtype, q.device, RELATIVE_ROWS)
+        diagonal, table_rows, first_row = self._relative_diagonals(
+            n, m, q.device, "query_minus_key", causal
+        )
+        rows = self._reused_relative_rows(
+            kept,
+            "key",
+            table_rows,
+            first_row,
+            dtype,
+            q.device,
+            RELATIVE_ROWS,
+        )
         factors.append(RelativeFactors("query", q.to(dtype), rows, diagonal, self.scale))
         # position_content: k_j . W_q R[index(i - j)]
-        rows = self._reused_relative_rows(kept, "query", table_rows, dtype, q.device, RELATIVE_ROWS)
+        rows = self._reused_relative_rows(
+            kept,
+            "query",
+            table_rows,
+            first_row,
+            dtype,
+            q.device,
+            RELATIVE_ROWS,
+        )
         factors.append(RelativeFactors("key", k.to(dtype), rows, diagonal, self.scale))
         return factors

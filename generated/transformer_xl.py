@@ -208,7 +208,15 @@ class TransformerXl(PositionalAttention):
         index, table_rows = self._relative_layout(
             q_positions, k_positions, n, m, q.device, "query_minus_key"
         )
-        rows = self._reused_relative_rows(kept, "relative", table_rows, dtype, q.device, None)
+        rows = self._reused_relative_rows(
+            kept,
+            "relative",
+            table_rows,
+            None,
+            dtype,
+            q.device,
+            None,
+        )
         # the scale goes on the [K, H, D] rows, the smallest tensor of the term
         scores = torch.einsum("bhnd,khd->bhnk", q.to(dtype), rows * self.scale)  # [B, H, N, K]
         if q_positions is None and k_positions is None:
@@ -228,9 +236,10 @@ class TransformerXl(PositionalAttention):
 
     def _relative_diagonals(
         self, n: int, m: int, device, sign: str, causal: bool
-    ) -> tuple[Tensor, Tensor]:
+    ) -> tuple[Tensor, Tensor, int]:
         """Default positions: the row of each diagonal, int64 [N + M - 1] (entry
-        kv - q + N - 1, as ``default_distances``), and the K table rows it reads. With
+        kv - q + N - 1, as ``default_distances``), the K table rows it reads (an
+        ascending run) and the first of them, on the host. With
         ``causal`` only diagonals whose key is not after the query (the first M) count
         toward the rows; the rest read a row within them. Cached per shape."""
         key = ("relative_diagonals", sign, n, m, causal, str(device))
@@ -244,7 +253,7 @@ class TransformerXl(PositionalAttention):
         if causal:  # key minus query position at most 0
             high, low = (0, 1 - m) if sign == "key_minus_query" else (m - 1, 0)
         rows = torch.arange(low, high + 1, device=device)  # ascending distance
-        diagonals = (relative - low).clamp(0, high - low), rows
+        diagonals = (relative - low).clamp(0, high - low), rows, low
         return cache_put(self._cache, key, diagonals)
 
     def _relative_factors(
@@ -265,8 +274,18 @@ class TransformerXl(PositionalAttention):
         factors: list[RelativeFactors] = []
         kept = self._kept_relative_rows(dtype, q.device)  # compared with the parameters once
         # content_position: q_i . W_R R[index(i - j)]
-        diagonal, table_rows = self._relative_diagonals(n, m, q.device, "query_minus_key", causal)
-        rows = self._reused_relative_rows(kept, "relative", table_rows, dtype, q.device, None)
+        diagonal, table_rows, first_row = self._relative_diagonals(
+            n, m, q.device, "query_minus_key", causal
+        )
+        rows = self._reused_relative_rows(
+            kept,
+            "relative",
+            table_rows,
+            first_row,
+            dtype,
+            q.device,
+            None,
+        )
         factors.append(RelativeFactors("query", q.to(dtype), rows, diagonal, self.scale))
         # position_position: v_h . W_R R[index(i - j)]
         v = self.r_r_bias.to(dtype)  # [H, D]
@@ -288,7 +307,15 @@ class TransformerXl(PositionalAttention):
             q_positions, k_positions, n, m, device, "query_minus_key"
         )
         kept = self._kept_relative_rows(torch.float32, device)  # compared with the parameters once
-        rows = self._reused_relative_rows(kept, "relative", table_rows, torch.float32, device, None)
+        rows = self._reused_relative_rows(
+            kept,
+            "relative",
+            table_rows,
+            None,
+            torch.float32,
+            device,
+            None,
+        )
         term = self._global_position(index, rows, torch.float32)
         return term * self.scale
 

@@ -117,8 +117,8 @@ class TupeA(PositionalAttention):
         device, dtype = q.device, q.dtype
         q_pos = positions_or_default(q_positions, m - n, n, device)
         k_pos = positions_or_default(k_positions, 0, m, device)
-        self._check_untied_range(q_pos)
-        self._check_untied_range(k_pos)
+        self._check_untied_range(q_positions, m)
+        self._check_untied_range(k_positions, m)
         kept_query, kept_key = self._kept_untied_rows(device) or (None, None)
         query = self._untied_heads(q_pos + 1, self.position_query, kept_query)  # [..., H, N, D]
         key = self._untied_heads(k_pos + 1, self.position_key, kept_key)  # [..., H, M, D]
@@ -168,14 +168,18 @@ class TupeA(PositionalAttention):
         n, m = q_positions.shape[-1], k_positions.shape[-1]
         return self._position_bias(q_positions, k_positions, n, m, device)
 
-    def _check_untied_range(self, positions: Tensor) -> None:
-        if (
-            positions.numel()
-            and not torch.compiler.is_compiling()
-            and int(positions.max()) >= self.max_positions
-        ):
+    def _check_untied_range(self, positions: Tensor | None, m: int) -> None:
+        """ValueError for a position past the table: the largest explicit position (read
+        from the device, in eager mode), or M - 1 for the defaults (known on the host)."""
+        if positions is None:
+            largest = m - 1
+        elif positions.numel() and not torch.compiler.is_compiling():
+            largest = int(positions.max())
+        else:
+            return
+        if largest >= self.max_positions:
             raise ValueError(
-                f"position {int(positions.max())} is out of range for the untied position "
+                f"position {largest} is out of range for the untied position "
                 f"table of {self.max_positions} positions; this encoding cannot extrapolate"
             )
 
@@ -217,8 +221,8 @@ class TupeA(PositionalAttention):
     ) -> Tensor:
         q_pos = positions_or_default(q_positions, m - n, n, device)
         k_pos = positions_or_default(k_positions, 0, m, device)
-        self._check_untied_range(q_pos)
-        self._check_untied_range(k_pos)
+        self._check_untied_range(q_positions, m)
+        self._check_untied_range(k_positions, m)
         kept_query, kept_key = self._kept_untied_rows(device) or (None, None)
         query = self._untied_heads(q_pos + 1, self.position_query, kept_query)  # [..., H, N, D]
         key = self._untied_heads(k_pos + 1, self.position_key, kept_key)  # [..., H, M, D]

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from posgen.codegen.inmemory import encoding_class, module_from_spec
 
@@ -363,3 +364,19 @@ def open_distance_kernels_to_cpu(
     set_runtime(monkeypatch, "FUSED_DISTANCE_ROUTES", {"slope": {"cpu"}, "vector": {"cpu"}}, pe)
     set_runtime(monkeypatch, "FUSED_RELATIVE_DEVICES", {"cpu"}, pe)
     set_runtime(monkeypatch, "FUSED_RELATIVE_TRAINED_DEVICES", {"cpu"}, pe)
+
+
+class HostReads(TorchDispatchMode):
+    """Counts the reads of a tensor's value into Python while active
+    (``_local_scalar_dense``, behind ``int(t)``, ``bool(t)``, ``.item()`` and indexing by
+    a 0-d tensor: each a device sync on a GPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        self.count += func.overloadpacket.__name__ == "_local_scalar_dense"
+        return func(*args, **(kwargs or {}))

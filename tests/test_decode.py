@@ -9,7 +9,15 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import generated_class, head_dim_for, spec_names, spec_variant, spy_calls
+from tests.conftest import (
+    HostReads,
+    generated_class,
+    head_dim_for,
+    set_runtime,
+    spec_names,
+    spec_variant,
+    spy_calls,
+)
 
 STEPS = 6
 
@@ -136,3 +144,27 @@ def test_length_scheduled_tables_are_kept_per_regime_of_lengths(
             want = oracle(q.double(), k.double(), v.double(), backend="eager")
             torch.testing.assert_close(step, want.float(), rtol=1e-5, atol=1e-5)
     assert made.count(torch.float32) == builds  # the oracle's float64 calls aside
+
+
+@pytest.mark.parametrize("name", spec_names())
+def test_a_decode_loop_reads_no_value_back_from_the_device(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decoding loop at default positions (one key more each step, over a cache of
+    keys rotated once) reads no tensor's value back into Python for any encoding, with
+    the CPU-only bias floor (one host read to skip it) switched off as on a GPU: rows,
+    spans and ranges of default positions are known on the host. Comparisons of kept
+    values with the parameters (``torch.equal``) are not such reads."""
+    set_runtime(monkeypatch, "BIAS_FLOOR_DEVICES", set())
+    d = head_dim_for(name, 16)
+    pe = generated_class(name)(heads=4, head_dim=d).eval()
+    generator = torch.Generator().manual_seed(5)
+    k, v = (torch.randn(1, 2, 80, d, generator=generator) for _ in "kv")
+    cache = pe.rotate_keys(k)
+    reads = HostReads()
+    with torch.no_grad():
+        for m in range(60, 80):
+            q = torch.randn(1, 4, 1, d, generator=generator)
+            with reads:
+                pe(q, cache[:, :, :m], v[:, :, :m], keys_rotated=True)
+    assert reads.count == 0

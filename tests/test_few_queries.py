@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.conftest import (
+    HostReads,
     assert_sdpa_matches_eager,
     set_runtime,
     small_clip_module,
@@ -312,16 +313,39 @@ def test_a_decode_loop_gets_the_rows_each_shape_reaches(name: str) -> None:
     """The diagonals' rows of a decode loop (one key more each step, after a prefill,
     causal and not), sliced from a kept index vector with the reached rows found at
     its ends, are those found by scanning the call's own index (min and max of the
-    diagonals read, the first M with causal) and count from the least."""
+    diagonals read, the first M with causal) and count from the least, which the host
+    knows too."""
     pe = make(name)
     module = importlib.import_module(type(pe).__module__)
     sign = "query_minus_key"  # the specs' convention; both are checked on the index
     shapes = [(12, 12)] + [(1, m) for m in range(13, 60)] + [(5, 60)]
     for causal in (False, True):
         for n, m in shapes:
-            diagonal, rows = pe._relative_diagonals(n, m, torch.device("cpu"), sign, causal)
+            diagonal, rows, first = pe._relative_diagonals(n, m, torch.device("cpu"), sign, causal)
             index = module._relative_index(-torch.arange(-(m - 1), n))  # [N + M - 1]
             reached = index[:m] if causal else index
             low, high = int(reached.min()), int(reached.max())
-            assert torch.equal(rows, torch.arange(low, high + 1))
+            assert torch.equal(rows, torch.arange(low, high + 1)) and first == low
             assert torch.equal(diagonal, index.clamp(low, high) - low)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_decode_loop_reads_no_value_back_from_the_device(name: str) -> None:
+    """At default positions the table rows a relative term reads are found on the host
+    (the index's ends, ``diagonal_rows``; the first of them goes to
+    ``_reused_relative_rows``): a decoding loop, one key more every step, reads no
+    tensor's value back (the kept rows' comparison with the parameters, ``torch.equal``,
+    aside), and each step equals a fresh copy's eager output."""
+    pe = make(name).float()
+    fresh = copy.deepcopy(pe)
+    generator = torch.Generator().manual_seed(4)
+    k, v = (torch.randn(1, 4, 40, 8, generator=generator) for _ in range(2))
+    reads = HostReads()
+    with torch.no_grad():
+        for m in range(20, 40):
+            q = torch.randn(1, 4, 1, 8, generator=generator)
+            with reads:
+                got = pe(q, k[:, :, :m], v[:, :, :m], causal=True)
+            want = fresh(q, k[:, :, :m], v[:, :, :m], causal=True, backend="eager")
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert reads.count == 0
