@@ -107,11 +107,17 @@ def _xpos_scale(
     return spread_over_features(scale.to(positions.device, dtype), False)
 
 
+def _xpos_reach() -> int:
+    """How many positions from the reference the factors stay finite for: while
+    |n - reference| / scale_base * ln(1 / zeta_0) <= XPOS_MAX_EXPONENT."""
+    per_position = math.log(1.4 / 0.4) / XPOS_SCALE_BASE  # ln(1 / zeta_0) / scale_base
+    return int(XPOS_MAX_EXPONENT / per_position)
+
+
 def _check_xpos_reach(low: int, high: int, reference: int, what: str) -> None:
     """ValueError if positions low .. high lie too far from the reference for finite factors."""
-    per_position = math.log(1.4 / 0.4) / XPOS_SCALE_BASE  # ln(1 / zeta_0) / scale_base
-    if max(reference - low, high - reference) * per_position > XPOS_MAX_EXPONENT:
-        reach = int(XPOS_MAX_EXPONENT / per_position)
+    reach = _xpos_reach()
+    if max(reference - low, high - reference) > reach:
         raise ValueError(
             f"xPos with scale_base {XPOS_SCALE_BASE:g} reaches {reach} positions from "
             f"{what} (its factors overflow past that); got positions {low} .. {high}"
@@ -155,6 +161,15 @@ class RopeXpos(PositionalAttention):
                 f"head_dim {self.head_dim} x fraction {ROTARY_FRACTION} gives "
                 f"{self.rotary_dim} rotated features; it must be even and at least 2"
             )
+        # float32 cos/sin [L, rotary_dim] for positions 0..L-1: plain attributes, not
+        # buffers, so module.half() / .to(dtype) never lowers their precision, DDP never
+        # broadcasts them, and a state_dict never holds them. Rebuilt past their length,
+        # on another device, and when made under inference mode but needed for autograd.
+        self._cos_cache = torch.empty(0, self.rotary_dim)
+        self._sin_cache = torch.empty(0, self.rotary_dim)
+        # cos and sin with the xPos factors about reference 0, per side ("query",
+        # "key"), for a cache of rotated keys (``_xpos_cos_sin``)
+        self._xpos_tables: dict[str, tuple[Tensor, Tensor]] = {}
 
     def _rotate(
         self, q: Tensor, k: Tensor, q_positions: Tensor | None, k_positions: Tensor | None
@@ -222,26 +237,58 @@ class RopeXpos(PositionalAttention):
         scale = _xpos_scale(positions, reference, self.rotary_dim, dtype)
         return scale.unsqueeze(1) if positions.dim() == 2 else scale  # broadcast over heads
 
+    def _xpos_cos_sin(
+        self,
+        side: str,
+        positions: Tensor | None,
+        start: int,
+        count: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> tuple[Tensor, Tensor]:
+        """cos and sin times zeta^(n / scale_base) for "query", divided by it for "key":
+        the factors about reference 0 of a cache of rotated keys and the queries that
+        read it (``_cached_xpos_reference`` checks the reach). Default positions read
+        float32 tables kept per side, grown as the plain cache is but never past the
+        factors' reach (``_xpos_reach``), so a decoding step scales no row afresh;
+        explicit positions, float64 and compiled calls compute them."""
+        if positions is not None or dtype == torch.float64 or torch.compiler.is_compiling():
+            cos, sin = self._cos_sin(positions, start, count, device, dtype, None)
+            scale = self._xpos_factors(positions, start, count, device, dtype, 0)
+            return (cos * scale, sin * scale) if side == "query" else (cos / scale, sin / scale)
+        end = start + count
+        kept = self._xpos_tables.get(side)
+        if (
+            kept is None
+            or kept[0].shape[0] < end
+            or kept[0].device != torch.device(device)
+            or (kept[0].is_inference() and not torch.is_inference_mode_enabled())
+        ):
+            grown = max(2 * (0 if kept is None else kept[0].shape[0]), 64)
+            size = max(end, min(grown, _xpos_reach() + 1))
+            cos, sin = self._cos_sin(None, 0, size, device, torch.float32, None)
+            positions = torch.arange(size, device=device)
+            scale = _xpos_scale(positions, 0, self.rotary_dim, torch.float32)
+            kept = (cos * scale, sin * scale) if side == "query" else (cos / scale, sin / scale)
+            self._xpos_tables[side] = kept
+        return kept[0][start:end], kept[1][start:end]
+
     def _rotate_queries(
         self, q: Tensor, q_positions: Tensor | None, k_positions: Tensor | None, m: int
     ) -> Tensor:
         """q alone (keys already rotated): default positions are the last N of M."""
         n = q.shape[2]
         dtype = compute_dtype(q)
-        q_cos, q_sin = self._cos_sin(q_positions, m - n, n, q.device, dtype, None)
-        reference = self._cached_xpos_reference(q_positions, m - n, n)
-        q_scale = self._xpos_factors(q_positions, m - n, n, q.device, dtype, reference)
-        q_cos, q_sin = q_cos * q_scale, q_sin * q_scale
+        self._cached_xpos_reference(q_positions, m - n, n)
+        q_cos, q_sin = self._xpos_cos_sin("query", q_positions, m - n, n, q.device, dtype)
         return self._apply_rotation(q, q_cos, q_sin)
 
     def _rotate_keys(self, k: Tensor, k_positions: Tensor | None) -> Tensor:
         """k alone, at k_positions (default 0, ..., M - 1)."""
         m = k.shape[2]
         dtype = compute_dtype(k)
-        k_cos, k_sin = self._cos_sin(k_positions, 0, m, k.device, dtype, None)
-        reference = self._cached_xpos_reference(k_positions, 0, m)
-        k_scale = self._xpos_factors(k_positions, 0, m, k.device, dtype, reference)
-        k_cos, k_sin = k_cos / k_scale, k_sin / k_scale
+        self._cached_xpos_reference(k_positions, 0, m)
+        k_cos, k_sin = self._xpos_cos_sin("key", k_positions, 0, m, k.device, dtype)
         return self._apply_rotation(k, k_cos, k_sin)
 
     def _cos_sin(
@@ -255,12 +302,21 @@ class RopeXpos(PositionalAttention):
     ) -> tuple[Tensor, Tensor]:
         """[count, rotary_dim] (or [batch, 1, count, rotary_dim]) cos and sin.
 
-        Computed for every call: the schedule depends on the call's length, or xPos
-        scales by position.
+        Default positions read the float32 cache; explicit positions and float64 inputs
+        are computed directly.
         """
-        if positions is None:
+        if positions is None and (dtype == torch.float64 or torch.compiler.is_compiling()):
             positions = torch.arange(start, start + count, device=device)
-        return self._cos_sin_at(positions, dtype, length)
+        if positions is not None:
+            return self._cos_sin_at(positions, dtype, length)
+        end = start + count
+        cache = self._cos_cache
+        stale = cache.is_inference() and not torch.is_inference_mode_enabled()
+        if stale or cache.shape[0] < end or cache.device != torch.device(device):
+            size = max(end, 2 * cache.shape[0], 64)
+            positions = torch.arange(size, device=device)
+            self._cos_cache, self._sin_cache = _rotary_cos_sin(positions, self.rotary_dim)
+        return self._cos_cache[start:end], self._sin_cache[start:end]
 
     def _cos_sin_at(
         self, positions: Tensor, dtype: torch.dtype, length: Tensor | None

@@ -168,3 +168,39 @@ def test_a_decode_loop_reads_no_value_back_from_the_device(
             with reads:
                 pe(q, cache[:, :, :m], v[:, :, :m], keys_rotated=True)
     assert reads.count == 0
+
+
+def test_xpos_keeps_its_scaled_tables_for_a_cache_of_rotated_keys(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """xPos scales cos and sin by zeta^(n / scale_base) for queries and divides keys by
+    it, about position 0 for a cache of rotated keys. At default positions those scaled
+    tables are kept per side: a decoding loop builds them as the plain cache grows, not
+    every step, and never past the factors' reach (scale_base 8 reaches 408 positions
+    from 0, all finite). Every step equals the float64 per-call factors."""
+    cls = spec_variant("rope_xpos", ("scale_base: 512}", "scale_base: 8}"), name="xpos_base_8")
+    torch.manual_seed(0)
+    pe = cls(heads=2, head_dim=16)
+    oracle = copy.deepcopy(pe).double()
+    module = sys.modules[cls.__module__]
+    assert module._xpos_reach() == 408  # 64 / (ln(1 / zeta_0) / 8), zeta_0 = 0.4 / 1.4
+    scaled = spy_calls(
+        monkeypatch,
+        [module],
+        "_xpos_scale",
+        lambda positions, reference, rotary_dim, dtype: (positions.numel(), dtype),
+    )
+    generator = torch.Generator().manual_seed(6)
+    k, v = (torch.randn(1, 2, 409, 16, generator=generator) for _ in "kv")
+    cache = pe.rotate_keys(k)  # keys 0 .. 408, divided by their factors
+    for m in [*range(20, 80), 300, 409]:
+        q = torch.randn(1, 2, 1, 16, generator=generator)
+        with torch.no_grad():
+            step = pe(q, cache[:, :, :m], v[:, :, :m], keys_rotated=True)
+        want = oracle(q.double(), k[:, :, :m].double(), v[:, :, :m].double(), backend="eager")
+        torch.testing.assert_close(step, want.float(), rtol=1e-4, atol=1e-5)
+    builds = [count for count, dtype in scaled if dtype == torch.float32]
+    # keys: once for 409; queries: 64, 128 at 65 keys, 300 at 300 (twice 128 falls
+    # short), then 409 (twice 300 capped at the reach)
+    assert builds == [409, 64, 128, 300, 409]
+    assert all(bool(table.isfinite().all()) for pair in pe._xpos_tables.values() for table in pair)

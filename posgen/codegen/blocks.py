@@ -349,13 +349,6 @@ class RotationPlan(Block):
         """2-D axial RoPE: the class gets ``grid_positions(height, width)``."""
         return self.axial_count == 2
 
-    @property
-    def cached(self) -> bool:
-        """cos and sin of the default positions are cached: the same for every call, or
-        (a schedule by length) for every call of one regime of lengths. xPos scales them
-        by position about a reference that moves with the call."""
-        return self.xpos_scale_base is None
-
 
 # --------------------------------------------------------------------------- contextual
 
