@@ -17,6 +17,8 @@ from typing import Any
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
 
 from posgen.codegen.inmemory import encoding_class, module_from_spec
 
@@ -367,16 +369,55 @@ def open_distance_kernels_to_cpu(
 
 
 class HostReads(TorchDispatchMode):
-    """Counts the reads of a tensor's value into Python while active
-    (``_local_scalar_dense``, behind ``int(t)``, ``bool(t)``, ``.item()`` and indexing by
-    a 0-d tensor: each a device sync on a GPU)."""
+    """Counts, while active, the reads of device data into Python: each a sync on a GPU.
+
+    A read is ``_local_scalar_dense`` (behind ``int(t)``, ``bool(t)``, ``.item()`` and
+    indexing by a 0-d tensor) or ``Tensor.tolist()`` of a tensor that holds device data.
+    On the CPU every tensor is on one device, so the data's origin decides: tensors made
+    from Python values (``torch.tensor([...])``, dispatched as ``lift_fresh``) and those
+    computed from them alone are host data, as they would be on a GPU, where such
+    tensors stay on the CPU; everything else (the inputs, the module's parameters and
+    caches, tensors made by factories such as ``torch.arange(..., device=...)`` and
+    computed from any of them) is device data.
+    """
+
+    HOST_SOURCES = frozenset({"lift_fresh", "lift_fresh_copy"})
 
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
+        self._host: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._tolist: Any = None
+
+    def _is_host(self, tensor: Any) -> bool:
+        return isinstance(tensor, torch.Tensor) and tensor in self._host
+
+    def __enter__(self) -> HostReads:
+        original = torch.Tensor.tolist
+        self._tolist = original
+
+        def tolist(tensor: torch.Tensor) -> Any:
+            self.count += not self._is_host(tensor)
+            return original(tensor)
+
+        torch.Tensor.tolist = tolist  # type: ignore[method-assign]
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.Tensor.tolist = self._tolist  # type: ignore[method-assign]
+        super().__exit__(*exc)
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
     ) -> Any:
-        self.count += func.overloadpacket.__name__ == "_local_scalar_dense"
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if name == "_local_scalar_dense" and not self._is_host(args[0]):
+            self.count += 1
+        out = func(*args, **kwargs)
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if name in self.HOST_SOURCES or (inputs and all(map(self._is_host, inputs))):
+            for tensor in tree_leaves(out):
+                if isinstance(tensor, torch.Tensor):
+                    self._host[tensor] = True
+        return out

@@ -204,3 +204,48 @@ def test_xpos_keeps_its_scaled_tables_for_a_cache_of_rotated_keys(
     # short), then 409 (twice 300 capped at the reach)
     assert builds == [409, 64, 128, 300, 409]
     assert all(bool(table.isfinite().all()) for pair in pe._xpos_tables.values() for table in pair)
+
+
+def test_host_reads_tells_device_data_from_host_data() -> None:
+    """The helper behind the tests above: reads of device data count (a factory's
+    tensor, and what is computed from it), reads of tensors made from Python values
+    do not."""
+    device_data = torch.arange(4)
+    with HostReads() as reads:
+        device_data.tolist()
+        int(device_data[0])
+        torch.tensor([1, 2]).tolist()
+        (torch.tensor([3]) + 1).tolist()
+        bool((torch.tensor([3]) + device_data[:1]).all())
+    assert reads.count == 3
+
+
+@pytest.mark.parametrize("name", ["nope", "rope", "deberta", "shaw"])
+@pytest.mark.parametrize("shift", [0, 7])
+def test_explicit_positions_cost_one_read_per_call(
+    name: str, shift: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Positions given explicitly, as Hugging Face's position ids are every step, are
+    checked in eager mode: their values (ValueError outside [0, 2^53 - 1]) and whether
+    they are the defaults (shifted by a constant where only differences count), which
+    picks the default paths. Both come from one read of the device per call, where
+    each check read it on its own; bad values still raise, naming the argument."""
+    set_runtime(monkeypatch, "BIAS_FLOOR_DEVICES", set())
+    d = head_dim_for(name, 16)
+    pe = generated_class(name)(heads=4, head_dim=d).eval()
+    generator = torch.Generator().manual_seed(7)
+    k, v = (torch.randn(1, 2, 40, d, generator=generator) for _ in "kv")
+    q = torch.randn(1, 4, 1, d, generator=generator)
+    positions = torch.arange(40) + shift
+    cache = pe.rotate_keys(k, positions)
+    step = {"q_positions": positions[-1:], "k_positions": positions, "keys_rotated": True}
+    with torch.no_grad():
+        want = pe(q, cache, v, backend="eager", **step)
+        with HostReads() as reads:
+            got = pe(q, cache, v, **step)
+    assert reads.count == 1
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for argument in ("q_positions", "k_positions"):
+        bad = dict(step, **{argument: step[argument] - 100})
+        with pytest.raises(ValueError, match=f"{argument} must lie in"):
+            pe(q, cache, v, **bad)

@@ -182,8 +182,9 @@ class PositionalAttention(SdpaBackend, FlexBackend):
                 'weights): use backend="eager" or "auto"'
             )
         window = check_window(window)
+        # the positions' values are checked below, in the read that tells the defaults
         q, k, q_positions, k_positions, rotated = self._positions_and_axes(
-            q, k, q_positions, k_positions, "keys" if keys_rotated else "none"
+            q, k, q_positions, k_positions, "keys" if keys_rotated else "none", False
         )
         n, m = q.shape[2], k.shape[2]
         document_ids = check_document_ids(document_ids, n, m, q.shape[0], q.device)
@@ -192,7 +193,7 @@ class PositionalAttention(SdpaBackend, FlexBackend):
             if sampled is not None:
                 k_positions, q_positions = sampled, sampled[m - n :]
         elif positions_are_default(
-            q_positions, k_positions, n, m, self.shift_invariant, document_ids
+            q_positions, k_positions, n, m, self.shift_invariant, document_ids, True
         ):
             # the defaults, given (or, where only differences count, shifted per row or
             # per document): the paths for default positions (per-distance views, query

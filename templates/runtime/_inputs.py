@@ -92,9 +92,18 @@ def check_attention_inputs(
 
 
 def check_positions(
-    positions: Tensor | None, length: int, batch: int | None, name: str, device: torch.device
+    positions: Tensor | None,
+    length: int,
+    batch: int | None,
+    name: str,
+    device: torch.device,
+    read_values: bool = True,
 ) -> Tensor | None:
-    """Validate explicit positions: integers >= 0, shape [length] or [batch, length]."""
+    """Validate explicit positions: integers >= 0, shape [length] or [batch, length].
+
+    The values are checked (``check_position_values``) unless ``read_values`` is False,
+    where the caller checks them later, with another read of the device.
+    """
     if positions is None:
         return None
     if not isinstance(positions, Tensor):
@@ -113,19 +122,39 @@ def check_positions(
             "the inputs' device"
         )
     positions = positions.to(dtype=torch.int64)
-    # a value check reads the tensor (a host sync): eager mode only, never while compiling.
-    # One op: an int64 lies in [0, 2^53 - 1] exactly when no bit above bit 52 is set
-    # (a negative one has its sign bit set).
-    if (
-        positions.numel()
-        and not torch.compiler.is_compiling()
-        and bool((positions & ~MAX_POSITION).any())
-    ):
-        low, high = int(positions.min()), int(positions.max())
-        raise ValueError(
-            f"{name} must lie in [0, 2^53 - 1] (exact in float64), got {low} .. {high}"
-        )
+    if read_values:
+        check_position_values(((name, positions),))
     return positions
+
+
+def outside_position_range(positions: Tensor) -> Tensor:
+    """Whether some position lies outside [0, 2^53 - 1] (exact in float64): a 0-d bool
+    tensor, no host read. One op on the values: an int64 lies in that range exactly when
+    no bit above bit 52 is set (a negative one has its sign bit set)."""
+    return (positions & ~MAX_POSITION).any()
+
+
+def check_position_values(
+    named: tuple[tuple[str, Tensor | None], ...], outside: bool | None = None
+) -> None:
+    """ValueError naming the first of ``named`` (name, int64 positions or None) with a
+    position outside [0, 2^53 - 1]. ``outside``: whether any of them has one, read
+    already; else one read of them all here (a host sync): eager mode only, never while
+    compiling."""
+    given = [(name, t) for name, t in named if t is not None and t.numel()]
+    if not given or torch.compiler.is_compiling():
+        return
+    if outside is None:
+        flags = [outside_position_range(t) for _, t in given]
+        outside = bool(flags[0] if len(flags) == 1 else torch.stack(flags).any())
+    if not outside:
+        return
+    for name, positions in given:
+        if bool(outside_position_range(positions)):
+            low, high = int(positions.min()), int(positions.max())
+            raise ValueError(
+                f"{name} must lie in [0, 2^53 - 1] (exact in float64), got {low} .. {high}"
+            )
 
 
 def check_axis_positions(
@@ -168,15 +197,20 @@ def check_position_pair(
     m: int,
     batch: int | None,
     device: torch.device,
+    read_values: bool = True,
 ) -> tuple[Tensor | None, Tensor | None]:
     """Validate both position tensors and resolve the queries' default.
 
     Without q_positions the queries are the last N keys: k_positions[..., M - N:] when
     key positions are given, M - N, ..., M - 1 otherwise (both None stays None, the
-    cacheable default). N > M then has no default and raises ValueError.
+    cacheable default). N > M then has no default and raises ValueError. The values
+    of both are checked with one read, unless ``read_values`` is False (the caller
+    checks them: ``positions_are_default(..., check_values=True)``).
     """
-    q_positions = check_positions(q_positions, n, batch, "q_positions", device)
-    k_positions = check_positions(k_positions, m, batch, "k_positions", device)
+    q_positions = check_positions(q_positions, n, batch, "q_positions", device, False)
+    k_positions = check_positions(k_positions, m, batch, "k_positions", device, False)
+    if read_values:  # before the queries' default is taken from the keys
+        check_position_values((("q_positions", q_positions), ("k_positions", k_positions)))
     if q_positions is None and n > m:
         raise ValueError(
             f"{n} queries but {m} keys: the default query positions are the last N key "
@@ -206,6 +240,7 @@ def positions_are_default(
     m: int,
     shifted: bool = False,
     document_ids: Tensor | None = None,
+    check_values: bool = False,
 ) -> bool:
     """Whether validated positions (``check_position_pair``) that were given equal the
     defaults in every batch row: queries M - N, ..., M - 1 and keys 0, ..., M - 1, as a
@@ -219,18 +254,47 @@ def positions_are_default(
     (packed sequences whose positions restart at each document), where each query
     keeps the constant of its own key index M - N + i. Only pairs within a document are
     ever attended, and there every key minus query position is the defaults'.
+
+    ``check_values``: also check the positions' values (``check_position_values``,
+    raising ValueError) in the same read, for a caller that validated them with
+    ``read_values=False``: one host sync per call for both.
     """
-    if torch.compiler.is_compiling() or (q_positions is None and k_positions is None) or n > m:
+    if torch.compiler.is_compiling() or (q_positions is None and k_positions is None):
+        return False
+    # keys first: queries left out are a slice of the keys, whose name the error takes
+    named = (("k_positions", k_positions), ("q_positions", q_positions))
+    given = [t for _, t in named if t is not None and t.numel()]
+    flags = [outside_position_range(t) for t in given] if check_values else []
+    default = (
+        None if n > m else _default_flag(q_positions, k_positions, n, m, shifted, document_ids)
+    )
+    if not flags and default is None:
         return False  # (N > M: the default queries would sit before the first key)
+    read = torch.stack([*flags, *([] if default is None else [default])]).tolist()  # one read
+    if flags:
+        check_position_values(named, outside=any(read[: len(flags)]))
+    return default is not None and bool(read[-1])
+
+
+def _default_flag(
+    q_positions: Tensor | None,
+    k_positions: Tensor | None,
+    n: int,
+    m: int,
+    shifted: bool,
+    document_ids: Tensor | None,
+) -> Tensor:
+    """``positions_are_default``'s test as a 0-d bool tensor (no host read); N <= M and
+    at least one of the positions given."""
     given = q_positions if q_positions is not None else k_positions
-    assert given is not None  # one of them, by the test above
+    assert given is not None  # one of them (positions_are_default)
     device = given.device
     q_offsets = None if q_positions is None else q_positions - torch.arange(m - n, m, device=device)
     k_offsets = None if k_positions is None else k_positions - torch.arange(m, device=device)
     if not shifted or q_offsets is None or k_offsets is None:
         # a side left out is at the defaults, so the other must be too
         offsets = [t for t in (q_offsets, k_offsets) if t is not None]
-        return bool(torch.stack([(t == 0).all() for t in offsets]).all())
+        return torch.stack([(t == 0).all() for t in offsets]).all()
     checks = [(q_offsets == k_offsets[..., m - n :]).all()]  # [N] / [batch, N]
     if m > 1:
         if document_ids is None:  # one document per row: consecutive keys agree
@@ -242,7 +306,7 @@ def positions_are_default(
             apart = documents[..., 1:] != documents[..., :-1]
             steps = apart | (k_offsets[..., 1:] == k_offsets[..., :-1])
         checks.append(steps.all())
-    return bool(torch.stack(checks).all())
+    return torch.stack(checks).all()
 
 
 def score_bias_positions(

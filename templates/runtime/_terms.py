@@ -296,11 +296,14 @@ class AttentionTerms(nn.Module):
         q_positions: Tensor | None,
         k_positions: Tensor | None,
         rotated: Rotated,
+        read_values: bool = True,
     ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Rotated]:
         """Validate positions; rotate here at M-RoPE axis positions [axes, batch, seq].
 
         Returns q, k, the token positions that masks and biases read (None, token order,
-        where axis positions were given) and what is rotated already.
+        where axis positions were given) and what is rotated already. Token positions'
+        values are checked unless ``read_values`` is False (the caller checks them with
+        ``positions_are_default(..., check_values=True)``).
         """
         n, m, batch = q.shape[2], k.shape[2], q.shape[0]
         axes, device = self.position_axes, q.device
@@ -308,7 +311,7 @@ class AttentionTerms(nn.Module):
         k_axes = check_axis_positions(k_positions, axes, m, batch, "k_positions", device)
         if q_axes is None and k_axes is None:
             q_positions, k_positions = check_position_pair(
-                q_positions, k_positions, n, m, batch, q.device
+                q_positions, k_positions, n, m, batch, q.device, read_values
             )
             return q, k, q_positions, k_positions, rotated
         for name, at_axes, other in (("q", q_axes, q_positions), ("k", k_axes, k_positions)):
