@@ -218,10 +218,18 @@ def test_kept_distances_grow_on_both_sides() -> None:
         torch.testing.assert_close(got, fresh(q, k, v, backend="eager"), rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("at_once", [False, True])
 @pytest.mark.parametrize("update", ["in_place", "load_state_dict", "data", "edit_through_data"])
 @pytest.mark.parametrize("name", ["deberta", "transformer_xl"])
-def test_an_update_of_the_parameters_is_seen(name: str, update: str) -> None:
+def test_an_update_of_the_parameters_is_seen(
+    name: str, update: str, at_once: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Kept rows are dropped after any update of the parameters, compared one parameter
+    at a time (``torch.equal``) or all at once with one read (a GPU's form, on
+    ``PARAMETERS_COMPARED_AT_ONCE`` devices)."""
     pe = make(name)
+    if at_once:
+        set_runtime(monkeypatch, "PARAMETERS_COMPARED_AT_ONCE", {"cpu"}, pe)
     q, k, v = torch.randn(1, 4, 1, 8, dtype=F64), *(torch.randn(1, 4, 20, 8, dtype=F64),) * 2
     with torch.no_grad():
         before = pe(q, k, v, backend="sdpa")  # rows kept
@@ -349,3 +357,24 @@ def test_a_decode_loop_reads_no_value_back_from_the_device(name: str) -> None:
             want = fresh(q, k[:, :, :m], v[:, :, :m], causal=True, backend="eager")
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert reads.count == 0
+
+
+def test_kept_rows_are_compared_with_one_read_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On ``PARAMETERS_COMPARED_AT_ONCE`` devices a decode step that reads kept rows
+    compares DeBERTa's parameters (its table, LayerNorm and both projections) with one
+    read of the device, not one per parameter, and equals a fresh copy's output."""
+    pe = make("deberta").float()
+    set_runtime(monkeypatch, "PARAMETERS_COMPARED_AT_ONCE", {"cpu"}, pe)
+    set_runtime(monkeypatch, "BIAS_FLOOR_DEVICES", set(), pe)
+    assert len(list(pe.parameters())) > 2
+    fresh = copy.deepcopy(pe)
+    generator = torch.Generator().manual_seed(8)
+    k, v = (torch.randn(1, 4, 30, 8, generator=generator) for _ in range(2))
+    q = torch.randn(1, 4, 1, 8, generator=generator)
+    with torch.no_grad():
+        pe(q, k[:, :, :29], v[:, :, :29])  # rows projected and kept
+        with HostReads() as reads:
+            got = pe(q, k, v)
+        want = fresh(q, k, v, backend="eager")
+    assert reads.count == 1
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
