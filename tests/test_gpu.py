@@ -3,6 +3,8 @@ the compiled flex kernel and the fused Triton rotation."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -513,3 +515,38 @@ def test_grouped_query_decode_matches_eager_on_cuda(
     assert q.grad is not None
     if dtype != torch.float32:
         assert len(calls) == 2
+
+
+#: syncs each step of a decoding loop at default positions may make on CUDA: the one
+#: comparison of kept projected rows with the parameters (parameters_unchanged)
+KEPT_ROW_SYNCS = {"deberta": 1, "deberta_absolute_input": 1, "transformer_xl": 1}
+
+
+@pytest.mark.parametrize("name", spec_names())
+def test_a_decode_loop_syncs_only_to_compare_kept_rows_on_cuda(name: str) -> None:
+    """The CUDA form of test_decode's count of reads of device data: with
+    torch.cuda.set_sync_debug_mode("warn"), a decoding loop at default positions (one
+    key more each step, over keys rotated once) makes no synchronizing call, except one
+    per step where projected rows are kept (``KEPT_ROW_SYNCS``). The caches are made
+    first, for the loop's longest step: their builds, rare as they double, may copy a
+    constant to the device."""
+    d = head_dim_for(name, 32)
+    pe = generated_class(name)(heads=4, head_dim=d).to(CUDA).eval()
+    generator = torch.Generator().manual_seed(5)
+    k, v = (torch.randn(1, 2, 80, d, generator=generator).to(CUDA) for _ in "kv")
+    queries = torch.randn(20, 1, 4, 1, d, generator=generator).to(CUDA)
+    cache = pe.rotate_keys(k)
+    with torch.no_grad():
+        for m in (79, 59):  # caches made for every step, rows kept
+            pe(queries[0], cache[:, :, :m], v[:, :, :m], keys_rotated=True)
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                for step, m in enumerate(range(60, 80)):
+                    pe(queries[step], cache[:, :, :m], v[:, :, :m], keys_rotated=True)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) <= 20 * KEPT_ROW_SYNCS.get(name, 0), syncs[:3]
