@@ -25,7 +25,9 @@
 # target's form, and eager steps with a new key count each call), then
 #   bash benchmarks/gpu_session.sh "$OUT" decode family_strided
 # (T5's decode step since its mask's keys are contiguous, compiled steps, and the
-# clipped terms at given positions). The test steps stop with SIGINT at their limit,
+# clipped terms at given positions), and among test_gpu's cases
+# test_a_decode_loop_syncs_only_to_compare_kept_rows_on_cuda (decode steps with no
+# synchronizing call, as the CPU suite's count of device reads says; not yet run). The test steps stop with SIGINT at their limit,
 # so pytest still prints its failure summary (-rf).
 #
 # posgen's runtime needs only torch; the tests also import pydantic, jinja2, pyyaml,
