@@ -221,8 +221,14 @@ def run(args: argparse.Namespace) -> dict:
                 args.repeats,
             )
         rows.append(timed_row("(none)", static_label("SDPA", args), "-", seconds, base))
+    skipped: dict[str, str] = {}  # encodings that cannot take the shape, and why
     for name in args.encodings:
-        pe = ENCODINGS[name](heads=args.heads, head_dim=args.head_dim).to(device)
+        try:
+            pe = ENCODINGS[name](heads=args.heads, head_dim=args.head_dim).to(device).eval()
+        except ValueError as error:  # e.g. M-RoPE's sections fix the rotated width
+            skipped[name] = str(error)
+            print(f"{name:>12}  skipped: {error}")
+            continue
         cache = pe.rotate_keys(keys) if pe.has_rotation else keys  # rotated once
         rotated = bool(pe.has_rotation)
         variants = {"module": pe}
@@ -305,6 +311,7 @@ def run(args: argparse.Namespace) -> dict:
             "growing": args.growing,
         },
         "rows": rows,
+        "skipped": skipped,
     }
 
 
@@ -349,6 +356,8 @@ def markdown(report: dict) -> str:
             f"| {row['encoding']} | {row['variant']} | {row['backend']} | "
             f"{row['seconds'] * 1e6:.1f} | {row['time_ratio']:.2f} |"
         )
+    for name, reason in report.get("skipped", {}).items():
+        lines += ["", f"Not timed: {name} ({reason})."]
     return "\n".join(lines) + "\n"
 
 
