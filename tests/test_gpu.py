@@ -518,8 +518,14 @@ def test_grouped_query_decode_matches_eager_on_cuda(
 
 
 #: syncs each step of a decoding loop at default positions may make on CUDA: the one
-#: comparison of kept projected rows with the parameters (parameters_unchanged)
-KEPT_ROW_SYNCS = {"deberta": 1, "deberta_absolute_input": 1, "transformer_xl": 1}
+#: comparison of kept projections with the parameters (parameters_unchanged)
+KEPT_ROW_SYNCS = {
+    "deberta": 1,
+    "deberta_absolute_input": 1,
+    "transformer_xl": 1,
+    "tupe_a": 1,
+    "tupe_r": 1,
+}
 
 
 @pytest.mark.parametrize("name", spec_names())
