@@ -211,18 +211,6 @@ class RopeXpos(PositionalAttention):
         _check_xpos_reach(low, high, int(reference), "the middle of the keys in one call")
         return reference
 
-    def _cached_xpos_reference(self, positions: Tensor | None, start: int, count: int) -> int:
-        """Reference 0 for keys rotated ahead of a call (a cache) and the queries that read
-        them: both sides must share it. Raises ValueError past the reach of the factors."""
-        if positions is None:
-            low, high = start, start + count - 1
-        elif torch.compiler.is_compiling() or not positions.numel():
-            return 0
-        else:
-            low, high = int(positions.min()), int(positions.max())
-        _check_xpos_reach(low, high, 0, "position 0 for a cache of rotated keys")
-        return 0
-
     def _xpos_factors(
         self,
         positions: Tensor | None,
@@ -247,11 +235,19 @@ class RopeXpos(PositionalAttention):
         dtype: torch.dtype,
     ) -> tuple[Tensor, Tensor]:
         """cos and sin times zeta^(n / scale_base) for "query", divided by it for "key":
-        the factors about reference 0 of a cache of rotated keys and the queries that
-        read it (``_cached_xpos_reference`` checks the reach). Default positions read
-        float32 tables kept per side, grown as the plain cache is but never past the
-        factors' reach (``_xpos_reach``), so a decoding step scales no row afresh;
-        explicit positions, float64 and compiled calls compute them."""
+        the factors about reference 0, which a cache of rotated keys and the queries that
+        read it share; ValueError for positions past the factors' reach from 0 (read
+        from the device for explicit positions, in eager mode). Default positions read
+        float32 tables kept per side, grown as the plain cache is but never past that
+        reach (``_xpos_reach``), so a decoding step scales no row afresh; explicit
+        positions, float64 and compiled calls compute them."""
+        if positions is None:
+            low, high = start, start + count - 1
+        elif torch.compiler.is_compiling() or not positions.numel():
+            low = high = 0  # no host read while compiling
+        else:
+            low, high = int(positions.min()), int(positions.max())
+        _check_xpos_reach(low, high, 0, "position 0 for a cache of rotated keys")
         if positions is not None or dtype == torch.float64 or torch.compiler.is_compiling():
             cos, sin = self._cos_sin(positions, start, count, device, dtype, None)
             scale = self._xpos_factors(positions, start, count, device, dtype, 0)
@@ -279,7 +275,6 @@ class RopeXpos(PositionalAttention):
         """q alone (keys already rotated): default positions are the last N of M."""
         n = q.shape[2]
         dtype = compute_dtype(q)
-        self._cached_xpos_reference(q_positions, m - n, n)
         q_cos, q_sin = self._xpos_cos_sin("query", q_positions, m - n, n, q.device, dtype)
         return self._apply_rotation(q, q_cos, q_sin)
 
@@ -287,7 +282,6 @@ class RopeXpos(PositionalAttention):
         """k alone, at k_positions (default 0, ..., M - 1)."""
         m = k.shape[2]
         dtype = compute_dtype(k)
-        self._cached_xpos_reference(k_positions, 0, m)
         k_cos, k_sin = self._xpos_cos_sin("key", k_positions, 0, m, k.device, dtype)
         return self._apply_rotation(k, k_cos, k_sin)
 

@@ -41,7 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from ._attention import PositionalAttention
-from ._distances import diagonal_rows, distance_span_vector
+from ._distances import diagonal_rows, distance_span_vector, monotone_index_ends
 from ._inputs import cache_get, cache_put, positive_int
 from ._masks import relative_positions
 from ._terms import RelativeFactors
@@ -147,11 +147,9 @@ class Shaw(PositionalAttention):
         elif index.numel() == 0:
             low = high = 0
         elif cacheable:
-            # default positions reach r from its least to its largest, 1 - M .. N - 1
-            # (i - j: 1 - N .. M - 1), and the index is monotone in r (every index kind
-            # is): its ends, found on the host, bound the rows (no host sync)
-            ends = torch.tensor([1 - m, n - 1] if sign == "key_minus_query" else [1 - n, m - 1])
-            low, high = _relative_index(ends).tolist()
+            # default positions reach r from 1 - M to N - 1 (i - j: 1 - N to M - 1)
+            ends = (1 - m, n - 1) if sign == "key_minus_query" else (1 - n, m - 1)
+            low, high = monotone_index_ends(_relative_index, *ends)
         else:  # only the rows the index reaches
             low, high = int(index.min()), int(index.max())
         index = index - low

@@ -86,9 +86,19 @@ def diagonal_rows(
     if torch.compiler.is_compiling():
         low, high = 0, table_rows - 1
     else:
-        ends = torch.tensor([-(m - 1), 0 if causal else n - 1])  # on the host
-        low, high = sorted(index_of(ends).tolist())
+        low, high = monotone_index_ends(index_of, -(m - 1), 0 if causal else n - 1)
     return index.clamp(low, high) - low, torch.arange(low, high + 1, device=index.device), low
+
+
+def monotone_index_ends(
+    index_of: Callable[[Tensor], Tensor], first: int, last: int
+) -> tuple[int, int]:
+    """The least and largest table rows that an index monotone in the distance
+    (``index_of``: int64 distances [L] -> rows [L]; a clip, DeBERTa's signed log
+    buckets) reaches over the distances first .. last: those of the two ends, computed
+    on the host, so no device value is read."""
+    low, high = sorted(index_of(torch.tensor([first, last])).tolist())
+    return low, high
 
 
 class _QueryReversedDiagonals(torch.autograd.Function):
