@@ -23,6 +23,17 @@ about 2^17 key elements, where the extra calls cost more than they save. In the
 modules, a decode step (batch 4, 32 heads, 8 key-value heads, head_dim 128) went from
 1.10-1.17x plain SDPA to 0.84-0.96x with 1024 cached keys and from 1.01-1.05x to
 0.63-0.77x with 8192 (benchmarks/results/decode_cpu_float32_cache*_grouped.md).
+
+The matmuls flush denormal weights before the second product, so a bias that SDPA on
+the CPU would take with a floor (``floored_bias``: a pass over every cached key for
+its bound, about 30 small operations, and a read back to tell whether any entry moves)
+needs none here. A decode step with a position bias therefore takes the matmuls
+wherever they can run (``few_query_matmuls_serve``), grouped heads or not: one query
+against 512 cached keys (batch 1, 8 heads, 2-core AMD EPYC, float32) went from 5.2x
+plain SDPA to 3.0x for ALiBi, 6.3x to 3.7x for KERPLE's power kernel and 2.95x to 2.89x
+for T5; against 4096 keys ALiBi from 2.8x to 1.4x (benchmarks/results/
+revisions_cpu_float32_decode_flushed_matmuls*.md). A mask with one row per logit row
+rides in the first product (``torch.baddbmm``), one pass fewer.
 """
 
 from __future__ import annotations
@@ -57,23 +68,31 @@ _FULL_PRECISION = (torch.float32, torch.float64)
 
 def grouped_queries_serve(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> bool:
     """Whether ``grouped_query_attention`` runs q [B, H, N, D] against k [B, H_kv, M, D]
-    and v (with ``mask``): on ``GROUPED_QUERY_DEVICES``, with grouped heads (H > H_kv),
-    at most ``GROUPED_QUERY_MAX_ROWS`` query rows per key-value head, at least
-    ``GROUPED_QUERY_MIN_KEY_ELEMENTS`` key elements, float32/float64 inputs (on CUDA
-    also half precision where no gradient is needed: bmm's float32-output overload is
-    a forward), and keys and values whose batch and head axes merge without a copy."""
+    and v (with ``mask``) in place of SDPA: with grouped heads (H > H_kv), at least
+    ``GROUPED_QUERY_MIN_KEY_ELEMENTS`` key elements, and where the matmuls can run
+    (``few_query_matmuls_serve``; on CUDA also half precision where no gradient is
+    needed: bmm's float32-output overload is a forward)."""
     groups = q.shape[1] // k.shape[1]
-    if q.device.type not in GROUPED_QUERY_DEVICES or groups < 2:
+    if groups < 2 or k.numel() < GROUPED_QUERY_MIN_KEY_ELEMENTS:
         return False
-    if groups * q.shape[2] > GROUPED_QUERY_MAX_ROWS:
-        return False
-    if k.numel() < GROUPED_QUERY_MIN_KEY_ELEMENTS:
-        return False
-    if q.dtype not in _FULL_PRECISION:
+    if q.dtype not in _FULL_PRECISION and q.device.type == "cuda":
         inputs = (q, k, v) if mask is None else (q, k, v, mask)
         trains = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
-        if q.device.type != "cuda" or trains:
-            return False
+        half_precision = q.device.type in GROUPED_QUERY_DEVICES and not trains
+        return half_precision and groups * q.shape[2] <= GROUPED_QUERY_MAX_ROWS
+    return few_query_matmuls_serve(q, k, v)
+
+
+def few_query_matmuls_serve(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether ``grouped_query_attention`` can run q [B, H, N, D] against k and v at all:
+    on ``GROUPED_QUERY_DEVICES``, at most ``GROUPED_QUERY_MAX_ROWS`` query rows per
+    key-value head, float32/float64 inputs, and keys and values whose batch and head axes
+    merge without a copy. Where a bias would need a floor for SDPA, its callers take the
+    matmuls whenever they can, grouped heads or not (see the module docstring)."""
+    if q.device.type not in GROUPED_QUERY_DEVICES or q.dtype not in _FULL_PRECISION:
+        return False
+    if q.shape[1] // k.shape[1] * q.shape[2] > GROUPED_QUERY_MAX_ROWS:
+        return False
     return _heads_merge(k) and _heads_merge(v)
 
 
@@ -83,15 +102,21 @@ def _heads_merge(t: Tensor) -> bool:
 
 
 def grouped_query_attention(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    scale: float,
+    every_row_reads: bool = False,
 ) -> Tensor:
     """softmax(scale * q . k^T + mask) @ v with each key-value head's G query heads as
     the rows of one matmul (see the module docstring); a row whose every key is masked
-    gives zeros, as SDPA does. On the CPU weights below the smallest normal float
-    become 0.
+    gives zeros, as SDPA does (``every_row_reads``: the caller knows that each row reads
+    a key, so no row needs that care). On the CPU weights below the smallest normal
+    float become 0.
 
     q: [B, H, N, D]; k: [B, H_kv, M, D]; v: [B, H_kv, M, Dv], H_kv dividing H and each
-    merging its batch and head axes (``grouped_queries_serve``); mask: None, bool
+    merging its batch and head axes (``few_query_matmuls_serve``); mask: None, bool
     (True = attend) or additive float, broadcastable to [B, H, N, M]
     -> [B, H, N, Dv] in v's dtype.
     """
@@ -99,27 +124,44 @@ def grouped_query_attention(
     heads_kv, m, dv = k.shape[1], k.shape[2], v.shape[-1]
     rows = q.reshape(b * heads_kv, h // heads_kv * n, d)  # [B H_kv, G N, D]
     keys = k.view(b * heads_kv, m, d).transpose(1, 2)  # [B H_kv, D, M]
-    if q.dtype in _FULL_PRECISION:
-        logits = torch.bmm(rows, keys)  # [B H_kv, G N, M]
+    added = _mask_as_rows(mask, q, heads_kv, m)  # [B H_kv, G N, M] or None
+    if added is not None:  # the mask rides in the product: one pass fewer
+        logits = torch.baddbmm(added, rows, keys, alpha=scale).view(b, h, n, m)
     else:
-        logits = torch.bmm(rows, keys, torch.float32)  # half-precision inputs, float32 out
-    logits = logits.view(b, h, n, m).mul_(scale)  # [B, H, N, M]
-    if mask is None:
+        if q.dtype in _FULL_PRECISION:
+            logits = torch.bmm(rows, keys)  # [B H_kv, G N, M]
+        else:
+            logits = torch.bmm(rows, keys, torch.float32)  # half-precision inputs, float32 out
+        logits = logits.view(b, h, n, m).mul_(scale)  # [B, H, N, M]
+        if mask is not None and mask.dtype == torch.bool:
+            logits = logits.masked_fill_(~mask, float("-inf"))
+        elif mask is not None:
+            logits = logits.add_(mask)
+    if mask is None or every_row_reads:
         weights = torch.softmax(logits, dim=-1)
     else:
-        if mask.dtype == torch.bool:
-            logits = logits.masked_fill_(~mask, float("-inf"))
-        else:
-            logits = logits.add_(mask)
         weights = masked_softmax(logits)
     if weights.device.type == "cpu":
         # weights below the smallest normal float (a steep bias far from the query:
         # ALiBi at 1024 keys) are denormal, and the CPU multiplies those slowly: the
-        # second product took 2x as long (``flush_denormals`` does this process-wide)
-        weights = F.threshold(weights, torch.finfo(weights.dtype).tiny, 0.0)
+        # second product took 2x as long (``flush_denormals`` does this process-wide).
+        # Softmax keeps its output for the backward, so only without one in place.
+        in_place = not (torch.is_grad_enabled() and weights.requires_grad)
+        weights = F.threshold(weights, torch.finfo(weights.dtype).tiny, 0.0, in_place)
     weights = weights.to(v.dtype).view(b * heads_kv, h // heads_kv * n, m)
     out = torch.bmm(weights, v.view(b * heads_kv, m, dv))  # [B H_kv, G N, Dv]
     return out.view(b, h, n, dv)
+
+
+def _mask_as_rows(mask: Tensor | None, q: Tensor, heads_kv: int, m: int) -> Tensor | None:
+    """An additive float mask in q's dtype as the logits' rows [B H_kv, G N, M] (query
+    head h reads key-value head h // G, so [B, H, N, M] is [B, H_kv, G, N, M]; a copy
+    where its strides do not merge, as a slice of a longer vector's does not), where it
+    holds one row per batch, head and query; else None."""
+    b, h, n = q.shape[:3]
+    if mask is None or mask.dtype != q.dtype or mask.shape != (b, h, n, m):
+        return None
+    return mask.reshape(b * heads_kv, h // heads_kv * n, m)
 
 
 def scaled_dot_product(

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from generated import ENCODINGS
 from generated import _distances as distances
+from tests.conftest import HostReads, runtime_modules, set_runtime, spy_calls
 
 FLOOR = distances.BIAS_FLOOR
 
@@ -284,7 +285,10 @@ def test_a_shallow_vector_skips_the_pass_over_the_keys(
     """A decode step of T5 (one query against 64 keys): with its table within 40 of the
     entry at distance 0 no floor can move an entry, so ``content_spread`` (a pass over
     every cached key) is not called and the mask is the vector as it is; with one bucket
-    at -100 (steep) the floor is taken and raises it. Outputs equal eager's either way."""
+    at -100 (steep) the floor is taken and raises it (with the few-query matmuls off,
+    which would take the step instead: ``test_a_decode_step_flushes_instead``).
+    Outputs equal eager's either way."""
+    set_runtime(monkeypatch, "GROUPED_QUERY_DEVICES", set())
     calls, masks = spread_calls(monkeypatch), sdpa_masks(monkeypatch)
     pe = ENCODINGS["t5"](heads=4, head_dim=8)
     with torch.no_grad():
@@ -343,3 +347,29 @@ def test_the_floor_adds_no_denormal_weights_whatever_the_spread(content_scale: f
     plain, shipped = _denormal_weights(content + bias), _denormal_weights(content + floored)
     assert plain > 0
     assert shipped == 0 if content_scale == 1.0 else shipped <= plain
+
+
+@pytest.mark.parametrize(("name", "kv_heads"), [("alibi", 4), ("t5", 4), ("alibi", 2)])
+def test_a_decode_step_flushes_instead(
+    monkeypatch: pytest.MonkeyPatch, name: str, kv_heads: int
+) -> None:
+    """One query against 300 keys on the CPU, float32: ALiBi's vector falls more than
+    the floor's depth below distance 0, so SDPA would need the floor and its pass over
+    the keys (``content_spread``), and T5's would need a read to tell that it needs
+    none. The step runs as the few-query matmuls instead, which flush denormal weights:
+    no floor, no bound and no read, with or without grouped heads. Outputs equal
+    eager's."""
+    spreads = spread_calls(monkeypatch)
+    matmuls = spy_calls(
+        monkeypatch, runtime_modules(), "grouped_query_attention", lambda *_, **__: 1
+    )
+    pe = ENCODINGS[name](heads=4, head_dim=8)
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 1, 8, generator=generator)
+    k, v = (torch.randn(1, kv_heads, 300, 8, generator=generator) for _ in "kv")
+    with torch.no_grad(), HostReads() as reads:
+        out = pe(q, k, v, backend="sdpa")
+    with torch.no_grad():
+        oracle = pe(q, k, v, backend="eager")
+    torch.testing.assert_close(out, oracle)
+    assert spreads == [] and len(matmuls) == 1 and reads.count == 0

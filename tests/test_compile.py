@@ -17,7 +17,14 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from tests.conftest import generated_class, head_dim_for, spec_names
+from tests.conftest import (
+    generated_class,
+    head_dim_for,
+    runtime_modules,
+    set_runtime,
+    spec_names,
+    spy_calls,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -169,13 +176,8 @@ def test_fullgraph_compile_of_a_grouped_query_decode_step(name: str, monkeypatch
     """A decode step under grouped-query heads runs as the grouped matmuls
     (``grouped_query_attention``, here at any key count) and traces whole: one query at
     default positions, and two at explicit ones, causal."""
-    grouped = importlib.import_module("generated._grouped_queries")
-    monkeypatch.setattr(grouped, "GROUPED_QUERY_MIN_KEY_ELEMENTS", 0)
-    ran = []
-    matmuls = grouped.grouped_query_attention
-    monkeypatch.setattr(
-        grouped, "grouped_query_attention", lambda *args: ran.append(1) or matmuls(*args)
-    )
+    set_runtime(monkeypatch, "GROUPED_QUERY_MIN_KEY_ELEMENTS", 0)
+    ran = spy_calls(monkeypatch, runtime_modules(), "grouped_query_attention", lambda *_, **__: 1)
     pe, q, k, v = _module_and_inputs(name, 8)
     compiled = torch.compile(pe, fullgraph=True, backend="eager")
     explicit = {"q_positions": torch.tensor([5, 6]), "k_positions": torch.arange(7)}

@@ -493,7 +493,7 @@ def test_grouped_query_decode_matches_eager_on_cuda(
     until timed): bf16 through bmm's float32 output, one query and three causal ones,
     against the float32 oracle on the same rounded inputs."""
     set_runtime(monkeypatch, "GROUPED_QUERY_DEVICES", {"cpu", "cuda"})
-    calls = spy_calls(monkeypatch, runtime_modules(), "grouped_query_attention", lambda *_: 1)
+    calls = spy_calls(monkeypatch, runtime_modules(), "grouped_query_attention", lambda *_, **__: 1)
     pe = generated_class(name)(heads=8, head_dim=64).to(CUDA)
     for n, causal in ((1, False), (2, True)):
         q = torch.randn(2, 8, n, 64, device=CUDA).to(dtype)

@@ -46,7 +46,7 @@ def inputs(
     return q, k, v
 
 
-@pytest.mark.parametrize("mask_kind", ["none", "bool", "float"])
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "float", "float per batch"])
 @pytest.mark.parametrize(("heads", "heads_kv", "n"), [(4, 2, 1), (8, 2, 3), (6, 1, 2)])
 def test_matches_the_formula(mask_kind: str, heads: int, heads_kv: int, n: int) -> None:
     q, k, v = inputs(2, heads, heads_kv, n, 11)
@@ -54,9 +54,13 @@ def test_matches_the_formula(mask_kind: str, heads: int, heads_kv: int, n: int) 
     if mask_kind == "bool":
         mask = torch.rand(2, 1, n, 11) > 0.3
         mask[0, 0, 0] = False  # a row with every key masked: zeros, as SDPA gives
-    elif mask_kind == "float":
+    elif mask_kind == "float":  # broadcast over the batch: added to the logits
         mask = torch.randn(1, heads, n, 11)
         mask[..., 2] = float("-inf")
+    elif mask_kind == "float per batch":  # one row per logit row: inside the product
+        mask = torch.randn(2, heads, n, 11)
+        mask[..., 2] = float("-inf")
+        mask[1, 0, 0] = float("-inf")  # a row with every key masked
     out = grouped.grouped_query_attention(q, k, v, mask, SCALE)
     assert out.shape == (2, heads, n, 6) and out.dtype == v.dtype
     torch.testing.assert_close(out.double(), reference(q, k, v, mask), atol=2e-6, rtol=2e-6)
@@ -64,9 +68,10 @@ def test_matches_the_formula(mask_kind: str, heads: int, heads_kv: int, n: int) 
         assert torch.equal(out[0, :, 0], torch.zeros_like(out[0, :, 0]))
 
 
-def test_gradients_match_the_formula() -> None:
+@pytest.mark.parametrize("mask_batch", [1, 2])
+def test_gradients_match_the_formula(mask_batch: int) -> None:
     q, k, v = inputs(2, 4, 2, 2, 9, torch.float64)
-    mask = torch.randn(1, 4, 2, 9, dtype=torch.float64)
+    mask = torch.randn(mask_batch, 4, 2, 9, dtype=torch.float64)
     leaves = [t.requires_grad_() for t in (q, k, v, mask)]
     grad_out = torch.randn(2, 4, 2, 6, dtype=torch.float64)
     got = torch.autograd.grad(
@@ -75,6 +80,15 @@ def test_gradients_match_the_formula() -> None:
     want = torch.autograd.grad(reference(q, k, v, mask), leaves, grad_out)
     for name, a, b in zip("q k v mask".split(), got, want, strict=True):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10, msg=name)
+
+
+def test_rows_known_to_read_a_key_take_the_plain_softmax() -> None:
+    """``every_row_reads``: the caller vouches that no row is fully masked, and the
+    output is the formula's (one query with a steep bias, as a decode step)."""
+    q, k, v = inputs(1, 4, 4, 1, 12)
+    mask = -3.0 * torch.arange(12.0).flip(0).expand(1, 4, 1, 12)
+    out = grouped.grouped_query_attention(q, k, v, mask, SCALE, every_row_reads=True)
+    torch.testing.assert_close(out.double(), reference(q, k, v, mask), atol=2e-6, rtol=2e-6)
 
 
 def test_strided_cache_slices_are_read_in_place() -> None:
@@ -114,7 +128,7 @@ def grouped_calls(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """Every key count the matmuls ran with, on any key count (threshold 0)."""
     set_runtime(monkeypatch, "GROUPED_QUERY_MIN_KEY_ELEMENTS", 0)
     return spy_calls(
-        monkeypatch, runtime_modules(), "grouped_query_attention", lambda q, k, *_: k.shape[2]
+        monkeypatch, runtime_modules(), "grouped_query_attention", lambda q, k, *_, **__: k.shape[2]
     )
 
 
@@ -155,6 +169,44 @@ def test_decode_steps_take_the_matmuls_and_match_eager(
     out, oracle = decode_case(name, n, **call)
     assert calls, "the grouped matmuls did not run"
     torch.testing.assert_close(out, oracle, atol=1e-10, rtol=1e-10)
+
+
+STEEP_CASES = {
+    "alibi, explicit positions": (
+        "alibi",
+        {"q_positions": torch.tensor([599]), "k_positions": None},
+    ),
+    "sandwich": ("sandwich", {}),
+    "kerple_power": ("kerple_power", {}),
+    "fire": ("fire", {}),
+    "tupe_a": ("tupe_a", {}),
+}
+
+
+@pytest.mark.parametrize("case", list(STEEP_CASES))
+def test_one_query_per_key_head_takes_the_matmuls_for_a_floor(
+    monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    """Without grouped heads, a decode step whose bias SDPA would floor on the CPU runs
+    as the matmuls (which flush denormal weights) and matches the eager oracle: one
+    query against 300 keys, 4 heads, float32 (float64 takes no floor), the parameters
+    scaled so that the biases fall steeply."""
+    name, call = STEEP_CASES[case]
+    calls = grouped_calls(monkeypatch)
+    torch.manual_seed(0)
+    pe = ENCODINGS[name](heads=4, head_dim=16)
+    with torch.no_grad():
+        for parameter in pe.parameters():
+            parameter.mul_(4.0)
+    if call.get("k_positions", 0) is None:
+        call = {**call, "k_positions": torch.arange(300) * 2}
+    q = torch.randn(1, 4, 1, 16)
+    k, v = (torch.randn(1, 4, 300, 16) for _ in "kv")
+    with torch.no_grad():
+        out = pe(q, k, v, backend="sdpa", **call)
+        oracle = pe(q, k, v, backend="eager", **call)
+    assert calls, "the matmuls did not run"
+    torch.testing.assert_close(out, oracle, atol=2e-5, rtol=2e-5)
 
 
 def test_a_fully_masked_query_gives_zeros(monkeypatch: pytest.MonkeyPatch) -> None:
