@@ -18,10 +18,11 @@ times relative encodings with their terms built densely and their rows projected
 step (the few-query path and kept rows off); ``--compare-unchecked`` also times them
 with their kept rows reused without comparing the parameters with the copy kept beside
 them (``parameters_unchanged``: what the check costs a step); ``--compare-grouped`` also
-times each module with the grouped-query matmuls (``grouped_query_attention``) switched
-the other way on the device (on where ``GROUPED_QUERY_DEVICES`` leaves them off, and off
-where on). ``--profile`` prints, per encoding and backend, the operators of a few
-untimed module steps by device time (self time on the CPU), to see where a step goes.
+times each module with the few-query matmuls (``grouped_query_attention``: grouped
+heads, and any step with a position bias) switched the other way on the device (on where
+``GROUPED_QUERY_DEVICES`` leaves them off, and off where on). ``--profile`` prints, per
+encoding and backend, the operators of a few untimed module steps by device time (self
+time on the CPU), to see where a step goes.
 
     python benchmarks/decode.py --device cuda --dtype bfloat16 --cache 8192 --compile
 """
@@ -246,7 +247,9 @@ def run(args: argparse.Namespace) -> dict:
         if args.compare_unchecked and pe.has_relative_terms:
             variants["module, rows unchecked"] = pe
         grouped_on = device.type in grouped_queries.GROUPED_QUERY_DEVICES
-        grouped_label = "module, no grouped matmuls" if grouped_on else "module, grouped matmuls"
+        grouped_label = (
+            "module, no few-query matmuls" if grouped_on else "module, few-query matmuls"
+        )
         if args.compare_grouped:
             variants[grouped_label] = pe
         for label, module in variants.items():
@@ -405,7 +408,7 @@ def main() -> None:
     parser.add_argument(
         "--compare-grouped",
         action="store_true",
-        help="also time each module with the grouped-query matmuls switched the other way",
+        help="also time each module with the few-query matmuls switched the other way",
     )
     parser.add_argument(
         "--profile",
