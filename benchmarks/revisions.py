@@ -92,15 +92,17 @@ def step(
         }
         return lambda: calls[next(counts)]()
 
+    grouped = k.shape[1] != q.shape[1]  # grouped-query heads: SDPA's enable_gqa
+
     def run() -> torch.Tensor:
         if inference:
             with torch.no_grad():
                 return step(pe, q, k, v, causal, positions=positions)()
         if pe is None and causal and q.shape[2] != k.shape[2]:  # the queries are the last
             mask = causal_lower_right(q.shape[2], k.shape[2])
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=grouped)
         elif pe is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=grouped)
         else:
             out = pe(q, k, v, causal=causal, backend="sdpa", **(positions or {}))
         if q.requires_grad:
@@ -138,7 +140,8 @@ def run(args: argparse.Namespace) -> dict:
                         now = ENCODINGS[name](heads=args.heads, head_dim=args.head_dim)
                         then = before[name](heads=args.heads, head_dim=args.head_dim)
                         then.load_state_dict(now.state_dict())
-                        shape = (args.batch, args.heads, length, args.head_dim)
+                        kv_heads = args.kv_heads or args.heads
+                        shape = (args.batch, kv_heads, length, args.head_dim)
                         queries = args.queries or length  # the last ones of the keys
                         train = mode == "train"
                         k, v = (torch.randn(shape, dtype=dtype, requires_grad=train) for _ in "kv")
@@ -195,6 +198,7 @@ def run(args: argparse.Namespace) -> dict:
         "window": args.window,
         "documents": args.documents,
         "growing": args.growing,
+        "kv_heads": args.kv_heads or args.heads,
         "rows": rows,
     }
 
@@ -231,6 +235,12 @@ def markdown(report: dict) -> str:
             else ""
         )
         + (
+            f" {report['kv_heads']} key-value heads (grouped-query attention; the baseline "
+            "with `enable_gqa`)."
+            if report.get("kv_heads", report["heads"]) != report["heads"]
+            else ""
+        )
+        + (
             " The baseline has no window and no documents."
             if report.get("window") is not None or report.get("documents") is not None
             else ""
@@ -262,6 +272,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument(
+        "--kv-heads",
+        type=int,
+        default=None,
+        help="key-value heads (grouped-query attention; default: --heads)",
+    )
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
