@@ -29,9 +29,9 @@ the CPU would take with a floor (``floored_bias``: a pass over every cached key 
 its bound, about 30 small operations, and a read back to tell whether any entry moves)
 needs none here. A decode step with a position bias therefore takes the matmuls
 wherever they can run (``few_query_matmuls_serve``), grouped heads or not: one query
-against 512 cached keys (batch 1, 8 heads, 2-core AMD EPYC, float32) went from 5.2x
-plain SDPA to 3.0x for ALiBi, 6.3x to 3.7x for KERPLE's power kernel and 2.95x to 2.89x
-for T5; against 4096 keys ALiBi from 2.8x to 1.4x (benchmarks/results/
+against 449-512 cached keys (batch 1, 8 heads, 2-core AMD EPYC, float32) went from
+5.3x plain SDPA to 3.0x for ALiBi, 5.9x to 3.7x for KERPLE's power kernel and 2.9x to
+2.8x for T5; against 4033-4096 keys ALiBi from 2.9x to 1.5x (benchmarks/results/
 revisions_cpu_float32_decode_flushed_matmuls*.md). A mask with one row per logit row
 rides in the first product (``torch.baddbmm``), one pass fewer.
 """
@@ -157,9 +157,12 @@ def _mask_as_rows(mask: Tensor | None, q: Tensor, heads_kv: int, m: int) -> Tens
     """An additive float mask in q's dtype as the logits' rows [B H_kv, G N, M] (query
     head h reads key-value head h // G, so [B, H, N, M] is [B, H_kv, G, N, M]; a copy
     where its strides do not merge, as a slice of a longer vector's does not), where it
-    holds one row per batch, head and query; else None."""
+    holds one row per batch, head and query and q is float32 or float64 (half-precision
+    logits come from bmm's float32 output instead); else None."""
     b, h, n = q.shape[:3]
-    if mask is None or mask.dtype != q.dtype or mask.shape != (b, h, n, m):
+    if mask is None or mask.dtype != q.dtype or q.dtype not in _FULL_PRECISION:
+        return None
+    if mask.shape != (b, h, n, m):
         return None
     return mask.reshape(b * heads_kv, h // heads_kv * n, m)
 

@@ -91,6 +91,20 @@ def test_rows_known_to_read_a_key_take_the_plain_softmax() -> None:
     torch.testing.assert_close(out.double(), reference(q, k, v, mask), atol=2e-6, rtol=2e-6)
 
 
+def test_only_full_precision_masks_ride_in_the_product() -> None:
+    """A mask with one row per logit row joins the first product (``baddbmm``) in
+    float32 and float64; half precision keeps bmm's float32 logits (CUDA's path) and adds
+    the mask to them, so the logits are not rounded to the inputs' dtype. A mask shared
+    over the batch, or of another dtype, is added too."""
+    for dtype, rides in ((torch.float32, True), (torch.float64, True), (torch.bfloat16, False)):
+        q = torch.randn(2, 4, 1, 8, dtype=dtype)
+        mask = torch.randn(2, 4, 1, 11, dtype=dtype)
+        assert (grouped._mask_as_rows(mask, q, 2, 11) is not None) == rides
+    q = torch.randn(2, 4, 1, 8)
+    assert grouped._mask_as_rows(torch.randn(1, 4, 1, 11), q, 2, 11) is None
+    assert grouped._mask_as_rows(torch.randn(2, 4, 1, 11).double(), q, 2, 11) is None
+
+
 def test_strided_cache_slices_are_read_in_place() -> None:
     """A slice of a preallocated cache (keys 0 .. M - 1 of a longer buffer) merges its
     batch and head axes without a copy."""
