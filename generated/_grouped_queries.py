@@ -28,7 +28,8 @@ The matmuls flush denormal weights before the second product, so a bias that SDP
 the CPU would take with a floor (``floored_bias``: a pass over every cached key for
 its bound, about 30 small operations, and a read back to tell whether any entry moves)
 needs none here. A decode step with a position bias therefore takes the matmuls
-wherever they can run (``few_query_matmuls_serve``), grouped heads or not: one query
+wherever they can run (``few_query_matmuls_serve``), grouped heads or not (a few
+queries of a bias of j - i alone where the floor would move an entry): one query
 against 449-512 cached keys (batch 1, 8 heads, 2-core AMD EPYC, float32) went from
 5.3x plain SDPA to 3.0x for ALiBi, 5.9x to 3.7x for KERPLE's power kernel and 2.9x to
 2.8x for T5; against 4033-4096 keys ALiBi from 2.9x to 1.5x (benchmarks/results/

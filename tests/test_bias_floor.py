@@ -349,27 +349,40 @@ def test_the_floor_adds_no_denormal_weights_whatever_the_spread(content_scale: f
     assert shipped == 0 if content_scale == 1.0 else shipped <= plain
 
 
-@pytest.mark.parametrize(("name", "kv_heads"), [("alibi", 4), ("t5", 4), ("alibi", 2)])
+FLUSH_CASES = [
+    ("alibi", 4, 1, False),
+    ("t5", 4, 1, False),
+    ("alibi", 2, 1, False),
+    ("alibi", 4, 4, True),
+    ("alibi", 2, 3, False),
+    ("t5", 4, 4, True),
+]
+
+
+@pytest.mark.parametrize(("name", "kv_heads", "n", "causal"), FLUSH_CASES)
 def test_a_decode_step_flushes_instead(
-    monkeypatch: pytest.MonkeyPatch, name: str, kv_heads: int
+    monkeypatch: pytest.MonkeyPatch, name: str, kv_heads: int, n: int, causal: bool
 ) -> None:
-    """One query against 300 keys on the CPU, float32: ALiBi's vector falls more than
-    the floor's depth below distance 0, so SDPA would need the floor and its pass over
-    the keys (``content_spread``), and T5's would need a read to tell that it needs
-    none. The step runs as the few-query matmuls instead, which flush denormal weights:
-    no floor, no bound and no read, with or without grouped heads. Outputs equal
-    eager's."""
+    """A few queries against 300 keys on the CPU, float32: ALiBi's vector falls more
+    than the floor's depth below distance 0, so SDPA would need the floor and its pass
+    over the keys (``content_spread``), and T5's would need a read to tell that it
+    needs none. One query runs as the few-query matmuls, which flush denormal weights:
+    no floor, no bound and no read, with or without grouped heads. More queries read
+    whether the floor is due and take the matmuls where it is (ALiBi), SDPA where it is
+    not (T5). Outputs equal eager's."""
     spreads = spread_calls(monkeypatch)
     matmuls = spy_calls(
         monkeypatch, runtime_modules(), "grouped_query_attention", lambda *_, **__: 1
     )
     pe = ENCODINGS[name](heads=4, head_dim=8)
     generator = torch.Generator().manual_seed(0)
-    q = torch.randn(1, 4, 1, 8, generator=generator)
+    q = torch.randn(1, 4, n, 8, generator=generator)
     k, v = (torch.randn(1, kv_heads, 300, 8, generator=generator) for _ in "kv")
     with torch.no_grad(), HostReads() as reads:
-        out = pe(q, k, v, backend="sdpa")
+        out = pe(q, k, v, backend="sdpa", causal=causal)
     with torch.no_grad():
-        oracle = pe(q, k, v, backend="eager")
+        oracle = pe(q, k, v, backend="eager", causal=causal)
     torch.testing.assert_close(out, oracle)
-    assert spreads == [] and len(matmuls) == 1 and reads.count == 0
+    assert spreads == []
+    assert len(matmuls) == int(n == 1 or name == "alibi")
+    assert reads.count == int(n > 1)

@@ -223,6 +223,25 @@ def test_one_query_per_key_head_takes_the_matmuls_for_a_floor(
     torch.testing.assert_close(out, oracle, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("n", [1, 3])
+def test_trained_slopes_learn_through_the_matmuls(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
+    """ALiBi with trained slopes, a few causal queries against 200 keys, float32: the
+    step runs as the matmuls (its vector is steep), and the gradients into q, k, v and
+    the slopes equal the eager oracle's."""
+    calls = grouped_calls(monkeypatch)
+    torch.manual_seed(0)
+    pe = ENCODINGS["alibi_learned"](heads=4, head_dim=16)
+    q = torch.randn(1, 4, n, 16, requires_grad=True)
+    k, v = (torch.randn(1, 4, 200, 16, requires_grad=True) for _ in "kv")
+    grad_out = torch.randn(1, 4, n, 16)
+    leaves = [q, k, v, *pe.parameters()]
+    got = torch.autograd.grad(pe(q, k, v, causal=True, backend="sdpa"), leaves, grad_out)
+    assert calls, "the matmuls did not run"
+    want = torch.autograd.grad(pe(q, k, v, causal=True, backend="eager"), leaves, grad_out)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+
+
 def test_a_fully_masked_query_gives_zeros(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = grouped_calls(monkeypatch)
     mask = torch.ones(2, 1, 2, 24, dtype=torch.bool)

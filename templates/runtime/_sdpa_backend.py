@@ -23,6 +23,7 @@ from ._distances import (
     content_spread,
     distance_chunk_view,
     distance_chunk_views,
+    expand_distance_bias,
     floor_moves_nothing,
     floored_bias,
     floored_rows,
@@ -295,10 +296,12 @@ class SdpaBackend(SdpaRelative):
             vec = vec.to(q.dtype)  # [H, N + M - 1]
         else:
             vec = half_precision_bias(vec, q.dtype)  # [H, N + M - 1]
+        if flushed:  # a few queries: their rows of the vector as one mask, in query order
+            mask = vec[None, :, None, :] if n == 1 else expand_distance_bias(vec, n, m)[None]
+            # [1, H, N, M]; distance 0 is never masked: every row reads a key
+            return grouped_query_attention(q, k, v, mask, self.scale, every_row_reads=True)
         if n == 1:  # one query (a decode step): the vector is its row, in key order
             mask = vec[None, :, None, :]  # [1, H, 1, M]
-            if flushed:  # distance 0 is never masked: every row reads a key
-                return grouped_query_attention(q, k, v, mask, self.scale, every_row_reads=True)
             return scaled_dot_product(q, k, v, mask, self.scale)
         if not (causal or window is not None or vec.requires_grad):
             spans = [(0, n, 0, m)]  # nothing to skip: one call over every key
@@ -372,34 +375,47 @@ class SdpaBackend(SdpaRelative):
     def _distance_floor_or_flush(
         self, q: Tensor, k: Tensor, v: Tensor, vec: Tensor
     ) -> tuple[Tensor | None, bool]:
-        """(spread, flushed) for the per-distance vector ``vec`` [H, N + M - 1]: one
-        query runs as ``grouped_query_attention``'s matmuls (flushed) wherever they can
-        (``few_query_matmuls_serve``, the CPU). They flush denormal weights themselves,
-        so the vector takes no floor, and nothing is read back to decide one. With SDPA
-        the floor reads every cached key once more for its bound (``content_spread``)
-        and takes about 30 small operations: ALiBi's decode step on a 2-core x86 CPU
-        (batch 1, 8 heads, 500 cached keys, float32) took about 5x plain SDPA with it;
-        a shallow bias (T5's) skips the bound but still reads back whether to take it
-        (``floor_moves_nothing``, about 20 us), where the matmuls take 1.1-1.3x SDPA's
-        time at 500 keys and 0.95x at 4096. Otherwise the spread of
-        ``_distance_floor_spread``, and SDPA."""
-        if q.shape[2] == 1 and few_query_matmuls_serve(q, k, v):
+        """(spread, flushed) for the per-distance vector ``vec`` [H, N + M - 1]: a few
+        queries run as ``grouped_query_attention``'s matmuls (flushed) where they can
+        (``few_query_matmuls_serve``, the CPU), which flush denormal weights themselves,
+        so the vector takes no floor: one query always, more where SDPA would need the
+        floor (``_distance_floor_due``). Otherwise the floor's spread, or None, and SDPA.
+
+        With SDPA the floor reads every cached key once more for its bound
+        (``content_spread``) and takes about 30 small operations: ALiBi's decode step on
+        a 2-core x86 CPU (batch 1, 8 heads, 500 cached keys, float32) took about 5x
+        plain SDPA with it. A shallow bias (T5's) skips the bound, but a read back
+        decides that (``floor_moves_nothing``, about 20 us), where the matmuls of one
+        query take 1.1-1.3x SDPA's time at 500 keys and 0.95x at 4096. Four queries'
+        matmuls took 1.05-1.1x SDPA's time with T5's vector at 4096 keys, so from two
+        queries on a shallow vector keeps SDPA."""
+        matmuls = few_query_matmuls_serve(q, k, v)
+        if matmuls and q.shape[2] == 1:
             return None, True
-        return self._distance_floor_spread(q, k, vec), False
+        if not self._distance_floor_due(q, k, vec):
+            return None, False
+        if matmuls:
+            return None, True
+        return content_spread(q, k, self.scale).amax(dim=1), False
+
+    def _distance_floor_due(self, q: Tensor, k: Tensor, vec: Tensor) -> bool:
+        """Whether SDPA needs the per-distance vector ``vec`` [H, N + M - 1] floored: on
+        ``BIAS_FLOOR_DEVICES``, where the floor would move an entry
+        (``floor_moves_nothing``: every entry within ``BIAS_FLOOR`` of the entry at
+        distance 0, the floor's top, so that shallow biases (T5's, KERPLE's) skip the
+        bound's pass over the keys, which in a decode step reads the whole cache once
+        more)."""
+        m = k.shape[2]
+        if not bias_floor_serves(q.device, q.dtype) or q.shape[2] == 0:
+            return False
+        return not floor_moves_nothing(vec, vec[:, m - 1 : m])
 
     def _distance_floor_spread(self, q: Tensor, k: Tensor, vec: Tensor) -> Tensor | None:
         """The spread [H, 1] the per-distance vector ``vec`` [H, N + M - 1] (as SDPA adds
-        it) is floored with (``_floored_distances``), or None where no floor is due: off
-        ``BIAS_FLOOR_DEVICES``, and where the floor would move nothing
-        (``floor_moves_nothing``: every entry within ``BIAS_FLOOR`` of the entry at
-        distance 0, the floor's top), so that shallow biases (T5's, KERPLE's) skip the
-        bound's pass over the keys, which in a decode step reads the whole cache once
-        more. Every query reads distance 0 and one floor per head serves them all, so
-        the spread is the head's largest (``content_spread``)."""
-        m = k.shape[2]
-        if not bias_floor_serves(q.device, q.dtype) or q.shape[2] == 0:
-            return None
-        if floor_moves_nothing(vec, vec[:, m - 1 : m]):
+        it) is floored with (``_floored_distances``), or None where no floor is due
+        (``_distance_floor_due``). Every query reads distance 0 and one floor per head
+        serves them all, so the spread is the head's largest (``content_spread``)."""
+        if not self._distance_floor_due(q, k, vec):
             return None
         return content_spread(q, k, self.scale).amax(dim=1)
 
