@@ -187,6 +187,10 @@ class AttentionTerms(nn.Module):
     #: and is constant past this distance on each side (T5's buckets past max_distance):
     #: ``_clipped_distance_bias`` gives it over -clip .. clip; None where it is not
     clipped_distance: int | None = None
+    #: the position bias is finite while the parameters are (every built-in kind; an
+    #: expression may give -inf): a row that reads a key the masks leave is never all
+    #: -inf, so the few-query matmuls skip the fully-masked-row care (``every_row_reads``)
+    position_bias_finite: bool = False
     #: the position bias is a product of position rows: ``_fold_position_bias`` appends
     #: them to q and k, so sdpa runs with no bias tensor
     folds_position_bias: bool = False

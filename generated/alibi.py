@@ -79,6 +79,7 @@ class Alibi(PositionalAttention):
     bias_linear_in_distance = True
     distance_bias_parameters = ()
     distance_bias_at_most_zero = True
+    position_bias_finite = True
     clipped_distance = None
     folds_position_bias = False
     has_rotation = False

@@ -77,6 +77,7 @@ class AlibiLearned(PositionalAttention):
     bias_linear_in_distance = True
     distance_bias_parameters = ("slopes",)
     distance_bias_at_most_zero = False
+    position_bias_finite = True
     clipped_distance = None
     folds_position_bias = False
     has_rotation = False

@@ -109,6 +109,7 @@ class Deberta(PositionalAttention):
     bias_linear_in_distance = False
     distance_bias_parameters = ()
     distance_bias_at_most_zero = False
+    position_bias_finite = False
     clipped_distance = None
     folds_position_bias = False
     has_rotation = False

@@ -66,6 +66,7 @@ class Fire(PositionalAttention):
     bias_linear_in_distance = False
     distance_bias_parameters = ()
     distance_bias_at_most_zero = False
+    position_bias_finite = True
     clipped_distance = None
     folds_position_bias = False
     has_rotation = False

@@ -70,6 +70,7 @@ class KerpleLog(PositionalAttention):
     bias_linear_in_distance = False
     distance_bias_parameters = ("r1", "r2")
     distance_bias_at_most_zero = True
+    position_bias_finite = True
     clipped_distance = None
     folds_position_bias = False
     has_rotation = False

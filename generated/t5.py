@@ -93,6 +93,7 @@ class T5(PositionalAttention):
     bias_linear_in_distance = False
     distance_bias_parameters = ()
     distance_bias_at_most_zero = False
+    position_bias_finite = True
     clipped_distance = 128
     folds_position_bias = False
     has_rotation = False

@@ -189,6 +189,69 @@ def test_the_flag_is_on_for_fixed_slopes_and_kerple_not_for_trained_slopes() -> 
     assert pe._distance_bias(1, 5, torch.device("cpu")).amax() > 0
 
 
+def _flagged_finite() -> list[str]:
+    """The specs whose bias of j - i alone is flagged ``position_bias_finite``."""
+    return [
+        name
+        for name in spec_names()
+        if generated_class(name).bias_by_distance and generated_class(name).position_bias_finite
+    ]
+
+
+@pytest.mark.parametrize("name", _flagged_finite())
+def test_a_bias_flagged_finite_is_so_for_any_finite_parameters(name: str) -> None:
+    """``position_bias_finite`` (the few-query matmuls skip the fully-masked-row care)
+    holds for parameters and buffers drawn at random, signs and large values included,
+    for decode and prefill shapes."""
+    cls = generated_class(name)
+    generator = torch.Generator().manual_seed(2)
+    for trial in range(5):
+        pe = cls(heads=6, head_dim=8)
+        with torch.no_grad():
+            for tensor in [*pe.parameters(), *pe.buffers()]:
+                if tensor.is_floating_point():
+                    tensor.copy_(torch.randn(tensor.shape, generator=generator) * 10)
+        pe._cache.clear()
+        for n, m in ((1, 1), (1, 300), (7, 7), (3, 20)):
+            vector = pe._distance_bias(n, m, torch.device("cpu"))  # [H, N + M - 1]
+            assert torch.isfinite(vector).all(), (trial, n, m)
+
+
+@pytest.mark.parametrize("name", ["fire", "tupe_a", "tupe_r"])
+def test_a_bias_per_pair_flagged_finite_is_so_for_any_finite_parameters(name: str) -> None:
+    """FIRE's and TUPE's biases (per pair, not of j - i alone) are flagged finite and
+    are so with parameters and buffers drawn at random, signs and large values
+    included, at default and explicit positions (FIRE's threshold L above and below
+    the positions)."""
+    cls = generated_class(name)
+    assert cls.position_bias_finite
+    generator = torch.Generator().manual_seed(3)
+    for trial in range(5):
+        pe = cls(heads=6, head_dim=64)
+        with torch.no_grad():
+            for tensor in [*pe.parameters(), *pe.buffers()]:
+                if tensor.is_floating_point():
+                    tensor.copy_(torch.randn(tensor.shape, generator=generator) * 10)
+        pe._cache.clear()
+        for positions in (torch.arange(40), torch.arange(40) * 7 + 3):
+            bias = pe.score_bias(positions[-3:], positions)  # [H, 3, 40]
+            assert bias is not None and torch.isfinite(bias).all(), (trial, positions[:2])
+
+
+def test_every_built_in_bias_of_the_distance_is_flagged_finite() -> None:
+    """Not an encoding without a position bias."""
+    assert not generated_class("rope").position_bias_finite
+    assert set(_flagged_finite()) >= {
+        "alibi",
+        "alibi_learned",
+        "kerple_log",
+        "kerple_power",
+        "sandwich",
+        "t5",
+        "t5_decoder",
+    }
+
+
 @pytest.mark.parametrize("name", ["alibi", "kerple_log"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_without_the_shift_gives_the_same_outputs(

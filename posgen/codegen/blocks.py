@@ -81,6 +81,13 @@ class Block(Rendered):
         block says so."""
         return False
 
+    @property
+    def position_bias_finite(self) -> bool:
+        """For a position bias: every entry is finite while the parameters are (the
+        runtime's flag of that name), so a row that reads a key the masks leave is never
+        all -inf. False unless a block says so: an expression may give -inf (log(0))."""
+        return False
+
 
 # --------------------------------------------------------------------------- input tables
 
@@ -415,6 +422,11 @@ class SlopeBiasPlan(Block):
         in [0, 1000]); trained slopes may turn negative."""
         return not self.learned
 
+    @property
+    def position_bias_finite(self) -> bool:
+        """-slope_h |r|: finite for finite slopes."""
+        return True
+
 
 @dataclass(frozen=True)
 class KerplePlan(Block):
@@ -441,6 +453,11 @@ class KerplePlan(Block):
         -r1 |r|^r2 are at most 0, and 0 at r = 0."""
         return True
 
+    @property
+    def position_bias_finite(self) -> bool:
+        """Both kernels are finite for finite r1 and r2 (clamped above 0)."""
+        return True
+
 
 @dataclass(frozen=True)
 class FirePlan(Block):
@@ -452,6 +469,12 @@ class FirePlan(Block):
     init_c: float
     init_threshold: float
 
+    @property
+    def position_bias_finite(self) -> bool:
+        """An MLP of log(1 + |c| d) / (log(1 + |c| max(i, |L|)) + eps), d = max(i - j, 0)
+        and positions at least 0: finite for finite parameters."""
+        return True
+
 
 @dataclass(frozen=True)
 class SandwichPlan(Block):
@@ -462,6 +485,11 @@ class SandwichPlan(Block):
     inside_scale: bool
     dim: int
     base: float
+
+    @property
+    def position_bias_finite(self) -> bool:
+        """A sum of cosines: finite."""
+        return True
 
 
 @dataclass(frozen=True)
@@ -526,6 +554,11 @@ class TableBiasPlan(Block):
     spare_row: bool = False  # one extra row for the untied first-token reset
     document_weights: bool = True  # False where the untied block documents the table
 
+    @property
+    def position_bias_finite(self) -> bool:
+        """Entries of the trained table: finite while the table is."""
+        return True
+
 
 @dataclass(frozen=True)
 class UntiedPlan(Block):
@@ -544,6 +577,12 @@ class UntiedPlan(Block):
     def folds(self) -> bool:
         """No bias beside it: the term folds into extra features of q and k (sdpa)."""
         return self.bias is None
+
+    @property
+    def position_bias_finite(self) -> bool:
+        """(p_i U_q) . (p_j U_k), finite for finite rows and projections, plus the
+        relative bias beside it where there is one."""
+        return self.bias is None or self.bias.position_bias_finite
 
     @property
     def bias_table(self) -> TableBiasPlan | None:

@@ -546,6 +546,16 @@ def _blocks(spec: Spec) -> tuple[Block, ...]:
     return tuple(blocks)
 
 
+def _position_bias_finite(blocks: tuple[Block, ...]) -> bool:
+    """Whether the position bias (the untied term, or the bias block) is finite for
+    finite parameters; False where there is none."""
+    untied = next((b for b in blocks if isinstance(b, UntiedPlan)), None)
+    if untied is not None:
+        return untied.position_bias_finite
+    bias = next((b for b in blocks if isinstance(b, BIAS_BLOCKS)), None)
+    return bias is not None and bias.position_bias_finite
+
+
 def _flags(blocks: tuple[Block, ...]) -> tuple[tuple[str, FlagValue], ...]:
     """The composition flags the runtime's PositionalAttention reads."""
     untied = any(isinstance(block, UntiedPlan) for block in blocks)
@@ -573,6 +583,9 @@ def _flags(blocks: tuple[Block, ...]) -> tuple[tuple[str, FlagValue], ...]:
             "distance_bias_at_most_zero",
             bias is not None and not untied and bias.distance_bias_at_most_zero,
         ),
+        # the position bias finite for finite parameters: a row the masks leave a key
+        # reads one
+        ("position_bias_finite", _position_bias_finite(blocks)),
         (
             # every bucket past max_distance is the last of its direction
             "clipped_distance",

@@ -187,8 +187,8 @@ class SdpaBackend(SdpaRelative):
                 attn_mask,
                 spread=None if matmuls else self._floor_spread(q, k),
             )
-            if matmuls:  # at default positions each query reads its own key
-                reads = default_positions and attn_mask is None
+            if matmuls:  # at default positions each query reads its own key, finite
+                reads = default_positions and attn_mask is None and self.position_bias_finite
                 return grouped_query_attention(q, k, v, bias, self.scale, every_row_reads=reads)
             return scaled_dot_product(q, k, v, bias, self.scale)
         only_causal = window is None and document_ids is None and attn_mask is None
@@ -298,8 +298,10 @@ class SdpaBackend(SdpaRelative):
             vec = half_precision_bias(vec, q.dtype)  # [H, N + M - 1]
         if flushed:  # a few queries: their rows of the vector as one mask, in query order
             mask = vec[None, :, None, :] if n == 1 else expand_distance_bias(vec, n, m)[None]
-            # [1, H, N, M]; distance 0 is never masked: every row reads a key
-            return grouped_query_attention(q, k, v, mask, self.scale, every_row_reads=True)
+            # [1, H, N, M]; no mask removes distance 0, so with a finite entry there every
+            # row reads a key (an expression's -inf needs the fully-masked-row care)
+            reads = self.position_bias_finite
+            return grouped_query_attention(q, k, v, mask, self.scale, every_row_reads=reads)
         if n == 1:  # one query (a decode step): the vector is its row, in key order
             mask = vec[None, :, None, :]  # [1, H, 1, M]
             return scaled_dot_product(q, k, v, mask, self.scale)
