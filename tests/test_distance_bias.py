@@ -5,6 +5,7 @@ the eager oracle's."""
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -157,20 +158,30 @@ def _flagged_at_most_zero() -> list[str]:
     ]
 
 
+def randomized_modules(
+    name: str, seed: int, spread: float, head_dim: int = 8, trials: int = 5
+) -> Iterator[torch.nn.Module]:
+    """``trials`` modules of ``name`` (6 heads) with every floating-point parameter and
+    buffer drawn from a normal distribution of standard deviation ``spread``, their
+    caches empty."""
+    cls = generated_class(name)
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(trials):
+        pe = cls(heads=6, head_dim=head_dim)
+        with torch.no_grad():
+            for tensor in [*pe.parameters(), *pe.buffers()]:
+                if tensor.is_floating_point():
+                    tensor.copy_(torch.randn(tensor.shape, generator=generator) * spread)
+        pe._cache.clear()
+        yield pe
+
+
 @pytest.mark.parametrize("name", _flagged_at_most_zero())
 def test_a_bias_flagged_at_most_zero_is_so_for_any_parameters(name: str) -> None:
     """``distance_bias_at_most_zero`` (no half-precision shift) holds whatever the
     parameters: with every parameter and buffer drawn at random, signs included, each
     head's vector peaks at exactly 0, at distance 0, for decode and prefill shapes."""
-    cls = generated_class(name)
-    generator = torch.Generator().manual_seed(1)
-    for trial in range(5):
-        pe = cls(heads=6, head_dim=8)
-        with torch.no_grad():
-            for tensor in [*pe.parameters(), *pe.buffers()]:
-                if tensor.is_floating_point():
-                    tensor.copy_(torch.randn(tensor.shape, generator=generator) * 3)
-        pe._cache.clear()
+    for trial, pe in enumerate(randomized_modules(name, seed=1, spread=3.0)):
         for n, m in ((1, 1), (1, 40), (7, 7), (3, 20)):
             vector = pe._distance_bias(n, m, torch.device("cpu"))  # [H, N + M - 1]
             assert torch.equal(vector.amax(dim=-1), torch.zeros(6)), (trial, n, m)
@@ -203,15 +214,7 @@ def test_a_bias_flagged_finite_is_so_for_any_finite_parameters(name: str) -> Non
     """``position_bias_finite`` (the few-query matmuls skip the fully-masked-row care)
     holds for parameters and buffers drawn at random, signs and large values included,
     for decode and prefill shapes."""
-    cls = generated_class(name)
-    generator = torch.Generator().manual_seed(2)
-    for trial in range(5):
-        pe = cls(heads=6, head_dim=8)
-        with torch.no_grad():
-            for tensor in [*pe.parameters(), *pe.buffers()]:
-                if tensor.is_floating_point():
-                    tensor.copy_(torch.randn(tensor.shape, generator=generator) * 10)
-        pe._cache.clear()
+    for trial, pe in enumerate(randomized_modules(name, seed=2, spread=10.0)):
         for n, m in ((1, 1), (1, 300), (7, 7), (3, 20)):
             vector = pe._distance_bias(n, m, torch.device("cpu"))  # [H, N + M - 1]
             assert torch.isfinite(vector).all(), (trial, n, m)
@@ -223,16 +226,8 @@ def test_a_bias_per_pair_flagged_finite_is_so_for_any_finite_parameters(name: st
     are so with parameters and buffers drawn at random, signs and large values
     included, at default and explicit positions (FIRE's threshold L above and below
     the positions)."""
-    cls = generated_class(name)
-    assert cls.position_bias_finite
-    generator = torch.Generator().manual_seed(3)
-    for trial in range(5):
-        pe = cls(heads=6, head_dim=64)
-        with torch.no_grad():
-            for tensor in [*pe.parameters(), *pe.buffers()]:
-                if tensor.is_floating_point():
-                    tensor.copy_(torch.randn(tensor.shape, generator=generator) * 10)
-        pe._cache.clear()
+    assert generated_class(name).position_bias_finite
+    for trial, pe in enumerate(randomized_modules(name, seed=3, spread=10.0, head_dim=64)):
         for positions in (torch.arange(40), torch.arange(40) * 7 + 3):
             bias = pe.score_bias(positions[-3:], positions)  # [H, 3, 40]
             assert bias is not None and torch.isfinite(bias).all(), (trial, positions[:2])
