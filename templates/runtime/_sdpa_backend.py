@@ -389,7 +389,7 @@ class SdpaBackend(SdpaRelative):
         plain SDPA with it. A shallow bias (T5's) skips the bound, but a read back
         decides that (``floor_moves_nothing``, about 20 us), where the matmuls of one
         query take 1.1-1.3x SDPA's time at 500 keys and 0.95x at 4096. Four queries'
-        matmuls took 1.05-1.1x SDPA's time with T5's vector at 4096 keys, so from two
+        matmuls took 1.04-1.07x SDPA's time with T5's vector at 4096 keys, so from two
         queries on a shallow vector keeps SDPA."""
         matmuls = few_query_matmuls_serve(q, k, v)
         if matmuls and q.shape[2] == 1:
