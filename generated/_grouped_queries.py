@@ -76,21 +76,26 @@ def grouped_queries_serve(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None =
     groups = q.shape[1] // k.shape[1]
     if groups < 2 or k.numel() < GROUPED_QUERY_MIN_KEY_ELEMENTS:
         return False
-    if q.dtype not in _FULL_PRECISION and q.device.type == "cuda":
-        inputs = (q, k, v) if mask is None else (q, k, v, mask)
-        trains = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
-        half_precision = q.device.type in GROUPED_QUERY_DEVICES and not trains
-        return half_precision and groups * q.shape[2] <= GROUPED_QUERY_MAX_ROWS
-    return few_query_matmuls_serve(q, k, v)
+    if q.dtype in _FULL_PRECISION or q.device.type != "cuda":
+        return few_query_matmuls_serve(q, k, v)
+    inputs = (q, k, v) if mask is None else (q, k, v, mask)
+    trains = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+    return not trains and _matmuls_fit(q, k, v)
 
 
 def few_query_matmuls_serve(q: Tensor, k: Tensor, v: Tensor) -> bool:
     """Whether ``grouped_query_attention`` can run q [B, H, N, D] against k and v at all:
-    on ``GROUPED_QUERY_DEVICES``, at most ``GROUPED_QUERY_MAX_ROWS`` query rows per
-    key-value head, float32/float64 inputs, and keys and values whose batch and head axes
-    merge without a copy. Where a bias would need a floor for SDPA, its callers take the
-    matmuls whenever they can, grouped heads or not (see the module docstring)."""
-    if q.device.type not in GROUPED_QUERY_DEVICES or q.dtype not in _FULL_PRECISION:
+    float32/float64 inputs where the matmuls fit (``_matmuls_fit``). Where a bias would
+    need a floor for SDPA, its callers take the matmuls whenever they can, grouped heads
+    or not (see the module docstring)."""
+    return q.dtype in _FULL_PRECISION and _matmuls_fit(q, k, v)
+
+
+def _matmuls_fit(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """On ``GROUPED_QUERY_DEVICES``, at most ``GROUPED_QUERY_MAX_ROWS`` query rows per
+    key-value head, and keys and values whose batch and head axes merge without a
+    copy."""
+    if q.device.type not in GROUPED_QUERY_DEVICES:
         return False
     if q.shape[1] // k.shape[1] * q.shape[2] > GROUPED_QUERY_MAX_ROWS:
         return False

@@ -400,7 +400,7 @@ class SdpaBackend(SdpaRelative):
             return None, False
         if matmuls:
             return None, True
-        return content_spread(q, k, self.scale).amax(dim=1), False
+        return self._spread_per_head(q, k), False
 
     def _distance_floor_due(self, q: Tensor, k: Tensor, vec: Tensor) -> bool:
         """Whether SDPA needs the per-distance vector ``vec`` [H, N + M - 1] floored: on
@@ -417,10 +417,15 @@ class SdpaBackend(SdpaRelative):
     def _distance_floor_spread(self, q: Tensor, k: Tensor, vec: Tensor) -> Tensor | None:
         """The spread [H, 1] the per-distance vector ``vec`` [H, N + M - 1] (as SDPA adds
         it) is floored with (``_floored_distances``), or None where no floor is due
-        (``_distance_floor_due``). Every query reads distance 0 and one floor per head
-        serves them all, so the spread is the head's largest (``content_spread``)."""
+        (``_distance_floor_due``)."""
         if not self._distance_floor_due(q, k, vec):
             return None
+        return self._spread_per_head(q, k)
+
+    def _spread_per_head(self, q: Tensor, k: Tensor) -> Tensor:
+        """The floor's spread for the per-distance vector, [H, 1]: every query reads
+        distance 0 and one floor per head serves them all, so the spread is the head's
+        largest over its queries (``content_spread``)."""
         return content_spread(q, k, self.scale).amax(dim=1)
 
     def _floor_spread(self, q: Tensor, k: Tensor) -> Tensor | None:

@@ -546,19 +546,10 @@ def _blocks(spec: Spec) -> tuple[Block, ...]:
     return tuple(blocks)
 
 
-def _position_bias_finite(blocks: tuple[Block, ...]) -> bool:
-    """Whether the position bias (the untied term, or the bias block) is finite for
-    finite parameters; False where there is none."""
-    untied = next((b for b in blocks if isinstance(b, UntiedPlan)), None)
-    if untied is not None:
-        return untied.position_bias_finite
-    bias = next((b for b in blocks if isinstance(b, BIAS_BLOCKS)), None)
-    return bias is not None and bias.position_bias_finite
-
-
 def _flags(blocks: tuple[Block, ...]) -> tuple[tuple[str, FlagValue], ...]:
     """The composition flags the runtime's PositionalAttention reads."""
-    untied = any(isinstance(block, UntiedPlan) for block in blocks)
+    untied_block = next((b for b in blocks if isinstance(b, UntiedPlan)), None)
+    untied = untied_block is not None
     bias = next((b for b in blocks if isinstance(b, BIAS_BLOCKS)), None)
     relative = next((b for b in blocks if isinstance(b, RelativePlan)), None)
     has_position_bias = untied or bias is not None
@@ -585,7 +576,12 @@ def _flags(blocks: tuple[Block, ...]) -> tuple[tuple[str, FlagValue], ...]:
         ),
         # the position bias finite for finite parameters: a row the masks leave a key
         # reads one
-        ("position_bias_finite", _position_bias_finite(blocks)),
+        (
+            "position_bias_finite",
+            untied_block.position_bias_finite
+            if untied_block is not None
+            else bias is not None and bias.position_bias_finite,
+        ),
         (
             # every bucket past max_distance is the last of its direction
             "clipped_distance",
