@@ -15,9 +15,9 @@ the same way; ``--growing G`` gives each call the first L cached keys, L cycling
 the last G counts, so the key count changes every step as it does in a decoding loop (a
 benchmark that repeats one M hides work redone per shape); ``--compare-dense`` also
 times relative encodings with their terms built densely and their rows projected every
-step (the few-query path and kept rows off); ``--compare-unchecked`` also times them
-with their kept rows reused without comparing the parameters with the copy kept beside
-them (``parameters_unchanged``: what the check costs a step); ``--compare-grouped`` also
+step (the few-query path and kept rows off); ``--compare-frozen`` also times each module
+inside a ``parameters_frozen`` block, whose kept values (relative rows, untied rows)
+are compared with the parameters once, not every step; ``--compare-grouped`` also
 times each module with the few-query matmuls (``grouped_query_attention``: grouped
 heads, and any step with a position bias) switched the other way on the device (on where
 ``GROUPED_QUERY_DEVICES`` leaves them off, and off where on). ``--profile`` prints, per
@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from itertools import cycle, repeat
 from pathlib import Path
 from typing import NamedTuple
@@ -50,11 +51,12 @@ from attention_backends import (  # noqa: E402
     write_results,
 )
 
-from generated import ENCODINGS  # noqa: E402
+from generated import ENCODINGS, parameters_frozen  # noqa: E402
 from generated import _few_queries as few_queries  # noqa: E402
 from generated import _grouped_queries as grouped_queries  # noqa: E402
 from generated import _terms as terms  # noqa: E402
 
+FROZEN_LABEL = "module, parameters frozen"
 DEFAULT_ENCODINGS = ["rope", "rope_gptj", "alibi", "t5", "kerple_log"]
 
 
@@ -71,21 +73,6 @@ def without_few_query_path(step: Callable[[], object]) -> Callable[[], object]:
             few_queries.FEW_QUERY_RELATIVE_MAX_QUERIES, terms.KEEP_RELATIVE_ROWS = most, keep
 
     return dense_step
-
-
-def without_parameter_check(step: Callable[[], object]) -> Callable[[], object]:
-    """``step`` with kept relative rows reused on ``parameter_states`` alone, as before
-    ``parameters_unchanged`` compared the parameters with a kept copy."""
-
-    def unchecked_step() -> object:
-        check = terms.parameters_unchanged
-        terms.parameters_unchanged = lambda module, snapshot: True  # type: ignore[assignment]
-        try:
-            return step()
-        finally:
-            terms.parameters_unchanged = check
-
-    return unchecked_step
 
 
 def with_grouped_queries(step: Callable[[], object], device: str, on: bool) -> Callable[[], object]:
@@ -244,8 +231,8 @@ def run(args: argparse.Namespace) -> dict:
             )
         if args.compare_dense and pe.has_relative_terms:
             variants["module, dense terms"] = pe
-        if args.compare_unchecked and pe.has_relative_terms:
-            variants["module, rows unchecked"] = pe
+        if args.compare_frozen:
+            variants[FROZEN_LABEL] = pe
         grouped_on = device.type in grouped_queries.GROUPED_QUERY_DEVICES
         grouped_label = (
             "module, no few-query matmuls" if grouped_on else "module, few-query matmuls"
@@ -290,12 +277,11 @@ def run(args: argparse.Namespace) -> dict:
 
                 if label == "module, dense terms":
                     step = without_few_query_path(step)
-                if label == "module, rows unchecked":
-                    step = without_parameter_check(step)
                 if label == grouped_label:
                     step = with_grouped_queries(step, device.type, not grouped_on)
 
-                with torch.no_grad():
+                frozen = parameters_frozen(pe) if label == FROZEN_LABEL else nullcontext()
+                with torch.no_grad(), frozen:
                     seconds, base = paired_seconds(step, fresh_baseline(), device, args.repeats)
                     if args.profile:
                         print_profile(step, device, f"{name}, {label}, {backend}")
@@ -401,9 +387,9 @@ def main() -> None:
         help="also time relative encodings without the few-query path and kept rows",
     )
     parser.add_argument(
-        "--compare-unchecked",
+        "--compare-frozen",
         action="store_true",
-        help="also time relative encodings reusing kept rows without comparing parameters",
+        help="also time each module inside a parameters_frozen block (kept values reused)",
     )
     parser.add_argument(
         "--compare-grouped",

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from ._terms import parameters_frozen
 from .alibi import Alibi
 from .alibi_learned import AlibiLearned
 from .bert_relative_key import BertRelativeKey
@@ -91,6 +92,7 @@ ENCODINGS = {
 
 __all__ = [
     "ENCODINGS",
+    "parameters_frozen",
     "Alibi",
     "AlibiLearned",
     "BertRelativeKey",

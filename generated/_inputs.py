@@ -359,25 +359,57 @@ def parameter_states(module: torch.nn.Module) -> tuple[tuple[int, int, int], ...
     return tuple((id(p), p.data_ptr(), p._version) for p in module.parameters())
 
 
-def parameter_snapshot(module: torch.nn.Module) -> tuple[Tensor, ...]:
-    """Detached copies of module's parameters, kept beside a value cached from them so
-    that ``parameters_unchanged`` can tell later whether the value still holds."""
-    return tuple(p.detach().clone() for p in module.parameters())
+class ParameterSnapshot:
+    """Detached copies of a module's parameters, kept beside a value cached from them so
+    that ``parameters_unchanged`` can tell later whether the value still holds, and the
+    ``parameters_frozen`` block (``frozen_in``) in which they were last found equal to the
+    parameters: within that block they are not compared again."""
+
+    __slots__ = ("tensors", "frozen_in")
+
+    def __init__(self, tensors: tuple[Tensor, ...], frozen_in: object | None) -> None:
+        self.tensors = tensors
+        self.frozen_in = frozen_in
 
 
-def parameters_unchanged(module: torch.nn.Module, snapshot: tuple[Tensor, ...]) -> bool:
+def frozen_block(module: torch.nn.Module) -> object | None:
+    """The ``parameters_frozen`` block module is inside (a token per block), or None."""
+    return getattr(module, "_frozen_block", None)
+
+
+def parameter_snapshot(module: torch.nn.Module) -> ParameterSnapshot:
+    """Detached copies of module's parameters, taken now (so equal to them within the
+    ``parameters_frozen`` block that module is in, if any)."""
+    copies = tuple(p.detach().clone() for p in module.parameters())
+    return ParameterSnapshot(copies, frozen_block(module))
+
+
+def parameters_unchanged(module: torch.nn.Module, snapshot: ParameterSnapshot) -> bool:
     """Whether module's parameters hold the values of ``snapshot``, element for element.
 
     ``parameter_states`` misses an in-place edit through ``p.data`` (an EMA update,
     Hugging Face's ``_init_weights``): ``.data`` is a tensor with a version counter of its
     own. Comparing the values sees every edit, at the cost of one read of each parameter
     and a host sync (eager mode only; the caches are bypassed under torch.compile): one
-    for all of them on ``PARAMETERS_COMPARED_AT_ONCE`` devices.
+    for all of them on ``PARAMETERS_COMPARED_AT_ONCE`` devices. Inside a
+    ``parameters_frozen`` block a snapshot found equal once is not compared again: the
+    block's promise is that no parameter changes unseen by its version counter.
     """
+    block = frozen_block(module)
+    if block is not None and snapshot.frozen_in is block:
+        return True
     parameters = tuple(module.parameters())
-    if len(parameters) != len(snapshot):
+    if len(parameters) != len(snapshot.tensors):
         return False
-    pairs = [(p.detach(), kept) for p, kept in zip(parameters, snapshot, strict=True)]
+    pairs = [(p.detach(), kept) for p, kept in zip(parameters, snapshot.tensors, strict=True)]
+    if not parameters_equal(pairs):
+        return False
+    snapshot.frozen_in = block
+    return True
+
+
+def parameters_equal(pairs: list[tuple[Tensor, Tensor]]) -> bool:
+    """Whether each pair of tensors has one shape, dtype, device and the same values."""
     if any(
         p.shape != kept.shape or p.dtype != kept.dtype or p.device != kept.device
         for p, kept in pairs

@@ -12,8 +12,9 @@ hooks; ``_attention`` chooses between them.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -218,6 +219,8 @@ class AttentionTerms(nn.Module):
     #: backend "flex" runs torch.compile'd FlexAttention (None: on CUDA only; elsewhere
     #: the unfused reference, which is exact but materialises the scores)
     flex_compile: bool | None = None
+    #: the ``parameters_frozen`` block this module is in (a token per block), or None
+    _frozen_block: object | None = None
 
     def __init__(self, heads: int, head_dim: int, scale_factor: float | None) -> None:
         super().__init__()
@@ -258,6 +261,11 @@ class AttentionTerms(nn.Module):
         )
         q, k = self._rotate_for_attention(q, k, q_positions, k_positions, rotated)
         return to_bhnd(layout, q, k)  # type: ignore[return-value]
+
+    def parameters_frozen(self) -> Any:
+        """A context manager: within it, the values kept from this module's parameters
+        are compared with them once and then reused (``parameters_frozen(module)``)."""
+        return parameters_frozen(self)
 
     def rotate_keys(
         self, k: Tensor, positions: Tensor | None = None, *, layout: str = "bhnd"
@@ -700,3 +708,44 @@ class AttentionTerms(nn.Module):
         """Gradients flow from this call: into q, k, v or the module's parameters."""
         inputs_train = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         return inputs_train or self._trains_terms()
+
+
+@contextlib.contextmanager
+def parameters_frozen(*modules: nn.Module) -> Iterator[None]:
+    """Within the block, every posgen encoding inside ``modules`` reuses the values it
+    keeps from its parameters (projected relative rows, TUPE's untied rows, FLOATER's
+    trajectory) after comparing them with the parameters once, at their first read.
+
+    Outside such a block each read compares the parameters with a copy kept beside the
+    value, since an edit through ``p.data`` (an EMA update, Hugging Face's
+    ``_init_weights``) moves no version counter: one read of every parameter per call,
+    and a host sync on a GPU (DeBERTa's decode step against 500 keys on a 2-core CPU
+    spent half its time there). The block's promise is that no parameter is edited
+    through ``.data`` inside it. What autograd's version counters see is still seen:
+    optimizer steps, ``load_state_dict``, ``torch.nn.init`` and other in-place updates,
+    and parameters assigned anew. Blocks nest; each compares once more on entry.
+
+        with parameters_frozen(model), torch.inference_mode():
+            for step in range(steps):
+                ...  # decode: model(...) with a growing key cache
+
+    modules: torch.nn.Module objects holding at least one encoding between them.
+    """
+    encodings: list[AttentionTerms] = []
+    for position, module in enumerate(modules):
+        if not isinstance(module, nn.Module):
+            raise ValueError(
+                f"parameters_frozen takes torch.nn.Module objects, got "
+                f"{type(module).__name__} as argument {position}"
+            )
+        encodings.extend(m for m in module.modules() if isinstance(m, AttentionTerms))
+    if not encodings:
+        raise ValueError("parameters_frozen: modules holds no posgen encoding")
+    block, before = object(), [m._frozen_block for m in encodings]
+    for encoding in encodings:
+        encoding._frozen_block = block
+    try:
+        yield
+    finally:
+        for encoding, earlier in zip(encodings, before, strict=True):
+            encoding._frozen_block = earlier

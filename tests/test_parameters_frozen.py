@@ -1,0 +1,186 @@
+"""``parameters_frozen``: inside the block, values kept from an encoding's parameters
+(projected relative rows, TUPE's untied rows, FLOATER's trajectory) are compared with
+the parameters once and then reused; outside it, every read compares them.
+
+Each kept value is checked against a fresh module loaded with the same parameters, which
+has nothing kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from generated import parameters_frozen
+from tests.conftest import HostReads, generated_class, runtime_modules, spy_calls
+
+F64 = torch.float64
+#: encodings that keep a value of their parameters across calls without gradients
+KEEPING = ["deberta", "transformer_xl", "tupe_a", "floater"]
+#: a parameter each kept value is made from (Transformer-XL's u and v are read afresh)
+KEPT_FROM = {
+    "deberta": "rel_embeddings.weight",
+    "transformer_xl": "r_net.weight",
+    "tupe_a": "position_embeddings.weight",
+    "floater": "dynamics_out.weight",
+}
+
+
+def make(name: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return generated_class(name)(heads=4, head_dim=8).double().eval()
+
+
+def reader(name: str) -> Callable[[torch.nn.Module, int], torch.Tensor]:
+    """What reads ``name``'s kept value: FLOATER's embedding of a sequence of ``length``
+    positions (its trajectory), for the others one decode query against ``length`` keys."""
+    generator = torch.Generator().manual_seed(3)
+    if name == "floater":
+        x = torch.randn(1, 40, make(name).model_dim, generator=generator, dtype=F64)
+        return lambda pe, length: pe.embed(x[:, :length])
+    q = torch.randn(1, 4, 1, 8, generator=generator, dtype=F64)
+    k, v = (torch.randn(1, 4, 40, 8, generator=generator, dtype=F64) for _ in "kv")
+    return lambda pe, length: pe(q, k[:, :, :length], v[:, :, :length], backend="sdpa")
+
+
+def fresh_copy(pe: torch.nn.Module, name: str) -> torch.nn.Module:
+    """A new module holding pe's parameters now, with nothing kept."""
+    fresh = make(name, seed=1)
+    fresh.load_state_dict(pe.state_dict())
+    return fresh
+
+
+def count_comparisons(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    return spy_calls(monkeypatch, runtime_modules(), "parameters_equal", lambda pairs: len(pairs))
+
+
+@pytest.mark.parametrize("name", KEEPING)
+def test_a_frozen_block_compares_the_parameters_once(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loop of reads compares the parameters at every read but the first (which keeps
+    the value) outside the block, and only at its first read inside one."""
+    pe, read = make(name), reader(name)
+    comparisons = count_comparisons(monkeypatch)
+    with torch.no_grad():
+        outside = [read(pe, length) for length in range(30, 36)]
+        assert len(comparisons) == 5
+        with parameters_frozen(pe):
+            inside = [read(pe, length) for length in range(30, 36)]
+        assert len(comparisons) == 6
+        fresh = fresh_copy(pe, name)
+        for length, got, again in zip(range(30, 36), outside, inside, strict=True):
+            want = read(fresh, length)
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(again, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["deberta", "tupe_a"])
+def test_a_frozen_decode_loop_reads_nothing_back(name: str) -> None:
+    """Inside the block a decode loop makes no host read for its kept rows (outside it,
+    each step's comparison of the parameters reads one flag on a GPU's form)."""
+    pe, read = make(name), reader(name)
+    reads = HostReads()
+    with torch.no_grad(), parameters_frozen(pe):
+        read(pe, 20)  # keeps the rows
+        with reads:
+            for length in range(21, 30):
+                read(pe, length)
+    assert reads.count == 0
+
+
+@pytest.mark.parametrize("name", KEEPING)
+def test_updates_version_counters_see_are_seen_inside_the_block(name: str) -> None:
+    """An optimizer step (foreach, as torch's default), an in-place edit under no_grad
+    and load_state_dict move version counters, so a frozen block still drops what it
+    kept from the old values."""
+    pe, read = make(name), reader(name)
+    optimizer = torch.optim.SGD(pe.parameters(), lr=0.5, foreach=True)
+    with parameters_frozen(pe):
+        with torch.no_grad():
+            before = read(pe, 30)
+        read(pe, 30).square().sum().backward()  # with gradients: nothing kept
+        optimizer.step()
+        with torch.no_grad():
+            stepped = read(pe, 30)
+            torch.testing.assert_close(stepped, read(fresh_copy(pe, name), 30), rtol=0, atol=0)
+            for parameter in pe.parameters():
+                parameter.mul_(0.75)
+            edited = read(pe, 30)
+            torch.testing.assert_close(edited, read(fresh_copy(pe, name), 30), rtol=0, atol=0)
+            pe.load_state_dict(make(name, seed=2).state_dict())
+            loaded = read(pe, 30)
+            torch.testing.assert_close(loaded, read(make(name, seed=2), 30), rtol=0, atol=0)
+    assert not torch.allclose(before, stepped)
+    assert not torch.allclose(stepped, edited)
+    assert not torch.allclose(edited, loaded)
+
+
+@pytest.mark.parametrize("name", KEEPING)
+def test_an_edit_through_data_is_the_blocks_promise(name: str) -> None:
+    """An edit through ``.data`` moves no version counter: outside a block the
+    comparison sees it; inside one, after the first read, the kept value stands (the
+    caller promised no such edit) until the block ends; an edit made before the block
+    is seen at its first read."""
+    pe, read = make(name), reader(name)
+    with torch.no_grad():
+        kept = read(pe, 30)
+        kept_from = pe.get_parameter(KEPT_FROM[name])
+        with parameters_frozen(pe):
+            assert torch.equal(read(pe, 30), kept)
+            kept_from.data.mul_(0.75)
+            assert torch.equal(read(pe, 30), kept)  # not compared again
+        edited = read(fresh_copy(pe, name), 30)
+        assert not torch.allclose(edited, kept)
+        torch.testing.assert_close(read(pe, 30), edited, rtol=0, atol=0)
+        kept_from.data.mul_(0.5)
+        with parameters_frozen(pe):
+            torch.testing.assert_close(read(pe, 30), read(fresh_copy(pe, name), 30), rtol=0, atol=0)
+
+
+def test_blocks_nest_and_cover_every_encoding_of_a_model(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A block over a model marks each encoding inside it; an inner block over one of
+    them compares once more and gives the outer block back on exit (whose next read
+    compares once more)."""
+    model = torch.nn.ModuleList([make("deberta"), torch.nn.Linear(2, 2), make("tupe_a")])
+    read_deberta, read_tupe = reader("deberta"), reader("tupe_a")
+    comparisons = count_comparisons(monkeypatch)
+    with torch.no_grad():
+        read_deberta(model[0], 30), read_tupe(model[2], 30)  # kept: no comparison
+        with parameters_frozen(model):
+            for _ in range(3):
+                read_deberta(model[0], 30), read_tupe(model[2], 30)
+            assert len(comparisons) == 2  # once each
+            with model[0].parameters_frozen():
+                read_deberta(model[0], 30), read_deberta(model[0], 30)
+                assert len(comparisons) == 3
+            for _ in range(2):
+                read_deberta(model[0], 30), read_tupe(model[2], 30)
+            assert len(comparisons) == 4  # the outer block's again: DeBERTa's once more
+        assert model[0]._frozen_block is None and model[2]._frozen_block is None
+        read_deberta(model[0], 30)
+        assert len(comparisons) == 5
+
+
+def test_a_block_ends_when_its_body_raises() -> None:
+    pe = make("deberta")
+    with pytest.raises(RuntimeError, match="body"), parameters_frozen(pe):
+        raise RuntimeError("body")
+    assert pe._frozen_block is None
+
+
+@pytest.mark.parametrize(
+    ("modules", "message"),
+    [
+        ((torch.nn.Linear(2, 2),), "holds no posgen encoding"),
+        ((), "holds no posgen encoding"),
+        ((make("deberta"), "model"), "got str as argument 1"),
+    ],
+)
+def test_bad_arguments_are_refused(modules: tuple[object, ...], message: str) -> None:
+    with pytest.raises(ValueError, match=message), parameters_frozen(*modules):  # type: ignore[arg-type]
+        pass
