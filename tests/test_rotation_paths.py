@@ -4,7 +4,8 @@
 alone by ``_Rotation`` (whose backward rotates the gradient by the negative
 angle) and with gradients into cos or sin by the differentiable formula. Each must give
 the rotation of every pair (a, b) by its angle: (a cos - b sin, b cos + a sin), and the
-gradients of that map.
+gradients of that map. ``rotate_into`` takes a few rows of the half pairing by a roll
+(``ROLLED_ROTATION_MAX_ELEMENTS``) and others by halves: tests of it run both ways.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import importlib
 import pytest
 import torch
 
-from tests.conftest import generated_class
+from tests.conftest import generated_class, spy_calls
 
 runtime = importlib.import_module("generated._rotation")
 
@@ -50,10 +51,16 @@ def _reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: bool
     return out
 
 
+@pytest.mark.parametrize("rolled", [True, False])
 @pytest.mark.parametrize(("half_pairing", "head_dim", "rotary_dim"), CASES)
 def test_every_eager_path_matches_the_pairwise_rotation(
-    half_pairing: bool, head_dim: int, rotary_dim: int
+    half_pairing: bool,
+    head_dim: int,
+    rotary_dim: int,
+    rolled: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    rolls = roll_small_inputs(monkeypatch, rolled)
     cos, sin = _tables(5, rotary_dim, half_pairing)
     x = torch.randn(2, 3, 5, head_dim, dtype=torch.float64)
     cotangent = torch.randn_like(x)
@@ -88,6 +95,19 @@ def test_every_eager_path_matches_the_pairwise_rotation(
             grads.append((want_grad, *torch.autograd.grad(out, (c, s), cotangent)))
     for got_grad, want_grad in zip(*grads, strict=True):
         torch.testing.assert_close(got_grad, want_grad, rtol=1e-12, atol=1e-12)
+    # the roll serves the whole half pairing: without autograd, _Rotation's forward
+    # and its backward (by the negative angles)
+    assert rolls == (
+        [False, False, True] if rolled and half_pairing and rotary_dim == head_dim else []
+    )
+
+
+def roll_small_inputs(monkeypatch: pytest.MonkeyPatch, rolled: bool) -> list[object]:
+    """Set whether ``rotate_into`` takes the half pairing of small inputs by a roll;
+    the returned list records each rolled rotation."""
+    limit = {"cpu": 1 << 16} if rolled else {}
+    monkeypatch.setattr(runtime, "ROLLED_ROTATION_MAX_ELEMENTS", limit)
+    return spy_calls(monkeypatch, [runtime], "_rotate_halves_rolled", lambda *args: args[-1])
 
 
 def _interleave(t: torch.Tensor) -> torch.Tensor:
@@ -111,10 +131,16 @@ def test_strided_pairs_rotate_both_ways(half_pairing: bool) -> None:
     torch.testing.assert_close(got_grad, want_grad, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("rolled", [True, False])
 @pytest.mark.parametrize(("half_pairing", "head_dim", "rotary_dim"), CASES)
 def test_the_backward_by_the_negative_angle_passes_gradcheck_twice(
-    half_pairing: bool, head_dim: int, rotary_dim: int
+    half_pairing: bool,
+    head_dim: int,
+    rotary_dim: int,
+    rolled: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    roll_small_inputs(monkeypatch, rolled)
     cos, sin = _tables(4, rotary_dim, half_pairing)
     x = torch.randn(1, 2, 4, head_dim, dtype=torch.float64, requires_grad=True)
 
@@ -158,6 +184,7 @@ def test_rows_in_chunks_give_the_rotation_of_every_row(
     compute = torch.float64 if dtype == torch.float64 else torch.float32
     x = torch.randn(2, 5, 3, head_dim, dtype=torch.float64).to(dtype).transpose(1, 2)
     row_bytes = 2 * 3 * rotary_dim * compute.itemsize  # one position's rotated features
+    assert not roll_small_inputs(monkeypatch, False)
     monkeypatch.setitem(runtime.ROTATION_CHUNK_BYTES, "cpu", 2 * row_bytes + 1)
     assert runtime.rotation_chunk_rows(x, rotary_dim, compute) == 2
 
