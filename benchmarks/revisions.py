@@ -165,10 +165,14 @@ def run(args: argparse.Namespace) -> dict:
                         counts = None
                         if args.growing:
                             counts = list(range(length - args.growing + 1, length + 1))
-                        calls = [
-                            step(pe, q, k, v, causal, inference, given, counts)
-                            for pe in (None, then, now)
-                        ]
+                        calls = [step(None, q, k, v, causal, inference, given, counts)]
+                        for pe in (then, now):
+                            keys, options = k, given
+                            if args.keys_rotated and pe.has_rotation:  # a cache rotated once
+                                with torch.no_grad():
+                                    keys = pe.rotate_keys(k, given.get("k_positions"))
+                                options = {**given, "keys_rotated": True}
+                            calls.append(step(pe, q, keys, v, causal, inference, options, counts))
                         base, *medians = interleaved_medians(calls, args.repeats)
                         labels = (args.before, "working tree")
                         for label, seconds in zip(labels, medians, strict=True):
@@ -198,6 +202,7 @@ def run(args: argparse.Namespace) -> dict:
         "window": args.window,
         "documents": args.documents,
         "growing": args.growing,
+        "keys_rotated": args.keys_rotated,
         "kv_heads": args.kv_heads or args.heads,
         "rows": rows,
     }
@@ -238,6 +243,12 @@ def markdown(report: dict) -> str:
             f" {report['kv_heads']} key-value heads (grouped-query attention; the baseline "
             "with `enable_gqa`)."
             if report.get("kv_heads", report["heads"]) != report["heads"]
+            else ""
+        )
+        + (
+            " Rotary modules read keys rotated once (`rotate_keys`) and are called with "
+            "`keys_rotated=True`: only the queries are rotated."
+            if report.get("keys_rotated")
             else ""
         )
         + (
@@ -304,6 +315,11 @@ def main() -> None:
         type=int,
         default=0,
         help="each call reads the first L keys, L cycling through the last G key counts",
+    )
+    parser.add_argument(
+        "--keys-rotated",
+        action="store_true",
+        help="rotary modules read keys rotated once (rotate_keys) and rotate only queries",
     )
     parser.add_argument("--tag", default="", help="appended to the result file names")
     add_out_argument(parser)
