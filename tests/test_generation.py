@@ -12,6 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from posgen.cli import main
+from posgen.codegen import render
 from posgen.codegen.writing import compare, render_tree, write_tree
 from posgen.spec.loader import expand_spec_paths, load_specs
 from tests.conftest import GENERATED, ROOT, RUNTIME_FILES, SPECS
@@ -193,3 +194,12 @@ def test_a_copy_of_the_specs_elsewhere_generates_identical_bytes(tmp_path: Path)
             capture_output=True,
         )
         assert {p.name: p.read_bytes() for p in sorted(out.glob("*.py"))} == expected, cwd
+
+
+def test_tidy_keeps_a_top_level_decorator_on_its_definition() -> None:
+    """Two blank lines go before a decorated top-level function, none between its
+    decorator and its ``def`` (the inlined runtime has one: ruff would move it)."""
+    source = "x = 1\n@contextlib.contextmanager\n\ndef block():\n    yield\n"
+    assert render._tidy(source) == (
+        "x = 1\n\n\n@contextlib.contextmanager\ndef block():\n    yield\n"
+    )

@@ -106,9 +106,10 @@ def check_source(source: str, filename: str, relative_ok: bool = False) -> None:
 def _tidy(source: str) -> str:
     """Normalise the blank lines that template control flow leaves behind.
 
-    Outside string literals: two blank lines before top-level ``def``/``class`` and
-    before top-level code that follows an indented block, one before a method, at most
-    one elsewhere inside blocks; none at the end. Trailing spaces are stripped.
+    Outside string literals: two blank lines before top-level ``def``/``class`` (and
+    their decorators, none after) and before top-level code that follows an indented
+    block, one before a method, at most one elsewhere inside blocks; none at the end.
+    Trailing spaces are stripped.
     """
     out: list[str] = []
     pending = 0
@@ -135,6 +136,8 @@ def _blank_lines_before(line: str, previous: str, pending: int) -> int:
     definition = stripped.startswith(("def ", "class ", "@"))
     previous_indent = len(previous) - len(previous.lstrip())
     if indent == 0:
+        if previous.startswith("@"):  # a decorated definition: none after the decorator
+            return 0
         if definition or (previous_indent > 0 and not stripped.startswith((")", "]", "}"))):
             return 2
         return min(pending, 2)
