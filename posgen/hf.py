@@ -36,6 +36,7 @@ model it is given.
 from __future__ import annotations
 
 import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -139,14 +140,20 @@ def _posgen_attention_forward(
         k, v = past_key_values.update(k, v, self.layer_idx, {"cache_position": cache_position})
     m = k.shape[2]
     mask = _four_d(attention_mask, m)  # HF's 4-D mask: padding (and causal) per key
+    # cached keys: their positions count the kept tokens (HF's position_ids for a
+    # left-padded batch), not the cache slots; without a mask they are 0 .. M - 1, the
+    # module's default
+    k_positions = positions if m == n else None
+    if m != n and mask is not None:
+        k_positions = _shared_by_layers(
+            (attention_mask,), m, lambda: _kept_positions(mask, m, q.device)
+        )
     out = self.posgen(
         q,
         k,
         v,
         q_positions=positions,
-        # cached keys: their positions count the kept tokens (HF's position_ids for a
-        # left-padded batch), not the cache slots
-        k_positions=positions if m == n else _kept_positions(mask, m, q.device),
+        k_positions=k_positions,
         causal=True,
         attn_mask=mask,
         keys_rotated=True,
@@ -189,9 +196,13 @@ def _posgen_bloom_attention_forward(
         k, v = layer_past.update(k, v, self.layer_idx, {"cache_position": cache_position})
     m = k.shape[2]
     mask = _four_d(attention_mask, m)  # [B, 1, N, M]
-    k_positions = _kept_positions(mask, m, hidden_states.device)  # [B, M] or [M]
-    slots = cache_position if cache_position is not None else torch.arange(m - n, m)
-    q_positions = k_positions[..., slots.to(hidden_states.device)]  # the queries' slots
+
+    def positions() -> tuple[Tensor, Tensor]:
+        k_positions = _kept_positions(mask, m, hidden_states.device)  # [B, M] or [M]
+        slots = cache_position if cache_position is not None else torch.arange(m - n, m)
+        return k_positions[..., slots.to(hidden_states.device)], k_positions  # queries' slots
+
+    q_positions, k_positions = _shared_by_layers((attention_mask, cache_position), m, positions)
     out = self.posgen(
         q,
         k,
@@ -225,6 +236,47 @@ def _four_d(attention_mask: Tensor | None, m: int) -> Tensor | None:
             f"'sdpa', got {type(attention_mask).__name__} {got!r}"
         )
     return attention_mask[:, :, :, :m]
+
+
+# What the last layer made from its mask (and cache positions): [stamps of those
+# tensors, the key count, the positions].
+_LAST_LAYER_POSITIONS: list[Any] = []
+
+
+def _shared_by_layers(inputs: tuple[Tensor | None, ...], m: int, make: Callable[[], Any]) -> Any:
+    """``make()``, the positions a layer forms from ``inputs`` (the mask and cache
+    positions HF gives every layer of a forward), or what the previous layer made from
+    the same tensors, unchanged, for the same key count. The layers of one forward then
+    pass the same position tensors, which the posgen modules read once (a host sync on
+    a GPU) per forward rather than once per layer."""
+    stamps = tuple(_stamp(t) for t in inputs)
+    if _LAST_LAYER_POSITIONS and None not in stamps:
+        last_stamps, last_m, last_positions = _LAST_LAYER_POSITIONS
+        same = all(
+            _holds(then, t, now) for t, now, then in zip(inputs, stamps, last_stamps, strict=True)
+        )
+        if same and last_m == m:
+            return last_positions
+    made = make()
+    _LAST_LAYER_POSITIONS[:] = [stamps, m, made]
+    return made
+
+
+def _stamp(t: Tensor | None) -> tuple[Any, int] | str | None:
+    """(weak reference, version) of t, "none" for None, None where t has no version
+    (an inference tensor: an edit in place would go unseen)."""
+    if t is None:
+        return "none"
+    if t.is_inference():
+        return None
+    return weakref.ref(t), t._version
+
+
+def _holds(then: Any, t: Tensor | None, now: Any) -> bool:
+    """Whether the stamp ``then`` was taken of t, unchanged since (stamp ``now``)."""
+    if then == "none" or now == "none":
+        return then == now
+    return then is not None and then[0]() is t and then[1] == now[1]
 
 
 def _kept_positions(mask: Tensor | None, m: int, device: torch.device) -> Tensor:

@@ -229,7 +229,10 @@ def test_explicit_positions_cost_one_read_per_call(
     checked in eager mode: their values (ValueError outside [0, 2^53 - 1]) and whether
     they are the defaults (shifted by a constant where only differences count), which
     picks the default paths. Both come from one read of the device per call, where
-    each check read it on its own; bad values still raise, naming the argument."""
+    each check read it on its own; bad values still raise, naming the argument. The
+    verdict is kept for the same tensors while unchanged (``POSITION_VERDICTS``: the
+    layers of a model given one positions tensor read it once), not for inference
+    tensors, which count no version."""
     set_runtime(monkeypatch, "BIAS_FLOOR_DEVICES", set())
     d = head_dim_for(name, 16)
     pe = generated_class(name)(heads=4, head_dim=d).eval()
@@ -241,11 +244,26 @@ def test_explicit_positions_cost_one_read_per_call(
     step = {"q_positions": positions[-1:], "k_positions": positions, "keys_rotated": True}
     with torch.no_grad():
         want = pe(q, cache, v, backend="eager", **step)
+        fresh = dict(step, q_positions=positions[-1:].clone(), k_positions=positions.clone())
         with HostReads() as reads:
-            got = pe(q, cache, v, **step)
-    assert reads.count == 1
+            got = pe(q, cache, v, **fresh)
+        assert reads.count == 1
+        with HostReads() as again:  # the same tensors, unchanged: read once
+            repeated = pe(q, cache, v, **fresh)
+        assert again.count == 0
+        torch.testing.assert_close(repeated, got, rtol=0, atol=0)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     for argument in ("q_positions", "k_positions"):
         bad = dict(step, **{argument: step[argument] - 100})
         with pytest.raises(ValueError, match=f"{argument} must lie in"):
             pe(q, cache, v, **bad)
+        fresh[argument].sub_(100)  # an edit in place moves the version: read again
+        with pytest.raises(ValueError, match=f"{argument} must lie in"):
+            pe(q, cache, v, **fresh)
+        fresh[argument].add_(100)
+    with torch.inference_mode():
+        held = dict(step, q_positions=positions[-1:].clone(), k_positions=positions.clone())
+        for _ in range(2):
+            with HostReads() as reads:
+                pe(q, cache, v, **held)
+            assert reads.count == 1  # no version counter: nothing kept

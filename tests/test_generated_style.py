@@ -61,6 +61,7 @@ def test_generated_modules_import_only_torch_and_stdlib() -> None:
                 "typing",
                 "torch",
                 "warnings",
+                "weakref",
             }
             if node not in top_level:
                 allowed.add("triton")

@@ -10,14 +10,15 @@ transformers = pytest.importorskip("transformers")
 
 from generated.rope import Rope  # noqa: E402
 from posgen.hf import use_posgen_attention  # noqa: E402
+from tests.conftest import HostReads  # noqa: E402
 
 
-def _tiny_llama() -> torch.nn.Module:
+def _tiny_llama(layers: int = 2) -> torch.nn.Module:
     config = transformers.LlamaConfig(
         vocab_size=97,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,  # grouped-query attention
         rope_theta=10000.0,  # rope.yaml's base
@@ -72,3 +73,32 @@ def test_tiny_llama_left_padded_batch_generation_matches_through_posgen(cache: s
         use_posgen_attention(model, lambda layer: Rope(heads=4, head_dim=16))
         got = model.generate(ids, attention_mask=mask, **settings)
     assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_decode_step_reads_the_positions_once_per_forward(padded: bool) -> None:
+    """HF gives every layer the same position_ids (and mask): the posgen modules read
+    them from the device (a host sync on a GPU) as often in a 3-layer model as in a
+    1-layer one, not once per layer; the step's logits still match HF's."""
+    reads = {}
+    for layers in (1, 3):
+        model = _tiny_llama(layers)
+        reference = _tiny_llama(layers)
+        use_posgen_attention(model, lambda layer: Rope(heads=4, head_dim=16))
+        ids = torch.randint(1, 97, (2, 9), generator=torch.Generator().manual_seed(5))
+        mask = torch.ones_like(ids)
+        if padded:
+            mask[0, :3] = 0
+        logits = []
+        for net in (reference, model):
+            cache = transformers.DynamicCache()
+            with torch.no_grad():
+                net(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+                step_mask = torch.cat((mask, torch.ones(2, 1, dtype=mask.dtype)), 1)
+                token = torch.tensor([[5], [7]])
+                with HostReads() as counted:
+                    out = net(token, attention_mask=step_mask, past_key_values=cache)
+            logits.append(out.logits)
+        reads[layers] = counted.count
+        torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+    assert reads[3] == reads[1]

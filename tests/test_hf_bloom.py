@@ -13,16 +13,17 @@ transformers = pytest.importorskip("transformers")
 from generated.alibi import Alibi  # noqa: E402
 from generated.rope import Rope  # noqa: E402
 from posgen.hf import use_posgen_attention  # noqa: E402
+from tests.conftest import HostReads  # noqa: E402
 
 VOCAB = 128
 HIDDEN = 96  # 4 heads of 24, 6 heads of 16
 
 
-def _tiny_bloom(heads: int, **settings: object) -> torch.nn.Module:
+def _tiny_bloom(heads: int, layers: int = 2, **settings: object) -> torch.nn.Module:
     config = transformers.BloomConfig(
         vocab_size=VOCAB,
         hidden_size=HIDDEN,
-        n_layer=2,
+        n_layer=layers,
         n_head=heads,
         attn_implementation="eager",
         **settings,
@@ -155,3 +156,29 @@ def test_a_mask_that_is_not_four_d_is_refused() -> None:
     hidden = torch.zeros(1, 5, HIDDEN)
     with pytest.raises(ValueError, match="4-D attention mask"):
         attention(hidden, hidden, attention_mask=torch.ones(1, 5))
+
+
+def test_a_decode_step_reads_the_positions_once_per_forward() -> None:
+    """Each layer forms its positions from the mask HF gives every layer: they are
+    formed once per forward and read from the device (a host sync on a GPU) as often in
+    a 3-layer model as in a 1-layer one; the step's logits still match BLOOM's."""
+    reads = {}
+    for layers in (1, 3):
+        model, reference = _tiny_bloom(4, layers), _tiny_bloom(4, layers)
+        use_posgen_attention(model, lambda layer: _alibi(4))
+        ids = _ids(2, 9, 5)
+        mask = torch.ones_like(ids)
+        mask[0, :3] = 0
+        logits = []
+        for net in (reference, model):
+            cache = transformers.DynamicCache()
+            with torch.no_grad():
+                net(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+                step_mask = torch.cat((mask, torch.ones(2, 1, dtype=mask.dtype)), 1)
+                token = torch.tensor([[5], [7]])
+                with HostReads() as counted:
+                    out = net(token, attention_mask=step_mask, past_key_values=cache)
+            logits.append(out.logits)
+        reads[layers] = counted.count
+        torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+    assert reads[3] == reads[1]

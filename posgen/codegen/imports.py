@@ -35,6 +35,7 @@ FIXED = (
     Importable("NamedTuple", 0, "typing"),
     Importable("Protocol", 0, "typing"),
     Importable("warnings", 0, "warnings", from_import=False),
+    Importable("weakref", 0, "weakref", from_import=False),
     Importable("torch", 1, "torch", from_import=False),
     Importable("F", 1, "torch.nn.functional", alias_of="torch.nn.functional", from_import=False),
     Importable("Tensor", 1, "torch"),

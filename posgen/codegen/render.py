@@ -32,6 +32,7 @@ ALLOWED_IMPORTS = {
     "math",
     "typing",
     "warnings",
+    "weakref",
     "torch",
     "torch.nn",
     "torch.nn.functional",

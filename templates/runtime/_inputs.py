@@ -10,6 +10,7 @@ here are bounded and safe across inference mode.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Literal
 
 import torch
@@ -133,6 +134,65 @@ def check_positions(
     return positions
 
 
+class TensorVerdicts:
+    """Verdicts on tensors' values (positions in range, positions at the defaults), each
+    kept while every tensor it was drawn from is alive, the same object and at the same
+    version: a model whose layers are each given the same positions (Hugging Face's
+    ``position_ids``) reads them from the device once per forward, not once per layer
+    (on a GPU each read is a host sync). The tensors are held by weak reference.
+    Inference tensors have no version counter, so no verdict on them is kept (an edit
+    in place, such as a position buffer refilled each step, would go unseen). The
+    ``VERDICTS_KEPT`` most recent verdicts are kept."""
+
+    def __init__(self) -> None:
+        self._kept: dict[tuple[Any, ...], tuple[tuple[Any, ...], Any]] = {}
+
+    @staticmethod
+    def _stamps(tensors: tuple[Tensor | None, ...]) -> tuple[Any, ...] | None:
+        """(weak reference, version) of each tensor (None for None); None where a
+        verdict on them cannot be kept."""
+        stamps: list[Any] = []
+        for t in tensors:
+            if t is None:
+                stamps.append(None)
+            elif t.is_inference():
+                return None
+            else:
+                stamps.append((weakref.ref(t), t._version))
+        return tuple(stamps)
+
+    def get(self, what: tuple[Any, ...], tensors: tuple[Tensor | None, ...]) -> Any:
+        """The verdict ``what`` kept on these tensors, or None."""
+        key = (*what, *(id(t) for t in tensors))
+        entry = self._kept.get(key)
+        if entry is None:
+            return None
+        stamps, verdict = entry
+        for t, stamp in zip(tensors, stamps, strict=True):
+            if t is None:
+                continue
+            reference, version = stamp
+            if reference() is not t or t.is_inference() or t._version != version:
+                del self._kept[key]
+                return None
+        return verdict
+
+    def put(self, what: tuple[Any, ...], tensors: tuple[Tensor | None, ...], verdict: Any) -> None:
+        """Keep the verdict ``what`` (not None) on these tensors."""
+        stamps = self._stamps(tensors)
+        if stamps is None or torch.compiler.is_compiling():
+            return
+        key = (*what, *(id(t) for t in tensors))
+        self._kept.pop(key, None)
+        self._kept[key] = (stamps, verdict)
+        while len(self._kept) > VERDICTS_KEPT:
+            del self._kept[next(iter(self._kept))]  # the oldest first
+
+
+VERDICTS_KEPT = 8
+POSITION_VERDICTS = TensorVerdicts()
+
+
 def outside_position_range(positions: Tensor) -> Tensor:
     """Whether some position lies outside [0, 2^53 - 1] (exact in float64): a 0-d bool
     tensor, no host read. One op on the values: an int64 lies in that range exactly when
@@ -151,9 +211,15 @@ def check_position_values(
     if not given or torch.compiler.is_compiling():
         return
     if outside is None:
+        # positions found in range before, unchanged since, are not read again
+        given = [(name, t) for name, t in given if not POSITION_VERDICTS.get(("in range",), (t,))]
+        if not given:
+            return
         flags = [outside_position_range(t) for _, t in given]
         outside = bool(flags[0] if len(flags) == 1 else torch.stack(flags).any())
     if not outside:
+        for _, positions in given:
+            POSITION_VERDICTS.put(("in range",), (positions,), True)
         return
     for name, positions in given:
         if bool(outside_position_range(positions)):
@@ -269,6 +335,11 @@ def positions_are_default(
         return False
     # keys first: queries left out are a slice of the keys, whose name the error takes
     named = (("k_positions", k_positions), ("q_positions", q_positions))
+    tensors = (q_positions, k_positions, document_ids)
+    what = ("default", n, m, shifted)
+    kept = POSITION_VERDICTS.get(what, tensors)
+    if kept is not None:  # the same tensors, unchanged, were read (and checked) before
+        return bool(kept)
     given = [t for _, t in named if t is not None and t.numel()]
     flags = [outside_position_range(t) for t in given] if check_values else []
     default = (
@@ -279,7 +350,10 @@ def positions_are_default(
     read = torch.stack([*flags, *([] if default is None else [default])]).tolist()  # one read
     if flags:
         check_position_values(named, outside=any(read[: len(flags)]))
-    return default is not None and bool(read[-1])
+    verdict = default is not None and bool(read[-1])
+    if check_values:  # the values were checked too: a later call needs no read
+        POSITION_VERDICTS.put(what, tensors, verdict)
+    return verdict
 
 
 def _default_flag(
