@@ -297,11 +297,13 @@ def rotation_partners(x: Tensor, half_pairing: bool) -> Tensor:
 ROTATION_CHUNK_BYTES: dict[str, int | None] = {"cpu": 1 << 20}
 
 # The most elements of x, per device, that ``rotate_into`` rotates by the half pairing
-# as x * cos + roll(x) * signed sin (``_rotate_halves_rolled``: four ops on whole rows)
-# rather than x * cos and a multiply-add into each half (three ops on ten slices). On a
-# 2-core x86 CPU, float32, a decode step's query [1, 8, 1, 64] took 6.9 us against
-# 19 us, [4, 32, 1, 128] 12 us against 23 us; the halves win on long inputs, whose
-# passes are half as wide. Absent: never (on CUDA each op is a kernel launch).
+# as x * cos + roll(x) * signed sin (``_rotate_halves_rolled``: four ops on whole rows,
+# x widened to cos's dtype first and the result rounded once) rather than x * cos and
+# a multiply-add into each half (three ops on ten slices, through a scratch buffer for
+# another dtype). On a 2-core x86 CPU a decode step's query [1, 8, 1, 64] took 6.9 us
+# against 19 us in float32 and 12 us against 28 us in bfloat16, [4, 32, 1, 128] 12 us
+# against 23 us and 20 us against 34 us; the halves win on long inputs, whose passes
+# are half as wide. Absent: never (on CUDA each op is a kernel launch).
 ROLLED_ROTATION_MAX_ELEMENTS: dict[str, int] = {"cpu": 1 << 16}
 
 
@@ -322,9 +324,10 @@ def rotate_into(
     where x's dtype is not cos's, each chunk is computed in a scratch buffer of cos's
     dtype and rounded into the output once.
     """
-    if half_pairing and rotary_dim == x.shape[-1] and x.dtype == cos.dtype:
+    if half_pairing and rotary_dim == x.shape[-1]:
         if x.numel() <= ROLLED_ROTATION_MAX_ELEMENTS.get(x.device.type, -1):
-            return _rotate_halves_rolled(x, cos, sin, inverse)
+            widened = x.to(cos.dtype)  # x itself where it is in cos's dtype
+            return _rotate_halves_rolled(widened, cos, sin, inverse).to(x.dtype)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # [..., N, D]
     n, d = x.shape[-2], rotary_dim
     one_pass = not half_pairing and x.dtype == cos.dtype and d == x.shape[-1]  # complex product

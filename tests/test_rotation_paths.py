@@ -151,8 +151,12 @@ def test_the_backward_by_the_negative_angle_passes_gradcheck_twice(
     assert torch.autograd.gradgradcheck(rotate, (x,))
 
 
+@pytest.mark.parametrize("rolled", [True, False])
 @pytest.mark.parametrize("half_pairing", [True, False])
-def test_bfloat16_gradients_are_within_bfloat16_error(half_pairing: bool) -> None:
+def test_bfloat16_gradients_are_within_bfloat16_error(
+    half_pairing: bool, rolled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rolls = roll_small_inputs(monkeypatch, rolled)
     cos, sin = (t.float() for t in _tables(64, 16, half_pairing))
     x = torch.randn(2, 4, 64, 16).bfloat16()
     cotangent = torch.randn(2, 4, 64, 16).bfloat16()
@@ -164,6 +168,7 @@ def test_bfloat16_gradients_are_within_bfloat16_error(half_pairing: bool) -> Non
     want_grad = _reference(cotangent.double(), cos.double(), -sin.double(), half_pairing)
     torch.testing.assert_close(out.double(), want, rtol=8e-3, atol=8e-3)
     torch.testing.assert_close(grad.double(), want_grad, rtol=8e-3, atol=8e-3)
+    assert rolls == ([False, True] if rolled and half_pairing else [])  # widened, rounded once
 
 
 @pytest.mark.parametrize(("half_pairing", "head_dim", "rotary_dim"), CASES)
