@@ -421,3 +421,20 @@ class HostReads(TorchDispatchMode):
                 if isinstance(tensor, torch.Tensor):
                     self._host[tensor] = True
         return out
+
+
+def hf_decode_step_reads(
+    net: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor
+) -> tuple[Any, int]:
+    """A Hugging Face causal LM's prompt ``ids`` [2, L] (``mask``: its attention mask)
+    into a fresh DynamicCache, then one decode step of tokens 5 and 7: that step's
+    logits and its ``HostReads`` count."""
+    import transformers
+
+    cache = transformers.DynamicCache()
+    with torch.no_grad():
+        net(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        step_mask = torch.cat((mask, torch.ones(2, 1, dtype=mask.dtype)), 1)
+        with HostReads() as counted:
+            out = net(torch.tensor([[5], [7]]), attention_mask=step_mask, past_key_values=cache)
+    return out.logits, counted.count

@@ -10,7 +10,7 @@ transformers = pytest.importorskip("transformers")
 
 from generated.rope import Rope  # noqa: E402
 from posgen.hf import use_posgen_attention  # noqa: E402
-from tests.conftest import HostReads  # noqa: E402
+from tests.conftest import hf_decode_step_reads  # noqa: E402
 
 
 def _tiny_llama(layers: int = 2) -> torch.nn.Module:
@@ -89,16 +89,7 @@ def test_a_decode_step_reads_the_positions_once_per_forward(padded: bool) -> Non
         mask = torch.ones_like(ids)
         if padded:
             mask[0, :3] = 0
-        logits = []
-        for net in (reference, model):
-            cache = transformers.DynamicCache()
-            with torch.no_grad():
-                net(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
-                step_mask = torch.cat((mask, torch.ones(2, 1, dtype=mask.dtype)), 1)
-                token = torch.tensor([[5], [7]])
-                with HostReads() as counted:
-                    out = net(token, attention_mask=step_mask, past_key_values=cache)
-            logits.append(out.logits)
-        reads[layers] = counted.count
-        torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+        want, _ = hf_decode_step_reads(reference, ids, mask)
+        got, reads[layers] = hf_decode_step_reads(model, ids, mask)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert reads[3] == reads[1]
