@@ -175,7 +175,7 @@ class TensorVerdicts:
                 continue
             reference, version = stamp
             if reference() is not t or t.is_inference() or t._version != version:
-                del self._kept[key]
+                self._kept.pop(key, None)  # stale: the tensor died, was replaced or edited
                 return None
         return verdict
 

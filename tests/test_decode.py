@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import importlib
 import sys
 
 import pytest
@@ -267,3 +268,35 @@ def test_explicit_positions_cost_one_read_per_call(
             with HostReads() as reads:
                 pe(q, cache, v, **held)
             assert reads.count == 1  # no version counter: nothing kept
+
+
+def test_a_position_verdict_dies_with_its_tensor() -> None:
+    """Verdicts on positions are keyed by the tensor object: a tensor that takes a dead
+    one's id gets no verdict of the dead one's (checked by moving a verdict under
+    another tensor's id, as id reuse would), nor one after an edit in place; and in a
+    loop where new positions may take freed ids, every call matches the eager oracle."""
+    verdicts = importlib.import_module("generated._inputs").TensorVerdicts()
+    first, second = torch.arange(3), torch.arange(3)
+    verdicts.put(("default",), (first,), True)
+    assert verdicts.get(("default",), (first,)) is True
+    stamps, verdict = verdicts._kept.pop(("default", id(first)))
+    verdicts._kept[("default", id(second))] = (stamps, verdict)  # as if second took the id
+    assert verdicts.get(("default",), (second,)) is None
+    verdicts.put(("default",), (second,), True)
+    second.add_(1)
+    assert verdicts.get(("default",), (second,)) is None
+
+    pe = generated_class("alibi")(heads=4, head_dim=16).eval()
+    generator = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(1, 4, 40, 16, generator=generator) for _ in "qkv")
+    with torch.no_grad():
+        for _ in range(10):
+            positions = torch.arange(40)  # the defaults: a kept verdict of True
+            pe(q, k, v, q_positions=positions, k_positions=positions)
+            del positions
+            spread = torch.arange(40) * 3  # not the defaults; may take the freed id
+            got = pe(q, k, v, q_positions=spread, k_positions=spread)
+            want = pe(
+                q, k, v, q_positions=spread.clone(), k_positions=spread.clone(), backend="eager"
+            )
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
