@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 
+from generated import parameters_frozen
 from tests.conftest import (
     bias_kind,
     generated_class,
@@ -533,17 +534,20 @@ def test_a_decode_loop_syncs_only_to_compare_kept_rows_on_cuda(name: str) -> Non
     """The CUDA form of test_decode's count of reads of device data: with
     torch.cuda.set_sync_debug_mode("warn"), a decoding loop at default positions (one
     key more each step, over keys rotated once) makes no synchronizing call, except one
-    per step where projected rows are kept (``KEPT_ROW_SYNCS``). The caches are made
-    first, for the loop's longest step: their builds, rare as they double, may copy a
-    constant to the device."""
+    per step where projected rows are kept (``KEPT_ROW_SYNCS``), and none at all inside
+    a ``parameters_frozen`` block (its one comparison falls on a step before the loop).
+    The caches are made first, for the loop's longest step: their builds, rare as they
+    double, may copy a constant to the device."""
     d = head_dim_for(name, 32)
     pe = generated_class(name)(heads=4, head_dim=d).to(CUDA).eval()
     generator = torch.Generator().manual_seed(5)
     k, v = (torch.randn(1, 2, 80, d, generator=generator).to(CUDA) for _ in "kv")
     queries = torch.randn(20, 1, 4, 1, d, generator=generator).to(CUDA)
     cache = pe.rotate_keys(k)
-    with torch.no_grad():
-        for m in (79, 59):  # caches made for every step, rows kept
+
+    def loop_syncs() -> list[str]:
+        """The synchronizing calls of 20 steps, against 60 ... 79 keys."""
+        for m in (79, 59):  # caches made for every step, rows kept (and compared)
             pe(queries[0], cache[:, :, :m], v[:, :, :m], keys_rotated=True)
         torch.cuda.synchronize()
         with warnings.catch_warnings(record=True) as caught:
@@ -554,5 +558,11 @@ def test_a_decode_loop_syncs_only_to_compare_kept_rows_on_cuda(name: str) -> Non
                     pe(queries[step], cache[:, :, :m], v[:, :, :m], keys_rotated=True)
             finally:
                 torch.cuda.set_sync_debug_mode(0)
-    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+        return [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+
+    with torch.no_grad():
+        syncs = loop_syncs()
+        with parameters_frozen(pe):
+            frozen_syncs = loop_syncs()
     assert len(syncs) <= 20 * KEPT_ROW_SYNCS.get(name, 0), syncs[:3]
+    assert not frozen_syncs, frozen_syncs[:3]

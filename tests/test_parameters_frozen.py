@@ -8,13 +8,14 @@ has nothing kept.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import pytest
 import torch
 
 from generated import parameters_frozen
-from tests.conftest import HostReads, generated_class, runtime_modules, spy_calls
+from tests.conftest import HostReads, generated_class, runtime_modules, set_runtime, spy_calls
 
 F64 = torch.float64
 #: encodings that keep a value of their parameters across calls without gradients
@@ -78,17 +79,25 @@ def test_a_frozen_block_compares_the_parameters_once(
 
 
 @pytest.mark.parametrize("name", ["deberta", "tupe_a"])
-def test_a_frozen_decode_loop_reads_nothing_back(name: str) -> None:
-    """Inside the block a decode loop makes no host read for its kept rows (outside it,
-    each step's comparison of the parameters reads one flag on a GPU's form)."""
+def test_a_frozen_decode_loop_reads_nothing_back(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the comparison a GPU makes (every parameter compared on the device, one flag
+    read back: ``PARAMETERS_COMPARED_AT_ONCE``), a decode loop reads one value per step
+    for its kept rows outside the block and none inside it."""
+    set_runtime(monkeypatch, "PARAMETERS_COMPARED_AT_ONCE", {"cpu"})
     pe, read = make(name), reader(name)
-    reads = HostReads()
-    with torch.no_grad(), parameters_frozen(pe):
+    counts = []
+    with torch.no_grad():
         read(pe, 20)  # keeps the rows
-        with reads:
-            for length in range(21, 30):
-                read(pe, length)
-    assert reads.count == 0
+        for frozen in (False, True):
+            with parameters_frozen(pe) if frozen else contextlib.nullcontext():
+                read(pe, 20)  # the block's one comparison
+                with HostReads() as reads:
+                    for length in range(21, 30):
+                        read(pe, length)
+            counts.append(reads.count)
+    assert counts == [9, 0]
 
 
 @pytest.mark.parametrize("name", KEEPING)
