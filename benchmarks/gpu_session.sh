@@ -27,7 +27,8 @@
 # (T5's decode step since its mask's keys are contiguous, compiled steps, and the
 # clipped terms at given positions), and among test_gpu's cases
 # test_a_decode_loop_syncs_only_to_compare_kept_rows_on_cuda (decode steps with no
-# synchronizing call, as the CPU suite's count of device reads says; not yet run). The test steps stop with SIGINT at their limit,
+# synchronizing call, as the CPU suite's count of device reads says, none at all inside
+# a parameters_frozen block; not yet run). The test steps stop with SIGINT at their limit,
 # so pytest still prints its failure summary (-rf).
 #
 # posgen's runtime needs only torch; the tests also import pydantic, jinja2, pyyaml,
@@ -119,10 +120,12 @@ step 300 decode_static python3 benchmarks/decode.py --device cuda --dtype bfloat
     --encodings rope rope_gptj alibi t5 kerple_log --cache 8000 --static-slots 8192 \
     --compile-mode reduce-overhead --repeats 100 --tag _static_cache --out "$out"
 # the eager step with a new key count every call (8129 to 8192 keys), as a decoding loop
-# runs it: per-shape work (tables, masks) is redone where a fixed M hid it
-step 150 decode_growing python3 benchmarks/decode.py --device cuda --dtype bfloat16 \
-    --encodings rope alibi t5 kerple_log deberta --growing 64 --repeats 128 \
-    --tag _growing --out "$out"
+# runs it: per-shape work (tables, masks) is redone where a fixed M hid it; the
+# encodings with kept projections also inside a parameters_frozen block (no sync for
+# the comparison of the parameters)
+step 200 decode_growing python3 benchmarks/decode.py --device cuda --dtype bfloat16 \
+    --encodings rope alibi t5 kerple_log deberta transformer_xl tupe_a --growing 64 \
+    --compare-frozen --repeats 128 --tag _growing --out "$out"
 # relative-table decode steps with and without the few-query path and kept rows, and
 # the relative family's terms gathered per chunk from their projections against the
 # dense terms (sdpa; flex in the same run)
