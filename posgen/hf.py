@@ -146,7 +146,7 @@ def _posgen_attention_forward(
     k_positions = positions if m == n else None
     if m != n and mask is not None:
         k_positions = _shared_by_layers(
-            (attention_mask,), m, lambda: _kept_positions(mask, m, q.device)
+            (attention_mask,), (m, q.device), lambda: _kept_positions(mask, m, q.device)
         )
     out = self.posgen(
         q,
@@ -202,7 +202,9 @@ def _posgen_bloom_attention_forward(
         slots = cache_position if cache_position is not None else torch.arange(m - n, m)
         return k_positions[..., slots.to(hidden_states.device)], k_positions  # queries' slots
 
-    q_positions, k_positions = _shared_by_layers((attention_mask, cache_position), m, positions)
+    q_positions, k_positions = _shared_by_layers(
+        (attention_mask, cache_position), (m, hidden_states.device), positions
+    )
     out = self.posgen(
         q,
         k,
@@ -239,26 +241,29 @@ def _four_d(attention_mask: Tensor | None, m: int) -> Tensor | None:
 
 
 # What the last layer made from its mask (and cache positions): [stamps of those
-# tensors, the key count, the positions].
+# tensors, (the key count, the device), the positions].
 _LAST_LAYER_POSITIONS: list[Any] = []
 
 
-def _shared_by_layers(inputs: tuple[Tensor | None, ...], m: int, make: Callable[[], Any]) -> Any:
+def _shared_by_layers(
+    inputs: tuple[Tensor | None, ...], shape: tuple[int, torch.device], make: Callable[[], Any]
+) -> Any:
     """``make()``, the positions a layer forms from ``inputs`` (the mask and cache
     positions HF gives every layer of a forward), or what the previous layer made from
-    the same tensors, unchanged, for the same key count. The layers of one forward then
+    the same tensors, unchanged, for the same key count and device (``shape``: a model
+    split over devices forms them again on each). The layers of one forward then
     pass the same position tensors, which the posgen modules read once (a host sync on
     a GPU) per forward rather than once per layer."""
     stamps = tuple(_stamp(t) for t in inputs)
     if _LAST_LAYER_POSITIONS and None not in stamps:
-        last_stamps, last_m, last_positions = _LAST_LAYER_POSITIONS
+        last_stamps, last_shape, last_positions = _LAST_LAYER_POSITIONS
         same = all(
             _holds(then, t, now) for t, now, then in zip(inputs, stamps, last_stamps, strict=True)
         )
-        if same and last_m == m:
+        if same and last_shape == shape:
             return last_positions
     made = make()
-    _LAST_LAYER_POSITIONS[:] = [stamps, m, made]
+    _LAST_LAYER_POSITIONS[:] = [stamps, shape, made]
     return made
 
 

@@ -93,3 +93,31 @@ def test_a_decode_step_reads_the_positions_once_per_forward(padded: bool) -> Non
         got, reads[layers] = hf_decode_step_reads(model, ids, mask)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert reads[3] == reads[1]
+
+
+def test_layers_share_positions_only_for_the_same_unchanged_tensors_and_device() -> None:
+    """What one layer forms from HF's mask is reused by the next only for the same mask
+    object, unedited, the same key count and device; never for inference tensors,
+    whose edits count no version."""
+    from posgen import hf
+
+    made: list[int] = []
+
+    def make() -> int:
+        made.append(1)
+        return len(made)
+
+    cpu, meta = torch.device("cpu"), torch.device("meta")
+    mask = torch.zeros(1, 1, 1, 4)
+    assert hf._shared_by_layers((mask, None), (4, cpu), make) == 1
+    assert hf._shared_by_layers((mask, None), (4, cpu), make) == 1  # the next layer
+    assert hf._shared_by_layers((mask, None), (4, meta), make) == 2  # another device
+    assert hf._shared_by_layers((mask, None), (5, meta), make) == 3  # another key count
+    mask.add_(1)
+    assert hf._shared_by_layers((mask, None), (5, meta), make) == 4  # edited in place
+    assert hf._shared_by_layers((mask.clone(), None), (5, meta), make) == 5
+    assert hf._shared_by_layers((mask, mask), (5, meta), make) == 6  # cache positions
+    with torch.inference_mode():
+        held = torch.zeros(1, 1, 1, 4)
+    assert hf._shared_by_layers((held, None), (4, cpu), make) == 7
+    assert hf._shared_by_layers((held, None), (4, cpu), make) == 8
