@@ -386,3 +386,43 @@ def test_a_decode_step_flushes_instead(
     assert spreads == []
     assert len(matmuls) == int(n == 1 or name == "alibi")
     assert reads.count == int(n > 1)
+
+
+@pytest.mark.parametrize(
+    ("name", "kv_heads", "n", "given"),
+    [
+        ("alibi", 4, 1, False),
+        ("t5", 4, 1, False),
+        ("alibi", 4, 3, False),
+        ("alibi", 4, 1, True),
+        ("alibi", 2, 1, False),
+    ],
+)
+def test_without_a_floor_on_the_device_a_decode_step_keeps_sdpa(
+    monkeypatch: pytest.MonkeyPatch, name: str, kv_heads: int, n: int, given: bool
+) -> None:
+    """The few-query matmuls stand in for the floor, so a device that floors no bias
+    (``BIAS_FLOOR_DEVICES`` without it: a CPU whose denormal arithmetic runs at full
+    speed) runs a decode step with a bias as SDPA with the bias as it is, at default
+    positions and at given ones; grouped heads keep the matmuls, which serve them for
+    speed (here at any key count). Outputs equal eager's."""
+    set_runtime(monkeypatch, "BIAS_FLOOR_DEVICES", set())
+    set_runtime(monkeypatch, "GROUPED_QUERY_MIN_KEY_ELEMENTS", 0)
+    spreads = spread_calls(monkeypatch)
+    matmuls = spy_calls(
+        monkeypatch, runtime_modules(), "grouped_query_attention", lambda *_, **__: 1
+    )
+    pe = ENCODINGS[name](heads=4, head_dim=8)
+    generator = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 4, n, 8, generator=generator)
+    k, v = (torch.randn(1, kv_heads, 300, 8, generator=generator) for _ in "kv")
+    positions = {}
+    if given:  # two apart: not the defaults
+        keys = torch.arange(300) * 2
+        positions = {"q_positions": keys[300 - n :], "k_positions": keys}
+    with torch.no_grad():
+        out = pe(q, k, v, backend="sdpa", causal=True, **positions)
+        oracle = pe(q, k, v, backend="eager", causal=True, **positions)
+    torch.testing.assert_close(out, oracle)
+    assert spreads == []
+    assert len(matmuls) == int(kv_heads < 4)
