@@ -17,7 +17,9 @@ benchmark that repeats one M hides work redone per shape); ``--compare-dense`` a
 times relative encodings with their terms built densely and their rows projected every
 step (the few-query path and kept rows off); ``--compare-frozen`` also times each module
 inside a ``parameters_frozen`` block, whose kept values (relative rows, untied rows)
-are compared with the parameters once, not every step; ``--compare-grouped`` also
+are compared with the parameters once, not every step; ``--compare-no-floor`` also
+times each module with the device left out of ``BIAS_FLOOR_DEVICES`` (no floor under
+a bias given to SDPA, and so no few-query matmuls in its place); ``--compare-grouped`` also
 times each module with the few-query matmuls (``grouped_query_attention``: grouped
 heads, and any step with a position bias) switched the other way on the device (on where
 ``GROUPED_QUERY_DEVICES`` leaves them off, and off where on). ``--profile`` prints, per
@@ -52,11 +54,13 @@ from attention_backends import (  # noqa: E402
 )
 
 from generated import ENCODINGS, parameters_frozen  # noqa: E402
+from generated import _distances as distances  # noqa: E402
 from generated import _few_queries as few_queries  # noqa: E402
 from generated import _grouped_queries as grouped_queries  # noqa: E402
 from generated import _terms as terms  # noqa: E402
 
 FROZEN_LABEL = "module, parameters frozen"
+NO_FLOOR_LABEL = "module, no bias floor"
 DEFAULT_ENCODINGS = ["rope", "rope_gptj", "alibi", "t5", "kerple_log"]
 
 
@@ -73,6 +77,21 @@ def without_few_query_path(step: Callable[[], object]) -> Callable[[], object]:
             few_queries.FEW_QUERY_RELATIVE_MAX_QUERIES, terms.KEEP_RELATIVE_ROWS = most, keep
 
     return dense_step
+
+
+def without_bias_floor(step: Callable[[], object], device: str) -> Callable[[], object]:
+    """``step`` with ``device`` left out of ``BIAS_FLOOR_DEVICES`` (a CPU whose denormal
+    arithmetic runs at full speed): biases go to SDPA as they are."""
+
+    def unfloored_step() -> object:
+        devices = set(distances.BIAS_FLOOR_DEVICES)
+        distances.BIAS_FLOOR_DEVICES.discard(device)
+        try:
+            return step()
+        finally:
+            distances.BIAS_FLOOR_DEVICES.update(devices)
+
+    return unfloored_step
 
 
 def with_grouped_queries(step: Callable[[], object], device: str, on: bool) -> Callable[[], object]:
@@ -239,6 +258,8 @@ def run(args: argparse.Namespace) -> dict:
         )
         if args.compare_grouped:
             variants[grouped_label] = pe
+        if args.compare_no_floor:
+            variants[NO_FLOOR_LABEL] = pe
         for label, module in variants.items():
             for backend in args.backends:
                 step_counts = key_counts(args, m)
@@ -277,6 +298,8 @@ def run(args: argparse.Namespace) -> dict:
 
                 if label == "module, dense terms":
                     step = without_few_query_path(step)
+                if label == NO_FLOOR_LABEL:
+                    step = without_bias_floor(step, device.type)
                 if label == grouped_label:
                     step = with_grouped_queries(step, device.type, not grouped_on)
 
@@ -390,6 +413,11 @@ def main() -> None:
         "--compare-frozen",
         action="store_true",
         help="also time each module inside a parameters_frozen block (kept values reused)",
+    )
+    parser.add_argument(
+        "--compare-no-floor",
+        action="store_true",
+        help="also time each module with the device left out of BIAS_FLOOR_DEVICES",
     )
     parser.add_argument(
         "--compare-grouped",
