@@ -130,13 +130,13 @@ def grouped_query_attention(
     keys = k.view(b * heads_kv, m, d).transpose(1, 2)  # [B H_kv, D, M]
     added = _mask_as_rows(mask, q, heads_kv, m)  # [B H_kv, G N, M] or None
     if added is not None:  # the mask rides in the product: one pass fewer
-        logits = torch.baddbmm(added, rows, keys, alpha=scale).view(b, h, n, m)
+        logits = torch.baddbmm(added, rows, keys, alpha=scale)  # [B H_kv, G N, M]
     else:
         if q.dtype in _FULL_PRECISION:
             logits = torch.bmm(rows, keys)  # [B H_kv, G N, M]
         else:
             logits = torch.bmm(rows, keys, torch.float32)  # half-precision inputs, float32 out
-        logits = logits.view(b, h, n, m).mul_(scale)  # [B, H, N, M]
+        logits = logits.view(b, h, n, m).mul_(scale)  # [B, H, N, M], where masks broadcast
         if mask is not None and mask.dtype == torch.bool:
             logits = logits.masked_fill_(~mask, float("-inf"))
         elif mask is not None:
@@ -150,9 +150,14 @@ def grouped_query_attention(
         # ALiBi at 1024 keys) are denormal, and the CPU multiplies those slowly: the
         # second product took 2x as long (``flush_denormals`` does this process-wide).
         # Softmax keeps its output for the backward, so only without one in place.
-        in_place = not (torch.is_grad_enabled() and weights.requires_grad)
-        weights = F.threshold(weights, torch.finfo(weights.dtype).tiny, 0.0, in_place)
-    weights = weights.to(v.dtype).view(b * heads_kv, h // heads_kv * n, m)
+        tiny = torch.finfo(weights.dtype).tiny
+        if torch.is_grad_enabled() and weights.requires_grad:
+            weights = torch.threshold(weights, tiny, 0.0)
+        else:
+            weights = torch.threshold_(weights, tiny, 0.0)
+    if weights.dtype != v.dtype:
+        weights = weights.to(v.dtype)
+    weights = weights.view(b * heads_kv, h // heads_kv * n, m)  # [B H_kv, G N, M]
     out = torch.bmm(weights, v.view(b * heads_kv, m, dv))  # [B H_kv, G N, Dv]
     return out.view(b, h, n, dv)
 
