@@ -153,9 +153,9 @@ class Alibi(PositionalAttention):
     def _distance_bias(self, n: int, m: int, device) -> Tensor:
         """-slope_h * |r| for r = -(M - 1) .. N - 1: [heads, N + M - 1], cached (O(N))."""
         dtype = torch.promote_types(self.slopes.dtype, torch.float32)
-        slopes = self._exact_slopes(device)[:, None]  # [heads, 1]
 
         def of_distances(relative: Tensor) -> Tensor:  # [L] -> [heads, L]
+            slopes = self._exact_slopes(device)[:, None]  # [heads, 1]; read when made only
             return -slopes * relative.abs().to(dtype)
 
         key = ("slope_bias", str(device), dtype)
