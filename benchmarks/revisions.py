@@ -20,7 +20,10 @@ encoding, causal where the row is.
 ``--growing G`` gives each call the first L of the N keys, L taking the G values
 N - G + 1 .. N in turn (the same L for every call of a repeat): the key count changes
 from call to call, as in a decode loop whose cache grows a key per step, so caches
-keyed by shape miss as they do there.
+keyed by shape miss as they do there. Each turn is then G calls in a row (a burst,
+timed together): single decode steps taking turns ran 3-11% faster right after the
+same code than right after SDPA's (``interleaved_medians``). ``--keys-rotated``:
+rotary modules read keys rotated once (``rotate_keys``) and rotate only the queries.
 """
 
 from __future__ import annotations
@@ -112,17 +115,26 @@ def step(
     return run
 
 
-def interleaved_medians(calls: list[Callable[[], torch.Tensor]], repeats: int) -> list[float]:
+def interleaved_medians(
+    calls: list[Callable[[], torch.Tensor]], repeats: int, burst: int = 1
+) -> list[float]:
     """Median seconds of each call, after one warm-up each, the calls taking turns in
-    every repeat (CPU: the host clock)."""
+    every repeat (CPU: the host clock), each turn ``burst`` calls in a row (timed
+    together, reported per call) and each repeat starting one call later than the
+    last. A call right after another's code runs colder: in turns of single decode
+    steps, the same module timed twice ran 4-11% faster in the second slot
+    (``revisions_cpu_float32_decode_same_code.md``); a burst, as a decoding loop runs
+    one module step after step, leaves that to its first call."""
     for call in calls:
         call()
     times: list[list[float]] = [[] for _ in calls]
-    for _ in range(repeats):
-        for index, call in enumerate(calls):
+    for repeat in range(repeats):
+        for turn in range(len(calls)):
+            index = (repeat + turn) % len(calls)
             start = time.perf_counter()
-            call()
-            times[index].append(time.perf_counter() - start)
+            for _ in range(burst):
+                calls[index]()
+            times[index].append((time.perf_counter() - start) / burst)
     return [statistics.median(seconds) for seconds in times]
 
 
@@ -173,7 +185,8 @@ def run(args: argparse.Namespace) -> dict:
                                     keys = pe.rotate_keys(k, given.get("k_positions"))
                                 options = {**given, "keys_rotated": True}
                             calls.append(step(pe, q, keys, v, causal, inference, options, counts))
-                        base, *medians = interleaved_medians(calls, args.repeats)
+                        burst = args.growing or 1  # a decoding loop's run of steps
+                        base, *medians = interleaved_medians(calls, args.repeats, burst)
                         labels = (args.before, "working tree")
                         for label, seconds in zip(labels, medians, strict=True):
                             row = {
