@@ -359,6 +359,23 @@ FLUSH_CASES = [
 ]
 
 
+def matmul_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A record of each call of the few-query matmuls (``grouped_query_attention``)."""
+    return spy_calls(monkeypatch, runtime_modules(), "grouped_query_attention", lambda *_, **__: 1)
+
+
+def decode_case(
+    name: str, kv_heads: int, n: int, seed: int
+) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The encoding with 4 heads of 8, and n random queries against 300 keys and values
+    of kv_heads heads."""
+    pe = ENCODINGS[name](heads=4, head_dim=8)
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, 4, n, 8, generator=generator)
+    k, v = (torch.randn(1, kv_heads, 300, 8, generator=generator) for _ in "kv")
+    return pe, q, k, v
+
+
 @pytest.mark.parametrize(("name", "kv_heads", "n", "causal"), FLUSH_CASES)
 def test_a_decode_step_flushes_instead(
     monkeypatch: pytest.MonkeyPatch, name: str, kv_heads: int, n: int, causal: bool
@@ -370,14 +387,8 @@ def test_a_decode_step_flushes_instead(
     no floor, no bound and no read, with or without grouped heads. More queries read
     whether the floor is due and take the matmuls where it is (ALiBi), SDPA where it is
     not (T5). Outputs equal eager's."""
-    spreads = spread_calls(monkeypatch)
-    matmuls = spy_calls(
-        monkeypatch, runtime_modules(), "grouped_query_attention", lambda *_, **__: 1
-    )
-    pe = ENCODINGS[name](heads=4, head_dim=8)
-    generator = torch.Generator().manual_seed(0)
-    q = torch.randn(1, 4, n, 8, generator=generator)
-    k, v = (torch.randn(1, kv_heads, 300, 8, generator=generator) for _ in "kv")
+    spreads, matmuls = spread_calls(monkeypatch), matmul_calls(monkeypatch)
+    pe, q, k, v = decode_case(name, kv_heads, n, seed=0)
     with torch.no_grad(), HostReads() as reads:
         out = pe(q, k, v, backend="sdpa", causal=causal)
     with torch.no_grad():
@@ -408,14 +419,8 @@ def test_without_a_floor_on_the_device_a_decode_step_keeps_sdpa(
     speed (here at any key count). Outputs equal eager's."""
     set_runtime(monkeypatch, "BIAS_FLOOR_DEVICES", set())
     set_runtime(monkeypatch, "GROUPED_QUERY_MIN_KEY_ELEMENTS", 0)
-    spreads = spread_calls(monkeypatch)
-    matmuls = spy_calls(
-        monkeypatch, runtime_modules(), "grouped_query_attention", lambda *_, **__: 1
-    )
-    pe = ENCODINGS[name](heads=4, head_dim=8)
-    generator = torch.Generator().manual_seed(1)
-    q = torch.randn(1, 4, n, 8, generator=generator)
-    k, v = (torch.randn(1, kv_heads, 300, 8, generator=generator) for _ in "kv")
+    spreads, matmuls = spread_calls(monkeypatch), matmul_calls(monkeypatch)
+    pe, q, k, v = decode_case(name, kv_heads, n, seed=1)
     positions = {}
     if given:  # two apart: not the defaults
         keys = torch.arange(300) * 2
