@@ -262,7 +262,7 @@ class AttentionTerms(nn.Module):
         q, k = self._rotate_for_attention(q, k, q_positions, k_positions, rotated)
         return to_bhnd(layout, q, k)  # type: ignore[return-value]
 
-    def parameters_frozen(self) -> Any:
+    def parameters_frozen(self) -> contextlib.AbstractContextManager[None]:
         """A context manager: within it, the values kept from this module's parameters
         are compared with them once and then reused (``parameters_frozen(module)``)."""
         return parameters_frozen(self)

@@ -253,35 +253,29 @@ def _shared_by_layers(
     the same tensors, unchanged, for the same key count and device (``shape``: a model
     split over devices forms them again on each). The layers of one forward then
     pass the same position tensors, which the posgen modules read once (a host sync on
-    a GPU) per forward rather than once per layer."""
-    stamps = tuple(_stamp(t) for t in inputs)
-    if _LAST_LAYER_POSITIONS and None not in stamps:
+    a GPU) per forward rather than once per layer. Inference tensors count no version,
+    so an edit in place would go unseen: positions formed from them are never shared."""
+    if any(t is not None and t.is_inference() for t in inputs):
+        return make()
+    if _LAST_LAYER_POSITIONS:
         last_stamps, last_shape, last_positions = _LAST_LAYER_POSITIONS
-        same = all(
-            _holds(then, t, now) for t, now, then in zip(inputs, stamps, last_stamps, strict=True)
+        same = len(last_stamps) == len(inputs) and all(
+            _unchanged(t, stamp) for t, stamp in zip(inputs, last_stamps, strict=True)
         )
         if same and last_shape == shape:
             return last_positions
     made = make()
+    stamps = tuple(None if t is None else (weakref.ref(t), t._version) for t in inputs)
     _LAST_LAYER_POSITIONS[:] = [stamps, shape, made]
     return made
 
 
-def _stamp(t: Tensor | None) -> tuple[Any, int] | str | None:
-    """(weak reference, version) of t, "none" for None, None where t has no version
-    (an inference tensor: an edit in place would go unseen)."""
-    if t is None:
-        return "none"
-    if t.is_inference():
-        return None
-    return weakref.ref(t), t._version
-
-
-def _holds(then: Any, t: Tensor | None, now: Any) -> bool:
-    """Whether the stamp ``then`` was taken of t, unchanged since (stamp ``now``)."""
-    if then == "none" or now == "none":
-        return then == now
-    return then is not None and then[0]() is t and then[1] == now[1]
+def _unchanged(t: Tensor | None, stamp: tuple[Any, int] | None) -> bool:
+    """Whether ``stamp`` (weak reference, version; None for None) was taken of t, and t
+    has not changed since."""
+    if t is None or stamp is None:
+        return t is None and stamp is None
+    return stamp[0]() is t and stamp[1] == t._version
 
 
 def _kept_positions(mask: Tensor | None, m: int, device: torch.device) -> Tensor:

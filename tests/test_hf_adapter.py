@@ -117,7 +117,8 @@ def test_layers_share_positions_only_for_the_same_unchanged_tensors_and_device()
     assert hf._shared_by_layers((mask, None), (5, meta), make) == 4  # edited in place
     assert hf._shared_by_layers((mask.clone(), None), (5, meta), make) == 5
     assert hf._shared_by_layers((mask, mask), (5, meta), make) == 6  # cache positions
+    assert hf._shared_by_layers((mask,), (5, meta), make) == 7  # another family's layer
     with torch.inference_mode():
         held = torch.zeros(1, 1, 1, 4)
-    assert hf._shared_by_layers((held, None), (4, cpu), make) == 7
     assert hf._shared_by_layers((held, None), (4, cpu), make) == 8
+    assert hf._shared_by_layers((held, None), (4, cpu), make) == 9

@@ -171,8 +171,8 @@ class TensorVerdicts:
         for t, stamp in zip(tensors, stamps, strict=True):
             if t is None:
                 continue
-            reference, version = stamp
-            if reference() is not t or t.is_inference() or t._version != version:
+            reference, version = stamp  # t is no inference tensor where it is the same
+            if reference() is not t or t._version != version:
                 self._kept.pop(key, None)  # stale: the tensor died, was replaced or edited
                 return None
         return verdict
@@ -180,7 +180,7 @@ class TensorVerdicts:
     def put(self, what: tuple[Any, ...], tensors: tuple[Tensor | None, ...], verdict: Any) -> None:
         """Keep the verdict ``what`` (not None) on these tensors."""
         stamps = self._stamps(tensors)
-        if stamps is None or torch.compiler.is_compiling():
+        if stamps is None:
             return
         key = (*what, *(id(t) for t in tensors))
         self._kept.pop(key, None)
