@@ -24,6 +24,7 @@ keyed by shape miss as they do there. Each turn is then G calls in a row (a burs
 timed together): single decode steps taking turns ran 3-11% faster right after the
 same code than right after SDPA's (``interleaved_medians``). ``--keys-rotated``:
 rotary modules read keys rotated once (``rotate_keys``) and rotate only the queries.
+``--frozen``: both modules run inside their ``parameters_frozen()`` block.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import tarfile
 import tempfile
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from io import BytesIO
 from itertools import cycle
 from pathlib import Path
@@ -186,7 +188,11 @@ def run(args: argparse.Namespace) -> dict:
                                 options = {**given, "keys_rotated": True}
                             calls.append(step(pe, q, keys, v, causal, inference, options, counts))
                         burst = args.growing or 1  # a decoding loop's run of steps
-                        base, *medians = interleaved_medians(calls, args.repeats, burst)
+                        with ExitStack() as frozen:
+                            if args.frozen:  # the whole loop in one block, as a decoder's
+                                for pe in (then, now):
+                                    frozen.enter_context(pe.parameters_frozen())
+                            base, *medians = interleaved_medians(calls, args.repeats, burst)
                         labels = (args.before, "working tree")
                         for label, seconds in zip(labels, medians, strict=True):
                             row = {
@@ -216,6 +222,7 @@ def run(args: argparse.Namespace) -> dict:
         "documents": args.documents,
         "growing": args.growing,
         "keys_rotated": args.keys_rotated,
+        "frozen": args.frozen,
         "kv_heads": args.kv_heads or args.heads,
         "rows": rows,
     }
@@ -262,6 +269,12 @@ def markdown(report: dict) -> str:
             " Rotary modules read keys rotated once (`rotate_keys`) and are called with "
             "`keys_rotated=True`: only the queries are rotated."
             if report.get("keys_rotated")
+            else ""
+        )
+        + (
+            " Both modules run inside their `parameters_frozen()` block (kept values "
+            "compared with the parameters once)."
+            if report.get("frozen")
             else ""
         )
         + (
@@ -333,6 +346,12 @@ def main() -> None:
         "--keys-rotated",
         action="store_true",
         help="rotary modules read keys rotated once (rotate_keys) and rotate only queries",
+    )
+    parser.add_argument(
+        "--frozen",
+        action="store_true",
+        help="time both modules inside their parameters_frozen() block (a revision "
+        "without that method cannot take it)",
     )
     parser.add_argument("--tag", default="", help="appended to the result file names")
     add_out_argument(parser)
