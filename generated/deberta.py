@@ -252,7 +252,8 @@ class Deberta(PositionalAttention):
         kv - q + N - 1, as ``default_distances``), the K table rows it reads (an
         ascending run) and the first of them, on the host. With
         ``causal`` only diagonals whose key is not after the query (the first M) count
-        toward the rows; the rest read a row within them. Cached per shape."""
+        toward the rows; the rest read a row within them.
+        Cached per shape."""
         key = ("relative_diagonals", sign, n, m, causal, str(device))
         cached = cache_get(self._cache, key)
         if cached is not None:

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ._attention import PositionalAttention
-from ._distances import default_distances
+from ._distances import arange_view
 from ._inputs import cache_get, cache_put, positive_int, score_bias_positions
 from ._masks import relative_positions
 from ._terms import RelativeFactors
@@ -242,20 +242,24 @@ class TransformerXl(PositionalAttention):
         kv - q + N - 1, as ``default_distances``), the K table rows it reads (an
         ascending run) and the first of them, on the host. With
         ``causal`` only diagonals whose key is not after the query (the first M) count
-        toward the rows; the rest read a row within them. Cached per shape."""
-        key = ("relative_diagonals", sign, n, m, causal, str(device))
-        cached = cache_get(self._cache, key)
-        if cached is not None:
-            return cached
-        relative = default_distances(n, m, device)  # j - i per diagonal
-        if sign == "query_minus_key":
-            relative = -relative
-        high, low = (n - 1, 1 - m) if sign == "key_minus_query" else (m - 1, 1 - n)
-        if causal:  # key minus query position at most 0
-            high, low = (0, 1 - m) if sign == "key_minus_query" else (m - 1, 0)
-        rows = torch.arange(low, high + 1, device=device)  # ascending distance
-        diagonals = (relative - low).clamp(0, high - low), rows, low
-        return cache_put(self._cache, key, diagonals)
+        toward the rows; the rest read a row within them.
+        Views of kept integer ranges (``arange_view``): a decode step's new key count
+        makes no tensor."""
+        # diagonal t holds key minus query position r = t - (M - 1); with ``causal`` the
+        # rows stop at r = 0 and the later diagonals (keys after the query) read its row
+        width = n + m - 1
+        if sign == "key_minus_query":  # row r - low = t
+            low, high = 1 - m, 0 if causal else n - 1
+            diagonal = arange_view(self._cache, 0, width, device)
+            if causal and n > 1:
+                diagonal = diagonal.clamp(max=high - low)
+        else:  # row -r - low = M - 1 - t - low, descending
+            low, high = 0 if causal else 1 - n, m - 1
+            diagonal = arange_view(self._cache, 1 - n - low, m - low, device, descending=True)
+            if causal and n > 1:
+                diagonal = diagonal.clamp(min=0)
+        rows = arange_view(self._cache, low, high + 1, device)  # ascending distance
+        return diagonal, rows, low
 
     def _relative_factors(
         self,

@@ -131,6 +131,28 @@ def test_a_kept_distance_vector_serves_every_shape_it_spans() -> None:
     assert made == [(-reach, 1) for reach in back] + [(-64, 32)]
 
 
+def test_arange_views_are_the_ranges_and_share_one_kept_vector() -> None:
+    """``arange_view`` gives torch.arange(start, stop) (or its reverse) for ranges on
+    either side of 0, and within the kept reach every call reads the same storage: a
+    decode loop's ranges make no new vector until they pass the power of two kept."""
+    cache: dict = {}
+    device = torch.device("cpu")
+    for descending in (False, True):
+        first = distances.arange_view(cache, -16, 16, device, descending)  # a reach of 16
+        storages = [first.untyped_storage().data_ptr()]
+        for start, stop in [(0, 1), (0, 5), (-3, 4), (2, 9), (-16, 1), (5, 5), (0, 0), (7, 17)]:
+            got = distances.arange_view(cache, start, stop, device, descending)
+            want = torch.arange(start, stop)
+            assert torch.equal(got, want.flip(0) if descending else want), (start, stop)
+            storages.append(got.untyped_storage().data_ptr())
+        assert len(set(storages)) == 1  # all within the reach of 16
+        wider = distances.arange_view(cache, -20, 30, device, descending)
+        assert torch.equal(
+            wider, torch.arange(-20, 30).flip(0) if descending else torch.arange(-20, 30)
+        )
+        assert wider.untyped_storage().data_ptr() != storages[0]
+
+
 @pytest.mark.parametrize("name", ["alibi", "t5", "t5_decoder", "sandwich"])
 def test_a_decode_loop_reads_its_bias_from_one_kept_vector(name: str) -> None:
     """A decode loop's bias per distance (one query, one key more each step, after a

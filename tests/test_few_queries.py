@@ -21,6 +21,7 @@ from tests.conftest import (
     assert_sdpa_matches_eager,
     set_runtime,
     small_clip_module,
+    spec_variant,
     spy_query_shapes,
 )
 
@@ -64,6 +65,26 @@ def test_few_queries_match_eager_with_gradients(
     route = spy_query_shapes(monkeypatch, pe, "few_query_inputs")
     assert_sdpa_matches_eager(pe, n, m, kv_heads, causal=causal)
     assert route == [(2, 4, n, 8)]  # the sdpa call took the path
+
+
+@pytest.mark.parametrize(("n", "m", "kv_heads"), SHAPES)
+def test_distance_rows_of_either_sign_match_eager(
+    n: int, m: int, kv_heads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Transformer-XL's rows are the distances themselves, read as views of kept integer
+    ranges (``arange_view``) per sign: the catalogue's i - j and, in a variant, j - i
+    give the eager oracle's outputs and gradients, causal or not."""
+    flipped = spec_variant(
+        "transformer_xl",
+        ("sign: query_minus_key", "sign: key_minus_query"),
+        name="transformer_xl_key_minus_query",
+    )
+    torch.manual_seed(3)
+    for pe in (make("transformer_xl"), flipped(heads=4, head_dim=8, model_dim=16).double()):
+        route = spy_query_shapes(monkeypatch, pe, "few_query_inputs")
+        for causal in (False, True):
+            assert_sdpa_matches_eager(pe, n, m, kv_heads, causal=causal)
+        assert len(route) == 2
 
 
 @pytest.mark.parametrize("budget", [1, 3000])  # one key at a time; two or three

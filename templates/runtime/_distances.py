@@ -30,6 +30,33 @@ def default_distances(n: int, m: int, device: torch.device) -> Tensor:
     return torch.arange(-(m - 1), n, device=device)
 
 
+def arange_view(
+    cache: dict[tuple[Any, ...], Any],
+    start: int,
+    stop: int,
+    device: torch.device,
+    descending: bool = False,
+) -> Tensor:
+    """torch.arange(start, stop), int64 (``descending``: stop - 1 down to start), as a
+    view of a vector kept in ``cache`` for the integers -R .. R, R a power of two that
+    grows as calls need: a decode step's new key count makes no new tensor. Read-only
+    (a view of the kept vector). While compiling, made in the graph."""
+    if torch.compiler.is_compiling():
+        values = torch.arange(start, stop, device=device)
+        return values.flip(0) if descending else values
+    reach = power_of_two_at_least(max(abs(start), abs(stop - 1), 1))  # the values' reach
+    key = ("arange", descending, str(device))
+    kept = cache_get(cache, key)
+    if kept is None or kept[0] < reach:
+        reach = reach if kept is None else max(reach, kept[0])
+        values = torch.arange(-reach, reach + 1, device=device)  # [2 R + 1]
+        kept = cache_put(cache, key, (reach, values.flip(0) if descending else values))
+    reach, values = kept
+    if descending:  # entry t holds R - t
+        return values[reach - stop + 1 : reach - start + 1]
+    return values[start + reach : stop + reach]
+
+
 def distance_span_vector(
     cache: dict[tuple[Any, ...], Any],
     key: tuple[Any, ...],
