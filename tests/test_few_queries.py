@@ -21,7 +21,9 @@ from tests.conftest import (
     assert_sdpa_matches_eager,
     set_runtime,
     small_clip_module,
+    runtime_modules,
     spec_variant,
+    spy_calls,
     spy_query_shapes,
 )
 
@@ -85,6 +87,28 @@ def test_distance_rows_of_either_sign_match_eager(
         for causal in (False, True):
             assert_sdpa_matches_eager(pe, n, m, kv_heads, causal=causal)
         assert len(route) == 2
+
+
+def test_a_position_only_term_alone_matches_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A relative term of the rows alone (Transformer-XL's v . R without the q . R term
+    it joins in the catalogue) is read per diagonal as well, its [H, K] projection the
+    same for every query: outputs and gradients equal the eager oracle's."""
+    alone = spec_variant(
+        "transformer_xl",
+        (
+            "    relative: {sign: query_minus_key, projection: relative, placement: before_scale}\n",
+            "",
+        ),
+        ("  content_position:                            # (b)", "  content_position: drop  #"),
+        name="transformer_xl_position_only",
+    )
+    torch.manual_seed(3)
+    pe = alone(heads=4, head_dim=8, model_dim=16).double()
+    sides = spy_calls(monkeypatch, runtime_modules(pe), "_diagonal_terms", lambda part, *_: part.side)
+    for n, m, kv_heads in SHAPES:
+        for causal in (False, True):
+            assert_sdpa_matches_eager(pe, n, m, kv_heads, causal=causal)
+    assert sides == ["global"] * 2 * len(SHAPES)
 
 
 @pytest.mark.parametrize("budget", [1, 3000])  # one key at a time; two or three
