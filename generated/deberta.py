@@ -167,7 +167,9 @@ class Deberta(PositionalAttention):
         elif cacheable:
             # default positions reach r from 1 - M to N - 1 (i - j: 1 - N to M - 1)
             ends = (1 - m, n - 1) if sign == "key_minus_query" else (1 - n, m - 1)
-            low, high = monotone_index_ends(_relative_index, *ends)
+            low, high = monotone_index_ends(
+                _relative_index, *ends, self._cache, ("relative_index_ends", "row")
+            )
         else:  # only the rows the index reaches
             low, high = int(index.min()), int(index.max())
         index = index - low
@@ -266,7 +268,10 @@ class Deberta(PositionalAttention):
         # step's new key count makes none)
         index_key = ("relative_index", sign, str(device))
         index = distance_span_vector(self._cache, index_key, n, m, device, index_of)
-        diagonals = diagonal_rows(index, index_of, n, m, causal, RELATIVE_ROWS)
+        ends_key = ("relative_index_ends", sign)  # host lists, device-independent
+        diagonals = diagonal_rows(
+            index, index_of, n, m, causal, RELATIVE_ROWS, self._cache, ends_key
+        )
         return cache_put(self._cache, key, diagonals)
 
     def _relative_factors(

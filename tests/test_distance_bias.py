@@ -153,6 +153,32 @@ def test_arange_views_are_the_ranges_and_share_one_kept_vector() -> None:
         assert wider.untyped_storage().data_ptr() != storages[0]
 
 
+def test_kept_index_ends_equal_the_index_at_the_ends() -> None:
+    """``monotone_index_ends`` with a cache reads the least and largest rows from a host
+    list kept over a span of distances: the same as DeBERTa's log buckets (and a clip)
+    computed at the two end distances, for spans in either direction that grow past the
+    kept reach, and the index is computed once per reach."""
+    from generated.bert_relative_key import _relative_index as clip_index
+    from generated.deberta import _relative_index as log_buckets
+
+    spans = [(-(m - 1), n - 1) for m in (1, 2, 5, 40, 300, 1000) for n in (1, 3)]
+    spans += [(0, 7), (-1, 0), (1 - 3, 600)]
+    for index_of in (log_buckets, clip_index):
+        computed: list[int] = []
+
+        def counted(relative: torch.Tensor, index_of=index_of, computed=computed) -> torch.Tensor:
+            computed.append(relative.numel())
+            return index_of(relative)
+
+        cache: dict = {}
+        for first, last in spans:
+            got = distances.monotone_index_ends(counted, first, last, cache, ("ends",))
+            want = sorted(index_of(torch.tensor([first, last])).tolist())
+            assert list(got) == want, (first, last)
+        # reaches 1, 2, 4, 64, 512, 1024: the list made once per growth
+        assert computed == [2 * reach + 1 for reach in (1, 2, 4, 64, 512, 1024)]
+
+
 @pytest.mark.parametrize("name", ["alibi", "t5", "t5_decoder", "sandwich"])
 def test_a_decode_loop_reads_its_bias_from_one_kept_vector(name: str) -> None:
     """A decode loop's bias per distance (one query, one key more each step, after a

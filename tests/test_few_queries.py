@@ -19,9 +19,9 @@ import torch
 from tests.conftest import (
     HostReads,
     assert_sdpa_matches_eager,
+    runtime_modules,
     set_runtime,
     small_clip_module,
-    runtime_modules,
     spec_variant,
     spy_calls,
     spy_query_shapes,
@@ -95,16 +95,16 @@ def test_a_position_only_term_alone_matches_eager(monkeypatch: pytest.MonkeyPatc
     same for every query: outputs and gradients equal the eager oracle's."""
     alone = spec_variant(
         "transformer_xl",
-        (
-            "    relative: {sign: query_minus_key, projection: relative, placement: before_scale}\n",
-            "",
-        ),
+        ("    relative: {sign: query_minus_key, projection: relative,", ""),
+        (" placement: before_scale}\n  position_content", "  position_content"),
         ("  content_position:                            # (b)", "  content_position: drop  #"),
         name="transformer_xl_position_only",
     )
     torch.manual_seed(3)
     pe = alone(heads=4, head_dim=8, model_dim=16).double()
-    sides = spy_calls(monkeypatch, runtime_modules(pe), "_diagonal_terms", lambda part, *_: part.side)
+    sides = spy_calls(
+        monkeypatch, runtime_modules(pe), "_diagonal_terms", lambda part, *_: part.side
+    )
     for n, m, kv_heads in SHAPES:
         for causal in (False, True):
             assert_sdpa_matches_eager(pe, n, m, kv_heads, causal=causal)
