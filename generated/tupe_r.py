@@ -214,13 +214,32 @@ class TupeR(PositionalAttention):
         return self._kept_with_parameters(("untied_rows",), device, project)
 
     def _untied_heads(
-        self, rows_index: Tensor, projection: nn.Linear, kept: Tensor | None
+        self, rows_index: Tensor | slice, projection: nn.Linear, kept: Tensor | None
     ) -> Tensor:
         """[..., L] int64 table rows -> [..., heads, L, head_dim] projected rows, read from
-        ``kept`` (that projection of every row, ``_kept_untied_rows``) where given."""
+        ``kept`` (that projection of every row, ``_kept_untied_rows``) where given; a
+        slice of consecutive rows (default positions, with ``kept`` only) reads a view."""
         if kept is not None:
             return kept[rows_index].movedim(-2, -3)
+        assert isinstance(rows_index, Tensor)  # slices come with kept rows
         return self._untied_rows(rows_index, projection).movedim(-2, -3)
+
+    def _untied_rows_read(
+        self,
+        q_pos: Tensor,
+        k_pos: Tensor,
+        n: int,
+        m: int,
+        default: bool,
+        offset: int,
+    ) -> tuple[Tensor | slice, Tensor | slice]:
+        """The table rows of the queries and keys (their positions plus ``offset``): at
+        default positions with kept rows, slices of consecutive rows, which read views of
+        the kept rows where a gather copied [M, heads, head_dim] every call (a decode
+        step's keys); else the positions as an index."""
+        if default:
+            return slice(m - n + offset, m + offset), slice(offset, m + offset)
+        return q_pos + offset, k_pos + offset
 
     def _position_bias(
         self, q_positions: Tensor | None, k_positions: Tensor | None, n: int, m: int, device
@@ -230,8 +249,10 @@ class TupeR(PositionalAttention):
         self._check_untied_range(q_positions, m)
         self._check_untied_range(k_positions, m)
         kept_query, kept_key = self._kept_untied_rows(device) or (None, None)
-        query = self._untied_heads(q_pos + 1, self.position_query, kept_query)  # [..., H, N, D]
-        key = self._untied_heads(k_pos + 1, self.position_key, kept_key)  # [..., H, M, D]
+        default = q_positions is None and k_positions is None and kept_query is not None
+        q_rows, k_rows = self._untied_rows_read(q_pos, k_pos, n, m, default, 1)  # row 0: a slot
+        query = self._untied_heads(q_rows, self.position_query, kept_query)  # [..., H, N, D]
+        key = self._untied_heads(k_rows, self.position_key, kept_key)  # [..., H, M, D]
         untied = torch.matmul(query, key.transpose(-2, -1))  # [..., heads, N, M]
         slots = torch.arange(2, device=device)  # row 0: first-token slot, row 1: position 0
         slot_query = self._untied_heads(slots, self.position_query, kept_query)  # [H, 2, D]

@@ -217,6 +217,8 @@ def test_generated_matches_reference(name: str, case: str, causal: bool) -> None
     _close(pe.scores(q, k, **kwargs), logits)
     for backend in ("eager", "sdpa"):
         _close(pe(q, k, v, causal=causal, backend=backend, **kwargs), outputs)
+        with torch.no_grad():  # the projected rows kept, read as slices at the defaults
+            _close(pe(q, k, v, causal=causal, backend=backend, **kwargs), outputs)
     if q_pos.dim() == 1:
         _close(pe.score_bias(q_pos, k_pos), _reference_scores(pe, q_pos.tolist(), k_pos.tolist()))
 
@@ -283,6 +285,11 @@ def test_printed_formula_variant_matches_reference(base: str) -> None:
     for backend in ("eager", "sdpa"):
         out = pe(q, k, v, q_positions=q_pos, k_positions=k_pos, causal=True, backend=backend)
         _close(out, outputs)
+    defaults = torch.arange(4)  # kept rows without gradients, read as slices at the defaults
+    _, want = _reference_rows(pe, q[:, :, 1:], k, v, defaults[1:], defaults, causal=True)
+    with torch.no_grad():
+        for backend in ("eager", "sdpa"):
+            _close(pe(q[:, :, 1:], k, v, causal=True, backend=backend), want)
 
 
 def test_bias_inside_the_scale_variant() -> None:
