@@ -121,8 +121,10 @@ class TupeA(PositionalAttention):
         self._check_untied_range(q_positions, m)
         self._check_untied_range(k_positions, m)
         kept_query, kept_key = self._kept_untied_rows(device) or (None, None)
-        query = self._untied_heads(q_pos + 1, self.position_query, kept_query)  # [..., H, N, D]
-        key = self._untied_heads(k_pos + 1, self.position_key, kept_key)  # [..., H, M, D]
+        default = q_positions is None and k_positions is None and kept_query is not None
+        q_rows, k_rows = self._untied_rows_read(q_pos, k_pos, n, m, default, 1)  # row 0: a slot
+        query = self._untied_heads(q_rows, self.position_query, kept_query)  # [..., H, N, D]
+        key = self._untied_heads(k_rows, self.position_key, kept_key)  # [..., H, M, D]
         slots = torch.arange(2, device=device)
         slot_scores = (
             self._untied_heads(slots, self.position_query, kept_query)

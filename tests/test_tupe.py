@@ -290,6 +290,8 @@ def test_printed_formula_variant_matches_reference(base: str) -> None:
     with torch.no_grad():
         for backend in ("eager", "sdpa"):
             _close(pe(q[:, :, 1:], k, v, causal=True, backend=backend), want)
+        pe.fold_bias = True  # the untied term as extra features of q and k (tupe_a)
+        _close(pe(q[:, :, 1:], k, v, causal=True, backend="sdpa"), want)
 
 
 def test_bias_inside_the_scale_variant() -> None:
