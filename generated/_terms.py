@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from ._distances import distance_span_vector
 from ._inputs import (
     Rotated,
     cache_get,
@@ -28,6 +29,7 @@ from ._inputs import (
     check_axis_positions,
     check_position_pair,
     check_positions,
+    frozen_block,
     parameter_snapshot,
     parameter_states,
     parameters_unchanged,
@@ -523,6 +525,44 @@ class AttentionTerms(nn.Module):
         value = make()
         cache_put(self._cache, (*prefix, versions), (value, parameter_snapshot(self)))
         return value
+
+    def _kept_without_sync(
+        self, name: tuple[Any, ...], device: torch.device, make: Callable[[], Any]
+    ) -> Any:
+        """``_kept_with_parameters`` where reading the kept value costs no device sync:
+        on the CPU (``torch.equal`` compares there), or inside a ``parameters_frozen``
+        block (compared once, at its first read); None elsewhere, so that the caller
+        makes the value every call. For values that are cheap to make (a few small
+        ops): a decode step on CUDA outside a block keeps its loop free of syncs."""
+        if device.type != "cpu" and frozen_block(self) is None:
+            return None
+        return self._kept_with_parameters(name, device, make)
+
+    def _kept_distance_vector(
+        self,
+        name: str,
+        n: int,
+        m: int,
+        device: torch.device,
+        of_distances: Callable[[Tensor], Tensor],
+    ) -> Tensor | None:
+        """``of_distances(default_distances(n, m, device))`` ([..., N + M - 1]) for a bias
+        per distance made from trained parameters (KERPLE's, learned slopes, T5's
+        table, an expression's), inside a ``parameters_frozen`` block: a slice of a
+        vector over a wider span (``distance_span_vector``) kept while the parameters
+        are unchanged. None elsewhere (outside a block, training, compiling), where
+        the caller makes it per call: comparing the parameters every call cost about
+        what making the vector saves (one query against 437-500 keys, 2-core AMD EPYC:
+        KERPLE 3.61x -> 3.17x plain SDPA, but T5 2.88x -> 3.07x and learned ALiBi 3.05x
+        -> 3.12x), while inside a block KERPLE went 3.58x -> 2.79x, learned ALiBi 3.05x
+        -> 2.80x and T5 2.85x -> 2.74x (against 4033-4096 keys 1.85x -> 1.34x, 1.44x ->
+        1.31x, 1.38x -> 1.31x)."""
+        if frozen_block(self) is None:
+            return None
+        kept = self._kept_with_parameters(("distance_vector", name), device, dict)
+        if kept is None:
+            return None
+        return distance_span_vector(kept, (name,), n, m, device, of_distances)
 
     def _reused_relative_rows(
         self,

@@ -143,8 +143,13 @@ class AlibiLearned(PositionalAttention):
         return slopes
 
     def _distance_bias(self, n: int, m: int, device) -> Tensor:
-        """-slope_h * |r| for r = -(M - 1) .. N - 1: [heads, N + M - 1] (O(N), not cached:
-        the slopes are trained)."""
-        slopes = self._exact_slopes(device)
-        distance = default_distances(n, m, device).abs().to(slopes.dtype)  # [N + M - 1]
-        return -slopes[:, None] * distance
+        """-slope_h * |r| for r = -(M - 1) .. N - 1: [heads, N + M - 1] (O(N)); kept across
+        calls inside a ``parameters_frozen`` block (``_kept_distance_vector``), else
+        made every call (the slopes train)."""
+
+        def of_distances(relative: Tensor) -> Tensor:  # [L] -> [heads, L]
+            slopes = self._exact_slopes(device)
+            return -slopes[:, None] * relative.abs().to(slopes.dtype)
+
+        kept = self._kept_distance_vector("slopes", n, m, device, of_distances)
+        return of_distances(default_distances(n, m, device)) if kept is None else kept

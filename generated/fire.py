@@ -182,13 +182,13 @@ class Fire(PositionalAttention):
 
     def _fire_pieces(self) -> tuple[Tensor, Tensor, Tensor]:
         """``_fire_pieces_of_weights``, kept across calls while the parameters are
-        unchanged and not training (``_kept_with_parameters``: compared with them once
-        per call, or once per ``parameters_frozen`` block), where making them takes
-        about fifteen small ops: one query against 437-500 keys (8 heads, 2-core AMD
-        EPYC) went from 7.0x to 4.7x plain SDPA inside a frozen block, 8.2x to 6.5x
-        outside one."""
+        unchanged and not training, where that costs no sync (``_kept_without_sync``:
+        compared with them once per call on the CPU, once per ``parameters_frozen``
+        block anywhere), where making them takes about fifteen small ops: one query
+        against 437-500 keys (8 heads, 2-core AMD EPYC) went from 7.0x to 4.7x plain
+        SDPA inside a frozen block, 8.2x to 6.5x outside one."""
         device = self.fire_c.device
-        kept = self._kept_with_parameters(("fire_pieces",), device, self._fire_pieces_of_weights)
+        kept = self._kept_without_sync(("fire_pieces",), device, self._fire_pieces_of_weights)
         return self._fire_pieces_of_weights() if kept is None else kept
 
     def _fire_pieces_of_weights(self) -> tuple[Tensor, Tensor, Tensor]:

@@ -112,9 +112,11 @@ class KerpleLog(PositionalAttention):
         return _kerple_kernel(distance, r1.view(-1, 1, 1), r2.view(-1, 1, 1))  # [..., H, N, M]
 
     def _distance_bias(self, n: int, m: int, device) -> Tensor:
-        """The kernel at |r| for r = -(M - 1) .. N - 1: [heads, N + M - 1] (not cached:
-        r1 and r2 are trained)."""
-        return self._bias_of_distances(default_distances(n, m, device))
+        """The kernel at |r| for r = -(M - 1) .. N - 1: [heads, N + M - 1]; kept across
+        calls inside a ``parameters_frozen`` block (``_kept_distance_vector``), else
+        made every call (r1 and r2 train)."""
+        kept = self._kept_distance_vector("kerple", n, m, device, self._bias_of_distances)
+        return self._bias_of_distances(default_distances(n, m, device)) if kept is None else kept
 
     def _bias_of_distances(self, relative: Tensor) -> Tensor:
         """The kernel at |r| for each key minus query position r of ``relative`` (int64

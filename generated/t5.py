@@ -202,11 +202,21 @@ class T5(PositionalAttention):
         def buckets_of(relative: Tensor) -> Tensor:  # key minus query position -> bucket
             return _relative_buckets(relative)
 
+        def of_buckets(buckets: Tensor) -> Tensor:  # [L] -> [heads, L]
+            table = self.relative_attention_bias.weight.to(device)  # [buckets, heads]
+            dtype = torch.promote_types(table.dtype, torch.float32)  # float64 stays float64
+            # gathered heads first, so that distances (keys) are contiguous: CUDA's fused
+            # SDPA kernels want a mask with key stride 1 (table[buckets].t(), heads
+            # innermost, sent a decode step's one-row mask to SDPA's math kernel: 22x
+            # plain SDPA on an H200)
+            return table.t().index_select(1, buckets).to(dtype)
+
+        # the gathered vector, kept inside a parameters_frozen block
+        # (``_kept_distance_vector``); else the kept buckets gathered every call
+        kept = self._kept_distance_vector(
+            "table", n, m, device, lambda relative: of_buckets(buckets_of(relative))
+        )
+        if kept is not None:
+            return kept
         key = ("distance_buckets", str(device))
-        buckets = distance_span_vector(self._cache, key, n, m, device, buckets_of)
-        table = self.relative_attention_bias.weight.to(device)  # [buckets, heads]
-        dtype = torch.promote_types(table.dtype, torch.float32)  # a float64 table stays float64
-        # gathered heads first, so that distances (keys) are contiguous: CUDA's fused SDPA
-        # kernels want a mask with key stride 1 (table[buckets].t(), heads innermost, sent
-        # a decode step's one-row mask to SDPA's math kernel: 22x plain SDPA on an H200)
-        return table.t().index_select(1, buckets).to(dtype)  # [heads, N + M - 1]
+        return of_buckets(distance_span_vector(self._cache, key, n, m, device, buckets_of))
