@@ -83,7 +83,7 @@ def few_query_inputs(
                 shift = accumulated(shift, far_row * (part_scale / scale))
             term = _key_side_term(x, rows, diagonal, n, m, far, far_row) * part_scale
             total = accumulated(total, term)
-        else:  # the few queries (or a vector per head) over the K rows, gathered per pair
+        else:  # the few queries (or a vector per head) over the K rows, read per diagonal
             gathered.append(project_factors(part))
     for projected in gathered:
         total = accumulated(total, _diagonal_terms(projected, n, m))
