@@ -17,7 +17,10 @@ benchmark that repeats one M hides work redone per shape); ``--compare-dense`` a
 times relative encodings with their terms built densely and their rows projected every
 step (the few-query path and kept rows off); ``--compare-frozen`` also times each module
 inside a ``parameters_frozen`` block, whose kept values (relative rows, untied rows)
-are compared with the parameters once, not every step; ``--compare-no-floor`` also
+are compared with the parameters once, not every step; ``--compare-fold`` also times
+encodings whose position term can fold into q and k (TUPE-A) with the fold switched
+from the device's default (folded on CUDA: a decode step then copies the key cache
+with the position features); ``--compare-no-floor`` also
 times each module with the device left out of ``BIAS_FLOOR_DEVICES`` (no floor under
 a bias given to SDPA, and so no few-query matmuls in its place); ``--compare-grouped`` also
 times each module with the few-query matmuls (``grouped_query_attention``: grouped
@@ -61,6 +64,7 @@ from generated import _terms as terms  # noqa: E402
 
 FROZEN_LABEL = "module, parameters frozen"
 NO_FLOOR_LABEL = "module, no bias floor"
+FOLD_LABEL = "module, fold switched"
 DEFAULT_ENCODINGS = ["rope", "rope_gptj", "alibi", "t5", "kerple_log"]
 
 
@@ -77,6 +81,24 @@ def without_few_query_path(step: Callable[[], object]) -> Callable[[], object]:
             few_queries.FEW_QUERY_RELATIVE_MAX_QUERIES, terms.KEEP_RELATIVE_ROWS = most, keep
 
     return dense_step
+
+
+def with_fold_switched(
+    step: Callable[[], object], pe: torch.nn.Module, device: str
+) -> Callable[[], object]:
+    """``step`` with ``pe``'s untied term folded into q and k where the device's default
+    adds it as a bias, and added as a bias where the default folds it (CUDA)."""
+    folds_by_default = pe.fold_bias if pe.fold_bias is not None else device == "cuda"
+
+    def switched_step() -> object:
+        before = pe.fold_bias
+        pe.fold_bias = not folds_by_default
+        try:
+            return step()
+        finally:
+            pe.fold_bias = before
+
+    return switched_step
 
 
 def without_bias_floor(step: Callable[[], object], device: str) -> Callable[[], object]:
@@ -238,6 +260,13 @@ def run(args: argparse.Namespace) -> dict:
             continue
         cache = pe.rotate_keys(keys) if pe.has_rotation else keys  # rotated once
         rotated = bool(pe.has_rotation)
+        try:  # the longest step, once: a learned table may stop short of the cache
+            with torch.no_grad():
+                pe(q, cache, values, keys_rotated=rotated)
+        except ValueError as error:  # e.g. TUPE's 512 positions against 8192 keys
+            skipped[name] = str(error)
+            print(f"{name:>12}  skipped: {error}")
+            continue
         variants = {"module": pe}
         if args.compile:
             label = "module, compiled"
@@ -260,6 +289,8 @@ def run(args: argparse.Namespace) -> dict:
             variants[grouped_label] = pe
         if args.compare_no_floor:
             variants[NO_FLOOR_LABEL] = pe
+        if args.compare_fold and pe.folds_position_bias:
+            variants[FOLD_LABEL] = pe
         for label, module in variants.items():
             for backend in args.backends:
                 step_counts = key_counts(args, m)
@@ -298,6 +329,8 @@ def run(args: argparse.Namespace) -> dict:
 
                 if label == "module, dense terms":
                     step = without_few_query_path(step)
+                if label == FOLD_LABEL:
+                    step = with_fold_switched(step, pe, device.type)
                 if label == NO_FLOOR_LABEL:
                     step = without_bias_floor(step, device.type)
                 if label == grouped_label:
@@ -413,6 +446,12 @@ def main() -> None:
         "--compare-frozen",
         action="store_true",
         help="also time each module inside a parameters_frozen block (kept values reused)",
+    )
+    parser.add_argument(
+        "--compare-fold",
+        action="store_true",
+        help="also time encodings that can fold their position term into q and k (TUPE) "
+        "with the fold switched from the device's default",
     )
     parser.add_argument(
         "--compare-no-floor",

@@ -20,9 +20,10 @@
 #   bash benchmarks/gpu_session.sh "$OUT" test_gpu_relative
 # (all eight cases, DeBERTa's bf16 one since its test's tolerance fix: if they pass, list
 # "cuda" in FUSED_RELATIVE_DEVICES for forwards, 1.1-1.4x faster than the score_mod), then
-#   bash benchmarks/gpu_session.sh "$OUT" decode_static decode_growing
+#   bash benchmarks/gpu_session.sh "$OUT" decode_static decode_growing decode_tupe
 # (decoding-loop steps as CUDA graphs over a preallocated cache, the <= 1.3x decode
-# target's form, and eager steps with a new key count each call), then
+# target's form, eager steps with a new key count each call, and TUPE's step with its
+# untied term folded or added as a bias), then
 #   bash benchmarks/gpu_session.sh "$OUT" decode family_strided
 # (T5's decode step since its mask's keys are contiguous, compiled steps, and the
 # clipped terms at given positions), and among test_gpu's cases
@@ -126,6 +127,13 @@ step 300 decode_static python3 benchmarks/decode.py --device cuda --dtype bfloat
 step 200 decode_growing python3 benchmarks/decode.py --device cuda --dtype bfloat16 \
     --encodings rope alibi t5 kerple_log deberta transformer_xl tupe_a --growing 64 \
     --compare-frozen --repeats 128 --tag _growing --out "$out"
+# TUPE's decode step (its table stops at 512 positions, so 500 cached keys), its
+# untied term folded into q and k (CUDA's default: the key cache copied with the
+# position features every step) against added as a bias, inside and outside a
+# parameters_frozen block
+step 120 decode_tupe python3 benchmarks/decode.py --device cuda --dtype bfloat16 \
+    --encodings tupe_a tupe_r --cache 500 --growing 64 --compare-fold --compare-frozen \
+    --repeats 128 --tag _tupe --out "$out"
 # relative-table decode steps with and without the few-query path and kept rows, and
 # the relative family's terms gathered per chunk from their projections against the
 # dense terms (sdpa; flex in the same run)
