@@ -46,17 +46,29 @@ def arange_view(
     if torch.compiler.is_compiling():
         values = torch.arange(start, stop, device=device)
         return values.flip(0) if descending else values
-    reach = power_of_two_at_least(max(abs(start), abs(stop - 1), 1))  # the values' reach
+
+    def integers(reach: int) -> Tensor:  # -R .. R, [2 R + 1]
+        values = torch.arange(-reach, reach + 1, device=device)
+        return values.flip(0) if descending else values
+
     key = ("arange", descending, str(device))
-    kept = cache_get(cache, key)
-    if kept is None or kept[0] < reach:
-        reach = reach if kept is None else max(reach, kept[0])
-        values = torch.arange(-reach, reach + 1, device=device)  # [2 R + 1]
-        kept = cache_put(cache, key, (reach, values.flip(0) if descending else values))
-    reach, values = kept
+    reach, values = kept_over_reach(cache, key, max(abs(start), abs(stop - 1)), integers)
     if descending:  # entry t holds R - t
         return values[reach - stop + 1 : reach - start + 1]
     return values[start + reach : stop + reach]
+
+
+def kept_over_reach(
+    cache: dict[tuple[Any, ...], Any], key: tuple[Any, ...], needed: int, make: Callable[[int], Any]
+) -> tuple[int, Any]:
+    """(R, make(R)) kept in ``cache`` under ``key``, R the least power of two (at least
+    1) that covers ``needed``: made again, wider, only when a call needs more than the
+    kept R (``arange_view``'s integers, ``monotone_index_ends``' host list)."""
+    reach = power_of_two_at_least(max(needed, 1))
+    kept = cache_get(cache, key)
+    if kept is None or kept[0] < reach:
+        kept = cache_put(cache, key, (reach, make(reach)))
+    return kept
 
 
 def distance_span_vector(
@@ -144,14 +156,12 @@ def monotone_index_ends(
     if cache is None or key is None:
         low, high = sorted(index_of(torch.tensor([first, last])).tolist())
         return low, high
-    reach = power_of_two_at_least(max(abs(first), abs(last), 1))
-    kept = cache_get(cache, key)
-    if kept is None or kept[0] < reach:
-        reach = reach if kept is None else max(reach, kept[0])
-        # host data, as torch.tensor makes it on every device (distance -R + t at t)
-        values = index_of(torch.tensor(range(-reach, reach + 1))).tolist()
-        kept = cache_put(cache, key, (reach, values))
-    reach, values = kept
+
+    def rows(reach: int) -> list[int]:  # distance -R + t at t
+        # host data, as torch.tensor makes it on every device
+        return index_of(torch.tensor(range(-reach, reach + 1))).tolist()
+
+    reach, values = kept_over_reach(cache, key, max(abs(first), abs(last)), rows)
     low, high = sorted((values[first + reach], values[last + reach]))
     return low, high
 
