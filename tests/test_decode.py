@@ -18,6 +18,7 @@ from tests.conftest import (
     spec_names,
     spec_variant,
     spy_calls,
+    spy_method,
 )
 
 STEPS = 6
@@ -55,6 +56,35 @@ def test_decode_with_rotated_key_cache_matches_full_forward(
             **(kwargs if explicit else {}),
         )
         torch.testing.assert_close(step, full[:, :, t : t + 1], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["nope", "rope", "alibi", "t5", "deberta", "transformer_xl"])
+def test_causal_masks_nothing_for_one_query_at_the_newest_position(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode step's one query at the default position M - 1 has no key after it:
+    the sdpa backend runs it without the causal mask (which cost about 30 us a step),
+    the eager oracle keeps the mask, and the two agree. A query at an explicit earlier
+    position keeps the mask."""
+    d = head_dim_for(name, 8)
+    pe = generated_class(name)(heads=4, head_dim=d).double().eval()
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 1, d, generator=generator, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 9, d, generator=generator, dtype=torch.float64) for _ in "kv")
+    seen = spy_method(monkeypatch, type(pe), "_sdpa_attention", lambda *args, **_: args[5])
+    for q_positions, masked in (
+        (None, False),
+        (torch.tensor([8]), False),
+        (torch.tensor([5]), True),
+    ):
+        seen.clear()
+        out = pe(q, k, v, causal=True, backend="sdpa", q_positions=q_positions)
+        assert seen == [masked]
+        oracle = pe(q, k, v, causal=True, backend="eager", q_positions=q_positions)
+        torch.testing.assert_close(out, oracle, rtol=1e-10, atol=1e-12)
+    # the earlier query reads keys 0 .. 5 only
+    unmasked = pe(q, k, v, backend="eager", q_positions=torch.tensor([5]))
+    assert not torch.allclose(out, unmasked)
 
 
 def test_rotate_keys_is_the_key_half_of_rotate() -> None:

@@ -207,6 +207,12 @@ class PositionalAttention(SdpaBackend, FlexBackend):
             return attention_without_keys(q, k, v)
         if backend == "auto":
             backend = self._auto_backend(q)
+        default_positions = q_positions is None and k_positions is None
+        if causal and n == 1 and default_positions and backend != "eager":
+            # one query at the default position M - 1 (a decode step): no key is after
+            # it, so causal masks nothing, and a mask of [1, M] would cost about 30 us a
+            # step on a 2-core CPU (the eager oracle keeps the mask, so tests compare)
+            causal = False
         args = (q, k, v, q_positions, k_positions, causal, attn_mask, rotated)
         if backend == "flex":
             return self._flex_attention(*args, window=window, document_ids=document_ids)
