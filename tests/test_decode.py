@@ -14,6 +14,7 @@ from tests.conftest import (
     HostReads,
     generated_class,
     head_dim_for,
+    runtime_modules,
     set_runtime,
     spec_names,
     spec_variant,
@@ -330,3 +331,89 @@ def test_a_position_verdict_dies_with_its_tensor() -> None:
                 q, k, v, q_positions=spread.clone(), k_positions=spread.clone(), backend="eager"
             )
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+class _KeyCounts:
+    """The key counts of the attention calls the sdpa backend makes for ``pe``: those of
+    ``scaled_dot_product`` and of ``grouped_query_attention`` (the CPU's decode matmuls)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, pe: torch.nn.Module) -> None:
+        modules = runtime_modules(pe)
+        self._lists = [
+            spy_calls(monkeypatch, modules, name, lambda q, k, *_, **__: k.shape[2])
+            for name in ("scaled_dot_product", "grouped_query_attention")
+        ]
+
+    def taken(self) -> list[int]:
+        """The counts since the last call, and forget them."""
+        counts = [count for calls in self._lists for count in calls]
+        for calls in self._lists:
+            calls.clear()
+        return counts
+
+
+WINDOWED = ["nope", "rope", "alibi", "t5", "kerple_power", "tupe_a"]
+
+
+@pytest.mark.parametrize("name", WINDOWED)
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_windowed_decode_step_reads_only_the_keys_in_its_window(
+    name: str, causal: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One query at the default position M - 1 with a sliding window of W < M keys: the
+    sdpa backend attends the last W keys alone, with no mask (a bias of j - i reads
+    them as keys 0 .. W - 1), and agrees with the eager oracle, which masks the rest.
+    A bias that is not one of j - i alone (TUPE's untied term) keeps every key."""
+    d = head_dim_for(name, 8)
+    pe = generated_class(name)(heads=4, head_dim=d).double().eval()
+    generator = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 4, 1, d, generator=generator, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 12, d, generator=generator, dtype=torch.float64) for _ in "kv")
+    cache = pe.rotate_keys(k)
+    counts = _KeyCounts(monkeypatch, pe)
+    for window in (1, 5, 11):
+        step = pe(q, cache, v, window=window, causal=causal, keys_rotated=True, backend="sdpa")
+        narrowed = counts.taken()
+        oracle = pe(q, k, v, window=window, causal=causal, backend="eager")
+        torch.testing.assert_close(step, oracle, rtol=1e-10, atol=1e-12)
+        assert narrowed == ([12] if name == "tupe_a" else [window])
+    wide = pe(q, cache, v, keys_rotated=True, backend="sdpa")
+    assert not torch.allclose(step, wide)  # the window mattered
+
+
+@pytest.mark.parametrize("name", ["alibi", "t5", "kerple_power", "rope"])
+@pytest.mark.parametrize("kind", ["bool", "float"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_decode_step_with_an_attn_mask_keeps_the_per_distance_row(
+    name: str, kind: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One query with a padding mask per batch row (bool or additive): a bias of j - i
+    stays the query's row of its per-distance vector, joined to the mask, rather than a
+    bias made per (query, key) pair; it agrees with the float64 eager oracle, also where
+    a window narrows the keys, and a batch row whose every key is masked gives zeros.
+    float32 takes the CPU's decode matmuls, float64 SDPA."""
+    d = head_dim_for(name, 8)
+    pe = generated_class(name)(heads=4, head_dim=d).double().eval()
+    generator = torch.Generator().manual_seed(6)
+    q = torch.randn(3, 4, 1, d, generator=generator, dtype=torch.float64)
+    k, v = (torch.randn(3, 2, 10, d, generator=generator, dtype=torch.float64) for _ in "kv")
+    keep = torch.ones(3, 1, 1, 10, dtype=torch.bool)
+    keep[0, ..., :4] = False  # left padding
+    keep[2] = False  # a row with nothing to read
+    mask = (
+        keep
+        if kind == "bool"
+        else torch.zeros(3, 1, 1, 10, dtype=torch.float64).masked_fill(~keep, float("-inf"))
+    )
+    oracles = [pe(q, k, v, attn_mask=mask, window=w, backend="eager") for w in (None, 7)]
+    pe = pe.to(dtype)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    mask = mask if kind == "bool" else mask.to(dtype)
+    by_pair = spy_method(monkeypatch, type(pe), "_sdpa_bias", lambda *args, **_: None)
+    cache = pe.rotate_keys(k)
+    tolerance = 1e-10 if dtype == torch.float64 else 1e-5
+    for window, oracle in zip((None, 7), oracles, strict=True):
+        step = pe(q, cache, v, attn_mask=mask, window=window, keys_rotated=True, backend="sdpa")
+        torch.testing.assert_close(step.double(), oracle, rtol=tolerance, atol=tolerance)
+        assert (step[2] == 0).all()
+    assert by_pair == []
