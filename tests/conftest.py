@@ -372,7 +372,9 @@ class HostReads(TorchDispatchMode):
     """Counts, while active, the reads of device data into Python: each a sync on a GPU.
 
     A read is ``_local_scalar_dense`` (behind ``int(t)``, ``bool(t)``, ``.item()`` and
-    indexing by a 0-d tensor) or ``Tensor.tolist()`` of a tensor that holds device data.
+    indexing by a 0-d tensor) or ``Tensor.tolist()`` of a tensor that holds device data;
+    with ``comparisons``, also ``torch.equal`` of tensors one of which does (off by
+    default: the kept values' comparisons with the parameters are counted apart).
     On the CPU every tensor is on one device, so the data's origin decides: tensors made
     from Python values (``torch.tensor([...])``, dispatched as ``lift_fresh``) and those
     computed from them alone are host data, as they would be on a GPU, where such
@@ -383,9 +385,10 @@ class HostReads(TorchDispatchMode):
 
     HOST_SOURCES = frozenset({"lift_fresh", "lift_fresh_copy"})
 
-    def __init__(self) -> None:
+    def __init__(self, comparisons: bool = False) -> None:
         super().__init__()
         self.count = 0
+        self._comparisons = comparisons
         self._host: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._tolist: Any = None
 
@@ -414,6 +417,8 @@ class HostReads(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if name == "_local_scalar_dense" and not self._is_host(args[0]):
             self.count += 1
+        if name == "equal" and self._comparisons:
+            self.count += not (self._is_host(args[0]) and self._is_host(args[1]))
         out = func(*args, **kwargs)
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if name in self.HOST_SOURCES or (inputs and all(map(self._is_host, inputs))):

@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from generated import parameters_frozen
 from tests.conftest import (
     HostReads,
     generated_class,
@@ -241,15 +242,59 @@ def test_xpos_keeps_its_scaled_tables_for_a_cache_of_rotated_keys(
 def test_host_reads_tells_device_data_from_host_data() -> None:
     """The helper behind the tests above: reads of device data count (a factory's
     tensor, and what is computed from it), reads of tensors made from Python values
-    do not."""
+    do not; with ``comparisons``, ``torch.equal`` of device data counts too."""
     device_data = torch.arange(4)
-    with HostReads() as reads:
+    with HostReads(comparisons=True) as reads:
         device_data.tolist()
         int(device_data[0])
         torch.tensor([1, 2]).tolist()
         (torch.tensor([3]) + 1).tolist()
         bool((torch.tensor([3]) + device_data[:1]).all())
-    assert reads.count == 3
+        torch.equal(device_data, torch.tensor([0, 1, 2, 3]))
+        torch.equal(torch.tensor([1]), torch.tensor([1]))
+    assert reads.count == 4
+
+
+@pytest.mark.parametrize("name", ["nope", "alibi", "deberta"])
+def test_positions_equal_to_the_defaults_are_told_by_comparing_them_on_the_cpu(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the CPU, positions given that are exactly the defaults ([N] or [batch, N]
+    queries at M - N .. M - 1, keys 0 .. M - 1, as Hugging Face passes them each step)
+    are told by one comparison each (``torch.equal`` with a kept range), without the
+    general test's dozen small operations; anything else (shifted, in another order)
+    still gets the general test and its verdict, and the outputs agree with eager. (The
+    CPU's bias floor, one read of its own, is off, and DeBERTa's kept projections are
+    held by ``parameters_frozen``, not compared with its parameters.)"""
+    set_runtime(monkeypatch, "BIAS_FLOOR_DEVICES", set())
+    d = head_dim_for(name, 16)
+    pe = generated_class(name)(heads=4, head_dim=d).eval()
+    general = spy_calls(monkeypatch, runtime_modules(pe), "_default_flag", lambda *_: None)
+    generator = torch.Generator().manual_seed(8)
+    k, v = (torch.randn(2, 2, 30, d, generator=generator) for _ in "kv")
+    q = torch.randn(2, 4, 3, d, generator=generator)
+    keys = torch.arange(30)
+    shifted = int(pe.shift_invariant)  # the general test finds the defaults shifted
+    cases = [  # (q_positions, k_positions, general tests, reads where they are default)
+        (keys[-3:], keys, 0, 2),  # the defaults
+        (keys[-3:].expand(2, 3).clone(), keys.expand(2, 30).clone(), 0, 2),  # per batch row
+        (keys[-3:] + 5, keys + 5, 1, 2 if shifted else None),  # shifted: the general test
+        (keys[-3:].flip(0), keys, 1, None),  # queries in another order
+    ]
+    with torch.no_grad(), parameters_frozen(pe):
+        for q_positions, k_positions, general_tests, default_reads in cases:
+            general.clear()
+            given = {"q_positions": q_positions, "k_positions": k_positions}
+            with HostReads(comparisons=True) as reads:
+                out = pe(q, k, v, causal=True, **given)
+            assert len(general) == general_tests
+            # both comparisons for the defaults; else the queries' fails, and the general
+            # test reads once (each a read on a GPU, where the comparison is off); other
+            # positions then take the explicit-position paths, which read on their own
+            if default_reads is not None:
+                assert reads.count == default_reads
+            oracle = pe(q, k, v, causal=True, backend="eager", **given)
+            torch.testing.assert_close(out, oracle, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", ["nope", "rope", "deberta", "shaw"])
@@ -264,8 +309,10 @@ def test_explicit_positions_cost_one_read_per_call(
     each check read it on its own; bad values still raise, naming the argument. The
     verdict is kept for the same tensors while unchanged (``POSITION_VERDICTS``: the
     layers of a model given one positions tensor read it once), not for inference
-    tensors, which count no version."""
+    tensors, which count no version. (The CPU's exact comparison with the defaults,
+    two cheap reads there, is off here, as on a GPU.)"""
     set_runtime(monkeypatch, "BIAS_FLOOR_DEVICES", set())
+    set_runtime(monkeypatch, "EXACT_DEFAULT_DEVICES", set())
     d = head_dim_for(name, 16)
     pe = generated_class(name)(heads=4, head_dim=d).eval()
     generator = torch.Generator().manual_seed(7)
