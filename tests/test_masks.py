@@ -378,3 +378,20 @@ def test_a_mask_of_fewer_than_two_dims_broadcasts_on_every_backend(name: str, dt
         for backend in ("eager", "sdpa"):
             got = pe(q, k, v, attn_mask=mask, backend=backend)
             torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_broadcasts_into_agrees_with_torch_broadcast_shapes() -> None:
+    """The runtime's cheap shape test (``broadcasts_into``, for in-place sums and fills)
+    says True exactly where torch.broadcast_shapes(shape, target) is target."""
+    from generated._masks import broadcasts_into
+
+    sizes = (1, 2, 3)
+    shapes = [()] + [(a,) for a in sizes] + [(a, b) for a in sizes for b in sizes]
+    shapes += [(1, a, 1, b) for a in sizes for b in sizes] + [(2, 3, 1, 2), (3, 1, 3)]
+    for shape in shapes:
+        for target in shapes:
+            try:
+                expected = tuple(torch.broadcast_shapes(shape, target)) == target
+            except RuntimeError:  # not broadcastable at all
+                expected = False
+            assert broadcasts_into(shape, target) == expected, (shape, target)

@@ -517,9 +517,19 @@ def accumulated(total: Tensor | None, term: Tensor) -> Tensor:
     later terms are added into it)."""
     if total is None:
         return term
-    if total.shape == torch.broadcast_shapes(total.shape, term.shape):
+    if broadcasts_into(term.shape, total.shape):
         return total.add_(term)
     return total + term
+
+
+def broadcasts_into(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    """Whether broadcasting ``shape`` against ``target`` gives ``target`` itself: each of
+    its dims, aligned at the end, is 1 or the target's. (``torch.broadcast_shapes``
+    takes 11 us a call on a 2-core CPU, a few percent of a decode step.)"""
+    if len(shape) > len(target):
+        return False
+    aligned = target[len(target) - len(shape) :]
+    return all(size in (1, want) for size, want in zip(shape, aligned, strict=True))
 
 
 def sum_into_new(parts: list[Tensor]) -> Tensor:
@@ -540,7 +550,7 @@ def sum_into_new(parts: list[Tensor]) -> Tensor:
 
 def block_fresh(scores: Tensor, allowed: Tensor) -> Tensor:
     """-inf where not allowed, in place when the freshly made ``scores`` has the full shape."""
-    if torch.broadcast_shapes(scores.shape, allowed.shape) == scores.shape:
+    if broadcasts_into(allowed.shape, scores.shape):
         return scores.masked_fill_(~allowed, float("-inf"))
     return scores.masked_fill(~allowed, float("-inf"))
 
