@@ -42,6 +42,7 @@ from contextlib import ExitStack
 from io import BytesIO
 from itertools import cycle
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -76,6 +77,9 @@ def generated_at(revision: str, folder: Path) -> dict[str, type[torch.nn.Module]
     return importlib.import_module("generated_before").ENCODINGS
 
 
+Options = Callable[[int], dict[str, Any]]
+
+
 def step(
     pe: torch.nn.Module | None,
     q: torch.Tensor,
@@ -83,38 +87,89 @@ def step(
     v: torch.Tensor,
     causal: bool,
     inference: bool = False,
-    positions: dict[str, torch.Tensor] | None = None,
+    options_of: Options | None = None,
     key_counts: list[int] | None = None,
 ) -> Callable[[], torch.Tensor]:
     """One call (``pe`` None: plain SDPA), and its backward where q requires grad; under
-    ``torch.no_grad`` where ``inference``; the module at ``positions`` where given; with
+    ``torch.no_grad`` where ``inference``; with ``options_of(M)`` (positions, window,
+    documents, an ``attn_mask``, which the baseline takes too) where given; with
     ``key_counts``, each call reads the first L keys, L the next of them in turn."""
     if key_counts is not None:
         counts = cycle(key_counts)
         calls = {
-            count: step(pe, q, k[:, :, :count], v[:, :, :count], causal, inference, positions)
+            count: step(pe, q, k[:, :, :count], v[:, :, :count], causal, inference, options_of)
             for count in key_counts
         }
         return lambda: calls[next(counts)]()
 
     grouped = k.shape[1] != q.shape[1]  # grouped-query heads: SDPA's enable_gqa
+    options = {} if options_of is None else options_of(k.shape[2])
 
     def run() -> torch.Tensor:
         if inference:
             with torch.no_grad():
-                return step(pe, q, k, v, causal, positions=positions)()
-        if pe is None and causal and q.shape[2] != k.shape[2]:  # the queries are the last
-            mask = causal_lower_right(q.shape[2], k.shape[2])
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=grouped)
-        elif pe is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=grouped)
+                return step(pe, q, k, v, causal, options_of=options_of)()
+        if pe is None:
+            out = plain_sdpa(q, k, v, causal, options.get("attn_mask"), grouped)
         else:
-            out = pe(q, k, v, causal=causal, backend="sdpa", **(positions or {}))
+            out = pe(q, k, v, causal=causal, backend="sdpa", **options)
         if q.requires_grad:
             out.square().sum().backward()
         return out
 
     return run
+
+
+def plain_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    attn_mask: torch.Tensor | None,
+    grouped: bool,
+) -> torch.Tensor:
+    """The baseline: F.scaled_dot_product_attention with ``attn_mask`` and, where causal,
+    the queries as the last of the keys (a lower-right mask; none for one query, whom
+    it would mask nothing)."""
+    n, m = q.shape[2], k.shape[2]
+    if causal and 1 < n < m and attn_mask is None:  # the queries are the last keys
+        attn_mask = causal_lower_right(n, m)
+    elif causal and n > 1 and attn_mask is not None:
+        attn_mask = attn_mask & torch.ones(n, m, dtype=torch.bool, device=q.device).tril(m - n)
+    is_causal = causal and n == m and n > 1 and attn_mask is None
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=grouped
+    )
+
+
+def call_options(args: argparse.Namespace, queries: int, batch: int) -> Options:
+    """The options of every module call for M keys: explicit positions (``--position-stride``
+    and ``--position-offset``: key j at S j + O, the queries at the last keys'),
+    ``--window``, ``--documents`` and ``--padding`` (an attn_mask, bool [B, 1, 1, M], with
+    the first P keys of batch row 0 masked)."""
+
+    def options_of(m: int) -> dict[str, Any]:
+        given: dict[str, Any] = {}
+        if args.position_stride is not None:  # increasing, as is the mask
+            keys = args.position_stride * torch.arange(m) + args.position_offset
+            given = {"q_positions": keys[m - queries :], "k_positions": keys}
+        if args.window is not None:
+            given["window"] = args.window
+        if args.documents is not None:  # equal lengths, ids 0 .. D - 1
+            per_document = -(-m // args.documents)
+            given["document_ids"] = torch.arange(m) // per_document
+        if args.padding:
+            keep = torch.ones(batch, 1, 1, m, dtype=torch.bool)
+            keep[0, ..., : args.padding] = False
+            given["attn_mask"] = keep
+        return given
+
+    return options_of
+
+
+def rotated_options(options_of: Options) -> Options:
+    """``options_of`` with ``keys_rotated=True``."""
+    return lambda m: {**options_of(m), "keys_rotated": True}
 
 
 def interleaved_medians(
@@ -161,15 +216,8 @@ def run(args: argparse.Namespace) -> dict:
                         k, v = (torch.randn(shape, dtype=dtype, requires_grad=train) for _ in "kv")
                         q_shape = (args.batch, args.heads, queries, args.head_dim)
                         q = torch.randn(q_shape, dtype=dtype, requires_grad=train)
-                        given = {}
-                        if args.position_stride is not None:  # increasing, as is the mask
-                            keys = args.position_stride * torch.arange(length) + 5
-                            given = {"q_positions": keys[length - queries :], "k_positions": keys}
-                        if args.window is not None:
-                            given["window"] = args.window
-                        if args.documents is not None:  # equal lengths, ids 0 .. D - 1
-                            per_document = -(-length // args.documents)
-                            given["document_ids"] = torch.arange(length) // per_document
+                        options_of = call_options(args, queries, args.batch)
+                        given = options_of(length)
                         with torch.no_grad():
                             torch.testing.assert_close(
                                 now(q, k, v, causal=causal, backend="sdpa", **given),
@@ -179,13 +227,13 @@ def run(args: argparse.Namespace) -> dict:
                         counts = None
                         if args.growing:
                             counts = list(range(length - args.growing + 1, length + 1))
-                        calls = [step(None, q, k, v, causal, inference, given, counts)]
+                        calls = [step(None, q, k, v, causal, inference, options_of, counts)]
                         for pe in (then, now):
-                            keys, options = k, given
+                            keys, options = k, options_of
                             if args.keys_rotated and pe.has_rotation:  # a cache rotated once
                                 with torch.no_grad():
                                     keys = pe.rotate_keys(k, given.get("k_positions"))
-                                options = {**given, "keys_rotated": True}
+                                options = rotated_options(options_of)
                             calls.append(step(pe, q, keys, v, causal, inference, options, counts))
                         burst = args.growing or 1  # a decoding loop's run of steps
                         with ExitStack() as frozen:
@@ -218,12 +266,15 @@ def run(args: argparse.Namespace) -> dict:
         **header,
         "before": args.before,
         "position_stride": args.position_stride,
+        "position_offset": args.position_offset,
+        "padding": args.padding,
         "window": args.window,
         "documents": args.documents,
         "growing": args.growing,
         "keys_rotated": args.keys_rotated,
         "frozen": args.frozen,
         "kv_heads": args.kv_heads or args.heads,
+        "queries": args.queries,
         "rows": rows,
     }
 
@@ -238,9 +289,21 @@ def markdown(report: dict) -> str:
         "backward into q, k, v and the module's parameters; `inference` is the forward "
         "under `torch.no_grad()`."
         + (
-            f" Positions given explicitly: key j at {report['position_stride']} j + 5, the "
-            "queries at the last keys' positions."
+            f" Positions given explicitly: key j at {report['position_stride']} j + "
+            f"{report.get('position_offset', 5)}, the queries at the last keys' positions."
             if report.get("position_stride") is not None
+            else ""
+        )
+        + (
+            f" Every call (the baseline's too) with an attn_mask, bool [B, 1, 1, M], that "
+            f"masks the first {report['padding']} keys of batch row 0 (left padding)."
+            if report.get("padding")
+            else ""
+        )
+        + (
+            " A causal call of one query: the baseline has no mask (one query, the last "
+            "key, has no later key to mask)."
+            if report.get("queries") == 1 and any(row["causal"] for row in report["rows"])
             else ""
         )
         + (
@@ -327,7 +390,21 @@ def main() -> None:
         "--position-stride",
         type=int,
         default=None,
-        help="give positions explicitly, keys S j + 5 (no shift of the defaults where S > 1)",
+        help="give positions explicitly, keys S j + O (--position-offset, default 5)",
+    )
+    parser.add_argument(
+        "--position-offset",
+        type=int,
+        default=5,
+        help="the first key's position with --position-stride (stride 1, offset 0: the "
+        "defaults given explicitly, as Hugging Face passes them)",
+    )
+    parser.add_argument(
+        "--padding",
+        type=int,
+        default=0,
+        help="every call (and the baseline) with a bool attn_mask masking the first P "
+        "keys of batch row 0",
     )
     parser.add_argument("--window", type=int, default=None, help="every module call with window=W")
     parser.add_argument(
