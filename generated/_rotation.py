@@ -326,8 +326,9 @@ def rotate_into(
     """
     if half_pairing and rotary_dim == x.shape[-1]:
         if x.numel() <= ROLLED_ROTATION_MAX_ELEMENTS.get(x.device.type, -1):
-            widened = x.to(cos.dtype)  # x itself where it is in cos's dtype
-            return _rotate_halves_rolled(widened, cos, sin, inverse).to(x.dtype)
+            if x.dtype == cos.dtype:  # no .to(): each costs a call even where it is x
+                return _rotate_halves_rolled(x, cos, sin, inverse)
+            return _rotate_halves_rolled(x.to(cos.dtype), cos, sin, inverse).to(x.dtype)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # [..., N, D]
     n, d = x.shape[-2], rotary_dim
     one_pass = not half_pairing and x.dtype == cos.dtype and d == x.shape[-1]  # complex product

@@ -65,6 +65,11 @@ GROUPED_QUERY_MIN_KEY_ELEMENTS = 1 << 17
 _FULL_PRECISION = (torch.float32, torch.float64)
 
 
+# The smallest normal value of each dtype the weights come in (torch.finfo(...).tiny,
+# read once: a decode step's softmax weights are thresholded there on the CPU).
+_SMALLEST_NORMAL = {dtype: torch.finfo(dtype).tiny for dtype in _FULL_PRECISION}
+
+
 def grouped_queries_serve(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> bool:
     """Whether ``grouped_query_attention`` runs q [B, H, N, D] against k [B, H_kv, M, D]
     and v (with ``mask``) in place of SDPA: with grouped heads (H > H_kv), at least
@@ -150,7 +155,7 @@ def grouped_query_attention(
         # ALiBi at 1024 keys) are denormal, and the CPU multiplies those slowly: the
         # second product took 2x as long (``flush_denormals`` does this process-wide).
         # Softmax keeps its output for the backward, so only without one in place.
-        tiny = torch.finfo(weights.dtype).tiny
+        tiny = _SMALLEST_NORMAL.get(weights.dtype) or torch.finfo(weights.dtype).tiny
         if torch.is_grad_enabled() and weights.requires_grad:
             weights = torch.threshold(weights, tiny, 0.0)
         else:

@@ -55,47 +55,50 @@ def check_attention_inputs(
     k and v share a head count that divides q's (grouped-query attention). ``heads``,
     when given, is the head count q must have.
     """
+    # each tensor's shape, dtype and device read once: a decode step calls this per layer
     named = (("q", q), ("k", k)) if v is None else (("q", q), ("k", k), ("v", v))
+    shapes = []
     for name, tensor in named:
         if not isinstance(tensor, Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-        if tensor.dim() != 4:
+        shape = tensor.shape
+        if len(shape) != 4:
             raise ValueError(
-                f"{name} must have shape [batch, heads, seq, head_dim], got {list(tensor.shape)}"
+                f"{name} must have shape [batch, heads, seq, head_dim], got {list(shape)}"
             )
         if not tensor.is_floating_point():
             raise ValueError(f"{name} must be a floating-point tensor, got {tensor.dtype}")
+        shapes.append(shape)
+    q_shape, k_shape = shapes[0], shapes[1]
+    for (name, tensor), shape in zip(named[1:], shapes[1:], strict=True):
         if tensor.dtype != q.dtype or tensor.device != q.device:
             raise ValueError(
                 f"q, k and v must share dtype and device: q is {q.dtype} on {q.device}, "
                 f"{name} is {tensor.dtype} on {tensor.device}"
             )
-        if tensor.shape[0] != q.shape[0]:
-            raise ValueError(
-                f"batch sizes differ: q has {q.shape[0]}, {name} has {tensor.shape[0]}"
-            )
-    if v is not None and v.shape[1] != k.shape[1]:
-        raise ValueError(f"k and v must have the same heads, got {k.shape[1]} and {v.shape[1]}")
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        if shape[0] != q_shape[0]:
+            raise ValueError(f"batch sizes differ: q has {q_shape[0]}, {name} has {shape[0]}")
+    v_shape = shapes[2] if v is not None else None
+    if v_shape is not None and v_shape[1] != k_shape[1]:
+        raise ValueError(f"k and v must have the same heads, got {k_shape[1]} and {v_shape[1]}")
+    if k_shape[1] == 0 or q_shape[1] % k_shape[1]:
         raise ValueError(
-            f"q's {q.shape[1]} heads must be a multiple of k's {k.shape[1]} "
+            f"q's {q_shape[1]} heads must be a multiple of k's {k_shape[1]} "
             "(grouped-query attention: each key/value head serves heads / kv_heads queries)"
         )
-    if heads is not None and q.shape[1] != heads:
+    if heads is not None and q_shape[1] != heads:
         hint = ""
-        if q.shape[2] == heads:
+        if q_shape[2] == heads:
             hint = (
                 "; q looks like [batch, seq, heads, head_dim]: pass layout='bnhd' or "
                 "transpose(1, 2)"
             )
-        raise ValueError(f"expected {heads} heads (dim 1), got {q.shape[1]}{hint}")
-    for name, tensor in (("q", q), ("k", k)):
-        if tensor.shape[-1] != head_dim:
-            raise ValueError(
-                f"{name} must have head_dim {head_dim} (last dim), got {tensor.shape[-1]}"
-            )
-    if v is not None and v.shape[2] != k.shape[2]:
-        raise ValueError(f"k and v must have the same length, got {k.shape[2]} and {v.shape[2]}")
+        raise ValueError(f"expected {heads} heads (dim 1), got {q_shape[1]}{hint}")
+    for name, shape in (("q", q_shape), ("k", k_shape)):
+        if shape[3] != head_dim:
+            raise ValueError(f"{name} must have head_dim {head_dim} (last dim), got {shape[3]}")
+    if v_shape is not None and v_shape[2] != k_shape[2]:
+        raise ValueError(f"k and v must have the same length, got {k_shape[2]} and {v_shape[2]}")
 
 
 def check_positions(

@@ -118,8 +118,7 @@ class SdpaBackend(SdpaRelative):
             k, v, attn_mask, window = self._window_keys_of_one_query(k, v, attn_mask, window)
         n, m = q.shape[2], k.shape[2]
         has_bias = self.has_position_bias
-        fold = self.fold_bias if self.fold_bias is not None else q.device.type == "cuda"
-        if self.folds_position_bias and fold:
+        if self.folds_position_bias and self._folds_here(q):
             v = repeat_kv(v, q.shape[1] // v.shape[1])
             q, k = self._fold_position_bias(q, k, q_positions, k_positions)
             has_bias = False  # now inside q' . k'
@@ -284,6 +283,11 @@ class SdpaBackend(SdpaRelative):
         return clipped_attention_at_positions(
             q, heads_k, heads_v, factors, q_positions, k_positions, clip, self.scale, causal
         )
+
+    def _folds_here(self, q: Tensor) -> bool:
+        """Whether a position-only term folds into q and k on this call: ``fold_bias``
+        where set, else on CUDA (FlashAttention runs the folded call with no bias)."""
+        return self.fold_bias if self.fold_bias is not None else q.device.type == "cuda"
 
     def _window_keys_of_one_query(
         self, k: Tensor, v: Tensor, attn_mask: Tensor | None, window: int

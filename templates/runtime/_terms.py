@@ -319,6 +319,8 @@ class AttentionTerms(nn.Module):
         values are checked unless ``read_values`` is False (the caller checks them with
         ``positions_are_default(..., check_values=True)``).
         """
+        if q_positions is None and k_positions is None and q.shape[2] <= k.shape[2]:
+            return q, k, None, None, rotated  # the defaults (N > M has none: raised below)
         n, m, batch = q.shape[2], k.shape[2], q.shape[0]
         axes, device = self.position_axes, q.device
         q_axes = check_axis_positions(q_positions, axes, n, batch, "q_positions", device)
