@@ -335,7 +335,7 @@ class SdpaBackend(SdpaRelative):
         spread, flushed = self._distance_floor_or_flush(q, k, v, vec)
         vec = _distances_masked(_floored_distances(vec, m, spread), n, m, causal, window)
         if self.distance_bias_at_most_zero:  # the shift would be 0: every row reads r = 0
-            vec = vec.to(q.dtype)  # [H, N + M - 1]
+            vec = vec if vec.dtype == q.dtype else vec.to(q.dtype)  # [H, N + M - 1]
         else:
             vec = half_precision_bias(vec, q.dtype)  # [H, N + M - 1]
         if flushed:  # a few queries: their rows of the vector as one mask, in query order
@@ -370,6 +370,8 @@ class SdpaBackend(SdpaRelative):
           K diagonals and two triangles (``clipped_bias_attention``,
           ``clipped_bias_attention_serves``).
         """
+        if not torch.is_grad_enabled():  # both routes are training steps
+            return None
         n, m = q.shape[2], k.shape[2]
         groups = q.shape[1] // k.shape[1]
         parameters = tuple(getattr(self, name) for name in self.distance_bias_parameters)
