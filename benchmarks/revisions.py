@@ -352,7 +352,7 @@ def markdown(report: dict) -> str:
     for row in report["rows"]:
         lines.append(
             f"| {row['encoding']} | {row['code']} | {row.get('queries', row['n'])} | {row['n']} | "
-            f"{'yes' if row['causal'] else 'no'} | {row['mode']} | {row['ms']:.1f} | "
+            f"{'yes' if row['causal'] else 'no'} | {row['mode']} | {row['ms']:.3f} | "
             f"{row['ratio']:.2f} |"
         )
     return "\n".join(lines) + "\n"
