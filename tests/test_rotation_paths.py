@@ -4,8 +4,10 @@
 alone by ``_Rotation`` (whose backward rotates the gradient by the negative
 angle) and with gradients into cos or sin by the differentiable formula. Each must give
 the rotation of every pair (a, b) by its angle: (a cos - b sin, b cos + a sin), and the
-gradients of that map. ``rotate_into`` takes a few rows of the half pairing by a roll
-(``ROLLED_ROTATION_MAX_ELEMENTS``) and others by halves: tests of it run both ways.
+gradients of that map. ``rotate_into`` takes a few rows by their partners, a roll of
+the half pairing (``ROLLED_ROTATION_MAX_ELEMENTS``) or each interleaved pair flipped
+(``FLIPPED_ROTATION_MAX_ELEMENTS``), and others by halves or complex products: tests of
+it run both ways.
 """
 
 from __future__ import annotations
@@ -95,19 +97,18 @@ def test_every_eager_path_matches_the_pairwise_rotation(
             grads.append((want_grad, *torch.autograd.grad(out, (c, s), cotangent)))
     for got_grad, want_grad in zip(*grads, strict=True):
         torch.testing.assert_close(got_grad, want_grad, rtol=1e-12, atol=1e-12)
-    # the roll serves the whole half pairing: without autograd, _Rotation's forward
-    # and its backward (by the negative angles)
-    assert rolls == (
-        [False, False, True] if rolled and half_pairing and rotary_dim == head_dim else []
-    )
+    # the partners serve whole rows: without autograd, _Rotation's forward and its
+    # backward (by the negative angles)
+    assert rolls == ([False, False, True] if rolled and rotary_dim == head_dim else [])
 
 
 def roll_small_inputs(monkeypatch: pytest.MonkeyPatch, rolled: bool) -> list[object]:
-    """Set whether ``rotate_into`` takes the half pairing of small inputs by a roll;
-    the returned list records each rolled rotation."""
+    """Set whether ``rotate_into`` takes small inputs by their partners (a roll, or
+    flipped pairs); the returned list records each such rotation's ``inverse``."""
     limit = {"cpu": 1 << 16} if rolled else {}
     monkeypatch.setattr(runtime, "ROLLED_ROTATION_MAX_ELEMENTS", limit)
-    return spy_calls(monkeypatch, [runtime], "_rotate_halves_rolled", lambda *args: args[-1])
+    monkeypatch.setattr(runtime, "FLIPPED_ROTATION_MAX_ELEMENTS", limit)
+    return spy_calls(monkeypatch, [runtime], "_rotate_by_partners", lambda *args: args[-1])
 
 
 def _interleave(t: torch.Tensor) -> torch.Tensor:
@@ -168,7 +169,7 @@ def test_bfloat16_gradients_are_within_bfloat16_error(
     want_grad = _reference(cotangent.double(), cos.double(), -sin.double(), half_pairing)
     torch.testing.assert_close(out.double(), want, rtol=8e-3, atol=8e-3)
     torch.testing.assert_close(grad.double(), want_grad, rtol=8e-3, atol=8e-3)
-    assert rolls == ([False, True] if rolled and half_pairing else [])  # widened, rounded once
+    assert rolls == ([False, True] if rolled else [])  # widened, rounded once
 
 
 @pytest.mark.parametrize(("half_pairing", "head_dim", "rotary_dim"), CASES)
