@@ -116,6 +116,33 @@ def test_strided_cache_slices_are_read_in_place() -> None:
     torch.testing.assert_close(out.double(), reference(q, k, v, None), atol=2e-6, rtol=2e-6)
 
 
+@pytest.mark.parametrize("mask_kind", ["none", "bool per batch", "float per batch", "float"])
+def test_batch_rows_whose_heads_do_not_merge_go_one_at_a_time(
+    mask_kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Keys and values of a [B, M, H_kv, D] cache seen as [B, H_kv, M, D] (the bnhd
+    layout) do not merge their batch and head axes without a copy: each batch row runs
+    the matmuls alone (its own rows of a per-batch mask), and together they give the
+    formula, a fully masked row zeros included."""
+    q, k, v = inputs(3, 4, 2, 2, 11)
+    k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))
+    mask: torch.Tensor | None = None
+    if mask_kind == "bool per batch":
+        mask = torch.rand(3, 1, 2, 11) > 0.3
+        mask[1, 0, 0] = False
+    elif mask_kind == "float per batch":
+        mask = torch.randn(3, 4, 2, 11)
+        mask[2, 1, 1] = float("-inf")
+    elif mask_kind == "float":
+        mask = torch.randn(1, 4, 2, 11)
+    calls = spy_calls(
+        monkeypatch, [grouped], "grouped_query_attention", lambda q, *_, **__: q.shape[0]
+    )
+    out = grouped.grouped_query_attention(q, k, v, mask, SCALE)
+    assert calls == [3, 1, 1, 1]
+    torch.testing.assert_close(out.double(), reference(q, k, v, mask), atol=2e-6, rtol=2e-6)
+
+
 def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     return grouped.grouped_queries_serve(q, k, v)
 
@@ -128,9 +155,13 @@ def test_where_the_matmuls_serve(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not serves(q.repeat(1, 1, 5, 1), k, v)  # 4 heads x 5 queries > 16 rows per kv head
     assert not serves(q, k.repeat(1, 4, 1, 1), v.repeat(1, 4, 1, 1))  # no grouped heads
     assert not serves(q.bfloat16(), k.bfloat16(), v.bfloat16())  # no float32 output on the CPU
-    # [B, M, H_kv, D] transposed (the bnhd layout): batch and heads do not merge
+    # [B, M, H_kv, D] transposed (the bnhd layout): batch and heads do not merge, so the
+    # rows go one at a time where each has enough key elements
     transposed = k.transpose(1, 2).contiguous().transpose(1, 2)
     assert not grouped._heads_merge(transposed) and not serves(q, transposed, v)
+    monkeypatch.setattr(grouped, "GROUPED_QUERY_MIN_ROW_KEY_ELEMENTS", 2 * 64 * 8)
+    assert serves(q, transposed, v)
+    assert not serves(q, transposed[:, :, :63], v[:, :, :63])
     monkeypatch.setattr(grouped, "GROUPED_QUERY_DEVICES", set())
     assert not serves(q, k, v)
 
@@ -172,6 +203,24 @@ CASES = {
     "rope, attn_mask": ("rope", 2, {"attn_mask": torch.arange(24) % 3 > 0}),
     "rope, window": ("rope", 2, {"causal": True, "window": 5}),
 }
+
+
+@pytest.mark.parametrize("name", ["rope", "alibi", "nope"])
+def test_a_decode_step_over_a_batch_first_cache_takes_the_matmuls(
+    monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """``layout="bnhd"`` with a [B, M, H_kv, D] cache (batch 2): the matmuls run a batch
+    row at a time and agree with the eager oracle."""
+    calls = grouped_calls(monkeypatch)
+    set_runtime(monkeypatch, "GROUPED_QUERY_MIN_ROW_KEY_ELEMENTS", 0)
+    pe = ENCODINGS[name](heads=8, head_dim=16).double()
+    q = torch.randn(2, 1, 8, 16, dtype=torch.float64)  # [B, N, H, D]
+    k, v = (torch.randn(2, 24, 2, 16, dtype=torch.float64) for _ in "kv")  # [B, M, H_kv, D]
+    with torch.no_grad():
+        out = pe(q, k, v, layout="bnhd", causal=True)
+        oracle = pe(q, k, v, layout="bnhd", causal=True, backend="eager")
+    assert calls == [24, 24, 24]  # the call, then each batch row
+    torch.testing.assert_close(out, oracle, atol=1e-10, rtol=1e-10)
 
 
 @pytest.mark.parametrize("case", list(CASES))
