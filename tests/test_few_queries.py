@@ -222,6 +222,16 @@ def test_a_decode_loop_projects_its_rows_a_few_times(
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
         steps += 1
     assert len(calls) == (2 if name == "deberta" else 3) < steps  # one per projection
+    # the kept blocks: distances heads first ([H, K, D], so that a query's projection over
+    # them reads each head's rows at once), table rows rows first (gathered per key)
+    with torch.no_grad():
+        kept = pe._kept_relative_rows(F64, keys.device)
+    assert kept is not None
+    for _, block in kept.values():
+        if name == "transformer_xl":
+            assert block.shape[0] == 4 and block.is_contiguous()  # [H, K, D]
+        else:
+            assert block.shape[1] == 4 and block.is_contiguous()  # [K, H, D]
 
 
 def test_a_decode_step_compares_the_parameters_once(monkeypatch: pytest.MonkeyPatch) -> None:
