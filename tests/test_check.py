@@ -781,7 +781,10 @@ def test_mutation_inverted_causal_mask_is_caught(monkeypatch) -> None:
     """B2: eager and sdpa share the inverted mask; the checker's own mask does not.
 
     Shaw's relative terms go through the shared mask (``attention_allowed``) on both
-    backends (ALiBi's sdpa path folds causality into its per-distance bias instead)."""
+    backends (ALiBi's sdpa path folds causality into its per-distance bias instead).
+    One query at the newest position has no later key, so the sdpa backend drops its
+    causal mask there while eager keeps it: the shrunk counterexample may be that
+    disagreement (N = 1) or the checker's own mask's (N > 1), each under causal=True."""
     probe = _mutated_probe(
         monkeypatch,
         "shaw",
@@ -789,7 +792,8 @@ def test_mutation_inverted_causal_mask_is_caught(monkeypatch) -> None:
         "allowed = distance <= 0  # the key at or before the query",
     )
     outcome = _run_block(probe, agreement.backends)
-    assert outcome.verdict == "FAILS" and "causal=True differs" in outcome.evidence
+    assert outcome.verdict == "FAILS" and "causal=True" in outcome.evidence
+    assert "causal=True differs" in outcome.evidence or "differs from eager" in outcome.evidence
 
 
 def test_mutation_float32_rotary_cache_offset_is_caught(monkeypatch) -> None:
