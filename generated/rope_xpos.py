@@ -33,7 +33,7 @@ from torch import Tensor
 from ._attention import PositionalAttention
 from ._inputs import positions_or_default
 from ._numerics import compute_dtype
-from ._rotation import apply_rotation, cos_and_sin, spread_over_features
+from ._rotation import apply_rotation, cos_and_sin, spread_over_features, table_reach
 
 __all__ = ["RopeXpos"]
 
@@ -303,7 +303,14 @@ class RopeXpos(PositionalAttention):
         if positions is None and (dtype == torch.float64 or torch.compiler.is_compiling()):
             positions = torch.arange(start, start + count, device=device)
         if positions is not None:
-            return self._cos_sin_at(positions, dtype, length)
+            reach = table_reach(positions, dtype)
+            if reach is None:
+                return self._cos_sin_at(positions, dtype, length)
+            # the rows of the table of default positions, the same values
+            cos, sin = self._cos_sin(None, 0, reach, device, dtype, length)  # [reach, d]
+            if positions.dim() == 1:
+                return cos.index_select(0, positions), sin.index_select(0, positions)
+            return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [B, 1, N, d]
         end = start + count
         cache = self._cos_cache
         stale = cache.is_inference() and not torch.is_inference_mode_enabled()

@@ -16,6 +16,7 @@ from tests.conftest import (
     generated_class,
     head_dim_for,
     runtime_modules,
+    runtime_value,
     set_runtime,
     spec_names,
     spec_variant,
@@ -309,10 +310,12 @@ def test_explicit_positions_cost_one_read_per_call(
     each check read it on its own; bad values still raise, naming the argument. The
     verdict is kept for the same tensors while unchanged (``POSITION_VERDICTS``: the
     layers of a model given one positions tensor read it once), not for inference
-    tensors, which count no version. (The CPU's exact comparison with the defaults,
-    two cheap reads there, is off here, as on a GPU.)"""
+    tensors, which count no version. (The CPU's exact comparison with the defaults and
+    its rotation tables read at explicit positions, cheap reads there, are off here, as
+    on a GPU.)"""
     set_runtime(monkeypatch, "BIAS_FLOOR_DEVICES", set())
     set_runtime(monkeypatch, "EXACT_DEFAULT_DEVICES", set())
+    set_runtime(monkeypatch, "EXPLICIT_TABLE_DEVICES", set())
     d = head_dim_for(name, 16)
     pe = generated_class(name)(heads=4, head_dim=d).eval()
     generator = torch.Generator().manual_seed(7)
@@ -464,3 +467,47 @@ def test_a_decode_step_with_an_attn_mask_keeps_the_per_distance_row(
         torch.testing.assert_close(step.double(), oracle, rtol=tolerance, atol=tolerance)
         assert (step[2] == 0).all()
     assert by_pair == []
+
+
+@pytest.mark.parametrize("name", ["rope", "rope_gptj", "rope_partial", "rope_yarn"])
+def test_rotations_at_explicit_positions_read_the_table_on_the_cpu(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the CPU, cos and sin at explicit positions ([N] or [batch, N]) are rows of the
+    float32 table of default positions, grown to cover them, rather than angles formed
+    afresh: the same rotation, within float32 rounding of the formula (the table's rows
+    are formed by it); positions past ``EXPLICIT_TABLE_MAX_POSITIONS`` and float64
+    inputs are computed. A positions tensor's reach is read once while unchanged."""
+    pe = generated_class(name)(heads=2, head_dim=16).eval()
+    computed = spy_method(monkeypatch, type(pe), "_cos_sin_at", lambda positions, *_: None)
+    generator = torch.Generator().manual_seed(9)
+    k = torch.randn(2, 2, 3, 16, generator=generator)
+    limit = runtime_value("EXPLICIT_TABLE_MAX_POSITIONS", pe)
+    cases = [
+        (torch.tensor([5, 0, 70]), 0),  # past the table's first size: it grows
+        (torch.tensor([[3, 4, 5], [900, 901, 902]]), 0),  # per batch row
+        (torch.tensor([2, limit, 7]), 1),  # past the limit: computed
+    ]
+    with torch.no_grad():
+        for positions, computed_calls in cases:
+            computed.clear()
+            got = pe.rotate_keys(k, positions)
+            assert len(computed) == computed_calls
+            computed.clear()
+            set_runtime(monkeypatch, "EXPLICIT_TABLE_DEVICES", set())
+            want = pe.rotate_keys(k, positions)  # the formula at the positions
+            set_runtime(monkeypatch, "EXPLICIT_TABLE_DEVICES", {"cpu"})
+            assert len(computed) == 1
+            torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+        computed.clear()
+        pe.double().rotate_keys(k.double(), cases[0][0])  # float64: computed
+        assert len(computed) == 1
+    pe.float()
+    reads = {}
+    for layers in (1, 3):  # one model's layers, one positions tensor
+        positions = torch.tensor([4, 9])
+        with HostReads() as counted:
+            for _ in range(layers):
+                pe.rotate_keys(k[:, :, :2], positions)
+        reads[layers] = counted.count
+    assert reads[3] == reads[1]

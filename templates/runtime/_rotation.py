@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._inputs import POSITION_VERDICTS
 from ._numerics import autocast_off
 from ._rotation_kernel import FUSED_ROTATION_DTYPES, fused_rotation_enabled, launch_rotation
 
@@ -311,6 +312,36 @@ ROLLED_ROTATION_MAX_ELEMENTS: dict[str, int] = {"cpu": 1 << 16}
 # 9.5 us, [2, 32, 1, 128] 30 us against 20 us, but [4, 32, 1, 128] 26 us against 29 us
 # (the flip's copy is slow). Absent: never.
 FLIPPED_ROTATION_MAX_ELEMENTS: dict[str, int] = {"cpu": 1 << 13}
+
+
+# Device types where a rotation at explicit positions reads its cos and sin rows from
+# the module's float32 table of default positions (grown to cover them) rather than
+# forming their angles (a dozen small ops: the frequencies, the float64 angles, cos,
+# sin, two casts, two spreads): one host read of the positions' range, which costs no
+# sync there. A Hugging Face decode step gives every layer explicit positions.
+EXPLICIT_TABLE_DEVICES = {"cpu"}
+
+# The most positions such a table grows to hold for explicit positions (cos and sin in
+# float32: 64 MiB at rotary_dim 128); positions past it are computed.
+EXPLICIT_TABLE_MAX_POSITIONS = 1 << 16
+
+
+def table_reach(positions: Tensor, dtype: torch.dtype) -> int | None:
+    """The table length (the largest position + 1) from which the float32 cos and sin at
+    explicit ``positions`` are read, or None where they are computed: another dtype, a
+    device not in ``EXPLICIT_TABLE_DEVICES``, while compiling, no positions, or one
+    outside [0, ``EXPLICIT_TABLE_MAX_POSITIONS``). The verdict is kept for the same
+    unchanged tensor (``POSITION_VERDICTS``), so a model's layers read it once."""
+    if dtype != torch.float32 or positions.device.type not in EXPLICIT_TABLE_DEVICES:
+        return None
+    if torch.compiler.is_compiling() or not positions.numel():
+        return None
+    reach = POSITION_VERDICTS.get(("table reach",), (positions,))
+    if reach is None:
+        low, high = (int(end) for end in torch.aminmax(positions))  # one read, no sync here
+        reach = high + 1 if 0 <= low and high < EXPLICIT_TABLE_MAX_POSITIONS else 0
+        POSITION_VERDICTS.put(("table reach",), (positions,), reach)
+    return reach or None
 
 
 def rotate_into(
