@@ -232,6 +232,20 @@ def check_position_values(
             )
 
 
+def position_reach(positions: Tensor, limit: int) -> int:
+    """The largest of ``positions`` (non-empty) plus one where all lie in [0, limit), else
+    0: one read of their range (a host sync on a GPU), kept for the same tensor while
+    unchanged (``POSITION_VERDICTS``), so the layers of a model given one positions
+    tensor read it once. Eager mode only."""
+    what = ("reach", limit)
+    reach = POSITION_VERDICTS.get(what, (positions,))
+    if reach is None:
+        low, high = (int(end) for end in torch.aminmax(positions))
+        reach = high + 1 if 0 <= low and high < limit else 0
+        POSITION_VERDICTS.put(what, (positions,), reach)
+    return int(reach)
+
+
 def check_axis_positions(
     positions: Tensor | None,
     axes: int,

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._inputs import POSITION_VERDICTS
+from ._inputs import position_reach
 from ._numerics import autocast_off
 from ._rotation_kernel import FUSED_ROTATION_DTYPES, fused_rotation_enabled, launch_rotation
 
@@ -330,18 +330,13 @@ def table_reach(positions: Tensor, dtype: torch.dtype) -> int | None:
     """The table length (the largest position + 1) from which the float32 cos and sin at
     explicit ``positions`` are read, or None where they are computed: another dtype, a
     device not in ``EXPLICIT_TABLE_DEVICES``, while compiling, no positions, or one
-    outside [0, ``EXPLICIT_TABLE_MAX_POSITIONS``). The verdict is kept for the same
-    unchanged tensor (``POSITION_VERDICTS``), so a model's layers read it once."""
+    outside [0, ``EXPLICIT_TABLE_MAX_POSITIONS``). The range is read once per unchanged
+    tensor (``position_reach``), so a model's layers read it once."""
     if dtype != torch.float32 or positions.device.type not in EXPLICIT_TABLE_DEVICES:
         return None
     if torch.compiler.is_compiling() or not positions.numel():
         return None
-    reach = POSITION_VERDICTS.get(("table reach",), (positions,))
-    if reach is None:
-        low, high = (int(end) for end in torch.aminmax(positions))  # one read, no sync here
-        reach = high + 1 if 0 <= low and high < EXPLICIT_TABLE_MAX_POSITIONS else 0
-        POSITION_VERDICTS.put(("table reach",), (positions,), reach)
-    return reach or None
+    return position_reach(positions, EXPLICIT_TABLE_MAX_POSITIONS) or None
 
 
 def rotate_into(
