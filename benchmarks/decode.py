@@ -65,6 +65,7 @@ from generated import _terms as terms  # noqa: E402
 FROZEN_LABEL = "module, parameters frozen"
 NO_FLOOR_LABEL = "module, no bias floor"
 FOLD_LABEL = "module, fold switched"
+CAUSAL_LABEL = "module, causal=True"
 DEFAULT_ENCODINGS = ["rope", "rope_gptj", "alibi", "t5", "kerple_log"]
 
 
@@ -291,6 +292,8 @@ def run(args: argparse.Namespace) -> dict:
             variants[NO_FLOOR_LABEL] = pe
         if args.compare_fold and pe.folds_position_bias:
             variants[FOLD_LABEL] = pe
+        if args.compare_causal:
+            variants[CAUSAL_LABEL] = pe
         for label, module in variants.items():
             for backend in args.backends:
                 step_counts = key_counts(args, m)
@@ -301,6 +304,7 @@ def run(args: argparse.Namespace) -> dict:
                     cache=cache,
                     rotated=rotated,
                     counts=step_counts,
+                    causal=label == CAUSAL_LABEL,
                 ) -> object:
                     count = next(counts)
                     return module(
@@ -309,6 +313,7 @@ def run(args: argparse.Namespace) -> dict:
                         values[:, :, :count],
                         backend=backend,
                         keys_rotated=rotated,
+                        causal=causal,
                     )
 
                 if static is not None and label == static_label("module", args):
@@ -457,6 +462,12 @@ def main() -> None:
         "--compare-no-floor",
         action="store_true",
         help="also time each module with the device left out of BIAS_FLOOR_DEVICES",
+    )
+    parser.add_argument(
+        "--compare-causal",
+        action="store_true",
+        help="also time each module called with causal=True, as a causal model calls it "
+        "(one query at the newest position: the same attention as the baseline's)",
     )
     parser.add_argument(
         "--compare-grouped",

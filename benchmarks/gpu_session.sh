@@ -123,10 +123,12 @@ step 300 decode_static python3 benchmarks/decode.py --device cuda --dtype bfloat
 # the eager step with a new key count every call (8129 to 8192 keys), as a decoding loop
 # runs it: per-shape work (tables, masks) is redone where a fixed M hid it; the
 # encodings with kept projections also inside a parameters_frozen block (no sync for
-# the comparison of the parameters)
+# the comparison of the parameters), and each called causal, as a causal model calls it
+# (one query at the newest position: the sdpa backend drops that mask, which masks
+# nothing)
 step 200 decode_growing python3 benchmarks/decode.py --device cuda --dtype bfloat16 \
     --encodings rope alibi t5 kerple_log deberta transformer_xl tupe_a --growing 64 \
-    --compare-frozen --repeats 128 --tag _growing --out "$out"
+    --compare-frozen --compare-causal --repeats 128 --tag _growing --out "$out"
 # TUPE's decode step (its table stops at 512 positions, so 500 cached keys), its
 # untied term folded into q and k (CUDA's default: the key cache copied with the
 # position features every step) against added as a bias, inside and outside a
