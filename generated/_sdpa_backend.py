@@ -47,6 +47,7 @@ from ._masks import (
     bias_with_attn_mask,
     distance_allowed,
     document_chunks_serve,
+    key_span,
     mask_chunk_rows,
     query_chunks,
     reachable_query_chunks,
@@ -313,9 +314,9 @@ class SdpaBackend(SdpaRelative):
         if self.has_position_bias and not self.bias_by_distance:
             return k, v, attn_mask, window
         m = k.shape[2]
-        lo = max(0, m - window)  # query M - 1 reads key j where M - 1 - j < window
-        attn_mask = attn_mask_span(attn_mask, 1, m, 0, 1, lo, m)
-        return k[:, :, lo:], v[:, :, lo:], attn_mask, None
+        lo, hi = key_span(0, 1, 1, m, False, window)  # [M - window, M): M - 1 - j < window
+        attn_mask = attn_mask_span(attn_mask, 1, m, 0, 1, lo, hi)
+        return k[:, :, lo:hi], v[:, :, lo:hi], attn_mask, None
 
     def _sdpa_by_distance(
         self,

@@ -42,8 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ._attention import PositionalAttention
-from ._distances import arange_view
-from ._inputs import cache_get, cache_put, positive_int, score_bias_positions
+from ._inputs import arange_view, cache_get, cache_put, positive_int, score_bias_positions
 from ._masks import relative_positions
 from ._terms import RelativeFactors
 

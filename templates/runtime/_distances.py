@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._inputs import cache_get, cache_put
+from ._inputs import arange_view, cache_get, cache_put, kept_over_reach
 from ._triton import power_of_two_at_least
 
 
@@ -28,45 +28,6 @@ def default_distances(n: int, m: int, device: torch.device) -> Tensor:
     -(M - 1) to N - 1; entry t holds r = t - (M - 1).
     """
     return torch.arange(-(m - 1), n, device=device)
-
-
-def arange_view(
-    cache: dict[tuple[Any, ...], Any],
-    start: int,
-    stop: int,
-    device: torch.device,
-    descending: bool = False,
-) -> Tensor:
-    """torch.arange(start, stop), int64 (``descending``: stop - 1 down to start), as a
-    view of a vector kept in ``cache`` for the integers -R .. R, R a power of two that
-    grows as calls need: a decode step's new key count makes no new tensor. Read-only
-    (a view of the kept vector). While compiling, made in the graph."""
-    if torch.compiler.is_compiling():
-        values = torch.arange(start, stop, device=device)
-        return values.flip(0) if descending else values
-
-    def integers(reach: int) -> Tensor:  # -R .. R, [2 R + 1]
-        values = torch.arange(-reach, reach + 1, device=device)
-        return values.flip(0) if descending else values
-
-    key = ("arange", descending, str(device))
-    reach, values = kept_over_reach(cache, key, max(abs(start), abs(stop - 1)), integers)
-    if descending:  # entry t holds R - t
-        return values[reach - stop + 1 : reach - start + 1]
-    return values[start + reach : stop + reach]
-
-
-def kept_over_reach(
-    cache: dict[tuple[Any, ...], Any], key: tuple[Any, ...], needed: int, make: Callable[[int], Any]
-) -> tuple[int, Any]:
-    """(R, make(R)) kept in ``cache`` under ``key``, R the least power of two (at least
-    1) that covers ``needed``: made again, wider, only when a call needs more than the
-    kept R (``arange_view``'s integers, ``monotone_index_ends``' host list)."""
-    reach = power_of_two_at_least(max(needed, 1))
-    kept = cache_get(cache, key)
-    if kept is None or kept[0] < reach:
-        kept = cache_put(cache, key, (reach, make(reach)))
-    return kept
 
 
 def distance_span_vector(

@@ -11,10 +11,13 @@ here are bounded and safe across inference mode.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
 from torch import Tensor
+
+from ._triton import power_of_two_at_least
 
 BACKENDS = ("auto", "eager", "sdpa", "flex")
 LAYOUTS = ("bhnd", "bnhd")  # [batch, heads, seq, dim] (default) or [batch, seq, heads, dim]
@@ -392,25 +395,15 @@ def _equal_to_defaults(
     given = q_positions if q_positions is not None else k_positions
     if given is None or n > m or given.device.type not in EXACT_DEFAULT_DEVICES:
         return False
-    keys = _kept_range(m, given.device)  # [M]: 0 .. M - 1
+    keys = arange_view(_KEPT_RANGES, 0, m, given.device)  # [M]: 0 .. M - 1
     for positions, defaults in ((q_positions, keys[m - n :]), (k_positions, keys)):
         if positions is not None and not torch.equal(positions, defaults.expand_as(positions)):
             return False
     return True
 
 
-def _kept_range(stop: int, device: torch.device) -> Tensor:
-    """0 .. stop - 1, int64, as a view of a range kept per device whose length grows to
-    powers of two (made outside inference mode, so that every mode can read it)."""
-    kept = _KEPT_RANGES.get(device)
-    if kept is None or kept.shape[0] < stop:
-        with torch.inference_mode(False):
-            kept = torch.arange(1 << max(stop - 1, 0).bit_length(), device=device)
-        _KEPT_RANGES[device] = kept
-    return kept[:stop]
-
-
-_KEPT_RANGES: dict[torch.device, Tensor] = {}
+# The integer ranges ``_equal_to_defaults`` compares positions with (``arange_view``).
+_KEPT_RANGES: dict[tuple[Any, ...], Any] = {}
 
 
 def _default_flag(
@@ -577,6 +570,45 @@ def cache_put(cache: dict[tuple[Any, ...], Any], key: tuple[Any, ...], value: An
     while len(cache) > CACHE_SIZE:
         del cache[next(iter(cache))]  # least recently used first
     return value
+
+
+def arange_view(
+    cache: dict[tuple[Any, ...], Any],
+    start: int,
+    stop: int,
+    device: torch.device,
+    descending: bool = False,
+) -> Tensor:
+    """torch.arange(start, stop), int64 (``descending``: stop - 1 down to start), as a
+    view of a vector kept in ``cache`` for the integers -R .. R, R a power of two that
+    grows as calls need: a decode step's new key count makes no new tensor. Read-only
+    (a view of the kept vector). While compiling, made in the graph."""
+    if torch.compiler.is_compiling():
+        values = torch.arange(start, stop, device=device)
+        return values.flip(0) if descending else values
+
+    def integers(reach: int) -> Tensor:  # -R .. R, [2 R + 1]
+        values = torch.arange(-reach, reach + 1, device=device)
+        return values.flip(0) if descending else values
+
+    key = ("arange", descending, str(device))
+    reach, values = kept_over_reach(cache, key, max(abs(start), abs(stop - 1)), integers)
+    if descending:  # entry t holds R - t
+        return values[reach - stop + 1 : reach - start + 1]
+    return values[start + reach : stop + reach]
+
+
+def kept_over_reach(
+    cache: dict[tuple[Any, ...], Any], key: tuple[Any, ...], needed: int, make: Callable[[int], Any]
+) -> tuple[int, Any]:
+    """(R, make(R)) kept in ``cache`` under ``key``, R the least power of two (at least
+    1) that covers ``needed``: made again, wider, only when a call needs more than the
+    kept R (``arange_view``'s integers, ``monotone_index_ends``' host list)."""
+    reach = power_of_two_at_least(max(needed, 1))
+    kept = cache_get(cache, key)
+    if kept is None or kept[0] < reach:
+        kept = cache_put(cache, key, (reach, make(reach)))
+    return kept
 
 
 def repeat_kv(x: Tensor, groups: int) -> Tensor:

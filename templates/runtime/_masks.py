@@ -429,8 +429,7 @@ def check_attn_mask(attn_mask: Tensor | None, q: Tensor, m: int) -> Tensor | Non
         raise ValueError(f"attn_mask must have at most 4 dims, got {attn_mask.dim()}")
     # each of the mask's (trailing-aligned) dims is 1 or the target's: broadcasting the
     # two shapes must give [B, H, N, M] itself, not a larger shape
-    aligned = target[len(target) - attn_mask.dim() :]
-    if any(size not in (1, want) for size, want in zip(attn_mask.shape, aligned, strict=True)):
+    if not broadcasts_into(tuple(attn_mask.shape), target):
         raise ValueError(
             f"attn_mask of shape {list(attn_mask.shape)} does not broadcast to {list(target)}"
         )
