@@ -12,6 +12,7 @@ sums each diagonal (``anti_diagonal_sums``).
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -309,6 +310,48 @@ def floor_moves_nothing(bias: Tensor, top: Tensor) -> bool:
     if torch.compiler.is_compiling() or bias.numel() == 0:
         return False
     return bool((top - bias <= BIAS_FLOOR).all())
+
+
+# How far below its distance-0 entry each kept per-distance vector falls within each
+# reach back (``kept_row_is_shallow``), keyed on the vector's id and that entry's
+# index: (weak reference to the vector, depths as a host list). The most recent
+# ``KEPT_DEPTHS_MAX`` are kept.
+_KEPT_DEPTHS: dict[tuple[int, int], tuple[weakref.ref[Tensor], list[float]]] = {}
+KEPT_DEPTHS_MAX = 8
+
+
+def kept_row_is_shallow(row: Tensor, m: int) -> bool:
+    """Whether one query's row of a per-distance bias, row [H, M] (distances -(M - 1)
+    .. 0, the last at distance 0), lies everywhere at most ``BIAS_FLOOR`` below its
+    distance-0 entry, told without reading the row: it is a slice of a vector that
+    posgen keeps across calls (``distance_span_vector``'s, its ``_base``), and how far
+    that vector falls below its distance-0 entry within each reach back is read from
+    the device once per kept vector (a host list kept while the vector lives;
+    ``floor_moves_nothing`` reads the row on every call: 9-43 us for 80-4096 keys on a
+    2-core AMD EPYC). Then ``floored_bias`` would move no entry, so the row needs
+    neither a floor nor flushed weights, and SDPA takes it as it is. False for a row
+    not sliced from a kept vector (one made per call), while compiling, and where an
+    entry is NaN or -inf."""
+    base = row._base
+    if torch.compiler.is_compiling() or base is None or m == 0:
+        return False
+    if base.dim() != 2 or row.dim() != 2 or row.stride() != base.stride() or row.stride(1) != 1:
+        return False
+    zero = int(row.storage_offset() - base.storage_offset()) + m - 1  # base's distance-0 column
+    key = (id(base), zero)
+    kept = _KEPT_DEPTHS.get(key)
+    if kept is None or kept[0]() is not base:
+        with torch.no_grad():
+            back = base[:, : zero + 1].flip(-1)  # [H, R + 1]: distances 0, -1, ..., -R
+            below = back[:, :1] - back  # [H, R + 1]: how far each lies below distance 0
+            deepest = below.cummax(-1).values.amax(0)  # [R + 1]: the deepest within each reach
+        kept = (weakref.ref(base), deepest.tolist())  # one host read per kept vector
+        _KEPT_DEPTHS.pop(key, None)
+        _KEPT_DEPTHS[key] = kept
+        while len(_KEPT_DEPTHS) > KEPT_DEPTHS_MAX:
+            del _KEPT_DEPTHS[next(iter(_KEPT_DEPTHS))]  # the oldest first
+    depths = kept[1]
+    return m <= len(depths) and bool(depths[m - 1] <= BIAS_FLOOR)  # NaN compares False
 
 
 def floored_bias(bias: Tensor, top: Tensor, spread: Tensor) -> Tensor:

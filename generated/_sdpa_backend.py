@@ -30,6 +30,7 @@ from ._distances import (
     floored_bias,
     floored_rows,
     half_precision_bias,
+    kept_row_is_shallow,
 )
 from ._grouped_queries import (
     few_query_matmuls_serve,
@@ -434,8 +435,11 @@ class SdpaBackend(SdpaRelative):
         """(spread, flushed) for the per-distance vector ``vec`` [H, N + M - 1]: a few
         queries run as ``grouped_query_attention``'s matmuls (flushed) where they can
         (``few_query_matmuls_serve``, the CPU), which flush denormal weights themselves,
-        so the vector takes no floor: one query always, more where SDPA would need the
-        floor (``_distance_floor_due``). Otherwise the floor's spread, or None, and SDPA.
+        so the vector takes no floor: one query unless its row is a slice of a kept
+        vector known to lie within the floor (``kept_row_is_shallow``: T5's or KERPLE's
+        inside a ``parameters_frozen`` block, ALiBi's over its first 80 keys), which
+        SDPA takes as it is, more queries where SDPA would need the floor
+        (``_distance_floor_due``). Otherwise the floor's spread, or None, and SDPA.
 
         With SDPA the floor reads every cached key once more for its bound
         (``content_spread``) and takes about 30 small operations: ALiBi's decode step on
@@ -448,7 +452,8 @@ class SdpaBackend(SdpaRelative):
         is not in ``BIAS_FLOOR_DEVICES``), SDPA takes the vector as it is."""
         matmuls = flush_instead_of_floor(q, k, v)
         if matmuls and q.shape[2] == 1:
-            return None, True
+            # a kept vector known to lie within the floor needs no flushing either
+            return None, not kept_row_is_shallow(vec, k.shape[2])
         if not self._distance_floor_due(q, k, vec):
             return None, False
         if matmuls:

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from generated import ENCODINGS
+from generated import ENCODINGS, parameters_frozen
 from generated import _distances as distances
 from tests.conftest import HostReads, runtime_modules, set_runtime, spy_calls
 
@@ -384,7 +384,7 @@ def test_a_decode_step_flushes_instead(
     than the floor's depth below distance 0, so SDPA would need the floor and its pass
     over the keys (``content_spread``), and T5's would need a read to tell that it
     needs none. One query runs as the few-query matmuls, which flush denormal weights:
-    no floor, no bound and no read, with or without grouped heads. More queries read
+    no floor and no bound, with or without grouped heads. More queries read
     whether the floor is due and take the matmuls where it is (ALiBi), SDPA where it is
     not (T5). Outputs equal eager's."""
     spreads, matmuls = spread_calls(monkeypatch), matmul_calls(monkeypatch)
@@ -396,7 +396,8 @@ def test_a_decode_step_flushes_instead(
     torch.testing.assert_close(out, oracle)
     assert spreads == []
     assert len(matmuls) == int(n == 1 or name == "alibi")
-    assert reads.count == int(n > 1)
+    # one query: ALiBi's kept vector is read once for its depth (``kept_row_is_shallow``)
+    assert reads.count == int(n > 1 or name == "alibi")
 
 
 @pytest.mark.parametrize(
@@ -431,3 +432,79 @@ def test_without_a_floor_on_the_device_a_decode_step_keeps_sdpa(
     torch.testing.assert_close(out, oracle)
     assert spreads == []
     assert len(matmuls) == int(kv_heads < 4)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_kept_row_is_shallow_where_the_floor_would_move_nothing(seed: int) -> None:
+    """For every one-query row sliced from a kept vector [H, L] (its last entry at
+    distance 0), ``kept_row_is_shallow`` says what ``floor_moves_nothing`` finds by
+    reading the row: vectors of random depth, rows of every length up to the
+    distance-0 column."""
+    generator = torch.Generator().manual_seed(seed)
+    heads, length = 3, 90
+    depth = (10.0, 60.0, 200.0)[seed % 3]
+    steps = torch.rand(heads, length, generator=generator) * depth / length
+    vector = steps.cumsum(-1) - torch.rand(heads, 1, generator=generator) * depth
+    zero = int(torch.randint(20, length, (1,), generator=generator))
+    for m in range(1, zero + 2):
+        row = vector[:, zero + 1 - m : zero + 1]
+        want = distances.floor_moves_nothing(row, row[:, -1:])
+        assert distances.kept_row_is_shallow(row, m) == want, (m, zero)
+
+
+def test_a_row_not_sliced_from_a_kept_vector_is_not_known_shallow() -> None:
+    """A row made on its own, or from a vector holding NaN or -inf, is never called
+    shallow; a vector made after another is judged afresh."""
+    vector = torch.zeros(2, 50)
+    assert distances.kept_row_is_shallow(vector[:, 10:30], 20)
+    assert not distances.kept_row_is_shallow(vector[:, 10:30].clone(), 20)
+    for odd in (float("nan"), float("-inf")):
+        other = torch.zeros(2, 50)
+        other[1, 12] = odd
+        assert not distances.kept_row_is_shallow(other[:, 10:30], 20)
+        assert distances.kept_row_is_shallow(other[:, 13:30], 17)  # past the odd entry
+    del vector
+    steep = torch.zeros(2, 50)
+    steep[0, 10] = -FLOOR - 1.0
+    assert not distances.kept_row_is_shallow(steep[:, 10:30], 20)
+
+
+@pytest.mark.parametrize(
+    ("name", "keys", "shallow"),
+    [("t5", 300, True), ("alibi", 60, True), ("alibi", 300, False), ("t5_steep", 300, False)],
+)
+def test_a_decode_step_on_a_kept_shallow_vector_runs_sdpa_as_it_is(
+    monkeypatch: pytest.MonkeyPatch, name: str, keys: int, shallow: bool
+) -> None:
+    """One query on the CPU, float32, inside a ``parameters_frozen`` block: where the
+    kept vector lies within the floor of its distance-0 entry (T5's table, ALiBi's
+    first 60 keys at slopes up to 1/4), SDPA takes the row as it is, with no matmuls,
+    no floor and no read after the first step's; a vector that falls deeper (ALiBi
+    over 300 keys, T5 with a bucket at -100) keeps the matmuls, which flush. Outputs
+    equal eager's."""
+    spreads, matmuls, masks = (
+        spread_calls(monkeypatch),
+        matmul_calls(monkeypatch),
+        sdpa_masks(monkeypatch),
+    )
+    pe, q, k, v = decode_case(name.removesuffix("_steep"), 4, 1, seed=2)
+    k, v = k[:, :, :keys], v[:, :, :keys]
+    if name == "t5_steep":
+        with torch.no_grad():
+            pe.relative_attention_bias.weight[15] = -100.0  # the farthest keys' bucket
+    with torch.no_grad(), parameters_frozen(pe):
+        pe(q, k[:, :, :-1], v[:, :, :-1], backend="sdpa", causal=True)  # keeps the vector
+        matmuls.clear()
+        masks.clear()
+        with HostReads() as reads:
+            out = pe(q, k, v, backend="sdpa", causal=True)
+        sdpa_calls = list(masks)
+        oracle = pe(q, k, v, backend="eager", causal=True)
+    torch.testing.assert_close(out, oracle)
+    assert spreads == []
+    assert len(matmuls) == int(not shallow)
+    assert reads.count == 0
+    if shallow:
+        vector = pe._distance_bias(1, keys, torch.device("cpu"))  # [H, M]
+        assert len(sdpa_calls) == 1
+        torch.testing.assert_close(sdpa_calls[0][0, :, 0], vector, rtol=0, atol=0)
