@@ -324,9 +324,10 @@ def kept_row_is_shallow(row: Tensor, m: int) -> bool:
     """Whether one query's row of a per-distance bias, row [H, M] (distances -(M - 1)
     .. 0, the last at distance 0), lies everywhere at most ``BIAS_FLOOR`` below its
     distance-0 entry, told without reading the row: it is a slice of a vector that
-    posgen keeps across calls (``distance_span_vector``'s, its ``_base``), and how far
-    that vector falls below its distance-0 entry within each reach back is read from
-    the device once per kept vector (a host list kept while the vector lives;
+    posgen keeps across calls (``distance_span_vector``'s, its ``_base``; rows of it,
+    or one row expanded over the heads), and how far any row of that vector falls
+    below its distance-0 entry within each reach back is read from the device once per
+    kept vector (a host list kept while the vector lives;
     ``floor_moves_nothing`` reads the row on every call: 9-43 us for 80-4096 keys on a
     2-core AMD EPYC). Then ``floored_bias`` would move no entry, so the row needs
     neither a floor nor flushed weights, and SDPA takes it as it is. False for a row
@@ -335,9 +336,16 @@ def kept_row_is_shallow(row: Tensor, m: int) -> bool:
     base = row._base
     if torch.compiler.is_compiling() or base is None or m == 0:
         return False
-    if base.dim() != 2 or row.dim() != 2 or row.stride() != base.stride() or row.stride(1) != 1:
+    if base.dim() != 2 or row.dim() != 2 or base.stride(1) != 1 or row.stride(1) != 1:
         return False
-    zero = int(row.storage_offset() - base.storage_offset()) + m - 1  # base's distance-0 column
+    if base.stride(0) < base.shape[1]:  # base's rows overlap: not a vector per head
+        return False
+    if row.stride(0) not in (0, base.stride(0)):  # not rows of base (0: one row for every head)
+        return False
+    # base's column of distance 0; every row of base is judged, the row's among them
+    zero = int(row.storage_offset() - base.storage_offset()) % base.stride(0) + m - 1
+    if zero >= base.shape[1]:
+        return False
     key = (id(base), zero)
     kept = _KEPT_DEPTHS.get(key)
     if kept is None or kept[0]() is not base:

@@ -463,6 +463,12 @@ def test_a_row_not_sliced_from_a_kept_vector_is_not_known_shallow() -> None:
         other[1, 12] = odd
         assert not distances.kept_row_is_shallow(other[:, 10:30], 20)
         assert distances.kept_row_is_shallow(other[:, 13:30], 17)  # past the odd entry
+    one_row = torch.zeros(1, 50)
+    assert distances.kept_row_is_shallow(one_row[:, 10:30].expand(4, -1), 20)  # every head
+    rows = torch.zeros(3, 50)
+    rows[0, 15] = -FLOOR - 1.0  # in a row the slice leaves out: judged with the rest
+    assert not distances.kept_row_is_shallow(rows[1:, 10:30], 20)
+    assert distances.kept_row_is_shallow(rows[1:, 16:30], 14)
     del vector
     steep = torch.zeros(2, 50)
     steep[0, 10] = -FLOOR - 1.0
@@ -471,7 +477,12 @@ def test_a_row_not_sliced_from_a_kept_vector_is_not_known_shallow() -> None:
 
 @pytest.mark.parametrize(
     ("name", "keys", "shallow"),
-    [("t5", 300, True), ("alibi", 60, True), ("alibi", 300, False), ("t5_steep", 300, False)],
+    [
+        ("t5", 300, True),
+        ("alibi", 60, True),
+        ("alibi", 300, False),
+        ("t5_steep", 300, False),
+    ],
 )
 def test_a_decode_step_on_a_kept_shallow_vector_runs_sdpa_as_it_is(
     monkeypatch: pytest.MonkeyPatch, name: str, keys: int, shallow: bool
