@@ -519,3 +519,27 @@ def test_a_decode_step_on_a_kept_shallow_vector_runs_sdpa_as_it_is(
         vector = pe._distance_bias(1, keys, torch.device("cpu"))  # [H, M]
         assert len(sdpa_calls) == 1
         torch.testing.assert_close(sdpa_calls[0][0, :, 0], vector, rtol=0, atol=0)
+
+
+def test_a_half_precision_decode_step_reads_no_kept_shallow_row(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One bfloat16 query (the matmuls take full precision only) against T5's kept
+    vector inside a ``parameters_frozen`` block: SDPA takes the row without the read
+    that ``floor_moves_nothing`` makes, and with no floor; outputs within bfloat16's
+    rounding of eager's."""
+    spreads, masks = spread_calls(monkeypatch), sdpa_masks(monkeypatch)
+    pe, q, k, v = decode_case("t5", 4, 1, seed=3)
+    q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
+    with torch.no_grad(), parameters_frozen(pe):
+        pe(q, k[:, :, :-1], v[:, :, :-1], backend="sdpa")  # keeps the vector
+        masks.clear()
+        with HostReads() as reads:
+            out = pe(q, k, v, backend="sdpa")
+        sdpa_calls = list(masks)
+        oracle = pe(q.double(), k.double(), v.double(), backend="eager")
+    torch.testing.assert_close(out.double(), oracle, atol=2e-2, rtol=2e-2)
+    assert spreads == [] and reads.count == 0
+    vector = pe._distance_bias(1, 300, torch.device("cpu")).detach()  # [H, M]
+    shifted = (vector - vector.amax(-1, keepdim=True)).to(torch.bfloat16)  # half_precision_bias
+    assert len(sdpa_calls) == 1 and torch.equal(sdpa_calls[0][0, :, 0], shifted)

@@ -464,9 +464,12 @@ class SdpaBackend(SdpaRelative):
         (``floor_moves_nothing``: every entry within ``BIAS_FLOOR`` of the entry at
         distance 0, the floor's top, so that shallow biases (T5's, KERPLE's) skip the
         bound's pass over the keys, which in a decode step reads the whole cache once
-        more)."""
+        more). One query's row of a kept vector is told without a read
+        (``kept_row_is_shallow``)."""
         m = k.shape[2]
         if not bias_floor_serves(q.device, q.dtype) or q.shape[2] == 0:
+            return False
+        if q.shape[2] == 1 and kept_row_is_shallow(vec, m):  # known without a read
             return False
         return not floor_moves_nothing(vec, vec[:, m - 1 : m])
 
