@@ -199,16 +199,18 @@ class TupeR(PositionalAttention):
         return projected.to(torch.promote_types(projected.dtype, torch.float32))
 
     def _kept_untied_rows(self, device: torch.device) -> tuple[Tensor, Tensor] | None:
-        """Every table row projected by U_q and by U_k, [rows, heads, head_dim] each,
-        kept while the parameters are unchanged (``_kept_with_parameters``: not while
-        they train, nor under torch.compile, where None), so that a decoding loop or
-        repeated inference reads rows instead of projecting them every call."""
+        """Every table row projected by U_q and by U_k, heads first: [heads, rows,
+        head_dim] each, kept while the parameters are unchanged (``_kept_with_parameters``:
+        not while they train, nor under torch.compile, where None), so that a decoding
+        loop or repeated inference reads rows instead of projecting them every call. Heads
+        first, consecutive rows are one matrix per head: rows first, a decode step's
+        product with the keys' rows copied them ([M, heads, head_dim]) every call."""
 
         def project() -> tuple[Tensor, Tensor]:
             rows = torch.arange(self.position_embeddings.num_embeddings, device=device)
             return (
-                self._untied_rows(rows, self.position_query),
-                self._untied_rows(rows, self.position_key),
+                self._untied_rows(rows, self.position_query).transpose(0, 1).contiguous(),
+                self._untied_rows(rows, self.position_key).transpose(0, 1).contiguous(),
             )
 
         return self._kept_with_parameters(("untied_rows",), device, project)
@@ -219,9 +221,11 @@ class TupeR(PositionalAttention):
         """[..., L] int64 table rows -> [..., heads, L, head_dim] projected rows, read from
         ``kept`` (that projection of every row, ``_kept_untied_rows``) where given; a
         slice of consecutive rows (default positions, with ``kept`` only) reads a view."""
+        if isinstance(rows_index, slice):  # slices come with kept rows
+            assert kept is not None
+            return kept[:, rows_index]  # [heads, L, head_dim], a view
         if kept is not None:
-            return kept[rows_index].movedim(-2, -3)
-        assert isinstance(rows_index, Tensor)  # slices come with kept rows
+            return kept[:, rows_index].movedim(0, -3)
         return self._untied_rows(rows_index, projection).movedim(-2, -3)
 
     def _untied_rows_read(
@@ -254,14 +258,22 @@ class TupeR(PositionalAttention):
         query = self._untied_heads(q_rows, self.position_query, kept_query)  # [..., H, N, D]
         key = self._untied_heads(k_rows, self.position_key, kept_key)  # [..., H, M, D]
         untied = torch.matmul(query, key.transpose(-2, -1))  # [..., heads, N, M]
-        slots = torch.arange(2, device=device)  # row 0: first-token slot, row 1: position 0
-        slot_query = self._untied_heads(slots, self.position_query, kept_query)  # [H, 2, D]
-        slot_key = self._untied_heads(slots, self.position_key, kept_key)
-        slot_scores = (slot_query * slot_key).sum(-1)  # [heads, 2]
         first_query = (q_pos == 0).unsqueeze(-1).unsqueeze(-3)  # [..., 1, N, 1]
         first_key = (k_pos == 0).unsqueeze(-2).unsqueeze(-3)  # [..., 1, 1, M]
-        untied = torch.where(first_key, slot_scores[:, 1, None, None], untied)
-        untied = torch.where(first_query, slot_scores[:, 0, None, None], untied)
+        if default and m:  # kept rows, so no gradient: the slots are written into the product
+            assert kept_query is not None and kept_key is not None
+            # [H, 2, 1]: row 0 the first-token slot, row 1 position 0
+            slot_scores = (kept_query[:, :2] * kept_key[:, :2]).sum(-1, keepdim=True)
+            untied[..., 0] = slot_scores[:, 1]  # key 0 sits at position 0
+            if m == n:  # so does the first query, whose slot takes its whole row
+                untied[..., 0, :] = slot_scores[:, 0]
+        else:
+            slots = torch.arange(2, device=device)  # row 0: first-token slot, row 1: position 0
+            slot_query = self._untied_heads(slots, self.position_query, kept_query)  # [H, 2, D]
+            slot_key = self._untied_heads(slots, self.position_key, kept_key)
+            slot_scores = (slot_query * slot_key).sum(-1)  # [heads, 2]
+            untied = torch.where(first_key, slot_scores[:, 1, None, None], untied)
+            untied = torch.where(first_query, slot_scores[:, 0, None, None], untied)
         relative = self._relative_bias(q_positions, k_positions, n, m, device)
         table = self.relative_attention_bias.weight.to(device=device, dtype=relative.dtype)
         relative = torch.where(first_key, table[BUCKETS, :, None, None], relative)

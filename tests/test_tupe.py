@@ -489,3 +489,21 @@ def test_tupe_a_folds_its_untied_term_into_q_and_k_for_sdpa(monkeypatch) -> None
             sdpa = pe(q, k, v, causal=causal, backend="sdpa", **positions)
             torch.testing.assert_close(sdpa, eager, rtol=1e-10, atol=1e-10)
     assert masks[0] is None  # default positions, not causal: no mask at all
+
+
+@pytest.mark.parametrize("name", ["tupe_a", "tupe_r"])
+@pytest.mark.parametrize(("n", "m"), [(5, 5), (1, 1), (1, 6)])
+def test_kept_rows_at_default_positions_take_both_slots(name: str, n: int, m: int) -> None:
+    """Without gradients the kept rows at default positions are read as slices and the
+    first-token slots written into their product: key 0 always sits at position 0, and
+    where N = M so does query 0, whose slot takes its whole row (its entry with key 0
+    too). Logits and outputs against the float64 reference, kept rows read."""
+    pe = _randomised(generated_class(name))
+    q, k, v = _qkv(batch=2, n=n, m=m)
+    q_pos, k_pos = torch.arange(m - n, m), torch.arange(m)
+    logits, outputs = _reference_rows(pe, q, k, v, q_pos, k_pos, causal=True)
+    with torch.no_grad():
+        _close(pe.scores(q, k), logits)
+        for backend in ("eager", "sdpa"):
+            _close(pe(q, k, v, causal=True, backend=backend), outputs)
+        assert pe._kept_untied_rows(q.device) is not None
