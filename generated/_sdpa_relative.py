@@ -42,6 +42,7 @@ from ._counted_positions import (
     counted_position_attention,
     counted_position_attention_serves,
 )
+from ._distances import half_precision_bias
 from ._few_queries import few_queries, few_query_inputs, few_query_relative_serves
 from ._grouped_queries import scaled_dot_product
 from ._inputs import positions_or_default, repeat_kv
@@ -373,7 +374,10 @@ class SdpaRelative(SdpaChunks):
             weights = masked_softmax_in_place(content + mask)  # [B, H, N, M]
             out = torch.matmul(weights, v.to(dtype))
             return (out + self._value_term(weights, q_positions, k_positions)).to(v.dtype)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), scale=self.scale)
+        # half precision takes the mask shifted by its row's largest (``half_precision_bias``):
+        # cast as it is, Transformer-XL's terms near 75 lost 0.25 to bfloat16's rounding
+        mask = half_precision_bias(mask, q.dtype)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         return out.to(v.dtype)
 
     def _clipped_at_positions(
@@ -445,7 +449,7 @@ class SdpaRelative(SdpaChunks):
                 rows_at, keys_at = q_positions[..., i0:i1], k_positions[..., lo:hi]
                 # [B or 1, H, rows, keys], valid until the next chunk's
                 terms = at_positions((i0, i1, lo, hi), rows_at, keys_at)
-                terms = masked((i0, i1, lo, hi), terms).to(q.dtype)
+                terms = half_precision_bias(masked((i0, i1, lo, hi), terms), q.dtype)
                 if self.has_value_term:
                     # the value term reads the weights, which SDPA does not return
                     weights = self._chunk_weights(q, k, (i0, i1, lo, hi), terms)
@@ -721,6 +725,6 @@ class SdpaRelative(SdpaChunks):
             terms = span_of((i0, i1, lo, hi))
             if allowed is not None:  # a window or documents
                 terms = block_fresh(terms, allowed[..., i0:i1, lo:hi])
-            return terms.to(q.dtype)
+            return half_precision_bias(terms, q.dtype)
 
         return self._sdpa_in_chunks(q, k, v, spans, chunk_terms).to(v.dtype)

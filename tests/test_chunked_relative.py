@@ -183,3 +183,47 @@ def test_span_terms_project_each_spans_queries_alone(
         assert projected == [*others, *(("query", i1 - i0) for i0, i1, _, _ in spans)]
     else:
         assert projected == [("query", n), *others]
+
+
+LARGE_TERM_CALLS = {
+    "decode": (1, 40, {"causal": True}),
+    "chunks": (30, 30, {"causal": True}),
+    "positions": (
+        12,
+        30,
+        {"q_positions": torch.arange(36, 60, 2), "k_positions": torch.arange(0, 60, 2)},
+    ),
+}
+
+
+#: how much each encoding's parameters are scaled for logits of about 40 to 100
+LARGE_TERM_SCALES = {"transformer_xl": 40.0, "deberta": 3.0}
+
+
+@pytest.mark.usefixtures("chunks_of_8")
+@pytest.mark.parametrize("name", sorted(LARGE_TERM_SCALES))
+@pytest.mark.parametrize("call", sorted(LARGE_TERM_CALLS))
+def test_large_terms_in_bfloat16_keep_eager_precision(name: str, call: str) -> None:
+    """Relative terms with logits of about 40 to 100 (the parameters scaled up),
+    bfloat16 inputs on the sdpa backend (one decode query, chunks of queries, explicit
+    positions): the terms go to SDPA shifted by each row's largest
+    (``half_precision_bias``), so the output stays as close to float64 eager's as
+    eager's own bfloat16 output is; cast as they were, bfloat16's spacing of 0.5 near 75
+    moved outputs by up to 0.35 (Transformer-XL, one query against 17 keys)."""
+    torch.manual_seed(11)
+    pe = make(name).float()
+    with torch.no_grad():
+        for parameter in pe.parameters():
+            parameter.mul_(LARGE_TERM_SCALES[name])
+    n, m, keywords = LARGE_TERM_CALLS[call]
+    generator = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 4, n, 8, generator=generator)
+    k, v = (torch.randn(1, 4, m, 8, generator=generator) for _ in "kv")
+    with torch.no_grad():
+        want = pe.double()(q.double(), k.double(), v.double(), backend="eager", **keywords)
+        pe.float()
+        half = [t.bfloat16() for t in (q, k, v)]
+        got = pe(*half, backend="sdpa", **keywords).double()
+        eager = pe(*half, backend="eager", **keywords).double()
+    assert (want - eager).abs().max() < 0.05 < want.abs().max()  # the terms are large
+    assert (got - want).abs().max() <= 2 * (eager - want).abs().max() + 1e-3
