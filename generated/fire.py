@@ -34,8 +34,9 @@ import torch
 from torch import Tensor, nn
 
 from ._attention import PositionalAttention
+from ._distances import expand_distance_bias
 from ._flex import flex_positions
-from ._inputs import positions_or_default, score_bias_positions
+from ._inputs import frozen_block, positions_or_default, score_bias_positions
 
 __all__ = ["Fire"]
 
@@ -102,12 +103,48 @@ class Fire(PositionalAttention):
         self, q_positions: Tensor | None, k_positions: Tensor | None, n: int, m: int, device
     ) -> Tensor:
         dtype = torch.promote_types(self.fire_c.dtype, torch.float32)
+        if q_positions is None and k_positions is None:
+            vector = self._fire_distance_vector(n, m, device, dtype)  # [H, N + M - 1]
+            if vector is not None:  # one query's row as it is, more queries' a copy
+                return vector[:, None] if n == 1 else expand_distance_bias(vector, n, m)
         q_pos = positions_or_default(q_positions, m - n, n, device).to(dtype)  # [..., N]
         k_pos = positions_or_default(k_positions, 0, m, device).to(dtype)  # [..., M]
         distance = (q_pos.unsqueeze(-1) - k_pos.unsqueeze(-2)).clamp(min=0)  # i - j >= 0
         c, normaliser = self._fire_normaliser(q_pos, device, dtype)  # [], [..., N]
         normalised = torch.log1p(c * distance) / normaliser.unsqueeze(-1)  # [..., N, M]
         return self._fire_heads(normalised).to(dtype)  # [..., H, N, M]
+
+    def _fire_distance_vector(
+        self, n: int, m: int, device: torch.device, dtype: torch.dtype
+    ) -> Tensor | None:
+        """The bias of N queries at default positions as g(r) = f(psi(max(-r, 0)) /
+        psi(L)) per key minus query position r = -(M - 1) .. N - 1 ([H, N + M - 1], a
+        slice of a vector kept inside a ``parameters_frozen`` block,
+        ``_kept_distance_vector``), where the last query sits at or below the threshold
+        L, so that every query's normaliser is psi(L); None elsewhere (outside a block,
+        training, compiling, past L), where the bias is made per pair. A decode step then
+        reads a row instead of running f over its keys (about fifteen small ops)."""
+        if frozen_block(self) is None:  # outside a block: no comparison with the parameters
+            return None
+        threshold = self._kept_with_parameters(("fire_threshold",), device, self._fire_threshold)
+        if threshold is None or m - 1 > threshold:
+            return None
+
+        def of_distances(relative: Tensor) -> Tensor:  # [L] -> [H, L]
+            distance = (-relative).clamp(min=0).to(dtype)  # i - j, 0 for later keys
+            limit = torch.full((1,), threshold, dtype=dtype, device=device)  # below it: L
+            c, normaliser = self._fire_normaliser(limit, device, dtype)
+            normalised = torch.log1p(c * distance) / normaliser  # [L]
+            return self._fire_heads(normalised[None]).squeeze(-2).to(dtype)  # [H, L]
+
+        return self._kept_distance_vector("fire", n, m, device, of_distances)
+
+    def _fire_threshold(self) -> float:
+        """L = |s L0| on the host (one read), as ``_fire_normaliser`` computes it in
+        float32 or wider."""
+        dtype = torch.promote_types(self.fire_c.dtype, torch.float32)
+        scale = self.fire_threshold_scale.detach().to(dtype)
+        return float((scale * self.fire_init_threshold.to(scale.device, dtype)).abs())
 
     def _fire_normaliser(self, q_pos: Tensor, device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """|c| and each query's psi(max(i, L)) + eps ([..., N]) in ``dtype``, L = |s L0|."""

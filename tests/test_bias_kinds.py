@@ -16,6 +16,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from generated import parameters_frozen
 from posgen.cli import main
 from posgen.codegen.inmemory import encoding_class, module_from_spec
 from tests.conftest import ROOT, generated_class, run_backend, spec_variant, spy_method
@@ -472,3 +473,34 @@ def test_generated_expression_code_holds_no_spec_text() -> None:
 def test_catalogue_spec_claims_hold(name: str) -> None:
     result = CliRunner().invoke(main, ["check", str(ROOT / "specs" / f"{name}.yaml")])
     assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize(("n", "m", "threshold"), [(1, 30, 512.0), (3, 30, 512.0), (1, 30, 8.0)])
+def test_fire_decode_steps_in_a_frozen_block_read_a_kept_row(
+    monkeypatch: pytest.MonkeyPatch, n: int, m: int, threshold: float
+) -> None:
+    """Inside ``parameters_frozen``, N queries at default positions at or below the
+    threshold L (every normaliser psi(L)) read their bias from a vector per distance
+    kept across steps: f runs once for the vector, not at each step, and the bias
+    equals the paper's formula at every step, future keys (causal) at distance 0. Past
+    L the bias is made per pair at each step, as outside a block."""
+    pe = _module("fire")
+    with torch.no_grad():
+        pe.fire_threshold_scale.fill_(threshold / 512.0)
+        pe.fire_c.fill_(-0.3)
+    runs = spy_method(monkeypatch, type(pe), "_fire_heads", lambda normalised: normalised.shape)
+    generator = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 4, n, 8, generator=generator, dtype=torch.float64)
+    k, v = (torch.randn(1, 4, m, 8, generator=generator, dtype=torch.float64) for _ in "kv")
+    with torch.no_grad(), parameters_frozen(pe):
+        for length in range(m - 3, m + 1):
+            bias = pe._position_bias(None, None, n, length, q.device)  # [H, N, M]
+            want = fire_reference(pe, torch.arange(length - n, length), torch.arange(length))
+            torch.testing.assert_close(bias, want, rtol=1e-12, atol=1e-12)
+            got = pe(q, k[:, :, :length], v[:, :, :length], causal=True, backend="sdpa")
+            oracle = pe(q, k[:, :, :length], v[:, :, :length], causal=True, backend="eager")
+            torch.testing.assert_close(got, oracle, rtol=1e-12, atol=1e-12)
+    if threshold >= m:
+        assert len(runs) == 1  # the kept vector, made once for every step and backend
+    else:  # per pair at every call ([N, M] each)
+        assert len(runs) >= 12 and all(shape[-2] == n for shape in runs)
