@@ -51,6 +51,7 @@ import torch
 from torch import Tensor, nn
 
 from ._attention import PositionalAttention
+from ._distances import distance_span_vector
 from ._inputs import cache_get, cache_put, positions_or_default, positive_int, score_bias_positions
 from ._masks import relative_positions
 
@@ -143,6 +144,18 @@ class TupeR(PositionalAttention):
     def _relative_bias(
         self, q_positions: Tensor | None, k_positions: Tensor | None, n: int, m: int, device
     ) -> Tensor:
+        if q_positions is None and k_positions is None and n == 1:
+            # a decode step's row: one gather per distance from buckets kept over a wider
+            # span, where buckets per (N, M) were made again at each new key count
+
+            def buckets_of(relative: Tensor) -> Tensor:  # key minus query position -> bucket
+                return _relative_buckets(relative)
+
+            key = ("distance_buckets", str(device))
+            row = distance_span_vector(self._cache, key, 1, m, device, buckets_of)  # [M]
+            table = self.relative_attention_bias.weight.to(device)  # [buckets, heads]
+            dtype = torch.promote_types(table.dtype, torch.float32)  # float64 stays float64
+            return table.t().index_select(1, row).to(dtype)[:, None]  # [heads, 1, M]
         cacheable = q_positions is None and k_positions is None
         key = ("buckets", n, m, str(device))
         buckets = cache_get(self._cache, key) if cacheable else None
