@@ -38,7 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from ._attention import PositionalAttention
-from ._distances import diagonal_rows, distance_span_vector, monotone_index_ends
+from ._distances import diagonal_rows, monotone_index_ends
 from ._inputs import cache_get, cache_put
 from ._masks import relative_positions
 from ._terms import RelativeFactors
@@ -193,24 +193,17 @@ class BertRelativeKey(PositionalAttention):
         ascending run) and the first of them, on the host. With
         ``causal`` only diagonals whose key is not after the query (the first M) count
         toward the rows; the rest read a row within them.
-        Cached per shape."""
-        key = ("relative_diagonals", sign, n, m, causal, str(device))
-        cached = cache_get(self._cache, key)
-        if cached is not None:
-            return cached
+        Slices and views of vectors kept over wider spans (``diagonal_rows``): a decode
+        step's new key count makes no tensor."""
 
         def index_of(relative: Tensor) -> Tensor:  # key minus query -> row, int64 [L]
             return _relative_index(relative if sign == "key_minus_query" else -relative)
 
-        # the row per distance, sliced from a vector kept for a wider span (a decode
-        # step's new key count makes none)
         index_key = ("relative_index", sign, str(device))
-        index = distance_span_vector(self._cache, index_key, n, m, device, index_of)
         ends_key = ("relative_index_ends", sign)  # host lists, device-independent
-        diagonals = diagonal_rows(
-            index, index_of, n, m, causal, RELATIVE_ROWS, self._cache, ends_key
+        return diagonal_rows(
+            index_of, n, m, causal, RELATIVE_ROWS, self._cache, index_key, ends_key, device
         )
-        return cache_put(self._cache, key, diagonals)
 
     def _relative_factors(
         self,

@@ -65,36 +65,43 @@ def distance_span_vector(
 
 
 def diagonal_rows(
-    index: Tensor,
     index_of: Callable[[Tensor], Tensor],
     n: int,
     m: int,
     causal: bool,
     table_rows: int,
     cache: dict[tuple[Any, ...], Any],
+    index_key: tuple[Any, ...],
     ends_key: tuple[Any, ...],
+    device: torch.device,
 ) -> tuple[Tensor, Tensor, int]:
     """The table rows a relative term reads, per diagonal of default positions.
 
-    index: the table row of each diagonal, int64 [N + M - 1] (``default_distances``'
-    order), in [0, table_rows), given by ``index_of`` (key minus query positions, int64
-    [L] -> rows [L]), which is monotone in the distance (a clip, DeBERTa's signed log
-    buckets). Returns each diagonal's row counted from the first row reached, those
-    rows, int64 [K], and the first of them, on the host: the rows the diagonals reach
-    (with ``causal``, the first M diagonals, whose key is not after the query; the
-    others read a row within them), or every row of the table while compiling. Being
-    monotone, the index reaches its least and largest rows at the end distances,
-    -(M - 1) and N - 1 (0 with ``causal``): ``monotone_index_ends`` reads them from a
-    host list kept in ``cache`` under ``ends_key``, so a new shape (a decode step's)
-    costs no device sync and no tensor op; the rows are a view of a kept range
-    (``arange_view``)."""
+    ``index_of`` maps key minus query positions (int64 [L]) to table rows in [0,
+    table_rows), monotone in the distance (a clip, DeBERTa's signed log buckets).
+    Returns each diagonal's row counted from the first row reached, int64 [N + M - 1]
+    (``default_distances``' order), those rows, int64 [K], and the first of them, on the
+    host: the rows the diagonals reach (with ``causal``, the first M diagonals, whose
+    key is not after the query; the others read a row within them), or every row of the
+    table while compiling. Being monotone, the index reaches its least and largest rows
+    at the end distances, -(M - 1) and N - 1 (0 with ``causal``): ``monotone_index_ends``
+    reads them from a host list kept in ``cache`` under ``ends_key``. The diagonals'
+    rows are a slice of a vector kept under ``index_key`` (``distance_span_vector``),
+    clamped only where causal diagonals reach past the rows (more than one query) and
+    shifted only where the first row is not 0, and the rows a view of a kept range
+    (``arange_view``): a decode step's new key count costs no device sync and at most
+    one tensor op."""
     if torch.compiler.is_compiling():
         low, high = 0, table_rows - 1
     else:
         last = 0 if causal else n - 1
         low, high = monotone_index_ends(index_of, -(m - 1), last, cache, ends_key)
-    rows = arange_view(cache, low, high + 1, index.device)
-    return index.clamp(low, high) - low, rows, low
+    diagonal = distance_span_vector(cache, index_key, n, m, device, index_of)  # [N + M - 1]
+    if torch.compiler.is_compiling() or (causal and n > 1):  # later diagonals: the last row
+        diagonal = diagonal.clamp(low, high)
+    if low:
+        diagonal = diagonal - low
+    return diagonal, arange_view(cache, low, high + 1, device), low
 
 
 def monotone_index_ends(
