@@ -42,6 +42,7 @@ from torch import Tensor, nn
 
 from ._attention import PositionalAttention
 from ._distances import diagonal_rows, monotone_index_ends
+from ._few_queries import few_queries
 from ._inputs import cache_get, cache_put, positive_int
 from ._masks import relative_positions
 from ._terms import RelativeFactors
@@ -256,13 +257,24 @@ class Shaw(PositionalAttention):
         tensor is formed.
         """
         n, m = weights.shape[-2], weights.shape[-1]
-        index, rows = self._relative_layout(
-            q_positions, k_positions, n, m, weights.device, "key_minus_query"
-        )
-        if index.dim() == 3:
-            index = index.unsqueeze(1)  # [B, 1, N, M]
-        sums = weights.new_zeros(*weights.shape[:-1], rows.shape[0])  # [B, H, N, K]
-        sums.scatter_add_(-1, index.expand_as(weights), weights)
         weight = self.value_embedding.weight
-        table = weight[rows.to(weight.device)].to(weights.device, weights.dtype)  # [K, ...]
+        if q_positions is None and k_positions is None and few_queries(n):
+            # a decode step: each diagonal's row from vectors kept across steps, where an
+            # index per (N, M) was made again at every new key count
+            diagonal, rows, first = self._relative_diagonals(
+                n, m, weights.device, "key_minus_query", False
+            )
+            # query i reads diagonal[j - i + N - 1] at key j
+            index = diagonal[None] if n == 1 else diagonal.unfold(0, m, 1).flip(0)  # [N, M]
+            table = weight[first : first + rows.shape[0]]  # [K, ...]: consecutive rows
+        else:
+            index, rows = self._relative_layout(
+                q_positions, k_positions, n, m, weights.device, "key_minus_query"
+            )
+            if index.dim() == 3:
+                index = index.unsqueeze(1)  # [B, 1, N, M]
+            table = weight[rows.to(weight.device)]  # [K, ...]
+        table = table.to(weights.device, weights.dtype)
+        sums = weights.new_zeros(*weights.shape[:-1], table.shape[0])  # [B, H, N, K]
+        sums.scatter_add_(-1, index.expand_as(weights), weights)
         return torch.matmul(sums, table)  # [B, H, N, value_dim]
