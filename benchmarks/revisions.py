@@ -146,7 +146,9 @@ def call_options(args: argparse.Namespace, queries: int, batch: int) -> Options:
     """The options of every module call for M keys: explicit positions (``--position-stride``
     and ``--position-offset``: key j at S j + O, the queries at the last keys'),
     ``--window``, ``--documents`` and ``--padding`` (an attn_mask, bool [B, 1, 1, M], with
-    the first P keys of batch row 0 masked)."""
+    the first P keys of batch row 0 masked; with ``--counted-positions`` positions [B, M]
+    that count each row's kept keys, padding at 0, as Hugging Face's generation gives a
+    left-padded batch)."""
 
     def options_of(m: int) -> dict[str, Any]:
         given: dict[str, Any] = {}
@@ -162,6 +164,10 @@ def call_options(args: argparse.Namespace, queries: int, batch: int) -> Options:
             keep = torch.ones(batch, 1, 1, m, dtype=torch.bool)
             keep[0, ..., : args.padding] = False
             given["attn_mask"] = keep
+            if args.counted_positions:  # each row's kept keys counted, padding at 0
+                kept = keep[:, 0, 0].to(torch.int64)  # [B, M]
+                keys = (kept.cumsum(-1) - 1) * kept
+                given |= {"q_positions": keys[:, m - queries :], "k_positions": keys}
         return given
 
     return options_of
@@ -280,6 +286,7 @@ def run(args: argparse.Namespace) -> dict:
         "position_stride": args.position_stride,
         "position_offset": args.position_offset,
         "padding": args.padding,
+        "counted_positions": args.counted_positions,
         "window": args.window,
         "documents": args.documents,
         "growing": args.growing,
@@ -311,6 +318,13 @@ def markdown(report: dict) -> str:
             f" Every call (the baseline's too) with an attn_mask, bool [B, 1, 1, M], that "
             f"masks the first {report['padding']} keys of batch row 0 (left padding)."
             if report.get("padding")
+            else ""
+        )
+        + (
+            " The module calls give positions [B, M] that count each row's kept keys, "
+            "padding at 0 (as Hugging Face's generation gives a left-padded batch), the "
+            "queries at the last keys'."
+            if report.get("counted_positions")
             else ""
         )
         + (
@@ -424,6 +438,12 @@ def main() -> None:
         default=0,
         help="every call (and the baseline) with a bool attn_mask masking the first P "
         "keys of batch row 0",
+    )
+    parser.add_argument(
+        "--counted-positions",
+        action="store_true",
+        help="with --padding, every module call with positions [B, M] counting each row's "
+        "kept keys, padding at 0 (a left-padded batch in generation)",
     )
     parser.add_argument("--window", type=int, default=None, help="every module call with window=W")
     parser.add_argument(

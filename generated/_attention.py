@@ -190,18 +190,27 @@ class PositionalAttention(SdpaBackend, FlexBackend):
         )
         n, m = q.shape[2], k.shape[2]
         document_ids = check_document_ids(document_ids, n, m, q.shape[0], q.device)
+        attn_mask = check_attn_mask(attn_mask, q, m)
         if q_positions is None and k_positions is None:
             sampled = self._sampled_positions(m, q.device)  # randomized encodings, training
             if sampled is not None:
                 k_positions, q_positions = sampled, sampled[m - n :]
         elif positions_are_default(
-            q_positions, k_positions, n, m, self.shift_invariant, document_ids, True
+            q_positions,
+            k_positions,
+            n,
+            m,
+            self.shift_invariant,
+            document_ids,
+            True,
+            # keys the mask leaves unread may sit anywhere (a left-padded batch), except
+            # where counted positions read them
+            attn_mask if self._counted_position_table() is None else None,
         ):
             # the defaults, given (or, where only differences count, shifted per row or
             # per document): the paths for default positions (per-distance views, query
             # chunks that skip masked keys, cached tables) serve them
             q_positions = k_positions = None
-        attn_mask = check_attn_mask(attn_mask, q, m)
         if window is not None and window >= m and q_positions is None and k_positions is None:
             window = None  # default positions: every |query - key| < M (N <= M)
         self._check_value_width(v)

@@ -150,15 +150,30 @@ class TensorVerdicts:
     (on a GPU each read is a host sync). The tensors are held by weak reference.
     Inference tensors have no version counter, so no verdict on them is kept (an edit
     in place, such as a position buffer refilled each step, would go unseen). The
-    ``VERDICTS_KEPT`` most recent verdicts are kept."""
+    ``VERDICTS_KEPT`` most recent verdicts are kept. A view is known by its base and
+    where it sits in it, so the same slice taken anew (a mask cut to the keys in every
+    layer) finds the verdict on the last one."""
 
     def __init__(self) -> None:
         self._kept: dict[tuple[Any, ...], tuple[tuple[Any, ...], Any]] = {}
 
     @staticmethod
-    def _stamps(tensors: tuple[Tensor | None, ...]) -> tuple[Any, ...] | None:
-        """(weak reference, version) of each tensor (None for None); None where a
-        verdict on them cannot be kept."""
+    def _owner(t: Tensor) -> Tensor:
+        """The tensor that holds t's data: its base for a view, else t itself."""
+        return t if t._base is None else t._base
+
+    @staticmethod
+    def _identity(t: Tensor | None) -> Any:
+        """What names t in a key: its id, or for a view its base's id and its place."""
+        if t is None:
+            return None
+        if t._base is None:
+            return id(t)
+        return (id(t._base), t.storage_offset(), tuple(t.shape), t.stride())
+
+    def _stamps(self, tensors: tuple[Tensor | None, ...]) -> tuple[Any, ...] | None:
+        """(weak reference to the owner, version) of each tensor (None for None); None
+        where a verdict on them cannot be kept."""
         stamps: list[Any] = []
         for t in tensors:
             if t is None:
@@ -166,12 +181,12 @@ class TensorVerdicts:
             elif t.is_inference():
                 return None
             else:
-                stamps.append((weakref.ref(t), t._version))
+                stamps.append((weakref.ref(self._owner(t)), t._version))
         return tuple(stamps)
 
     def get(self, what: tuple[Any, ...], tensors: tuple[Tensor | None, ...]) -> Any:
         """The verdict ``what`` kept on these tensors, or None."""
-        key = (*what, *(id(t) for t in tensors))
+        key = (*what, *(self._identity(t) for t in tensors))
         entry = self._kept.get(key)
         if entry is None:
             return None
@@ -180,7 +195,7 @@ class TensorVerdicts:
             if t is None:
                 continue
             reference, version = stamp  # t is no inference tensor where it is the same
-            if reference() is not t or t._version != version:
+            if reference() is not self._owner(t) or t._version != version:
                 self._kept.pop(key, None)  # stale: the tensor died, was replaced or edited
                 return None
         return verdict
@@ -190,7 +205,7 @@ class TensorVerdicts:
         stamps = self._stamps(tensors)
         if stamps is None:
             return
-        key = (*what, *(id(t) for t in tensors))
+        key = (*what, *(self._identity(t) for t in tensors))
         self._kept.pop(key, None)
         self._kept[key] = (stamps, verdict)
         while len(self._kept) > VERDICTS_KEPT:
@@ -335,6 +350,7 @@ def positions_are_default(
     shifted: bool = False,
     document_ids: Tensor | None = None,
     check_values: bool = False,
+    attn_mask: Tensor | None = None,
 ) -> bool:
     """Whether validated positions (``check_position_pair``) that were given equal the
     defaults in every batch row: queries M - N, ..., M - 1 and keys 0, ..., M - 1, as a
@@ -352,12 +368,23 @@ def positions_are_default(
     ``check_values``: also check the positions' values (``check_position_values``,
     raising ValueError) in the same read, for a caller that validated them with
     ``read_values=False``: one host sync per call for both.
+
+    ``attn_mask`` (checked, ``check_attn_mask``; without ``document_ids``): keys it masks
+    for every query of a batch row (False, -inf, or at most half the dtype's lowest
+    value, as Hugging Face's additive masks hold) are never read, so their positions
+    may be anything, where every query of the row reads some other key. A batch
+    left-padded for generation, its positions counting the tokens each row keeps and
+    padding at 0, then takes the paths for default positions (the rows shifted by their
+    padding, for an encoding with ``shift_invariant``). The caller passes it only where
+    no term reads masked keys' positions (not CoPE's counted positions).
     """
     if torch.compiler.is_compiling() or (q_positions is None and k_positions is None):
         return False
+    if document_ids is not None:
+        attn_mask = None  # (the documents' test takes every key)
     # keys first: queries left out are a slice of the keys, whose name the error takes
     named = (("k_positions", k_positions), ("q_positions", q_positions))
-    tensors = (q_positions, k_positions, document_ids)
+    tensors = (q_positions, k_positions, document_ids, attn_mask)
     what = ("default", n, m, shifted)
     kept = POSITION_VERDICTS.get(what, tensors)
     if kept is not None:  # the same tensors, unchanged, were read (and checked) before
@@ -368,7 +395,9 @@ def positions_are_default(
     given = [t for _, t in named if t is not None and t.numel()]
     flags = [outside_position_range(t) for t in given] if check_values else []
     default = (
-        None if n > m else _default_flag(q_positions, k_positions, n, m, shifted, document_ids)
+        None
+        if n > m
+        else _default_flag(q_positions, k_positions, n, m, shifted, document_ids, attn_mask)
     )
     if not flags and default is None:
         return False  # (N > M: the default queries would sit before the first key)
@@ -415,6 +444,7 @@ def _default_flag(
     m: int,
     shifted: bool,
     document_ids: Tensor | None,
+    attn_mask: Tensor | None = None,
 ) -> Tensor:
     """``positions_are_default``'s test as a 0-d bool tensor (no host read); N <= M and
     at least one of the positions given."""
@@ -423,6 +453,8 @@ def _default_flag(
     device = given.device
     q_offsets = None if q_positions is None else q_positions - torch.arange(m - n, m, device=device)
     k_offsets = None if k_positions is None else k_positions - torch.arange(m, device=device)
+    if attn_mask is not None and k_offsets is not None:
+        return _default_flag_on_read_keys(q_offsets, k_offsets, shifted, attn_mask)
     if not shifted or q_offsets is None or k_offsets is None:
         # a side left out is at the defaults, so the other must be too
         offsets = [t for t in (q_offsets, k_offsets) if t is not None]
@@ -438,6 +470,36 @@ def _default_flag(
             apart = documents[..., 1:] != documents[..., :-1]
             steps = apart | (k_offsets[..., 1:] == k_offsets[..., :-1])
         checks.append(steps.all())
+    return torch.stack(checks).all()
+
+
+def _default_flag_on_read_keys(
+    q_offsets: Tensor | None, k_offsets: Tensor, shifted: bool, attn_mask: Tensor
+) -> Tensor:
+    """``_default_flag`` where the positions of keys that ``attn_mask`` masks for every
+    query of their batch row are free: the queries' offsets from the defaults ([N] /
+    [batch, N], None for the defaults) one constant per row (0 unless ``shifted``), each
+    key's offset ([M] / [batch, M]) that constant or the key unread, and every query
+    reading some key (a row masked whole would weigh its masked keys alike, positions
+    and all). A 0-d bool tensor, no host read."""
+    if attn_mask.dtype == torch.bool:
+        reads = attn_mask
+    else:  # -inf, or a finite mask as hard as Hugging Face's finfo.min
+        reads = attn_mask > torch.finfo(attn_mask.dtype).min / 2
+    every_query_reads = reads.any(-1).all()
+    if reads.dim() == 4:  # [batch or 1, heads or 1, N or 1, M or 1]: per batch row
+        key_read = reads.flatten(1, 2).any(1)  # [batch or 1, M or 1]
+    else:  # [heads or 1, N or 1, M or 1] or [N or 1, M or 1]: alike in every row
+        key_read = reads.reshape(-1, reads.shape[-1]).any(0)  # [M or 1]
+    if q_offsets is None:  # the queries at the defaults: every row's constant is 0
+        constant = torch.zeros((), dtype=k_offsets.dtype, device=k_offsets.device)
+        checks = []
+    else:
+        constant = q_offsets[..., -1:]  # [1] / [batch, 1]: the last query's
+        checks = [(q_offsets == constant).all()]
+    if not shifted:
+        checks.append((constant == 0).all())
+    checks += [((k_offsets == constant) | ~key_read).all(), every_query_reads]
     return torch.stack(checks).all()
 
 

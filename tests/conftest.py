@@ -432,14 +432,18 @@ def hf_decode_step_reads(
     net: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor
 ) -> tuple[Any, int]:
     """A Hugging Face causal LM's prompt ``ids`` [2, L] (``mask``: its attention mask)
-    into a fresh DynamicCache, then one decode step of tokens 5 and 7: that step's
-    logits and its ``HostReads`` count."""
+    into a fresh DynamicCache, then decode steps of tokens 5 and 7 and of 3 and 2: the
+    second step's logits and its ``HostReads`` count. The first step makes what a decode
+    loop keeps across steps (on the CPU, for instance, the depth of each module's kept
+    bias vector, read once per vector: ``kept_row_is_shallow``)."""
     import transformers
 
     cache = transformers.DynamicCache()
     with torch.no_grad():
         net(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
         step_mask = torch.cat((mask, torch.ones(2, 1, dtype=mask.dtype)), 1)
+        net(torch.tensor([[5], [7]]), attention_mask=step_mask, past_key_values=cache)
+        step_mask = torch.cat((step_mask, torch.ones(2, 1, dtype=mask.dtype)), 1)
         with HostReads() as counted:
-            out = net(torch.tensor([[5], [7]]), attention_mask=step_mask, past_key_values=cache)
+            out = net(torch.tensor([[3], [2]]), attention_mask=step_mask, past_key_values=cache)
     return out.logits, counted.count

@@ -511,3 +511,17 @@ def test_rotations_at_explicit_positions_read_the_table_on_the_cpu(
                 pe.rotate_keys(k[:, :, :2], positions)
         reads[layers] = counted.count
     assert reads[3] == reads[1]
+
+
+def test_a_verdict_on_a_view_holds_for_the_same_slice_taken_again() -> None:
+    """A view is known by its base and its place in it: the same slice taken anew (a
+    mask cut to the keys in each layer) finds the verdict, another slice of the base
+    does not, and an edit in place of the base (through any view) drops it."""
+    verdicts = importlib.import_module("generated._inputs").TensorVerdicts()
+    mask = torch.ones(2, 1, 5, 9, dtype=torch.bool)
+    verdicts.put(("live",), (mask[..., :7],), True)
+    assert verdicts.get(("live",), (mask[..., :7],)) is True
+    assert verdicts.get(("live",), (mask[..., :6],)) is None
+    assert verdicts.get(("live",), (mask[..., 1:8],)) is None
+    mask[0, 0, 0, 0] = False
+    assert verdicts.get(("live",), (mask[..., :7],)) is None

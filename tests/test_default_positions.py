@@ -292,3 +292,119 @@ def test_shifted_defaults_with_documents_are_one_constant_per_document(
 def test_positions_are_left_as_given_while_compiling(monkeypatch) -> None:
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert not inputs_module.positions_are_default(torch.arange(3), torch.arange(3), 3, 3)
+
+
+LEFT_PADDING = (0, 3, 5)  # each batch row's padding, before its tokens
+
+
+def _left_padded(m: int, hard: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions counting each row's kept tokens, padding at 0 (as generation with a
+    left-padded batch gives them), [3, M], and the padding mask [3, 1, 1, M]: bool, or
+    additive with 0 and -inf or Hugging Face's finfo.min."""
+    kept = torch.arange(m)[None, :] >= torch.tensor(LEFT_PADDING)[:, None]  # [3, M]
+    positions = (kept.cumsum(-1) - 1) * kept
+    if hard == "bool":
+        mask = kept
+    else:
+        low = float("-inf") if hard == "-inf" else torch.finfo(torch.float64).min
+        mask = torch.zeros(kept.shape, dtype=torch.float64).masked_fill(~kept, low)
+    return positions, mask[:, None, None, :]
+
+
+@pytest.mark.parametrize("hard", ["bool", "-inf", "finfo.min"])
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_left_padded_batch_reads_the_defaults_on_the_keys_it_keeps(hard: str, n: int) -> None:
+    """Keys the attn_mask masks for every query of their row are never read, so where
+    every other key sits at the defaults shifted by the row's padding (and the queries
+    too) the positions count as default for an encoding of differences alone; exactly
+    the defaults (no shift) for any other. A row whose query reads no key, a kept key
+    off the shift, and inner padding do not count."""
+    m = 9
+    positions, mask = _left_padded(m, hard)
+    q_positions = positions[:, m - n :]
+
+    def default(q_pos: torch.Tensor, k_pos: torch.Tensor, attn_mask: torch.Tensor, shifted: bool):
+        return inputs_module.positions_are_default(
+            q_pos, k_pos, n, m, shifted, None, True, attn_mask
+        )
+
+    assert default(q_positions, positions, mask, True)
+    assert not default(q_positions, positions, mask, False)  # the rows are shifted
+    assert not default(q_positions, positions, None, True)  # padding at 0 is read
+    unpadded = torch.arange(m).expand(3, m)
+    assert default(unpadded[:, m - n :], unpadded, mask, False)  # rows at the defaults
+    off = positions.clone()
+    off[2, 7] += 1  # a kept key off its row's shift
+    assert not default(off[:, m - n :], off, mask, True)
+    inner = positions.clone()
+    inner[0, 4:] -= 1  # row 0 kept all along: a key counted as padding moves the rest
+    assert not default(inner[:, m - n :], inner, mask, True)
+    blind = mask.clone()
+    blind[1] = False if hard == "bool" else float("-inf")  # row 1 reads nothing at all
+    assert not default(q_positions, positions, blind, True)
+
+
+@pytest.mark.parametrize("name", ["alibi", "t5", "kerple_log", "transformer_xl", "rope"])
+@pytest.mark.parametrize("hard", ["bool", "finfo.min"])
+def test_a_left_padded_batch_equals_each_row_alone(monkeypatch, name: str, hard: str) -> None:
+    """A left-padded batch of one decode query and of a prefill of the kept tokens, with
+    positions counting each row's kept tokens (Hugging Face's generation): each row's
+    output equals the row alone with its padding cut off at default positions, the
+    paths for default positions serving (no positions reach the backend) where the
+    encoding reads differences alone (every one here but rope, whose rows are shifted);
+    causal, sdpa and eager."""
+    m = 9
+    pe = generated_class(name)(heads=4, head_dim=8).double()
+    seen = spy_method(
+        monkeypatch, type(pe), "_sdpa_attention", lambda q, k, v, qp, kp, *_, **__: qp
+    )
+    positions, mask = _left_padded(m, hard)
+    generator = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(3, 4, m, 8, generator=generator, dtype=torch.float64) for _ in "qkv")
+    for n in (1, 4):  # the newest token, then the last 4 (each row keeps at least 4)
+        for backend in ("sdpa", "eager"):
+            got = pe(
+                q[:, :, m - n :],
+                k,
+                v,
+                q_positions=positions[:, m - n :],
+                k_positions=positions,
+                attn_mask=mask,
+                causal=True,
+                backend=backend,
+            )
+            for row, pad in enumerate(LEFT_PADDING):
+                alone = pe(
+                    q[row : row + 1, :, m - n :],
+                    k[row : row + 1, :, pad:],
+                    v[row : row + 1, :, pad:],
+                    causal=True,
+                    backend=backend,
+                )
+                torch.testing.assert_close(got[row : row + 1], alone, rtol=1e-10, atol=1e-12)
+    took_defaults = [qp is None for qp in seen]
+    assert took_defaults and all(took_defaults) == pe.shift_invariant
+
+
+def test_counted_positions_keep_a_left_padded_batch_as_given(monkeypatch) -> None:
+    """CoPE counts gates over keys between key and query, masked ones among them, so
+    their positions can move what it counts: a left-padded batch keeps its positions."""
+    pe = generated_class("cope")(heads=4, head_dim=8).double()
+    seen = spy_method(
+        monkeypatch, type(pe), "_sdpa_attention", lambda q, k, v, qp, kp, *_, **__: qp
+    )
+    positions, mask = _left_padded(9, "bool")
+    generator = torch.Generator().manual_seed(8)
+    q, k, v = (
+        torch.randn(3, 4, rows, 8, generator=generator, dtype=torch.float64) for rows in (1, 9, 9)
+    )
+    pe(
+        q,
+        k,
+        v,
+        q_positions=positions[:, -1:],
+        k_positions=positions,
+        attn_mask=mask,
+        backend="sdpa",
+    )
+    assert seen and all(qp is not None for qp in seen)
