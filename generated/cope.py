@@ -99,15 +99,18 @@ class Cope(PositionalAttention):
         """
         n, m = q.shape[2], k.shape[2]
         q, k = q.to(dtype), k.to(dtype)
-        logits = torch.matmul(q, k.transpose(-2, -1)) * self.scale  # [B, H, N, M]
-        visible = causal_allowed(q_positions, k_positions, n, m, q.device)  # key <= query
-        if documents is not None:
-            visible = visible & same_document(documents)  # [N, M] or [B, 1, N, M]
-        gates = torch.sigmoid(logits) * visible.to(dtype)
+        logits = torch.matmul(q * self.scale, k.transpose(-2, -1))  # [B, H, N, M]
+        gates = torch.sigmoid(logits)
+        one_query = n == 1 and q_positions is None and k_positions is None
+        if documents is not None or not one_query:  # one query at M - 1 sees every key
+            visible = causal_allowed(q_positions, k_positions, n, m, q.device)  # key <= query
+            if documents is not None:
+                visible = visible & same_document(documents)  # [N, M] or [B, 1, N, M]
+            gates = gates * visible.to(dtype)
         counted = gates.flip(-1).cumsum(-1).flip(-1).clamp(max=COPE_MAX_POSITIONS - 1)
         per_row = torch.matmul(q, self.cope_positions.to(dtype).t())  # [B, H, N, P]
         below = counted.floor()
-        weight = counted - below  # [B, H, N, M]
         at_floor = per_row.gather(-1, below.long())
         at_ceil = per_row.gather(-1, counted.ceil().long())
-        return {"content_position": at_floor * (1 - weight) + at_ceil * weight}
+        # (1 - w) e[floor] + w e[ceil], w = p - floor p: [B, H, N, M]
+        return {"content_position": torch.lerp(at_floor, at_ceil, counted - below)}

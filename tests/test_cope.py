@@ -121,3 +121,19 @@ def test_a_packed_document_is_encoded_as_it_would_be_alone(
         for got, want in zip(packed_grads, alone_grads, strict=True):
             torch.testing.assert_close(got[:, :, rows], want, rtol=1e-9, atol=1e-11)
         start += length
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_few_queries_at_default_positions_count_only_the_keys_before_them(n: int) -> None:
+    """The last N of M = 6 queries at default positions (a decode step, N = 1: it sees
+    every key; N > 1: a later key is gated out for the earlier queries): each query's
+    term on the keys at or before it equals the float64 formula's row at its position."""
+    pe = generated_class("cope")(heads=2, head_dim=8).double()
+    generator = torch.Generator().manual_seed(n)
+    q, k = (torch.randn(1, 2, 6, 8, generator=generator, dtype=F64) for _ in "qk")
+    with torch.no_grad():
+        pe.cope_positions.copy_(torch.randn(16, 8, generator=generator, dtype=F64))
+    want = _cope64(q, k, pe.cope_positions.detach(), pe.scale)[:, :, 6 - n :]  # [1, 2, N, 6]
+    got = pe.score_terms(q[:, :, 6 - n :], k)["content_position"]
+    visible = torch.ones(6, 6, dtype=torch.bool).tril()[6 - n :]  # key <= query
+    torch.testing.assert_close(got[..., visible], want[..., visible], rtol=1e-12, atol=1e-12)
