@@ -74,15 +74,16 @@ def few_query_inputs(
     gathered: list[RelativePart] = []  # query-side and position-only terms, projected
     for part in merged_factors(factors):
         side, x, rows, diagonal, part_scale = part
+        ratio = part_scale / scale
         if side == "content":  # u . k_j
-            shift = accumulated(shift, rows[0] * (part_scale / scale))
+            shift = _shifted(shift, rows[0], ratio)
         elif side == "key":
             assert clip is not None and diagonal is not None  # few_query_relative_serves
             far = max(0, m - n - clip + 1)  # keys at least clip before every query
             # [H, D]: the farthest distance's row (a tensor index, so no host read)
             far_row = rows.index_select(0, diagonal[:1]).squeeze(0) if far else None
             if far_row is not None:
-                shift = accumulated(shift, far_row * (part_scale / scale))
+                shift = _shifted(shift, far_row, ratio)
             term = _key_side_term(x, rows, diagonal, n, m, far, far_row) * part_scale
             total = accumulated(total, term)
         else:  # the few queries (or a vector per head) over the K rows, read per diagonal
@@ -92,6 +93,13 @@ def few_query_inputs(
     if shift is not None:
         q = (q.to(shift.dtype) + shift[None, :, None, :]).to(q.dtype)  # [B, H, N, D]
     return q, total
+
+
+def _shifted(shift: Tensor | None, row: Tensor, ratio: float) -> Tensor:
+    """shift + row * ratio ([H, D]), never in place: row may be a parameter's view, so
+    where it is the first term (and the ratio 1) it is taken as it is, unscaled."""
+    term = row if ratio == 1.0 else row * ratio
+    return term if shift is None else shift + term
 
 
 def _diagonal_terms(part: RelativePart, n: int, m: int) -> Tensor:

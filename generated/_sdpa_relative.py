@@ -334,7 +334,7 @@ class SdpaRelative(SdpaChunks):
         k, v = repeat_kv(k, groups), repeat_kv(v, groups)  # the terms read every head
         n, m = q.shape[2], k.shape[2]
         dtype = compute_dtype(q)
-        factors = None
+        factors, fresh = None, None
         if q_positions is None and k_positions is None and few_queries(n):
             factors = self._relative_factors(q, k, dtype, causal)
         if factors and few_query_relative_serves(factors, clipped):
@@ -342,6 +342,7 @@ class SdpaRelative(SdpaChunks):
             # key ride in q (``_few_queries``)
             q, terms = few_query_inputs(q, factors, n, m, clipped, self.scale)
             parts = [] if terms is None else [terms]
+            fresh = terms  # a new tensor (``few_query_inputs``): no copy of it is needed
         else:
             if documents is None:
                 documents = pair_documents(document_ids, n, m)
@@ -354,7 +355,9 @@ class SdpaRelative(SdpaChunks):
             if self.position_bias_inside_scale:
                 bias = bias * self.scale
             parts.append(bias)
-        if parts:
+        if len(parts) == 1 and parts[0] is fresh:
+            mask = parts[0]
+        elif parts:
             mask = sum_into_new(parts)  # [B, H, N, M], a fresh tensor
         else:
             mask = torch.zeros((n, m), dtype=dtype, device=q.device)

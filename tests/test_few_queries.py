@@ -433,3 +433,22 @@ def test_kept_rows_are_compared_with_one_read_on_a_gpu(monkeypatch: pytest.Monke
         want = fresh(q, k, v, backend="eager")
     assert reads.count == 1
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_decode_steps_leave_the_parameters_as_they_were(name: str) -> None:
+    """The terms that ride in the queries start from the parameters' own rows where
+    they need no scale (Transformer-XL's u): decode steps, with and without gradients
+    and inside ``parameters_frozen``, never write into a parameter or its kept rows."""
+    pe = small_clip_module(name).float()
+    before = copy.deepcopy(pe.state_dict())
+    generator = torch.Generator().manual_seed(9)
+    q = torch.randn(2, 4, 1, 8, generator=generator)
+    k, v = (torch.randn(2, 4, 30, 8, generator=generator) for _ in "kv")
+    with pe.parameters_frozen(), torch.no_grad():
+        first = pe(q, k, v, causal=True)
+        again = pe(q, k, v, causal=True)  # the kept rows read once more
+    pe(q, k, v, causal=True).sum().backward()
+    for key, value in pe.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    torch.testing.assert_close(again, first, rtol=0, atol=0)
