@@ -523,5 +523,6 @@ def test_a_verdict_on_a_view_holds_for_the_same_slice_taken_again() -> None:
     assert verdicts.get(("live",), (mask[..., :7],)) is True
     assert verdicts.get(("live",), (mask[..., :6],)) is None
     assert verdicts.get(("live",), (mask[..., 1:8],)) is None
+    assert verdicts.get(("live",), (mask[..., :7].view(torch.uint8),)) is None  # another dtype
     mask[0, 0, 0, 0] = False
     assert verdicts.get(("live",), (mask[..., :7],)) is None

@@ -162,12 +162,13 @@ class TensorVerdicts:
 
     @staticmethod
     def _identity(t: Tensor | None) -> Any:
-        """What names t in a key: its id, or for a view its base's id and its place."""
+        """What names t in a key: its id, or for a view its base's id, its place and its
+        dtype (a view may read the same bytes as another dtype)."""
         if t is None:
             return None
         if t._base is None:
             return id(t)
-        return (id(t._base), t.storage_offset(), tuple(t.shape), t.stride())
+        return (id(t._base), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
     def _stamps(self, tensors: tuple[Tensor | None, ...]) -> tuple[Any, ...] | None:
         """(weak reference to the owner, version) of each tensor (None for None); None
