@@ -76,6 +76,11 @@ def _relative_buckets(relative: Tensor) -> Tensor:
     return offset + torch.where(distance < max_exact, distance, far)
 
 
+def _buckets_of_distances(relative: Tensor) -> Tensor:
+    """The bucket of each key minus query position: int64 [L] -> [L]."""
+    return _relative_buckets(relative)
+
+
 class T5(PositionalAttention):
     """T5 relative position bias over log-spaced buckets
 
@@ -192,6 +197,24 @@ class T5(PositionalAttention):
         bias = torch.gather(heads_first, 1, flat).view(-1, *buckets.shape)  # [heads, ..., N, M]
         return bias.movedim(0, -3).to(dtype)  # [..., heads, N, M]
 
+    def _table_per_distance(self, n: int, m: int, device) -> Tensor:
+        """table[bucket(r), h] for r = -(M - 1) .. N - 1: [heads, N + M - 1], gathered
+        from the buckets per distance, which are kept over a wider span
+        (``distance_span_vector``): a decode step's new key count makes no new buckets."""
+        key = ("distance_buckets", str(device))
+        buckets = distance_span_vector(self._cache, key, n, m, device, _buckets_of_distances)
+        return self._table_at_buckets(buckets, device)
+
+    def _table_at_buckets(self, buckets: Tensor, device) -> Tensor:
+        """The table's entries at ``buckets`` (int64 [L]), heads first: [heads, L], in
+        float32 or wider. Heads first, so that distances (keys) are contiguous: CUDA's
+        fused SDPA kernels want a mask with key stride 1 (table[buckets].t(), heads
+        innermost, sent a decode step's one-row mask to SDPA's math kernel: 22x plain
+        SDPA on an H200)."""
+        table = self.relative_attention_bias.weight.to(device)  # [buckets, heads]
+        dtype = torch.promote_types(table.dtype, torch.float32)  # float64 stays float64
+        return table.t().index_select(1, buckets).to(dtype)
+
     def _distance_bias(self, n: int, m: int, device) -> Tensor:
         """table[bucket(r), h] for r = -(M - 1) .. N - 1: [heads, N + M - 1].
 
@@ -199,24 +222,10 @@ class T5(PositionalAttention):
         N + M - 1 rows of the table (the [N, M] gather's backward scatters N * M).
         """
 
-        def buckets_of(relative: Tensor) -> Tensor:  # key minus query position -> bucket
-            return _relative_buckets(relative)
-
-        def of_buckets(buckets: Tensor) -> Tensor:  # [L] -> [heads, L]
-            table = self.relative_attention_bias.weight.to(device)  # [buckets, heads]
-            dtype = torch.promote_types(table.dtype, torch.float32)  # float64 stays float64
-            # gathered heads first, so that distances (keys) are contiguous: CUDA's fused
-            # SDPA kernels want a mask with key stride 1 (table[buckets].t(), heads
-            # innermost, sent a decode step's one-row mask to SDPA's math kernel: 22x
-            # plain SDPA on an H200)
-            return table.t().index_select(1, buckets).to(dtype)
+        def of_distances(relative: Tensor) -> Tensor:  # [L] -> [heads, L]
+            return self._table_at_buckets(_buckets_of_distances(relative), device)
 
         # the gathered vector, kept inside a parameters_frozen block
         # (``_kept_distance_vector``); else the kept buckets gathered every call
-        kept = self._kept_distance_vector(
-            "table", n, m, device, lambda relative: of_buckets(buckets_of(relative))
-        )
-        if kept is not None:
-            return kept
-        key = ("distance_buckets", str(device))
-        return of_buckets(distance_span_vector(self._cache, key, n, m, device, buckets_of))
+        kept = self._kept_distance_vector("table", n, m, device, of_distances)
+        return self._table_per_distance(n, m, device) if kept is None else kept
