@@ -319,12 +319,12 @@ def floor_moves_nothing(bias: Tensor, top: Tensor) -> bool:
     return bool((top - bias <= BIAS_FLOOR).all())
 
 
-# How far below its distance-0 entry each kept per-distance vector falls within each
-# reach back (``kept_row_is_shallow``), keyed on the vector's id and that entry's
-# index: (weak reference to the vector, depths as a host list). The most recent
-# ``KEPT_DEPTHS_MAX`` are kept.
-_KEPT_DEPTHS: dict[tuple[int, int], tuple[weakref.ref[Tensor], list[float]]] = {}
-KEPT_DEPTHS_MAX = 8
+# How many keys back from its distance-0 entry each kept per-distance vector stays
+# within ``BIAS_FLOOR`` of it (``kept_row_is_shallow``), keyed on the vector's id and
+# that entry's index: (weak reference to the vector, that count). An entry goes when its
+# vector dies, so a model's layers, each with its own kept vector, never evict one
+# another.
+_SHALLOW_REACH: dict[tuple[int, int], tuple[weakref.ref[Tensor], int]] = {}
 
 
 def kept_row_is_shallow(row: Tensor, m: int) -> bool:
@@ -332,14 +332,13 @@ def kept_row_is_shallow(row: Tensor, m: int) -> bool:
     .. 0, the last at distance 0), lies everywhere at most ``BIAS_FLOOR`` below its
     distance-0 entry, told without reading the row: it is a slice of a vector that
     posgen keeps across calls (``distance_span_vector``'s, its ``_base``; rows of it,
-    or one row expanded over the heads), and how far any row of that vector falls
-    below its distance-0 entry within each reach back is read from the device once per
-    kept vector (a host list kept while the vector lives;
-    ``floor_moves_nothing`` reads the row on every call: 9-43 us for 80-4096 keys on a
-    2-core AMD EPYC). Then ``floored_bias`` would move no entry, so the row needs
-    neither a floor nor flushed weights, and SDPA takes it as it is. False for a row
-    not sliced from a kept vector (one made per call), while compiling, and where an
-    entry is NaN or -inf."""
+    or one row expanded over the heads), and how many keys back every row of that
+    vector stays within ``BIAS_FLOOR`` of its distance-0 entry is read from the device
+    once per kept vector (kept while the vector lives; ``floor_moves_nothing`` reads
+    the row on every call: 9-43 us for 80-4096 keys on a 2-core AMD EPYC). Then
+    ``floored_bias`` would move no entry, so the row needs neither a floor nor flushed
+    weights, and SDPA takes it as it is. False for a row not sliced from a kept vector
+    (one made per call), while compiling, and where an entry is NaN or -inf."""
     base = row._base
     if torch.compiler.is_compiling() or base is None or m == 0:
         return False
@@ -354,19 +353,21 @@ def kept_row_is_shallow(row: Tensor, m: int) -> bool:
     if zero >= base.shape[1]:
         return False
     key = (id(base), zero)
-    kept = _KEPT_DEPTHS.get(key)
+    kept = _SHALLOW_REACH.get(key)
     if kept is None or kept[0]() is not base:
         with torch.no_grad():
             back = base[:, : zero + 1].flip(-1)  # [H, R + 1]: distances 0, -1, ..., -R
             below = back[:, :1] - back  # [H, R + 1]: how far each lies below distance 0
             deepest = below.cummax(-1).values.amax(0)  # [R + 1]: the deepest within each reach
-        kept = (weakref.ref(base), deepest.tolist())  # one host read per kept vector
-        _KEPT_DEPTHS.pop(key, None)
-        _KEPT_DEPTHS[key] = kept
-        while len(_KEPT_DEPTHS) > KEPT_DEPTHS_MAX:
-            del _KEPT_DEPTHS[next(iter(_KEPT_DEPTHS))]  # the oldest first
-    depths = kept[1]
-    return m <= len(depths) and bool(depths[m - 1] <= BIAS_FLOOR)  # NaN compares False
+            # non-decreasing (NaN from the first NaN on): the reach is the count within
+            reach = int((deepest <= BIAS_FLOOR).sum())  # one host read per kept vector
+
+        def forget(_: object, key: tuple[int, int] = key) -> None:  # the vector died
+            _SHALLOW_REACH.pop(key, None)
+
+        kept = (weakref.ref(base, forget), reach)
+        _SHALLOW_REACH[key] = kept
+    return m <= kept[1]
 
 
 def floored_bias(bias: Tensor, top: Tensor, spread: Tensor) -> Tensor:

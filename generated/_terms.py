@@ -579,12 +579,22 @@ class AttentionTerms(nn.Module):
         -> 3.12x), while inside a block KERPLE went 3.58x -> 2.79x, learned ALiBi 3.05x
         -> 2.80x and T5 2.85x -> 2.74x (against 4033-4096 keys 1.85x -> 1.34x, 1.44x ->
         1.31x, 1.38x -> 1.31x)."""
-        if frozen_block(self) is None:
-            return None
-        kept = self._kept_with_parameters(("distance_vector", name), device, dict)
+        kept = self._kept_per_distance(name, device)
         if kept is None:
             return None
         return distance_span_vector(kept, (name,), n, m, device, of_distances)
+
+    def _kept_per_distance(self, name: str, device: torch.device) -> dict[Any, Any] | None:
+        """The dict in which ``_kept_distance_vector`` keeps the vector ``name`` (under
+        ``(name,)``; a caller may keep other values of the same parameters beside it)
+        while the parameters are unchanged, inside a ``parameters_frozen`` block; None
+        elsewhere (outside a block, training, compiling)."""
+        if frozen_block(self) is None:
+            return None
+        kept: dict[Any, Any] | None = self._kept_with_parameters(
+            ("distance_vector", name), device, dict
+        )
+        return kept
 
     def _reused_relative_rows(
         self,

@@ -34,9 +34,9 @@ import torch
 from torch import Tensor, nn
 
 from ._attention import PositionalAttention
-from ._distances import expand_distance_bias
+from ._distances import distance_span_vector, expand_distance_bias
 from ._flex import flex_positions
-from ._inputs import frozen_block, positions_or_default, score_bias_positions
+from ._inputs import cache_get, cache_put, positions_or_default, score_bias_positions
 
 __all__ = ["Fire"]
 
@@ -120,14 +120,18 @@ class Fire(PositionalAttention):
         """The bias of N queries at default positions as g(r) = f(psi(max(-r, 0)) /
         psi(L)) per key minus query position r = -(M - 1) .. N - 1 ([H, N + M - 1], a
         slice of a vector kept inside a ``parameters_frozen`` block,
-        ``_kept_distance_vector``), where the last query sits at or below the threshold
+        ``_kept_per_distance``), where the last query sits at or below the threshold
         L, so that every query's normaliser is psi(L); None elsewhere (outside a block,
         training, compiling, past L), where the bias is made per pair. A decode step then
-        reads a row instead of running f over its keys (about fifteen small ops)."""
-        if frozen_block(self) is None:  # outside a block: no comparison with the parameters
+        reads a row instead of running f over its keys (about fifteen small ops). L is
+        kept beside the vector, read from the device once."""
+        kept = self._kept_per_distance("fire", device)
+        if kept is None:
             return None
-        threshold = self._kept_with_parameters(("fire_threshold",), device, self._fire_threshold)
-        if threshold is None or m - 1 > threshold:
+        threshold = cache_get(kept, ("threshold",))
+        if threshold is None:
+            threshold = cache_put(kept, ("threshold",), self._fire_threshold())
+        if m - 1 > threshold:
             return None
 
         def of_distances(relative: Tensor) -> Tensor:  # [L] -> [H, L]
@@ -137,7 +141,7 @@ class Fire(PositionalAttention):
             normalised = torch.log1p(c * distance) / normaliser  # [L]
             return self._fire_heads(normalised[None]).squeeze(-2).to(dtype)  # [H, L]
 
-        return self._kept_distance_vector("fire", n, m, device, of_distances)
+        return distance_span_vector(kept, ("fire",), n, m, device, of_distances)
 
     def _fire_threshold(self) -> float:
         """L = |s L0| on the host (one read), as ``_fire_normaliser`` computes it in

@@ -543,3 +543,20 @@ def test_a_half_precision_decode_step_reads_no_kept_shallow_row(
     vector = pe._distance_bias(1, 300, torch.device("cpu")).detach()  # [H, M]
     shifted = (vector - vector.amax(-1, keepdim=True)).to(torch.bfloat16)  # half_precision_bias
     assert len(sdpa_calls) == 1 and torch.equal(sdpa_calls[0][0, :, 0], shifted)
+
+
+def test_each_kept_vector_keeps_its_reach_while_it_lives() -> None:
+    """A model's layers each keep a vector of their own: twelve live vectors are each
+    read once (their reach kept beside no eviction), then told with no read; a vector
+    that dies takes its entry with it."""
+    # rising to distance 0 by 0, 1.5 or 3 a key: 19 keys back, 0, 28.5 or 57 below it
+    vectors = [torch.arange(40.0).expand(2, 40) * (1.5 * (i % 3)) for i in range(12)]
+    with HostReads() as first:
+        verdicts = [distances.kept_row_is_shallow(v[:, 10:30], 20) for v in vectors]
+    with HostReads() as again:
+        assert [distances.kept_row_is_shallow(v[:, 10:30], 20) for v in vectors] == verdicts
+    assert first.count == 12 and again.count == 0
+    assert verdicts == [i % 3 < 2 for i in range(12)]  # the first two stay within 40
+    entries = len(distances._SHALLOW_REACH)
+    del vectors[0]
+    assert len(distances._SHALLOW_REACH) == entries - 1
