@@ -405,15 +405,46 @@ def floored_rows(bias: Tensor, spread: Tensor, out: Tensor | None = None) -> Ten
     return torch.maximum(bias, floor, out=out) if finite else _raised(bias, floor, out)
 
 
+def rows_clear_floor(bias: Tensor, spread: Tensor) -> bool:
+    """Whether ``floored_rows`` would move no finite entry of bias [..., rows, keys] with
+    any masks of -inf joined to it (causal, window or document masks, a boolean
+    ``attn_mask``), told from the bias before them (two row reductions, one host read):
+    a mask only removes entries, so each row's largest entry read is at most its
+    largest entry here, its smallest finite one at least its smallest here, and the
+    floor under the former lies no higher. Then the masked bias needs no floor, which
+    over a causal chunk is a maximum, a select and a scan for -inf (FIRE's causal
+    forward at N = 2048 paid them on every chunk, its bias being shallow). A row whose
+    first and last keys already lie farther apart than its floor's depth is steep
+    (ALiBi's and KERPLE's far from the query), told from those two columns before the
+    reductions. False while compiling, for an empty bias, and where an entry is NaN or
+    infinite."""
+    if torch.compiler.is_compiling() or bias.numel() == 0:
+        return False
+    with torch.no_grad():
+        depth = _floor_depth(spread)  # [..., rows, 1]
+        gap = (bias[..., :1] - bias[..., -1:]).abs()  # [..., rows, 1]
+        if bool((gap > depth).any()):  # some row is wider than its floor's depth
+            return False
+        top = bias.amax(dim=-1, keepdim=True)  # [..., rows, 1]
+        low = bias.amin(dim=-1, keepdim=True)
+        clear = (low >= _floor_under(top, spread)) & (top < math.inf)
+        return bool(clear.all())
+
+
 def _floor_under(top: Tensor, spread: Tensor) -> Tensor:
     """``top - BIAS_FLOOR - spread`` where the spread is at most ``BIAS_FLOOR_MOST_SPREAD``,
     else ``top - BIAS_FLOOR_DEEP - spread`` (either way no floored key's weight was or
     becomes more than e^-BIAS_FLOOR of the row's largest), detached, with NaN and +inf
     as -inf (no floor)."""
-    spread = spread.detach()
-    below = torch.where(spread <= BIAS_FLOOR_MOST_SPREAD, BIAS_FLOOR, BIAS_FLOOR_DEEP)
-    floor = top.detach() - below - spread
+    floor = top.detach() - _floor_depth(spread)
     return floor.nan_to_num(nan=-math.inf, posinf=-math.inf, neginf=-math.inf)
+
+
+def _floor_depth(spread: Tensor) -> Tensor:
+    """How far below a row's top ``_floor_under`` puts its floor: ``BIAS_FLOOR`` or
+    ``BIAS_FLOOR_DEEP``, plus the spread (detached; NaN or inf where the spread is)."""
+    spread = spread.detach()
+    return torch.where(spread <= BIAS_FLOOR_MOST_SPREAD, BIAS_FLOOR, BIAS_FLOOR_DEEP) + spread
 
 
 def _raised(bias: Tensor, floor: Tensor, out: Tensor | None = None) -> Tensor:

@@ -31,6 +31,7 @@ from ._distances import (
     floored_rows,
     half_precision_bias,
     kept_row_is_shallow,
+    rows_clear_floor,
 )
 from ._grouped_queries import (
     few_query_matmuls_serve,
@@ -599,7 +600,8 @@ class SdpaBackend(SdpaRelative):
         Every mask joins before the floor, whose row maximum must be of the entries the
         row reads: with ``attn_mask`` added after it, a row whose largest entries the
         mask removed had every entry it reads lifted to the same floor (ALiBi with only
-        keys 100 or more away: outputs off by 2.5)."""
+        keys 100 or more away: outputs off by 2.5). A bias whose rows clear their floor
+        before masks that only remove entries (``rows_clear_floor``) is not floored."""
         if bias is None:
             bias = self._position_bias(q_positions, k_positions, n, m, device)
         assert bias is not None  # has_position_bias
@@ -611,6 +613,18 @@ class SdpaBackend(SdpaRelative):
         allowed = attention_allowed(
             q_positions, k_positions, n, m, device, causal, window, document_ids, query_documents
         )
+        joins_infinities = allowed is not None or attn_mask is not None
+        removes_only = attn_mask is None or attn_mask.dtype == torch.bool
+        needs_own_check = joins_infinities or (torch.is_grad_enabled() and bias.requires_grad)
+        if m and spread is not None and removes_only and needs_own_check:
+            # floored_rows reads only the masked bias's rows, and a grad-mode floor no rows
+            spread = None if rows_clear_floor(bias, spread) else spread
+        if _masked_in_one_pass(bias, allowed, attn_mask, spread, out, dtype):
+            assert out is not None and allowed is not None
+            # one select into ``out``, where a fill and a copy were two passes
+            masked = bias.new_full((), float("-inf"))  # where's out= form takes no scalar
+            mask = torch.where(allowed, bias, masked, out=out.view(bias.shape))
+            return mask.unsqueeze(0) if mask.dim() == 3 else mask  # [1 or B, H, N, M]
         mask = apply_masks(bias, allowed, attn_mask)
         into = None if out is None else out.view(mask.shape)  # [H, N, M] or [B, H, N, M]
         # the floor writes into ``out`` only where no cast follows: half precision takes
@@ -623,6 +637,24 @@ class SdpaBackend(SdpaRelative):
             mask = into.copy_(mask)
         # SDPA's CPU kernels take a 4-D mask directly; a 3-D one is ~3x slower (measured)
         return mask.unsqueeze(0) if mask.dim() == 3 else mask  # [1 or B, H, N, M]
+
+
+def _masked_in_one_pass(
+    bias: Tensor,
+    allowed: Tensor | None,
+    attn_mask: Tensor | None,
+    spread: Tensor | None,
+    out: Tensor | None,
+    dtype: torch.dtype,
+) -> bool:
+    """Whether ``_sdpa_bias`` writes the bias with -inf where ``allowed`` is False into
+    ``out`` as one select: a mask by position to join and nothing else (no attn_mask,
+    no floor, no cast), and an ``out`` of bias's dtype and shape."""
+    if out is None or allowed is None or attn_mask is not None or spread is not None:
+        return False
+    if not (bias.dtype == out.dtype == dtype) or out.numel() != bias.numel():
+        return False
+    return torch.broadcast_shapes(bias.shape, allowed.shape) == bias.shape
 
 
 def _distances_masked(vec: Tensor, n: int, m: int, causal: bool, window: int | None) -> Tensor:

@@ -151,7 +151,7 @@ def sdpa_masks(monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
 
 
 def lowest_finite(mask: torch.Tensor) -> float:
-    return float(mask[torch.isfinite(mask)].min())
+    return float(mask.detach()[torch.isfinite(mask)].min())
 
 
 def alibi_call(dtype: torch.dtype, **call: Any) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -560,3 +560,58 @@ def test_each_kept_vector_keeps_its_reach_while_it_lives() -> None:
     entries = len(distances._SHALLOW_REACH)
     del vectors[0]
     assert len(distances._SHALLOW_REACH) == entries - 1
+
+
+def test_rows_clear_floor_judges_each_row_under_its_own_largest() -> None:
+    spread = torch.tensor([[1.0], [1.0]])
+    at_the_floor = torch.tensor([[0.0, -FLOOR - 1.0], [7.0, 7.0 - FLOOR - 1.0]])
+    assert distances.rows_clear_floor(at_the_floor, spread)
+    assert not distances.rows_clear_floor(torch.tensor([[0.0, -FLOOR - 1.01]]), spread[:1])
+    # the first and last keys within the floor's depth of each other, a middle one not
+    assert not distances.rows_clear_floor(torch.tensor([[0.0, -FLOOR - 2.0, 0.0]]), spread[:1])
+    deep = torch.tensor([[FLOOR + 1.0]])  # past BIAS_FLOOR_MOST_SPREAD: the deeper floor
+    assert distances.rows_clear_floor(
+        torch.tensor([[0.0, -distances.BIAS_FLOOR_DEEP - FLOOR]]), deep
+    )
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        assert not distances.rows_clear_floor(torch.tensor([[0.0, bad]]), spread[:1])
+
+
+def floor_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """One entry per ``floored_rows`` call (the floor of a bias made per pair)."""
+    return spy_calls(monkeypatch, runtime_modules(), "floored_rows", lambda *_, **__: 1)
+
+
+@pytest.mark.parametrize("trained", [False, True])
+@pytest.mark.parametrize("keys", [40, 300])
+def test_a_causal_bias_per_pair_is_floored_only_where_its_rows_are_steep(
+    monkeypatch: pytest.MonkeyPatch, keys: int, trained: bool
+) -> None:
+    """ALiBi at every other position (a bias per pair), causal: over 40 keys (head 0's
+    bias down to -19.5) no row needs a floor, so the masked bias goes to SDPA with no
+    floor pass, although the causal mask's -inf entries are not above any floor; over
+    300 keys (down to -150) the rows are floored, to at most FLOOR plus the spread below
+    what each row reads. Outputs (and, trained, the slopes' and inputs' gradients) equal
+    the eager oracle's either way."""
+    calls, masks = floor_calls(monkeypatch), sdpa_masks(monkeypatch)
+    pe = ENCODINGS["alibi_learned" if trained else "alibi"](heads=4, head_dim=16)
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, keys, 16, generator=generator) / 2 for _ in range(3))
+    positions = torch.arange(0, 2 * keys, 2)
+    call = {"causal": True, "q_positions": positions, "k_positions": positions}
+    results = []
+    for backend in ("sdpa", "eager"):
+        inputs = [t.clone().requires_grad_(trained) for t in (q, k, v)]
+        with torch.set_grad_enabled(trained):
+            out = pe(*inputs, backend=backend, **call)
+        grads = torch.autograd.grad(out.sum(), [*inputs, *pe.parameters()]) if trained else ()
+        results.append((out, grads))
+    (out, grads), (oracle, oracle_grads) = results
+    torch.testing.assert_close(out, oracle, atol=2e-6, rtol=2e-6)
+    for grad, oracle_grad in zip(grads, oracle_grads, strict=True):
+        torch.testing.assert_close(grad, oracle_grad, atol=2e-5, rtol=2e-5)
+    steep = keys == 300
+    assert masks and bool(calls) == steep
+    spread = float(distances.content_spread(q, k, pe.scale).max())
+    lowest = min(lowest_finite(mask) for mask in masks)
+    assert (lowest >= -FLOOR - spread) if steep else lowest == pytest.approx(-0.25 * 2 * (keys - 1))
