@@ -103,8 +103,10 @@ class Fire(PositionalAttention):
         self, q_positions: Tensor | None, k_positions: Tensor | None, n: int, m: int, device
     ) -> Tensor:
         dtype = torch.promote_types(self.fire_c.dtype, torch.float32)
-        if q_positions is None and k_positions is None:
-            vector = self._fire_distance_vector(n, m, device, dtype)  # [H, N + M - 1]
+        # what is kept of the parameters, compared with them once for the call
+        kept = self._kept_per_distance("fire", device)
+        if q_positions is None and k_positions is None and kept is not None:
+            vector = self._fire_distance_vector(kept, n, m, device, dtype)  # [H, N + M - 1]
             if vector is not None:  # one query's row as it is, more queries' a copy
                 return vector[:, None] if n == 1 else expand_distance_bias(vector, n, m)
         q_pos = positions_or_default(q_positions, m - n, n, device).to(dtype)  # [..., N]
@@ -112,22 +114,18 @@ class Fire(PositionalAttention):
         distance = (q_pos.unsqueeze(-1) - k_pos.unsqueeze(-2)).clamp(min=0)  # i - j >= 0
         c, normaliser = self._fire_normaliser(q_pos, device, dtype)  # [], [..., N]
         normalised = torch.log1p(c * distance) / normaliser.unsqueeze(-1)  # [..., N, M]
-        return self._fire_heads(normalised).to(dtype)  # [..., H, N, M]
+        return self._fire_heads(normalised, kept).to(dtype)  # [..., H, N, M]
 
     def _fire_distance_vector(
-        self, n: int, m: int, device: torch.device, dtype: torch.dtype
+        self, kept: dict[Any, Any], n: int, m: int, device: torch.device, dtype: torch.dtype
     ) -> Tensor | None:
         """The bias of N queries at default positions as g(r) = f(psi(max(-r, 0)) /
         psi(L)) per key minus query position r = -(M - 1) .. N - 1 ([H, N + M - 1], a
-        slice of a vector kept inside a ``parameters_frozen`` block,
-        ``_kept_per_distance``), where the last query sits at or below the threshold
-        L, so that every query's normaliser is psi(L); None elsewhere (outside a block,
-        training, compiling, past L), where the bias is made per pair. A decode step then
-        reads a row instead of running f over its keys (about fifteen small ops). L is
-        kept beside the vector, read from the device once."""
-        kept = self._kept_per_distance("fire", device)
-        if kept is None:
-            return None
+        slice of a vector in ``kept``, ``_kept_per_distance``'s dict), where the last
+        query sits at or below the threshold L, so that every query's normaliser is
+        psi(L); None past L, where the bias is made per pair. A decode step then reads a
+        row instead of running f over its keys (about fifteen small ops). L is kept
+        beside the vector, read from the device once."""
         threshold = cache_get(kept, ("threshold",))
         if threshold is None:
             threshold = cache_put(kept, ("threshold",), self._fire_threshold())
@@ -139,7 +137,7 @@ class Fire(PositionalAttention):
             limit = torch.full((1,), threshold, dtype=dtype, device=device)  # below it: L
             c, normaliser = self._fire_normaliser(limit, device, dtype)
             normalised = torch.log1p(c * distance) / normaliser  # [L]
-            return self._fire_heads(normalised[None]).squeeze(-2).to(dtype)  # [H, L]
+            return self._fire_heads(normalised[None], kept).squeeze(-2).to(dtype)  # [H, L]
 
         return distance_span_vector(kept, ("fire",), n, m, device, of_distances)
 
@@ -189,7 +187,7 @@ class Fire(PositionalAttention):
 
         return bias
 
-    def _fire_heads(self, normalised: Tensor) -> Tensor:
+    def _fire_heads(self, normalised: Tensor, kept: dict[Any, Any] | None) -> Tensor:
         """The MLP f at every pair, heads first: [..., N, M] -> [..., H, N, M], contiguous:
         piece by piece (``_fire_heads_by_pieces``, a few passes per head) where there are
         at most half as many heads as hidden units, else layer by layer
@@ -198,12 +196,13 @@ class Fire(PositionalAttention):
         8 heads forward 5.17x -> 2.78x, training step 6.34x -> 3.58x
         (benchmarks/results/revisions_cpu_float32_fire_pieces.md); 16 heads at positions
         2 apart 2.56x -> 2.57x and 3.71x -> 3.45x (``..._stride2.md``); 32 heads 2.81x ->
-        2.89x and 4.49x -> 4.71x (``..._h32.md``)."""
+        2.89x and 4.49x -> 4.71x (``..._h32.md``). ``kept``: ``_kept_per_distance``'s dict,
+        where the pieces are kept, or None."""
         if 2 * self.heads <= FIRE_HIDDEN:
-            return self._fire_heads_by_pieces(normalised)
+            return self._fire_heads_by_pieces(normalised, kept)
         return self._fire_heads_by_layers(normalised)
 
-    def _fire_heads_by_pieces(self, normalised: Tensor) -> Tensor:
+    def _fire_heads_by_pieces(self, normalised: Tensor, kept: dict[Any, Any] | None) -> Tensor:
         """``_fire_heads`` piece by piece. f(x) = b2 + w2 relu(w1 x + b1) has one input,
         so it is linear between the hidden units' breakpoints x = -b1_u / w1_u: on each
         of the hidden + 1 pieces f_h(x) = base_h + slope_h x (``_fire_pieces``). Each
@@ -211,7 +210,7 @@ class Fire(PositionalAttention):
         head gathers that piece's base and slope. Gradients reach f's weights through
         the pieces' bases and slopes, and c and the threshold through x, as through f.
         """
-        breakpoints, base, slope = self._fire_pieces()  # [hidden], [H, hidden + 1] x 2
+        breakpoints, base, slope = self._fire_pieces(kept)  # [hidden], [H, hidden + 1] x 2
         x = normalised.to(base.dtype)
         piece = torch.searchsorted(breakpoints, x.detach())  # [..., N, M]: 0 .. hidden
         lead = x.shape[:-2]
@@ -221,16 +220,19 @@ class Fire(PositionalAttention):
         heads = heads.addcmul_(slopes, x.flatten(-2).unsqueeze(-2))  # [..., H, N M]
         return heads.unflatten(-1, normalised.shape[-2:])  # [..., H, N, M]
 
-    def _fire_pieces(self) -> tuple[Tensor, Tensor, Tensor]:
-        """``_fire_pieces_of_weights``, kept across calls while the parameters are
-        unchanged and not training, where that costs no sync (``_kept_without_sync``:
-        compared with them once per call on the CPU, once per ``parameters_frozen``
-        block anywhere), where making them takes about fifteen small ops: one query
-        against 437-500 keys (8 heads, 2-core AMD EPYC) went from 7.0x to 4.7x plain
-        SDPA inside a frozen block, 8.2x to 6.5x outside one."""
-        device = self.fire_c.device
-        kept = self._kept_without_sync(("fire_pieces",), device, self._fire_pieces_of_weights)
-        return self._fire_pieces_of_weights() if kept is None else kept
+    def _fire_pieces(self, kept: dict[Any, Any] | None) -> tuple[Tensor, Tensor, Tensor]:
+        """``_fire_pieces_of_weights``, kept in ``kept`` (``_kept_per_distance``'s dict:
+        while the parameters are unchanged and not training, where that costs no sync,
+        compared with them once per call on the CPU and once per ``parameters_frozen``
+        block anywhere), made afresh where it is None. Making them takes about fifteen
+        small ops: one query against 437-500 keys (8 heads, 2-core AMD EPYC) went from
+        7.0x to 4.7x plain SDPA inside a frozen block, 8.2x to 6.5x outside one."""
+        if kept is None:
+            return self._fire_pieces_of_weights()
+        pieces = cache_get(kept, ("pieces",))
+        if pieces is None:
+            pieces = cache_put(kept, ("pieces",), self._fire_pieces_of_weights())
+        return pieces
 
     def _fire_pieces_of_weights(self) -> tuple[Tensor, Tensor, Tensor]:
         """f as a piecewise linear function: the sorted breakpoints [hidden], and each

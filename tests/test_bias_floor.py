@@ -5,6 +5,7 @@ softmax weight is a slow denormal float; float64 exact, outputs unchanged."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from typing import Any
 
@@ -386,7 +387,10 @@ def test_a_decode_step_flushes_instead(
     needs none. One query runs as the few-query matmuls, which flush denormal weights:
     no floor and no bound, with or without grouped heads. More queries read
     whether the floor is due and take the matmuls where it is (ALiBi), SDPA where it is
-    not (T5). Outputs equal eager's."""
+    not (T5). T5's vector is made per call here, as outside a ``parameters_frozen``
+    block on a GPU (kept, its row is known shallow: the next tests). Outputs equal
+    eager's."""
+    set_runtime(monkeypatch, "KEPT_WITHOUT_SYNC_DEVICES", set())
     spreads, matmuls = spread_calls(monkeypatch), matmul_calls(monkeypatch)
     pe, q, k, v = decode_case(name, kv_heads, n, seed=0)
     with torch.no_grad(), HostReads() as reads:
@@ -475,6 +479,7 @@ def test_a_row_not_sliced_from_a_kept_vector_is_not_known_shallow() -> None:
     assert not distances.kept_row_is_shallow(steep[:, 10:30], 20)
 
 
+@pytest.mark.parametrize("frozen", [True, False])
 @pytest.mark.parametrize(
     ("name", "keys", "shallow"),
     [
@@ -485,14 +490,15 @@ def test_a_row_not_sliced_from_a_kept_vector_is_not_known_shallow() -> None:
     ],
 )
 def test_a_decode_step_on_a_kept_shallow_vector_runs_sdpa_as_it_is(
-    monkeypatch: pytest.MonkeyPatch, name: str, keys: int, shallow: bool
+    monkeypatch: pytest.MonkeyPatch, name: str, keys: int, shallow: bool, frozen: bool
 ) -> None:
-    """One query on the CPU, float32, inside a ``parameters_frozen`` block: where the
-    kept vector lies within the floor of its distance-0 entry (T5's table, ALiBi's
-    first 60 keys at slopes up to 1/4), SDPA takes the row as it is, with no matmuls,
-    no floor and no read after the first step's; a vector that falls deeper (ALiBi
-    over 300 keys, T5 with a bucket at -100) keeps the matmuls, which flush. Outputs
-    equal eager's."""
+    """One query on the CPU, float32, inside a ``parameters_frozen`` block or outside
+    one (where the CPU keeps the vector too, comparing T5's table at every call):
+    where the kept vector lies within the floor of its distance-0 entry (T5's table,
+    ALiBi's first 60 keys at slopes up to 1/4), SDPA takes the row as it is, with no
+    matmuls, no floor and no read after the first step's; a vector that falls deeper
+    (ALiBi over 300 keys, T5 with a bucket at -100) keeps the matmuls, which flush.
+    Outputs equal eager's."""
     spreads, matmuls, masks = (
         spread_calls(monkeypatch),
         matmul_calls(monkeypatch),
@@ -503,7 +509,8 @@ def test_a_decode_step_on_a_kept_shallow_vector_runs_sdpa_as_it_is(
     if name == "t5_steep":
         with torch.no_grad():
             pe.relative_attention_bias.weight[15] = -100.0  # the farthest keys' bucket
-    with torch.no_grad(), parameters_frozen(pe):
+    block = parameters_frozen(pe) if frozen else contextlib.nullcontext()
+    with torch.no_grad(), block:
         pe(q, k[:, :, :-1], v[:, :, :-1], backend="sdpa", causal=True)  # keeps the vector
         matmuls.clear()
         masks.clear()

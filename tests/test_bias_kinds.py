@@ -199,7 +199,7 @@ def test_fire_gradients_match_the_literal_mlp(
     breakpoint inside x's range (0 .. 1), alternate signs of w1, and pairs with x below
     the first breakpoint (x = 0 at distance 0)."""
     pe = _module("fire", heads=heads)
-    pieces = spy_method(monkeypatch, type(pe), "_fire_pieces", lambda: True)
+    pieces = spy_method(monkeypatch, type(pe), "_fire_pieces", lambda kept: True)
     first = pe.fire_mlp[0]
     with torch.no_grad():
         pe.fire_threshold_scale.fill_(8.0 / 512.0)  # queries past the threshold too
@@ -488,7 +488,9 @@ def test_fire_decode_steps_in_a_frozen_block_read_a_kept_row(
     with torch.no_grad():
         pe.fire_threshold_scale.fill_(threshold / 512.0)
         pe.fire_c.fill_(-0.3)
-    runs = spy_method(monkeypatch, type(pe), "_fire_heads", lambda normalised: normalised.shape)
+    runs = spy_method(
+        monkeypatch, type(pe), "_fire_heads", lambda normalised, kept: normalised.shape
+    )
     generator = torch.Generator().manual_seed(4)
     q = torch.randn(1, 4, n, 8, generator=generator, dtype=torch.float64)
     k, v = (torch.randn(1, 4, m, 8, generator=generator, dtype=torch.float64) for _ in "kv")

@@ -186,10 +186,13 @@ def test_a_decode_loop_reads_no_value_back_from_the_device(
 ) -> None:
     """A decoding loop at default positions (one key more each step, over a cache of
     keys rotated once) reads no tensor's value back into Python for any encoding, with
-    the CPU-only bias floor (one host read to skip it) switched off as on a GPU: rows,
-    spans and ranges of default positions are known on the host. Comparisons of kept
-    values with the parameters (``torch.equal``) are not such reads."""
+    the CPU-only bias floor (one host read to skip it) and the CPU's values kept
+    outside a ``parameters_frozen`` block (FIRE reads its threshold once for those)
+    switched off as on a GPU: rows, spans and ranges of default positions are known on
+    the host. Comparisons of kept values with the parameters (``torch.equal``) are not
+    such reads."""
     set_runtime(monkeypatch, "BIAS_FLOOR_DEVICES", set())
+    set_runtime(monkeypatch, "KEPT_WITHOUT_SYNC_DEVICES", set())
     d = head_dim_for(name, 16)
     pe = generated_class(name)(heads=4, head_dim=d).eval()
     generator = torch.Generator().manual_seed(5)

@@ -40,9 +40,6 @@ KEPT_FROM = {
     "alibi_learned": "slopes",
     "t5": "relative_attention_bias.weight",
 }
-#: encodings whose kept values are cheap to make: kept inside a block only, never
-#: compared with the parameters outside one (``_kept_distance_vector``)
-KEPT_IN_BLOCKS_ONLY = {"kerple_power", "alibi_learned", "t5"}
 
 
 def make(name: str, seed: int = 0) -> torch.nn.Module:
@@ -77,19 +74,18 @@ def count_comparisons(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def test_a_frozen_block_compares_the_parameters_once(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A loop of reads compares the parameters at every read but the first (which keeps
-    the value) outside the block, and only at its first read inside one; values kept
-    in blocks only are made at every read outside and once inside, with no comparison
-    at all (nothing is kept from before the block)."""
+    """A loop of reads on the CPU compares the parameters once at every read but the
+    first (which keeps the value) outside the block, and only at its first read inside
+    one (the values kept per distance, FIRE's pieces among them, are kept outside a
+    block only where comparing costs no sync: ``_kept_without_sync``)."""
     pe, read = make(name), reader(name)
     comparisons = count_comparisons(monkeypatch)
-    block_only = name in KEPT_IN_BLOCKS_ONLY
     with torch.no_grad():
         outside = [read(pe, length) for length in range(30, 36)]
-        assert len(comparisons) == (0 if block_only else 5)
+        assert len(comparisons) == 5
         with parameters_frozen(pe):
             inside = [read(pe, length) for length in range(30, 36)]
-        assert len(comparisons) == (0 if block_only else 6)
+        assert len(comparisons) == 6
         fresh = fresh_copy(pe, name)
         for length, got, again in zip(range(30, 36), outside, inside, strict=True):
             want = read(fresh, length)

@@ -42,6 +42,12 @@ from ._numerics import autocast_off, compute_dtype
 # projection, as much as one layer's key cache). False: every call projects its rows.
 KEEP_RELATIVE_ROWS = True
 
+# Device types on which values cheap to make (``_kept_without_sync``: a bias per
+# distance, FIRE's pieces) are kept outside a ``parameters_frozen`` block too, compared
+# with the parameters at every call: there ``torch.equal`` reads no device. Elsewhere (a
+# GPU, where the comparison is a sync) they are kept inside a block only.
+KEPT_WITHOUT_SYNC_DEVICES: set[str] = {"cpu"}
+
 
 class RelativeFactors(NamedTuple):
     """One relative term at default positions as its two factors
@@ -550,11 +556,12 @@ class AttentionTerms(nn.Module):
         self, name: tuple[Any, ...], device: torch.device, make: Callable[[], Any]
     ) -> Any:
         """``_kept_with_parameters`` where reading the kept value costs no device sync:
-        on the CPU (``torch.equal`` compares there), or inside a ``parameters_frozen``
-        block (compared once, at its first read); None elsewhere, so that the caller
+        on ``KEPT_WITHOUT_SYNC_DEVICES`` (the CPU, where ``torch.equal`` compares), or
+        inside a ``parameters_frozen`` block (compared once, at its first read); None
+        elsewhere, so that the caller
         makes the value every call. For values that are cheap to make (a few small
         ops): a decode step on CUDA outside a block keeps its loop free of syncs."""
-        if device.type != "cpu" and frozen_block(self) is None:
+        if device.type not in KEPT_WITHOUT_SYNC_DEVICES and frozen_block(self) is None:
             return None
         return self._kept_with_parameters(name, device, make)
 
@@ -568,15 +575,19 @@ class AttentionTerms(nn.Module):
     ) -> Tensor | None:
         """``of_distances(default_distances(n, m, device))`` ([..., N + M - 1]) for a bias
         per distance made from trained parameters (KERPLE's, learned slopes, T5's
-        table, an expression's), inside a ``parameters_frozen`` block: a slice of a
-        vector over a wider span (``distance_span_vector``) kept while the parameters
-        are unchanged. None elsewhere (outside a block, training, compiling), where
-        the caller makes it per call: comparing the parameters every call cost about
-        what making the vector saves (one query against 437-500 keys, 2-core AMD EPYC:
-        KERPLE 3.61x -> 3.17x plain SDPA, but T5 2.88x -> 3.07x and learned ALiBi 3.05x
-        -> 3.12x), while inside a block KERPLE went 3.58x -> 2.79x, learned ALiBi 3.05x
-        -> 2.80x and T5 2.85x -> 2.74x (against 4033-4096 keys 1.85x -> 1.34x, 1.44x ->
-        1.31x, 1.38x -> 1.31x)."""
+        table, an expression's): a slice of a vector over a wider span
+        (``distance_span_vector``) kept while the parameters are unchanged
+        (``_kept_per_distance``: inside a ``parameters_frozen`` block, and outside one
+        on the CPU). None elsewhere (training, compiling, outside a block on a GPU),
+        where the caller makes it per call. Inside a block, one query against 437-500
+        keys (2-core AMD EPYC): KERPLE 3.58x -> 2.79x plain SDPA, learned ALiBi 3.05x ->
+        2.80x, T5 2.85x -> 2.74x. Outside one the parameters are compared every call
+        (10-25 us), which first cost about what the vector saved (T5 2.88x -> 3.07x);
+        once a kept row could go to SDPA unfloored (``kept_row_is_shallow``), a causal
+        decode loop at 449-512 keys went T5 2.78x -> 2.50x, KERPLE-log 3.29x -> 2.36x,
+        KERPLE-power 3.34x -> 2.82x, FIRE 6.26x -> 3.58x, learned ALiBi (steep: its row
+        still takes the floor) 2.87x -> 2.94x
+        (``revisions_cpu_float32_decode_kept_outside_blocks.md``)."""
         kept = self._kept_per_distance(name, device)
         if kept is None:
             return None
@@ -585,11 +596,11 @@ class AttentionTerms(nn.Module):
     def _kept_per_distance(self, name: str, device: torch.device) -> dict[Any, Any] | None:
         """The dict in which ``_kept_distance_vector`` keeps the vector ``name`` (under
         ``(name,)``; a caller may keep other values of the same parameters beside it)
-        while the parameters are unchanged, inside a ``parameters_frozen`` block; None
-        elsewhere (outside a block, training, compiling)."""
-        if frozen_block(self) is None:
-            return None
-        kept: dict[Any, Any] | None = self._kept_with_parameters(
+        while the parameters are unchanged, where that costs no sync
+        (``_kept_without_sync``); None elsewhere (training, compiling, outside a
+        ``parameters_frozen`` block on a GPU). Each call compares the parameters once
+        outside a block: a caller that needs the dict twice in one call passes it on."""
+        kept: dict[Any, Any] | None = self._kept_without_sync(
             ("distance_vector", name), device, dict
         )
         return kept
