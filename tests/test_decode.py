@@ -266,10 +266,13 @@ def test_positions_equal_to_the_defaults_are_told_by_comparing_them_on_the_cpu(
     """On the CPU, positions given that are exactly the defaults ([N] or [batch, N]
     queries at M - N .. M - 1, keys 0 .. M - 1, as Hugging Face passes them each step)
     are told by one comparison each (``torch.equal`` with a kept range), without the
-    general test's dozen small operations; anything else (shifted, in another order)
-    still gets the general test and its verdict, and the outputs agree with eager. (The
-    CPU's bias floor, one read of its own, is off, and DeBERTa's kept projections are
-    held by ``parameters_frozen``, not compared with its parameters.)"""
+    general test's dozen small operations; so are positions of one row each that are
+    not (shifted, in another order), by one read of their bounds and two comparisons
+    (``_defaults_told_by_ranges``); batched shifted ones, which the bounds cannot tell
+    for a shift-invariant encoding, still get the general test. The verdicts are the
+    definition's, and the outputs agree with eager. (The CPU's bias floor, one read of
+    its own, is off, and DeBERTa's kept projections are held by ``parameters_frozen``,
+    not compared with its parameters.)"""
     set_runtime(monkeypatch, "BIAS_FLOOR_DEVICES", set())
     d = head_dim_for(name, 16)
     pe = generated_class(name)(heads=4, head_dim=d).eval()
@@ -282,8 +285,12 @@ def test_positions_equal_to_the_defaults_are_told_by_comparing_them_on_the_cpu(
     cases = [  # (q_positions, k_positions, general tests, reads where they are default)
         (keys[-3:], keys, 0, 2),  # the defaults
         (keys[-3:].expand(2, 3).clone(), keys.expand(2, 30).clone(), 0, 2),  # per batch row
-        (keys[-3:] + 5, keys + 5, 1, 2 if shifted else None),  # shifted: the general test
-        (keys[-3:].flip(0), keys, 1, None),  # queries in another order
+        # shifted: the queries' comparison, the bounds, two comparisons with the shift
+        (keys[-3:] + 5, keys + 5, 0, 4 if shifted else None),
+        # batched and shifted: the general test (ruled out by the bounds where no shift
+        # is allowed)
+        ((keys[-3:] + 5).expand(2, 3).clone(), (keys + 5).expand(2, 30).clone(), shifted, None),
+        (keys[-3:].flip(0), keys, 0, None),  # queries in another order: the comparisons
     ]
     with torch.no_grad(), parameters_frozen(pe):
         for q_positions, k_positions, general_tests, default_reads in cases:
@@ -292,8 +299,9 @@ def test_positions_equal_to_the_defaults_are_told_by_comparing_them_on_the_cpu(
             with HostReads(comparisons=True) as reads:
                 out = pe(q, k, v, causal=True, **given)
             assert len(general) == general_tests
-            # both comparisons for the defaults; else the queries' fails, and the general
-            # test reads once (each a read on a GPU, where the comparison is off); other
+            # both comparisons for the defaults; else the queries' fails and the bounds
+            # and comparisons (or the general test) follow, each a read on the CPU only:
+            # on a GPU, where the comparisons are off, the general test reads once; other
             # positions then take the explicit-position paths, which read on their own
             if default_reads is not None:
                 assert reads.count == default_reads

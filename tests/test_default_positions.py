@@ -11,8 +11,10 @@ import importlib
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from tests.conftest import generated_class, head_dim_for, spec_names, spy_method
+from tests.conftest import generated_class, head_dim_for, spec_names, spy_calls, spy_method
 
 inputs_module = importlib.import_module("generated._inputs")
 sdpa_backend = importlib.import_module("generated._sdpa_backend")
@@ -408,3 +410,84 @@ def test_counted_positions_keep_a_left_padded_batch_as_given(monkeypatch) -> Non
         backend="sdpa",
     )
     assert seen and all(qp is not None for qp in seen)
+
+
+def _defaults_by_definition(
+    q_rows: list[list[int]] | None, k_rows: list[list[int]] | None, n: int, m: int, shifted: bool
+) -> bool:
+    """The defaults written out: every row's keys 0 .. M - 1 and queries M - N .. M - 1,
+    or, shifted with both given, the same plus one constant per row (rows broadcast)."""
+    rows = max(len(q_rows or [[]]), len(k_rows or [[]]))
+    for r in range(rows):
+        keys = None if k_rows is None else k_rows[r % len(k_rows)]
+        queries = None if q_rows is None else q_rows[r % len(q_rows)]
+        shift = 0
+        if shifted and keys is not None and queries is not None:
+            shift = keys[0] if keys else queries[0] - (m - n)
+        if keys is not None and keys != [shift + j for j in range(m)]:
+            return False
+        if queries is not None and queries != [shift + m - n + i for i in range(n)]:
+            return False
+    return True
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_the_range_screen_agrees_with_the_definition(data: st.DataObject) -> None:
+    """``positions_are_default`` (whose first test on the CPU is each row's smallest and
+    largest position, ``_defaults_told_by_ranges``) against the defaults written out,
+    on positions near the defaults: shifted per row, one entry moved, two swapped,
+    spread two apart, queries or keys left out, 1-D or batched; the values are checked
+    in the same read."""
+    n = data.draw(st.integers(1, 5))
+    m = data.draw(st.integers(n, 8))
+    shifted = data.draw(st.booleans())
+    batch = data.draw(st.sampled_from([None, 1, 2, 3]))
+
+    shifts = [data.draw(st.sampled_from([0, 3])) for _ in range(batch or 1)]  # per row
+
+    def side(length: int, first: int) -> list[list[int]] | None:
+        if data.draw(st.booleans()) and data.draw(st.booleans()):
+            return None  # left out (a quarter of the draws)
+        rows = []
+        for row_shift in shifts:
+            shift = data.draw(st.sampled_from([row_shift, row_shift, row_shift, 5]))
+            stride = data.draw(st.sampled_from([1, 1, 1, 2]))
+            row = [shift + first + stride * i for i in range(length)]
+            change = data.draw(st.sampled_from(["none", "none", "none", "move", "swap"]))
+            if change == "move":
+                row[data.draw(st.integers(0, length - 1))] += data.draw(st.sampled_from([-1, 1]))
+            elif change == "swap" and length > 1:
+                i = data.draw(st.integers(0, length - 2))
+                row[i], row[i + 1] = row[i + 1], row[i]
+            rows.append([max(p, 0) for p in row])
+        return rows
+
+    k_rows, q_rows = side(m, 0), side(n, m - n)
+    if k_rows is None and q_rows is None:
+        return
+
+    def tensor(rows: list[list[int]] | None) -> torch.Tensor | None:
+        if rows is None:
+            return None
+        return torch.tensor(rows[0]) if batch is None else torch.tensor(rows)
+
+    want = _defaults_by_definition(q_rows, k_rows, n, m, shifted)
+    got = inputs_module.positions_are_default(
+        tensor(q_rows), tensor(k_rows), n, m, shifted, None, True
+    )
+    assert got is want
+
+
+def test_positions_ruled_out_by_their_range_skip_the_general_test(monkeypatch) -> None:
+    """A decode step's positions two apart (keys evicted from a cache) are told apart
+    from the defaults by their range alone: no general test (``_default_flag``); and an
+    out-of-range position in the same read still raises, naming its argument."""
+    calls = spy_calls(monkeypatch, [inputs_module], "_default_flag", lambda *_: 1)
+    keys = torch.arange(0, 1024, 2)
+    assert not inputs_module.positions_are_default(keys[-1:], keys, 1, 512, True, None, True)
+    assert calls == []
+    bad = keys.clone()
+    bad[7] = -1
+    with pytest.raises(ValueError, match="k_positions must lie in"):
+        inputs_module.positions_are_default(bad[-1:], bad, 1, 512, True, None, True)
