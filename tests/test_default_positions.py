@@ -437,8 +437,8 @@ def test_the_range_screen_agrees_with_the_definition(data: st.DataObject) -> Non
     """``positions_are_default`` (whose first test on the CPU is each row's smallest and
     largest position, ``_defaults_told_by_ranges``) against the defaults written out,
     on positions near the defaults: shifted per row, one entry moved, two swapped,
-    spread two apart, queries or keys left out, 1-D or batched; the values are checked
-    in the same read."""
+    spread two apart, queries or keys left out, each side 1-D or batched (rows
+    broadcast); the values are checked in the same read."""
     n = data.draw(st.integers(1, 5))
     m = data.draw(st.integers(n, 8))
     shifted = data.draw(st.booleans())
@@ -446,11 +446,12 @@ def test_the_range_screen_agrees_with_the_definition(data: st.DataObject) -> Non
 
     shifts = [data.draw(st.sampled_from([0, 3])) for _ in range(batch or 1)]  # per row
 
-    def side(length: int, first: int) -> list[list[int]] | None:
+    def side(length: int, first: int) -> tuple[list[list[int]] | None, torch.Tensor | None]:
         if data.draw(st.booleans()) and data.draw(st.booleans()):
-            return None  # left out (a quarter of the draws)
+            return None, None  # left out (a quarter of the draws)
+        flat = batch is None or data.draw(st.booleans())  # 1-D: one row for every batch row
         rows = []
-        for row_shift in shifts:
+        for row_shift in shifts[:1] if flat else shifts:
             shift = data.draw(st.sampled_from([row_shift, row_shift, row_shift, 5]))
             stride = data.draw(st.sampled_from([1, 1, 1, 2]))
             row = [shift + first + stride * i for i in range(length)]
@@ -461,21 +462,13 @@ def test_the_range_screen_agrees_with_the_definition(data: st.DataObject) -> Non
                 i = data.draw(st.integers(0, length - 2))
                 row[i], row[i + 1] = row[i + 1], row[i]
             rows.append([max(p, 0) for p in row])
-        return rows
+        return rows, torch.tensor(rows[0] if flat else rows)
 
-    k_rows, q_rows = side(m, 0), side(n, m - n)
+    (k_rows, k_positions), (q_rows, q_positions) = side(m, 0), side(n, m - n)
     if k_rows is None and q_rows is None:
         return
-
-    def tensor(rows: list[list[int]] | None) -> torch.Tensor | None:
-        if rows is None:
-            return None
-        return torch.tensor(rows[0]) if batch is None else torch.tensor(rows)
-
     want = _defaults_by_definition(q_rows, k_rows, n, m, shifted)
-    got = inputs_module.positions_are_default(
-        tensor(q_rows), tensor(k_rows), n, m, shifted, None, True
-    )
+    got = inputs_module.positions_are_default(q_positions, k_positions, n, m, shifted, None, True)
     assert got is want
 
 
