@@ -421,14 +421,13 @@ def rows_clear_floor(bias: Tensor, spread: Tensor) -> bool:
     if torch.compiler.is_compiling() or bias.numel() == 0:
         return False
     with torch.no_grad():
-        depth = _floor_depth(spread)  # [..., rows, 1]
+        depth = _floor_depth(spread)  # [..., rows, 1]; NaN fails every comparison
         gap = (bias[..., :1] - bias[..., -1:]).abs()  # [..., rows, 1]
         if bool((gap > depth).any()):  # some row is wider than its floor's depth
             return False
         top = bias.amax(dim=-1, keepdim=True)  # [..., rows, 1]
         low = bias.amin(dim=-1, keepdim=True)
-        clear = (low >= _floor_under(top, spread)) & (top < math.inf)
-        return bool(clear.all())
+        return bool(((top - low <= depth) & (top < math.inf)).all())
 
 
 def _floor_under(top: Tensor, spread: Tensor) -> Tensor:

@@ -456,20 +456,22 @@ def _defaults_told_by_ranges(
     check_values: bool,
 ) -> tuple[bool, bool | None]:
     """(whether the values were checked, the verdict on the defaults or None where it
-    is left to the general test), from one read of each row's smallest and largest
-    position, where the general test takes about fifteen small ops and a read.
+    is left to the general test) for positions that ``_equal_to_defaults`` found unequal
+    to the defaults, from one read of each row's smallest and largest position, where
+    the general test takes about fifteen small ops and a read.
 
-    The bounds rule out the defaults where a row's keys are not 0 .. M - 1 or its
-    queries not M - N .. M - 1 at the ends, or, with ``shifted`` and both given, where
-    its keys do not span exactly M - 1, its queries N - 1, or its last query is not at
-    its last key. Otherwise positions of one row each are compared with the defaults
-    shifted by the keys' smallest (two ``torch.equal``); batched ones are left to the
-    general test. With ``check_values`` the same read checks the values (raising as
-    ``check_position_values`` does). (False, None) where the test does not serve: off
-    ``EXACT_DEFAULT_DEVICES`` (a second read would be a second sync), N > M, no
-    positions or empty ones. A decode step against 512 keys on a 2-core CPU took this
-    test in 70 us before (keys two apart, as a cache with evicted keys has them, or
-    shifted by a constant), 29 and about 20 now."""
+    Unshifted defaults were ruled out by that comparison, so only the defaults shifted
+    by a constant per row remain (``shifted``, both given): the bounds rule them out
+    where a row's keys do not span exactly M - 1, its queries N - 1, or its last query
+    is not at its last key; otherwise positions of one row each are compared with the
+    defaults shifted by the keys' smallest (two ``torch.equal``), and batched ones are
+    left to the general test. With ``check_values`` the same read checks the values
+    (raising as ``check_position_values`` does). (False, None) where the test does not
+    serve: off ``EXACT_DEFAULT_DEVICES`` (a second read would be a second sync; there
+    ``_equal_to_defaults`` compares nothing either), N > M, no positions or empty ones.
+    A decode step against 512 keys on a 2-core CPU took this test in 70 us before (keys
+    two apart, as a cache with evicted keys has them, or shifted by a constant), 29 and
+    38 us after."""
     given = [t for t in (k_positions, q_positions) if t is not None]
     if not given or n > m or any(not t.numel() for t in given):
         return False, None
@@ -493,53 +495,39 @@ def _defaults_told_by_ranges(
     ):  # (in range otherwise: the verdict on the defaults, kept by the caller, says so)
         named = (("k_positions", k_positions), ("q_positions", q_positions))
         check_position_values(named, outside=True)  # raises
-    both_shifted = shifted and q_positions is not None and k_positions is not None
-    k_rows = rows[0] if k_positions is not None else None
-    q_rows = rows[-1] if q_positions is not None else None
-    if _bounds_rule_out_defaults(q_rows, k_rows, n, m, both_shifted):
+    if not (shifted and q_positions is not None and k_positions is not None):
+        return True, False  # no shift allowed: _equal_to_defaults has ruled them out
+    (key_lows, key_highs), (query_lows, query_highs) = rows
+    if _bounds_rule_out_shift(query_lows, query_highs, key_lows, key_highs, n, m):
         return True, False
     if not one_row:
         return True, None
-    shift = k_rows[0][0] if both_shifted and k_rows is not None else 0
-    keys = arange_view(_KEPT_RANGES, shift, shift + m, given[0].device)  # [M]
-    for positions, defaults in ((k_positions, keys), (q_positions, keys[m - n :])):
-        if positions is not None and not torch.equal(positions, defaults):
-            return True, False
-    return True, True
+    keys = arange_view(_KEPT_RANGES, key_lows[0], key_lows[0] + m, given[0].device)  # [M]
+    shifted_defaults = torch.equal(k_positions, keys) and torch.equal(q_positions, keys[m - n :])
+    return True, shifted_defaults
 
 
-def _bounds_rule_out_defaults(
-    q_rows: tuple[list[int], list[int]] | None,
-    k_rows: tuple[list[int], list[int]] | None,
+def _bounds_rule_out_shift(
+    query_lows: list[int],
+    query_highs: list[int],
+    key_lows: list[int],
+    key_highs: list[int],
     n: int,
     m: int,
-    both_shifted: bool,
 ) -> bool:
-    """``_defaults_told_by_ranges``' test of the bounds: (lows, highs) per row of the
-    queries and the keys given."""
-    if k_rows is not None:
-        lows, highs = k_rows
-        if both_shifted:
-            if any(hi - lo != m - 1 for lo, hi in zip(lows, highs, strict=True)):
-                return True
-        elif any(lo != 0 for lo in lows) or any(hi != m - 1 for hi in highs):
-            return True
-    if q_rows is None:
-        return False
-    lows, highs = q_rows
-    if any(hi - lo != n - 1 for lo, hi in zip(lows, highs, strict=True)):
+    """Whether each row's bounds rule out the defaults shifted by a constant per row
+    (``_defaults_told_by_ranges``): keys spanning other than M - 1, queries other than
+    N - 1, or a last query not at its row's last key (rows broadcast)."""
+    if any(hi - lo != m - 1 for lo, hi in zip(key_lows, key_highs, strict=True)):
         return True
-    if not both_shifted:
-        return any(lo != m - n for lo in lows)
-    assert k_rows is not None  # both given
-    key_highs = k_rows[1]
+    if any(hi - lo != n - 1 for lo, hi in zip(query_lows, query_highs, strict=True)):
+        return True
     if len(key_highs) == 1:  # rows broadcast
-        key_highs = key_highs * len(highs)
-    if len(highs) == 1:
-        highs = highs * len(key_highs)
-    # a row's last query sits at its last key
-    return len(highs) == len(key_highs) and any(
-        q_high != k_high for q_high, k_high in zip(highs, key_highs, strict=True)
+        key_highs = key_highs * len(query_highs)
+    if len(query_highs) == 1:
+        query_highs = query_highs * len(key_highs)
+    return len(query_highs) == len(key_highs) and any(
+        q_high != k_high for q_high, k_high in zip(query_highs, key_highs, strict=True)
     )
 
 
