@@ -202,12 +202,16 @@ def run_backend(
 
 
 def assert_sdpa_matches_eager(
-    pe: torch.nn.Module, n: int, m: int, kv_heads: int, **options: object
+    pe: torch.nn.Module, n: int, m: int, kv_heads: int, batch: int = 2, **options: object
 ) -> None:
     """Outputs and gradients (into q, k, v and the parameters) of the sdpa backend equal
     the eager oracle's, float64, with 4 query heads of width 8."""
     generator = torch.Generator().manual_seed(2)
-    shapes = {"q": (2, 4, n, 8), "k": (2, kv_heads, m, 8), "v": (2, kv_heads, m, 8)}
+    shapes = {
+        "q": (batch, 4, n, 8),
+        "k": (batch, kv_heads, m, 8),
+        "v": (batch, kv_heads, m, 8),
+    }
     inputs = {
         key: torch.randn(*shape, generator=generator, dtype=torch.float64)
         for key, shape in shapes.items()

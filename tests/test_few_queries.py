@@ -111,20 +111,26 @@ def test_a_position_only_term_alone_matches_eager(monkeypatch: pytest.MonkeyPatc
     assert sides == ["global"] * 2 * len(SHAPES)
 
 
-@pytest.mark.parametrize("budget", [1, 3000])  # one key at a time; two or three
-@pytest.mark.parametrize(("n", "kv_heads"), [(1, 4), (2, 2)])
+@pytest.mark.parametrize("budget", [1, 3000, None])  # one key at a time; two or three; all
+@pytest.mark.parametrize(("n", "kv_heads", "batch"), [(1, 4, 2), (1, 2, 1), (2, 2, 2)])
 @pytest.mark.parametrize("name", ["bert_relative_key_query", "deberta"])
 def test_key_side_terms_in_chunks_of_keys(
-    name: str, n: int, kv_heads: int, budget: int, monkeypatch: pytest.MonkeyPatch
+    name: str,
+    n: int,
+    kv_heads: int,
+    batch: int,
+    budget: int | None,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A key-side term's near keys gathered a few at a time (``KEY_SIDE_CHUNK_BYTES``)
-    give the eager oracle's outputs and gradients, causal or not."""
+    give the eager oracle's outputs and gradients, causal or not; one query of a batch
+    of one takes the products into the gathered rows."""
     pe = make(name)
     set_runtime(monkeypatch, "KEY_SIDE_CHUNK_BYTES", {"cpu": budget}, pe)
     route = spy_query_shapes(monkeypatch, pe, "few_query_inputs")
     for causal in (False, True):
-        assert_sdpa_matches_eager(pe, n, 30, kv_heads, causal=causal)
-    assert len(route) == 2
+        assert_sdpa_matches_eager(pe, n, 30, kv_heads, batch=batch, causal=causal)
+    assert route == [(batch, 4, n, 8)] * 2
 
 
 @pytest.mark.parametrize("name", ["bert_relative_key_query", "deberta", "transformer_xl"])

@@ -155,6 +155,13 @@ def _key_side_term(
             if far_row is not None:  # far_row is in the queries already: one pass over k
                 picked -= far_row
             near_keys = near[:, :, start:stop]  # [B, H, c, D]
+            if n == 1 and batch == 1:
+                # the products into the gathered rows, summed over [c, H, D]'s last axis:
+                # no temporary of near_keys' size, which a vecdot against the rows'
+                # transposed view made and malloc handed back at every call
+                products = picked[0].mul_(near_keys[0].transpose(0, 1))  # [c, H, D]
+                out[0, :, 0, far + start : far + stop] = products.sum(-1).t()
+                continue
             if n == 1:  # the product in place of the copy an einsum makes of near_keys
                 terms = torch.linalg.vecdot(near_keys, picked[0].transpose(0, 1)).unsqueeze(2)
             else:  # an einsum copies near_keys once; a product would be N times its size
