@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import Tensor
@@ -343,6 +343,21 @@ def check_position_pair(
     return q_positions, k_positions
 
 
+class PositionVerdict(NamedTuple):
+    """What ``position_verdict`` tells of positions given.
+
+    default: whether they are the defaults (or, where allowed, the defaults shifted).
+    queries_last: whether in every batch row each query sits at or after every key, so
+    that a causal mask hides nothing (a decode step at explicit positions: the newest
+    query against its cache, evicted keys and rolling offsets included). Known only
+    where the positions' bounds were read (``_defaults_told_by_ranges``); False where
+    not.
+    """
+
+    default: bool
+    queries_last: bool
+
+
 def positions_are_default(
     q_positions: Tensor | None,
     k_positions: Tensor | None,
@@ -353,6 +368,23 @@ def positions_are_default(
     check_values: bool = False,
     attn_mask: Tensor | None = None,
 ) -> bool:
+    """``position_verdict(...).default``: whether the positions given are the defaults."""
+    verdict = position_verdict(
+        q_positions, k_positions, n, m, shifted, document_ids, check_values, attn_mask
+    )
+    return verdict.default
+
+
+def position_verdict(
+    q_positions: Tensor | None,
+    k_positions: Tensor | None,
+    n: int,
+    m: int,
+    shifted: bool = False,
+    document_ids: Tensor | None = None,
+    check_values: bool = False,
+    attn_mask: Tensor | None = None,
+) -> PositionVerdict:
     """Whether validated positions (``check_position_pair``) that were given equal the
     defaults in every batch row: queries M - N, ..., M - 1 and keys 0, ..., M - 1, as a
     caller passing Hugging Face-style position ids for a plain sequence or a KV cache
@@ -378,30 +410,36 @@ def positions_are_default(
     padding at 0, then takes the paths for default positions (the rows shifted by their
     padding, for an encoding with ``shift_invariant``). The caller passes it only where
     no term reads masked keys' positions (not CoPE's counted positions).
+
+    Where the test reads the positions' bounds, the verdict also says whether every
+    query comes after every key (``PositionVerdict.queries_last``).
     """
+    unknown = PositionVerdict(False, False)
     if torch.compiler.is_compiling() or (q_positions is None and k_positions is None):
-        return False
+        return unknown
     if document_ids is not None:
         attn_mask = None  # (the documents' test takes every key)
     # keys first: queries left out are a slice of the keys, whose name the error takes
     named = (("k_positions", k_positions), ("q_positions", q_positions))
     tensors = (q_positions, k_positions, document_ids, attn_mask)
     what = ("default", n, m, shifted)
-    kept = POSITION_VERDICTS.get(what, tensors)
+    kept: PositionVerdict | None = POSITION_VERDICTS.get(what, tensors)
     if kept is not None:  # the same tensors, unchanged, were read (and checked) before
-        return bool(kept)
+        return kept
     if _equal_to_defaults(q_positions, k_positions, n, m):  # in range too
-        POSITION_VERDICTS.put(what, tensors, True)
-        return True
-    checked, told = False, None
+        verdict = PositionVerdict(True, False)
+        POSITION_VERDICTS.put(what, tensors, verdict)
+        return verdict
+    checked, told, queries_last = False, None, False
     if document_ids is None and attn_mask is None:
-        checked, told = _defaults_told_by_ranges(
+        checked, told, queries_last = _defaults_told_by_ranges(
             q_positions, k_positions, n, m, shifted, check_values
         )
     if told is not None:  # the values were checked too, where asked
+        verdict = PositionVerdict(told, queries_last)
         if check_values:
-            POSITION_VERDICTS.put(what, tensors, told)
-        return told
+            POSITION_VERDICTS.put(what, tensors, verdict)
+        return verdict
     given = [t for _, t in named if t is not None and t.numel()]
     flags = [outside_position_range(t) for t in given] if check_values and not checked else []
     default = (
@@ -410,11 +448,11 @@ def positions_are_default(
         else _default_flag(q_positions, k_positions, n, m, shifted, document_ids, attn_mask)
     )
     if not flags and default is None:
-        return False  # (N > M: the default queries would sit before the first key)
+        return unknown  # (N > M: the default queries would sit before the first key)
     read = torch.stack([*flags, *([] if default is None else [default])]).tolist()  # one read
     if flags:
         check_position_values(named, outside=any(read[: len(flags)]))
-    verdict = default is not None and bool(read[-1])
+    verdict = PositionVerdict(default is not None and bool(read[-1]), queries_last)
     if check_values:  # the values were checked too: a later call needs no read
         POSITION_VERDICTS.put(what, tensors, verdict)
     return verdict
@@ -454,11 +492,12 @@ def _defaults_told_by_ranges(
     m: int,
     shifted: bool,
     check_values: bool,
-) -> tuple[bool, bool | None]:
+) -> tuple[bool, bool | None, bool]:
     """(whether the values were checked, the verdict on the defaults or None where it
-    is left to the general test) for positions that ``_equal_to_defaults`` found unequal
-    to the defaults, from one read of each row's smallest and largest position, where
-    the general test takes about fifteen small ops and a read.
+    is left to the general test, whether every query comes after every key:
+    ``PositionVerdict.queries_last``) for positions that ``_equal_to_defaults`` found
+    unequal to the defaults, from one read of each row's smallest and largest position,
+    where the general test takes about fifteen small ops and a read.
 
     Unshifted defaults were ruled out by that comparison, so only the defaults shifted
     by a constant per row remain (``shifted``, both given): the bounds rule them out
@@ -474,9 +513,9 @@ def _defaults_told_by_ranges(
     38 us after."""
     given = [t for t in (k_positions, q_positions) if t is not None]
     if not given or n > m or any(not t.numel() for t in given):
-        return False, None
+        return False, None, False
     if given[0].device.type not in EXACT_DEFAULT_DEVICES:
-        return False, None
+        return False, None, False
     one_row = all(t.dim() == 1 for t in given)
     if one_row:  # four 0-d bounds at most
         read = torch.stack([b for t in given for b in torch.aminmax(t)]).tolist()  # one read
@@ -495,16 +534,30 @@ def _defaults_told_by_ranges(
     ):  # (in range otherwise: the verdict on the defaults, kept by the caller, says so)
         named = (("k_positions", k_positions), ("q_positions", q_positions))
         check_position_values(named, outside=True)  # raises
+    # keys left out sit at the defaults, 0 .. M - 1 (queries are never left out once
+    # validated, ``check_position_pair``; where they are, the verdict stays unknown)
+    key_lows, key_highs = rows[0] if k_positions is not None else ([0], [m - 1])
+    query_lows, query_highs = rows[-1]
+    queries_last = q_positions is not None and _each_row_at_or_after(query_lows, key_highs)
     if not (shifted and q_positions is not None and k_positions is not None):
-        return True, False  # no shift allowed: _equal_to_defaults has ruled them out
-    (key_lows, key_highs), (query_lows, query_highs) = rows
+        return True, False, queries_last  # no shift: _equal_to_defaults ruled them out
     if _bounds_rule_out_shift(query_lows, query_highs, key_lows, key_highs, n, m):
-        return True, False
+        return True, False, queries_last
     if not one_row:
-        return True, None
+        return True, None, queries_last
     keys = arange_view(_KEPT_RANGES, key_lows[0], key_lows[0] + m, given[0].device)  # [M]
     shifted_defaults = torch.equal(k_positions, keys) and torch.equal(q_positions, keys[m - n :])
-    return True, shifted_defaults
+    return True, shifted_defaults, queries_last
+
+
+def _each_row_at_or_after(query_lows: list[int], key_highs: list[int]) -> bool:
+    """Whether each batch row's first query position is at least its last key position
+    (rows of one broadcast): no key of the row comes after any of its queries."""
+    if len(query_lows) == 1:
+        query_lows = query_lows * len(key_highs)
+    if len(key_highs) == 1:
+        key_highs = key_highs * len(query_lows)
+    return all(low >= high for low, high in zip(query_lows, key_highs, strict=True))
 
 
 def _bounds_rule_out_shift(

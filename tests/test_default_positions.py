@@ -468,8 +468,58 @@ def test_the_range_screen_agrees_with_the_definition(data: st.DataObject) -> Non
     if k_rows is None and q_rows is None:
         return
     want = _defaults_by_definition(q_rows, k_rows, n, m, shifted)
-    got = inputs_module.positions_are_default(q_positions, k_positions, n, m, shifted, None, True)
-    assert got is want
+    got = inputs_module.position_verdict(q_positions, k_positions, n, m, shifted, None, True)
+    assert got.default is want
+    # the bounds read also tell whether no key comes after a query, where the positions
+    # are not the defaults exactly (those take the defaults' paths) and queries are given
+    key_rows = k_rows or [list(range(m))]
+    rows = max(len(q_rows or [[]]), len(key_rows))
+    after = q_rows is not None and all(
+        min(q_rows[r % len(q_rows)]) >= max(key_rows[r % len(key_rows)]) for r in range(rows)
+    )
+    exact = _defaults_by_definition(q_rows, k_rows, n, m, False)
+    assert got.queries_last is (after and not exact)
+
+
+@pytest.mark.parametrize("name", spec_names())
+def test_a_query_after_every_key_needs_no_causal_mask(name: str, monkeypatch) -> None:
+    """A decode step at positions that are not the defaults (keys two apart, as in a
+    cache with evicted keys): with the query at the last key's position or past it no
+    key comes after it, so the sdpa backend runs without the causal mask; one key after
+    it keeps the mask. Every output equals the eager oracle's, which keeps the mask."""
+    head_dim = head_dim_for(name, 8)
+    torch.manual_seed(0)
+    pe = generated_class(name)(heads=4, head_dim=head_dim).double().eval()
+    seen = spy_method(
+        monkeypatch, type(pe), "_sdpa_attention", lambda q, k, v, qp, kp, causal, *_, **__: causal
+    )
+    m = 7
+    keys = 3 + 2 * torch.arange(m)  # 3, 5, ..., 15
+    q, k, v = _qkv(1, m, head_dim, seed=4)
+    for query in (keys[-1:], keys[-1:] + 5, keys[-1:] - 1):  # at, past, before the last key
+        positions = {"q_positions": query, "k_positions": keys}
+        got = pe(q, k, v, causal=True, backend="sdpa", **positions)
+        want = pe(q, k, v, causal=True, backend="eager", **positions)
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    assert seen == [False, False, True]
+
+
+def test_each_batch_row_needs_its_query_after_its_keys(monkeypatch) -> None:
+    """Positions per batch row drop the causal mask only where in every row the query
+    comes after the row's keys; a window stays (ALiBi, sdpa against eager)."""
+    pe = generated_class("alibi")(heads=4, head_dim=8).double()
+    seen = spy_method(
+        monkeypatch, type(pe), "_sdpa_attention", lambda q, k, v, qp, kp, causal, *_, **__: causal
+    )
+    q, k, v = _qkv(1, 6, 8, seed=5)
+    keys = torch.tensor([[0, 2, 4, 6, 8, 10], [1, 2, 3, 5, 8, 13]])
+    for query in ([[10], [13]], [[12], [9]]):  # row 1's key 13 after its query 9
+        for window in (None, 4):
+            positions = {"q_positions": torch.tensor(query), "k_positions": keys}
+            options = {"causal": True, "window": window, **positions}
+            got = pe(q, k, v, backend="sdpa", **options)
+            torch.testing.assert_close(got, pe(q, k, v, backend="eager", **options))
+    assert seen == [False, False, True, True]
 
 
 def test_positions_ruled_out_by_their_range_skip_the_general_test(monkeypatch) -> None:

@@ -31,7 +31,7 @@ from ._inputs import (
     Rotated,
     check_attention_inputs,
     check_flag,
-    positions_are_default,
+    position_verdict,
     repeat_kv,
     to_bhnd,
 )
@@ -189,26 +189,30 @@ class PositionalAttention(SdpaBackend, FlexBackend):
         n, m = q.shape[2], k.shape[2]
         document_ids = check_document_ids(document_ids, n, m, q.shape[0], q.device)
         attn_mask = check_attn_mask(attn_mask, q, m)
+        queries_last = False  # every query at or after every key, by the positions given
         if q_positions is None and k_positions is None:
             sampled = self._sampled_positions(m, q.device)  # randomized encodings, training
             if sampled is not None:
                 k_positions, q_positions = sampled, sampled[m - n :]
-        elif positions_are_default(
-            q_positions,
-            k_positions,
-            n,
-            m,
-            self.shift_invariant,
-            document_ids,
-            True,
-            # keys the mask leaves unread may sit anywhere (a left-padded batch), except
-            # where counted positions read them
-            attn_mask if self._counted_position_table() is None else None,
-        ):
-            # the defaults, given (or, where only differences count, shifted per row or
-            # per document): the paths for default positions (per-distance views, query
-            # chunks that skip masked keys, cached tables) serve them
-            q_positions = k_positions = None
+        else:
+            verdict = position_verdict(
+                q_positions,
+                k_positions,
+                n,
+                m,
+                self.shift_invariant,
+                document_ids,
+                True,
+                # keys the mask leaves unread may sit anywhere (a left-padded batch),
+                # except where counted positions read them
+                attn_mask if self._counted_position_table() is None else None,
+            )
+            if verdict.default:
+                # the defaults, given (or, where only differences count, shifted per row
+                # or per document): the paths for default positions (per-distance views,
+                # query chunks that skip masked keys, cached tables) serve them
+                q_positions = k_positions = None
+            queries_last = verdict.queries_last
         if window is not None and window >= m and q_positions is None and k_positions is None:
             window = None  # default positions: every |query - key| < M (N <= M)
         self._check_value_width(v)
@@ -217,10 +221,12 @@ class PositionalAttention(SdpaBackend, FlexBackend):
         if backend == "auto":
             backend = self._auto_backend(q)
         default_positions = q_positions is None and k_positions is None
-        if causal and n == 1 and default_positions and backend != "eager":
-            # one query at the default position M - 1 (a decode step): no key is after
-            # it, so causal masks nothing, and a mask of [1, M] would cost about 30 us a
-            # step on a 2-core CPU (the eager oracle keeps the mask, so tests compare)
+        if causal and (n == 1 and default_positions or queries_last) and backend != "eager":
+            # one query at the default position M - 1 (a decode step), or queries given
+            # positions at or after every key's (one at explicit positions): no key is
+            # after a query, so causal masks nothing, and a mask of [1, M] would cost
+            # about 30 us a step on a 2-core CPU (the eager oracle keeps the mask, so
+            # tests compare)
             causal = False
         args = (q, k, v, q_positions, k_positions, causal, attn_mask, rotated)
         if backend == "flex":
