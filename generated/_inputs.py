@@ -315,7 +315,7 @@ def check_position_pair(
     key positions are given, M - N, ..., M - 1 otherwise (both None stays None, the
     cacheable default). N > M then has no default and raises ValueError. The values
     of both are checked with one read, unless ``read_values`` is False (the caller
-    checks them: ``positions_are_default(..., check_values=True)``).
+    checks them: ``position_verdict(..., check_values=True)``).
     """
     q_positions = check_positions(q_positions, n, batch, "q_positions", device, False)
     k_positions = check_positions(k_positions, m, batch, "k_positions", device, False)
@@ -356,23 +356,6 @@ class PositionVerdict(NamedTuple):
 
     default: bool
     queries_last: bool
-
-
-def positions_are_default(
-    q_positions: Tensor | None,
-    k_positions: Tensor | None,
-    n: int,
-    m: int,
-    shifted: bool = False,
-    document_ids: Tensor | None = None,
-    check_values: bool = False,
-    attn_mask: Tensor | None = None,
-) -> bool:
-    """``position_verdict(...).default``: whether the positions given are the defaults."""
-    verdict = position_verdict(
-        q_positions, k_positions, n, m, shifted, document_ids, check_values, attn_mask
-    )
-    return verdict.default
 
 
 def position_verdict(
@@ -458,7 +441,7 @@ def position_verdict(
     return verdict
 
 
-# Device types where ``positions_are_default`` first compares the positions with the
+# Device types where ``position_verdict`` first compares the positions with the
 # defaults exactly (``torch.equal``, one read each, a host sync elsewhere) before its
 # general test (about 15 small operations and one read): on a 2-core CPU, Hugging
 # Face-style positions (one query at M - 1, keys 0 .. M - 1) made a decode step against
@@ -593,10 +576,10 @@ def _default_flag(
     document_ids: Tensor | None,
     attn_mask: Tensor | None = None,
 ) -> Tensor:
-    """``positions_are_default``'s test as a 0-d bool tensor (no host read); N <= M and
+    """``position_verdict``'s test of the defaults as a 0-d bool tensor (no host read); N <= M and
     at least one of the positions given."""
     given = q_positions if q_positions is not None else k_positions
-    assert given is not None  # one of them (positions_are_default)
+    assert given is not None  # one of them (position_verdict)
     device = given.device
     q_offsets = None if q_positions is None else q_positions - torch.arange(m - n, m, device=device)
     k_offsets = None if k_positions is None else k_positions - torch.arange(m, device=device)

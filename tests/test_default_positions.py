@@ -1,6 +1,6 @@
 """Positions given that equal the defaults (queries M - N .. M - 1, keys 0 .. M - 1, as
 Hugging Face-style position ids for a plain sequence or a KV cache are) take the paths
-for default positions in eager mode (``positions_are_default``): the same outputs as
+for default positions in eager mode (``position_verdict``): the same outputs as
 leaving them out, through the per-distance view rather than a bias per pair. So do the
 defaults plus a constant per batch row, for an encoding that reads positions only as
 key minus query (``shift_invariant``)."""
@@ -216,8 +216,8 @@ def test_randomized_positions_are_not_drawn_when_positions_are_given() -> None:
         (torch.arange(2, 5), torch.arange(1, 6), 3, 5, False),
     ],
 )
-def test_positions_are_default_compares_every_row(q_positions, k_positions, n, m, want) -> None:
-    assert inputs_module.positions_are_default(q_positions, k_positions, n, m) is want
+def test_the_default_verdict_compares_every_row(q_positions, k_positions, n, m, want) -> None:
+    assert inputs_module.position_verdict(q_positions, k_positions, n, m).default is want
 
 
 @pytest.mark.parametrize(
@@ -248,7 +248,7 @@ def test_positions_are_default_compares_every_row(q_positions, k_positions, n, m
     ],
 )
 def test_shifted_defaults_are_one_constant_per_row(q_positions, k_positions, n, m, want) -> None:
-    got = inputs_module.positions_are_default(q_positions, k_positions, n, m, shifted=True)
+    got = inputs_module.position_verdict(q_positions, k_positions, n, m, shifted=True).default
     assert got is want
 
 
@@ -285,15 +285,15 @@ DOCUMENTS = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2])  # keys 0-2, 3-4, 5-7
 def test_shifted_defaults_with_documents_are_one_constant_per_document(
     q_positions, k_positions, documents, want
 ) -> None:
-    got = inputs_module.positions_are_default(
+    got = inputs_module.position_verdict(
         q_positions, k_positions, 3, 8, shifted=True, document_ids=documents
     )
-    assert got is want
+    assert got.default is want
 
 
 def test_positions_are_left_as_given_while_compiling(monkeypatch) -> None:
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert not inputs_module.positions_are_default(torch.arange(3), torch.arange(3), 3, 3)
+    assert not inputs_module.position_verdict(torch.arange(3), torch.arange(3), 3, 3).default
 
 
 LEFT_PADDING = (0, 3, 5)  # each batch row's padding, before its tokens
@@ -326,9 +326,8 @@ def test_a_left_padded_batch_reads_the_defaults_on_the_keys_it_keeps(hard: str, 
     q_positions = positions[:, m - n :]
 
     def default(q_pos: torch.Tensor, k_pos: torch.Tensor, attn_mask: torch.Tensor, shifted: bool):
-        return inputs_module.positions_are_default(
-            q_pos, k_pos, n, m, shifted, None, True, attn_mask
-        )
+        verdict = inputs_module.position_verdict(q_pos, k_pos, n, m, shifted, None, True, attn_mask)
+        return verdict.default
 
     assert default(q_positions, positions, mask, True)
     assert not default(q_positions, positions, mask, False)  # the rows are shifted
@@ -434,7 +433,7 @@ def _defaults_by_definition(
 @settings(max_examples=300, deadline=None)
 @given(data=st.data())
 def test_the_range_screen_agrees_with_the_definition(data: st.DataObject) -> None:
-    """``positions_are_default`` (whose first test on the CPU is each row's smallest and
+    """``position_verdict`` (whose first test on the CPU is each row's smallest and
     largest position, ``_defaults_told_by_ranges``) against the defaults written out,
     on positions near the defaults: shifted per row, one entry moved, two swapped,
     spread two apart, queries or keys left out, each side 1-D or batched (rows
@@ -528,9 +527,9 @@ def test_positions_ruled_out_by_their_range_skip_the_general_test(monkeypatch) -
     out-of-range position in the same read still raises, naming its argument."""
     calls = spy_calls(monkeypatch, [inputs_module], "_default_flag", lambda *_: 1)
     keys = torch.arange(0, 1024, 2)
-    assert not inputs_module.positions_are_default(keys[-1:], keys, 1, 512, True, None, True)
+    assert not inputs_module.position_verdict(keys[-1:], keys, 1, 512, True, None, True).default
     assert calls == []
     bad = keys.clone()
     bad[7] = -1
     with pytest.raises(ValueError, match="k_positions must lie in"):
-        inputs_module.positions_are_default(bad[-1:], bad, 1, 512, True, None, True)
+        inputs_module.position_verdict(bad[-1:], bad, 1, 512, True, None, True)

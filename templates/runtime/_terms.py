@@ -236,7 +236,7 @@ class AttentionTerms(nn.Module):
     #: positions reach the logits, values and masks only as key minus query position, so
     #: adding one constant to every position of a batch row changes nothing: positions
     #: that are the defaults plus such a constant take the paths for default positions
-    #: (``positions_are_default``). False where a rotation, an absolute or contextual term
+    #: (``position_verdict``). False where a rotation, an absolute or contextual term
     #: or a bias of the query position itself (FIRE) reads positions
     shift_invariant: bool = False
     #: position axes of the rotation (M-RoPE: 3); explicit positions [axes, batch, seq]
@@ -342,7 +342,7 @@ class AttentionTerms(nn.Module):
         Returns q, k, the token positions that masks and biases read (None, token order,
         where axis positions were given) and what is rotated already. Token positions'
         values are checked unless ``read_values`` is False (the caller checks them with
-        ``positions_are_default(..., check_values=True)``).
+        ``position_verdict(..., check_values=True)``).
         """
         if q_positions is None and k_positions is None and q.shape[2] <= k.shape[2]:
             return q, k, None, None, rotated  # the defaults (N > M has none: raised below)
