@@ -466,18 +466,24 @@ def test_the_range_screen_agrees_with_the_definition(data: st.DataObject) -> Non
     (k_rows, k_positions), (q_rows, q_positions) = side(m, 0), side(n, m - n)
     if k_rows is None and q_rows is None:
         return
+    # the general test alone, as on a GPU (no bounds read first), or the CPU's order
+    general = data.draw(st.booleans())
     want = _defaults_by_definition(q_rows, k_rows, n, m, shifted)
-    got = inputs_module.position_verdict(q_positions, k_positions, n, m, shifted, None, True)
+    with pytest.MonkeyPatch.context() as patch:
+        if general:
+            patch.setattr(inputs_module, "EXACT_DEFAULT_DEVICES", set())
+        got = inputs_module.position_verdict(q_positions, k_positions, n, m, shifted, None, True)
     assert got.default is want
-    # the bounds read also tell whether no key comes after a query, where the positions
-    # are not the defaults exactly (those take the defaults' paths) and queries are given
+    # the same read tells whether no key comes after a query where queries are given:
+    # the bounds' test where the positions are not exactly the defaults (which take the
+    # defaults' paths), the general test where no shift is allowed
     key_rows = k_rows or [list(range(m))]
     rows = max(len(q_rows or [[]]), len(key_rows))
     after = q_rows is not None and all(
         min(q_rows[r % len(q_rows)]) >= max(key_rows[r % len(key_rows)]) for r in range(rows)
     )
     exact = _defaults_by_definition(q_rows, k_rows, n, m, False)
-    assert got.queries_last is (after and not exact)
+    assert got.queries_last is (after and (not shifted if general else not exact))
 
 
 @pytest.mark.parametrize("name", spec_names())
@@ -501,6 +507,30 @@ def test_a_query_after_every_key_needs_no_causal_mask(name: str, monkeypatch) ->
         want = pe(q, k, v, causal=True, backend="eager", **positions)
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
     assert seen == [False, False, True]
+
+
+@pytest.mark.parametrize("name", ["rope", "alibi", "cope", "transformer_xl"])
+def test_a_left_padded_decode_step_needs_no_causal_mask(name: str, monkeypatch) -> None:
+    """A left-padded batch's decode step (positions counting each row's kept tokens,
+    padding at 0, and the padding as attn_mask) reads the padding's positions too, so
+    the general test tells that no key comes after the query: the causal mask is
+    dropped, as the eager oracle's output confirms; a query before its row's last key
+    keeps it."""
+    pe = generated_class(name)(heads=4, head_dim=8).double()
+    seen = spy_method(
+        monkeypatch, type(pe), "_sdpa_attention", lambda q, k, v, qp, kp, causal, *_, **__: causal
+    )
+    positions, mask = _left_padded(9, "bool")  # [3, 9], row 2's last key at 3
+    generator = torch.Generator().manual_seed(9)
+    q, k, v = (
+        torch.randn(3, 4, rows, 8, generator=generator, dtype=torch.float64) for rows in (1, 9, 9)
+    )
+    for query in (positions[:, -1:], positions[:, -1:] - torch.tensor([[0], [0], [1]])):
+        options = {"q_positions": query, "k_positions": positions, "attn_mask": mask}
+        got = pe(q, k, v, causal=True, backend="sdpa", **options)
+        want = pe(q, k, v, causal=True, backend="eager", **options)
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    assert seen == [False, True]
 
 
 def test_each_batch_row_needs_its_query_after_its_keys(monkeypatch) -> None:

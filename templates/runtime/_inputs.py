@@ -430,10 +430,21 @@ def position_verdict(
     )
     if not flags and default is None:
         return unknown  # (N > M: the default queries would sit before the first key)
-    read = torch.stack([*flags, *([] if default is None else [default])]).tolist()  # one read
+    # whether every query comes after every key, in the same read, where the bounds were
+    # not read already (other devices; document_ids or an attn_mask: a left-padded
+    # batch) and no shift is allowed: positions that pass a test allowing one are mostly
+    # shifted defaults, whose paths drop a decode step's causal mask anyway (a left-padded
+    # batch: the flag's ops cost ALiBi's step 4% for nothing, and saved `rope`'s 6%)
+    last = None
+    sides_read = all(t is None or t.numel() for t in (q_positions, k_positions))
+    if default is not None and not (queries_last or shifted) and q_positions is not None:
+        last = _queries_last_flag(q_positions, k_positions, m) if sides_read else None
+    tested = [*flags, *([] if default is None else [default]), *([] if last is None else [last])]
+    read = torch.stack(tested).tolist()  # one read
     if flags:
         check_position_values(named, outside=any(read[: len(flags)]))
-    verdict = PositionVerdict(default is not None and bool(read[-1]), queries_last)
+    is_default = default is not None and bool(read[len(flags)])
+    verdict = PositionVerdict(is_default, queries_last or (last is not None and bool(read[-1])))
     if check_values:  # the values were checked too: a later call needs no read
         POSITION_VERDICTS.put(what, tensors, verdict)
     return verdict
@@ -529,6 +540,16 @@ def _defaults_told_by_ranges(
     keys = arange_view(_KEPT_RANGES, key_lows[0], key_lows[0] + m, given[0].device)  # [M]
     shifted_defaults = torch.equal(k_positions, keys) and torch.equal(q_positions, keys[m - n :])
     return True, shifted_defaults, queries_last
+
+
+def _queries_last_flag(q_positions: Tensor, k_positions: Tensor | None, m: int) -> Tensor:
+    """``_each_row_at_or_after`` as a 0-d bool tensor (no host read): each row's first
+    query position at least its last key's (keys left out: M - 1)."""
+    # [batch] or 0-d: one query's position is its own least
+    first_query = q_positions[..., 0] if q_positions.shape[-1] == 1 else q_positions.amin(-1)
+    if k_positions is None:
+        return (first_query >= m - 1).all()
+    return (first_query >= k_positions.amax(-1)).all()  # rows broadcast
 
 
 def _each_row_at_or_after(query_lows: list[int], key_highs: list[int]) -> bool:
