@@ -194,6 +194,32 @@ def grouped_query_attention(
     return out.view(b, h, n, dv)
 
 
+def grouped_scores(q: Tensor, k: Tensor) -> Tensor | None:
+    """q . k^T [B, H, N, M] for q [B, H, N, D] and k [B, H_kv, M, D] (H_kv dividing
+    H), each key-value head's G query heads the rows of one matmul, so no key is copied
+    out per query head; None where k's batch and head axes do not merge
+    (``_heads_merge``)."""
+    b, h, n, d = q.shape
+    heads_kv, m = k.shape[1], k.shape[2]
+    if not _heads_merge(k):
+        return None
+    rows = q.reshape(b * heads_kv, h // heads_kv * n, d)  # [B H_kv, G N, D]
+    scores = torch.bmm(rows, k.view(b * heads_kv, m, d).transpose(1, 2))  # [B H_kv, G N, M]
+    return scores.view(b, h, n, m)
+
+
+def grouped_values(weights: Tensor, v: Tensor) -> Tensor | None:
+    """weights @ v [B, H, N, Dv] for weights [B, H, N, M] and v [B, H_kv, M, Dv], each
+    key-value head's G query heads the rows of one matmul (``grouped_scores``'
+    counterpart); None where v's batch and head axes do not merge."""
+    b, h, n, m = weights.shape
+    heads_kv, dv = v.shape[1], v.shape[-1]
+    if not _heads_merge(v):
+        return None
+    rows = weights.reshape(b * heads_kv, h // heads_kv * n, m)  # [B H_kv, G N, M]
+    return torch.bmm(rows, v.view(b * heads_kv, m, dv)).view(b, h, n, dv)
+
+
 def _batch_row(mask: Tensor | None, row: int, batch: int) -> Tensor | None:
     """Batch row ``row`` of a mask broadcastable to [batch, H, N, M] (as it is where it
     broadcasts over the batch)."""

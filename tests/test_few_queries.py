@@ -133,6 +133,28 @@ def test_key_side_terms_in_chunks_of_keys(
     assert route == [(batch, 4, n, 8)] * 2
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_grouped_heads_copy_out_no_cache(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under grouped-query heads a decode step copies no cached key or value out per
+    query head (``repeat_kv``): a key-side term repeats only the keys within its clip
+    of the query, and the attention (Shaw's value term's weights too) runs each key-value
+    head's query heads as the rows of one matmul; the output equals the eager oracle's."""
+    pe = make(name)
+    copied = spy_calls(
+        monkeypatch, runtime_modules(pe), "repeat_kv", lambda x, groups: x.shape[2] * (groups > 1)
+    )
+    generator = torch.Generator().manual_seed(6)
+    q = torch.randn(1, 4, 1, 8, generator=generator, dtype=F64)
+    k, v = (torch.randn(1, 2, 30, 8, generator=generator, dtype=F64) for _ in "kv")
+    with torch.no_grad():
+        got = pe(q, k, v, causal=True, backend="sdpa")
+        keys_copied = max(copied, default=0)  # the most keys one copy took
+        want = pe(q, k, v, causal=True, backend="eager")
+        sides = {part.side for part in pe._relative_factors(q, k, F64, True)}
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    assert keys_copied == 0 if "key" not in sides else 0 < keys_copied < 30
+
+
 @pytest.mark.parametrize("name", ["bert_relative_key_query", "deberta", "transformer_xl"])
 def test_few_queries_with_masks(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A window, a boolean and an additive attn_mask, and packed documents go on top of

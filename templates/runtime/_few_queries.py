@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ._inputs import repeat_kv
 from ._masks import accumulated
 from ._terms import RelativeFactors, RelativePart, merged_factors, project_factors
 
@@ -134,11 +135,13 @@ def _key_side_term(
     """k_j . (rows[diagonal[j - i + N - 1]] - far_row) for the N queries, zero on the
     first ``far`` keys (which read far_row): [B, H, N, M], a new tensor.
 
-    k: [B, H, M, D]; rows: [K, H, D]; far_row: [H, D], or None (then far is 0).
+    k: [B, H_kv, M, D] (H_kv dividing H: only the near keys are repeated for the query
+    heads, ``repeat_kv``); rows: [K, H, D]; far_row: [H, D], or None (then far is 0).
     """
-    batch, heads, _, dim = k.shape
+    batch, _, _, dim = k.shape
+    heads = rows.shape[1]
     out = k.new_zeros(batch, heads, n, m) if far else k.new_empty(batch, heads, n, m)
-    near = k[:, :, far:]  # [B, H, w, D]
+    near = repeat_kv(k[:, :, far:], heads // k.shape[1])  # [B, H, w, D]
     width = m - far
     # query i reads diagonal[far - i + N - 1 + w] at near key w: windows of diagonal, the
     # later queries' starting earlier
