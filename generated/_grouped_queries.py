@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ._inputs import repeat_kv
 from ._masks import masked_softmax
 
 # Devices where a few grouped queries take the two batched matmuls
@@ -218,6 +219,23 @@ def grouped_values(weights: Tensor, v: Tensor) -> Tensor | None:
         return None
     rows = weights.reshape(b * heads_kv, h // heads_kv * n, m)  # [B H_kv, G N, M]
     return torch.bmm(rows, v.view(b * heads_kv, m, dv)).view(b, h, n, dv)
+
+
+def scores_per_query_head(q: Tensor, k: Tensor) -> Tensor:
+    """q . k^T [B, H, N, M], k with q's heads or grouped-query heads: grouped, its keys
+    are copied out per query head only where its batch and head axes do not merge
+    (``grouped_scores``)."""
+    groups = q.shape[1] // k.shape[1]
+    scores = grouped_scores(q, k) if groups > 1 else None
+    return torch.matmul(q, repeat_kv(k, groups).transpose(-2, -1)) if scores is None else scores
+
+
+def values_per_query_head(weights: Tensor, v: Tensor) -> Tensor:
+    """weights @ v [B, H, N, Dv], v with the weights' heads or grouped-query heads
+    (``scores_per_query_head``'s counterpart, ``grouped_values``)."""
+    groups = weights.shape[1] // v.shape[1]
+    out = grouped_values(weights, v) if groups > 1 else None
+    return torch.matmul(weights, repeat_kv(v, groups)) if out is None else out
 
 
 def _batch_row(mask: Tensor | None, row: int, batch: int) -> Tensor | None:

@@ -43,7 +43,11 @@ from ._counted_positions import (
 )
 from ._distances import half_precision_bias
 from ._few_queries import few_queries, few_query_inputs, few_query_relative_serves
-from ._grouped_queries import grouped_scores, grouped_values, scaled_dot_product
+from ._grouped_queries import (
+    scaled_dot_product,
+    scores_per_query_head,
+    values_per_query_head,
+)
 from ._inputs import positions_or_default, repeat_kv
 from ._masks import (
     apply_masks,
@@ -344,9 +348,9 @@ class SdpaRelative(SdpaChunks):
             parts = [] if terms is None else [terms]
             fresh = terms  # a new tensor (``few_query_inputs``): no copy of it is needed
         else:
-            k, v = repeat_kv(k, groups), repeat_kv(v, groups)  # the terms read every head
             if documents is None:
                 documents = pair_documents(document_ids, n, m)
+            # k with its own heads: each term repeats the keys it reads per query head
             by_name = self._relative_terms(q, k, q_positions, k_positions, dtype, documents)
             parts = list(by_name.values())
         if self.has_position_bias:
@@ -374,18 +378,18 @@ class SdpaRelative(SdpaChunks):
             # the work: Shaw at N = 512 on the CPU ran 10.6x plain SDPA, eager 6.7x)
             # the scale on q [B, H, N, D], not on the [B, H, N, M] product (a full-size
             # pass forward and another backward)
-            content = _scores(q.to(dtype) * self.scale, k.to(dtype))
+            content = scores_per_query_head(q.to(dtype) * self.scale, k.to(dtype))
             weights = masked_softmax_in_place(content + mask)  # [B, H, N, M]
-            out = _weighted_values(weights, v.to(dtype))
+            out = values_per_query_head(weights, v.to(dtype))
             return (out + self._value_term(weights, q_positions, k_positions)).to(v.dtype)
         # half precision takes the mask shifted by its row's largest (``half_precision_bias``):
         # cast as it is, Transformer-XL's terms near 75 lost 0.25 to bfloat16's rounding
         mask = half_precision_bias(mask, q.dtype)
-        # grouped-query heads reach here only from a decode step's terms: its few queries
-        # take the batched matmuls (``scaled_dot_product``), where before every cached key
-        # and value was copied out per query head (one query, 4033-4096 keys, 8 heads on 2
-        # key-value heads, 2-core CPU: Transformer-XL 3.79x -> 2.51x plain SDPA, BERT
-        # relative_key 5.12x -> 2.83x; revisions_cpu_float32_decode_grouped_relative.md)
+        # grouped-query heads as they are: a decode step's few queries take the batched
+        # matmuls (``scaled_dot_product``), where before every cached key and value was
+        # copied out per query head (one query, 4033-4096 keys, 8 heads on 2 key-value
+        # heads, 2-core CPU: Transformer-XL 3.79x -> 2.51x plain SDPA, BERT relative_key
+        # 5.12x -> 2.83x; revisions_cpu_float32_decode_grouped_relative.md)
         out = scaled_dot_product(q, k, v, mask, self.scale)
         return out.to(v.dtype)
 
@@ -737,19 +741,3 @@ class SdpaRelative(SdpaChunks):
             return half_precision_bias(terms, q.dtype)
 
         return self._sdpa_in_chunks(q, k, v, spans, chunk_terms).to(v.dtype)
-
-
-def _scores(q: Tensor, k: Tensor) -> Tensor:
-    """q . k^T [B, H, N, M], k with q's heads or grouped-query heads (its own copied
-    out per query head only where its batch and head axes do not merge)."""
-    groups = q.shape[1] // k.shape[1]
-    scores = grouped_scores(q, k) if groups > 1 else None
-    return torch.matmul(q, repeat_kv(k, groups).transpose(-2, -1)) if scores is None else scores
-
-
-def _weighted_values(weights: Tensor, v: Tensor) -> Tensor:
-    """weights @ v [B, H, N, Dv], v with the weights' heads or grouped-query heads
-    (``_scores``' counterpart)."""
-    groups = weights.shape[1] // v.shape[1]
-    out = grouped_values(weights, v) if groups > 1 else None
-    return torch.matmul(weights, repeat_kv(v, groups)) if out is None else out

@@ -169,7 +169,7 @@ class BertRelativeKey(PositionalAttention):
         pair's from its own positions: ``documents`` change nothing).
 
         Content-dependent terms are [B, H, N, M]; position-only ones [H, N, M] (or
-        [B, H, N, M] for batched positions).
+        [B, H, N, M] for batched positions). k: [B, H_kv, M, D], H_kv dividing H.
         """
         n, m = q.shape[2], k.shape[2]
         terms: dict[str, Tensor] = {}

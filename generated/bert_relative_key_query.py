@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from ._attention import PositionalAttention
 from ._distances import diagonal_rows, monotone_index_ends
-from ._inputs import cache_get, cache_put
+from ._inputs import cache_get, cache_put, repeat_kv
 from ._masks import relative_positions
 from ._terms import RelativeFactors
 
@@ -171,9 +171,10 @@ class BertRelativeKeyQuery(PositionalAttention):
         pair's from its own positions: ``documents`` change nothing).
 
         Content-dependent terms are [B, H, N, M]; position-only ones [H, N, M] (or
-        [B, H, N, M] for batched positions).
+        [B, H, N, M] for batched positions). k: [B, H_kv, M, D], H_kv dividing H.
         """
         n, m = q.shape[2], k.shape[2]
+        k = repeat_kv(k, q.shape[1] // k.shape[1])  # [B, H, M, D]: read per query head
         terms: dict[str, Tensor] = {}
         # content_position: q_i . R[index(i - j)]
         index, table_rows = self._relative_layout(

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from ._attention import PositionalAttention
+from ._grouped_queries import scores_per_query_head
 from ._masks import causal_allowed, same_document
 
 __all__ = ["Cope"]
@@ -91,7 +92,7 @@ class Cope(PositionalAttention):
     ) -> dict[str, Tensor]:
         """content_position = (1 - w) q_i . e[floor p_ij] + w q_i . e[ceil p_ij].
 
-        q: [B, H, N, D], k: [B, H, M, D] (heads repeated). p_ij = sum of the gates
+        q: [B, H, N, D], k: [B, H_kv, M, D] (H_kv dividing H). p_ij = sum of the gates
         sigmoid(q_i . k_t * scale) over keys t from j on, counting only keys at or before
         the query (CoPE is causal: later keys have gate 0 whatever ``causal`` says) and,
         with packed ``documents``, in the query's document (so a packed document counts
@@ -99,7 +100,7 @@ class Cope(PositionalAttention):
         """
         n, m = q.shape[2], k.shape[2]
         q, k = q.to(dtype), k.to(dtype)
-        logits = torch.matmul(q * self.scale, k.transpose(-2, -1))  # [B, H, N, M]
+        logits = scores_per_query_head(q * self.scale, k)  # [B, H, N, M]
         gates = torch.sigmoid(logits)
         one_query = n == 1 and q_positions is None and k_positions is None
         if documents is not None or not one_query:  # one query at M - 1 sees every key

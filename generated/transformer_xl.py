@@ -42,7 +42,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ._attention import PositionalAttention
-from ._inputs import arange_view, cache_get, cache_put, positive_int, score_bias_positions
+from ._inputs import (
+    arange_view,
+    cache_get,
+    cache_put,
+    positive_int,
+    repeat_kv,
+    score_bias_positions,
+)
 from ._masks import relative_positions
 from ._terms import RelativeFactors
 
@@ -199,9 +206,10 @@ class TransformerXl(PositionalAttention):
         pair's from its own positions: ``documents`` change nothing).
 
         Content-dependent terms are [B, H, N, M]; position-only ones [H, N, M] (or
-        [B, H, N, M] for batched positions).
+        [B, H, N, M] for batched positions). k: [B, H_kv, M, D], H_kv dividing H.
         """
         n, m = q.shape[2], k.shape[2]
+        k = repeat_kv(k, q.shape[1] // k.shape[1])  # [B, H, M, D]: read per query head
         terms: dict[str, Tensor] = {}
         kept = self._kept_relative_rows(dtype, q.device)  # compared with the parameters once
         # content_position: q_i . W_R R[index(i - j)]

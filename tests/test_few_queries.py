@@ -19,6 +19,7 @@ import torch
 from tests.conftest import (
     HostReads,
     assert_sdpa_matches_eager,
+    generated_class,
     runtime_modules,
     set_runtime,
     small_clip_module,
@@ -153,6 +154,33 @@ def test_grouped_heads_copy_out_no_cache(name: str, monkeypatch: pytest.MonkeyPa
         sides = {part.side for part in pe._relative_factors(q, k, F64, True)}
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
     assert keys_copied == 0 if "key" not in sides else 0 < keys_copied < 30
+
+
+@pytest.mark.parametrize("positions", [False, True])
+@pytest.mark.parametrize("name", ["cope", "shaw", "bert_relative_key"])
+def test_dense_terms_under_grouped_heads_copy_out_no_values(
+    name: str, positions: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The dense terms (CoPE's decode step; the relative tables at explicit positions)
+    under grouped-query heads: CoPE's gates and Shaw's weights come from each key-value
+    head's query heads as the rows of one matmul, and the attention runs on the grouped
+    heads, so no key (bar a key-side term's, none here) or value is copied out per query
+    head (``repeat_kv``); outputs equal the eager oracle's."""
+    pe = generated_class(name)(heads=4, head_dim=8).double()
+    copied = spy_calls(
+        monkeypatch, runtime_modules(pe), "repeat_kv", lambda x, groups: x.shape[2] * (groups > 1)
+    )
+    generator = torch.Generator().manual_seed(7)
+    q = torch.randn(1, 4, 1, 8, generator=generator, dtype=F64)
+    k, v = (torch.randn(1, 2, 30, 8, generator=generator, dtype=F64) for _ in "kv")
+    given = {"q_positions": torch.tensor([61]), "k_positions": 2 * torch.arange(30)}
+    options = {"causal": True, **(given if positions else {})}
+    with torch.no_grad():
+        got = pe(q, k, v, backend="sdpa", **options)
+        keys_copied = max(copied, default=0)
+        want = pe(q, k, v, backend="eager", **options)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    assert keys_copied == 0
 
 
 @pytest.mark.parametrize("name", ["bert_relative_key_query", "deberta", "transformer_xl"])

@@ -699,7 +699,8 @@ class AttentionTerms(nn.Module):
         dtype: torch.dtype,
         documents: tuple[Tensor, Tensor] | None = None,
     ) -> dict[str, Tensor]:
-        """The terms that depend on q and k, each as it enters the logits. documents:
+        """The terms that depend on q and k, each as it enters the logits; k may have
+        grouped-query heads (each term repeats the keys it reads). documents:
         the queries' and the keys' documents (``pair_documents``) where packed, for
         terms that read keys other than the pair's own (CoPE counts only its
         document's keys); None: one document."""
