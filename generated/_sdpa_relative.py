@@ -42,7 +42,12 @@ from ._counted_positions import (
     counted_position_attention_serves,
 )
 from ._distances import half_precision_bias
-from ._few_queries import few_queries, few_query_inputs, few_query_relative_serves
+from ._few_queries import (
+    few_queries,
+    few_query_inputs,
+    few_query_inputs_at_positions,
+    few_query_relative_serves,
+)
 from ._grouped_queries import (
     scaled_dot_product,
     scores_per_query_head,
@@ -61,6 +66,7 @@ from ._masks import (
     pair_documents,
     query_chunks,
     reachable_query_chunks,
+    relative_positions,
     same_document,
     sum_into_new,
 )
@@ -336,15 +342,23 @@ class SdpaRelative(SdpaChunks):
         groups = q.shape[1] // k.shape[1]
         n, m = q.shape[2], k.shape[2]
         dtype = compute_dtype(q)
-        factors, fresh = None, None
+        factors, fresh, pairs = None, None, None
         if q_positions is None and k_positions is None and few_queries(n):
-            # k with its own heads: a key-side term repeats only the keys near the
-            # queries for the query heads (``few_query_inputs``)
+            # k with its own heads: a key-side term reads the keys of each query head's
+            # key-value head, copying none out (``few_query_inputs``)
             factors = self._relative_factors(q, k, dtype, causal)
+        elif few_queries(n) and clipped is not None and _one_row(q_positions, k_positions):
+            # at explicit positions, terms clipped at a distance: each pair's row
+            factors = self._clipped_relative_factors(q, k, dtype)
+            relative = relative_positions(q_positions, k_positions, n, m, q.device)  # [N, M]
+            pairs = relative.clamp(-clipped, clipped) + clipped
         if factors and few_query_relative_serves(factors, clipped):
             # a decode step: no key projected over every row; terms with one value per
             # key ride in q (``_few_queries``)
-            q, terms = few_query_inputs(q, factors, n, m, clipped, self.scale)
+            if pairs is None:
+                q, terms = few_query_inputs(q, factors, n, m, clipped, self.scale)
+            else:
+                q, terms = few_query_inputs_at_positions(q, factors, pairs, self.scale)
             parts = [] if terms is None else [terms]
             fresh = terms  # a new tensor (``few_query_inputs``): no copy of it is needed
         else:
@@ -741,3 +755,8 @@ class SdpaRelative(SdpaChunks):
             return half_precision_bias(terms, q.dtype)
 
         return self._sdpa_in_chunks(q, k, v, spans, chunk_terms).to(v.dtype)
+
+
+def _one_row(q_positions: Tensor | None, k_positions: Tensor | None) -> bool:
+    """Whether the positions given are one row for every batch row (1-D), or left out."""
+    return all(t is None or t.dim() == 1 for t in (q_positions, k_positions))

@@ -137,8 +137,9 @@ def test_key_side_terms_in_chunks_of_keys(
 @pytest.mark.parametrize("name", NAMES)
 def test_grouped_heads_copy_out_no_cache(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Under grouped-query heads a decode step copies no cached key or value out per
-    query head (``repeat_kv``): a key-side term repeats only the keys within its clip
-    of the query, and the attention (Shaw's value term's weights too) runs each key-value
+    query head (``repeat_kv``): a key-side term reads each query head's key-value head
+    as it is (or, projecting its few keys near the queries over the rows, copies
+    those), and the attention (Shaw's value term's weights too) runs each key-value
     head's query heads as the rows of one matmul; the output equals the eager oracle's."""
     pe = make(name)
     copied = spy_calls(
@@ -151,9 +152,55 @@ def test_grouped_heads_copy_out_no_cache(name: str, monkeypatch: pytest.MonkeyPa
         got = pe(q, k, v, causal=True, backend="sdpa")
         keys_copied = max(copied, default=0)  # the most keys one copy took
         want = pe(q, k, v, causal=True, backend="eager")
-        sides = {part.side for part in pe._relative_factors(q, k, F64, True)}
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
-    assert keys_copied == 0 if "key" not in sides else 0 < keys_copied < 30
+    assert keys_copied < 30
+
+
+AT_POSITIONS = [  # (n, m, kv_heads, batch)
+    (1, 30, 2, 1),  # a decode step of a batch of one: the products into the gathered rows
+    (1, 30, 4, 2),
+    (3, 30, 2, 2),  # a few queries, grouped heads
+    (1, 5, 4, 1),  # every key within the clip
+]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(("n", "m", "kv_heads", "batch"), AT_POSITIONS)
+@pytest.mark.parametrize(
+    "name", ["shaw", "bert_relative_key", "bert_relative_key_query", "deberta"]
+)
+def test_few_queries_at_explicit_positions_match_eager(
+    name: str, n: int, m: int, kv_heads: int, batch: int, causal: bool, monkeypatch
+) -> None:
+    """A few queries at explicit positions (keys two apart, as a cache with evicted keys
+    has them, the queries among the last keys or past them) read each pair's row of
+    their clipped terms (``few_query_inputs_at_positions``): outputs and gradients equal
+    the eager oracle's."""
+    pe = make(name)
+    route = spy_query_shapes(monkeypatch, pe, "few_query_inputs_at_positions")
+    keys = 3 + 2 * torch.arange(m)
+    queries = keys[m - n :] + (0 if causal else 1)
+    assert_sdpa_matches_eager(
+        pe, n, m, kv_heads, batch=batch, causal=causal, q_positions=queries, k_positions=keys
+    )
+    assert route == [(batch, 4, n, 8)]  # the sdpa call took the path
+
+
+@pytest.mark.parametrize("budget", [1, 3000])
+def test_pair_rows_in_chunks_of_keys(budget: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each pair's row gathered a few keys at a time (``KEY_SIDE_CHUNK_BYTES``), batch
+    rows and grouped heads too: outputs and gradients equal the eager oracle's; batched
+    positions keep the dense terms."""
+    pe = make("deberta")
+    set_runtime(monkeypatch, "KEY_SIDE_CHUNK_BYTES", {"cpu": budget}, pe)
+    route = spy_query_shapes(monkeypatch, pe, "few_query_inputs_at_positions")
+    keys = 3 + 2 * torch.arange(30)
+    given = {"q_positions": keys[-2:], "k_positions": keys}
+    for batch in (1, 2):
+        assert_sdpa_matches_eager(pe, 2, 30, 2, batch=batch, causal=True, **given)
+    batched = {name: t.expand(2, -1) for name, t in given.items()}
+    assert_sdpa_matches_eager(pe, 2, 30, 2, causal=True, **batched)
+    assert route == [(1, 4, 2, 8), (2, 4, 2, 8)]
 
 
 @pytest.mark.parametrize("positions", [False, True])

@@ -141,36 +141,14 @@ def _key_side_term(
     batch, _, _, dim = k.shape
     heads = rows.shape[1]
     out = k.new_zeros(batch, heads, n, m) if far else k.new_empty(batch, heads, n, m)
-    near = repeat_kv(k[:, :, far:], heads // k.shape[1])  # [B, H, w, D]
     width = m - far
     # query i reads diagonal[far - i + N - 1 + w] at near key w: windows of diagonal, the
     # later queries' starting earlier
     row = diagonal.unfold(0, width, 1)[far : far + n].flip(0)  # [N, w]
     if n * dim <= batch * rows.shape[0]:  # each pair's own row, some keys at a time
-        budget = KEY_SIDE_CHUNK_BYTES.get(k.device.type)
-        # one key's rows [N, H, D] and its product with the keys [B, H, D]
-        key_bytes = (n + batch) * heads * dim * rows.dtype.itemsize
-        keys_at_once = width if budget is None else max(1, budget // key_bytes)
-        for start in range(0, width, keys_at_once):
-            stop = min(start + keys_at_once, width)
-            picked = rows.index_select(0, row[:, start:stop].flatten())  # [N * c, H, D]
-            picked = picked.view(n, stop - start, heads, dim)  # [N, c, H, D]
-            if far_row is not None:  # far_row is in the queries already: one pass over k
-                picked -= far_row
-            near_keys = near[:, :, start:stop]  # [B, H, c, D]
-            if n == 1 and batch == 1:
-                # the products into the gathered rows, summed over [c, H, D]'s last axis:
-                # no temporary of near_keys' size, which a vecdot against the rows'
-                # transposed view made and malloc handed back at every call
-                products = picked[0].mul_(near_keys[0].transpose(0, 1))  # [c, H, D]
-                out[0, :, 0, far + start : far + stop] = products.sum(-1).t()
-                continue
-            if n == 1:  # the product in place of the copy an einsum makes of near_keys
-                terms = torch.linalg.vecdot(near_keys, picked[0].transpose(0, 1)).unsqueeze(2)
-            else:  # an einsum copies near_keys once; a product would be N times its size
-                terms = torch.einsum("bhwd,nwhd->bhnw", near_keys, picked)  # [B, H, N, c]
-            out[..., far + start : far + stop] = terms
+        _pair_key_terms(k[:, :, far:], rows, row, far_row, out[..., far:])
     else:  # the w keys over the K rows, [B, H, w, K], then each pair's entry
+        near = repeat_kv(k[:, :, far:], heads // k.shape[1])  # [B, H, w, D]
         if far_row is not None:  # far_row is in the queries already
             rows = rows - far_row
         scores = torch.einsum("bhwd,khd->bhwk", near, rows)
@@ -178,3 +156,79 @@ def _key_side_term(
         near_terms = torch.gather(scores.flatten(-2), -1, flat.expand(batch, heads, -1))
         out[..., far:] = near_terms.view(batch, heads, n, width)
     return out
+
+
+def _pair_key_terms(
+    keys: Tensor, rows: Tensor, pair_rows: Tensor, far_row: Tensor | None, out: Tensor
+) -> None:
+    """out[b, h, i, j] = keys[b, h // G, j] . (rows[pair_rows[i, j], h] - far_row[h]):
+    each pair's own row, gathered ``KEY_SIDE_CHUNK_BYTES`` at a time, so that a key-side
+    term costs O(N W H D) for W keys, not a projection over every row.
+
+    keys: [B, H_kv, W, D], H_kv dividing H (G = H / H_kv query heads per key-value head,
+    whose keys are not copied out); rows: [K, H, D]; pair_rows: int64 [N, W]; far_row:
+    [H, D] or None (nothing subtracted); out: [B, H, N, W], written.
+    """
+    batch, heads_kv, width, dim = keys.shape
+    n, heads = pair_rows.shape[0], rows.shape[1]
+    groups = heads // heads_kv
+    budget = KEY_SIDE_CHUNK_BYTES.get(keys.device.type)
+    # one key's rows [N, H, D] and its product with the keys [B, H, D]
+    key_bytes = (n + batch) * heads * dim * rows.dtype.itemsize
+    keys_at_once = width if budget is None else max(1, budget // key_bytes)
+    for start in range(0, width, keys_at_once):
+        stop = min(start + keys_at_once, width)
+        picked = rows.index_select(0, pair_rows[:, start:stop].flatten())  # [N * c, H, D]
+        if far_row is not None:  # far_row is in the queries already: one pass over k
+            picked -= far_row
+        # [N, c, H_kv, G, D]: query head h = g + G k reads key-value head k
+        picked = picked.view(n, stop - start, heads_kv, groups, dim)
+        chunk = keys[:, :, start:stop]  # [B, H_kv, c, D]
+        if n == 1 and batch == 1:
+            # the products into the gathered rows, summed over the last axis: no
+            # temporary of the keys' size, which a vecdot against the rows' transposed
+            # view made and malloc handed back at every call
+            products = picked[0].mul_(chunk[0].transpose(0, 1).unsqueeze(2))  # [c, H_kv, G, D]
+            out[0, :, 0, start:stop] = products.sum(-1).view(stop - start, heads).t()
+            continue
+        terms = torch.einsum("bkcd,nckgd->bkgnc", chunk, picked)  # [B, H_kv, G, N, c]
+        out[..., start:stop] = terms.reshape(batch, heads, n, stop - start)
+
+
+def few_query_inputs_at_positions(
+    q: Tensor, factors: list[RelativeFactors], clipped: Tensor, scale: float
+) -> tuple[Tensor, Tensor | None]:
+    """``few_query_inputs`` at explicit positions, for terms clipped at a distance K
+    (``_clipped_relative_factors``: each term's diagonal [2K + 1] gives the row of a
+    clipped key minus query position): ``clipped`` int64 [N, M] is each pair's
+    clip(j - i, -K, K) + K, the same in every batch row (1-D positions).
+
+    A query-side or position-only term reads its projection over the rows at each pair's
+    row; a key-side term gathers each pair's row (``_pair_key_terms``), O(N M H D), where
+    the dense terms projected every key over every row, O(M K H D): a BERT
+    relative_key_query decode step against 512 keys two apart took 63x plain SDPA. A
+    term of one value per key goes into q' as in ``few_query_inputs``.
+    """
+    n, m = clipped.shape
+    shift: Tensor | None = None  # [H, D], added to every query
+    total: Tensor | None = None
+    for part in merged_factors(factors):
+        side, x, rows, diagonal, part_scale = part
+        if side == "content":  # u . k_j
+            shift = _shifted(shift, rows[0], part_scale / scale)
+            continue
+        assert diagonal is not None  # the terms read rows
+        pair_rows = diagonal.index_select(0, clipped.flatten()).view(n, m)  # [N, M]
+        if side == "key":
+            term = x.new_empty(x.shape[0], rows.shape[1], n, m)  # [B, H, N, M]
+            _pair_key_terms(x, rows, pair_rows, None, term)
+            total = accumulated(total, term * part_scale)
+            continue
+        _, scores, _ = project_factors(part)  # [B, H, N, K], or [H, K] for "global"
+        if side == "global":
+            scores = scores[None, :, None, :].expand(1, -1, n, -1)  # [1, H, N, K]
+        index = pair_rows.expand(*scores.shape[:2], n, m)
+        total = accumulated(total, torch.gather(scores, -1, index))  # [B or 1, H, N, M]
+    if shift is not None:
+        q = (q.to(shift.dtype) + shift[None, :, None, :]).to(q.dtype)  # [B, H, N, D]
+    return q, total
