@@ -161,7 +161,9 @@ def test_dense_relative_terms_go_a_chunk_at_a_time_over_its_documents(
 ) -> None:
     """Where the terms are built per pair (explicit positions, a value term, a window),
     each chunk of 6 queries builds them over its documents' keys only (at most 17 of
-    24), forward and backward, and sdpa equals the oracle; a training step with terms
+    24), densely or, a few queries of clipped terms at explicit positions, from their
+    factors (``few_query_inputs_at_positions``), forward and backward, and sdpa equals
+    the oracle; a training step with terms
     clipped at a distance and a key-side term does so inside one node over the chunks
     (``relative_attention_at_positions``), and Transformer-XL's, read by distance with
     no clip, too (``ranged_attention_at_positions``), in every case."""
@@ -172,6 +174,7 @@ def test_dense_relative_terms_go_a_chunk_at_a_time_over_its_documents(
     shapes = spy_method(
         monkeypatch, type(pe), "_relative_terms", lambda q, k, *_, **__: (q.shape[2], k.shape[2])
     )
+    pairs = per_pair_shapes(monkeypatch, pe)
     node = spy_calls(
         monkeypatch, runtime_modules(pe), "relative_attention_at_positions", lambda *a: a[5]
     )
@@ -180,7 +183,7 @@ def test_dense_relative_terms_go_a_chunk_at_a_time_over_its_documents(
     )
     q, k, v = (torch.randn(2, 4, N, 8, dtype=torch.float64, requires_grad=True) for _ in "qkv")
     pe(q, k, v, backend="sdpa", document_ids=DOCUMENTS, **CASES[case]).sum().backward()
-    shapes += [(i1 - i0, hi - lo) for spans in node + ranged for i0, i1, lo, hi in spans]
+    shapes += pairs + [(i1 - i0, hi - lo) for spans in node + ranged for i0, i1, lo, hi in spans]
     if case.startswith("explicit") or name in ("shaw", "transformer_xl"):
         assert shapes, "the per-pair terms ran"
     assert bool(node) == (name in ("bert_relative_key_query", "deberta"))
@@ -198,6 +201,19 @@ def test_a_causal_training_step_of_query_side_terms_goes_per_chunk_with_document
     shapes = spy_method(
         monkeypatch, type(pe), "_relative_terms", lambda q, k, *_, **__: (q.shape[2], k.shape[2])
     )
+    pairs = per_pair_shapes(monkeypatch, pe)
     q, k, v = (torch.randn(2, 4, N, 8, dtype=torch.float64, requires_grad=True) for _ in "qkv")
     pe(q, k, v, backend="sdpa", document_ids=DOCUMENTS, causal=True).sum().backward()
+    shapes += pairs
     assert shapes and all(rows <= 6 and keys <= 17 for rows, keys in shapes), shapes
+
+
+def per_pair_shapes(monkeypatch: pytest.MonkeyPatch, pe: torch.nn.Module) -> list[tuple[int, int]]:
+    """(queries, keys) of each call of ``few_query_inputs_at_positions`` (a chunk of a
+    few queries at its own positions, reading each pair's row of clipped terms)."""
+    return spy_calls(
+        monkeypatch,
+        runtime_modules(pe),
+        "few_query_inputs_at_positions",
+        lambda q, factors, clipped, scale: tuple(clipped.shape),
+    )
