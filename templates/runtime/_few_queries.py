@@ -219,10 +219,18 @@ def few_query_inputs_at_positions(
             continue
         assert diagonal is not None  # the terms read rows
         pair_rows = diagonal.index_select(0, clipped.flatten()).view(n, m)  # [N, M]
-        if side == "key":
+        if side == "key" and n * x.shape[-1] <= x.shape[0] * rows.shape[0]:
+            # each pair's own row, as ``_key_side_term`` chooses at default positions
             term = x.new_empty(x.shape[0], rows.shape[1], n, m)  # [B, H, N, M]
             _pair_key_terms(x, rows, pair_rows, None, term)
             total = accumulated(total, term * part_scale)
+            continue
+        if side == "key":  # more queries than rows per batch row: the keys over the rows
+            keys = repeat_kv(x, rows.shape[1] // x.shape[1])  # [B, H, M, D]
+            _, scores, _ = project_factors(part._replace(x=keys))  # [B, H, M, K]
+            index = pair_rows.t().expand(*scores.shape[:2], m, n)
+            term = torch.gather(scores, -1, index).transpose(-1, -2)  # [B, H, N, M]
+            total = accumulated(total, term)
             continue
         _, scores, _ = project_factors(part)  # [B, H, N, K], or [H, K] for "global"
         if side == "global":
