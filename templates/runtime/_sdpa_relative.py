@@ -220,7 +220,9 @@ class SdpaRelative(SdpaChunks):
         and 2.84x -> 1.63x; causal 4.58x -> 3.70x and 4.32x -> 3.34x, 3.09x -> 2.68x
         and 2.97x -> 2.65x; ``…_clipped_chunks_*.md``); a few
         queries read theirs from the factors
-        (``few_query_inputs``). Otherwise the dense terms, with the queries in chunks
+        (``few_query_inputs``), and so do a few queries at explicit positions of one
+        row, where the terms are clipped (``few_query_inputs_at_positions``).
+        Otherwise the dense terms, with the queries in chunks
         (``reachable_query_chunks``) wherever positions are given, masks apply or
         documents are packed: each chunk at the positions of its queries and of the
         keys it may read (its documents' keys, and those its causal mask or window
@@ -337,7 +339,6 @@ class SdpaRelative(SdpaChunks):
                     window,
                     document_ids,
                 )
-        groups = q.shape[1] // k.shape[1]
         n, m = q.shape[2], k.shape[2]
         dtype = compute_dtype(q)
         factors, fresh, pairs = None, None, None
