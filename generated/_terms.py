@@ -57,7 +57,8 @@ class RelativeFactors(NamedTuple):
     dotted with, multiplied by no one yet.
 
     side: what the rows are dotted with. "query": x = q [B, H, N, D], the term of query
-    i and key j being scale * x_i . rows[row]; "key": x = k [B, H, M, D],
+    i and key j being scale * x_i . rows[row]; "key": x = k [B, H, M, D] (or
+    [B, H_kv, M, D], H_kv dividing H, for the few queries' paths, ``_few_queries``),
     scale * x_j . rows[row]; "global": x a trained vector per head [H, D],
     scale * x . rows[row]; "content": x = k against the one row [1, H, D] of a trained
     vector per head (Transformer-XL's u . k_j: one value per key, diagonal None). rows:
@@ -457,7 +458,8 @@ class AttentionTerms(nn.Module):
         diagonal), for paths that never build a [B, H, N, M] term per pair; None where
         the encoding has no such form (then ``_relative_terms``' dense tensors serve).
         With ``causal`` the diagonals whose key comes after the query may read any row
-        (they are masked). k has q's heads. ``diagonals`` (n, m): the diagonals (and the
+        (they are masked). k has q's heads, or grouped-query heads where the factors go to
+        ``few_query_inputs``. ``diagonals`` (n, m): the diagonals (and the
         rows they read) of n queries against m keys at default positions instead of
         q's and k's (``_clipped_relative_parts``)."""
         return None

@@ -279,7 +279,8 @@ class TransformerXl(PositionalAttention):
         """Each relative term at default positions as its factors: the K table rows it
         reads, what they are dotted with (q, k or a trained vector), the scale it enters
         the logits with and the row of each diagonal, so no [B, H, N, M] tensor is built;
-        with ``causal``, only the rows that unmasked diagonals read. k has q's heads.
+        with ``causal``, only the rows that unmasked diagonals read. k has q's heads (or
+        grouped-query heads, for ``few_query_inputs``).
         ``diagonals`` (n, m): the diagonals of n queries and m keys instead of q's and k's.
         """
         n, m = diagonals if diagonals is not None else (q.shape[2], k.shape[2])

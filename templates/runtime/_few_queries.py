@@ -135,8 +135,9 @@ def _key_side_term(
     """k_j . (rows[diagonal[j - i + N - 1]] - far_row) for the N queries, zero on the
     first ``far`` keys (which read far_row): [B, H, N, M], a new tensor.
 
-    k: [B, H_kv, M, D] (H_kv dividing H: only the near keys are repeated for the query
-    heads, ``repeat_kv``); rows: [K, H, D]; far_row: [H, D], or None (then far is 0).
+    k: [B, H_kv, M, D], H_kv dividing H: each pair's row reads its key-value head in
+    place (``_pair_key_terms``); a projection over the rows repeats the near keys for
+    the query heads. rows: [K, H, D]; far_row: [H, D], or None (then far is 0).
     """
     batch, _, _, dim = k.shape
     heads = rows.shape[1]

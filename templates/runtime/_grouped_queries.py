@@ -156,7 +156,7 @@ def grouped_query_attention(
             for i in range(b)
         ]
         return torch.cat(outs, dim=0)  # [B, H, N, Dv]
-    heads_kv, m, dv = k.shape[1], k.shape[2], v.shape[-1]
+    heads_kv, m = k.shape[1], k.shape[2]
     rows = q.reshape(b * heads_kv, h // heads_kv * n, d)  # [B H_kv, G N, D]
     keys = k.view(b * heads_kv, m, d).transpose(1, 2)  # [B H_kv, D, M]
     added = _mask_as_rows(mask, q, heads_kv, m)  # [B H_kv, G N, M] or None
@@ -188,9 +188,9 @@ def grouped_query_attention(
             weights = torch.threshold_(weights, tiny, 0.0)
     if weights.dtype != v.dtype:
         weights = weights.to(v.dtype)
-    weights = weights.view(b * heads_kv, h // heads_kv * n, m)  # [B H_kv, G N, M]
-    out = torch.bmm(weights, v.view(b * heads_kv, m, dv))  # [B H_kv, G N, Dv]
-    return out.view(b, h, n, dv)
+    out = grouped_values(weights.view(b, h, n, m), v)  # [B, H, N, Dv]
+    assert out is not None  # v's batch and head axes merge (one batch row, or checked)
+    return out
 
 
 def grouped_scores(q: Tensor, k: Tensor) -> Tensor | None:
