@@ -253,6 +253,27 @@ def bias_read_per_distance(
     return bias_at_entries(bias_of_distances(distances), relative - least)  # [..., H, N, M]
 
 
+def distance_rows_at_positions(relative: Tensor, n: int, m: int) -> tuple[Tensor, Tensor]:
+    """The rows of a table over distances (Transformer-XL's relative sinusoids) that
+    explicit positions read, and where each pair reads: (index [..., N, M], rows int64
+    [K], ascending), ``relative`` being each pair's distance, int64 [..., N, M].
+
+    Where ``distance_vector_range`` allows it (positions no farther apart than a few
+    steps), the rows are the whole run least .. largest, and index = relative - least:
+    the kept projected rows are then read as a slice, with no sort of the N M distances
+    and no gather of the rows. Elsewhere (positions far apart, a GPU, compiling) only
+    the distinct distances present, so that the range between far positions is never
+    built. A decode step of a batch of two at positions two apart, each row its own
+    (8 heads of 64, 2-core AMD EPYC): 1.03 -> 0.84 ms against 449-512 keys, 9.6-11.4 ->
+    9.1-9.3 ms against 4033-4096 (two runs)."""
+    reach = distance_vector_range(relative, n, m)
+    if reach is None:
+        rows, index = torch.unique(relative, return_inverse=True)  # [K], like relative
+        return index, rows
+    least, count = reach
+    return relative - least, torch.arange(least, least + count, device=relative.device)
+
+
 # Devices where the sdpa backend raises a bias's finite entries to at least
 # ``BIAS_FLOOR`` below the largest entry each query surely reads (``floored_bias``),
 # in float32 and half precision. A steep bias (ALiBi, KERPLE, Sandwich far from the

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ._attention import PositionalAttention
+from ._distances import distance_rows_at_positions
 from ._inputs import (
     arange_view,
     cache_get,
@@ -159,8 +160,7 @@ class TransformerXl(PositionalAttention):
         r = j - i ("key_minus_query") or i - j ("query_minus_key").
         Default positions: the rows are the distances max(r), max(r) - 1, ..., min(r)
         (descending, as the relative shift needs) and index = max(r) - r. Explicit
-        positions: only the distinct distances present (ascending), so far-apart
-        positions never build the range between them.
+        positions: ``distance_rows_at_positions``' ascending rows.
         Cached per shape for default positions (the few most recent shapes).
         """
         cacheable = q_positions is None and k_positions is None
@@ -172,9 +172,7 @@ class TransformerXl(PositionalAttention):
         if sign == "query_minus_key":
             relative = -relative
         if not cacheable:
-            # explicit positions may be far apart: only the distances present, ascending
-            rows, index = torch.unique(relative, return_inverse=True)  # [K], like relative
-            return index, rows
+            return distance_rows_at_positions(relative, n, m)
         # default positions (queries M - N .. M - 1, keys 0 .. M - 1) reach every
         # distance j - i from 1 - M to N - 1 (i - j: from 1 - N to M - 1): no host sync
         high, low = (n - 1, 1 - m) if sign == "key_minus_query" else (m - 1, 1 - n)

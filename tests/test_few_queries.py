@@ -166,16 +166,15 @@ AT_POSITIONS = [  # (n, m, kv_heads, batch)
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize(("n", "m", "kv_heads", "batch"), AT_POSITIONS)
-@pytest.mark.parametrize(
-    "name", ["shaw", "bert_relative_key", "bert_relative_key_query", "deberta"]
-)
+@pytest.mark.parametrize("name", NAMES)
 def test_few_queries_at_explicit_positions_match_eager(
     name: str, n: int, m: int, kv_heads: int, batch: int, causal: bool, monkeypatch
 ) -> None:
     """A few queries at explicit positions (keys two apart, as a cache with evicted keys
     has them, the queries among the last keys or past them) read each pair's row of
-    their clipped terms (``few_query_inputs_at_positions``): outputs and gradients equal
-    the eager oracle's."""
+    their clipped terms, or of Transformer-XL's span of distances
+    (``few_query_inputs_at_positions``): outputs and gradients equal the eager
+    oracle's."""
     pe = make(name)
     route = spy_query_shapes(monkeypatch, pe, "few_query_inputs_at_positions")
     keys = 3 + 2 * torch.arange(m)
@@ -184,6 +183,52 @@ def test_few_queries_at_explicit_positions_match_eager(
         pe, n, m, kv_heads, batch=batch, causal=causal, q_positions=queries, k_positions=keys
     )
     assert route == [(batch, 4, n, 8)]  # the sdpa call took the path
+
+
+@pytest.mark.parametrize(
+    ("queries", "keys", "span"),
+    [
+        ([2, 9], [10, 13, 16, 19, 22], 21),  # every key after the queries: r = 1 .. 20
+        ([1_000_061], 1_000_000 + 2 * torch.arange(30), 62),  # far from 0, r = -61 .. -3
+        ([5], [0, 3, 5, 9], 10),  # keys on both sides: r = -5 .. 4, at most 4 (N + M)
+    ],
+)
+def test_transformer_xl_at_explicit_positions_reads_a_span_of_distances(
+    queries: list[int], keys: list[int] | torch.Tensor, span: int, monkeypatch
+) -> None:
+    """Transformer-XL's terms at explicit positions of one row, read by distance with
+    no clip, come from its rows over a span of distances holding 0 and every key minus
+    query position present (``_relative_factors_at_positions``), each pair reading its
+    own entry: outputs and gradients equal the eager oracle's, and without gradients
+    the rows projected are the span's (kept, then read as a slice)."""
+    pe = make("transformer_xl")
+    route = spy_query_shapes(monkeypatch, pe, "few_query_inputs_at_positions")
+    given = {"q_positions": torch.tensor(queries), "k_positions": torch.as_tensor(keys)}
+    n, m = len(queries), given["k_positions"].numel()
+    assert_sdpa_matches_eager(pe, n, m, 2, batch=1, **given)
+    sizes = rows_projected(monkeypatch, pe)
+    q, k, v = torch.randn(1, 4, n, 8, dtype=F64), *torch.randn(2, 1, 2, m, 8, dtype=F64)
+    with torch.no_grad():
+        got = pe(q, k, v, backend="sdpa", **given)
+    assert sizes == [span]
+    torch.testing.assert_close(got, pe(q, k, v, backend="eager", **given))
+    assert route == [(1, 4, n, 8)] * 2  # both sdpa calls took the path
+
+
+def test_transformer_xl_at_sparse_positions_keeps_the_dense_terms(monkeypatch) -> None:
+    """Past a span of ``DISTANCE_VECTOR_PER_POSITION`` (N + M) distances (here 4 (1 +
+    3) = 16 against 51), and for batched positions, Transformer-XL's terms at explicit
+    positions stay dense, over the distances present."""
+    pe = make("transformer_xl")
+    route = spy_query_shapes(monkeypatch, pe, "few_query_inputs_at_positions")
+    given = {"q_positions": torch.tensor([50]), "k_positions": torch.tensor([0, 25, 50])}
+    assert_sdpa_matches_eager(pe, 1, 3, 2, batch=1, **given)
+    batched = {
+        "q_positions": torch.tensor([[5], [6]]),
+        "k_positions": torch.tensor([[0, 3, 5]] * 2),
+    }
+    assert_sdpa_matches_eager(pe, 1, 3, 2, **batched)
+    assert route == []
 
 
 @pytest.mark.parametrize("budget", [1, 3000])

@@ -197,12 +197,13 @@ def _pair_key_terms(
 
 
 def few_query_inputs_at_positions(
-    q: Tensor, factors: list[RelativeFactors], clipped: Tensor, scale: float
+    q: Tensor, factors: list[RelativeFactors], entries: Tensor, scale: float
 ) -> tuple[Tensor, Tensor | None]:
-    """``few_query_inputs`` at explicit positions, for terms clipped at a distance K
-    (``_clipped_relative_factors``: each term's diagonal [2K + 1] gives the row of a
-    clipped key minus query position): ``clipped`` int64 [N, M] is each pair's
-    clip(j - i, -K, K) + K, the same in every batch row (1-D positions).
+    """``few_query_inputs`` at explicit positions (``_relative_factors_at_positions``):
+    ``entries`` int64 [N, M] is each pair's entry of every term's diagonal, the same in
+    every batch row (1-D positions): clip(j - i, -K, K) + K for terms clipped at a
+    distance K, whose diagonals [2K + 1] give the row of each clipped key minus query
+    position; j - i - least for Transformer-XL's, over a span of distances from least.
 
     A query-side or position-only term reads its projection over the rows at each pair's
     row; a key-side term gathers each pair's row (``_pair_key_terms``), O(N M H D), where
@@ -210,7 +211,7 @@ def few_query_inputs_at_positions(
     relative_key_query decode step against 512 keys two apart took 63x plain SDPA. A
     term of one value per key goes into q' as in ``few_query_inputs``.
     """
-    n, m = clipped.shape
+    n, m = entries.shape
     shift: Tensor | None = None  # [H, D], added to every query
     total: Tensor | None = None
     for part in merged_factors(factors):
@@ -219,7 +220,7 @@ def few_query_inputs_at_positions(
             shift = _shifted(shift, rows[0], part_scale / scale)
             continue
         assert diagonal is not None  # the terms read rows
-        pair_rows = diagonal.index_select(0, clipped.flatten()).view(n, m)  # [N, M]
+        pair_rows = diagonal.index_select(0, entries.flatten()).view(n, m)  # [N, M]
         if side == "key" and n * x.shape[-1] <= x.shape[0] * rows.shape[0]:
             # each pair's own row, as ``_key_side_term`` chooses at default positions
             term = x.new_empty(x.shape[0], rows.shape[1], n, m)  # [B, H, N, M]

@@ -221,7 +221,8 @@ class SdpaRelative(SdpaChunks):
         and 2.97x -> 2.65x; ``…_clipped_chunks_*.md``); a few
         queries read theirs from the factors
         (``few_query_inputs``), and so do a few queries at explicit positions of one
-        row, where the terms are clipped (``few_query_inputs_at_positions``).
+        row, where the terms are clipped or their distances span a short run
+        (``_relative_factors_at_positions``, ``few_query_inputs_at_positions``).
         Otherwise the dense terms, with the queries in chunks
         (``reachable_query_chunks``) wherever positions are given, masks apply or
         documents are packed: each chunk at the positions of its queries and of the
@@ -346,11 +347,12 @@ class SdpaRelative(SdpaChunks):
             # k with its own heads: a key-side term reads the keys of each query head's
             # key-value head, copying none out (``few_query_inputs``)
             factors = self._relative_factors(q, k, dtype, causal)
-        elif few_queries(n) and clipped is not None and _one_row(q_positions, k_positions):
-            # at explicit positions, terms clipped at a distance: each pair's row
-            factors = self._clipped_relative_factors(q, k, dtype)
+        elif few_queries(n) and _one_row(q_positions, k_positions):
+            # at explicit positions: each pair's row, where the rows are few enough
             relative = relative_positions(q_positions, k_positions, n, m, q.device)  # [N, M]
-            pairs = relative.clamp(-clipped, clipped) + clipped
+            at_positions = self._relative_factors_at_positions(q, k, dtype, relative)
+            if at_positions is not None:
+                factors, pairs = at_positions
         if factors and few_query_relative_serves(factors, clipped):
             # a decode step: no key projected over every row; terms with one value per
             # key ride in q (``_few_queries``)
