@@ -253,6 +253,20 @@ def bias_read_per_distance(
     return bias_at_entries(bias_of_distances(distances), relative - least)  # [..., H, N, M]
 
 
+def distance_span_with_zero(relative: Tensor) -> tuple[int, int] | None:
+    """(low, high), the least and largest of 0 and the distances ``relative`` (int64
+    [N, M], a distance per pair), where ``distance_vector_range`` allows their run and
+    low .. high holds at most ``DISTANCE_VECTOR_PER_POSITION`` (N + M) distances; else
+    None."""
+    n, m = relative.shape[-2:]
+    reach = distance_vector_range(relative, n, m)
+    if reach is None:
+        return None
+    least, count = reach
+    low, high = min(least, 0), max(least + count - 1, 0)
+    return (low, high) if high - low + 1 <= DISTANCE_VECTOR_PER_POSITION * (n + m) else None
+
+
 def distance_rows_at_positions(relative: Tensor, n: int, m: int) -> tuple[Tensor, Tensor]:
     """The rows of a table over distances (Transformer-XL's relative sinusoids) that
     explicit positions read, and where each pair reads: (index [..., N, M], rows int64

@@ -203,7 +203,7 @@ def few_query_inputs_at_positions(
     ``entries`` int64 [N, M] is each pair's entry of every term's diagonal, the same in
     every batch row (1-D positions): clip(j - i, -K, K) + K for terms clipped at a
     distance K, whose diagonals [2K + 1] give the row of each clipped key minus query
-    position; j - i - least for Transformer-XL's, over a span of distances from least.
+    position; j - i - low for Transformer-XL's, over a span of distances from low.
 
     A query-side or position-only term reads its projection over the rows at each pair's
     row; a key-side term gathers each pair's row (``_pair_key_terms``), O(N M H D), where

@@ -18,11 +18,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from ._distances import (
-    DISTANCE_VECTOR_PER_POSITION,
-    distance_span_vector,
-    distance_vector_range,
-)
+from ._distances import distance_span_vector, distance_span_with_zero
 from ._inputs import (
     Rotated,
     cache_get,
@@ -515,13 +511,12 @@ class AttentionTerms(nn.Module):
 
         Clipped terms: ``_clipped_relative_factors``, entry clip(j - i, -K, K) + K.
         Terms read by distance with no clip (Transformer-XL's): the default diagonals
-        of a span of distances holding 0 and every r = j - i present, entry r - least,
-        where that span is at most ``DISTANCE_VECTOR_PER_POSITION`` (N + M) distances
-        (``distance_vector_range``: eager mode on the CPU); its rows are a slice of the
-        projected rows kept across calls. Transformer-XL's decode step at positions
-        two apart, where its dense terms sorted the distances and gathered their rows
-        (8 heads of 64, 2-core AMD EPYC, time over plain SDPA): 10.3x -> 6.1x against
-        449-512 keys, 13.0x -> 4.4x against 4033-4096
+        of the span low .. high of 0 and every r = j - i present, entry r - low,
+        where that span is short (``distance_span_with_zero``: eager mode on the CPU);
+        its rows are a slice of the projected rows kept across calls. Transformer-XL's
+        decode step at positions two apart, where its dense terms sorted the distances
+        and gathered their rows (8 heads of 64, 2-core AMD EPYC, time over plain SDPA):
+        10.3x -> 6.1x against 449-512 keys, 13.0x -> 4.4x against 4033-4096
         (``revisions_cpu_float32_decode_distance_span_stride2.md``).
         """
         clip = self.relative_clip
@@ -530,14 +525,10 @@ class AttentionTerms(nn.Module):
             if clipped_factors is None:
                 return None
             return clipped_factors, relative.clamp(-clip, clip) + clip
-        n, m = relative.shape
-        reach = distance_vector_range(relative, n, m)
-        if reach is None:
+        span = distance_span_with_zero(relative)
+        if span is None:
             return None
-        least, count = reach
-        low, high = min(least, 0), max(least + count - 1, 0)  # the diagonals hold r = 0
-        if high - low + 1 > DISTANCE_VECTOR_PER_POSITION * (n + m):
-            return None
+        low, high = span
         # the diagonals of high + 1 queries against 1 - low keys: r from low to high
         factors = self._relative_factors(q, k, dtype, diagonals=(high + 1, 1 - low))
         return None if factors is None else (factors, relative - low)
