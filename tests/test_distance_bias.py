@@ -67,7 +67,7 @@ def test_decode_step_mask_has_contiguous_keys(name: str, monkeypatch) -> None:
         monkeypatch,
         runtime_modules(pe),
         "scaled_dot_product",  # SDPA's one caller: the mask goes to it unchanged
-        lambda q, k, v, mask, scale: (tuple(mask.shape), mask.stride(-1)),
+        lambda q, k, v, mask, *_, **__: (tuple(mask.shape), mask.stride(-1)),
     )
     q, k = torch.randn(2, 4, 1, 8), torch.randn(2, 2, 40, 8)  # grouped-query heads
     for dtype in (torch.float32, torch.bfloat16):

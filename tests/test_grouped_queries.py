@@ -299,6 +299,51 @@ def test_a_fully_masked_query_gives_zeros(monkeypatch: pytest.MonkeyPatch) -> No
     torch.testing.assert_close(out, oracle, atol=1e-10, rtol=1e-10)
 
 
+ROWS_READ_CASES = {  # (name, N, call, whether each row surely reads a key)
+    "t5, one causal query": ("t5", 1, {"causal": True}, True),  # the distance vector's row
+    "kerple_log, one query in a window": ("kerple_log", 1, {"causal": True, "window": 3}, True),
+    "t5, three causal queries": ("t5", 3, {"causal": True}, True),  # the bias of a few queries
+    "transformer_xl, one causal query": ("transformer_xl", 1, {"causal": True}, True),
+    "transformer_xl, documents": (
+        "transformer_xl",
+        2,
+        {"causal": True, "document_ids": (torch.arange(24) >= 23).long()},  # the last alone
+        True,
+    ),
+    "t5, attn_mask": ("t5", 1, {"attn_mask": torch.arange(24) % 3 > 0}, False),
+    "transformer_xl, attn_mask": ("transformer_xl", 1, {"attn_mask": torch.arange(24) > 0}, False),
+    "transformer_xl, a query before every key": (
+        "transformer_xl",
+        1,
+        {"causal": True, "q_positions": torch.tensor([3]), "k_positions": torch.arange(10, 34)},
+        False,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(ROWS_READ_CASES))
+def test_rows_that_surely_read_a_key_take_the_plain_softmax(
+    monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    """A decode step at default positions with a finite bias or finite relative terms
+    and no attn_mask tells the matmuls that every query reads a key (its own, which no
+    causal mask, window or document removes), so their softmax skips the care for fully
+    masked rows; with an attn_mask, or at explicit positions (where a query may come
+    before every key: its row is zeros, as SDPA gives), it keeps it. Outputs equal the
+    eager oracle's."""
+    name, n, call, reads = ROWS_READ_CASES[case]
+    told = spy_calls(
+        monkeypatch,
+        runtime_modules(),
+        "grouped_query_attention",
+        lambda *args, **keywords: args[5] if len(args) > 5 else keywords.get("every_row_reads"),
+    )
+    set_runtime(monkeypatch, "GROUPED_QUERY_MIN_KEY_ELEMENTS", 0)
+    out, oracle = decode_case(name, n, **call)
+    assert told == [reads]
+    torch.testing.assert_close(out, oracle, atol=1e-10, rtol=1e-10)
+
+
 def test_other_calls_keep_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
     """Off the device list, or in the bnhd layout (batch and heads do not merge), SDPA
     serves and the output is the same."""

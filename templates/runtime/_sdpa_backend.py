@@ -210,10 +210,11 @@ class SdpaBackend(SdpaRelative):
                 attn_mask,
                 spread=None if matmuls else self._floor_spread(q, k),
             )
-            if matmuls:  # at default positions each query reads its own key, finite
-                reads = default_positions and attn_mask is None and self.position_bias_finite
+            # at default positions each query reads its own key, finite
+            reads = default_positions and attn_mask is None and self.position_bias_finite
+            if matmuls:
                 return grouped_query_attention(q, k, v, bias, self.scale, every_row_reads=reads)
-            return scaled_dot_product(q, k, v, bias, self.scale)
+            return scaled_dot_product(q, k, v, bias, self.scale, every_row_reads=reads)
         only_causal = window is None and document_ids is None and attn_mask is None
         if causal and default_positions and n == m and only_causal:
             # keys 0..M-1 and queries 0..N-1: SDPA's own causal mask, no mask tensor
@@ -356,7 +357,8 @@ class SdpaBackend(SdpaRelative):
             return grouped_query_attention(q, k, v, mask, self.scale, every_row_reads=reads)
         if n == 1:  # one query (a decode step): the vector is its row, in key order
             mask = bias_with_attn_mask(vec[None, :, None, :], attn_mask)  # [B or 1, H, 1, M]
-            return scaled_dot_product(q, k, v, mask, self.scale)
+            reads = self.position_bias_finite and attn_mask is None  # as above
+            return scaled_dot_product(q, k, v, mask, self.scale, every_row_reads=reads)
         if not (causal or window is not None or vec.requires_grad):
             spans = [(0, n, 0, m)]  # nothing to skip: one call over every key
         else:  # views of the vector, but a trained one's chunks get scores of their own
@@ -364,7 +366,10 @@ class SdpaBackend(SdpaRelative):
             spans = query_chunks(n, m, q.device.type, causal, window, views=not trained)
 
         chunk_views = distance_chunk_views(vec, n)  # [1, H, rows, keys] per span
-        return self._sdpa_in_chunks(q, k, v, spans, chunk_views, queries_reversed=True)
+        reads = self.position_bias_finite  # each query reads its own key, r = 0
+        return self._sdpa_in_chunks(
+            q, k, v, spans, chunk_views, queries_reversed=True, every_row_reads=reads
+        )
 
     def _trained_distance_attention(
         self, q: Tensor, k: Tensor, v: Tensor, causal: bool, window: int | None
@@ -560,7 +565,7 @@ class SdpaBackend(SdpaRelative):
         inputs: list[Tensor] = [p for p in self.parameters() if p.requires_grad]
         if attn_mask is not None and attn_mask.requires_grad:
             inputs.append(attn_mask)
-        every_row_reads = default and attn_mask is None
+        every_row_reads = default and attn_mask is None and self.position_bias_finite
         return self._sdpa_in_chunks(
             q,
             k,

@@ -74,13 +74,15 @@ class SdpaChunks(AttentionTerms):
         go in reversed and its output comes back in order) -> [B, H, N, value_dim].
         ``mask_inputs``: where given, every tensor the masks are built from that may
         need a gradient. ``every_row_reads``: whether every query reads a key its mask
-        allows (the causal and window chunks at default positions); where not,
-        ``trained_mask_attention``, whose softmax of a row of -inf is NaN, is not used
-        (the CPU flash kernels give such a row zeros). ``mask_parts``: where given, the
-        masks need no gradient, and in eager mode where the call is done with each mask
-        before it asks for the next (the chunked flash node, and the loop where no
-        gradient flows) each is built that many queries at a time into one buffer
-        (``AssembledMasks``, ``mask_of`` taking an ``out`` argument).
+        allows (the causal and window chunks at default positions, with a finite bias);
+        where not, ``trained_mask_attention``, whose softmax of a row of -inf is NaN, is
+        not used (the CPU flash kernels give such a row zeros), and a few queries'
+        matmuls (``scaled_dot_product``) take the softmax that gives it zeros.
+        ``mask_parts``: where given, the masks need no gradient, and in eager mode where
+        the call is done with each mask before it asks for the next (the chunked flash
+        node, and the loop where no gradient flows) each is built that many queries at a
+        time into one buffer (``AssembledMasks``, ``mask_of`` taking an ``out``
+        argument).
 
         A training step runs as one autograd node where it serves: with masks that
         train (from ``mask_inputs``, rows in query order, from
@@ -115,7 +117,7 @@ class SdpaChunks(AttentionTerms):
             if every_row_reads and trained_mask_attention_serves(rows, mask):
                 out = trained_mask_attention(rows, keys, values, mask, self.scale)
             else:
-                out = scaled_dot_product(rows, keys, values, mask, self.scale)
+                out = scaled_dot_product(rows, keys, values, mask, self.scale, every_row_reads)
             outs.append(out.flip(2) if queries_reversed else out)
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 

@@ -405,7 +405,15 @@ class SdpaRelative(SdpaChunks):
         # copied out per query head (one query, 4033-4096 keys, 8 heads on 2 key-value
         # heads, 2-core CPU: Transformer-XL 3.79x -> 2.51x plain SDPA, BERT relative_key
         # 5.12x -> 2.83x; revisions_cpu_float32_decode_grouped_relative.md)
-        out = scaled_dot_product(q, k, v, mask, self.scale)
+        # at default positions each query reads its own key (in its document, within
+        # its window), whose terms are finite
+        reads = (
+            q_positions is None
+            and k_positions is None
+            and attn_mask is None
+            and (self.position_bias_finite or not self.has_position_bias)
+        )
+        out = scaled_dot_product(q, k, v, mask, self.scale, every_row_reads=reads)
         return out.to(v.dtype)
 
     def _clipped_at_positions(
