@@ -231,6 +231,22 @@ def test_transformer_xl_at_sparse_positions_keeps_the_dense_terms(monkeypatch) -
     assert route == []
 
 
+def test_shaw_weights_take_the_plain_softmax_where_every_row_reads(monkeypatch) -> None:
+    """Shaw's decode step forms its weights itself (for the value term): at default
+    positions with no attn_mask every query reads its own key, so the plain softmax
+    serves; with an attn_mask that masks a batch row's every key, the softmax that
+    gives that row zeros. Outputs and gradients equal the eager oracle's."""
+    pe = make("shaw")
+    careful = spy_query_shapes(monkeypatch, pe, "masked_softmax_in_place")
+    assert_sdpa_matches_eager(pe, 1, 30, 2, causal=True)
+    assert_sdpa_matches_eager(pe, 2, 30, 2, window=3, causal=True)
+    assert careful == []
+    keep = torch.ones(2, 1, 1, 30, dtype=torch.bool)
+    keep[1] = False  # batch row 1 reads no key: zeros
+    assert_sdpa_matches_eager(pe, 1, 30, 2, attn_mask=keep)
+    assert careful == [(2, 4, 1, 30)]
+
+
 @pytest.mark.parametrize("budget", [1, 3000])
 def test_pair_rows_in_chunks_of_keys(budget: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each pair's row gathered a few keys at a time (``KEY_SIDE_CHUNK_BYTES``), batch

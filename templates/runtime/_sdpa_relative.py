@@ -387,6 +387,14 @@ class SdpaRelative(SdpaChunks):
         if allowed is not None:
             mask = block_fresh(mask, allowed)
         mask = apply_masks(mask, None, attn_mask)
+        # at default positions each query reads its own key (in its document, within
+        # its window), whose terms are finite
+        reads = (
+            q_positions is None
+            and k_positions is None
+            and attn_mask is None
+            and (self.position_bias_finite or not self.has_position_bias)
+        )
         if self.has_value_term:
             # the value term needs the weights, which SDPA does not return: form them
             # once and apply them to v here as well (an SDPA call on top would double
@@ -394,7 +402,10 @@ class SdpaRelative(SdpaChunks):
             # the scale on q [B, H, N, D], not on the [B, H, N, M] product (a full-size
             # pass forward and another backward)
             content = scores_per_query_head(q.to(dtype) * self.scale, k.to(dtype))
-            weights = masked_softmax_in_place(content + mask)  # [B, H, N, M]
+            if reads:  # no row with every key masked: the plain softmax
+                weights = torch.softmax(content.add_(mask), dim=-1)  # [B, H, N, M]
+            else:
+                weights = masked_softmax_in_place(content + mask)  # [B, H, N, M]
             out = values_per_query_head(weights, v.to(dtype))
             return (out + self._value_term(weights, q_positions, k_positions)).to(v.dtype)
         # half precision takes the mask shifted by its row's largest (``half_precision_bias``):
@@ -405,14 +416,6 @@ class SdpaRelative(SdpaChunks):
         # copied out per query head (one query, 4033-4096 keys, 8 heads on 2 key-value
         # heads, 2-core CPU: Transformer-XL 3.79x -> 2.51x plain SDPA, BERT relative_key
         # 5.12x -> 2.83x; revisions_cpu_float32_decode_grouped_relative.md)
-        # at default positions each query reads its own key (in its document, within
-        # its window), whose terms are finite
-        reads = (
-            q_positions is None
-            and k_positions is None
-            and attn_mask is None
-            and (self.position_bias_finite or not self.has_position_bias)
-        )
         out = scaled_dot_product(q, k, v, mask, self.scale, every_row_reads=reads)
         return out.to(v.dtype)
 
