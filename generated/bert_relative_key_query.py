@@ -43,7 +43,7 @@ from ._attention import PositionalAttention
 from ._distances import diagonal_rows, monotone_index_ends
 from ._inputs import cache_get, cache_put, repeat_kv
 from ._masks import relative_positions
-from ._terms import RelativeFactors
+from ._terms import RelativeFactors, rows_projection
 
 __all__ = ["BertRelativeKeyQuery"]
 
@@ -181,12 +181,11 @@ class BertRelativeKeyQuery(PositionalAttention):
             q_positions, k_positions, n, m, q.device, "query_minus_key"
         )
         rows = self._relative_rows("none", table_rows, dtype, q.device)
-        # the scale goes on the [K, H, D] rows, the smallest tensor of the term
-        scores = torch.einsum("bhnd,khd->bhnk", q.to(dtype), rows * self.scale)  # [B, H, N, K]
+        scores = rows_projection(q.to(dtype), rows, self.scale)  # [B, H, N, K]
         term = _gather_rows(scores, index)  # [B, H, N, M]
         terms["content_position"] = term
         # position_content: k_j . R[index(i - j)]
-        scores = torch.einsum("bhmd,khd->bhmk", k.to(dtype), rows * self.scale)  # [B, H, M, K]
+        scores = rows_projection(k.to(dtype), rows, self.scale)  # [B, H, M, K]
         term = _gather_rows(scores, index.transpose(-1, -2)).transpose(-1, -2)  # [B, H, N, M]
         terms["position_content"] = term
         order = ("content_position", "position_content")

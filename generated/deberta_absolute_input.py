@@ -55,7 +55,7 @@ from ._attention import PositionalAttention
 from ._distances import diagonal_rows, monotone_index_ends
 from ._inputs import cache_get, cache_put, check_positions, positive_int, repeat_kv
 from ._masks import relative_positions
-from ._terms import RelativeFactors
+from ._terms import RelativeFactors, rows_projection
 
 __all__ = ["DebertaAbsoluteInput"]
 
@@ -278,8 +278,7 @@ class DebertaAbsoluteInput(PositionalAttention):
             q.device,
             RELATIVE_ROWS,
         )
-        # the scale goes on the [K, H, D] rows, the smallest tensor of the term
-        scores = torch.einsum("bhnd,khd->bhnk", q.to(dtype), rows * self.scale)  # [B, H, N, K]
+        scores = rows_projection(q.to(dtype), rows, self.scale)  # [B, H, N, K]
         term = _gather_rows(scores, index)  # [B, H, N, M]
         terms["content_position"] = term
         # position_content: k_j . W_q R[index(i - j)]
@@ -292,7 +291,7 @@ class DebertaAbsoluteInput(PositionalAttention):
             q.device,
             RELATIVE_ROWS,
         )
-        scores = torch.einsum("bhmd,khd->bhmk", k.to(dtype), rows * self.scale)  # [B, H, M, K]
+        scores = rows_projection(k.to(dtype), rows, self.scale)  # [B, H, M, K]
         term = _gather_rows(scores, index.transpose(-1, -2)).transpose(-1, -2)  # [B, H, N, M]
         terms["position_content"] = term
         order = ("content_position", "position_content")

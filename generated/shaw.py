@@ -45,7 +45,7 @@ from ._distances import diagonal_rows, monotone_index_ends
 from ._few_queries import few_queries
 from ._inputs import cache_get, cache_put, positive_int
 from ._masks import relative_positions
-from ._terms import RelativeFactors
+from ._terms import RelativeFactors, rows_projection
 
 __all__ = ["Shaw"]
 
@@ -190,8 +190,7 @@ class Shaw(PositionalAttention):
             q_positions, k_positions, n, m, q.device, "key_minus_query"
         )
         rows = self._relative_rows("none", table_rows, dtype, q.device)
-        # the scale goes on the [K, H, D] rows, the smallest tensor of the term
-        scores = torch.einsum("bhnd,khd->bhnk", q.to(dtype), rows * self.scale)  # [B, H, N, K]
+        scores = rows_projection(q.to(dtype), rows, self.scale)  # [B, H, N, K]
         term = _gather_rows(scores, index)  # [B, H, N, M]
         terms["content_position"] = term
         order = ("content_position",)

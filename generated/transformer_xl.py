@@ -52,7 +52,7 @@ from ._inputs import (
     score_bias_positions,
 )
 from ._masks import relative_positions
-from ._terms import RelativeFactors
+from ._terms import RelativeFactors, content_projection, global_rows_projection, rows_projection
 
 __all__ = ["TransformerXl"]
 
@@ -223,8 +223,7 @@ class TransformerXl(PositionalAttention):
             q.device,
             None,
         )
-        # the scale goes on the [K, H, D] rows, the smallest tensor of the term
-        scores = torch.einsum("bhnd,khd->bhnk", q.to(dtype), rows * self.scale)  # [B, H, N, K]
+        scores = rows_projection(q.to(dtype), rows, self.scale)  # [B, H, N, K]
         if q_positions is None and k_positions is None:
             term = _relative_shift(scores, m)  # [B, H, N, M]
         else:
@@ -234,7 +233,7 @@ class TransformerXl(PositionalAttention):
         term = self._global_position(index, rows, dtype)  # [H, N, M] or [B, H, N, M]
         terms["position_position"] = term * self.scale
         # position_content: u_h . k_j, the same for every query
-        content = torch.einsum("hd,bhmd->bhm", self.r_w_bias.to(dtype), k.to(dtype))  # [B, H, M]
+        content = content_projection(k.to(dtype), self.r_w_bias.to(dtype))  # [B, H, M]
         content = content.unsqueeze(2).expand(-1, -1, n, -1)  # [B, H, N, M]
         terms["position_content"] = content * self.scale
         order = ("content_position", "position_content", "position_position")
@@ -332,6 +331,6 @@ class TransformerXl(PositionalAttention):
 
     def _global_position(self, index: Tensor, rows: Tensor, dtype: torch.dtype) -> Tensor:
         """v_h . rows[index]: [H, N, M], or [B, H, N, M] for a batched index."""
-        scores = torch.einsum("hd,khd->hk", self.r_r_bias.to(dtype), rows)  # [H, K]
+        scores = global_rows_projection(self.r_r_bias.to(dtype), rows)  # [H, K]
         term = scores[:, index]  # [H, N, M] or [H, B, N, M]
         return term.movedim(0, 1) if term.dim() == 4 else term
