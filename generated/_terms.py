@@ -51,6 +51,15 @@ KEEP_RELATIVE_ROWS = True
 KEPT_WITHOUT_SYNC_DEVICES: set[str] = {"cpu"}
 
 
+# The most rows of x per batch row (queries, or keys) for which ``rows_projection`` of
+# a batch of more than one takes an einsum rather than a matmul. On a 2-core x86 CPU, 8
+# heads of 64, a batch of two against 1023 table rows: 16 queries 0.32 ms against 1.5,
+# 64 queries 0.95 against 2.1, 256 queries 3.5 against 5.2, 1024 queries 35 against 33;
+# against 4095 kept distances 64 queries 3.7 against 6.5 ms, but 256 queries 34 against
+# 23 ms.
+ROWS_PROJECTION_EINSUM_MAX_ROWS = 64
+
+
 class RelativeFactors(NamedTuple):
     """One relative term at default positions as its two factors
     (``AttentionTerms._relative_factors``): the table rows it reads and what they are
@@ -96,17 +105,18 @@ def rows_projection(x: Tensor, rows: Tensor, scale: float) -> Tensor:
     [B, H, L, D] @ [H, D, K]: a contiguous [B, H, L, K], one matmul per batch row and
     head (an einsum over "bhnd,khd" ran one per head over the batch and laid its result
     out [H, B, N, K]: forward and backward of x [2, 8, 2048, 64] on 512 rows took 57 ms
-    against 41, 2-core x86). But rows that are a view of a heads-first block (the kept
-    distances) go to the einsum where B > 1: the matmul broadcast such a view over the
-    batch by a slow copy (8 heads of 64, 8193 rows, one query: 18.7 ms for a batch of
-    two, 35 ms for four, against 0.36 and 0.46 ms; 0.2 ms both for a batch of one).
-    While compiling, the scale goes on the rows and the matmul serves: the rows' count
-    may be data-dependent (the distinct distances at explicit positions), and a choice
-    by it cannot be traced."""
+    against 41, 2-core x86). But for a batch of more than one with at most
+    ``ROWS_PROJECTION_EINSUM_MAX_ROWS`` rows of x each (a few queries), the einsum: the
+    matmul broadcast the rows over the batch by a slow copy (8 heads of 64, one query:
+    Transformer-XL's 8193 kept distances 18.7 ms for a batch of two, 35 ms for four,
+    against 0.36 and 0.46 ms; a table of 1023 rows 2.4 ms against 0.08 ms for four;
+    0.2 and 0.04 ms both for a batch of one). While compiling, the scale goes on the
+    rows and the matmul serves: the rows' count may be data-dependent (the distinct
+    distances at explicit positions), and a choice by it cannot be traced."""
     if torch.compiler.is_compiling():
         return torch.matmul(x, (rows if scale == 1.0 else rows * scale).permute(1, 2, 0))
     x, rows = scaled_factors(x, rows, scale)
-    if x.shape[0] > 1 and not rows.is_contiguous():
+    if x.shape[0] > 1 and x.shape[2] <= ROWS_PROJECTION_EINSUM_MAX_ROWS:
         return torch.einsum("bhnd,khd->bhnk", x, rows)
     return torch.matmul(x, rows.permute(1, 2, 0))
 
