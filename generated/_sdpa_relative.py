@@ -389,11 +389,13 @@ class SdpaRelative(SdpaChunks):
         if allowed is not None:
             mask = block_fresh(mask, allowed)
         mask = apply_masks(mask, None, attn_mask)
-        # at default positions each query reads its own key (in its document, within
-        # its window), whose terms are finite
+        # finite terms, and each query reads its own key (default positions: in its
+        # document, within its window) or nothing masks any key (a decode step at
+        # explicit positions, whose query comes after every key: ``_attend`` dropped its
+        # causal mask)
+        unmasked = not causal and window is None and document_ids is None and documents is None
         reads = (
-            q_positions is None
-            and k_positions is None
+            ((q_positions is None and k_positions is None) or unmasked)
             and attn_mask is None
             and (self.position_bias_finite or not self.has_position_bias)
         )

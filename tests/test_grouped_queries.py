@@ -312,6 +312,24 @@ ROWS_READ_CASES = {  # (name, N, call, whether each row surely reads a key)
     ),
     "t5, attn_mask": ("t5", 1, {"attn_mask": torch.arange(24) % 3 > 0}, False),
     "transformer_xl, attn_mask": ("transformer_xl", 1, {"attn_mask": torch.arange(24) > 0}, False),
+    "t5, a query after keys two apart": (  # its causal mask masks nothing: dropped
+        "t5",
+        1,
+        {"causal": True, "q_positions": torch.tensor([60]), "k_positions": 2 * torch.arange(24)},
+        True,
+    ),
+    "transformer_xl, a query after keys two apart": (
+        "transformer_xl",
+        1,
+        {"causal": True, "q_positions": torch.tensor([50]), "k_positions": 2 * torch.arange(24)},
+        True,
+    ),
+    "t5, keys two apart in a window": (  # a window at explicit positions may hold no key
+        "t5",
+        1,
+        {"window": 3, "q_positions": torch.tensor([60]), "k_positions": 2 * torch.arange(24)},
+        False,
+    ),
     "transformer_xl, a query before every key": (
         "transformer_xl",
         1,
@@ -325,12 +343,13 @@ ROWS_READ_CASES = {  # (name, N, call, whether each row surely reads a key)
 def test_rows_that_surely_read_a_key_take_the_plain_softmax(
     monkeypatch: pytest.MonkeyPatch, case: str
 ) -> None:
-    """A decode step at default positions with a finite bias or finite relative terms
-    and no attn_mask tells the matmuls that every query reads a key (its own, which no
-    causal mask, window or document removes), so their softmax skips the care for fully
-    masked rows; with an attn_mask, or at explicit positions (where a query may come
-    before every key: its row is zeros, as SDPA gives), it keeps it. Outputs equal the
-    eager oracle's."""
+    """A decode step with a finite bias or finite relative terms and no attn_mask tells
+    the matmuls that every query reads a key, at default positions (its own, which no
+    causal mask, window or document removes) or where nothing masks any key (at explicit
+    positions after every key, where the causal mask is dropped), so their softmax
+    skips the care for fully masked rows; with an attn_mask, a window at explicit
+    positions, or a query before every key (its row is zeros, as SDPA gives), it keeps
+    it. Outputs equal the eager oracle's."""
     name, n, call, reads = ROWS_READ_CASES[case]
     told = spy_calls(
         monkeypatch,

@@ -210,8 +210,13 @@ class SdpaBackend(SdpaRelative):
                 attn_mask,
                 spread=None if matmuls else self._floor_spread(q, k),
             )
-            # at default positions each query reads its own key, finite
-            reads = default_positions and attn_mask is None and self.position_bias_finite
+            # a finite bias, and each query reads its own key (default positions) or
+            # nothing masks any key (a decode step at explicit positions, whose query
+            # comes after every key: ``_attend`` dropped its causal mask)
+            unmasked = not causal and window is None and document_ids is None
+            reads = (
+                (default_positions or unmasked) and attn_mask is None and self.position_bias_finite
+            )
             if matmuls:
                 return grouped_query_attention(q, k, v, bias, self.scale, every_row_reads=reads)
             return scaled_dot_product(q, k, v, bias, self.scale, every_row_reads=reads)
