@@ -30,7 +30,13 @@ from torch import Tensor
 
 from ._inputs import repeat_kv
 from ._masks import accumulated
-from ._terms import RelativeFactors, RelativePart, merged_factors, project_factors
+from ._terms import (
+    RelativeFactors,
+    RelativePart,
+    merged_factors,
+    project_factors,
+    rows_projection,
+)
 
 # The most queries a call may have for ``few_query_inputs``; above it the dense
 # terms (or, from CLIPPED_RELATIVE_MIN_QUERIES on, the clipped path) serve.
@@ -154,7 +160,7 @@ def _key_side_term(
         near = repeat_kv(k[:, :, far:], heads // k.shape[1])  # [B, H, w, D]
         if far_row is not None:  # far_row is in the queries already
             rows = rows - far_row
-        scores = torch.einsum("bhwd,khd->bhwk", near, rows)
+        scores = rows_projection(near, rows, 1.0)  # [B, H, w, K]
         flat = (torch.arange(width, device=k.device) * rows.shape[0] + row).flatten()
         near_terms = torch.gather(scores.flatten(-2), -1, flat.expand(batch, heads, -1))
         out[..., far:] = near_terms.view(batch, heads, n, width)

@@ -212,13 +212,8 @@ class SdpaBackend(SdpaRelative):
                 attn_mask,
                 spread=None if matmuls else self._floor_spread(q, k),
             )
-            # a finite bias, and each query reads its own key (default positions) or
-            # nothing masks any key (a decode step at explicit positions, whose query
-            # comes after every key: ``_attend`` dropped its causal mask)
-            unmasked = not causal and window is None and document_ids is None
-            reads = (
-                (default_positions or unmasked) and attn_mask is None and self.position_bias_finite
-            )
+            packed = document_ids is not None
+            reads = self._every_row_reads(default_positions, causal, window, packed, attn_mask)
             if matmuls:
                 return grouped_query_attention(q, k, v, bias, self.scale, every_row_reads=reads)
             return scaled_dot_product(q, k, v, bias, self.scale, every_row_reads=reads)
@@ -355,16 +350,15 @@ class SdpaBackend(SdpaRelative):
             vec = vec if vec.dtype == q.dtype else vec.to(q.dtype)  # [H, N + M - 1]
         else:
             vec = half_precision_bias(vec, q.dtype)  # [H, N + M - 1]
+        # no mask removes distance 0, so with a finite entry there every row reads a key
+        # (an expression's -inf needs the fully-masked-row care)
+        reads = self._every_row_reads(True, causal, window, False, attn_mask)
         if flushed:  # a few queries: their rows of the vector as one mask, in query order
             mask = vec[None, :, None, :] if n == 1 else expand_distance_bias(vec, n, m)[None]
-            # [1, H, N, M]; no mask removes distance 0, so with a finite entry there every
-            # row reads a key (an expression's -inf needs the fully-masked-row care)
-            reads = self.position_bias_finite and attn_mask is None
             mask = bias_with_attn_mask(mask, attn_mask)  # [B or 1, H, N, M]
             return grouped_query_attention(q, k, v, mask, self.scale, every_row_reads=reads)
         if n == 1:  # one query (a decode step): the vector is its row, in key order
             mask = bias_with_attn_mask(vec[None, :, None, :], attn_mask)  # [B or 1, H, 1, M]
-            reads = self.position_bias_finite and attn_mask is None  # as above
             return scaled_dot_product(q, k, v, mask, self.scale, every_row_reads=reads)
         if not (causal or window is not None or vec.requires_grad):
             spans = [(0, n, 0, m)]  # nothing to skip: one call over every key
@@ -373,7 +367,6 @@ class SdpaBackend(SdpaRelative):
             spans = query_chunks(n, m, q.device.type, causal, window, views=not trained)
 
         chunk_views = distance_chunk_views(vec, n)  # [1, H, rows, keys] per span
-        reads = self.position_bias_finite  # each query reads its own key, r = 0
         return self._sdpa_in_chunks(
             q, k, v, spans, chunk_views, queries_reversed=True, every_row_reads=reads
         )

@@ -36,6 +36,24 @@ from ._trained_bias import (
 class SdpaChunks(AttentionTerms):
     """The ``sdpa`` backend's chunk loop (see the module docstring)."""
 
+    def _every_row_reads(
+        self,
+        default_positions: bool,
+        causal: bool,
+        window: int | None,
+        packed: bool,
+        attn_mask: Tensor | None,
+    ) -> bool:
+        """Whether every query of a call surely reads a key (``every_row_reads``: its
+        softmax then needs no care for fully masked rows): no ``attn_mask``, a finite
+        position bias or none (relative terms are finite), and either default positions,
+        where each query reads its own key, which no causal mask, window or document
+        (``packed``) removes, or no mask at all (a decode step at explicit positions
+        once ``_attend`` has dropped its causal mask, its query after every key)."""
+        if attn_mask is not None or (self.has_position_bias and not self.position_bias_finite):
+            return False
+        return default_positions or not (causal or window is not None or packed)
+
     def _masks_need_no_grad(self, attn_mask: Tensor | None) -> bool:
         """Whether the masks of a call get no gradient (no parameter of the module and no
         float ``attn_mask`` trains). Then the chunks of a bias built per chunk keep

@@ -387,16 +387,9 @@ class SdpaRelative(SdpaChunks):
         if allowed is not None:
             mask = block_fresh(mask, allowed)
         mask = apply_masks(mask, None, attn_mask)
-        # finite terms, and each query reads its own key (default positions: in its
-        # document, within its window) or nothing masks any key (a decode step at
-        # explicit positions, whose query comes after every key: ``_attend`` dropped its
-        # causal mask)
-        unmasked = not causal and window is None and document_ids is None and documents is None
-        reads = (
-            ((q_positions is None and k_positions is None) or unmasked)
-            and attn_mask is None
-            and (self.position_bias_finite or not self.has_position_bias)
-        )
+        default_positions = q_positions is None and k_positions is None
+        packed = document_ids is not None or documents is not None
+        reads = self._every_row_reads(default_positions, causal, window, packed, attn_mask)
         if self.has_value_term:
             # the value term needs the weights, which SDPA does not return: form them
             # once and apply them to v here as well (an SDPA call on top would double
