@@ -167,6 +167,27 @@ def test_a_symbolic_link_loop_is_a_clear_error(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["specs"]
 
 
+def test_a_flow_list_entry_split_at_an_unquoted_comma_is_refused(tmp_path: Path) -> None:
+    """models: [Llama 3.1 (8B, 70B)] loads as two entries, "Llama 3.1 (8B" and "70B)":
+    each half's unmatched bracket is refused at its own column, with the remedy; the
+    quoted entry is one model."""
+    text = (CATALOGUE / "rope_llama3.yaml").read_text(encoding="utf-8")
+    models = next(line for line in text.splitlines() if line.startswith("models: "))
+    line_number = text.splitlines().index(models) + 1
+    spec = tmp_path / "rope_llama3.yaml"
+    spec.write_text(text.replace(models, "models: [Llama 3.1 (8B, 70B)]"), encoding="utf-8")
+    result = CliRunner().invoke(main, ["validate", str(spec)])
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    lines = result.output.splitlines()
+    assert f":{line_number}:10: models[0]: unmatched '(' at character 11: " in lines[0]
+    assert f":{line_number}:25: models[1]: unmatched ')' at character 4: " in lines[1]
+    assert 'quote the entry ("b (c, d)")' in lines[0]
+    spec.write_text(text.replace(models, 'models: ["Llama 3.1 (8B, 70B)"]'), encoding="utf-8")
+    (loaded,) = load_specs([spec])
+    assert loaded.spec.models == ["Llama 3.1 (8B, 70B)"]
+
+
 @pytest.mark.parametrize("invisible", ["\u200b", "\ufeff", "\u00ad", "\u2062", "\U000e0041"])
 def test_free_text_refuses_invisible_characters(tmp_path: Path, invisible: str) -> None:
     """A title that shows as 'ALiBi bias' but holds an invisible character is refused

@@ -230,10 +230,43 @@ def plain_text(text: str) -> str:
     )
 
 
+_CLOSING_BRACKETS = {")": "(", "]": "["}
+
+
+def with_matched_brackets(text: str) -> str:
+    """Accept text whose round and square brackets match; refuse the first unmatched one.
+
+    An unquoted comma inside a YAML flow list splits an entry: ``models: [Llama 3.1
+    (8B, 70B)]`` loads as "Llama 3.1 (8B" and "70B)", two models that ``list --models``
+    would print. Text with an unmatched bracket is refused with that remedy.
+    """
+    opened: list[tuple[str, int]] = []  # (bracket, index) of the brackets still open
+    unmatched: int | None = None
+    for index, ch in enumerate(text):
+        if ch in "([":
+            opened.append((ch, index))
+        elif ch in _CLOSING_BRACKETS:
+            if not opened or opened[-1][0] != _CLOSING_BRACKETS[ch]:
+                unmatched = index
+                break
+            opened.pop()
+    if unmatched is None and opened:
+        unmatched = opened[-1][1]
+    if unmatched is None:
+        return text
+    raise PydanticCustomError(
+        "free_text",
+        "unmatched '{bracket}' at character {index}: in a YAML flow list [a, b (c, d)] an "
+        'unquoted comma splits an entry; quote the entry ("b (c, d)") or match the bracket',
+        {"bracket": text[unmatched], "index": unmatched + 1},
+    )
+
+
 Text = Annotated[
     str,
     Field(min_length=1, max_length=300, json_schema_extra={"pattern": TEXT_PATTERN}),
     AfterValidator(plain_text),
+    AfterValidator(with_matched_brackets),
 ]
 
 
