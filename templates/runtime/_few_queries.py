@@ -40,12 +40,13 @@ from ._terms import (
 # terms (or, from CLIPPED_RELATIVE_MIN_QUERIES on, the clipped path) serve.
 FEW_QUERY_RELATIVE_MAX_QUERIES = 16
 
-# Bytes of temporaries (the gathered rows [N, c, H, D] and their product with c keys)
-# that ``_key_side_term`` holds at a time, per device, where each pair reads its own
-# row. On a 2-core CPU, one DeBERTa decode step against 4096 keys gathered its 512 near
-# keys' rows at once: two 2 MiB temporaries that glibc's malloc handed back to the
-# system every call, about 990 page faults and 1.8 ms for the term, against 0.29 ms and
-# none in chunks of 1 MiB. None or absent: every key at once.
+# Bytes of temporaries (the gathered rows [N, c, H, D] and their products with the c
+# keys of every batch row, [B, H, N, c, D]) that ``_key_side_term`` holds at a time,
+# per device, where each pair reads its own row. On a 2-core CPU, one DeBERTa decode
+# step against 4096 keys gathered its 512 near keys' rows at once: two 2 MiB
+# temporaries that glibc's malloc handed back to the system every call, about 990 page
+# faults and 1.8 ms for the term, against 0.29 ms and none in chunks of 1 MiB. None or
+# absent: every key at once.
 KEY_SIDE_CHUNK_BYTES: dict[str, int | None] = {"cpu": 1 << 20}
 
 
@@ -180,8 +181,8 @@ def _pair_key_terms(
     n, heads = pair_rows.shape[0], rows.shape[1]
     groups = heads // heads_kv
     budget = KEY_SIDE_CHUNK_BYTES.get(keys.device.type)
-    # one key's rows [N, H, D] and its product with the keys [B, H, D]
-    key_bytes = (n + batch) * heads * dim * rows.dtype.itemsize
+    # one key's rows [N, H, D] and their products with the keys [B, H, N, D]
+    key_bytes = (1 + batch) * n * heads * dim * rows.dtype.itemsize
     keys_at_once = width if budget is None else max(1, budget // key_bytes)
     for start in range(0, width, keys_at_once):
         stop = min(start + keys_at_once, width)
@@ -198,15 +199,13 @@ def _pair_key_terms(
             products = picked[0].mul_(chunk[0].transpose(0, 1).unsqueeze(2))  # [c, H_kv, G, D]
             out[0, :, 0, start:stop] = products.sum(-1).view(stop - start, heads).t()
             continue
-        if n == 1:
-            # each batch row's keys times their pairs' rows, summed over the features
-            # (a temporary within the chunk's budget): four batch rows, 100 keys, 8
-            # heads of 64, 30 us against 99 us by the einsum below (2-core CPU)
-            key_rows = picked[0].permute(1, 2, 0, 3)  # [H_kv, G, c, D]
-            terms = torch.linalg.vecdot(chunk.unsqueeze(2), key_rows)  # [B, H_kv, G, c]
-            out[:, :, 0, start:stop] = terms.reshape(batch, heads, stop - start)
-            continue
-        terms = torch.einsum("bkcd,nckgd->bkgnc", chunk, picked)  # [B, H_kv, G, N, c]
+        # each batch row's keys times their pairs' rows, summed over the features (a
+        # temporary within the chunk's budget): four batch rows, 100 keys, 8 heads of
+        # 64, one query: 30 us against 99 us by einsum("bkcd,nckgd->bkgnc"), which
+        # copies the keys for a batched matmul (2-core CPU); four queries in chunks
+        # of 64 keys, 130 against 180-390 us
+        key_rows = picked.permute(2, 3, 0, 1, 4)  # [H_kv, G, N, c, D]
+        terms = torch.linalg.vecdot(chunk[:, :, None, None], key_rows)  # [B, H_kv, G, N, c]
         out[..., start:stop] = terms.reshape(batch, heads, n, stop - start)
 
 
