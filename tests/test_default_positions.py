@@ -166,6 +166,26 @@ def test_shifted_positions_take_the_default_paths(name) -> None:
             assert torch.equal(got, want), (backend, causal)
 
 
+@pytest.mark.parametrize("shift", [2**20, 2**45])
+def test_a_far_shift_costs_what_a_near_one_does(shift: int) -> None:
+    """A rolling cache's keys at the defaults plus a large constant (positions reach
+    2^53) are told to be shifted defaults by comparisons of M entries: the same output
+    as the defaults, and no kept range grows with the shift (one up to 2^45 would be
+    2^49 bytes: the call failed to allocate it)."""
+    n, m = 1, 10
+    pe = generated_class("alibi")(heads=4, head_dim=8).double()
+    q, k, v = _qkv(n, m, 8, seed=3)
+    keys = torch.arange(m) + shift
+    kept = vars(inputs_module)["_KEPT_RANGES"]
+    kept.clear()
+    got = pe(q, k, v, causal=True, q_positions=keys[m - n :], k_positions=keys)
+    assert torch.equal(got, pe(q, k, v, causal=True))
+    widest = max(
+        (value[1].numel() for value in kept.values() if isinstance(value, tuple)), default=0
+    )
+    assert widest <= 2 * 16 + 1  # -R .. R for R = 16, the power of two covering M - 1
+
+
 @pytest.mark.parametrize("name", ["alibi", "t5", "shaw", "transformer_xl"])
 def test_positions_restarting_per_document_take_the_default_paths(name) -> None:
     """Packed documents whose positions restart at each one: bit for bit the output of

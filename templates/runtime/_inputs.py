@@ -538,8 +538,13 @@ def _defaults_told_by_ranges(
         return True, False, queries_last
     if not one_row:
         return True, None, queries_last
-    keys = arange_view(_KEPT_RANGES, key_lows[0], key_lows[0] + m, given[0].device)  # [M]
-    shifted_defaults = torch.equal(k_positions, keys) and torch.equal(q_positions, keys[m - n :])
+    # the keys less their least against 0 .. M - 1: a range kept up to the position
+    # itself would grow with the shift (a rolling cache's keys sit anywhere below 2^53)
+    keys = arange_view(_KEPT_RANGES, 0, m, given[0].device)  # [M]
+    low = key_lows[0]
+    shifted_defaults = torch.equal(k_positions - low, keys) and torch.equal(
+        q_positions - low, keys[m - n :]
+    )
     return True, shifted_defaults, queries_last
 
 
