@@ -209,7 +209,7 @@ def _counts(
         block.cumsum_(-1)  # the latest key first: c over keys from j on
         if start > a:
             block.add_(counts[..., start - 1 : start])
-        block.clamp_(max=last)
+        block.clamp_(max=last).nan_to_num_(nan=last)  # a NaN logit (NaN in q) counts to the end
         if bool(block[..., -1].min() >= last):
             break
     return a, b

@@ -109,6 +109,7 @@ class Cope(PositionalAttention):
                 visible = visible & same_document(documents)  # [N, M] or [B, 1, N, M]
             gates = gates * visible.to(dtype)
         counted = gates.flip(-1).cumsum(-1).flip(-1).clamp(max=COPE_MAX_POSITIONS - 1)
+        counted = counted.nan_to_num(nan=COPE_MAX_POSITIONS - 1)  # NaN logits: rows NaN anyway
         per_row = torch.matmul(q, self.cope_positions.to(dtype).t())  # [B, H, N, P]
         below = counted.floor()
         at_floor = per_row.gather(-1, below.long())

@@ -244,3 +244,21 @@ def test_a_decode_step_keeps_the_dense_terms(monkeypatch: pytest.MonkeyPatch) ->
             want = pe(**inputs, causal=True, backend="eager")
         assert runs == ([True] if node else []), n
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("n", [3, N])  # the dense terms; the counted path (N >= 6)
+def test_a_nan_in_a_query_gives_its_rows_nan_not_an_index_error(n: int) -> None:
+    """A NaN logit's gate counts NaN, which cast to an index read entry -2^63: the count
+    is taken as the table's last row instead, so the query's row comes out NaN (its
+    content logits are NaN) on both backends, and every other row as without the NaN."""
+    pe = _cope()
+    generator = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 4, rows, 8, generator=generator, dtype=F64) for rows in (n, M, M))
+    poisoned = q.clone()
+    poisoned[0, 1, 0, 0] = float("nan")
+    for backend in ("eager", "sdpa"):
+        want = pe(q, k, v, causal=True, backend=backend)
+        got = pe(poisoned, k, v, causal=True, backend=backend)
+        assert got[0, 1, 0].isnan().all(), backend
+        got[0, 1, 0] = want[0, 1, 0]
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
