@@ -101,6 +101,33 @@ def test_a_likely_layout_mix_up_is_named() -> None:
         pe(q, q, q)
 
 
+@pytest.mark.parametrize("name", ["rope", "nope"])  # any head count: none checked
+def test_a_layout_mix_up_of_grouped_heads_is_named(name: str) -> None:
+    """Grouped-query tensors in the other layout: the head counts do not divide, but
+    they would with dims 1 and 2 swapped, which the error says, either way round."""
+    pe = make(name)
+    q = torch.randn(1, 4, 3, HEAD_DIM)  # [batch, heads, seq, dim]
+    k = torch.randn(1, 2, 5, HEAD_DIM)
+    with pytest.raises(ValueError, match="multiple of k's 5.*look like the other layout"):
+        pe(q, k, k, layout="bnhd")
+    with pytest.raises(ValueError, match="multiple of k's 5.*look like the other layout"):
+        pe(q.transpose(1, 2), k.transpose(1, 2), k.transpose(1, 2))
+    with pytest.raises(ValueError, match=r"multiple of k's 3 \(grouped-query attention: [^;]*\)$"):
+        pe(q, torch.randn(1, 3, 7, HEAD_DIM), torch.randn(1, 3, 7, HEAD_DIM))  # no swap helps
+
+
+def test_rotate_keys_names_k() -> None:
+    """rotate_keys(k) checks its one tensor as k, not as q."""
+    rope = make("rope")
+    for bad, message in (
+        (torch.randn(2, 5, HEAD_DIM), "k must have shape"),
+        (torch.ones(1, 2, 5, HEAD_DIM, dtype=torch.int64), "k must be a floating-point"),
+        (torch.randn(1, 2, 5, HEAD_DIM + 2), f"k must have head_dim {HEAD_DIM}"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            rope.rotate_keys(bad)
+
+
 @pytest.mark.parametrize("name", ["alibi", "rope", "t5", "learned_absolute"])
 def test_positions_past_the_exact_range_are_refused(name: str) -> None:
     pe = make(name)

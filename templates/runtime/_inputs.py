@@ -60,18 +60,7 @@ def check_attention_inputs(
     """
     # each tensor's shape, dtype and device read once: a decode step calls this per layer
     named = (("q", q), ("k", k)) if v is None else (("q", q), ("k", k), ("v", v))
-    shapes = []
-    for name, tensor in named:
-        if not isinstance(tensor, Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-        shape = tensor.shape
-        if len(shape) != 4:
-            raise ValueError(
-                f"{name} must have shape [batch, heads, seq, head_dim], got {list(shape)}"
-            )
-        if not tensor.is_floating_point():
-            raise ValueError(f"{name} must be a floating-point tensor, got {tensor.dtype}")
-        shapes.append(shape)
+    shapes = [_attention_input_shape(name, tensor) for name, tensor in named]
     q_shape, k_shape = shapes[0], shapes[1]
     for (name, tensor), shape in zip(named[1:], shapes[1:], strict=True):
         if tensor.dtype != q.dtype or tensor.device != q.device:
@@ -85,9 +74,15 @@ def check_attention_inputs(
     if v_shape is not None and v_shape[1] != k_shape[1]:
         raise ValueError(f"k and v must have the same heads, got {k_shape[1]} and {v_shape[1]}")
     if k_shape[1] == 0 or q_shape[1] % k_shape[1]:
+        hint = ""
+        if k_shape[2] and q_shape[2] % k_shape[2] == 0:  # valid with dims 1 and 2 swapped
+            hint = (
+                "; q and k look like the other layout: layout='bhnd' takes [batch, heads, "
+                "seq, head_dim], layout='bnhd' [batch, seq, heads, head_dim]"
+            )
         raise ValueError(
             f"q's {q_shape[1]} heads must be a multiple of k's {k_shape[1]} "
-            "(grouped-query attention: each key/value head serves heads / kv_heads queries)"
+            f"(grouped-query attention: each key/value head serves heads / kv_heads queries){hint}"
         )
     if heads is not None and q_shape[1] != heads:
         hint = ""
@@ -102,6 +97,27 @@ def check_attention_inputs(
             raise ValueError(f"{name} must have head_dim {head_dim} (last dim), got {shape[3]}")
     if v_shape is not None and v_shape[2] != k_shape[2]:
         raise ValueError(f"k and v must have the same length, got {k_shape[2]} and {v_shape[2]}")
+
+
+def check_keys(k: Tensor, head_dim: int) -> None:
+    """Raise ValueError naming ``k`` unless it is a [batch, kv_heads, seq, head_dim]
+    float tensor (``rotate_keys``' argument)."""
+    shape = _attention_input_shape("k", k)
+    if shape[3] != head_dim:
+        raise ValueError(f"k must have head_dim {head_dim} (last dim), got {shape[3]}")
+
+
+def _attention_input_shape(name: str, tensor: Tensor) -> torch.Size:
+    """The shape of the attention input ``name``, after ValueErrors naming it unless it
+    is a floating-point tensor of rank 4."""
+    if not isinstance(tensor, Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    shape = tensor.shape
+    if len(shape) != 4:
+        raise ValueError(f"{name} must have shape [batch, heads, seq, head_dim], got {list(shape)}")
+    if not tensor.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor, got {tensor.dtype}")
+    return shape
 
 
 def check_positions(

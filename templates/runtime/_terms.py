@@ -25,6 +25,7 @@ from ._inputs import (
     cache_put,
     check_attention_inputs,
     check_axis_positions,
+    check_keys,
     check_position_pair,
     check_positions,
     frozen_block,
@@ -359,7 +360,7 @@ class AttentionTerms(nn.Module):
         unrotated keys with ``keys_rotated=False`` to rotate every key at the new length.
         """
         (k,) = to_bhnd(layout, k)
-        check_attention_inputs(k, k, None, None, self.head_dim)
+        check_keys(k, self.head_dim)
         batch, m = k.shape[0], k.shape[2]
         axes = check_axis_positions(positions, self.position_axes, m, batch, "positions", k.device)
         if axes is None:
