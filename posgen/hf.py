@@ -228,7 +228,15 @@ def _posgen_bloom_attention_forward(
 
 
 def _four_d(attention_mask: Tensor | None, m: int) -> Tensor | None:
-    """HF's 4-D mask over the first m keys, or ValueError for another form of mask."""
+    """HF's 4-D mask over the first m keys, or ValueError for another form of mask.
+
+    A float mask marks a masked key with the dtype's least value (``finfo.min``); those
+    entries become -inf, a key masked outright. A query row of left padding, whose every
+    key is masked, then gives zeros as posgen's masks do (HF's eager attention weighs
+    such a row's keys alike; neither reads it), and its gradients are those of the
+    forward: CPU flash attention's backward, given finfo.min, read a log-sum-exp that
+    had lost the log of the row's key count beside it, and gave such rows' keys and
+    values gradients that did not match its own forward."""
     if attention_mask is None:
         return None
     if not isinstance(attention_mask, Tensor) or attention_mask.dim() != 4:
@@ -237,16 +245,37 @@ def _four_d(attention_mask: Tensor | None, m: int) -> Tensor | None:
             "posgen.hf needs the 4-D attention mask of attn_implementation 'eager' or "
             f"'sdpa', got {type(attention_mask).__name__} {got!r}"
         )
-    return attention_mask[:, :, :, :m]
+    mask = attention_mask[:, :, :, :m]
+    if not mask.is_floating_point():
+        return mask
+
+    def masked_outright() -> Tensor:  # [B, 1, N, M]: 0 for a kept key, finfo.min masked
+        weakref.finalize(attention_mask, _forget_the_mask_of_a_freed_input)
+        return mask.masked_fill(mask <= torch.finfo(mask.dtype).min / 2, float("-inf"))
+
+    # one tensor for every layer, as the modules read a mask once per tensor
+    return _shared_by_layers((attention_mask,), (m, mask.device), masked_outright, _LAST_MASK)
 
 
 # What the last layer made from its mask (and cache positions): [stamps of those
 # tensors, (the key count, the device), the positions].
 _LAST_LAYER_POSITIONS: list[Any] = []
+# The same for the mask that ``_four_d`` made from HF's: [stamps, shape, the mask],
+# let go once HF's mask is freed (it is as large as that mask).
+_LAST_MASK: list[Any] = []
+
+
+def _forget_the_mask_of_a_freed_input() -> None:
+    """Empty ``_LAST_MASK`` where the HF mask it was made from has been freed."""
+    if _LAST_MASK and _LAST_MASK[0][0][0]() is None:
+        _LAST_MASK.clear()
 
 
 def _shared_by_layers(
-    inputs: tuple[Tensor | None, ...], shape: tuple[int, torch.device], make: Callable[[], Any]
+    inputs: tuple[Tensor | None, ...],
+    shape: tuple[int, torch.device],
+    make: Callable[[], Any],
+    last: list[Any] | None = None,
 ) -> Any:
     """``make()``, the positions a layer forms from ``inputs`` (the mask and cache
     positions HF gives every layer of a forward), or what the previous layer made from
@@ -254,11 +283,14 @@ def _shared_by_layers(
     split over devices forms them again on each). The layers of one forward then
     pass the same position tensors, which the posgen modules read once (a host sync on
     a GPU) per forward rather than once per layer. Inference tensors count no version,
-    so an edit in place would go unseen: positions formed from them are never shared."""
+    so an edit in place would go unseen: positions formed from them are never shared.
+    ``last``: where the previous layer's is kept (default ``_LAST_LAYER_POSITIONS``; the
+    mask's own, ``_LAST_MASK``)."""
+    last = _LAST_LAYER_POSITIONS if last is None else last
     if any(t is not None and t.is_inference() for t in inputs):
         return make()
-    if _LAST_LAYER_POSITIONS:
-        last_stamps, last_shape, last_positions = _LAST_LAYER_POSITIONS
+    if last:
+        last_stamps, last_shape, last_positions = last
         same = len(last_stamps) == len(inputs) and all(
             _unchanged(t, stamp) for t, stamp in zip(inputs, last_stamps, strict=True)
         )
@@ -266,7 +298,7 @@ def _shared_by_layers(
             return last_positions
     made = make()
     stamps = tuple(None if t is None else (weakref.ref(t), t._version) for t in inputs)
-    _LAST_LAYER_POSITIONS[:] = [stamps, shape, made]
+    last[:] = [stamps, shape, made]
     return made
 
 

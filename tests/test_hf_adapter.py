@@ -122,3 +122,37 @@ def test_layers_share_positions_only_for_the_same_unchanged_tensors_and_device()
         held = torch.zeros(1, 1, 1, 4)
     assert hf._shared_by_layers((held, None), (4, cpu), make) == 8
     assert hf._shared_by_layers((held, None), (4, cpu), make) == 9
+
+
+def test_hf_float_masks_reach_the_module_as_masked_keys() -> None:
+    """HF's additive mask (0 kept, finfo.min masked, causal folded in) for a left-padded
+    batch: its padding query rows mask every key, and through the adapter's mask the
+    sdpa backend's outputs and gradients over every row, those rows included, equal the
+    eager oracle's (given finfo.min itself, CPU flash attention's backward gave those
+    rows' keys and values gradients of another function than its forward)."""
+    import posgen.hf
+    from posgen.hf import _four_d
+
+    generator = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(2, 4, 6, 16, generator=generator) for _ in range(3))
+    kept = torch.ones(2, 6, dtype=torch.bool)
+    kept[0, :3] = False  # row 0: three padding tokens
+    allowed = kept[:, None, None, :] & torch.ones(6, 6, dtype=torch.bool).tril()  # [2, 1, 6, 6]
+    hf_mask = torch.zeros(2, 1, 6, 6).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    mask = _four_d(hf_mask, 6)
+    assert mask is not None and bool((mask[0, 0, :3] == float("-inf")).all())
+    pe = Rope(heads=4, head_dim=16)
+    results = []
+    for backend in ("eager", "sdpa"):
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = pe(*inputs, attn_mask=mask, causal=True, backend=backend)
+        results.append((out, torch.autograd.grad(out.sum(), inputs)))
+    (want, want_grads), (got, got_grads) = results
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert bool((got[0, :, :3] == 0).all())  # the padding rows: zeros
+    for got_grad, want_grad in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(got_grad, want_grad, rtol=1e-5, atol=1e-5)
+    # the layers share the mask made from HF's, kept no longer than HF's own
+    assert _four_d(hf_mask, 6) is mask
+    del hf_mask
+    assert posgen.hf._LAST_MASK == []
