@@ -1,0 +1,120 @@
+"""The spec models' base class, the bounds every number field is checked against, and
+the discriminator of terms written as a bare keyword or a single-key mapping.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from posgen.spec.diagnostics import closest_name, quoted
+
+MAX_TABLE_ROWS = 1 << 21
+# Every trained table (and projection of one) a spec's defaults create holds at most this
+# many floats (512 MiB in float32), whatever its rows and width: a module's memory is
+# bounded by its spec.
+MAX_TABLE_ELEMENTS = 1 << 27
+# An ODE trajectory is integrated step by step (Python loop): a tighter horizon bound.
+MAX_ODE_POSITIONS = 1 << 16
+"""Rows of a trained position table (2,097,152): each row is model_dim floats."""
+MAX_BASE = 1e9
+"""Largest sinusoid or rotary base: published bases reach 10^7 (Qwen2.5-1M's rope_theta)."""
+MAX_INIT_STD = 10.0
+"""Largest initialisation std (published encodings use 0.02 to 1; 1e300 makes inf)."""
+MAX_GRID_KERNEL = 63
+"""Largest k of a k x k grid_2d convolution (k^2 weights per feature; CPVT uses 3)."""
+MAX_EXPR_INIT = 1e4
+"""Largest magnitude of an expression parameter's init and bounds."""
+MIN_EPS = 1e-12
+"""Smallest normalisation eps (BERT's): smaller ones vanish in float32, 0/0 gives NaN."""
+
+_INIT_STD_WHY = (
+    f"std of the normal initialisation, in (0, {MAX_INIT_STD:g}] (published: 0.02 to 1): "
+    "1e300 makes the parameters inf, and large values push the logits past half precision"
+)
+BASE_WHY = (
+    f"base of the frequencies base^(-2k/d), in (1, {MAX_BASE:g}]: published bases are "
+    "10,000 to 10^7; a base of 1 or less gives no decreasing frequencies"
+)
+EPS_WHY = (
+    f"added to the variance, in [{MIN_EPS:g}, 0.1]: a smaller eps vanishes in float32 and "
+    "a constant row gives 0/0 = NaN; larger ones flatten the normalisation"
+)
+
+
+def init_std(default: float) -> Any:
+    """The ``init_std`` field every trained parameter has: bounded, documented."""
+    return Field(default, gt=0, le=MAX_INIT_STD, description=_INIT_STD_WHY)
+
+
+class SpecModel(BaseModel):
+    """Base of every spec model: frozen, strict, unknown keys rejected with a hint."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_unknown_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            allowed = {info.alias or name for name, info in cls.model_fields.items()}
+            for key in data:
+                if key not in allowed:
+                    hint = closest_name(str(key), allowed)
+                    suggestion = f" (did you mean {hint!r}?)" if hint else ""
+                    raise PydanticCustomError(
+                        "unknown_field",
+                        "unknown field {shown}{suggestion}; allowed: {allowed}",
+                        {
+                            "key": str(key),
+                            "shown": quoted(str(key)),
+                            "suggestion": suggestion,
+                            "allowed": ", ".join(sorted(allowed)),
+                        },
+                    )
+        return data
+
+
+def cross_field_error(at: str, message: str) -> PydanticCustomError:
+    """An error about a combination of fields, reported at the sub-field ``at``."""
+    return PydanticCustomError("cross_field", "{message}", {"message": message, "at": at})
+
+
+def tagged(*tags: str, what: str, leading: tuple[str, str] | None = None) -> Discriminator:
+    """Discriminate a term written as a bare keyword or as a single-key mapping.
+
+    ``leading = (key, tag)`` names a form whose mapping may carry more keys: any mapping
+    that holds ``key`` is that form (its model then rejects keys it does not know). Its
+    tag differs from the key so that error locations keep the key as a data path.
+    """
+    allowed = set(tags)
+    lead_key, lead_tag = leading if leading is not None else (None, None)
+
+    def tag_of(value: Any) -> str | None:
+        if isinstance(value, str):
+            return value if value in allowed else None
+        if isinstance(value, dict) and lead_key is not None and lead_key in value:
+            return lead_tag
+        if isinstance(value, dict) and len(value) == 1:
+            key = next(iter(value))
+            return key if key in allowed else None
+        if isinstance(value, BaseModel):  # a built term (validated again, or serialised)
+            form = getattr(value, "form", None)
+            return lead_tag if form is not None and form == lead_key else form
+        return None
+
+    listing = ", ".join(sorted(allowed | ({lead_key} if lead_key else set())))
+    return Discriminator(
+        tag_of,
+        custom_error_type="invalid_form",
+        custom_error_message=f"{what} must be one of: {listing} (a keyword, or a mapping "
+        "with that single key)",
+        custom_error_context={"allowed": listing},
+    )

@@ -1,0 +1,419 @@
+"""Biases of the logits by position (ALiBi-style slopes, learned tables over log
+buckets, KERPLE, FIRE, Sandwich, expressions) and TUPE's untied positions.
+"""
+
+from __future__ import annotations
+
+import builtins
+import keyword
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    Field,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from posgen.spec.diagnostics import quoted
+from posgen.spec.expr import (
+    PARAM_NAME,
+    RESERVED_PARAM_NAMES,
+    ExprError,
+    ParamInfo,
+    Parsed,
+    parse_expr,
+)
+from posgen.spec.model.base import (
+    BASE_WHY,
+    EPS_WHY,
+    MAX_BASE,
+    MAX_EXPR_INIT,
+    MIN_EPS,
+    SpecModel,
+    cross_field_error,
+    init_std,
+)
+from posgen.spec.model.inputs import AbsoluteTable
+
+
+class LogBuckets(SpecModel):
+    """Relative positions mapped to log-spaced buckets (Raffel et al. 2020, T5).
+
+    Within each direction (``bidirectional``: half the buckets for each sign), distances
+    below max_exact = buckets_per_direction / 2 get their own bucket and larger ones share
+    log-spaced buckets up to ``max_distance``, past which all share the last bucket.
+    """
+
+    kind: Literal["log_buckets"]
+    recipe: Literal["t5"]
+    buckets: int = Field(
+        ge=2,
+        le=4096,
+        description="bucket count, 2 to 4096 (T5 32): the bias table holds buckets x heads floats",
+    )
+    max_distance: int = Field(
+        ge=2,
+        le=1 << 24,
+        description="distance from which all share the last bucket, 2 to 16,777,216 (2^24; "
+        "T5 128): only the bucket formula reads it, nothing is allocated per distance",
+    )
+    bidirectional: bool
+    sign: Literal["key_minus_query", "query_minus_key"]
+
+    @model_validator(mode="after")
+    def _check_ranges(self) -> LogBuckets:
+        if self.bidirectional and self.buckets % 2:
+            raise cross_field_error(
+                "buckets",
+                f"bidirectional buckets are split evenly between the two directions, so "
+                f"the count must be even (got {self.buckets})",
+            )
+        if not self.bidirectional and self.sign != "key_minus_query":
+            raise cross_field_error(
+                "sign",
+                "one-sided buckets tell apart past keys only (n = max(i - j, 0), the T5 "
+                "decoder recipe); with sign 'query_minus_key' every visible key would share "
+                "bucket 0: use 'key_minus_query'",
+            )
+        per_direction = self.buckets // 2 if self.bidirectional else self.buckets
+        max_exact = per_direction // 2
+        if max_exact < 1:
+            raise cross_field_error(
+                "buckets", f"too few buckets ({self.buckets}) for an exact range"
+            )
+        if self.max_distance <= max_exact:
+            raise cross_field_error(
+                "max_distance",
+                f"max_distance must be greater than the exact range {max_exact} "
+                f"(buckets per direction / 2); got {self.max_distance}",
+            )
+        return self
+
+    @property
+    def max_exact(self) -> int:
+        per_direction = self.buckets // 2 if self.bidirectional else self.buckets
+        return per_direction // 2
+
+
+class LinearSlopeBias(SpecModel):
+    """bias[h, i, j] = -slope_h · |i - j| (Press et al. 2022, ALiBi, arXiv:2108.12409).
+
+    ``alibi_geometric``: for n heads a power of two, slope_h = 2^(-8(h+1)/n); otherwise the
+    slopes of the closest lower power of two followed by every other slope of the next.
+    ``learned``: trained slopes (an ``nn.Parameter``), initialised from that recipe.
+    ``custom``: the slopes listed in ``values``, one per head (defaults.heads of them).
+    ``heads_with_bias: N`` gives the recipe's slopes for N heads to the first N heads and
+    no bias to the others (x-transformers' AlibiPositionalBias with alibi_num_heads).
+    ``distance: absolute`` is |i - j| on both sides: without a causal mask this is the
+    symmetric ALiBi of encoders.
+    """
+
+    kind: Literal["linear_slopes"]
+    slopes: Literal["alibi_geometric", "learned", "custom"]
+    values: list[Annotated[float, Field(ge=0, le=1000)]] | None = Field(
+        None,
+        min_length=1,
+        max_length=1024,
+        description="custom slopes, one per head (defaults.heads of them), each in [0, 1000]: "
+        "a slope of 1000 already ends attention one position away",
+    )
+    heads_with_bias: int | None = Field(
+        None,
+        ge=1,
+        le=1024,
+        description="only the first N heads get a bias (1 to defaults.heads); the rest none",
+    )
+    distance: Literal["absolute"]
+    placement: Literal["after_scale", "before_scale"]
+
+    @model_validator(mode="after")
+    def _check_values(self) -> LinearSlopeBias:
+        if self.slopes == "custom" and self.values is None:
+            raise cross_field_error("slopes", "slopes 'custom' needs 'values': one slope per head")
+        if self.slopes != "custom" and self.values is not None:
+            raise cross_field_error(
+                "values", f"'values' are read only with slopes 'custom' (got {self.slopes!r})"
+            )
+        if self.slopes == "custom" and self.heads_with_bias is not None:
+            raise cross_field_error(
+                "heads_with_bias",
+                "custom values give every head its slope already: write 0 for the heads "
+                "without a bias",
+            )
+        return self
+
+
+class LearnedTableBias(SpecModel):
+    """bias[h, i, j] = table[index(i, j), h]: a trained scalar per (bucket, head)."""
+
+    kind: Literal["learned_table"]
+    index: LogBuckets
+    placement: Literal["after_scale", "before_scale"]
+    init_std: float = init_std(1.0)
+
+
+class KerpleBias(SpecModel):
+    """KERPLE (Chi et al. 2022, "KERPLE: Kernelized Relative Positional Embedding for
+    Length Extrapolation", arXiv:2205.09921): a conditionally positive definite kernel of
+    the distance, with two trained positive scalars per head.
+
+    ``log``:   bias[h, i, j] = -r1_h · log(1 + r2_h · |i - j|)
+    ``power``: bias[h, i, j] = -r1_h · |i - j|^r2_h, with 0 < r2_h ≤ 2
+
+    As the authors' code (chijames/KERPLE, ParallelKerpleLog / ParallelKerplePower), r1
+    starts uniform in [0, 2) and r2 uniform in [0, 1), and the forward pass reads them
+    clamped to at least 0.01 (r2 of ``power`` also to at most 2); unlike that code, the
+    clamp is not written back into the parameters (the forward pass has no side effects).
+    """
+
+    kind: Literal["kerple"]
+    variant: Literal["log", "power"]
+    placement: Literal["after_scale", "before_scale"]
+
+
+class FireBias(SpecModel):
+    """FIRE (Li et al. 2023, "Functional Interpolation for Relative Positions Improves
+    Long Context Transformers", arXiv:2310.04418).
+
+    bias[h, i, j] = f_θ(ψ(i - j) / ψ(max(i, L)))_h with ψ(x) = log(|c| · x + 1), a trained
+    c (initially ``init_c``) and threshold L = |s · L0| (L0 = ``init_threshold``, fixed;
+    s trained, initially 1), as the paper's reference code. f_θ is an MLP 1 → ``hidden``
+    → heads with one ReLU. The distance is causal: i - j is clamped at 0, so keys after
+    the query share the bias of distance 0 (the reference code takes |i - j|; the two
+    agree under a causal mask). A small 1e-6 keeps the normaliser positive.
+    """
+
+    kind: Literal["fire"]
+    hidden: int = Field(
+        32, ge=1, le=1024, description="width of the MLP's hidden layer, 1 to 1024 (paper: 32)"
+    )
+    init_c: float = Field(
+        0.1, gt=0, le=100, description="initial c of psi(x) = log(c x + 1), in (0, 100] (0.1)"
+    )
+    init_threshold: float = Field(
+        512.0,
+        ge=1,
+        le=1 << 24,
+        description="L0, the fixed base of the threshold L = |s L0|, 1 to 2^24 (paper: 512)",
+    )
+    placement: Literal["after_scale", "before_scale"]
+
+
+class SandwichBias(SpecModel):
+    """Sandwich (Chi et al. 2023, "Dissecting Transformer Length Extrapolation via the Lens
+    of Receptive Field Analysis", arXiv:2212.10356): the position_position term of
+    sinusoidal embeddings of ``dim`` (d') features, without trained parameters:
+
+        bias[h, i, j] = sum_{k=1}^{d'/2} cos((i - j) / base^(2k / d'))
+
+    the same for every head (base 10000 in the paper).
+    """
+
+    kind: Literal["sandwich"]
+    dim: int = Field(
+        ge=2, le=4096, description="d', the (even) sinusoid width the bias sums over, 2 to 4096"
+    )
+    base: float = Field(10000.0, gt=1, le=MAX_BASE, description=BASE_WHY)
+    placement: Literal["after_scale", "before_scale"]
+
+    @model_validator(mode="after")
+    def _even(self) -> SandwichBias:
+        if self.dim % 2:
+            raise cross_field_error(
+                "dim", f"d' pairs sin and cos features, so it must be even (got {self.dim})"
+            )
+        return self
+
+
+class ExprParam(SpecModel):
+    """A trained parameter of an expression bias: one per head, or one scalar.
+
+    ``positive``: stored unconstrained and read through softplus (init is the value
+    after softplus); ``bounds``: read clamped to [lo, hi].
+    """
+
+    shape: list[Literal["heads"]] = Field(
+        max_length=1, description="[heads] (one value per head, read as name[h]) or [] (scalar)"
+    )
+    init: float = Field(
+        ge=-MAX_EXPR_INIT,
+        le=MAX_EXPR_INIT,
+        description=f"initial value, within ±{MAX_EXPR_INIT:g}",
+    )
+    positive: bool = False
+    bounds: list[Annotated[float, Field(ge=-MAX_EXPR_INIT, le=MAX_EXPR_INIT)]] | None = Field(
+        None,
+        min_length=2,
+        max_length=2,
+        description=f"[lo, hi], each within ±{MAX_EXPR_INIT:g}: the value is read clamped",
+    )
+
+    @model_validator(mode="after")
+    def _check_init(self) -> ExprParam:
+        if self.positive and self.init < 1e-6:
+            raise cross_field_error(
+                "init", f"a positive parameter needs init ≥ 1e-6 (got {self.init!r})"
+            )
+        if self.bounds is not None:
+            lo, hi = self.bounds
+            if not lo < hi:
+                raise cross_field_error(
+                    "bounds", f"bounds must be [lo, hi] with lo < hi (got {self.bounds})"
+                )
+            if not lo <= self.init <= hi:
+                raise cross_field_error(
+                    "init", f"init {self.init!r} lies outside bounds {self.bounds}"
+                )
+        return self
+
+    @property
+    def per_head(self) -> bool:
+        return bool(self.shape)
+
+
+class ExprBias(SpecModel):
+    """A bias written as a safe expression of i, j, h and declared parameters.
+
+    The grammar (posgen/spec/expr.py, docs/reference.md): names i, j (float positions),
+    h (head index) and the parameters; numbers; + - * / ** % and unary -, +; comparisons;
+    abs log log1p exp sqrt sin cos sign floor minimum maximum clamp where. Parsed with
+    ``ast`` against that whitelist and rendered from a fixed table of torch calls.
+    """
+
+    kind: Literal["expr"]
+    expr: str = Field(description="the expression (one line, at most 500 characters)")
+    params: dict[str, ExprParam] = Field(
+        default_factory=dict, max_length=16, description="up to 16 trained parameters"
+    )
+    placement: Literal["after_scale", "before_scale"]
+
+    @model_validator(mode="after")
+    def _parse(self) -> ExprBias:
+        for name in self.params:
+            if (
+                not PARAM_NAME.fullmatch(name)
+                or name in RESERVED_PARAM_NAMES
+                or keyword.iskeyword(name)
+                or keyword.issoftkeyword(name)
+                or hasattr(builtins, name)  # a local of that name would hide the builtin
+            ):
+                raise cross_field_error(
+                    "params",
+                    f"parameter name {quoted(name)} must be lower-case letters, digits and "
+                    "underscores (at most 31, starting with a letter), and not i, j, h, a "
+                    "function name, a Python keyword or a Python builtin (type, len, ...)",
+                )
+        infos = {name: ParamInfo(per_head=param.per_head) for name, param in self.params.items()}
+        try:
+            parsed = parse_expr(self.expr, infos)
+        except ExprError as error:
+            raise PydanticCustomError(
+                "expr",
+                "{message} (at character {character} of the expression)",
+                {"message": error.message, "character": error.offset + 1, "offset": error.offset},
+            ) from None
+        unused = [name for name in self.params if name not in parsed.params]
+        if unused:
+            raise cross_field_error(
+                f"params.{unused[0]}", f"parameter {quoted(unused[0])} is declared but never used"
+            )
+        return self
+
+    def parsed(self) -> Parsed:
+        """The checked expression (validated already, so this cannot fail)."""
+        infos = {name: ParamInfo(per_head=param.per_head) for name, param in self.params.items()}
+        return parse_expr(self.expr, infos)
+
+
+Bias = Annotated[
+    LinearSlopeBias | LearnedTableBias | KerpleBias | FireBias | SandwichBias | ExprBias,
+    Field(discriminator="kind"),
+]
+UntiedBias = Annotated[LinearSlopeBias | LearnedTableBias, Field(discriminator="kind")]
+AnyBias = LinearSlopeBias | LearnedTableBias | KerpleBias | FireBias | SandwichBias | ExprBias
+
+
+class BiasTerm(SpecModel):
+    """position_position replaced by a scalar bias of (i, j), per head."""
+
+    bias: Bias
+
+    @property
+    def form(self) -> str:
+        return "bias"
+
+
+class TableNorm(SpecModel):
+    """Normalisation of the untied table rows before their projections.
+
+    ``none``: the projections see p_i itself (the formula as printed in Ke et al. 2021);
+    ``layer_norm``: LayerNorm(p_i) with a trained gain and shift, as the authors' code does.
+    """
+
+    kind: Literal["none", "layer_norm"]
+    eps: float = Field(1e-5, ge=MIN_EPS, le=0.1, description=EPS_WHY)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_keyword(cls, data: Any) -> Any:
+        return {"kind": data} if isinstance(data, str) else data
+
+
+class UntiedPositions(SpecModel):
+    """An absolute table in model space, NOT added to the input, with its own projections.
+
+    Ke, He and Liu 2021 (TUPE, arXiv:2006.15595): the position-position term is
+    (p_i U_q)(p_j U_k)^T per head, with U_q, U_k: model_dim -> heads * head_dim,
+    untied from the content projections Wq, Wk. ``projection_bias`` adds a trained
+    offset to each projection (the authors' code does; the printed formula does not).
+
+    ``first_token``: ``shared`` treats position 0 like any other; ``reset`` is the paper's
+    [CLS] reset (section 3.3): the table gains a leading row, position t reads row t + 1,
+    and the scores of query position 0 against every key, and of every query against
+    key position 0, are per-head constants computed from rows 0 and 1, as the authors'
+    code does (query row wins where both hold).
+    """
+
+    table: AbsoluteTable
+    norm: TableNorm
+    projection_bias: bool
+    first_token: Literal["shared", "reset"]
+
+    @model_validator(mode="after")
+    def _learned_only(self) -> UntiedPositions:
+        if self.table.kind != "learned":
+            raise cross_field_error(
+                "table.kind",
+                f"an untied table is trained together with its projections: only kind "
+                f"'learned' is supported here (got {self.table.kind!r})",
+            )
+        return self
+
+
+class UntiedTerm(SpecModel):
+    """position_position as an untied absolute term, plus an optional bias of (i, j)."""
+
+    untied: UntiedPositions
+    bias: UntiedBias | None = None
+
+    @model_validator(mode="after")
+    def _reset_needs_a_spare_bucket(self) -> UntiedTerm:
+        if self.untied.first_token != "reset" or self.bias is None:
+            return self
+        if not isinstance(self.bias, LearnedTableBias):
+            raise cross_field_error(
+                "bias.kind",
+                "the first-token reset gives the first position its own bias entries: it "
+                f"needs a 'learned_table' bias (got {self.bias.kind!r})",
+            )
+        if not self.bias.index.bidirectional:
+            raise cross_field_error(
+                "bias.index.bidirectional",
+                "the first-token reset uses the bucket that bidirectional buckets leave "
+                "unused (buckets / 2) for the first query: set bidirectional: true",
+            )
+        return self
+
+    @property
+    def form(self) -> str:
+        return "untied"
