@@ -6,25 +6,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Discriminator,
-    Field,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from posgen.spec.diagnostics import closest_name, quoted
 
 MAX_TABLE_ROWS = 1 << 21
+"""Rows of a trained position table (2,097,152): each row is model_dim floats."""
 # Every trained table (and projection of one) a spec's defaults create holds at most this
 # many floats (512 MiB in float32), whatever its rows and width: a module's memory is
 # bounded by its spec.
 MAX_TABLE_ELEMENTS = 1 << 27
 # An ODE trajectory is integrated step by step (Python loop): a tighter horizon bound.
 MAX_ODE_POSITIONS = 1 << 16
-"""Rows of a trained position table (2,097,152): each row is model_dim floats."""
 MAX_BASE = 1e9
 """Largest sinusoid or rotary base: published bases reach 10^7 (Qwen2.5-1M's rope_theta)."""
 MAX_INIT_STD = 10.0

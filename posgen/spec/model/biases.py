@@ -8,10 +8,7 @@ import builtins
 import keyword
 from typing import Annotated, Any, Literal
 
-from pydantic import (
-    Field,
-    model_validator,
-)
+from pydantic import Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from posgen.spec.diagnostics import quoted

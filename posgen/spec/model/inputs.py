@@ -6,10 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import (
-    Field,
-    model_validator,
-)
+from pydantic import Field, model_validator
 
 from posgen.spec.model.base import (
     BASE_WHY,

@@ -7,18 +7,10 @@ from __future__ import annotations
 import math
 from typing import Annotated, Literal
 
-from pydantic import (
-    Field,
-    model_validator,
-)
+from pydantic import Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from posgen.spec.expr import (
-    FREQUENCY_NAMES,
-    ExprError,
-    Parsed,
-    parse_expr,
-)
+from posgen.spec.expr import FREQUENCY_NAMES, ExprError, Parsed, parse_expr
 from posgen.spec.model.base import BASE_WHY, MAX_BASE, SpecModel, cross_field_error
 
 MAX_SCALING_FACTOR = float(1 << 20)

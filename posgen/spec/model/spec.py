@@ -10,13 +10,7 @@ import re
 import sys
 from typing import Annotated, Any, Literal
 
-from pydantic import (
-    Field,
-    Tag,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import Field, Tag, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from posgen.spec.diagnostics import quoted

@@ -8,10 +8,7 @@ from __future__ import annotations
 import re
 from typing import Annotated
 
-from pydantic import (
-    AfterValidator,
-    Field,
-)
+from pydantic import AfterValidator, Field
 from pydantic_core import PydanticCustomError
 
 # C0 and C1 controls (ESC starts terminal sequences, U+009B is CSI), DEL, line and
