@@ -371,6 +371,8 @@ def schema(out_file: Path | None) -> None:
         _file_error(OutputError(f"cannot write {out_file}: no folder {out_file.parent}"))
     try:
         check_replaceable(out_file, _is_spec_schema, "a JSON Schema of posgen's spec format")
+        if out_file.exists() and out_file.read_bytes() == text.encode("utf-8"):
+            return  # the same bytes: not rewritten, as generate leaves unchanged files
         write_atomically(out_file, text.encode("utf-8"))  # whole or not at all
     except OutputError as error:
         _file_error(error)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -183,6 +184,12 @@ def test_schema_replaces_only_a_spec_schema(run, tmp_path) -> None:
     ours.write_text(json.dumps(older))
     assert run("schema", "--out", str(ours)).exit_code == 0
     assert ours.read_text() == run("schema").stdout
+    # up to date: not written again (its inode and time stay)
+    os.utime(ours, (1_000_000_000, 1_000_000_000))
+    before = ours.stat()
+    assert run("schema", "--out", str(ours)).exit_code == 0
+    after = ours.stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
 
 
 def test_schema_help_says_what_it_replaces(run) -> None:

@@ -124,6 +124,52 @@ def test_a_dangling_symlink_where_a_module_goes_is_not_replaced(tmp_path: Path) 
     assert not (tmp_path / "missing.py").exists()
 
 
+@pytest.mark.parametrize("mode", [(), ("--check",)])
+def test_a_symlink_to_a_module_posgen_wrote_is_neither_replaced_nor_removed(
+    tmp_path: Path, mode: tuple[str, ...]
+) -> None:
+    """A link to a file with posgen's header, where a module goes: exit 2 naming it,
+    nothing written, the link and its target as they were (it was replaced by a regular
+    file and its target's edit lost); an extra link is no stale module of posgen's, so
+    it is neither removed nor reported."""
+    out = tmp_path / "out"
+    invoke("generate", str(SPECS), "--out", str(out))
+    mine = tmp_path / "mine_alibi.py"
+    mine.write_bytes((out / "alibi.py").read_bytes() + b"# my edit\n")
+    (out / "alibi.py").unlink()
+    (out / "alibi.py").symlink_to(mine)
+    (out / "old.py").symlink_to(mine)
+    before = snapshot(tmp_path)
+    result = invoke("generate", str(SPECS), "--out", str(out), *mode)
+    assert result.exit_code == 2, result.output
+    one_error_line(result, str(out / "alibi.py"), "symbolic link")
+    assert snapshot(tmp_path) == before
+    assert (out / "alibi.py").is_symlink() and (out / "old.py").is_symlink()
+    (out / "alibi.py").unlink()
+    assert invoke("generate", str(SPECS), "--out", str(out)).exit_code == 0
+    assert (out / "old.py").is_symlink() and mine.read_bytes().endswith(b"# my edit\n")
+    check = invoke("generate", str(SPECS), "--out", str(out), "--check")
+    assert check.exit_code == 0 and "old.py" not in check.output
+
+
+def test_a_standalone_module_is_not_written_through_a_symlink(tmp_path: Path) -> None:
+    """``--standalone --out LINK.py``, the link to a module posgen wrote: exit 2, the
+    link and its target unchanged, with or without --check."""
+    target = tmp_path / "mine_sa.py"
+    assert (
+        invoke("generate", str(SPECS), "--standalone", "alibi", "--out", str(target)).exit_code == 0
+    )
+    target.write_bytes(target.read_bytes() + b"# edit\n")
+    link = tmp_path / "link_sa.py"
+    link.symlink_to(target)
+    before = snapshot(tmp_path)
+    for mode in ((), ("--check",)):
+        result = invoke("generate", str(SPECS), "--standalone", "alibi", "--out", str(link), *mode)
+        assert result.exit_code == 2, result.output
+        assert "symbolic link" in result.stderr
+    assert snapshot(tmp_path) == before and link.is_symlink()
+
+
 def test_a_file_in_the_way_of_a_fresh_tree_means_nothing_is_written(tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()

@@ -133,9 +133,16 @@ def _check_folder(out_dir: Path) -> None:
 def _read_target(path: Path) -> bytes | None:
     """The bytes of the file at ``path``; None when there is none (or it just vanished).
 
-    Raises OutputError when ``path`` is a folder, a dangling symbolic link or anything
+    Raises OutputError when ``path`` is a folder, a symbolic link (posgen never makes
+    one, so never writes through or replaces one, whatever it points to) or anything
     else but a regular file (posgen would have to replace it) or cannot be read.
     """
+    if path.is_symlink():
+        missing = "" if path.exists() else " to a missing file"
+        raise OutputError(
+            f"{path} is a symbolic link{missing}, where posgen writes a module (posgen never "
+            "writes through or replaces a link): remove it or choose another --out"
+        )
     try:
         mode = path.stat().st_mode
         if not stat.S_ISREG(mode):
@@ -146,11 +153,6 @@ def _read_target(path: Path) -> bytes | None:
             )
         return path.read_bytes()
     except FileNotFoundError:
-        if path.is_symlink():  # a link posgen did not make, to nothing: not replaced
-            raise OutputError(
-                f"{path} is a symbolic link to a missing file, where posgen writes a "
-                "module: remove it or choose another --out"
-            ) from None
         return None
     except OSError as error:
         raise OutputError(f"cannot read {path}: {_reason(error)}") from None
@@ -171,6 +173,8 @@ def compare(out_dir: Path, tree: dict[str, str], prune: bool = True) -> Drift:
             drift.changed.append(name)
     if prune and out_dir.is_dir():
         for path in sorted(out_dir.glob("*.py")):
+            if path.is_symlink():  # a link posgen did not make: left as it is
+                continue
             if path.name not in tree and is_generated(path) and not is_standalone(path):
                 drift.extra.append(path.name)
     return drift
@@ -319,7 +323,7 @@ def _remove_stale(out_dir: Path, names: list[str]) -> None:
     """Remove stale generated files; one that vanished (another run) is not an error."""
     for name in names:
         path = out_dir / name
-        if not is_generated(path):  # replaced meanwhile by a file posgen did not write
+        if path.is_symlink() or not is_generated(path):  # replaced meanwhile: not posgen's
             continue
         try:
             path.unlink(missing_ok=True)
