@@ -80,12 +80,8 @@ def spec_files(arguments: Sequence[Path], catalogue: bool = True) -> list[Path]:
     if not paths:
         shown = ", ".join(str(p) for p in named)
         raise UsageError(f"no spec files (*.yaml or *.yml) found in {shown}")
-    for path in paths:
-        if path.is_symlink() and not path.exists():
-            raise UsageError(
-                f"cannot read spec file {path}: a symbolic link to nothing (dangling, or a loop)"
-            )
-        if not path.exists():
+    for path in paths:  # a dangling link is the loader's error, beside the other specs'
+        if not path.exists() and not path.is_symlink():
             raise UsageError(f"no such spec file: {path}")
     return paths
 

@@ -167,6 +167,31 @@ def test_a_symbolic_link_loop_is_a_clear_error(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["specs"]
 
 
+def test_a_dangling_link_in_a_folder_of_specs_is_one_error_among_the_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dangling link and a link loop beside an invalid spec and a folder named like a
+    spec: each is reported at its file, every error of the others too (the first link
+    was a usage error that hid them), exit 2, nothing written."""
+    specs = tmp_path / "specs"
+    specs.mkdir()
+    (specs / "bad.yaml").write_text("name: bad\n", encoding="utf-8")
+    (specs / "dang.yaml").symlink_to("gone.yaml")
+    (specs / "loop.yaml").symlink_to("loop.yaml")
+    (specs / "dir.yaml").mkdir()
+    monkeypatch.chdir(tmp_path)
+    for command in (["validate", "specs"], ["generate", "specs", "--out", "out"]):
+        result = CliRunner().invoke(main, command)
+        assert result.exit_code == 2, result.output
+        assert "Traceback" not in result.output and "Usage:" not in result.output
+        lines = result.output.splitlines()
+        for name in ("dang", "loop"):
+            assert f"specs/{name}.yaml:1:1: <file>: a symbolic link to nothing" in result.output
+        assert any(line.startswith("specs/bad.yaml:1:1: title: ") for line in lines)
+        assert "specs/dir.yaml:1:1: <file>: not a regular file (a directory)" in result.output
+        assert not (tmp_path / "out").exists()
+
+
 def test_a_flow_list_entry_split_at_an_unquoted_comma_is_refused(tmp_path: Path) -> None:
     """models: [Llama 3.1 (8B, 70B)] loads as two entries, "Llama 3.1 (8B" and "70B)":
     each half's unmatched bracket is refused at its own column, with the remedy; the

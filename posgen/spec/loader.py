@@ -141,6 +141,8 @@ def _read_spec_bytes(path: Path, shown: str) -> bytes:
             _check_file(os.fstat(handle.fileno()), refuse)
             raw = handle.read(MAX_SPEC_BYTES + 1)
     except OSError as error:
+        if path.is_symlink() and not path.exists():
+            raise refuse("a symbolic link to nothing (dangling, or a loop)") from None
         raise refuse(f"cannot read: {error.strerror or error}") from None
     if len(raw) > MAX_SPEC_BYTES:
         raise refuse(_too_large(len(raw), at_least=True))
