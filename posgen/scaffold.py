@@ -52,9 +52,8 @@ class ScaffoldError(ValueError):
 
 
 def check_spec_name(name: str) -> None:
-    """Raise ScaffoldError naming ``name`` unless it is a valid spec ``name`` by the
-    field's own rule (``spec_name_problem``); a keyword or builtin name, which the model
-    checks across fields, is caught when the whole text is validated."""
+    """Raise ScaffoldError naming ``name`` unless it is a valid spec ``name``
+    (``spec_name_problem``: the field's own rule, and no Python keyword or builtin)."""
     problem = spec_name_problem(name)
     if problem is not None:
         raise ScaffoldError(f"invalid NAME {quoted(name)}: {problem}")

@@ -222,3 +222,18 @@ def test_a_config_nested_past_the_json_reader_is_a_usage_error(tmp_path: Path) -
     assert result.exception is None or isinstance(result.exception, SystemExit)
     assert "cannot read a JSON config" in result.output
     assert not (tmp_path / "x.yaml").exists()
+
+
+@pytest.mark.parametrize("name", ["lambda", "class", "len"])
+def test_a_name_that_would_shadow_python_is_refused_before_anything_is_written(
+    name: str, tmp_path: Path
+) -> None:
+    """--name lambda: exit 2 with the usage error of any bad NAME (it named a file
+    that was never written), and nothing written."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", "rope_theta": 10000.0}), encoding="utf-8")
+    out = tmp_path / f"{name}.yaml"
+    result = CliRunner().invoke(main, ["from-hf", str(path), "--name", name, "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    assert f"invalid NAME '{name}': '{name}' is a Python" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]

@@ -60,6 +60,9 @@ BAD_NAMES = {
     "../escape": "lower-case ASCII words",  # would have written specs/../escape.yaml
     "x" * 65: "at most 64 characters",
     "os": "would shadow it",
+    "class": "'class' is a Python keyword",  # was named at a file never written
+    "match": "'match' is a Python keyword",  # a soft keyword
+    "print": "'print' is a Python builtin name",
 }
 
 

@@ -137,6 +137,7 @@ from posgen.spec.model.spec import (
     Spec,
     Terms,
     Values,
+    python_name_problem,
     spec_name_problem,
 )
 from posgen.spec.model.text import (
@@ -248,6 +249,7 @@ __all__ = [
     "rotary_dim_for",
     "rotated_features",
     "rotation_problem",
+    "python_name_problem",
     "spec_name_problem",
     "tagged",
     "turning_pairs",

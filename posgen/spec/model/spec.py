@@ -54,14 +54,25 @@ RESERVED_MODULE_NAMES = frozenset(sys.stdlib_module_names) | {"torch", "posgen",
 
 
 def spec_name_problem(name: str) -> str | None:
-    """Why ``name`` fails the ``name`` field's own rule (``Spec.name``: its length,
-    pattern and reserved names), or None. A keyword or builtin name, which the model
-    checks across fields, passes here and is caught when a whole spec is validated."""
+    """Why ``name`` cannot name a spec, or None: the ``name`` field's own rule
+    (``Spec.name``: its length, pattern and reserved names), then the model's check
+    across fields that it is no Python keyword or builtin (``python_name_problem``)."""
     try:
         Spec.model_validate({"name": name})
     except ValidationError as error:
         problems = [item["msg"] for item in error.errors() if item["loc"] == ("name",)]
-        return problems[0] if problems else None
+        if problems:
+            return str(problems[0])
+    return python_name_problem(name)
+
+
+def python_name_problem(name: str) -> str | None:
+    """Why ``name``, a generated module's name, would shadow Python (a keyword or a
+    builtin name), or None."""
+    if keyword.iskeyword(name) or keyword.issoftkeyword(name):
+        return f"{name!r} is a Python keyword"
+    if hasattr(builtins, name):
+        return f"{name!r} is a Python builtin name"
     return None
 
 
@@ -296,10 +307,9 @@ class Spec(SpecModel):
 
     @model_validator(mode="after")
     def _check_consistency(self) -> Spec:
-        if keyword.iskeyword(self.name) or keyword.issoftkeyword(self.name):
-            raise cross_field_error("name", f"{self.name!r} is a Python keyword")
-        if hasattr(builtins, self.name):
-            raise cross_field_error("name", f"{self.name!r} is a Python builtin name")
+        shadowed = python_name_problem(self.name)
+        if shadowed is not None:
+            raise cross_field_error("name", shadowed)
         position_terms = {
             "content_position": self.terms.content_position,
             "position_content": self.terms.position_content,
