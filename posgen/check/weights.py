@@ -11,6 +11,8 @@ takes (a real floating dtype for a floating parameter): ``check_fit``.
 
 from __future__ import annotations
 
+import re
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -25,10 +27,13 @@ class WeightsError(ValueError):
 def load_weights(path: Path) -> dict[str, Tensor]:
     """The state_dict stored in ``path`` (tensors only)."""
     try:
-        stored = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # e.g. a pickle protocol torch.save does not use
+            warnings.simplefilter("ignore")
+            stored = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # noqa: BLE001 - unpickling errors come in many types
         raise WeightsError(
-            f"{path}: cannot read weights: {type(error).__name__}: {error}"
+            f"{path}: cannot read weights: not a file of tensors that torch.save wrote "
+            f"({type(error).__name__}: {_reason(error)})"
         ) from None
     if isinstance(stored, Mapping) and isinstance(stored.get("state_dict"), Mapping):
         stored = stored["state_dict"]
@@ -37,6 +42,18 @@ def load_weights(path: Path) -> dict[str, Tensor]:
     ):
         raise WeightsError(f"{path}: expected a state_dict (a mapping of names to tensors)")
     return dict(stored)
+
+
+def _reason(error: Exception) -> str:
+    """One line of why torch.load failed: the unpickler's own reason where its message
+    gives one (the rest is advice to load with weights_only=False, which runs code),
+    else the message's first line."""
+    text = str(error)
+    found = re.search(r"WeightsUnpickler error:\s*(\S[^\n]*)", text)
+    if found is not None:
+        return found.group(1).strip()
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[0] if lines else "no reason given"
 
 
 def check_fit(module: nn.Module, weights: Mapping[str, Tensor], path: Path) -> None:
