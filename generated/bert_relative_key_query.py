@@ -23,10 +23,10 @@ Used by:
     BERT (position_embedding_type relative_key_query)
 
 Weights:
-    distance_embedding.weight [rows, head_dim]: the relative table R. Hugging Face
-    ``BertSelfAttention.distance_embedding.weight`` copies in directly
-    (relative_key and relative_key_query, with sign query_minus_key and clip
-    max_distance = max_position_embeddings - 1).
+    distance_embedding.weight [rows, head_dim]: the relative table R.
+    Hugging Face ``BertSelfAttention.distance_embedding.weight`` copies in directly
+    (relative_key and relative_key_query, with clip max_distance =
+    max_position_embeddings - 1).
 
 Usage::
 

@@ -6,8 +6,9 @@
 Score decomposition for query i and key j, scale 1/sqrt(head_dim):
 
     content_content    rotate    (R_i q_i) . (R_j k_j) = q_i R_(j-i) k_j, interleaved
-                                 pairing, theta_k = 100^(-2k/d_rot); axial over 2 position
-                                 axes
+                                 pairing, theta_k = 100^(-2k/(d_rot/2)); axial over 2
+                                 position axes: the pairs in 2 equal shares, share a turning
+                                 with axis a, k < d_rot/4
     content_position   drop      0
     position_content   drop      0
     position_position  drop      0

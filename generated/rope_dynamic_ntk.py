@@ -78,7 +78,7 @@ def _inverse_frequencies(rotary_dim: int, length: Tensor | None, device: torch.d
 
 def _length_regime(length: int) -> int | None:
     """Which lengths share this length's theta: 0 up to original_max (s is clamped
-    there: the plain NTK base), None past it, where each length has a base of its own."""
+    there: the unscaled base), None past it, where each length has a base of its own."""
     return 0 if length <= ORIGINAL_MAX_POSITIONS else None
 
 

@@ -22,10 +22,7 @@ Used by:
     Tensor2Tensor (transformer_relative)
 
 Weights:
-    distance_embedding.weight [rows, head_dim]: the relative table R. Hugging Face
-    ``BertSelfAttention.distance_embedding.weight`` copies in directly
-    (relative_key and relative_key_query, with sign query_minus_key and clip
-    max_distance = max_position_embeddings - 1).
+    distance_embedding.weight [rows, head_dim]: the relative table R.
     value_embedding.weight [rows, value_dim] (or [rows, heads * value_dim] per
     head): the value-side table R^V.
 

@@ -238,8 +238,13 @@ def term_lines(spec: Spec) -> list[TermLine]:
 
 
 def frequency_text(rotation: Rotation) -> str:
-    """The frequency schedule in words: ``theta_k = 10000^(-2k/d_rot) / 4 (linear ...)``."""
-    standard = f"theta_k = {_number(rotation.base)}^(-2k/d_rot)"
+    """The frequency schedule in words: ``theta_k = 10000^(-2k/d_rot) / 4 (linear ...)``;
+    axial RoPE's axes each turn their own share of the pairs, its schedule over d_rot /
+    count features (``theta_k = 100^(-2k/(d_rot/2))``)."""
+    width = "d_rot"
+    if isinstance(rotation.axes, AxialAxes):
+        width = f"(d_rot/{rotation.axes.count})"
+    standard = f"theta_k = {_number(rotation.base)}^(-2k/{width})"
     frequencies = rotation.frequencies
     kind = frequencies.kind
     if kind == "standard":
@@ -269,7 +274,11 @@ def rotation_extras(rotation: Rotation) -> str:
     if isinstance(rotation.axes, MultimodalSections):
         parts.append(f"M-RoPE sections {list(rotation.axes.sections)} (t, h, w)")
     elif isinstance(rotation.axes, AxialAxes):
-        parts.append(f"axial over {rotation.axes.count} position axes")
+        count = rotation.axes.count
+        parts.append(
+            f"axial over {count} position axes: the pairs in {count} equal shares, share a "
+            f"turning with axis a, k < d_rot/{2 * count}"
+        )
     return "".join(f"; {part}" for part in parts)
 
 

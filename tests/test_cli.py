@@ -63,6 +63,27 @@ def test_explain_t5_in_words(run) -> None:
     assert "scale: none" in output
 
 
+def test_explain_axial_rope_states_each_axis_share_of_the_pairs(run) -> None:
+    """Axial RoPE turns d_rot / 4 pairs per axis over theta_k = base^(-2k/(d_rot/2)),
+    k < d_rot/4 (RoPE-ViT's recipe, as the module computes it), not base^(-2k/d_rot)."""
+    output = " ".join(run("explain", "rope_axial_2d").output.split())
+    assert "theta_k = 100^(-2k/(d_rot/2))" in output
+    assert "the pairs in 2 equal shares, share a turning with axis a, k < d_rot/4" in output
+
+
+def test_only_bert_layout_tables_claim_berts_checkpoint() -> None:
+    """The docstring says Hugging Face BERT's distance_embedding copies in only where the
+    table is read as BERT reads it (i - j, clipped, no value term): not Shaw's, whose
+    [33, head_dim] table is read at j - i."""
+    claim = "BertSelfAttention.distance_embedding.weight`` copies in directly"
+    claiming = {
+        name
+        for name in spec_names()
+        if claim in (ROOT / "generated" / f"{name}.py").read_text(encoding="utf-8")
+    }
+    assert claiming == {"bert_relative_key", "bert_relative_key_query"}
+
+
 @pytest.mark.parametrize("command", ["generate", "validate", "list", "explain", "schema"])
 def test_every_command_help_has_an_example(run, command: str) -> None:
     result = run(command, "--help")

@@ -774,6 +774,20 @@ class RelativePlan(Block):
         return tuple(sorted(names))
 
     @property
+    def copies_bert_table(self) -> bool:
+        """Its table is read as Hugging Face BERT's ``distance_embedding`` is: head_dim
+        rows at clip(i - j, -K, K) + K by every term, with no value term (so that
+        checkpoint copies in directly; Shaw's reads j - i and adds a value term)."""
+        return (
+            isinstance(self.table, LearnedRelativeTablePlan)
+            and not self.table.model_width
+            and not self.table.per_head
+            and isinstance(self.index, ClipIndexPlan)
+            and self.values is None
+            and all(not term.key_minus_query for term in self.terms)
+        )
+
+    @property
     def keeps_projected_rows(self) -> bool:
         """Its table is projected, so the rows are kept across calls without gradients
         (``_kept_relative_rows``)."""
