@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, model_validato
 from pydantic_core import PydanticCustomError
 
 from posgen.spec.diagnostics import closest_name, quoted
+from posgen.spec.expr import ExprError
 
 MAX_TABLE_ROWS = 1 << 21
 """Rows of a trained position table (2,097,152): each row is model_dim floats."""
@@ -74,6 +75,15 @@ class SpecModel(BaseModel):
                         },
                     )
         return data
+
+
+def expression_error(error: ExprError) -> PydanticCustomError:
+    """An expression's error for the loader: its message and the character it is at."""
+    return PydanticCustomError(
+        "expr",
+        "{message} (at character {character} of the expression)",
+        {"message": error.message, "character": error.offset + 1, "offset": error.offset},
+    )
 
 
 def cross_field_error(at: str, message: str) -> PydanticCustomError:

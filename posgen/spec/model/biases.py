@@ -9,7 +9,6 @@ import keyword
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
-from pydantic_core import PydanticCustomError
 
 from posgen.spec.diagnostics import quoted
 from posgen.spec.expr import (
@@ -28,6 +27,7 @@ from posgen.spec.model.base import (
     MIN_EPS,
     SpecModel,
     cross_field_error,
+    expression_error,
     init_std,
 )
 from posgen.spec.model.inputs import AbsoluteTable
@@ -304,11 +304,7 @@ class ExprBias(SpecModel):
         try:
             parsed = parse_expr(self.expr, infos)
         except ExprError as error:
-            raise PydanticCustomError(
-                "expr",
-                "{message} (at character {character} of the expression)",
-                {"message": error.message, "character": error.offset + 1, "offset": error.offset},
-            ) from None
+            raise expression_error(error) from None
         unused = [name for name in self.params if name not in parsed.params]
         if unused:
             raise cross_field_error(

@@ -11,7 +11,13 @@ from pydantic import Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from posgen.spec.expr import FREQUENCY_NAMES, ExprError, Parsed, parse_expr
-from posgen.spec.model.base import BASE_WHY, MAX_BASE, SpecModel, cross_field_error
+from posgen.spec.model.base import (
+    BASE_WHY,
+    MAX_BASE,
+    SpecModel,
+    cross_field_error,
+    expression_error,
+)
 
 MAX_SCALING_FACTOR = float(1 << 20)
 """Largest context-extension factor: published factors are 2 to 64 (LongRoPE 128)."""
@@ -226,11 +232,7 @@ class ExprFrequencies(SpecModel):
         try:
             parsed = parse_expr(self.expr, {}, FREQUENCY_NAMES)
         except ExprError as error:
-            raise PydanticCustomError(
-                "expr",
-                "{message} (at character {character} of the expression)",
-                {"message": error.message, "character": error.offset + 1, "offset": error.offset},
-            ) from None
+            raise expression_error(error) from None
         if "k" not in parsed.reads:
             raise PydanticCustomError(
                 "expr",
