@@ -61,12 +61,14 @@ def _rotary_frequencies(rotary_dim: int, length: Tensor | None, device: torch.de
     """p-RoPE's frequencies: float64 [rotary_dim / 2] (Barbero et al. 2024).
 
     The schedule spans the whole head (rotary_dim = head_dim); only the
-    round(fraction * rotary_dim / 2) highest frequencies are kept and the rest are 0, so
-    those pairs do not turn.
+    round(fraction * rotary_dim / 2) highest frequencies are kept, by value (a schedule
+    need not fall with k), and the rest are 0, so those pairs do not turn.
     """
-    theta = _inverse_frequencies(rotary_dim, length, device)
+    theta = _inverse_frequencies(rotary_dim, length, device)  # [rotary_dim / 2]
     kept = int(round(rotary_dim * ROTARY_FRACTION / 2))
-    return torch.cat((theta[:kept], torch.zeros_like(theta[kept:])))
+    highest = torch.argsort(theta, descending=True, stable=True)[:kept]  # [kept]
+    keep = torch.zeros_like(theta, dtype=torch.bool).index_fill(0, highest, True)
+    return torch.where(keep, theta, torch.zeros_like(theta))
 
 
 def _rotary_cos_sin(

@@ -271,6 +271,35 @@ def test_p_rope_turns_only_the_highest_frequencies() -> None:
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
+def test_p_rope_keeps_the_highest_frequencies_of_a_rising_schedule() -> None:
+    """The kept pairs are the highest frequencies by value, not the first pairs: with a
+    schedule that rises with k, pairs 24..31 of a 64-dim head turn and 0..23 do not."""
+    rising = "base ** (-2 * (d / 2 - 1 - k) / d)"
+    proportional = "rotary_dims: {fraction: 0.25, layout: proportional}"
+    cls = spec_variant(
+        "rope_p",
+        (proportional, f'{proportional}\n      frequencies: {{kind: expr, expr: "{rising}"}}'),
+        name="rope_p_rising",
+    )
+    pe = cls(heads=1, head_dim=64).double()
+    x = torch.randn(1, 1, 4, 64, dtype=F64)
+    positions = torch.tensor([0, 1, 77, 123456])
+    theta = torch.tensor(
+        [10000.0 ** (-2 * (31 - k) / 64) if k >= 24 else 0.0 for k in range(32)], dtype=F64
+    )
+    angles = positions.to(F64)[:, None] * theta  # [4, 32]
+    first, second = x[..., :32], x[..., 32:]
+    want = torch.cat(
+        (
+            first * angles.cos() - second * angles.sin(),
+            second * angles.cos() + first * angles.sin(),
+        ),
+        dim=-1,
+    )
+    got, _ = pe.rotate(x, x, positions, positions)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
 # --------------------------------------------------------------------------- xPos
 
 
