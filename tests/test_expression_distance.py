@@ -231,6 +231,20 @@ def test_a_parameter_named_reference_is_not_the_modules_own_buffer() -> None:
     torch.testing.assert_close(pe.score_bias(positions, positions), want.expand(2, 4, 4))
 
 
+def test_an_expression_without_parameters_follows_the_modules_dtype() -> None:
+    """A vector kept from a float32 call is not served after ``.double()``: with no
+    parameters, nothing else in the module changes. Against -2^(-(h + 1) / 2) |j - i|
+    in float64."""
+    pe = _expression_module("-(2 ** (-(h + 1) / 2)) * abs(i - j)", "{}")(heads=4, head_dim=8)
+    n, m, cpu = 3, 7, torch.device("cpu")
+    assert pe._distance_bias(n, m, cpu).dtype == torch.float32
+    pe.double()
+    r = torch.arange(-(m - 1), n, dtype=torch.float64)  # key minus query
+    slopes = 2.0 ** (-(torch.arange(4, dtype=torch.float64) + 1) / 2)
+    want = -slopes[:, None] * r.abs()
+    torch.testing.assert_close(pe._distance_bias(n, m, cpu), want, rtol=1e-15, atol=0)
+
+
 def test_an_expression_of_one_position_broadcasts_over_the_other_and_the_batch() -> None:
     """``-0.1 * i`` assigns no j (ruff-clean), and its bias still spans every key and
     each batch row of either side's positions."""
