@@ -77,7 +77,9 @@ def check_attention_inputs(
         raise ValueError(f"k and v must have the same heads, got {k_shape[1]} and {v_shape[1]}")
     if k_shape[1] == 0 or q_shape[1] % k_shape[1]:
         hint = ""
-        if k_shape[2] and q_shape[2] % k_shape[2] == 0:  # valid with dims 1 and 2 swapped
+        swapped_divides = k_shape[2] and q_shape[2] % k_shape[2] == 0
+        # valid with dims 1 and 2 swapped, and q's dim 2 (not dim 1) is the heads, where known
+        if swapped_divides and (heads is None or q_shape[1] != heads == q_shape[2]):
             hint = (
                 "; q and k look like the other layout: layout='bhnd' takes [batch, heads, "
                 "seq, head_dim], layout='bnhd' [batch, seq, heads, head_dim]"

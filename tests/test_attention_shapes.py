@@ -116,6 +116,20 @@ def test_a_layout_mix_up_of_grouped_heads_is_named(name: str) -> None:
         pe(q, torch.randn(1, 3, 7, HEAD_DIM), torch.randn(1, 3, 7, HEAD_DIM))  # no swap helps
 
 
+def test_no_layout_hint_where_q_has_the_modules_heads() -> None:
+    """Equal lengths make any swap divide; a module that knows its heads sees q's dim 1
+    hold them, so a wrong kv-head count is not called a layout mix-up."""
+    pe = make("t5")  # per-head position terms: the head count is checked
+    q = torch.randn(2, HEADS, 12, HEAD_DIM)
+    k = torch.randn(2, HEADS - 1, 12, HEAD_DIM)
+    with pytest.raises(
+        ValueError, match=r"multiple of k's \d+ \(grouped-query attention: [^;]*\)$"
+    ):
+        pe(q, k, k)
+    with pytest.raises(ValueError, match="layout='bnhd'"):  # the real mix-up
+        pe(q.transpose(1, 2), k.transpose(1, 2), k.transpose(1, 2))
+
+
 def test_rotate_keys_names_k() -> None:
     """rotate_keys(k) checks its one tensor as k, not as q."""
     rope = make("rope")
