@@ -75,6 +75,28 @@ def test_several_errors_in_one_spec_are_all_reported(tmp_path: Path) -> None:
     assert fields == ["defaults.heads", "terms.position_position.bias.index.bukets"]
 
 
+def test_an_unknown_key_and_a_bad_value_in_one_mapping_are_both_reported(
+    tmp_path: Path,
+) -> None:
+    """The other keys of a mapping with an unknown key are still validated; a required
+    field the unknown key misspells is not reported missing as well."""
+    spec = (INVALID / "unknown_key.yaml").read_text()
+    spec = spec.replace("name: unknown_key", "name: typo_and_value")
+    spec = spec.replace("recipe: t5", "recipe: t6").replace("max_distance: 128", "max_distnce: 128")
+    (tmp_path / "typo_and_value.yaml").write_text(spec)
+    with pytest.raises(SpecError) as caught:
+        load_specs([tmp_path / "typo_and_value.yaml"])
+    reported = {(d.line, d.col, d.field): d.message for d in caught.value.diagnostics}
+    at = "terms.position_position.bias.index"
+    assert sorted(reported) == [
+        (15, 17, f"{at}.recipe"),
+        (16, 9, f"{at}.bukets"),
+        (17, 9, f"{at}.max_distnce"),
+    ]
+    assert "(did you mean 'max_distance'?)" in reported[(17, 9, f"{at}.max_distnce")]
+    assert reported[(15, 17, f"{at}.recipe")].startswith("got 't6'; allowed:")
+
+
 def test_usage_errors_exit_2(tmp_path: Path) -> None:
     runner = CliRunner()
     assert runner.invoke(main, ["validate", str(tmp_path / "nope.yaml")]).exit_code == 2

@@ -4,10 +4,19 @@ the discriminator of terms written as a bare keyword or a single-key mapping.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, get_args
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, model_validator
-from pydantic_core import PydanticCustomError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    ModelWrapValidatorHandler,
+    ValidationError,
+    model_validator,
+)
+from pydantic_core import ErrorDetails, InitErrorDetails, PydanticCustomError
+from pydantic_core.core_schema import ErrorType
 
 from posgen.spec.diagnostics import closest_name, quoted
 from posgen.spec.expr import ExprError
@@ -55,26 +64,70 @@ class SpecModel(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    @model_validator(mode="before")
+    @model_validator(mode="wrap")
     @classmethod
-    def _reject_unknown_keys(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            allowed = {info.alias or name for name, info in cls.model_fields.items()}
-            for key in data:
-                if key not in allowed:
-                    hint = closest_name(str(key), allowed)
-                    suggestion = f" (did you mean {hint!r}?)" if hint else ""
-                    raise PydanticCustomError(
-                        "unknown_field",
-                        "unknown field {shown}{suggestion}; allowed: {allowed}",
-                        {
-                            "key": str(key),
-                            "shown": quoted(str(key)),
-                            "suggestion": suggestion,
-                            "allowed": ", ".join(sorted(allowed)),
-                        },
-                    )
-        return data
+    def _reject_unknown_keys(cls, data: Any, handler: ModelWrapValidatorHandler[Any]) -> Any:
+        """Unknown keys are errors beside those of the known ones: the known keys are
+        still validated, so one mapping's typo and its bad value are reported together."""
+        if not isinstance(data, dict):
+            return handler(data)
+        allowed = {info.alias or name for name, info in cls.model_fields.items()}
+        unknown = [key for key in data if key not in allowed]
+        if not unknown:
+            return handler(data)
+        errors = [_unknown_key_error(key, allowed, data) for key in unknown]
+        # a required field that an unknown key is a misspelling of is not missing twice
+        meant = {closest_name(str(key), allowed) for key in unknown}
+        try:
+            handler({key: value for key, value in data.items() if key in allowed})
+        except ValidationError as error:
+            errors.extend(
+                _reraised(item)
+                for item in error.errors(include_url=False)
+                if not (
+                    item["type"] == "missing" and len(item["loc"]) == 1 and item["loc"][0] in meant
+                )
+            )
+        raise ValidationError.from_exception_data(cls.__name__, errors)
+
+
+_BUILT_IN_ERRORS = frozenset(get_args(ErrorType))
+
+
+def _unknown_key_error(key: Any, allowed: set[str], data: dict[Any, Any]) -> InitErrorDetails:
+    """The error of one unknown key of a mapping, with the closest allowed name."""
+    hint = closest_name(str(key), allowed)
+    suggestion = f" (did you mean {hint!r}?)" if hint else ""
+    error = PydanticCustomError(
+        "unknown_field",
+        "unknown field {shown}{suggestion}; allowed: {allowed}",
+        {
+            "key": str(key),
+            "shown": quoted(str(key)),
+            "suggestion": suggestion,
+            "allowed": ", ".join(sorted(allowed)),
+        },
+    )
+    return {"type": error, "loc": (), "input": data}
+
+
+def _reraised(item: ErrorDetails) -> InitErrorDetails:
+    """A validation error as raised again: pydantic's own types with their context, and
+    posgen's (custom) types with their message and context unchanged."""
+    context = item.get("ctx")
+    if item["type"] in _BUILT_IN_ERRORS:
+        details: InitErrorDetails = {
+            "type": item["type"],
+            "loc": item["loc"],
+            "input": item["input"],
+        }
+        if context is not None:
+            details["ctx"] = context
+        return details
+    custom = PydanticCustomError(
+        item["type"], "{message}", {**(context or {}), "message": item["msg"]}
+    )
+    return {"type": custom, "loc": item["loc"], "input": item["input"]}
 
 
 def expression_error(error: ExprError) -> PydanticCustomError:
