@@ -338,18 +338,22 @@ def test_the_bias_and_its_gradients_at_explicit_positions(
 
 @pytest.mark.parametrize(
     ("expr", "by_distance"),
-    [("log(0 * abs(i - j))", True), ("log(maximum(i, 0.0) - i) + j", False)],
+    [("log(a * abs(i - j) + a)", True), ("log(maximum(i, 0.0) - i + a) + j", False)],
 )
 def test_an_expression_of_minus_infinity_gives_zero_rows_in_a_decode_step(
     monkeypatch: pytest.MonkeyPatch, expr: str, by_distance: bool
 ) -> None:
-    """An expression may be -inf at every key (log of 0): its bias is not flagged
-    finite, so the few-query matmuls that run a decode step on the CPU keep the care for
-    rows with every key masked, and the step gives zeros, as the eager oracle does (and
-    SDPA would), for a bias of the distance (its per-distance vector) and one per pair."""
-    cls = _expression_module(expr, "{}")
+    """An expression may reach -inf at every key once trained (log of 0, here with a
+    set to 0; a spec whose initial bias is not finite is refused): its bias is not
+    flagged finite, so the few-query matmuls that run a decode step on the CPU keep the
+    care for rows with every key masked, and the step gives zeros, as the eager oracle
+    does (and SDPA would), for a bias of the distance (its per-distance vector) and one
+    per pair."""
+    cls = _expression_module(expr, "{a: {shape: [], init: 1.0}}")
     assert cls.bias_by_distance is by_distance and not cls.position_bias_finite
     pe = cls(heads=2, head_dim=8)
+    with torch.no_grad():
+        pe.expr_a.zero_()
     matmuls = runtime_modules(pe)
     calls = spy_calls(monkeypatch, matmuls, "grouped_query_attention", lambda *_, **__: 1)
     q, k, v = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import builtins
 import keyword
+import math
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
@@ -19,6 +20,7 @@ from posgen.spec.expr import (
     Parsed,
     parse_expr,
 )
+from posgen.spec.expr_values import first_non_finite
 from posgen.spec.model.base import (
     BASE_WHY,
     EPS_WHY,
@@ -31,6 +33,12 @@ from posgen.spec.model.base import (
     init_std,
 )
 from posgen.spec.model.inputs import AbsoluteTable
+
+CHECKED_POSITIONS = 17
+"""An expression bias is refused where it is not finite at some i, j < this (distances
+up to 16 each way, 0 included), with the parameters at their initial values."""
+CHECKED_HEADS = 8
+"""... and at some head h < this, where the expression reads h."""
 
 
 class LogBuckets(SpecModel):
@@ -309,6 +317,22 @@ class ExprBias(SpecModel):
         if unused:
             raise cross_field_error(
                 f"params.{unused[0]}", f"parameter {quoted(unused[0])} is declared but never used"
+            )
+        initial = {name: param.init for name, param in self.params.items()}
+        bad = first_non_finite(
+            parsed.tree,
+            initial,
+            positions=range(CHECKED_POSITIONS),
+            heads=range(CHECKED_HEADS) if parsed.uses_h else (0,),
+        )
+        if bad is not None:
+            what = "beyond float32's range" if math.isfinite(bad.value) else f"{bad.value}"
+            raise cross_field_error(
+                "expr",
+                f"the bias is {what} at i = {bad.i}, j = {bad.j}, h = {bad.h} with the "
+                "parameters at their initial values: a logit of ±inf or NaN masks or "
+                "poisons its row instead of biasing it (mask with causal=True, window or "
+                "attn_mask instead)",
             )
         return self
 

@@ -1,0 +1,119 @@
+"""The spec layer's float evaluator of bias expressions (posgen/spec/expr_values.py)
+against torch in float64, the arithmetic a generated module runs: the same value where
+torch's is finite, and non-finite exactly where torch's is (log(0), x / 0, 0 / 0, x % 0,
+negative bases to fractional powers, overflow)."""
+
+from __future__ import annotations
+
+import ast
+import math
+
+import pytest
+import torch
+
+from posgen.spec.expr import ParamInfo, parse_expr
+from posgen.spec.expr_values import expression_value, first_non_finite
+
+# the functions of the expression language as torch calls, written here from torch's API
+TORCH_FUNCTIONS = {
+    "abs": torch.abs,
+    "log": torch.log,
+    "log1p": torch.log1p,
+    "exp": torch.exp,
+    "sqrt": torch.sqrt,
+    "sin": torch.sin,
+    "cos": torch.cos,
+    "sign": torch.sign,
+    "floor": torch.floor,
+    "minimum": torch.minimum,
+    "maximum": torch.maximum,
+    "clamp": lambda x, low, high: torch.minimum(torch.maximum(x, low), high),
+    "where": torch.where,
+}
+PARAMS = {"a": ParamInfo(per_head=False), "c": ParamInfo(per_head=True)}
+VALUES = {"a": 0.5, "c": -2.0}
+
+
+def torch_value(expr: str, i: float, j: float, h: float) -> float:
+    """The expression evaluated by torch, float64 0-d tensors throughout."""
+
+    def scalar(value: float) -> torch.Tensor:
+        return torch.tensor(value, dtype=torch.float64)
+
+    class PerHead:  # c[h]: one value for every head
+        def __getitem__(self, _: object) -> torch.Tensor:
+            return scalar(VALUES["c"])
+
+    names = {"i": scalar(i), "j": scalar(j), "h": scalar(h), "a": scalar(VALUES["a"])}
+    scope = {**TORCH_FUNCTIONS, **names, "c": PerHead(), "__builtins__": {}}
+    # number literals become tensors too, so that 1 / 0 is torch's division
+    wrapped = _Literals().visit(ast.parse(expr, mode="eval"))
+    ast.fix_missing_locations(wrapped)
+    result = eval(compile(wrapped, "<expr>", "eval"), {**scope, "_t": scalar})  # noqa: S307
+    return float(result)
+
+
+class _Literals(ast.NodeTransformer):
+    """Each number literal n as _t(float(n)): a float64 tensor."""
+
+    def visit_Constant(self, node: ast.Constant) -> ast.AST:
+        return ast.Call(ast.Name("_t", ast.Load()), [ast.Constant(float(node.value))], [])
+
+
+EXPRESSIONS = [
+    "-a * abs(i - j)",
+    "-c[h] * log1p(a * abs(j - i))",
+    "log(abs(i - j))",
+    "log(i - j)",
+    "log1p(i - j - 1)",
+    "log1p(j - i)",
+    "1 / (i - j)",
+    "(i - j) / (j - i)",
+    "(i - j) % (j - i)",
+    "(i - j) % 3",
+    "(i - j) ** 0.5",
+    "(i - j) ** -1",
+    "(j - i) ** 3",
+    "sign(0 * log(i - j))",
+    "floor(1 / (i - j))",
+    "floor(0.5 * (i - j))",
+    "exp(100 * abs(i - j))",
+    "-exp(800 * abs(i - j))",
+    "sqrt(i - j)",
+    "sin(1 / (i - j))",
+    "cos(i - j) * h",
+    "clamp(0 / (i - j), 0, 1)",
+    "clamp(i - j, -1, 1)",
+    "minimum(log(i - j), 1)",
+    "maximum(i, j) - minimum(i, j)",
+    "where(i > j, 1 / (i - j), 0)",
+    "where(i == j, 0, log(abs(i - j)))",
+    "2 ** (-h) * abs(i - j)",
+    "10 ** (i - j)",
+]
+POINTS = [(0.0, 0.0), (3.0, 1.0), (1.0, 3.0), (7.0, 2.0), (5.0, 0.0)]
+
+
+@pytest.mark.parametrize("expr", EXPRESSIONS)
+def test_the_evaluator_matches_torch_in_float64(expr: str) -> None:
+    tree = parse_expr(expr, PARAMS).tree
+    for i, j in POINTS:
+        for h in (0.0, 3.0):
+            got = expression_value(tree, {"i": i, "j": j, "h": h}, VALUES)
+            want = torch_value(expr, i, j, h)
+            if math.isnan(want):
+                assert math.isnan(got), (expr, i, j, h, got)
+            else:
+                assert got == pytest.approx(want, rel=1e-12, abs=1e-300), (expr, i, j, h)
+
+
+def test_the_first_non_finite_point_is_named() -> None:
+    tree = parse_expr("-log(abs(i - j) - 2)", PARAMS).tree  # log(0) at distance 2
+    bad = first_non_finite(tree, VALUES, positions=range(5), heads=(0,))
+    assert bad is not None and (bad.i, bad.j, bad.h) == (0, 0, 0)
+    assert math.isnan(bad.value)  # log(-2) at distance 0, met first
+    finite = parse_expr("-a * log1p(abs(i - j))", PARAMS).tree
+    assert first_non_finite(finite, VALUES, positions=range(17), heads=range(8)) is None
+    huge = parse_expr("exp(90 * abs(i - j))", PARAMS).tree  # e^90: finite, not in float32
+    bad = first_non_finite(huge, VALUES, positions=range(3), heads=(0,))
+    assert bad is not None and (bad.i, bad.j) == (0, 1) and math.isfinite(bad.value)
