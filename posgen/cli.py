@@ -28,6 +28,7 @@ from posgen.cli_paths import (
     GivenPath,
     check_replaceable,
     find_spec,
+    paths_or_names,
     spec_files,
 )
 from posgen.cli_standalone import generate_standalone
@@ -504,7 +505,7 @@ def check(
     weights_file: Path | None,
     strict: bool,
 ) -> None:
-    """Property-test SPECS (files or directories; default specs/) against their claims.
+    """Property-test SPECS (files, directories or spec names; default specs/) against their claims.
 
     Builds each module in memory (nothing is written) and tests, with hypothesis, the
     claims unique, relative, decay and extrapolates, plus the invariants of every
@@ -519,6 +520,7 @@ def check(
     \b
     Example:
         posgen check specs/rope.yaml
+        posgen check rope
         posgen check my_idea.yaml --max-examples 300 --seed 1
         posgen check specs/ --json > verdicts.json
         posgen check specs/t5.yaml --weights trained_t5_bias.pt
@@ -526,7 +528,7 @@ def check(
     import os
     import tempfile
 
-    loaded = load_specs(spec_files(specs))
+    loaded = load_specs(spec_files(paths_or_names(specs)))
     weights = _trained_weights(loaded, weights_file) if weights_file is not None else None
     if os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY"):
         _check(
@@ -692,6 +694,7 @@ def plot(spec: Path, out_dir: Path, span: int, distance: int, seed: int) -> None
         posgen plot specs/alibi.yaml --out plots/
         posgen plot my_idea.yaml --span 128
     """
+    (spec,) = paths_or_names([spec])
     if spec.is_dir():  # plotting a folder's first spec would hide the rest
         raise UsageError(f"plot draws one spec: name one file, not the folder {spec}")
     (loaded,) = load_specs(spec_files([spec]))

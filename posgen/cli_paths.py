@@ -98,10 +98,16 @@ def find_spec(name_or_path: str, spec_dir: Path) -> LoadedSpec:
 
     The default ``spec_dir`` (``specs``) is ./specs, then the built-in catalogue.
     """
+    return load_spec(spec_path(name_or_path, spec_dir))
+
+
+def spec_path(name_or_path: str, spec_dir: Path) -> Path:
+    """The file of a spec given as a file path (``is_spec_path``), or by name from
+    ``spec_dir`` (the default ``specs``: ./specs, then the built-in catalogue)."""
     if not name_or_path:
         raise UsageError("an empty spec name or path: name a spec (rope) or a file (x.yaml)")
     if is_spec_path(name_or_path):
-        return load_spec(Path(name_or_path))
+        return Path(name_or_path)
     folders = [spec_folder(spec_dir)]
     if folders[0] == DEFAULT_SPECS:
         folders.append(catalogue_dir())
@@ -114,11 +120,23 @@ def find_spec(name_or_path: str, spec_dir: Path) -> LoadedSpec:
                 " name the file"
             )
         if found:
-            return load_spec(found[0])
+            return found[0]
     known = sorted({path.stem for folder in folders for path in specs_in(folder)})
     shown = " or ".join(f"{folder}/" for folder in folders)
     hint = f"; for the file here, write ./{name_or_path}" if Path(name_or_path).exists() else ""
     raise UsageError(f"no spec named {name_or_path!r} in {shown} (known: {', '.join(known)}){hint}")
+
+
+def paths_or_names(arguments: Sequence[Path]) -> list[Path]:
+    """``arguments`` of a command that takes spec files and folders, each that is not
+    there and reads as a spec name (no suffix, no separator: ``rope``) looked up as
+    ``explain`` looks it up (``spec_path``)."""
+    return [
+        argument
+        if argument.exists() or argument.is_symlink() or is_spec_path(str(argument))
+        else spec_path(str(argument), DEFAULT_SPECS)
+        for argument in arguments
+    ]
 
 
 def check_replaceable(path: Path, ours: Callable[[Path], bool], what: str) -> None:

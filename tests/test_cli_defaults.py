@@ -67,6 +67,30 @@ def test_list_explain_and_check_find_the_catalogue_from_any_directory(
     assert [path.name for path in spec_files(())] == [f"{name}.yaml" for name in spec_names()]
 
 
+def test_check_and_plot_take_a_spec_name_as_explain_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A name that is no file here is looked up (./specs, then the catalogue); a file or
+    folder of that name here is still the path it names."""
+    (tmp_path / "specs").mkdir()
+    local = (SPECS / "alibi.yaml").read_text().replace("claims: {", "claims: {unique: true, ")
+    (tmp_path / "specs" / "alibi.yaml").write_text(local)
+    monkeypatch.chdir(tmp_path)
+    local_check = invoke("check", "alibi", "--only", "unique", "--max-examples", "5", "--json")
+    assert local_check.exit_code == 1, local_check.output  # the local copy's false claim
+    catalogue = invoke("check", "t5", "--only", "slopes", "--json")
+    assert catalogue.exit_code == 0, catalogue.output
+    (checked,) = json.loads(catalogue.stdout)["specs"]
+    assert Path(checked["path"]) == SPECS / "t5.yaml"
+    unknown = invoke("check", "no_such_encoding")
+    assert unknown.exit_code == 2 and "no spec named 'no_such_encoding'" in unknown.output
+    (tmp_path / "t5").mkdir()  # a folder here: the path, and it holds no spec
+    folder = invoke("check", "t5")
+    assert folder.exit_code == 2 and "no spec files" in folder.output
+    plotted = invoke("plot", "no_such_encoding")
+    assert plotted.exit_code == 2 and "no spec named 'no_such_encoding'" in plotted.output
+
+
 def test_a_local_specs_folder_comes_first_and_explain_still_knows_the_catalogue(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
