@@ -150,6 +150,14 @@ def test_the_backward_by_the_negative_angle_passes_gradcheck_twice(
 
     assert torch.autograd.gradcheck(rotate, (x,))
     assert torch.autograd.gradgradcheck(rotate, (x,))
+    # gradgradcheck checks the double backward against the backward with a graph, not
+    # that backward itself: it is the rotation by the negative angle too (a gradient
+    # that requires grad takes that path, as one from a loss of q does)
+    grad_out = torch.randn_like(x, requires_grad=True)
+    (with_graph,) = torch.autograd.grad(rotate(x), x, grad_out, create_graph=True)
+    assert with_graph.requires_grad
+    want = _reference(grad_out.detach(), cos, -sin, half_pairing)
+    torch.testing.assert_close(with_graph, want, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("rolled", [True, False])
