@@ -40,6 +40,11 @@ def test_training_forward_equals_the_drawn_explicit_positions() -> None:
     trained = _seeded(pe, 3)(q, k, v, causal=True)
     explicit = pe(q, k, v, causal=True, q_positions=drawn, k_positions=drawn)
     torch.testing.assert_close(trained, explicit, rtol=0, atol=0)
+    # fewer queries than keys (a chunk of a prefill): the queries are the last keys
+    # and take the last of the drawn positions, as default positions do
+    fewer = _seeded(pe, 3)(q[:, :, 4:], k, v, causal=True)
+    explicit = pe(q[:, :, 4:], k, v, causal=True, q_positions=drawn[4:], k_positions=drawn)
+    torch.testing.assert_close(fewer, explicit, rtol=0, atol=0)
     plain = generated_class("rope")(heads=2, head_dim=8)
     torch.testing.assert_close(pe.eval()(q, k, v, causal=True), plain(q, k, v, causal=True))
 
