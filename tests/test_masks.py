@@ -49,6 +49,8 @@ MASKS: dict[str, dict[str, object]] = {
     "window 2": {"window": 2},
     "window 1": {"window": 1},
     "window past the sequence": {"window": 100},
+    # default positions' widest distance is M - 1: only the pair (last query, key 0) is out
+    "window of M - 1": {"window": M - 1},
     "documents": {"document_ids": SHARED_DOCUMENTS},
     "batched documents": {"document_ids": BATCHED_DOCUMENTS},
     "window and documents": {"window": 3, "document_ids": BATCHED_DOCUMENTS},
