@@ -125,8 +125,21 @@ YARN = (
                 "mscale_all_dim": 0.707,
             },
         ),
+        (
+            "rope_yarn",
+            (
+                (
+                    YARN,
+                    "      frequencies: {kind: yarn, factor: 4, original_max_positions: 64, "
+                    "beta_fast: 32, beta_slow: 1}",
+                ),
+            ),
+            "yarn",
+            {"factor": 4.0, "original_max_position_embeddings": 64},
+        ),
     ],
-    ids=["linear", "yarn", "yarn-no-truncate", "yarn-deepseek-mscale"],
+    # short-context: the ramp's low end, floor(-3.98), is clamped to pair 0
+    ids=["linear", "yarn", "yarn-no-truncate", "yarn-deepseek-mscale", "yarn-short-context"],
 )
 def test_static_schedules_match_hugging_face(
     spec: str, replacements: tuple[tuple[str, str], ...], rope_type: str, scaling: dict[str, Any]
