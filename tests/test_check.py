@@ -751,7 +751,9 @@ def test_spec_time_cap_shares_the_budget() -> None:
 # mutations: a deliberately broken module, its rendered source edited in memory
 
 
-def _mutated_probe(monkeypatch, name: str, old: str, new: str) -> Probe:
+def _mutated_probe(monkeypatch, name: str, old: str, new: str, spec: Path | None = None) -> Probe:
+    """The probe of specs/NAME.yaml (or ``spec``) with ``old`` replaced by ``new`` in
+    its module's rendered source."""
     from posgen.codegen import inmemory
 
     render = inmemory.render_standalone
@@ -762,7 +764,7 @@ def _mutated_probe(monkeypatch, name: str, old: str, new: str) -> Probe:
         return source.replace(old, new)
 
     monkeypatch.setattr(inmemory, "render_standalone", patched)
-    return Probe(load_spec(SPECS / f"{name}.yaml"), TEST_BUDGET)
+    return Probe(load_spec(spec or SPECS / f"{name}.yaml"), TEST_BUDGET)
 
 
 def _run_block(probe: Probe, check) -> Outcome:
@@ -777,6 +779,46 @@ def test_mutation_rope_ignoring_its_base_is_caught(monkeypatch) -> None:
     )
     outcome = _run_block(probe, rotation_norm)
     assert outcome.verdict == "FAILS" and "base^(-2k/d_rot)" in outcome.evidence
+
+
+RISING = "base ** (-2 * (d / 2 - 1 - k) / d)"  # theta_k rises with k
+
+
+def _rising_p_rope(folder: Path) -> Path:
+    """rope_p (the highest quarter of the frequencies turn) with a rising schedule."""
+    text = (
+        (SPECS / "rope_p.yaml")
+        .read_text(encoding="utf-8")
+        .replace("name: rope_p", "name: rope_p_rising")
+    )
+    layout = "rotary_dims: {fraction: 0.25, layout: proportional}"
+    assert layout in text
+    text = text.replace(layout, f'{layout}\n      frequencies: {{kind: expr, expr: "{RISING}"}}')
+    path = folder / "rope_p_rising.yaml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_expression_frequencies_are_compared(tmp_path: Path) -> None:
+    """R_1's angles against the expression's θ_k, evaluated in Python floats: the
+    highest quarter of a rising schedule (pairs 24 .. 31 of 32) turn."""
+    probe = Probe(load_spec(_rising_p_rope(tmp_path)), TEST_BUDGET)
+    outcome = _run_block(probe, rotation_norm)
+    assert outcome.verdict == "holds" and "the expression's θ_k" in outcome.evidence
+
+
+def test_mutation_p_rope_keeping_its_first_pairs_is_caught(monkeypatch, tmp_path: Path) -> None:
+    """The kept pairs taken by index (the first quarter), not by value: with a rising
+    schedule those are the lowest frequencies."""
+    probe = _mutated_probe(
+        monkeypatch,
+        "rope_p_rising",
+        "return torch.where(keep, theta, torch.zeros_like(theta))",
+        "return torch.cat((theta[:kept], torch.zeros_like(theta[kept:])))",
+        spec=_rising_p_rope(tmp_path),
+    )
+    outcome = _run_block(probe, rotation_norm)
+    assert outcome.verdict == "FAILS" and "the expression's θ_k" in outcome.evidence
 
 
 def test_mutation_inverted_causal_mask_is_caught(monkeypatch) -> None:

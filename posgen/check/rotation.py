@@ -3,7 +3,7 @@
 ``rotation_norm``: rotations keep norms (|R_m x| = |x| for positions m up to 2^20) and
 are the identity at position 0, on both outputs of rotate (query and key); and the
 eigen-angles of R_1 are the spec's frequencies θ_k = base^(-2k / d_rot) (RoFormer, Su et
-al. 2021, eq. 15), measured on both sides.
+al. 2021, eq. 15), or a frequency expression's θ_k, measured on both sides.
 
 ``rotation_pairing``: the half and the interleaved pairing differ by a fixed permutation
 P (``half_to_interleaved``): half(x)[P] = interleaved(x[P]). The other pairing's module
@@ -12,6 +12,7 @@ is built in memory from the same spec with only the pairing changed.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -23,8 +24,16 @@ from posgen.check.contract import F64, Encoding
 from posgen.check.probe import Probe, float64_encoding
 from posgen.check.search import FAR, SEEDS, Violation, fmt, generator, run_search, short_list
 from posgen.check.verdicts import Outcome, failed
+from posgen.spec.expr_values import expression_value
 from posgen.spec.loader import LoadedSpec
-from posgen.spec.model import AxialAxes, Rotation, Spec, rotated_features, turning_pairs
+from posgen.spec.model import (
+    AxialAxes,
+    ExprFrequencies,
+    Rotation,
+    Spec,
+    rotated_features,
+    turning_pairs,
+)
 
 # a position, a seed for the rotated vectors
 Example = tuple[int, int]
@@ -108,20 +117,17 @@ def _keeps_norms(probe: Probe, example: Example) -> float:
 def _rotation_frequencies(probe: Probe, rotation: Rotation) -> Outcome | str:
     """The eigen-angles of R_1 (query and key side) against the spec's frequencies:
     θ_k = base^(-2k / d_rot), d_rot = round(fraction · head_dim), k < d_rot / 2
-    (RoFormer, Su et al. 2021, eq. 15). Evidence text, or a failed Outcome."""
-    if getattr(rotation.frequencies, "kind", None) != "standard":
-        return f"; frequencies {rotation.frequencies.kind!r} not compared"
+    (RoFormer, Su et al. 2021, eq. 15), or a frequency expression's θ_k evaluated here in
+    Python floats (posgen/spec/expr_values.py). Evidence text, or a failed Outcome."""
     rotary_dim = rotated_features(rotation, probe.head_dim)
-    turning = turning_pairs(rotation, probe.head_dim)  # p-RoPE keeps the highest only
-    expected = torch.tensor(
-        [rotation.base ** (-2.0 * k / rotary_dim) for k in range(turning)],
-        dtype=F64,
+    expected = _expected_frequencies(rotation, rotary_dim, probe.head_dim)
+    if isinstance(expected, str):
+        return expected
+    formula = (
+        "the expression's θ_k"
+        if isinstance(rotation.frequencies, ExprFrequencies)
+        else ("base^(-2k/d_rot)")
     )
-    if isinstance(rotation.axes, AxialAxes):  # each axis: the schedule over its share
-        share = rotary_dim // rotation.axes.count
-        one_axis = [rotation.base ** (-2.0 * k / share) for k in range(share // 2)]
-        expected = torch.tensor(one_axis * rotation.axes.count, dtype=F64)
-    expected = expected.sort(descending=True).values
     for side, name in ((0, "query"), (1, "key")):
         angles = torch.linalg.eigvals(probe.rotation_matrix(1, side)).angle()
         got = angles[angles > 1e-12].sort(descending=True).values
@@ -130,7 +136,7 @@ def _rotation_frequencies(probe: Probe, rotation: Rotation) -> Outcome | str:
         ):
             worst = int((got - expected).abs().argmax()) if got.shape == expected.shape else None
             shown = (
-                f"θ_{worst} = {fmt(float(got[worst]))}, base^(-2k/d_rot) gives "
+                f"θ_{worst} = {fmt(float(got[worst]))}, {formula} gives "
                 f"{fmt(float(expected[worst]))}"
                 if worst is not None
                 else f"{got.shape[0]} rotating pairs, expected {expected.shape[0]}"
@@ -140,7 +146,7 @@ def _rotation_frequencies(probe: Probe, rotation: Rotation) -> Outcome | str:
                 "block",
                 None,
                 False,
-                f"{name} side: the angles of R_1 are not base^(-2k/d_rot) with base "
+                f"{name} side: the angles of R_1 are not {formula} with base "
                 f"{rotation.base:g}, d_rot {rotary_dim}: {shown}",
                 counterexample={
                     "side": name,
@@ -149,9 +155,38 @@ def _rotation_frequencies(probe: Probe, rotation: Rotation) -> Outcome | str:
                 },
             )
     return (
-        f"; angles of R_1 equal base^(-2k/d_rot) (base {rotation.base:g}, "
+        f"; angles of R_1 equal {formula} (base {rotation.base:g}, "
         f"d_rot {rotary_dim}) on both sides"
     )
+
+
+def _expected_frequencies(rotation: Rotation, rotary_dim: int, head_dim: int) -> torch.Tensor | str:
+    """The angles R_1 should turn its pairs by, highest first (pairs that do not turn
+    left out), or the evidence text saying why they are not compared."""
+    turning = turning_pairs(rotation, head_dim)  # p-RoPE keeps the highest only
+    frequencies = rotation.frequencies
+    if isinstance(frequencies, ExprFrequencies) and rotation.axes is None:
+        tree = frequencies.parsed().tree
+        names = {"d": float(rotary_dim), "base": rotation.base}
+        theta = [
+            expression_value(tree, {**names, "k": float(k)}, {}) for k in range(rotary_dim // 2)
+        ]
+        kept = sorted(theta, reverse=True)[:turning]
+        if max(kept) >= math.pi - 1e-6:  # an angle past π reads back as another one
+            return "; frequencies 'expr' not compared (an angle of π or more at position 1)"
+        expected = torch.tensor([value for value in kept if value > 1e-12], dtype=F64)
+        return expected.sort(descending=True).values
+    if getattr(frequencies, "kind", None) != "standard":
+        return f"; frequencies {frequencies.kind!r} not compared"
+    expected = torch.tensor(
+        [rotation.base ** (-2.0 * k / rotary_dim) for k in range(turning)],
+        dtype=F64,
+    )
+    if isinstance(rotation.axes, AxialAxes):  # each axis: the schedule over its share
+        share = rotary_dim // rotation.axes.count
+        one_axis = [rotation.base ** (-2.0 * k / share) for k in range(share // 2)]
+        expected = torch.tensor(one_axis * rotation.axes.count, dtype=F64)
+    return expected.sort(descending=True).values
 
 
 def _variant(
