@@ -245,6 +245,29 @@ def test_an_expression_without_parameters_follows_the_modules_dtype() -> None:
     torch.testing.assert_close(pe._distance_bias(n, m, cpu), want, rtol=1e-15, atol=0)
 
 
+def test_an_expression_may_read_the_head_count() -> None:
+    """ALiBi's geometric slopes for any power-of-two head count, written once:
+    -2^(-8 (h + 1) / heads) |i - j|, against that formula in float64; the per-distance
+    vector, sdpa and flex agree with the oracle."""
+    cls = _expression_module("-(2 ** (-8 * (h + 1) / heads)) * abs(i - j)", "{}")
+    positions = torch.arange(6)
+    distance = (positions[:, None] - positions[None, :]).abs().double()  # [6, 6]
+    for heads in (4, 8, 16):
+        pe = cls(heads=heads, head_dim=8).double()
+        slopes = 2.0 ** (-8.0 * torch.arange(1, heads + 1, dtype=torch.float64) / heads)
+        want = -slopes[:, None, None] * distance
+        torch.testing.assert_close(pe.score_bias(positions, positions), want, rtol=1e-15, atol=0)
+        r = torch.arange(-4, 2, dtype=torch.float64)  # key minus query: N = 2, M = 5
+        vector = pe._distance_bias(2, 5, torch.device("cpu"))
+        torch.testing.assert_close(vector, -slopes[:, None] * r.abs(), rtol=1e-15, atol=0)
+    pe = cls(heads=4, head_dim=8).double()
+    assert_sdpa_matches_eager(pe, 5, 9, 2, causal=True)
+    q, k, v = (torch.randn(1, 4, 6, 8, dtype=torch.float64) for _ in range(3))
+    torch.testing.assert_close(
+        pe(q, k, v, causal=True, backend="flex"), pe(q, k, v, causal=True, backend="eager")
+    )
+
+
 def test_an_expression_of_one_position_broadcasts_over_the_other_and_the_batch() -> None:
     """``-0.1 * i`` assigns no j (ruff-clean), and its bias still spans every key and
     each batch row of either side's positions."""

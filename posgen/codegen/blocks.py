@@ -508,7 +508,7 @@ class ExprBiasPlan(Block):
     """A bias from a checked expression, rendered as one assignment per syntax node.
 
     ``steps`` come from ``posgen.spec.expr.render_steps``: fixed torch calls, temporaries
-    ``tK``, the locals i, j, h, ``p_NAME`` and finite float literals; no spec text.
+    ``tK``, the locals i, j, h, heads, ``p_NAME`` and finite float literals; no spec text.
     """
 
     template: ClassVar[str] = "blocks/expr_bias.jinja"
@@ -520,6 +520,7 @@ class ExprBiasPlan(Block):
     uses_i: bool  # the steps read i (only names they read are assigned)
     uses_j: bool
     uses_h: bool
+    uses_heads: bool = False  # the steps read the head count, a 0-d tensor
     of_difference: bool = False  # unchanged when i and j shift together: f(0, j - i)
     # and at explicit positions made once per distance and read per pair, where its
     # per-head work per pair outweighs the read (``expr_cost``)

@@ -324,6 +324,7 @@ def _expr_plan(bias: ExprBias, inside_scale: bool) -> ExprBiasPlan:
         uses_i=parsed.uses_i,
         uses_j=parsed.uses_j,
         uses_h=parsed.uses_h,
+        uses_heads=parsed.uses_heads,
         of_difference=parsed.of_difference,
         read_per_distance=parsed.of_difference
         and per_head_pair_work(parsed.tree.body, per_head) >= DISTANCE_VECTOR_MIN_WORK,

@@ -60,7 +60,7 @@ MAX_LITERAL = 1e6
 """Largest magnitude of a number literal."""
 
 PARAM_NAME = re.compile(r"^[a-z][a-z0-9_]{0,30}$")
-POSITION_NAMES = ("i", "j", "h")
+POSITION_NAMES = ("i", "j", "h", "heads")  # heads: the module's head count, a constant
 FREQUENCY_NAMES = ("k", "d", "base")  # pair index, rotated features, the spec's base
 
 # function name -> (arity, torch call); the call is written with its operands by
@@ -147,6 +147,7 @@ class Parsed:
     uses_j: bool
     uses_h: bool
     reads: frozenset[str] = frozenset()  # every variable and parameter it reads
+    uses_heads: bool = False  # reads the head count (ALiBi-like recipes of h / heads)
     # unchanged when i and j shift together: a function of j - i (expr_shift.py)
     of_difference: bool = False
 
@@ -222,6 +223,7 @@ def parse_expr(
         uses_j="j" in checker.used_names,
         uses_h="h" in checker.used_names,
         reads=frozenset(checker.used_names),
+        uses_heads="heads" in checker.used_names,
         of_difference=reads_difference_only(tree.body),
     )
 

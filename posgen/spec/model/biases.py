@@ -38,7 +38,7 @@ CHECKED_POSITIONS = 17
 """An expression bias is refused where it is not finite at some i, j < this (distances
 up to 16 each way, 0 included), with the parameters at their initial values."""
 CHECKED_HEADS = 8
-"""... and at some head h < this, where the expression reads h."""
+"""... and at some head h < this, where the expression reads h (heads reads as this)."""
 
 
 class LogBuckets(SpecModel):
@@ -277,11 +277,12 @@ class ExprParam(SpecModel):
 
 
 class ExprBias(SpecModel):
-    """A bias written as a safe expression of i, j, h and declared parameters.
+    """A bias written as a safe expression of i, j, h, heads and declared parameters.
 
     The grammar (posgen/spec/expr.py, docs/reference.md): names i, j (float positions),
-    h (head index) and the parameters; numbers; + - * / ** % and unary -, +; comparisons;
-    abs log log1p exp sqrt sin cos sign floor minimum maximum clamp where. Parsed with
+    h (head index), heads (the module's head count) and the parameters; numbers;
+    + - * / ** % and unary -, +; comparisons; abs log log1p exp sqrt sin cos sign floor
+    minimum maximum clamp where. Parsed with
     ``ast`` against that whitelist and rendered from a fixed table of torch calls.
     """
 
@@ -305,7 +306,7 @@ class ExprBias(SpecModel):
                 raise cross_field_error(
                     "params",
                     f"parameter name {quoted(name)} must be lower-case letters, digits and "
-                    "underscores (at most 31, starting with a letter), and not i, j, h, a "
+                    "underscores (at most 31, starting with a letter), and not i, j, h, heads, a "
                     "function name, a Python keyword or a Python builtin (type, len, ...)",
                 )
         infos = {name: ParamInfo(per_head=param.per_head) for name, param in self.params.items()}
@@ -319,6 +320,7 @@ class ExprBias(SpecModel):
                 f"params.{unused[0]}", f"parameter {quoted(unused[0])} is declared but never used"
             )
         initial = {name: param.init for name, param in self.params.items()}
+        initial["heads"] = float(CHECKED_HEADS)  # read as a name, like the parameters
         bad = first_non_finite(
             parsed.tree,
             initial,
