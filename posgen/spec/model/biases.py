@@ -282,8 +282,8 @@ class ExprBias(SpecModel):
     The grammar (posgen/spec/expr.py, docs/reference.md): names i, j (float positions),
     h (head index), heads (the module's head count) and the parameters; numbers;
     + - * / ** % and unary -, +; comparisons; abs log log1p exp sqrt sin cos sign floor
-    minimum maximum clamp where. Parsed with
-    ``ast`` against that whitelist and rendered from a fixed table of torch calls.
+    minimum maximum clamp where. Parsed with ``ast`` against that whitelist and rendered
+    from a fixed table of torch calls.
     """
 
     kind: Literal["expr"]
