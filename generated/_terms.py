@@ -307,6 +307,17 @@ class AttentionTerms(nn.Module):
     def extra_repr(self) -> str:
         return f"heads={self.heads}, head_dim={self.head_dim}, scale={self.scale:.6g}"
 
+    def __getstate__(self) -> dict[str, Any]:
+        """What a copy carries (``copy.deepcopy``, pickle, ``torch.save`` of the module):
+        all but the values kept across calls (``_cache``: its parameter snapshots would
+        double the file) and the ``parameters_frozen`` block, which ends with its
+        ``with``: a copy made inside one (an EMA copy) compares its parameters as any
+        module outside a block does."""
+        state = self.__dict__.copy()
+        state["_cache"] = {}
+        state.pop("_frozen_block", None)  # the class's None
+        return state
+
     # ------------------------------------------------------------------ encoding hooks
 
     def embed(self, x: Tensor, positions: Tensor | None = None) -> Tensor:

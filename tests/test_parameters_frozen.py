@@ -9,6 +9,8 @@ has nothing kept.
 from __future__ import annotations
 
 import contextlib
+import copy
+import pickle
 from collections.abc import Callable
 
 import pytest
@@ -165,6 +167,27 @@ def test_an_edit_through_data_is_the_blocks_promise(name: str) -> None:
         kept_from.data.mul_(0.5)
         with parameters_frozen(pe):
             torch.testing.assert_close(read(pe, 30), read(fresh_copy(pe, name), 30), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", KEEPING)
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_made_inside_a_block_is_outside_it(name: str, how: str) -> None:
+    """A copy (an EMA model, a checkpoint of the whole module) made inside a block
+    leaves it: an edit through ``.data`` afterwards is seen. It carries none of the
+    values kept across calls (its parameter snapshots)."""
+    pe, read = make(name), reader(name)
+    with torch.no_grad(), parameters_frozen(pe):
+        read(pe, 30)
+        assert pe._cache, "nothing kept: a vacuous case"
+        copied = copy.deepcopy(pe) if how == "deepcopy" else pickle.loads(pickle.dumps(pe))
+    assert copied._frozen_block is None and not copied._cache
+    with torch.no_grad():
+        before = read(copied, 30)
+        copied.get_parameter(KEPT_FROM[name]).data.mul_(0.5)
+        edited = read(copied, 30)
+        assert not torch.allclose(edited, before)
+        torch.testing.assert_close(edited, read(fresh_copy(copied, name), 30), rtol=0, atol=0)
+    assert pe._cache, "the original keeps its values"
 
 
 def test_blocks_nest_and_cover_every_encoding_of_a_model(
