@@ -94,6 +94,8 @@ class Alibi(PositionalAttention):
         head_dim: int = 64,
     ) -> None:
         super().__init__(heads, head_dim, scale_factor=1.0)
+        # the arguments as given: reset_parameters builds a module of them
+        self._arguments = {"heads": heads, "head_dim": head_dim}
         # [heads]; fixed by the alibi_geometric recipe, not trained (the bias recomputes
         # them in its own dtype; this buffer is for inspection and sets that dtype).
         slopes = torch.tensor(_alibi_slopes(self.heads), dtype=torch.float32)

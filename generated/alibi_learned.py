@@ -92,6 +92,8 @@ class AlibiLearned(PositionalAttention):
         head_dim: int = 64,
     ) -> None:
         super().__init__(heads, head_dim, scale_factor=1.0)
+        # the arguments as given: reset_parameters builds a module of them
+        self._arguments = {"heads": heads, "head_dim": head_dim}
         # trained slopes, initialised from ALiBi's geometric recipe
         slopes = torch.tensor(_alibi_slopes(self.heads), dtype=torch.float32)
         self.slopes = nn.Parameter(slopes)

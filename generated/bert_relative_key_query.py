@@ -105,6 +105,8 @@ class BertRelativeKeyQuery(PositionalAttention):
         head_dim: int = 64,
     ) -> None:
         super().__init__(heads, head_dim, scale_factor=1.0)
+        # the arguments as given: reset_parameters builds a module of them
+        self._arguments = {"heads": heads, "head_dim": head_dim}
         # [rows, head_dim]; row index(r) of the relative table R.
         self.distance_embedding = nn.Embedding(RELATIVE_ROWS, self.head_dim)
         nn.init.normal_(self.distance_embedding.weight, mean=0.0, std=0.02)

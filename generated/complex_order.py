@@ -101,6 +101,8 @@ class ComplexOrder(PositionalAttention):
         model_dim: int = 512,
     ) -> None:
         super().__init__(heads, head_dim, scale_factor=1.0)
+        # the arguments as given: reset_parameters builds a module of them
+        self._arguments = {"heads": heads, "head_dim": head_dim, "model_dim": model_dim}
         self.model_dim = positive_int(model_dim, "model_dim")
         # per-feature fallbacks, used when embed gets no per-token frequency / phase:
         # omega_d = base^(-d / model_dim) (a geometric spread, as sinusoids), theta_d = 0

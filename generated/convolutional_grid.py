@@ -90,6 +90,8 @@ class ConvolutionalGrid(PositionalAttention):
         model_dim: int = 384,
     ) -> None:
         super().__init__(heads, head_dim, scale_factor=1.0)
+        # the arguments as given: reset_parameters builds a module of them
+        self._arguments = {"heads": heads, "head_dim": head_dim, "model_dim": model_dim}
         self.model_dim = positive_int(model_dim, "model_dim")
         # depthwise: one k x k kernel per feature; weight [model_dim, 1, k, k]
         self.position_conv = nn.Conv2d(

@@ -73,6 +73,8 @@ class Cope(PositionalAttention):
         head_dim: int = 64,
     ) -> None:
         super().__init__(heads, head_dim, scale_factor=1.0)
+        # the arguments as given: reset_parameters builds a module of them
+        self._arguments = {"heads": heads, "head_dim": head_dim}
         # e: [max_positions, head_dim], shared by the heads (x-transformers starts it at 0;
         # a small normal start lets `posgen check` see the term at initialisation)
         self.cope_positions = nn.Parameter(torch.empty(COPE_MAX_POSITIONS, self.head_dim))

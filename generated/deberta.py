@@ -125,6 +125,8 @@ class Deberta(PositionalAttention):
         model_dim: int = 768,
     ) -> None:
         super().__init__(heads, head_dim, scale_factor=3.0)
+        # the arguments as given: reset_parameters builds a module of them
+        self._arguments = {"heads": heads, "head_dim": head_dim, "model_dim": model_dim}
         self.model_dim = positive_int(model_dim, "model_dim")
         # [rows, model_dim]; projected into the heads by each term's projection.
         self.rel_embeddings = nn.Embedding(RELATIVE_ROWS, self.model_dim)

@@ -82,6 +82,8 @@ class Fire(PositionalAttention):
         head_dim: int = 64,
     ) -> None:
         super().__init__(heads, head_dim, scale_factor=1.0)
+        # the arguments as given: reset_parameters builds a module of them
+        self._arguments = {"heads": heads, "head_dim": head_dim}
         # f: 1 -> hidden -> heads, one ReLU (nn.Linear's default init, as the reference code)
         self.fire_mlp = nn.Sequential(
             nn.Linear(1, FIRE_HIDDEN), nn.ReLU(), nn.Linear(FIRE_HIDDEN, self.heads)

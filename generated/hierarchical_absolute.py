@@ -82,6 +82,8 @@ class HierarchicalAbsolute(PositionalAttention):
         model_dim: int = 768,
     ) -> None:
         super().__init__(heads, head_dim, scale_factor=1.0)
+        # the arguments as given: reset_parameters builds a module of them
+        self._arguments = {"heads": heads, "head_dim": head_dim, "model_dim": model_dim}
         self.model_dim = positive_int(model_dim, "model_dim")
         self.base_positions = BASE_POSITIONS
         self.max_positions = BASE_POSITIONS * BASE_POSITIONS

@@ -84,6 +84,8 @@ class MultiplicativeLearned(PositionalAttention):
         model_dim: int = 768,
     ) -> None:
         super().__init__(heads, head_dim, scale_factor=1.0)
+        # the arguments as given: reset_parameters builds a module of them
+        self._arguments = {"heads": heads, "head_dim": head_dim, "model_dim": model_dim}
         self.model_dim = positive_int(model_dim, "model_dim")
         self.max_positions = MAX_POSITIONS
         # [max_positions, model_dim]; the layout of GPT-2 `wpe.weight` and BERT

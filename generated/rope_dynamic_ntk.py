@@ -160,6 +160,8 @@ class RopeDynamicNtk(PositionalAttention):
         head_dim: int = 64,
     ) -> None:
         super().__init__(heads, head_dim, scale_factor=1.0)
+        # the arguments as given: reset_parameters builds a module of them
+        self._arguments = {"heads": heads, "head_dim": head_dim}
         self.rotary_dim = int(round(self.head_dim * ROTARY_FRACTION))
         if self.rotary_dim < 2 or self.rotary_dim % 2:
             raise ValueError(

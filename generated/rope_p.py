@@ -127,6 +127,8 @@ class RopeP(PositionalAttention):
         head_dim: int = 64,
     ) -> None:
         super().__init__(heads, head_dim, scale_factor=1.0)
+        # the arguments as given: reset_parameters builds a module of them
+        self._arguments = {"heads": heads, "head_dim": head_dim}
         self.rotary_dim = self.head_dim  # p-RoPE: the pairs span the whole head
         kept = int(round(self.head_dim * ROTARY_FRACTION / 2))
         if self.head_dim % 2 or kept < 1:

@@ -79,6 +79,8 @@ class Sandwich(PositionalAttention):
         head_dim: int = 64,
     ) -> None:
         super().__init__(heads, head_dim, scale_factor=1.0)
+        # the arguments as given: reset_parameters builds a module of them
+        self._arguments = {"heads": heads, "head_dim": head_dim}
         # no trained parameters; this buffer sets the bias dtype and device
         self.register_buffer("sandwich_reference", torch.zeros(()), persistent=False)
 

@@ -86,6 +86,8 @@ class Sinusoidal(PositionalAttention):
         model_dim: int = 512,
     ) -> None:
         super().__init__(heads, head_dim, scale_factor=1.0)
+        # the arguments as given: reset_parameters builds a module of them
+        self._arguments = {"heads": heads, "head_dim": head_dim, "model_dim": model_dim}
         self.model_dim = positive_int(model_dim, "model_dim")
         if self.model_dim % 2:
             raise ValueError(f"sinusoidal tables need an even model_dim, got {self.model_dim}")

@@ -113,6 +113,8 @@ class T5(PositionalAttention):
         head_dim: int = 64,
     ) -> None:
         super().__init__(heads, head_dim, scale_factor=None)
+        # the arguments as given: reset_parameters builds a module of them
+        self._arguments = {"heads": heads, "head_dim": head_dim}
         # [buckets, heads]; the layout of Hugging Face T5Attention.relative_attention_bias.
         self.relative_attention_bias = nn.Embedding(BUCKETS, self.heads)
         nn.init.normal_(self.relative_attention_bias.weight, mean=0.0, std=1.0)

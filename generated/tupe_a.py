@@ -89,6 +89,8 @@ class TupeA(PositionalAttention):
         model_dim: int = 768,
     ) -> None:
         super().__init__(heads, head_dim, scale_factor=2.0)
+        # the arguments as given: reset_parameters builds a module of them
+        self._arguments = {"heads": heads, "head_dim": head_dim, "model_dim": model_dim}
         self.model_dim = positive_int(model_dim, "model_dim")
         self.max_positions = UNTIED_MAX_POSITIONS
         # p: [max_positions + 1, model_dim], a table of its own (never added to the input);

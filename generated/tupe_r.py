@@ -131,6 +131,8 @@ class TupeR(PositionalAttention):
         model_dim: int = 768,
     ) -> None:
         super().__init__(heads, head_dim, scale_factor=2.0)
+        # the arguments as given: reset_parameters builds a module of them
+        self._arguments = {"heads": heads, "head_dim": head_dim, "model_dim": model_dim}
         self.model_dim = positive_int(model_dim, "model_dim")
         # [buckets + 1, heads]: the buckets, then one spare row used by the first-token reset.
         self.relative_attention_bias = nn.Embedding(BUCKETS + 1, self.heads)

@@ -303,7 +303,42 @@ class AttentionTerms(nn.Module):
         self._cache: dict[tuple[Any, ...], Any] = {}  # see cache_put
 
     def extra_repr(self) -> str:
-        return f"heads={self.heads}, head_dim={self.head_dim}, scale={self.scale:.6g}"
+        given = getattr(self, "_arguments", {}).items()
+        more = "".join(
+            f", {name}={value}"
+            for name, value in given
+            if name not in ("heads", "head_dim") and value is not None
+        )
+        return f"heads={self.heads}, head_dim={self.head_dim}{more}, scale={self.scale:.6g}"
+
+    def reset_parameters(self) -> None:
+        """Every parameter and buffer initialised afresh as the constructor does (the
+        spec's initialisation, drawn from torch's default generator as a new module's
+        are), copied into this module's tensors on the device and in the dtype they have.
+
+        For a module built on the meta device: ``with torch.device("meta"): pe = Cls()``,
+        then ``pe.to_empty(device=...)`` and ``pe.reset_parameters()``. A submodule's own
+        ``reset_parameters`` (an ``nn.Embedding``'s) gives PyTorch's defaults, not the
+        spec's; ``model.apply`` calls this one after them.
+        """
+        with torch.device("cpu"):  # not a meta device the caller's block may have set
+            fresh = type(self)(**getattr(self, "_arguments", {}))
+        mine, theirs = (
+            {
+                **dict(module.named_parameters(remove_duplicate=False)),
+                **dict(module.named_buffers(remove_duplicate=False)),
+            }
+            for module in (self, fresh)
+        )
+        if mine.keys() != theirs.keys():
+            raise ValueError(
+                f"reset_parameters: this module's tensors {sorted(mine)} are not those a new "
+                f"{type(self).__name__} has, {sorted(theirs)}"
+            )
+        with torch.no_grad():
+            for name, tensor in mine.items():
+                tensor.copy_(theirs[name])
+        self._cache.clear()
 
     def __getstate__(self) -> dict[str, Any]:
         """What a copy carries (``copy.deepcopy``, pickle, ``torch.save`` of the module):
