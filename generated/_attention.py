@@ -36,6 +36,7 @@ from ._inputs import (
     position_verdict,
     repeat_kv,
     to_bhnd,
+    under_function_transform,
 )
 from ._masks import (
     apply_masks,
@@ -256,8 +257,13 @@ class PositionalAttention(SdpaBackend, FlexBackend):
           family 11-16x against 15-32x at N = 2048);
         - otherwise (no position term in the logits, a bias folded into q and k, the
           CPU, where FlexAttention is not fused, or at most ``AUTO_SDPA_MAX_QUERIES``
-          queries, a decode step): "sdpa" (FlashAttention where it can).
+          queries, a decode step): "sdpa" (FlashAttention where it can);
+        - under a torch.func transform (``grad``, ``jacrev``, ``vmap``): "eager", whose
+          plain ops every transform takes (the other backends' autograd Functions and
+          flash kernels with a trained mask do not).
         """
+        if under_function_transform():
+            return "eager"  # torch.func's grad, jacrev, vmap: plain ops only
         if self.has_value_term:
             return "eager" if q.is_cuda else "sdpa"
         if q.shape[2] <= AUTO_SDPA_MAX_QUERIES:

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._inputs import arange_view, cache_get, cache_put, kept_over_reach
+from ._inputs import arange_view, cache_get, cache_put, kept_over_reach, under_function_transform
 from ._triton import power_of_two_at_least
 
 
@@ -147,13 +147,16 @@ class _QueryReversedDiagonals(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, vec: Tensor, n: int, m: int) -> Tensor:
-        ctx.n, ctx.m = n, m
+    def forward(vec: Tensor, n: int, m: int) -> Tensor:
         # a fresh copy (H (N + M - 1) values): as_strided reads from the start of its
         # input's storage under torch.compile, not from a view's offset (a query chunk's
         # slice of a trained vector read the entries from 0, the outputs off by 3)
         vec = vec.clone(memory_format=torch.contiguous_format)
         return vec.as_strided((vec.shape[0], n, m), (vec.shape[1], 1, 1))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        pass  # the backward needs nothing; apart from forward, as torch.func needs
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
@@ -173,7 +176,11 @@ def anti_diagonal_sums(grad: Tensor) -> Tensor:
 
 
 def query_reversed_bias(vec: Tensor, n: int, m: int) -> Tensor:
-    """[H, N + M - 1] per-distance values -> [H, N, M] view, queries in reverse order."""
+    """[H, N + M - 1] per-distance values -> [H, N, M] view, queries in reverse order
+    (under a torch.func transform, which takes no strided view, a gather)."""
+    if under_function_transform():
+        reversed_rows = torch.arange(n, device=vec.device)[:, None]  # [N, 1]
+        return vec[:, reversed_rows + torch.arange(m, device=vec.device)]  # [H, N, M]
     return _QueryReversedDiagonals.apply(vec, n, m)
 
 

@@ -713,6 +713,15 @@ def cache_get(cache: dict[tuple[Any, ...], Any], key: tuple[Any, ...]) -> Any:
     return value
 
 
+def under_function_transform() -> bool:
+    """Whether a torch.func transform (``grad``, ``jacrev``, ``vmap``, ...) is running;
+    False while compiling (dynamo traces the transform's own ops)."""
+    if torch.compiler.is_compiling():
+        return False
+    active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    return bool(active is not None and active())
+
+
 def parameter_states(module: torch.nn.Module) -> tuple[tuple[int, int, int], ...]:
     """(id, storage address, version counter) of each of module's parameters: a cache key
     part that changes with an in-place update (an optimizer step, load_state_dict) and

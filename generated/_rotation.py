@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._inputs import position_reach
+from ._inputs import position_reach, under_function_transform
 from ._numerics import autocast_off
 from ._rotation_kernel import FUSED_ROTATION_DTYPES, fused_rotation_enabled, launch_rotation
 
@@ -43,7 +43,7 @@ def apply_rotation(
     inductor fuses, or for interleaved pairs on the CPU ``rotate_into`` as the opaque
     op ``posgen::rotate`` (``EAGER_ROTATION_UNDER_COMPILE``); else ``rotate_into``,
     with a backward by the negative angle (``_Rotation``) when gradients reach x alone;
-    ``rotate_by_formula`` when they reach cos or sin.
+    ``rotate_by_formula`` when they reach cos or sin, or under a torch.func transform.
     """
     if fused_rotation_enabled(x, cos, sin):
         return fused_rotation(x, cos, sin, rotary_dim, half_pairing)
@@ -52,6 +52,8 @@ def apply_rotation(
             if compiled_rotation_stays_eager(x, cos, sin, half_pairing):
                 return _ROTATE(x, cos, sin, rotary_dim, half_pairing)
             return rotate_by_halves(x, cos, sin, rotary_dim, half_pairing).to(x.dtype)
+        if under_function_transform():  # torch.func (vmap, grad): plain ops out of place
+            return rotate_by_formula(x, cos, sin, rotary_dim, half_pairing).to(x.dtype)
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad)
         if not needs_grad:
             return rotate_into(x, cos, sin, rotary_dim, half_pairing)
@@ -136,17 +138,16 @@ class _Rotation(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any,
-        x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        rotary_dim: int,
-        half_pairing: bool,
-        fused: bool,
+        x: Tensor, cos: Tensor, sin: Tensor, rotary_dim: int, half_pairing: bool, fused: bool
     ) -> Tensor:
+        return _rotate_once(x, cos, sin, rotary_dim, half_pairing, fused, inverse=False)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        # apart from forward, as torch.func's transforms (grad, jacrev) need
+        _, cos, sin, rotary_dim, half_pairing, fused = inputs
         ctx.save_for_backward(cos, sin)
         ctx.rotary_dim, ctx.half_pairing, ctx.fused = rotary_dim, half_pairing, fused
-        return _rotate_once(x, cos, sin, rotary_dim, half_pairing, fused, inverse=False)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:

@@ -35,6 +35,7 @@ from ._inputs import (
     positive_int,
     repeat_kv,
     to_bhnd,
+    under_function_transform,
 )
 from ._numerics import autocast_off, compute_dtype
 
@@ -667,8 +668,8 @@ class AttentionTerms(nn.Module):
         it once per call. A value made in inference mode is kept apart, since it cannot
         enter autograd outside it.
         """
-        if torch.compiler.is_compiling() or self._trains_terms():
-            return None
+        if torch.compiler.is_compiling() or self._trains_terms() or under_function_transform():
+            return None  # a transform's parameters may be batched, with no storage to key
         prefix = (*name, str(device), torch.is_inference_mode_enabled())
         versions = parameter_states(self)
         cached = cache_get(self._cache, (*prefix, versions))
