@@ -711,13 +711,15 @@ def cache_get(cache: dict[tuple[Any, ...], Any], key: tuple[Any, ...]) -> Any:
     return value
 
 
+_TRANSFORMS_ACTIVE: Callable[[], bool] = getattr(
+    torch._C, "_are_functorch_transforms_active", lambda: False
+)
+
+
 def under_function_transform() -> bool:
     """Whether a torch.func transform (``grad``, ``jacrev``, ``vmap``, ...) is running;
     False while compiling (dynamo traces the transform's own ops)."""
-    if torch.compiler.is_compiling():
-        return False
-    active = getattr(torch._C, "_are_functorch_transforms_active", None)
-    return bool(active is not None and active())
+    return not torch.compiler.is_compiling() and _TRANSFORMS_ACTIVE()
 
 
 def parameter_states(module: torch.nn.Module) -> tuple[tuple[int, int, int], ...]:
