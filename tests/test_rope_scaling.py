@@ -264,24 +264,9 @@ def test_partial_rotary_matches_gpt_neox_layout() -> None:
 def test_p_rope_turns_only_the_highest_frequencies() -> None:
     """Barbero et al. 2024: pairs k of the whole head at base^(-2k/d), k < p·d/2 turn; the
     rest (the lowest frequencies) are the identity."""
-    pe = generated_class("rope_p")(heads=1, head_dim=64).double()
-    x = torch.randn(1, 1, 4, 64, dtype=F64)
-    positions = torch.tensor([0, 1, 77, 123456])
     kept = 8  # round(0.25 * 64 / 2)
-    theta = torch.tensor(
-        [10000.0 ** (-2 * k / 64) if k < kept else 0.0 for k in range(32)], dtype=F64
-    )
-    angles = positions.to(F64)[:, None] * theta  # [4, 32]
-    first, second = x[..., :32], x[..., 32:]
-    want = torch.cat(
-        (
-            first * angles.cos() - second * angles.sin(),
-            second * angles.cos() + first * angles.sin(),
-        ),
-        dim=-1,
-    )
-    got, _ = pe.rotate(x, x, positions, positions)
-    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    theta = [10000.0 ** (-2 * k / 64) if k < kept else 0.0 for k in range(32)]
+    _assert_half_pairs_turn_by(generated_class("rope_p")(heads=1, head_dim=64), theta)
 
 
 def test_p_rope_keeps_the_highest_frequencies_of_a_rising_schedule() -> None:
@@ -294,13 +279,16 @@ def test_p_rope_keeps_the_highest_frequencies_of_a_rising_schedule() -> None:
         (proportional, f'{proportional}\n      frequencies: {{kind: expr, expr: "{rising}"}}'),
         name="rope_p_rising",
     )
-    pe = cls(heads=1, head_dim=64).double()
+    theta = [10000.0 ** (-2 * (31 - k) / 64) if k >= 24 else 0.0 for k in range(32)]
+    _assert_half_pairs_turn_by(cls(heads=1, head_dim=64), theta)
+
+
+def _assert_half_pairs_turn_by(pe: torch.nn.Module, theta: list[float]) -> None:
+    """pe rotates feature k with k + 32 of a 64-dim head by position * theta[k], in
+    float64, at positions up to 123456."""
     x = torch.randn(1, 1, 4, 64, dtype=F64)
     positions = torch.tensor([0, 1, 77, 123456])
-    theta = torch.tensor(
-        [10000.0 ** (-2 * (31 - k) / 64) if k >= 24 else 0.0 for k in range(32)], dtype=F64
-    )
-    angles = positions.to(F64)[:, None] * theta  # [4, 32]
+    angles = positions.to(F64)[:, None] * torch.tensor(theta, dtype=F64)  # [4, 32]
     first, second = x[..., :32], x[..., 32:]
     want = torch.cat(
         (
@@ -309,7 +297,7 @@ def test_p_rope_keeps_the_highest_frequencies_of_a_rising_schedule() -> None:
         ),
         dim=-1,
     )
-    got, _ = pe.rotate(x, x, positions, positions)
+    got, _ = pe.double().rotate(x, x, positions, positions)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
