@@ -78,6 +78,26 @@ def eager_and_sdpa_without_grad(pe: torch.nn.Module, n: int, m: int, **options: 
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
+def test_a_chunk_of_queries_before_every_key_matches_eager(monkeypatch) -> None:
+    """Causal, explicit positions: keys at 10 .. 49, queries at 0 .. 29, so the first
+    chunks of queries have no key at or before them (rows of zeros on every backend)."""
+    pe = small_clip_module("bert_relative_key_query")
+    clipped_path(monkeypatch, pe)
+    generator = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 30, 8, generator=generator, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 40, 8, generator=generator, dtype=torch.float64) for _ in "kv")
+    options = {
+        "causal": True,
+        "q_positions": torch.arange(30),
+        "k_positions": torch.arange(40) + 10,
+    }
+    with torch.no_grad():
+        want = pe(q, k, v, backend="eager", **options)
+        got = pe(q, k, v, backend="sdpa", **options)
+    assert bool((want[:, :, :10] == 0).all())
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize(("n", "m", "kv_heads"), SHAPES)
 @pytest.mark.parametrize("name", NAMES)

@@ -20,7 +20,7 @@ from posgen.check.search import Budget, Violation, generator
 from posgen.check.verdicts import Outcome, Report
 from posgen.cli import main
 from posgen.spec.loader import load_spec
-from tests.conftest import SPECS, expr_bias_spec
+from tests.conftest import SPECS, expr_bias_spec, small_spec_text
 
 ALIBI_LEARNED = str(SPECS / "alibi_learned.yaml")
 SMALL = Budget(max_examples=5, seed=0, span=64, seconds=5.0)
@@ -110,11 +110,20 @@ def test_time_budgets_must_be_finite(option: str, value: str) -> None:
 
 
 def test_json_is_standard_where_the_curve_is_infinite(tmp_path: Path) -> None:
-    """-log|i - j| is +inf at distance 0: the decay curve's value and window mean are
-    written as the string "inf", never as the non-standard Infinity."""
-    path = expr_bias_spec(tmp_path, "log_bias", "-log(abs(i - j))")
+    """-log(|i - j| + a), trained to a = 0, is +inf at distance 0 (a spec whose initial
+    bias is not finite is refused): the decay curve's value and window mean are written
+    as the string "inf", never as the non-standard Infinity."""
+    bias = (
+        '{bias: {kind: expr, expr: "-log(abs(i - j) + a)", '
+        "params: {a: {shape: [], init: 1.0}}, placement: after_scale}}"
+    )
+    path = tmp_path / "log_bias.yaml"
+    path.write_text(small_spec_text("log_bias", "", bias, "a log bias", "test"), encoding="utf-8")
+    torch.save({"expr_a": torch.tensor(0.0)}, tmp_path / "trained.pt")
     result = CliRunner().invoke(
-        main, ["check", str(path), "--json", "--only", "decay", "--max-examples", "3"]
+        main,
+        ["check", str(path), "--json", "--only", "decay", "--max-examples", "3"]
+        + ["--weights", str(tmp_path / "trained.pt")],
     )
     assert result.exit_code == 0, result.output
     document = _strict_json(result.output)

@@ -359,6 +359,29 @@ def test_the_bias_and_its_gradients_at_explicit_positions(
     assert reads == ([(3, 26)] if case == "kerple" and spread == 1 else [])
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_head_whose_trained_bias_is_minus_infinity_gives_zeros(causal: bool) -> None:
+    """log(a_h (1 + |i - j|)) with a_0 set to 0: head 0 reads no key (-inf on every
+    pair) and is zeros on sdpa as on eager, while training (the parameters take
+    gradients) and without autograd; the other heads and q's gradient are the oracle's."""
+    cls = _expression_module("log(a[h] * (1 + abs(i - j)))", "{a: {shape: [heads], init: 1.0}}")
+    pe = cls(heads=4, head_dim=8).double()
+    with torch.no_grad():
+        pe.expr_a[0] = 0.0
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 6, 8, generator=generator, dtype=torch.float64) for _ in "qkv")
+    q.requires_grad_(True)
+    want = pe(q, k, v, causal=causal, backend="eager")
+    assert torch.equal(want[:, 0], torch.zeros_like(want[:, 0]))
+    got = pe(q, k, v, causal=causal, backend="sdpa")
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    (want_grad,) = torch.autograd.grad(want.square().sum(), q)
+    (got_grad,) = torch.autograd.grad(got.square().sum(), q)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-10, atol=1e-12)
+    with torch.no_grad():
+        torch.testing.assert_close(pe(q, k, v, causal=causal, backend="sdpa"), want.detach())
+
+
 @pytest.mark.parametrize(
     ("expr", "by_distance"),
     [("log(a * abs(i - j) + a)", True), ("log(maximum(i, 0.0) - i + a) + j", False)],

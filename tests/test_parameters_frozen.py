@@ -169,6 +169,22 @@ def test_an_edit_through_data_is_the_blocks_promise(name: str) -> None:
             torch.testing.assert_close(read(pe, 30), read(fresh_copy(pe, name), 30), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("name", ["deberta", "transformer_xl", "tupe_a"])
+def test_kept_rows_are_kept_per_dtype(name: str) -> None:
+    """Rows projected for a float32 call are not read by a float64 one: its output is
+    a fresh module's, to the last bit."""
+    torch.manual_seed(0)
+    pe = generated_class(name)(heads=4, head_dim=8).eval()
+    fresh = copy.deepcopy(pe)
+    generator = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 4, 9, 8, generator=generator, dtype=F64) for _ in "qkv")
+    with torch.no_grad():
+        pe(q.float(), k.float(), v.float(), backend="sdpa")  # keeps float32 rows
+        got = pe(q, k, v, backend="sdpa")
+        assert got.dtype == F64
+        torch.testing.assert_close(got, fresh(q, k, v, backend="sdpa"), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("name", KEEPING)
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
 def test_a_copy_made_inside_a_block_is_outside_it(name: str, how: str) -> None:
