@@ -290,7 +290,9 @@ def test_rotation_that_stretches_is_caught() -> None:
     assert outcome.verdict == "FAILS" and "|R x| - |x|" in outcome.evidence
 
 
-def test_position_dependent_drift_breaks_relative_and_kv_cache() -> None:
+def test_a_drift_by_query_row_breaks_the_kv_cache() -> None:
+    """Logits plus 1e-3 per row of the call (not per position: a common shift keeps
+    it, so relative holds): a decode step's row differs from the full pass's."""
     probe = _fresh_probe("alibi")
     original = probe.pe64.scores
 
@@ -962,3 +964,95 @@ def test_a_single_slow_example_is_stopped_at_the_hard_deadline(tmp_path) -> None
     assert "inconclusive (time budget)" in verdicts.values(), verdicts
     stopped = next(o for o in report.outcomes if o.inconclusive)
     assert "hard limit" in stopped.evidence and stopped.ok
+
+
+# ------------------------------------------- near the tolerances (mutation round 2)
+
+
+def _with_scores(probe: Probe, change) -> Probe:
+    """probe with its float64 logits passed through change(logits, q_pos [N, 1],
+    k_pos [1, M])."""
+    original = probe.pe64.scores
+
+    def changed(q, k, *, q_positions=None, k_positions=None):
+        logits = original(q, k, q_positions=q_positions, k_positions=k_positions)
+        n, m = q.shape[2], k.shape[2]
+        q_pos = torch.arange(m - n, m) if q_positions is None else q_positions
+        k_pos = torch.arange(m) if k_positions is None else k_positions
+        return change(logits, q_pos.view(n, 1).to(logits.dtype), k_pos.view(1, m).to(logits.dtype))
+
+    probe.pe64.scores = changed
+    return probe
+
+
+def test_a_drift_of_1e9_per_position_refutes_relative() -> None:
+    """Logits plus 1e-9 p_i: float64 shows the drift; relative is refuted."""
+    from posgen.check.relative import relative
+
+    probe = _with_scores(_fresh_probe("alibi"), lambda s, i, j: s + 1e-9 * i)
+    outcome = _run_block(probe, lambda p: relative(p, True))
+    assert outcome.verdict.startswith("REFUTED"), outcome.evidence
+
+
+def test_a_drift_of_1e6_per_row_fails_the_kv_cache() -> None:
+    """A cached decode step 1e-6 off the full pass, far above float64 round-off."""
+    probe = _with_scores(_fresh_probe("alibi"), lambda s, i, j: s + 1e-6 * (i - i.min()))
+    outcome = _run_block(probe, agreement.kv_cache)
+    assert outcome.verdict == "FAILS", outcome.evidence
+
+
+def test_a_bias_that_rises_for_late_queries_refutes_decay() -> None:
+    """ALiBi's logits negated for queries at 300 and later: decay must look past the
+    first query position it draws."""
+    probe = _with_scores(_fresh_probe("alibi"), lambda s, i, j: torch.where(i >= 300, -s, s))
+    outcome = _run_block(probe, lambda p: decay(p, True))
+    assert outcome.verdict.startswith("REFUTED"), outcome.evidence
+
+
+def test_a_rise_into_the_last_distance_window_refutes_decay() -> None:
+    """ALiBi scaled by 0.4 from distance 128: the last window's mean rises."""
+    probe = _with_scores(
+        _fresh_probe("alibi"), lambda s, i, j: torch.where((i - j).abs() >= 128, 0.4 * s, s)
+    )
+    outcome = _run_block(probe, lambda p: decay(p, True))
+    assert outcome.verdict.startswith("REFUTED"), outcome.evidence
+
+
+def test_table_rows_a_relative_1e8_apart_are_distinct() -> None:
+    """Rows 5 and 6 of a learned table 1e-8 of their norm apart (distinct in float64 and
+    in float32): unique holds."""
+    from posgen.check.unique import unique
+
+    probe = _fresh_probe("learned_absolute")
+    table = probe.pe64.position_embeddings.weight
+    with torch.no_grad():
+        table[6] = table[5] * (1 + 1e-8)
+    outcome = _run_block(probe, lambda p: unique(p, True))
+    assert outcome.verdict == "confirmed: holds", outcome.evidence
+
+
+def test_slopes_a_thousandth_off_the_recipe_fail(monkeypatch) -> None:
+    probe = _fresh_probe("alibi")
+    module = sys.modules[probe.cls.__module__]
+    recipe = module._alibi_slopes
+    monkeypatch.setattr(module, "_alibi_slopes", lambda heads: [s * 1.001 for s in recipe(heads)])
+    outcome = slopes(probe)
+    assert outcome.verdict == "FAILS" and "alibi_geometric" in outcome.evidence
+
+
+def test_non_finite_outputs_of_the_auto_backend_refute_extrapolation() -> None:
+    """Eager finite, auto NaN past the training length: both are judged."""
+    from posgen.check.extrapolates import extrapolates
+
+    probe = _fresh_probe("alibi")
+    original = probe.forward
+
+    def forward(pe, content, q_pos, k_pos, **options):
+        out = original(pe, content, q_pos, k_pos, **options)
+        if options.get("backend") == "auto" and k_pos is not None and int(k_pos.max()) >= 256:
+            out = out * float("nan")
+        return out
+
+    probe.forward = forward
+    outcome = _run_block(probe, lambda p: extrapolates(p, True))
+    assert outcome.verdict.startswith("REFUTED") and "auto" in outcome.evidence, outcome.evidence
