@@ -123,11 +123,8 @@ def _rotation_frequencies(probe: Probe, rotation: Rotation) -> Outcome | str:
     expected = _expected_frequencies(rotation, rotary_dim, probe.head_dim)
     if isinstance(expected, str):
         return expected
-    formula = (
-        "the expression's θ_k"
-        if isinstance(rotation.frequencies, ExprFrequencies)
-        else ("base^(-2k/d_rot)")
-    )
+    by_expression = isinstance(rotation.frequencies, ExprFrequencies)
+    formula = "the expression's θ_k" if by_expression else "base^(-2k/d_rot)"
     for side, name in ((0, "query"), (1, "key")):
         angles = torch.linalg.eigvals(probe.rotation_matrix(1, side)).angle()
         got = angles[angles > 1e-12].sort(descending=True).values

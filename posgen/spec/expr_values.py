@@ -107,10 +107,6 @@ def _power(a: float, b: float) -> float:
     return _NAN if isinstance(result, complex) else float(result)
 
 
-def _multiply(a: float, b: float) -> float:
-    return a * b
-
-
 def _log(x: float) -> float:
     return math.log(x) if x > 0 and math.isfinite(x) else _edge_log(x, 0.0)
 
@@ -175,7 +171,7 @@ def _where(condition: float, a: float, b: float) -> float:
 _BINARY: dict[type[ast.operator], Callable[[float, float], float]] = {
     ast.Add: lambda a, b: a + b,
     ast.Sub: lambda a, b: a - b,
-    ast.Mult: _multiply,
+    ast.Mult: lambda a, b: a * b,
     ast.Div: _divide,
     ast.Pow: _power,
     ast.Mod: _remainder,
