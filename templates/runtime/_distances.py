@@ -145,16 +145,13 @@ class _QueryReversedDiagonals(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(vec: Tensor, n: int, m: int) -> Tensor:
+    def forward(ctx: Any, vec: Tensor, n: int, m: int) -> Tensor:
+        ctx.n, ctx.m = n, m
         # a fresh copy (H (N + M - 1) values): as_strided reads from the start of its
         # input's storage under torch.compile, not from a view's offset (a query chunk's
         # slice of a trained vector read the entries from 0, the outputs off by 3)
         vec = vec.clone(memory_format=torch.contiguous_format)
         return vec.as_strided((vec.shape[0], n, m), (vec.shape[1], 1, 1))
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-        pass  # the backward needs nothing; apart from forward, as torch.func needs
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:

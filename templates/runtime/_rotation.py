@@ -43,7 +43,7 @@ def apply_rotation(
     with a backward by the negative angle (``_Rotation``) when gradients reach x alone;
     ``rotate_by_formula`` when they reach cos or sin, or under a torch.func transform.
     """
-    if fused_rotation_enabled(x, cos, sin):
+    if fused_rotation_enabled(x, cos, sin) and not under_function_transform():
         return fused_rotation(x, cos, sin, rotary_dim, half_pairing)
     with autocast_off(x.device.type):
         if torch.compiler.is_compiling():
@@ -136,16 +136,17 @@ class _Rotation(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        x: Tensor, cos: Tensor, sin: Tensor, rotary_dim: int, half_pairing: bool, fused: bool
+        ctx: Any,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        rotary_dim: int,
+        half_pairing: bool,
+        fused: bool,
     ) -> Tensor:
-        return _rotate_once(x, cos, sin, rotary_dim, half_pairing, fused, inverse=False)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-        # apart from forward, as torch.func's transforms (grad, jacrev) need
-        _, cos, sin, rotary_dim, half_pairing, fused = inputs
         ctx.save_for_backward(cos, sin)
         ctx.rotary_dim, ctx.half_pairing, ctx.fused = rotary_dim, half_pairing, fused
+        return _rotate_once(x, cos, sin, rotary_dim, half_pairing, fused, inverse=False)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
