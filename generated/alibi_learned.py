@@ -146,8 +146,9 @@ class AlibiLearned(PositionalAttention):
 
     def _distance_bias(self, n: int, m: int, device) -> Tensor:
         """-slope_h * |r| for r = -(M - 1) .. N - 1: [heads, N + M - 1] (O(N)); kept across
-        calls inside a ``parameters_frozen`` block (``_kept_distance_vector``), else
-        made every call (the slopes train)."""
+        calls while the slopes are unchanged where that costs no sync (inside a
+        ``parameters_frozen`` block, and outside one on the CPU: ``_kept_distance_vector``),
+        else made every call (the slopes train)."""
 
         def of_distances(relative: Tensor) -> Tensor:  # [L] -> [heads, L]
             slopes = self._exact_slopes(device)

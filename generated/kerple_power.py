@@ -115,8 +115,9 @@ class KerplePower(PositionalAttention):
 
     def _distance_bias(self, n: int, m: int, device) -> Tensor:
         """The kernel at |r| for r = -(M - 1) .. N - 1: [heads, N + M - 1]; kept across
-        calls inside a ``parameters_frozen`` block (``_kept_distance_vector``), else
-        made every call (r1 and r2 train)."""
+        calls while r1 and r2 are unchanged where that costs no sync (inside a
+        ``parameters_frozen`` block, and outside one on the CPU: ``_kept_distance_vector``),
+        else made every call (r1 and r2 train)."""
         kept = self._kept_distance_vector("kerple", n, m, device, self._bias_of_distances)
         return self._bias_of_distances(default_distances(n, m, device)) if kept is None else kept
 

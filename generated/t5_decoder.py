@@ -227,7 +227,8 @@ class T5Decoder(PositionalAttention):
         def of_distances(relative: Tensor) -> Tensor:  # [L] -> [heads, L]
             return self._table_at_buckets(_buckets_of_distances(relative), device)
 
-        # the gathered vector, kept inside a parameters_frozen block
-        # (``_kept_distance_vector``); else the kept buckets gathered every call
+        # the gathered vector, kept while the table is unchanged where that costs no
+        # sync (inside a parameters_frozen block, and outside one on the CPU:
+        # ``_kept_distance_vector``); else the kept buckets gathered every call
         kept = self._kept_distance_vector("table", n, m, device, of_distances)
         return self._table_per_distance(n, m, device) if kept is None else kept

@@ -699,7 +699,7 @@ class RelativeTermPlan:
     init_std: float
     new_index: bool  # its sign differs from the previous term's: a new index map
     new_rows: bool  # its sign or projection differs from the previous term's: new rows
-    relative_shift: bool  # default positions use the pad-and-reshape shift, not a gather
+    relative_shift: bool  # default positions read the rows by a strided shift, not a gather
 
     @property
     def reads_query(self) -> bool:
