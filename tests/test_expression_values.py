@@ -1,7 +1,8 @@
 """The spec layer's float evaluator of bias expressions (posgen/spec/expr_values.py)
-against torch in float64, the arithmetic a generated module runs: the same value where
-torch's is finite, and non-finite exactly where torch's is (log(0), x / 0, 0 / 0, x % 0,
-negative bases to fractional powers, overflow)."""
+against torch in float64 and in float32, the arithmetic a generated module runs: the
+same value where torch's is finite, and non-finite exactly where torch's is (log(0),
+x / 0, 0 / 0, x % 0, negative bases to fractional powers, overflow, and in float32
+an intermediate value past float32's range)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from posgen.spec.expr import ParamInfo, parse_expr
-from posgen.spec.expr_values import expression_value, first_non_finite
+from posgen.spec.expr_values import expression_value, first_non_finite, to_float32
 
 # the functions of the expression language as torch calls, written here from torch's API
 TORCH_FUNCTIONS = {
@@ -34,11 +35,13 @@ PARAMS = {"a": ParamInfo(per_head=False), "c": ParamInfo(per_head=True)}
 VALUES = {"a": 0.5, "c": -2.0}
 
 
-def torch_value(expr: str, i: float, j: float, h: float) -> float:
-    """The expression evaluated by torch, float64 0-d tensors throughout."""
+def torch_value(
+    expr: str, i: float, j: float, h: float, dtype: torch.dtype = torch.float64
+) -> float:
+    """The expression evaluated by torch, 0-d tensors of ``dtype`` throughout."""
 
     def scalar(value: float) -> torch.Tensor:
-        return torch.tensor(value, dtype=torch.float64)
+        return torch.tensor(value, dtype=dtype)
 
     class PerHead:  # c[h]: one value for every head
         def __getitem__(self, _: object) -> torch.Tensor:
@@ -90,6 +93,11 @@ EXPRESSIONS = [
     "where(i == j, 0, log(abs(i - j)))",
     "2 ** (-h) * abs(i - j)",
     "10 ** (i - j)",
+    # finite in float64; an intermediate value leaves float32's range (3.4e38)
+    "(i + 1) ** 40 / (i + 1) ** 40 - abs(i - j)",
+    "exp(90 * abs(i - j)) / exp(90 * abs(i - j))",
+    "1 / exp(-100 * abs(i - j))",
+    "exp(88.5 + i - j) - exp(88.5 + i - j)",
 ]
 POINTS = [(0.0, 0.0), (3.0, 1.0), (1.0, 3.0), (7.0, 2.0), (5.0, 0.0)]
 
@@ -107,6 +115,26 @@ def test_the_evaluator_matches_torch_in_float64(expr: str) -> None:
                 assert got == pytest.approx(want, rel=1e-12, abs=1e-300), (expr, i, j, h)
 
 
+@pytest.mark.parametrize("expr", EXPRESSIONS)
+def test_the_evaluator_in_float32_matches_torch_in_float32(expr: str) -> None:
+    tree = parse_expr(expr, PARAMS).tree
+    for i, j in POINTS:
+        for h in (0.0, 3.0):
+            got = expression_value(tree, {"i": i, "j": j, "h": h}, VALUES, float32=True)
+            want = torch_value(expr, i, j, h, torch.float32)
+            if math.isnan(want):
+                assert math.isnan(got), (expr, i, j, h, got)
+            else:
+                assert got == pytest.approx(want, rel=1e-5, abs=1e-37), (expr, i, j, h)
+
+
+def test_float32_rounding_is_ieee() -> None:
+    assert to_float32(0.1) == float(torch.tensor(0.1, dtype=torch.float32))
+    assert to_float32(3.4028235e38) == float(torch.finfo(torch.float32).max)
+    assert to_float32(3.5e38) == math.inf and to_float32(-3.5e38) == -math.inf
+    assert to_float32(1e-46) == 0.0 and math.isnan(to_float32(math.nan))
+
+
 def test_the_first_non_finite_point_is_named() -> None:
     tree = parse_expr("-log(abs(i - j) - 2)", PARAMS).tree  # log(0) at distance 2
     bad = first_non_finite(tree, VALUES, positions=range(5), heads=(0,))
@@ -116,4 +144,10 @@ def test_the_first_non_finite_point_is_named() -> None:
     assert first_non_finite(finite, VALUES, positions=range(17), heads=range(8)) is None
     huge = parse_expr("exp(90 * abs(i - j))", PARAMS).tree  # e^90: finite, not in float32
     bad = first_non_finite(huge, VALUES, positions=range(3), heads=(0,))
-    assert bad is not None and (bad.i, bad.j) == (0, 1) and math.isfinite(bad.value)
+    assert bad is not None and (bad.i, bad.j) == (0, 1) and bad.float32
+    assert bad.value == math.inf
+    # 1 in float64 everywhere; NaN in float32 where (i + 1) ** 40 passes 3.4e38 (i = 9)
+    cancelled = parse_expr("(i + 1) ** 40 / (i + 1) ** 40", PARAMS).tree
+    bad = first_non_finite(cancelled, VALUES, positions=range(17), heads=(0,))
+    assert bad is not None and (bad.i, bad.j, bad.float32) == (9, 0, True)
+    assert math.isnan(bad.value)

@@ -6,29 +6,46 @@ diagonal, and a row whose logits are -inf or NaN is masked or poisoned, not bias
 generated module computes the expression with torch; this evaluator follows torch's IEEE
 conventions where Python's own raise or go complex (log(0) = -inf, x / 0 = ±inf, 0 / 0 =
 NaN, x % 0 = NaN, a negative number to a fractional power = NaN, sign(NaN) = 0), so that
-a value is finite here exactly where the module's float64 value is.
+a value is finite here exactly where the module's float64 value is. Evaluated again with
+every intermediate value rounded to float32 (``to_float32``), it is finite where the
+module's float32 value is: (i + 1) ** 40 / (i + 1) ** 40 is 1 in float64 and NaN in
+float32, whose range (3.4e38) the numerator leaves at i = 9.
 """
 
 from __future__ import annotations
 
 import ast
 import math
+import struct
 from collections.abc import Callable, Iterable, Mapping
 from typing import NamedTuple
 
 _INF = math.inf
 _NAN = math.nan
-FLOAT32_MAX = 3.4028234663852886e38
-"""The largest finite float32: a generated module computes in float32 by default."""
+_FLOAT32 = struct.Struct("f")
 
 
 class NonFinite(NamedTuple):
-    """Where a bias expression is first not finite (or past float32's range)."""
+    """Where a bias expression is first not finite, and in which precision."""
 
     i: int
     j: int
     h: int
     value: float
+    float32: bool  # finite in float64, not with every step rounded to float32
+
+
+def to_float32(x: float) -> float:
+    """x rounded to the nearest float32 (IEEE round-to-nearest-even), ±inf past its range."""
+    try:
+        rounded: float = _FLOAT32.unpack(_FLOAT32.pack(x))[0]
+    except OverflowError:  # rounds past float32's largest finite value
+        return math.copysign(_INF, x)
+    return rounded
+
+
+def _exact(x: float) -> float:
+    return x
 
 
 def first_non_finite(
@@ -38,47 +55,63 @@ def first_non_finite(
     heads: Iterable[int],
 ) -> NonFinite | None:
     """The first (i, j, h) over ``positions`` x ``positions`` x ``heads`` at which the
-    expression is NaN, infinite or beyond float32's range, with ``params`` (name ->
-    value, one for every head of a per-head parameter); None where it is finite at all."""
+    expression is NaN or infinite, with ``params`` (name -> value, one for every head of
+    a per-head parameter): in float64 first, then with every step in float32 (a
+    module's default dtype); None where it is finite in both."""
     points = list(positions)
-    for h in heads:
-        for i in points:
-            for j in points:
-                value = expression_value(tree, {"i": i, "j": j, "h": h}, params)
-                if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
-                    return NonFinite(i, j, h, value)
+    for float32 in (False, True):
+        for h in heads:
+            for i in points:
+                for j in points:
+                    names = {"i": i, "j": j, "h": h}
+                    value = expression_value(tree, names, params, float32=float32)
+                    if not math.isfinite(value):
+                        return NonFinite(i, j, h, value, float32)
     return None
 
 
 def expression_value(
-    tree: ast.Expression, names: Mapping[str, float], params: Mapping[str, float]
+    tree: ast.Expression,
+    names: Mapping[str, float],
+    params: Mapping[str, float],
+    float32: bool = False,
 ) -> float:
-    """The expression's value with the names (i, j, h) and parameters bound."""
-    return _value(tree.body, names, params)
+    """The expression's value with the names (i, j, h) and parameters bound: in float64,
+    or with every input and every intermediate value rounded to float32."""
+    return _value(tree.body, names, params, to_float32 if float32 else _exact)
 
 
-def _value(node: ast.expr, names: Mapping[str, float], params: Mapping[str, float]) -> float:
+def _value(
+    node: ast.expr,
+    names: Mapping[str, float],
+    params: Mapping[str, float],
+    rounded: Callable[[float], float],
+) -> float:
+    """The value of ``node``, each step passed through ``rounded``."""
     if isinstance(node, ast.Constant):  # an int or float (checked by the parser)
         assert isinstance(node.value, (int, float))
-        return float(node.value)
+        return rounded(float(node.value))
     if isinstance(node, ast.Name):
-        return float(names[node.id]) if node.id in names else float(params[node.id])
+        value = names[node.id] if node.id in names else params[node.id]
+        return rounded(float(value))
     if isinstance(node, ast.Subscript):  # name[h]: every head starts from one value
         assert isinstance(node.value, ast.Name)
-        return float(params[node.value.id])
+        return rounded(float(params[node.value.id]))
     if isinstance(node, ast.UnaryOp):
-        operand = _value(node.operand, names, params)
+        operand = _value(node.operand, names, params, rounded)
         return -operand if isinstance(node.op, ast.USub) else operand
     if isinstance(node, ast.BinOp):
-        left, right = _value(node.left, names, params), _value(node.right, names, params)
-        return _BINARY[type(node.op)](left, right)
+        left = _value(node.left, names, params, rounded)
+        right = _value(node.right, names, params, rounded)
+        return rounded(_BINARY[type(node.op)](left, right))
     if isinstance(node, ast.Compare):
-        left, right = _value(node.left, names, params), _value(node.comparators[0], names, params)
+        left = _value(node.left, names, params, rounded)
+        right = _value(node.comparators[0], names, params, rounded)
         return float(_COMPARE[type(node.ops[0])](left, right))
     if isinstance(node, ast.Call):
         assert isinstance(node.func, ast.Name)
-        arguments = [_value(argument, names, params) for argument in node.args]
-        return _FUNCTIONS[node.func.id](*arguments)
+        arguments = [_value(argument, names, params, rounded) for argument in node.args]
+        return rounded(_FUNCTIONS[node.func.id](*arguments))
     raise AssertionError(f"not a checked expression node: {type(node).__name__}")
 
 

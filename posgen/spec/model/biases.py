@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import builtins
 import keyword
-import math
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
@@ -328,13 +327,13 @@ class ExprBias(SpecModel):
             heads=range(CHECKED_HEADS) if parsed.uses_h else (0,),
         )
         if bad is not None:
-            what = "beyond float32's range" if math.isfinite(bad.value) else f"{bad.value}"
+            precision = " in float32 (finite in float64)" if bad.float32 else ""
             raise cross_field_error(
                 "expr",
-                f"the bias is {what} at i = {bad.i}, j = {bad.j}, h = {bad.h} with the "
-                "parameters at their initial values: a logit of ±inf or NaN masks or "
-                "poisons its row instead of biasing it (mask with causal=True, window or "
-                "attn_mask instead)",
+                f"the bias is {bad.value}{precision} at i = {bad.i}, j = {bad.j}, "
+                f"h = {bad.h} with the parameters at their initial values: a logit of ±inf "
+                "or NaN masks or poisons its row instead of biasing it (mask with "
+                "causal=True, window or attn_mask instead)",
             )
         return self
 
