@@ -32,6 +32,7 @@ from pathlib import Path
 
 from posgen.codegen.plan import ModulePlan, build_plan
 from posgen.codegen.render import (
+    GENERATED_HEADERS,
     GENERATED_MARKER,
     STANDALONE_MARKER,
     render_module,
@@ -103,14 +104,16 @@ class Drift:
 def is_generated(path: Path) -> bool:
     """Whether a file carries the posgen header (only such files are ever replaced or removed).
 
-    Its first bytes are compared, so bytes past the header that are not UTF-8 (a
-    damaged generated module) leave it posgen's, to be replaced."""
-    marker = GENERATED_MARKER.encode("utf-8")
+    Its first bytes are compared with the ways posgen's first lines begin
+    (``GENERATED_HEADERS``), so bytes past the header that are not UTF-8 (a damaged
+    generated module) leave it posgen's, to be replaced."""
+    headers = [header.encode("utf-8") for header in GENERATED_HEADERS]
     try:
         with path.open("rb") as handle:
-            return handle.read(len(marker)) == marker
+            start = handle.read(max(len(header) for header in headers))
     except OSError:
         return False
+    return any(start.startswith(header) for header in headers)
 
 
 def is_standalone(path: Path) -> bool:
@@ -121,7 +124,7 @@ def is_standalone(path: Path) -> bool:
             header = [handle.readline() for _ in range(3)]
     except (OSError, UnicodeDecodeError):
         return False
-    return header[0].startswith(GENERATED_MARKER) and header[2].startswith(STANDALONE_MARKER)
+    return header[0].startswith(GENERATED_HEADERS) and header[2].startswith(STANDALONE_MARKER)
 
 
 def _check_folder(out_dir: Path) -> None:
