@@ -12,7 +12,7 @@ import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING
 
 import click
 
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from torch import Tensor
 
 from posgen.catalogue import encoding_rows, model_rows
-from posgen.cli_errors import reports_spec_errors
+from posgen.cli_errors import file_error, reports_spec_errors
 from posgen.cli_output import UsageError, say
 from posgen.cli_paths import (
     DEFAULT_OUT,
@@ -115,7 +115,7 @@ def generate(
             _report_drift(out_dir, tree, full, show_diff)
         drift = write_tree(out_dir, tree, prune=full)
     except (OutputError, OSError) as error:
-        _file_error(error)
+        file_error(error)
     for line in drift.lines():
         say(
             line.replace("changed:", "updated:")
@@ -144,24 +144,6 @@ def _report_drift(out_dir: Path, tree: dict[str, str], full: bool, show_diff: bo
         say(line)
     say(f"{out_dir} is out of date: run `posgen generate`.", err=True)
     sys.exit(1)
-
-
-def _file_error(error: OSError | OutputError, doing: str = "") -> NoReturn:
-    """One line naming the file on stderr, exit 2 (a bad path is a usage problem).
-
-    A closed stdout (``posgen generate --diff | head``) is no file error: it goes on to
-    click, which exits 1 quietly, as other tools do when their reader stops."""
-    if isinstance(error, BrokenPipeError):
-        raise error
-    if isinstance(error, OSError):
-        reason = error.strerror or str(error)
-        if isinstance(error, (FileExistsError, NotADirectoryError)):
-            reason = "a file is in the way where a folder is needed"
-        message = f"{error.filename}: {reason}" if error.filename else reason
-    else:
-        message = str(error)
-    say(f"Error: {doing}: {message}" if doing else f"Error: {message}", err=True)
-    sys.exit(2)
 
 
 @main.command()
@@ -369,14 +351,14 @@ def schema(out_file: Path | None) -> None:
         say(text, nl=False)
         return
     if not out_file.parent.is_dir():
-        _file_error(OutputError(f"cannot write {out_file}: no folder {out_file.parent}"))
+        file_error(OutputError(f"cannot write {out_file}: no folder {out_file.parent}"))
     try:
         check_replaceable(out_file, _is_spec_schema, "a JSON Schema of posgen's spec format")
         if out_file.exists() and out_file.read_bytes() == text.encode("utf-8"):
             return  # the same bytes: not rewritten, as generate leaves unchanged files
         write_atomically(out_file, text.encode("utf-8"))  # whole or not at all
     except OutputError as error:
-        _file_error(error)
+        file_error(error)
 
 
 _SCHEMA_TITLE = "Spec"  # the title of the schema `posgen schema` writes
@@ -734,7 +716,7 @@ def _check_plot_targets(
                 "a PNG with posgen plot's mark (plots made before the mark have none: remove them)",
             )
     except OutputError as error:
-        _file_error(error)
+        file_error(error)
 
 
 def _write_plots(out_dir: Path, images: dict[str, bytes]) -> None:
@@ -745,4 +727,4 @@ def _write_plots(out_dir: Path, images: dict[str, bytes]) -> None:
             write_atomically(out_dir / file_name, data)
             say(f"wrote {out_dir / file_name}")
     except (OSError, OutputError) as error:  # a read-only folder, ...: one line, exit 2
-        _file_error(error, f"cannot write plots into {out_dir}")
+        file_error(error, f"cannot write plots into {out_dir}")

@@ -409,6 +409,34 @@ def test_plot_out_naming_a_file(tmp_path: Path) -> None:
     assert snapshot(tmp_path) == {"plots": b"mine\n"}
 
 
+TOO_LONG = "a" * 300  # longer than a file name may be (NAME_MAX is 255 on Linux and macOS)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["validate", f"{TOO_LONG}.yaml"],
+        ["generate", f"{TOO_LONG}.yaml"],
+        ["list", "--specs", TOO_LONG],
+        ["explain", TOO_LONG],
+        ["check", TOO_LONG],
+        ["plot", TOO_LONG],
+        ["new", "foo", "--from", TOO_LONG],
+    ],
+    ids=lambda args: args[0],
+)
+def test_a_file_name_too_long_is_one_line_and_exit_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: list[str]
+) -> None:
+    """Looking such a name up raised OSError (ENAMETOOLONG) out of Path.exists(): a
+    traceback and exit 1 from seven commands."""
+    monkeypatch.chdir(tmp_path)
+    result = invoke(*args)
+    assert result.exit_code == 2, result.output
+    assert TOO_LONG in one_error_line(result) and "name too long" in result.stderr
+    assert snapshot(tmp_path) == {}
+
+
 def test_bad_paths_never_print_a_traceback(tmp_path: Path) -> None:
     """The same cases through the real entry point."""
     (tmp_path / "file").write_text("x\n")
