@@ -233,12 +233,13 @@ def from_hf(config_file: Path, name: str | None, out_file: Path | None) -> None:
     import json
 
     from posgen.codegen.render import catalogue_dir
-    from posgen.from_hf import ConfigError, spec_from_config
+    from posgen.from_hf import CONFIG_FILE, ConfigError, spec_from_config
     from posgen.scaffold import ScaffoldError, validate_text, write_new_spec
+    from posgen.spec.bounded_file import RefusedFile, read_bounded
 
     try:
-        config = json.loads(config_file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
+        config = json.loads(read_bounded(config_file, CONFIG_FILE).decode("utf-8"))
+    except (RefusedFile, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
         raise UsageError(f"{config_file}: cannot read a JSON config: {error}") from None
     if not isinstance(config, dict):
         raise UsageError(f"{config_file}: a config is a JSON object")

@@ -33,6 +33,14 @@ from typing import Any, TypeVar
 
 import yaml
 
+from posgen.spec.bounded_file import FileRule
+
+MAX_CONFIG_BYTES = 16 * 1024**2
+"""The largest config read, 16 MiB: a model's config.json is a few KiB (a classifier's
+label names make it tens); the file's kind and size are checked before it is read, as a
+spec file's are."""
+CONFIG_FILE = FileRule(MAX_CONFIG_BYTES, "a config is a plain JSON file", "a config file")
+
 ROTARY_TYPES = {"llama", "mistral", "mixtral", "qwen2", "gemma", "gemma2", "phi3", "gpt_neox"}
 
 T = TypeVar("T")

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -15,6 +19,22 @@ from posgen.hf import use_posgen_attention
 from posgen.spec.loader import load_spec
 
 transformers = pytest.importorskip("transformers")
+
+
+@contextmanager
+def deadline(seconds: int) -> Iterator[None]:
+    """Fail, rather than hang, where a call blocks past ``seconds`` (SIGALRM)."""
+
+    def expire(signum: int, frame: object) -> None:
+        raise TimeoutError(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def _from_hf(config: object, tmp_path: Path, name: str) -> Path:
@@ -222,6 +242,36 @@ def test_a_config_nested_past_the_json_reader_is_a_usage_error(tmp_path: Path) -
     assert result.exception is None or isinstance(result.exception, SystemExit)
     assert "cannot read a JSON config" in result.output
     assert not (tmp_path / "x.yaml").exists()
+
+
+def _refused_config(config: Path, tmp_path: Path) -> str:
+    """from-hf on ``config`` (with a 20 s alarm, as the command would block for ever):
+    exit 2, no traceback, nothing written; the message."""
+    out = tmp_path / "x.yaml"
+    with deadline(20):
+        result = CliRunner().invoke(main, ["from-hf", str(config), "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert "cannot read a JSON config" in result.output and not out.exists()
+    return result.output
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+def test_a_config_that_is_a_named_pipe_or_a_device_is_refused_unread(tmp_path: Path) -> None:
+    """/dev/zero was read until memory ran out, and a named pipe blocked for ever."""
+    os.mkfifo(tmp_path / "config.json")
+    assert "not a regular file (a named pipe)" in _refused_config(
+        tmp_path / "config.json", tmp_path
+    )
+    assert "a character device" in _refused_config(Path("/dev/zero"), tmp_path)
+
+
+def test_a_config_over_16_mib_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    config = tmp_path / "config.json"
+    with config.open("wb") as handle:  # a sparse file: 17 MiB of zeros, no disk used
+        handle.truncate(17 * 1024**2)
+    assert "file too large (17,825,792 bytes)" in _refused_config(config, tmp_path)
+    assert "at most 16,777,216 bytes (16 MiB)" in _refused_config(config, tmp_path)
 
 
 @pytest.mark.parametrize("name", ["lambda", "class", "len"])

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import stat
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 
+from posgen.spec.bounded_file import FileRule, RefusedFile, read_bounded
 from posgen.spec.diagnostics import Diagnostic, SpecError, closest_name, dotted_path, quoted
 from posgen.spec.model import Spec, kind_tags, kinds_at, spec_name_problem
 from posgen.spec.names import class_name_for
@@ -119,63 +119,16 @@ def _byte_position(raw: bytes, offset: int) -> tuple[int, int]:
     return text_position(before, len(before))
 
 
-_NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # opening a FIFO returns at once (POSIX)
-_BINARY = getattr(os, "O_BINARY", 0)  # no newline translation (Windows)
+_SPEC_FILE = FileRule(MAX_SPEC_BYTES, "a spec is a plain YAML file", "a spec file")
 
 
 def _read_spec_bytes(path: Path, shown: str) -> bytes:
-    """The bytes of a regular file of at most ``MAX_SPEC_BYTES``, or a SpecError.
-
-    The file's kind and size are checked before it is opened (a FIFO would block the
-    read forever, a device never end), again on the open descriptor, and the read
-    itself stops one byte past the limit.
-    """
-
-    def refuse(message: str) -> SpecError:
-        return SpecError([Diagnostic(shown, 1, 1, "<file>", message)])
-
+    """The bytes of a regular file of at most ``MAX_SPEC_BYTES``, or a SpecError
+    (``read_bounded``: a FIFO would block the read for ever, a device never end)."""
     try:
-        _check_file(path.stat(), refuse)
-        descriptor = os.open(path, os.O_RDONLY | _NONBLOCK | _BINARY)
-        with os.fdopen(descriptor, "rb") as handle:
-            _check_file(os.fstat(handle.fileno()), refuse)
-            raw = handle.read(MAX_SPEC_BYTES + 1)
-    except OSError as error:
-        if path.is_symlink() and not path.exists():
-            raise refuse("a symbolic link to nothing (dangling, or a loop)") from None
-        raise refuse(f"cannot read: {error.strerror or error}") from None
-    if len(raw) > MAX_SPEC_BYTES:
-        raise refuse(_too_large(len(raw), at_least=True))
-    return raw
-
-
-def _check_file(info: os.stat_result, refuse: Callable[[str], SpecError]) -> None:
-    """Refuse anything but a regular file, and a regular file over ``MAX_SPEC_BYTES``."""
-    if not stat.S_ISREG(info.st_mode):
-        raise refuse(
-            f"not a regular file ({_file_kind(info.st_mode)}): a spec is a plain YAML file"
-        )
-    if info.st_size > MAX_SPEC_BYTES:
-        raise refuse(_too_large(info.st_size))
-
-
-def _too_large(size: int, at_least: bool = False) -> str:
-    more = "more than " if at_least else ""
-    return (
-        f"file too large ({more}{size:,} bytes): a spec file holds at most "
-        f"{MAX_SPEC_BYTES:,} bytes ({MAX_SPEC_BYTES // 1024} KiB)"
-    )
-
-
-def _file_kind(mode: int) -> str:
-    kinds = (
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISFIFO, "a named pipe"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISSOCK, "a socket"),
-    )
-    return next((kind for test, kind in kinds if test(mode)), "a special file")
+        return read_bounded(path, _SPEC_FILE)
+    except RefusedFile as error:
+        raise SpecError([Diagnostic(shown, 1, 1, "<file>", str(error))]) from None
 
 
 def load_specs(paths: Iterable[Path]) -> list[LoadedSpec]:
