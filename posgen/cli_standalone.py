@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
 import keyword
 import sys
 from pathlib import Path
@@ -53,6 +55,26 @@ def _check_module_name(out: Path) -> None:
             f"--out {out}: a module named {stem!r} would shadow the standard-library or "
             "required module of that name; choose another name"
         )
+    installed = _installed_elsewhere(stem, out)
+    if installed is not None:
+        raise UsageError(
+            f"--out {out}: a module named {stem!r} is installed ({installed}); a file of "
+            "that name beside your code would shadow it (torch and posgen import "
+            "typing_extensions, yaml, click, pydantic, ...); choose another name"
+        )
+
+
+def _installed_elsewhere(stem: str, out: Path) -> str | None:
+    """Where a top-level module ``stem`` other than ``out`` itself is importable in this
+    environment (through sys.path, the out folder left out, or an import hook), or None."""
+    folder = out.parent.resolve()
+    elsewhere = [entry for entry in sys.path if Path(entry or ".").resolve() != folder]
+    found = importlib.machinery.PathFinder.find_spec(stem, elsewhere)
+    if found is None:
+        found = importlib.util.find_spec(stem)  # editable installs and other hooks
+    if found is None or (found.origin and Path(found.origin).resolve() == out.resolve()):
+        return None
+    return found.origin or "a namespace package"
 
 
 def _report_drift(out: Path, source: str, show_diff: bool) -> None:

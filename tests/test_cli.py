@@ -226,6 +226,11 @@ def test_schema_help_says_what_it_replaces(run) -> None:
         ("json.py", "would shadow the standard-library or required module"),
         ("t5-attention.py", "is not a name Python can import"),
         ("class.py", "is not a name Python can import"),
+        # installed modules torch and posgen import: beside the user's code the file
+        # would be imported in their place (torch itself then fails to import)
+        ("typing_extensions.py", "a module named 'typing_extensions' is installed"),
+        ("yaml.py", "a module named 'yaml' is installed"),
+        ("pydantic.py", "a module named 'pydantic' is installed"),
     ],
 )
 def test_standalone_refuses_a_file_that_cannot_be_imported_as_itself(
