@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from posgen.spec.diagnostics import SpecError
 from tests.conftest import SPECS as ROOT_SPECS
 from tests.conftest import generated_class, head_dim_for, spec_variant
 
@@ -507,9 +508,18 @@ def test_an_expression_schedule_equals_the_built_in_kinds() -> None:
 
 
 def test_a_schedule_that_is_not_finite_is_refused_at_construction() -> None:
-    cls = _expr_rope("log(k - 1)", "rope_expr_nan")  # log(-1) at k = 0
-    with pytest.raises(ValueError, match="not finite"):
-        cls()
+    """The spec is checked at its own head_dim (64); the module checks its own."""
+    cls = _expr_rope("base ** (-2 * k / d) / (d - 32)", "rope_expr_pole")  # infinite at d = 32
+    x = torch.randn(1, 2, 3, 64, dtype=F64)
+    rotated, _ = cls().double().rotate(x, x)  # finite at head_dim 64
+    assert torch.isfinite(rotated).all()
+    with pytest.raises(ValueError, match="not finite for rotary_dim 32"):
+        cls(head_dim=32)
+
+
+def test_a_schedule_that_is_not_finite_at_the_specs_head_dim_is_a_spec_error() -> None:
+    with pytest.raises(SpecError, match=r"the frequency is nan at pair k = 0 \(d = 64"):
+        _expr_rope("log(k - 1)", "rope_expr_nan")  # log(-1) at k = 0
 
 
 @pytest.mark.parametrize(

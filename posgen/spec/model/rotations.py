@@ -11,6 +11,7 @@ from pydantic import Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from posgen.spec.expr import FREQUENCY_NAMES, ExprError, Parsed, parse_expr
+from posgen.spec.expr_values import expression_value
 from posgen.spec.model.base import (
     BASE_WHY,
     MAX_BASE,
@@ -452,4 +453,24 @@ def rotation_problem(rotation: Rotation, head_dim: int) -> tuple[str, str] | Non
             "xPos scales by a single position; M-RoPE and axial RoPE have one per axis: use "
             "one or the other"
         )
+    if isinstance(frequencies, ExprFrequencies):
+        return _frequency_expression_problem(frequencies, rotary_dim, rotation.base)
+    return None
+
+
+def _frequency_expression_problem(
+    frequencies: ExprFrequencies, rotary_dim: int, base: float
+) -> tuple[str, str] | None:
+    """The first pair k whose frequency is NaN or infinite in float64 (as the module
+    computes it) for these rotated features, as (field, message); None where all are
+    finite. The module refuses such a schedule when it is built."""
+    tree = frequencies.parsed().tree
+    names = {"d": float(rotary_dim), "base": base}
+    for k in range(rotary_dim // 2):
+        value = expression_value(tree, {**names, "k": float(k)}, {})
+        if not math.isfinite(value):
+            return "frequencies.expr", (
+                f"the frequency is {value} at pair k = {k} (d = {rotary_dim}, base "
+                f"{base:g}): every pair's angle must be a finite number"
+            )
     return None
