@@ -12,6 +12,7 @@ import functools
 import importlib.util
 import json
 import math
+import signal
 import sys
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from posgen.check import agreement
+from posgen.check import agreement, deadline
 from posgen.check import probe as probe_module
 from posgen.check.buckets import buckets, t5_bucket
 from posgen.check.decay import decay
@@ -964,6 +965,30 @@ def test_a_single_slow_example_is_stopped_at_the_hard_deadline(tmp_path) -> None
     assert "inconclusive (time budget)" in verdicts.values(), verdicts
     stopped = next(o for o in report.outcomes if o.inconclusive)
     assert "hard limit" in stopped.evidence and stopped.ok
+
+
+@pytest.mark.skipif(not deadline.enforceable(), reason="needs SIGALRM on the main thread")
+def test_a_deadline_that_strikes_inside_a_finalizer_strikes_again(capfd) -> None:
+    """A SIGALRM whose OutOfTime lands in a ``__del__`` (or a gc callback) is swallowed
+    there, printed as "Exception ignored in", and the block ran on past its limit."""
+    import time
+
+    class SlowToCollect:
+        def __del__(self) -> None:  # the limit passes while this runs
+            until = time.monotonic() + 0.3
+            while time.monotonic() < until:
+                pass
+
+    started = time.monotonic()
+    with pytest.raises(deadline.OutOfTime), deadline.hard_deadline(0.1):
+        SlowToCollect()  # collected at once
+        until = time.monotonic() + 3.0
+        while time.monotonic() < until:
+            pass
+    assert time.monotonic() - started < 1.5
+    assert "OutOfTime" not in capfd.readouterr().err
+    assert signal.getsignal(signal.SIGALRM) is not deadline._raise_out_of_time
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
 
 
 # ------------------------------------------- near the tolerances (mutation round 2)

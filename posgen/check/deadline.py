@@ -9,6 +9,12 @@ wall time it raises ``OutOfTime`` inside the running code, from a SIGALRM handle
 budget)" outcome. The signal is delivered between Python bytecodes, so a single torch
 operation still finishes first (each is bounded by the position span).
 
+A raise the running code cannot see, because the signal landed in a garbage-collector
+callback or a ``__del__`` (Python prints such exceptions as "Exception ignored in" and
+goes on), is not lost: the handler arms the timer again before it raises, so the limit
+strikes again ``RETRY_SECONDS`` later, and inside the block ``OutOfTime`` never reaches
+``sys.unraisablehook``'s printout.
+
 Signals need the main thread of a POSIX process: elsewhere (a worker thread, Windows)
 the limit is not enforced and only the soft budget applies.
 """
@@ -16,10 +22,15 @@ the limit is not enforced and only the soft budget applies.
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
+from typing import Any
+
+RETRY_SECONDS = 0.05
+"""How soon the limit strikes again after a raise that was swallowed."""
 
 
 class OutOfTime(BaseException):
@@ -32,6 +43,7 @@ def enforceable() -> bool:
 
 
 def _raise_out_of_time(signum: int, frame: FrameType | None) -> None:
+    signal.setitimer(signal.ITIMER_REAL, RETRY_SECONDS)  # again, should this raise be lost
     raise OutOfTime
 
 
@@ -42,9 +54,28 @@ def hard_deadline(seconds: float) -> Iterator[None]:
         yield
         return
     previous = signal.signal(signal.SIGALRM, _raise_out_of_time)
+    previous_hook = sys.unraisablehook
+    sys.unraisablehook = _quiet_about_out_of_time(previous_hook)
     signal.setitimer(signal.ITIMER_REAL, max(seconds, 1e-3))
     try:
         yield
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        while True:  # a strike between these lines would skip the rest: disarm again
+            try:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, previous)
+                sys.unraisablehook = previous_hook
+                break
+            except OutOfTime:
+                continue
+
+
+def _quiet_about_out_of_time(hook: Any) -> Any:
+    """``hook``, except for an ``OutOfTime`` raised where no caller could catch it (the
+    handler strikes again shortly)."""
+
+    def quiet(unraisable: Any) -> None:
+        if not isinstance(unraisable.exc_value, OutOfTime):
+            hook(unraisable)
+
+    return quiet
