@@ -64,3 +64,24 @@ def test_weights_that_do_not_fit_are_a_usage_error(tmp_path: Path) -> None:
         main, ["check", T5_SPEC, str(SPECS / "alibi.yaml"), "--weights", str(garbage)]
     )
     assert two.exit_code == 2 and "one spec" in two.output
+
+
+def test_float8_weights_are_judged_not_a_traceback(tmp_path: Path) -> None:
+    """torch has no isfinite for float8_e4m3fn: weights in it gave NotImplementedError
+    and a traceback. Finite ones are judged; a NaN (e4m3fn has no inf) is named."""
+    runner = CliRunner()
+    state = generated_class("t5")().state_dict()
+    table = state["relative_attention_bias.weight"].clamp(-8, 8)  # within float8's range
+    args = ["check", T5_SPEC, "--only", "decay", "--max-examples", "5", "--weights"]
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        path = tmp_path / f"{dtype}.pt"
+        torch.save({"relative_attention_bias.weight": table.to(dtype)}, path)
+        result = runner.invoke(main, [*args, str(path)])
+        assert result.exit_code == 0, (dtype, result.output)
+        assert result.exception is None or isinstance(result.exception, SystemExit)
+        poisoned = table.clone()
+        poisoned[3, 1] = float("nan")
+        torch.save({"relative_attention_bias.weight": poisoned.to(dtype)}, path)
+        result = runner.invoke(main, [*args, str(path)])
+        assert result.exit_code == 2, (dtype, result.output)
+        assert "has 1 non-finite value (NaN or ±inf)" in result.output

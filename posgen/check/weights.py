@@ -102,8 +102,12 @@ def value_problem(value: Tensor, like: Tensor) -> str | None:
             )
     elif value.dtype != like.dtype:
         return f"has dtype {_dtype_name(value)}; the module's is {_dtype_name(like)}"
-    if (value.is_floating_point() or value.is_complex()) and not bool(torch.isfinite(value).all()):
-        bad = int((~torch.isfinite(value)).sum())
+    if not (value.is_floating_point() or value.is_complex()):
+        return None
+    # widened first: torch has no isfinite for some narrow dtypes (float8_e4m3fn)
+    finite = torch.isfinite(value.to(torch.complex128 if value.is_complex() else torch.float64))
+    if not bool(finite.all()):
+        bad = int((~finite).sum())
         plural = "s" if bad > 1 else ""
         return f"has {bad} non-finite value{plural} (NaN or ±inf); finite values are needed"
     return None
