@@ -1081,3 +1081,18 @@ def test_non_finite_outputs_of_the_auto_backend_refute_extrapolation() -> None:
     probe.forward = forward
     outcome = _run_block(probe, lambda p: extrapolates(p, True))
     assert outcome.verdict.startswith("REFUTED") and "auto" in outcome.evidence, outcome.evidence
+
+
+def test_only_the_input_route_makes_the_projections(tmp_path) -> None:
+    """W_q and W_k are float64 squares of the model's width: made for every spec, they
+    took 2 × 2 GiB for ALiBi with 16 heads of 1024, a route that never reads them."""
+    wide = (SPECS / "alibi.yaml").read_text(encoding="utf-8")
+    wide = wide.replace(
+        "defaults: {heads: 8, head_dim: 64}", "defaults: {heads: 16, head_dim: 1024}"
+    )
+    (tmp_path / "alibi.yaml").write_text(wide, encoding="utf-8")
+    scores = Probe(load_spec(tmp_path / "alibi.yaml"), TEST_BUDGET)
+    assert scores.route == "scores" and scores.wq.numel() == scores.wk.numel() == 0
+    embedded = Probe(load_spec(SPECS / "sinusoidal.yaml"), TEST_BUDGET)
+    width = embedded.heads * embedded.head_dim
+    assert embedded.route == "input" and embedded.wq.shape[-1] == width

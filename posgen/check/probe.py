@@ -125,14 +125,16 @@ class Probe:
         # with the reason in input_note; e.g. an embed that needs extra arguments).
         self.input_mode: str | None = None
         self.input_note = ""
-        width = self._find_input_mode() if self.route == "input" else None
-        if width is None:
-            width = self.heads * self.head_dim
-        projections = generator(budget.seed + 1)
-        project = self.heads * self.head_dim
-        scale = math.sqrt(width)
-        self.wq = torch.randn(width, project, generator=projections, dtype=F64) / scale
-        self.wk = torch.randn(width, project, generator=projections, dtype=F64) / scale
+        # the input route's W_q and W_k [width, heads * head_dim], made only for it:
+        # float64 squares of the model's width (2 GiB each at 16 heads of 1024)
+        self.wq = self.wk = torch.empty(0, dtype=F64)
+        if self.route == "input":
+            width = self._find_input_mode() or self.heads * self.head_dim
+            projections = generator(budget.seed + 1)
+            project = self.heads * self.head_dim
+            scale = math.sqrt(width)
+            self.wq = torch.randn(width, project, generator=projections, dtype=F64) / scale
+            self.wk = torch.randn(width, project, generator=projections, dtype=F64) / scale
 
     def _find_input_mode(self) -> int | None:
         """Set input_mode and input_note by calling embed; the width embed returns."""
