@@ -94,9 +94,17 @@ def test_bnhd_layout_is_the_transposed_call(name: str) -> None:
         pe(q, k, v, layout="nhd")
 
 
-def test_a_likely_layout_mix_up_is_named() -> None:
-    pe = make("t5")  # per-head position terms: the head count is checked
-    q = torch.randn(1, 9, HEADS, HEAD_DIM)  # [batch, seq, heads, dim] passed as bhnd
+@pytest.mark.parametrize(
+    "name",
+    # per-head position terms (a bias, or relative tables of heads x head_dim): the head
+    # count is checked up front, not met later as a bare size mismatch
+    ["t5", "alibi", "shaw", "bert_relative_key", "bert_relative_key_query", "transformer_xl"]
+    + ["deberta", "deberta_absolute_input"],
+)
+def test_a_likely_layout_mix_up_is_named(name: str) -> None:
+    pe = make(name)
+    head_dim = head_dim_for(name, HEAD_DIM)
+    q = torch.randn(1, 9, HEADS, head_dim, dtype=torch.float64)  # [batch, seq, heads, dim] as bhnd
     with pytest.raises(ValueError, match="layout='bnhd'"):
         pe(q, q, q)
 

@@ -279,6 +279,26 @@ def test_an_expression_of_one_position_broadcasts_over_the_other_and_the_batch()
     torch.testing.assert_close(bias, want)
 
 
+def test_a_costly_expression_of_the_query_position_is_read_per_pair() -> None:
+    """KERPLE-log divided by log(2 + i) costs a per-distance vector's work, but is no
+    function of j - i: at explicit positions it is computed per pair (a plan that read it
+    per distance had no per-distance form to read: AttributeError)."""
+    params = (
+        "{r1: {shape: [heads], init: 1.0, positive: true}, "
+        "r2: {shape: [heads], init: 0.5, positive: true}}"
+    )
+    pe = _expression_module("-r1[h] * log1p(r2[h] * abs(i - j)) / log(2 + i)", params)(
+        heads=2, head_dim=8
+    ).double()
+    q_positions, k_positions = torch.tensor([10, 20, 30]), torch.tensor([0, 5, 10, 15, 20, 25])
+    i, j = q_positions.double()[:, None], k_positions.double()[None, :]
+    # the trained values, read through softplus (positive: true): about 1 and 0.5
+    r1, r2 = (F.softplus(raw.detach())[:, None, None] for raw in (pe.expr_r1, pe.expr_r2))
+    want = -r1 * torch.log1p(r2 * (i - j).abs()) / torch.log(2 + i)  # [heads, N, M]
+    got = pe.score_bias(q_positions, k_positions)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
 def test_an_expression_of_the_head_alone_gives_its_distance_vector() -> None:
     """``c[h] * h`` reads neither i nor j: a bias of the difference, constant per head."""
     pe = _expression_module("c[h] * h", "{c: {shape: [heads], init: 0.5}}")(

@@ -351,6 +351,26 @@ def test_transformer_xl_scores_past_the_query_use_negative_distances() -> None:
     )
 
 
+def test_a_key_minus_query_term_on_raw_distances_reads_r_of_j_minus_i() -> None:
+    """The relative shift serves only r = i - j; with the sign key_minus_query the term is
+    q_i . W_R R_(j-i) at default positions as at explicit ones (a mutant that shifted
+    this sign too was 0.48 off at default positions)."""
+    old = "relative: {sign: query_minus_key, projection: relative, placement: before_scale}"
+    cls = spec_variant(
+        "transformer_xl", (old, old.replace("query_minus_key", "key_minus_query")), name="txl_kmq"
+    )
+    pe = cls(heads=2, head_dim=4, model_dim=8).double()
+    n = m = 6
+    q, k = torch.randn(1, 2, n, 4, dtype=F64), torch.randn(1, 2, m, 4, dtype=F64)
+    j_minus_i = torch.arange(m)[None, :] - torch.arange(n)[:, None]  # [N, M]
+    rows = _projected_sinusoids(pe, j_minus_i.flatten())  # [H, N * M, D]
+    want = torch.einsum("bhnd,hnmd->bhnm", q, rows.view(2, n, m, 4)) * 0.5  # scale 1/sqrt(4)
+    positions = {"q_positions": torch.arange(n), "k_positions": torch.arange(m)}
+    for given in ({}, positions):
+        got = pe.score_terms(q, k, **given)["content_position"]
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
 def test_transformer_xl_loads_hugging_face_weights() -> None:
     """Attention probabilities and the layer output, with cached memory (mems).
 

@@ -152,6 +152,16 @@ def test_static_schedules_match_hugging_face(
     assert _attention_factor(cls, 64) == pytest.approx(attention, rel=1e-12)
 
 
+@pytest.mark.parametrize("factor", [0.5, 2.0])
+def test_a_stated_attention_factor_below_or_above_one_scales_cos_and_sin(factor: float) -> None:
+    """Every logit is multiplied by a^2 (YaRN's attention factor); the schema allows
+    0 < a <= 10, and an a below 1 must not be dropped as if it were 1."""
+    old = "beta_fast: 32, beta_slow: 1}"
+    new = f"beta_fast: 32, beta_slow: 1, attention_factor: {factor}}}"
+    cls = spec_variant("rope_yarn", (old, new), name=f"rope_yarn_a{int(factor * 10)}")
+    assert _attention_factor(cls, 64) == pytest.approx(factor, rel=1e-12)
+
+
 def test_llama3_matches_hugging_face_for_llama_3_1() -> None:
     cls = generated_class("rope_llama3")
     scaling = {
@@ -562,6 +572,19 @@ def _axial64(x: torch.Tensor, cols: torch.Tensor, rows: torch.Tensor, base: floa
     phases = torch.cat((cols.to(F64)[:, None] * f, rows.to(F64)[:, None] * f), dim=-1)
     z = torch.view_as_complex(x.to(F64).reshape(*x.shape[:-1], d // 2, 2).contiguous())
     return torch.view_as_real(z * torch.polar(torch.ones_like(phases), phases)).flatten(-2)
+
+
+def test_only_two_axes_offer_grid_positions() -> None:
+    """grid_positions gives (column, row) pairs, [2, 1, H * W]: an axial rotation over
+    4 axes takes [4, batch, N] and would refuse them, so it has no such helper."""
+    four_axes = spec_variant(
+        "rope_axial_2d",
+        ("axes: {kind: axial, count: 2}", "axes: {kind: axial, count: 4}"),
+        ("head_dim: 64}", "head_dim: 48}"),
+        name="rope_axial_4d",
+    )
+    assert not hasattr(four_axes, "grid_positions")
+    assert hasattr(generated_class("rope_axial_2d"), "grid_positions")
 
 
 def test_axial_rope_matches_the_papers_formula_on_a_patch_grid() -> None:
