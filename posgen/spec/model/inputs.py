@@ -13,6 +13,7 @@ from posgen.spec.model.base import (
     MAX_BASE,
     MAX_GRID_KERNEL,
     MAX_ODE_POSITIONS,
+    MAX_ODE_STEPS,
     MAX_TABLE_ROWS,
     SpecModel,
     cross_field_error,
@@ -186,6 +187,19 @@ class OdeTable(SpecModel):
         "any position the caller passes is bounded by this",
     )
     init_std: float = init_std(0.02)
+
+    @model_validator(mode="after")
+    def _bounded_integration(self) -> OdeTable:
+        steps = self.max_positions * self.steps_per_position
+        if steps > MAX_ODE_STEPS:
+            raise cross_field_error(
+                "steps_per_position",
+                f"max_positions x steps_per_position = {self.max_positions:,} x "
+                f"{self.steps_per_position:,} = {steps:,} sequential integration steps to "
+                f"the horizon, past the limit of {MAX_ODE_STEPS:,} (2^18): the farthest "
+                "position would take hours; use fewer steps or a nearer horizon",
+            )
+        return self
 
 
 AbsoluteTable = Annotated[
