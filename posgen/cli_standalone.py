@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.machinery
-import importlib.util
 import keyword
 import sys
 from pathlib import Path
@@ -65,14 +64,22 @@ def _check_module_name(out: Path) -> None:
 
 
 def _installed_elsewhere(stem: str, out: Path) -> str | None:
-    """Where a top-level module ``stem`` other than ``out`` itself is importable in this
-    environment (through sys.path, the out folder left out, or an import hook), or None."""
-    folder = out.parent.resolve()
-    elsewhere = [entry for entry in sys.path if Path(entry or ".").resolve() != folder]
-    found = importlib.machinery.PathFinder.find_spec(stem, elsewhere)
+    """Where a top-level module ``stem`` is installed in this environment (on sys.path,
+    the user's own folders left out: the out folder and the working directory; or
+    through an import hook, such as an editable install's), or None."""
+    own = {out.parent.resolve(), Path.cwd().resolve()}
+    installed = [entry for entry in sys.path if Path(entry or ".").resolve() not in own]
+    found = importlib.machinery.PathFinder.find_spec(stem, installed)
+    hooks = (
+        finder
+        for finder in sys.meta_path
+        if finder is not importlib.machinery.PathFinder and hasattr(finder, "find_spec")
+    )
+    for finder in hooks:
+        if found is not None:
+            break
+        found = finder.find_spec(stem, None)
     if found is None:
-        found = importlib.util.find_spec(stem)  # editable installs and other hooks
-    if found is None or (found.origin and Path(found.origin).resolve() == out.resolve()):
         return None
     return found.origin or "a namespace package"
 

@@ -245,6 +245,19 @@ def test_standalone_refuses_a_file_that_cannot_be_imported_as_itself(
     assert list(tmp_path.iterdir()) == []
 
 
+def test_standalone_into_another_folder_beside_the_users_own_copy(
+    run, tmp_path, monkeypatch
+) -> None:
+    """The user's own files are no installed module: a copy of the same name in the
+    working directory does not block writing another into a subfolder."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))  # as `python -m posgen` puts the cwd first
+    assert run("generate", "--standalone", "alibi", "--out", "alibi_attention.py").exit_code == 0
+    (tmp_path / "vendor").mkdir()
+    result = run("generate", "--standalone", "alibi", "--out", "vendor/alibi_attention.py")
+    assert result.exit_code == 0, result.output
+
+
 def test_standalone_diff_prints_the_unified_diff(run, tmp_path) -> None:
     out = tmp_path / "alibi_attention.py"
     assert run("generate", "--standalone", "alibi", "--out", str(out)).exit_code == 0
