@@ -426,6 +426,10 @@ def check_attn_mask(attn_mask: Tensor | None, q: Tensor, m: int) -> Tensor | Non
         raise ValueError(f"attn_mask must be a torch.Tensor, got {type(attn_mask).__name__}")
     if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
         raise ValueError(f"attn_mask must be bool or floating point, got {attn_mask.dtype}")
+    if attn_mask.is_meta and not q.is_meta:  # moved to q's device below: it has no values
+        raise ValueError(
+            f"attn_mask is on the meta device (it holds no values); q is on {q.device}"
+        )
     target = (q.shape[0], q.shape[1], q.shape[2], m)
     if attn_mask.dim() > 4:
         raise ValueError(f"attn_mask must have at most 4 dims, got {attn_mask.dim()}")

@@ -239,7 +239,8 @@ def from_hf(config_file: Path, name: str | None, out_file: Path | None) -> None:
 
     try:
         config = json.loads(read_bounded(config_file, CONFIG_FILE).decode("utf-8"))
-    except (RefusedFile, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
+    # ValueError: bad UTF-8, bad JSON, or an integer literal past Python's 4300 digits
+    except (RefusedFile, ValueError, RecursionError) as error:
         raise UsageError(f"{config_file}: cannot read a JSON config: {error}") from None
     if not isinstance(config, dict):
         raise UsageError(f"{config_file}: a config is a JSON object")

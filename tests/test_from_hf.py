@@ -266,6 +266,14 @@ def test_a_config_that_is_a_named_pipe_or_a_device_is_refused_unread(tmp_path: P
     assert "a character device" in _refused_config(Path("/dev/zero"), tmp_path)
 
 
+def test_an_integer_past_pythons_digit_limit_is_a_usage_error(tmp_path: Path) -> None:
+    """json.loads raises ValueError for an integer of more than 4300 digits, even in a
+    key from-hf never reads: that was a traceback, exit 1."""
+    config = tmp_path / "config.json"
+    config.write_text('{"model_type": "llama", "unused": ' + "9" * 4301 + "}")
+    assert "Exceeds the limit" in _refused_config(config, tmp_path)
+
+
 def test_a_config_over_16_mib_is_refused_before_it_is_read(tmp_path: Path) -> None:
     config = tmp_path / "config.json"
     with config.open("wb") as handle:  # a sparse file: 17 MiB of zeros, no disk used

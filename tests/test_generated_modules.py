@@ -141,6 +141,9 @@ def _bad_calls(pe):
         "unknown backend": lambda: pe(q, k, v, backend="flash"),
         "mask shape": lambda: pe(q, k, v, attn_mask=torch.ones(3, 3, dtype=torch.bool)),
         "mask dtype": lambda: pe(q, k, v, attn_mask=torch.ones(4, 4, dtype=torch.long)),
+        "mask on the meta device": lambda: pe(  # no values to move to q's device
+            q, k, v, attn_mask=torch.ones(4, 4, dtype=torch.bool, device="meta")
+        ),
         # [4, 4] broadcasts with [B, H, 1, 4] to a larger shape, not to it
         "mask rows past the queries, eager": lambda: pe(
             q[:, :, :1], k, v, attn_mask=torch.ones(4, 4, dtype=torch.bool), backend="eager"
