@@ -69,16 +69,12 @@ def _installed_elsewhere(stem: str, out: Path) -> str | None:
     through an import hook, such as an editable install's), or None."""
     own = {out.parent.resolve(), Path.cwd().resolve()}
     installed = [entry for entry in sys.path if Path(entry or ".").resolve() not in own]
-    found = importlib.machinery.PathFinder.find_spec(stem, installed)
-    hooks = (
-        finder
+    finders = [importlib.machinery.PathFinder.find_spec(stem, installed)] + [
+        finder.find_spec(stem, None)
         for finder in sys.meta_path
         if finder is not importlib.machinery.PathFinder and hasattr(finder, "find_spec")
-    )
-    for finder in hooks:
-        if found is not None:
-            break
-        found = finder.find_spec(stem, None)
+    ]
+    found = next((spec for spec in finders if spec is not None), None)
     if found is None:
         return None
     return found.origin or "a namespace package"

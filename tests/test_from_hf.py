@@ -4,37 +4,19 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
 
+from posgen.check.deadline import hard_deadline
 from posgen.cli import main
 from posgen.codegen.inmemory import encoding_class, module_from_spec
 from posgen.hf import use_posgen_attention
 from posgen.spec.loader import load_spec
 
 transformers = pytest.importorskip("transformers")
-
-
-@contextmanager
-def deadline(seconds: int) -> Iterator[None]:
-    """Fail, rather than hang, where a call blocks past ``seconds`` (SIGALRM)."""
-
-    def expire(signum: int, frame: object) -> None:
-        raise TimeoutError(f"still running after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def _from_hf(config: object, tmp_path: Path, name: str) -> Path:
@@ -245,10 +227,10 @@ def test_a_config_nested_past_the_json_reader_is_a_usage_error(tmp_path: Path) -
 
 
 def _refused_config(config: Path, tmp_path: Path) -> str:
-    """from-hf on ``config`` (with a 20 s alarm, as the command would block for ever):
-    exit 2, no traceback, nothing written; the message."""
+    """from-hf on ``config`` (stopped by OutOfTime after 20 s where the command would
+    block for ever): exit 2, no traceback, nothing written; the message."""
     out = tmp_path / "x.yaml"
-    with deadline(20):
+    with hard_deadline(20):
         result = CliRunner().invoke(main, ["from-hf", str(config), "--out", str(out)])
     assert result.exit_code == 2, result.output
     assert result.exception is None or isinstance(result.exception, SystemExit)

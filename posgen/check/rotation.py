@@ -24,7 +24,6 @@ from posgen.check.contract import F64, Encoding
 from posgen.check.probe import Probe, float64_encoding
 from posgen.check.search import FAR, SEEDS, Violation, fmt, generator, run_search, short_list
 from posgen.check.verdicts import Outcome, failed
-from posgen.spec.expr_values import expression_value
 from posgen.spec.loader import LoadedSpec
 from posgen.spec.model import (
     AxialAxes,
@@ -163,11 +162,7 @@ def _expected_frequencies(rotation: Rotation, rotary_dim: int, head_dim: int) ->
     turning = turning_pairs(rotation, head_dim)  # p-RoPE keeps the highest only
     frequencies = rotation.frequencies
     if isinstance(frequencies, ExprFrequencies) and rotation.axes is None:
-        tree = frequencies.parsed().tree
-        names = {"d": float(rotary_dim), "base": rotation.base}
-        theta = [
-            expression_value(tree, {**names, "k": float(k)}, {}) for k in range(rotary_dim // 2)
-        ]
+        theta = frequencies.values(rotary_dim, rotation.base)
         kept = sorted(theta, reverse=True)[:turning]
         if max(kept) >= math.pi - 1e-6:  # an angle past π reads back as another one
             return "; frequencies 'expr' not compared (an angle of π or more at position 1)"

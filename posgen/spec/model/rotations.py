@@ -247,6 +247,14 @@ class ExprFrequencies(SpecModel):
         """The checked expression (validated already, so this cannot fail)."""
         return parse_expr(self.expr, {}, FREQUENCY_NAMES)
 
+    def values(self, rotary_dim: int, base: float) -> list[float]:
+        """theta_k for k = 0 .. rotary_dim / 2 - 1, in float64 Python floats."""
+        tree = self.parsed().tree
+        names = {"d": float(rotary_dim), "base": base}
+        return [
+            expression_value(tree, {**names, "k": float(k)}, {}) for k in range(rotary_dim // 2)
+        ]
+
 
 Frequencies = Annotated[
     StandardFrequencies
@@ -464,10 +472,7 @@ def _frequency_expression_problem(
     """The first pair k whose frequency is NaN or infinite in float64 (as the module
     computes it) for these rotated features, as (field, message); None where all are
     finite. The module refuses such a schedule when it is built."""
-    tree = frequencies.parsed().tree
-    names = {"d": float(rotary_dim), "base": base}
-    for k in range(rotary_dim // 2):
-        value = expression_value(tree, {**names, "k": float(k)}, {})
+    for k, value in enumerate(frequencies.values(rotary_dim, base)):
         if not math.isfinite(value):
             return "frequencies.expr", (
                 f"the frequency is {value} at pair k = {k} (d = {rotary_dim}, base "
