@@ -35,9 +35,18 @@ from posgen.spec.model.inputs import AbsoluteTable
 
 CHECKED_POSITIONS = 17
 """An expression bias is refused where it is not finite at some i, j < this (distances
-up to 16 each way, 0 included), with the parameters at their initial values."""
-CHECKED_HEADS = 8
-"""... and at some head h < this, where the expression reads h (heads reads as this)."""
+up to 16 each way, 0 included), with the parameters at their initial values and heads
+read as the spec's defaults.heads."""
+CHECKED_EDGE_HEADS = 8
+"""... and at some head h where the expression reads h: every head where the spec has
+at most twice this many, else the first and the last this many."""
+
+
+def checked_heads(heads: int) -> list[int]:
+    """The head indices an expression bias is checked at, for ``heads`` heads."""
+    if heads <= 2 * CHECKED_EDGE_HEADS:
+        return list(range(heads))
+    return [*range(CHECKED_EDGE_HEADS), *range(heads - CHECKED_EDGE_HEADS, heads)]
 
 
 class LogBuckets(SpecModel):
@@ -318,24 +327,31 @@ class ExprBias(SpecModel):
             raise cross_field_error(
                 f"params.{unused[0]}", f"parameter {quoted(unused[0])} is declared but never used"
             )
+        return self
+
+    def finiteness_problem(self, heads: int) -> str | None:
+        """Where the bias is first NaN or infinite for a module of ``heads`` heads (the
+        spec's defaults.heads), at the initial parameters, over i, j < CHECKED_POSITIONS
+        and the heads of ``checked_heads``; None where it is finite there."""
+        parsed = self.parsed()
         initial = {name: param.init for name, param in self.params.items()}
-        initial["heads"] = float(CHECKED_HEADS)  # read as a name, like the parameters
+        initial["heads"] = float(heads)  # read as a name, like the parameters
         bad = first_non_finite(
             parsed.tree,
             initial,
             positions=range(CHECKED_POSITIONS),
-            heads=range(CHECKED_HEADS) if parsed.uses_h else (0,),
+            heads=checked_heads(heads) if parsed.uses_h else (0,),
         )
-        if bad is not None:
-            precision = " in float32 (finite in float64)" if bad.float32 else ""
-            raise cross_field_error(
-                "expr",
-                f"the bias is {bad.value}{precision} at i = {bad.i}, j = {bad.j}, "
-                f"h = {bad.h} with the parameters at their initial values: a logit of ±inf "
-                "or NaN masks or poisons its row instead of biasing it (mask with "
-                "causal=True, window or attn_mask instead)",
-            )
-        return self
+        if bad is None:
+            return None
+        precision = " in float32 (finite in float64)" if bad.float32 else ""
+        where = f"i = {bad.i}, j = {bad.j}, h = {bad.h}"
+        at_heads = f", heads = {heads} (defaults.heads)" if parsed.uses_heads else ""
+        return (
+            f"the bias is {bad.value}{precision} at {where}{at_heads} with the parameters at "
+            "their initial values: a logit of ±inf or NaN masks or poisons its row instead "
+            "of biasing it (mask with causal=True, window or attn_mask instead)"
+        )
 
     def parsed(self) -> Parsed:
         """The checked expression (validated already, so this cannot fail)."""

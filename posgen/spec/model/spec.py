@@ -24,6 +24,7 @@ from posgen.spec.model.base import (
 from posgen.spec.model.biases import (
     AnyBias,
     BiasTerm,
+    ExprBias,
     FireBias,
     LinearSlopeBias,
     UntiedPositions,
@@ -393,6 +394,10 @@ class Spec(SpecModel):
                 )
         if isinstance(bias, FireBias) and bias.hidden * heads > MAX_TABLE_ELEMENTS:
             raise cross_field_error(f"{at}.hidden", "the MLP is too large for these heads")
+        if isinstance(bias, ExprBias):
+            problem = bias.finiteness_problem(heads)
+            if problem is not None:
+                raise cross_field_error(f"{at}.expr", problem)
 
     def _relative_readers(self) -> list[tuple[str, RelativeTermSpec | GlobalPositionSpec]]:
         """(path, term) of every term that reads the relative table."""
