@@ -269,6 +269,12 @@ Frequencies = Annotated[
 ]
 
 
+MIN_XPOS_SCALE_BASE = 1.0
+"""The smallest xPos scale_base: the factors of pair 0, (1.4 / 0.4)^(offset / scale_base),
+stay finite for offsets up to about 51 x scale_base (the module's XPOS_MAX_EXPONENT, 64,
+over ln 3.5), so below 1 a module would refuse calls of more than about 100 positions."""
+
+
 class XposScale(SpecModel):
     """xPos (Sun et al. 2023, A Length-Extrapolatable Transformer, arXiv:2212.10554).
 
@@ -281,9 +287,11 @@ class XposScale(SpecModel):
     kind: Literal["xpos"]
     scale_base: float = Field(
         512.0,
-        gt=0,
+        ge=MIN_XPOS_SCALE_BASE,
         le=1e8,
-        description="positions over which the decay factor applies once, in (0, 10^8] (paper: 512)",
+        description="positions over which the decay factor applies once, in [1, 10^8] "
+        "(paper: 512); a module reaches about 51 x scale_base positions from the middle of a "
+        "call's keys before the factors overflow",
     )
 
 
