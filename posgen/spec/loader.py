@@ -19,7 +19,7 @@ from pydantic_core import ErrorDetails
 
 from posgen.spec.bounded_file import FileRule, RefusedFile, read_bounded
 from posgen.spec.diagnostics import Diagnostic, SpecError, closest_name, dotted_path, quoted
-from posgen.spec.model import Spec, kind_tags, kinds_at, spec_name_problem
+from posgen.spec.model import Spec, keyword_forms, kind_tags, kinds_at, spec_name_problem
 from posgen.spec.names import class_name_for
 from posgen.spec.yaml_source import (
     MAX_NESTING,
@@ -344,14 +344,27 @@ def _message(item: ErrorDetails, path: FieldPath = (), data: object = None) -> s
         return item["msg"]
     if kind == "value_error":
         return str(item["msg"]).removeprefix("Value error, ")
+    if kind == "model_type":  # a scalar or a list where a mapping of fields belongs
+        keywords = keyword_forms(str(context.get("class_name", "")))
+        shape = "a mapping of its fields"
+        if keywords:
+            shape = f"one of {', '.join(map(repr, keywords))} or {shape}"
+        return f"got {_typed(given)}; write {shape}"
     if kind == "bool_type" and isinstance(given, str):
         return (
             f"got {quoted(given)}; write true or false (YAML 1.1 words like yes/on are "
             "strings here)"
         )
     if kind.endswith("_type") or kind.endswith("_parsing"):
-        return f"got {quoted(given)} ({type(given).__name__}); {item['msg'].lower()}"
+        return f"got {_typed(given)}; {item['msg'].lower()}"
     return f"got {quoted(given)}; {item['msg'].lower()}"
+
+
+def _typed(given: object) -> str:
+    """A wrong-typed YAML value and its type, in YAML's words for an empty one."""
+    if given is None:
+        return "null (an empty value)"
+    return f"{quoted(given)} ({type(given).__name__})"
 
 
 def _split_tags(expected: object) -> list[str]:

@@ -70,6 +70,7 @@ from posgen.spec.model.inputs import (
     TableInput,
 )
 from posgen.spec.model.kinds import (
+    keyword_forms,
     kind_tags,
     kinds_at,
 )
@@ -245,6 +246,7 @@ __all__ = [
     "attention_factor_of",
     "cross_field_error",
     "init_std",
+    "keyword_forms",
     "kind_tags",
     "kinds_at",
     "plain_text",

@@ -16,14 +16,35 @@ def kind_tags() -> frozenset[str]:
     """Every ``kind`` value of the spec's models: the tags their unions report in error
     locations (the loader drops them to find the YAML position)."""
     tags: set[str] = set()
+    for model in _spec_models():
+        field = model.model_fields.get("kind")
+        if field is not None:
+            tags.update(a for a in typing.get_args(field.annotation) if isinstance(a, str))
+    return frozenset(tags)
+
+
+def _spec_models() -> list[type[SpecModel]]:
+    """Every model of the spec language."""
+    models: list[type[SpecModel]] = []
     pending: list[type[SpecModel]] = [SpecModel]
     while pending:
         for model in pending.pop().__subclasses__():
             pending.append(model)
-            field = model.model_fields.get("kind")
-            if field is not None:
-                tags.update(a for a in typing.get_args(field.annotation) if isinstance(a, str))
-    return frozenset(tags)
+            models.append(model)
+    return models
+
+
+def keyword_forms(class_name: str) -> list[str]:
+    """The keywords that stand for a whole mapping of the model named ``class_name``
+    (``scale: none`` for ``{kind: none}``), sorted; empty where it takes a mapping only."""
+    for model in _spec_models():
+        if model.__name__ == class_name:
+            validators = model.__pydantic_decorators__.model_validators
+            if "_from_keyword" not in validators:
+                return []
+            field = model.model_fields["kind"]
+            return sorted(a for a in typing.get_args(field.annotation) if isinstance(a, str))
+    return []
 
 
 def kinds_at(path: tuple[str | int, ...], data: Any = None) -> list[str]:
