@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import tempfile
 from pathlib import Path
+
+import yaml
 
 from posgen.spec.diagnostics import SpecError, quoted
 from posgen.spec.loader import SPEC_SUFFIXES, load_spec
@@ -65,12 +66,20 @@ def scaffold_text(name: str, source: Path | None) -> str:
         title = json.dumps(f"{name}: a new positional encoding")  # a quoted YAML scalar
         return SCAFFOLD.format(name=name, title=title)
     text = source.read_text(encoding="utf-8")
-    old = load_spec(source).spec.name
-    line = f"name: {name}"
-    renamed, count = re.subn(rf"^name: {re.escape(old)}\b", lambda _: line, text, flags=re.M)
-    if count != 1:
-        raise ScaffoldError(f"{source}: could not find its 'name: {old}' line to rename")
-    return renamed
+    load_spec(source)  # a valid spec, so its text is one YAML mapping with a name
+    start, end = _name_value_span(text)
+    return text[:start] + name + text[end:]  # a spec name is a plain YAML scalar
+
+
+def _name_value_span(text: str) -> tuple[int, int]:
+    """The character offsets of the top-level ``name`` value in a spec's text, in
+    whatever style it is written (plain, quoted, inside a flow mapping)."""
+    document = yaml.compose(text, Loader=yaml.SafeLoader)
+    assert isinstance(document, yaml.MappingNode)
+    for key, value in document.value:
+        if key.value == "name":
+            return value.start_mark.index, value.end_mark.index
+    raise AssertionError("a valid spec has a name")
 
 
 def write_scaffold(name: str, out: Path, source: Path | None) -> Path:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+import yaml
 from click.testing import CliRunner
 
 from posgen.cli import main
@@ -35,6 +37,35 @@ def test_from_copies_an_existing_spec_under_the_new_name(runner: CliRunner, tmp_
     copied = load_spec(tmp_path / "specs" / "alibi_inside.yaml").spec
     original = load_spec(SPECS / "alibi.yaml").spec
     assert copied.name == "alibi_inside"
+    assert copied.model_dump(exclude={"name"}) == original.model_dump(exclude={"name"})
+
+
+@pytest.mark.parametrize(
+    "written",
+    [
+        "name: 'alibi'  # quoted, with a comment",
+        'name: "alibi"',
+        "name:    alibi",
+        "flow",  # the whole spec as one flow mapping (JSON)
+    ],
+)
+def test_from_renames_a_name_written_in_any_style(
+    runner: CliRunner, tmp_path: Path, written: str
+) -> None:
+    text = (SPECS / "alibi.yaml").read_text(encoding="utf-8")
+    if written == "flow":
+        text = json.dumps(yaml.safe_load(text)) + "\n"  # JSON is a YAML flow mapping
+        assert text.startswith('{"name": "alibi"')
+    else:
+        text = text.replace("name: alibi\n", written + "\n")
+    source = tmp_path / "theirs" / "alibi.yaml"
+    source.parent.mkdir()
+    source.write_text(text, encoding="utf-8")
+    result = runner.invoke(main, ["new", "alibi_copy", "--from", str(source)])
+    assert result.exit_code == 0, result.output
+    copied = load_spec(tmp_path / "specs" / "alibi_copy.yaml").spec
+    original = load_spec(SPECS / "alibi.yaml").spec
+    assert copied.name == "alibi_copy"
     assert copied.model_dump(exclude={"name"}) == original.model_dump(exclude={"name"})
 
 
