@@ -325,15 +325,21 @@ def test_untied_term_of_a_float64_module_is_float64(name: str) -> None:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_bad_score_bias_positions_raise_value_error(name: str) -> None:
+    """Every encoding checks the positions, those without a position-only bias too
+    (they returned None for any argument)."""
     pe = make(name)
-    if not has_score_bias(pe):
-        pytest.skip("no position-only bias")
     with pytest.raises(ValueError):
         pe.score_bias(None, None)
     with pytest.raises(ValueError):
         pe.score_bias(torch.arange(3), None)
     with pytest.raises(ValueError, match="batch"):
         pe.score_bias(torch.zeros(2, 3, dtype=torch.long), torch.zeros(3, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="q_positions"):
+        pe.score_bias(torch.tensor([-1, 0]), torch.arange(2))
+    with pytest.raises(ValueError, match="k_positions"):
+        pe.score_bias(torch.arange(2), torch.arange(2.0))
+    if not has_score_bias(pe):
+        assert pe.score_bias(torch.arange(2), torch.arange(3)) is None
 
 
 @pytest.mark.parametrize("name", ["tupe_a", "tupe_r"])

@@ -34,6 +34,7 @@ from ._inputs import (
     parameters_unchanged,
     positive_int,
     repeat_kv,
+    score_bias_positions,
     to_bhnd,
     under_function_transform,
 )
@@ -501,7 +502,10 @@ class AttentionTerms(nn.Module):
         return self._rotate(q, k, q_positions, k_positions)
 
     def score_bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor | None:
-        """Position-only score bias: none for this encoding."""
+        """Position-only score bias: none for this encoding. The positions are checked
+        all the same (shape, dtype, sign), as every encoding's score_bias checks them."""
+        device = q_positions.device if isinstance(q_positions, Tensor) else torch.device("cpu")
+        score_bias_positions(q_positions, k_positions, device)
         return None
 
     def _position_bias(
