@@ -342,6 +342,21 @@ def test_bad_score_bias_positions_raise_value_error(name: str) -> None:
         assert pe.score_bias(torch.arange(2), torch.arange(3)) is None
 
 
+@pytest.mark.parametrize("name", ["alibi", "rope", "t5"])
+def test_positions_of_any_integer_type_int64_holds_give_the_same_output(name: str) -> None:
+    pe = make(name)
+    q, k, v = qkv(pe, n=3, m=4)
+    q_positions, k_positions = torch.tensor([7, 9, 12]), torch.tensor([3, 7, 8, 12])
+    expected = pe(q, k, v, q_positions=q_positions, k_positions=k_positions)
+    for dtype in (torch.uint8, torch.int16, torch.int32, torch.uint32):
+        got = pe(q, k, v, q_positions=q_positions.to(dtype), k_positions=k_positions.to(dtype))
+        torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    # uint64 past 2^63 would wrap to negative int64 positions: refused by its dtype
+    huge = torch.tensor([2**63, 2**63 + 1, 2**63 + 2], dtype=torch.uint64)
+    with pytest.raises(ValueError, match=r"q_positions .*int64 holds.*uint64"):
+        pe(q, k, v, q_positions=huge, k_positions=k_positions)
+
+
 @pytest.mark.parametrize("name", ["tupe_a", "tupe_r"])
 def test_untied_positions_never_go_negative(name: str) -> None:
     pe = make(name)

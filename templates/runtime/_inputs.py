@@ -141,6 +141,11 @@ def check_positions(
         raise ValueError(f"{name} must be a torch.Tensor, got {type(positions).__name__}")
     if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
         raise ValueError(f"{name} must hold integer positions (int64), got {positions.dtype}")
+    if positions.dtype == torch.uint64:  # past 2^63 it would wrap to negative int64 values
+        raise ValueError(
+            f"{name} must hold integer positions that int64 holds (int64, int32, ..., "
+            f"uint32), got {positions.dtype}"
+        )
     if positions.dim() not in (1, 2) or positions.shape[-1] != length:
         raise ValueError(
             f"{name} must have shape [{length}] or [batch, {length}], got {list(positions.shape)}"
