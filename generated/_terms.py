@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from ._devices import check_argument_devices, forget_devices, forget_devices_after_loading
 from ._distances import distance_span_vector, distance_span_with_zero
 from ._inputs import (
     Rotated,
@@ -299,12 +300,25 @@ class AttentionTerms(nn.Module):
     #: the ``parameters_frozen`` block this module is in (a token per block), or None
     _frozen_block: object | None = None
 
+    def __init_subclass__(cls, **keywords: Any) -> None:
+        super().__init_subclass__(**keywords)
+        check_argument_devices(cls)  # a device mix-up is a ValueError naming the argument
+
     def __init__(self, heads: int, head_dim: int, scale_factor: float | None) -> None:
         super().__init__()
         self.heads = positive_int(heads, "heads")
         self.head_dim = positive_int(head_dim, "head_dim")
         self.scale = 1.0 if scale_factor is None else 1.0 / math.sqrt(scale_factor * self.head_dim)
         self._cache: dict[tuple[Any, ...], Any] = {}  # see cache_put
+        # the devices an argument is checked against are read afresh after loading
+        self.register_load_state_dict_post_hook(forget_devices_after_loading)
+
+    def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> AttentionTerms:
+        """nn.Module's (behind ``to``, ``cuda``, ``to_empty``, ...), then the devices an
+        argument is checked against are read afresh."""
+        moved = super()._apply(fn, recurse)
+        forget_devices(self)
+        return moved
 
     def extra_repr(self) -> str:
         given = getattr(self, "_arguments", {}).items()
@@ -935,6 +949,9 @@ class AttentionTerms(nn.Module):
         """Gradients flow from this call: into q, k, v or the module's parameters."""
         inputs_train = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         return inputs_train or self._trains_terms()
+
+
+check_argument_devices(AttentionTerms)  # its own entry points (subclasses': on definition)
 
 
 @contextlib.contextmanager

@@ -57,6 +57,7 @@ def test_generated_modules_import_only_torch_and_stdlib() -> None:
                 "__future__",
                 "collections",
                 "contextlib",
+                "functools",
                 "math",
                 "typing",
                 "torch",

@@ -56,6 +56,23 @@ def test_cuda_matches_cpu_and_backends_agree(name: str) -> None:
     torch.testing.assert_close(half.float().cpu(), reference, atol=2.5e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("name", ["alibi", "t5", "transformer_xl", "learned_absolute"])
+def test_inputs_on_another_device_than_the_module_are_named(name: str) -> None:
+    pe = generated_class(name)(heads=2, head_dim=head_dim_for(name, 16))
+    if name == "learned_absolute":
+        x = torch.randn(1, 5, pe.model_dim, device=CUDA)
+        with pytest.raises(ValueError, match=r"x is on cuda:0, the module's \S+ on cpu"):
+            pe.embed(x)
+        assert pe.to(CUDA).embed(x).device.type == "cuda"
+        return
+    q = torch.randn(1, 2, 5, pe.head_dim, device=CUDA)
+    with pytest.raises(ValueError, match=r"q is on cuda:0, the module's \S+ on cpu"):
+        pe(q, q, q)
+    with pytest.raises(ValueError, match=r"q_positions is on cpu, the module's \S+ on cuda"):
+        pe.to(CUDA).score_bias(torch.arange(5), torch.arange(5))  # the kept devices follow .to
+    assert pe(q, q, q).device.type == "cuda"
+
+
 @pytest.mark.parametrize("name", ["rope", "rope_gptj"])
 def test_rotary_cache_follows_the_device(name: str) -> None:
     pe = generated_class(name)(heads=2, head_dim=16)

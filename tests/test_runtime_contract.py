@@ -9,6 +9,7 @@ trajectory in decode loops.
 from __future__ import annotations
 
 import importlib
+import io
 from types import SimpleNamespace
 
 import pytest
@@ -340,6 +341,63 @@ def test_bad_score_bias_positions_raise_value_error(name: str) -> None:
         pe.score_bias(torch.arange(2), torch.arange(2.0))
     if not has_score_bias(pe):
         assert pe.score_bias(torch.arange(2), torch.arange(3)) is None
+
+
+@pytest.mark.parametrize("name", ["t5", "fire", "tupe_a", "transformer_xl", "deberta"])
+def test_a_module_built_on_meta_names_what_has_no_values(name: str) -> None:
+    """Built under torch.device("meta") (to load weights later), then called with CPU
+    inputs: a ValueError naming the parameter or buffer, not torch's RuntimeError."""
+    with torch.device("meta"):
+        pe = make(name)
+    q, k, v = qkv(pe)
+    with pytest.raises(ValueError, match=r"the module's \S+ is on the meta device.*q on cpu"):
+        pe(q, k, v)
+    with pytest.raises(ValueError, match="on the meta device"):
+        pe.scores(q, k)
+    # the way the message names: to_empty, reset_parameters, then the weights
+    reference = make(name)
+    pe.to_empty(device="cpu")
+    pe.reset_parameters()
+    pe.load_state_dict(reference.state_dict())
+    torch.testing.assert_close(pe(q, k, v), reference(q, k, v))
+    # and a module saved whole still pickles (the hook that forgets devices is named)
+    buffer = io.BytesIO()
+    torch.save(pe, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    torch.testing.assert_close(loaded(q, k, v), reference(q, k, v))
+
+
+@pytest.mark.parametrize("name", ["rope", "shaw", "learned_absolute"])
+def test_meta_inputs_that_need_values_are_named(name: str) -> None:
+    pe = make(name)
+    if name == "learned_absolute":
+        x = torch.randn(2, 6, pe.model_dim, device="meta")
+        with pytest.raises(ValueError, match="x is on the meta device"):
+            pe.embed(x)
+        return
+    q, k, v = (t.to("meta") for t in qkv(pe))
+    with pytest.raises(ValueError, match="q is on the meta device"):
+        pe(q, k, v)
+
+
+def test_meta_inputs_that_need_no_values_give_meta_outputs() -> None:
+    pe = make("alibi")
+    q, k, v = (t.to("meta") for t in qkv(pe, n=3, m=7))
+    out = pe(q, k, v)
+    assert out.device.type == "meta" and out.shape == (1, pe.heads, 3, pe.head_dim)
+
+
+def test_other_failures_keep_their_own_error(monkeypatch) -> None:
+    pe = make("t5")
+
+    def fails(*args, **keywords):
+        raise RuntimeError("not about devices")
+
+    monkeypatch.setattr(pe, "_attend", fails)
+    q, k, v = qkv(pe)
+    with pytest.raises(RuntimeError, match="not about devices"):
+        pe(q, k, v)
 
 
 @pytest.mark.parametrize("name", ["alibi", "rope", "t5"])

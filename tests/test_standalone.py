@@ -70,7 +70,10 @@ def test_standalone_imports_only_torch_and_the_standard_library(tmp_path: Path) 
             assert root in {"__future__", "collections", "typing", "torch"} | optional
         elif isinstance(node, ast.Import):
             roots = {alias.name.split(".")[0] for alias in node.names}
-            assert roots <= {"contextlib", "math", "torch", "warnings", "weakref"} | optional
+            assert (
+                roots
+                <= {"contextlib", "functools", "math", "torch", "warnings", "weakref"} | optional
+            )
     assert "class PositionalAttention(SdpaBackend, FlexBackend):" in source
 
 

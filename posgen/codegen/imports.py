@@ -29,6 +29,7 @@ FIXED = (
     Importable("Callable", 0, "collections.abc"),
     Importable("Iterator", 0, "collections.abc"),
     Importable("contextlib", 0, "contextlib", from_import=False),
+    Importable("functools", 0, "functools", from_import=False),
     Importable("math", 0, "math", from_import=False),
     Importable("Any", 0, "typing"),
     Importable("Literal", 0, "typing"),

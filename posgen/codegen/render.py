@@ -33,6 +33,7 @@ ALLOWED_IMPORTS = {
     "__future__",
     "collections.abc",
     "contextlib",
+    "functools",
     "math",
     "typing",
     "warnings",
