@@ -384,8 +384,33 @@ def test_meta_inputs_that_need_values_are_named(name: str) -> None:
 def test_meta_inputs_that_need_no_values_give_meta_outputs() -> None:
     pe = make("alibi")
     q, k, v = (t.to("meta") for t in qkv(pe, n=3, m=7))
-    out = pe(q, k, v)
-    assert out.device.type == "meta" and out.shape == (1, pe.heads, 3, pe.head_dim)
+    for backend in ("auto", "eager", "sdpa"):
+        out = pe(q, k, v, backend=backend)
+        assert out.device.type == "meta" and out.shape == (1, pe.heads, 3, pe.head_dim)
+    assert pe.scores(q, k).device.type == "meta"
+
+
+def test_a_tensor_moved_after_a_call_is_named_in_any_argument_order() -> None:
+    """The devices are read at every call: a submodule moved alone, or a parameter
+    replaced after a call, is named (CPU x meta matmuls gave CPU garbage silently),
+    whatever order the arguments come in."""
+    pe = make("transformer_xl")
+    q, k, v = qkv(pe)
+    pe(q, k, v)
+    pe.r_net.to_empty(device="meta")  # the submodule alone
+    for call in (
+        lambda: pe(q, k, v),
+        lambda: pe(causal=True, q=q, k=k, v=v),
+        lambda: pe.scores(layout="bhnd", q=q, k=k),
+        lambda: pe.score_bias(torch.arange(5), torch.arange(5)),
+    ):
+        with pytest.raises(ValueError, match=r"the module's r_net\.weight is on the meta"):
+            call()
+    pe = make("cope")
+    pe(q, k, v)
+    pe.cope_positions = torch.nn.Parameter(torch.empty_like(pe.cope_positions, device="meta"))
+    with pytest.raises(ValueError, match="the module's cope_positions is on the meta"):
+        pe(q, k, v)
 
 
 def test_other_failures_keep_their_own_error(monkeypatch) -> None:

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from ._devices import check_argument_devices, forget_devices, forget_devices_after_loading
+from ._devices import check_argument_devices
 from ._distances import distance_span_vector, distance_span_with_zero
 from ._inputs import (
     Rotated,
@@ -308,15 +308,6 @@ class AttentionTerms(nn.Module):
         self.head_dim = positive_int(head_dim, "head_dim")
         self.scale = 1.0 if scale_factor is None else 1.0 / math.sqrt(scale_factor * self.head_dim)
         self._cache: dict[tuple[Any, ...], Any] = {}  # see cache_put
-        # the devices an argument is checked against are read afresh after loading
-        self.register_load_state_dict_post_hook(forget_devices_after_loading)
-
-    def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> AttentionTerms:
-        """nn.Module's (behind ``to``, ``cuda``, ``to_empty``, ...), then the devices an
-        argument is checked against are read afresh."""
-        moved = super()._apply(fn, recurse)
-        forget_devices(self)
-        return moved
 
     def extra_repr(self) -> str:
         given = getattr(self, "_arguments", {}).items()
