@@ -69,7 +69,7 @@ def test_inputs_on_another_device_than_the_module_are_named(name: str) -> None:
     with pytest.raises(ValueError, match=r"q is on cuda:0, the module's \S+ on cpu"):
         pe(q, q, q)
     with pytest.raises(ValueError, match=r"q_positions is on cpu, the module's \S+ on cuda"):
-        pe.to(CUDA).score_bias(torch.arange(5), torch.arange(5))  # the kept devices follow .to
+        pe.to(CUDA).score_bias(torch.arange(5), torch.arange(5))  # read after the move
     assert pe(q, q, q).device.type == "cuda"
 
 
