@@ -4,7 +4,7 @@ or on the meta device (no values) where the encoding reads values.
 
 Two checks, both cheap on a call that works:
 - before the call, every parameter and buffer of the module (its submodules' too) must
-  be on the device of the first tensor argument: a walk of their dicts, 0.5-2.5 us on
+  be on the device of the first tensor argument: a walk of their dicts, 0.5-4 us on
   the 2-core CPU (read afresh each call, so ``.to``, ``load_state_dict``,
   ``functional_call`` or an assigned parameter are always seen). A module without
   parameters or buffers (RoPE, NoPE) computes on its inputs' device. Meta inputs are
