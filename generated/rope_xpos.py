@@ -192,6 +192,30 @@ class RopeXpos(PositionalAttention):
         k_cos, k_sin = k_cos / k_scale, k_sin / k_scale  # keys: zeta^(-(j - c) / s)
         return self._apply_rotation(q, q_cos, q_sin), self._apply_rotation(k, k_cos, k_sin)
 
+    def _check_keys_ahead(
+        self, q_positions: Tensor | None, k_positions: Tensor | None, n: int, m: int
+    ) -> None:
+        """The logit of query i and key j carries zeta_k^((i - j) / scale_base), which
+        grows for keys after the query: without ``causal`` they may lie at most
+        ``_xpos_reach()`` positions after a query of their batch row (past about 1.4x
+        that the float32 logits overflow and the row is NaN; a window, documents or an
+        attn_mask do not help, as the sdpa path adds them to the computed logits, and
+        inf - inf is NaN). Eager mode only: the explicit positions' values are read."""
+        if torch.compiler.is_compiling() or n == 0 or m == 0:
+            return
+        last_key = m - 1 if k_positions is None else k_positions.amax(-1)  # int, or [B] / 0-D
+        first_query = m - n if q_positions is None else q_positions.amin(-1)
+        ahead = last_key - first_query
+        ahead = int(ahead.max()) if isinstance(ahead, Tensor) else ahead
+        reach = _xpos_reach()
+        if ahead > reach:
+            raise ValueError(
+                f"xPos with scale_base {XPOS_SCALE_BASE:g} and causal=False: a key lies "
+                f"{ahead} positions after a query, past the {reach} its growing factor "
+                "allows before the logits overflow (a mask added to them does not help); "
+                "pass causal=True: xPos is a causal encoding"
+            )
+
     def _xpos_reference(
         self, q_positions: Tensor | None, k_positions: Tensor | None, n: int, m: int
     ) -> Tensor | int:

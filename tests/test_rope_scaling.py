@@ -380,6 +380,32 @@ def test_xpos_refuses_positions_its_factors_cannot_hold() -> None:
         pe.rotate_keys(x, near_a_million)
 
 
+def test_xpos_without_a_causal_mask_refuses_keys_too_far_ahead() -> None:
+    """A key j after query i carries zeta^(-(j - i) / scale_base): with scale_base 1
+    (reach 51) and 100 positions the float32 logits overflowed and every backend gave
+    NaN rows without a causal mask (window and attn_mask included: sdpa adds them to
+    the computed logits). Now a ValueError; with causal=True the output is finite."""
+    cls = spec_variant("rope_xpos", ("scale_base: 512}", "scale_base: 1}"), name="rope_xpos_steep")
+    pe = cls(heads=2, head_dim=16)
+    reach = 51  # int(64 / ln(3.5)) at scale_base 1
+    for n in (reach + 1, 100):
+        q, k, v = (torch.randn(2, 2, n, 16) for _ in "qkv")
+        assert bool(torch.isfinite(pe(q, k, v, causal=True)).all())
+        lower = torch.ones(n, n, dtype=torch.bool).tril()
+        rows = torch.stack((torch.arange(n), torch.arange(n) + 7))  # [2, n]: shifted rows
+        for keywords in (
+            {},
+            {"window": 8},
+            {"attn_mask": lower},
+            {"q_positions": rows, "k_positions": rows},
+        ):
+            if n == reach + 1:  # keys at most 51 after a query: finite
+                assert bool(torch.isfinite(pe(q, k, v, **keywords)).all())
+            else:
+                with pytest.raises(ValueError, match="99 positions after a query.*causal=True"):
+                    pe(q, k, v, **keywords)
+
+
 # --------------------------------------------------------------------------- M-RoPE
 
 
