@@ -119,11 +119,12 @@ def small_spec_text(
     )
 
 
-def expr_bias_spec(folder: Path, name: str, expr: str, claims: str = "") -> Path:
+def expr_bias_spec(folder: Path, name: str, expr: str, claims: str = "", heads: int = 2) -> Path:
     """``folder/name.yaml``: ``small_spec_text`` with the position-only bias ``expr`` of
-    i and j (after the scale)."""
+    i and j (after the scale), and ``heads`` heads."""
     bias = f'{{bias: {{kind: expr, expr: "{expr}", params: {{}}, placement: after_scale}}}}'
     text = small_spec_text(name, claims, bias, "an expression bias", "test")
+    text = text.replace("{heads: 2,", f"{{heads: {heads},", 1)
     path = folder / f"{name}.yaml"
     path.write_text(text, encoding="utf-8")
     return path

@@ -17,7 +17,7 @@ from posgen.spec.expr import ParamInfo, parse_expr
 from posgen.spec.expr_values import expression_value, first_non_finite, to_float32
 from posgen.spec.loader import SpecError, load_spec
 from posgen.spec.model.biases import checked_heads
-from tests.conftest import small_spec_text
+from tests.conftest import expr_bias_spec
 
 # the functions of the expression language as torch calls, written here from torch's API
 TORCH_FUNCTIONS = {
@@ -157,16 +157,6 @@ def test_the_first_non_finite_point_is_named() -> None:
     assert math.isnan(bad.value)
 
 
-def _spec_with_bias(folder: Path, heads: int, expr: str) -> Path:
-    """A spec of ``heads`` heads whose position-only bias is ``expr``."""
-    bias = f'{{bias: {{kind: expr, expr: "{expr}", params: {{}}, placement: after_scale}}}}'
-    text = small_spec_text(f"heads_{heads}", "", bias, "an expression bias", "test")
-    text = text.replace("heads: 2,", f"heads: {heads},")
-    path = folder / f"heads_{heads}.yaml"
-    path.write_text(text, encoding="utf-8")
-    return path
-
-
 def _spec_problem(path: Path) -> str | None:
     try:
         load_spec(path)
@@ -177,19 +167,32 @@ def _spec_problem(path: Path) -> str | None:
 
 def test_the_finiteness_check_reads_heads_as_the_specs_head_count(tmp_path: Path) -> None:
     # NaN in every row of a 16-head module: refused, naming the head count it used
-    problem = _spec_problem(_spec_with_bias(tmp_path, 16, "-abs(i - j) / (heads - 16)"))
+    problem = _spec_problem(
+        expr_bias_spec(tmp_path, "heads_16", "-abs(i - j) / (heads - 16)", heads=16)
+    )
     assert problem is not None
     assert "terms.position_position.bias.expr" in problem
     assert "heads = 16 (defaults.heads)" in problem and "nan" in problem
     # finite for the spec's 4 heads, whatever it would be for 8
-    assert _spec_problem(_spec_with_bias(tmp_path, 4, "-abs(i - j) / (heads - 8)")) is None
+    assert (
+        _spec_problem(expr_bias_spec(tmp_path, "heads_4", "-abs(i - j) / (heads - 8)", heads=4))
+        is None
+    )
 
 
 def test_the_finiteness_check_reaches_the_last_heads(tmp_path: Path) -> None:
-    problem = _spec_problem(_spec_with_bias(tmp_path, 40, "-abs(i - j) / (h - 38)"))
+    problem = _spec_problem(
+        expr_bias_spec(tmp_path, "heads_40", "-abs(i - j) / (h - 38)", heads=40)
+    )
     assert problem is not None and "h = 38" in problem
-    assert _spec_problem(_spec_with_bias(tmp_path, 12, "-abs(i - j) / (h - 12)")) is None
-    assert _spec_problem(_spec_with_bias(tmp_path, 12, "-abs(i - j) / (h - 11)")) is not None
+    assert (
+        _spec_problem(expr_bias_spec(tmp_path, "heads_12", "-abs(i - j) / (h - 12)", heads=12))
+        is None
+    )
+    assert (
+        _spec_problem(expr_bias_spec(tmp_path, "heads_12", "-abs(i - j) / (h - 11)", heads=12))
+        is not None
+    )
 
 
 def test_the_checked_heads_are_all_or_both_ends() -> None:
