@@ -37,7 +37,7 @@ def names_device_mixups(method: Callable[..., Any]) -> Callable[..., Any]:
     def checked(module: nn.Module, *args: Any, **keywords: Any) -> Any:
         if torch.compiler.is_compiling():
             return method(module, *args, **keywords)
-        first = _first_tensor(args, keywords)
+        first = args[0] if args and isinstance(args[0], Tensor) else _first_tensor(args, keywords)
         if first is not None and not first.is_meta and not _all_on(module, first.device):
             problem = _module_mixup(module, method, args, keywords)
             assert problem is not None  # a parameter or buffer is elsewhere
@@ -70,10 +70,15 @@ def _all_on(module: nn.Module, device: torch.device) -> bool:
     pending = [module]
     while pending:
         current = pending.pop()
-        for tensor in (*current._parameters.values(), *current._buffers.values()):
+        for tensor in current._parameters.values():
             if tensor is not None and tensor.device != device:
                 return False
-        pending.extend(child for child in current._modules.values() if child is not None)
+        for tensor in current._buffers.values():
+            if tensor is not None and tensor.device != device:
+                return False
+        for child in current._modules.values():
+            if child is not None:
+                pending.append(child)
     return True
 
 
