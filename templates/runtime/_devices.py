@@ -68,11 +68,11 @@ def _all_on(module: nn.Module, device: torch.device) -> bool:
     pending = [module]
     while pending:
         current = pending.pop()
-        for tensor in current._parameters.values():
-            if tensor is not None and tensor.device != device:
+        for parameter in current._parameters.values():
+            if parameter is not None and parameter.device != device:
                 return False
-        for tensor in current._buffers.values():
-            if tensor is not None and tensor.device != device:
+        for buffer in current._buffers.values():
+            if buffer is not None and buffer.device != device:
                 return False
         for child in current._modules.values():
             if child is not None:
