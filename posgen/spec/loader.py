@@ -350,6 +350,10 @@ def _message(item: ErrorDetails, path: FieldPath = (), data: object = None) -> s
         if keywords:
             shape = f"one of {', '.join(map(repr, keywords))} or {shape}"
         return f"got {_typed(given)}; write {shape}"
+    if kind == "model_attributes_type":  # a scalar where a union's mapping with a kind belongs
+        kinds = ", ".join(repr(tag) for tag in kinds_at(path, data))
+        shape = f"a mapping with its kind ({kinds})" if kinds else "a mapping of fields"
+        return f"got {_typed(given)}; write {shape}"
     if kind == "bool_type" and isinstance(given, str):
         return (
             f"got {quoted(given)}; write true or false (YAML 1.1 words like yes/on are "
