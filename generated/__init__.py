@@ -23,12 +23,14 @@ from .learned_absolute import LearnedAbsolute
 from .multiplicative_learned import MultiplicativeLearned
 from .multiplicative_sinusoidal import MultiplicativeSinusoidal
 from .nope import Nope
+from .nope_llama4 import NopeLlama4
 from .rope import Rope
 from .rope_axial_2d import RopeAxial2d
 from .rope_dynamic_ntk import RopeDynamicNtk
 from .rope_gptj import RopeGptj
 from .rope_linear import RopeLinear
 from .rope_llama3 import RopeLlama3
+from .rope_logn import RopeLogn
 from .rope_longrope import RopeLongrope
 from .rope_mrope import RopeMrope
 from .rope_ntk import RopeNtk
@@ -66,12 +68,14 @@ ENCODINGS = {
     "multiplicative_learned": MultiplicativeLearned,
     "multiplicative_sinusoidal": MultiplicativeSinusoidal,
     "nope": Nope,
+    "nope_llama4": NopeLlama4,
     "rope": Rope,
     "rope_axial_2d": RopeAxial2d,
     "rope_dynamic_ntk": RopeDynamicNtk,
     "rope_gptj": RopeGptj,
     "rope_linear": RopeLinear,
     "rope_llama3": RopeLlama3,
+    "rope_logn": RopeLogn,
     "rope_longrope": RopeLongrope,
     "rope_mrope": RopeMrope,
     "rope_ntk": RopeNtk,
@@ -112,12 +116,14 @@ __all__ = [
     "MultiplicativeLearned",
     "MultiplicativeSinusoidal",
     "Nope",
+    "NopeLlama4",
     "Rope",
     "RopeAxial2d",
     "RopeDynamicNtk",
     "RopeGptj",
     "RopeLinear",
     "RopeLlama3",
+    "RopeLogn",
     "RopeLongrope",
     "RopeMrope",
     "RopeNtk",

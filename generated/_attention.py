@@ -220,6 +220,7 @@ class PositionalAttention(SdpaBackend, FlexBackend):
             queries_last = verdict.queries_last
         if window is not None and window >= m and q_positions is None and k_positions is None:
             window = None  # default positions: every |query - key| < M (N <= M)
+        q = self._scaled_queries(q, q_positions, m)  # (a query scale's)
         self._check_value_width(v)
         if n == 0 or m == 0:
             return attention_without_keys(q, k, v)

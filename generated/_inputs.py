@@ -103,12 +103,12 @@ def check_attention_inputs(
         raise ValueError(f"k and v must have the same length, got {k_shape[2]} and {v_shape[2]}")
 
 
-def check_keys(k: Tensor, head_dim: int) -> None:
-    """Raise ValueError naming ``k`` unless it is a [batch, kv_heads, seq, head_dim]
-    float tensor (``rotate_keys``' argument)."""
-    shape = _attention_input_shape("k", k)
+def check_one_input(x: Tensor, head_dim: int, name: str) -> None:
+    """Raise ValueError naming ``name`` unless x is a [batch, heads, seq, head_dim] float
+    tensor (the argument of ``rotate_keys`` or ``scale_queries``)."""
+    shape = _attention_input_shape(name, x)
     if shape[3] != head_dim:
-        raise ValueError(f"k must have head_dim {head_dim} (last dim), got {shape[3]}")
+        raise ValueError(f"{name} must have head_dim {head_dim} (last dim), got {shape[3]}")
 
 
 def _attention_input_shape(name: str, tensor: Tensor) -> torch.Size:

@@ -28,7 +28,7 @@ from ._inputs import (
     cache_put,
     check_attention_inputs,
     check_axis_positions,
-    check_keys,
+    check_one_input,
     check_position_pair,
     check_positions,
     frozen_block,
@@ -42,6 +42,7 @@ from ._inputs import (
     under_function_transform,
 )
 from ._numerics import autocast_off, compute_dtype
+from ._query_scale import scaled_queries
 
 # Whether ``_reused_relative_rows`` keeps projected relative rows across calls without
 # gradients (Transformer-XL's block of distances grows with the keys: [M, H, D] per
@@ -294,6 +295,9 @@ class AttentionTerms(nn.Module):
     shift_invariant: bool = False
     #: position axes of the rotation (M-RoPE: 3); explicit positions [axes, batch, seq]
     position_axes: int = 1
+    #: each query is multiplied by a factor of its own position (``_query_scales``:
+    #: Llama 4's temperature tuning, log-length scaling) before any term reads it
+    has_query_scale: bool = False
     #: backend "flex" runs torch.compile'd FlexAttention (None: on CUDA only; elsewhere
     #: the unfused reference, which is exact but materialises the scores)
     flex_compile: bool | None = None
@@ -390,6 +394,43 @@ class AttentionTerms(nn.Module):
         q, k = self._rotate_for_attention(q, k, q_positions, k_positions, rotated)
         return to_bhnd(layout, q, k)  # type: ignore[return-value]
 
+    def scale_queries(
+        self, q: Tensor, positions: Tensor | None = None, *, layout: str = "bhnd"
+    ) -> Tensor:
+        """Multiply each query by its position's factor tau(i) (the spec's query_scale);
+        q itself where the encoding has none.
+
+        q: [batch, heads, N, head_dim] (or [batch, N, heads, head_dim] with layout
+        "bnhd"); positions: int64 [N] or [batch, N], default 0, ..., N - 1. The product
+        is formed in float32 (float64 for float64 q) and rounded once to q's dtype.
+        ``forward``, ``scores`` and ``score_terms`` scale the queries themselves; call
+        this beside ``rotate`` where your own attention takes the rotated q and k (the
+        factor commutes with the rotation, so the order does not matter).
+        """
+        (q,) = to_bhnd(layout, q)
+        check_one_input(q, self.head_dim, "q")
+        positions = check_positions(positions, q.shape[2], q.shape[0], "positions", q.device)
+        if self.has_query_scale:
+            if positions is None:
+                positions = torch.arange(q.shape[2], device=q.device)
+            q = scaled_queries(q, self._query_scales(positions))
+        return to_bhnd(layout, q)[0]
+
+    def _query_scales(self, positions: Tensor) -> Tensor:
+        """The factor tau(i) of each query position i, float64 of positions' shape.
+        Encodings with a query scale override it."""
+        raise NotImplementedError("this encoding has no query scale")
+
+    def _scaled_queries(self, q: Tensor, q_positions: Tensor | None, m: int) -> Tensor:
+        """q [B, H, N, D] times its positions' factors where the encoding has a query
+        scale, else q: the queries sit at q_positions as ``_positions_and_axes`` resolves
+        them (None only at the defaults, where they are M - N, ..., M - 1)."""
+        if not self.has_query_scale:
+            return q
+        if q_positions is None:
+            q_positions = torch.arange(m - q.shape[2], m, device=q.device)  # [N]
+        return scaled_queries(q, self._query_scales(q_positions))
+
     def parameters_frozen(self) -> contextlib.AbstractContextManager[None]:
         """A context manager: within it, the values kept from this module's parameters
         are compared with them once and then reused (``parameters_frozen(module)``)."""
@@ -415,7 +456,7 @@ class AttentionTerms(nn.Module):
         unrotated keys with ``keys_rotated=False`` to rotate every key at the new length.
         """
         (k,) = to_bhnd(layout, k)
-        check_keys(k, self.head_dim)
+        check_one_input(k, self.head_dim, "k")
         batch, m = k.shape[0], k.shape[2]
         axes = check_axis_positions(positions, self.position_axes, m, batch, "positions", k.device)
         if axes is None:
@@ -886,6 +927,7 @@ class AttentionTerms(nn.Module):
             q, k, q_positions, k_positions, rotated = self._positions_and_axes(
                 q, k, q_positions, k_positions, "none"
             )
+            q = self._scaled_queries(q, q_positions, k.shape[2])
             return self._score_terms_exact(q, k, q_positions, k_positions, rotated)
 
     def _expected_heads(self) -> int | None:

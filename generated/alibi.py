@@ -87,6 +87,7 @@ class Alibi(PositionalAttention):
     has_value_term = False
     relative_clip = None
     shift_invariant = True
+    has_query_scale = False
 
     def __init__(
         self,

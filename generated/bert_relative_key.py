@@ -96,6 +96,7 @@ class BertRelativeKey(PositionalAttention):
     has_value_term = False
     relative_clip = 511
     shift_invariant = True
+    has_query_scale = False
 
     def __init__(
         self,

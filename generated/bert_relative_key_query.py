@@ -98,6 +98,7 @@ class BertRelativeKeyQuery(PositionalAttention):
     has_value_term = False
     relative_clip = 511
     shift_invariant = True
+    has_query_scale = False
 
     def __init__(
         self,

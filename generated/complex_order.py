@@ -93,6 +93,7 @@ class ComplexOrder(PositionalAttention):
     has_value_term = False
     relative_clip = None
     shift_invariant = True
+    has_query_scale = False
 
     def __init__(
         self,

@@ -83,6 +83,7 @@ class Convolutional(PositionalAttention):
     has_value_term = False
     relative_clip = None
     shift_invariant = True
+    has_query_scale = False
 
     def __init__(
         self,

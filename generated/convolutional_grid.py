@@ -82,6 +82,7 @@ class ConvolutionalGrid(PositionalAttention):
     has_value_term = False
     relative_clip = None
     shift_invariant = True
+    has_query_scale = False
 
     def __init__(
         self,

@@ -117,6 +117,7 @@ class Deberta(PositionalAttention):
     has_value_term = False
     relative_clip = 512
     shift_invariant = True
+    has_query_scale = False
 
     def __init__(
         self,

@@ -78,6 +78,7 @@ class KerpleLog(PositionalAttention):
     has_value_term = False
     relative_clip = None
     shift_invariant = True
+    has_query_scale = False
 
     def __init__(
         self,

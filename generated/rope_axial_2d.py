@@ -116,6 +116,7 @@ class RopeAxial2d(PositionalAttention):
     has_value_term = False
     relative_clip = None
     shift_invariant = False
+    has_query_scale = False
 
     def __init__(
         self,

@@ -130,6 +130,7 @@ class RopeLlama3(PositionalAttention):
     has_value_term = False
     relative_clip = None
     shift_invariant = False
+    has_query_scale = False
 
     def __init__(
         self,

@@ -220,6 +220,7 @@ class RopeLongrope(PositionalAttention):
     has_value_term = False
     relative_clip = None
     shift_invariant = False
+    has_query_scale = False
 
     def __init__(
         self,

@@ -108,6 +108,7 @@ class RopeRandomized(PositionalAttention):
     has_value_term = False
     relative_clip = None
     shift_invariant = False
+    has_query_scale = False
 
     def __init__(
         self,

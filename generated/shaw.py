@@ -98,6 +98,7 @@ class Shaw(PositionalAttention):
     has_value_term = True
     relative_clip = 16
     shift_invariant = True
+    has_query_scale = False
 
     def __init__(
         self,

@@ -106,6 +106,7 @@ class T5(PositionalAttention):
     has_value_term = False
     relative_clip = None
     shift_invariant = True
+    has_query_scale = False
 
     def __init__(
         self,

@@ -123,6 +123,7 @@ class TupeR(PositionalAttention):
     has_value_term = False
     relative_clip = None
     shift_invariant = False
+    has_query_scale = False
 
     def __init__(
         self,

@@ -16,6 +16,7 @@ from posgen.spec.model import (
     ExprBias,
     ExprFrequencies,
     FireBias,
+    FloorLogQueryScale,
     GlobalContentTerm,
     GlobalPositionTerm,
     KerpleBias,
@@ -384,6 +385,21 @@ def scale_description(spec: Spec) -> str:
     return f"1/sqrt({inner})"
 
 
+def query_scale_description(spec: Spec) -> str | None:
+    """The query scale in words (``posgen explain``, module docstrings), or None."""
+    scale = spec.query_scale
+    if scale is None:
+        return None
+    if isinstance(scale, FloorLogQueryScale):
+        tau = f"1 + {_number(scale.attn_scale)} ln(1 + floor((i + 1) / {scale.floor_scale}))"
+        note = f"1 below position {scale.floor_scale - 1}"
+    else:
+        length = scale.original_max_positions
+        tau = f"max(1, ln(i + 1) / ln({length}))"
+        note = f"1 up to position {length - 1}"
+    return f"q_i * tau(i) before any term reads it, tau(i) = {tau} ({note})"
+
+
 def explanation(spec: Spec) -> list[str]:
     """The decomposition of a spec in words, as printed by ``posgen explain``."""
     lines = [f"{spec.name}: {spec.title}", ""]
@@ -392,6 +408,9 @@ def explanation(spec: Spec) -> list[str]:
         lines += [f"input      {description}", ""]
     lines.append("a_ij = content_content + content_position + position_content + position_position")
     lines.append(f"scale: {scale_description(spec)}")
+    queries = query_scale_description(spec)
+    if queries is not None:
+        lines.append(f"queries: {queries}")
     lines.append("")
     for row in term_lines(spec):
         lines.append(f"  {row.term:<18} {row.form:<9} {row.formula}")

@@ -111,9 +111,12 @@ class Probe:
         read_bounds: list[int] = [v for table in tables for v in stated(table, "max_positions")]
         limits = read_bounds + [n * n for n in stated(self.spec.input, "base_positions")]
         self.limit: int | None = min(limits) if limits else None
-        # the training length (extrapolation starts there): a table's end, or the range
-        # randomized positions are drawn from in training
-        lengths = read_bounds + stated(self.spec.positions, "max_positions")
+        # the training length (extrapolation starts there): a table's end, the range
+        # randomized positions are drawn from in training, or where a query scale
+        # leaves 1 (a floor step, or the length the log-length scale starts past)
+        queries = self.spec.query_scale
+        scale_lengths = stated(queries, "floor_scale") + stated(queries, "original_max_positions")
+        lengths = read_bounds + stated(self.spec.positions, "max_positions") + scale_lengths
         self.length: int | None = min(lengths) if lengths else None
         self.span = min(budget.span, self.limit) if self.limit else budget.span
         self._token: float | None = None  # the table's constant token, once known

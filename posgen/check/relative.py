@@ -2,9 +2,10 @@
 
 hypothesis draws a few query and key positions in the first half of the span, a shift
 c ≥ 1 (up to half the span, or far: past four times every length the spec states,
-``original_max_positions`` of a rope scaling included, at least to 2^16, at most 2^24,
-and never past a table) and a seed for random content (projected q and k, or token
-embeddings through embed on the input route); then every run tries the same fixed
+``original_max_positions`` of a rope scaling or a query scale and a query scale's
+``floor_scale`` included, at least to 2^16, at most 2^24, and never past a table) and
+a seed for random content (projected q and k, or token embeddings through embed on the
+input route); then every run tries the same fixed
 shifts, each power of two up to the far reach (``fixed_shifts``). The float64 logits
 at the shifted positions must equal the unshifted ones within a tolerance that grows
 with the largest position (NaN logits, or an infinite one that the shift changes,
@@ -29,7 +30,7 @@ Example = tuple[list[int], list[int], int, int]
 
 FAR_SHIFT = 1 << 16  # far shifts reach at least this far ...
 MAX_SHIFT = 1 << 24  # ... and at most this far (float64 angles stay exact to ~1e-9)
-LENGTH_FIELDS = ("max_positions", "original_max_positions", "max_distance")
+LENGTH_FIELDS = ("max_positions", "original_max_positions", "max_distance", "floor_scale")
 
 
 def far_shift(probe: Probe, near: int) -> int:

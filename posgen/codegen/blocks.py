@@ -821,3 +821,29 @@ class RandomizedPositionsPlan(Block):
 
     template: ClassVar[str] = "blocks/randomized_positions.jinja"
     max_positions: int
+
+
+# --------------------------------------------------------------------------- query scales
+
+
+@dataclass(frozen=True)
+class QueryScalePlan(Block):
+    """Each query multiplied by a factor of its own position (``_query_scales``): the
+    logits change when every position shifts by one constant, so never shift-invariant."""
+
+
+@dataclass(frozen=True)
+class FloorLogQueryScalePlan(QueryScalePlan):
+    """tau(i) = 1 + attn_scale ln(1 + floor((i + 1) / floor_scale)) (Llama 4)."""
+
+    template: ClassVar[str] = "blocks/floor_log_query_scale.jinja"
+    floor_scale: int
+    attn_scale: float
+
+
+@dataclass(frozen=True)
+class LogLengthQueryScalePlan(QueryScalePlan):
+    """tau(i) = max(1, ln(i + 1) / ln(original_max_positions)) (log-length scaling)."""
+
+    template: ClassVar[str] = "blocks/log_length_query_scale.jinja"
+    original_max_positions: int

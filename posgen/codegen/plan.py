@@ -33,14 +33,17 @@ from posgen.codegen.blocks import (
     ExprBiasPlan,
     ExprParamPlan,
     FirePlan,
+    FloorLogQueryScalePlan,
     GlobalContentPlan,
     HierarchicalTablePlan,
     InputTable,
     KerplePlan,
     LearnedRelativeTablePlan,
     LearnedTablePlan,
+    LogLengthQueryScalePlan,
     OdeTablePlan,
     ProjectionPlan,
+    QueryScalePlan,
     RandomizedPositionsPlan,
     RelativeIndex,
     RelativePlan,
@@ -63,6 +66,7 @@ from posgen.codegen.rotation_plan import rotation_plan
 from posgen.describe import (
     TermLine,
     input_description,
+    query_scale_description,
     scale_description,
     term_lines,
     value_lines,
@@ -76,6 +80,7 @@ from posgen.spec.model import (
     DistanceIndex,
     ExprBias,
     FireBias,
+    FloorLogQueryScale,
     GlobalContentTerm,
     GlobalPositionSpec,
     GlobalPositionTerm,
@@ -207,6 +212,7 @@ class ModulePlan:
     model_lines: tuple[str, ...]
     decomposition_lines: tuple[str, ...]
     input_lines: tuple[str, ...]
+    query_scale_lines: tuple[str, ...]  # the query scale in words, or ()
     scale_text: str
     heads: int
     head_dim: int
@@ -544,7 +550,19 @@ def _blocks(spec: Spec) -> tuple[Block, ...]:
         blocks.append(relative)
     if spec.positions is not None:  # last: no parameters, so init order is unchanged
         blocks.append(RandomizedPositionsPlan(max_positions=spec.positions.max_positions))
+    if spec.query_scale is not None:  # no parameters either
+        blocks.append(_query_scale_plan(spec))
     return tuple(blocks)
+
+
+def _query_scale_plan(spec: Spec) -> QueryScalePlan:
+    scale = spec.query_scale
+    if isinstance(scale, FloorLogQueryScale):
+        return FloorLogQueryScalePlan(
+            floor_scale=scale.floor_scale, attn_scale=float(scale.attn_scale)
+        )
+    assert scale is not None
+    return LogLengthQueryScalePlan(original_max_positions=scale.original_max_positions)
 
 
 def _flags(blocks: tuple[Block, ...]) -> tuple[tuple[str, FlagValue], ...]:
@@ -600,6 +618,7 @@ def _flags(blocks: tuple[Block, ...]) -> tuple[tuple[str, FlagValue], ...]:
         ("has_value_term", relative is not None and relative.values is not None),
         ("relative_clip", _relative_clip(relative)),
         ("shift_invariant", all(block.shift_invariant for block in blocks)),
+        ("has_query_scale", any(isinstance(block, QueryScalePlan) for block in blocks)),
     )
 
 
@@ -655,6 +674,9 @@ def build_plan(spec: Spec, spec_file: str, spec_sha256: str) -> ModulePlan:
         model_lines=tuple(docstring_lines(", ".join(spec.models))) if spec.models else (),
         decomposition_lines=tuple(decomposition_table(term_lines(spec) + value_lines(spec))),
         input_lines=tuple(docstring_lines(input_description(spec) or "", DOCSTRING_WIDTH - 4)),
+        query_scale_lines=tuple(
+            docstring_lines(query_scale_description(spec) or "", DOCSTRING_WIDTH - 4)
+        ),
         scale_text=" ".join(docstring_lines(scale_description(spec), 10_000)),
         heads=spec.defaults.heads,
         head_dim=spec.defaults.head_dim,

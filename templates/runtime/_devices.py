@@ -23,7 +23,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-ENTRY_POINTS = ("forward", "embed", "rotate", "rotate_keys", "score_terms", "scores", "score_bias")
+ENTRY_POINTS = (
+    "forward",
+    "embed",
+    "rotate",
+    "rotate_keys",
+    "scale_queries",
+    "score_terms",
+    "scores",
+    "score_bias",
+)
 """The public methods of an encoding whose arguments' devices are checked."""
 
 

@@ -651,3 +651,24 @@ def complex_order_embedding(
         torch.tensor(real, dtype=F64).reshape(seq, d),
         torch.tensor(imag, dtype=F64).reshape(seq, d),
     )
+
+
+# --------------------------------------------------------------------------------------------
+# Query scales (a factor of the query's own position)
+# --------------------------------------------------------------------------------------------
+
+
+def floor_log_query_scale(position: int, floor_scale: int, attn_scale: float) -> float:
+    """Llama 4's attention temperature tuning (Hugging Face Llama4TextAttention, NoPE
+    layers): the query at 0-based ``position`` is multiplied by
+    1 + attn_scale * ln(floor((position + 1) / floor_scale) + 1). Python integers and
+    ``math.log``, one position at a time."""
+    return 1.0 + attn_scale * math.log((position + 1) // floor_scale + 1)
+
+
+def log_length_query_scale(position: int, original_max_positions: int) -> float:
+    """Qwen's LogN-Scaling (``use_logn_attn``): the query at 0-based ``position`` reads
+    entry ``position`` of [log_L(t) if t > L else 1 for t = 1, 2, ...], L the training
+    length, i.e. log base L of position + 1 past L and 1 within it."""
+    t = position + 1
+    return math.log(t, original_max_positions) if t > original_max_positions else 1.0

@@ -20,8 +20,8 @@ one line of printable characters: no control characters, no bidirectional overri
 invisible characters.
 
 The models live in one module per part of the language (``base``, ``text``, ``inputs``,
-``rotations``, ``biases``, ``relative``, ``spec``, ``kinds``); this package re-exports
-every public name.
+``rotations``, ``biases``, ``relative``, ``query_scale``, ``spec``, ``kinds``); this
+package re-exports every public name.
 """
 
 from posgen.spec.model.base import (
@@ -73,6 +73,14 @@ from posgen.spec.model.kinds import (
     keyword_forms,
     kind_tags,
     kinds_at,
+)
+from posgen.spec.model.query_scale import (
+    MAX_ATTN_SCALE,
+    MAX_QUERY_SCALE_LENGTH,
+    AnyQueryScale,
+    FloorLogQueryScale,
+    LogLengthQueryScale,
+    QueryScale,
 )
 from posgen.spec.model.relative import (
     ClipIndex,
@@ -152,6 +160,7 @@ from posgen.spec.model.text import (
 __all__ = [
     "AbsoluteTable",
     "AnyBias",
+    "AnyQueryScale",
     "Axes",
     "AxialAxes",
     "BASE_WHY",
@@ -173,6 +182,7 @@ __all__ = [
     "ExprFrequencies",
     "ExprParam",
     "FireBias",
+    "FloorLogQueryScale",
     "Frequencies",
     "GlobalContentSpec",
     "GlobalContentTerm",
@@ -189,7 +199,9 @@ __all__ = [
     "LinearSlopeBias",
     "Llama3Frequencies",
     "LogBuckets",
+    "LogLengthQueryScale",
     "LongRopeFrequencies",
+    "MAX_ATTN_SCALE",
     "MAX_BASE",
     "MAX_CONTEXT",
     "MAX_EXPR_INIT",
@@ -198,6 +210,7 @@ __all__ = [
     "MAX_LONGROPE_PAIRS",
     "MAX_ODE_POSITIONS",
     "MAX_ODE_STEPS",
+    "MAX_QUERY_SCALE_LENGTH",
     "MAX_SCALING_FACTOR",
     "MAX_TABLE_ELEMENTS",
     "MAX_TABLE_ROWS",
@@ -210,6 +223,7 @@ __all__ = [
     "PositionContent",
     "PositionPosition",
     "Projection",
+    "QueryScale",
     "RELATIVE_FORMS",
     "RESERVED_MODULE_NAMES",
     "RandomizedPositions",

@@ -31,6 +31,7 @@ from posgen.spec.model.biases import (
     UntiedTerm,
 )
 from posgen.spec.model.inputs import HierarchicalTable, InputForm, LearnedTable
+from posgen.spec.model.query_scale import QueryScale
 from posgen.spec.model.relative import (
     ContextualPositions,
     ContextualTerm,
@@ -215,6 +216,7 @@ class Spec(SpecModel):
     )
     defaults: Defaults
     scale: Scale
+    query_scale: QueryScale | None = None
     input: InputForm | None = None
     relative: RelativeSection | None = None
     terms: Terms
@@ -373,6 +375,13 @@ class Spec(SpecModel):
                 f"{at}.axes",
                 "randomized positions draw one position per token; M-RoPE "
                 "takes a position per axis: use one or the other",
+            )
+        if rotation.axes is not None and self.query_scale is not None:
+            raise cross_field_error(
+                "query_scale",
+                "a query scale reads one position per query; a rotation over position "
+                "axes (M-RoPE, axial RoPE) gives each token one per axis: use one or the "
+                "other",
             )
 
     def _check_bias(self) -> None:
