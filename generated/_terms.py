@@ -32,6 +32,7 @@ from ._inputs import (
     check_position_pair,
     check_positions,
     frozen_block,
+    kept_over_reach,
     parameter_snapshot,
     parameter_states,
     parameters_unchanged,
@@ -410,10 +411,10 @@ class AttentionTerms(nn.Module):
         (q,) = to_bhnd(layout, q)
         check_one_input(q, self.head_dim, "q")
         positions = check_positions(positions, q.shape[2], q.shape[0], "positions", q.device)
-        if self.has_query_scale:
-            if positions is None:
-                positions = torch.arange(q.shape[2], device=q.device)
-            q = scaled_queries(q, self._query_scales(positions))
+        if positions is not None:
+            q = self._scaled_queries(q, positions, q.shape[2])
+        elif self.has_query_scale:  # the queries sit at 0 .. N - 1
+            q = scaled_queries(q, self._default_query_scales(0, q.shape[2], q))
         return to_bhnd(layout, q)[0]
 
     def _query_scales(self, positions: Tensor) -> Tensor:
@@ -427,9 +428,26 @@ class AttentionTerms(nn.Module):
         them (None only at the defaults, where they are M - N, ..., M - 1)."""
         if not self.has_query_scale:
             return q
-        if q_positions is None:
-            q_positions = torch.arange(m - q.shape[2], m, device=q.device)  # [N]
-        return scaled_queries(q, self._query_scales(q_positions))
+        if q_positions is not None:
+            return scaled_queries(q, self._query_scales(q_positions))
+        return scaled_queries(q, self._default_query_scales(m - q.shape[2], m, q))
+
+    def _default_query_scales(self, start: int, stop: int, q: Tensor) -> Tensor:
+        """tau at positions start .. stop - 1 ([N], in q's compute dtype): a slice of
+        the factors of 0 .. R - 1 kept per device and dtype, R a power of two grown as
+        calls need, so a decode step (a new key count each) makes none (on a 2-core
+        CPU the ten small ops that make them took about 20 us a step). While
+        compiling, made in the graph."""
+        dtype = compute_dtype(q)
+        if torch.compiler.is_compiling():
+            positions = torch.arange(start, stop, device=q.device)
+            return self._query_scales(positions).to(dtype)
+
+        def scales(reach: int) -> Tensor:  # [R]
+            return self._query_scales(torch.arange(reach, device=q.device)).to(dtype)
+
+        key = ("query_scales", str(q.device), dtype)
+        return kept_over_reach(self._cache, key, stop, scales)[1][start:stop]
 
     def parameters_frozen(self) -> contextlib.AbstractContextManager[None]:
         """A context manager: within it, the values kept from this module's parameters

@@ -63,6 +63,19 @@ def test_explain_t5_in_words(run) -> None:
     assert "scale: none" in output
 
 
+def test_explain_states_a_query_scale(run) -> None:
+    """Llama 4's temperature tuning and log-length scaling in words, with where tau is 1;
+    an encoding without a query scale prints no such line."""
+    llama4 = run("explain", "nope_llama4").output
+    assert (
+        "queries: q_i * tau(i) before any term reads it, tau(i) = 1 + 0.1 ln(1 + floor((i + "
+        "1) / 8192)) (1 below position 8191)"
+    ) in llama4
+    logn = run("explain", "rope_logn").output
+    assert "tau(i) = max(1, ln(i + 1) / ln(8192)) (1 up to position 8191)" in logn
+    assert "queries:" not in run("explain", "rope").output
+
+
 def test_explain_axial_rope_states_each_axis_share_of_the_pairs(run) -> None:
     """Axial RoPE turns d_rot / 4 pairs per axis over theta_k = base^(-2k/(d_rot/2)),
     k < d_rot/4 (RoPE-ViT's recipe, as the module computes it), not base^(-2k/d_rot)."""

@@ -103,9 +103,12 @@ def test_floor_log_scale_matches_hugging_face_llama4(small: bool, start: int) ->
 
 def test_default_positions_scale_a_decode_query_past_the_first_step() -> None:
     """A decode step at the default positions (one query at position M - 1) is scaled by
-    tau(M - 1): with 8193 keys Llama 4's factor is 1 + 0.1 ln 2 for the last query."""
+    tau(M - 1): with 8193 keys Llama 4's factor is 1 + 0.1 ln 2 for the last query, read
+    from the kept factors after a call of 5 keys kept fewer."""
     pe = generated_class("nope_llama4")(heads=2, head_dim=8)
     q = torch.randn(1, 2, 1, 8, dtype=F64)
+    short = torch.randn(1, 2, 5, 8, dtype=F64)
+    torch.testing.assert_close(pe(q, short, short), attention(q, short, short))
     k, v = torch.randn(1, 2, 8193, 8, dtype=F64), torch.randn(1, 2, 8193, 8, dtype=F64)
     tau = floor_log_query_scale(8192, 8192, 0.1)
     assert tau == pytest.approx(1 + 0.1 * math.log(2))
