@@ -237,3 +237,32 @@ def test_a_query_scale_makes_shifted_positions_take_their_own_path() -> None:
     expected = attention(q * tau[:, None], k, v, None, None, shifted, shifted)
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
     assert not torch.allclose(got, pe(q, k, v, causal=True))
+
+
+@pytest.mark.parametrize(
+    ("base", "old", "new"),
+    [
+        ("rope_logn", "original_max_positions: 8192", "original_max_positions: 4194304"),
+        ("nope_llama4", "floor_scale: 8192", "floor_scale: 4194304"),
+    ],
+    ids=["log-length", "floor-log"],
+)
+def test_check_refutes_relative_at_the_longest_allowed_length(
+    base: str, old: str, new: str, tmp_path
+) -> None:
+    """At the largest length a query scale allows (2^22), ``posgen check`` still shifts
+    past four times it and refutes a claim of ``relative: true`` (exit 1)."""
+    from click.testing import CliRunner
+
+    from posgen.cli import main
+    from tests.conftest import ROOT
+
+    text = (ROOT / "specs" / f"{base}.yaml").read_text(encoding="utf-8")
+    assert old in text and "relative: false" in text
+    spec = tmp_path / f"{base}.yaml"
+    spec.write_text(text.replace(old, new).replace("relative: false", "relative: true"))
+    result = CliRunner().invoke(
+        main, ["check", str(spec), "--only", "relative", "--max-examples", "10"]
+    )
+    assert result.exit_code == 1, result.output
+    assert "relative (REFUTED: fails)" in result.output

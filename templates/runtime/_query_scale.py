@@ -1,9 +1,9 @@
 """Query scales: the factor tau(i) each query vector is multiplied by, from its position.
 
 The factors are computed from integer positions in float64 (exact for every position
-below 2^53: the floor of (i + 1) / s is an integer division) and returned in float32,
-or float64 for float64 queries; ``scaled_queries`` multiplies q by them in the
-factors' dtype and rounds once to q's dtype, as Hugging Face's Llama 4 attention does.
+below 2^53: the floor of (i + 1) / s is an integer division); ``scaled_queries``
+multiplies q by them in float32 (float64 for float64 queries) and rounds once to q's
+dtype, as Hugging Face's Llama 4 attention does.
 """
 
 from __future__ import annotations

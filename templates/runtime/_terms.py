@@ -400,11 +400,13 @@ class AttentionTerms(nn.Module):
         q itself where the encoding has none.
 
         q: [batch, heads, N, head_dim] (or [batch, N, heads, head_dim] with layout
-        "bnhd"); positions: int64 [N] or [batch, N], default 0, ..., N - 1. The product
-        is formed in float32 (float64 for float64 q) and rounded once to q's dtype.
-        ``forward``, ``scores`` and ``score_terms`` scale the queries themselves; call
-        this beside ``rotate`` where your own attention takes the rotated q and k (the
-        factor commutes with the rotation, so the order does not matter).
+        "bnhd"); positions: the queries' positions, int64 [N] or [batch, N], default
+        0, ..., N - 1 (a prompt from position 0: in a decode step pass them, since
+        ``rotate`` and ``forward`` place N queries at the last N of M key positions). The
+        product is formed in float32 (float64 for float64 q) and rounded once to q's
+        dtype. ``forward``, ``scores`` and ``score_terms`` scale the queries themselves;
+        call this beside ``rotate``, with the same query positions, where your own
+        attention takes the rotated q and k (the factor commutes with the rotation).
         """
         (q,) = to_bhnd(layout, q)
         check_one_input(q, self.head_dim, "q")

@@ -15,9 +15,9 @@ from pydantic import Field
 
 from posgen.spec.model.base import SpecModel
 
-MAX_QUERY_SCALE_LENGTH = 1 << 24
+MAX_QUERY_SCALE_LENGTH = 1 << 22
 """Largest floor_scale or original_max_positions of a query scale (published: 2,048 to
-8,192); past 2^24 float32 positions are no longer whole numbers."""
+8,192): ``posgen check`` shifts positions past four times it, up to its limit of 2^24."""
 MAX_ATTN_SCALE = 10.0
 """Largest attn_scale of the floor-log scale (Llama 4: 0.1)."""
 
