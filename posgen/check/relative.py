@@ -5,8 +5,8 @@ c ≥ 1 (up to half the span, or far: past four times every length the spec stat
 ``original_max_positions`` of a rope scaling or a query scale and a query scale's
 ``floor_scale`` included, at least to 2^16, at most 2^24, and never past a table) and
 a seed for random content (projected q and k, or token embeddings through embed on the
-input route); then every run tries the same fixed
-shifts, each power of two up to the far reach (``fixed_shifts``). The float64 logits
+input route); then every run tries the same fixed shifts, each power of two up to the
+far reach (``fixed_shifts``). The float64 logits
 at the shifted positions must equal the unshifted ones within a tolerance that grows
 with the largest position (NaN logits, or an infinite one that the shift changes,
 refute it). The input route needs explicit positions (an embed that only takes the

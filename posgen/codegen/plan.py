@@ -557,11 +557,11 @@ def _blocks(spec: Spec) -> tuple[Block, ...]:
 
 def _query_scale_plan(spec: Spec) -> QueryScalePlan:
     scale = spec.query_scale
+    assert scale is not None
     if isinstance(scale, FloorLogQueryScale):
         return FloorLogQueryScalePlan(
             floor_scale=scale.floor_scale, attn_scale=float(scale.attn_scale)
         )
-    assert scale is not None
     return LogLengthQueryScalePlan(original_max_positions=scale.original_max_positions)
 
 

@@ -1,10 +1,11 @@
 """Query scales: each query vector multiplied by a factor of its own position.
 
 Some long-context models sharpen attention as the context grows by scaling the query
-at position i by a factor tau(i) >= 1 before its logits are formed, so that every term
-that reads the query's content (content_content, content_position) is multiplied by
-tau(i), while terms of positions alone are not. Rotations commute with the factor
-(R(i)(tau q) = tau R(i) q), so it applies before or after a rotation alike.
+at position i by a factor tau(i) >= 1 before any term reads it, so that the terms
+linear in the query (content_content, a relative content_position) are multiplied by
+tau(i), while terms of positions alone are not (CoPE's gates read the scaled query
+too). Rotations commute with the factor (R(i)(tau q) = tau R(i) q), so it applies
+before or after a rotation alike.
 """
 
 from __future__ import annotations
