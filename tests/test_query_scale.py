@@ -15,8 +15,10 @@ import math
 
 import pytest
 import torch
+from click.testing import CliRunner
 
-from tests.conftest import generated_class, run_backend, spec_variant
+from posgen.cli import main
+from tests.conftest import ROOT, generated_class, run_backend, spec_variant
 from tests.reference.formulas import (
     attention,
     floor_log_query_scale,
@@ -252,11 +254,6 @@ def test_check_refutes_relative_at_the_longest_allowed_length(
 ) -> None:
     """At the largest length a query scale allows (2^22), ``posgen check`` still shifts
     past four times it and refutes a claim of ``relative: true`` (exit 1)."""
-    from click.testing import CliRunner
-
-    from posgen.cli import main
-    from tests.conftest import ROOT
-
     text = (ROOT / "specs" / f"{base}.yaml").read_text(encoding="utf-8")
     assert old in text and "relative: false" in text
     spec = tmp_path / f"{base}.yaml"

@@ -350,7 +350,7 @@ def _message(item: ErrorDetails, path: FieldPath = (), data: object = None) -> s
         if keywords:
             shape = f"one of {', '.join(map(repr, keywords))} or {shape}"
         return f"got {_typed(given)}; write {shape}"
-    if kind == "model_attributes_type":  # a scalar where a union's mapping with a kind belongs
+    if kind == "model_attributes_type":  # the same where a union of kinds' mapping belongs
         kinds = ", ".join(repr(tag) for tag in kinds_at(path, data))
         shape = f"a mapping with its kind ({kinds})" if kinds else "a mapping of fields"
         return f"got {_typed(given)}; write {shape}"

@@ -411,10 +411,7 @@ class AttentionTerms(nn.Module):
         (q,) = to_bhnd(layout, q)
         check_one_input(q, self.head_dim, "q")
         positions = check_positions(positions, q.shape[2], q.shape[0], "positions", q.device)
-        if positions is not None:
-            q = self._scaled_queries(q, positions, q.shape[2])
-        elif self.has_query_scale:  # the queries sit at 0 .. N - 1
-            q = scaled_queries(q, self._default_query_scales(0, q.shape[2], q))
+        q = self._scaled_queries(q, positions, q.shape[2])  # None: the queries at 0 .. N - 1
         return to_bhnd(layout, q)[0]
 
     def _query_scales(self, positions: Tensor) -> Tensor:
