@@ -67,13 +67,16 @@ def _inverse_frequencies(rotary_dim: int, length: Tensor | None, device: torch.d
 
     w_k < original_max / high_freq_factor: theta_k; w_k > original_max / low_freq_factor:
     theta_k / factor; between: (1 - s) theta_k / factor + s theta_k with
-    s = (original_max / w_k - low_freq_factor) / (high_freq_factor - low_freq_factor).
+    s = (original_max / w_k - low_freq_factor) / (high_freq_factor - low_freq_factor);
+    equal factors leave no band between them (one cut at original_max).
     """
     theta = _geometric_frequencies(rotary_dim, device)  # [rotary_dim / 2]
     wavelength = 2 * math.pi / theta
-    smooth = (ORIGINAL_MAX_POSITIONS / wavelength - LLAMA3_LOW_FREQ_FACTOR) / (
-        LLAMA3_HIGH_FREQ_FACTOR - LLAMA3_LOW_FREQ_FACTOR
-    )
+    band = LLAMA3_HIGH_FREQ_FACTOR - LLAMA3_LOW_FREQ_FACTOR
+    if band > 0:
+        smooth = (ORIGINAL_MAX_POSITIONS / wavelength - LLAMA3_LOW_FREQ_FACTOR) / band
+    else:  # no band: a wavelength at the cut itself takes theta_k / factor
+        smooth = torch.zeros_like(theta)
     blended = (1 - smooth) * theta / LLAMA3_FACTOR + smooth * theta
     long_waves = wavelength > ORIGINAL_MAX_POSITIONS / LLAMA3_LOW_FREQ_FACTOR
     short_waves = wavelength < ORIGINAL_MAX_POSITIONS / LLAMA3_HIGH_FREQ_FACTOR

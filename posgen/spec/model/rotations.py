@@ -149,23 +149,26 @@ class Llama3Frequencies(SpecModel):
     shorter than original_max / high_freq_factor are kept, and between them the frequency
     is interpolated smoothly: (1 - s) theta / factor + s theta with
     s = (original_max / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor).
+    Equal factors leave no band between: one cut at original_max (Llama 4 Scout).
     """
 
     kind: Literal["llama3"]
     factor: float = Field(ge=1, le=MAX_SCALING_FACTOR, description=_FACTOR_WHY)
     low_freq_factor: float = Field(gt=0, le=1e4, description="in (0, 10^4] (Llama 3.1: 1)")
     high_freq_factor: float = Field(
-        gt=0, le=1e4, description="in (0, 10^4], above low_freq_factor (Llama 3.1: 4)"
+        gt=0,
+        le=1e4,
+        description="in (0, 10^4], at least low_freq_factor (Llama 3.1: 4; equal: one cut)",
     )
     original_max_positions: int = Field(ge=2, le=MAX_CONTEXT, description=_ORIGINAL_MAX_WHY)
 
     @model_validator(mode="after")
     def _factors_ordered(self) -> Llama3Frequencies:
-        if self.high_freq_factor <= self.low_freq_factor:
+        if self.high_freq_factor < self.low_freq_factor:
             raise cross_field_error(
                 "high_freq_factor",
-                f"high_freq_factor must be greater than low_freq_factor (got "
-                f"{self.high_freq_factor:g} <= {self.low_freq_factor:g})",
+                f"high_freq_factor must be at least low_freq_factor (got "
+                f"{self.high_freq_factor:g} < {self.low_freq_factor:g})",
             )
         return self
 
