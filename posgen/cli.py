@@ -19,6 +19,8 @@ import click
 if TYPE_CHECKING:
     from torch import Tensor
 
+    from posgen.hf_families import Pairing
+
 from posgen.catalogue import encoding_rows, model_rows
 from posgen.cli_errors import file_error, reports_spec_errors
 from posgen.cli_output import UsageError, say
@@ -222,18 +224,39 @@ def new(name: str, source: str | None, out_file: Path | None) -> None:
     default=None,
     help="Write the spec here (validated; never over a file); default: print it.",
 )
+@click.option(
+    "--layer",
+    type=click.IntRange(min=0),
+    default=None,
+    help="The attention layer to describe, for models whose layers differ "
+    "(Llama 4, SmolLM3, Gemma 3, Cohere 2).",
+)
+@click.option(
+    "--pairing",
+    type=click.Choice(["half", "interleaved"]),
+    default=None,
+    help="How a rotary model of a family from-hf does not know pairs its features.",
+)
 @reports_spec_errors
-def from_hf(config_file: Path, name: str | None, out_file: Path | None) -> None:
+def from_hf(
+    config_file: Path,
+    name: str | None,
+    out_file: Path | None,
+    layer: int | None,
+    pairing: Pairing | None,
+) -> None:
     """Write the spec of the positional encoding a Hugging Face config.json describes.
 
     \b
     Example:
         posgen from-hf llama/config.json --out specs/my_llama.yaml
+        posgen from-hf llama4/config.json --layer 3   # one of its NoPE layers
     """
     import json
 
     from posgen.codegen.render import catalogue_dir
-    from posgen.from_hf import CONFIG_FILE, ConfigError, spec_from_config
+    from posgen.from_hf import spec_from_config
+    from posgen.hf_config import CONFIG_FILE, ConfigError
     from posgen.scaffold import ScaffoldError, validate_text, write_new_spec
     from posgen.spec.bounded_file import RefusedFile, read_bounded
 
@@ -246,7 +269,7 @@ def from_hf(config_file: Path, name: str | None, out_file: Path | None) -> None:
         raise UsageError(f"{config_file}: a config is a JSON object")
     try:
         name = _from_hf_name(name, config)
-        text = spec_from_config(config, name, catalogue_dir())
+        text = spec_from_config(config, name, catalogue_dir(), layer=layer, pairing=pairing)
         if out_file is None:
             validate_text(text, Path(f"{name}.yaml"))
             say(text, nl=False)

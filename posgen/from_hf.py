@@ -4,191 +4,59 @@ Reads a ``config.json`` (a dict) and writes the spec of the positional encoding 
 model uses, starting from the catalogue spec of its family and setting what the config
 states:
 
-- rotary models (Llama, Mistral, Qwen2, Gemma, Phi-3, GPT-NeoX, Qwen2-VL, ...): ``rope``
-  with the config's ``rope_theta``, ``partial_rotary_factor`` / ``rotary_pct``,
-  ``head_dim``, ``num_attention_heads``, every ``rope_scaling`` type of Hugging Face's
-  ``ROPE_INIT_FUNCTIONS`` (linear, dynamic, yarn, longrope, llama3) as a frequency
-  schedule, and ``mrope_section`` as M-RoPE axes;
+- rotary models (Llama, Mistral, Qwen, Gemma, Phi, GPT-NeoX, GPT-J, Cohere, GLM,
+  Llama 4, SmolLM3, Qwen2-VL, ...; the families of ``posgen.hf_families``): ``rope`` with
+  the family's pairing and the config's ``rope_theta``, ``partial_rotary_factor`` /
+  ``rotary_pct`` / ``rotary_dim``, ``head_dim``, ``num_attention_heads``, every
+  ``rope_scaling`` type of Hugging Face's ``ROPE_INIT_FUNCTIONS`` (linear, dynamic, yarn,
+  longrope, llama3) as a frequency schedule, ``mrope_section`` as M-RoPE axes, and a
+  logit scale other than 1/sqrt(head_dim) (``query_pre_attn_scalar``,
+  ``attention_multiplier``);
+- models whose layers differ (Llama 4, SmolLM3, Gemma 3, Cohere 2): the spec of one layer,
+  chosen with ``layer``: ``rope`` as above (Gemma 3's sliding layers with
+  ``rope_local_base_freq``), or ``nope`` (``nope_llama4`` with the config's
+  ``floor_scale`` and ``attn_scale`` where Llama 4 tunes the temperature);
 - BLOOM (``n_head``, ``hidden_size``) and MPT with ``attn_config.alibi`` (power-of-two
   head counts, ``alibi_bias_max`` 8): ``alibi``;
 - the T5 family (``relative_attention_num_buckets``, ``relative_attention_max_distance``,
   ``num_heads``, ``d_kv``): ``t5``.
 
 A setting the catalogue cannot express (an unknown ``rope_scaling`` type, MPT's slopes
-for a head count that is not a power of two) is an error that names it, never a spec that is
-silently different from the model. A malformed setting (a count that is not a positive
-integer, or is a boolean; a number that is not finite and positive; a section that is not
-a mapping) is a ``ConfigError`` naming the key (``rope_scaling.factor``) and what it
-allows; every value is read through the typed readers of ``Settings``. A key that is
+for a head count that is not a power of two, logit soft-capping, DeepSeek's latent
+attention) is an error that names it, never a spec that is silently different from the
+model; so is a rotary ``model_type`` whose pairing from-hf does not know, unless
+``pairing`` states it. A malformed setting (a count that is not a positive integer, or
+is a boolean; a number that is not finite and positive; a section that is not a mapping)
+is a ``ConfigError`` naming the key (``rope_scaling.factor``) and what it allows; every
+value is read through the typed readers of ``posgen.hf_config.Settings``. A key that is
 absent or null takes Hugging Face's default, or is reported missing where there is none.
+What the config sets that is a mask rather than a position term (a sliding window,
+Llama 4's attention chunks) is stated in comments above the spec, with the module
+argument that applies it.
 """
 
 from __future__ import annotations
 
-import json
-import math
-from collections.abc import Callable, Mapping
+import textwrap
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import yaml
 
-from posgen.spec.bounded_file import FileRule
+from posgen.hf_config import ConfigError, Settings
+from posgen.hf_families import FAMILIES, REFUSED, Family, LayerKind, Pairing
 
-MAX_CONFIG_BYTES = 16 * 1024**2
-"""The largest config read, 16 MiB: a model's config.json is a few KiB (a classifier's
-label names make it tens); the file's kind and size are checked before it is read, as a
-spec file's are."""
-CONFIG_FILE = FileRule(MAX_CONFIG_BYTES, "a config is a plain JSON file", "a config file")
-
-ROTARY_TYPES = {"llama", "mistral", "mixtral", "qwen2", "gemma", "gemma2", "phi3", "gpt_neox"}
-
-T = TypeVar("T")
-_SHOWN_CHARACTERS = 60  # how much of a bad value a message quotes
+MIN_SCALE_FACTOR, MAX_SCALE_FACTOR = 1e-3, 1e3  # the spec's scale.factor range
 
 
-class ConfigError(ValueError):
-    """A config posgen cannot turn into an exact spec (the message names the setting)."""
+@dataclass
+class _Layer:
+    """The layer whose positions the spec states, and what from-hf says about it."""
 
-
-class _Required:
-    """The default of a setting that has none: absent or null, it is reported missing."""
-
-
-REQUIRED = _Required()
-
-
-def _shown(value: Any) -> str:
-    """A config value as its JSON text (``true``, ``"abc"``), shortened."""
-    text = json.dumps(value, ensure_ascii=True, default=str)
-    if len(text) > _SHOWN_CHARACTERS:
-        return text[: _SHOWN_CHARACTERS - 3] + "..."
-    return text
-
-
-def _positive_int(value: Any) -> int | None:
-    """``value`` if it is an integer ≥ 1 (a JSON number, never a boolean), else None."""
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
-        return value
-    return None
-
-
-def _finite(value: Any) -> float | None:
-    """``value`` as a float if it is a finite JSON number (never a boolean), else None."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    try:
-        number = float(value)
-    except OverflowError:  # an integer past float's range
-        return None
-    return number if math.isfinite(number) else None
-
-
-def _positive_number(value: Any) -> float | None:
-    """``value`` as a float if it is finite and > 0, else None."""
-    number = _finite(value)
-    return number if number is not None and number > 0 else None
-
-
-def _non_negative_number(value: Any) -> float | None:
-    """``value`` as a float if it is finite and ≥ 0, else None."""
-    number = _finite(value)
-    return number if number is not None and number >= 0 else None
-
-
-def _list_of(item: Callable[[Any], T | None]) -> Callable[[Any], list[T] | None]:
-    """A reader of a non-empty JSON list whose every item ``item`` accepts."""
-
-    def read(value: Any) -> list[T] | None:
-        if not isinstance(value, list) or not value:
-            return None
-        items = [item(entry) for entry in value]
-        accepted = [entry for entry in items if entry is not None]
-        return accepted if len(accepted) == len(items) else None
-
-    return read
-
-
-def _word(value: Any) -> str | None:
-    """``value`` if it is a JSON string, else None."""
-    return value if isinstance(value, str) else None
-
-
-def _flag(value: Any) -> bool | None:
-    """``value`` if it is true or false, else None."""
-    return value if isinstance(value, bool) else None
-
-
-def _mapping(value: Any) -> dict[str, Any] | None:
-    """``value`` if it is a JSON object, else None."""
-    return value if isinstance(value, dict) else None
-
-
-class Settings:
-    """Typed reads of one JSON object of a config: each reader returns the value, the
-    default when the key is absent or null, or raises ConfigError naming the key (with
-    ``prefix``, as in ``rope_scaling.factor``) and what it allows."""
-
-    def __init__(self, values: Mapping[str, Any], prefix: str = "") -> None:
-        self.values = values
-        self.prefix = prefix
-
-    def has(self, key: str) -> bool:
-        """Whether ``key`` is set (present and not null)."""
-        return self.values.get(key) is not None
-
-    def first_set(self, *keys: str) -> str:
-        """The first of ``keys`` that is set, else the last (whose default then applies)."""
-        return next((key for key in keys if self.has(key)), keys[-1])
-
-    def _read(
-        self, key: str, default: T | _Required, allowed: str, read: Callable[[Any], T | None]
-    ) -> T:
-        """``read(value)`` of ``key``; ``default`` when it is not set; else ConfigError."""
-        value = self.values.get(key)
-        if value is None:
-            if isinstance(default, _Required):
-                raise ConfigError(f"{self.prefix}{key}: missing; it must be {allowed}")
-            return default
-        converted = read(value)
-        if converted is None:
-            raise ConfigError(f"{self.prefix}{key}: must be {allowed}, got {_shown(value)}")
-        return converted
-
-    def positive_int(self, key: str, default: int | _Required = REQUIRED) -> int:
-        """A count or a length: an integer >= 1, never a boolean."""
-        return self._read(key, default, "a positive integer (not a boolean)", _positive_int)
-
-    def positive_number(self, key: str, default: float | _Required = REQUIRED) -> float:
-        """A base, factor or fraction: a finite number > 0, never a boolean."""
-        return self._read(key, default, "a finite positive number", _positive_number)
-
-    def non_negative_number(self, key: str, default: float | _Required = REQUIRED) -> float:
-        """A finite number >= 0 (YaRN's mscale), never a boolean."""
-        return self._read(key, default, "a finite number >= 0", _non_negative_number)
-
-    def numbers(self, key: str) -> list[float]:
-        """A required non-empty list of finite numbers (LongRoPE's factors)."""
-        return self._read(key, REQUIRED, "a non-empty list of finite numbers", _list_of(_finite))
-
-    def positive_ints(self, key: str) -> list[int]:
-        """A required non-empty list of positive integers (M-RoPE's sections)."""
-        allowed = "a non-empty list of positive integers"
-        return self._read(key, REQUIRED, allowed, _list_of(_positive_int))
-
-    def word(self, key: str, default: str) -> str:
-        """A JSON string."""
-        return self._read(key, default, "a string", _word)
-
-    def flag(self, key: str, default: bool) -> bool:
-        """true or false (never 0, 1 or a string)."""
-        return self._read(key, default, "true or false", _flag)
-
-    def section(self, key: str) -> Settings:
-        """The JSON object at ``key`` (absent or null: an empty one)."""
-        empty: dict[str, Any] = {}
-        values = self._read(key, empty, "a mapping (a JSON object) or null", _mapping)
-        return Settings(values, f"{self.prefix}{key}.")
+    kind: LayerKind = LayerKind.ROTARY
+    index: int | None = None
+    notes: list[str] = field(default_factory=list)
 
 
 def default_name(config: dict[str, Any]) -> str:
@@ -197,15 +65,32 @@ def default_name(config: dict[str, Any]) -> str:
     return f"{model_type}_positions".replace("-", "_")
 
 
-def spec_from_config(config: dict[str, Any], name: str, catalogue: Path) -> str:
-    """The YAML text of the spec called ``name`` for this model config."""
-    settings = Settings(config)
-    model_type = settings.word("model_type", "")
-    text = config.get("text_config")
-    if isinstance(text, dict) and "rope_theta" in text and "rope_theta" not in config:
-        settings = Settings({**config, **text})  # multimodal: the language model's positions
-    if model_type in ROTARY_TYPES or settings.has("rope_theta"):
-        spec = _rotary(settings, _catalogue(catalogue, "rope"))
+def spec_from_config(
+    config: dict[str, Any],
+    name: str,
+    catalogue: Path,
+    *,
+    layer: int | None = None,
+    pairing: Pairing | None = None,
+) -> str:
+    """The YAML text of the spec called ``name`` for this model config.
+
+    layer: the index of the attention layer to describe, for models whose layers differ
+        (required there; checked against ``num_hidden_layers`` where the config states it).
+    pairing: ``half`` or ``interleaved``, for a rotary model of a family from-hf does not
+        know (for a known family it must agree with the family's).
+    """
+    settings, model_type = _language_model(config)
+    if model_type in REFUSED:
+        raise ConfigError(f"model_type {model_type!r}: {REFUSED[model_type]}")
+    _refuse_soft_capping(settings)
+    chosen = _Layer(index=layer)
+    if model_type in FAMILIES or settings.has("rope_theta"):
+        family = _family(model_type, settings, pairing)
+        chosen = _chosen_layer(family, settings, layer)
+        spec = _rotary_family_spec(family, chosen, settings, catalogue)
+    elif pairing is not None:
+        raise ConfigError(f"--pairing {pairing}: model_type {model_type!r} does not rotate")
     elif model_type == "bloom":
         spec = _alibi(settings, _catalogue(catalogue, "alibi"), "BLOOM")
     elif model_type == "mpt":
@@ -214,10 +99,198 @@ def spec_from_config(config: dict[str, Any], name: str, catalogue: Path) -> str:
         spec = _t5(settings, _catalogue(catalogue, "t5"))
     else:
         raise ConfigError(f"model_type {model_type!r}: no position settings posgen can read")
+    if chosen.index is not None and settings.has("num_hidden_layers"):
+        _check_layer_index(chosen.index, settings.positive_int("num_hidden_layers"))
     spec["name"] = name
     source = settings.word("_name_or_path", "") or model_type
-    spec["title"] = f"{spec['title']} ({source} config)"
-    return yaml.safe_dump(spec, sort_keys=False, width=88, allow_unicode=False)
+    where = "" if chosen.index is None else f", layer {chosen.index}"
+    spec["title"] = f"{spec['title']} ({source} config{where})"
+    notes = "".join(
+        textwrap.fill(note, 88, initial_indent="# ", subsequent_indent="#   ") + "\n"
+        for note in chosen.notes
+    )
+    return notes + yaml.safe_dump(spec, sort_keys=False, width=88, allow_unicode=False)
+
+
+def _language_model(config: dict[str, Any]) -> tuple[Settings, str]:
+    """The settings of the language model and its ``model_type``: a multimodal config's
+    ``text_config`` (Llama 4, Gemma 3, Qwen2-VL) over the top level, where it holds the
+    rotary settings or names a family."""
+    settings = Settings(config)
+    model_type = settings.word("model_type", "")
+    text = settings.section("text_config").values
+    text_type = Settings(text, "text_config.").word("model_type", "")
+    if text and "rope_theta" not in config and ("rope_theta" in text or text_type in FAMILIES):
+        return Settings({**config, **text}), text_type or model_type
+    return settings, model_type
+
+
+def _refuse_soft_capping(config: Settings) -> None:
+    """ConfigError where the model caps its logits (Gemma 2): posgen's attention does not."""
+    if config.has("attn_logit_softcapping"):
+        cap = config.positive_number("attn_logit_softcapping")
+        raise ConfigError(
+            f"attn_logit_softcapping {cap:g}: the model caps its logits (cap * tanh(logits / "
+            "cap)) and posgen's attention does not, so no spec gives this model's attention"
+        )
+
+
+def _family(model_type: str, config: Settings, pairing: Pairing | None) -> Family:
+    """The model's family; for a rotary model_type from-hf does not know, one with the
+    pairing the user states and Hugging Face's usual defaults."""
+    family = FAMILIES.get(model_type)
+    if family is not None:
+        if pairing is not None and pairing != family.pairing:
+            raise ConfigError(
+                f"--pairing {pairing}: Hugging Face's {model_type} pairs {family.pairing} "
+                "features (leave --pairing out for a family from-hf knows)"
+            )
+        if model_type == "falcon" and config.flag("alibi", False):
+            raise ConfigError(
+                "alibi is true: this Falcon adds ALiBi with Falcon's own slopes and "
+                "scaling, which from-hf does not translate"
+            )
+        return family
+    if pairing is None:
+        raise ConfigError(
+            f"model_type {model_type!r} is not a rotary family from-hf knows, so it cannot "
+            "tell how the model pairs rotated features: read its apply_rotary_pos_emb and "
+            "pass --pairing half (rotate_half on halves, feature k with k + d/2: Llama, "
+            "Mistral, Qwen) or --pairing interleaved (neighbours 2k and 2k + 1: GPT-J, "
+            "Cohere, GLM, Llama 4)"
+        )
+    several = config.has("layer_types") and len(set(config.words("layer_types"))) > 1
+    if config.has("no_rope_layers") or several:
+        raise ConfigError(
+            f"model_type {model_type!r} has layers of several kinds (no_rope_layers or "
+            "layer_types), and from-hf does not know which of them rotate in this family"
+        )
+    return Family(pairing)
+
+
+def _chosen_layer(family: Family, config: Settings, layer: int | None) -> _Layer:
+    """The layer the spec describes: its kind, and the notes about it."""
+    chosen = _Layer(index=layer)
+    if family.layers is not None:
+        kinds = family.layers(config)
+        if layer is None and len(set(kinds)) > 1:
+            raise ConfigError(_several_kinds(kinds))
+        if layer is not None:
+            _check_layer_index(layer, len(kinds))
+        chosen.kind = kinds[0 if layer is None else layer]
+    _note_masks(family, config, chosen)
+    return chosen
+
+
+def _several_kinds(kinds: list[LayerKind]) -> str:
+    """The message for a model whose layers differ and no --layer was given."""
+    shown = 8
+    parts = []
+    for kind in sorted(set(kinds), key=kinds.index):
+        indices = [index for index, each in enumerate(kinds) if each is kind]
+        listed = ", ".join(str(index) for index in indices[:shown])
+        more = f", ... ({len(indices)} in all)" if len(indices) > shown else ""
+        parts.append(f"{kind.value} on layers {listed}{more}")
+    return (
+        f"the model's layers differ ({'; '.join(parts)}): choose one with --layer INDEX "
+        "(one spec per kind of layer)"
+    )
+
+
+def _check_layer_index(layer: int, count: int) -> None:
+    """ConfigError when --layer is past the model's ``count`` layers."""
+    if layer >= count:
+        raise ConfigError(f"--layer {layer}: the config has {count} layers (0 to {count - 1})")
+
+
+def _note_masks(family: Family, config: Settings, chosen: _Layer) -> None:
+    """Notes for what the layer's attention does that is a mask, not a position term."""
+    if family.always_llama3 and chosen.kind is LayerKind.ROTARY:
+        chunk = config.positive_int("attention_chunk_size", 8192)
+        chosen.notes.append(
+            f"Llama 4's RoPE layers attend within chunks of {chunk} positions (a mask, not a "
+            f"position term): call the module with document_ids=positions // {chunk}"
+        )
+        if config.flag("use_qk_norm", True):
+            chosen.notes.append(
+                "Llama 4 L2-normalises q and k on its RoPE layers (use_qk_norm); a rotation "
+                "keeps each head's norm, so normalise them before calling the module"
+            )
+    sliding = config.has("sliding_window") and config.flag("use_sliding_window", True)
+    if sliding and _may_slide(family, config, chosen):
+        window = config.positive_int("sliding_window")
+        where = "this layer attends" if chosen.index is not None else "where the model attends"
+        chosen.notes.append(
+            f"{where} a sliding window of {window} keys (a mask, not a position term): call "
+            f"the module with window={window}"
+        )
+
+
+def _may_slide(family: Family, config: Settings, chosen: _Layer) -> bool:
+    """Whether the chosen layer may attend a sliding window (its layer type, where the
+    config states one; SmolLM3 slides only NoPE layers, Llama 4 never)."""
+    if family.always_llama3:
+        return False
+    if chosen.index is None or not config.has("layer_types"):
+        return True
+    types = config.words("layer_types")
+    return chosen.index < len(types) and types[chosen.index] == "sliding_attention"
+
+
+def _rotary_family_spec(
+    family: Family, chosen: _Layer, config: Settings, catalogue: Path
+) -> dict[str, Any]:
+    """The spec of the chosen layer of a rotary family."""
+    heads = _heads(config, "num_attention_heads", "n_head")
+    head_dim = _head_dim(config, heads, _HIDDEN_KEYS)
+    if chosen.kind is LayerKind.NOPE:
+        spec = _nope(family, config, catalogue)
+    else:
+        start = _catalogue(catalogue, "rope" if family.pairing == "half" else "rope_gptj")
+        spec = _rotary(family, chosen.kind, config, head_dim, start)
+    spec["defaults"] = {"heads": heads, "head_dim": head_dim}
+    spec["models"] = []
+    factor = _scale_factor(family, config, head_dim)
+    if factor is not None:
+        spec["scale"] = {"kind": "inv_sqrt_head_dim", "factor": factor}
+    return spec
+
+
+def _scale_factor(family: Family, config: Settings, head_dim: int) -> float | None:
+    """The spec's scale.factor f, where the model's scale 1/sqrt(f · head_dim) is not
+    1/sqrt(head_dim): Gemma's 1/sqrt(query_pre_attn_scalar), Granite's
+    attention_multiplier m (f = 1 / (m² · head_dim)); None for 1/sqrt(head_dim)."""
+    if family.scale == "query_pre_attn_scalar":
+        factor = config.positive_number("query_pre_attn_scalar", 256.0) / head_dim
+    elif family.scale == "attention_multiplier":
+        multiplier = config.positive_number("attention_multiplier", 1.0)
+        factor = 1.0 / (multiplier * multiplier * head_dim)
+    else:
+        return None
+    if not MIN_SCALE_FACTOR <= factor <= MAX_SCALE_FACTOR:
+        raise ConfigError(
+            f"{family.scale}: gives the logit scale 1/sqrt({factor:g} * head_dim), and a "
+            f"spec's scale.factor is in [{MIN_SCALE_FACTOR:g}, {MAX_SCALE_FACTOR:g}]"
+        )
+    return None if factor == 1.0 else factor
+
+
+def _nope(family: Family, config: Settings, catalogue: Path) -> dict[str, Any]:
+    """A NoPE layer: ``nope``, or ``nope_llama4`` with the config's floor_scale and
+    attn_scale where Llama 4 tunes the attention temperature (attn_temperature_tuning)."""
+    tuned = family.always_llama3 and config.flag("attn_temperature_tuning", True)
+    attn_scale = config.non_negative_number("attn_scale", 0.1) if tuned else 0.0
+    spec = _catalogue(catalogue, "nope_llama4" if attn_scale > 0 else "nope")
+    if attn_scale > 0:
+        spec["query_scale"] = {
+            "kind": "llama4",
+            "floor_scale": config.positive_int("floor_scale", 8192),
+            "attn_scale": attn_scale,
+        }
+    return spec
+
+
+_HIDDEN_KEYS = ("hidden_size", "n_embd")
 
 
 def _catalogue(folder: Path, name: str) -> dict[str, Any]:
@@ -250,27 +323,50 @@ def _head_dim(config: Settings, heads: int, hidden_keys: tuple[str, ...]) -> int
     return hidden // heads
 
 
-def _rotary(config: Settings, spec: dict[str, Any]) -> dict[str, Any]:
-    heads = _heads(config, "num_attention_heads", "n_head")
-    head_dim = _head_dim(config, heads, ("hidden_size",))
-    fraction = config.positive_number(config.first_set("partial_rotary_factor", "rotary_pct"), 1.0)
+def _rotary(
+    family: Family, kind: LayerKind, config: Settings, head_dim: int, spec: dict[str, Any]
+) -> dict[str, Any]:
+    """``rope`` with the family's pairing and the config's base, rotated features,
+    ``rope_scaling`` and M-RoPE sections; a local layer (Gemma 3's sliding layers) turns
+    with ``rope_local_base_freq`` and no scaling."""
+    fraction = _rotated_fraction(family, config, head_dim)
     rotate = spec["terms"]["content_content"]["rotate"]
-    rotate["base"] = config.positive_number(config.first_set("rope_theta", "rotary_emb_base"), 1e4)
+    rotate["pairing"] = family.pairing
+    if kind is LayerKind.LOCAL_ROTARY:
+        rotate["base"] = config.positive_number("rope_local_base_freq", 10000.0)
+        scaling = Settings({}, "rope_scaling.")
+    else:
+        base_key = config.first_set("rope_theta", "rotary_emb_base")
+        rotate["base"] = config.positive_number(base_key, family.base)
+        scaling = config.section("rope_scaling")
     if fraction != 1.0:
         rotate["rotary_dims"] = {"fraction": fraction, "layout": "leading"}
         spec["claims"].pop("decay", None)  # with few rotated pairs decay may fail: measure it
-    scaling = config.section("rope_scaling")
-    kind = scaling.word(scaling.first_set("rope_type", "type"), "default")
+    schedule = scaling.word(scaling.first_set("rope_type", "type"), "default")
+    if family.always_llama3 and scaling.values:
+        schedule = "llama3"  # Llama4TextRotaryEmbedding: llama3 whenever rope_scaling is set
     if scaling.has("mrope_section"):
         rotate["axes"] = {"kind": "sections", "sections": scaling.positive_ints("mrope_section")}
-    if kind not in ("default", "mrope"):
-        rotate["frequencies"] = _frequencies(kind, scaling, config)
+    if schedule not in ("default", "mrope"):
+        rotate["frequencies"] = _frequencies(schedule, scaling, config)
         spec["claims"].pop("decay", None)  # a rescaled schedule: measure decay, do not claim
-        if kind == "dynamic":
+        if schedule == "dynamic":
             spec["claims"].pop("relative", None)  # the base follows the call's length
-    spec["defaults"] = {"heads": heads, "head_dim": head_dim}
-    spec["models"] = []
     return spec
+
+
+def _rotated_fraction(family: Family, config: Settings, head_dim: int) -> float:
+    """The rotated share of each head: ``partial_rotary_factor`` / ``rotary_pct``, or
+    GPT-J's ``rotary_dim`` features (default 64) over head_dim."""
+    if family.rotary_dim_key is None:
+        key = config.first_set("partial_rotary_factor", "rotary_pct")
+        return config.positive_number(key, family.fraction)
+    features = config.positive_int(family.rotary_dim_key, 64)
+    if features > head_dim or features % 2:
+        raise ConfigError(
+            f"{family.rotary_dim_key}: must be even and at most head_dim {head_dim}, got {features}"
+        )
+    return features / head_dim
 
 
 def _frequencies(kind: str, scaling: Settings, config: Settings) -> dict[str, Any]:

@@ -85,7 +85,7 @@ def test_settings_the_spec_language_cannot_state_are_named(tmp_path: Path) -> No
 LLAMA = {"model_type": "llama", "num_attention_heads": 8, "hidden_size": 64}
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}
 MALFORMED = [
-    ({"model_type": "llama", "num_attention_heads": 8}, "no hidden size (hidden_size)"),
+    ({"model_type": "llama", "num_attention_heads": 8}, "no hidden size (hidden_size / n_embd)"),
     ({**LLAMA, "rope_theta": "abc"}, 'rope_theta: must be a finite positive number, got "abc"'),
     ({**LLAMA, "rope_theta": float("inf")}, "rope_theta: must be a finite positive number"),
     ({**LLAMA, "rope_scaling": "x"}, "rope_scaling: must be a mapping"),

@@ -1,0 +1,187 @@
+"""Typed reads of a Hugging Face ``config.json`` for ``posgen from-hf``.
+
+Every value from-hf uses is read through ``Settings``: a reader returns the value, the
+default when the key is absent or null, or raises ``ConfigError`` naming the key
+(``rope_scaling.factor``) and what it allows. Counts and lengths are positive integers,
+never booleans; bases, factors and fractions are finite positive numbers; sections are
+mappings.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+from posgen.spec.bounded_file import FileRule
+
+MAX_CONFIG_BYTES = 16 * 1024**2
+"""The largest config read, 16 MiB: a model's config.json is a few KiB (a classifier's
+label names make it tens); the file's kind and size are checked before it is read, as a
+spec file's are."""
+CONFIG_FILE = FileRule(MAX_CONFIG_BYTES, "a config is a plain JSON file", "a config file")
+
+T = TypeVar("T")
+_SHOWN_CHARACTERS = 60  # how much of a bad value a message quotes
+
+
+class ConfigError(ValueError):
+    """A config posgen cannot turn into an exact spec (the message names the setting)."""
+
+
+class _Required:
+    """The default of a setting that has none: absent or null, it is reported missing."""
+
+
+REQUIRED = _Required()
+
+
+def _shown(value: Any) -> str:
+    """A config value as its JSON text (``true``, ``"abc"``), shortened."""
+    text = json.dumps(value, ensure_ascii=True, default=str)
+    if len(text) > _SHOWN_CHARACTERS:
+        return text[: _SHOWN_CHARACTERS - 3] + "..."
+    return text
+
+
+def _positive_int(value: Any) -> int | None:
+    """``value`` if it is an integer ≥ 1 (a JSON number, never a boolean), else None."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    return None
+
+
+def _finite(value: Any) -> float | None:
+    """``value`` as a float if it is a finite JSON number (never a boolean), else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:  # an integer past float's range
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _positive_number(value: Any) -> float | None:
+    """``value`` as a float if it is finite and > 0, else None."""
+    number = _finite(value)
+    return number if number is not None and number > 0 else None
+
+
+def _non_negative_number(value: Any) -> float | None:
+    """``value`` as a float if it is finite and ≥ 0, else None."""
+    number = _finite(value)
+    return number if number is not None and number >= 0 else None
+
+
+def _list_of(item: Callable[[Any], T | None]) -> Callable[[Any], list[T] | None]:
+    """A reader of a non-empty JSON list whose every item ``item`` accepts."""
+
+    def read(value: Any) -> list[T] | None:
+        if not isinstance(value, list) or not value:
+            return None
+        items = [item(entry) for entry in value]
+        accepted = [entry for entry in items if entry is not None]
+        return accepted if len(accepted) == len(items) else None
+
+    return read
+
+
+def _bit(value: Any) -> int | None:
+    """``value`` if it is the integer 0 or 1 (never a boolean), else None."""
+    return (
+        value
+        if value in (0, 1) and isinstance(value, int) and not isinstance(value, bool)
+        else None
+    )
+
+
+def _word(value: Any) -> str | None:
+    """``value`` if it is a JSON string, else None."""
+    return value if isinstance(value, str) else None
+
+
+def _flag(value: Any) -> bool | None:
+    """``value`` if it is true or false, else None."""
+    return value if isinstance(value, bool) else None
+
+
+def _mapping(value: Any) -> dict[str, Any] | None:
+    """``value`` if it is a JSON object, else None."""
+    return value if isinstance(value, dict) else None
+
+
+class Settings:
+    """Typed reads of one JSON object of a config: each reader returns the value, the
+    default when the key is absent or null, or raises ConfigError naming the key (with
+    ``prefix``, as in ``rope_scaling.factor``) and what it allows."""
+
+    def __init__(self, values: Mapping[str, Any], prefix: str = "") -> None:
+        self.values = values
+        self.prefix = prefix
+
+    def has(self, key: str) -> bool:
+        """Whether ``key`` is set (present and not null)."""
+        return self.values.get(key) is not None
+
+    def first_set(self, *keys: str) -> str:
+        """The first of ``keys`` that is set, else the last (whose default then applies)."""
+        return next((key for key in keys if self.has(key)), keys[-1])
+
+    def _read(
+        self, key: str, default: T | _Required, allowed: str, read: Callable[[Any], T | None]
+    ) -> T:
+        """``read(value)`` of ``key``; ``default`` when it is not set; else ConfigError."""
+        value = self.values.get(key)
+        if value is None:
+            if isinstance(default, _Required):
+                raise ConfigError(f"{self.prefix}{key}: missing; it must be {allowed}")
+            return default
+        converted = read(value)
+        if converted is None:
+            raise ConfigError(f"{self.prefix}{key}: must be {allowed}, got {_shown(value)}")
+        return converted
+
+    def positive_int(self, key: str, default: int | _Required = REQUIRED) -> int:
+        """A count or a length: an integer >= 1, never a boolean."""
+        return self._read(key, default, "a positive integer (not a boolean)", _positive_int)
+
+    def positive_number(self, key: str, default: float | _Required = REQUIRED) -> float:
+        """A base, factor or fraction: a finite number > 0, never a boolean."""
+        return self._read(key, default, "a finite positive number", _positive_number)
+
+    def non_negative_number(self, key: str, default: float | _Required = REQUIRED) -> float:
+        """A finite number >= 0 (YaRN's mscale), never a boolean."""
+        return self._read(key, default, "a finite number >= 0", _non_negative_number)
+
+    def numbers(self, key: str) -> list[float]:
+        """A required non-empty list of finite numbers (LongRoPE's factors)."""
+        return self._read(key, REQUIRED, "a non-empty list of finite numbers", _list_of(_finite))
+
+    def positive_ints(self, key: str) -> list[int]:
+        """A required non-empty list of positive integers (M-RoPE's sections)."""
+        allowed = "a non-empty list of positive integers"
+        return self._read(key, REQUIRED, allowed, _list_of(_positive_int))
+
+    def bits(self, key: str) -> list[int]:
+        """A required non-empty list of 0s and 1s (Llama 4's ``no_rope_layers``)."""
+        return self._read(key, REQUIRED, "a non-empty list of 0s and 1s", _list_of(_bit))
+
+    def words(self, key: str) -> list[str]:
+        """A required non-empty list of strings (``layer_types``)."""
+        return self._read(key, REQUIRED, "a non-empty list of strings", _list_of(_word))
+
+    def word(self, key: str, default: str) -> str:
+        """A JSON string."""
+        return self._read(key, default, "a string", _word)
+
+    def flag(self, key: str, default: bool) -> bool:
+        """true or false (never 0, 1 or a string)."""
+        return self._read(key, default, "true or false", _flag)
+
+    def section(self, key: str) -> Settings:
+        """The JSON object at ``key`` (absent or null: an empty one)."""
+        empty: dict[str, Any] = {}
+        values = self._read(key, empty, "a mapping (a JSON object) or null", _mapping)
+        return Settings(values, f"{self.prefix}{key}.")
