@@ -9,9 +9,17 @@ architecture. The families, found by the layers' structure or class:
 
 - Llama family (Llama, Mistral, Qwen2 and others whose ``self_attn`` has
   ``q_proj``/``k_proj``/``v_proj``/``o_proj`` and receives ``position_ids``): matching
-  spec ``rope`` (half pairing, the model's ``rope_theta``). Keys are cached rotated: a
-  decode step rotates its new keys once (``rotate_keys``) and attends with
-  ``keys_rotated=True``.
+  spec ``rope`` (half pairing, the model's ``rope_theta``), or the layer's spec from
+  ``posgen from-hf``. Keys are cached rotated: a decode step rotates its new keys once
+  (``rotate_keys``) and attends with ``keys_rotated=True``. The layer's own query and
+  key norms are applied before the module (``q_norm``/``k_norm`` per head as Qwen3 and
+  Gemma 3 do, or over the whole projection as OLMo 2 does; Llama 4's ``qk_norm``, which
+  the model applies after rotating, is the same before it: a rotation keeps the norm).
+  Sliding windows and Llama 4's chunks arrive in HF's 4-D mask. A module that cannot
+  give the layer's attention is refused by ``use_posgen_attention``: a logit scale
+  other than the layer's ``scaling``, a rotation on a layer without positions (SmolLM3's
+  and Llama 4's ``use_rope`` 0, Cohere 2's full layers) or none on a rotary one, Llama
+  4's temperature tuning without a query scale, and any logit soft-capping.
 - BLOOM (``BloomAttention``: fused ``query_key_value`` laid out [.., heads, 3,
   head_dim], ``dense`` output): matching spec ``alibi`` (``generated.alibi.Alibi`` with
   the model's head count; BLOOM's slopes are ALiBi's for every head count). The model's
@@ -35,6 +43,7 @@ model it is given.
 
 from __future__ import annotations
 
+import math
 import types
 import weakref
 from collections.abc import Callable
@@ -47,15 +56,24 @@ from torch import Tensor, nn
 SUPPORTED = "Llama-family self_attn (q_proj, k_proj, v_proj, o_proj) or BLOOM's BloomAttention"
 
 
-def use_posgen_attention(model: nn.Module, encoding: Callable[[int], nn.Module]) -> nn.Module:
+def use_posgen_attention(
+    model: nn.Module, encoding: Callable[[int], nn.Module], *, strict: bool = True
+) -> nn.Module:
     """Route every attention layer of ``model`` through ``encoding(layer_index)``.
 
     ``encoding`` builds one posgen module per layer (call it with the layer index; return
     the same module for every layer to share one). Returns ``model``, changed in place;
     the modules become submodules ``posgen`` of each attention layer (``self_attn.posgen``
     or ``self_attention.posgen``, so ``.to()`` moves them). Raises ValueError when the
-    model has no attention layer of a supported family, or when a module's ``head_dim``
-    (or, for BLOOM, its head count) differs from the layer's.
+    model has no attention layer of a supported family, when a module's ``head_dim``
+    (or, for BLOOM, its head count) differs from the layer's, or when a layer caps its
+    logits (Gemma 2). With ``strict`` (the default) it also refuses a module that would
+    not reproduce the layer's own positions: a logit scale other than the layer's where
+    the layer's is not 1/sqrt(head_dim) (Gemma, Granite), a rotation on a layer without
+    positions or none on a rotary layer (where the layer says: SmolLM3's and Llama 4's
+    ``use_rope``, Cohere 2's full layers), and Llama 4's temperature tuning without a
+    query scale or the reverse. ``strict=False`` runs another encoding on the model's
+    weights on purpose.
     """
     layers = _attention_layers(model)
     if not layers:
@@ -65,7 +83,7 @@ def use_posgen_attention(model: nn.Module, encoding: Callable[[int], nn.Module])
         )
     for index, (attention, forward) in enumerate(layers):
         module = encoding(index)
-        _check_encoding(attention, module, index)
+        _check_encoding(attention, module, index, strict)
         attention.posgen = module
         attention.forward = types.MethodType(forward, attention)
     return model
@@ -88,10 +106,13 @@ def _is_bloom_attention(module: nn.Module) -> bool:
     return any(cls.__name__ == "BloomAttention" for cls in type(module).__mro__)
 
 
-def _check_encoding(attention: nn.Module, module: nn.Module, index: int) -> None:
-    """ValueError when the posgen module's sizes cannot serve the layer."""
+def _check_encoding(attention: nn.Module, module: nn.Module, index: int, strict: bool) -> None:
+    """ValueError when the posgen module cannot serve the layer (with ``strict``: when it
+    would not reproduce the layer's own positions)."""
     if not isinstance(module, nn.Module):
         raise ValueError(f"encoding({index}) must return an nn.Module, got {type(module).__name__}")
+    if not _is_bloom_attention(attention):
+        _check_llama_family_layer(attention, module, index, strict)
     layer_dim, module_dim = getattr(attention, "head_dim", None), getattr(module, "head_dim", None)
     if layer_dim is not None and module_dim is not None and layer_dim != module_dim:
         raise ValueError(
@@ -112,6 +133,76 @@ def _check_encoding(attention: nn.Module, module: nn.Module, index: int) -> None
         )
 
 
+def _check_llama_family_layer(
+    attention: nn.Module, module: nn.Module, index: int, strict: bool
+) -> None:
+    """ValueError where the module cannot give this Llama-family layer's attention (with
+    ``strict``: its own positions and logit scale)."""
+    cap = getattr(attention, "attn_logit_softcapping", None)
+    if cap is not None:
+        raise ValueError(
+            f"layer {index} caps its logits (attn_logit_softcapping {cap:g}); posgen's "
+            "attention does not"
+        )
+    if not strict:
+        return
+    scaling, scale = getattr(attention, "scaling", None), getattr(module, "scale", None)
+    head_dim = getattr(attention, "head_dim", None)
+    if isinstance(scaling, float) and isinstance(scale, float) and isinstance(head_dim, int):
+        own_scale = not math.isclose(scaling, head_dim**-0.5, rel_tol=1e-6)
+        if own_scale and not math.isclose(scaling, scale, rel_tol=1e-6):
+            raise ValueError(
+                f"layer {index} scales its logits by {scaling:.6g}, encoding({index}) by "
+                f"{scale:.6g}: take the layer's spec from `posgen from-hf` (it reads "
+                "query_pre_attn_scalar and attention_multiplier)"
+            )
+    rotates, why = _layer_rotates(attention)
+    module_rotates = getattr(module, "has_rotation", None)
+    if rotates is not None and module_rotates is not None and rotates != module_rotates:
+        does = "rotates" if module_rotates else "does not rotate"
+        raise ValueError(f"layer {index} {why}, but encoding({index}) {does}")
+    if rotates is not False or not hasattr(attention, "attn_temperature_tuning"):
+        return
+    tuned = bool(attention.attn_temperature_tuning)  # Llama 4's NoPE layers
+    if tuned != bool(getattr(module, "has_query_scale", tuned)):
+        raise ValueError(
+            f"layer {index} {'scales' if tuned else 'does not scale'} its queries by "
+            f"position (Llama 4's attention temperature tuning), encoding({index}) "
+            f"{'does not' if tuned else 'does'}: take the layer's spec from `posgen from-hf`"
+        )
+
+
+def _layer_rotates(attention: nn.Module) -> tuple[bool | None, str]:
+    """Whether the layer rotates q and k (None: it does not say), and the reason."""
+    use_rope = getattr(attention, "use_rope", None)  # SmolLM3, Llama 4
+    if use_rope is not None:
+        return bool(use_rope), f"has use_rope {int(use_rope)}"
+    if any(cls.__name__ == "Cohere2Attention" for cls in type(attention).__mro__):
+        sliding = getattr(attention, "sliding_window", None) is not None
+        return sliding, "is a sliding layer" if sliding else "is a full layer (no positions)"
+    return None, ""
+
+
+def _projected(layer: Any, part: str, hidden_states: Tensor) -> Tensor:
+    """[B, H, N, D]: the layer's ``q``/``k``/``v`` projection of hidden_states [B, N,
+    hidden], normalised as the layer normalises it: a ``q_norm``/``k_norm`` as wide as
+    the projection (OLMo 2) before the heads are split, one as wide as a head (Qwen3,
+    Gemma 3) or Llama 4's weightless ``qk_norm`` (q and k of its RoPE layers) after."""
+    batch, n = hidden_states.shape[:2]
+    x = getattr(layer, f"{part}_proj")(hidden_states)  # [B, N, heads * D]
+    norm = getattr(layer, f"{part}_norm", None)
+    if norm is None and part != "v":
+        norm = getattr(layer, "qk_norm", None)
+    weight = getattr(norm, "weight", None)
+    whole = isinstance(weight, Tensor) and weight.shape[-1] == x.shape[-1] != layer.head_dim
+    if norm is not None and whole:
+        x = norm(x)
+    x = x.view(batch, n, -1, layer.head_dim)  # [B, N, heads, D]
+    if norm is not None and not whole:
+        x = norm(x)
+    return x.transpose(1, 2)
+
+
 def _posgen_attention_forward(
     self: Any,
     hidden_states: Tensor,
@@ -127,10 +218,9 @@ def _posgen_attention_forward(
     used: the posgen module forms its position terms from ``position_ids``.
     """
     batch, n = hidden_states.shape[:2]
-    shape = (batch, n, -1, self.head_dim)
-    q = self.q_proj(hidden_states).view(shape).transpose(1, 2)  # [B, H, N, D]
-    k = self.k_proj(hidden_states).view(shape).transpose(1, 2)  # [B, H_kv, N, D]
-    v = self.v_proj(hidden_states).view(shape).transpose(1, 2)  # [B, H_kv, N, D]
+    q = _projected(self, "q", hidden_states)  # [B, H, N, D]
+    k = _projected(self, "k", hidden_states)  # [B, H_kv, N, D]
+    v = _projected(self, "v", hidden_states)  # [B, H_kv, N, D]
     positions = kwargs.get("position_ids")
     if positions is None:
         positions = cache_position if cache_position is not None else torch.arange(n)

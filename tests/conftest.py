@@ -188,6 +188,30 @@ def sdpa_extra_memory(pe: torch.nn.Module, n: int, causal: bool, train: bool) ->
     return int(peak - baseline)
 
 
+def from_hf_spec(config: dict[str, Any], folder: Path, name: str, *options: str) -> Path:
+    """The spec file ``posgen from-hf`` writes (as ``folder/name.yaml``) for ``config``, a
+    config.json as a dict, with the CLI ``options`` (``--layer 3``)."""
+    import json
+
+    from click.testing import CliRunner
+
+    from posgen.cli import main
+
+    config_file, out = folder / f"{name}.json", folder / f"{name}.yaml"
+    config_file.write_text(json.dumps(config), encoding="utf-8")
+    arguments = ["from-hf", str(config_file), "--name", name, "--out", str(out), *options]
+    result = CliRunner().invoke(main, arguments)
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def from_hf_class(
+    config: dict[str, Any], folder: Path, name: str, *options: str
+) -> type[torch.nn.Module]:
+    """The class of the module built from ``from_hf_spec(config, folder, name, *options)``."""
+    return encoding_class(module_from_spec(from_hf_spec(config, folder, name, *options)))
+
+
 def run_backend(
     pe: torch.nn.Module, inputs: dict[str, torch.Tensor], backend: str, **options: object
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -22,6 +22,7 @@ from posgen.codegen.inmemory import encoding_class, module_from_spec
 from posgen.hf import use_posgen_attention
 from posgen.spec.loader import load_spec
 from posgen.spec.model import Spec
+from tests.conftest import from_hf_class, from_hf_spec
 
 transformers = pytest.importorskip("transformers")
 
@@ -43,20 +44,8 @@ def _invoke(config: dict[str, Any], tmp_path: Path, *options: str) -> Any:
     return CliRunner().invoke(main, ["from-hf", str(path), *options])
 
 
-def _spec_file(config: dict[str, Any], tmp_path: Path, name: str, *options: str) -> Path:
-    out = tmp_path / f"{name}.yaml"
-    result = _invoke(config, tmp_path, "--name", name, "--out", str(out), *options)
-    assert result.exit_code == 0, result.output
-    return out
-
-
 def _spec(config: dict[str, Any], tmp_path: Path, *options: str) -> Spec:
-    name = f"probe_{next(_PROBES)}"
-    return load_spec(_spec_file(config, tmp_path, name, *options)).spec
-
-
-def _encoding(config: dict[str, Any], tmp_path: Path, name: str, *options: str) -> Any:
-    return encoding_class(module_from_spec(_spec_file(config, tmp_path, name, *options)))
+    return load_spec(from_hf_spec(config, tmp_path, f"probe_{next(_PROBES)}", *options)).spec
 
 
 def _llama4_config() -> Any:
@@ -86,7 +75,7 @@ def test_a_llama4_rope_layer_gives_hugging_faces_attention(tmp_path: Path) -> No
     )
 
     config = _llama4_config()
-    spec_path = _spec_file(config.to_dict(), tmp_path, "llama4_rope", "--layer", "0")
+    spec_path = from_hf_spec(config.to_dict(), tmp_path, "llama4_rope", "--layer", "0")
     notes = spec_path.read_text("utf-8")
     assert "document_ids=positions // 4" in notes and "normalise them before" in notes
     rotate = load_spec(spec_path).spec.rotation
@@ -130,7 +119,7 @@ def test_a_llama4_nope_layer_gives_the_configs_temperature_tuning(tmp_path: Path
     spec = _spec(config.to_dict(), tmp_path, "--layer", "3")
     assert spec.query_scale is not None and spec.rotation is None
     assert (spec.query_scale.floor_scale, spec.query_scale.attn_scale) == (4, 0.3)  # type: ignore[union-attr]
-    pe = _encoding(config.to_dict(), tmp_path, "llama4_nope", "--layer", "3")().double()
+    pe = from_hf_class(config.to_dict(), tmp_path, "llama4_nope", "--layer", "3")().double()
     layer = Llama4TextAttention(config.text_config, layer_idx=3).double().eval()
     hidden = torch.randn(2, 6, 32, dtype=F64, generator=torch.Generator().manual_seed(1))
     positions = torch.arange(1, 7)  # tau steps at positions 3 and 7 (floor 4)
@@ -156,8 +145,8 @@ def test_smollm3_runs_with_one_spec_per_kind_of_layer(tmp_path: Path) -> None:
         num_attention_heads=4, num_key_value_heads=2, pad_token_id=0,
         attn_implementation="eager",
     )  # fmt: skip
-    rope = _encoding(config.to_dict(), tmp_path, "smol_rope", "--layer", "0")
-    nope = _encoding(config.to_dict(), tmp_path, "smol_nope", "--layer", "3")
+    rope = from_hf_class(config.to_dict(), tmp_path, "smol_rope", "--layer", "0")
+    nope = from_hf_class(config.to_dict(), tmp_path, "smol_nope", "--layer", "3")
     assert _spec(config.to_dict(), tmp_path, "--layer", "1").rotation.base == 2e6  # type: ignore[union-attr]
     torch.manual_seed(0)
     model = transformers.SmolLM3ForCausalLM(config).eval()
@@ -177,8 +166,8 @@ def test_cohere2_rotates_neighbours_on_sliding_layers_only(tmp_path: Path) -> No
         num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager",
     )  # fmt: skip
     assert _spec(config.to_dict(), tmp_path, "--layer", "0").rotation.pairing == "interleaved"  # type: ignore[union-attr]
-    rope = _encoding(config.to_dict(), tmp_path, "cohere2_rope", "--layer", "0")
-    nope = _encoding(config.to_dict(), tmp_path, "cohere2_nope", "--layer", "3")
+    rope = from_hf_class(config.to_dict(), tmp_path, "cohere2_rope", "--layer", "0")
+    nope = from_hf_class(config.to_dict(), tmp_path, "cohere2_nope", "--layer", "3")
     torch.manual_seed(0)
     model = transformers.Cohere2ForCausalLM(config).eval()
     ids = torch.randint(0, 61, (2, 13), generator=torch.Generator().manual_seed(3))
@@ -205,7 +194,7 @@ def test_gemma3_layers_take_their_base_scaling_and_logit_scale(layer: int, tmp_p
         num_attention_heads=4, num_key_value_heads=4, head_dim=16, query_pre_attn_scalar=24,
         rope_scaling={"rope_type": "linear", "factor": 8.0}, attn_implementation="eager",
     )  # fmt: skip
-    spec_path = _spec_file(config.to_dict(), tmp_path, f"gemma3_{layer}", "--layer", str(layer))
+    spec_path = from_hf_spec(config.to_dict(), tmp_path, f"gemma3_{layer}", "--layer", str(layer))
     assert ("window=4096" in spec_path.read_text("utf-8")) == (layer == 0)
     pe = encoding_class(module_from_spec(spec_path))().double()
     model = Gemma3TextModel(config).double()
@@ -234,7 +223,7 @@ def test_gptj_rotates_its_rotary_dim_in_neighbouring_pairs(tmp_path: Path) -> No
     config = transformers.GPTJConfig(n_embd=256, n_head=4, rotary_dim=16)
     rotate = _spec(config.to_dict(), tmp_path).rotation
     assert rotate is not None and rotate.rotary_dims.fraction == 0.25
-    pe = _encoding(config.to_dict(), tmp_path, "gptj_positions")().double()
+    pe = from_hf_class(config.to_dict(), tmp_path, "gptj_positions")().double()
     x = torch.randn(2, 11, 4, 64, dtype=F64, generator=torch.Generator().manual_seed(4))
     positions = torch.arange(11) * 37
     sincos = create_sinusoidal_positions(500, 16).double()[positions][None]  # [1, N, 16]
@@ -302,7 +291,7 @@ def test_a_sliding_window_is_noted_where_the_model_uses_it(tmp_path: Path) -> No
     """Mistral's sliding_window becomes a note with the module argument; Qwen2 with
     use_sliding_window false gets none."""
     mistral = {"model_type": "mistral", **LLAMA_LIKE, "sliding_window": 4096}
-    text = _spec_file(mistral, tmp_path, "mistral_positions").read_text("utf-8")
+    text = from_hf_spec(mistral, tmp_path, "mistral_positions").read_text("utf-8")
     assert text.startswith("# where the model attends a sliding window of 4096 keys")
     assert "window=4096" in text
     qwen = {
@@ -311,4 +300,4 @@ def test_a_sliding_window_is_noted_where_the_model_uses_it(tmp_path: Path) -> No
         "sliding_window": 4096,
         "use_sliding_window": False,
     }
-    assert "window" not in _spec_file(qwen, tmp_path, "qwen_positions").read_text("utf-8")
+    assert "window" not in from_hf_spec(qwen, tmp_path, "qwen_positions").read_text("utf-8")

@@ -1,0 +1,127 @@
+"""posgen.hf on families whose attention does more than Llama's: query and key norms
+(Qwen3, Gemma 3 per head; OLMo 2 over the whole projection; Llama 4's QK L2 norm), a
+logit scale of their own (Gemma 3), layers of several kinds with sliding windows or
+chunks in the mask (Gemma 3, Llama 4). Each tiny model, run with the specs ``posgen
+from-hf`` writes for its layers, gives its own logits; a module that cannot reproduce a
+layer is refused by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from posgen.hf import use_posgen_attention
+from tests.conftest import from_hf_class, generated_class
+
+transformers = pytest.importorskip("transformers")
+
+TINY = dict(
+    vocab_size=61, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+    num_key_value_heads=2, pad_token_id=0, attn_implementation="eager",
+)  # fmt: skip
+
+
+def _logits_through_posgen(
+    model: Any, encoding: Any, length: int = 13, **options: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's logits on a random batch, before and after routing it through posgen."""
+    ids = torch.randint(0, 61, (2, length), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = model(ids).logits
+        use_posgen_attention(model, encoding, **options)
+        got = model(ids).logits
+    return got, expected
+
+
+@pytest.mark.parametrize("family", ["qwen3", "olmo2"])
+def test_query_and_key_norms_are_applied_as_the_layer_applies_them(
+    family: str, tmp_path: Path
+) -> None:
+    """Qwen3 normalises each head of q and k, OLMo 2 the whole projection."""
+    config_class = {"qwen3": transformers.Qwen3Config, "olmo2": transformers.Olmo2Config}
+    config = config_class[family](num_hidden_layers=2, **TINY)
+    rope = from_hf_class(config.to_dict(), tmp_path, f"{family}_positions")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # norms that are not the identity
+        for name, parameter in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                parameter.uniform_(0.5, 1.5)
+    got, expected = _logits_through_posgen(model, lambda index: rope())
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_gemma3_runs_with_its_local_and_global_layer_specs(tmp_path: Path) -> None:
+    """Gemma 3: per-head q/k norms, the logit scale 1/sqrt(query_pre_attn_scalar), sliding
+    layers (a window of 5 in HF's mask) turning with the local base, a full layer with
+    rope_theta and linear scaling."""
+    config = transformers.Gemma3TextConfig(
+        num_hidden_layers=6, head_dim=8, query_pre_attn_scalar=12, sliding_window=5,
+        rope_scaling={"rope_type": "linear", "factor": 8.0}, **TINY,
+    )  # fmt: skip
+    local = from_hf_class(config.to_dict(), tmp_path, "gemma3_local", "--layer", "0")
+    full = from_hf_class(config.to_dict(), tmp_path, "gemma3_full", "--layer", "5")
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                parameter.uniform_(-0.5, 0.5)  # Gemma's norms scale by 1 + weight
+    got, expected = _logits_through_posgen(
+        model, lambda index: full() if index == 5 else local(), length=40
+    )
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_llama4_runs_with_its_rope_and_nope_layer_specs(tmp_path: Path) -> None:
+    """Llama 4 text: RoPE layers with QK L2 norm and chunks of 4 (HF's mask), NoPE layers
+    3 and 7 with temperature tuning (floor_scale 4, attn_scale 0.3), 13 positions."""
+    config = transformers.Llama4TextConfig(
+        num_hidden_layers=8, head_dim=8, attention_chunk_size=4, floor_scale=4,
+        attn_scale=0.3, intermediate_size_mlp=64, **TINY,
+    )  # fmt: skip
+    rope = from_hf_class(config.to_dict(), tmp_path, "llama4_rope", "--layer", "0")
+    nope = from_hf_class(config.to_dict(), tmp_path, "llama4_nope", "--layer", "3")
+    torch.manual_seed(0)
+    model = transformers.Llama4ForCausalLM(config).eval()
+    got, expected = _logits_through_posgen(
+        model, lambda index: nope() if index % 4 == 3 else rope()
+    )
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def _refusal(model: Any, encoding: Any, **options: bool) -> str:
+    with pytest.raises(ValueError) as caught:
+        use_posgen_attention(model, encoding, **options)
+    return str(caught.value)
+
+
+def test_a_module_that_cannot_reproduce_a_layer_is_refused_by_name(tmp_path: Path) -> None:
+    """Soft-capping always; with strict (the default) a logit scale, a rotation or a query
+    scale the layer does not have; strict=False runs another encoding on purpose."""
+    rope, nope = generated_class("rope"), generated_class("nope")
+    gemma2 = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(num_hidden_layers=1, **TINY))
+    assert "attn_logit_softcapping 50" in _refusal(gemma2, lambda index: rope(4, 8))
+    assert "attn_logit_softcapping 50" in _refusal(gemma2, lambda index: rope(4, 8), strict=False)
+    gemma3_config = transformers.Gemma3TextConfig(
+        num_hidden_layers=1, head_dim=8, query_pre_attn_scalar=12, **TINY
+    )
+    gemma3 = transformers.Gemma3ForCausalLM(gemma3_config)
+    message = _refusal(gemma3, lambda index: rope(4, 8))
+    assert "layer 0 scales its logits by 0.288675, encoding(0) by 0.353553" in message
+    smol = transformers.SmolLM3ForCausalLM(transformers.SmolLM3Config(num_hidden_layers=4, **TINY))
+    message = _refusal(smol, lambda index: rope(4, 8))
+    assert "layer 3 has use_rope 0, but encoding(3) rotates" in message
+    assert "layer 0 has use_rope 1, but encoding(0) does not rotate" in _refusal(
+        smol, lambda index: nope(4, 8)
+    )
+    use_posgen_attention(smol, lambda index: rope(4, 8), strict=False)  # on purpose
+    llama4_config = transformers.Llama4TextConfig(
+        num_hidden_layers=4, head_dim=8, intermediate_size_mlp=64, **TINY
+    )
+    llama4 = transformers.Llama4ForCausalLM(llama4_config)
+    message = _refusal(llama4, lambda index: nope(4, 8) if index == 3 else rope(4, 8))
+    assert "layer 3 scales its queries by position" in message
