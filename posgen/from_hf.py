@@ -205,7 +205,7 @@ def _check_layer_index(layer: int, count: int) -> None:
 
 def _note_masks(family: Family, config: Settings, chosen: _Layer) -> None:
     """Notes for what the layer's attention does that is a mask, not a position term."""
-    if family.always_llama3 and chosen.kind is LayerKind.ROTARY:
+    if family.llama4_attention and chosen.kind is LayerKind.ROTARY:
         chunk = config.positive_int("attention_chunk_size", 8192)
         chosen.notes.append(
             f"Llama 4's RoPE layers attend within chunks of {chunk} positions (a mask, not a "
@@ -229,7 +229,7 @@ def _note_masks(family: Family, config: Settings, chosen: _Layer) -> None:
 def _may_slide(family: Family, config: Settings, chosen: _Layer) -> bool:
     """Whether the chosen layer may attend a sliding window (its layer type, where the
     config states one; SmolLM3 slides only NoPE layers, Llama 4 never)."""
-    if family.always_llama3:
+    if family.llama4_attention:
         return False
     if chosen.index is None or not config.has("layer_types"):
         return True
@@ -278,7 +278,7 @@ def _scale_factor(family: Family, config: Settings, head_dim: int) -> float | No
 def _nope(family: Family, config: Settings, catalogue: Path) -> dict[str, Any]:
     """A NoPE layer: ``nope``, or ``nope_llama4`` with the config's floor_scale and
     attn_scale where Llama 4 tunes the attention temperature (attn_temperature_tuning)."""
-    tuned = family.always_llama3 and config.flag("attn_temperature_tuning", True)
+    tuned = family.llama4_attention and config.flag("attn_temperature_tuning", True)
     attn_scale = config.non_negative_number("attn_scale", 0.1) if tuned else 0.0
     spec = _catalogue(catalogue, "nope_llama4" if attn_scale > 0 else "nope")
     if attn_scale > 0:
@@ -343,7 +343,7 @@ def _rotary(
         rotate["rotary_dims"] = {"fraction": fraction, "layout": "leading"}
         spec["claims"].pop("decay", None)  # with few rotated pairs decay may fail: measure it
     schedule = scaling.word(scaling.first_set("rope_type", "type"), "default")
-    if family.always_llama3 and scaling.values:
+    if family.llama4_attention and scaling.values:
         schedule = "llama3"  # Llama4TextRotaryEmbedding: llama3 whenever rope_scaling is set
     if scaling.has("mrope_section"):
         rotate["axes"] = {"kind": "sections", "sections": scaling.positive_ints("mrope_section")}

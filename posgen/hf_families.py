@@ -48,7 +48,9 @@ class Family:
     scale: Literal["head_dim", "query_pre_attn_scalar", "attention_multiplier"] = "head_dim"
     layers: Callable[[Settings], list[LayerKind]] | None = None  # None: every layer rotates
     rotary_dim_key: str | None = None  # a count of rotated features (GPT-J), not a fraction
-    always_llama3: bool = False  # Llama 4 scales with llama3 whatever rope_type says
+    # Llama 4's attention: llama3 scaling whenever rope_scaling is set (whatever rope_type
+    # says), chunks and QK norm on the RoPE layers, temperature tuning on the NoPE ones
+    llama4_attention: bool = False
 
 
 def rope_flag_layers(config: Settings) -> list[LayerKind]:
@@ -142,7 +144,7 @@ FAMILIES: dict[str, Family] = {
     "granitemoe": Family("half", scale="attention_multiplier"),
     "smollm3": Family("half", base=2e6, layers=rope_flag_layers),
     # neighbours: feature 2k pairs with 2k + 1
-    "llama4_text": Family("interleaved", base=5e5, layers=rope_flag_layers, always_llama3=True),
+    "llama4_text": Family("interleaved", base=5e5, layers=rope_flag_layers, llama4_attention=True),
     "cohere": _INTERLEAVED,
     "cohere2": Family("interleaved", layers=_cohere2_layers),
     "glm": Family("interleaved", fraction=0.5),

@@ -273,13 +273,23 @@ def test_what_from_hf_cannot_state_is_refused_by_name(index: int, tmp_path: Path
 def test_families_fill_in_their_own_defaults_and_pairing(tmp_path: Path) -> None:
     """A hand-written config that leaves keys out takes the family's defaults (GLM rotates
     half of each head, interleaved; Mixtral's base is 10^6); an unknown family rotates
-    with the stated --pairing; Granite's attention_multiplier becomes the scale."""
+    with the stated --pairing; Granite's attention_multiplier becomes the scale; Llama 4
+    scales with llama3 whatever its rope_type says, as Llama4TextRotaryEmbedding does."""
     glm = _spec({"model_type": "glm", **LLAMA_LIKE}, tmp_path).rotation
     assert glm is not None and glm.pairing == "interleaved" and glm.rotary_dims.fraction == 0.5
     mixtral = {"model_type": "mixtral", "num_attention_heads": 4, "hidden_size": 64}
     assert _spec(mixtral, tmp_path).rotation.base == 1e6  # type: ignore[union-attr]
     stated = _spec({"model_type": "newlm", **LLAMA_LIKE}, tmp_path, "--pairing", "interleaved")
     assert stated.rotation is not None and stated.rotation.pairing == "interleaved"
+    scout = {**LLAMA4_TEXT["rope_scaling"], "rope_type": "linear"}  # type: ignore[dict-item]
+    llama4 = {
+        "model_type": "llama4_text",
+        **LLAMA_LIKE,
+        "no_rope_layers": [1],
+        "rope_scaling": scout,
+    }
+    rotation = _spec(llama4, tmp_path).rotation  # Hugging Face's Llama 4 reads llama3 keys
+    assert rotation is not None and rotation.frequencies.kind == "llama3"
     granite = _spec(
         {"model_type": "granite", **LLAMA_LIKE, "attention_multiplier": 0.125}, tmp_path
     )
