@@ -54,10 +54,7 @@ def test_query_and_key_norms_are_applied_as_the_layer_applies_them(
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_gemma3_runs_with_its_local_and_global_layer_specs(tmp_path: Path) -> None:
-    """Gemma 3: per-head q/k norms, the logit scale 1/sqrt(query_pre_attn_scalar), sliding
-    layers (a window of 5 in HF's mask) turning with the local base, a full layer with
-    rope_theta and linear scaling."""
+def _gemma3_and_its_encodings(tmp_path: Path) -> tuple[Any, Any]:
     config = transformers.Gemma3TextConfig(
         num_hidden_layers=6, head_dim=8, query_pre_attn_scalar=12, sliding_window=5,
         rope_scaling={"rope_type": "linear", "factor": 8.0}, **TINY,
@@ -65,32 +62,63 @@ def test_gemma3_runs_with_its_local_and_global_layer_specs(tmp_path: Path) -> No
     local = from_hf_class(config.to_dict(), tmp_path, "gemma3_local", "--layer", "0")
     full = from_hf_class(config.to_dict(), tmp_path, "gemma3_full", "--layer", "5")
     torch.manual_seed(0)
-    model = transformers.Gemma3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith(("q_norm.weight", "k_norm.weight")):
-                parameter.uniform_(-0.5, 0.5)  # Gemma's norms scale by 1 + weight
-    got, expected = _logits_through_posgen(
-        model, lambda index: full() if index == 5 else local(), length=40
+    return transformers.Gemma3ForCausalLM(config).eval(), (
+        lambda index: full() if index == 5 else local()
     )
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_llama4_runs_with_its_rope_and_nope_layer_specs(tmp_path: Path) -> None:
-    """Llama 4 text: RoPE layers with QK L2 norm and chunks of 4 (HF's mask), NoPE layers
-    3 and 7 with temperature tuning (floor_scale 4, attn_scale 0.3), 13 positions."""
+def _llama4_and_its_encodings(tmp_path: Path) -> tuple[Any, Any]:
     config = transformers.Llama4TextConfig(
-        num_hidden_layers=8, head_dim=8, attention_chunk_size=4, floor_scale=4,
+        num_hidden_layers=4, head_dim=8, attention_chunk_size=4, floor_scale=4,
         attn_scale=0.3, intermediate_size_mlp=64, **TINY,
     )  # fmt: skip
     rope = from_hf_class(config.to_dict(), tmp_path, "llama4_rope", "--layer", "0")
     nope = from_hf_class(config.to_dict(), tmp_path, "llama4_nope", "--layer", "3")
     torch.manual_seed(0)
-    model = transformers.Llama4ForCausalLM(config).eval()
-    got, expected = _logits_through_posgen(
-        model, lambda index: nope() if index % 4 == 3 else rope()
+    return transformers.Llama4ForCausalLM(config).eval(), (
+        lambda index: nope() if index == 3 else rope()
     )
+
+
+def test_gemma3_runs_with_its_local_and_global_layer_specs(tmp_path: Path) -> None:
+    """Gemma 3: per-head q/k norms, the logit scale 1/sqrt(query_pre_attn_scalar), sliding
+    layers (a window of 5 in HF's mask) turning with the local base, a full layer with
+    rope_theta and linear scaling."""
+    model, encoding = _gemma3_and_its_encodings(tmp_path)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                parameter.uniform_(-0.5, 0.5)  # Gemma's norms scale by 1 + weight
+    got, expected = _logits_through_posgen(model, encoding, length=40)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_llama4_runs_with_its_rope_and_nope_layer_specs(tmp_path: Path) -> None:
+    """Llama 4 text: RoPE layers with QK L2 norm and chunks of 4 (HF's mask), NoPE layer 3
+    with temperature tuning (floor_scale 4, attn_scale 0.3), 13 positions."""
+    model, encoding = _llama4_and_its_encodings(tmp_path)
+    got, expected = _logits_through_posgen(model, encoding)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama4"])
+def test_greedy_generation_with_a_cache_and_left_padding_gives_the_same_tokens(
+    family: str, tmp_path: Path
+) -> None:
+    """12 new tokens after a 7-token prompt, one row left-padded by 2: past Gemma 3's
+    window of 5 (its sliding layers cache 5 keys) and across Llama 4's chunks of 4 and
+    temperature steps of 4."""
+    build = {"gemma3": _gemma3_and_its_encodings, "llama4": _llama4_and_its_encodings}
+    model, encoding = build[family](tmp_path)
+    ids = torch.randint(1, 61, (2, 7), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    options = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        expected = model.generate(ids, **options)
+        use_posgen_attention(model, encoding)
+        got = model.generate(ids, **options)
+    assert torch.equal(got, expected)
 
 
 def _refusal(model: Any, encoding: Any, **options: bool) -> str:
