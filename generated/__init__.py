@@ -37,6 +37,7 @@ from .rope_ntk import RopeNtk
 from .rope_p import RopeP
 from .rope_partial import RopePartial
 from .rope_randomized import RopeRandomized
+from .rope_ssmax import RopeSsmax
 from .rope_xpos import RopeXpos
 from .rope_yarn import RopeYarn
 from .sandwich import Sandwich
@@ -82,6 +83,7 @@ ENCODINGS = {
     "rope_p": RopeP,
     "rope_partial": RopePartial,
     "rope_randomized": RopeRandomized,
+    "rope_ssmax": RopeSsmax,
     "rope_xpos": RopeXpos,
     "rope_yarn": RopeYarn,
     "sandwich": Sandwich,
@@ -130,6 +132,7 @@ __all__ = [
     "RopeP",
     "RopePartial",
     "RopeRandomized",
+    "RopeSsmax",
     "RopeXpos",
     "RopeYarn",
     "Sandwich",

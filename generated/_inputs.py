@@ -103,10 +103,13 @@ def check_attention_inputs(
         raise ValueError(f"k and v must have the same length, got {k_shape[2]} and {v_shape[2]}")
 
 
-def check_one_input(x: Tensor, head_dim: int, name: str) -> None:
+def check_one_input(x: Tensor, head_dim: int, name: str, heads: int | None = None) -> None:
     """Raise ValueError naming ``name`` unless x is a [batch, heads, seq, head_dim] float
-    tensor (the argument of ``rotate_keys`` or ``scale_queries``)."""
+    tensor (the argument of ``rotate_keys`` or ``scale_queries``), with ``heads`` heads
+    where given."""
     shape = _attention_input_shape(name, x)
+    if heads is not None and shape[1] != heads:
+        raise ValueError(f"{name} must have {heads} heads (dim 1), got {shape[1]}")
     if shape[3] != head_dim:
         raise ValueError(f"{name} must have head_dim {head_dim} (last dim), got {shape[3]}")
 

@@ -4,8 +4,9 @@
 
 The factors are computed from integer positions in float64 (exact for every position
 below 2^53: the floor of (i + 1) / s is an integer division); ``scaled_queries``
-multiplies q by them in float32 (float64 for float64 queries) and rounds once to q's
-dtype, as Hugging Face's Llama 4 attention does.
+multiplies q by them (and by a trained factor per head, where the scale has one) in
+float32 (float64 for float64 queries) and rounds once to q's dtype, as Hugging Face's
+Llama 4 attention does.
 """
 
 from __future__ import annotations
@@ -30,10 +31,19 @@ def log_length_query_scales(positions: Tensor, original_max_positions: int) -> T
     return ratio.clamp(min=1.0)
 
 
-def scaled_queries(q: Tensor, scales: Tensor) -> Tensor:
-    """q [B, H, N, D] times scales [N] or [B, N] (float64) per query, computed in
+def log_count_query_scales(positions: Tensor) -> Tensor:
+    """ln(i + 1) per position, float64, of positions' shape: the log of the keys a causal
+    query at position i sees (Scalable-Softmax's ln n, times s per head)."""
+    return torch.log1p(positions.to(torch.float64))
+
+
+def scaled_queries(q: Tensor, scales: Tensor, per_head: Tensor | None = None) -> Tensor:
+    """q [B, H, N, D] times scales [N] or [B, N] (float64) per query, and times
+    per_head [H] (a trained factor, whose gradient flows) where given, computed in
     float32 (float64 for float64 q) and rounded once to q's dtype."""
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     per_query = scales.to(dtype)  # [N] or [B, N]
     per_query = per_query[:, None, :, None] if per_query.dim() == 2 else per_query[:, None]
+    if per_head is not None:  # [H, N, 1] or [B, H, N, 1]
+        per_query = per_query * per_head.to(dtype)[:, None, None]
     return (q * per_query).to(q.dtype)  # [B, H, N, D]

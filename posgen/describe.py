@@ -24,6 +24,7 @@ from posgen.spec.model import (
     LearnedTable,
     LearnedTableBias,
     LinearSlopeBias,
+    LogLengthQueryScale,
     MultimodalSections,
     RelativeTerm,
     RelativeValues,
@@ -393,10 +394,15 @@ def query_scale_description(spec: Spec) -> str | None:
     if isinstance(scale, FloorLogQueryScale):
         tau = f"1 + {_number(scale.attn_scale)} ln(1 + floor((i + 1) / {scale.floor_scale}))"
         note = f"1 below position {scale.floor_scale - 1}"
-    else:
+    elif isinstance(scale, LogLengthQueryScale):
         length = scale.original_max_positions
         tau = f"max(1, ln(i + 1) / ln({length}))"
         note = f"1 up to position {length - 1}"
+    else:
+        return (
+            "q_i * tau_h(i) before any term reads it, tau_h(i) = s_h ln(i + 1) (s [heads] "
+            f"trained from {_number(scale.init)}; 0 at position 0)"
+        )
     return f"q_i * tau(i) before any term reads it, tau(i) = {tau} ({note})"
 
 

@@ -12,7 +12,13 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from posgen.check.agreement import _bf16_and_fp32, _row_spread, _within_bf16_error, kv_cache
+from posgen.check.agreement import (
+    _bf16_and_fp32,
+    _row_content_size,
+    _row_spread,
+    _within_bf16_error,
+    kv_cache,
+)
 from posgen.check.decay import decay_curve, distance_chunk, keys_independent
 from posgen.check.probe import Probe
 from posgen.check.report import render_json
@@ -20,7 +26,7 @@ from posgen.check.search import Budget, Violation, generator
 from posgen.check.verdicts import Outcome, Report
 from posgen.cli import main
 from posgen.spec.loader import load_spec
-from tests.conftest import SPECS, expr_bias_spec, small_spec_text
+from tests.conftest import SPECS, expr_bias_spec, generated_class, small_spec_text
 
 ALIBI_LEARNED = str(SPECS / "alibi_learned.yaml")
 SMALL = Budget(max_examples=5, seed=0, span=64, seconds=5.0)
@@ -231,6 +237,39 @@ def test_row_spread_reads_only_finite_attended_logits() -> None:
     spread = _row_spread(logits, None)
     assert spread.shape == (1, 1, 2, 1) and spread.flatten().tolist() == [3.0, 3.0]
     assert _row_spread(logits, allowed).flatten().tolist() == [3.0, 0.0]
+
+
+def test_row_content_size_reads_the_content_logits_of_attended_keys() -> None:
+    """max_j |q_i · k_j| / sqrt(d) over the keys each row attends to (NoPE: no rotation,
+    no query scale), and 0 for a module without score_terms."""
+    pe = generated_class("nope")(heads=2, head_dim=4).double()
+    q, k = torch.randn(2, 1, 2, 3, 4, dtype=torch.float64)
+    positions = torch.arange(3)
+    allowed = positions[None, :] <= positions[:, None]  # [3, 3], causal
+    logits = (q @ k.transpose(-1, -2) / 2).abs().masked_fill(~allowed, 0.0)
+    size = _row_content_size(pe, q, k, positions, positions, allowed)
+    torch.testing.assert_close(size, logits.amax(dim=-1, keepdim=True), rtol=1e-12, atol=0)
+    assert _row_content_size(object(), q, k, positions, positions, None) == 0.0  # type: ignore[arg-type]
+
+
+def test_a_query_scaled_bf16_path_is_held_to_its_content_logits() -> None:
+    """rope_ssmax past 2^18 scales its queries by about 5.4: some rows' logits are large
+    but close together, and rounding q to bf16 moves their weights by more than the
+    spread alone allows (0.049 over a bound of 0.029 in posgen check before the content
+    term). The honest bf16 path passes; one that drops the query scale is caught."""
+    probe = Probe(load_spec(SPECS / "rope_ssmax.yaml"), SMALL)
+    k_pos = torch.arange(262_145, 262_149)
+    plain = generated_class("rope")()
+    for seed in (15, 104, 170):  # seeds whose causal rows the spread alone failed
+        content = probe.content(generator(seed), 4, 4, dtype=torch.bfloat16)
+        for causal in (False, True):
+            honest = _bf16_and_fp32(probe, None, content, k_pos, k_pos, causal)
+            assert _within_bf16_error(k_pos, *honest) > 0
+    bf16 = content[0], content[1], content[2]
+    _, want, tol, what = honest
+    unscaled = plain(*bf16, q_positions=k_pos, k_positions=k_pos, causal=True).float()
+    with pytest.raises(Violation, match="bf16 attention output differs"):
+        _within_bf16_error(k_pos, unscaled, want, tol, what)
 
 
 def test_a_wrong_bf16_path_is_caught_at_large_logits(

@@ -29,7 +29,7 @@ import torch
 from hypothesis import strategies as st
 from torch import Tensor
 
-from posgen.check.contract import F64, Content, content_as
+from posgen.check.contract import F64, Content, Encoding, content_as
 from posgen.check.probe import Probe, input_unreachable
 from posgen.check.search import FAR, SEEDS, Violation, fmt, generator, run_search
 from posgen.check.verdicts import Outcome, failed
@@ -245,7 +245,8 @@ def _bf16_and_fp32(
 ) -> tuple[Tensor, Tensor, float | Tensor, str]:
     """(bf16 result as float32, fp32 result, the bf16 error bound, what is compared):
     embed's output is held to 2·BF16_EPS·(1 + max|embed|), the attention output to
-    2·BF16_EPS·(1 + spread)·max|v| in each query row (``_row_spread``)."""
+    2·BF16_EPS·(1 + spread + size)·max|v| in each query row (``_row_spread``,
+    ``_row_content_size``)."""
     wide = content_as(content, torch.float32)
     if mode == "explicit":
         want = probe.embed(probe.pe32, wide[1], k_pos)
@@ -263,8 +264,34 @@ def _bf16_and_fp32(
     logits = probe.pe32.scores(wide[0], wide[1], q_positions=q_pos, k_positions=k_pos)
     allowed = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1) if causal else None  # [N, M]
     spread = _row_spread(logits, allowed)  # [1, heads, N, 1]
-    tol = 2 * BF16_EPS * (1.0 + spread) * float(wide[2].abs().max())
+    size = _row_content_size(probe.pe32, wide[0], wide[1], q_pos, k_pos, allowed)
+    tol = 2 * BF16_EPS * (1.0 + spread + size) * float(wide[2].abs().max())
     return got, want, tol, "attention output"
+
+
+def _row_content_size(
+    pe: Encoding, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor, allowed: Tensor | None
+) -> Tensor | float:
+    """max over each row's attended keys of |content_content_ij|, [..., N, 1]: the
+    logit q_i · k_j · scale as it enters the sum (a query scale's factor included); 0
+    for a module without ``score_terms`` (hand-written ones).
+
+    Rounding q and k to bf16 (a rotation's output, a query scale's product) moves a
+    content logit by about BF16_EPS times its size, whatever the row's spread: a row
+    whose logits are large but close together (queries scaled by 5 at large positions)
+    moves its weights by that much, which the spread alone does not bound. Position
+    terms are left out: one that is large but constant along a row moves no weight."""
+    score_terms = getattr(pe, "score_terms", None)
+    if score_terms is None:
+        return 0.0
+    terms = score_terms(q, k, q_positions=q_pos, k_positions=k_pos)
+    content = terms.get("content_content")
+    if content is None:
+        return 0.0
+    size = content.abs()  # [1, H, N, M]
+    if allowed is not None:  # [N, M]: only the keys the row attends to
+        size = size.masked_fill(~allowed, 0.0)
+    return size.amax(dim=-1, keepdim=True)  # [1, H, N, 1]
 
 
 def _row_spread(logits: Tensor, allowed: Tensor | None) -> Tensor:

@@ -847,3 +847,11 @@ class LogLengthQueryScalePlan(QueryScalePlan):
 
     template: ClassVar[str] = "blocks/log_length_query_scale.jinja"
     original_max_positions: int
+
+
+@dataclass(frozen=True)
+class TrainedLogQueryScalePlan(QueryScalePlan):
+    """tau_h(i) = s_h ln(i + 1), s [heads] trained from ``init`` (Scalable-Softmax)."""
+
+    template: ClassVar[str] = "blocks/trained_log_query_scale.jinja"
+    init: float

@@ -58,6 +58,7 @@ from posgen.codegen.blocks import (
     SymmetricLogIndexPlan,
     TableBiasPlan,
     TermName,
+    TrainedLogQueryScalePlan,
     UntiedPlan,
     ValueTermPlan,
 )
@@ -90,6 +91,7 @@ from posgen.spec.model import (
     LearnedTable,
     LinearSlopeBias,
     LogBuckets,
+    LogLengthQueryScale,
     OdeTable,
     RelativeTerm,
     RelativeTermSpec,
@@ -550,7 +552,7 @@ def _blocks(spec: Spec) -> tuple[Block, ...]:
         blocks.append(relative)
     if spec.positions is not None:  # last: no parameters, so init order is unchanged
         blocks.append(RandomizedPositionsPlan(max_positions=spec.positions.max_positions))
-    if spec.query_scale is not None:  # no parameters either
+    if spec.query_scale is not None:  # last: its parameter draws no random numbers
         blocks.append(_query_scale_plan(spec))
     return tuple(blocks)
 
@@ -562,7 +564,9 @@ def _query_scale_plan(spec: Spec) -> QueryScalePlan:
         return FloorLogQueryScalePlan(
             floor_scale=scale.floor_scale, attn_scale=float(scale.attn_scale)
         )
-    return LogLengthQueryScalePlan(original_max_positions=scale.original_max_positions)
+    if isinstance(scale, LogLengthQueryScale):
+        return LogLengthQueryScalePlan(original_max_positions=scale.original_max_positions)
+    return TrainedLogQueryScalePlan(init=float(scale.init))
 
 
 def _flags(blocks: tuple[Block, ...]) -> tuple[tuple[str, FlagValue], ...]:
@@ -573,7 +577,12 @@ def _flags(blocks: tuple[Block, ...]) -> tuple[tuple[str, FlagValue], ...]:
     relative = next((b for b in blocks if isinstance(b, RelativePlan)), None)
     has_position_bias = untied or bias is not None
     return (
-        ("checks_heads", has_position_bias or relative is not None),
+        (
+            "checks_heads",
+            has_position_bias
+            or relative is not None
+            or any(isinstance(block, TrainedLogQueryScalePlan) for block in blocks),
+        ),
         ("has_position_bias", has_position_bias),
         (
             "position_bias_inside_scale",

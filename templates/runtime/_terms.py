@@ -409,7 +409,8 @@ class AttentionTerms(nn.Module):
         attention takes the rotated q and k (the factor commutes with the rotation).
         """
         (q,) = to_bhnd(layout, q)
-        check_one_input(q, self.head_dim, "q")
+        per_head = self.has_query_scale and self._query_scale_heads() is not None
+        check_one_input(q, self.head_dim, "q", self.heads if per_head else None)
         positions = check_positions(positions, q.shape[2], q.shape[0], "positions", q.device)
         q = self._scaled_queries(q, positions, q.shape[2])  # None: the queries at 0 .. N - 1
         return to_bhnd(layout, q)[0]
@@ -419,15 +420,22 @@ class AttentionTerms(nn.Module):
         Encodings with a query scale override it."""
         raise NotImplementedError("this encoding has no query scale")
 
+    def _query_scale_heads(self) -> Tensor | None:
+        """A query scale's trained factor per head [H], which multiplies each position's
+        (Scalable-Softmax's s), or None where the factor is the position's alone."""
+        return None
+
     def _scaled_queries(self, q: Tensor, q_positions: Tensor | None, m: int) -> Tensor:
-        """q [B, H, N, D] times its positions' factors where the encoding has a query
-        scale, else q: the queries sit at q_positions as ``_positions_and_axes`` resolves
-        them (None only at the defaults, where they are M - N, ..., M - 1)."""
+        """q [B, H, N, D] times its positions' factors (and its head's, where the scale
+        has one) where the encoding has a query scale, else q: the queries sit at
+        q_positions as ``_positions_and_axes`` resolves them (None only at the
+        defaults, where they are M - N, ..., M - 1)."""
         if not self.has_query_scale:
             return q
+        per_head = self._query_scale_heads()  # [H] or None
         if q_positions is not None:
-            return scaled_queries(q, self._query_scales(q_positions))
-        return scaled_queries(q, self._default_query_scales(m - q.shape[2], m, q))
+            return scaled_queries(q, self._query_scales(q_positions), per_head)
+        return scaled_queries(q, self._default_query_scales(m - q.shape[2], m, q), per_head)
 
     def _default_query_scales(self, start: int, stop: int, q: Tensor) -> Tensor:
         """tau at positions start .. stop - 1 ([N], in q's compute dtype): a slice of

@@ -672,3 +672,22 @@ def log_length_query_scale(position: int, original_max_positions: int) -> float:
     length, i.e. log base L of position + 1 past L and 1 within it."""
     t = position + 1
     return math.log(t, original_max_positions) if t > original_max_positions else 1.0
+
+
+def scalable_softmax_attention(
+    logits: Tensor, v: Tensor, s: Tensor, allowed: Tensor | None = None
+) -> Tensor:
+    """Scalable-Softmax attention, Nakanishi 2025 (arXiv:2501.19399), eq. (3): each row's
+    softmax takes its logits z_j times s ln n, n the number of keys the row attends to::
+
+        SSMax(z)_j = n^(s z_j) / sum_t n^(s z_t) = exp(s ln(n) z_j) / sum_t exp(s ln(n) z_t)
+
+    logits: [B, H, N, M] (already scaled, float64); v: [B, H, M, D]; s: [H], one per head;
+    allowed: [N, M] bool (a causal mask), every key where None. The row's n is counted
+    from the mask, not from the query's position.
+    """
+    allowed = torch.ones(logits.shape[-2:], dtype=torch.bool) if allowed is None else allowed
+    n = allowed.sum(-1).to(logits.dtype)  # [N]
+    sharpened = logits * (s[:, None, None] * torch.log(n)[:, None])  # [B, H, N, M]
+    weights = torch.softmax(sharpened.masked_fill(~allowed, -math.inf), dim=-1)
+    return weights @ v

@@ -81,6 +81,7 @@ from posgen.spec.model.query_scale import (
     FloorLogQueryScale,
     LogLengthQueryScale,
     QueryScale,
+    ScalableSoftmaxQueryScale,
 )
 from posgen.spec.model.relative import (
     ClipIndex,
@@ -238,6 +239,7 @@ __all__ = [
     "RotateTerm",
     "Rotation",
     "SandwichBias",
+    "ScalableSoftmaxQueryScale",
     "Scale",
     "Sign",
     "SinusoidalRelativeTable",
@@ -264,10 +266,10 @@ __all__ = [
     "kind_tags",
     "kinds_at",
     "plain_text",
+    "python_name_problem",
     "rotary_dim_for",
     "rotated_features",
     "rotation_problem",
-    "python_name_problem",
     "spec_name_problem",
     "tagged",
     "turning_pairs",

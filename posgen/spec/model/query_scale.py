@@ -1,11 +1,11 @@
 """Query scales: each query vector multiplied by a factor of its own position.
 
 Some long-context models sharpen attention as the context grows by scaling the query
-at position i by a factor tau(i) >= 1 before any term reads it, so that the terms
-linear in the query (content_content, a relative content_position) are multiplied by
-tau(i), while terms of positions alone are not (CoPE's gates read the scaled query
-too). Rotations commute with the factor (R(i)(tau q) = tau R(i) q), so it applies
-before or after a rotation alike.
+at position i by a factor tau(i) (per head, where it is trained) before any term reads
+it, so that the terms linear in the query (content_content, a relative
+content_position) are multiplied by tau(i), while terms of positions alone are not
+(CoPE's gates read the scaled query too). Rotations commute with the factor
+(R(i)(tau q) = tau R(i) q), so it applies before or after a rotation alike.
 """
 
 from __future__ import annotations
@@ -72,5 +72,34 @@ class LogLengthQueryScale(SpecModel):
     )
 
 
-QueryScale = Annotated[FloorLogQueryScale | LogLengthQueryScale, Field(discriminator="kind")]
-AnyQueryScale = FloorLogQueryScale | LogLengthQueryScale
+MAX_SCALABLE_SOFTMAX_INIT = 10.0
+"""Largest starting s of Scalable-Softmax (s ln n multiplies the logits)."""
+
+
+class ScalableSoftmaxQueryScale(SpecModel):
+    """Scalable-Softmax, SSMax (Nakanishi 2025, arXiv:2501.19399): the softmax over the
+    n keys a query sees takes its logits times s ln n, with s trained per head. For a
+    causal query at position i (positions from 0) n = i + 1, so
+
+        tau_h(i) = s_h * ln(i + 1)
+
+    multiplies the query of head h; s_h starts at ``init`` and is trained (the module's
+    ``query_scale_per_head`` [heads]). The query at position 0 gets tau = 0 (one key to
+    see under causal attention; without a causal mask its keys weigh alike). SSMax over
+    the M keys of a non-causal call (n = M for every query) is not a query scale by
+    position and is not what this states.
+    """
+
+    kind: Literal["ssmax"]
+    init: float = Field(
+        gt=0,
+        le=MAX_SCALABLE_SOFTMAX_INIT,
+        description=f"every head's s at initialisation, in (0, {MAX_SCALABLE_SOFTMAX_INIT:g}]",
+    )
+
+
+QueryScale = Annotated[
+    FloorLogQueryScale | LogLengthQueryScale | ScalableSoftmaxQueryScale,
+    Field(discriminator="kind"),
+]
+AnyQueryScale = FloorLogQueryScale | LogLengthQueryScale | ScalableSoftmaxQueryScale
