@@ -249,6 +249,29 @@ def assert_sdpa_matches_eager(
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
 
 
+def assert_backends_agree_on_a_grouped_call(
+    pe: torch.nn.Module, causal: bool, explicit: bool
+) -> list[torch.Tensor]:
+    """sdpa, flex (its unfused reference on the CPU) and auto against the eager oracle,
+    float32, 4 query heads over 2 key-value heads of width 8, 12 queries against 12 keys
+    (default positions 0 .. 11, or explicit ones reaching 45): outputs and the gradients
+    into q, k, v and the parameters. Returns eager's gradients."""
+    inputs = {"q": torch.randn(2, 4, 12, 8), "k": torch.randn(2, 2, 12, 8)}
+    inputs["v"] = torch.randn(2, 2, 12, 8)
+    options: dict[str, object] = {"causal": causal}
+    if explicit:
+        keys = torch.tensor([0, 2, 3, 7, 8, 11, 20, 21, 30, 33, 40, 45])
+        options.update(q_positions=keys, k_positions=keys)
+    eager, eager_grads = run_backend(pe, inputs, "eager", **options)
+    for backend in ("sdpa", "flex", "auto"):
+        out, grads = run_backend(pe, inputs, backend, **options)
+        torch.testing.assert_close(out, eager, rtol=2e-5, atol=2e-5)
+        assert len(grads) == len(eager_grads)
+        for got, want in zip(grads, eager_grads, strict=True):
+            torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+    return eager_grads
+
+
 def assert_sdpa_matches_eager_without_trained_terms(
     pe: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> None:

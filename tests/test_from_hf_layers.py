@@ -2,7 +2,8 @@
 the pairing (GPT-J, Cohere, Llama 4 pair neighbours), layers of several kinds (Llama 4,
 SmolLM3, Gemma 3, Cohere 2: ``--layer``), a logit scale of their own (Gemma), and the
 settings no spec states (soft-capping, latent attention). Each spec is checked against
-Hugging Face's own layers or rotary functions."""
+Hugging Face's own layers or rotary functions (whole models run through posgen.hf with
+these specs: test_hf_adapter_families.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ from click.testing import CliRunner
 
 from posgen.cli import main
 from posgen.codegen.inmemory import encoding_class, module_from_spec
-from posgen.hf import use_posgen_attention
 from posgen.spec.loader import load_spec
 from posgen.spec.model import Spec
 from tests.conftest import from_hf_class, from_hf_spec
@@ -137,45 +137,18 @@ def test_a_llama4_nope_layer_gives_the_configs_temperature_tuning(tmp_path: Path
     assert _spec(untuned, tmp_path, "--layer", "3").query_scale is None
 
 
-def test_smollm3_runs_with_one_spec_per_kind_of_layer(tmp_path: Path) -> None:
-    """SmolLM3 (every 4th layer NoPE): the specs of layers 0 and 3, routed per layer through
-    posgen.hf, give the model's own logits."""
-    config = transformers.SmolLM3Config(
-        vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0,
-        attn_implementation="eager",
-    )  # fmt: skip
-    rope = from_hf_class(config.to_dict(), tmp_path, "smol_rope", "--layer", "0")
-    nope = from_hf_class(config.to_dict(), tmp_path, "smol_nope", "--layer", "3")
-    assert _spec(config.to_dict(), tmp_path, "--layer", "1").rotation.base == 2e6  # type: ignore[union-attr]
-    torch.manual_seed(0)
-    model = transformers.SmolLM3ForCausalLM(config).eval()
-    ids = torch.randint(0, 61, (2, 13), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        expected = model(ids).logits
-        use_posgen_attention(model, lambda index: nope() if index == 3 else rope())
-        got = model(ids).logits
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-
-
-def test_cohere2_rotates_neighbours_on_sliding_layers_only(tmp_path: Path) -> None:
-    """Cohere 2 pairs features 2k and 2k + 1 and leaves its full layers without positions:
-    the specs of layers 0 and 3 give the model's own logits through posgen.hf."""
-    config = transformers.Cohere2Config(
-        vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager",
-    )  # fmt: skip
-    assert _spec(config.to_dict(), tmp_path, "--layer", "0").rotation.pairing == "interleaved"  # type: ignore[union-attr]
-    rope = from_hf_class(config.to_dict(), tmp_path, "cohere2_rope", "--layer", "0")
-    nope = from_hf_class(config.to_dict(), tmp_path, "cohere2_nope", "--layer", "3")
-    torch.manual_seed(0)
-    model = transformers.Cohere2ForCausalLM(config).eval()
-    ids = torch.randint(0, 61, (2, 13), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        expected = model(ids).logits
-        use_posgen_attention(model, lambda index: nope() if index == 3 else rope())
-        got = model(ids).logits
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+def test_smollm3_and_cohere2_layers_take_their_kind(tmp_path: Path) -> None:
+    """SmolLM3 rotates halves with its own default base 2·10^6 except on every 4th layer;
+    Cohere 2 rotates neighbours on its sliding layers and nothing on its full ones (their
+    logits through posgen.hf: test_hf_adapter_families.py)."""
+    smol = transformers.SmolLM3Config(num_hidden_layers=4, hidden_size=32, num_attention_heads=4)
+    rotation = _spec(smol.to_dict(), tmp_path, "--layer", "1").rotation
+    assert rotation is not None and rotation.base == 2e6 and rotation.pairing == "half"
+    assert _spec(smol.to_dict(), tmp_path, "--layer", "3").rotation is None
+    cohere2 = transformers.Cohere2Config(num_hidden_layers=4, hidden_size=32, num_attention_heads=4)
+    rotation = _spec(cohere2.to_dict(), tmp_path, "--layer", "0").rotation
+    assert rotation is not None and rotation.pairing == "interleaved"
+    assert _spec(cohere2.to_dict(), tmp_path, "--layer", "3").rotation is None
 
 
 @pytest.mark.parametrize("layer", [0, 5])

@@ -54,6 +54,27 @@ def test_query_and_key_norms_are_applied_as_the_layer_applies_them(
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["smollm3", "cohere2"])
+def test_a_model_with_nope_layers_runs_with_one_spec_per_kind_of_layer(
+    family: str, tmp_path: Path
+) -> None:
+    """SmolLM3 (use_rope 0 on every 4th layer) and Cohere 2 (no positions on its full
+    layers, every 4th; neighbours paired on its sliding ones): the specs of layers 0 and
+    3, routed per layer, give the model's own logits."""
+    classes = {
+        "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
+        "cohere2": (transformers.Cohere2Config, transformers.Cohere2ForCausalLM),
+    }
+    config_class, model_class = classes[family]
+    config = config_class(num_hidden_layers=4, **TINY)
+    rope = from_hf_class(config.to_dict(), tmp_path, f"{family}_rope", "--layer", "0")
+    nope = from_hf_class(config.to_dict(), tmp_path, f"{family}_nope", "--layer", "3")
+    torch.manual_seed(0)
+    model = model_class(config).eval()
+    got, expected = _logits_through_posgen(model, lambda index: nope() if index == 3 else rope())
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 def _gemma3_and_its_encodings(tmp_path: Path) -> tuple[Any, Any]:
     config = transformers.Gemma3TextConfig(
         num_hidden_layers=6, head_dim=8, query_pre_attn_scalar=12, sliding_window=5,

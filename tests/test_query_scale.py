@@ -18,7 +18,12 @@ import torch
 from click.testing import CliRunner
 
 from posgen.cli import main
-from tests.conftest import ROOT, generated_class, run_backend, spec_variant
+from tests.conftest import (
+    ROOT,
+    assert_backends_agree_on_a_grouped_call,
+    generated_class,
+    spec_variant,
+)
 from tests.reference.formulas import (
     attention,
     floor_log_query_scale,
@@ -149,19 +154,7 @@ def test_every_backend_agrees_with_eager_outputs_and_gradients(
     float32, grouped-query heads, 12 queries against 12 keys (default positions 0 .. 11,
     or explicit ones reaching 45): outputs and the gradients into q, k and v."""
     cls = small_floor_class() if which == "floor" else short_log_class()
-    pe = cls(heads=4, head_dim=8)
-    inputs = {"q": torch.randn(2, 4, 12, 8), "k": torch.randn(2, 2, 12, 8)}
-    inputs["v"] = torch.randn(2, 2, 12, 8)
-    options: dict[str, object] = {"causal": causal}
-    if explicit:
-        keys = torch.tensor([0, 2, 3, 7, 8, 11, 20, 21, 30, 33, 40, 45])
-        options.update(q_positions=keys, k_positions=keys)
-    eager, eager_grads = run_backend(pe, inputs, "eager", **options)
-    for backend in ("sdpa", "flex", "auto"):
-        out, grads = run_backend(pe, inputs, backend, **options)
-        torch.testing.assert_close(out, eager, rtol=2e-5, atol=2e-5)
-        for got, want in zip(grads, eager_grads, strict=True):
-            torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+    assert_backends_agree_on_a_grouped_call(cls(heads=4, head_dim=8), causal, explicit)
 
 
 def test_bfloat16_stays_within_bfloat16_error_of_float64() -> None:

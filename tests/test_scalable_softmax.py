@@ -16,7 +16,7 @@ import torch
 from click.testing import CliRunner
 
 from posgen.cli import main
-from tests.conftest import generated_class, run_backend
+from tests.conftest import assert_backends_agree_on_a_grouped_call, generated_class
 from tests.reference.formulas import rope_apply, scalable_softmax_attention
 
 F64 = torch.float64
@@ -58,20 +58,8 @@ def test_every_backend_agrees_with_eager_with_gradients_into_s(
 ) -> None:
     """sdpa, flex (its unfused reference on the CPU) and auto against eager, float32,
     grouped-query heads (4 over 2): outputs and gradients into q, k, v and s."""
-    pe = _module()
-    inputs = {"q": torch.randn(2, 4, 12, 8), "k": torch.randn(2, 2, 12, 8)}
-    inputs["v"] = torch.randn(2, 2, 12, 8)
-    options: dict[str, object] = {"causal": causal}
-    if explicit:
-        keys = torch.tensor([0, 2, 3, 7, 8, 11, 20, 21, 30, 33, 40, 45])
-        options.update(q_positions=keys, k_positions=keys)
-    eager, eager_grads = run_backend(pe, inputs, "eager", **options)
+    eager_grads = assert_backends_agree_on_a_grouped_call(_module(), causal, explicit)
     assert len(eager_grads) == 4  # q, k, v and s
-    for backend in ("sdpa", "flex", "auto"):
-        out, grads = run_backend(pe, inputs, backend, **options)
-        torch.testing.assert_close(out, eager, rtol=2e-5, atol=2e-5)
-        for got, want in zip(grads, eager_grads, strict=True):
-            torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
 
 
 def test_decode_over_keys_rotated_once_matches_the_full_call() -> None:
