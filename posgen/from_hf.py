@@ -45,7 +45,15 @@ from typing import Any
 import yaml
 
 from posgen.hf_config import ConfigError, Settings
-from posgen.hf_families import FAMILIES, REFUSED, Family, LayerKind, Pairing
+from posgen.hf_families import (
+    FAMILIES,
+    REFUSED,
+    TEXT_MODEL_TYPES,
+    UNREAD_KEYS,
+    Family,
+    LayerKind,
+    Pairing,
+)
 
 MIN_SCALE_FACTOR, MAX_SCALE_FACTOR = 1e-3, 1e3  # the spec's scale.factor range
 
@@ -83,7 +91,8 @@ def spec_from_config(
     settings, model_type = _language_model(config)
     if model_type in REFUSED:
         raise ConfigError(f"model_type {model_type!r}: {REFUSED[model_type]}")
-    _refuse_soft_capping(settings)
+    known = FAMILIES.get(model_type)
+    _refuse_soft_capping(settings, known.soft_capping if known is not None else None)
     chosen = _Layer(index=layer)
     if model_type in FAMILIES or settings.has("rope_theta"):
         family = _family(model_type, settings, pairing)
@@ -120,15 +129,19 @@ def _language_model(config: dict[str, Any]) -> tuple[Settings, str]:
     model_type = settings.word("model_type", "")
     text = settings.section("text_config").values
     text_type = Settings(text, "text_config.").word("model_type", "")
+    text_type = text_type or TEXT_MODEL_TYPES.get(model_type, "")
     if text and "rope_theta" not in config and ("rope_theta" in text or text_type in FAMILIES):
         return Settings({**config, **text}), text_type or model_type
     return settings, model_type
 
 
-def _refuse_soft_capping(config: Settings) -> None:
-    """ConfigError where the model caps its logits (Gemma 2): posgen's attention does not."""
-    if config.has("attn_logit_softcapping"):
-        cap = config.positive_number("attn_logit_softcapping")
+def _refuse_soft_capping(config: Settings, default: float | None) -> None:
+    """ConfigError where the model caps its logits (Gemma 2, whose cap is 50 where the
+    config leaves the key out; null: no cap): posgen's attention does not."""
+    key = "attn_logit_softcapping"
+    stated = key in config.values
+    if (stated and config.has(key)) or (not stated and default is not None):
+        cap = config.positive_number(key) if stated else default
         raise ConfigError(
             f"attn_logit_softcapping {cap:g}: the model caps its logits (cap * tanh(logits / "
             "cap)) and posgen's attention does not, so no spec gives this model's attention"
@@ -159,11 +172,16 @@ def _family(model_type: str, config: Settings, pairing: Pairing | None) -> Famil
             "Mistral, Qwen) or --pairing interleaved (neighbours 2k and 2k + 1: GPT-J, "
             "Cohere, GLM, Llama 4)"
         )
-    several = config.has("layer_types") and len(set(config.words("layer_types"))) > 1
-    if config.has("no_rope_layers") or several:
+    for key, what in UNREAD_KEYS.items():
+        if config.has(key):
+            raise ConfigError(
+                f"{key}: model_type {model_type!r} sets it ({what}), and from-hf reads it "
+                "only for the families it knows"
+            )
+    if config.has("layer_types") and len(set(config.words("layer_types"))) > 1:
         raise ConfigError(
-            f"model_type {model_type!r} has layers of several kinds (no_rope_layers or "
-            "layer_types), and from-hf does not know which of them rotate in this family"
+            f"model_type {model_type!r} has layers of several kinds (layer_types), and "
+            "from-hf does not know which of them rotate in this family"
         )
     return Family(pairing)
 
@@ -213,13 +231,15 @@ def _note_masks(family: Family, config: Settings, chosen: _Layer) -> None:
         )
         if config.flag("use_qk_norm", True):
             chosen.notes.append(
-                "Llama 4 L2-normalises q and k on its RoPE layers (use_qk_norm); a rotation "
-                "keeps each head's norm, so normalise them before calling the module"
+                "Llama 4 normalises each head of q and k on its RoPE layers (use_qk_norm: "
+                "x / sqrt(mean(x^2) + rms_norm_eps), no weight); a rotation keeps that norm, "
+                "so apply it before calling the module"
             )
-    sliding = config.has("sliding_window") and config.flag("use_sliding_window", True)
+    sliding = config.has("sliding_window") and config.flag("use_sliding_window", family.slides)
     if sliding and _may_slide(family, config, chosen):
         window = config.positive_int("sliding_window")
-        where = "this layer attends" if chosen.index is not None else "where the model attends"
+        known = chosen.index is not None and config.has("layer_types")
+        where = "this layer attends" if known else "where the model attends"
         chosen.notes.append(
             f"{where} a sliding window of {window} keys (a mask, not a position term): call "
             f"the module with window={window}"
@@ -227,8 +247,8 @@ def _note_masks(family: Family, config: Settings, chosen: _Layer) -> None:
 
 
 def _may_slide(family: Family, config: Settings, chosen: _Layer) -> bool:
-    """Whether the chosen layer may attend a sliding window (its layer type, where the
-    config states one; SmolLM3 slides only NoPE layers, Llama 4 never)."""
+    """Whether the chosen layer may attend a sliding window: its layer type, where the
+    config states them (SmolLM3's slide only on NoPE layers); Llama 4's never do."""
     if family.llama4_attention:
         return False
     if chosen.index is None or not config.has("layer_types"):
@@ -241,8 +261,14 @@ def _rotary_family_spec(
     family: Family, chosen: _Layer, config: Settings, catalogue: Path
 ) -> dict[str, Any]:
     """The spec of the chosen layer of a rotary family."""
-    heads = _heads(config, "num_attention_heads", "n_head")
-    head_dim = _head_dim(config, heads, _HIDDEN_KEYS)
+    if family.heads is not None and not config.has("num_attention_heads"):
+        heads = family.heads  # the configuration class's default
+    else:
+        heads = _heads(config, "num_attention_heads", "n_head")
+    if family.head_dim is not None and not config.has("head_dim"):
+        head_dim = family.head_dim  # the configuration class's default, not hidden // heads
+    else:
+        head_dim = _head_dim(config, heads, _HIDDEN_KEYS)
     if chosen.kind is LayerKind.NOPE:
         spec = _nope(family, config, catalogue)
     else:

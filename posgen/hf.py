@@ -15,11 +15,12 @@ architecture. The families, found by the layers' structure or class:
   key norms are applied before the module (``q_norm``/``k_norm`` per head as Qwen3 and
   Gemma 3 do, or over the whole projection as OLMo 2 does; Llama 4's ``qk_norm``, which
   the model applies after rotating, is the same before it: a rotation keeps the norm).
-  Sliding windows and Llama 4's chunks arrive in HF's 4-D mask. A module that cannot
-  give the layer's attention is refused by ``use_posgen_attention``: a logit scale
-  other than the layer's ``scaling``, a rotation on a layer without positions (SmolLM3's
-  and Llama 4's ``use_rope`` 0, Cohere 2's full layers) or none on a rotary one, Llama
-  4's temperature tuning without a query scale, and any logit soft-capping.
+  Sliding windows and Llama 4's chunks arrive in HF's 4-D mask. What the adapter cannot
+  reproduce is refused by ``use_posgen_attention`` (logit soft-capping, StableLM's
+  ``qk_layernorm``, OLMo's ``clip_qkv``), and so, with ``strict``, is a module of
+  another kind than the layer's (a logit scale other than the layer's ``scaling``, a
+  rotation on a layer without positions or none on a rotary one, Llama 4's temperature
+  tuning without a query scale).
 - BLOOM (``BloomAttention``: fused ``query_key_value`` laid out [.., heads, 3,
   head_dim], ``dense`` output): matching spec ``alibi`` (``generated.alibi.Alibi`` with
   the model's head count; BLOOM's slopes are ALiBi's for every head count). The model's
@@ -67,13 +68,16 @@ def use_posgen_attention(
     or ``self_attention.posgen``, so ``.to()`` moves them). Raises ValueError when the
     model has no attention layer of a supported family, when a module's ``head_dim``
     (or, for BLOOM, its head count) differs from the layer's, or when a layer caps its
-    logits (Gemma 2). With ``strict`` (the default) it also refuses a module that would
-    not reproduce the layer's own positions: a logit scale other than the layer's where
-    the layer's is not 1/sqrt(head_dim) (Gemma, Granite), a rotation on a layer without
-    positions or none on a rotary layer (where the layer says: SmolLM3's and Llama 4's
-    ``use_rope``, Cohere 2's full layers), and Llama 4's temperature tuning without a
-    query scale or the reverse. ``strict=False`` runs another encoding on the model's
-    weights on purpose.
+    logits (Gemma 2), normalises q and k with layer norms the adapter does not apply
+    (StableLM's and Persimmon's ``qk_layernorm``) or clips them (OLMo's ``clip_qkv``).
+    With ``strict`` (the default) it also refuses a module whose kind of positions is not
+    the layer's: a logit scale other than the layer's where the layer's is not
+    1/sqrt(head_dim) (Gemma, Granite), a rotation on a layer without positions or none
+    on a rotary layer (where the layer says: SmolLM3's and Llama 4's ``use_rope``,
+    Cohere 2's full layers), and Llama 4's temperature tuning without a query scale or
+    the reverse. It compares kinds, not values: a module with another base, pairing or
+    floor_scale passes, so take each layer's spec from ``posgen from-hf``.
+    ``strict=False`` runs another encoding on the model's weights on purpose.
     """
     layers = _attention_layers(model)
     if not layers:
@@ -143,6 +147,18 @@ def _check_llama_family_layer(
         raise ValueError(
             f"layer {index} caps its logits (attn_logit_softcapping {cap:g}); posgen's "
             "attention does not"
+        )
+    for name in ("q_layernorm", "k_layernorm"):  # StableLM's and Persimmon's qk_layernorm
+        if getattr(attention, name, None) is not None:
+            raise ValueError(
+                f"layer {index} normalises its queries and keys with its own layer norms "
+                f"({name}, qk_layernorm); posgen.hf does not apply them"
+            )
+    clip = getattr(getattr(attention, "config", None), "clip_qkv", None)
+    if clip is not None:  # OLMo, OLMoE
+        raise ValueError(
+            f"layer {index} clips q, k and v to [-{clip:g}, {clip:g}] (clip_qkv); posgen.hf "
+            "does not"
         )
     if not strict:
         return

@@ -7,7 +7,9 @@ leaves unsaid. A ``Family`` records that part for one ``model_type``:
   k + d/2, Llama's layout) or ``interleaved`` (neighbours: 2k with 2k + 1, GPT-J's
   ``rotate_every_two``, Llama 4's complex pairs);
 - its configuration class's defaults for the keys from-hf reads (``rope_theta``,
-  ``partial_rotary_factor``), which a hand-written config may leave out;
+  ``partial_rotary_factor``, ``head_dim``, ``num_attention_heads``,
+  ``attn_logit_softcapping``, ``use_sliding_window``), which a hand-written config may
+  leave out;
 - how it scales the logits: 1/sqrt(head_dim), 1/sqrt(query_pre_attn_scalar) (Gemma 2
   and 3) or ``attention_multiplier`` (Granite);
 - for families whose layers differ, which layers rotate: Llama 4 and SmolLM3 leave every
@@ -45,6 +47,10 @@ class Family:
     pairing: Pairing
     base: float = 10000.0  # rope_theta when the config leaves it out
     fraction: float = 1.0  # partial_rotary_factor when the config leaves it out
+    head_dim: int | None = None  # head_dim when left out (None: hidden_size // heads)
+    heads: int | None = None  # num_attention_heads when left out (None: required)
+    soft_capping: float | None = None  # attn_logit_softcapping when left out (Gemma 2: 50)
+    slides: bool = True  # use_sliding_window when left out (Qwen, SmolLM3: False)
     scale: Literal["head_dim", "query_pre_attn_scalar", "attention_multiplier"] = "head_dim"
     layers: Callable[[Settings], list[LayerKind]] | None = None  # None: every layer rotates
     rotary_dim_key: str | None = None  # a count of rotated features (GPT-J), not a fraction
@@ -54,9 +60,9 @@ class Family:
 
 
 def rope_flag_layers(config: Settings) -> list[LayerKind]:
-    """Llama 4 and SmolLM3: ``no_rope_layers[i]`` is 1 where layer i rotates and 0 where
-    it has no positions; without the list, every ``no_rope_layer_interval``-th layer
-    (default 4) is NoPE, as the configuration classes build it."""
+    """SmolLM3 (and Llama 4): ``no_rope_layers[i]`` is 1 where layer i rotates and 0
+    where it has no positions; without the list, every ``no_rope_layer_interval``-th
+    layer (default 4) is NoPE, as the configuration classes build it."""
     if config.has("no_rope_layers"):
         flags = config.bits("no_rope_layers")
         count = config.positive_int("num_hidden_layers", len(flags))
@@ -69,6 +75,14 @@ def rope_flag_layers(config: Settings) -> list[LayerKind]:
         interval = config.positive_int("no_rope_layer_interval", 4)
         flags = [int((index + 1) % interval != 0) for index in range(count)]
     return [LayerKind.ROTARY if flag else LayerKind.NOPE for flag in flags[:count]]
+
+
+def _llama4_layers(config: Settings) -> list[LayerKind]:
+    """Llama 4: as ``rope_flag_layers``, and an empty ``no_rope_layers`` (Scout's
+    published config) is the default every-4th pattern, as Llama4TextConfig reads it."""
+    if config.values.get("no_rope_layers") == []:
+        config = Settings({**config.values, "no_rope_layers": None}, config.prefix)
+    return rope_flag_layers(config)
 
 
 def layer_types(config: Settings, pattern: int) -> list[str]:
@@ -103,8 +117,9 @@ def _gemma3_layers(config: Settings) -> list[LayerKind]:
 
 def _cohere2_layers(config: Settings) -> list[LayerKind]:
     """Cohere 2: only the sliding layers rotate (Cohere2Attention applies the rotation
-    where its sliding window is set); full layers have no positions."""
-    window = config.has("sliding_window")
+    where its sliding window is set: 4096 when the config leaves it out, none where it
+    is null); full layers have no positions."""
+    window = config.values.get("sliding_window", 4096) is not None
     return [
         LayerKind.ROTARY if window and kind == "sliding_attention" else LayerKind.NOPE
         for kind in layer_types(config, 4)
@@ -119,17 +134,26 @@ FAMILIES: dict[str, Family] = {
     "llama": _HALF,
     "mistral": _HALF,
     "mixtral": Family("half", base=1e6),
-    "qwen2": _HALF,
-    "qwen2_moe": _HALF,
-    "qwen3": _HALF,
-    "qwen3_moe": _HALF,
+    "qwen2": Family("half", slides=False),
+    "qwen2_moe": Family("half", slides=False),
+    "qwen3": Family("half", head_dim=128, heads=32, slides=False),
+    "qwen3_moe": Family("half", slides=False),
     "qwen2_vl": Family("half", base=1e6),
     "qwen2_vl_text": Family("half", base=1e6),
     "qwen2_5_vl": Family("half", base=1e6),
     "qwen2_5_vl_text": Family("half", base=1e6),
-    "gemma": _HALF,
-    "gemma2": Family("half", scale="query_pre_attn_scalar"),
-    "gemma3_text": Family("half", base=1e6, scale="query_pre_attn_scalar", layers=_gemma3_layers),
+    "gemma": Family("half", head_dim=256, heads=16),
+    "gemma2": Family(
+        "half", head_dim=256, heads=8, scale="query_pre_attn_scalar", soft_capping=50.0
+    ),
+    "gemma3_text": Family(
+        "half",
+        base=1e6,
+        head_dim=256,
+        heads=8,
+        scale="query_pre_attn_scalar",
+        layers=_gemma3_layers,
+    ),  # fmt: skip
     "phi": Family("half", fraction=0.5),
     "phi3": _HALF,
     "gpt_neox": Family("half", fraction=0.25),
@@ -142,18 +166,38 @@ FAMILIES: dict[str, Family] = {
     "falcon": _HALF,
     "granite": Family("half", scale="attention_multiplier"),
     "granitemoe": Family("half", scale="attention_multiplier"),
-    "smollm3": Family("half", base=2e6, layers=rope_flag_layers),
+    "smollm3": Family("half", base=2e6, layers=rope_flag_layers, slides=False),
     # neighbours: feature 2k pairs with 2k + 1
-    "llama4_text": Family("interleaved", base=5e5, layers=rope_flag_layers, llama4_attention=True),
+    "llama4_text": Family(
+        "interleaved",
+        base=5e5,
+        head_dim=128,
+        heads=40,
+        layers=_llama4_layers,
+        llama4_attention=True,
+    ),  # fmt: skip
     "cohere": _INTERLEAVED,
     "cohere2": Family("interleaved", layers=_cohere2_layers),
-    "glm": Family("interleaved", fraction=0.5),
-    "glm4": Family("interleaved", fraction=0.5),
-    "helium": Family("interleaved", base=1e5),
-    "ernie4_5": Family("interleaved", base=5e5),
+    "glm": Family("interleaved", fraction=0.5, head_dim=128, heads=32),
+    "glm4": Family("interleaved", fraction=0.5, head_dim=128, heads=32),
+    "helium": Family("interleaved", base=1e5, head_dim=128, heads=20),
+    "ernie4_5": Family("interleaved", base=5e5, head_dim=128, heads=16),
     "gptj": Family("interleaved", rotary_dim_key="rotary_dim"),
     "codegen": Family("interleaved", rotary_dim_key="rotary_dim"),
 }
+
+TEXT_MODEL_TYPES = {"llama4": "llama4_text", "gemma3": "gemma3_text"}
+"""The language model's family of a multimodal model_type whose text_config may leave
+its own model_type out (the configuration class then builds that family's config)."""
+
+UNREAD_KEYS: dict[str, str] = {
+    "attention_multiplier": "a logit scale of its own",
+    "query_pre_attn_scalar": "a logit scale of its own",
+    "qk_rope_head_dim": "latent attention (a separately rotated part of each head)",
+    "no_rope_layers": "layers without positions",
+}
+"""Keys that change a model's attention, which from-hf reads only for the families it
+knows: a config of another family that sets one is refused, with what it changes."""
 
 REFUSED: dict[str, str] = {
     family: "multi-head latent attention rotates a separate trailing part of each query "

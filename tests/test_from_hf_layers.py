@@ -77,7 +77,7 @@ def test_a_llama4_rope_layer_gives_hugging_faces_attention(tmp_path: Path) -> No
     config = _llama4_config()
     spec_path = from_hf_spec(config.to_dict(), tmp_path, "llama4_rope", "--layer", "0")
     notes = spec_path.read_text("utf-8")
-    assert "document_ids=positions // 4" in notes and "normalise them before" in notes
+    assert "document_ids=positions // 4" in notes and "so apply it" in notes
     rotate = load_spec(spec_path).spec.rotation
     assert rotate is not None and rotate.pairing == "interleaved"
     assert rotate.frequencies.kind == "llama3" and rotate.frequencies.high_freq_factor == 1.0
@@ -227,6 +227,11 @@ REFUSED = [
      "rotary_dim: must be even and at most head_dim 16, got 7"),
     ({"model_type": "newlm", **LLAMA_LIKE, "layer_types": ["sliding_attention", "full_attention"]},
      ("--pairing", "half"), "layers of several kinds"),
+    ({"model_type": "newlm", **LLAMA_LIKE, "attention_multiplier": 0.01}, ("--pairing", "half"),
+     "attention_multiplier: model_type 'newlm' sets it (a logit scale of its own)"),
+    ({"model_type": "newlm", **LLAMA_LIKE, "qk_rope_head_dim": 64}, ("--pairing", "half"),
+     "qk_rope_head_dim: model_type 'newlm' sets it (latent attention"),
+    ({"model_type": "gemma2", **LLAMA_LIKE}, (), "attn_logit_softcapping 50: the model caps"),
     ({"relative_attention_num_buckets": 32, "num_heads": 8}, ("--pairing", "half"),
      "does not rotate"),
     ({"model_type": "gemma3_text", **LLAMA_LIKE, "num_hidden_layers": 1,
@@ -268,6 +273,30 @@ def test_families_fill_in_their_own_defaults_and_pairing(tmp_path: Path) -> None
     )
     head_dim = granite.defaults.head_dim
     assert 1 / math.sqrt(granite.scale.factor * head_dim) == pytest.approx(0.125, rel=1e-15)
+
+
+def test_keys_a_config_leaves_out_take_the_configuration_classs_defaults(tmp_path: Path) -> None:
+    """As Hugging Face's configuration classes fill them in: Gemma's and Llama 4's
+    head_dim (256, 128) rather than hidden_size // heads, Gemma 3's 8 heads, Cohere 2's
+    sliding window of 4096 (its sliding layers rotate; a null window: no layer does),
+    Gemma 2's soft-capping of 50 (null: none), Llama 4's empty no_rope_layers (the
+    every-4th default) and a text_config without its model_type."""
+    gemma = _spec({"model_type": "gemma", **LLAMA_LIKE}, tmp_path)
+    assert (gemma.defaults.heads, gemma.defaults.head_dim) == (4, 256)
+    gemma3_text = {"model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 6}
+    gemma3 = _spec(gemma3_text, tmp_path, "--layer", "5")
+    assert (gemma3.defaults.heads, gemma3.defaults.head_dim) == (8, 256)
+    cohere2 = {"model_type": "cohere2", **LLAMA_LIKE, "num_hidden_layers": 4}
+    assert _spec(cohere2, tmp_path, "--layer", "0").rotation is not None
+    no_window = _spec({**cohere2, "sliding_window": None}, tmp_path)  # one kind: no --layer
+    assert no_window.rotation is None
+    assert _spec({"model_type": "gemma2", **LLAMA_LIKE, "attn_logit_softcapping": None}, tmp_path)
+    scout = {**LLAMA4_TEXT, "no_rope_layers": []}
+    untyped = {"model_type": "llama4", "text_config": scout}  # no text_config.model_type
+    nope = _spec(untyped, tmp_path, "--layer", "3")
+    assert nope.rotation is None and nope.query_scale is not None
+    rope = _spec(untyped, tmp_path, "--layer", "2").rotation
+    assert rope is not None and rope.pairing == "interleaved"
 
 
 def test_a_sliding_window_is_noted_where_the_model_uses_it(tmp_path: Path) -> None:

@@ -149,8 +149,9 @@ def _refusal(model: Any, encoding: Any, **options: bool) -> str:
 
 
 def test_a_module_that_cannot_reproduce_a_layer_is_refused_by_name(tmp_path: Path) -> None:
-    """Soft-capping always; with strict (the default) a logit scale, a rotation or a query
-    scale the layer does not have; strict=False runs another encoding on purpose."""
+    """Soft-capping, StableLM's qk_layernorm and OLMo's clip_qkv always; with strict (the
+    default) a logit scale, a rotation or a query scale the layer does not have;
+    strict=False runs another encoding on purpose."""
     rope, nope = generated_class("rope"), generated_class("nope")
     gemma2 = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(num_hidden_layers=1, **TINY))
     assert "attn_logit_softcapping 50" in _refusal(gemma2, lambda index: rope(4, 8))
@@ -168,6 +169,15 @@ def test_a_module_that_cannot_reproduce_a_layer_is_refused_by_name(tmp_path: Pat
         smol, lambda index: nope(4, 8)
     )
     use_posgen_attention(smol, lambda index: rope(4, 8), strict=False)  # on purpose
+    olmo = transformers.OlmoForCausalLM(
+        transformers.OlmoConfig(num_hidden_layers=1, clip_qkv=0.02, **TINY)
+    )
+    message = _refusal(olmo, lambda index: rope(4, 8), strict=False)
+    assert "layer 0 clips q, k and v to [-0.02, 0.02] (clip_qkv)" in message
+    normed = transformers.LlamaForCausalLM(transformers.LlamaConfig(num_hidden_layers=1, **TINY))
+    normed.model.layers[0].self_attn.q_layernorm = torch.nn.LayerNorm(8)  # StableLM's kind
+    message = _refusal(normed, lambda index: rope(4, 8), strict=False)
+    assert "layer 0 normalises its queries and keys with its own layer norms" in message
     llama4_config = transformers.Llama4TextConfig(
         num_hidden_layers=4, head_dim=8, intermediate_size_mlp=64, **TINY
     )

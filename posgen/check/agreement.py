@@ -10,10 +10,13 @@ Each compares two computations that must agree, on examples drawn by hypothesis:
   2^20 (the attention output; embed's output on the input route); positions the module
   rejects with a ValueError in any dtype are skipped, and it is n/a when every example
   was rejected. Each query row of the attention output is held to
-  2·BF16_EPS·(1 + spread)·max|v|, where spread is that row's max − min over the logits
-  it attends to (``_row_spread``): softmax ignores a constant added to a row, so what a
-  bf16 rounding of the logits can move is their spread, never their size (a bound on
-  max|logit| passed any output once logits were large: a wrong path went unseen);
+  2·BF16_EPS·(1 + spread + size)·max|v|, where spread is that row's max − min over the
+  logits it attends to (``_row_spread``): softmax ignores a constant added to a row, so
+  a bias that is large but the same along the row moves nothing (a bound on max|logit|
+  with biases passed any output once they were large: a wrong path went unseen); and
+  size is the row's largest content_content logit (``_row_content_size``): rounding q
+  and k to bf16 moves a content logit by a share of its size, which a query scale makes
+  large while the row's logits may stay close together;
 * ``kv_cache``: an offset query block (the queries from row ``cut`` on, as a KV cache
   sees them) reproduces the matching rows of the full computation, in float64 logits at
   explicit positions; where q and k are given directly (not formed through embed) also
