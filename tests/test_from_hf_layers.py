@@ -299,6 +299,23 @@ def test_keys_a_config_leaves_out_take_the_configuration_classs_defaults(tmp_pat
     assert rope is not None and rope.pairing == "interleaved"
 
 
+def test_posgen_check_confirms_every_claim_a_from_hf_spec_states(tmp_path: Path) -> None:
+    """from-hf states only the claims that hold for any sizes: at 16-wide heads and base
+    10^4 RoFormer's decay bound breaks, so decay is measured rather than claimed; the
+    NoPE layer with Llama 4's temperature tuning keeps nope_llama4's claims."""
+    gemma3 = transformers.Gemma3TextConfig(
+        num_hidden_layers=6, hidden_size=64, num_attention_heads=4, head_dim=16
+    )
+    specs = [
+        from_hf_spec(gemma3.to_dict(), tmp_path, "gemma3_local", "--layer", "0"),
+        from_hf_spec(_llama4_config().to_dict(), tmp_path, "llama4_nope", "--layer", "3"),
+    ]
+    assert load_spec(specs[0]).spec.claims.decay is None
+    result = CliRunner().invoke(main, ["check", *map(str, specs), "--max-examples", "20"])
+    assert result.exit_code == 0, result.output
+    assert "2 specs checked" in result.output and "all claims hold" in result.output
+
+
 def test_a_sliding_window_is_noted_where_the_model_uses_it(tmp_path: Path) -> None:
     """Mistral's sliding_window becomes a note with the module argument; Qwen2 with
     use_sliding_window false gets none."""
