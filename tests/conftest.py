@@ -212,6 +212,36 @@ def from_hf_class(
     return encoding_class(module_from_spec(from_hf_spec(config, folder, name, *options)))
 
 
+def llama4_layer_and_module(
+    layer: torch.nn.Module,
+    pe: torch.nn.Module,
+    hidden: torch.Tensor,
+    positions: torch.Tensor,
+    mask: torch.Tensor,
+    freqs: torch.Tensor | None = None,
+    **options: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Hugging Face's Llama4TextAttention ``layer`` on hidden [B, N, width] at
+    ``positions`` with its 4-D additive ``mask`` and rotary ``freqs``, the posgen module
+    ``pe`` between the same layer's projections, causal at those positions, with q and
+    k through the layer's ``qk_norm`` where it has one), both [B, N, width], no grad."""
+    batch, n = hidden.shape[:2]
+    head_dim = layer.head_dim
+    with torch.no_grad():
+        expected, _ = layer(hidden, freqs, mask, cache_position=positions)
+        q = layer.q_proj(hidden).view(batch, n, -1, head_dim)  # [B, N, H, D]
+        k = layer.k_proj(hidden).view(batch, n, -1, head_dim)  # [B, N, H_kv, D]
+        v = layer.v_proj(hidden).view(batch, n, -1, head_dim)
+        if hasattr(layer, "qk_norm"):
+            q, k = layer.qk_norm(q), layer.qk_norm(k)
+        out = pe(
+            q, k, v, causal=True, q_positions=positions, k_positions=positions,
+            layout="bnhd", **options,
+        )  # fmt: skip
+        got = layer.o_proj(out.reshape(batch, n, -1))
+    return expected, got
+
+
 def run_backend(
     pe: torch.nn.Module, inputs: dict[str, torch.Tensor], backend: str, **options: object
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -22,7 +22,7 @@ from posgen.cli import main
 from posgen.codegen.inmemory import encoding_class, module_from_spec
 from posgen.spec.loader import load_spec
 from posgen.spec.model import Spec
-from tests.conftest import from_hf_class, from_hf_spec
+from tests.conftest import from_hf_class, from_hf_spec, llama4_layer_and_module
 
 transformers = pytest.importorskip("transformers")
 
@@ -96,15 +96,9 @@ def test_a_llama4_rope_layer_gives_hugging_faces_attention(tmp_path: Path) -> No
     mask = torch.zeros(7, 7, dtype=F64).masked_fill(~allowed, float("-inf"))[None, None]
     with torch.no_grad():
         freqs = Llama4TextRotaryEmbedding(text)(hidden, positions[None].expand(2, -1))
-        expected, _ = layer(hidden, freqs, mask, cache_position=positions)
-        q = layer.qk_norm(layer.q_proj(hidden).view(2, 7, 4, 8))
-        k = layer.qk_norm(layer.k_proj(hidden).view(2, 7, 2, 8))
-        v = layer.v_proj(hidden).view(2, 7, 2, 8)
-        out = pe(
-            q, k, v, causal=True, q_positions=positions, k_positions=positions,
-            document_ids=positions // 4, layout="bnhd",
-        )  # fmt: skip
-        got = layer.o_proj(out.reshape(2, 7, 32))
+    expected, got = llama4_layer_and_module(
+        layer, pe, hidden, positions, mask, freqs, document_ids=positions // 4
+    )
     # Hugging Face turns the pairs in float32 (torch.polar of float32 angles near 8190)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
 
@@ -124,13 +118,7 @@ def test_a_llama4_nope_layer_gives_the_configs_temperature_tuning(tmp_path: Path
     hidden = torch.randn(2, 6, 32, dtype=F64, generator=torch.Generator().manual_seed(1))
     positions = torch.arange(1, 7)  # tau steps at positions 3 and 7 (floor 4)
     mask = torch.full((6, 6), float("-inf"), dtype=F64).triu(1)[None, None]
-    with torch.no_grad():
-        expected, _ = layer(hidden, None, mask, cache_position=positions)
-        q = layer.q_proj(hidden).view(2, 6, 4, 8)
-        k = layer.k_proj(hidden).view(2, 6, 2, 8)
-        v = layer.v_proj(hidden).view(2, 6, 2, 8)
-        out = pe(q, k, v, causal=True, q_positions=positions, k_positions=positions, layout="bnhd")
-        got = layer.o_proj(out.reshape(2, 6, 32))
+    expected, got = llama4_layer_and_module(layer, pe, hidden, positions, mask)
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-8)
     untuned = {**config.to_dict()}
     untuned["text_config"] = {**untuned["text_config"], "attn_temperature_tuning": False}

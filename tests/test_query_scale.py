@@ -22,6 +22,7 @@ from tests.conftest import (
     ROOT,
     assert_backends_agree_on_a_grouped_call,
     generated_class,
+    llama4_layer_and_module,
     spec_variant,
 )
 from tests.reference.formulas import (
@@ -95,15 +96,9 @@ def test_floor_log_scale_matches_hugging_face_llama4(small: bool, start: int) ->
     hidden = torch.randn(2, 6, 32, dtype=F64)
     positions = torch.arange(start, start + 6)
     mask = torch.full((6, 6), float("-inf"), dtype=F64).triu(1)[None, None]  # [1, 1, 6, 6]
-    with torch.no_grad():
-        expected, _ = layer(hidden, None, mask, cache_position=positions)
-        q = layer.q_proj(hidden).view(2, 6, 4, 8)
-        k = layer.k_proj(hidden).view(2, 6, 2, 8)
-        v = layer.v_proj(hidden).view(2, 6, 2, 8)
-        out = pe(q, k, v, causal=True, q_positions=positions, k_positions=positions, layout="bnhd")
-        got = layer.o_proj(out.reshape(2, 6, 32))
-        nope = generated_class("nope")(heads=4, head_dim=8)
-        unscaled = layer.o_proj(nope(q, k, v, causal=True, layout="bnhd").reshape(2, 6, 32))
+    expected, got = llama4_layer_and_module(layer, pe, hidden, positions, mask)
+    nope = generated_class("nope")(heads=4, head_dim=8)
+    _, unscaled = llama4_layer_and_module(layer, nope, hidden, positions, mask)
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-8)
     assert (got - unscaled).abs().max() > 1e-3  # tau > 1 at these positions
 
