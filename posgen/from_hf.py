@@ -93,6 +93,8 @@ def spec_from_config(
         raise ConfigError(f"model_type {model_type!r}: {REFUSED[model_type]}")
     known = FAMILIES.get(model_type)
     _refuse_soft_capping(settings, known.soft_capping if known is not None else None)
+    if layer is not None and settings.has("num_hidden_layers"):
+        _check_layer_index(layer, settings.positive_int("num_hidden_layers"))
     chosen = _Layer(index=layer)
     if model_type in FAMILIES or settings.has("rope_theta"):
         family = _family(model_type, settings, pairing)
@@ -108,8 +110,6 @@ def spec_from_config(
         spec = _t5(settings, _catalogue(catalogue, "t5"))
     else:
         raise ConfigError(f"model_type {model_type!r}: no position settings posgen can read")
-    if chosen.index is not None and settings.has("num_hidden_layers"):
-        _check_layer_index(chosen.index, settings.positive_int("num_hidden_layers"))
     spec["name"] = name
     source = settings.word("_name_or_path", "") or model_type
     where = "" if chosen.index is None else f", layer {chosen.index}"
@@ -193,7 +193,7 @@ def _chosen_layer(family: Family, config: Settings, layer: int | None) -> _Layer
         kinds = family.layers(config)
         if layer is None and len(set(kinds)) > 1:
             raise ConfigError(_several_kinds(kinds))
-        if layer is not None:
+        if layer is not None:  # the list's own length where num_hidden_layers is not stated
             _check_layer_index(layer, len(kinds))
         chosen.kind = kinds[0 if layer is None else layer]
     _note_masks(family, config, chosen)

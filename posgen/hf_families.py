@@ -59,7 +59,7 @@ class Family:
     llama4_attention: bool = False
 
 
-def rope_flag_layers(config: Settings) -> list[LayerKind]:
+def _rope_flag_layers(config: Settings) -> list[LayerKind]:
     """SmolLM3 (and Llama 4): ``no_rope_layers[i]`` is 1 where layer i rotates and 0
     where it has no positions; without the list, every ``no_rope_layer_interval``-th
     layer (default 4) is NoPE, as the configuration classes build it."""
@@ -78,14 +78,14 @@ def rope_flag_layers(config: Settings) -> list[LayerKind]:
 
 
 def _llama4_layers(config: Settings) -> list[LayerKind]:
-    """Llama 4: as ``rope_flag_layers``, and an empty ``no_rope_layers`` (Scout's
+    """Llama 4: as ``_rope_flag_layers``, and an empty ``no_rope_layers`` (Scout's
     published config) is the default every-4th pattern, as Llama4TextConfig reads it."""
     if config.values.get("no_rope_layers") == []:
         config = Settings({**config.values, "no_rope_layers": None}, config.prefix)
-    return rope_flag_layers(config)
+    return _rope_flag_layers(config)
 
 
-def layer_types(config: Settings, pattern: int) -> list[str]:
+def _layer_types(config: Settings, pattern: int) -> list[str]:
     """``layer_types`` (each ``sliding_attention`` or ``full_attention``); without it,
     every ``sliding_window_pattern``-th layer is full and the rest slide, as Gemma 3's
     and Cohere 2's configuration classes build it."""
@@ -111,7 +111,7 @@ def _gemma3_layers(config: Settings) -> list[LayerKind]:
     layers with ``rope_theta`` and ``rope_scaling`` (a full layer every 6th by default)."""
     return [
         LayerKind.LOCAL_ROTARY if kind == "sliding_attention" else LayerKind.ROTARY
-        for kind in layer_types(config, 6)
+        for kind in _layer_types(config, 6)
     ]
 
 
@@ -122,7 +122,7 @@ def _cohere2_layers(config: Settings) -> list[LayerKind]:
     window = config.values.get("sliding_window", 4096) is not None
     return [
         LayerKind.ROTARY if window and kind == "sliding_attention" else LayerKind.NOPE
-        for kind in layer_types(config, 4)
+        for kind in _layer_types(config, 4)
     ]
 
 
@@ -166,7 +166,7 @@ FAMILIES: dict[str, Family] = {
     "falcon": _HALF,
     "granite": Family("half", scale="attention_multiplier"),
     "granitemoe": Family("half", scale="attention_multiplier"),
-    "smollm3": Family("half", base=2e6, layers=rope_flag_layers, slides=False),
+    "smollm3": Family("half", base=2e6, layers=_rope_flag_layers, slides=False),
     # neighbours: feature 2k pairs with 2k + 1
     "llama4_text": Family(
         "interleaved",
