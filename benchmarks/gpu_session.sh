@@ -15,26 +15,25 @@
 # (no STEP: all of them, in order). A session of 15 minutes (machine start included)
 # fits one call of about 9 minutes. benchmarks/gpu_relative_session.sh ran on
 # 2026-12-04: it runs the compile-heavy tests under pytest-xdist while other processes
-# fill Triton's and inductor's on-disk caches, then times from the warm caches. What
-# waits next, in this order:
-#   bash benchmarks/gpu_session.sh "$OUT" test_gpu_relative
-# (all eight cases, DeBERTa's bf16 one since its test's tolerance fix: if they pass, list
-# "cuda" in FUSED_RELATIVE_DEVICES for forwards, 1.1-1.4x faster than the score_mod), then
-#   bash benchmarks/gpu_session.sh "$OUT" decode_static decode_growing decode_tupe
-# (decoding-loop steps as CUDA graphs over a preallocated cache, the <= 1.3x decode
-# target's form, eager steps with a new key count each call, and TUPE's step with its
-# untied term folded or added as a bias), then
-#   bash benchmarks/gpu_session.sh "$OUT" decode family_strided
-# (T5's decode step since its mask's keys are contiguous, compiled steps, and the
-# clipped terms at given positions), and among test_gpu's cases
-# test_a_decode_loop_syncs_only_to_compare_kept_rows_on_cuda (decode steps with no
-# synchronizing call, as the CPU suite's count of device reads says, none at all inside
-# a parameters_frozen block; not yet run). The test steps stop with SIGINT at their limit,
-# so pytest still prints its failure summary (-rf).
+# fill Triton's and inductor's on-disk caches, then times from the warm caches;
+# benchmarks/gpu_decode_session.sh ran on 2026-12-06 (the whole of test_gpu.py, the
+# static-cache and growing decode steps). What waits next, in this order:
+#   bash benchmarks/gpu_session.sh "$OUT" test_gpu_fixed
+# (the cases that run failed, fixed since: TUPE-A's wide flex tiles, the window test's
+# positions, the sync count; and DeBERTa's float32 relative-term case, unreported: if it
+# passes, list "cuda" in FUSED_RELATIVE_DEVICES for forwards, 1.1-1.4x faster than the
+# score_mod), then
+#   bash benchmarks/gpu_session.sh "$OUT" decode_tupe decode family_strided
+# (TUPE's step with its untied term folded or added as a bias, compiled steps with a
+# profile, and the clipped terms at given positions). The test steps stop with SIGINT
+# at their limit, so pytest still prints its failure summary (-rf).
 #
 # posgen's runtime needs only torch; the tests also import pydantic, jinja2, pyyaml,
 # click and hypothesis, and the peers (transformers, x-transformers, Liger-Kernel,
-# rotary-embedding-torch) are optional. Results land in OUT (default
+# rotary-embedding-torch) are optional; an image without pydantic (the lent H100s and
+# H200s: pydantic, pydantic-core, annotated-types, typing-inspection) needs their wheels
+# installed first, e.g. pip install --no-index --target DIR wheels/*.whl and DIR put on
+# PYTHONPATH (this script keeps a PYTHONPATH it is given). Results land in OUT (default
 # benchmarks/results), to be committed with the machine they name.
 set -uo pipefail
 out="${1:-benchmarks/results}"
@@ -63,6 +62,9 @@ step 540 test_gpu_fused python3 -m pytest -v -rf --tb=short --no-header -p no:ca
 # dtypes x two masks)
 step 420 test_gpu_relative python3 -m pytest -v -rf --tb=short --no-header -p no:cacheprovider -W ignore \
     -n 8 tests/test_gpu.py -k "fused_distance_kernel and relative_terms"
+step 300 test_gpu_fixed python3 -m pytest -v -rf --tb=short --no-header -p no:cacheprovider \
+    -W ignore -n 12 tests/test_gpu.py -k "windows_and_documents or inductor_fullgraph or \
+    decode_loop_syncs or relative_terms or auto_picks"
 step 480 test_gpu python3 -m pytest -v -rf --tb=short --no-header -p no:cacheprovider -W ignore \
     -n 14 tests/test_gpu.py -k "not fused_distance_kernel"
 step 150 rotary python3 benchmarks/rotary.py --device cuda --dtype bfloat16 --compile \

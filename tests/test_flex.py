@@ -6,6 +6,7 @@ runs the torch.compile'd kernel, shared by the encodings it covers."""
 from __future__ import annotations
 
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -304,3 +305,31 @@ def test_compiled_flex_matches_eager_and_is_compiled_once() -> None:
                 flex = pe(q, k, v, causal=causal, backend="flex")
                 torch.testing.assert_close(flex, eager, rtol=1e-4, atol=1e-4)
     assert list(flex_runtime._COMPILED_FLEX) == ["flex"]
+
+
+@pytest.mark.parametrize(
+    ("device", "width", "score_mod", "small_tiles"),
+    [
+        ("cuda", 64, True, True),  # a score_mod reads captured tables
+        ("cuda", 64, False, False),  # FlashAttention-like: torch's own tiles
+        ("cuda", 130, False, True),  # TUPE-A folded: padded to 256, three stages overflow
+        ("cuda", 192, False, True),
+        ("cuda", 256, False, False),  # a width torch has tiles for
+        ("cpu", 130, True, False),
+    ],
+)
+def test_flex_kernel_options_shrink_tiles_where_the_defaults_overflow_shared_memory(
+    device: str, width: int, score_mod: bool, small_tiles: bool
+) -> None:
+    """On an H100 (torch 2.11) the compiled flex kernel ran out of shared memory with
+    FlexAttention's default tiles for a score_mod and for TUPE-A's 130 folded features;
+    only the kernel options' choice is tested here (the device and width are all it
+    reads), the kernels themselves in tests/test_gpu.py."""
+    (options,) = {
+        vars(m)["flex_kernel_options"]
+        for m in runtime_modules()
+        if "flex_kernel_options" in vars(m)
+    }
+    q = SimpleNamespace(device=torch.device(device), shape=(1, 1, 1, width))
+    small = {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 1}
+    assert options(q, score_mod) == (small if small_tiles else None)

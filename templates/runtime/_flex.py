@@ -207,9 +207,14 @@ def flex_kernel_options(q: Tensor, has_score_mod: bool) -> dict[str, Any] | None
     On CUDA a score_mod (they read captured vectors and tables) gets BLOCK_M = BLOCK_N =
     64 and one pipeline stage: the default tiles ran out of shared memory on an H100
     (torch 2.11) and, for T5 at N = 8192, ran a causal forward 2.8x slower
-    (benchmarks/results/attention_backends_cuda_bfloat16_options.md).
+    (benchmarks/results/attention_backends_cuda_bfloat16_options.md). So do features
+    wider than 128 other than 256 (whose tiles torch picks per GPU), such as TUPE-A's
+    untied term folded into q and k (64 + 66): padded to 256 with torch's tiles for
+    widths it has no entry for (three stages), they asked an H100 for 245,760 bytes of
+    shared memory where it has 232,448 (torch 2.11, 2026-12-06).
     """
-    if q.device.type == "cuda" and has_score_mod:
+    width = q.shape[-1]
+    if q.device.type == "cuda" and (has_score_mod or (width > 128 and width != 256)):
         return {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 1}
     return None
 
