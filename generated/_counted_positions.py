@@ -59,6 +59,9 @@ COUNT_BLOCK = 128
 #: 4096 keys, batch 1, 16 heads, head_dim 64, against plain SDPA: 1 query 2.15x dense,
 #: 8.46x as the node; 4 queries 2.20x against 6.86x; 8 queries 4.87x against 3.21x
 COUNTED_MIN_QUERIES = 6
+#: device types where the node serves (measured on the CPU; a CUDA call keeps the dense
+#: terms). Tests set the CPU's routes as CUDA has them by emptying it.
+COUNTED_POSITION_DEVICES: set[str] = {"cpu"}
 
 #: a span's logits with its masks joined, keys reversed: (span, logits) -> masked logits
 ReversedMasks = Callable[[Span, Tensor], Tensor]
@@ -104,12 +107,12 @@ def counted_position_attention(
 
 
 def counted_position_attention_serves(q: Tensor, m: int, masks_need_no_grad: bool) -> bool:
-    """Whether ``counted_position_attention`` runs a call: eager mode on the CPU (where it
-    was measured; a CUDA call keeps the dense terms), a batch, at least
+    """Whether ``counted_position_attention`` runs a call: eager mode on a device of
+    COUNTED_POSITION_DEVICES, a batch, at least
     ``COUNTED_MIN_QUERIES`` queries and a key, and an attn_mask (if any) that needs no
     gradient, which this node does not give it."""
     return (
-        q.device.type == "cpu"
+        q.device.type in COUNTED_POSITION_DEVICES
         and q.numel() > 0
         and q.shape[2] >= COUNTED_MIN_QUERIES
         and m > 0

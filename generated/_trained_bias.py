@@ -35,16 +35,20 @@ from ._distances import (
 from ._masks import distance_allowed, query_chunks
 from ._numerics import compute_dtype
 
+#: device types where ``trained_mask_attention`` replaces SDPA for a mask that needs a
+#: gradient (the CPU's SDPA then runs its unfused math kernel anyway)
+TRAINED_MASK_DEVICES: set[str] = {"cpu"}
+
 
 def trained_mask_attention_serves(q: Tensor, mask: Tensor | None) -> bool:
     """Whether ``trained_mask_attention`` replaces SDPA for one query chunk: a float
-    mask that needs a gradient (a trained bias: SDPA then runs its unfused math kernel
-    anyway), float32 or float64 q, on the CPU."""
+    mask that needs a gradient, float32 or float64 q, on a device of
+    TRAINED_MASK_DEVICES."""
     return (
         mask is not None
         and mask.requires_grad
         and mask.is_floating_point()
-        and q.device.type == "cpu"
+        and q.device.type in TRAINED_MASK_DEVICES
         and q.dtype in (torch.float32, torch.float64)
     )
 

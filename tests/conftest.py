@@ -282,18 +282,21 @@ def assert_sdpa_matches_eager(
 def assert_backends_agree_on_a_grouped_call(
     pe: torch.nn.Module, causal: bool, explicit: bool
 ) -> list[torch.Tensor]:
-    """sdpa, flex (its unfused reference on the CPU) and auto against the eager oracle,
-    float32, 4 query heads over 2 key-value heads of width 8, 12 queries against 12 keys
-    (default positions 0 .. 11, or explicit ones reaching 45): outputs and the gradients
-    into q, k, v and the parameters. Returns eager's gradients."""
-    inputs = {"q": torch.randn(2, 4, 12, 8), "k": torch.randn(2, 2, 12, 8)}
-    inputs["v"] = torch.randn(2, 2, 12, 8)
+    """sdpa, flex (its unfused reference on the CPU; not for a value-side term, which it
+    refuses) and auto against the eager oracle, float32, 4 query heads over 2 key-value
+    heads of the module's widths, 12 queries against 12 keys (default positions 0 .. 11,
+    or explicit ones reaching 45): outputs and the gradients into q, k, v and the
+    parameters. Returns eager's gradients."""
+    width = pe.head_dim
+    value_width = getattr(pe, "value_dim", None) or width
+    inputs = {"q": torch.randn(2, 4, 12, width), "k": torch.randn(2, 2, 12, width)}
+    inputs["v"] = torch.randn(2, 2, 12, value_width)
     options: dict[str, object] = {"causal": causal}
     if explicit:
         keys = torch.tensor([0, 2, 3, 7, 8, 11, 20, 21, 30, 33, 40, 45])
         options.update(q_positions=keys, k_positions=keys)
     eager, eager_grads = run_backend(pe, inputs, "eager", **options)
-    for backend in ("sdpa", "flex", "auto"):
+    for backend in ("sdpa", "auto") if pe.has_value_term else ("sdpa", "flex", "auto"):
         out, grads = run_backend(pe, inputs, backend, **options)
         torch.testing.assert_close(out, eager, rtol=2e-5, atol=2e-5)
         assert len(grads) == len(eager_grads)
@@ -342,6 +345,67 @@ def set_runtime(
     assert modules, f"no runtime module binds {name}"
     for module in modules:
         monkeypatch.setattr(module, name, value)
+
+
+#: runtime settings naming the devices a route serves, as a set of device types or a dict
+#: keyed by device type: ``cuda_routes`` gives the CPU what CUDA has in each
+DEVICE_ROUTES = (
+    "BAND_VIEW_DEVICES",
+    "BIAS_FLOOR_DEVICES",
+    "CHUNKED_FLASH_DEVICES",
+    "CLIPPED_BIAS_FLEX_DEVICES",
+    "COUNTED_POSITION_DEVICES",
+    "DIRECTIONAL_BIAS_DEVICES",
+    "DISTANCE_VECTOR_DEVICES",
+    "EXACT_DEFAULT_DEVICES",
+    "EXPLICIT_TABLE_DEVICES",
+    "FLIPPED_ROTATION_MAX_ELEMENTS",
+    "FOLDED_BIAS_DEVICES",
+    "FUSED_DISTANCE_TRAINED_DEVICES",
+    "FUSED_RELATIVE_DEVICES",
+    "FUSED_RELATIVE_TRAINED_DEVICES",
+    "GROUPED_QUERY_DEVICES",
+    "KEPT_WITHOUT_SYNC_DEVICES",
+    "KEY_SIDE_CHUNK_BYTES",
+    "PARAMETERS_COMPARED_AT_ONCE",
+    "RECOMPUTED_MASK_DEVICES",
+    "RELATIVE_CHUNK_DEVICES",
+    "ROLLED_ROTATION_MAX_ELEMENTS",
+    "ROTATION_CHUNK_BYTES",
+    "SDPA_LONG_QUERY_CHUNK",
+    "SDPA_MASK_CHUNK_BYTES",
+    "SDPA_QUERY_CHUNK",
+    "SKEWED_RELATIVE_DEVICES",
+    "TRAINED_MASK_DEVICES",
+)
+#: device settings ``cuda_routes`` leaves as they are: the Triton kernels (the CPU runs
+#: them interpreted, slowly; their own tests list the CPU) and a choice made only under
+#: torch.compile
+KERNEL_ROUTES = (
+    "EAGER_ROTATION_UNDER_COMPILE",
+    "FUSED_DISTANCE_DEVICES",
+    "FUSED_DISTANCE_ROUTES",
+    "FUSED_ROTATION_DEVICES",
+)
+
+
+def cuda_routes(monkeypatch: pytest.MonkeyPatch, pe: torch.nn.Module | None = None) -> None:
+    """Set every setting of DEVICE_ROUTES so that the CPU takes CUDA's routes for the
+    test: a set lists "cpu" where it lists "cuda", a dict keyed by device gives "cpu"
+    CUDA's entry (or none). So the branches a GPU takes run in the CPU suite, but for
+    the Triton kernels and the checks of what the device itself can do (the CPU flash
+    kernels called directly, float64)."""
+    for name in DEVICE_ROUTES:
+        value = runtime_value(name, pe)
+        if isinstance(value, dict):
+            routed: Any = {device: v for device, v in value.items() if device != "cpu"}
+            if "cuda" in value:
+                routed["cpu"] = value["cuda"]
+        else:
+            routed = {device for device in value if device != "cpu"}
+            if "cuda" in value:
+                routed.add("cpu")
+        set_runtime(monkeypatch, name, routed, pe)
 
 
 def runtime_value(name: str, pe: torch.nn.Module | None = None) -> Any:

@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 
-from tests.conftest import generated_class, head_dim_for
+from tests.conftest import cuda_routes, generated_class, head_dim_for
 
 warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
 
@@ -138,15 +138,20 @@ def _assert_same(got: tuple, want: tuple, what: str) -> None:
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * scale, msg=lambda s: f"{what}: {s}")
 
 
+@pytest.mark.parametrize("routes", ["cpu", "cuda"])
 @pytest.mark.parametrize("mask_name", list(MASKS))
 @pytest.mark.parametrize("name", ENCODINGS)
-def test_every_backend_equals_eager_with_the_oracle_mask(name: str, mask_name: str) -> None:
+def test_every_backend_equals_eager_with_the_oracle_mask(
+    name: str, mask_name: str, routes: str, monkeypatch
+) -> None:
     """Outputs and gradients (inputs and parameters) of every backend equal eager given
     the oracle's boolean attn_mask, at default, explicit and batched positions, causal
-    and not, with two key/value heads for four query heads. CoPE's count of gates reads
-    other keys, and documents bound it where a mask does not (a packed document counts
-    as it would alone: tests/test_cope.py), so with documents its oracle is eager with
-    the same documents."""
+    and not, with two key/value heads for four query heads, on the CPU's routes and on
+    CUDA's (``cuda_routes``). CoPE's count of gates reads other keys, and documents
+    bound it where a mask does not (a packed document counts as it would alone:
+    tests/test_cope.py), so with documents its oracle is eager with the same documents."""
+    if routes == "cuda":
+        cuda_routes(monkeypatch)
     pe = _make(name)
     documents_bound_terms = name == "cope" and "document_ids" in MASKS[mask_name]
     q, k, v = _inputs(pe)

@@ -90,6 +90,11 @@ from ._terms import (
     project_factors,
 )
 
+#: device types where relative terms under a window or documents are projected per
+#: chunk of queries (each chunk its own diagonals) rather than over all N + M - 1
+#: diagonals at once (``_sdpa_relative_parts``); measured on the CPU only
+RELATIVE_CHUNK_DEVICES: set[str] = {"cpu"}
+
 
 def relative_parts_serve(factors: list[RelativeFactors], causal: bool) -> bool:
     """Whether ``_sdpa_relative_parts`` runs these relative terms: everywhere but a
@@ -305,11 +310,11 @@ class SdpaRelative(SdpaChunks):
             # under a window or documents: terms read by distance with no clip would be
             # projected over all N + M - 1 diagonals, where each chunk projects only its
             # own; a training step runs its chunks as one node (where the CPU flash
-            # kernels take q: ``_trained_terms_at_positions``). Measured on the CPU only.
+            # kernels take q: ``_trained_terms_at_positions``). RELATIVE_CHUNK_DEVICES.
             one_node = self._trains_step(q, k, v) and cpu_flash_serves(q, v)
             per_chunk = (
                 not plain
-                and q.device.type == "cpu"
+                and q.device.type in RELATIVE_CHUNK_DEVICES
                 and not torch.compiler.is_compiling()
                 and (clipped is None or one_node)
             )
