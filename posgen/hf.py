@@ -13,11 +13,13 @@ architecture. The families, found by the layers' structure or class:
   ``posgen from-hf``. Keys are cached rotated: a decode step rotates its new keys once
   (``rotate_keys``) and attends with ``keys_rotated=True``. The layer's own query and
   key norms are applied before the module (``q_norm``/``k_norm`` per head as Qwen3 and
-  Gemma 3 do, or over the whole projection as OLMo 2 does; Llama 4's ``qk_norm``, which
-  the model applies after rotating, is the same before it: a rotation keeps the norm).
-  Sliding windows and Llama 4's chunks arrive in HF's 4-D mask. What the adapter cannot
-  reproduce is refused by ``use_posgen_attention`` (logit soft-capping, StableLM's
-  ``qk_layernorm``, OLMo's ``clip_qkv``), and so, with ``strict``, is a module of
+  Gemma 3 do, or over the whole projection as OLMo 2 and OLMoE do; StableLM's
+  ``qk_layernorm``, a LayerNorm per head; Llama 4's ``qk_norm``, which the model
+  applies after rotating, is the same before it: a rotation keeps the norm), and so is
+  OLMo's and OLMoE's ``clip_qkv`` (q, k and v clamped after any such norm). Sliding
+  windows and Llama 4's chunks arrive in HF's 4-D mask. What the adapter cannot
+  reproduce is refused by ``use_posgen_attention`` (logit soft-capping), and so, with
+  ``strict``, is a module of
   another kind than the layer's (a logit scale other than the layer's ``scaling``, a
   rotation on a layer without positions or none on a rotary one, Llama 4's temperature
   tuning without a query scale).
@@ -68,8 +70,7 @@ def use_posgen_attention(
     or ``self_attention.posgen``, so ``.to()`` moves them). Raises ValueError when the
     model has no attention layer of a supported family, when a module's ``head_dim``
     (or, for BLOOM, its head count) differs from the layer's, or when a layer caps its
-    logits (Gemma 2), normalises q and k with layer norms the adapter does not apply
-    (StableLM's and Persimmon's ``qk_layernorm``) or clips them (OLMo's ``clip_qkv``).
+    logits (Gemma 2).
     With ``strict`` (the default) it also refuses a module whose kind of positions is not
     the layer's: a logit scale other than the layer's where the layer's is not
     1/sqrt(head_dim) (Gemma, Granite), a rotation on a layer without positions or none
@@ -148,18 +149,6 @@ def _check_llama_family_layer(
             f"layer {index} caps its logits (attn_logit_softcapping {cap:g}); posgen's "
             "attention does not"
         )
-    for name in ("q_layernorm", "k_layernorm"):  # StableLM's and Persimmon's qk_layernorm
-        if getattr(attention, name, None) is not None:
-            raise ValueError(
-                f"layer {index} normalises its queries and keys with its own layer norms "
-                f"({name}, qk_layernorm); posgen.hf does not apply them"
-            )
-    clip = getattr(getattr(attention, "config", None), "clip_qkv", None)
-    if clip is not None:  # OLMo, OLMoE
-        raise ValueError(
-            f"layer {index} clips q, k and v to [-{clip:g}, {clip:g}] (clip_qkv); posgen.hf "
-            "does not"
-        )
     if not strict:
         return
     scaling, scale = getattr(attention, "scaling", None), getattr(module, "scale", None)
@@ -201,9 +190,12 @@ def _layer_rotates(attention: nn.Module) -> tuple[bool | None, str]:
 
 def _projected(layer: Any, part: str, hidden_states: Tensor) -> Tensor:
     """[B, H, N, D]: the layer's ``q``/``k``/``v`` projection of hidden_states [B, N,
-    hidden], normalised as the layer normalises it: a ``q_norm``/``k_norm`` as wide as
-    the projection (OLMo 2) before the heads are split, one as wide as a head (Qwen3,
-    Gemma 3) or Llama 4's weightless ``qk_norm`` (q and k of its RoPE layers) after."""
+    hidden], normalised and clipped as the layer does it, in its order: a
+    ``q_norm``/``k_norm`` as wide as the projection (OLMo 2, OLMoE) before the heads are
+    split; OLMo's ``clip_qkv``, q, k and v clamped to [-clip, clip]; a norm as wide as a
+    head (Qwen3, Gemma 3) or Llama 4's weightless ``qk_norm`` (q and k of its RoPE
+    layers) on the split heads; StableLM's ``q_layernorm``/``k_layernorm`` (a LayerNorm
+    per head, ``qk_layernorm``) on [B, H, N, D]."""
     batch, n = hidden_states.shape[:2]
     x = getattr(layer, f"{part}_proj")(hidden_states)  # [B, N, heads * D]
     norm = getattr(layer, f"{part}_norm", None)
@@ -213,10 +205,15 @@ def _projected(layer: Any, part: str, hidden_states: Tensor) -> Tensor:
     whole = isinstance(weight, Tensor) and weight.shape[-1] == x.shape[-1] != layer.head_dim
     if norm is not None and whole:
         x = norm(x)
+    clip = getattr(getattr(layer, "config", None), "clip_qkv", None)
+    if clip is not None:
+        x = x.clamp(-clip, clip)
     x = x.view(batch, n, -1, layer.head_dim)  # [B, N, heads, D]
     if norm is not None and not whole:
         x = norm(x)
-    return x.transpose(1, 2)
+    x = x.transpose(1, 2)  # [B, heads, N, D]
+    per_head = getattr(layer, f"{part}_layernorm", None) if part != "v" else None
+    return x if per_head is None else per_head(x)
 
 
 def _posgen_attention_forward(

@@ -1,5 +1,6 @@
 """posgen.hf on families whose attention does more than Llama's: query and key norms
-(Qwen3, Gemma 3 per head; OLMo 2 over the whole projection; Llama 4's QK L2 norm), a
+(Qwen3, Gemma 3 per head; OLMo 2 over the whole projection; StableLM's LayerNorm per
+head; Llama 4's weightless QK RMS norm), OLMo's clipped projections, a
 logit scale of their own (Gemma 3), layers of several kinds with sliding windows or
 chunks in the mask (Gemma 3, Llama 4). Each tiny model, run with the specs ``posgen
 from-hf`` writes for its layers, gives its own logits; a module that cannot reproduce a
@@ -52,6 +53,48 @@ def test_query_and_key_norms_are_applied_as_the_layer_applies_them(
                 parameter.uniform_(0.5, 1.5)
     got, expected = _logits_through_posgen(model, lambda index: rope())
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_stablelm_layer_norms_per_head_are_applied(tmp_path: Path) -> None:
+    """StableLM with qk_layernorm: a LayerNorm per head of q and of k (weights not the
+    identity), a quarter of each head rotated (partial_rotary_factor 0.25). The norms
+    are added after the model is built: transformers 4.57's initialisation of a
+    qk_layernorm model fails on their missing bias."""
+    from transformers.models.stablelm.modeling_stablelm import StableLmLayerNormPerHead
+
+    config = transformers.StableLmConfig(num_hidden_layers=2, **TINY)
+    rope = from_hf_class(config.to_dict(), tmp_path, "stablelm_positions")
+    torch.manual_seed(0)
+    model = transformers.StableLmForCausalLM(config).eval()
+    for layer in model.model.layers:
+        attention = layer.self_attn
+        attention.qk_layernorm = True
+        attention.q_layernorm = StableLmLayerNormPerHead(8, 4, eps=config.layer_norm_eps)
+        attention.k_layernorm = StableLmLayerNormPerHead(8, 2, eps=config.layer_norm_eps)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "_layernorm.norms." in name:
+                parameter.uniform_(0.5, 1.5)
+    got, expected = _logits_through_posgen(model, lambda index: rope())
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_olmo_clips_q_k_and_v_as_the_layer_does(tmp_path: Path) -> None:
+    """OLMo's clip_qkv: q, k and v clamped to [-0.05, 0.05] before the heads are split;
+    a bound that clips most entries of the tiny model's projections, so the logits
+    differ from the unclipped model's by far more than the tolerance."""
+    clipped = transformers.OlmoConfig(num_hidden_layers=2, clip_qkv=0.05, **TINY)
+    rope = from_hf_class(clipped.to_dict(), tmp_path, "olmo_positions")
+    torch.manual_seed(0)
+    model = transformers.OlmoForCausalLM(clipped).eval()
+    torch.manual_seed(0)
+    unclipped = transformers.OlmoForCausalLM(
+        transformers.OlmoConfig(num_hidden_layers=2, **TINY)
+    ).eval()
+    got, expected = _logits_through_posgen(model, lambda index: rope())
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    plain, _ = _logits_through_posgen(unclipped, lambda index: rope())
+    assert (plain - expected).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("family", ["smollm3", "cohere2"])
@@ -149,9 +192,8 @@ def _refusal(model: Any, encoding: Any, **options: bool) -> str:
 
 
 def test_a_module_that_cannot_reproduce_a_layer_is_refused_by_name(tmp_path: Path) -> None:
-    """Soft-capping, StableLM's qk_layernorm and OLMo's clip_qkv always; with strict (the
-    default) a logit scale, a rotation or a query scale the layer does not have;
-    strict=False runs another encoding on purpose."""
+    """Soft-capping always; with strict (the default) a logit scale, a rotation or a
+    query scale the layer does not have; strict=False runs another encoding on purpose."""
     rope, nope = generated_class("rope"), generated_class("nope")
     gemma2 = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(num_hidden_layers=1, **TINY))
     assert "attn_logit_softcapping 50" in _refusal(gemma2, lambda index: rope(4, 8))
@@ -169,15 +211,6 @@ def test_a_module_that_cannot_reproduce_a_layer_is_refused_by_name(tmp_path: Pat
         smol, lambda index: nope(4, 8)
     )
     use_posgen_attention(smol, lambda index: rope(4, 8), strict=False)  # on purpose
-    olmo = transformers.OlmoForCausalLM(
-        transformers.OlmoConfig(num_hidden_layers=1, clip_qkv=0.02, **TINY)
-    )
-    message = _refusal(olmo, lambda index: rope(4, 8), strict=False)
-    assert "layer 0 clips q, k and v to [-0.02, 0.02] (clip_qkv)" in message
-    normed = transformers.LlamaForCausalLM(transformers.LlamaConfig(num_hidden_layers=1, **TINY))
-    normed.model.layers[0].self_attn.q_layernorm = torch.nn.LayerNorm(8)  # StableLM's kind
-    message = _refusal(normed, lambda index: rope(4, 8), strict=False)
-    assert "layer 0 normalises its queries and keys with its own layer norms" in message
     llama4_config = transformers.Llama4TextConfig(
         num_hidden_layers=4, head_dim=8, intermediate_size_mlp=64, **TINY
     )
