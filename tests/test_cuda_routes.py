@@ -18,6 +18,7 @@ from tests.conftest import (
     generated_class,
     head_dim_for,
     runtime_modules,
+    runtime_value,
     spec_names,
 )
 
@@ -55,15 +56,10 @@ def test_every_device_setting_is_routed_or_left_to_its_kernel_tests() -> None:
 
 def test_cuda_routes_give_the_cpu_what_cuda_has(monkeypatch) -> None:
     cuda_routes(monkeypatch)
-    modules = runtime_modules()
-
-    def value(name: str) -> object:
-        return next(vars(m)[name] for m in modules if name in vars(m))
-
-    assert "cpu" not in value("BIAS_FLOOR_DEVICES")  # {"cpu"} -> set()
-    assert "cpu" in value("FOLDED_BIAS_DEVICES")  # {"cuda"} -> {"cuda", "cpu"}
-    assert "cpu" not in value("SDPA_QUERY_CHUNK")  # {"cpu": 256} -> {}
-    assert "cpu" not in value("FUSED_DISTANCE_DEVICES")  # a Triton kernel: untouched
+    assert "cpu" not in runtime_value("BIAS_FLOOR_DEVICES")  # {"cpu"} -> set()
+    assert "cpu" in runtime_value("FOLDED_BIAS_DEVICES")  # {"cuda"} -> {"cuda", "cpu"}
+    assert "cpu" not in runtime_value("SDPA_QUERY_CHUNK")  # {"cpu": 256} -> {}
+    assert "cpu" not in runtime_value("FUSED_DISTANCE_DEVICES")  # a Triton kernel: untouched
 
 
 @pytest.mark.parametrize("causal", [False, True])
