@@ -353,7 +353,8 @@ def _four_d(attention_mask: Tensor | None, m: int) -> Tensor | None:
         return mask
 
     def masked_outright() -> Tensor:  # [B, 1, N, M]: 0 for a kept key, finfo.min masked
-        weakref.finalize(attention_mask, _forget_the_mask_of_a_freed_input)
+        if not torch.compiler.is_compiling():  # a graph keeps nothing between calls
+            weakref.finalize(attention_mask, _forget_the_mask_of_a_freed_input)
         return mask.masked_fill(mask <= torch.finfo(mask.dtype).min / 2, float("-inf"))
 
     # one tensor for every layer, as the modules read a mask once per tensor
@@ -388,8 +389,12 @@ def _shared_by_layers(
     a GPU) per forward rather than once per layer. Inference tensors count no version,
     so an edit in place would go unseen: positions formed from them are never shared.
     ``last``: where the previous layer's is kept (default ``_LAST_LAYER_POSITIONS``; the
-    mask's own, ``_LAST_MASK``)."""
+    mask's own, ``_LAST_MASK``). Under torch.compile every layer makes its own: the
+    graph reads no values on the host, and the weak references and version counts
+    would break it (HF's static cache with a fullgraph-compiled forward)."""
     last = _LAST_LAYER_POSITIONS if last is None else last
+    if torch.compiler.is_compiling():  # traced once per graph: nothing to share at run time
+        return make()
     if any(t is not None and t.is_inference() for t in inputs):
         return make()
     if last:

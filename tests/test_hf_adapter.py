@@ -75,6 +75,29 @@ def test_tiny_llama_left_padded_batch_generation_matches_through_posgen(cache: s
     assert torch.equal(got, expected)
 
 
+def test_static_cache_generation_under_a_fullgraph_compiled_forward_matches() -> None:
+    """HF's recipe for fast decoding (a static cache, ``model.forward`` under
+    torch.compile with fullgraph) traces through the adapter: no graph break where it
+    shares positions and masks between layers, and the same tokens as HF's own
+    uncompiled attention, left padding included."""
+    model = _tiny_llama()
+    ids = torch.randint(1, 97, (2, 9), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[0, :3], ids[0, :3] = 0, 0  # left padding with the pad token
+    settings = {
+        "max_new_tokens": 6,
+        "do_sample": False,
+        "pad_token_id": 0,
+        "cache_implementation": "static",
+    }
+    with torch.no_grad():
+        expected = model.generate(ids, attention_mask=mask, **settings)
+        use_posgen_attention(model, lambda layer: Rope(heads=4, head_dim=16))
+        model.forward = torch.compile(model.forward, fullgraph=True, backend="eager")
+        got = model.generate(ids, attention_mask=mask, **settings)
+    assert torch.equal(got, expected)
+
+
 @pytest.mark.parametrize("padded", [False, True])
 def test_a_decode_step_reads_the_positions_once_per_forward(padded: bool) -> None:
     """HF gives every layer the same position_ids (and mask): the posgen modules read

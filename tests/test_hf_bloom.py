@@ -105,6 +105,28 @@ def test_tiny_bloom_left_padded_batch_generation_matches_through_alibi(cache: st
     assert torch.equal(got, expected)
 
 
+def test_static_cache_generation_under_a_fullgraph_compiled_forward_matches() -> None:
+    """A static cache and ``model.forward`` under torch.compile with fullgraph (HF's
+    recipe for fast decoding) trace through the adapter and give HF's own tokens."""
+    model = _tiny_bloom(6)
+    ids = _ids(2, 9, 4)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    ids[0, :3] = 0  # the pad token
+    settings = {
+        "max_new_tokens": 6,
+        "do_sample": False,
+        "pad_token_id": 0,
+        "cache_implementation": "static",
+    }
+    with torch.no_grad():
+        expected = model.generate(ids, attention_mask=mask, **settings)
+        use_posgen_attention(model, lambda layer: _alibi(6))
+        model.forward = torch.compile(model.forward, fullgraph=True, backend="eager")
+        got = model.generate(ids, attention_mask=mask, **settings)
+    assert torch.equal(got, expected)
+
+
 def test_cached_decode_logits_match_step_by_step() -> None:
     """Prefill then one-token steps with a DynamicCache: each step's logits agree."""
     model = _tiny_bloom(4)
