@@ -21,6 +21,7 @@ from tests.conftest import (
     generated_class,
     head_dim_for,
     runtime_modules,
+    runtime_value,
     set_runtime,
     spec_names,
     spy_calls,
@@ -256,16 +257,22 @@ def test_compiled_rotation_matches_eager_with_gradients(
         torch.testing.assert_close(got, want, **tolerance)
 
 
-@pytest.mark.parametrize(("name", "opaque"), [("rope_gptj", True), ("rope", False)])
-def test_compiled_cpu_rotation_is_the_eager_op_for_interleaved_pairs_only(
-    name: str, opaque: bool
+@pytest.mark.parametrize(("name", "interleaved"), [("rope_gptj", True), ("rope", False)])
+@pytest.mark.parametrize("large", [False, True])
+def test_compiled_cpu_rotation_is_the_eager_op_for_large_interleaved_pairs_only(
+    name: str, interleaved: bool, large: bool
 ) -> None:
-    """On the CPU a traced interleaved rotation is one ``posgen::rotate`` call (the
-    eager complex product, faster there than inductor's code); the half pairing is
+    """On the CPU a traced interleaved rotation of q and k of at least
+    OPAQUE_TABLE_MIN_ELEMENTS elements each is one ``posgen::rotate`` call (the eager
+    complex product, faster there than inductor's code); a smaller one (a decode
+    step's, where the op's call costs more than it saves) and the half pairing are
     traced as ``rotate_by_halves`` for inductor to fuse."""
     d = head_dim_for(name, 16)
     pe = generated_class(name)(heads=2, head_dim=d)
-    q, k = torch.randn(1, 2, 5, d), torch.randn(1, 2, 5, d)
+    threshold = runtime_value("OPAQUE_TABLE_MIN_ELEMENTS", pe)
+    rows = threshold // (2 * d) if large else threshold // (2 * d) - 1  # [1, 2, rows, d]
+    q, k = torch.randn(1, 2, rows, d), torch.randn(1, 2, rows, d)
+    opaque = interleaved and large
     targets: list[object] = []
 
     def record(graph: torch.fx.GraphModule, inputs: object) -> object:

@@ -17,7 +17,7 @@ import importlib
 import pytest
 import torch
 
-from tests.conftest import generated_class, spy_calls
+from tests.conftest import generated_class, runtime_value, spy_calls
 
 runtime = importlib.import_module("generated._rotation")
 
@@ -231,13 +231,18 @@ def test_the_cos_sin_op_passes_opcheck_and_gradcheck() -> None:
     torch.testing.assert_close(only_sin, angles.detach().cos(), rtol=0, atol=0)
 
 
-def test_a_traced_rotary_table_takes_torchs_cos_and_sin() -> None:
-    """Under torch.compile a rotary table's cos and sin are one ``posgen::cos_sin`` call
-    (with inductor's own float64 cos and sin a compiled rope_gptj ran 1.7x a copy on
-    the CPU, through the op 1.3-1.4x), and no cos or sin
-    is left for inductor to generate."""
-    pe = generated_class("rope")(heads=2, head_dim=8)
-    q, k = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+@pytest.mark.parametrize("large", [False, True])
+def test_a_traced_rotary_table_takes_torchs_cos_and_sin_from_a_size(large: bool) -> None:
+    """Under torch.compile the cos and sin of a rotary table of at least
+    OPAQUE_COS_SIN_MIN_ANGLES angles are one ``posgen::cos_sin`` call (with inductor's
+    own float64 cos and sin a compiled rope_gptj ran 1.7x a copy on the CPU, through
+    the op 1.3-1.4x), and no cos or sin is left for inductor to generate; a smaller
+    table's (a decode step's, where the op's call costs more than it saves) are
+    plain cos and sin."""
+    pe = generated_class("rope")(heads=2, head_dim=8)  # 4 angles per position
+    threshold = runtime_value("OPAQUE_COS_SIN_MIN_ANGLES", pe)
+    rows = threshold // 4 if large else threshold // 4 - 1
+    q, k = torch.randn(1, 2, rows, 8), torch.randn(1, 2, rows, 8)
     targets: list[object] = []
 
     def record(graph: torch.fx.GraphModule, inputs: object) -> object:
@@ -245,11 +250,11 @@ def test_a_traced_rotary_table_takes_torchs_cos_and_sin() -> None:
         return graph.forward
 
     torch._dynamo.reset()
-    positions = torch.arange(3, 8)
+    positions = torch.arange(3, 3 + rows)
     got = torch.compile(pe.rotate, fullgraph=True, backend=record)(q, k, positions, positions)
-    assert torch.ops.posgen.cos_sin.default in targets
+    assert (torch.ops.posgen.cos_sin.default in targets) is large
     names = [t if isinstance(t, str) else getattr(t, "__name__", "") for t in targets]
-    assert "cos" not in names and "sin" not in names
+    assert ("cos" in names and "sin" in names) is not large
     for tensor, want in zip(got, pe.rotate(q, k, positions, positions), strict=True):
         torch.testing.assert_close(tensor, want, rtol=1e-6, atol=1e-6)
 

@@ -60,20 +60,36 @@ def apply_rotation(
         return rotate_by_formula(x, cos, sin, rotary_dim, half_pairing).to(x.dtype)
 
 
+# Under torch.compile, the rotation's cos and sin pass through ops that inductor cannot
+# see into (``posgen::cos_sin``, ``posgen::materialize``) only from these sizes. Each such
+# op's call cost 15-25 us in a compiled step (2-core x86 CPU), more than the trigonometry
+# it saves on small tensors: a compiled decode step of ``rope`` (q [2, 8, 1, 64], 512
+# rotated keys, float32) took 134 us through both ops and 84 us without; with 16 heads of
+# 128 the ops won from about 48K elements of q (32K: 562 against 585 us; 64K: 795
+# against 820; 131K: 1209 against 1398 through the cos_sin op alone). The cos_sin op
+# needs angles of at least OPAQUE_COS_SIN_MIN_ANGLES elements (positions times pairs), a
+# materialised table an x of at least OPAQUE_TABLE_MIN_ELEMENTS.
+OPAQUE_COS_SIN_MIN_ANGLES = 1 << 12
+OPAQUE_TABLE_MIN_ELEMENTS = 1 << 16
+
 # (device type, half pairing) where torch.compile calls ``rotate_into`` as one opaque
-# op (``posgen::rotate``) instead of letting inductor fuse ``rotate_by_halves``. On a
-# 2-core x86 CPU (float32, separate processes) inductor's code for interleaved pairs
-# took 1.3-1.4x a copy of q and k at [2, 16, 2048, 128] and [4, 32, 512, 128], the op
-# (one complex product) 1.1-1.2x; for the half pairing inductor's 1.1-1.2x beats the
-# op's 1.6x.
+# op (``posgen::rotate``) instead of letting inductor fuse ``rotate_by_halves``, for an
+# x of at least ``OPAQUE_TABLE_MIN_ELEMENTS`` elements. On a 2-core x86 CPU (float32,
+# separate processes) inductor's code for interleaved pairs took 1.3-1.4x a copy of q
+# and k at [2, 16, 2048, 128] and [4, 32, 512, 128], the op (one complex product)
+# 1.1-1.2x; for the half pairing inductor's 1.1-1.2x beats the op's 1.6x. In a compiled
+# decode step of ``rope_gptj`` (one query, 512 keys) the op's call cost more than it
+# saved: 130 against 82 us for q [2, 8, 1, 64], 643 against 540 for [4, 32, 1, 128],
+# about even at 131K elements (1263 against 1234 us), and it paid from about 200K
+# (524K: 3789 against 4854 us).
 EAGER_ROTATION_UNDER_COMPILE = {("cpu", False)}
 
 
 def compiled_rotation_stays_eager(x: Tensor, cos: Tensor, sin: Tensor, half_pairing: bool) -> bool:
     """Whether a traced rotation of x goes through ``posgen::rotate``: where
-    ``EAGER_ROTATION_UNDER_COMPILE`` lists x's device and pairing, and no gradient
-    reaches cos or sin."""
-    if cos.requires_grad or sin.requires_grad:
+    ``EAGER_ROTATION_UNDER_COMPILE`` lists x's device and pairing, x has at least
+    ``OPAQUE_TABLE_MIN_ELEMENTS`` elements, and no gradient reaches cos or sin."""
+    if cos.requires_grad or sin.requires_grad or x.numel() < OPAQUE_TABLE_MIN_ELEMENTS:
         return False
     return (x.device.type, half_pairing) in EAGER_ROTATION_UNDER_COMPILE
 
@@ -184,17 +200,18 @@ def rotate_by_halves(
     CPU (float32, [2, 16, 2048, 128]), against 2.3x for x * cos + partner(x) * sin,
     whose partner is a per-element choice. cos and sin go through ``materialized``:
     traced from positions, inductor would otherwise fuse their float64 cos and sin into
-    that pass, once per element of x instead of once per position and pair (1.6x).
+    that pass, once per element of x instead of once per position and pair (1.6x);
+    not for an x of fewer than ``OPAQUE_TABLE_MIN_ELEMENTS`` elements (a decode step's).
     """
     d = rotary_dim
     rotated = x[..., :d].to(cos.dtype)
     passed = [x[..., d:].to(cos.dtype)] if d < x.shape[-1] else []  # features past d
     if half_pairing:  # feature k pairs with k + d / 2
         a, b = rotated[..., : d // 2], rotated[..., d // 2 :]
-        c, s = materialized(cos[..., : d // 2]), materialized(sin[..., : d // 2])
+        c, s = materialized(cos[..., : d // 2], x), materialized(sin[..., : d // 2], x)
         return torch.cat([a * c - b * s, b * c + a * s, *passed], dim=-1)  # one join
     a, b = rotated[..., 0::2], rotated[..., 1::2]  # feature 2k pairs with 2k + 1
-    c, s = materialized(cos[..., 0::2]), materialized(sin[..., 0::2])
+    c, s = materialized(cos[..., 0::2], x), materialized(sin[..., 0::2], x)
     out = torch.stack((a * c - b * s, b * c + a * s), dim=-1).flatten(-2)
     return torch.cat([out, *passed], dim=-1) if passed else out
 
@@ -217,10 +234,13 @@ def _materialize_op() -> Any:
 _MATERIALIZE = _materialize_op()
 
 
-def materialized(t: Tensor) -> Tensor:
-    """``t`` as its own buffer when torch.compile traces (``_materialize_op``), else
+def materialized(t: Tensor, x: Tensor) -> Tensor:
+    """``t`` as its own buffer when torch.compile traces (``_materialize_op``) and the
+    tensor x it will rotate has at least ``OPAQUE_TABLE_MIN_ELEMENTS`` elements, else
     ``t`` itself."""
-    return _MATERIALIZE(t) if torch.compiler.is_compiling() else t
+    if torch.compiler.is_compiling() and x.numel() >= OPAQUE_TABLE_MIN_ELEMENTS:
+        return _MATERIALIZE(t)
+    return t
 
 
 def spread_over_features(per_pair: Tensor, half_pairing: bool) -> Tensor:
@@ -275,8 +295,8 @@ _COS_SIN = _cos_sin_op()
 
 def cos_and_sin(angles: Tensor) -> tuple[Tensor, Tensor]:
     """cos and sin of ``angles``: through ``posgen::cos_sin`` while torch.compile
-    traces, else plain ops."""
-    if torch.compiler.is_compiling():
+    traces angles of at least ``OPAQUE_COS_SIN_MIN_ANGLES`` elements, else plain ops."""
+    if torch.compiler.is_compiling() and angles.numel() >= OPAQUE_COS_SIN_MIN_ANGLES:
         return _COS_SIN(angles)
     return angles.cos(), angles.sin()
 
