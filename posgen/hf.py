@@ -228,7 +228,12 @@ def _posgen_attention_forward(
     """The attention of a Llama-family layer with posgen's encoding and attention.
 
     hidden_states: [B, N, hidden]; HF's own cos/sin (``position_embeddings``) are not
-    used: the posgen module forms its position terms from ``position_ids``.
+    used: the posgen module forms its position terms from ``position_ids``. Masking is
+    HF's: its 4-D mask where the layer gets one (it holds the causal part, windows and
+    chunks, as HF's own attention reads it), else causal attention (HF's SDPA layers
+    get no mask without padding). Under torch.compile, where the module cannot read
+    the positions to see that no key lies ahead of a query, a second causal mask would
+    be formed and applied per layer for nothing.
     """
     batch, n = hidden_states.shape[:2]
     q = _projected(self, "q", hidden_states)  # [B, H, N, D]
@@ -257,7 +262,7 @@ def _posgen_attention_forward(
         v,
         q_positions=positions,
         k_positions=k_positions,
-        causal=True,
+        causal=mask is None,
         attn_mask=mask,
         keys_rotated=True,
     )  # [B, H, N, D]

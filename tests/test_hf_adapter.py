@@ -13,7 +13,7 @@ from posgen.hf import use_posgen_attention  # noqa: E402
 from tests.conftest import hf_decode_step_reads  # noqa: E402
 
 
-def _tiny_llama(layers: int = 2) -> torch.nn.Module:
+def _tiny_llama(layers: int = 2, attention: str = "eager") -> torch.nn.Module:
     config = transformers.LlamaConfig(
         vocab_size=97,
         hidden_size=64,
@@ -23,14 +23,18 @@ def _tiny_llama(layers: int = 2) -> torch.nn.Module:
         num_key_value_heads=2,  # grouped-query attention
         rope_theta=10000.0,  # rope.yaml's base
         max_position_embeddings=256,
-        attn_implementation="eager",
+        attn_implementation=attention,
     )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).eval()
 
 
-def test_tiny_llama_logits_match_through_posgen() -> None:
-    model = _tiny_llama()
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_tiny_llama_logits_match_through_posgen(attention: str) -> None:
+    """The causal masking is HF's: its 4-D mask where the layer gets one ("eager"
+    always; it holds the causal part), causal attention where it gets none ("sdpa"
+    without padding)."""
+    model = _tiny_llama(attention=attention)
     ids = torch.randint(0, 97, (2, 23), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = model(ids).logits
