@@ -23,8 +23,9 @@
 # positions, the sync count; and DeBERTa's float32 relative-term case, unreported: if it
 # passes, list "cuda" in FUSED_RELATIVE_DEVICES for forwards, 1.1-1.4x faster than the
 # score_mod), then
-#   bash benchmarks/gpu_session.sh "$OUT" decode_tupe decode family_strided
-# (TUPE's step with its untied term folded or added as a bias, compiled steps with a
+#   bash benchmarks/gpu_session.sh "$OUT" hf_decode_static decode_tupe decode family_strided
+# (a Llama's compiled static-cache decode through posgen.hf against HF's own attention,
+# TUPE's step with its untied term folded or added as a bias, compiled steps with a
 # profile, and the clipped terms at given positions). The test steps stop with SIGINT
 # at their limit, so pytest still prints its failure summary (-rf).
 #
@@ -138,6 +139,13 @@ step 200 decode_growing python3 benchmarks/decode.py --device cuda --dtype bfloa
 step 120 decode_tupe python3 benchmarks/decode.py --device cuda --dtype bfloat16 \
     --encodings tupe_a tupe_r --cache 500 --growing 64 --compare-fold --compare-frozen \
     --repeats 128 --tag _tupe --out "$out"
+# a whole Llama's decode steps through posgen.hf against its own attention, as a user's
+# fast decoding loop runs them: a StaticCache, model.forward compiled with fullgraph and
+# replayed as CUDA graphs (the transformers of the image; 4 layers, 32 heads on 8)
+step 300 hf_decode_static python3 benchmarks/hf_decode.py --device cuda --dtype bfloat16 \
+    --cache static --compile --compile-mode reduce-overhead --prompts 512 4096 --layers 4 \
+    --heads 32 --kv-heads 8 --head-dim 128 --batch 4 --steps 64 --repeats 9 \
+    --tag _static_compiled --out "$out"
 # relative-table decode steps with and without the few-query path and kept rows, and
 # the relative family's terms gathered per chunk from their projections against the
 # dense terms (sdpa; flex in the same run)
