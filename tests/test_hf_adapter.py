@@ -59,9 +59,12 @@ def test_a_model_without_llama_attention_is_refused() -> None:
         use_posgen_attention(torch.nn.Linear(2, 2), lambda layer: Rope())
 
 
-@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("cache", ["dynamic", "static", "compiled"])
 def test_tiny_llama_left_padded_batch_generation_matches_through_posgen(cache: str) -> None:
-    """Cached keys take the positions of the kept tokens, as HF's position_ids do."""
+    """Cached keys take the positions of the kept tokens, as HF's position_ids do.
+    "compiled" is HF's recipe for fast decoding, a static cache and ``model.forward``
+    under torch.compile with fullgraph: it traces through the adapter (no graph break
+    where layers share positions and masks) and gives HF's own uncompiled tokens."""
     model = _tiny_llama()
     ids = torch.randint(1, 97, (2, 9), generator=torch.Generator().manual_seed(4))
     mask = torch.ones_like(ids)
@@ -70,34 +73,13 @@ def test_tiny_llama_left_padded_batch_generation_matches_through_posgen(cache: s
         "max_new_tokens": 8,
         "do_sample": False,
         "pad_token_id": 0,
-        "cache_implementation": cache,
+        "cache_implementation": "dynamic" if cache == "dynamic" else "static",
     }
     with torch.no_grad():
         expected = model.generate(ids, attention_mask=mask, **settings)
         use_posgen_attention(model, lambda layer: Rope(heads=4, head_dim=16))
-        got = model.generate(ids, attention_mask=mask, **settings)
-    assert torch.equal(got, expected)
-
-
-def test_static_cache_generation_under_a_fullgraph_compiled_forward_matches() -> None:
-    """HF's recipe for fast decoding (a static cache, ``model.forward`` under
-    torch.compile with fullgraph) traces through the adapter: no graph break where it
-    shares positions and masks between layers, and the same tokens as HF's own
-    uncompiled attention, left padding included."""
-    model = _tiny_llama()
-    ids = torch.randint(1, 97, (2, 9), generator=torch.Generator().manual_seed(4))
-    mask = torch.ones_like(ids)
-    mask[0, :3], ids[0, :3] = 0, 0  # left padding with the pad token
-    settings = {
-        "max_new_tokens": 6,
-        "do_sample": False,
-        "pad_token_id": 0,
-        "cache_implementation": "static",
-    }
-    with torch.no_grad():
-        expected = model.generate(ids, attention_mask=mask, **settings)
-        use_posgen_attention(model, lambda layer: Rope(heads=4, head_dim=16))
-        model.forward = torch.compile(model.forward, fullgraph=True, backend="eager")
+        if cache == "compiled":
+            model.forward = torch.compile(model.forward, fullgraph=True, backend="eager")
         got = model.generate(ids, attention_mask=mask, **settings)
     assert torch.equal(got, expected)
 

@@ -165,44 +165,29 @@ def test_llama4_runs_with_its_rope_and_nope_layer_specs(tmp_path: Path) -> None:
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("family", ["gemma3", "llama4"])
 def test_greedy_generation_with_a_cache_and_left_padding_gives_the_same_tokens(
-    family: str, tmp_path: Path
+    family: str, compiled: bool, tmp_path: Path
 ) -> None:
     """12 new tokens after a 7-token prompt, one row left-padded by 2: past Gemma 3's
     window of 5 (its sliding layers cache 5 keys) and across Llama 4's chunks of 4 and
-    temperature steps of 4."""
+    temperature steps of 4. ``compiled``: HF's recipe for fast decoding, a static cache
+    and ``model.forward`` under torch.compile with fullgraph, against HF's own
+    uncompiled tokens."""
     build = {"gemma3": _gemma3_and_its_encodings, "llama4": _llama4_and_its_encodings}
     model, encoding = build[family](tmp_path)
     ids = torch.randint(1, 61, (2, 7), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)
     mask[1, :2] = 0
     options = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    if compiled:
+        options["cache_implementation"] = "static"
     with torch.no_grad():
         expected = model.generate(ids, **options)
         use_posgen_attention(model, encoding)
-        got = model.generate(ids, **options)
-    assert torch.equal(got, expected)
-
-
-@pytest.mark.parametrize("family", ["gemma3", "llama4"])
-def test_static_cache_generation_under_a_fullgraph_compiled_forward(
-    family: str, tmp_path: Path
-) -> None:
-    """HF's recipe for fast decoding (a static cache, ``model.forward`` compiled with
-    fullgraph) traces through the adapter with Gemma 3's sliding layers and Llama 4's
-    chunks and NoPE layer, and gives HF's own tokens, one row left-padded."""
-    build = {"gemma3": _gemma3_and_its_encodings, "llama4": _llama4_and_its_encodings}
-    model, encoding = build[family](tmp_path)
-    ids = torch.randint(1, 61, (2, 7), generator=torch.Generator().manual_seed(3))
-    mask = torch.ones_like(ids)
-    mask[1, :2] = 0
-    options = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
-    options["cache_implementation"] = "static"
-    with torch.no_grad():
-        expected = model.generate(ids, **options)
-        use_posgen_attention(model, encoding)
-        model.forward = torch.compile(model.forward, fullgraph=True, backend="eager")
+        if compiled:
+            model.forward = torch.compile(model.forward, fullgraph=True, backend="eager")
         got = model.generate(ids, **options)
     assert torch.equal(got, expected)
 
