@@ -25,7 +25,7 @@ what a user of the adapter pays per generated token.
     python benchmarks/hf_decode.py --family bloom --left-padding 40 --before HEAD~2
     python benchmarks/hf_decode.py --cache static --compile --out benchmarks/results
     python benchmarks/hf_decode.py --device cuda --dtype bfloat16 --cache static \
-        --compile --compile-mode reduce-overhead --prompts 512 4096 --layers 8
+        --compile --compile-mode reduce-overhead --prompts 512 4096
 """
 
 from __future__ import annotations

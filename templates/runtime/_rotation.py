@@ -65,8 +65,9 @@ def apply_rotation(
 # op's call cost 15-25 us in a compiled step (2-core x86 CPU), more than the trigonometry
 # it saves on small tensors: a compiled decode step of ``rope`` (q [2, 8, 1, 64], 512
 # rotated keys, float32) took 134 us through both ops and 84 us without; with 16 heads of
-# 128 the ops won from about 48K elements of q (32K: 562 against 585 us; 64K: 795
-# against 820; 131K: 1209 against 1398 through the cos_sin op alone). The cos_sin op
+# 128 the ops won from about 48K elements of q (32K: 585 us through them, 562 without;
+# 64K: 795 through them, 820 without; 131K: 1209 through the cos_sin op alone, 1398
+# without either). The cos_sin op
 # needs angles of at least OPAQUE_COS_SIN_MIN_ANGLES elements (positions times pairs), a
 # materialised table an x of at least OPAQUE_TABLE_MIN_ELEMENTS.
 OPAQUE_COS_SIN_MIN_ANGLES = 1 << 12
