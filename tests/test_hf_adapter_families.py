@@ -118,16 +118,26 @@ def test_a_model_with_nope_layers_runs_with_one_spec_per_kind_of_layer(
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+def _model_with_two_kinds_of_layer(
+    model_class: Any, config: Any, tmp_path: Path, names: tuple[str, str], other_layer: int
+) -> tuple[Any, Any]:
+    """The tiny model and its encoding per layer index: the spec ``posgen from-hf``
+    writes for layer 0 (named names[0]) on every layer but ``other_layer``, which gets
+    the spec written for it (names[1])."""
+    first = from_hf_class(config.to_dict(), tmp_path, names[0], "--layer", "0")
+    other = from_hf_class(config.to_dict(), tmp_path, names[1], "--layer", str(other_layer))
+    torch.manual_seed(0)
+    return model_class(config).eval(), (lambda index: other() if index == other_layer else first())
+
+
 def _gemma3_and_its_encodings(tmp_path: Path) -> tuple[Any, Any]:
     config = transformers.Gemma3TextConfig(
         num_hidden_layers=6, head_dim=8, query_pre_attn_scalar=12, sliding_window=5,
         rope_scaling={"rope_type": "linear", "factor": 8.0}, **TINY,
     )  # fmt: skip
-    local = from_hf_class(config.to_dict(), tmp_path, "gemma3_local", "--layer", "0")
-    full = from_hf_class(config.to_dict(), tmp_path, "gemma3_full", "--layer", "5")
-    torch.manual_seed(0)
-    return transformers.Gemma3ForCausalLM(config).eval(), (
-        lambda index: full() if index == 5 else local()
+    names = ("gemma3_local", "gemma3_full")  # sliding layers 0-4, a full layer 5
+    return _model_with_two_kinds_of_layer(
+        transformers.Gemma3ForCausalLM, config, tmp_path, names, 5
     )
 
 
@@ -136,11 +146,9 @@ def _llama4_and_its_encodings(tmp_path: Path) -> tuple[Any, Any]:
         num_hidden_layers=4, head_dim=8, attention_chunk_size=4, floor_scale=4,
         attn_scale=0.3, intermediate_size_mlp=64, **TINY,
     )  # fmt: skip
-    rope = from_hf_class(config.to_dict(), tmp_path, "llama4_rope", "--layer", "0")
-    nope = from_hf_class(config.to_dict(), tmp_path, "llama4_nope", "--layer", "3")
-    torch.manual_seed(0)
-    return transformers.Llama4ForCausalLM(config).eval(), (
-        lambda index: nope() if index == 3 else rope()
+    names = ("llama4_rope", "llama4_nope")  # RoPE layers 0-2, a NoPE layer 3
+    return _model_with_two_kinds_of_layer(
+        transformers.Llama4ForCausalLM, config, tmp_path, names, 3
     )
 
 
