@@ -3,7 +3,9 @@ too, on both backends, and gives the eager module's outputs.
 
 The CPU suite compiles with ``backend="eager"``: TorchDynamo traces the full graph (a
 graph break or a host sync fails ``fullgraph``) without paying for inductor's code
-generation; tests/test_gpu.py compiles with inductor on CUDA. Value checks that need a
+generation, except for a few cases that inductor's CPU code must compile (a case of
+each way a tensor reaches the flex kernel); tests/test_gpu.py compiles with inductor
+on CUDA. Value checks that need a
 host sync (negative or too-large positions, positions past a learned table) run in eager
 mode only.
 """
@@ -13,10 +15,12 @@ from __future__ import annotations
 import importlib
 import shutil
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 
+from posgen.codegen.inmemory import encoding_class, module_from_spec
 from tests.conftest import (
     generated_class,
     head_dim_for,
@@ -189,10 +193,64 @@ def test_fullgraph_compile_of_a_grouped_query_decode_step(name: str, monkeypatch
     assert ran
 
 
-@pytest.mark.skipif(
+NEEDS_CPP = pytest.mark.skipif(
     shutil.which("g++") is None and shutil.which("c++") is None,
     reason="inductor's CPU code needs a C++ compiler",
 )
+
+SHIFTED_ROWS = {  # batched positions: the second row five steps on
+    "q_positions": torch.tensor([[2, 3, 4, 5, 6], [7, 8, 9, 10, 11]]),
+    "k_positions": torch.tensor([[0, 1, 2, 3, 4, 5, 6], [5, 6, 7, 8, 9, 10, 11]]),
+}
+
+INDUCTOR_CASES = [
+    # (encoding, backend, the call's options), each a way a tensor enters the kernel
+    ("alibi", "flex", SHIFTED_ROWS),  # slopes made in the graph; rows of positions
+    ("alibi", "flex", {"document_ids": torch.tensor([0, 0, 0, 1, 1, 1, 1])}),
+    ("t5", "flex", EXPLICIT),  # a vector gathered from the bucket table
+    ("kerple_log", "flex", {}),  # trained scalars clamped in the graph
+    ("fire", "flex", EXPLICIT),  # an MLP's weights, each query's normaliser
+    ("sandwich", "flex", {}),  # a per-distance vector
+    ("kerple_log_expr", "flex", EXPLICIT),  # an expression's parameters
+    ("deberta", "flex", {}),  # projections read on their diagonals
+    ("bert_relative_key", "flex", SHIFTED_ROWS),  # clipped projections at positions
+    ("cope", "flex", {}),  # a dense term captured whole
+    ("rope_gptj", "flex", {}),  # q and k rotated by pairs, flattened from 5-D
+    ("transformer_xl", "flex", EXPLICIT),  # the distinct distances: a count from data
+    ("transformer_xl", "sdpa", SHIFTED_ROWS),
+]
+
+
+@NEEDS_CPP
+@pytest.mark.parametrize(("name", "backend", "options"), INDUCTOR_CASES)
+def test_inductor_compiles_the_cpu_kernels(
+    name: str, backend: str, options: dict[str, torch.Tensor]
+) -> None:
+    """Compiled whole by inductor (the default backend) on the CPU, causal, grouped-query
+    heads, without autograd, the module gives eager mode's outputs. On the flex backend
+    every tensor the score_mod or mask_mod captures reaches the kernel as a buffer of its
+    own (``flex_captured``), as do q, k and v: inductor's CPU FlexAttention refused
+    tensors still fused into the graph (ALiBi's slopes, T5's vector), views of one, and
+    q flattened from 5-D. Transformer-XL's distinct distances at given positions are a
+    count known only from the data, which inductor's matmul needs bounded (both
+    backends). About 4-10 s per case on the 2-core CPU."""
+    if name == "kerple_log_expr":  # KERPLE-log written as an expression
+        spec = Path(__file__).parent / "specs" / "expr" / "kerple_log_expr.yaml"
+        d, encoding = 16, encoding_class(module_from_spec(spec))
+    else:
+        d, encoding = head_dim_for(name, 16), generated_class(name)
+    pe = encoding(heads=4, head_dim=d).eval()
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 5, d, generator=generator)
+    k, v = (torch.randn(2, 2, 7, d, generator=generator) for _ in "kv")
+    compiled = torch.compile(pe, fullgraph=True)
+    with torch.no_grad():
+        want = pe(q, k, v, causal=True, backend="eager", **options)
+        got = compiled(q, k, v, causal=True, backend=backend, **options)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@NEEDS_CPP
 def test_inductor_compiles_a_trained_distance_vector_in_query_chunks(monkeypatch) -> None:
     """A trained bias of j - i in query chunks, each a strided view of a slice of the
     per-distance vector: compiled with inductor (the default backend), an as_strided of

@@ -285,6 +285,10 @@ def distance_rows_at_positions(relative: Tensor, n: int, m: int) -> tuple[Tensor
     reach = distance_vector_range(relative, n, m)
     if reach is None:
         rows, index = torch.unique(relative, return_inverse=True)  # [K], like relative
+        if torch.compiler.is_compiling() and relative.numel() > 0:
+            # K is data-dependent in a graph; inductor's matmul over the rows must know
+            # that K >= 1 (it failed to decide "Max(1, u0) >= u0" without it)
+            torch._check(rows.shape[0] >= 1)
         return index, rows
     least, count = reach
     return relative - least, torch.arange(least, least + count, device=relative.device)

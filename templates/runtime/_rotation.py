@@ -21,6 +21,7 @@ from torch import Tensor
 
 from ._inputs import position_reach, under_function_transform
 from ._numerics import autocast_off
+from ._opaque import opaque_copy
 from ._rotation_kernel import FUSED_ROTATION_DTYPES, fused_rotation_enabled, launch_rotation
 
 
@@ -217,30 +218,12 @@ def rotate_by_halves(
     return torch.cat([out, *passed], dim=-1) if passed else out
 
 
-def _materialize_op() -> Any:
-    """The custom op ``posgen::materialize``: a copy that torch.compile cannot see
-    into, so inductor computes its input once, as its own buffer, and fuses nothing
-    across it. Registered once per process (a standalone module's inlined runtime finds
-    the one already there)."""
-    if hasattr(torch.ops.posgen, "materialize"):
-        return torch.ops.posgen.materialize
-    op = torch.library.custom_op(
-        "posgen::materialize", mutates_args=(), schema="(Tensor x) -> Tensor"
-    )(lambda x: x.clone())
-    op.register_fake(lambda x: torch.empty_like(x))
-    op.register_autograd(lambda ctx, grad: grad)
-    return op
-
-
-_MATERIALIZE = _materialize_op()
-
-
 def materialized(t: Tensor, x: Tensor) -> Tensor:
-    """``t`` as its own buffer when torch.compile traces (``_materialize_op``) and the
+    """``t`` as its own buffer when torch.compile traces (``opaque_copy``) and the
     tensor x it will rotate has at least ``OPAQUE_TABLE_MIN_ELEMENTS`` elements, else
     ``t`` itself."""
     if torch.compiler.is_compiling() and x.numel() >= OPAQUE_TABLE_MIN_ELEMENTS:
-        return _MATERIALIZE(t)
+        return opaque_copy(t)
     return t
 
 
