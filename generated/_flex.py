@@ -18,13 +18,13 @@ from torch import Tensor
 
 from ._inputs import repeat_kv
 from ._masks import masked_softmax
-from ._opaque import opaque_copy
+from ._opaque import own_buffer_on_cpu
 from ._terms import RelativePart
 
 
 def flex_captured(t: Tensor) -> Tensor:
-    """``t`` as a score_mod or mask_mod may capture it: its own buffer (``opaque_copy``)
-    when torch.compile traces a CPU call, else ``t`` itself.
+    """``t`` as a score_mod or mask_mod may capture it: its own buffer when torch.compile
+    traces a CPU call (``own_buffer_on_cpu``), else ``t`` itself.
 
     Inductor's CPU lowering of FlexAttention (torch 2.13) takes captured tensors that
     are buffers of their own. Computed in the caller's graph, a captured tensor (ALiBi's
@@ -32,9 +32,7 @@ def flex_captured(t: Tensor) -> Tensor:
     ("NoValidChoicesError", "Pointwise"); a view of one failed too ("All the buffers in
     the score and mask subgraph should be in kernel_group.args.input_buffers").
     """
-    if t.device.type == "cpu" and torch.compiler.is_compiling():
-        return opaque_copy(t)
-    return t
+    return own_buffer_on_cpu(t)
 
 
 def flex_mask_mod(

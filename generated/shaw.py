@@ -42,6 +42,7 @@ from ._distances import diagonal_rows, monotone_index_ends
 from ._few_queries import few_queries
 from ._inputs import cache_get, cache_put, positive_int
 from ._masks import relative_positions
+from ._opaque import own_buffer_on_cpu
 from ._terms import RelativeFactors, rows_projection
 
 __all__ = ["Shaw"]
@@ -166,6 +167,7 @@ class Shaw(PositionalAttention):
         """The K relative rows as one term reads them: [K, heads, head_dim]."""
         weight = self.distance_embedding.weight
         table = weight[rows.to(weight.device)].to(device, dtype)
+        table = own_buffer_on_cpu(table)  # apart from its gradient's sum over the heads
         return table.unsqueeze(1).expand(-1, self.heads, -1)  # shared by every head
 
     def _relative_terms(

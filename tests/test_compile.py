@@ -251,6 +251,30 @@ def test_inductor_compiles_the_cpu_kernels(
 
 
 @NEEDS_CPP
+def test_inductor_trains_a_table_shared_by_every_head() -> None:
+    """BERT's relative_key_query reads one learned row per distance, shared by every
+    head, on the query side and the key side. Compiled by inductor, a training step's
+    gradient into ``distance_embedding`` was off by its own size (the backward's sum
+    over the heads and its scatter into the table fused into one vectorised loop that
+    stepped two features at a time; ``own_buffer_on_cpu`` keeps them apart). Outputs
+    and gradients into q, k, v and the table equal eager mode's (one compilation with
+    its backward: about 10 s on the 2-core CPU)."""
+    pe = generated_class("bert_relative_key_query")(heads=4, head_dim=16).eval()
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 5, 16, generator=generator)
+    k, v = (torch.randn(2, 2, 7, 16, generator=generator) for _ in "kv")
+    compiled = torch.compile(pe, fullgraph=True)
+    results = []
+    for module, backend in ((pe, "eager"), (compiled, "sdpa")):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = module(*leaves, causal=True, backend=backend)
+        wrt = [*leaves, pe.distance_embedding.weight]
+        results.append([out, *torch.autograd.grad(out.square().sum(), wrt)])
+    for got, want in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@NEEDS_CPP
 def test_inductor_compiles_a_trained_distance_vector_in_query_chunks(monkeypatch) -> None:
     """A trained bias of j - i in query chunks, each a strided view of a slice of the
     per-distance vector: compiled with inductor (the default backend), an as_strided of
