@@ -26,7 +26,10 @@
 #   bash benchmarks/gpu_session.sh "$OUT" hf_decode_static decode_tupe decode family_strided
 # (a Llama's compiled static-cache decode through posgen.hf against HF's own attention,
 # TUPE's step with its untied term folded or added as a bias, compiled steps with a
-# profile, and the clipped terms at given positions). The test steps stop with SIGINT
+# profile, and the clipped terms at given positions), then
+#   bash benchmarks/gpu_session.sh "$OUT" compile_sweep compile_sweep_grad
+# (every module compiled by inductor on CUDA, as benchmarks/compile_sweep.py did on the
+# CPU on 2026-12-06). The test steps stop with SIGINT
 # at their limit, so pytest still prints its failure summary (-rf).
 #
 # posgen's runtime needs only torch; the tests also import pydantic, jinja2, pyyaml,
@@ -158,3 +161,9 @@ step 300 relative_parts python3 benchmarks/attention_backends.py --device cuda \
     --repeats 10 --tag _relative_parts --out "$out"
 step 200 relative_layers python3 benchmarks/relative_layers.py --device cuda \
     --dtype bfloat16 --modes forward train --lengths 512 2048 --out "$out"
+# every module compiled whole by inductor on both backends at every kind of position,
+# forward, then a training step (the CPU's sweep is in benchmarks/results); the log
+# keeps each line if a step meets its limit before the table is written
+step 540 compile_sweep python3 benchmarks/compile_sweep.py --device cuda --out "$out"
+step 540 compile_sweep_grad python3 benchmarks/compile_sweep.py --device cuda --grad \
+    --out "$out"
