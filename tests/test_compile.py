@@ -3,11 +3,11 @@ too, on both backends, and gives the eager module's outputs.
 
 The CPU suite compiles with ``backend="eager"``: TorchDynamo traces the full graph (a
 graph break or a host sync fails ``fullgraph``) without paying for inductor's code
-generation, except for a few cases that inductor's CPU code must compile (a case of
-each way a tensor reaches the flex kernel); tests/test_gpu.py compiles with inductor
-on CUDA. Value checks that need a
-host sync (negative or too-large positions, positions past a learned table) run in eager
-mode only.
+generation, except for the cases that inductor's CPU code got wrong (a case of each
+way a tensor reaches the flex kernel, a training step of a table every head shares);
+benchmarks/compile_sweep.py compiles every module with inductor, and tests/test_gpu.py
+compiles with inductor on CUDA. Value checks that need a host sync (negative or
+too-large positions, positions past a learned table) run in eager mode only.
 """
 
 from __future__ import annotations
