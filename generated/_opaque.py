@@ -49,9 +49,13 @@ def own_buffer_on_cpu(t: Tensor) -> Tensor:
     else ``t`` itself. Inductor's CPU code (torch 2.13) miscompiled two fusions that
     this keeps apart:
 
-    - FlexAttention took captured tensors only as buffers of their own: ALiBi's slopes
-      made in the graph failed to compile ("NoValidChoicesError", "Pointwise"), a view
-      of one too (``flex_captured``);
+    - FlexAttention took the tensors a score_mod or mask_mod captures only as buffers
+      of their own: ALiBi's slopes, T5's clipped vector, positions or projections made
+      in the graph failed to compile ("NoValidChoicesError", "Pointwise"), a view of one
+      too ("All the buffers in the score and mask subgraph should be in
+      kernel_group.args.input_buffers"), and so did q and k rotated by interleaved pairs,
+      a view of a 5-D buffer ("too many values to unpack"): each passes this in
+      ``_flex.py`` and the bias blocks;
     - the backward of a learned table's rows expanded over the heads (BERT's
       relative_key_query) summed the heads and scatter-added the rows into the table's
       gradient in one vectorised loop whose scatter index stepped two features at a

@@ -33,9 +33,10 @@ from torch import Tensor
 
 from ._attention import PositionalAttention
 from ._distances import distance_span_vector, expand_distance_bias
-from ._flex import flex_captured, flex_positions
+from ._flex import flex_positions
 from ._inputs import cache_get, cache_put, score_bias_positions
 from ._masks import relative_positions
+from ._opaque import own_buffer_on_cpu
 
 __all__ = ["Alibi"]
 
@@ -113,7 +114,7 @@ class Alibi(PositionalAttention):
     ) -> Any:
         """-slope_h * |j - i| per (batch, head, query, key) index for FlexAttention's
         score_mod: a subtraction and a multiply per score, the slope read once per head."""
-        slopes = flex_captured(self._exact_slopes(device).to(dtype))  # [heads]
+        slopes = own_buffer_on_cpu(self._exact_slopes(device).to(dtype))  # [heads]
         positions = flex_positions(q_positions, k_positions, n, m)
 
         def bias(b: Tensor, head: Tensor, qi: Tensor, ki: Tensor) -> Tensor:

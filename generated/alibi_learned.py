@@ -31,9 +31,10 @@ from torch import Tensor, nn
 
 from ._attention import PositionalAttention
 from ._distances import default_distances, expand_distance_bias
-from ._flex import flex_captured, flex_positions
+from ._flex import flex_positions
 from ._inputs import score_bias_positions
 from ._masks import relative_positions
+from ._opaque import own_buffer_on_cpu
 
 __all__ = ["AlibiLearned"]
 
@@ -110,7 +111,7 @@ class AlibiLearned(PositionalAttention):
     ) -> Any:
         """-slope_h * |j - i| per (batch, head, query, key) index for FlexAttention's
         score_mod: a subtraction and a multiply per score, the slope read once per head."""
-        slopes = flex_captured(self._exact_slopes(device).to(dtype))  # [heads]
+        slopes = own_buffer_on_cpu(self._exact_slopes(device).to(dtype))  # [heads]
         positions = flex_positions(q_positions, k_positions, n, m)
 
         def bias(b: Tensor, head: Tensor, qi: Tensor, ki: Tensor) -> Tensor:

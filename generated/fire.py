@@ -35,8 +35,9 @@ from torch import Tensor, nn
 
 from ._attention import PositionalAttention
 from ._distances import distance_span_vector, expand_distance_bias
-from ._flex import flex_captured, flex_positions
+from ._flex import flex_positions
 from ._inputs import cache_get, cache_put, positions_or_default, score_bias_positions
+from ._opaque import own_buffer_on_cpu
 
 __all__ = ["Fire"]
 
@@ -179,7 +180,7 @@ class Fire(PositionalAttention):
         first, second = self.fire_mlp[0], self.fire_mlp[2]
         w1, b1 = first.weight[:, 0].to(dtype), first.bias.to(dtype)  # [hidden]
         w2, b2 = second.weight.to(dtype), second.bias.to(dtype)  # [heads, hidden], [heads]
-        c, rows, w1, b1, w2, b2 = (flex_captured(t) for t in (c, rows, w1, b1, w2, b2))
+        c, rows, w1, b1, w2, b2 = (own_buffer_on_cpu(t) for t in (c, rows, w1, b1, w2, b2))
 
         def bias(b: Tensor, head: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
             i, j = (index.to(dtype) for index in positions(b, qi, ki))

@@ -34,9 +34,10 @@ from torch import Tensor, nn
 
 from ._attention import PositionalAttention
 from ._distances import bias_read_per_distance, default_distances, expand_distance_bias
-from ._flex import flex_captured, flex_positions
+from ._flex import flex_positions
 from ._inputs import score_bias_positions
 from ._masks import relative_positions
+from ._opaque import own_buffer_on_cpu
 
 __all__ = ["KerpleLog"]
 
@@ -140,7 +141,7 @@ class KerpleLog(PositionalAttention):
     ) -> Any:
         """The kernel per (batch, head, query, key) index for FlexAttention's score_mod:
         r1 and r2 read once per head, a few operations per score."""
-        r1, r2 = (flex_captured(value.to(dtype)) for value in self._kernel_parameters(device))
+        r1, r2 = (own_buffer_on_cpu(value.to(dtype)) for value in self._kernel_parameters(device))
         positions = flex_positions(q_positions, k_positions, n, m)
 
         def bias(b: Tensor, head: Tensor, qi: Tensor, ki: Tensor) -> Tensor:

@@ -38,9 +38,10 @@ from torch import Tensor, nn
 
 from ._attention import PositionalAttention
 from ._distances import bias_at_entries, distance_span_vector, expand_distance_bias
-from ._flex import flex_captured, flex_positions
+from ._flex import flex_positions
 from ._inputs import cache_get, cache_put, score_bias_positions
 from ._masks import relative_positions
+from ._opaque import own_buffer_on_cpu
 
 __all__ = ["T5"]
 
@@ -136,7 +137,8 @@ class T5(PositionalAttention):
         vector) where that vector would not be shorter."""
         if 2 * MAX_DISTANCE + 1 >= n + m - 1 and q_positions is None and k_positions is None:
             return None
-        clipped = flex_captured(self._clipped_distance_bias(device).to(dtype))  # [heads, 2K + 1]
+        clipped = self._clipped_distance_bias(device).to(dtype)  # [heads, 2 MAX_DISTANCE + 1]
+        clipped = own_buffer_on_cpu(clipped)
         positions = flex_positions(q_positions, k_positions, n, m)
 
         def bias(b: Tensor, head: Tensor, qi: Tensor, ki: Tensor) -> Tensor:

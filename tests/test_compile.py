@@ -229,7 +229,7 @@ def test_inductor_compiles_the_cpu_kernels(
     """Compiled whole by inductor (the default backend) on the CPU, causal, grouped-query
     heads, without autograd, the module gives eager mode's outputs. On the flex backend
     every tensor the score_mod or mask_mod captures reaches the kernel as a buffer of its
-    own (``flex_captured``), as do q, k and v: inductor's CPU FlexAttention refused
+    own (``own_buffer_on_cpu``), as do q, k and v: inductor's CPU FlexAttention refused
     tensors still fused into the graph (ALiBi's slopes, T5's vector), views of one, and
     q flattened from 5-D. Transformer-XL's distinct distances at given positions are a
     count known only from the data, which inductor's matmul needs bounded (both

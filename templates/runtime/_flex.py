@@ -20,19 +20,6 @@ from ._opaque import own_buffer_on_cpu
 from ._terms import RelativePart
 
 
-def flex_captured(t: Tensor) -> Tensor:
-    """``t`` as a score_mod or mask_mod may capture it: its own buffer when torch.compile
-    traces a CPU call (``own_buffer_on_cpu``), else ``t`` itself.
-
-    Inductor's CPU lowering of FlexAttention (torch 2.13) takes captured tensors that
-    are buffers of their own. Computed in the caller's graph, a captured tensor (ALiBi's
-    slopes, T5's clipped vector, positions, projections) failed to compile
-    ("NoValidChoicesError", "Pointwise"); a view of one failed too ("All the buffers in
-    the score and mask subgraph should be in kernel_group.args.input_buffers").
-    """
-    return own_buffer_on_cpu(t)
-
-
 def flex_mask_mod(
     q_positions: Tensor | None,
     k_positions: Tensor | None,
@@ -49,7 +36,9 @@ def flex_mask_mod(
     """
     positions = flex_positions(q_positions, k_positions, n, m)
     offset = m - n
-    doc_rows = None if documents is None else flex_captured(documents.view(-1, m))  # [1 or B, M]
+    doc_rows = (
+        None if documents is None else own_buffer_on_cpu(documents.view(-1, m))
+    )  # [1 or B, M]
 
     def mask_mod(b: Tensor, h: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
         allowed: Tensor | None = None
@@ -94,9 +83,9 @@ def flex_score_mod(
         return None
     # bound either way: dynamo reads every closure cell
     per_batch = per_head = per_query = per_key = False
-    vec = None if vec is None else flex_captured(vec)
+    vec = None if vec is None else own_buffer_on_cpu(vec)
     if added is not None:
-        added = flex_captured(added.reshape((1,) * (4 - added.dim()) + tuple(added.shape)))
+        added = own_buffer_on_cpu(added.reshape((1,) * (4 - added.dim()) + tuple(added.shape)))
         # a dimension of size 0 is indexed too: index 0 would be out of range
         per_batch, per_head, per_query, per_key = (size != 1 for size in added.shape)
 
@@ -133,7 +122,9 @@ def flex_relative_terms(
     """
     middle = n - 1  # the diagonal of key minus query 0 (K where the parts are clipped)
     parts = [
-        RelativePart(side, flex_captured(scores), None if row is None else flex_captured(row))
+        RelativePart(
+            side, own_buffer_on_cpu(scores), None if row is None else own_buffer_on_cpu(row)
+        )
         for side, scores, row in parts
     ]
 
@@ -166,8 +157,8 @@ def flex_positions(q_positions: Tensor | None, k_positions: Tensor | None, n: in
     from their [N] or [batch, N] rows (a shared row answers every batch index).
     """
     offset = m - n
-    q_rows = None if q_positions is None else flex_captured(q_positions.view(-1, n))  # [1|B, N]
-    k_rows = None if k_positions is None else flex_captured(k_positions.view(-1, m))  # [1|B, M]
+    q_rows = None if q_positions is None else own_buffer_on_cpu(q_positions.view(-1, n))  # [1|B, N]
+    k_rows = None if k_positions is None else own_buffer_on_cpu(k_positions.view(-1, m))  # [1|B, M]
 
     def positions(b: Tensor, qi: Tensor, ki: Tensor) -> tuple[Tensor, Tensor]:
         i = qi + offset if q_rows is None else q_rows[b % q_rows.shape[0], qi]
@@ -277,10 +268,10 @@ def run_flex(
     keywords: dict[str, Any] = {"score_mod": score_mod, "block_mask": block_mask}
     keywords.update(scale=scale, enable_gqa=gqa, **(_lse_request() if return_lse else {}))
     if torch.compiler.is_compiling():  # inside the caller's torch.compile: inlined
-        # the CPU kernel reads q, k and v as 4-D buffers of their own (``flex_captured``):
+        # the CPU kernel reads q, k and v as 4-D buffers of their own (``own_buffer_on_cpu``):
         # interleaved pairs rotated and flattened from 5-D failed to compile ("too many
         # values to unpack (expected 4)")
-        q, k, v = (flex_captured(t) for t in (q, k, v))
+        q, k, v = (own_buffer_on_cpu(t) for t in (q, k, v))
         result = flex_attention(q, k, v, kernel_options=options, **keywords)
     elif not compiled:  # the unfused implementation (exact, materialises the scores)
         result = flex_attention(q, k, v, **keywords)
