@@ -426,12 +426,14 @@ def _unchanged(t: Tensor | None, stamp: tuple[Any, int] | None) -> bool:
 def _kept_positions(mask: Tensor | None, m: int, device: torch.device) -> Tensor:
     """Key positions counting kept keys: int64 [B, M] (0 at padding), or [M] without a mask.
 
-    The last query row of HF's 4-D additive mask lets every key up to that query through
-    except padding, so the keys it keeps (value 0) are the 2-D attention mask's ones;
+    The last query row of HF's 4-D mask (additive from eager attention, bool from sdpa)
+    lets every key up to that query through except padding, so the keys it keeps (0, or
+    True) are the 2-D attention mask's ones;
     BLOOM numbers them ``cumsum - 1`` and gives padding 0 (it is masked anyway); those
     are also the ``position_ids`` ``generate`` gives a Llama-family model's kept tokens.
     """
     if mask is None:
         return torch.arange(m, device=device)
-    kept = (mask[:, 0, -1, :] == 0).to(torch.int64)  # [B, M]
+    last = mask[:, 0, -1, :]  # [B, M]: 0 (float) or True (bool, HF's sdpa) where kept
+    kept = (last if last.dtype == torch.bool else last == 0).to(torch.int64)
     return (kept.cumsum(-1) - 1) * kept

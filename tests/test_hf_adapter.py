@@ -165,3 +165,27 @@ def test_hf_float_masks_reach_the_module_as_masked_keys() -> None:
     assert _four_d(hf_mask, 6) is mask
     del hf_mask
     assert posgen.hf._LAST_MASK == []
+
+
+def test_a_bias_on_llama_weights_decodes_alike_under_eager_and_sdpa_masks() -> None:
+    """HF hands eager attention an additive mask and sdpa attention a bool one; the
+    cached keys' positions come from either (left padding, strict=False: ALiBi on the
+    Llama's weights on purpose), so both generate the same tokens and logits. Before
+    the bool mask was read as such, every sdpa key sat at position 0."""
+    from generated.alibi import Alibi
+
+    runs = {}
+    for attention in ("eager", "sdpa"):
+        model = _tiny_llama(attention=attention)
+        ids = torch.randint(1, 97, (2, 9), generator=torch.Generator().manual_seed(4))
+        mask = torch.ones_like(ids)
+        mask[0, :3], ids[0, :3] = 0, 0
+        use_posgen_attention(model, lambda layer: Alibi(heads=4, head_dim=16), strict=False)
+        with torch.no_grad():
+            runs[attention] = model.generate(
+                ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
+                output_logits=True, return_dict_in_generate=True,
+            )  # fmt: skip
+    assert torch.equal(runs["eager"].sequences, runs["sdpa"].sequences)
+    for eager, sdpa in zip(runs["eager"].logits, runs["sdpa"].logits, strict=True):
+        torch.testing.assert_close(sdpa, eager, rtol=1e-5, atol=1e-5)
