@@ -19,10 +19,9 @@ architecture. The families, found by the layers' structure or class:
   OLMo's and OLMoE's ``clip_qkv`` (q, k and v clamped after any such norm). Sliding
   windows and Llama 4's chunks arrive in HF's 4-D mask. What the adapter cannot
   reproduce is refused by ``use_posgen_attention`` (logit soft-capping), and so, with
-  ``strict``, is a module of
-  another kind than the layer's (a logit scale other than the layer's ``scaling``, a
-  rotation on a layer without positions or none on a rotary one, Llama 4's temperature
-  tuning without a query scale).
+  ``strict``, is a module that would not give the layer's own positions: by kind when
+  attached, and by value at the layer's first forward, where its rotation must match
+  the layer's own modeling code (``posgen.hf_strict``).
 - BLOOM (``BloomAttention``: fused ``query_key_value`` laid out [.., heads, 3,
   head_dim], ``dense`` output): matching spec ``alibi`` (``generated.alibi.Alibi`` with
   the model's head count; BLOOM's slopes are ALiBi's for every head count). The model's
@@ -46,7 +45,6 @@ model it is given.
 
 from __future__ import annotations
 
-import math
 import types
 import weakref
 from collections.abc import Callable
@@ -55,6 +53,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from posgen.hf_strict import UNCHECKED, check_first_forward, check_llama_family_layer
 
 SUPPORTED = "Llama-family self_attn (q_proj, k_proj, v_proj, o_proj) or BLOOM's BloomAttention"
 
@@ -75,10 +75,14 @@ def use_posgen_attention(
     the layer's: a logit scale other than the layer's where the layer's is not
     1/sqrt(head_dim) (Gemma, Granite), a rotation on a layer without positions or none
     on a rotary layer (where the layer says: SmolLM3's and Llama 4's ``use_rope``,
-    Cohere 2's full layers), and Llama 4's temperature tuning without a query scale or
-    the reverse. It compares kinds, not values: a module with another base, pairing or
-    floor_scale passes, so take each layer's spec from ``posgen from-hf``.
-    ``strict=False`` runs another encoding on the model's weights on purpose.
+    Cohere 2's full layers), a position bias, relative or value-side terms, and a query
+    scale by position the layer does not have (or none where Llama 4's temperature
+    tuning has one). A strictly attached layer's first forward outside torch.compile
+    then compares the module's rotation with the layer's own by value and raises
+    ValueError where another base, scaling, pairing or rotated part would change the
+    logits (``posgen.hf_strict``, which says what it cannot see); take each layer's
+    spec from ``posgen from-hf``. ``strict=False`` runs another encoding on the model's
+    weights on purpose.
     """
     layers = _attention_layers(model)
     if not layers:
@@ -117,7 +121,7 @@ def _check_encoding(attention: nn.Module, module: nn.Module, index: int, strict:
     if not isinstance(module, nn.Module):
         raise ValueError(f"encoding({index}) must return an nn.Module, got {type(module).__name__}")
     if not _is_bloom_attention(attention):
-        _check_llama_family_layer(attention, module, index, strict)
+        check_llama_family_layer(attention, module, index, strict)
     layer_dim, module_dim = getattr(attention, "head_dim", None), getattr(module, "head_dim", None)
     if layer_dim is not None and module_dim is not None and layer_dim != module_dim:
         raise ValueError(
@@ -136,56 +140,6 @@ def _check_encoding(attention: nn.Module, module: nn.Module, index: int, strict:
         raise ValueError(
             f"layer {index} has {layer_heads} heads, encoding({index}) has {module_heads}"
         )
-
-
-def _check_llama_family_layer(
-    attention: nn.Module, module: nn.Module, index: int, strict: bool
-) -> None:
-    """ValueError where the module cannot give this Llama-family layer's attention (with
-    ``strict``: its own positions and logit scale)."""
-    cap = getattr(attention, "attn_logit_softcapping", None)
-    if cap is not None:
-        raise ValueError(
-            f"layer {index} caps its logits (attn_logit_softcapping {cap:g}); posgen's "
-            "attention does not"
-        )
-    if not strict:
-        return
-    scaling, scale = getattr(attention, "scaling", None), getattr(module, "scale", None)
-    head_dim = getattr(attention, "head_dim", None)
-    if isinstance(scaling, float) and isinstance(scale, float) and isinstance(head_dim, int):
-        own_scale = not math.isclose(scaling, head_dim**-0.5, rel_tol=1e-6)
-        if own_scale and not math.isclose(scaling, scale, rel_tol=1e-6):
-            raise ValueError(
-                f"layer {index} scales its logits by {scaling:.6g}, encoding({index}) by "
-                f"{scale:.6g}: take the layer's spec from `posgen from-hf` (it reads "
-                "query_pre_attn_scalar and attention_multiplier)"
-            )
-    rotates, why = _layer_rotates(attention)
-    module_rotates = getattr(module, "has_rotation", None)
-    if rotates is not None and module_rotates is not None and rotates != module_rotates:
-        does = "rotates" if module_rotates else "does not rotate"
-        raise ValueError(f"layer {index} {why}, but encoding({index}) {does}")
-    if rotates is not False or not hasattr(attention, "attn_temperature_tuning"):
-        return
-    tuned = bool(attention.attn_temperature_tuning)  # Llama 4's NoPE layers
-    if tuned != bool(getattr(module, "has_query_scale", tuned)):
-        raise ValueError(
-            f"layer {index} {'scales' if tuned else 'does not scale'} its queries by "
-            f"position (Llama 4's attention temperature tuning), encoding({index}) "
-            f"{'does not' if tuned else 'does'}: take the layer's spec from `posgen from-hf`"
-        )
-
-
-def _layer_rotates(attention: nn.Module) -> tuple[bool | None, str]:
-    """Whether the layer rotates q and k (None: it does not say), and the reason."""
-    use_rope = getattr(attention, "use_rope", None)  # SmolLM3, Llama 4
-    if use_rope is not None:
-        return bool(use_rope), f"has use_rope {int(use_rope)}"
-    if any(cls.__name__ == "Cohere2Attention" for cls in type(attention).__mro__):
-        sliding = getattr(attention, "sliding_window", None) is not None
-        return sliding, "is a sliding layer" if sliding else "is a full layer (no positions)"
-    return None, ""
 
 
 def _projected(layer: Any, part: str, hidden_states: Tensor) -> Tensor:
@@ -243,6 +197,9 @@ def _posgen_attention_forward(
     if positions is None:
         positions = cache_position if cache_position is not None else torch.arange(n)
     positions = positions.to(hidden_states.device)  # [N] or [B, N]
+    if self.__dict__.get(UNCHECKED) is not None:  # strict: the first forward, once
+        slots = cache_position if cache_position is not None else torch.arange(n)
+        check_first_forward(self, position_embeddings, positions, attention_mask, slots)
     k = self.posgen.rotate_keys(k, positions)  # rotated once, then cached rotated
     if past_key_values is not None:
         k, v = past_key_values.update(k, v, self.layer_idx, {"cache_position": cache_position})

@@ -212,6 +212,11 @@ def from_hf_class(
     return encoding_class(module_from_spec(from_hf_spec(config, folder, name, *options)))
 
 
+def posgen_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The attention layers ``posgen.hf.use_posgen_attention`` routed through posgen."""
+    return [module for module in model.modules() if hasattr(module, "posgen")]
+
+
 def llama4_layer_and_module(
     layer: torch.nn.Module,
     pe: torch.nn.Module,

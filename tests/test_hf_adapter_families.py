@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from posgen.hf import use_posgen_attention
-from tests.conftest import from_hf_class, generated_class
+from posgen.hf_strict import UNCHECKED
+from tests.conftest import from_hf_class, generated_class, posgen_layers
 
 transformers = pytest.importorskip("transformers")
 
@@ -34,6 +35,8 @@ def _logits_through_posgen(
         expected = model(ids).logits
         use_posgen_attention(model, encoding, **options)
         got = model(ids).logits
+    if options.get("strict", True):  # each layer's rotation was compared by value
+        assert all(layer.__dict__[UNCHECKED] is None for layer in posgen_layers(model))
     return got, expected
 
 
