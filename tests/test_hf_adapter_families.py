@@ -235,3 +235,32 @@ def test_a_module_that_cannot_reproduce_a_layer_is_refused_by_name(tmp_path: Pat
     llama4 = transformers.Llama4ForCausalLM(llama4_config)
     message = _refusal(llama4, lambda index: nope(4, 8) if index == 3 else rope(4, 8))
     assert "layer 3 scales its queries by position" in message
+
+
+def test_mrope_runs_while_its_position_axes_agree_and_is_refused_where_they_differ(
+    tmp_path: Path,
+) -> None:
+    """Qwen2.5-VL's language model rotates by three position axes (text, height, width;
+    mrope_section [2, 3, 3]) but hands its layers only their cos and sin: text, whose
+    axes agree, gives the model's own output through its from-hf spec; an image's
+    tokens, whose axes differ, are refused rather than rotated by one axis."""
+    config = transformers.Qwen2_5_VLTextConfig(
+        rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, num_hidden_layers=2,
+        **{**TINY, "hidden_size": 64},
+    )  # fmt: skip
+    config._attn_implementation = "eager"
+    mrope = from_hf_class(config.to_dict(), tmp_path, "qwen_vl_positions")
+    torch.manual_seed(0)
+    model = transformers.Qwen2_5_VLTextModel(config).eval()
+    ids = torch.randint(1, 61, (2, 11), generator=torch.Generator().manual_seed(3))
+    text = torch.arange(11).expand(3, 2, 11)
+    image = text.clone()
+    image[1, :, 4:8] -= torch.tensor([0, 0, 1, 1])  # a 2 x 2 grid: rows on axis 1
+    image[2, :, 4:8] -= torch.tensor([0, 1, 1, 2])  # columns on axis 2
+    with torch.no_grad():
+        expected = model(ids, position_ids=text).last_hidden_state
+        use_posgen_attention(model, lambda index: mrope())
+        got = model(ids, position_ids=text).last_hidden_state
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        with pytest.raises(ValueError, match="3 position axes .M-RoPE: text, height, width"):
+            model(ids, position_ids=image)
