@@ -264,3 +264,39 @@ def test_mrope_runs_while_its_position_axes_agree_and_is_refused_where_they_diff
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
         with pytest.raises(ValueError, match="3 position axes .M-RoPE: text, height, width"):
             model(ids, position_ids=image)
+
+
+# families whose layers need nothing beyond Llama's, with what a tiny config must set
+PLAIN_FAMILIES = {
+    "glm": {"head_dim": 16}, "glm4": {"head_dim": 16}, "helium": {"head_dim": 16},
+    "ernie4_5": {"head_dim": 16}, "gemma": {"head_dim": 16}, "cohere": {},
+    "granite": {"attention_multiplier": 0.3}, "granitemoe": {}, "starcoder2": {},
+    "mistral": {}, "mixtral": {}, "qwen2": {}, "qwen3_moe": {}, "olmoe": {},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", list(PLAIN_FAMILIES))
+def test_each_family_runs_with_its_from_hf_spec_under_the_strict_check(
+    family: str, tmp_path: Path
+) -> None:
+    """Half and interleaved pairings (Cohere, GLM, Helium, ERNIE 4.5), partial rotation
+    (GLM), logit scales of their own (Granite), mixtures of experts: a left-padded
+    batch gives the model's own logits at every kept token through the spec from-hf
+    writes, and every layer's rotation passes the check by value."""
+    config = transformers.AutoConfig.for_model(
+        family, num_hidden_layers=2, **{**TINY, "hidden_size": 64}, **PLAIN_FAMILIES[family]
+    )
+    config._attn_implementation = "eager"
+    own = from_hf_class(config.to_dict(), tmp_path, f"{family}_positions")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(1, 61, (2, 13), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    with torch.no_grad():
+        expected = model(ids, attention_mask=mask).logits
+        use_posgen_attention(model, lambda index: own())
+        got = model(ids, attention_mask=mask).logits
+    assert all(layer.__dict__[UNCHECKED] is None for layer in posgen_layers(model))
+    kept = mask.bool()
+    torch.testing.assert_close(got[kept], expected[kept], rtol=1e-5, atol=1e-5)
