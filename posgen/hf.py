@@ -56,7 +56,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from posgen.hf_strict import UNCHECKED, check_first_forward, check_llama_family_layer
+from posgen.hf_strict import (
+    UNCHECKED,
+    check_first_forward,
+    check_llama_family_layer,
+    kept_by_mask,
+)
 
 SUPPORTED = "Llama-family self_attn (q_proj, k_proj, v_proj, o_proj) or BLOOM's BloomAttention"
 
@@ -425,6 +430,5 @@ def _kept_positions(mask: Tensor | None, m: int, device: torch.device) -> Tensor
     """
     if mask is None:
         return torch.arange(m, device=device)
-    last = mask[:, 0, -1, :]  # [B, M]: 0 (float) or True (bool, HF's sdpa) where kept
-    kept = (last if last.dtype == torch.bool else last == 0).to(torch.int64)
+    kept = kept_by_mask(mask[:, 0, -1, :]).to(torch.int64)  # [B, M]
     return (kept.cumsum(-1) - 1) * kept

@@ -155,7 +155,13 @@ def _kept_tokens(attention_mask: Any, slots: Tensor) -> Tensor | None:
         return None
     rows = torch.arange(slots.shape[0], device=attention_mask.device)
     own = attention_mask[:, 0, rows, slots.to(attention_mask.device)]  # [B, N]
-    return own if own.dtype == torch.bool else own == 0
+    return kept_by_mask(own)
+
+
+def kept_by_mask(entries: Tensor) -> Tensor:
+    """bool, entries' shape: True where HF's 4-D mask lets a key through (0 in the
+    additive mask of eager attention, True in the bool mask of sdpa)."""
+    return entries if entries.dtype == torch.bool else entries == 0
 
 
 def _compare_rotations(
