@@ -27,6 +27,9 @@
 # (a Llama's compiled static-cache decode through posgen.hf against HF's own attention,
 # TUPE's step with its untied term folded or added as a bias, compiled steps with a
 # profile, and the clipped terms at given positions), then
+#   bash benchmarks/gpu_session.sh "$OUT" rotation_launch rotary
+# (the rotary kernel's launch shapes against a copy, host work apart: set the fastest
+# as the defaults in templates/runtime/_rotation_kernel.py, then time rotary.py), then
 #   bash benchmarks/gpu_session.sh "$OUT" compile_sweep compile_sweep_grad
 # (every module compiled by inductor on CUDA, as benchmarks/compile_sweep.py did on the
 # CPU on 2026-12-06). The test steps stop with SIGINT
@@ -77,6 +80,11 @@ step 150 rotary_backward python3 benchmarks/rotary.py --device cuda --dtype bflo
     --compile --backward --shapes 4,32,4096,128 --repeats 20 --out "$out"
 step 120 rotary_float32 python3 benchmarks/rotary.py --device cuda --dtype float32 --compile \
     --shapes 4,32,4096,128 --repeats 30 --out "$out"
+# the fused rotation's launch shape (positions and heads per program, warps): the
+# module's call and the kernel alone at the default shape, then the kernel at each
+# shape of the sweep, Liger-Kernel's one-position-per-program among them
+step 240 rotation_launch python3 benchmarks/rotation_launch.py --device cuda --dtype bfloat16 \
+    --shape 4,32,4096,128 --repeats 30 --out "$out"
 step 300 attention python3 benchmarks/attention_backends.py --device cuda --dtype bfloat16 \
     --encodings alibi t5 kerple_log --backends sdpa flex --lengths 2048 8192 \
     --modes forward train --causal both --hf --repeats 15 --tag _bias --out "$out"
