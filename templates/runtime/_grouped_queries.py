@@ -163,11 +163,12 @@ def grouped_query_attention(
     if added is not None:  # the mask rides in the product: one pass fewer
         logits = torch.baddbmm(added, rows, keys, alpha=scale)  # [B H_kv, G N, M]
     else:
-        if q.dtype in _FULL_PRECISION:
-            logits = torch.bmm(rows, keys)  # [B H_kv, G N, M]
-        else:
-            logits = torch.bmm(rows, keys, torch.float32)  # half-precision inputs, float32 out
-        logits = logits.view(b, h, n, m).mul_(scale)  # [B, H, N, M], where masks broadcast
+        if q.dtype in _FULL_PRECISION:  # scaled in the product (beta 0 reads no input)
+            unread = rows.new_empty((b * heads_kv, rows.shape[1], m))
+            logits = torch.baddbmm(unread, rows, keys, beta=0, alpha=scale)  # [B H_kv, G N, M]
+        else:  # half-precision inputs, float32 out
+            logits = torch.bmm(rows, keys, torch.float32).mul_(scale)  # [B H_kv, G N, M]
+        logits = logits.view(b, h, n, m)  # [B, H, N, M], where masks broadcast
         if mask is not None and mask.dtype == torch.bool:
             logits = logits.masked_fill_(~mask, float("-inf"))
         elif mask is not None:
