@@ -524,6 +524,87 @@ def test_rotations_at_explicit_positions_read_the_table_on_the_cpu(
     assert reads[3] == reads[1]
 
 
+@pytest.mark.parametrize("name", ["alibi", "rope", "tupe_a"])
+def test_a_write_that_moves_no_version_counter_is_seen_on_the_cpu(name: str) -> None:
+    """Positions and masks edited through ``.data`` (as a NumPy array sharing their
+    memory would be) move no version counter: the verdicts kept on them are checked
+    against a copy of their values on the CPU, so every call gives what fresh tensors
+    of the same values give, and bad values still raise ValueError."""
+    d = head_dim_for(name, 16)
+    pe = generated_class(name)(heads=4, head_dim=d).eval()
+    generator = torch.Generator().manual_seed(9)
+    q = torch.randn(1, 4, 5, d, generator=generator)
+    k, v = (torch.randn(1, 4, 7, d, generator=generator) for _ in "kv")
+    k_positions, q_positions = torch.arange(7), torch.arange(2, 7)
+    with torch.no_grad():
+        pe(q, k, v, k_positions=k_positions, q_positions=q_positions)  # the defaults, kept
+        for values in ([0, 2, 4, 6, 8, 10, 12], [0, 1, 2, 3, 4, 5, 300]):
+            k_positions.data.copy_(torch.tensor(values))  # the version stays put
+            got = pe(q, k, v, k_positions=k_positions, q_positions=q_positions)
+            want = pe(q, k, v, k_positions=k_positions.clone(), q_positions=q_positions.clone())
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+            eager = pe(
+                q,
+                k,
+                v,
+                k_positions=torch.tensor(values),
+                backend="eager",
+                q_positions=q_positions.clone(),
+            )
+            torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-6)
+        k_positions.data[-1] = -3
+        with pytest.raises(ValueError, match="k_positions must lie in"):
+            pe(q, k, v, k_positions=k_positions, q_positions=q_positions)
+        k_positions.data = torch.arange(7)  # new data: its pointer is in the stamp
+        torch.testing.assert_close(
+            pe(q, k, v, k_positions=k_positions, q_positions=q_positions),
+            pe(q, k, v),
+            rtol=0,
+            atol=0,
+        )
+        mask = torch.ones(1, 1, 5, 7, dtype=torch.bool)  # a left-padded row, then not
+        mask[..., :2] = False
+        padded = torch.cat([torch.zeros(2, dtype=torch.long), torch.arange(5)])
+        pe(q, k, v, k_positions=padded, q_positions=padded[2:], attn_mask=mask)
+        mask.data.fill_(True)
+        got = pe(q, k, v, k_positions=padded, q_positions=padded[2:], attn_mask=mask)
+        want = pe(
+            q,
+            k,
+            v,
+            k_positions=padded.clone(),
+            q_positions=padded[2:].clone(),
+            attn_mask=mask.clone(),
+            backend="eager",
+        )
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_verdicts_keep_no_copy_of_a_large_tensor_and_trust_versions_off_the_cpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On the CPU a verdict copies its tensors' values, so none is kept on a tensor
+    above ``VERDICT_SNAPSHOT_MAX_ELEMENTS``; on a device whose values are not compared
+    (CUDA: the comparison would be a sync), a kept verdict trusts the version counter
+    and still sees new data put under the same tensor (``t.data = other``)."""
+    inputs = importlib.import_module("generated._inputs")
+    verdicts = inputs.TensorVerdicts()
+    monkeypatch.setattr(inputs, "VERDICT_SNAPSHOT_MAX_ELEMENTS", 4)
+    small, large = torch.arange(4), torch.arange(5)
+    verdicts.put(("default",), (small,), True)
+    verdicts.put(("default",), (large,), True)
+    assert verdicts.get(("default",), (small,)) is True
+    assert verdicts.get(("default",), (large,)) is None
+    small.data[0] = 7
+    assert verdicts.get(("default",), (small,)) is None
+    monkeypatch.setattr(inputs, "VALUE_CHECKED_VERDICT_DEVICES", set())
+    verdicts.put(("default",), (large,), True)
+    large.data[0] = 7  # unseen: only the version counter speaks for the values
+    assert verdicts.get(("default",), (large,)) is True
+    large.data = torch.arange(5)
+    assert verdicts.get(("default",), (large,)) is None
+
+
 def test_a_verdict_on_a_view_holds_for_the_same_slice_taken_again() -> None:
     """A view is known by its base and its place in it: the same slice taken anew (a
     mask cut to the keys in each layer) finds the verdict, another slice of the base

@@ -176,7 +176,19 @@ class TensorVerdicts:
     in place, such as a position buffer refilled each step, would go unseen). The
     ``VERDICTS_KEPT`` most recent verdicts are kept. A view is known by its base and
     where it sits in it, so the same slice taken anew (a mask cut to the keys in every
-    layer) finds the verdict on the last one."""
+    layer) finds the verdict on the last one.
+
+    Some writes move no version counter: through ``.data``, or to memory shared with a
+    NumPy array (``torch.from_numpy``) or through DLPack. On
+    ``VALUE_CHECKED_VERDICT_DEVICES`` (the CPU, where a read costs no sync) a verdict
+    therefore keeps a copy of each tensor's values and is used only while they are
+    equal (``torch.equal``), and none is kept on a tensor of more than
+    ``VERDICT_SNAPSHOT_MAX_ELEMENTS`` elements. Elsewhere (CUDA) that comparison would be
+    the host sync the verdicts save, so a write that moves no version counter goes
+    unseen there: pass a new tensor, or call
+    ``torch.autograd.graph.increment_version`` on it after such a write. A tensor whose
+    data was replaced (``t.data = other``) is seen on every device: its data pointer and
+    shape are part of the stamp."""
 
     def __init__(self) -> None:
         self._kept: dict[tuple[Any, ...], tuple[tuple[Any, ...], Any]] = {}
@@ -197,16 +209,23 @@ class TensorVerdicts:
         return (id(t._base), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
     def _stamps(self, tensors: tuple[Tensor | None, ...]) -> tuple[Any, ...] | None:
-        """(weak reference to the owner, version) of each tensor (None for None); None
-        where a verdict on them cannot be kept."""
+        """(weak reference to the owner, version, data pointer, shape, copy of the values
+        or None) of each tensor (None for None); None where a verdict on them cannot be
+        kept."""
         stamps: list[Any] = []
         for t in tensors:
             if t is None:
                 stamps.append(None)
-            elif t.is_inference():
+                continue
+            if t.is_inference():
                 return None
-            else:
-                stamps.append((weakref.ref(self._owner(t)), t._version))
+            values = None
+            if t.device.type in VALUE_CHECKED_VERDICT_DEVICES:
+                if t.numel() > VERDICT_SNAPSHOT_MAX_ELEMENTS:
+                    return None
+                values = t.detach().clone()
+            owner = weakref.ref(self._owner(t))
+            stamps.append((owner, t._version, t.data_ptr(), t.shape, values))
         return tuple(stamps)
 
     def get(self, what: tuple[Any, ...], tensors: tuple[Tensor | None, ...]) -> Any:
@@ -219,9 +238,11 @@ class TensorVerdicts:
         for t, stamp in zip(tensors, stamps, strict=True):
             if t is None:
                 continue
-            reference, version = stamp  # t is no inference tensor where it is the same
-            if reference() is not self._owner(t) or t._version != version:
-                self._kept.pop(key, None)  # stale: the tensor died, was replaced or edited
+            reference, version, pointer, shape, values = stamp  # (no inference tensor)
+            stale = reference() is not self._owner(t) or t._version != version
+            stale = stale or t.data_ptr() != pointer or t.shape != shape
+            if stale or (values is not None and not torch.equal(t, values)):
+                self._kept.pop(key, None)  # the tensor died, was replaced or edited
                 return None
         return verdict
 
@@ -238,6 +259,13 @@ class TensorVerdicts:
 
 
 VERDICTS_KEPT = 8
+# Device types where a kept verdict holds a copy of its tensors' values and is used only
+# while they are equal (see ``TensorVerdicts``), and the most elements such a tensor may
+# have (a copy of 2^20 is 8 MiB of int64 positions, 1 MiB of a bool mask; a larger one,
+# a mask over a long prefill, is read afresh each call, a pass that costs far less than
+# the attention over it).
+VALUE_CHECKED_VERDICT_DEVICES = {"cpu"}
+VERDICT_SNAPSHOT_MAX_ELEMENTS = 1 << 20
 POSITION_VERDICTS = TensorVerdicts()
 
 
