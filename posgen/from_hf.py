@@ -46,7 +46,9 @@ import yaml
 
 from posgen.hf_config import ConfigError, Settings
 from posgen.hf_families import (
+    BASE_KEYS,
     FAMILIES,
+    FRACTION_KEYS,
     REFUSED,
     TEXT_MODEL_TYPES,
     UNREAD_KEYS,
@@ -365,9 +367,14 @@ def _rotary(
         rotate["base"] = config.positive_number("rope_local_base_freq", 10000.0)
         scaling = Settings({}, "rope_scaling.")
     else:
-        base_key = config.first_set("rope_theta", "rotary_emb_base")
-        rotate["base"] = config.positive_number(base_key, family.base)
-        scaling = config.section("rope_scaling")
+        rotate["base"] = _base(family, config)
+        scaling = _scaling(family, config)
+    if scaling.flag("mrope_interleaved", False):
+        raise ConfigError(
+            "rope_scaling.mrope_interleaved: the model spreads its M-RoPE sections over "
+            "the pairs in turn (Qwen3-VL's apply_interleaved_mrope), and posgen's sections "
+            "are contiguous runs of pairs"
+        )
     if fraction != 1.0:
         rotate["rotary_dims"] = {"fraction": fraction, "layout": "leading"}
     schedule = scaling.word(scaling.first_set("rope_type", "type"), "default")
@@ -382,18 +389,80 @@ def _rotary(
     return spec
 
 
+def _base(family: Family, config: Settings) -> float:
+    """The base the family's code turns by: the first of ``BASE_KEYS`` set (else the
+    family's default), or where the family reads its own key (``RopeKeys``), that one,
+    which any other base key set must agree with."""
+    keys = family.rope_keys
+    if keys is None:
+        return config.positive_number(config.first_set(*BASE_KEYS), family.base)
+    base = family.base if keys.base is None else config.positive_number(keys.base, family.base)
+    _refuse_unread(config, BASE_KEYS, keys.base, base, "base")
+    return base
+
+
+def _scaling(family: Family, config: Settings) -> Settings:
+    """``rope_scaling``, refused for a family whose code applies none."""
+    scaling = config.section("rope_scaling")
+    if family.rope_keys is not None and not family.rope_keys.scaling and scaling.values:
+        raise ConfigError(
+            "rope_scaling: this family's modeling code applies no scaling (it reads no "
+            "rope_scaling); leave it out"
+        )
+    return scaling
+
+
+def _refuse_unread(
+    config: Settings, keys: tuple[str, ...], read: str | None, value: float, what: str
+) -> None:
+    """ConfigError for a key of ``keys`` other than ``read`` (the one the family's code
+    reads; None: none) set to another value than ``value``: the model ignores it."""
+    for key in keys:
+        if key == read or not config.has(key):
+            continue
+        stated = config.positive_number(key)
+        if stated != value:
+            uses = f"{read} ({value:g})" if read else f"{value:g}, whatever the config says"
+            raise ConfigError(
+                f"{key}: {stated:g} is not the {what} this family's modeling code turns by, "
+                f"{uses}: it reads no {key}; make them agree or leave {key} out"
+            )
+
+
 def _rotated_fraction(family: Family, config: Settings, head_dim: int) -> float:
-    """The rotated share of each head: ``partial_rotary_factor`` / ``rotary_pct``, or
-    GPT-J's ``rotary_dim`` features (default 64) over head_dim."""
+    """The rotated share of each head: ``partial_rotary_factor`` / ``rotary_pct`` (or
+    the family's own key of the two, ``RopeKeys``), or GPT-J's ``rotary_dim`` features
+    (default 64) over head_dim."""
     if family.rotary_dim_key is None:
-        key = config.first_set("partial_rotary_factor", "rotary_pct")
-        return config.positive_number(key, family.fraction)
+        keys = family.rope_keys
+        if keys is None or keys.fraction is None:
+            key = config.first_set(*FRACTION_KEYS)
+            fraction = config.positive_number(key, family.fraction)
+        else:
+            key = keys.fraction
+            fraction = config.positive_number(key, family.fraction)
+            _refuse_unread(config, FRACTION_KEYS, key, fraction, "rotated share")
+        return _truncated_fraction(key, fraction, head_dim)
     features = config.positive_int(family.rotary_dim_key, 64)
     if features > head_dim or features % 2:
         raise ConfigError(
             f"{family.rotary_dim_key}: must be even and at most head_dim {head_dim}, got {features}"
         )
     return features / head_dim
+
+
+def _truncated_fraction(key: str, fraction: float, head_dim: int) -> float:
+    """Hugging Face rotates int(head_dim * fraction) features (truncated, its frequencies
+    base^(-2k / that width)); posgen's specs round fraction * head_dim. The fraction of
+    exactly those features, or ConfigError where they are odd or fewer than 2."""
+    features = int(head_dim * fraction)
+    if features % 2 or features < 2:
+        raise ConfigError(
+            f"{key}: {fraction:g} of head_dim {head_dim} is {head_dim * fraction:g} "
+            f"features, of which Hugging Face rotates int() = {features}; posgen's specs "
+            "rotate an even count of at least 2 (frequencies over that count)"
+        )
+    return fraction if round(head_dim * fraction) == features else features / head_dim
 
 
 def _frequencies(kind: str, scaling: Settings, config: Settings) -> dict[str, Any]:

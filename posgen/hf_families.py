@@ -40,6 +40,25 @@ class LayerKind(enum.Enum):
     NOPE = "NoPE"
 
 
+BASE_KEYS = ("rope_theta", "rotary_emb_base")
+"""The config keys that state a rotation's base, in the order from-hf reads them."""
+
+FRACTION_KEYS = ("partial_rotary_factor", "rotary_pct")
+"""The config keys that state the rotated share of each head, in that order."""
+
+
+@dataclass(frozen=True)
+class RopeKeys:
+    """What a family's modeling code reads of the rotation, where that is not the first
+    of ``BASE_KEYS`` and ``FRACTION_KEYS`` set, nor ``rope_scaling``: the other keys of
+    each kind are then not read by the model, and from-hf refuses them where they
+    disagree with what it turns by."""
+
+    base: str | None  # the key of the base (None: Family.base, whatever the config says)
+    fraction: str | None  # the key of the rotated share (None: rotary_dim_key, or all)
+    scaling: bool  # whether it reads rope_scaling
+
+
 @dataclass(frozen=True)
 class Family:
     """What a family's modeling code does that its config does not state."""
@@ -54,6 +73,10 @@ class Family:
     scale: Literal["head_dim", "query_pre_attn_scalar", "attention_multiplier"] = "head_dim"
     layers: Callable[[Settings], list[LayerKind]] | None = None  # None: every layer rotates
     rotary_dim_key: str | None = None  # a count of rotated features (GPT-J), not a fraction
+    # the config keys its code turns by, where its configuration class overwrites the
+    # common ones (GPT-NeoX copies rotary_emb_base over rope_theta and rotary_pct over
+    # partial_rotary_factor); None: the first of the common keys set
+    rope_keys: RopeKeys | None = None
     # Llama 4's attention: llama3 scaling whenever rope_scaling is set (whatever rope_type
     # says), chunks and QK norm on the RoPE layers, temperature tuning on the NoPE ones
     llama4_attention: bool = False
@@ -126,6 +149,7 @@ def _cohere2_layers(config: Settings) -> list[LayerKind]:
     ]
 
 
+_FIXED_ROPE = RopeKeys(None, None, False)
 _HALF = Family("half")
 _INTERLEAVED = Family("interleaved")
 
@@ -156,7 +180,9 @@ FAMILIES: dict[str, Family] = {
     ),  # fmt: skip
     "phi": Family("half", fraction=0.5),
     "phi3": _HALF,
-    "gpt_neox": Family("half", fraction=0.25),
+    "gpt_neox": Family(
+        "half", fraction=0.25, rope_keys=RopeKeys("rotary_emb_base", "rotary_pct", True)
+    ),
     "olmo": _HALF,
     "olmo2": _HALF,
     "olmoe": _HALF,
@@ -182,8 +208,9 @@ FAMILIES: dict[str, Family] = {
     "glm4": Family("interleaved", fraction=0.5, head_dim=128, heads=32),
     "helium": Family("interleaved", base=1e5, head_dim=128, heads=20),
     "ernie4_5": Family("interleaved", base=5e5, head_dim=128, heads=16),
-    "gptj": Family("interleaved", rotary_dim_key="rotary_dim"),
-    "codegen": Family("interleaved", rotary_dim_key="rotary_dim"),
+    # create_sinusoidal_positions: base 10000 and no scaling, whatever the config says
+    "gptj": Family("interleaved", rotary_dim_key="rotary_dim", rope_keys=_FIXED_ROPE),
+    "codegen": Family("interleaved", rotary_dim_key="rotary_dim", rope_keys=_FIXED_ROPE),
 }
 
 TEXT_MODEL_TYPES = {"llama4": "llama4_text", "gemma3": "gemma3_text"}

@@ -195,6 +195,36 @@ def test_gptj_rotates_its_rotary_dim_in_neighbouring_pairs(tmp_path: Path) -> No
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
+def test_gpt_neox_turns_by_rotary_emb_base_over_a_truncated_width(tmp_path: Path) -> None:
+    """GPT-NeoX reads rotary_emb_base and rotary_pct (its configuration class copies them
+    over rope_theta and partial_rotary_factor, which agree here) and rotates int(64 *
+    0.42) = 26 features with frequencies over 26, where 64 * 0.42 rounds to 27: posgen's
+    spec states the fraction of those 26, and turns as modeling_gpt_neox does."""
+    from transformers.models.gpt_neox.modeling_gpt_neox import (
+        GPTNeoXRotaryEmbedding,
+        apply_rotary_pos_emb,
+    )
+
+    config = transformers.GPTNeoXConfig(
+        hidden_size=256, num_attention_heads=4, rotary_pct=0.42, rotary_emb_base=5e4
+    )
+    rotate = _spec(config.to_dict(), tmp_path).rotation
+    assert rotate is not None and rotate.base == 5e4
+    assert rotate.rotary_dims.fraction == 26 / 64
+    pe = from_hf_class(config.to_dict(), tmp_path, "gpt_neox_positions")().double()
+    generator = torch.Generator().manual_seed(5)
+    q, k = (torch.randn(2, 4, 9, 64, dtype=F64, generator=generator) for _ in "qk")
+    positions = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 8], [3, 5, 8, 13, 21, 34, 55, 89, 144]])
+    rotary = GPTNeoXRotaryEmbedding(config).double()
+    cos, sin = rotary(q, positions)
+    assert cos.shape[-1] == 26
+    expected_q, expected_k = apply_rotary_pos_emb(q, k, cos, sin)
+    got_q, got_k = pe.rotate(q, k, positions, positions)
+    # HF's angles are float32 (inv_freq @ positions in float32): ~2e-6 at position 144
+    torch.testing.assert_close(got_q, expected_q, rtol=1e-4, atol=2e-5)
+    torch.testing.assert_close(got_k, expected_k, rtol=1e-4, atol=2e-5)
+
+
 LLAMA_LIKE = {"num_attention_heads": 4, "hidden_size": 64, "rope_theta": 1e4}
 REFUSED = [
     ({"model_type": "newlm", **LLAMA_LIKE}, (), "pass --pairing half"),
@@ -224,6 +254,25 @@ REFUSED = [
      "does not rotate"),
     ({"model_type": "gemma3_text", **LLAMA_LIKE, "num_hidden_layers": 1,
       "query_pre_attn_scalar": 1e-5}, (), "scale.factor is in [0.001, 1000]"),
+    # GPT-NeoX's configuration class copies rotary_emb_base and rotary_pct over these
+    ({"model_type": "gpt_neox", **LLAMA_LIKE, "rope_theta": 5e4}, (),
+     "rope_theta: 50000 is not the base this family's modeling code turns by, "
+     "rotary_emb_base (10000)"),
+    ({"model_type": "gpt_neox", **LLAMA_LIKE, "rotary_pct": 0.25, "partial_rotary_factor": 0.5},
+     (), "partial_rotary_factor: 0.5 is not the rotated share"),
+    # GPT-J's create_sinusoidal_positions: base 10000, no scaling
+    ({"model_type": "gptj", "n_head": 4, "n_embd": 256, "rotary_dim": 16, "rope_theta": 5e4},
+     (), "rope_theta: 50000 is not the base this family's modeling code turns by, 10000"),
+    ({"model_type": "codegen", "n_head": 4, "n_embd": 256, "rotary_dim": 16,
+      "rope_scaling": {"rope_type": "linear", "factor": 4.0}}, (),
+     "rope_scaling: this family's modeling code applies no scaling"),
+    # int(64 * 0.4) = 25 features, frequencies over a width of 25
+    ({"model_type": "phi", **LLAMA_LIKE, "hidden_size": 256, "partial_rotary_factor": 0.4}, (),
+     "partial_rotary_factor: 0.4 of head_dim 64 is 25.6 features, of which Hugging Face "
+     "rotates int() = 25"),
+    ({"model_type": "newlm", **LLAMA_LIKE, "rope_scaling": {"rope_type": "default",
+      "mrope_section": [4, 2, 2], "mrope_interleaved": True}}, ("--pairing", "half"),
+     "rope_scaling.mrope_interleaved: the model spreads its M-RoPE sections"),
 ]  # fmt: skip
 
 
