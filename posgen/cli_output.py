@@ -18,8 +18,19 @@ def printable_lines(text: str) -> str:
 
 
 def say(message: object = "", *, err: bool = False, nl: bool = True) -> None:
-    """click.echo, with every line of ``message`` escaped."""
-    click.echo(printable_lines(str(message)), err=err, nl=nl)
+    """click.echo, with every line of ``message`` escaped, and a character the stream's
+    encoding cannot write (a generated module's ``ᵀ`` in a diff, a spec's title on a
+    Latin-1 terminal) written as its ``\\u`` escape instead of failing."""
+    text = printable_lines(str(message))
+    stream = click.get_text_stream("stderr" if err else "stdout")
+    encoding = getattr(stream, "encoding", None) or "utf-8"
+    try:
+        text.encode(encoding)
+    except UnicodeEncodeError:
+        text = text.encode(encoding, "backslashreplace").decode(encoding)
+    except LookupError:  # an encoding Python does not know: click's own handling
+        pass
+    click.echo(text, err=err, nl=nl)
 
 
 class UsageError(click.UsageError):

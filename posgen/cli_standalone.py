@@ -10,7 +10,14 @@ from pathlib import Path
 from posgen.cli_output import UsageError, say
 from posgen.cli_paths import DEFAULT_OUT
 from posgen.codegen.render import render_standalone
-from posgen.codegen.writing import NotOurs, compare, plan_for, unified_diff, write_file
+from posgen.codegen.writing import (
+    NotOurs,
+    check_target,
+    compare,
+    plan_for,
+    unified_diff,
+    write_file,
+)
 from posgen.spec.loader import LoadedSpec
 from posgen.spec.model import RESERVED_MODULE_NAMES
 
@@ -31,9 +38,10 @@ def generate_standalone(
         raise UsageError(f"--standalone needs --out FILE.py (a file, not a folder), got {out}")
     _check_module_name(out)
     source = render_standalone(plan_for(chosen[0]))
-    if dry:
-        _report_drift(out, source, show_diff)
     try:
+        if dry:  # a file in the way that posgen did not write is an error, not drift
+            check_target(out)
+            _report_drift(out, source, show_diff)
         written = write_file(out, source)
     except NotOurs:
         raise UsageError(f"{out} exists and was not written by posgen; not overwriting") from None

@@ -12,7 +12,11 @@ Writing a tree is all or nothing as far as a file system allows:
 3. the temporaries are renamed over their targets, modules and the runtime first and the
    registry ``__init__.py`` last, so an interrupted run never leaves a registry importing
    a module that does not exist yet;
-4. only then, in a pruning (full) run, are stale generated files removed.
+4. only then, in a pruning (full) run, are stale generated files removed;
+5. where a rename or a removal fails (a file made immutable, a folder whose sticky bit
+   keeps another user's file), every step before it is undone: each file replaced or
+   removed is written back from the bytes read just before, each new one is removed,
+   and the error names the file that failed.
 
 Several runs over the same folder may race: a file that vanishes between the comparison
 and the write counts as missing, and a stale file another run removed first is not an
@@ -279,13 +283,56 @@ def _staged(files: list[tuple[Path, bytes]]) -> Iterator[list[tuple[Path, Path]]
             temporary.unlink(missing_ok=True)
 
 
-def _commit(pairs: list[tuple[Path, Path]]) -> None:
-    """Rename each temporary over its target, in order (atomic per file)."""
-    for temporary, target in pairs:
+def _commit(pairs: list[tuple[Path, Path]], stale: list[Path] | None = None) -> None:
+    """Rename each temporary over its target, in order (atomic per file), then remove the
+    ``stale`` files posgen wrote (one that vanished: another run's work); where a step
+    fails, undo the ones before it (``_undo``) and raise OutputError naming the file."""
+    done: list[tuple[Path, bytes | None]] = []  # each file changed, with its bytes before
+    try:
+        for temporary, target in pairs:
+            before = _bytes_before(target)
+            try:
+                os.replace(temporary, target)
+            except OSError as error:
+                raise OutputError(f"cannot write {target}: {_reason(error)}") from None
+            done.append((target, before))
+        for path in stale or []:
+            if path.is_symlink() or not is_generated(path):  # replaced meanwhile: not ours
+                continue
+            before = _bytes_before(path)
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as error:
+                raise OutputError(f"cannot remove stale {path}: {_reason(error)}") from None
+            if before is not None:
+                done.append((path, before))
+    except BaseException:
+        _undo(done)
+        raise
+
+
+def _bytes_before(path: Path) -> bytes | None:
+    """The bytes of ``path`` before posgen changes it (None: no file), to undo with."""
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as error:
+        raise OutputError(f"cannot read {path}: {_reason(error)}") from None
+
+
+def _undo(done: list[tuple[Path, bytes | None]]) -> None:
+    """Put back each (path, bytes before) in reverse order: the bytes written again
+    (atomically, keeping the file's mode), or a new file removed. Best effort: the
+    error that stopped the run is the one reported."""
+    for path, before in reversed(done):
         try:
-            os.replace(temporary, target)
-        except OSError as error:
-            raise OutputError(f"cannot write {target}: {_reason(error)}") from None
+            if before is None:
+                path.unlink(missing_ok=True)
+            else:
+                write_atomically(path, before)
+        except (OSError, OutputError):
+            continue
 
 
 def write_atomically(path: Path, data: bytes) -> None:
@@ -297,7 +344,7 @@ def write_atomically(path: Path, data: bytes) -> None:
         _commit(pairs)
 
 
-def _check_target(path: Path) -> None:
+def check_target(path: Path) -> None:
     """Raise OutputError unless ``path`` is absent, or a regular file posgen wrote."""
     if _read_target(path) is not None and not is_generated(path) and path.exists():
         raise NotOurs(path)
@@ -312,7 +359,7 @@ def write_file(path: Path, source: str) -> bool:
     data = source.encode("utf-8")
     if _read_target(path) == data:
         return False
-    _check_target(path)
+    check_target(path)
     write_atomically(path, data)
     return True
 
@@ -322,33 +369,21 @@ def _write_order(names: list[str]) -> list[str]:
     return sorted(names, key=lambda name: (name == REGISTRY_FILE, name))
 
 
-def _remove_stale(out_dir: Path, names: list[str]) -> None:
-    """Remove stale generated files; one that vanished (another run) is not an error."""
-    for name in names:
-        path = out_dir / name
-        if path.is_symlink() or not is_generated(path):  # replaced meanwhile: not posgen's
-            continue
-        try:
-            path.unlink(missing_ok=True)
-        except OSError as error:
-            raise OutputError(f"cannot remove stale {path}: {_reason(error)}") from None
-
-
 def write_tree(out_dir: Path, tree: dict[str, str], prune: bool = True) -> Drift:
     """Write changed and missing files (registry last); with ``prune``, remove stale ones.
 
     Every target is checked before anything is written: a file posgen did not write
-    raises NotOurs, a folder in a file's place OutputError, and nothing changes.
+    raises NotOurs, a folder in a file's place OutputError, and nothing changes. A rename
+    or removal that fails undoes the ones before it (OutputError).
     """
     drift = compare(out_dir, tree, prune)
     names = _write_order(drift.changed + drift.missing)
     for name in names:
-        _check_target(out_dir / name)
+        check_target(out_dir / name)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise OutputError(f"cannot create the folder {out_dir}: {_reason(error)}") from None
     with _staged([(out_dir / name, tree[name].encode("utf-8")) for name in names]) as pairs:
-        _commit(pairs)
-    _remove_stale(out_dir, drift.extra)
+        _commit(pairs, [out_dir / name for name in drift.extra])
     return drift

@@ -52,7 +52,13 @@ from posgen.spec.names import reserved_name_problem
 
 MODULE_NAME = re.compile(r"[a-z][a-z0-9]*(_[a-z0-9]+)*")  # fullmatch
 # Names a generated module must not take: copied beside other code, it would shadow them.
-RESERVED_MODULE_NAMES = frozenset(sys.stdlib_module_names) | {"torch", "posgen", "generated"}
+# (``__main__`` is always the running script, so a module of that name cannot be imported)
+RESERVED_MODULE_NAMES = frozenset(sys.stdlib_module_names) | {
+    "torch",
+    "posgen",
+    "generated",
+    "__main__",
+}
 
 
 def spec_name_problem(name: str) -> str | None:
