@@ -77,9 +77,17 @@ GROUPED_QUERY_MIN_ROW_KEY_ELEMENTS = 1 << 18
 _FULL_PRECISION = (torch.float32, torch.float64)
 
 
-# The smallest normal value of each dtype the weights come in (torch.finfo(...).tiny,
-# read once: a decode step's softmax weights are thresholded there on the CPU).
-_SMALLEST_NORMAL = {dtype: torch.finfo(dtype).tiny for dtype in _FULL_PRECISION}
+# The weights below which a decode step's softmax weights become 0 on the CPU, per dtype
+# (read once): the smallest normal value over the dtype's eps (float32: 9.9e-32), so that
+# a weight's product with any entry of v above eps in size is no denormal. Flushing at
+# the smallest normal value alone left ALiBi's weights down to 1.2e-38 at 512 keys,
+# whose products with v are denormal: the second product took 46 us against 25 us with
+# them flushed here (batch 1, 32 heads on 8, head_dim 128, 2-core x86 CPU), and its
+# output was the same to the bit. A weight dropped here moves the output by at most
+# 1e-31 times v's largest entry.
+_FLUSHED_BELOW = {
+    dtype: torch.finfo(dtype).tiny / torch.finfo(dtype).eps for dtype in _FULL_PRECISION
+}
 
 
 def grouped_queries_serve(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> bool:
@@ -137,7 +145,7 @@ def grouped_query_attention(
     the rows of one matmul (see the module docstring); a row whose every key is masked
     gives zeros, as SDPA does (``every_row_reads``: the caller knows that each row reads
     a key, so no row needs that care). On the CPU weights below the smallest normal
-    float become 0.
+    float over eps become 0 (``_FLUSHED_BELOW``).
 
     q: [B, H, N, D]; k: [B, H_kv, M, D]; v: [B, H_kv, M, Dv], H_kv dividing H and each
     merging its batch and head axes (``few_query_matmuls_serve``); mask: None, bool
@@ -180,15 +188,19 @@ def grouped_query_attention(
     else:
         weights = masked_softmax(logits)
     if weights.device.type == "cpu":
-        # weights below the smallest normal float (a steep bias far from the query:
-        # ALiBi at 1024 keys) are denormal, and the CPU multiplies those slowly: the
-        # second product took 2x as long (``flush_denormals`` does this process-wide).
-        # Softmax keeps its output for the backward, so only without one in place.
-        tiny = _SMALLEST_NORMAL.get(weights.dtype) or torch.finfo(weights.dtype).tiny
+        # weights near the smallest normal float (a steep bias far from the query:
+        # ALiBi at 512 keys) are denormal, or give denormal products with v, and the CPU
+        # multiplies those slowly: the second product took 2x as long
+        # (``_FLUSHED_BELOW``; ``flush_denormals`` does this process-wide). Softmax
+        # keeps its output for the backward, so only without one in place.
+        floor = _FLUSHED_BELOW.get(weights.dtype)
+        if floor is None:
+            info = torch.finfo(weights.dtype)
+            floor = info.tiny / info.eps
         if torch.is_grad_enabled() and weights.requires_grad:
-            weights = torch.threshold(weights, tiny, 0.0)
+            weights = torch.threshold(weights, floor, 0.0)
         else:
-            weights = torch.threshold_(weights, tiny, 0.0)
+            weights = torch.threshold_(weights, floor, 0.0)
     if weights.dtype != v.dtype:
         weights = weights.to(v.dtype)
     out = grouped_values(weights.view(b, h, n, m), v)  # [B, H, N, Dv]

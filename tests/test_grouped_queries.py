@@ -46,6 +46,41 @@ def inputs(
     return q, k, v
 
 
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_weights_whose_products_with_v_would_be_denormal_become_zero(
+    monkeypatch: pytest.MonkeyPatch, requires_grad: bool
+) -> None:
+    """A steep mask puts weights at e^-70 .. e^-85 (4e-31 .. 1e-37): normal floats whose
+    products with v are denormal, which the CPU multiplies slowly. They reach the second
+    product as 0, every weight there is 0 or at least tiny / eps, and the output (and
+    its gradient) still match the float64 formula."""
+    q, k, v = inputs(1, 4, 2, 1, 40)
+    q = q.requires_grad_(requires_grad)
+    mask = torch.zeros(1, 4, 1, 40)
+    mask[..., 20:] = -torch.linspace(70.0, 85.0, 20)  # beside logits within a few units
+    seen: list[torch.Tensor] = []
+    real = grouped.grouped_values
+
+    def spy(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor | None:
+        seen.append(weights.detach().clone())
+        return real(weights, values)
+
+    monkeypatch.setattr(grouped, "grouped_values", spy)
+    with torch.set_grad_enabled(requires_grad):
+        out = grouped.grouped_query_attention(q, k, v, mask, SCALE)
+    info = torch.finfo(torch.float32)
+    (weights,) = seen
+    tiny_weights = (weights > 0) & (weights < info.tiny / info.eps)
+    assert not tiny_weights.any() and (weights[..., 20:] == 0).all()
+    want = reference(q.detach(), k, v, mask)
+    torch.testing.assert_close(out.detach().double(), want, rtol=1e-5, atol=1e-6)
+    if requires_grad:
+        (grad,) = torch.autograd.grad(out.sum(), q)
+        q64 = q.detach().double().requires_grad_()
+        (want_grad,) = torch.autograd.grad(reference(q64, k, v, mask).sum(), q64)
+        torch.testing.assert_close(grad.double(), want_grad, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("mask_kind", ["none", "bool", "float", "float per batch"])
 @pytest.mark.parametrize(("heads", "heads_kv", "n"), [(4, 2, 1), (8, 2, 3), (6, 1, 2)])
 def test_matches_the_formula(mask_kind: str, heads: int, heads_kv: int, n: int) -> None:
