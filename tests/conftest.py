@@ -382,6 +382,7 @@ DEVICE_ROUTES = (
     "SDPA_QUERY_CHUNK",
     "SKEWED_RELATIVE_DEVICES",
     "TRAINED_MASK_DEVICES",
+    "VALUE_CHECKED_VERDICT_DEVICES",
 )
 #: device settings ``cuda_routes`` leaves as they are: the Triton kernels (the CPU runs
 #: them interpreted, slowly; their own tests list the CPU) and a choice made only under
