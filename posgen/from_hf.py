@@ -434,14 +434,11 @@ def _rotated_fraction(family: Family, config: Settings, head_dim: int) -> float:
     the family's own key of the two, ``RopeKeys``), or GPT-J's ``rotary_dim`` features
     (default 64) over head_dim."""
     if family.rotary_dim_key is None:
-        keys = family.rope_keys
-        if keys is None or keys.fraction is None:
-            key = config.first_set(*FRACTION_KEYS)
-            fraction = config.positive_number(key, family.fraction)
-        else:
-            key = keys.fraction
-            fraction = config.positive_number(key, family.fraction)
-            _refuse_unread(config, FRACTION_KEYS, key, fraction, "rotated share")
+        own = family.rope_keys.fraction if family.rope_keys is not None else None
+        key = own or config.first_set(*FRACTION_KEYS)
+        fraction = config.positive_number(key, family.fraction)
+        if own is not None:
+            _refuse_unread(config, FRACTION_KEYS, own, fraction, "rotated share")
         return _truncated_fraction(key, fraction, head_dim)
     features = config.positive_int(family.rotary_dim_key, 64)
     if features > head_dim or features % 2:

@@ -191,10 +191,7 @@ def grouped_query_attention(
         # multiplies those slowly: the second product took 2x as long
         # (``_FLUSHED_BELOW``; ``flush_denormals`` does this process-wide). Softmax
         # keeps its output for the backward, so only without one in place.
-        floor = _FLUSHED_BELOW.get(weights.dtype)
-        if floor is None:
-            info = torch.finfo(weights.dtype)
-            floor = info.tiny / info.eps
+        floor = _FLUSHED_BELOW[weights.dtype]  # logits are float32 or float64 here
         if torch.is_grad_enabled() and weights.requires_grad:
             weights = torch.threshold(weights, floor, 0.0)
         else:
