@@ -327,8 +327,8 @@ def _within_bf16_error(
             positions=k_pos.tolist()[-8:],
             rank=int(k_pos.max()),
         )
-    errors = (got - want).abs()
-    bounds = torch.as_tensor(tol, dtype=errors.dtype).expand_as(errors)
+    errors = (got - want).detach().abs()  # read as numbers: no graph (a trained module's)
+    bounds = torch.as_tensor(tol, dtype=errors.dtype).expand_as(errors).detach()
     slack = (bounds - errors).nan_to_num(nan=-math.inf)  # a NaN in bf16 is a failure
     worst = int(slack.argmin())
     error, bound = float(errors.flatten()[worst]), float(bounds.flatten()[worst])
