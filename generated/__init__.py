@@ -33,6 +33,7 @@ from .rope_llama3 import RopeLlama3
 from .rope_logn import RopeLogn
 from .rope_longrope import RopeLongrope
 from .rope_mrope import RopeMrope
+from .rope_mrope_interleaved import RopeMropeInterleaved
 from .rope_ntk import RopeNtk
 from .rope_p import RopeP
 from .rope_partial import RopePartial
@@ -79,6 +80,7 @@ ENCODINGS = {
     "rope_logn": RopeLogn,
     "rope_longrope": RopeLongrope,
     "rope_mrope": RopeMrope,
+    "rope_mrope_interleaved": RopeMropeInterleaved,
     "rope_ntk": RopeNtk,
     "rope_p": RopeP,
     "rope_partial": RopePartial,
@@ -128,6 +130,7 @@ __all__ = [
     "RopeLogn",
     "RopeLongrope",
     "RopeMrope",
+    "RopeMropeInterleaved",
     "RopeNtk",
     "RopeP",
     "RopePartial",

@@ -31,6 +31,7 @@ from torch import Tensor
 from ._attention import PositionalAttention
 from ._inputs import positive_int
 from ._numerics import compute_dtype
+from ._position_axes import angles_by_axis
 from ._rotation import apply_rotation, cos_and_sin, spread_over_features
 
 __all__ = ["RopeAxial2d"]
@@ -81,9 +82,8 @@ def _rotary_cos_sin(
     if positions.dim() < 3:  # token positions: every axis reads the same position
         positions = positions.expand(2, *positions.shape)
     angles = positions.to(compute_device, torch.float64).unsqueeze(-1) * theta
-    # [axes, ..., L, rotary_dim / 2] -> [..., L, rotary_dim / 2]: section a from axis a
-    sections = angles.split(share // 2, dim=-1)
-    angles = torch.cat([part[axis] for axis, part in enumerate(sections)], dim=-1)
+    # [axes, ..., L, rotary_dim / 2] -> [..., L, rotary_dim / 2]: each pair from its axis
+    angles = angles_by_axis(angles, (share // 2,) * AXIAL_AXES, interleaved=False)
     cos, sin = cos_and_sin(angles)  # [..., rotary_dim / 2]
     cos, sin = cos.to(positions.device, dtype), sin.to(positions.device, dtype)
     # each pair's value at both its features (2k and 2k + 1)

@@ -34,6 +34,7 @@ from torch import Tensor
 
 from ._attention import PositionalAttention
 from ._numerics import compute_dtype
+from ._position_axes import angles_by_axis
 from ._rotation import apply_rotation, cos_and_sin, spread_over_features
 
 __all__ = ["RopeMrope"]
@@ -45,6 +46,7 @@ ROTARY_BASE = 1000000.0
 ROTARY_FRACTION = 1.0
 ROTARY_PAIRING = "half"
 MROPE_SECTIONS = (16, 24, 24)  # rotated pairs per position axis
+MROPE_LAYOUT = "consecutive"  # runs of pairs, or dealt out in turn
 
 
 def _geometric_frequencies(
@@ -82,9 +84,8 @@ def _rotary_cos_sin(
     if positions.dim() < 3:  # token positions: every axis reads the same position
         positions = positions.expand(3, *positions.shape)
     angles = positions.to(compute_device, torch.float64).unsqueeze(-1) * theta
-    # [axes, ..., L, rotary_dim / 2] -> [..., L, rotary_dim / 2]: section a from axis a
-    sections = angles.split(MROPE_SECTIONS, dim=-1)
-    angles = torch.cat([part[axis] for axis, part in enumerate(sections)], dim=-1)
+    # [axes, ..., L, rotary_dim / 2] -> [..., L, rotary_dim / 2]: each pair from its axis
+    angles = angles_by_axis(angles, MROPE_SECTIONS, MROPE_LAYOUT == "interleaved")
     cos, sin = cos_and_sin(angles)  # [..., rotary_dim / 2]
     cos, sin = cos.to(positions.device, dtype), sin.to(positions.device, dtype)
     # each pair's value at both its features (k and k + rotary_dim / 2)

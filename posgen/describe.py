@@ -274,7 +274,10 @@ def rotation_extras(rotation: Rotation) -> str:
     if rotation.position_scale is not None:
         parts.append(f"xPos decay zeta_k^((i-j)/{_number(rotation.position_scale.scale_base)})")
     if isinstance(rotation.axes, MultimodalSections):
-        parts.append(f"M-RoPE sections {list(rotation.axes.sections)} (t, h, w)")
+        sections = rotation.axes.sections
+        axes = " (t, h, w)" if len(sections) == 3 else ""
+        dealt = ", pairs dealt out in turn" if rotation.axes.layout == "interleaved" else ""
+        parts.append(f"M-RoPE sections {list(sections)}{axes}{dealt}")
     elif isinstance(rotation.axes, AxialAxes):
         count = rotation.axes.count
         parts.append(

@@ -369,24 +369,44 @@ def _rotary(
     else:
         rotate["base"] = _base(family, config)
         scaling = _scaling(family, config)
-    if scaling.flag("mrope_interleaved", False):
-        raise ConfigError(
-            "rope_scaling.mrope_interleaved: the model spreads its M-RoPE sections over "
-            "the pairs in turn (Qwen3-VL's apply_interleaved_mrope), and posgen's sections "
-            "are contiguous runs of pairs"
-        )
     if fraction != 1.0:
         rotate["rotary_dims"] = {"fraction": fraction, "layout": "leading"}
     schedule = scaling.word(scaling.first_set("rope_type", "type"), "default")
     if family.llama4_attention and scaling.values:
         schedule = "llama3"  # Llama4TextRotaryEmbedding: llama3 whenever rope_scaling is set
-    if scaling.has("mrope_section"):
-        rotate["axes"] = {"kind": "sections", "sections": scaling.positive_ints("mrope_section")}
+    axes = _mrope_axes(family, scaling)
+    if axes is not None:
+        rotate["axes"] = axes
     if schedule not in ("default", "mrope"):
         rotate["frequencies"] = _frequencies(schedule, scaling, config)
         if schedule == "dynamic":
             spec["claims"].pop("relative", None)  # the base follows the call's length
     return spec
+
+
+def _mrope_axes(family: Family, scaling: Settings) -> dict[str, Any] | None:
+    """M-RoPE's position axes: ``rope_scaling.mrope_section`` (else the family's default
+    sections) laid out as the family's code lays them, or for a family from-hf does not
+    know, as ``rope_scaling.mrope_interleaved`` says; None without sections. A stated
+    layout the family's code does not follow is refused."""
+    key = "mrope_interleaved"
+    stated = scaling.flag(key, False) if scaling.has(key) else None
+    layout = family.mrope_layout
+    if layout is None:
+        layout = "interleaved" if stated else "consecutive"
+    elif stated is not None and stated != (layout == "interleaved"):
+        runs = "deals them out in turn" if layout == "interleaved" else "lays them in runs"
+        raise ConfigError(
+            f"rope_scaling.{key}: {str(stated).lower()}, but this family's modeling code "
+            f"{runs}, whatever the key says"
+        )
+    if scaling.has("mrope_section"):
+        sections = scaling.positive_ints("mrope_section")
+    elif family.mrope_sections is not None:
+        sections = list(family.mrope_sections)
+    else:
+        return None
+    return {"kind": "sections", "sections": sections, "layout": layout}
 
 
 def _base(family: Family, config: Settings) -> float:

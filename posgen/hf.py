@@ -17,13 +17,13 @@ architecture. The families, found by the layers' structure or class:
   ``qk_layernorm``, a LayerNorm per head; Llama 4's ``qk_norm``, which the model
   applies after rotating, is the same before it: a rotation keeps the norm), and so is
   OLMo's and OLMoE's ``clip_qkv`` (q, k and v clamped after any such norm). Sliding
-  windows and Llama 4's chunks arrive in HF's 4-D mask. M-RoPE models (Qwen2-VL) run
-  while their three position axes agree (text): HF hands a layer only the axes' cos
-  and sin, so a forward whose axes differ is refused. What the adapter cannot
-  reproduce is refused by ``use_posgen_attention`` (logit soft-capping), and so, with
-  ``strict``, is a module that would not give the layer's own positions: by kind when
-  attached, and by value at the layer's first forward, where its rotation must match
-  the layer's own modeling code (``posgen.hf_strict``).
+  windows and Llama 4's chunks arrive in HF's 4-D mask. M-RoPE models (Qwen2-VL,
+  Qwen3-VL) run while their three position axes agree (text): HF hands a layer only
+  the axes' cos and sin, so a forward whose axes differ is refused. What the adapter
+  cannot reproduce is refused by ``use_posgen_attention`` (logit soft-capping), and
+  so, with ``strict``, is a module that would not give the layer's own positions: by
+  kind when attached, and by value at the layer's first forward, where its rotation
+  must match the layer's own modeling code (``posgen.hf_strict``).
 - BLOOM (``BloomAttention``: fused ``query_key_value`` laid out [.., heads, 3,
   head_dim], ``dense`` output): matching spec ``alibi`` (``generated.alibi.Alibi`` with
   the model's head count; BLOOM's slopes are ALiBi's for every head count). The model's
@@ -102,6 +102,7 @@ def use_posgen_attention(
         _check_encoding(attention, module, index, strict)
         attention.posgen = module
         attention.forward = types.MethodType(forward, attention)
+    _watch_position_axes(model)
     return model
 
 
@@ -204,7 +205,6 @@ def _posgen_attention_forward(
     if positions is None:
         positions = cache_position if cache_position is not None else torch.arange(n)
     positions = positions.to(hidden_states.device)  # [N] or [B, N]
-    _refuse_distinct_position_axes(position_embeddings, n)
     if self.__dict__.get(UNCHECKED) is not None:  # strict: the first forward, once
         slots = cache_position if cache_position is not None else torch.arange(n)
         check_first_forward(self, position_embeddings, positions, attention_mask, slots)
@@ -235,30 +235,42 @@ def _posgen_attention_forward(
     return self.o_proj(out), None
 
 
-def _refuse_distinct_position_axes(position_embeddings: Any, n: int) -> None:
-    """ValueError where the model rotates by M-RoPE's three position axes (Qwen2-VL,
-    Qwen2.5-VL: cos and sin [3, B, N, D], one per axis) and they differ in this forward.
+def _watch_position_axes(model: nn.Module) -> None:
+    """Refuse, at each forward, M-RoPE position axes that differ (Qwen2-VL, Qwen2.5-VL,
+    Qwen3-VL: position_ids [3, B, N], text, height and width).
 
-    HF hands a layer only the cos and sin of those positions, not the positions, so
-    the adapter rotates by the layer's one-axis positions: right while the three axes
-    agree (text), wrong at an image's or a video's tokens. Checked once per forward
-    (the layers share the answer), in eager mode only: a compiled graph reads no
-    values on the host, so under torch.compile the axes are not checked."""
-    if torch.compiler.is_compiling() or not isinstance(position_embeddings, tuple | list):
+    HF turns those positions into cos and sin in the model's rotary embedding module
+    and hands its layers only those (per axis, or Qwen3-VL's already dealt out over the
+    pairs), so the adapter rotates by the layers' one-axis positions: right while the
+    axes agree (text), wrong at an image's or a video's tokens. A forward pre-hook on
+    each ``*RotaryEmbedding`` module compares the axes of the positions it gets, once
+    per forward and in eager mode only: a compiled graph reads no values on the host,
+    so under torch.compile the axes are not checked. Hooked once per module."""
+    for module in model.modules():
+        hooked = getattr(module, _AXES_WATCHED, False)
+        if type(module).__name__.endswith("RotaryEmbedding") and not hooked:
+            module.register_forward_pre_hook(_refuse_distinct_axes, with_kwargs=True)
+            setattr(module, _AXES_WATCHED, True)
+
+
+_AXES_WATCHED = "_posgen_watches_position_axes"
+
+
+def _refuse_distinct_axes(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """ValueError where the rotary embedding's position_ids [axes, B, N] differ across
+    their axes (``_watch_position_axes``)."""
+    positions = args[1] if len(args) > 1 else kwargs.get("position_ids")
+    if torch.compiler.is_compiling() or not isinstance(positions, Tensor):
         return
-    cos = position_embeddings[0] if position_embeddings else None
-    if not isinstance(cos, Tensor) or cos.dim() != 4 or cos.shape[0] == 1:
+    if positions.dim() != 3 or positions.shape[0] == 1:
         return
-
-    def axes_differ() -> bool:  # cos [axes, B, N, D]
-        return bool((cos[1:] != cos[:1]).any())
-
-    if _shared_by_layers((cos,), (n, cos.device), axes_differ, _LAST_AXES):
+    if bool((positions[1:] != positions[:1]).any()):
         raise ValueError(
-            f"the model rotates by {cos.shape[0]} position axes (M-RoPE: text, height, "
-            "width) that differ in this forward, at an image's or a video's tokens; HF "
-            "hands its layers only their cos and sin, not the positions, so posgen.hf "
-            "cannot rotate by them: it runs M-RoPE models on inputs whose axes agree (text)"
+            f"the model rotates by {positions.shape[0]} position axes (M-RoPE: text, "
+            "height, width) that differ in this forward, at an image's or a video's "
+            "tokens; HF hands its layers only their cos and sin, not the positions, so "
+            "posgen.hf cannot rotate by them: it runs M-RoPE models on inputs whose axes "
+            "agree (text)"
         )
 
 
@@ -364,10 +376,6 @@ _LAST_LAYER_POSITIONS: list[Any] = []
 # The same for the mask that ``_four_d`` made from HF's: [stamps, shape, the mask],
 # let go once HF's mask is freed (it is as large as that mask).
 _LAST_MASK: list[Any] = []
-
-
-# The same for M-RoPE's cos: [stamps, shape, whether its position axes differ].
-_LAST_AXES: list[Any] = []
 
 
 def _forget_the_mask_of_a_freed_input() -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from posgen.hf_config import ConfigError, Settings
@@ -80,6 +80,12 @@ class Family:
     # Llama 4's attention: llama3 scaling whenever rope_scaling is set (whatever rope_type
     # says), chunks and QK norm on the RoPE layers, temperature tuning on the NoPE ones
     llama4_attention: bool = False
+    # how its code lays M-RoPE's sections (rope_scaling.mrope_section) over the pairs:
+    # runs (Qwen2-VL's apply_multimodal_rotary_pos_emb) or dealt out in turn (Qwen3-VL's
+    # apply_interleaved_mrope), whatever rope_scaling.mrope_interleaved says; None: as
+    # that key says (a family from-hf does not know)
+    mrope_layout: Literal["consecutive", "interleaved"] | None = None
+    mrope_sections: tuple[int, ...] | None = None  # mrope_section when left out
 
 
 def _rope_flag_layers(config: Settings) -> list[LayerKind]:
@@ -151,6 +157,11 @@ def _cohere2_layers(config: Settings) -> list[LayerKind]:
 
 _FIXED_ROPE = RopeKeys(None, None, False)
 _HALF = Family("half")
+_QWEN2_VL = Family("half", base=1e6, mrope_layout="consecutive")
+_QWEN3_VL = Family(
+    "half", base=5e6, head_dim=128, heads=32, slides=False, mrope_layout="interleaved",
+    mrope_sections=(24, 20, 20),
+)  # fmt: skip
 _INTERLEAVED = Family("interleaved")
 
 FAMILIES: dict[str, Family] = {
@@ -162,10 +173,12 @@ FAMILIES: dict[str, Family] = {
     "qwen2_moe": Family("half", slides=False),
     "qwen3": Family("half", head_dim=128, heads=32, slides=False),
     "qwen3_moe": Family("half", slides=False),
-    "qwen2_vl": Family("half", base=1e6),
-    "qwen2_vl_text": Family("half", base=1e6),
-    "qwen2_5_vl": Family("half", base=1e6),
-    "qwen2_5_vl_text": Family("half", base=1e6),
+    "qwen2_vl": _QWEN2_VL,
+    "qwen2_vl_text": _QWEN2_VL,
+    "qwen2_5_vl": _QWEN2_VL,
+    "qwen2_5_vl_text": _QWEN2_VL,
+    "qwen3_vl_text": _QWEN3_VL,
+    "qwen3_vl_moe_text": replace(_QWEN3_VL, heads=16),
     "gemma": Family("half", head_dim=256, heads=16),
     "gemma2": Family(
         "half", head_dim=256, heads=8, scale="query_pre_attn_scalar", soft_capping=50.0
@@ -213,7 +226,12 @@ FAMILIES: dict[str, Family] = {
     "codegen": Family("interleaved", rotary_dim_key="rotary_dim", rope_keys=_FIXED_ROPE),
 }
 
-TEXT_MODEL_TYPES = {"llama4": "llama4_text", "gemma3": "gemma3_text"}
+TEXT_MODEL_TYPES = {
+    "llama4": "llama4_text",
+    "gemma3": "gemma3_text",
+    "qwen3_vl": "qwen3_vl_text",
+    "qwen3_vl_moe": "qwen3_vl_moe_text",
+}
 """The language model's family of a multimodal model_type whose text_config may leave
 its own model_type out (the configuration class then builds that family's config)."""
 
@@ -227,8 +245,12 @@ UNREAD_KEYS: dict[str, str] = {
 knows: a config of another family that sets one is refused, with what it changes."""
 
 REFUSED: dict[str, str] = {
-    family: "multi-head latent attention rotates a separate trailing part of each query "
-    "and key head (qk_rope_head_dim); posgen rotates leading or spread features"
-    for family in ("deepseek_v2", "deepseek_v3")
+    **{
+        family: "multi-head latent attention rotates a separate trailing part of each query "
+        "and key head (qk_rope_head_dim); posgen rotates leading or spread features"
+        for family in ("deepseek_v2", "deepseek_v3")
+    },
+    "gpt_oss": "attention sinks: a learned logit per head joins every row's softmax "
+    "(GptOssAttention's sinks), which posgen's attention does not have",
 }
 """Families whose attention posgen's specs cannot state, with the reason."""

@@ -190,6 +190,63 @@ def test_an_mrope_config_gives_m_rope_axes(tmp_path: Path) -> None:
     assert rotate.axes.sections == [16, 24, 24] and rotate.frequencies.kind == "standard"
 
 
+def test_a_qwen3_vl_config_gives_interleaved_m_rope_axes(tmp_path: Path) -> None:
+    """Qwen3-VL's multimodal config: from-hf reads its text_config (family
+    qwen3_vl_text, base 5e6 by default) and deals the sections out in turn, the
+    family's own sections (24, 20, 20) where rope_scaling leaves them out, as
+    Qwen3VLTextRotaryEmbedding does."""
+    text = {"hidden_size": 256, "num_attention_heads": 2, "num_key_value_heads": 2}
+    config = transformers.Qwen3VLConfig(
+        text_config={**text, "rope_scaling": {"rope_type": "default"}}
+    )
+    spec = load_spec(_from_hf(config, tmp_path, "qwen3_vl_positions")).spec
+    rotate = spec.rotation
+    assert rotate is not None and rotate.axes is not None and rotate.base == 5e6
+    assert rotate.axes.sections == [24, 20, 20] and rotate.axes.layout == "interleaved"
+    scaling = {"rope_type": "default", "mrope_section": [32, 16, 16], "mrope_interleaved": True}
+    config = transformers.Qwen3VLConfig(text_config={**text, "rope_scaling": scaling})
+    rotate = load_spec(_from_hf(config, tmp_path, "qwen3_vl_sections")).spec.rotation
+    assert rotate is not None and rotate.axes is not None
+    assert rotate.axes.sections == [32, 16, 16] and rotate.axes.layout == "interleaved"
+
+
+def test_an_unknown_family_lays_m_rope_sections_out_as_its_config_says(
+    tmp_path: Path,
+) -> None:
+    """A model_type from-hf does not know (the user states the pairing) follows
+    rope_scaling.mrope_interleaved, which vLLM reads the same way; without it, runs."""
+    layouts = []
+    for index, flag in enumerate((True, False, None)):
+        scaling: dict[str, object] = {"rope_type": "default", "mrope_section": [16, 8, 8]}
+        if flag is not None:
+            scaling["mrope_interleaved"] = flag
+        config = transformers.LlamaConfig(
+            hidden_size=256, num_attention_heads=4, rope_scaling=scaling
+        ).to_dict()
+        config["model_type"] = "newlm"
+        config_file = tmp_path / f"newlm{index}.json"
+        config_file.write_text(json.dumps(config), encoding="utf-8")
+        out = tmp_path / f"newlm{index}.yaml"
+        result = CliRunner().invoke(
+            main,
+            [
+                "from-hf",
+                str(config_file),
+                "--pairing",
+                "half",
+                "--name",
+                f"newlm{index}",
+                "--out",
+                str(out),
+            ],
+        )
+        assert result.exit_code == 0, result.output
+        rotate = load_spec(out).spec.rotation
+        assert rotate is not None and rotate.axes is not None
+        layouts.append(rotate.axes.layout)
+    assert layouts == ["interleaved", "consecutive", "consecutive"]
+
+
 @pytest.mark.parametrize("kind", ["llama3", "yarn", "dynamic"])
 def test_a_scaled_llama_reproduces_its_logits_through_its_from_hf_spec(
     kind: str, tmp_path: Path

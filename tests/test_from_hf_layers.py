@@ -230,6 +230,7 @@ REFUSED = [
     ({"model_type": "newlm", **LLAMA_LIKE}, (), "pass --pairing half"),
     ({"model_type": "cohere", **LLAMA_LIKE}, ("--pairing", "half"), "cohere pairs interleaved"),
     ({"model_type": "deepseek_v3", **LLAMA_LIKE}, (), "multi-head latent attention"),
+    ({"model_type": "gpt_oss", **LLAMA_LIKE}, (), "attention sinks: a learned logit per head"),
     ({"model_type": "gemma2", **LLAMA_LIKE, "attn_logit_softcapping": 50.0}, (), "caps its logits"),
     ({"model_type": "falcon", **LLAMA_LIKE, "alibi": True}, (), "Falcon's own slopes"),
     ({"model_type": "llama", **LLAMA_LIKE, "num_hidden_layers": 2}, ("--layer", "2"),
@@ -270,9 +271,15 @@ REFUSED = [
     ({"model_type": "phi", **LLAMA_LIKE, "hidden_size": 256, "partial_rotary_factor": 0.4}, (),
      "partial_rotary_factor: 0.4 of head_dim 64 is 25.6 features, of which Hugging Face "
      "rotates int() = 25"),
-    ({"model_type": "newlm", **LLAMA_LIKE, "rope_scaling": {"rope_type": "default",
-      "mrope_section": [4, 2, 2], "mrope_interleaved": True}}, ("--pairing", "half"),
-     "rope_scaling.mrope_interleaved: the model spreads its M-RoPE sections"),
+    # Qwen2-VL's code lays M-RoPE's sections in runs and Qwen3-VL's deals them out,
+    # whatever mrope_interleaved says
+    ({"model_type": "qwen2_vl", **LLAMA_LIKE, "rope_scaling": {"rope_type": "default",
+      "mrope_section": [4, 2, 2], "mrope_interleaved": True}}, (),
+     "rope_scaling.mrope_interleaved: true, but this family's modeling code lays them in "
+     "runs"),
+    ({"model_type": "qwen3_vl_text", **LLAMA_LIKE, "rope_scaling": {"rope_type": "default",
+      "mrope_section": [4, 2, 2], "mrope_interleaved": False}}, (),
+     "rope_scaling.mrope_interleaved: false, but this family's modeling code deals them out"),
 ]  # fmt: skip
 
 

@@ -237,21 +237,28 @@ def test_a_module_that_cannot_reproduce_a_layer_is_refused_by_name(tmp_path: Pat
     assert "layer 3 scales its queries by position" in message
 
 
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
 def test_mrope_runs_while_its_position_axes_agree_and_is_refused_where_they_differ(
-    tmp_path: Path,
+    family: str, tmp_path: Path
 ) -> None:
-    """Qwen2.5-VL's language model rotates by three position axes (text, height, width;
-    mrope_section [2, 3, 3]) but hands its layers only their cos and sin: text, whose
-    axes agree, gives the model's own output through its from-hf spec; an image's
-    tokens, whose axes differ, are refused rather than rotated by one axis."""
-    config = transformers.Qwen2_5_VLTextConfig(
-        rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, num_hidden_layers=2,
-        **{**TINY, "hidden_size": 64},
+    """Qwen2.5-VL's and Qwen3-VL's language models rotate by three position axes (text,
+    height, width; mrope_section [2, 3, 3] in runs, or [4, 2, 2] dealt out in turn) but
+    hand their layers only cos and sin: text, whose axes agree, gives the model's own
+    output through its from-hf spec; an image's tokens, whose axes differ, are refused
+    rather than rotated by one axis."""
+    config_class, model_class, sections = {
+        "qwen2_5_vl": (transformers.Qwen2_5_VLTextConfig, transformers.Qwen2_5_VLTextModel,
+                       [2, 3, 3]),
+        "qwen3_vl": (transformers.Qwen3VLTextConfig, transformers.Qwen3VLTextModel, [4, 2, 2]),
+    }[family]  # fmt: skip
+    config = config_class(
+        rope_scaling={"type": "mrope", "mrope_section": sections}, num_hidden_layers=2,
+        **{**TINY, "hidden_size": 64, "head_dim": 16},
     )  # fmt: skip
     config._attn_implementation = "eager"
     mrope = from_hf_class(config.to_dict(), tmp_path, "qwen_vl_positions")
     torch.manual_seed(0)
-    model = transformers.Qwen2_5_VLTextModel(config).eval()
+    model = model_class(config).eval()
     ids = torch.randint(1, 61, (2, 11), generator=torch.Generator().manual_seed(3))
     text = torch.arange(11).expand(3, 2, 11)
     image = text.clone()

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from generated import _position_axes as position_axes
 from posgen.spec.diagnostics import SpecError
 from tests.conftest import SPECS as ROOT_SPECS
 from tests.conftest import generated_class, head_dim_for, spec_variant
@@ -451,9 +452,11 @@ def test_mrope_with_token_positions_is_plain_rope() -> None:
 
 
 @pytest.mark.parametrize("backend", ["eager", "sdpa", "auto"])
-def test_mrope_forward_with_axis_positions_agrees_across_backends(backend: str) -> None:
-    """Axis positions rotate q and k; causal masking follows token order (as Qwen2-VL's)."""
-    pe = generated_class("rope_mrope")(heads=4, head_dim=128)
+@pytest.mark.parametrize("name", ["rope_mrope", "rope_mrope_interleaved"])
+def test_mrope_forward_with_axis_positions_agrees_across_backends(name: str, backend: str) -> None:
+    """Axis positions rotate q and k; causal masking follows token order (as Qwen2-VL's
+    and Qwen3-VL's)."""
+    pe = generated_class(name)(heads=4, head_dim=128)
     q = torch.randn(2, 4, 6, 128, requires_grad=True)
     k = torch.randn(2, 2, 6, 128, requires_grad=True)  # GQA
     v = torch.randn(2, 2, 6, 16)
@@ -482,6 +485,78 @@ def test_mrope_refuses_malformed_axis_positions() -> None:
         pe(x, x, x, q_positions=torch.zeros(3, 1, 4, dtype=torch.long), k_positions=torch.arange(4))
     with pytest.raises(ValueError, match="must sum to the 32 rotated pairs"):
         type(pe)(heads=2, head_dim=64)
+
+
+def _qwen3_vl_reference(
+    x: torch.Tensor, positions: torch.Tensor, sections: list[int], base: float
+) -> torch.Tensor:
+    """Hugging Face's Qwen3-VL rotation in float64: its apply_interleaved_mrope over the
+    angles of every axis, then apply_rotary_pos_emb."""
+    qwen = pytest.importorskip("transformers.models.qwen3_vl.modeling_qwen3_vl")
+    d = x.shape[-1]
+    theta = base ** (-torch.arange(0, d, 2, dtype=F64) / d)
+    angles = positions.to(F64)[..., None] * theta  # [3, B, N, d/2]
+    # the method reads nothing of its module: called unbound on the float64 angles
+    dealt = qwen.Qwen3VLTextRotaryEmbedding.apply_interleaved_mrope(None, angles, sections)
+    emb = torch.cat((dealt, dealt), dim=-1)  # [B, N, d]
+    out, _ = qwen.apply_rotary_pos_emb(x, x, emb.cos(), emb.sin())
+    return out
+
+
+def _grid_positions(batch: int) -> torch.Tensor:
+    """[3, batch, 10]: two text tokens, a 2 x 3 image (rows on axis 1, columns on axis 2)
+    and two more text tokens, each row of the batch shifted by its index."""
+    text = torch.tensor([0, 1, 2, 2, 2, 2, 2, 2, 5, 6])
+    rows = torch.tensor([0, 1, 2, 2, 2, 3, 3, 3, 5, 6])
+    columns = torch.tensor([0, 1, 2, 3, 4, 2, 3, 4, 5, 6])
+    shift = torch.arange(batch)[:, None]
+    return torch.stack([axis + shift for axis in (text, rows, columns)])
+
+
+def test_interleaved_mrope_matches_qwen3_vl() -> None:
+    pe = generated_class("rope_mrope_interleaved")(heads=2, head_dim=128).double()
+    x = torch.randn(2, 2, 10, 128, dtype=F64)
+    positions = _grid_positions(2)
+    want = _qwen3_vl_reference(x, positions, [24, 20, 20], 5e6)
+    got, _ = pe.rotate(x, x, positions, positions)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    # the layout matters: Qwen2-VL's runs of pairs turn the image tokens otherwise
+    runs = _qwen2_vl_reference(x, positions, [24, 20, 20], 5e6)
+    assert (got - runs).abs().max() > 0.1
+
+
+def test_interleaved_mrope_matches_qwen3_vl_rotary_module() -> None:
+    """Against Hugging Face's own Qwen3VLTextRotaryEmbedding (float32 angles, as it
+    computes them) with a published config's rope_scaling: small sections, small base."""
+    qwen = pytest.importorskip("transformers.models.qwen3_vl.modeling_qwen3_vl")
+    config = qwen.Qwen3VLTextConfig(
+        head_dim=16, hidden_size=64, num_attention_heads=4, rope_theta=100.0,
+        rope_scaling={"rope_type": "default", "mrope_section": [4, 2, 2],
+                      "mrope_interleaved": True},
+    )  # fmt: skip
+    hf = qwen.Qwen3VLTextRotaryEmbedding(config)
+    pe = spec_variant(
+        "rope_mrope_interleaved",
+        ("base: 5000000\n", "base: 100\n"),
+        ("sections: [24, 20, 20]", "sections: [4, 2, 2]"),
+        ("head_dim: 128", "head_dim: 16"),
+        name="rope_mrope_interleaved_small",
+    )(heads=4, head_dim=16)
+    x = torch.randn(3, 4, 10, 16)
+    positions = _grid_positions(3)
+    cos, sin = hf(x, positions)
+    want, _ = qwen.apply_rotary_pos_emb(x, x, cos, sin)
+    got, _ = pe.rotate(x, x, positions, positions)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_interleaved_owners_deal_the_pairs_in_turn() -> None:
+    """Axis a >= 1 of n owns pairs a, a + n, ... while it has pairs left; axis 0 the rest."""
+    owners = position_axes.interleaved_owners
+    assert owners((4, 2, 2)) == (0, 1, 2, 0, 1, 2, 0, 0)
+    assert owners((2, 2, 2)) == (0, 1, 2, 0, 1, 2)
+    assert owners((3, 3)) == (0, 1, 0, 1, 0, 1)
+    assert owners((24, 20, 20)) == (0, 1, 2) * 20 + (0,) * 4
 
 
 # --------------------------------------------------------------------------- every new spec

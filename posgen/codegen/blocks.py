@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 Pairing = Literal["half", "interleaved"]
+SectionLayout = Literal["consecutive", "interleaved"]
 SinusoidLayout = Literal["interleaved", "split"]
 Sign = Literal["key_minus_query", "query_minus_key"]
 Activation = Literal["relu", "tanh", "gelu", "sigmoid"]
@@ -329,6 +330,7 @@ class RotationPlan(Block):
     attention_factor: float  # multiplies cos and sin (YaRN, LongRoPE); 1.0 elsewhere
     xpos_scale_base: float | None  # xPos per-position scale, or None
     sections: tuple[int, ...] | None  # M-RoPE: pairs per position axis, or None
+    section_layout: SectionLayout  # M-RoPE: runs of pairs, or pairs dealt out in turn
     axial_count: int | None  # axial RoPE: axes sharing the pairs evenly, or None
 
     @property

@@ -58,6 +58,7 @@ def rotation_plan(rotation: Rotation) -> RotationPlan:
             float(rotation.position_scale.scale_base) if rotation.position_scale else None
         ),
         sections=tuple(axes.sections) if isinstance(axes, MultimodalSections) else None,
+        section_layout=axes.layout if isinstance(axes, MultimodalSections) else "consecutive",
         axial_count=axes.count if isinstance(axes, AxialAxes) else None,
     )
 

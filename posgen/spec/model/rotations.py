@@ -299,11 +299,15 @@ class XposScale(SpecModel):
 
 
 class MultimodalSections(SpecModel):
-    """M-RoPE (Wang et al. 2024, Qwen2-VL, arXiv:2409.12191): positions [3, batch, N].
+    """M-RoPE (Wang et al. 2024, Qwen2-VL, arXiv:2409.12191): positions [n, batch, N].
 
-    The rotated pairs are split into consecutive sections (temporal, height, width); pair k
-    of section a turns by positions[a] · theta_k, as Hugging Face's
-    apply_multimodal_rotary_pos_emb. With 2 sections it is a 2-D rotary embedding over
+    Section a holds sections[a] of the rotated pairs, and pair k of section a turns by
+    positions[a] · theta_k. ``consecutive`` sections are runs of pairs in axis order
+    (temporal, height, width), as Hugging Face's apply_multimodal_rotary_pos_emb;
+    ``interleaved`` ones (Qwen3-VL, Bai et al. 2025, arXiv:2511.21631) deal the pairs out
+    in turn: axis a >= 1 takes the first sections[a] pairs k with k mod n = a, and axis 0
+    every other pair, as Hugging Face's apply_interleaved_mrope, so that each axis spans
+    the whole frequency range. With 2 sections it is a 2-D rotary embedding over
     (row, column) positions [2, batch, N].
     """
 
@@ -313,6 +317,12 @@ class MultimodalSections(SpecModel):
         max_length=4,
         description="rotated pairs per position axis (Qwen2-VL: [16, 24, 24]); they must sum "
         "to rotary_dim / 2",
+    )
+    layout: Literal["consecutive", "interleaved"] = Field(
+        "consecutive",
+        description="consecutive: each section a run of pairs, in axis order (Qwen2-VL, "
+        "Qwen2.5-VL); interleaved: pair k on axis k mod n while that axis has pairs left, "
+        "else on axis 0 (Qwen3-VL)",
     )
 
 
@@ -415,6 +425,26 @@ def turning_pairs(rotation: Rotation, head_dim: int) -> int:
     return rotated_features(rotation, head_dim) // 2
 
 
+def interleaved_shortfall(sections: list[int]) -> str | None:
+    """Why interleaved ``sections`` cannot be dealt out over their sum of pairs, or None.
+
+    Axis a >= 1 of n takes pairs a, a + n, ..., a + n (sections[a] - 1): the last must be
+    below the pair count (Hugging Face's apply_interleaved_mrope fills axis a from the
+    slice a : n * sections[a] : n, which is shorter otherwise).
+    """
+    pairs, count = sum(sections), len(sections)
+    for axis, size in enumerate(sections[1:], start=1):
+        last = axis + count * (size - 1)
+        if last >= pairs:
+            most = (pairs - 1 - axis) // count + 1
+            return (
+                f"interleaved sections deal axis {axis} one pair in {count} from pair "
+                f"{axis}: its {size} pairs would end at pair {last}, past the {pairs} rotated "
+                f"pairs (at most {most} fit; axis 0 takes the pairs left over)"
+            )
+    return None
+
+
 def rotation_problem(rotation: Rotation, head_dim: int) -> tuple[str, str] | None:
     """(field, message) for a rotation that head_dim cannot carry, else None.
 
@@ -462,6 +492,10 @@ def rotation_problem(rotation: Rotation, head_dim: int) -> tuple[str, str] | Non
                 f"sections must sum to the {pairs} rotated pairs (rotary_dim {rotary_dim} / "
                 f"2); got {sum(rotation.axes.sections)}"
             )
+        if rotation.axes.layout == "interleaved":
+            short = interleaved_shortfall(rotation.axes.sections)
+            if short is not None:
+                return "axes.sections", short
     if rotation.axes is not None and dims.layout == "proportional":
         return "axes", (
             "the proportional layout (p-RoPE) spans the whole head with one schedule; "
