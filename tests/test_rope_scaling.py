@@ -550,9 +550,17 @@ def test_interleaved_mrope_matches_qwen3_vl_rotary_module() -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_interleaved_owners_deal_the_pairs_in_turn() -> None:
-    """Axis a >= 1 of n owns pairs a, a + n, ... while it has pairs left; axis 0 the rest."""
-    owners = position_axes.interleaved_owners
+def test_interleaved_sections_deal_the_pairs_in_turn() -> None:
+    """Axis a >= 1 of n owns pairs a, a + n, ... while it has pairs left; axis 0 the rest:
+    angles equal to their axis's index come out as each pair's owner."""
+
+    def owners(sections: tuple[int, ...]) -> tuple[int, ...]:
+        count, pairs = len(sections), sum(sections)
+        angles = torch.arange(count, dtype=F64).view(count, 1, 1).expand(count, 2, pairs)
+        dealt = position_axes.angles_by_axis(angles, sections, interleaved=True)  # [2, pairs]
+        assert bool((dealt[0] == dealt[1]).all())
+        return tuple(int(axis) for axis in dealt[0])
+
     assert owners((4, 2, 2)) == (0, 1, 2, 0, 1, 2, 0, 0)
     assert owners((2, 2, 2)) == (0, 1, 2, 0, 1, 2)
     assert owners((3, 3)) == (0, 1, 0, 1, 0, 1)

@@ -22,25 +22,19 @@ def angles_by_axis(angles: Tensor, sections: tuple[int, ...], interleaved: bool)
 
     angles: [axes, ..., pairs] (axis a's positions times every theta_k) -> [..., pairs].
     ``sections[a]`` pairs belong to axis a: the a-th run of pairs, or where
-    ``interleaved`` the pairs ``interleaved_owners`` deals it.
+    ``interleaved`` the pairs dealt out in turn, as Hugging Face's apply_interleaved_mrope:
+    axis a >= 1 of n owns pairs a, a + n, ..., a + n (sections[a] - 1) and axis 0 every
+    other pair (Qwen3-VL's (24, 20, 20): T H W T H W ... T H W T T T T). The spec checks
+    that each such run fits (``interleaved_shortfall``). The owners are selected on
+    angles' device, from no host data: no copy to the device, so no sync.
     """
     if not interleaved:
         runs = angles.split(list(sections), dim=-1)  # run a: [axes, ..., sections[a]]
         return torch.cat([run[axis] for axis, run in enumerate(runs)], dim=-1)
-    owners = torch.tensor(interleaved_owners(sections), device=angles.device)  # [pairs]
-    index = owners.expand(1, *angles.shape[1:])  # [1, ..., pairs], a view
-    return angles.gather(0, index).squeeze(0)
-
-
-def interleaved_owners(sections: tuple[int, ...]) -> tuple[int, ...]:
-    """The owning axis of each of sum(sections) pairs, dealt out in turn: axis a >= 1 of n
-    owns pairs a, a + n, ..., a + n (sections[a] - 1), and axis 0 every other pair, as
-    Hugging Face's apply_interleaved_mrope (Qwen3-VL: sections (24, 20, 20) give
-    T H W T H W ... T H W T T T T). The spec checks that each run fits
-    (``interleaved_shortfall``)."""
     count = len(sections)
-    owners = [0] * sum(sections)
+    pair = torch.arange(angles.shape[-1], device=angles.device)  # [pairs]
+    dealt = angles[0]  # [..., pairs]
     for axis in range(1, count):
-        for pair in range(axis, axis + count * sections[axis], count):
-            owners[pair] = axis
-    return tuple(owners)
+        owned = (pair % count == axis) & (pair < count * sections[axis])  # [pairs]
+        dealt = torch.where(owned, angles[axis], dealt)
+    return dealt
