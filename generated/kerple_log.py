@@ -89,7 +89,8 @@ class KerpleLog(PositionalAttention):
         super().__init__(heads, head_dim, scale_factor=1.0)
         # the arguments as given: reset_parameters builds a module of them
         self._arguments = {"heads": heads, "head_dim": head_dim}
-        # [heads] each, trained: r1 ~ U(0, 2), r2 ~ U(0, 1), as the authors' code
+        # [heads] each, trained, drawn as the authors' ParallelKerpleLog: the factor
+        # r1 (their bias_p) ~ U(0, 2), r2 inside the log (their bias_a) ~ U(0, 1)
         self.r1 = nn.Parameter(torch.rand(self.heads) * 2.0)
         self.r2 = nn.Parameter(torch.rand(self.heads))
 

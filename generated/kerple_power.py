@@ -16,7 +16,7 @@ References:
       Embedding for Length Extrapolation, arXiv:2205.09921
 
 Weights:
-    r1, r2 [heads]: ``bias_p`` and ``bias_a`` of the authors' ParallelKerplePower
+    r1, r2 [heads]: ``bias_a`` and ``bias_p`` of the authors' ParallelKerplePower
     (chijames/KERPLE), squeezed from [heads, 1, 1].
 
 Usage::
@@ -89,9 +89,10 @@ class KerplePower(PositionalAttention):
         super().__init__(heads, head_dim, scale_factor=1.0)
         # the arguments as given: reset_parameters builds a module of them
         self._arguments = {"heads": heads, "head_dim": head_dim}
-        # [heads] each, trained: r1 ~ U(0, 2), r2 ~ U(0, 1), as the authors' code
-        self.r1 = nn.Parameter(torch.rand(self.heads) * 2.0)
-        self.r2 = nn.Parameter(torch.rand(self.heads))
+        # [heads] each, trained, drawn as the authors' ParallelKerplePower: the factor
+        # r1 (their bias_a) ~ U(0, 1), the exponent r2 (their bias_p) ~ U(0, 2)
+        self.r1 = nn.Parameter(torch.rand(self.heads))
+        self.r2 = nn.Parameter(torch.rand(self.heads) * 2.0)
 
     def score_bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
         """bias[h, i, j] = -r1_h * |i - j|^r2_h: [heads, N, M], or [batch, heads, N, M]."""

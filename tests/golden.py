@@ -14,6 +14,10 @@ Record (only when behaviour is meant to change, and say so in the commit)::
 Add the entries of new specs, leaving every recorded one as it is::
 
     python -m tests.golden --add-new
+
+Record again only the named specs (a deliberate change to their behaviour)::
+
+    python -m tests.golden --rerecord NAME [NAME ...]
 """
 
 from __future__ import annotations
@@ -134,6 +138,16 @@ if __name__ == "__main__":
         recorded.update({name: collect(generated_class(name)) for name in added})
         write_golden(recorded)
         print(f"added {', '.join(added) or 'nothing'} to {GOLDEN_FILE}")
+    elif sys.argv[1:2] == ["--rerecord"] and sys.argv[2:]:
+        from tests.conftest import generated_class, spec_names
+
+        recorded = load_golden()
+        unknown = sorted(set(sys.argv[2:]) - set(recorded) - set(spec_names()))
+        if unknown:
+            sys.exit(f"no spec named {', '.join(unknown)}")
+        recorded.update({name: collect(generated_class(name)) for name in sys.argv[2:]})
+        write_golden(recorded)
+        print(f"recorded {', '.join(sys.argv[2:])} again in {GOLDEN_FILE}")
     else:
         write_golden(collect_all())
         print(f"wrote {GOLDEN_FILE} ({GOLDEN_FILE.stat().st_size} bytes)")

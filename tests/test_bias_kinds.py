@@ -125,12 +125,38 @@ def test_kerple_bias_and_gradients_at_near_and_far_positions(variant: str, sprea
         torch.testing.assert_close(grad, want_grad, rtol=1e-10, atol=1e-12)
 
 
-def test_kerple_initialisation_follows_the_authors_code() -> None:
-    pe = generated_class("kerple_log")(heads=64, head_dim=8)
+# (r1, r2)'s upper bounds at initialisation, per variant, as the authors' code draws
+# them (chijames/KERPLE): ParallelKerpleLog's factor bias_p ~ U(0, 2) and bias_a ~ U(0, 1);
+# ParallelKerplePower's factor bias_a ~ U(0, 1) and exponent bias_p ~ U(0, 2)
+KERPLE_INIT_BOUNDS = {"log": (2.0, 1.0), "power": (1.0, 2.0)}
+
+
+@pytest.mark.parametrize("variant", ["log", "power"])
+def test_kerple_initialisation_follows_the_authors_code(variant: str) -> None:
+    pe = generated_class(f"kerple_{variant}")(heads=64, head_dim=8)
     assert pe.r1.shape == pe.r2.shape == (64,)
-    assert 0 <= float(pe.r1.detach().min()) and float(pe.r1.detach().max()) < 2
-    assert 0 <= float(pe.r2.detach().min()) and float(pe.r2.detach().max()) < 1
-    assert float(pe.r1.detach().max()) > 1  # uniform on [0, 2), not [0, 1)
+    for value, bound in zip((pe.r1, pe.r2), KERPLE_INIT_BOUNDS[variant], strict=True):
+        assert 0 <= float(value.detach().min()) and float(value.detach().max()) < bound
+        assert float(value.detach().max()) > bound / 2  # uniform up to the bound, not half
+
+
+def test_kerple_power_takes_the_authors_weights_by_its_documented_mapping() -> None:
+    """ParallelKerplePower's bias = -bias_a * |m - n|^bias_p (chijames/KERPLE), its
+    parameters copied into r1 and r2 as the module's "Weights:" section says."""
+    cls = generated_class("kerple_power")
+    module_doc = importlib.import_module("generated.kerple_power").__doc__ or ""
+    assert "``bias_a`` and ``bias_p`` of the authors' ParallelKerplePower" in module_doc
+    generator = torch.Generator().manual_seed(4)
+    bias_a = torch.rand(4, 1, 1, generator=generator, dtype=torch.float64)
+    bias_p = torch.rand(4, 1, 1, generator=generator, dtype=torch.float64) * 2
+    pe = cls(heads=4, head_dim=8).double()
+    with torch.no_grad():
+        pe.r1.copy_(bias_a.squeeze())
+        pe.r2.copy_(bias_p.squeeze())
+    diff = _pairs(torch.arange(6), torch.arange(6)).clamp(min=0)  # causal |m - n|
+    authors = -bias_a.clamp(min=0.01) * diff.pow(bias_p.clamp(min=0.01, max=2))
+    got = pe.score_bias(torch.arange(6), torch.arange(6))
+    torch.testing.assert_close(got.tril(), authors, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("spread", [1, 40], ids=["near", "far"])

@@ -173,10 +173,12 @@ class KerpleBias(SpecModel):
     ``log``:   bias[h, i, j] = -r1_h · log(1 + r2_h · |i - j|)
     ``power``: bias[h, i, j] = -r1_h · |i - j|^r2_h, with 0 < r2_h ≤ 2
 
-    As the authors' code (chijames/KERPLE, ParallelKerpleLog / ParallelKerplePower), r1
-    starts uniform in [0, 2) and r2 uniform in [0, 1), and the forward pass reads them
-    clamped to at least 0.01 (r2 of ``power`` also to at most 2); unlike that code, the
-    clamp is not written back into the parameters (the forward pass has no side effects).
+    As the authors' code (chijames/KERPLE), the factor r1 and the other parameter r2 are
+    drawn uniform in [0, 2) and [0, 1) for ``log`` (ParallelKerpleLog's bias_p, bias_a),
+    and in [0, 1) and [0, 2) for ``power`` (ParallelKerplePower's bias_a, bias_p: its
+    exponent starts up to 2); the forward pass reads them clamped to at least 0.01 (r2 of
+    ``power`` also to at most 2); unlike that code, the clamp is not written back into
+    the parameters (the forward pass has no side effects).
     """
 
     kind: Literal["kerple"]
