@@ -75,7 +75,11 @@ def _bias_formula(bias: AnyBias) -> str:
     if isinstance(bias, SandwichBias):
         return (
             f"sum_{{k=1}}^{{{bias.dim // 2}}} cos((i - j) / {bias.base:g}^(2k / {bias.dim})), "
-            "Sandwich, every head alike"
+            + (
+                f"less {bias.dim // 2}, divided by 8h/H for head h = 1 .. H, Sandwich"
+                if bias.per_head == "divided"
+                else "Sandwich, every head alike"
+            )
         )
     if isinstance(bias, ExprBias):
         names = ", ".join(bias.params) or "none"

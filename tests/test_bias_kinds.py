@@ -53,12 +53,29 @@ def kerple_reference(variant: str, r1: torch.Tensor, r2: torch.Tensor, diff: tor
     return -p * distance**a
 
 
-def sandwich_reference(dim: int, diff: torch.Tensor, heads: int) -> torch.Tensor:
-    """sum_{k=1}^{d'/2} cos((i - j) / 10000^(2k / d')), every head alike."""
+def sandwich_reference(
+    dim: int, diff: torch.Tensor, heads: int, per_head: str = "divided"
+) -> torch.Tensor:
+    """S = sum_{k=1}^{d'/2} cos((i - j) / 10000^(2k / d')): every head alike ("same"),
+    or head h = 1 .. H takes (S - d'/2) / (h * 8 / H) ("divided", NVIDIA NeMo's
+    SandwichRelativePositionEmbedding)."""
     total = torch.zeros_like(diff)
     for k in range(1, dim // 2 + 1):
         total += torch.cos(diff / 10000.0 ** (2.0 * k / dim))
-    return total[None].expand(heads, -1, -1)
+    if per_head == "same":
+        return total[None].expand(heads, -1, -1)
+    return torch.stack([(total - dim / 2) / (h * 8 / heads) for h in range(1, heads + 1)])
+
+
+def _sandwich(per_head: str, heads: int = 4) -> torch.nn.Module:
+    """The built-in sandwich (``divided``), or its variant with every head alike."""
+    if per_head == "divided":
+        return _module("sandwich", heads)
+    cls = spec_variant(
+        "sandwich", ("per_head: divided", "per_head: same"), name="sandwich_same_heads"
+    )
+    torch.manual_seed(0)
+    return cls(heads=heads, head_dim=8).double()
 
 
 def fire_reference(pe: torch.nn.Module, q_pos: torch.Tensor, k_pos: torch.Tensor):
@@ -159,19 +176,44 @@ def test_kerple_power_takes_the_authors_weights_by_its_documented_mapping() -> N
     torch.testing.assert_close(got.tril(), authors, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("per_head", ["divided", "same"])
 @pytest.mark.parametrize("spread", [1, 40], ids=["near", "far"])
-def test_sandwich_values_match_the_formula(spread: int) -> None:
+def test_sandwich_values_match_the_formula(spread: int, per_head: str) -> None:
     """Positions close together (the bias once per distance, read per pair) and far
-    apart (per pair), and the defaults."""
-    pe = _module("sandwich")
+    apart (per pair), and the defaults, for both ways of giving the heads the sum."""
+    pe = _sandwich(per_head, heads=6)
     q_pos, k_pos = Q_POS * spread, K_POS * spread
-    want = sandwich_reference(128, _pairs(q_pos, k_pos), 4)
+    want = sandwich_reference(128, _pairs(q_pos, k_pos), 6, per_head)
     torch.testing.assert_close(pe.score_bias(q_pos, k_pos), want, rtol=1e-12, atol=1e-10)
-    q = torch.zeros(1, 4, 5, 8, dtype=torch.float64)
+    q = torch.zeros(1, 6, 5, 8, dtype=torch.float64)
     default = pe.score_terms(q, q)["position_position"]
-    want = sandwich_reference(128, _pairs(torch.arange(5), torch.arange(5)), 4)
+    want = sandwich_reference(128, _pairs(torch.arange(5), torch.arange(5)), 6, per_head)
     torch.testing.assert_close(default, want, rtol=1e-12, atol=1e-10)
     assert list(pe.state_dict()) == []  # nothing trained or saved
+
+
+@pytest.mark.parametrize("per_head", ["divided", "same"])
+def test_sandwich_attention_matches_the_formula_on_every_backend(per_head: str) -> None:
+    """softmax(q.k / sqrt(d) + bias) v in float64 from the reference bias, causal, on
+    the default positions and on explicit ones, for eager and sdpa."""
+    pe = _sandwich(per_head, heads=4)
+    generator = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 4, 6, 8, generator=generator, dtype=torch.float64) for _ in "qkv")
+    positions = torch.tensor([0, 3, 4, 9, 10, 30])
+    bias = sandwich_reference(128, _pairs(positions, positions), 4, per_head)
+    scores = q @ k.transpose(-2, -1) / 8**0.5 + bias
+    scores = scores.masked_fill(torch.ones(6, 6, dtype=torch.bool).triu(1), float("-inf"))
+    want = scores.softmax(-1) @ v
+    for backend in ("eager", "sdpa"):
+        got = pe(
+            q, k, v, causal=True, q_positions=positions, k_positions=positions, backend=backend
+        )
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    default_bias = sandwich_reference(128, _pairs(torch.arange(6), torch.arange(6)), 4, per_head)
+    scores = q @ k.transpose(-2, -1) / 8**0.5 + default_bias
+    want = scores.softmax(-1) @ v
+    for backend in ("eager", "sdpa"):
+        torch.testing.assert_close(pe(q, k, v, backend=backend), want, rtol=1e-10, atol=1e-10)
 
 
 def test_sandwich_at_large_positions_keeps_float64_precision() -> None:
@@ -182,7 +224,7 @@ def test_sandwich_at_large_positions_keeps_float64_precision() -> None:
     base = torch.tensor([[2**40], [2**40 + 7]])  # [batch, 1]
     q_pos, k_pos = base + 3 * torch.arange(5), base + 3 * torch.arange(7) - 4  # [2, 5], [2, 7]
     diff = (q_pos[:, :, None] - k_pos[:, None, :]).double()  # exact below 2^53
-    want = torch.stack([sandwich_reference(128, row, 4) for row in diff])
+    want = torch.stack([sandwich_reference(128, row, 4) for row in diff])  # divided
     torch.testing.assert_close(pe.score_bias(q_pos, k_pos), want, rtol=1e-12, atol=1e-10)
 
 

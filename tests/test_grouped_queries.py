@@ -274,6 +274,7 @@ STEEP_CASES = {
         "alibi",
         {"q_positions": torch.tensor([599]), "k_positions": torch.arange(300) * 2},
     ),
+    # head h of H takes (S - 64) H / (8h): with 16 heads the first falls to about -140
     "sandwich": ("sandwich", {}),
     "kerple_power": ("kerple_power", {}),
     "fire": ("fire", {}),
@@ -287,17 +288,18 @@ def test_one_query_per_key_head_takes_the_matmuls_for_a_floor(
 ) -> None:
     """Without grouped heads, a decode step whose bias SDPA would floor on the CPU runs
     as the matmuls (which flush denormal weights) and matches the eager oracle: one
-    query against 300 keys, 4 heads, float32 (float64 takes no floor), the parameters
-    scaled so that the biases fall steeply."""
+    query against 300 keys, 4 heads (Sandwich 16), float32 (float64 takes no floor),
+    the parameters scaled so that the biases fall steeply."""
     name, call = STEEP_CASES[case]
+    heads = 16 if name == "sandwich" else 4
     calls = grouped_calls(monkeypatch)
     torch.manual_seed(0)
-    pe = ENCODINGS[name](heads=4, head_dim=16)
+    pe = ENCODINGS[name](heads=heads, head_dim=16)
     with torch.no_grad():
         for parameter in pe.parameters():
             parameter.mul_(4.0)
-    q = torch.randn(1, 4, 1, 16)
-    k, v = (torch.randn(1, 4, 300, 16) for _ in "kv")
+    q = torch.randn(1, heads, 1, 16)
+    k, v = (torch.randn(1, heads, 300, 16) for _ in "kv")
     with torch.no_grad():
         out = pe(q, k, v, backend="sdpa", **call)
         oracle = pe(q, k, v, backend="eager", **call)

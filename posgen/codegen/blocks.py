@@ -480,13 +480,15 @@ class FirePlan(Block):
 
 @dataclass(frozen=True)
 class SandwichPlan(Block):
-    """Sandwich: sum_k cos((i - j) / base^(2k / d')), the same for every head."""
+    """Sandwich: S = sum_k cos((i - j) / base^(2k / d')), the same for every head, or
+    (S - d'/2) / (8h / H) for head h = 1 .. H where ``divided``."""
 
     template: ClassVar[str] = "blocks/sandwich.jinja"
     reads_differences_only: ClassVar[bool] = True  # a function of i - j
     inside_scale: bool
     dim: int
     base: float
+    divided: bool
 
     @property
     def position_bias_finite(self) -> bool:

@@ -364,7 +364,12 @@ def _bias_plan(bias: AnyBias, untied: UntiedPositions | None) -> BiasBlock:
             init_threshold=float(bias.init_threshold),
         )
     if isinstance(bias, SandwichBias):
-        return SandwichPlan(inside_scale=inside_scale, dim=bias.dim, base=float(bias.base))
+        return SandwichPlan(
+            inside_scale=inside_scale,
+            dim=bias.dim,
+            base=float(bias.base),
+            divided=bias.per_head == "divided",
+        )
     if isinstance(bias, ExprBias):
         return _expr_plan(bias, inside_scale)
     return TableBiasPlan(

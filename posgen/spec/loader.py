@@ -19,7 +19,14 @@ from pydantic_core import ErrorDetails
 
 from posgen.spec.bounded_file import FileRule, RefusedFile, read_bounded
 from posgen.spec.diagnostics import Diagnostic, SpecError, closest_name, dotted_path, quoted
-from posgen.spec.model import Spec, keyword_forms, kind_tags, kinds_at, spec_name_problem
+from posgen.spec.model import (
+    Spec,
+    keyword_forms,
+    kind_tags,
+    kinds_at,
+    spec_name_problem,
+    words_at,
+)
 from posgen.spec.names import class_name_for
 from posgen.spec.yaml_source import (
     MAX_NESTING,
@@ -315,7 +322,9 @@ def _message(item: ErrorDetails, path: FieldPath = (), data: object = None) -> s
     context = item.get("ctx") or {}
     given = item.get("input")
     if kind == "missing":
-        return _MISSING_HINTS.get(path, "required field is missing")
+        words = words_at(path, data)
+        allowed = f"; allowed: {_either(words)}" if words else ""
+        return _MISSING_HINTS.get(path, f"required field is missing{allowed}")
     if kind == "literal_error":
         hint = ""
         if isinstance(given, str):
@@ -362,6 +371,14 @@ def _message(item: ErrorDetails, path: FieldPath = (), data: object = None) -> s
     if kind.endswith("_type") or kind.endswith("_parsing"):
         return f"got {_typed(given)}; {item['msg'].lower()}"
     return f"got {quoted(given)}; {item['msg'].lower()}"
+
+
+def _either(words: Sequence[str]) -> str:
+    """'a', 'b' or 'c', as pydantic lists a Literal's words."""
+    quoted_words = [repr(w) for w in words]
+    if len(quoted_words) < 2:
+        return "".join(quoted_words)
+    return f"{', '.join(quoted_words[:-1])} or {quoted_words[-1]}"
 
 
 def _typed(given: object) -> str:

@@ -73,6 +73,7 @@ from posgen.spec.model.kinds import (
     keyword_forms,
     kind_tags,
     kinds_at,
+    words_at,
 )
 from posgen.spec.model.query_scale import (
     MAX_ATTN_SCALE,
@@ -265,6 +266,7 @@ __all__ = [
     "keyword_forms",
     "kind_tags",
     "kinds_at",
+    "words_at",
     "plain_text",
     "python_name_problem",
     "rotary_dim_for",

@@ -217,11 +217,15 @@ class FireBias(SpecModel):
 class SandwichBias(SpecModel):
     """Sandwich (Chi et al. 2023, "Dissecting Transformer Length Extrapolation via the Lens
     of Receptive Field Analysis", arXiv:2212.10356): the position_position term of
-    sinusoidal embeddings of ``dim`` (d') features, without trained parameters:
+    sinusoidal embeddings of ``dim`` (d') features, without trained parameters,
 
-        bias[h, i, j] = sum_{k=1}^{d'/2} cos((i - j) / base^(2k / d'))
+        S(i - j) = sum_{k=1}^{d'/2} cos((i - j) / base^(2k / d'))
 
-    the same for every head (base 10000 in the paper).
+    (base 10000 in the paper), given to the heads as ``per_head`` says: ``same``, S for
+    every head; ``divided``, head h = 1 .. H takes (S - d'/2) / (8h / H), the ALiBi-like
+    ratio of NVIDIA NeMo's SandwichRelativePositionEmbedding (the d'/2 shifts a row
+    alike, so only the ratio changes attention). Implementations differ here, so the
+    spec names it.
     """
 
     kind: Literal["sandwich"]
@@ -229,6 +233,10 @@ class SandwichBias(SpecModel):
         ge=2, le=4096, description="d', the (even) sinusoid width the bias sums over, 2 to 4096"
     )
     base: float = Field(10000.0, gt=1, le=MAX_BASE, description=BASE_WHY)
+    per_head: Literal["same", "divided"] = Field(
+        description="same: every head takes the sum; divided: head h of H takes "
+        "(sum - d'/2) / (8h / H), as NeMo's SandwichRelativePositionEmbedding"
+    )
     placement: Literal["after_scale", "before_scale"]
 
     @model_validator(mode="after")

@@ -1,5 +1,6 @@
-"""The ``kind`` tags of the spec's unions, found through the models' fields: for the
-loader's error locations and the message of a mapping that lacks its ``kind``.
+"""The ``kind`` tags of the spec's unions and the words a field allows, found through
+the models' fields: for the loader's error locations and the messages of a mapping that
+lacks its ``kind`` or a field that is missing.
 """
 
 from __future__ import annotations
@@ -67,6 +68,23 @@ def kinds_at(path: tuple[str | int, ...], data: Any = None) -> list[str]:
             if field is not None:
                 tags.update(a for a in typing.get_args(field.annotation) if isinstance(a, str))
     return sorted(tags)
+
+
+def words_at(path: tuple[str | int, ...], data: Any = None) -> list[str]:
+    """The words (``Literal`` values) a field of the spec allows, at ``path`` as in
+    ``kinds_at``, in their declared order; empty where the field takes no fixed word.
+    For the message of a required field that is missing."""
+    annotations: list[Any] = [Spec]
+    node = data
+    for part in path:
+        annotations = [inner for a in annotations for inner in _field_types(a, part, node)]
+        node = _child(node, part)
+    words: list[str] = []
+    for annotation in annotations:
+        for alternative in _alternatives(annotation):
+            if typing.get_origin(alternative) is typing.Literal:
+                words.extend(a for a in typing.get_args(alternative) if isinstance(a, str))
+    return list(dict.fromkeys(words))
 
 
 def _child(node: Any, part: str | int) -> Any:
