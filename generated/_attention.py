@@ -193,7 +193,7 @@ class PositionalAttention(SdpaBackend, FlexBackend):
         document_ids = check_document_ids(document_ids, n, m, q.shape[0], q.device)
         attn_mask = check_attn_mask(attn_mask, q, m)
         if not causal:
-            self._check_keys_ahead(q_positions, k_positions, n, m)  # xPos: growing factors
+            self._check_keys_ahead(q_positions, k_positions, n, m, q.dtype)  # xPos: growing factors
         queries_last = False  # every query at or after every key, by the positions given
         if q_positions is None and k_positions is None:
             sampled = self._sampled_positions(m, q.device)  # randomized encodings, training

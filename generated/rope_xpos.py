@@ -47,6 +47,9 @@ XPOS_SCALE_BASE = 512.0
 # Largest |n - reference| / scale_base * ln(1 / zeta_0) allowed: e^64 stays far from the
 # float32 and bfloat16 limit (~e^88) even after multiplying a feature.
 XPOS_MAX_EXPONENT = 64.0
+# The same where the rotated q or k are float16, whose largest value is 65504 (~e^11.1):
+# e^8 leaves a feature room up to about 20 (past e^11 a cache of rotated keys held inf)
+XPOS_MAX_EXPONENT_FLOAT16 = 8.0
 
 
 def _geometric_frequencies(
@@ -107,20 +110,26 @@ def _xpos_scale(
     return spread_over_features(scale.to(positions.device, dtype), False)
 
 
-def _xpos_reach() -> int:
-    """How many positions from the reference the factors stay finite for: while
-    |n - reference| / scale_base * ln(1 / zeta_0) <= XPOS_MAX_EXPONENT."""
+def _xpos_reach(dtype: torch.dtype = torch.float32) -> int:
+    """How many positions from the reference the factors stay finite for in rotated
+    features of ``dtype``: while |n - reference| / scale_base * ln(1 / zeta_0) is at most
+    XPOS_MAX_EXPONENT (XPOS_MAX_EXPONENT_FLOAT16 for float16)."""
+    limit = XPOS_MAX_EXPONENT_FLOAT16 if dtype == torch.float16 else XPOS_MAX_EXPONENT
     per_position = math.log(1.4 / 0.4) / XPOS_SCALE_BASE  # ln(1 / zeta_0) / scale_base
-    return int(XPOS_MAX_EXPONENT / per_position)
+    return int(limit / per_position)
 
 
-def _check_xpos_reach(low: int, high: int, reference: int, what: str) -> None:
-    """ValueError if positions low .. high lie too far from the reference for finite factors."""
-    reach = _xpos_reach()
+def _check_xpos_reach(low: int, high: int, reference: int, what: str, dtype: torch.dtype) -> None:
+    """ValueError if positions low .. high lie too far from the reference for the factors
+    of features rotated into ``dtype`` to stay finite."""
+    reach = _xpos_reach(dtype)
     if max(reference - low, high - reference) > reach:
+        held = " in float16" if dtype == torch.float16 else ""
         raise ValueError(
             f"xPos with scale_base {XPOS_SCALE_BASE:g} reaches {reach} positions from "
-            f"{what} (its factors overflow past that); got positions {low} .. {high}"
+            f"{what}{held} (its factors overflow past that"
+            + (f"; float32 and bfloat16 reach {_xpos_reach()}" if held else "")
+            + f"); got positions {low} .. {high}"
         )
 
 
@@ -186,7 +195,7 @@ class RopeXpos(PositionalAttention):
             q_cos, q_sin = k_cos[m - n :], k_sin[m - n :]
         else:
             q_cos, q_sin = self._cos_sin(q_positions, m - n, n, q.device, dtype, None)
-        reference = self._xpos_reference(q_positions, k_positions, n, m)
+        reference = self._xpos_reference(q_positions, k_positions, n, m, q.dtype)
         q_scale = self._xpos_factors(q_positions, m - n, n, q.device, dtype, reference)
         k_scale = self._xpos_factors(k_positions, 0, m, k.device, dtype, reference)
         q_cos, q_sin = q_cos * q_scale, q_sin * q_scale  # queries: zeta^((i - c) / s)
@@ -194,37 +203,50 @@ class RopeXpos(PositionalAttention):
         return self._apply_rotation(q, q_cos, q_sin), self._apply_rotation(k, k_cos, k_sin)
 
     def _check_keys_ahead(
-        self, q_positions: Tensor | None, k_positions: Tensor | None, n: int, m: int
+        self,
+        q_positions: Tensor | None,
+        k_positions: Tensor | None,
+        n: int,
+        m: int,
+        dtype: torch.dtype,
     ) -> None:
         """The logit of query i and key j carries zeta_k^((i - j) / scale_base), which
         grows for keys after the query: without ``causal`` they may lie at most
-        ``_xpos_reach()`` positions after a query of their batch row (past about 1.4x
-        that the float32 logits overflow and the row is NaN; a window, documents or an
-        attn_mask do not help, as the sdpa path adds them to the computed logits, and
-        inf - inf is NaN). Eager mode only: the explicit positions' values are read."""
+        ``_xpos_reach(dtype)`` positions after a query of their batch row (past about
+        1.4x that the float32 logits overflow and the row is NaN; a window, documents or
+        an attn_mask do not help, as the sdpa path adds them to the computed logits, and
+        inf - inf is NaN; float16 logits went wrong by 3.4 at 6499 keys ahead). Eager
+        mode only: the explicit positions' values are read."""
         if torch.compiler.is_compiling() or n == 0 or m == 0:
             return
         last_key = m - 1 if k_positions is None else k_positions.amax(-1)  # int, or [B] / 0-D
         first_query = m - n if q_positions is None else q_positions.amin(-1)
         ahead = last_key - first_query
         ahead = int(ahead.max()) if isinstance(ahead, Tensor) else ahead
-        reach = _xpos_reach()
+        reach = _xpos_reach(dtype)
         if ahead > reach:
             raise ValueError(
                 f"xPos with scale_base {XPOS_SCALE_BASE:g} and causal=False: a key lies "
                 f"{ahead} positions after a query, past the {reach} its growing factor "
-                "allows before the logits overflow (a mask added to them does not help); "
+                f"allows in {str(dtype).removeprefix('torch.')} before the logits overflow "
+                "(a mask added to them does not help); "
                 "pass causal=True: xPos is a causal encoding"
             )
 
     def _xpos_reference(
-        self, q_positions: Tensor | None, k_positions: Tensor | None, n: int, m: int
+        self,
+        q_positions: Tensor | None,
+        k_positions: Tensor | None,
+        n: int,
+        m: int,
+        dtype: torch.dtype,
     ) -> Tensor | int:
         """The middle of the key positions, (min + max + 1) // 2 (x-transformers' m // 2
         for keys 0 .. m - 1). It cancels in every logit and keeps the factors finite.
 
-        Raises ValueError when a query or key lies too far from it for the factors to stay
-        finite (about 51 * scale_base positions).
+        Raises ValueError when a query or key lies too far from it for the factors of
+        features rotated into ``dtype`` to stay finite (about 51 * scale_base positions;
+        6.4 * scale_base in float16).
         """
         if k_positions is None:
             low, high, reference = 0, m - 1, m // 2
@@ -236,7 +258,7 @@ class RopeXpos(PositionalAttention):
             low, high = int(low_t), int(high_t)
         if q_positions is not None and q_positions.numel() and not torch.compiler.is_compiling():
             low, high = min(low, int(q_positions.min())), max(high, int(q_positions.max()))
-        _check_xpos_reach(low, high, int(reference), "the middle of the keys in one call")
+        _check_xpos_reach(low, high, int(reference), "the middle of the keys in one call", dtype)
         return reference
 
     def _xpos_factors(
@@ -261,11 +283,13 @@ class RopeXpos(PositionalAttention):
         count: int,
         device: torch.device,
         dtype: torch.dtype,
+        stored: torch.dtype,
     ) -> tuple[Tensor, Tensor]:
         """cos and sin times zeta^(n / scale_base) for "query", divided by it for "key":
         the factors about reference 0, which a cache of rotated keys and the queries that
-        read it share; ValueError for positions past the factors' reach from 0 (read
-        from the device for explicit positions, in eager mode). Default positions read
+        read it share; ValueError for positions past the factors' reach from 0 in
+        features rotated into ``stored`` (read from the device for explicit positions, in
+        eager mode). Default positions read
         float32 tables kept per side, grown as the plain cache is but never past that
         reach (``_xpos_reach``), so a decoding step scales no row afresh; explicit
         positions, float64 and compiled calls compute them."""
@@ -275,7 +299,7 @@ class RopeXpos(PositionalAttention):
             low = high = 0  # no host read while compiling
         else:
             low, high = int(positions.min()), int(positions.max())
-        _check_xpos_reach(low, high, 0, "position 0 for a cache of rotated keys")
+        _check_xpos_reach(low, high, 0, "position 0 for a cache of rotated keys", stored)
         if positions is not None or dtype == torch.float64 or torch.compiler.is_compiling():
             cos, sin = self._cos_sin(positions, start, count, device, dtype, None)
             scale = self._xpos_factors(positions, start, count, device, dtype, 0)
@@ -303,14 +327,14 @@ class RopeXpos(PositionalAttention):
         """q alone (keys already rotated): default positions are the last N of M."""
         n = q.shape[2]
         dtype = compute_dtype(q)
-        q_cos, q_sin = self._xpos_cos_sin("query", q_positions, m - n, n, q.device, dtype)
+        q_cos, q_sin = self._xpos_cos_sin("query", q_positions, m - n, n, q.device, dtype, q.dtype)
         return self._apply_rotation(q, q_cos, q_sin)
 
     def _rotate_keys(self, k: Tensor, k_positions: Tensor | None) -> Tensor:
         """k alone, at k_positions (default 0, ..., M - 1)."""
         m = k.shape[2]
         dtype = compute_dtype(k)
-        k_cos, k_sin = self._xpos_cos_sin("key", k_positions, 0, m, k.device, dtype)
+        k_cos, k_sin = self._xpos_cos_sin("key", k_positions, 0, m, k.device, dtype, k.dtype)
         return self._apply_rotation(k, k_cos, k_sin)
 
     def _cos_sin(

@@ -407,6 +407,51 @@ def test_xpos_without_a_causal_mask_refuses_keys_too_far_ahead() -> None:
                     pe(q, k, v, **keywords)
 
 
+def _xpos_attention64(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor
+) -> torch.Tensor:
+    """softmax(logits / sqrt(d)) v in float64 from ``_xpos_logits64``, one head, causal
+    by the positions: q [N, d], k and v [M, d]."""
+    logits = _xpos_logits64(q.double(), k.double(), q_pos, k_pos) / q.shape[-1] ** 0.5
+    logits = logits.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+    return logits.softmax(-1) @ v.double()
+
+
+def test_xpos_in_float16_keeps_its_factors_within_float16() -> None:
+    """float16 holds up to 65504 (~e^11): rotated features carry factors up to e^8,
+    6.4 * scale_base = 3269 positions from the reference (the middle of one call's keys,
+    or 0 for a cache of rotated keys). Within that the output matches float64 (a cache
+    of 3269 keys included); past it, ValueError naming float16 (a cache of 5000 keys
+    held inf and decoding from it gave NaN; a call over 12000 keys gave NaN), and
+    without a causal mask keys 6499 ahead (whose float16 logits went wrong by 3.4)."""
+    pe = generated_class("rope_xpos")(heads=1, head_dim=16)
+    generator = torch.Generator().manual_seed(7)
+    half = torch.float16
+    for m in (3270, 6500):  # a cache up to position 3269; one call 3250 each way
+        q, k, v = (torch.randn(1, 1, n, 16, generator=generator) for n in (2, m, m))
+        q_pos, k_pos = torch.arange(m - 2, m), torch.arange(m)
+        want = _xpos_attention64(q[0, 0], k[0, 0], v[0, 0], q_pos, k_pos)
+        got = pe(q.to(half), k.to(half), v.to(half), causal=True)
+        torch.testing.assert_close(got[0, 0].double(), want, atol=2e-3, rtol=2e-3)
+        if m == 3270:
+            cache = pe.rotate_keys(k.to(half))
+            assert bool(torch.isfinite(cache).all())
+            got = pe(q.to(half), cache, v.to(half), causal=True, keys_rotated=True)
+            torch.testing.assert_close(got[0, 0].double(), want, atol=2e-3, rtol=2e-3)
+    x = torch.randn(1, 1, 5000, 16, generator=generator)
+    with pytest.raises(
+        ValueError, match="reaches 3269 positions .*cache of rotated keys in float16"
+    ):
+        pe.rotate_keys(x.to(half))
+    assert bool(torch.isfinite(pe.rotate_keys(x)).all())  # float32 reaches 26158
+    x = torch.randn(1, 1, 12000, 16, generator=generator).to(half)
+    with pytest.raises(ValueError, match="reaches 3269 positions from the middle.*float16"):
+        pe(x[:, :, :1], x, x, causal=True)
+    x = x[:, :, :6500]
+    with pytest.raises(ValueError, match="6499 positions after a query.*in float16"):
+        pe(x, x, x)
+
+
 # --------------------------------------------------------------------------- M-RoPE
 
 

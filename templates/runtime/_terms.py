@@ -541,10 +541,16 @@ class AttentionTerms(nn.Module):
         return q, k, None, None, "both"
 
     def _check_keys_ahead(
-        self, q_positions: Tensor | None, k_positions: Tensor | None, n: int, m: int
+        self,
+        q_positions: Tensor | None,
+        k_positions: Tensor | None,
+        n: int,
+        m: int,
+        dtype: torch.dtype,
     ) -> None:
         """Raise ValueError where, in a call without ``causal``, keys lie too far after a
-        query for this encoding's logits to stay finite (xPos); a no-op for the others."""
+        query for this encoding's logits of q and k in ``dtype`` to stay finite (xPos); a
+        no-op for the others."""
 
     def _sampled_positions(self, length: int, device: torch.device) -> Tensor | None:
         """Positions to use where none are given ([length]), or None for 0 .. length - 1.
