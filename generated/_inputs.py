@@ -114,6 +114,31 @@ def check_one_input(x: Tensor, head_dim: int, name: str, heads: int | None = Non
         raise ValueError(f"{name} must have head_dim {head_dim} (last dim), got {shape[3]}")
 
 
+# The floating-point dtypes posgen computes with. The float8 types pass
+# is_floating_point() but most CPU and CUDA ops refuse them deep inside a call.
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_float_dtype(tensor: Tensor, name: str) -> None:
+    """Raise ValueError naming ``name`` unless the tensor is in one of ``FLOAT_DTYPES``."""
+    if tensor.dtype not in FLOAT_DTYPES:
+        raise ValueError(
+            f"{name} must be a float16, bfloat16, float32 or float64 tensor, got {tensor.dtype}"
+        )
+
+
+def check_embed_input(x: Tensor, model_dim: int | None) -> None:
+    """Raise ValueError naming x unless it is a [batch, seq, model_dim] float tensor
+    (any feature count where ``model_dim`` is None: an encoding without an input-level
+    part, whose ``embed`` returns x as it is)."""
+    features = "features" if model_dim is None else str(model_dim)
+    if not isinstance(x, Tensor):
+        raise ValueError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 3 or model_dim not in (None, x.shape[-1]):
+        raise ValueError(f"x must have shape [batch, seq, {features}], got {list(x.shape)}")
+    check_float_dtype(x, "x")
+
+
 def _attention_input_shape(name: str, tensor: Tensor) -> torch.Size:
     """The shape of the attention input ``name``, after ValueErrors naming it unless it
     is a floating-point tensor of rank 4."""
@@ -122,8 +147,7 @@ def _attention_input_shape(name: str, tensor: Tensor) -> torch.Size:
     shape = tensor.shape
     if len(shape) != 4:
         raise ValueError(f"{name} must have shape [batch, heads, seq, head_dim], got {list(shape)}")
-    if not tensor.is_floating_point():
-        raise ValueError(f"{name} must be a floating-point tensor, got {tensor.dtype}")
+    check_float_dtype(tensor, name)
     return shape
 
 

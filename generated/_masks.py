@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from ._distances import default_distances
-from ._inputs import MAX_POSITION, positions_or_default, positive_int
+from ._inputs import FLOAT_DTYPES, MAX_POSITION, positions_or_default, positive_int
 
 
 def masked_softmax(logits: Tensor) -> Tensor:
@@ -424,8 +424,10 @@ def check_attn_mask(attn_mask: Tensor | None, q: Tensor, m: int) -> Tensor | Non
         return None
     if not isinstance(attn_mask, Tensor):
         raise ValueError(f"attn_mask must be a torch.Tensor, got {type(attn_mask).__name__}")
-    if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
-        raise ValueError(f"attn_mask must be bool or floating point, got {attn_mask.dtype}")
+    if attn_mask.dtype != torch.bool and attn_mask.dtype not in FLOAT_DTYPES:
+        raise ValueError(
+            f"attn_mask must be bool, float16, bfloat16, float32 or float64, got {attn_mask.dtype}"
+        )
     if attn_mask.is_meta and not q.is_meta:  # moved to q's device below: it has no values
         raise ValueError(
             f"attn_mask is on the meta device (it holds no values); q is on {q.device}"

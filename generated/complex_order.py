@@ -38,7 +38,13 @@ import torch
 from torch import Tensor, nn
 
 from ._attention import PositionalAttention
-from ._inputs import check_positions, positions_or_default, positive_int
+from ._inputs import (
+    check_embed_input,
+    check_float_dtype,
+    check_positions,
+    positions_or_default,
+    positive_int,
+)
 from ._numerics import compute_dtype
 
 __all__ = ["ComplexOrder"]
@@ -57,8 +63,7 @@ def _per_token(value: Tensor | None, x: Tensor, name: str, fallback: Tensor | No
         return fallback
     if not isinstance(value, Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-    if not value.is_floating_point():
-        raise ValueError(f"{name} must be a floating-point tensor, got {value.dtype}")
+    check_float_dtype(value, name)
     if tuple(value.shape) not in (tuple(x.shape), (x.shape[-1],)):
         raise ValueError(
             f"{name} must have the shape of x {list(x.shape)} (per token) or "
@@ -140,11 +145,7 @@ class ComplexOrder(PositionalAttention):
 
         positions: int64 [seq] or [batch, seq], default 0, ..., seq - 1.
         """
-        if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != self.model_dim:
-            shape = list(x.shape) if isinstance(x, Tensor) else type(x).__name__
-            raise ValueError(f"x must have shape [batch, seq, {self.model_dim}], got {shape}")
-        if not x.is_floating_point():
-            raise ValueError(f"x must be a floating-point tensor, got {x.dtype}")
+        check_embed_input(x, self.model_dim)
         positions = check_positions(positions, x.shape[1], x.shape[0], "positions", x.device)
         positions = positions_or_default(positions, 0, x.shape[1], x.device)
         omega = _per_token(frequency, x, "frequency", self.frequency)

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ._attention import PositionalAttention
-from ._inputs import check_positions, positive_int
+from ._inputs import check_embed_input, check_positions, positive_int
 from ._numerics import compute_dtype
 
 __all__ = ["ConvolutionalGrid"]
@@ -121,11 +121,7 @@ class ConvolutionalGrid(PositionalAttention):
         x: [batch, H * W, model_dim]; positions: must be None; grid: (H, W), required.
         Returns [batch, H * W, model_dim] in the dtype of x.
         """
-        if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != self.model_dim:
-            shape = list(x.shape) if isinstance(x, Tensor) else type(x).__name__
-            raise ValueError(f"x must have shape [batch, seq, {self.model_dim}], got {shape}")
-        if not x.is_floating_point():
-            raise ValueError(f"x must be a floating-point tensor, got {x.dtype}")
+        check_embed_input(x, self.model_dim)
         positions = check_positions(positions, x.shape[1], x.shape[0], "positions", x.device)
         if positions is None:
             positions = self._sampled_positions(x.shape[1], x.device)  # randomized training

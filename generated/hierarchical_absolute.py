@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from ._attention import PositionalAttention
-from ._inputs import check_positions, positive_int
+from ._inputs import check_embed_input, check_positions, positive_int
 
 __all__ = ["HierarchicalAbsolute"]
 
@@ -103,11 +103,7 @@ class HierarchicalAbsolute(PositionalAttention):
         x: [batch, seq, model_dim]; positions: int64 [seq] or [batch, seq], default
         0, ..., seq - 1. Returns [batch, seq, model_dim] in the dtype of x.
         """
-        if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != self.model_dim:
-            shape = list(x.shape) if isinstance(x, Tensor) else type(x).__name__
-            raise ValueError(f"x must have shape [batch, seq, {self.model_dim}], got {shape}")
-        if not x.is_floating_point():
-            raise ValueError(f"x must be a floating-point tensor, got {x.dtype}")
+        check_embed_input(x, self.model_dim)
         positions = check_positions(positions, x.shape[1], x.shape[0], "positions", x.device)
         if positions is None:
             positions = self._sampled_positions(x.shape[1], x.device)  # randomized training

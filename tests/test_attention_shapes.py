@@ -143,11 +143,28 @@ def test_rotate_keys_names_k() -> None:
     rope = make("rope")
     for bad, message in (
         (torch.randn(2, 5, HEAD_DIM), "k must have shape"),
-        (torch.ones(1, 2, 5, HEAD_DIM, dtype=torch.int64), "k must be a floating-point"),
+        (torch.ones(1, 2, 5, HEAD_DIM, dtype=torch.int64), "k must be a float16, bfloat16"),
         (torch.randn(1, 2, 5, HEAD_DIM + 2), f"k must have head_dim {HEAD_DIM}"),
     ):
         with pytest.raises(ValueError, match=message):
             rope.rotate_keys(bad)
+
+
+@pytest.mark.parametrize("name", ["alibi", "rope", "shaw", "fire", "tupe_r", "rope_logn"])
+def test_float8_inputs_are_refused_by_name(name: str) -> None:
+    """float8 passes is_floating_point() but CPU ops refuse it deep in a call (alibi and
+    rope raised NotImplementedError, fire, tupe_r and rope_logn RuntimeError, and shaw
+    returned an output): now a ValueError naming the tensor, and the mask."""
+    pe = make(name)
+    q, k, v = _inputs(HEADS)
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        with pytest.raises(ValueError, match="q must be a float16, bfloat16, float32 or float64"):
+            pe(q.to(dtype), k, v)
+        with pytest.raises(ValueError, match="v must be a float16, bfloat16, float32 or float64"):
+            pe(q, k, v.to(dtype))
+    mask = torch.zeros(5, 7).to(torch.float8_e5m2)
+    with pytest.raises(ValueError, match="attn_mask must be bool, float16"):
+        pe(q, k, v, attn_mask=mask)
 
 
 @pytest.mark.parametrize("name", ["alibi", "rope", "t5", "learned_absolute"])

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from tests.conftest import SPECS, generated_class, spec_variant
+from tests.conftest import SPECS, generated_class, head_dim_for, spec_names, spec_variant
 from tests.reference import absolute as ref_abs
 from tests.reference import formulas as ref
 
@@ -86,6 +86,32 @@ def test_nope_has_no_parameters_and_identity_parts() -> None:
     q, k = torch.randn(1, 8, 3, 64), torch.randn(1, 8, 3, 64)
     assert pe.rotate(q, k) == (q, k)
     assert pe.score_bias(torch.arange(3), torch.arange(3)) is None
+
+
+@pytest.mark.parametrize("name", spec_names())
+def test_embed_without_an_input_level_part_checks_its_arguments(name: str) -> None:
+    """An encoding with no input-level part returns x itself, after the checks an
+    encoding with one makes (so that a model switching encodings keeps its errors)."""
+    pe = make(name, heads=2, head_dim=head_dim_for(name, 8))
+    if hasattr(pe, "model_dim"):
+        return  # an input-level part: its contract is assert_embed_contract's
+    x = torch.randn(2, 6, 10)
+    assert pe.embed(x) is x
+    assert pe.embed(x, torch.stack([torch.arange(6), torch.arange(6) + 3])) is x
+    bad = {
+        "2-D x": lambda: pe.embed(x[0]),
+        "integer x": lambda: pe.embed(x.long()),
+        "float8 x": lambda: pe.embed(x.to(torch.float8_e4m3fn)),
+        "not a tensor": lambda: pe.embed([[0.0] * 10]),
+        "float positions": lambda: pe.embed(x, torch.arange(6, dtype=torch.float32)),
+        "negative positions": lambda: pe.embed(x, torch.arange(-1, 5)),
+        "positions length": lambda: pe.embed(x, torch.arange(7)),
+        "positions batch": lambda: pe.embed(x, torch.zeros(3, 6, dtype=torch.long)),
+    }
+    for label, call in bad.items():
+        with pytest.raises(ValueError, match="x must|positions"):
+            call()
+            pytest.fail(f"{label} was accepted")
 
 
 # ------------------------------------------------------------------------------ embed contract

@@ -26,6 +26,7 @@ from ._inputs import (
     cache_put,
     check_attention_inputs,
     check_axis_positions,
+    check_embed_input,
     check_one_input,
     check_position_pair,
     check_positions,
@@ -365,7 +366,11 @@ class AttentionTerms(nn.Module):
     # ------------------------------------------------------------------ encoding hooks
 
     def embed(self, x: Tensor, positions: Tensor | None = None) -> Tensor:
-        """Input-level positions: none for this encoding (identity)."""
+        """Input-level positions: none for this encoding (identity), so x [batch, seq,
+        features] comes back as it is; x and positions are checked as an encoding with
+        an input-level part checks them, so that a model can switch encodings."""
+        check_embed_input(x, None)
+        check_positions(positions, x.shape[1], x.shape[0], "positions", x.device)
         return x
 
     def rotate(
