@@ -45,6 +45,7 @@ from posgen.codegen.writing import (
     write_tree,
 )
 from posgen.describe import explanation
+from posgen.spec.diagnostics import SpecError
 from posgen.spec.loader import LoadedSpec, load_specs
 from posgen.spec.model import Spec
 
@@ -216,13 +217,18 @@ def new(name: str, source: str | None, out_file: Path | None) -> None:
 
 @main.command(name="from-hf")
 @click.argument("config_file", type=GivenPath())
-@click.option("--name", default=None, help="Spec name (default: MODEL_TYPE_positions).")
+@click.option(
+    "--name",
+    default=None,
+    help="Spec name (default: --out's file name, else MODEL_TYPE_positions).",
+)
 @click.option(
     "--out",
     "out_file",
     type=GivenPath(),
     default=None,
-    help="Write the spec here (validated; never over a file); default: print it.",
+    help="Write the spec here, a NAME.yaml or NAME.yml file (validated; never over a "
+    "file); default: print it.",
 )
 @click.option(
     "--layer",
@@ -247,6 +253,9 @@ def from_hf(
 ) -> None:
     """Write the spec of the positional encoding a Hugging Face config.json describes.
 
+    The spec is named --name, else after --out's file (a spec's name is its file's
+    name), else MODEL_TYPE_positions.
+
     \b
     Example:
         posgen from-hf llama/config.json --out specs/my_llama.yaml
@@ -260,6 +269,7 @@ def from_hf(
     from posgen.scaffold import ScaffoldError, validate_text, write_new_spec
     from posgen.spec.bounded_file import RefusedFile, read_bounded
 
+    given = _from_hf_given_name(name, out_file)
     try:
         config = json.loads(read_bounded(config_file, CONFIG_FILE).decode("utf-8"))
     # ValueError: bad UTF-8, bad JSON, or an integer literal past Python's 4300 digits
@@ -268,30 +278,87 @@ def from_hf(
     if not isinstance(config, dict):
         raise UsageError(f"{config_file}: a config is a JSON object")
     try:
-        name = _from_hf_name(name, config)
+        name = given or _default_from_hf_name(config)
         text = spec_from_config(config, name, catalogue_dir(), layer=layer, pairing=pairing)
-        if out_file is None:
-            validate_text(text, Path(f"{name}.yaml"))
-            say(text, nl=False)
-            return
-        write_new_spec(text, out_file)
-    except (ConfigError, ScaffoldError, OSError) as error:
+        validate_text(text, Path(f"{name}.yaml"))
+    except (ConfigError, ScaffoldError) as error:
         raise UsageError(f"{config_file}: {error}") from None
+    except SpecError as error:  # a value the spec language refuses: about the config
+        raise UsageError(_from_hf_spec_error(config_file, error)) from None
+    if out_file is None:
+        say(text, nl=False)
+        return
+    try:
+        write_new_spec(text, out_file)
+    except ScaffoldError as error:  # a twin NAME.yml, or a file made since the check
+        raise UsageError(f"--out {out_file}: {error}") from None
+    except OSError as error:
+        file_error(error, f"--out {out_file}")
     say(f"wrote {out_file}")
 
 
-def _from_hf_name(name: str | None, config: dict[str, object]) -> str:
-    """``--name``, else the config's MODEL_TYPE_positions, checked as a spec name."""
+def _from_hf_given_name(name: str | None, out_file: Path | None) -> str | None:
+    """The spec name the options give (``--name``, else ``--out``'s file name; None:
+    neither, the config's default applies), checked with ``--out`` before the config is
+    read: UsageError for a name that is no spec name, an ``--out`` that is no NAME.yaml
+    or NAME.yml file of that name, or a file that exists."""
+    import os
+
+    from posgen.scaffold import ScaffoldError, check_spec_name
+    from posgen.spec.loader import SPEC_SUFFIXES
+
+    if out_file is not None and out_file.suffix not in SPEC_SUFFIXES:
+        raise UsageError(
+            f"--out {out_file}: a spec file is NAME.yaml or NAME.yml (its name is the "
+            "spec's name), as in --out specs/my_llama.yaml"
+        )
+    if out_file is not None and name is not None and name != out_file.stem:
+        raise UsageError(
+            f"--out {out_file}: spec {name!r} goes in a file named {name}{out_file.suffix} "
+            "(a spec's name is its file's name); leave --name out to name the spec after "
+            "the file"
+        )
+    chosen = name if name is not None or out_file is None else out_file.stem
+    try:
+        if chosen is not None:
+            check_spec_name(chosen)
+    except ScaffoldError as error:
+        if name is not None:
+            raise UsageError(str(error)) from None
+        raise UsageError(
+            f"--out {out_file}: {error} (the spec is named after the file, and a spec's "
+            "name is its file's name: name the file after a spec name, as in "
+            "--out specs/my_llama.yaml)"
+        ) from None
+    if out_file is not None and os.path.lexists(out_file):
+        raise UsageError(
+            f"--out {out_file}: the file exists; posgen from-hf never overwrites a file"
+        )
+    return chosen
+
+
+def _default_from_hf_name(config: dict[str, object]) -> str:
+    """The config's MODEL_TYPE_positions, checked as a spec name (ScaffoldError)."""
     from posgen.from_hf import default_name
     from posgen.scaffold import ScaffoldError, check_spec_name
 
-    chosen = name or default_name(config)
+    chosen = default_name(config)
     try:
         check_spec_name(chosen)
     except ScaffoldError as error:
-        hint = "" if name else " (the default, from model_type: choose one with --name)"
+        hint = " (the default, from model_type: choose one with --name)"
         raise ScaffoldError(f"{error}{hint}") from None
     return chosen
+
+
+def _from_hf_spec_error(config_file: Path, error: SpecError) -> str:
+    """A generated spec's diagnostics as errors about ``config_file``: the spec was never
+    a file, so each names the spec field a config value became, not a file position."""
+    return "\n".join(
+        f"{config_file}: a setting of this config gives a spec posgen refuses (the "
+        f"spec's {diagnostic.field}): {diagnostic.message}"
+        for diagnostic in error.diagnostics
+    )
 
 
 @main.command(name="list")

@@ -19,13 +19,19 @@ states:
 - BLOOM (``n_head``, ``hidden_size``) and MPT with ``attn_config.alibi`` (power-of-two
   head counts, ``alibi_bias_max`` 8): ``alibi``;
 - the T5 family (``relative_attention_num_buckets``, ``relative_attention_max_distance``,
-  ``num_heads``, ``d_kv``): ``t5``.
+  ``num_heads``, ``d_kv``; the model_types of ``T5_FAMILIES``): ``t5``, the encoder's
+  self-attention (the notes give the decoder's ``t5_decoder``).
 
 A setting the catalogue cannot express (an unknown ``rope_scaling`` type, MPT's slopes
 for a head count that is not a power of two, logit soft-capping, DeepSeek's latent
-attention) is an error that names it, never a spec that is silently different from the
-model; so is a rotary ``model_type`` whose pairing from-hf does not know, unless
-``pairing`` states it. A malformed setting (a count that is not a positive integer, or
+attention, LongT5's local attention) is an error that names it, never a spec that is
+silently different from the model; so is a rotary ``model_type`` whose pairing from-hf
+does not know, unless ``pairing`` states it, and T5's buckets in a ``model_type`` whose
+code from-hf has not read. A ``rope_scaling`` must state its type (``rope_type`` or
+``type``, which must agree where both are set: Hugging Face's families settle that
+differently). Values the spec language bounds (LongRoPE's one factor per rotated pair,
+M-RoPE's sections summing to the pairs, T5's bucket counts) are checked here and named
+by their config key. A malformed setting (a count that is not a positive integer, or
 is a boolean; a number that is not finite and positive; a section that is not a mapping)
 is a ``ConfigError`` naming the key (``rope_scaling.factor``) and what it allows; every
 value is read through the typed readers of ``posgen.hf_config.Settings``. A key that is
@@ -50,6 +56,7 @@ from posgen.hf_families import (
     FAMILIES,
     FRACTION_KEYS,
     REFUSED,
+    T5_FAMILIES,
     TEXT_MODEL_TYPES,
     UNREAD_KEYS,
     Family,
@@ -58,6 +65,10 @@ from posgen.hf_families import (
 )
 
 MIN_SCALE_FACTOR, MAX_SCALE_FACTOR = 1e-3, 1e3  # the spec's scale.factor range
+MAX_BUCKETS, MAX_BUCKET_DISTANCE = 4096, 1 << 24  # the spec's log_buckets ranges
+# rope_scaling types that name one schedule: Qwen2-VL's "mrope" is "default" (plain
+# frequencies, M-RoPE's sections aside), Phi-3's "su" is "longrope"
+_SAME_SCHEDULE = {"mrope": "default", "su": "longrope"}
 
 
 @dataclass
@@ -66,6 +77,7 @@ class _Layer:
 
     kind: LayerKind = LayerKind.ROTARY
     index: int | None = None
+    part: str | None = None  # which attention of the model, where it has several kinds
     notes: list[str] = field(default_factory=list)
 
 
@@ -109,13 +121,14 @@ def spec_from_config(
     elif model_type == "mpt":
         spec = _mpt(settings, _catalogue(catalogue, "alibi"))
     elif settings.has("relative_attention_num_buckets"):
-        spec = _t5(settings, _catalogue(catalogue, "t5"))
+        spec = _t5(model_type, settings, _catalogue(catalogue, "t5"), chosen)
     else:
         raise ConfigError(f"model_type {model_type!r}: no position settings posgen can read")
     spec["name"] = name
     source = settings.word("_name_or_path", "") or model_type
     where = "" if chosen.index is None else f", layer {chosen.index}"
-    spec["title"] = f"{spec['title']} ({source} config{where})"
+    part = "" if chosen.part is None else f", {chosen.part}"
+    spec["title"] = f"{spec['title']} ({source} config{where}{part})"
     notes = "".join(
         textwrap.fill(note, 88, initial_indent="# ", subsequent_indent="#   ") + "\n"
         for note in chosen.notes
@@ -358,37 +371,86 @@ def _rotary(
     ``rope_scaling`` and M-RoPE sections; a local layer (Gemma 3's sliding layers) turns
     with ``rope_local_base_freq`` and no scaling."""
     fraction = _rotated_fraction(family, config, head_dim)
+    rotated = _Rotated(round(head_dim * fraction), head_dim)  # int(head_dim * fraction)
     # RoFormer's decay bound holds or fails with the pairs a head has, the base and the
     # schedule (a 16-wide head at base 10^4 breaks it): measured by check, not claimed
     spec["claims"].pop("decay", None)
     rotate = spec["terms"]["content_content"]["rotate"]
     rotate["pairing"] = family.pairing
+    scaling = _scaling(family, config)
+    schedule = _schedule(family, config, scaling)
     if kind is LayerKind.LOCAL_ROTARY:
         rotate["base"] = config.positive_number("rope_local_base_freq", 10000.0)
-        scaling = Settings({}, "rope_scaling.")
+        scaling, schedule = Settings({}, "rope_scaling."), "default"
     else:
         rotate["base"] = _base(family, config)
-        scaling = _scaling(family, config)
     if fraction != 1.0:
         rotate["rotary_dims"] = {"fraction": fraction, "layout": "leading"}
-    schedule = scaling.word(scaling.first_set("rope_type", "type"), "default")
-    if family.llama4_attention and scaling.values:
-        schedule = "llama3"  # Llama4TextRotaryEmbedding: llama3 whenever rope_scaling is set
-    axes = _mrope_axes(family, scaling)
+    axes = _mrope_axes(family, scaling, rotated)
     if axes is not None:
         rotate["axes"] = axes
-    if schedule not in ("default", "mrope"):
-        rotate["frequencies"] = _frequencies(schedule, scaling, config)
+    if _SAME_SCHEDULE.get(schedule, schedule) != "default":
+        rotate["frequencies"] = _frequencies(schedule, scaling, config, rotated)
         if schedule == "dynamic":
             spec["claims"].pop("relative", None)  # the base follows the call's length
     return spec
 
 
-def _mrope_axes(family: Family, scaling: Settings) -> dict[str, Any] | None:
+@dataclass(frozen=True)
+class _Rotated:
+    """The features each head rotates (Hugging Face's int(head_dim × fraction)), for the
+    messages of the settings that give one value per pair or section."""
+
+    features: int
+    head_dim: int
+
+    @property
+    def pairs(self) -> int:
+        """The rotated pairs: one frequency each."""
+        return self.features // 2
+
+    def __str__(self) -> str:
+        """The pair count and where it comes from: ``32 (64 rotated features / 2)``."""
+        share = "" if self.features == self.head_dim else f" of head_dim {self.head_dim}"
+        return f"{self.pairs} ({self.features} rotated features{share} / 2)"
+
+
+def _schedule(family: Family, config: Settings, scaling: Settings) -> str:
+    """The rope_scaling type the family's code runs: ``default`` without rope_scaling or
+    for a family that reads none, ``llama3`` for Llama 4 (whatever the type keys say),
+    else ``rope_type`` / ``type``. ConfigError where a rope_scaling states neither (Hugging
+    Face looks the type up and fails) or the two disagree (its configuration classes
+    settle that differently)."""
+    if not config.has("rope_scaling"):
+        return "default"
+    if family.rope_keys is not None and not family.rope_keys.scaling:
+        return "default"  # an empty rope_scaling, which _scaling lets by: never read
+    if family.llama4_attention:
+        return "llama3"  # Llama4TextRotaryEmbedding: llama3 whenever rope_scaling is set
+    stated = {key: scaling.word(key, "") for key in ("rope_type", "type") if scaling.has(key)}
+    if not stated:
+        raise ConfigError(
+            "rope_scaling: states neither rope_type nor type, and Hugging Face's rotary "
+            "embedding looks the type up (a KeyError without one): set rope_type "
+            '("default" for plain RoPE) or make rope_scaling null'
+        )
+    if len({_SAME_SCHEDULE.get(kind, kind) for kind in stated.values()}) > 1:
+        raise ConfigError(
+            f"rope_scaling.type {stated['type']!r} and rope_scaling.rope_type "
+            f"{stated['rope_type']!r} disagree, and Hugging Face settles that per family: "
+            "LlamaConfig and most others copy type over rope_type (type wins), Gemma's, "
+            "Phi-3's, Cohere's and Falcon's read rope_type (rope_type wins); make them agree "
+            "or leave one out"
+        )
+    return stated.get("rope_type") or stated["type"]
+
+
+def _mrope_axes(family: Family, scaling: Settings, rotated: _Rotated) -> dict[str, Any] | None:
     """M-RoPE's position axes: ``rope_scaling.mrope_section`` (else the family's default
     sections) laid out as the family's code lays them, or for a family from-hf does not
     know, as ``rope_scaling.mrope_interleaved`` says; None without sections. A stated
-    layout the family's code does not follow is refused."""
+    layout the family's code does not follow is refused, and so are sections that do
+    not split the rotated pairs."""
     key = "mrope_interleaved"
     stated = scaling.flag(key, False) if scaling.has(key) else None
     layout = family.mrope_layout
@@ -402,10 +464,17 @@ def _mrope_axes(family: Family, scaling: Settings) -> dict[str, Any] | None:
         )
     if scaling.has("mrope_section"):
         sections = scaling.positive_ints("mrope_section")
+        stated_as = f"{sections}"
     elif family.mrope_sections is not None:
         sections = list(family.mrope_sections)
+        stated_as = f"left out, so the family's default {sections},"
     else:
         return None
+    if sum(sections) != rotated.pairs:
+        raise ConfigError(
+            f"{scaling.prefix}mrope_section: {stated_as} sums to {sum(sections)}; the "
+            f"sections split the rotated pairs, so they must sum to {rotated}"
+        )
     return {"kind": "sections", "sections": sections, "layout": layout}
 
 
@@ -482,7 +551,9 @@ def _truncated_fraction(key: str, fraction: float, head_dim: int) -> float:
     return fraction if round(head_dim * fraction) == features else features / head_dim
 
 
-def _frequencies(kind: str, scaling: Settings, config: Settings) -> dict[str, Any]:
+def _frequencies(
+    kind: str, scaling: Settings, config: Settings, rotated: _Rotated
+) -> dict[str, Any]:
     """The spec's ``frequencies`` for a Hugging Face ``rope_scaling`` (same defaults)."""
     if kind == "linear":
         return {"kind": "linear", "factor": scaling.positive_number("factor")}
@@ -503,7 +574,7 @@ def _frequencies(kind: str, scaling: Settings, config: Settings) -> dict[str, An
             "original_max_positions": scaling.positive_int("original_max_position_embeddings"),
         }
     if kind in ("longrope", "su"):
-        return _longrope(scaling, config)
+        return _longrope(scaling, config, rotated)
     raise ConfigError(f"rope_scaling type {kind!r} has no frequency schedule in posgen")
 
 
@@ -532,7 +603,7 @@ def _yarn(scaling: Settings, config: Settings) -> dict[str, Any]:
     return frequencies
 
 
-def _longrope(scaling: Settings, config: Settings) -> dict[str, Any]:
+def _longrope(scaling: Settings, config: Settings, rotated: _Rotated) -> dict[str, Any]:
     if config.has("original_max_position_embeddings"):
         # Phi-3 states the trained length at the top level; factor is the extension
         original = config.positive_int("original_max_position_embeddings")
@@ -542,14 +613,26 @@ def _longrope(scaling: Settings, config: Settings) -> dict[str, Any]:
         factor = scaling.positive_number("factor", 1.0)
     frequencies = {
         "kind": "longrope",
-        "short_factor": scaling.numbers("short_factor"),
-        "long_factor": scaling.numbers("long_factor"),
+        "short_factor": _per_pair(scaling, "short_factor", rotated),
+        "long_factor": _per_pair(scaling, "long_factor", rotated),
         "original_max_positions": original,
         "factor": max(factor, 1.0),
     }
     if scaling.has("attention_factor"):
         frequencies["attention_factor"] = scaling.positive_number("attention_factor")
     return frequencies
+
+
+def _per_pair(scaling: Settings, key: str, rotated: _Rotated) -> list[float]:
+    """LongRoPE's list ``key`` of factors > 0, one per rotated pair (as Hugging Face's
+    longrope validation requires)."""
+    factors = scaling.positive_numbers(key)
+    if len(factors) != rotated.pairs:
+        raise ConfigError(
+            f"{scaling.prefix}{key}: has {len(factors)} entries; longrope needs one per "
+            f"rotated pair: {rotated}"
+        )
+    return factors
 
 
 def _alibi(config: Settings, spec: dict[str, Any], model: str) -> dict[str, Any]:
@@ -576,11 +659,61 @@ def _mpt(config: Settings, spec: dict[str, Any]) -> dict[str, Any]:
     return _alibi(config, spec, "MPT")
 
 
-def _t5(config: Settings, spec: dict[str, Any]) -> dict[str, Any]:
+def _t5(model_type: str, config: Settings, spec: dict[str, Any], chosen: _Layer) -> dict[str, Any]:
+    """The encoder self-attention of a T5-family model (``T5_FAMILIES``): ``t5`` with the
+    config's buckets, max distance and sizes; the notes say what its decoder does."""
+    tables = T5_FAMILIES.get(model_type)
+    if tables is None:
+        what = f"model_type {model_type!r}" if model_type else "a config without model_type"
+        known = ", ".join(T5_FAMILIES)
+        raise ConfigError(
+            f"relative_attention_num_buckets: {what} sets it, and from-hf reads T5's "
+            f"bucketed bias only for the families whose code it follows ({known}): "
+            "another family may bucket or scale differently or add other position terms "
+            "(MPNet adds absolute position embeddings, UDOP 2-D layout biases); if its "
+            "attention is T5's, start from the catalogue's t5 (posgen new NAME --from t5)"
+        )
+    buckets, max_distance = _t5_buckets(config)
     index = spec["terms"]["position_position"]["bias"]["index"]
-    index["buckets"] = config.positive_int("relative_attention_num_buckets")
-    index["max_distance"] = config.positive_int("relative_attention_max_distance", 128)
+    index["buckets"] = buckets
+    index["max_distance"] = max_distance
     heads = _heads(config, "num_heads")
     spec["defaults"] = {"heads": heads, "head_dim": config.positive_int("d_kv", 64)}
     spec["models"] = []
+    chosen.part = "encoder self-attention"
+    chosen.notes += [
+        "this spec is the encoder's self-attention (bidirectional buckets); the decoder's "
+        "self-attention adds a bias of its own over one-sided buckets (past keys only, "
+        "under the causal mask): posgen new NAME --from t5_decoder, then set buckets: "
+        f"{buckets} and max_distance: {max_distance}; cross-attention has no position term",
+        f"{model_type}: {tables}",
+    ]
     return spec
+
+
+def _t5_buckets(config: Settings) -> tuple[int, int]:
+    """``relative_attention_num_buckets`` and ``relative_attention_max_distance`` (default
+    128), refused where the encoder's buckets are not posgen's bidirectional ones."""
+    key = "relative_attention_num_buckets"
+    buckets = config.positive_int(key)
+    max_distance = config.positive_int("relative_attention_max_distance", 128)
+    if buckets % 2:
+        raise ConfigError(
+            f"{key}: {buckets} is odd; T5's encoder splits its buckets between the two "
+            f"directions ({buckets // 2} each, the table's last row never read), and "
+            "posgen's bidirectional buckets need an even count"
+        )
+    if not 4 <= buckets <= MAX_BUCKETS:
+        raise ConfigError(
+            f"{key}: {buckets}; T5's encoder gives each direction half the buckets and "
+            "half of those to exact distances, so posgen needs 4 to "
+            f"{MAX_BUCKETS} buckets (its bias table holds buckets x heads floats)"
+        )
+    max_exact = buckets // 4
+    if not max_exact < max_distance <= MAX_BUCKET_DISTANCE:
+        raise ConfigError(
+            f"relative_attention_max_distance: {max_distance}; the log-spaced buckets run "
+            f"from the exact range ({max_exact} distances, {key} / 4) to it, so it must be "
+            f"above {max_exact} (and at most {MAX_BUCKET_DISTANCE:,})"
+        )
+    return buckets, max_distance

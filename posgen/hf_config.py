@@ -155,9 +155,10 @@ class Settings:
         """A finite number >= 0 (YaRN's mscale), never a boolean."""
         return self._read(key, default, "a finite number >= 0", _non_negative_number)
 
-    def numbers(self, key: str) -> list[float]:
-        """A required non-empty list of finite numbers (LongRoPE's factors)."""
-        return self._read(key, REQUIRED, "a non-empty list of finite numbers", _list_of(_finite))
+    def positive_numbers(self, key: str) -> list[float]:
+        """A required non-empty list of finite numbers > 0 (LongRoPE's factors)."""
+        allowed = "a non-empty list of finite numbers > 0"
+        return self._read(key, REQUIRED, allowed, _list_of(_positive_number))
 
     def positive_ints(self, key: str) -> list[int]:
         """A required non-empty list of positive integers (M-RoPE's sections)."""

@@ -16,8 +16,12 @@ leaves unsaid. A ``Family`` records that part for one ``model_type``:
   4th layer without positions (``no_rope_layers``), Gemma 3 turns its sliding layers with a
   local base, Cohere 2 rotates only its sliding layers.
 
+Besides the rotary families, ``T5_FAMILIES`` lists the model_types whose self-attention
+is T5's bucketed bias, and ``REFUSED`` the families whose attention no spec states.
+
 Every entry was read from the modeling and configuration files of transformers 4.57; a
-``model_type`` not listed here is not guessed at (from-hf asks for ``--pairing``).
+``model_type`` not listed here is not guessed at (a rotary one needs ``--pairing``; one
+with T5's buckets is refused).
 """
 
 from __future__ import annotations
@@ -252,5 +256,26 @@ REFUSED: dict[str, str] = {
     },
     "gpt_oss": "attention sinks: a learned logit per head joins every row's softmax "
     "(GptOssAttention's sinks), which posgen's attention does not have",
+    "longt5": "LongT5's encoder attends locally (each query to the keys within local_radius, "
+    "read block by block: encoder_attention_type 'local') or also to a global token per "
+    "block of global_block_size with a bias table of its own ('transient-global'), never "
+    "as T5's full attention, and posgen's attention does neither; only its decoder's "
+    "self-attention is T5's (the catalogue's t5_decoder)",
 }
 """Families whose attention posgen's specs cannot state, with the reason."""
+
+T5_FAMILIES: dict[str, str] = {
+    **dict.fromkeys(
+        ("t5", "mt5", "switch_transformers", "pop2piano"),
+        "the first layer of each stack (encoder, decoder) learns the bias table and every "
+        "layer of that stack adds it: one module per stack",
+    ),
+    "umt5": "every self-attention layer learns a bias table of its own: one module per layer",
+}
+"""The families whose self-attention adds T5's bucketed bias (``T5Attention``'s
+``_relative_position_bucket``, no 1/sqrt(d_kv) scale) with
+``relative_attention_num_buckets``, ``relative_attention_max_distance``, ``num_heads`` and
+``d_kv``, each with how its layers hold the bias table. Another model_type that sets
+``relative_attention_num_buckets`` is refused: MPNet buckets the same keys but also adds
+absolute position embeddings, UDOP adds 2-D layout biases, LongT5's encoder attends
+locally (``REFUSED``)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -107,9 +108,18 @@ MALFORMED = [
          "rope_scaling": {"type": "longrope", "short_factor": ["a"], "long_factor": [1]}},
         "rope_scaling.short_factor: must be a non-empty list of finite numbers",
     ),
-    ({**LLAMA, "rope_scaling": {"mrope_section": [16, 0]}}, "rope_scaling.mrope_section: must"),
-    ({"relative_attention_num_buckets": "x"}, "relative_attention_num_buckets: must be a positive"),
-    ({"relative_attention_num_buckets": 32, "num_heads": 8, "d_kv": -1}, "d_kv: must be a"),
+    (
+        {**LLAMA, "rope_scaling": {"rope_type": "default", "mrope_section": [16, 0]}},
+        "rope_scaling.mrope_section: must",
+    ),
+    (
+        {"model_type": "t5", "relative_attention_num_buckets": "x"},
+        "relative_attention_num_buckets: must be a positive",
+    ),
+    (
+        {"model_type": "t5", "relative_attention_num_buckets": 32, "num_heads": 8, "d_kv": -1},
+        "d_kv: must be a",
+    ),
     ({"model_type": "mpt", "n_heads": 8, "d_model": 64, "attn_config": "yes"}, "attn_config: must"),
     (
         {"model_type": "mpt", "n_heads": 8, "d_model": 64, "attn_config": {"alibi": 1}},
@@ -334,3 +344,248 @@ def test_a_name_that_would_shadow_python_is_refused_before_anything_is_written(
     assert result.exit_code == 2, result.output
     assert f"invalid NAME '{name}': '{name}' is a Python" in result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
+
+
+def _run(config: dict[str, object], tmp_path: Path, *options: str) -> Any:
+    """from-hf on ``config`` (written as tmp_path/config.json) with ``options``."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config), encoding="utf-8")
+    return CliRunner().invoke(main, ["from-hf", str(path), *options])
+
+
+def _refused(config: dict[str, object], tmp_path: Path, *options: str) -> str:
+    """from-hf's refusal of ``config``: exit 2, no traceback, nothing printed on stdout
+    and nothing written beside the config; its stderr."""
+    result = _run(config, tmp_path, *options)
+    assert result.exit_code == 2, result.output
+    assert isinstance(result.exception, SystemExit), repr(result.exception)
+    assert result.stdout == "" and "Traceback" not in result.output
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["config.json"]
+    return str(result.stderr)
+
+
+@pytest.mark.parametrize("out", ["specs/my_llama.yaml", "llama4_nope.yml"])
+def test_out_names_the_spec_after_its_file(out: str, tmp_path: Path) -> None:
+    """--out without --name: the spec takes the file's name (a spec's name is its file's
+    name), as the README's `--out specs/my_llama.yaml` needs; it was named
+    MODEL_TYPE_positions, which the file name then contradicted (exit 2)."""
+    result = _run(LLAMA, tmp_path, "--out", str(tmp_path / out))
+    assert result.exit_code == 0, result.output
+    spec = load_spec(tmp_path / out).spec
+    assert spec.name == Path(out).stem
+
+
+BAD_OUT = [
+    (("--out", "llama.txt"), "--out {out}: a spec file is NAME.yaml or NAME.yml"),
+    (("--out", "specs"), "--out {out}: a spec file is NAME.yaml or NAME.yml"),
+    (("--out", "My-Llama.yaml"), "--out {out}: invalid NAME 'My-Llama'"),
+    (("--out", "class.yaml"), "'class' is a Python keyword (the spec is named after the file"),
+    (("--name", "foo", "--out", "bar.yaml"), "spec 'foo' goes in a file named foo.yaml"),
+]
+
+
+@pytest.mark.parametrize("index", range(len(BAD_OUT)))
+def test_an_out_that_cannot_take_the_spec_is_refused_by_name(index: int, tmp_path: Path) -> None:
+    """A suffix other than .yaml/.yml, a file name that is no spec name (no --name helps:
+    the name must be the file's) and a --name the file name contradicts: exit 2 before
+    the config is read, naming --out; nothing written."""
+    options, message = BAD_OUT[index]
+    out = str(tmp_path / options[-1])
+    stderr = _refused(LLAMA, tmp_path, *options[:-1], out)
+    assert message.format(out=out) in stderr
+
+
+def test_an_existing_out_file_is_kept_and_the_message_names_from_hf(tmp_path: Path) -> None:
+    """It said `posgen new never overwrites a file`; the file (even a dangling link) is
+    left as it was."""
+    out = tmp_path / "my_llama.yaml"
+    out.write_text("mine\n", encoding="utf-8")
+    result = _run(LLAMA, tmp_path, "--out", str(out))
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert f"--out {out}: the file exists; posgen from-hf never overwrites a file" in (
+        result.stderr
+    )
+    assert out.read_text(encoding="utf-8") == "mine\n"
+    link = tmp_path / "linked.yaml"
+    link.symlink_to(tmp_path / "nowhere.yaml")
+    result = _run(LLAMA, tmp_path, "--out", str(link))
+    assert result.exit_code == 2 and "posgen from-hf never overwrites" in result.stderr
+    assert not (tmp_path / "nowhere.yaml").exists()
+
+
+def test_rope_type_and_type_that_disagree_are_refused(tmp_path: Path) -> None:
+    """LlamaConfig copies type over rope_type (the model runs linear) and GemmaConfig
+    keeps rope_type (dynamic): from-hf wrote dynamic_ntk for either; it now names both
+    keys. Keys that agree, or one alone, keep their reading."""
+    both = {"type": "linear", "rope_type": "dynamic", "factor": 4.0}
+    assert transformers.LlamaConfig(rope_scaling=dict(both)).rope_scaling["rope_type"] == "linear"
+    assert transformers.GemmaConfig(rope_scaling=dict(both)).rope_scaling["rope_type"] == "dynamic"
+    for model_type in ("llama", "gemma"):
+        config = {**LLAMA, "model_type": model_type, "max_position_embeddings": 2048}
+        stderr = _refused({**config, "rope_scaling": both}, tmp_path)
+        assert "rope_scaling.type 'linear' and rope_scaling.rope_type 'dynamic' disagree" in (
+            stderr
+        )
+    for scaling in ({**both, "type": "dynamic"}, {"type": "linear", "factor": 4.0}):
+        out = tmp_path / f"agree_{len(scaling)}.yaml"
+        config = {**LLAMA, "max_position_embeddings": 2048, "rope_scaling": scaling}
+        result = _run(config, tmp_path, "--out", str(out))
+        assert result.exit_code == 0, result.output
+        rotation = load_spec(out).spec.rotation
+        assert rotation is not None and rotation.frequencies.kind == scaling["type"].replace(
+            "dynamic", "dynamic_ntk"
+        )
+
+
+@pytest.mark.parametrize("scaling", [{}, {"factor": 2.0}])
+def test_a_rope_scaling_without_a_type_is_refused(
+    scaling: dict[str, object], tmp_path: Path
+) -> None:
+    """Hugging Face looks the type up and raises KeyError (LlamaConfig at once, Gemma's
+    rotary embedding when the model is built); from-hf wrote plain RoPE. Llama 4, which
+    scales with llama3 whenever rope_scaling is set, needs its factor."""
+    with pytest.raises(KeyError):
+        transformers.LlamaConfig(rope_scaling=dict(scaling))
+    assert "rope_scaling: states neither rope_type nor type" in _refused(
+        {**LLAMA, "rope_scaling": scaling}, tmp_path
+    )
+    llama4 = {**LLAMA, "model_type": "llama4_text", "num_hidden_layers": 1, "rope_scaling": {}}
+    assert "rope_scaling.factor: missing" in _refused(llama4, tmp_path)
+
+
+T5_SIZES = {"num_heads": 4, "d_kv": 8, "relative_attention_num_buckets": 32}
+
+
+@pytest.mark.parametrize("model_type", ["t5", "mt5", "umt5", "switch_transformers", "pop2piano"])
+def test_t5_family_specs_say_they_are_the_encoders_self_attention(
+    model_type: str, tmp_path: Path
+) -> None:
+    """The spec is the encoder's (bidirectional buckets): its title says so, and the
+    notes above it give the decoder's one-sided buckets (t5_decoder) and how the
+    family's layers hold the table."""
+    out = tmp_path / "t5_like.yaml"
+    result = _run({"model_type": model_type, **T5_SIZES}, tmp_path, "--out", str(out))
+    assert result.exit_code == 0, result.output
+    spec = load_spec(out).spec
+    assert spec.title.endswith(f"({model_type} config, encoder self-attention)")
+    assert spec.bias is not None and spec.bias.index.bidirectional  # type: ignore[union-attr]
+    notes = " ".join(line.lstrip("# ") for line in out.read_text("utf-8").splitlines()[:8])
+    assert "this spec is the encoder's self-attention" in notes
+    assert "posgen new NAME --from t5_decoder, then set buckets: 32 and max_distance: 128" in (
+        notes
+    )
+    assert ("its own: one module per layer" in notes) == (model_type == "umt5")
+
+
+def test_a_umt5_spec_gives_umt5s_encoder_bias(tmp_path: Path) -> None:
+    """UMT5 writes T5's bucket formula in steps of its own and gives every layer a table:
+    the from-hf spec's bias, with a layer's table copied in, is UMT5Attention's."""
+    from transformers.models.umt5.modeling_umt5 import UMT5Attention
+
+    config = transformers.UMT5Config(
+        d_model=32, num_heads=4, d_kv=8, relative_attention_num_buckets=16,
+        relative_attention_max_distance=40, is_decoder=False,
+    )  # fmt: skip
+    cls = encoding_class(module_from_spec(_from_hf(config, tmp_path, "umt5_positions")))
+    torch.manual_seed(0)
+    reference = UMT5Attention(config, has_relative_attention_bias=True, layer_idx=0).double()
+    pe = cls().double()
+    with torch.no_grad():
+        pe.relative_attention_bias.weight.copy_(reference.relative_attention_bias.weight)
+        positions = torch.arange(90)
+        torch.testing.assert_close(
+            pe.score_bias(positions, positions), reference.compute_bias(90, 90)[0]
+        )
+
+
+T5_REFUSED = [
+    ({"model_type": "longt5", **T5_SIZES}, "LongT5's encoder attends locally"),
+    (
+        {"model_type": "longt5", **T5_SIZES, "encoder_attention_type": "transient-global"},
+        "model_type 'longt5': LongT5's encoder",
+    ),
+    (
+        {"model_type": "mpnet", "relative_attention_num_buckets": 32,
+         "num_attention_heads": 12, "hidden_size": 768},
+        "relative_attention_num_buckets: model_type 'mpnet' sets it, and from-hf reads T5's",
+    ),
+    (T5_SIZES, "relative_attention_num_buckets: a config without model_type sets it"),
+    (
+        {"model_type": "t5", **T5_SIZES, "relative_attention_num_buckets": 31},
+        "relative_attention_num_buckets: 31 is odd; T5's encoder splits its buckets",
+    ),
+    (
+        {"model_type": "t5", **T5_SIZES, "relative_attention_num_buckets": 2},
+        "relative_attention_num_buckets: 2; T5's encoder gives each direction half",
+    ),
+    (
+        {"model_type": "t5", **T5_SIZES, "relative_attention_max_distance": 8},
+        "relative_attention_max_distance: 8; the log-spaced buckets run from the exact "
+        "range (8 distances",
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("index", range(len(T5_REFUSED)))
+def test_t5_buckets_from_hf_cannot_state_are_refused_by_name(index: int, tmp_path: Path) -> None:
+    """LongT5 (local or transient-global encoder attention), a family whose code from-hf
+    has not read (MPNet, or no model_type: it was a T5 spec), and buckets posgen's
+    bidirectional recipe cannot hold (the spec's own check named a spec file that was
+    never written): exit 2 naming the config key."""
+    config, message = T5_REFUSED[index]
+    stderr = _refused(config, tmp_path)
+    assert message in stderr and "positions.yaml" not in stderr
+
+
+PHI3 = {
+    "model_type": "phi3", "hidden_size": 3072, "num_attention_heads": 32,
+    "max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
+}  # fmt: skip
+SPEC_REFUSED = [
+    (
+        {**PHI3, "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 10,
+                                  "long_factor": [1.0] * 48}},
+        "rope_scaling.short_factor: has 10 entries; longrope needs one per rotated pair: "
+        "48 (96 rotated features / 2)",
+    ),
+    (
+        {**PHI3, "partial_rotary_factor": 0.5, "rope_scaling": {
+            "type": "longrope", "short_factor": [1.0] * 24, "long_factor": [1.0] * 48}},
+        "rope_scaling.long_factor: has 48 entries; longrope needs one per rotated pair: "
+        "24 (48 rotated features of head_dim 96 / 2)",
+    ),
+    (
+        {**PHI3, "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 47 + [0.0],
+                                  "long_factor": [1.0] * 48}},
+        "rope_scaling.short_factor: must be a non-empty list of finite numbers > 0",
+    ),
+    (
+        {**LLAMA, "rope_scaling": {"rope_type": "default", "mrope_section": [2, 1, 2]}},
+        "rope_scaling.mrope_section: [2, 1, 2] sums to 5; the sections split the rotated "
+        "pairs, so they must sum to 4 (8 rotated features / 2)",
+    ),
+    (
+        {**LLAMA, "model_type": "qwen3_vl_text", "head_dim": 64},
+        "rope_scaling.mrope_section: left out, so the family's default [24, 20, 20], sums "
+        "to 64; the sections split the rotated pairs, so they must sum to 32",
+    ),
+    # a value only the spec language bounds: reported as the config's, no spec position
+    (
+        {**LLAMA, "rope_theta": 1e300},
+        "config.json: a setting of this config gives a spec posgen refuses (the spec's "
+        "terms.content_content.rotate.base): got 1e+300",
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("index", range(len(SPEC_REFUSED)))
+def test_config_values_the_spec_refuses_are_reported_as_the_configs(
+    index: int, tmp_path: Path
+) -> None:
+    """These were the generated spec's diagnostics, citing a file that was never written
+    (phi3_positions.yaml:19:9) and the spec's field; from-hf checks them first and names
+    the config key, and what only the spec checks is said to come from the config."""
+    config, message = SPEC_REFUSED[index]
+    stderr = _refused(config, tmp_path, "--out", str(tmp_path / "out.yaml"))
+    assert message in " ".join(stderr.split()), stderr
+    assert ".yaml:" not in stderr
