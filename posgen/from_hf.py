@@ -428,6 +428,8 @@ def _schedule(family: Family, config: Settings, scaling: Settings) -> str:
     if family.llama4_attention:
         return "llama3"  # Llama4TextRotaryEmbedding: llama3 whenever rope_scaling is set
     stated = {key: scaling.word(key, "") for key in ("rope_type", "type") if scaling.has(key)}
+    if "type" in stated:  # as the family's configuration class rewrites it
+        stated["type"] = dict(family.type_rewrites).get(stated["type"], stated["type"])
     if not stated:
         raise ConfigError(
             "rope_scaling: states neither rope_type nor type, and Hugging Face's rotary "

@@ -90,6 +90,9 @@ class Family:
     # that key says (a family from-hf does not know)
     mrope_layout: Literal["consecutive", "interleaved"] | None = None
     mrope_sections: tuple[int, ...] | None = None  # mrope_section when left out
+    # rope_scaling.type values its configuration class rewrites before the code reads
+    # them (Phi3Config: the older "su" and "yarn" mean longrope); rope_type is kept
+    type_rewrites: tuple[tuple[str, str], ...] = ()
 
 
 def _rope_flag_layers(config: Settings) -> list[LayerKind]:
@@ -196,7 +199,7 @@ FAMILIES: dict[str, Family] = {
         layers=_gemma3_layers,
     ),  # fmt: skip
     "phi": Family("half", fraction=0.5),
-    "phi3": _HALF,
+    "phi3": Family("half", type_rewrites=(("su", "longrope"), ("yarn", "longrope"))),
     "gpt_neox": Family(
         "half", fraction=0.25, rope_keys=RopeKeys("rotary_emb_base", "rotary_pct", True)
     ),

@@ -578,6 +578,31 @@ SPEC_REFUSED = [
 ]  # fmt: skip
 
 
+@pytest.mark.parametrize("older", ["su", "yarn"])
+def test_phi3_reads_its_older_type_names_as_longrope(older: str, tmp_path: Path) -> None:
+    """Phi3Config rewrites rope_scaling.type "su" and "yarn" to "longrope" before its
+    rotary embedding reads it; from-hf wrote a YaRN schedule for "yarn" (refused for
+    want of its factor) where the model runs LongRoPE."""
+    scaling = {"type": older, "short_factor": [1.0] * 48, "long_factor": [2.0] * 48}
+    assert transformers.Phi3Config(**PHI3, rope_scaling=dict(scaling)).rope_scaling["type"] == (
+        "longrope"
+    )
+    out = tmp_path / "phi3_older.yaml"
+    result = _run({**PHI3, "rope_scaling": scaling}, tmp_path, "--out", str(out))
+    assert result.exit_code == 0, result.output
+    rotation = load_spec(out).spec.rotation
+    assert rotation is not None and rotation.frequencies.kind == "longrope"
+    llama = {
+        **LLAMA,
+        "max_position_embeddings": 2048,
+        "rope_scaling": {"type": "yarn", "factor": 4.0},
+    }
+    result = _run(llama, tmp_path, "--out", str(tmp_path / "llama_yarn.yaml"))
+    assert result.exit_code == 0, result.output
+    rotation = load_spec(tmp_path / "llama_yarn.yaml").spec.rotation
+    assert rotation is not None and rotation.frequencies.kind == "yarn"
+
+
 @pytest.mark.parametrize("index", range(len(SPEC_REFUSED)))
 def test_config_values_the_spec_refuses_are_reported_as_the_configs(
     index: int, tmp_path: Path
