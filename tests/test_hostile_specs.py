@@ -108,6 +108,8 @@ def _source_of(loaded) -> str:
         "'match'",
         "'print'",
         "'__import__'",
+        "'triton'",
+        "'torch'",
         "'a-b'",
         "'a b'",
         "''",
@@ -122,6 +124,25 @@ def test_hostile_names_are_rejected(tmp_path: Path, name: str) -> None:
     with pytest.raises(SpecError) as caught:
         load_spec(path)
     assert caught.value.diagnostics[0].field == "name"
+
+
+def test_every_package_the_runtime_imports_is_a_reserved_module_name() -> None:
+    """A spec named after a package the runtime imports (at any depth: triton is imported
+    inside the kernels' functions) would give a module that shadows it where generated/
+    is on the import path; ``triton`` was accepted."""
+    import ast
+
+    from posgen.spec.model import RESERVED_MODULE_NAMES
+
+    packages: set[str] = set()
+    for runtime in (ROOT / "templates" / "runtime").glob("_*.py"):
+        for node in ast.walk(ast.parse(runtime.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                packages.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                packages.add(node.module.split(".")[0])
+    assert "triton" in packages and "torch" in packages
+    assert packages <= RESERVED_MODULE_NAMES, packages - RESERVED_MODULE_NAMES
 
 
 @pytest.mark.parametrize(

@@ -51,10 +51,13 @@ from posgen.spec.model.text import Text
 from posgen.spec.names import reserved_name_problem
 
 MODULE_NAME = re.compile(r"[a-z][a-z0-9]*(_[a-z0-9]+)*")  # fullmatch
-# Names a generated module must not take: copied beside other code, it would shadow them.
-# (``__main__`` is always the running script, so a module of that name cannot be imported)
+# Names a generated module must not take: copied beside other code, it would shadow them
+# (the standard library, and every package the runtime imports: torch, and triton for the
+# CUDA kernels). ``__main__`` is always the running script, so a module of that name
+# cannot be imported.
 RESERVED_MODULE_NAMES = frozenset(sys.stdlib_module_names) | {
     "torch",
+    "triton",
     "posgen",
     "generated",
     "__main__",
