@@ -146,7 +146,8 @@ def test_every_package_the_runtime_imports_is_a_reserved_module_name() -> None:
 
 
 @pytest.mark.parametrize(
-    "base", ["1e309", ".nan", "-.inf", "'1e4'", "0x10", "1_0000_0000_0000_0000_0000j", "true"]
+    "base",
+    ["1e309", "1e-400", ".nan", "-.inf", "'1e4'", "0x10", "1_0000_0000_0000_0000_0000j", "true"],
 )
 def test_hostile_numbers_are_rejected(tmp_path: Path, base: str) -> None:
     with pytest.raises(SpecError) as caught:

@@ -48,6 +48,7 @@ _BOOL_FALSE = re.compile(r"^(false|False|FALSE)$")
 _INT = re.compile(r"^[-+]?(0|[1-9][0-9_]*)$")
 _FLOAT = re.compile(r"^[-+]?(\.[0-9]+|[0-9][0-9_]*(\.[0-9_]*)?)([eE][-+]?[0-9]+)?$")
 _NON_FINITE = re.compile(r"^[-+]?\.(inf|Inf|INF|nan|NaN|NAN)$")
+_MANTISSA_DIGIT = re.compile(r"[1-9]")  # a float written with a nonzero digit is not 0
 _NULL = re.compile(r"^(~|null|Null|NULL)$")
 # number forms that YAML 1.1 and YAML 1.2 read differently (or only one of them reads)
 _LEADING_ZERO = re.compile(r"^[-+]?0[0-9_]+(\.[0-9_]*)?([eE][-+]?[0-9]+)?$")
@@ -171,6 +172,10 @@ class _Builder:
             value = float(text)
             if not math.isfinite(value):
                 raise self.fail(node, path, f"number {text!r} overflows to infinity")
+            if value == 0.0 and _MANTISSA_DIGIT.search(text.split("e")[0].split("E")[0]):
+                raise self.fail(
+                    node, path, f"number {text!r} underflows to 0 (float64 reaches down to ~5e-324)"
+                )
             return value
         return text
 
