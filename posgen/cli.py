@@ -564,7 +564,8 @@ def _property_names() -> tuple[str, ...]:
 @click.option(
     "--strict",
     is_flag=True,
-    help="Also exit 1 when a property ran out of its time budget with no verdict.",
+    help="Also exit 1 when a property ran out of its time budget with no verdict, or a "
+    "stated claim was tested only up to a reach short of a length the spec names.",
 )
 @reports_spec_errors
 def check(
@@ -589,7 +590,7 @@ def check(
 
     Exit codes: 0 no claim refuted and no building block failed; 1 a claim is refuted or
     a building block fails (with --strict also: a property stopped by its time budget
-    with no verdict); 2 invalid spec or usage.
+    with no verdict, or a stated claim tested only in part); 2 invalid spec or usage.
 
     \b
     Example:
@@ -713,12 +714,25 @@ def _check(
         for outcome in report.outcomes
         if outcome.inconclusive
     ]
+    limited = [
+        f"{report.name}: {outcome.name} ({outcome.limited_to})"
+        for report in reports
+        for outcome in report.outcomes
+        if outcome.limited and outcome.claimed is not None
+    ]
     if strict and stopped:
         click.echo(
             f"--strict: {len(stopped)} propert{'y' if len(stopped) == 1 else 'ies'} "
             f"stopped by the time budget with no verdict ({', '.join(stopped)})",
             err=True,
         )
+    if strict and limited:
+        click.echo(
+            f"--strict: {len(limited)} stated claim{'' if len(limited) == 1 else 's'} "
+            f"tested only in part ({', '.join(limited)})",
+            err=True,
+        )
+    if strict and (stopped or limited):
         sys.exit(1)
 
 

@@ -12,9 +12,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from posgen.check.lengths import expression_numbers
 from posgen.check.probe import Probe
 from posgen.check.search import Budget
 from posgen.cli import main
+from posgen.spec.expr import parse_expr
 from posgen.spec.loader import load_spec
 from tests.conftest import SPECS, expr_bias_spec, generated_class
 
@@ -133,6 +135,94 @@ def test_a_shift_past_longropes_switch_refutes_a_relative_claim(tmp_path: Path) 
     assert max(counterexample["q_positions"] + counterexample["k_positions"]) < 4096
     top = max(counterexample["q_positions"] + counterexample["k_positions"])
     assert top + counterexample["shift"] >= 4096
+
+
+@pytest.mark.parametrize(
+    ("name", "expr"),
+    [
+        # past the default far reach (2^16): only the number 300000 raises it
+        ("late_break3", "-abs(i - j) + where(i > 300000, 1, 0)"),
+        # a band two positions wide at a named number: no power of two and almost no
+        # random shift lands in it; a shift onto the number and one past it do
+        ("narrow_band", "-abs(i - j) + where(i > 300000, 1, 0) - where(i > 300002, 1, 0)"),
+    ],
+)
+def test_a_threshold_an_expression_names_refutes_a_relative_claim(
+    tmp_path: Path, name: str, expr: str
+) -> None:
+    """The numbers of an expression bias are lengths: the shifts tried go past them (and
+    land on them), so a bias that changes at position 300000 is not relative (shifts
+    stopped at 65536, and the claim was confirmed)."""
+    spec = expr_bias_spec(tmp_path, name, expr, claims="relative: true")
+    relative = _verdicts(str(spec), "--only", "relative", "--max-examples", "30")["relative"]
+    assert relative["verdict"] == "REFUTED: fails", relative
+    counterexample = relative["counterexample"]
+    positions = counterexample["q_positions"] + counterexample["k_positions"]
+    assert max(positions) + counterexample["shift"] > 300000, counterexample
+
+
+@pytest.mark.parametrize("claim", ["true", "false"])
+def test_a_threshold_past_the_shift_cap_limits_the_verdict(tmp_path: Path, claim: str) -> None:
+    """17000000 (a product: a literal is at most 10^6) lies past the 2^24 cap on shifts:
+    no shift crosses it, so the claim is neither confirmed nor refuted, the evidence
+    names the number, and the run exits 0 either way (it said "confirmed: holds", and a
+    claim of false was refuted)."""
+    expr = "-abs(i - j) + where(i > 1000000 * 17, 1, 0)"
+    spec = expr_bias_spec(tmp_path, "past_cap", expr, claims=f"relative: {claim}")
+    args = ["check", str(spec), "--only", "relative", "--max-examples", "10"]
+    result = CliRunner().invoke(main, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    (record,) = json.loads(result.stdout)["specs"][0]["properties"]
+    assert record["verdict"] == "limited: holds", record
+    assert record["ok"] is True and record["limited_to"] == f"c ≤ {1 << 24}", record
+    assert "tested only up to c = 16777216" in record["evidence"], record
+    assert "1000000 * 17 = 17000000" in record["evidence"], record
+    table = CliRunner().invoke(main, args)
+    assert table.exit_code == 0, table.output
+    assert "confirmed" not in table.output and "tested only in part" in table.output
+    strict = CliRunner().invoke(main, [*args, "--strict"])  # every claim settled, or exit 1
+    assert strict.exit_code == 1, strict.output
+    assert "--strict: 1 stated claim tested only in part (past_cap: relative" in strict.stderr
+
+
+@pytest.mark.parametrize(
+    "expr",
+    [
+        "-abs(i - j) * 0.5",
+        # a clip past the cap, but of j - i: a shift never moves it
+        "-abs(i - j) + where(abs(i - j) > 1000000 * 17, -1, 0)",
+    ],
+)
+def test_a_relative_expression_is_still_confirmed(tmp_path: Path, expr: str) -> None:
+    """Expressions of j - i name no position: their numbers neither limit the verdict
+    nor raise the reach (a guard for the two tests above; it passed before them)."""
+    spec = expr_bias_spec(tmp_path, "honest", expr, claims="relative: true")
+    relative = _verdicts(str(spec), "--only", "relative", "--max-examples", "10")["relative"]
+    assert relative["verdict"] == "confirmed: holds", relative
+    assert relative["limited_to"] is None and "up to 65536" in relative["evidence"], relative
+
+
+def test_expression_numbers_fold_constants_and_skip_what_a_shift_leaves() -> None:
+    """Literals and folded constants that meet a position count (a scale below 1 as its
+    reciprocal); numbers inside a function of j - i, and non-finite ones, do not."""
+
+    def numbers(expr: str) -> list[float]:
+        parsed = parse_expr(expr, {})
+        return [value for _, value in expression_numbers(parsed.tree.body, parsed.of_difference)]
+
+    assert numbers("-abs(i - j) + where(i > 2 ** 20 * 3, 1, 0)") == [
+        1.0,
+        2.0,
+        3.0,
+        20.0,
+        1048576.0,
+        3145728.0,
+    ]
+    assert numbers("where(i * 0.0000001 > 2, 1, 0)") == [1.0, 2.0, 10000000.0]
+    assert numbers("-abs(i - j) * 0.5 + 1000000") == []  # of j - i as a whole
+    # the clip of j - i is left as it is by a shift; the threshold on i is not
+    assert numbers("where(i > 5, 1, 0) + where(abs(i - j) > 1000000 * 17, 1, 0)") == [1.0, 5.0]
+    assert numbers("i + where(i > 20, 10 ** 400, 0)") == [10.0, 20.0, 400.0]  # 10 ** 400: inf
 
 
 def test_xpos_that_refuses_a_long_context_does_not_extrapolate(tmp_path: Path) -> None:

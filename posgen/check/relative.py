@@ -1,16 +1,20 @@
 """The ``relative`` claim: shifting every position by c leaves the logits unchanged.
 
 hypothesis draws a few query and key positions in the first half of the span, a shift
-c ≥ 1 (up to half the span, or far: past four times every length the spec states,
-``original_max_positions`` of a rope scaling or a query scale and a query scale's
-``floor_scale`` included, at least to 2^16, at most 2^24, and never past a table) and
-a seed for random content (projected q and k, or token embeddings through embed on the
-input route); then every run tries the same fixed shifts, each power of two up to the
-far reach (``fixed_shifts``). The float64 logits
-at the shifted positions must equal the unshifted ones within a tolerance that grows
-with the largest position (NaN logits, or an infinite one that the shift changes,
-refute it). The input route needs explicit positions (an embed that only takes the
-default ones makes it n/a).
+c ≥ 1 (up to half the span, or far: past four times every length the spec names,
+``posgen.check.lengths``: ``original_max_positions`` of a rope scaling or a query scale,
+a query scale's ``floor_scale``, and the numbers of an expression bias that meet a
+position, such as the 300000 of ``where(i > 300000, 1, 0)``; at least to 2^16, at most
+to 2^24, and never past a table) and a seed for random content (projected q and k, or
+token embeddings through embed on the input route); then every run tries the same fixed
+shifts, each power of two up to the far reach and each length named (and one past it)
+within it (``fixed_shifts``). The float64 logits at the shifted positions must equal the
+unshifted ones within a tolerance that grows with the largest position (NaN logits, or
+an infinite one that the shift changes, refute it). Where a length lies past the far
+reach (beyond the 2^24 cap, and not past a table's end), no shift crosses it: a claim
+that held is then "limited", neither confirmed nor refuted, and the evidence names the
+length. The input route needs explicit positions (an embed that only takes the default
+ones makes it n/a).
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ from collections.abc import Callable, Iterable
 import torch
 from hypothesis import strategies as st
 
-from posgen.check.probe import Probe, input_unreachable, stated
-from posgen.check.search import SEEDS, Violation, fmt, generator, run_search
+from posgen.check.lengths import Length, spec_lengths
+from posgen.check.probe import Probe, input_unreachable
+from posgen.check.search import SEEDS, Violation, fmt, generator, run_search, short_list
 from posgen.check.verdicts import Outcome, failed
 
 # query positions, key positions, the shift c, the content's seed
@@ -30,18 +35,43 @@ Example = tuple[list[int], list[int], int, int]
 
 FAR_SHIFT = 1 << 16  # far shifts reach at least this far ...
 MAX_SHIFT = 1 << 24  # ... and at most this far (float64 angles stay exact to ~1e-9)
-LENGTH_FIELDS = ("max_positions", "original_max_positions", "max_distance", "floor_scale")
+SHOWN_LENGTHS = 3  # lengths past the reach named in the evidence
 
 
-def far_shift(probe: Probe, near: int) -> int:
-    """The largest shift drawn: past 4 × every length the spec states (a rope scaling's
-    switch at original_max_positions, a clip or bucket range), at least ``FAR_SHIFT``,
-    at most ``MAX_SHIFT``; where a table ends, positions + shift stay below its end."""
-    lengths = [value for name in LENGTH_FIELDS for value in stated(probe.spec, name)]
-    reach = min(max([FAR_SHIFT] + [4 * length for length in lengths]), MAX_SHIFT)
+def far_shift(probe: Probe, near: int, lengths: Iterable[Length]) -> int:
+    """The largest shift drawn: past 4 × every length the spec names (a rope scaling's
+    switch at original_max_positions, a clip or bucket range, an expression's
+    threshold), at least ``FAR_SHIFT``, at most ``MAX_SHIFT``; where a table ends,
+    positions + shift stay below its end."""
+    wanted = [4 * length.value for length in lengths]
+    reach = math.ceil(min(max([float(FAR_SHIFT), *wanted]), float(MAX_SHIFT)))
     if probe.limit is not None:
         reach = min(reach, probe.limit - near)
     return max(reach, near)
+
+
+def past_reach(probe: Probe, near: int, reach: int, lengths: Iterable[Length]) -> list[Length]:
+    """The lengths no shift up to ``reach`` crosses: past it, and below a table's end
+    (none where the shifts reach every row of a table)."""
+    if probe.limit is not None and near + reach >= probe.limit:
+        return []
+    ceiling = math.inf if probe.limit is None else probe.limit
+    return sorted(
+        (length for length in lengths if reach < length.value < ceiling),
+        key=lambda length: length.value,
+    )
+
+
+def named_shifts(lengths: Iterable[Length], reach: int) -> list[int]:
+    """Shifts onto and just past each named length within ``reach`` (c = ⌊L⌋ and
+    ⌊L⌋ + 1, so that position 0 lands on it and past it): a narrow band at a named
+    position, which no power of two need hit."""
+    found: set[int] = set()
+    for length in lengths:
+        if length.value < reach:
+            start = math.floor(length.value)
+            found.update(c for c in (start, start + 1) if 1 <= c <= reach)
+    return sorted(found)
 
 
 def relative(probe: Probe, claimed: bool | None) -> Outcome:
@@ -50,7 +80,9 @@ def relative(probe: Probe, claimed: bool | None) -> Outcome:
     if unreachable is not None:
         return unreachable
     limit = probe.span // 2
-    reach = far_shift(probe, limit)
+    lengths = spec_lengths(probe.spec)
+    reach = far_shift(probe, limit, lengths)
+    named = named_shifts(lengths, reach)
 
     @st.composite
     def examples(draw: st.DrawFn) -> Example:
@@ -64,34 +96,53 @@ def relative(probe: Probe, claimed: bool | None) -> Outcome:
     def check(example: Example) -> float:
         return _shifted_logits_agree(probe, example)
 
-    search = run_search(check, examples(), probe.budget, fixed_shifts(limit, reach))
+    search = run_search(check, examples(), probe.budget, fixed_shifts(limit, reach, named))
     if search.violation is not None:
         return failed("relative", "claim", claimed, search)
+    extra = [c for c in named if c & (c - 1) and c != reach]  # not a power of two
+    at_lengths = f", and c = {short_list(extra)} at the lengths the spec names" if extra else ""
+    evidence = (
+        f"logits unchanged under {search.examples} shifts of random content, float64: "
+        f"random ones (c ≤ {limit}, and far ones up to {reach}) and c = 1, 2, 4, … "
+        f"{reach}{at_lengths}"
+    )
+    beyond = past_reach(probe, limit, reach, lengths)
+    if not beyond:
+        return Outcome("relative", "claim", claimed, True, evidence)
+    shown = [length.describe() for length in beyond[:SHOWN_LENGTHS]]
+    if len(beyond) > SHOWN_LENGTHS:
+        shown.append(f"{len(beyond) - SHOWN_LENGTHS} more")
     return Outcome(
         "relative",
         "claim",
         claimed,
         True,
-        f"logits unchanged under {search.examples} shifts of random content, float64: "
-        f"random ones (c ≤ {limit}, and far ones up to {reach}) and c = 1, 2, 4, … "
-        f"{reach}",
+        f"tested only up to c = {reach}: no shift crosses {', '.join(shown)} (shifts stop "
+        f"at 2^24, where float64 angles stay exact), so a change there goes unseen; "
+        f"{evidence}",
+        limited_to=f"c ≤ {reach}",
     )
 
 
-def fixed_shifts(limit: int, reach: int) -> Callable[[], Iterable[Example]]:
+def fixed_shifts(
+    limit: int, reach: int, named: Iterable[int] = ()
+) -> Callable[[], Iterable[Example]]:
     """The examples every run tries after the random ones, whatever its budget: the
     queries at 0 and limit - 1 against keys at 0, limit / 2 and limit - 1, shifted by
-    every power of two up to ``reach`` and by ``reach`` itself (a budget of a few
-    random examples may draw no far shift, and a switch such as LongRoPE's at 4096
-    shows only past it)."""
+    every power of two up to ``reach``, by ``reach`` itself and by the ``named`` shifts
+    (at the lengths the spec names), in ascending order (a budget of a few random
+    examples may draw no far shift, a switch such as LongRoPE's at 4096 shows only past
+    it, and a narrow band at a named position between two powers of two)."""
+    shifts = {reach, *named}
+    shift = 1
+    while shift < reach:
+        shifts.add(shift)
+        shift *= 2
 
     def scan() -> Iterable[Example]:
         queries, keys = sorted({0, limit - 1}), sorted({0, limit // 2, limit - 1})
-        shift = 1
-        while shift < reach:
+        for shift in sorted(shifts):
             yield queries, keys, shift, 0
-            shift *= 2
-        yield queries, keys, reach, 0
 
     return scan
 

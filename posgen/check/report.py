@@ -40,10 +40,13 @@ def render_table(report: Report, width: int = 100) -> list[str]:
         lines.append(f"  => {len(problems)} problem{'s' if len(problems) > 1 else ''}: {listed}")
     else:
         stated = [o for o in report.outcomes if o.claimed is not None]
-        checked = sum(o.holds is not None for o in stated)
+        checked = sum(o.holds is not None and not o.limited for o in stated)
         verb = "claim holds" if checked == 1 else "claims hold"
         unchecked = [f"{o.name} ({o.verdict})" for o in stated if o.holds is None]
         note = f", not checked: {', '.join(unchecked)}" if unchecked else ""
+        limited = [f"{o.name} ({o.limited_to})" for o in stated if o.limited]
+        if limited:
+            note += f", tested only in part: {', '.join(limited)}"
         stopped = [o.name for o in report.outcomes if o.inconclusive and o.claimed is None]
         if stopped:
             note += f"; out of time: {', '.join(stopped)}"
@@ -59,11 +62,22 @@ def render_summary(reports: Sequence[Report], seconds: float) -> str:
         for report in reports
         for outcome in report.outcomes
     )
+    limited = sum(
+        outcome.claimed is not None and outcome.limited
+        for report in reports
+        for outcome in report.outcomes
+    )
     if failed:
         status = f"problems in {', '.join(failed)}"
-    elif unchecked:
-        plural = "s" if unchecked > 1 else ""
-        status = f"no claim refuted; {unchecked} stated claim{plural} could not be checked"
+    elif unchecked or limited:
+        parts = []
+        if unchecked:
+            plural = "s" if unchecked > 1 else ""
+            parts.append(f"{unchecked} stated claim{plural} could not be checked")
+        if limited:
+            plural = "s" if limited > 1 else ""
+            parts.append(f"{limited} stated claim{plural} tested only in part")
+        status = f"no claim refuted; {'; '.join(parts)}"
     else:
         status = "all claims hold"
     count = len(reports)

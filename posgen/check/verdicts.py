@@ -3,6 +3,9 @@
 A claim (``unique``, ``relative``, ``decay``, ``extrapolates``) is stated in the spec as
 true or false, or left out: a stated claim is judged ("confirmed" or "REFUTED", a false
 claim with hypothesis' shrunk counterexample), an absent one is measured and shown. A
+claim that held only as far as the search could reach, short of a length the spec names
+(``Outcome.limited_to``), is "limited: holds" (unstated: "measured: holds (limited)"):
+neither confirmed nor refuted, whichever value the spec states. A
 building block ("block") holds or FAILS where the block is present, and is "n/a"
 elsewhere. An exception inside a property is an ERROR outcome, never a traceback.
 """
@@ -60,6 +63,8 @@ class Outcome:
     error: bool = False
     seconds: float = 0.0
     inconclusive: bool = False  # ran out of its hard time limit before any verdict
+    # held only within this reach ("c ≤ 16777216"), short of a length the spec names
+    limited_to: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -67,12 +72,20 @@ class Outcome:
         if self.error:
             return False
         if self.kind == "claim":
+            if self.limited:  # it may break past the reach: neither value is refuted
+                return True
             return self.claimed is None or self.holds is None or self.claimed == self.holds
         return self.holds is not False
 
     @property
+    def limited(self) -> bool:
+        """A claim that held, but only within a reach short of a length the spec names."""
+        return self.kind == "claim" and self.holds is True and self.limited_to is not None
+
+    @property
     def verdict(self) -> str:
-        """The verdict in words: ERROR, n/a, holds/FAILS, measured/confirmed/REFUTED."""
+        """The verdict in words: ERROR, n/a, holds/FAILS, measured/confirmed/REFUTED,
+        limited."""
         if self.error:
             return "ERROR"
         if self.inconclusive:
@@ -82,6 +95,8 @@ class Outcome:
         state = "holds" if self.holds else "fails"
         if self.kind == "block":
             return state if self.holds else "FAILS"
+        if self.limited:
+            return "limited: holds" if self.claimed is not None else "measured: holds (limited)"
         if self.claimed is None:
             return f"measured: {state}"
         return f"confirmed: {state}" if self.claimed == self.holds else f"REFUTED: {state}"
@@ -99,6 +114,7 @@ class Outcome:
             "evidence": self.evidence,
             "counterexample": jsonable(self.counterexample),
             "found_by": self.found_by,
+            "limited_to": self.limited_to if self.limited else None,
             "curve": jsonable(self.curve),
             "seconds": round(self.seconds, 3),
         }
