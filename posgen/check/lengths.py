@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from posgen.check.probe import stated
-from posgen.spec.expr_shift import drift
+from posgen.spec.expr_shift import drift, fold_numbers
 from posgen.spec.model import Spec, SpecModel
 from posgen.spec.model.biases import ExprBias
 
@@ -116,21 +116,7 @@ def constant_value(node: ast.AST) -> float | None:
     (it reads a name, or is not a real number: a division by 0, a negative base's
     fractional power). An overflow is infinite (``10 ** 10 ** 10``); Python floats
     throughout, so no power builds a huge integer."""
-    if isinstance(node, ast.Constant):
-        if isinstance(node.value, bool) or not isinstance(node.value, (int, float)):
-            return None
-        return float(node.value)
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-        inner = constant_value(node.operand)
-        if inner is None:
-            return None
-        return -inner if isinstance(node.op, ast.USub) else inner
-    if isinstance(node, ast.BinOp):
-        left, right = constant_value(node.left), constant_value(node.right)
-        if left is None or right is None:
-            return None
-        return _binary(node.op, left, right)
-    return None
+    return fold_numbers(node, float, _binary)
 
 
 def _binary(op: ast.operator, left: float, right: float) -> float | None:

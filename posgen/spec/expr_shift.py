@@ -30,7 +30,9 @@ drift of 0 is never an artefact of rounding.
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable
 from fractions import Fraction
+from typing import TypeVar
 
 Drift = Fraction | None
 
@@ -95,22 +97,39 @@ def _call_drift(node: ast.Call) -> Drift:
     return Fraction(0) if all(value == 0 for value in drifts) else None
 
 
-def number_value(node: ast.AST) -> Fraction | None:
-    """The exact value of a subtree made of numbers, + - * / and unary signs alone, or
-    None (a subtree that reads a name, or divides by zero)."""
-    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
-        return Fraction(node.value)
+Number = TypeVar("Number", Fraction, float)
+
+
+def fold_numbers(
+    node: ast.AST,
+    leaf: Callable[[int | float], Number],
+    binary: Callable[[ast.operator, Number, Number], Number | None],
+) -> Number | None:
+    """The value of a subtree made of number literals (each read by ``leaf``), unary
+    signs and binary operators (each applied by ``binary``, None where it is undefined),
+    or None: a subtree that reads a name or another literal, or an undefined operation."""
+    if isinstance(node, ast.Constant):
+        if isinstance(node.value, bool) or not isinstance(node.value, (int, float)):
+            return None
+        return leaf(node.value)
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-        inner = number_value(node.operand)
+        inner = fold_numbers(node.operand, leaf, binary)
         if inner is None:
             return None
         return -inner if isinstance(node.op, ast.USub) else inner
     if isinstance(node, ast.BinOp):
-        left, right = number_value(node.left), number_value(node.right)
+        left = fold_numbers(node.left, leaf, binary)
+        right = fold_numbers(node.right, leaf, binary)
         if left is None or right is None:
             return None
-        return _exact(node.op, left, right)
+        return binary(node.op, left, right)
     return None
+
+
+def number_value(node: ast.AST) -> Fraction | None:
+    """The exact value of a subtree made of numbers, + - * / and unary signs alone, or
+    None (a subtree that reads a name, or divides by zero)."""
+    return fold_numbers(node, Fraction, _exact)
 
 
 def _exact(op: ast.operator, left: Fraction, right: Fraction) -> Fraction | None:
