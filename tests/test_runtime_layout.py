@@ -14,7 +14,13 @@ RUNTIME = ROOT / "templates" / "runtime"
 # kernels' shared cache (mutated in place, never rebound). Any other upper-case name is
 # a setting, read only in the module that defines it (docs/design.md §4), so that
 # setting it there takes effect.
-SHARED_CONSTANTS = {"BACKENDS", "MAX_POSITION", "FUSED_ROTATION_DTYPES", "TRITON_CACHE"}
+SHARED_CONSTANTS = {
+    "BACKENDS",
+    "MAX_POSITION",
+    "FLOAT_DTYPES",
+    "FUSED_ROTATION_DTYPES",
+    "TRITON_CACHE",
+}
 
 
 def _tree(name: str) -> ast.Module:
