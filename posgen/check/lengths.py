@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from posgen.check.probe import stated
-from posgen.spec.expr_shift import drift, fold_numbers
+from posgen.spec.expr_shift import ARITHMETIC, drift, fold_numbers
 from posgen.spec.model import Spec, SpecModel
 from posgen.spec.model.biases import ExprBias
 
@@ -122,14 +122,10 @@ def constant_value(node: ast.AST) -> float | None:
 def _binary(op: ast.operator, left: float, right: float) -> float | None:
     """``left op right`` in Python floats: inf on overflow, None where undefined."""
     try:
-        if isinstance(op, ast.Add):
-            return left + right
-        if isinstance(op, ast.Sub):
-            return left - right
-        if isinstance(op, ast.Mult):
-            return left * right
-        if isinstance(op, ast.Div):
-            return left / right
+        apply = ARITHMETIC.get(type(op))
+        if apply is not None:
+            result: float = apply(left, right)
+            return result
         if isinstance(op, ast.Mod):
             return left % right
         if isinstance(op, ast.Pow):

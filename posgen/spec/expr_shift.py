@@ -30,9 +30,10 @@ drift of 0 is never an artefact of rounding.
 from __future__ import annotations
 
 import ast
+import operator
 from collections.abc import Callable
 from fractions import Fraction
-from typing import TypeVar
+from typing import Any, TypeVar
 
 Drift = Fraction | None
 
@@ -132,14 +133,19 @@ def number_value(node: ast.AST) -> Fraction | None:
     return fold_numbers(node, Fraction, _exact)
 
 
+# + - * / of the expression grammar, by operator node type
+ARITHMETIC: dict[type[ast.operator], Callable[[Any, Any], Any]] = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+}
+
+
 def _exact(op: ast.operator, left: Fraction, right: Fraction) -> Fraction | None:
     """left op right for + - * /, exactly; None for another operator or a division by 0."""
-    if isinstance(op, ast.Add):
-        return left + right
-    if isinstance(op, ast.Sub):
-        return left - right
-    if isinstance(op, ast.Mult):
-        return left * right
-    if isinstance(op, ast.Div) and right != 0:
-        return left / right
-    return None
+    apply = ARITHMETIC.get(type(op))
+    if apply is None or (isinstance(op, ast.Div) and right == 0):
+        return None
+    result: Fraction = apply(left, right)
+    return result
