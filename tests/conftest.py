@@ -119,10 +119,12 @@ def small_spec_text(
     )
 
 
-def expr_bias_spec(folder: Path, name: str, expr: str, claims: str = "", heads: int = 2) -> Path:
+def expr_bias_spec(
+    folder: Path, name: str, expr: str, claims: str = "", heads: int = 2, params: str = "{}"
+) -> Path:
     """``folder/name.yaml``: ``small_spec_text`` with the position-only bias ``expr`` of
-    i and j (after the scale), and ``heads`` heads."""
-    bias = f'{{bias: {{kind: expr, expr: "{expr}", params: {{}}, placement: after_scale}}}}'
+    i and j (after the scale) and its ``params`` (a YAML mapping), and ``heads`` heads."""
+    bias = f'{{bias: {{kind: expr, expr: "{expr}", params: {params}, placement: after_scale}}}}'
     text = small_spec_text(name, claims, bias, "an expression bias", "test")
     text = text.replace("{heads: 2,", f"{{heads: {heads},", 1)
     path = folder / f"{name}.yaml"

@@ -16,7 +16,7 @@ from posgen.check.lengths import expression_numbers
 from posgen.check.probe import Probe
 from posgen.check.search import Budget
 from posgen.cli import main
-from posgen.spec.expr import parse_expr
+from posgen.spec.expr import ParamInfo, parse_expr
 from posgen.spec.loader import load_spec
 from tests.conftest import SPECS, expr_bias_spec, generated_class
 
@@ -223,6 +223,44 @@ def test_expression_numbers_fold_constants_and_skip_what_a_shift_leaves() -> Non
     # the clip of j - i is left as it is by a shift; the threshold on i is not
     assert numbers("where(i > 5, 1, 0) + where(abs(i - j) > 1000000 * 17, 1, 0)") == [1.0, 5.0]
     assert numbers("i + where(i > 20, 10 ** 400, 0)") == [10.0, 20.0, 400.0]  # 10 ** 400: inf
+
+
+def test_parameters_and_heads_fold_at_the_values_the_module_reads() -> None:
+    """A threshold written through a parameter (p * 1000), or through the head index
+    and a per-head parameter ((h + 1) * q[h]), is a length at the values taken, head by
+    head; without values the parameters name none."""
+    infos = {"p": ParamInfo(per_head=False), "q": ParamInfo(per_head=True)}
+    parsed = parse_expr("where(i > p * 1000, 1, 0) + where(i > (h + 1) * q[h], 1, 0)", infos)
+    values = {"p": (300.0,), "q": (10.0, 20.0), "h": (0.0, 1.0)}
+    found = dict(expression_numbers(parsed.tree.body, parsed.of_difference, values))
+    assert found["p * 1000 with p = 300"] == 300000.0
+    assert found["(h + 1) * q[h] with h = 0, q[h] = 10"] == 10.0
+    assert found["(h + 1) * q[h] with h = 1, q[h] = 20"] == 40.0
+    assert found["p = 300"] == 300.0
+    bare = expression_numbers(parsed.tree.body, parsed.of_difference)
+    assert [value for _, value in bare] == [1.0]  # the where's 1: p and q unknown
+
+
+BAND_AT_PARAMETER = "-abs(i - j) + where(abs(i - p * 1000) < 0.5, 1, 0)"
+
+
+@pytest.mark.parametrize(("trained", "step"), [(None, 300000), (500.0, 400000)])
+def test_a_band_at_a_parameter_is_found_where_the_module_puts_it(
+    tmp_path: Path, trained: float | None, step: int
+) -> None:
+    """A one-position band at i = p * 1000 breaks ``relative`` there: at p's init (300),
+    and with --weights at the trained p (500) as the module reads it, clamped to its
+    bounds (400). Shifts stopped at 2^16, past no parameter, and confirmed the claim."""
+    params = "{p: {shape: [], init: 300, bounds: [1, 400]}}"
+    spec = expr_bias_spec(tmp_path, "band", BAND_AT_PARAMETER, "relative: true", params=params)
+    args = [str(spec), "--only", "relative", "--max-examples", "10"]
+    if trained is not None:
+        state = Probe(load_spec(spec), Budget()).cls().state_dict()
+        torch.save({**state, "expr_p": torch.tensor(trained)}, tmp_path / "trained.pt")
+        args += ["--weights", str(tmp_path / "trained.pt")]
+    relative = _verdicts(*args)["relative"]
+    assert relative["verdict"] == "REFUTED: fails", relative
+    assert f"shift c = {step}" in relative["evidence"], relative
 
 
 def test_xpos_that_refuses_a_long_context_does_not_extrapolate(tmp_path: Path) -> None:

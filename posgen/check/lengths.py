@@ -18,13 +18,16 @@ confirming the claim. Two sources:
   through j - i (posgen's drift analysis, ``posgen.spec.expr_shift``) names none, and
   neither does a number whose enclosing operation is unchanged by a shift (the
   ``1000000`` of ``abs(i - j) > 1000000``): only numbers that meet a position count.
+  Parameters, ``h`` and ``heads`` fold as the values the module under test holds (the
+  spec's ``init``, or the trained values of ``--weights``), head by head: the
+  ``p * 1000`` of ``where(i > p * 1000, 1, 0)`` is 300000 where p is 300.
 """
 
 from __future__ import annotations
 
 import ast
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,16 +52,29 @@ class Length:
         return self.source if self.source.endswith(f" {value}") else f"{self.source} = {value}"
 
 
-def spec_lengths(spec: Spec) -> list[Length]:
-    """Every length the spec names: stated fields, then expression numbers."""
+# per name an expression reads besides i and j (its parameters, h, heads): one value,
+# or one per head
+Values = Mapping[str, Sequence[float]]
+
+
+def spec_lengths(spec: Spec, parameters: Values | None = None) -> list[Length]:
+    """Every length the spec names: stated fields, then expression numbers, with the
+    expression's parameters at ``parameters`` (as the module reads them), by default
+    at their ``init``."""
     found = [
         Length(float(value), f"{name} {value}")
         for name in LENGTH_FIELDS
         for value in stated(spec, name)
     ]
+    heads = spec.defaults.heads  # the module under test has the spec's defaults
     for bias in expression_biases(spec):
         parsed = bias.parsed()
-        for text, value in expression_numbers(parsed.tree.body, parsed.of_difference):
+        values: dict[str, Sequence[float]] = {
+            name: (param.init,) for name, param in bias.params.items()
+        }
+        values.update(parameters or {})
+        values.update(heads=(float(heads),), h=tuple(float(head) for head in range(heads)))
+        for text, value in expression_numbers(parsed.tree.body, parsed.of_difference, values):
             found.append(Length(value, f"the bias expression's {text}"))
     return found
 
@@ -78,25 +94,48 @@ def expression_biases(model: Any) -> Iterator[ExprBias]:
             yield from expression_biases(item)
 
 
-def expression_numbers(body: ast.expr, of_difference: bool = False) -> list[tuple[str, float]]:
+def expression_numbers(
+    body: ast.expr, of_difference: bool = False, values: Values | None = None
+) -> list[tuple[str, float]]:
     """The lengths a checked bias expression names: (its text, its magnitude) for every
     number literal and every folded constant sub-expression whose enclosing operation
     moves when i and j shift together, a magnitude below 1 as its reciprocal; none where
-    the whole expression reads j - i only (``of_difference``)."""
+    the whole expression reads j - i only (``of_difference``). Names in ``values``
+    (parameters, h, heads) fold as their values, head by head (``head_values``)."""
     if of_difference:
         return []
+    # the operands of every operation a shift moves: their numbers meet a position
+    operands = [
+        child
+        for parent in ast.walk(body)
+        if drift(parent) != 0
+        for child in ast.iter_child_nodes(parent)
+    ]
+    read = {node.id for node in ast.walk(body) if isinstance(node, ast.Name)}
     found: dict[float, str] = {}
-    for parent in ast.walk(body):
-        if drift(parent) == 0:  # unchanged by a shift: its numbers meet no position
-            continue
-        for child in ast.iter_child_nodes(parent):
-            _fold_into(child, found)
+    for assignment in head_values({name: v for name, v in (values or {}).items() if name in read}):
+        for operand in operands:
+            _fold_into(operand, found, assignment)
     return [(text, value) for value, text in sorted(found.items())]
 
 
-def _fold_into(node: ast.AST, found: dict[float, str]) -> None:
+def head_values(values: Values) -> list[dict[str, float]]:
+    """One assignment of ``values`` per head that differs from the others: a name with
+    one value per head takes head h's, a name with one value takes it everywhere."""
+    heads = max((len(given) for given in values.values()), default=1)
+    assignments: list[dict[str, float]] = []
+    for head in range(heads):
+        assignment = {
+            name: float(given[head if len(given) > 1 else 0]) for name, given in values.items()
+        }
+        if assignment not in assignments:
+            assignments.append(assignment)
+    return assignments
+
+
+def _fold_into(node: ast.AST, found: dict[float, str], assignment: Mapping[str, float]) -> None:
     """Add the constant ``node`` and every constant part of it to ``found``."""
-    value = constant_value(node)
+    value = constant_value(node, assignment)
     if value is None:
         return
     magnitude = abs(value)
@@ -105,18 +144,48 @@ def _fold_into(node: ast.AST, found: dict[float, str]) -> None:
         length = magnitude if magnitude >= 1 else 1 / magnitude
         if magnitude < 1:
             text = f"{text} (a scale: 1 / {text})"
+        reads = _named_reads(node)
+        itself = reads.pop(text, None)
+        if itself is not None:  # a parameter alone: "p = 300", "q[h] = 20 with h = 1"
+            text = f"{text} = {number_text(assignment[itself])}"
+        if reads:  # "p * 1000 with p = 300", "(h + 1) * q[h] with h = 1, q[h] = 20"
+            shown = (f"{read} = {number_text(assignment[name])}" for read, name in reads.items())
+            text = f"{text} with {', '.join(sorted(shown))}"
         if math.isfinite(length):
             found.setdefault(length, text)
     for child in ast.iter_child_nodes(node):
-        _fold_into(child, found)
+        _fold_into(child, found, assignment)
 
 
-def constant_value(node: ast.AST) -> float | None:
-    """The float64 value of a subtree of numbers, unary signs and + - * / ** %, or None
-    (it reads a name, or is not a real number: a division by 0, a negative base's
-    fractional power). An overflow is infinite (``10 ** 10 ** 10``); Python floats
-    throughout, so no power builds a huge integer."""
-    return fold_numbers(node, float, _binary)
+def _named_reads(node: ast.AST) -> dict[str, str]:
+    """The names a constant subtree reads, by how it reads them: ``{"p": "p", "q[h]":
+    "q", "h": "h"}`` for ``p * q[h]`` (h is read too)."""
+    reads: dict[str, str] = {}
+    for part in ast.walk(node):
+        if isinstance(part, ast.Subscript) and isinstance(part.value, ast.Name):
+            reads[ast.unparse(part)] = part.value.id
+        elif isinstance(part, ast.Name) and not any(
+            isinstance(parent, ast.Subscript) and parent.value is part for parent in ast.walk(node)
+        ):
+            reads[part.id] = part.id
+    return reads
+
+
+def constant_value(node: ast.AST, assignment: Mapping[str, float] | None = None) -> float | None:
+    """The float64 value of a subtree of numbers, unary signs and + - * / ** %, and of
+    the names (``p``, ``p[h]``, ``h``, ``heads``) that ``assignment`` values, or None (it
+    reads i, j or another name, or is not a real number: a division by 0, a negative
+    base's fractional power). An overflow is infinite (``10 ** 10 ** 10``); Python
+    floats throughout, so no power builds a huge integer."""
+
+    def name_value(node: ast.expr) -> float | None:
+        if isinstance(node, ast.Subscript):  # a [heads] parameter read as p[h]
+            node = node.value
+        if isinstance(node, ast.Name) and assignment is not None:
+            return assignment.get(node.id)
+        return None
+
+    return fold_numbers(node, float, _binary, name_value)
 
 
 def _binary(op: ast.operator, left: float, right: float) -> float | None:

@@ -28,7 +28,7 @@ import copy
 import math
 import types
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -45,7 +45,7 @@ from posgen.check.search import Budget, generator
 from posgen.check.verdicts import Outcome, kind_of
 from posgen.codegen.inmemory import encoding_class, module_from_loaded
 from posgen.spec.loader import LoadedSpec
-from posgen.spec.model import Spec, SpecModel
+from posgen.spec.model import ExprBias, Spec, SpecModel
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -157,6 +157,22 @@ class Probe:
         self.input_mode = "default"
         self.input_note = "embed takes no explicit positions"
         return width
+
+    def expression_parameters(self) -> dict[str, tuple[float, ...]]:
+        """The values an expression bias reads for each of its parameters in the module
+        under test (its init, or the ``--weights`` loaded), through softplus and bounds
+        as the module reads them: one per head, or one; empty without such a bias."""
+        bias = self.spec.bias
+        module = cast(nn.Module, self.pe64)
+        read = getattr(module, "_expression_parameters", None)
+        if not isinstance(bias, ExprBias) or read is None:
+            return {}
+        with torch.no_grad():
+            tensors = read(torch.device("cpu"), F64)
+        return {
+            name: tuple(value.reshape(-1).tolist())
+            for name, value in zip(bias.params, tensors, strict=True)
+        }
 
     @property
     def input_dim(self) -> int:

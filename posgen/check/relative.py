@@ -36,6 +36,7 @@ Example = tuple[list[int], list[int], int, int]
 FAR_SHIFT = 1 << 16  # far shifts reach at least this far ...
 MAX_SHIFT = 1 << 24  # ... and at most this far (float64 angles stay exact to ~1e-9)
 SHOWN_LENGTHS = 3  # lengths past the reach named in the evidence
+MAX_NAMED_LENGTHS = 64  # lengths tried exactly (``named_shifts``)
 
 
 def far_shift(probe: Probe, near: int, lengths: Iterable[Length]) -> int:
@@ -65,12 +66,14 @@ def past_reach(probe: Probe, near: int, reach: int, lengths: Iterable[Length]) -
 def named_shifts(lengths: Iterable[Length], reach: int) -> list[int]:
     """Shifts onto and just past each named length within ``reach`` (c = ⌊L⌋ and
     ⌊L⌋ + 1, so that position 0 lands on it and past it): a narrow band at a named
-    position, which no power of two need hit."""
-    found: set[int] = set()
-    for length in lengths:
-        if length.value < reach:
-            start = math.floor(length.value)
-            found.update(c for c in (start, start + 1) if 1 <= c <= reach)
+    position, which no power of two need hit. At most ``MAX_NAMED_LENGTHS`` lengths,
+    spread evenly over them in order, where a threshold per head names more."""
+    within = sorted({math.floor(length.value) for length in lengths if length.value < reach})
+    if len(within) > MAX_NAMED_LENGTHS:
+        last = len(within) - 1
+        picked = {round(k * last / (MAX_NAMED_LENGTHS - 1)) for k in range(MAX_NAMED_LENGTHS)}
+        within = [within[index] for index in sorted(picked)]
+    found = {c for start in within for c in (start, start + 1) if 1 <= c <= reach}
     return sorted(found)
 
 
@@ -80,7 +83,7 @@ def relative(probe: Probe, claimed: bool | None) -> Outcome:
     if unreachable is not None:
         return unreachable
     limit = probe.span // 2
-    lengths = spec_lengths(probe.spec)
+    lengths = spec_lengths(probe.spec, probe.expression_parameters())
     reach = far_shift(probe, limit, lengths)
     named = named_shifts(lengths, reach)
 

@@ -105,22 +105,26 @@ def fold_numbers(
     node: ast.AST,
     leaf: Callable[[int | float], Number],
     binary: Callable[[ast.operator, Number, Number], Number | None],
+    name: Callable[[ast.expr], Number | None] | None = None,
 ) -> Number | None:
     """The value of a subtree made of number literals (each read by ``leaf``), unary
     signs and binary operators (each applied by ``binary``, None where it is undefined),
-    or None: a subtree that reads a name or another literal, or an undefined operation."""
+    or None: a subtree that reads a name or another literal, or an undefined operation.
+    Where ``name`` is given, it values names and ``p[h]`` reads (None: not a number)."""
     if isinstance(node, ast.Constant):
         if isinstance(node.value, bool) or not isinstance(node.value, (int, float)):
             return None
         return leaf(node.value)
+    if isinstance(node, (ast.Name, ast.Subscript)):
+        return None if name is None else name(node)
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-        inner = fold_numbers(node.operand, leaf, binary)
+        inner = fold_numbers(node.operand, leaf, binary, name)
         if inner is None:
             return None
         return -inner if isinstance(node.op, ast.USub) else inner
     if isinstance(node, ast.BinOp):
-        left = fold_numbers(node.left, leaf, binary)
-        right = fold_numbers(node.right, leaf, binary)
+        left = fold_numbers(node.left, leaf, binary, name)
+        right = fold_numbers(node.right, leaf, binary, name)
         if left is None or right is None:
             return None
         return binary(node.op, left, right)
