@@ -146,6 +146,19 @@ def test_every_package_the_runtime_imports_is_a_reserved_module_name() -> None:
 
 
 @pytest.mark.parametrize(
+    "name", ["tomllib", "annotationlib", "compression", "distutils", "telnetlib"]
+)
+def test_a_standard_module_of_any_supported_python_is_reserved(name: str) -> None:
+    """Names of standard modules that some supported Python (3.10 to 3.14) lacks are
+    refused on every version: a spec valid on 3.11 (annotationlib, added in 3.14) or on
+    3.13 (telnetlib, removed in it) was refused on another."""
+    from posgen.spec.model.spec import spec_name_problem
+
+    problem = spec_name_problem(name)
+    assert problem is not None and "standard-library" in problem, problem
+
+
+@pytest.mark.parametrize(
     "base",
     ["1e309", "1e-400", ".nan", "-.inf", "'1e4'", "0x10", "1_0000_0000_0000_0000_0000j", "true"],
 )

@@ -51,17 +51,51 @@ from posgen.spec.model.text import Text
 from posgen.spec.names import reserved_name_problem
 
 MODULE_NAME = re.compile(r"[a-z][a-z0-9]*(_[a-z0-9]+)*")  # fullmatch
+# Standard-library modules that some supported Python (3.10 to 3.14) has and this one
+# may not: added (tomllib in 3.11; annotationlib and compression in 3.14) or removed
+# (PEP 594's in 3.12 and 3.13, and lib2to3), so that a spec name is valid or not on
+# every version alike.
+STDLIB_ON_OTHER_VERSIONS = frozenset(
+    {
+        "tomllib",
+        "annotationlib",
+        "compression",
+        "distutils",
+        "imp",
+        "asynchat",
+        "asyncore",
+        "smtpd",
+        "aifc",
+        "audioop",
+        "cgi",
+        "cgitb",
+        "chunk",
+        "crypt",
+        "imghdr",
+        "lib2to3",
+        "mailcap",
+        "msilib",
+        "nis",
+        "nntplib",
+        "ossaudiodev",
+        "pipes",
+        "sndhdr",
+        "spwd",
+        "sunau",
+        "telnetlib",
+        "uu",
+        "xdrlib",
+    }
+)
 # Names a generated module must not take: copied beside other code, it would shadow them
-# (the standard library, and every package the runtime imports: torch, and triton for the
-# CUDA kernels). ``__main__`` is always the running script, so a module of that name
-# cannot be imported.
-RESERVED_MODULE_NAMES = frozenset(sys.stdlib_module_names) | {
-    "torch",
-    "triton",
-    "posgen",
-    "generated",
-    "__main__",
-}
+# (the standard library of any supported Python, and every package the runtime imports:
+# torch, and triton for the CUDA kernels). ``__main__`` is always the running script, so
+# a module of that name cannot be imported.
+RESERVED_MODULE_NAMES = (
+    frozenset(sys.stdlib_module_names)
+    | STDLIB_ON_OTHER_VERSIONS
+    | {"torch", "triton", "posgen", "generated", "__main__"}
+)
 
 
 def spec_name_problem(name: str) -> str | None:
