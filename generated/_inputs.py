@@ -331,6 +331,28 @@ def check_position_values(
             )
 
 
+FLOAT32_EXACT_POSITIONS = 2**24  # float32 holds every integer below this, not past it
+
+
+def exact_positions_dtype(
+    dtype: torch.dtype, q_positions: Tensor | None, k_positions: Tensor | None, m: int
+) -> torch.dtype:
+    """``dtype``, or float64 where a position in a narrower float would be rounded: a
+    default key position M - 1 at or past 2^24, or an explicit one (``position_reach``,
+    in eager mode; under torch.compile, which would need a sync to know, explicit
+    positions always take float64)."""
+    if dtype == torch.float64 or m > FLOAT32_EXACT_POSITIONS:
+        return torch.float64
+    for positions in (q_positions, k_positions):
+        if positions is None or not positions.numel():
+            continue
+        if torch.compiler.is_compiling():
+            return torch.float64
+        if not position_reach(positions, FLOAT32_EXACT_POSITIONS):
+            return torch.float64
+    return dtype
+
+
 def position_reach(positions: Tensor, limit: int) -> int:
     """The largest of ``positions`` (non-empty) plus one where all lie in [0, limit), else
     0: one read of their range (a host sync on a GPU), kept for the same tensor while

@@ -429,3 +429,35 @@ def test_an_expression_of_minus_infinity_gives_zero_rows_in_a_decode_step(
     assert calls, "the matmuls did not run"
     assert torch.equal(oracle, torch.zeros_like(oracle))
     assert torch.equal(out, torch.zeros_like(out))
+
+
+FAR = 2**24 + 3  # float32 rounds it (to 2^24 + 4), and the keys just before it
+FAR_KEYS = [0, 2**24 + 1, 2**24 + 2, 2**24 + 3, 2**40]
+
+
+@pytest.mark.parametrize(
+    ("expr", "formula"),
+    [
+        ("-abs(i - j)", lambda i, j: -(i - j).abs()),  # of j - i
+        # of the query position too: the general [H, N, M] path
+        ("-abs(i - j) * where(i > 5, 1, 2)", lambda i, j: -(i - j).abs() * (1 + (i <= 5))),
+    ],
+)
+def test_positions_past_float32s_integers_are_exact(expr: str, formula) -> None:
+    """At positions 2^24 and past (float32 integers end there), the expression sees the
+    exact positions: distances 2 and 1 read as 4 and 2 when i and j were rounded to
+    float32 before the expression. Bias, eager and sdpa against float64 by hand."""
+    torch.manual_seed(0)
+    pe = _expression_module(expr, "{}")(heads=2, head_dim=8)
+    q_at = torch.tensor([FAR, 7, 2])
+    k_at = torch.tensor(FAR_KEYS)
+    i, j = q_at.double().view(-1, 1), k_at.double().view(1, -1)
+    want_bias = formula(i, j).expand(2, -1, -1)  # [H, N, M], float64
+    torch.testing.assert_close(pe.score_bias(q_at, k_at), want_bias.float(), rtol=0, atol=0)
+    q, k, v = (torch.randn(1, 2, n, 8, dtype=torch.float64) for n in (3, 5, 5))
+    logits = q @ k.transpose(-1, -2) / math.sqrt(8) + want_bias
+    want = torch.softmax(logits, dim=-1) @ v
+    positions = {"q_positions": q_at, "k_positions": k_at}
+    for backend in ("eager", "sdpa"):
+        got = pe(q.float(), k.float(), v.float(), backend=backend, **positions)
+        torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5)
