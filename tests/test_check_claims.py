@@ -15,6 +15,7 @@ from click.testing import CliRunner
 from posgen.check.lengths import expression_numbers
 from posgen.check.probe import Probe
 from posgen.check.search import Budget
+from posgen.check.turns import condition_turns
 from posgen.cli import main
 from posgen.spec.expr import ParamInfo, parse_expr
 from posgen.spec.loader import load_spec
@@ -241,6 +242,50 @@ def test_parameters_and_heads_fold_at_the_values_the_module_reads() -> None:
     assert [value for _, value in bare] == [1.0]  # the where's 1: p and q unknown
 
 
+def test_conditions_turn_where_the_formula_says() -> None:
+    """The first shift of position (0, 0) at which each discrete part turns, exactly:
+    sqrt(i) > 1000 past i = 10^6, i / 10^6 > 10 past 10^7, a * i > 30 past 60 at a =
+    0.5, the minimum at 300; none for a part a shift leaves alone."""
+    infos = {"a": ParamInfo(per_head=False)}
+    cases = {
+        "where(sqrt(i) > 1000, 5, 0)": ("sqrt(i) > 1000", 1000001),
+        "where(i / 1000000 > 10, 5, 0)": ("i / 1000000 > 10", 10000001),
+        "where(a * i > 30, 1, 0)": ("a * i > 30", 61),
+        "minimum(i, 300) - abs(i - j)": ("minimum(i, 300)", 300),
+    }
+    for expr, turn in cases.items():
+        body = parse_expr(expr, infos).tree.body
+        assert turn in condition_turns(body, {"a": 0.5}), (expr, condition_turns(body, {"a": 0.5}))
+    body = parse_expr("-abs(i - j) * where(abs(i - j) > 1000, 2, 1)", infos).tree.body
+    assert condition_turns(body, {}) == []
+
+
+@pytest.mark.parametrize(
+    ("expr", "verdict", "shown"),
+    [
+        ("-abs(i - j) + where(sqrt(i) > 1000, 5, 0)", "REFUTED: fails", "shift c = 1000001"),
+        ("-abs(i - j) + where(i / 1000000 > 10, 5, 0)", "REFUTED: fails", "shift c = 10000001"),
+        # a constant all logits share widened the tolerance to about 10 and hid the 5
+        ("1000000 - abs(i - j) + where(j > 1000000, 5, 0)", "REFUTED: fails", "|Δ| 5 >"),
+        (
+            "-abs(i - j) + where(sqrt(i) > 100000, 5, 0)",
+            "limited: holds",
+            "turns at shift 10000000001",
+        ),
+    ],
+)
+def test_a_threshold_no_number_names_is_found(
+    tmp_path: Path, expr: str, verdict: str, shown: str
+) -> None:
+    """Thresholds reached through a function or a quotient of the expression's numbers
+    (no number of theirs is that large), and a change hidden under a large constant:
+    each was confirmed relative."""
+    spec = expr_bias_spec(tmp_path, "threshold", expr, claims="relative: true")
+    relative = _verdicts(str(spec), "--only", "relative", "--max-examples", "10")["relative"]
+    assert relative["verdict"] == verdict, relative
+    assert shown in relative["evidence"], relative
+
+
 BAND_AT_PARAMETER = "-abs(i - j) + where(abs(i - p * 1000) < 0.5, 1, 0)"
 
 
@@ -260,7 +305,8 @@ def test_a_band_at_a_parameter_is_found_where_the_module_puts_it(
         args += ["--weights", str(tmp_path / "trained.pt")]
     relative = _verdicts(*args)["relative"]
     assert relative["verdict"] == "REFUTED: fails", relative
-    assert f"shift c = {step}" in relative["evidence"], relative
+    found = relative["counterexample"]
+    assert step in [at + found["shift"] for at in found["q_positions"]], relative
 
 
 def test_xpos_that_refuses_a_long_context_does_not_extrapolate(tmp_path: Path) -> None:

@@ -32,11 +32,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from posgen.check.probe import stated
+from posgen.check.turns import condition_turns
 from posgen.spec.expr_shift import ARITHMETIC, drift, fold_numbers
 from posgen.spec.model import Spec, SpecModel
 from posgen.spec.model.biases import ExprBias
 
 LENGTH_FIELDS = ("max_positions", "original_max_positions", "max_distance", "floor_scale")
+TURN_HEADS = 8  # heads whose values the search for turning conditions tries
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,26 @@ def spec_lengths(spec: Spec, parameters: Values | None = None) -> list[Length]:
         values.update(heads=(float(heads),), h=tuple(float(head) for head in range(heads)))
         for text, value in expression_numbers(parsed.tree.body, parsed.of_difference, values):
             found.append(Length(value, f"the bias expression's {text}"))
+        if not parsed.of_difference:
+            found.extend(_turns(parsed.tree.body, values))
     return found
+
+
+def _turns(body: ast.expr, values: Values) -> list[Length]:
+    """Where the expression's conditions turn under a shift (``posgen.check.turns``),
+    for at most ``TURN_HEADS`` heads' values spread over the heads (the first and the
+    last among them)."""
+    read = {node.id for node in ast.walk(body) if isinstance(node, ast.Name)}
+    assignments = head_values({name: v for name, v in values.items() if name in read})
+    if len(assignments) > TURN_HEADS:
+        last = len(assignments) - 1
+        picked = sorted({round(k * last / (TURN_HEADS - 1)) for k in range(TURN_HEADS)})
+        assignments = [assignments[index] for index in picked]
+    found: dict[int, str] = {}
+    for assignment in assignments:
+        for text, shift in condition_turns(body, assignment):
+            found.setdefault(shift, f"the bias expression's {text}, which turns at shift {shift}")
+    return [Length(float(shift), source) for shift, source in sorted(found.items())]
 
 
 def expression_biases(model: Any) -> Iterator[ExprBias]:

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 from hypothesis import strategies as st
+from torch import Tensor
 
 from posgen.check.lengths import Length, spec_lengths
 from posgen.check.probe import Probe, input_unreachable
@@ -35,6 +36,7 @@ Example = tuple[list[int], list[int], int, int]
 
 FAR_SHIFT = 1 << 16  # far shifts reach at least this far ...
 MAX_SHIFT = 1 << 24  # ... and at most this far (float64 angles stay exact to ~1e-9)
+EPSILON = 2.0**-52  # float64's
 SHOWN_LENGTHS = 3  # lengths past the reach named in the evidence
 MAX_NAMED_LENGTHS = 64  # lengths tried exactly (``named_shifts``)
 
@@ -159,7 +161,11 @@ def _shifted_logits_agree(probe: Probe, example: Example) -> float:
     after = probe.logits(content, q + shift, k + shift)
     top = max(q_pos + k_pos) + shift
     finite = before[torch.isfinite(before)]
-    tol = 1e-11 * (1.0 + float(finite.abs().max() if finite.numel() else 0.0)) * (1.0 + top)
+    largest = float(finite.abs().max()) if finite.numel() else 0.0
+    # rounding that grows with the positions scales with how far a head's logits
+    # spread, not with a constant they share (which softmax ignores, and which
+    # hid a change of 5 under 1000000 - abs(i - j)); each value's own rounding with it
+    tol = 1e-11 * (1.0 + head_spread(before)) * (1.0 + top) + 64 * EPSILON * largest
     # equal infinities agree; NaN, or an infinity on one side only, never does
     delta = torch.where(before == after, 0.0, (after - before).abs()).nan_to_num(math.inf)
     if float(delta.max()) > tol:
@@ -177,6 +183,15 @@ def _shifted_logits_agree(probe: Probe, example: Example) -> float:
             content_seed=example_seed,
         )
     return tol - float(delta.max())
+
+
+def head_spread(logits: Tensor) -> float:
+    """The widest range (max − min) of one head's finite logits in [1, H, N, M]."""
+    finite = torch.isfinite(logits)
+    high = torch.where(finite, logits, -math.inf).amax(dim=(0, 2, 3))  # [H]
+    low = torch.where(finite, logits, math.inf).amin(dim=(0, 2, 3))
+    ranges = (high - low)[finite.any(dim=3).any(dim=2).any(dim=0)]  # heads with a finite one
+    return float(ranges.max()) if ranges.numel() else 0.0
 
 
 def divmod_index(flat: int, shape: torch.Size) -> list[int]:
