@@ -32,6 +32,7 @@ from ._inputs import (
     check_one_input,
     check_position_pair,
     check_positions,
+    count_optimizer_steps,
     frozen_block,
     kept_over_reach,
     parameter_snapshot,
@@ -1040,8 +1041,10 @@ def parameters_frozen(*modules: nn.Module) -> Iterator[None]:
     and a host sync on a GPU (DeBERTa's decode step against 500 keys on a 2-core CPU
     spent half its time there). The block's promise is that no parameter is edited
     through ``.data`` inside it. What autograd's version counters see is still seen:
-    optimizer steps, ``load_state_dict``, ``torch.nn.init`` and other in-place updates,
-    and parameters assigned anew. Blocks nest; each compares once more on entry.
+    ``load_state_dict``, ``torch.nn.init`` and other in-place updates, and parameters
+    assigned anew; and every ``torch.optim`` step (a global step hook counts them, since
+    a fused step moves no version counter) makes the next read compare the values once
+    more. Blocks nest; each compares once more on entry.
 
         with parameters_frozen(model), torch.inference_mode():
             for step in range(steps):
@@ -1059,6 +1062,7 @@ def parameters_frozen(*modules: nn.Module) -> Iterator[None]:
         encodings.extend(m for m in module.modules() if isinstance(m, AttentionTerms))
     if not encodings:
         raise ValueError("parameters_frozen: modules holds no posgen encoding")
+    count_optimizer_steps()
     block, before = object(), [m._frozen_block for m in encodings]
     for encoding in encodings:
         encoding._frozen_block = block

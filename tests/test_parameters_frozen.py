@@ -148,6 +148,28 @@ def test_updates_version_counters_see_are_seen_inside_the_block(name: str) -> No
 
 
 @pytest.mark.parametrize("name", KEEPING)
+@pytest.mark.parametrize("optimizer_class", [torch.optim.AdamW, torch.optim.SGD])
+def test_a_fused_optimizer_step_is_seen_inside_the_block(name: str, optimizer_class) -> None:
+    """A fused step (``fused=True``; Hugging Face's default AdamW) writes the parameters
+    without moving their version counters: the block still drops what it kept from the
+    old values (it kept them, and went on reading them, before)."""
+    pe, read = make(name), reader(name)
+    optimizer = optimizer_class(pe.parameters(), lr=0.1, fused=True)
+    versions = [parameter._version for parameter in pe.parameters()]
+    with parameters_frozen(pe):
+        with torch.no_grad():
+            before = read(pe, 30)
+        read(pe, 30).square().sum().backward()
+        optimizer.step()
+        assert [parameter._version for parameter in pe.parameters()] == versions
+        with torch.no_grad():
+            stepped = read(pe, 30)
+            fresh = read(fresh_copy(pe, name), 30)
+    torch.testing.assert_close(stepped, fresh, rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(before, stepped)
+
+
+@pytest.mark.parametrize("name", KEEPING)
 def test_an_edit_through_data_is_the_blocks_promise(name: str) -> None:
     """An edit through ``.data`` moves no version counter: outside a block the
     comparison sees it; inside one, after the first read, the kept value stands (the

@@ -42,6 +42,7 @@ ALLOWED_IMPORTS = {
     "torch.nn",
     "torch.nn.functional",
     "torch.nn.attention.flex_attention",
+    "torch.optim.optimizer",  # its global step hook (parameters_frozen)
     # optional, imported lazily inside the runtime's Triton kernels
     "triton",
     "triton.language",

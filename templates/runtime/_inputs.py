@@ -16,6 +16,7 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import Tensor
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ._triton import power_of_two_at_least
 
@@ -831,12 +832,13 @@ def module_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
 class ParameterSnapshot:
     """Detached copies of a module's parameters, kept beside a value cached from them so
     that ``parameters_unchanged`` can tell later whether the value still holds, and the
-    ``parameters_frozen`` block (``frozen_in``) in which they were last found equal to the
-    parameters: within that block they are not compared again."""
+    ``parameters_frozen`` block and optimizer step (``frozen_in``, ``frozen_since``) at
+    which they were last found equal to the parameters: until the next step within that
+    block they are not compared again."""
 
     __slots__ = ("tensors", "frozen_in")
 
-    def __init__(self, tensors: tuple[Tensor, ...], frozen_in: object | None) -> None:
+    def __init__(self, tensors: tuple[Tensor, ...], frozen_in: tuple[object, int] | None) -> None:
         self.tensors = tensors
         self.frozen_in = frozen_in
 
@@ -846,11 +848,43 @@ def frozen_block(module: torch.nn.Module) -> object | None:
     return getattr(module, "_frozen_block", None)
 
 
+class _OptimizerSteps:
+    """How many ``torch.optim`` steps this process has taken since the first
+    ``parameters_frozen`` block (a global step post hook, registered once): a fused step
+    (``fused=True``, Hugging Face's default AdamW) writes the parameters without moving
+    their version counters, so a block's promise holds between steps only."""
+
+    count = 0
+    hook: Any = None
+
+    @classmethod
+    def start(cls) -> None:
+        if cls.hook is None:
+            cls.hook = register_optimizer_step_post_hook(cls.taken)
+
+    @classmethod
+    def taken(cls, optimizer: Any, args: Any, kwargs: Any) -> None:
+        cls.count += 1
+
+
+def count_optimizer_steps() -> None:
+    """Start counting optimizer steps (``_OptimizerSteps``); a ``parameters_frozen``
+    block calls it on entry."""
+    _OptimizerSteps.start()
+
+
+def frozen_since(module: torch.nn.Module) -> tuple[object, int] | None:
+    """module's ``parameters_frozen`` block and the optimizer steps taken so far: values
+    found equal under one such pair are not compared again; None outside a block."""
+    block = frozen_block(module)
+    return None if block is None else (block, _OptimizerSteps.count)
+
+
 def parameter_snapshot(module: torch.nn.Module) -> ParameterSnapshot:
     """Detached copies of module's parameters, taken now (so equal to them within the
     ``parameters_frozen`` block that module is in, if any)."""
     copies = tuple(p.detach().clone() for p in module_parameters(module))
-    return ParameterSnapshot(copies, frozen_block(module))
+    return ParameterSnapshot(copies, frozen_since(module))
 
 
 def parameters_unchanged(module: torch.nn.Module, snapshot: ParameterSnapshot) -> bool:
@@ -861,11 +895,12 @@ def parameters_unchanged(module: torch.nn.Module, snapshot: ParameterSnapshot) -
     own. Comparing the values sees every edit, at the cost of one read of each parameter
     and a host sync (eager mode only; the caches are bypassed under torch.compile): one
     for all of them on ``PARAMETERS_COMPARED_AT_ONCE`` devices. Inside a
-    ``parameters_frozen`` block a snapshot found equal once is not compared again: the
-    block's promise is that no parameter changes unseen by its version counter.
+    ``parameters_frozen`` block a snapshot found equal once is not compared again until
+    an optimizer step (``frozen_since``): the block's promise is that no parameter
+    changes unseen by its version counter, and a fused step moves none.
     """
-    block = frozen_block(module)
-    if block is not None and snapshot.frozen_in is block:
+    block = frozen_since(module)
+    if block is not None and snapshot.frozen_in == block:
         return True
     parameters = module_parameters(module)
     if len(parameters) != len(snapshot.tensors):
