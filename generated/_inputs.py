@@ -18,7 +18,6 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import Tensor
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ._triton import power_of_two_at_least
 
@@ -862,6 +861,8 @@ class _OptimizerSteps:
     @classmethod
     def start(cls) -> None:
         if cls.hook is None:
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
             cls.hook = register_optimizer_step_post_hook(cls.taken)
 
     @classmethod
