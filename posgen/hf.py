@@ -23,7 +23,11 @@ architecture. The families, found by the layers' structure or class:
   cannot reproduce is refused by ``use_posgen_attention`` (logit soft-capping), and
   so, with ``strict``, is a module that would not give the layer's own positions: by
   kind when attached, and by value at the layer's first forward, where its rotation
-  must match the layer's own modeling code (``posgen.hf_strict``).
+  must match the layer's own modeling code (``posgen.hf_strict``). Attention dropout
+  in training (``attention_dropout`` above 0) and ``output_attentions`` are refused at
+  the forward, as BLOOM's are. Keys from the cache are numbered back from the last
+  query that is not padding over the keys the mask keeps, so a window's cache, which
+  drops the oldest keys, and a window that masks them give them their own positions.
 - BLOOM (``BloomAttention``: fused ``query_key_value`` laid out [.., heads, 3,
   head_dim], ``dense`` output): matching spec ``alibi`` (``generated.alibi.Alibi`` with
   the model's head count; BLOOM's slopes are ALiBi's for every head count). The model's
@@ -195,15 +199,18 @@ def _posgen_attention_forward(
     chunks, as HF's own attention reads it), else causal attention (HF's SDPA layers
     get no mask without padding). Under torch.compile, where the module cannot read
     the positions to see that no key lies ahead of a query, a second causal mask would
-    be formed and applied per layer for nothing.
+    be formed and applied per layer for nothing. Attention dropout in training and
+    ``output_attentions`` raise ValueError (``_refuse_what_posgen_does_not_do``).
     """
     batch, n = hidden_states.shape[:2]
     q = _projected(self, "q", hidden_states)  # [B, H, N, D]
     k = _projected(self, "k", hidden_states)  # [B, H_kv, N, D]
     v = _projected(self, "v", hidden_states)  # [B, H_kv, N, D]
-    positions = kwargs.get("position_ids")
+    _refuse_what_posgen_does_not_do(self, kwargs)
+    given = kwargs.get("position_ids")
+    positions = given if given is not None else cache_position
     if positions is None:
-        positions = cache_position if cache_position is not None else torch.arange(n)
+        positions = torch.arange(n)
     positions = positions.to(hidden_states.device)  # [N] or [B, N]
     if self.__dict__.get(UNCHECKED) is not None:  # strict: the first forward, once
         slots = cache_position if cache_position is not None else torch.arange(n)
@@ -213,13 +220,16 @@ def _posgen_attention_forward(
         k, v = past_key_values.update(k, v, self.layer_idx, {"cache_position": cache_position})
     m = k.shape[2]
     mask = _four_d(attention_mask, m)  # HF's 4-D mask: padding (and causal) per key
-    # cached keys: their positions count the kept tokens (HF's position_ids for a
-    # left-padded batch), not the cache slots; without a mask they are 0 .. M - 1, the
+    # cached keys: their positions count back from the last query's over the kept
+    # tokens (HF's position_ids for a padded batch), not the cache slots, which a
+    # window's cache drops from the front; without a mask they are 0 .. M - 1, the
     # module's default
     k_positions = positions if m == n else None
     if m != n and mask is not None:
         k_positions = _shared_by_layers(
-            (attention_mask,), (m, q.device), lambda: _kept_positions(mask, m, q.device)
+            (attention_mask, given, cache_position),
+            (m, q.device),
+            lambda: _cached_key_positions(mask, positions, cache_position, m),
         )
     out = self.posgen(
         q,
@@ -233,6 +243,28 @@ def _posgen_attention_forward(
     )  # [B, H, N, D]
     out = out.transpose(1, 2).reshape(batch, n, -1)
     return self.o_proj(out), None
+
+
+def _refuse_what_posgen_does_not_do(layer: Any, kwargs: dict[str, Any]) -> None:
+    """ValueError where a Llama-family layer is asked for what the posgen attention does
+    not do, rather than leave it out unsaid: attention dropout in training (HF's
+    layers drop ``attention_dropout`` of the weights when ``training``) and the
+    attention weights (``output_attentions``, in the call or the model's config: HF
+    collects the layers' second output, which here is None)."""
+    dropout = getattr(layer, "attention_dropout", 0.0)
+    if isinstance(dropout, nn.Dropout):
+        dropout = dropout.p
+    if layer.training and isinstance(dropout, float | int) and dropout > 0:
+        raise ValueError(
+            f"posgen attention has no attention dropout, and the layer's attention_dropout "
+            f"is {dropout}: call model.eval(), or build the model with "
+            "config.attention_dropout=0.0 to train"
+        )
+    wanted = kwargs.get("output_attentions")
+    if wanted is None:
+        wanted = getattr(getattr(layer, "config", None), "output_attentions", False)
+    if wanted is True:
+        raise ValueError("posgen.hf does not return attention weights: output_attentions=False")
 
 
 def _watch_position_axes(model: nn.Module) -> None:
@@ -425,6 +457,47 @@ def _unchanged(t: Tensor | None, stamp: tuple[Any, int] | None) -> bool:
     if t is None or stamp is None:
         return t is None and stamp is None
     return stamp[0]() is t and stamp[1] == t._version
+
+
+def _cached_key_positions(
+    mask: Tensor, positions: Tensor, cache_position: Tensor | None, m: int
+) -> Tensor:
+    """A Llama-family layer's key positions, int64 [B, M] (0 at a key no query keeps),
+    when some keys come from the cache: counted back from a query's position over the
+    keys the mask keeps.
+
+    mask: HF's 4-D mask [B, 1, N, M] over the M keys; positions: the N queries'
+    ([N] or [B, N]); cache_position: their places in the sequence ([N]). The keys some
+    query keeps are the tokens from the earliest query's window (or chunk) on, less
+    padding, so the kept keys' positions run on by one from key to kept key, as
+    ``generate``'s position_ids count the kept tokens. Numbering them from the left
+    (as BLOOM's positions do) would start them at 0 wherever a window left earlier
+    tokens out, so they are numbered back from the row's last query that is not
+    padding (whose own key is kept), at its position. A query's key is its slot in
+    the cache: the cache position, or as far from the last key as the query is from
+    the last query where the cache holds fewer keys than that (a window's cache
+    drops the oldest: HF's sliding-window layers keep the window, not the sequence).
+    Tested against a full forward with windows, left, right and inner padding, and
+    dynamic and static caches fed in chunks (tests/test_hf_review.py).
+    """
+    n = mask.shape[-2]
+    kept = kept_by_mask(mask[:, 0]).any(-2).to(torch.int64)  # [B, M]: kept by some query
+    if cache_position is None:
+        slots = torch.arange(m - n, m, device=kept.device)
+    else:
+        cache_position = cache_position.to(kept.device)
+        slots = cache_position - (cache_position[-1] - (m - 1)).clamp(min=0)  # [N]
+    batch = max(kept.shape[0], positions.shape[0] if positions.dim() > 1 else 1)
+    kept = kept.expand(batch, m)
+    positions = positions.to(torch.int64).expand(batch, n)
+    own = kept[:, slots]  # [B, N]: 1 where the query's own key is kept (not padding)
+    order = torch.arange(1, n + 1, device=kept.device)
+    last = (own * order).argmax(-1, keepdim=True)  # [B, 1]: the last such query
+    later = kept.flip(-1).cumsum(-1).flip(-1)  # [B, M]: kept keys from each key on
+    from_last = later - later.gather(-1, slots[last])  # kept keys from each up to it
+    # a row whose queries are all padding (right padding) has no such query: its
+    # outputs are read by nothing, and its keys' positions are kept from going negative
+    return ((positions.gather(-1, last) - from_last) * kept).clamp(min=0)
 
 
 def _kept_positions(mask: Tensor | None, m: int, device: torch.device) -> Tensor:
