@@ -13,7 +13,8 @@ loader turns it into ``file:line:col``). The grammar:
 - names: ``i``, ``j`` (float positions), ``h`` (the head index, a float), and the
   declared parameters; a parameter of shape ``[heads]`` is read only as ``name[h]``,
   a scalar parameter (shape ``[]``) only as ``name``;
-- numbers: int and float literals (finite, at most ``MAX_NUMBER_CHARS`` characters);
+- numbers: int and float literals (finite, at most ``MAX_NUMBER_CHARS`` characters;
+  a nonzero one that float64 rounds to 0, such as ``1e-400``, is refused);
 - operators: ``+ - * / ** %`` (binary), ``-`` and ``+`` (unary), comparisons
   ``< <= > >= == !=`` (one operator per comparison, giving a boolean for ``where``);
   no boolean operators (``and or not & | ~``);
@@ -22,7 +23,9 @@ loader turns it into ``file:line:col``). The grammar:
   ``where(condition, a, b)`` (3); a call needs at least one argument that depends on
   ``i``, ``j``, ``h`` or a parameter (write a constant as a number);
 - limits: ``MAX_EXPR_CHARS`` characters of printable ASCII on one line,
-  ``MAX_EXPR_NODES`` syntax nodes, nesting at most ``MAX_EXPR_DEPTH`` deep.
+  ``MAX_EXPR_NODES`` syntax nodes (names, numbers, operators and calls, as
+  ``count_nodes`` counts them: ``-abs(i - j)`` is 5), nesting at most ``MAX_EXPR_DEPTH``
+  deep.
 
 Every node is then typed (``check_types``) as a number or a boolean: a comparison takes
 two numbers and gives a boolean, which only ``where``'s first argument takes; every
@@ -51,7 +54,8 @@ from .expr_shift import reads_difference_only
 MAX_EXPR_CHARS = 500
 """Longest expression text (KERPLE-log is 34 characters)."""
 MAX_EXPR_NODES = 64
-"""Most syntax nodes (names, numbers, operators, calls) in one expression."""
+"""Most syntax nodes in one expression: names, numbers, operators and calls
+(``count_nodes``), each at most one rendered step."""
 MAX_EXPR_DEPTH = 16
 """Deepest nesting of operators and calls."""
 MAX_NUMBER_CHARS = 32
@@ -156,6 +160,8 @@ def _offset(node: ast.AST) -> int:
     return int(getattr(node, "col_offset", 0))
 
 
+_NONZERO_MANTISSA = re.compile(r"[1-9]")
+"""A literal whose digits before the exponent include one of these is not zero."""
 _PLAIN_DECIMAL = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
 
 
@@ -202,13 +208,14 @@ def parse_expr(
         offset = max((error.offset or 1) - 1, 0)
         raise ExprError(f"invalid syntax: {error.msg}", min(offset, len(text))) from None
     nodes = list(ast.walk(tree.body))
-    if len(nodes) > MAX_EXPR_NODES:
+    count = count_nodes(tree.body)
+    if count > MAX_EXPR_NODES:
         raise ExprError(
-            f"{len(nodes)} syntax nodes, past the limit of {MAX_EXPR_NODES}: split the idea "
-            "into a built-in kind or a shorter formula",
+            f"{count} syntax nodes, past the limit of {MAX_EXPR_NODES} (names, numbers, "
+            "operators and calls): split the idea into a built-in kind or a shorter formula",
             0,
         )
-    checker = _Checker(params, names)
+    checker = _Checker(params, names, text)
     checker.check(tree.body, 1)
     _check_number_spelling(text, nodes)
     check_types(tree.body)
@@ -228,10 +235,30 @@ def parse_expr(
     )
 
 
+def count_nodes(body: ast.expr) -> int:
+    """The syntax nodes ``MAX_EXPR_NODES`` bounds: every name, number, operator (binary,
+    unary or comparison) and call, i.e. every ``ast.expr`` node, where a call's function
+    name belongs to its call and a parameter read ``name[h]`` is one name. The tree's
+    bookkeeping objects (Load contexts, operator tokens such as ``ast.Add``) are not
+    counted: they add nothing to the rendered steps."""
+    parts: set[int] = set()  # nodes that belong to the node above them
+    for node in ast.walk(body):
+        if isinstance(node, ast.Call):
+            parts.add(id(node.func))
+        elif (
+            isinstance(node, ast.Subscript)
+            and isinstance(node.value, ast.Name)
+            and isinstance(node.slice, ast.Name)
+        ):
+            parts.update((id(node.value), id(node.slice)))
+    return sum(1 for node in ast.walk(body) if isinstance(node, ast.expr) and id(node) not in parts)
+
+
 class _Checker:
-    def __init__(self, params: dict[str, ParamInfo], names: tuple[str, ...]) -> None:
+    def __init__(self, params: dict[str, ParamInfo], names: tuple[str, ...], text: str) -> None:
         self.params = params
         self.names = names
+        self.text = text
         self.used_params: list[str] = []
         self.used_names: set[str] = set()
 
@@ -284,6 +311,13 @@ class _Checker:
         if not math.isfinite(float(value)) or abs(float(value)) > MAX_LITERAL:
             raise ExprError(
                 f"number literal out of range: at most {MAX_LITERAL:g} in magnitude",
+                _offset(node),
+            )
+        spelled = self.text[node.col_offset : node.end_col_offset or node.col_offset]
+        if value == 0 and _NONZERO_MANTISSA.search(re.split("[eE]", spelled)[0]):
+            # a nonzero literal that float64 rounds to 0: the term would silently vanish
+            raise ExprError(
+                f"number {spelled!r} underflows to 0 (float64 reaches down to ~5e-324)",
                 _offset(node),
             )
 

@@ -4,8 +4,10 @@ buckets, KERPLE, FIRE, Sandwich, expressions) and TUPE's untied positions.
 
 from __future__ import annotations
 
+import ast
 import builtins
 import keyword
+import math
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
@@ -19,7 +21,12 @@ from posgen.spec.expr import (
     Parsed,
     parse_expr,
 )
-from posgen.spec.expr_values import first_non_finite
+from posgen.spec.expr_values import (
+    NonFiniteGradient,
+    first_non_finite,
+    first_non_finite_gradient,
+    guarded_form,
+)
 from posgen.spec.model.base import (
     BASE_WHY,
     EPS_WHY,
@@ -342,7 +349,10 @@ class ExprBias(SpecModel):
     def finiteness_problem(self, heads: int) -> str | None:
         """Where the bias is first NaN or infinite for a module of ``heads`` heads (the
         spec's defaults.heads), at the initial parameters, over i, j < CHECKED_POSITIONS
-        and the heads of ``checked_heads``; None where it is finite there."""
+        and the heads of ``checked_heads``; else where the gradient of a parameter is
+        first NaN or infinite there (``gradient_problem``: a where() branch that is -inf,
+        NaN or infinitely steep where it is not selected, say); None where both are
+        finite."""
         parsed = self.parsed()
         initial = {name: param.init for name, param in self.params.items()}
         initial["heads"] = float(heads)  # read as a name, like the parameters
@@ -352,21 +362,66 @@ class ExprBias(SpecModel):
             positions=range(CHECKED_POSITIONS),
             heads=checked_heads(heads) if parsed.uses_h else (0,),
         )
-        if bad is None:
-            return None
-        precision = " in float32 (finite in float64)" if bad.float32 else ""
-        where = f"i = {bad.i}, j = {bad.j}, h = {bad.h}"
         at_heads = f", heads = {heads} (defaults.heads)" if parsed.uses_heads else ""
-        return (
-            f"the bias is {bad.value}{precision} at {where}{at_heads} with the parameters at "
-            "their initial values: a logit of ±inf or NaN masks or poisons its row instead "
-            "of biasing it (mask with causal=True, window or attn_mask instead)"
+        if bad is not None:
+            precision = " in float32 (finite in float64)" if bad.float32 else ""
+            where = f"i = {bad.i}, j = {bad.j}, h = {bad.h}"
+            return (
+                f"the bias is {bad.value}{precision} at {where}{at_heads} with the parameters "
+                "at their initial values: a logit of ±inf or NaN masks or poisons its row "
+                "instead of biasing it (mask with causal=True, window or attn_mask instead)"
+            )
+        steep = first_non_finite_gradient(
+            parsed.tree,
+            initial,
+            trained=parsed.params,
+            positions=range(CHECKED_POSITIONS),
+            heads=checked_heads(heads) if parsed.uses_h else (0,),
         )
+        return None if steep is None else gradient_problem(steep, at_heads)
 
     def parsed(self) -> Parsed:
         """The checked expression (validated already, so this cannot fail)."""
         infos = {name: ParamInfo(per_head=param.per_head) for name, param in self.params.items()}
         return parse_expr(self.expr, infos)
+
+
+SAFE_FORM_EXAMPLE = "log(where(i > j, i - j, 1))"
+"""The guard a message shows where it cannot write one for the expression at hand."""
+
+
+def gradient_problem(bad: NonFiniteGradient, at_heads: str = "") -> str:
+    """The refusal of an expression bias whose parameter ``bad.param`` has a NaN or
+    infinite gradient at a checked point, at the initial parameters (the rule of
+    ``first_non_finite_gradient``): training would make that parameter NaN at its first
+    step. Where the cause lies in a where() branch that the condition does not select,
+    the message says so and shows the guarded form, the argument selected instead of
+    the result (log(where(i > j, i - j, 1)))."""
+    precision = " in float32 (finite in float64)" if bad.float32 else ""
+    head = (
+        f"the gradient of parameter {quoted(bad.param)} is {bad.gradient}{precision} at "
+        f"i = {bad.i}, j = {bad.j}, h = {bad.h}{at_heads} with the parameters at their "
+        "initial values, so training turns it into NaN at the first step"
+    )
+    if bad.culprit is None:
+        return f"{head}; keep the expression's intermediate values within float range"
+    culprit = ast.unparse(bad.culprit)
+    if math.isfinite(bad.culprit_value):
+        meets = f"{culprit} = {bad.culprit_value}, whose slope there is not finite"
+    else:
+        meets = f"{culprit} = {bad.culprit_value}"
+    if bad.masked_by is None:
+        return (
+            f"{head}: {meets}; keep each function's argument where its value and slope "
+            f"are finite, e.g. {SAFE_FORM_EXAMPLE}"
+        )
+    branch = ast.unparse(bad.masked_by.args[bad.branch])
+    safe = guarded_form(bad.culprit, bad.masked_by, bad.branch)
+    return (
+        f"{head}: torch computes both branches of where(), and here the unselected one, "
+        f"{branch}, meets {meets}; times the zero gradient that branch gets, that is NaN. "
+        f"Guard the argument instead: {safe or SAFE_FORM_EXAMPLE}"
+    )
 
 
 Bias = Annotated[
