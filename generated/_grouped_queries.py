@@ -12,7 +12,9 @@ one key-value head fit in one small matrix of G * N rows, and the step is
 two batched matmuls that read each cached key and value once. Logits and softmax are
 float32 (float64 for float64 inputs; half-precision inputs through bmm's float32
 output), and the weights are rounded to v's dtype for the second product, as
-FlashAttention rounds its probabilities.
+FlashAttention rounds its probabilities. Under autocast they run with it off (it
+would take baddbmm to bfloat16), and the output is cast to autocast's dtype, the dtype
+SDPA gives the other paths there (float64 stays float64, as autocast leaves it).
 
 On a 2-core x86 CPU (float32, one query, head_dim 64 or 128, 1024 to 8192 cached keys)
 these matmuls with an ALiBi-like mask took 0.27-0.31x the time of
@@ -47,6 +49,7 @@ from torch import Tensor
 
 from ._inputs import repeat_kv
 from ._masks import masked_softmax
+from ._numerics import autocast_off
 
 # Devices where a few grouped queries take the two batched matmuls
 # (``grouped_queries_serve``): the CPU, measured (see the module docstring). On CUDA
@@ -150,11 +153,29 @@ def grouped_query_attention(
     q: [B, H, N, D]; k: [B, H_kv, M, D]; v: [B, H_kv, M, Dv], H_kv dividing H and each
     merging its batch and head axes (``few_query_matmuls_serve``); mask: None, bool
     (True = attend) or additive float, broadcastable to [B, H, N, M]
-    -> [B, H, N, Dv] in v's dtype.
+    -> [B, H, N, Dv] in v's dtype; under autocast computed with it off and returned in
+    autocast's dtype, as SDPA returns it there (float64 as it is).
     """
+    device = q.device.type
+    with autocast_off(device):
+        out = _grouped_query_attention(q, k, v, mask, scale, every_row_reads)
+    if device != "meta" and torch.is_autocast_enabled(device) and out.dtype != torch.float64:
+        out = out.to(torch.get_autocast_dtype(device))
+    return out
+
+
+def _grouped_query_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    scale: float,
+    every_row_reads: bool,
+) -> Tensor:
+    """``grouped_query_attention`` with autocast off -> [B, H, N, Dv] in v's dtype."""
     b, h, n, d = q.shape
     if b > 1 and not (_heads_merge(k) and _heads_merge(v)):  # one batch row at a time
-        outs = [
+        outs = [  # autocast is off here: each row in v's dtype
             grouped_query_attention(
                 q[i : i + 1],
                 k[i : i + 1],

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from ._attention import PositionalAttention
 from ._grouped_queries import scores_per_query_head
 from ._masks import causal_allowed, same_document
+from ._numerics import autocast_off
 
 __all__ = ["Cope"]
 
@@ -101,21 +102,26 @@ class Cope(PositionalAttention):
         with packed ``documents``, in the query's document (so a packed document counts
         as it would alone), clamped to max_positions - 1; w = p_ij - floor p_ij.
         """
-        n, m = q.shape[2], k.shape[2]
-        q, k = q.to(dtype), k.to(dtype)
-        logits = scores_per_query_head(q * self.scale, k)  # [B, H, N, M]
-        gates = torch.sigmoid(logits)
-        one_query = n == 1 and q_positions is None and k_positions is None
-        if documents is not None or not one_query:  # one query at M - 1 sees every key
-            visible = causal_allowed(q_positions, k_positions, n, m, q.device)  # key <= query
-            if documents is not None:
-                visible = visible & same_document(documents)  # [N, M] or [B, 1, N, M]
-            gates = gates * visible.to(dtype)
-        counted = gates.flip(-1).cumsum(-1).flip(-1).clamp(max=COPE_MAX_POSITIONS - 1)
-        counted = counted.nan_to_num(nan=COPE_MAX_POSITIONS - 1)  # NaN logits: rows NaN anyway
-        per_row = torch.matmul(q, self.cope_positions.to(dtype).t())  # [B, H, N, P]
-        below = counted.floor()
-        at_floor = per_row.gather(-1, below.long())
-        at_ceil = per_row.gather(-1, counted.ceil().long())
-        # (1 - w) e[floor] + w e[ceil], w = p - floor p: [B, H, N, M]
-        return {"content_position": torch.lerp(at_floor, at_ceil, counted - below)}
+        # with autocast off, as ``score_terms`` builds every term: the sdpa backend's
+        # calls too, in float32 (float64 for float64 inputs)
+        with autocast_off(q.device.type):
+            n, m = q.shape[2], k.shape[2]
+            q, k = q.to(dtype), k.to(dtype)
+            logits = scores_per_query_head(q * self.scale, k)  # [B, H, N, M]
+            gates = torch.sigmoid(logits)
+            one_query = n == 1 and q_positions is None and k_positions is None
+            if documents is not None or not one_query:  # one query at M - 1 sees every key
+                # key <= query
+                visible = causal_allowed(q_positions, k_positions, n, m, q.device)
+                if documents is not None:
+                    visible = visible & same_document(documents)  # [N, M] or [B, 1, N, M]
+                gates = gates * visible.to(dtype)
+            counted = gates.flip(-1).cumsum(-1).flip(-1).clamp(max=COPE_MAX_POSITIONS - 1)
+            # NaN logits: rows NaN anyway
+            counted = counted.nan_to_num(nan=COPE_MAX_POSITIONS - 1)
+            per_row = torch.matmul(q, self.cope_positions.to(dtype).t())  # [B, H, N, P]
+            below = counted.floor()
+            at_floor = per_row.gather(-1, below.long())
+            at_ceil = per_row.gather(-1, counted.ceil().long())
+            # (1 - w) e[floor] + w e[ceil], w = p - floor p: [B, H, N, M]
+            return {"content_position": torch.lerp(at_floor, at_ceil, counted - below)}

@@ -48,6 +48,7 @@ from torch import Tensor
 from ._chunked_flash import Span
 from ._mask_buffer import ChunkBuffer
 from ._masks import masked_softmax_
+from ._numerics import autocast_off
 
 #: keys per block of ``_counts``' prefix sums, which stop once every row's count is P - 1
 COUNT_BLOCK = 128
@@ -237,14 +238,8 @@ class _CountedPositionAttention(torch.autograd.Function):
     def forward(
         ctx: Any, q: Tensor, keys: Tensor, values: Tensor, table: Tensor, chunks: CountedChunks
     ) -> Tensor:
-        batch, heads = q.shape[0], q.shape[1]
-        out = q.new_empty(batch, heads, q.shape[2], values.shape[-1])
-        scratch = ChunkScratch(batch * heads, chunks.spans, backward=False)
-        for span in chunks.spans:
-            i0, i1 = span[0], span[1]
-            queries, span_keys, span_values = _span_inputs(q, keys, values, span)
-            chunk = _chunk_logits(queries, span_keys, table, span, chunks, scratch, batch)
-            out[:, :, i0:i1] = torch.bmm(chunk.weights, span_values).view(batch, heads, i1 - i0, -1)
+        with autocast_off(q.device.type):  # its buffers are in q's dtype, as are its inputs
+            out = _counted_forward(q, keys, values, table, chunks)
         ctx.save_for_backward(q, keys, values, table, out)
         ctx.chunks = chunks
         return out
@@ -252,39 +247,68 @@ class _CountedPositionAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         q, keys, values, table, out = ctx.saved_tensors
-        chunks: CountedChunks = ctx.chunks
-        batch, heads = q.shape[0], q.shape[1]
-        groups = batch * heads
-        dq, dkeys, dvalues = torch.zeros_like(q), torch.zeros_like(keys), torch.zeros_like(values)
-        dtable = torch.zeros_like(table)
-        scratch = ChunkScratch(groups, chunks.spans, backward=True)
-        assert scratch.grads is not None
-        for span in chunks.spans:
-            i0, i1, lo, hi = span
-            rows, width = i1 - i0, hi - lo
-            queries, span_keys, span_values = _span_inputs(q, keys, values, span)
-            chunk = _chunk_logits(queries, span_keys, table, span, chunks, scratch, batch)
-            grad_rows = grad_out[:, :, i0:i1].reshape(groups, rows, -1)  # [G, r, Dv]
-            out_rows = out[:, :, i0:i1].reshape(groups, rows, -1)
-            # dl = w (dO vᵀ - rowsum(dO o)): the logits' gradient, [G, r, w]
-            dlogits = scratch.grads.view((groups, rows, width), q.dtype, q.device)
-            torch.bmm(grad_rows, span_values.transpose(1, 2), out=dlogits)
-            dlogits.sub_((grad_rows * out_rows).sum(-1, keepdim=True)).mul_(chunk.weights)
-            dvalues[:, :, lo:hi] += torch.bmm(chunk.weights.transpose(1, 2), grad_rows).view(
-                batch, heads, width, -1
-            )
-            gathered = scratch.gathered.view(chunk.floors.shape, q.dtype, q.device)
-            dprojected = _term_backward(chunk, dlogits, gathered)  # [G, r, P]: dE; dl -> ds
-            dq_rows = torch.bmm(dprojected, table.expand(groups, -1, -1))  # [G, r, D]
-            dtable += dprojected.reshape(-1, table.shape[0]).t() @ queries.reshape(-1, q.shape[-1])
-            dq_rows.baddbmm_(dlogits, span_keys, alpha=chunks.scale)
-            dq[:, :, i0:i1] = dq_rows.view(batch, heads, rows, -1)
-            dkeys[:, :, lo:hi] += (
-                torch.bmm(dlogits.transpose(1, 2), queries)
-                .mul_(chunks.scale)
-                .view(batch, heads, width, -1)
-            )
-        return dq, dkeys, dvalues, dtable, None
+        with autocast_off(q.device.type):  # a backward called under autocast
+            return _counted_backward(q, keys, values, table, out, ctx.chunks, grad_out)
+
+
+def _counted_forward(
+    q: Tensor, keys: Tensor, values: Tensor, table: Tensor, chunks: CountedChunks
+) -> Tensor:
+    """``_CountedPositionAttention``'s forward, autocast off -> [B, H, N, value_dim]."""
+    batch, heads = q.shape[0], q.shape[1]
+    out = q.new_empty(batch, heads, q.shape[2], values.shape[-1])
+    scratch = ChunkScratch(batch * heads, chunks.spans, backward=False)
+    for span in chunks.spans:
+        i0, i1 = span[0], span[1]
+        queries, span_keys, span_values = _span_inputs(q, keys, values, span)
+        chunk = _chunk_logits(queries, span_keys, table, span, chunks, scratch, batch)
+        out[:, :, i0:i1] = torch.bmm(chunk.weights, span_values).view(batch, heads, i1 - i0, -1)
+    return out
+
+
+def _counted_backward(
+    q: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    table: Tensor,
+    out: Tensor,
+    chunks: CountedChunks,
+    grad_out: Tensor,
+) -> tuple[Tensor | None, ...]:
+    """``_CountedPositionAttention``'s backward, autocast off: the gradients of q, the
+    keys, the values and the table (and None for ``chunks``)."""
+    batch, heads = q.shape[0], q.shape[1]
+    groups = batch * heads
+    dq, dkeys, dvalues = torch.zeros_like(q), torch.zeros_like(keys), torch.zeros_like(values)
+    dtable = torch.zeros_like(table)
+    scratch = ChunkScratch(groups, chunks.spans, backward=True)
+    assert scratch.grads is not None
+    for span in chunks.spans:
+        i0, i1, lo, hi = span
+        rows, width = i1 - i0, hi - lo
+        queries, span_keys, span_values = _span_inputs(q, keys, values, span)
+        chunk = _chunk_logits(queries, span_keys, table, span, chunks, scratch, batch)
+        grad_rows = grad_out[:, :, i0:i1].reshape(groups, rows, -1)  # [G, r, Dv]
+        out_rows = out[:, :, i0:i1].reshape(groups, rows, -1)
+        # dl = w (dO vᵀ - rowsum(dO o)): the logits' gradient, [G, r, w]
+        dlogits = scratch.grads.view((groups, rows, width), q.dtype, q.device)
+        torch.bmm(grad_rows, span_values.transpose(1, 2), out=dlogits)
+        dlogits.sub_((grad_rows * out_rows).sum(-1, keepdim=True)).mul_(chunk.weights)
+        dvalues[:, :, lo:hi] += torch.bmm(chunk.weights.transpose(1, 2), grad_rows).view(
+            batch, heads, width, -1
+        )
+        gathered = scratch.gathered.view(chunk.floors.shape, q.dtype, q.device)
+        dprojected = _term_backward(chunk, dlogits, gathered)  # [G, r, P]: dE; dl -> ds
+        dq_rows = torch.bmm(dprojected, table.expand(groups, -1, -1))  # [G, r, D]
+        dtable += dprojected.reshape(-1, table.shape[0]).t() @ queries.reshape(-1, q.shape[-1])
+        dq_rows.baddbmm_(dlogits, span_keys, alpha=chunks.scale)
+        dq[:, :, i0:i1] = dq_rows.view(batch, heads, rows, -1)
+        dkeys[:, :, lo:hi] += (
+            torch.bmm(dlogits.transpose(1, 2), queries)
+            .mul_(chunks.scale)
+            .view(batch, heads, width, -1)
+        )
+    return dq, dkeys, dvalues, dtable, None
 
 
 def _term_backward(chunk: _ChunkLogits, dlogits: Tensor, gathered: Tensor) -> Tensor:

@@ -52,7 +52,7 @@ from ._masks import (
     query_chunks,
     reachable_query_chunks,
 )
-from ._numerics import compute_dtype
+from ._numerics import autocast_off, compute_dtype
 from ._position_band import clipped_attention_at_positions, clipped_bias_factors
 from ._sdpa_relative import SdpaRelative
 from ._trained_bias import (
@@ -612,7 +612,10 @@ class SdpaBackend(SdpaRelative):
         keys 100 or more away: outputs off by 2.5). A bias whose rows clear their floor
         before masks that only remove entries (``rows_clear_floor``) is not floored."""
         if bias is None:
-            bias = self._position_bias(q_positions, k_positions, n, m, device)
+            # with autocast off, as ``score_terms`` builds the eager terms: a bias that a
+            # network makes (FIRE's MLP, TUPE's projections) in float32, not in bfloat16
+            with autocast_off(device.type):
+                bias = self._position_bias(q_positions, k_positions, n, m, device)
         assert bias is not None  # has_position_bias
         # float64 inputs: the masks join a float64 bias (as they join eager's logits),
         # not one rounded to the parameters' float32
