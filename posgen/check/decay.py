@@ -1,27 +1,45 @@
 """The ``decay`` claim: the position-only score falls with distance.
 
 The curve is the position-only score of a query against the keys before it, at distances
-r = 0, 1, …, span - 1 (``decay_curve``); a rotation without a bias uses the RoFormer bound
-(1/(d/2)) Σ_j |S_j| on the frequencies measured from the module instead. The curve is
-averaged over log windows of distance, [0, 1), [1, 2), [2, 4), [4, 8), … up to the span
-(``distance_windows``, ``window_means``); it decays when no window mean rises over the
-previous one, the last is below the first, and at least half of the adjacent windows fall
-strictly. hypothesis draws the head, the query position (up to the table's end) and the
-content's seed. ``posgen plot`` draws the same curve and window means. A long curve is
+r = 0, 1, …, R - 1 (``decay_curve``); a rotation without a bias uses the RoFormer bound
+(1/(d/2)) Σ_j |S_j| on the frequencies measured from the module instead. The reach R is
+the span, or twice every length the spec names where that is farther (``decay_reach``:
+``posgen.check.lengths``, and the numbers an expression bias compares or combines with a
+distance, such as the 1000 of ``abs(i - j) > 1000``), at most ``MAX_DECAY_REACH`` and
+never past a table; a length the curve does not reach makes a claim that held "limited".
+The curve is averaged over log windows of distance, [0, 1), [1, 2), [2, 4), [4, 8), …
+up to R (``distance_windows``, ``window_means``); past the span, a window wider than
+``WINDOW_SAMPLES`` distances is averaged over that many evenly spaced ones
+(``curve_distances``), so the work stays bounded. It decays when the curve is finite
+(a NaN or an infinity refutes it, at the first distance where it is not), no window
+mean rises over the previous one, the last is below the first, and at least half of the
+adjacent windows fall strictly. hypothesis draws the head, the query position (up to
+the table's end) and the content's seed; the curve shown is checked too. ``posgen plot``
+draws the same curve and window means, up to its own ``--distance``. A long curve is
 evaluated a chunk of distances at a time (``distance_chunk``), which bounds its memory
 and lets the runner's hard deadline stop it between chunks.
 """
 
 from __future__ import annotations
 
+import ast
+import math
 from typing import Any
 
 import torch
 from hypothesis import strategies as st
 from torch import Tensor
 
+from posgen.check.contract import F64
+from posgen.check.lengths import (
+    Length,
+    constant_value,
+    expression_biases,
+    head_values,
+    spec_lengths,
+)
 from posgen.check.probe import Probe, input_unreachable, stated
-from posgen.check.search import SEEDS, Violation, fmt, run_search
+from posgen.check.search import SEEDS, Search, Violation, fmt, run_search
 from posgen.check.verdicts import Outcome, failed, jsonable
 from posgen.spec.model import SpecModel
 
@@ -39,9 +57,124 @@ def distance_windows(span: int) -> list[Window]:
     return list(zip(edges[:-1], edges[1:], strict=True))
 
 
-def window_means(curve: Tensor, windows: list[Window]) -> list[float]:
-    """The mean of the curve over each window."""
-    return [float(curve[a:b].mean()) for a, b in windows]
+def window_means(
+    curve: Tensor, windows: list[Window], distances: Tensor | None = None
+) -> list[float]:
+    """The mean of the curve over each window: curve[r] at distance r, or, with
+    ``distances`` (ascending), curve[k] at distance distances[k]."""
+    if distances is None:
+        return [float(curve[a:b].mean()) for a, b in windows]
+    edges = torch.tensor([edge for window in windows for edge in window])
+    bounds = torch.searchsorted(distances, edges).view(-1, 2).tolist()
+    return [float(curve[lo:hi].mean()) for lo, hi in bounds]
+
+
+# Past the span, a window wider than this many distances is averaged over this many
+# evenly spaced ones (the RoFormer bound, one curve whatever the example and quick to
+# evaluate: BOUND_WINDOW_SAMPLES, so its fast oscillation is averaged, not aliased); the
+# reach is at most MAX_DECAY_REACH (a contextual form, whose keys are scored in one
+# call, CONTEXTUAL_DECAY_REACH).
+WINDOW_SAMPLES = 512
+BOUND_WINDOW_SAMPLES = 1 << 16
+MAX_DECAY_REACH = 1 << 24
+CONTEXTUAL_DECAY_REACH = 4096
+
+
+def curve_distances(
+    windows: list[Window], span: int, samples: int | None = WINDOW_SAMPLES
+) -> Tensor:
+    """The distances of a decay curve over ``windows``, ascending: every one below the
+    span; past it, every one of a window of at most ``samples`` distances (of every
+    window where ``samples`` is None) and ``samples`` evenly spaced ones of a wider
+    window. Over windows up to the span: 0, 1, …, span - 1."""
+    parts = []
+    for a, b in windows:
+        if b <= span or samples is None or b - a <= samples:
+            parts.append(torch.arange(a, b))
+        else:
+            spaced = torch.linspace(a, b - 1, samples, dtype=F64)
+            parts.append(spaced.round().long().unique())
+    return torch.cat(parts)
+
+
+def distance_lengths(probe: Probe) -> list[Length]:
+    """The lengths of distance an expression bias names, which ``spec_lengths`` leaves
+    out for an expression of j - i (no shift moves it): the constant operands (each
+    folded in float64, parameters, h and heads at the values the module reads, head by
+    head) of every comparison, arithmetic operation and function call that also reads i
+    or j, such as the 1000 of ``abs(i - j) > 1000``, ``maximum(abs(i - j) - 1000, 0)``
+    or ``exp(-abs(i - j) / 1000)``; a magnitude below 1 as its reciprocal (a scale).
+    The values ``where`` chooses between are heights, not lengths: its own operands
+    are not read (its condition's are)."""
+    found: dict[float, str] = {}
+    parameters = probe.expression_parameters()
+    for bias in expression_biases(probe.spec):
+        body = bias.parsed().tree.body
+        values: dict[str, tuple[float, ...]] = {
+            name: (param.init,) for name, param in bias.params.items()
+        }
+        values.update(parameters)
+        values.update(heads=(float(probe.heads),), h=tuple(map(float, range(probe.heads))))
+        read = {node.id for node in ast.walk(body) if isinstance(node, ast.Name)}
+        operands = [
+            child
+            for parent in ast.walk(body)
+            if _meets_distance(parent)
+            for child in ast.iter_child_nodes(parent)
+            if isinstance(child, ast.expr) and not _reads_position(child)
+        ]
+        for assignment in head_values({n: v for n, v in values.items() if n in read}):
+            for operand in operands:
+                value = constant_value(operand, assignment)
+                if value is None or value == 0 or not math.isfinite(value):
+                    continue
+                length = abs(value) if abs(value) >= 1 else 1 / abs(value)
+                if math.isfinite(length):
+                    found.setdefault(length, ast.unparse(operand))
+    return [Length(value, f"the bias expression's {text}") for value, text in sorted(found.items())]
+
+
+def _reads_position(node: ast.AST) -> bool:
+    """Whether ``node`` reads i or j."""
+    return any(isinstance(part, ast.Name) and part.id in ("i", "j") for part in ast.walk(node))
+
+
+def _meets_distance(node: ast.AST) -> bool:
+    """An operation (not ``where``) one of whose operands reads i or j."""
+    if isinstance(node, ast.Call):
+        if isinstance(node.func, ast.Name) and node.func.id == "where":
+            return False
+        operands: list[ast.expr] = list(node.args)
+    elif isinstance(node, ast.BinOp):
+        operands = [node.left, node.right]
+    elif isinstance(node, ast.Compare):
+        operands = [node.left, *node.comparators]
+    else:
+        return False
+    return any(_reads_position(operand) for operand in operands)
+
+
+def decay_reach(probe: Probe) -> tuple[int, list[Length]]:
+    """(R, the named lengths short of it): the curve's distances are [0, R), R the span
+    or 2 × every length the spec names (``spec_lengths`` and ``distance_lengths``) where
+    farther, at most ``MAX_DECAY_REACH`` (``CONTEXTUAL_DECAY_REACH`` for a contextual
+    form) and at most a table's end; the lengths L with 2L past R, below the table's end,
+    are ones the curve does not reach past (a claim that held is then limited).
+
+    A randomized-positions range (``positions: {kind: randomized}``) is no such length:
+    it changes only the positions drawn in training, and the module judged (evaluation
+    mode, the plain range) scores no distance differently past it."""
+    evaluated = probe.spec.model_copy(update={"positions": None})
+    lengths = spec_lengths(evaluated, probe.expression_parameters()) + distance_lengths(probe)
+    ceiling = math.inf if probe.limit is None else float(probe.limit)
+    cap = MAX_DECAY_REACH if keys_independent(probe) else CONTEXTUAL_DECAY_REACH
+    wanted = max([0.0, *(min(2 * length.value, ceiling) for length in lengths)])
+    reach = max(probe.span, min(math.ceil(wanted), cap))
+    short = sorted(
+        (length for length in lengths if min(2 * length.value, ceiling) > reach),
+        key=lambda length: length.value,
+    )
+    return reach, short
 
 
 def decay_curve(
@@ -50,17 +183,21 @@ def decay_curve(
     query: int | None = None,
     example_seed: int | None = None,
     span: int | None = None,
+    distances: Tensor | None = None,
 ) -> tuple[str, Tensor]:
-    """(label, curve[r]) for r in [0, span): keys j = i - r before query i.
+    """(label, curve[r]) for r in [0, span): keys j = i - r before query i (query
+    span - 1 by default); with ``distances`` (ascending), the curve at those distances
+    instead (query max(distances) by default).
 
     The distances go in chunks (``distance_chunk``), one call of the module each, so a
     long span over many heads never holds an [heads, span, …] tensor at once and the
     hard deadline's signal lands between calls; a span within one chunk (the default
     512) is one call, as before. Keys are chunked only where each key's score depends
     on that key alone (``keys_independent``)."""
-    span = span or probe.span
     chunk = distance_chunk(probe)
-    distances = torch.arange(span)
+    if distances is None:
+        distances = torch.arange(span or probe.span)
+    span = int(distances[-1]) + 1
     if probe.route == "rotation" and probe.spec.bias is None:
         # each distance's bound is its own row: chunks give the same values
         bound = [probe.roformer_bound(part) for part in distances.split(chunk)]
@@ -104,57 +241,106 @@ def decay(probe: Probe, claimed: bool | None) -> Outcome:
     if unreachable is not None:
         return unreachable
     span = probe.span
-    windows = distance_windows(span)
-    top = (probe.limit or 2 * span) - 1
+    reach, short = decay_reach(probe)
+    windows = distance_windows(reach)
+    top = (probe.limit or 2 * reach) - 1
     bound_route = probe.route == "rotation" and probe.spec.bias is None
     heads = 1 if probe.route == "input" or bound_route else probe.heads
+    samples = WINDOW_SAMPLES if keys_independent(probe) else None  # CoPE: every key
+    distances = curve_distances(windows, span, BOUND_WINDOW_SAMPLES if bound_route else samples)
+    # the bound ignores the head, the query and the content: one curve for every example
+    bound = decay_curve(probe, distances=distances) if bound_route else None
+
+    def curve_of(example: Example) -> tuple[str, Tensor]:
+        head, query, example_seed = example
+        if bound is not None:
+            return bound
+        return decay_curve(probe, head, query, example_seed, distances=distances)
 
     @st.composite
     def examples(draw: st.DrawFn) -> Example:
         return (
             draw(st.integers(0, heads - 1)),
-            draw(st.integers(span - 1, max(span - 1, top))),
+            draw(st.integers(reach - 1, max(reach - 1, top))),
             draw(SEEDS),
         )
 
     def check(example: Example) -> float:
-        return _falls(probe, example, windows, bound_route)
+        return _falls(example, curve_of(example), windows, distances, bound_route)
 
     search = run_search(check, examples(), probe.budget)
-    label, curve = decay_curve(probe)
-    means = window_means(curve, windows)
-    shown = jsonable(  # non-finite means and values (a log bias at distance 0) as text
-        {
-            "label": label,
-            "windows": [list(w) for w in windows],
-            "means": means,
-            "head": 0,
-            "query": None if bound_route else span - 1,
-            "values": curve.tolist(),  # the curve at distances 0, 1, ..., span - 1
-        }
-    )
+    shown_example = (0, reach - 1, probe.budget.seed)  # the curve shown: judged too
+    label, curve = curve_of(shown_example)
+    if search.violation is None:
+        search.examples += 1
+        try:
+            search.worst = min(
+                search.worst, _falls(shown_example, (label, curve), windows, distances, bound_route)
+            )
+        except Violation as violation:
+            search = Search(violation, "scan", search.examples, search.worst)
+    means = window_means(curve, windows, distances)
+    listed = curve_distances(windows, span)  # in the JSON: at most WINDOW_SAMPLES a window
+    shown: dict[str, Any] = {
+        "label": label,
+        "windows": [list(w) for w in windows],
+        "means": means,
+        "head": 0,
+        "query": None if bound_route else reach - 1,
+        # the curve at distances 0, 1, ..., reach - 1, or at "distances" where sampled
+        "values": curve[torch.searchsorted(distances, listed)].tolist(),
+    }
+    if len(listed) < reach:
+        shown["distances"] = listed.tolist()
+    shown = jsonable(shown)  # non-finite means and values (a log bias at distance 0) as text
     if search.violation is not None:
         outcome = failed("decay", "claim", claimed, search)
         outcome.curve = shown
         return outcome
     over = " over windows" if bound_route else " over heads and query positions"
+    extent = ""
+    if reach > span:  # the curve goes past the span, to twice the lengths named
+        extent = f"; distances up to {reach - 1}, twice every length the spec names"
+        if len(distances) < reach:
+            most = BOUND_WINDOW_SAMPLES if bound_route else WINDOW_SAMPLES
+            extent += (
+                f", each window past {span} wider than {most} averaged over {most} evenly "
+                "spaced distances"
+            )
+    evidence = (
+        f"{label} on log windows of distance: {_chain(curve, means)} "
+        f"({search.examples} examples{over}{extent})"
+    )
+    if not short:
+        return Outcome("decay", "claim", claimed, True, evidence, curve=shown)
+    named = ", ".join(f"2 × {length.describe()}" for length in short[:3])
     return Outcome(
         "decay",
         "claim",
         claimed,
         True,
-        f"{label} on log windows of distance: {_chain(curve, means)} "
-        f"({search.examples} examples{over})",
+        f"tested only up to distance {reach - 1}: the curve does not reach {named}, so a "
+        f"rise there goes unseen; {evidence}",
         curve=shown,
+        limited_to=f"r < {reach}",
     )
 
 
-def _falls(probe: Probe, example: Example, windows: list[Window], bound_route: bool) -> float:
-    """The smallest fall between adjacent window means, or a Violation."""
-    head, query, example_seed = example
-    label, curve = decay_curve(probe, head, query, example_seed)
-    means = window_means(curve, windows)
-    tol = 1e-9 * (1.0 + float(curve.abs().max()))
+def _falls(
+    example: Example,
+    label_curve: tuple[str, Tensor],
+    windows: list[Window],
+    distances: Tensor,
+    bound_route: bool,
+) -> float:
+    """The smallest fall between adjacent window means of ``label_curve`` (the curve of
+    ``example`` at ``distances``), or a Violation: first where the curve is not finite
+    (NaN or ±inf, at the first such distance: a mean of it says nothing of a fall), then
+    by the rule (no rise, the last below the first, at least half of the adjacent
+    windows falling strictly)."""
+    head, query, _ = example
+    label, curve = label_curve  # at ``distances``
+    means = window_means(curve, windows, distances)
     where = "" if bound_route else f"head {head}, query {query}: "
     details: dict[str, Any] = dict(
         head=None if bound_route else head,
@@ -164,6 +350,19 @@ def _falls(probe: Probe, example: Example, windows: list[Window], bound_route: b
         curve_label=label,
     )
     shown = "; window means " + ", ".join(fmt(m) for m in means)
+    unfinished = (~torch.isfinite(curve)).nonzero()
+    if unfinished.numel():
+        index = int(unfinished[0])
+        distance, value = int(distances[index]), float(curve[index])
+        raise Violation(
+            f"{where}{label} is not finite at distance {distance} ({fmt(value)}), the "
+            f"first distance where it is not: a window mean of it neither rises nor "
+            f"falls{shown}",
+            distance=distance,
+            value=value,
+            **details,
+        )
+    tol = 1e-9 * (1.0 + float(curve.abs().max()))
     for window in range(len(windows) - 1):
         a, b = windows[window], windows[window + 1]
         if means[window + 1] > means[window] + tol:

@@ -6,9 +6,10 @@ collision. What is compared depends on the route (``Probe``):
 
 * input: the table rows p_m and p_n (relative tolerance: a tiny table is no collision);
 * rotation: the rotations R_m and R_n, on the query and the key output of rotate;
-* scores that depend on j - i only (a Toeplitz matrix): distances, not positions
-  (``unique_distances``); the distances reach past every ``max_distance`` the spec states
-  and are sampled log-spaced past ``EXACT_DISTANCES``;
+* scores that depend on j - i only (a Toeplitz matrix, ``shift_invariant_scores``: over
+  the whole span and in windows far out, past every length the spec names): distances,
+  not positions (``unique_distances``); the distances reach past every ``max_distance``
+  the spec states and are sampled log-spaced past ``EXACT_DISTANCES``;
 * other scores (absolute positions): position m as a query (its row) and as a key (its
   column) of the position-only scores, in every head.
 """
@@ -24,6 +25,7 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 from posgen.check.contract import F64
+from posgen.check.lengths import Length, spec_lengths
 from posgen.check.probe import Probe, input_unreachable, stated
 from posgen.check.search import (
     EXACT_DISTANCES,
@@ -76,7 +78,7 @@ def _unique(probe: Probe) -> tuple[Search, str]:
         compared = _table_rows(probe, span)
     elif probe.route == "rotation":
         compared = _rotations(probe, span)
-    elif shift_invariant_scores(probe):
+    elif shift_invariant_scores(probe, span):
         return unique_distances(probe)
     else:
         compared = _score_rows_and_columns(probe, span)
@@ -159,7 +161,7 @@ def _rotations(probe: Probe, span: int) -> _Compared:
 def _score_rows_and_columns(probe: Probe, span: int) -> _Compared:
     """Absolute positions in the scores: position m is its row (as a query) and its
     column (as a key) of the position-only scores."""
-    span = min(span, 512, max(16, math.isqrt(4_000_000 // probe.heads)))  # memory
+    span = score_span(probe, span)
     scores = probe.score_matrix(span)  # [heads, span, span]
 
     def check(example: Pair) -> float:
@@ -251,11 +253,90 @@ def closest_pair(hit: Tensor, anchor: int) -> Pair:
     return flat // size, flat % size
 
 
-def shift_invariant_scores(probe: Probe) -> bool:
-    """Whether the position-only scores depend on j - i only (a Toeplitz matrix)."""
-    scores = probe.score_matrix(min(probe.span, 96))
-    tol = 1e-9 * (1.0 + float(scores.abs().max()))
-    return bool(((scores[:, 1:, 1:] - scores[:, :-1, :-1]).abs() <= tol).all())
+def score_span(probe: Probe, span: int) -> int:
+    """The positions [0, S) whose position-only scores are held at once: S ≤ 512, and
+    fewer where many heads would make the [heads, S, S] matrix large (memory)."""
+    return min(span, 512, max(16, math.isqrt(4_000_000 // probe.heads)))
+
+
+# Far windows: TOEPLITZ_WINDOW positions at each power of two up to the far reach (at
+# least TOEPLITZ_REACH, past 4 × every length the spec names and the positions the
+# distance route reads, at most MAX_TOEPLITZ_REACH), and one straddling each named
+# length (up to MAX_NAMED_POSITION: past it, the scores are not known to be of j - i).
+TOEPLITZ_WINDOW = 64
+TOEPLITZ_REACH = 1 << 16
+MAX_TOEPLITZ_REACH = 1 << 24
+MAX_NAMED_POSITION = 1 << 40
+MAX_NAMED_WINDOWS = 64
+
+
+def shift_invariant_scores(probe: Probe, span: int | None = None) -> bool:
+    """Whether the position-only scores depend on j - i only (a Toeplitz matrix).
+
+    The rule: the scores over the whole span [0, S) (``score_span``: the positions the
+    rows-and-columns route compares) are Toeplitz, and the scores of a window of
+    ``TOEPLITZ_WINDOW`` positions far out equal those of the window at 0: at every power
+    of two up to the far reach (``toeplitz_windows``), and straddling every length the
+    spec names (``posgen.check.lengths``: a threshold such as the 1000 of
+    ``where(i > 1000, 0, -abs(i - j))`` or a query scale's ``floor_scale``), so a switch
+    past the first positions is seen. A named length past ``MAX_NAMED_POSITION`` (and
+    below a table's end) makes the scores absolute: no window reaches it. Equal within
+    a relative 1e-9; NaN against NaN and equal infinities count as equal (a score that
+    is not finite at the same distances is still of j - i; the route's check refutes it).
+    Where this is False, the rows-and-columns rule applies, whose every counterexample
+    is a collision of positions (and, for a Toeplitz matrix, of distances too).
+    """
+    size = score_span(probe, probe.span if span is None else span)
+    scores = probe.score_matrix(size)  # [heads, size, size]
+    if not _same_scores(scores[:, 1:, 1:], scores[:, :-1, :-1]):
+        return False
+    lengths = spec_lengths(probe.spec, probe.expression_parameters())
+    window = min(TOEPLITZ_WINDOW, size)
+    starts = toeplitz_windows(probe, window, lengths)
+    if starts is None:
+        return False
+    origin = scores[:, :window, :window]
+    for start in starts:
+        positions = torch.arange(start, start + window)
+        if not _same_scores(probe.position_scores(positions, positions), origin):
+            return False
+    return True
+
+
+def toeplitz_windows(probe: Probe, window: int, lengths: Iterable[Length]) -> list[int] | None:
+    """The first positions of the far windows ``shift_invariant_scores`` compares with
+    the window at 0: each power of two from ``window`` up to the far reach, and
+    ⌊L⌋ - window / 2 for each named length L (at most ``MAX_NAMED_WINDOWS``, spread over
+    them in order), all below a table's end; None where a named length lies past
+    ``MAX_NAMED_POSITION`` and below a table's end (no window reaches it)."""
+    ceiling = math.inf if probe.limit is None else probe.limit
+    values = sorted({length.value for length in lengths if 0 < length.value < ceiling})
+    if any(value > MAX_NAMED_POSITION for value in values):
+        return None
+    # the distance route reads query R and keys up to 2R (``unique_distances``)
+    distances = max([probe.budget.span] + [2 * d for d in stated(probe.spec, "max_distance")])
+    wanted = [float(TOEPLITZ_REACH), 2 * float(distances), *(4 * value for value in values)]
+    reach = math.ceil(min(max(wanted), float(MAX_TOEPLITZ_REACH)))
+    starts = set()
+    start = window
+    while start <= reach:
+        starts.add(start)
+        start *= 2
+    if len(values) > MAX_NAMED_WINDOWS:
+        last = len(values) - 1
+        picked = {round(k * last / (MAX_NAMED_WINDOWS - 1)) for k in range(MAX_NAMED_WINDOWS)}
+        values = [values[index] for index in sorted(picked)]
+    starts.update(max(0, math.floor(value) - window // 2) for value in values)
+    return sorted(start for start in starts if start + window <= ceiling)
+
+
+def _same_scores(a: Tensor, b: Tensor) -> bool:
+    """Whether two score tensors agree: within 1e-9 of the larger finite magnitude, NaN
+    against NaN and equal infinities alike."""
+    finite = torch.cat((a[torch.isfinite(a)], b[torch.isfinite(b)]))
+    tol = 1e-9 * (1.0 + float(finite.abs().max() if finite.numel() else 0.0))
+    same = (a == b) | (a.isnan() & b.isnan()) | ((a - b).abs() <= tol)
+    return bool(same.all())
 
 
 def unique_distances(probe: Probe) -> tuple[Search, str]:
