@@ -33,9 +33,11 @@ from torch import Tensor
 from posgen.check.contract import F64
 from posgen.check.lengths import (
     Length,
+    assignments_of,
+    bound_names,
     constant_value,
     expression_biases,
-    head_values,
+    length_of,
     spec_lengths,
 )
 from posgen.check.probe import Probe, input_unreachable, stated
@@ -110,12 +112,7 @@ def distance_lengths(probe: Probe) -> list[Length]:
     parameters = probe.expression_parameters()
     for bias in expression_biases(probe.spec):
         body = bias.parsed().tree.body
-        values: dict[str, tuple[float, ...]] = {
-            name: (param.init,) for name, param in bias.params.items()
-        }
-        values.update(parameters)
-        values.update(heads=(float(probe.heads),), h=tuple(map(float, range(probe.heads))))
-        read = {node.id for node in ast.walk(body) if isinstance(node, ast.Name)}
+        values = bound_names(bias, parameters, probe.heads)
         operands = [
             child
             for parent in ast.walk(body)
@@ -123,13 +120,10 @@ def distance_lengths(probe: Probe) -> list[Length]:
             for child in ast.iter_child_nodes(parent)
             if isinstance(child, ast.expr) and not _reads_position(child)
         ]
-        for assignment in head_values({n: v for n, v in values.items() if n in read}):
+        for assignment in assignments_of(body, values):
             for operand in operands:
-                value = constant_value(operand, assignment)
-                if value is None or value == 0 or not math.isfinite(value):
-                    continue
-                length = abs(value) if abs(value) >= 1 else 1 / abs(value)
-                if math.isfinite(length):
+                length = length_of(constant_value(operand, assignment))
+                if length is not None:
                     found.setdefault(length, ast.unparse(operand))
     return [Length(value, f"the bias expression's {text}") for value, text in sorted(found.items())]
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from posgen.check.probe import stated
+from posgen.check.search import spread
 from posgen.check.turns import condition_turns
 from posgen.spec.expr_shift import ARITHMETIC, drift, fold_numbers
 from posgen.spec.model import Spec, SpecModel
@@ -68,14 +69,10 @@ def spec_lengths(spec: Spec, parameters: Values | None = None) -> list[Length]:
         for name in LENGTH_FIELDS
         for value in stated(spec, name)
     ]
-    heads = spec.defaults.heads  # the module under test has the spec's defaults
     for bias in expression_biases(spec):
         parsed = bias.parsed()
-        values: dict[str, Sequence[float]] = {
-            name: (param.init,) for name, param in bias.params.items()
-        }
-        values.update(parameters or {})
-        values.update(heads=(float(heads),), h=tuple(float(head) for head in range(heads)))
+        # the module under test has the spec's defaults
+        values = bound_names(bias, parameters, spec.defaults.heads)
         for text, value in expression_numbers(parsed.tree.body, parsed.of_difference, values):
             found.append(Length(value, f"the bias expression's {text}"))
         if not parsed.of_difference:
@@ -83,18 +80,40 @@ def spec_lengths(spec: Spec, parameters: Values | None = None) -> list[Length]:
     return found
 
 
+def bound_names(
+    bias: ExprBias, parameters: Values | None, heads: int
+) -> dict[str, Sequence[float]]:
+    """The values an expression's names take in a module of ``heads`` heads: each
+    parameter at ``parameters`` (as the module reads them), by default at its ``init``;
+    ``heads``; ``h`` head by head."""
+    values: dict[str, Sequence[float]] = {name: (p.init,) for name, p in bias.params.items()}
+    values.update(parameters or {})
+    values.update(heads=(float(heads),), h=tuple(float(head) for head in range(heads)))
+    return values
+
+
+def assignments_of(body: ast.expr, values: Values) -> list[dict[str, float]]:
+    """``head_values`` of the names ``body`` reads."""
+    read = {node.id for node in ast.walk(body) if isinstance(node, ast.Name)}
+    return head_values({name: given for name, given in values.items() if name in read})
+
+
+def length_of(value: float | None) -> float | None:
+    """The length a constant names: its magnitude, or the reciprocal of a magnitude
+    below 1 (a scale: i * 0.001 reaches 1 at 1000); None for 0, None or non-finite."""
+    if value is None or value == 0 or not math.isfinite(value):
+        return None
+    magnitude = abs(value)
+    length = magnitude if magnitude >= 1 else 1 / magnitude
+    return length if math.isfinite(length) else None
+
+
 def _turns(body: ast.expr, values: Values) -> list[Length]:
     """Where the expression's conditions turn under a shift (``posgen.check.turns``),
     for at most ``TURN_HEADS`` heads' values spread over the heads (the first and the
     last among them)."""
-    read = {node.id for node in ast.walk(body) if isinstance(node, ast.Name)}
-    assignments = head_values({name: v for name, v in values.items() if name in read})
-    if len(assignments) > TURN_HEADS:
-        last = len(assignments) - 1
-        picked = sorted({round(k * last / (TURN_HEADS - 1)) for k in range(TURN_HEADS)})
-        assignments = [assignments[index] for index in picked]
     found: dict[int, str] = {}
-    for assignment in assignments:
+    for assignment in spread(assignments_of(body, values), TURN_HEADS):
         for text, shift in condition_turns(body, assignment):
             found.setdefault(shift, f"the bias expression's {text}, which turns at shift {shift}")
     return [Length(float(shift), source) for shift, source in sorted(found.items())]
@@ -132,9 +151,8 @@ def expression_numbers(
         if drift(parent) != 0
         for child in ast.iter_child_nodes(parent)
     ]
-    read = {node.id for node in ast.walk(body) if isinstance(node, ast.Name)}
     found: dict[float, str] = {}
-    for assignment in head_values({name: v for name, v in (values or {}).items() if name in read}):
+    for assignment in assignments_of(body, values or {}):
         for operand in operands:
             _fold_into(operand, found, assignment)
     return [(text, value) for value, text in sorted(found.items())]
@@ -159,11 +177,10 @@ def _fold_into(node: ast.AST, found: dict[float, str], assignment: Mapping[str, 
     value = constant_value(node, assignment)
     if value is None:
         return
-    magnitude = abs(value)
-    if magnitude != 0 and math.isfinite(magnitude):
+    length = length_of(value)
+    if length is not None:
         text = ast.unparse(node)
-        length = magnitude if magnitude >= 1 else 1 / magnitude
-        if magnitude < 1:
+        if abs(value) < 1:
             text = f"{text} (a scale: 1 / {text})"
         reads = _named_reads(node)
         itself = reads.pop(text, None)
@@ -172,8 +189,7 @@ def _fold_into(node: ast.AST, found: dict[float, str], assignment: Mapping[str, 
         if reads:  # "p * 1000 with p = 300", "(h + 1) * q[h] with h = 1, q[h] = 20"
             shown = (f"{read} = {number_text(assignment[name])}" for read, name in reads.items())
             text = f"{text} with {', '.join(sorted(shown))}"
-        if math.isfinite(length):
-            found.setdefault(length, text)
+        found.setdefault(length, text)
     for child in ast.iter_child_nodes(node):
         _fold_into(child, found, assignment)
 

@@ -28,7 +28,15 @@ from torch import Tensor
 
 from posgen.check.lengths import Length, spec_lengths
 from posgen.check.probe import Probe, input_unreachable
-from posgen.check.search import SEEDS, Violation, fmt, generator, run_search, short_list
+from posgen.check.search import (
+    SEEDS,
+    Violation,
+    fmt,
+    generator,
+    run_search,
+    short_list,
+    spread,
+)
 from posgen.check.verdicts import Outcome, failed
 
 # query positions, key positions, the shift c, the content's seed
@@ -71,10 +79,7 @@ def named_shifts(lengths: Iterable[Length], reach: int) -> list[int]:
     position, which no power of two need hit. At most ``MAX_NAMED_LENGTHS`` lengths,
     spread evenly over them in order, where a threshold per head names more."""
     within = sorted({math.floor(length.value) for length in lengths if length.value < reach})
-    if len(within) > MAX_NAMED_LENGTHS:
-        last = len(within) - 1
-        picked = {round(k * last / (MAX_NAMED_LENGTHS - 1)) for k in range(MAX_NAMED_LENGTHS)}
-        within = [within[index] for index in sorted(picked)]
+    within = spread(within, MAX_NAMED_LENGTHS)
     found = {c for start in within for c in (start, start + 1) if 1 <= c <= reach}
     return sorted(found)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -199,6 +199,15 @@ def distance_sample(reach: int) -> list[int]:
 def fmt(value: float) -> str:
     """A number in evidence text: 4 significant digits."""
     return f"{value:.4g}"
+
+
+def spread(items: Sequence[T], count: int) -> list[T]:
+    """At most ``count`` (≥ 2) of ``items``, evenly spread over them in order, the first
+    and the last among them; all of them where there are no more."""
+    if len(items) <= count:
+        return list(items)
+    last = len(items) - 1
+    return [items[index] for index in sorted({round(k * last / (count - 1)) for k in range(count)})]
 
 
 def short_list(values: Iterable[Any], limit: int = 6) -> str:

@@ -35,6 +35,7 @@ from posgen.check.search import (
     fmt,
     generator,
     run_search,
+    spread,
 )
 from posgen.check.verdicts import Outcome, failed
 
@@ -322,10 +323,7 @@ def toeplitz_windows(probe: Probe, window: int, lengths: Iterable[Length]) -> li
     while start <= reach:
         starts.add(start)
         start *= 2
-    if len(values) > MAX_NAMED_WINDOWS:
-        last = len(values) - 1
-        picked = {round(k * last / (MAX_NAMED_WINDOWS - 1)) for k in range(MAX_NAMED_WINDOWS)}
-        values = [values[index] for index in sorted(picked)]
+    values = spread(values, MAX_NAMED_WINDOWS)
     starts.update(max(0, math.floor(value) - window // 2) for value in values)
     return sorted(start for start in starts if start + window <= ceiling)
 
