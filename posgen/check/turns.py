@@ -75,9 +75,11 @@ def _probe(node: ast.AST, values: Mapping[str, float]) -> Probe | None:
     if not parts or drift(node) == 0:
         return None
 
+    trees = [ast.Expression(body=part) for part in parts]  # made once, read per point
+
     def outcome(i: int, j: int) -> Outcome:
         names = {"i": float(i), "j": float(j), **values}
-        return tuple(expression_value(ast.Expression(body=part), names, values) for part in parts)
+        return tuple(expression_value(tree, names, values) for tree in trees)
 
     return outcome
 
