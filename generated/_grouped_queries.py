@@ -49,7 +49,7 @@ from torch import Tensor
 
 from ._inputs import repeat_kv
 from ._masks import masked_softmax
-from ._numerics import autocast_off
+from ._numerics import autocast_dtype, autocast_off
 
 # Devices where a few grouped queries take the two batched matmuls
 # (``grouped_queries_serve``): the CPU, measured (see the module docstring). On CUDA
@@ -159,9 +159,7 @@ def grouped_query_attention(
     device = q.device.type
     with autocast_off(device):
         out = _grouped_query_attention(q, k, v, mask, scale, every_row_reads)
-    if device != "meta" and torch.is_autocast_enabled(device) and out.dtype != torch.float64:
-        out = out.to(torch.get_autocast_dtype(device))
-    return out
+    return out.to(autocast_dtype(out.dtype, device))
 
 
 def _grouped_query_attention(

@@ -27,6 +27,17 @@ def autocast_off(device_type: str) -> Any:
     return contextlib.nullcontext()
 
 
+def autocast_dtype(dtype: torch.dtype, device_type: str) -> torch.dtype:
+    """The dtype that SDPA (or any op autocast runs in lower precision) computes in
+    and returns for floating inputs of ``dtype`` on ``device_type``: autocast's, where
+    it is on there and ``dtype`` is one it casts (any floating type but float64), else
+    ``dtype`` itself."""
+    lowered = dtype.is_floating_point and dtype != torch.float64
+    if lowered and device_type != "meta" and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return dtype
+
+
 def flush_denormals() -> bool:
     """Flush float32/float64 denormals to zero on the CPU threads torch computes on;
     True if every thread now does.

@@ -19,7 +19,14 @@ from typing import Any
 import pytest
 import torch
 
-from tests.conftest import generated_class, runtime_modules, runtime_value, spy_calls
+from tests.conftest import (
+    generated_class,
+    head_dim_for,
+    runtime_modules,
+    runtime_value,
+    spec_names,
+    spy_calls,
+)
 
 BF16 = torch.bfloat16
 TOLERANCE = 3e-2
@@ -178,3 +185,63 @@ def test_cope_under_autocast(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
     dtype = _assert_matches_eager(pe, q[:, :, m - n :], k, v, causal=True)
     assert bool(counted) == (n >= runtime_value("COUNTED_MIN_QUERIES", pe))
     assert dtype == _assert_matches_eager(pe, q[:, :, m - 1 :], k, v, causal=True)
+
+
+@pytest.mark.parametrize("name", spec_names())
+def test_output_dtype_under_autocast_follows_sdpa_on_every_backend_but_eager(name: str) -> None:
+    """Under autocast, "sdpa" and "auto" return the dtype F.scaled_dot_product_attention
+    returns there (bfloat16 for float32 inputs), whatever path computed them (the
+    relative family and CoPE compute with autocast off); "eager" stays the float32
+    oracle. Before, the relative family returned float32 on "sdpa" and biases bfloat16."""
+    pe = generated_class(name)(heads=2, head_dim=head_dim_for(name, 8)).eval()
+    q, k, v = _qkv(2, 2, 6, 6, pe.head_dim)
+    v = v[..., : getattr(pe, "value_dim", pe.head_dim)]
+    with torch.autocast("cpu", dtype=BF16):
+        expected = torch.nn.functional.scaled_dot_product_attention(q, k, v).dtype
+        outputs = {b: pe(q, k, v, causal=True, backend=b) for b in ("sdpa", "auto", "eager")}
+    assert expected == BF16
+    assert outputs["sdpa"].dtype == outputs["auto"].dtype == BF16
+    assert outputs["eager"].dtype == torch.float32
+    plain = pe(q, k, v, causal=True, backend="eager")
+    _assert_near(outputs["sdpa"], plain)
+
+
+# (name, keys, causal, grad): each path that makes its own products (the trained-mask
+# chunks, the clipped and chunked relative terms, Shaw's weights for its value term)
+PRECISION_CASES = [
+    ("t5", 48, False, True),
+    ("t5_decoder", 1100, True, True),
+    ("kerple_log", 48, False, True),
+    ("fire", 1100, False, True),
+    ("shaw", 1100, False, False),
+    ("bert_relative_key", 1100, False, True),
+    ("bert_relative_key_query", 1100, False, True),
+    ("deberta", 48, False, False),
+    ("transformer_xl", 300, True, True),
+    ("alibi", 300, False, False),
+]
+
+
+@pytest.mark.parametrize(("name", "m", "causal", "grad"), PRECISION_CASES)
+def test_sdpa_under_autocast_is_as_precise_as_bfloat16_inputs(
+    name: str, m: int, causal: bool, grad: bool
+) -> None:
+    """sdpa under autocast (float32 inputs) is no farther from eager float32 than the
+    same call on inputs given in bfloat16: autocast rounds q, k and v, never the
+    logits. T5's trained-mask chunks had computed q kᵀ in bfloat16 under autocast
+    (3.5e-2 off against 1.0e-2 from bfloat16 inputs), and the relative family's own
+    products had too (Shaw 1.5e-2 against 5.7e-3)."""
+    torch.manual_seed(0)
+    pe = generated_class(name)(heads=4, head_dim=32)
+    q, k, v = _qkv(4, 4, m, m, 32)
+    with torch.set_grad_enabled(grad):
+        want = pe(q, k, v, causal=causal, backend="eager")
+        with torch.autocast("cpu", dtype=BF16):
+            autocast = pe(q, k, v, causal=causal, backend="sdpa")
+        inputs = pe(q.to(BF16), k.to(BF16), v.to(BF16), causal=causal, backend="sdpa")
+
+    def error(got: torch.Tensor) -> float:
+        return ((got.float() - want).abs().max() / want.abs().max()).item()
+
+    assert autocast.dtype == inputs.dtype == BF16
+    assert error(autocast) <= 1.5 * error(inputs) + 2e-3

@@ -46,7 +46,7 @@ from ._masks import (
     masked_softmax,
     pair_documents,
 )
-from ._numerics import autocast_off
+from ._numerics import autocast_dtype, autocast_off
 from ._sdpa_backend import SdpaBackend
 
 # "auto" runs sdpa for calls of at most this many queries (decode steps, a few
@@ -137,7 +137,9 @@ class PositionalAttention(SdpaBackend, FlexBackend):
             skips the blocks outside the window or the document.
 
         Returns:
-            [batch, heads, N, value_dim] in the dtype of v. A query row whose every key
+            [batch, heads, N, value_dim] in the dtype of v; under autocast, on every
+            backend but "eager" (the oracle, exact in float32), in the dtype
+            F.scaled_dot_product_attention returns there. A query row whose every key
             is masked (by ``causal``, ``window``, ``document_ids`` or ``attn_mask``) is
             all zeros on every backend, as F.scaled_dot_product_attention gives; so is
             every row when M = 0.
@@ -156,6 +158,8 @@ class PositionalAttention(SdpaBackend, FlexBackend):
             window=window,
             document_ids=document_ids,
         )
+        if backend != "eager":  # under autocast, the dtype SDPA returns there
+            out = out.to(autocast_dtype(out.dtype, out.device.type))
         return out.transpose(1, 2) if layout == "bnhd" else out
 
     def _attend(

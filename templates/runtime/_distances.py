@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._inputs import arange_view, cache_get, cache_put, kept_over_reach, under_function_transform
+from ._numerics import autocast_dtype
 from ._triton import power_of_two_at_least
 
 
@@ -519,18 +520,19 @@ class _Floor(torch.autograd.Function):
 
 
 def half_precision_bias(bias: Tensor, dtype: torch.dtype) -> Tensor:
-    """An additive bias cast to SDPA's ``dtype``; in float16 or bfloat16 its largest
-    value along the last axis (0 where that is not finite) is subtracted first
-    (detached).
+    """An additive bias cast to SDPA's ``dtype``; where SDPA computes in float16 or
+    bfloat16 (``dtype`` itself, or autocast's: ``autocast_dtype``) its largest value
+    along the last axis (0 where that is not finite) is subtracted first (detached).
 
     Softmax ignores a constant per query row (and per head, for a per-distance vector),
     so the result is the same function; the shift puts the entries that dominate the
     weights near 0, where half precision is finest. Sandwich's bias reaches 64, where
-    bf16's spacing is 0.5: unshifted, outputs moved by 7e-2. Four ops (a decode step
+    bf16's spacing is 0.5: unshifted, outputs moved by 7e-2 (autocast rounds a float32
+    mask to its dtype the same way). Four ops (a decode step
     pays each as a launch on a GPU): the maximum, ``nan_to_num`` (one op where a
     finiteness test, a zero fill and a select were three), the difference, the cast.
     """
-    if dtype not in (torch.float16, torch.bfloat16):
+    if autocast_dtype(dtype, bias.device.type) not in (torch.float16, torch.bfloat16):
         return bias.to(dtype)
     shift = bias.detach().amax(dim=-1, keepdim=True)
     shift = shift.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)

@@ -52,7 +52,7 @@ from ._masks import (
     query_chunks,
     reachable_query_chunks,
 )
-from ._numerics import autocast_off, compute_dtype
+from ._numerics import autocast_dtype, autocast_off, compute_dtype
 from ._position_band import clipped_attention_at_positions, clipped_bias_factors
 from ._sdpa_relative import SdpaRelative
 from ._trained_bias import (
@@ -125,9 +125,13 @@ class SdpaBackend(SdpaRelative):
             # of a decode step's Python on a 2-core CPU)
             return scaled_dot_product(q, k, v, None, self.scale)
         if self.has_relative_terms:
-            return self._sdpa_relative(
-                q, k, v, q_positions, k_positions, causal, attn_mask, window, document_ids
-            )
+            # with autocast off, as flex and eager run them: the terms are logits, and
+            # their paths' own products in bfloat16 moved Shaw's outputs by 1.5e-2 (2.6x
+            # the error of bfloat16 inputs); the caller casts to autocast's dtype
+            with autocast_off(q.device.type):
+                return self._sdpa_relative(
+                    q, k, v, q_positions, k_positions, causal, attn_mask, window, document_ids
+                )
         default_positions = q_positions is None and k_positions is None
         if window is not None and q.shape[2] == 1 and default_positions and document_ids is None:
             k, v, attn_mask, window = self._window_keys_of_one_query(k, v, attn_mask, window)
@@ -661,10 +665,13 @@ def _masked_in_one_pass(
 ) -> bool:
     """Whether ``_sdpa_bias`` writes the bias with -inf where ``allowed`` is False into
     ``out`` as one select: a mask by position to join and nothing else (no attn_mask,
-    no floor, no cast), and an ``out`` of bias's dtype and shape."""
+    no floor, no cast, no shift for autocast's half precision), and an ``out`` of bias's
+    dtype and shape."""
     if out is None or allowed is None or attn_mask is not None or spread is not None:
         return False
-    if not (bias.dtype == out.dtype == dtype) or out.numel() != bias.numel():
+    if not (bias.dtype == out.dtype == dtype == autocast_dtype(dtype, out.device.type)):
+        return False
+    if out.numel() != bias.numel():
         return False
     return torch.broadcast_shapes(bias.shape, allowed.shape) == bias.shape
 

@@ -31,7 +31,7 @@ from ._distances import (
     distance_chunk_views,
 )
 from ._masks import distance_allowed, query_chunks
-from ._numerics import compute_dtype
+from ._numerics import autocast_off, compute_dtype
 
 #: device types where ``trained_mask_attention`` replaces SDPA for a mask that needs a
 #: gradient (the CPU's SDPA then runs its unfused math kernel anyway)
@@ -64,15 +64,17 @@ def trained_mask_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale:
     from 3.2-3.3x to 3.0x the bias-free one (non-causal).
 
     q: [B, H, n, D]; k, v: [B, KVH, m, D] (KVH divides H: query head h reads key head
-    h // (H / KVH)); mask: [1 or B, H, n, m] -> [B, H, n, value_dim].
+    h // (H / KVH)); mask: [1 or B, H, n, m] -> [B, H, n, value_dim], in q's dtype with
+    autocast off (as the eager oracle: the caller casts to autocast's dtype).
     """
     batch, heads, n, _ = q.shape
     kv_heads, m = k.shape[1], k.shape[2]
     group = heads // kv_heads
-    grouped = (q * scale).view(batch, kv_heads, group, n, q.shape[-1])  # [B, KVH, G, n, D]
-    scores = torch.matmul(grouped, k.unsqueeze(2).transpose(-1, -2))  # [B, KVH, G, n, m]
-    weights = torch.softmax(scores.view(batch, heads, n, m) + mask, dim=-1)  # [B, H, n, m]
-    out = torch.matmul(weights.view(batch, kv_heads, group, n, m), v.unsqueeze(2))
+    with autocast_off(q.device.type):  # scores in bfloat16 moved T5's outputs by 3.5e-2
+        grouped = (q * scale).view(batch, kv_heads, group, n, q.shape[-1])  # [B, KVH, G, n, D]
+        scores = torch.matmul(grouped, k.unsqueeze(2).transpose(-1, -2))  # [B, KVH, G, n, m]
+        weights = torch.softmax(scores.view(batch, heads, n, m) + mask, dim=-1)  # [B, H, n, m]
+        out = torch.matmul(weights.view(batch, kv_heads, group, n, m), v.unsqueeze(2))
     return out.view(batch, heads, n, v.shape[-1])
 
 
