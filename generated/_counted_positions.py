@@ -48,6 +48,7 @@ import torch
 from torch import Tensor
 
 from ._chunked_flash import Span
+from ._first_order import first_order_only
 from ._mask_buffer import ChunkBuffer
 from ._masks import masked_softmax_
 from ._numerics import autocast_off
@@ -247,6 +248,7 @@ class _CountedPositionAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @first_order_only
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         q, keys, values, table, out = ctx.saved_tensors
         with autocast_off(q.device.type):  # a backward called under autocast

@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from ._first_order import first_order_only
 from ._inputs import check_flag
 from ._masks import check_window
 from ._triton import TRITON_CACHE, triton_available
@@ -1408,7 +1409,7 @@ class _FusedDistanceAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order_only
     def backward(ctx: Any, grad_out: Tensor, _grad_lse: Tensor | None) -> tuple[Tensor | None, ...]:
         q, k, v, bias, query_scores, query_diagonal, key_scores, key_diagonal, out, lse = (
             ctx.saved_tensors

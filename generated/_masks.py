@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from ._distances import default_distances
+from ._first_order import first_order_only
 from ._inputs import FLOAT_DTYPES, MAX_POSITION, positions_or_default, positive_int
 
 
@@ -62,7 +63,7 @@ class _MaskedSoftmaxInPlace(torch.autograd.Function):
         return weights
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order_only
     def backward(ctx: Any, grad: Tensor) -> Tensor:
         (weights,) = ctx.saved_tensors
         return torch._softmax_backward_data(grad, weights, -1, weights.dtype)

@@ -40,6 +40,7 @@ from ._chunked_flash import (
     flash_chunks_forward,
     flash_mask,
 )
+from ._first_order import first_order_only
 
 #: devices where a chunked training step whose masks train runs as one autograd node
 #: (``recomputed_mask_attention``); only the CPU's flash kernel returns the log-sum-exp
@@ -118,7 +119,7 @@ class _RecomputedMask(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order_only
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, out, lse, *mask_inputs = ctx.saved_tensors
         trained = [t for t in mask_inputs if t.requires_grad]

@@ -43,6 +43,7 @@ from ._chunked_flash import (
     flash_chunks_forward,
 )
 from ._clipped_relative import clipped_entry, flat_key_side, gather_buffers, terms_at_positions
+from ._first_order import first_order_only
 from ._mask_buffer import ChunkBuffer
 from ._terms import RelativeFactors, RelativePart
 
@@ -229,7 +230,7 @@ class _AttentionAtPositions(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order_only
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, out, lse, *saved = ctx.saved_tensors
         inputs = tuple(saved)

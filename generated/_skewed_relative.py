@@ -37,6 +37,7 @@ from ._diagonal_projection import (
     project_window,
     window_of,
 )
+from ._first_order import first_order_only
 from ._mask_buffer import ChunkBuffer
 from ._terms import RelativeFactors, joined_query_term, lone_query_term
 
@@ -225,7 +226,7 @@ class _SkewedAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order_only
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, x, table, diagonal, out, lse = ctx.saved_tensors
         scale, n = ctx.scale, q.shape[2]

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._first_order import first_order_only
 from ._mask_buffer import ChunkBuffer, largest_span
 
 #: (i0, i1, lo, hi): queries i0 .. i1 - 1 read keys lo .. hi - 1
@@ -158,7 +159,7 @@ class _ChunkedFlash(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order_only
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = flash_chunks_backward(

@@ -53,6 +53,7 @@ from ._chunked_flash import (
     explicit_backward_scratch,
     explicit_flash_backward,
 )
+from ._first_order import first_order_only
 from ._mask_buffer import ChunkBuffer, largest_span
 from ._masks import accumulated, relative_positions
 from ._terms import (
@@ -207,7 +208,7 @@ class _ChunkedAttention(torch.autograd.Function):
         return out, lse, weights
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order_only
     def backward(
         ctx: Any, grad_out: Tensor, grad_lse: Tensor, grad_weights: Tensor
     ) -> tuple[Tensor | None, ...]:

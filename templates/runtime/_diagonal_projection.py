@@ -19,6 +19,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from ._first_order import first_order_only
+
 
 class DiagonalWindow(NamedTuple):
     """The table row of each column of a projection, ``rows`` int64 [W]: columns
@@ -102,7 +104,7 @@ class _WindowProjection(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order_only
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         x, table = ctx.saved_tensors
         grad_x, grad_table = torch.zeros_like(x), torch.zeros_like(table)

@@ -38,6 +38,7 @@ from torch import Tensor
 
 from ._chunked_flash import Span, cpu_flash_serves, flash_chunks_backward, flash_chunks_forward
 from ._distances import distance_chunk_views
+from ._first_order import first_order_only
 from ._trained_bias import flash_spans, flash_training_serves
 
 #: devices where a training step of such a bias runs as ``directional_bias_attention``;
@@ -124,7 +125,7 @@ class _DirectionalBias(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order_only
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, vec, out, lse, *parameters = ctx.saved_tensors
         n, m = q.shape[2], k.shape[2]

@@ -30,6 +30,7 @@ from ._distances import (
     distance_chunk_view,
     distance_chunk_views,
 )
+from ._first_order import first_order_only
 from ._masks import distance_allowed, query_chunks
 from ._numerics import autocast_off, compute_dtype
 
@@ -169,7 +170,7 @@ class _ClippedBiasAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order_only
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, clipped, vec, out, lse = ctx.saved_tensors
         scale, causal = ctx.scale, ctx.causal
@@ -287,7 +288,7 @@ class _ClippedBiasGradient(torch.autograd.Function):
         return out.clone()
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order_only
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         out, clipped, q, k, v, lse = ctx.saved_tensors
         n, m = q.shape[2], k.shape[2]
