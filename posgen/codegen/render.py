@@ -219,6 +219,13 @@ def _inlined_runtime() -> str:
     )
 
 
+@cache
+def _inlined_runtime_names() -> frozenset[str]:
+    """The names the inlined runtime reads (``loaded_names``), found once per process:
+    parsing its 12k lines took 0.7 s of each standalone file's 1.8 s."""
+    return frozenset(loaded_names(_inlined_runtime()))
+
+
 def render_runtime() -> dict[str, str]:
     """generated/_NAME.py for each runtime module: its template behind posgen's header,
     gated."""
@@ -265,7 +272,8 @@ def render_standalone(plan: ModulePlan) -> str:
     )
     slot = text.index(_IMPORTS_SLOT) + len(_IMPORTS_SLOT)
     inlined = f"{text[:slot]}\n\n{runtime_body}\n\n\n# ---- encoding ----\n{text[slot:]}"
-    imports = import_block(loaded_names(inlined), {})
+    # the names of the runtime and of the encoding's text: those of the whole, parsed once
+    imports = import_block(_inlined_runtime_names() | loaded_names(text), {})
     source = _tidy(inlined.replace(_IMPORTS_SLOT, imports, 1))
     check_source(source, f"{plan.module_name}.py")
     return source
