@@ -9,6 +9,7 @@ isort and formatter would (sections stdlib, third party, local; ``import`` lines
 from __future__ import annotations
 
 import ast
+from collections.abc import Set
 from dataclasses import dataclass
 
 LINE_LENGTH = 100
@@ -82,7 +83,7 @@ def _from_line(module: str, names: list[str]) -> str:
     return f"from {module} import (\n{body})"
 
 
-def import_block(used: set[str], runtime_names: dict[str, str]) -> str:
+def import_block(used: Set[str], runtime_names: dict[str, str]) -> str:
     """The import lines for ``used`` names, grouped and ordered as ruff would.
 
     ``runtime_names`` maps each name importable from the sibling runtime to its module
