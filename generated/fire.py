@@ -113,10 +113,11 @@ class Fire(PositionalAttention):
             vector = self._fire_distance_vector(kept, n, m, device, dtype)  # [H, N + M - 1]
             if vector is not None:  # one query's row as it is, more queries' a copy
                 return vector[:, None] if n == 1 else expand_distance_bias(vector, n, m)
-        q_pos = positions_or_default(q_positions, m - n, n, device).to(dtype)  # [..., N]
-        k_pos = positions_or_default(k_positions, 0, m, device).to(dtype)  # [..., M]
-        distance = (q_pos.unsqueeze(-1) - k_pos.unsqueeze(-2)).clamp(min=0)  # i - j >= 0
-        c, normaliser = self._fire_normaliser(q_pos, device, dtype)  # [], [..., N]
+        q_pos = positions_or_default(q_positions, m - n, n, device)  # int64 [..., N]
+        k_pos = positions_or_default(k_positions, 0, m, device)  # int64 [..., M]
+        # i - j >= 0 formed in int64: float32 positions past 2^24 would round it
+        distance = (q_pos.unsqueeze(-1) - k_pos.unsqueeze(-2)).clamp(min=0).to(dtype)
+        c, normaliser = self._fire_normaliser(q_pos.to(dtype), device, dtype)  # [], [..., N]
         normalised = torch.log1p(c * distance) / normaliser.unsqueeze(-1)  # [..., N, M]
         return self._fire_heads(normalised, kept).to(dtype)  # [..., H, N, M]
 
@@ -183,8 +184,8 @@ class Fire(PositionalAttention):
         c, rows, w1, b1, w2, b2 = (own_buffer_on_cpu(t) for t in (c, rows, w1, b1, w2, b2))
 
         def bias(b: Tensor, head: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
-            i, j = (index.to(dtype) for index in positions(b, qi, ki))
-            x = torch.log1p(c * (i - j).clamp(min=0)) / rows[b % rows.shape[0], qi]
+            i, j = positions(b, qi, ki)  # integers: their difference is exact
+            x = torch.log1p(c * (i - j).clamp(min=0).to(dtype)) / rows[b % rows.shape[0], qi]
             total = b2[head]
             for unit in range(FIRE_HIDDEN):
                 total = total + w2[head, unit] * torch.relu(w1[unit] * x + b1[unit])

@@ -240,6 +240,26 @@ def test_fire_values_match_the_paper() -> None:
     torch.testing.assert_close(batched[1], fire_reference(pe, Q_POS + 20, K_POS + 20))
 
 
+@pytest.mark.parametrize("offset", [2**24, 2**30, 2**40])
+def test_fire_distances_stay_exact_past_float32_positions(offset: int) -> None:
+    """A float32 FIRE forms i - j in int64: positions rounded to float32 first had
+    made the distances 0 or multiples of 2, 4 .. past 2^24 (at 2^30 all eight keys got
+    one bias). The bias against the paper's formula by hand, and the output of every
+    backend against the float64 module's."""
+    torch.manual_seed(0)
+    pe = generated_class("fire")(heads=4, head_dim=16)
+    q_pos, k_pos = torch.tensor([7]) + offset, torch.arange(8) + offset
+    want = fire_reference(pe, q_pos, k_pos)
+    torch.testing.assert_close(pe.score_bias(q_pos, k_pos).double(), want, rtol=0, atol=1e-5)
+    q, k, v = torch.randn(1, 4, 1, 16), torch.randn(1, 4, 8, 16), torch.randn(1, 4, 8, 16)
+    positions = {"q_positions": q_pos, "k_positions": k_pos}
+    reference = pe.double()(q.double(), k.double(), v.double(), backend="eager", **positions)
+    pe.float()
+    for backend in ("eager", "sdpa", "flex"):
+        out = pe(q, k, v, backend=backend, **positions)
+        torch.testing.assert_close(out.double(), reference, rtol=0, atol=1e-5)
+
+
 def _fire_bias_by_autograd(pe: torch.nn.Module, q_pos: torch.Tensor, k_pos: torch.Tensor):
     """FIRE's bias [H, N, M] through the literal MLP, relu(w1 x + b1) then w2, in
     float64 with autograd, from copies of pe's parameters (returned by name)."""
