@@ -82,6 +82,7 @@ class AlibiLearned(PositionalAttention):
     clipped_distance = None
     folds_position_bias = False
     has_rotation = False
+    length_sets_frequencies = False
     has_relative_terms = False
     has_value_term = False
     relative_clip = None

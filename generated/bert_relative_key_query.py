@@ -95,6 +95,7 @@ class BertRelativeKeyQuery(PositionalAttention):
     clipped_distance = None
     folds_position_bias = False
     has_rotation = False
+    length_sets_frequencies = False
     has_relative_terms = True
     has_value_term = False
     relative_clip = 511

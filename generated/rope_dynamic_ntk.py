@@ -149,6 +149,7 @@ class RopeDynamicNtk(PositionalAttention):
     clipped_distance = None
     folds_position_bias = False
     has_rotation = True
+    length_sets_frequencies = True
     has_relative_terms = False
     has_value_term = False
     relative_clip = None

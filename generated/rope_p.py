@@ -116,6 +116,7 @@ class RopeP(PositionalAttention):
     clipped_distance = None
     folds_position_bias = False
     has_rotation = True
+    length_sets_frequencies = False
     has_relative_terms = False
     has_value_term = False
     relative_clip = None

@@ -106,6 +106,7 @@ class RopePartial(PositionalAttention):
     clipped_distance = None
     folds_position_bias = False
     has_rotation = True
+    length_sets_frequencies = False
     has_relative_terms = False
     has_value_term = False
     relative_clip = None

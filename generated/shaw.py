@@ -95,6 +95,7 @@ class Shaw(PositionalAttention):
     clipped_distance = None
     folds_position_bias = False
     has_rotation = False
+    length_sets_frequencies = False
     has_relative_terms = True
     has_value_term = True
     relative_clip = 16

@@ -103,6 +103,7 @@ class T5(PositionalAttention):
     clipped_distance = 128
     folds_position_bias = False
     has_rotation = False
+    length_sets_frequencies = False
     has_relative_terms = False
     has_value_term = False
     relative_clip = None

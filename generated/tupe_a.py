@@ -77,6 +77,7 @@ class TupeA(PositionalAttention):
     clipped_distance = None
     folds_position_bias = True
     has_rotation = False
+    length_sets_frequencies = False
     has_relative_terms = False
     has_value_term = False
     relative_clip = None

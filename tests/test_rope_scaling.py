@@ -217,6 +217,30 @@ def test_dynamic_ntk_uses_the_calls_largest_position() -> None:
     torch.testing.assert_close(got, want, rtol=0, atol=2e-3)
 
 
+@pytest.mark.parametrize("name", ["rope_dynamic_ntk", "rope_longrope"])
+def test_a_key_the_mask_hides_still_sets_the_schedule(name: str) -> None:
+    """The frequencies follow the call's largest position, a masked key's too: explicit
+    positions at the defaults but for a hidden key at 100000 had passed for the
+    defaults (a mask lets hidden keys sit anywhere), so the schedule read length M, and
+    forward disagreed with softmax(scores + mask) v by 0.25 (dynamic NTK) and 0.086
+    (LongRoPE), and with the same call compiled."""
+    torch.manual_seed(0)
+    cls = generated_class(name)
+    pe = cls(heads=2, head_dim=head_dim_for(name, 16))
+    m, d = 8, pe.head_dim
+    q, k, v = torch.randn(1, 2, 1, d), torch.randn(1, 2, m, d), torch.randn(1, 2, m, d)
+    k_positions = torch.arange(m)
+    k_positions[0] = 100_000
+    mask = torch.ones(1, 1, 1, m, dtype=torch.bool)
+    mask[..., 0] = False
+    positions = {"q_positions": torch.tensor([m - 1]), "k_positions": k_positions}
+    scores = pe.scores(q, k, **positions).masked_fill(~mask, float("-inf"))
+    want = torch.softmax(scores, dim=-1) @ v
+    for backend in ("eager", "sdpa"):
+        got = pe(q, k, v, attn_mask=mask, backend=backend, **positions)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("length", [100, 4096, 4097, 20000])
 def test_longrope_matches_hugging_face_on_both_sides_of_original_max(length: int) -> None:
     """Phi-3's layout: original_max_position_embeddings at the top level of the config and

@@ -625,6 +625,11 @@ def _flags(blocks: tuple[Block, ...]) -> tuple[tuple[str, FlagValue], ...]:
             any(isinstance(block, UntiedPlan) and block.folds for block in blocks),
         ),
         ("has_rotation", any(isinstance(block, RotationPlan) for block in blocks)),
+        # the call's largest position sets the frequencies, a masked key's too
+        (
+            "length_sets_frequencies",
+            any(isinstance(b, RotationPlan) and b.frequencies.by_length for b in blocks),
+        ),
         (
             "has_relative_terms",
             relative is not None or any(isinstance(b, ContextualPlan) for b in blocks),

@@ -211,8 +211,11 @@ class PositionalAttention(SdpaBackend, FlexBackend):
                 document_ids,
                 True,
                 # keys the mask leaves unread may sit anywhere (a left-padded batch),
-                # except where counted positions read them
-                attn_mask if self._counted_position_table() is None else None,
+                # except where counted positions read them or their positions set the
+                # rotation's frequencies
+                None
+                if self._counted_position_table() is not None or self.length_sets_frequencies
+                else attn_mask,
             )
             if verdict.default:
                 # the defaults, given (or, where only differences count, shifted per row

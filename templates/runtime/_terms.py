@@ -279,6 +279,10 @@ class AttentionTerms(nn.Module):
     fold_bias: bool | None = None
     #: the rotary part changes q and k
     has_rotation: bool = False
+    #: the rotation's frequencies follow the call's largest position + 1 (dynamic NTK,
+    #: LongRoPE): a key that an attn_mask hides counts too, so such a mask does not let
+    #: explicit positions pass as the defaults (``position_verdict``)
+    length_sets_frequencies: bool = False
     #: content-dependent relative terms enter the logits
     has_relative_terms: bool = False
     #: a value-side term is added to the output (needs the attention weights)
