@@ -362,13 +362,20 @@ class AttentionTerms(nn.Module):
     def __getstate__(self) -> dict[str, Any]:
         """What a copy carries (``copy.deepcopy``, pickle, ``torch.save`` of the module):
         all but the values kept across calls (``_cache``: its parameter snapshots would
-        double the file) and the ``parameters_frozen`` block, which ends with its
-        ``with``: a copy made inside one (an EMA copy) compares its parameters as any
-        module outside a block does."""
+        double the file; a rotation's tables, ``_fresh_rotary_tables``) and the
+        ``parameters_frozen`` block, which ends with its ``with``: a copy made inside one
+        (an EMA copy) compares its parameters as any module outside a block does."""
         state = self.__dict__.copy()
         state["_cache"] = {}
+        if self.has_rotation:
+            state.update(self._fresh_rotary_tables())
         state.pop("_frozen_block", None)  # the class's None
         return state
+
+    def _fresh_rotary_tables(self) -> dict[str, Any]:
+        """The tables a rotation keeps across calls, as a new module has them (the
+        rotation block's); none without a rotation."""
+        return {}
 
     # ------------------------------------------------------------------ encoding hooks
 

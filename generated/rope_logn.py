@@ -30,6 +30,8 @@ Usage::
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -131,12 +133,24 @@ class RopeLogn(PositionalAttention):
                 f"head_dim {self.head_dim} x fraction {ROTARY_FRACTION} gives "
                 f"{self.rotary_dim} rotated features; it must be even and at least 2"
             )
-        # float32 cos/sin [L, rotary_dim] for positions 0..L-1: plain attributes, not
-        # buffers, so module.half() / .to(dtype) never lowers their precision, DDP never
-        # broadcasts them, and a state_dict never holds them. Rebuilt past their length,
-        # on another device, and when made under inference mode but needed for autograd.
-        self._cos_cache = torch.empty(0, self.rotary_dim)
-        self._sin_cache = torch.empty(0, self.rotary_dim)
+        for name, value in self._fresh_rotary_tables().items():  # empty until a call
+            setattr(self, name, value)
+
+    def _fresh_rotary_tables(self) -> dict[str, Any]:
+        """The tables a rotation keeps across calls, empty as a new module has them (and
+        a copy: ``__getstate__`` puts these in place of the grown ones, which reached
+        64 MiB for one call at position 65535).
+
+        ``_cos_cache``, ``_sin_cache``: float32 cos/sin [L, rotary_dim] for positions
+        0..L-1, plain attributes, not buffers, so module.half() / .to(dtype) never
+        lowers their precision, DDP never broadcasts them, and a state_dict never holds
+        them; rebuilt past their length, on another device, and when made under
+        inference mode but needed for autograd.
+        """
+        return {
+            "_cos_cache": torch.empty(0, self.rotary_dim),
+            "_sin_cache": torch.empty(0, self.rotary_dim),
+        }
 
     def _rotate(
         self, q: Tensor, k: Tensor, q_positions: Tensor | None, k_positions: Tensor | None

@@ -8,8 +8,10 @@ trajectory in decode loops.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import io
+import pickle
 from types import SimpleNamespace
 
 import pytest
@@ -552,3 +554,33 @@ def test_auto_runs_sdpa_for_a_decode_step_on_any_device(name: str, queries: int)
     assert pe._auto_backend(on_cuda) == "sdpa"
     more = SimpleNamespace(is_cuda=True, shape=(1, 4, limit + 1, 64))
     assert pe._auto_backend(more) == "flex"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_copy_carries_no_table_a_call_grew(name: str) -> None:
+    """deepcopy, pickle and torch.save of a module after a call at a far position carry
+    its parameters and buffers and nothing the calls grew: a rotation's cos/sin tables
+    had made a parameter-free RoPE's file 64 MiB after one call at position 65535. The
+    copy still computes what the original does."""
+    pe = make(name)
+    q, k, v = qkv(pe, n=2, m=2)
+    table = getattr(pe, "max_positions", None)  # learned tables end there
+    far = torch.tensor([40000, 65535]) if table is None else torch.tensor([0, 1])
+    axes = getattr(pe, "position_axes", 1)
+    positions = far if axes == 1 else far.expand(axes, 1, 2)
+    options = {"q_positions": positions, "k_positions": positions, "causal": True}
+    want = pe(q, k, v, **options)
+    owned = sum(t.numel() * t.element_size() for t in [*pe.parameters(), *pe.buffers()])
+    buffer = io.BytesIO()
+    torch.save(pe, buffer)
+    assert buffer.tell() < owned + 200_000
+    buffer.seek(0)
+    for copied in (
+        copy.deepcopy(pe),
+        pickle.loads(pickle.dumps(pe)),
+        torch.load(buffer, weights_only=False),
+    ):
+        kept = [v for v in vars(copied).values() if isinstance(v, torch.Tensor) and v.numel()]
+        assert not kept, [t.shape for t in kept]
+        got = copied(q, k, v, **options)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
