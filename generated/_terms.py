@@ -243,6 +243,11 @@ def joined_query_term(
     return q, x, rows, query_term.diagonal
 
 
+def _one_position(positions: Tensor) -> Tensor:
+    """Positions [..., 0] (or [..., L]) as one position 0 per row: [..., 1]."""
+    return positions.new_zeros(*positions.shape[:-1], 1)
+
+
 class AttentionTerms(nn.Module):
     """The flags, hooks and term-by-term logits of an encoding (see the module
     docstring); ``PositionalAttention`` adds the backends and ``forward``."""
@@ -975,7 +980,30 @@ class AttentionTerms(nn.Module):
                 q, k, q_positions, k_positions, "none"
             )
             q = self._scaled_queries(q, q_positions, k.shape[2])
+            if q.shape[2] == 0 or k.shape[2] == 0:
+                return self._score_terms_of_none(q, k, q_positions, k_positions, rotated)
             return self._score_terms_exact(q, k, q_positions, k_positions, rotated)
+
+    def _score_terms_of_none(
+        self,
+        q: Tensor,
+        k: Tensor,
+        q_positions: Tensor | None,
+        k_positions: Tensor | None,
+        rotated: Rotated,
+    ) -> dict[str, Tensor]:
+        """``score_terms`` of no queries or no keys: the terms of one query against one
+        key at position 0 (zero features), expanded to N and M (one of them 0), so that
+        each term has the names, shape and dtype of a call with some."""
+        n, m = q.shape[2], k.shape[2]
+        terms = self._score_terms_exact(
+            q.new_zeros(*q.shape[:2], 1, q.shape[3]),
+            k.new_zeros(*k.shape[:2], 1, k.shape[3]),
+            None if q_positions is None else _one_position(q_positions),
+            None if k_positions is None else _one_position(k_positions),
+            rotated,
+        )
+        return {name: term.expand(*term.shape[:-2], n, m) for name, term in terms.items()}
 
     def _expected_heads(self) -> int | None:
         return self.heads if self.checks_heads else None

@@ -262,8 +262,13 @@ class RopeXpos(PositionalAttention):
         features rotated into ``dtype`` to stay finite (about 51 * scale_base positions;
         6.4 * scale_base in float16).
         """
-        if k_positions is None:
+        if k_positions is None or m == 0:
             low, high, reference = 0, m - 1, m // 2
+            if m == 0 and q_positions is not None and q_positions.numel():  # no keys
+                if torch.compiler.is_compiling():
+                    return 0
+                low, high = int(q_positions.min()), int(q_positions.max())
+                reference = (low + high + 1) // 2  # the middle of the queries instead
         else:
             low_t, high_t = k_positions.min(), k_positions.max()
             reference = torch.div(low_t + high_t + 1, 2, rounding_mode="floor")

@@ -171,7 +171,8 @@ class TupeR(PositionalAttention):
         # gather along the buckets (advanced indexing took 4x as long on the CPU)
         heads_first = table.t().contiguous()  # [heads, buckets]
         flat = buckets.reshape(1, -1).expand(heads_first.shape[0], -1)  # [heads, ... N M]
-        bias = torch.gather(heads_first, 1, flat).view(-1, *buckets.shape)  # [heads, ..., N, M]
+        heads = heads_first.shape[0]  # (not -1: N or M may be 0)
+        bias = torch.gather(heads_first, 1, flat).view(heads, *buckets.shape)  # [heads, ..., N, M]
         return bias.movedim(0, -3).to(dtype)  # [..., heads, N, M]
 
     def _table_per_distance(self, n: int, m: int, device) -> Tensor:

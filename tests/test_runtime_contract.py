@@ -584,3 +584,41 @@ def test_a_copy_carries_no_table_a_call_grew(name: str) -> None:
         assert not kept, [t.shape for t in kept]
         got = copied(q, k, v, **options)
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_no_queries_or_no_keys_give_empty_terms_biases_and_rotations(name: str) -> None:
+    """score_terms, scores, score_bias, rotate and rotate_keys accept N = 0 or M = 0 as
+    forward does, with the names, leading shape and dtype of a call with some (T5 and
+    TUPE's bias had raised from a reshape, KERPLE's and Transformer-XL's terms from an
+    empty range, M-RoPE's from its axis positions, xPos from min() of no keys, and
+    Transformer-XL's content_position term of no queries was [1, H, 0, 3])."""
+    pe = make(name)
+    axes = getattr(pe, "position_axes", 1)
+
+    def tokens(count: int, start: int = 0) -> torch.Tensor:
+        return torch.arange(start, start + count)
+
+    def positions(count: int, start: int = 0) -> torch.Tensor:
+        rows = tokens(count, start)
+        return rows if axes == 1 else rows.expand(axes, 1, count)
+
+    some_q, some_k, _ = qkv(pe, n=3, m=5)
+    want = pe.score_terms(some_q, some_k, q_positions=positions(3, 2), k_positions=positions(5))
+    want_bias = pe.score_bias(tokens(3, 2), tokens(5))
+    for n, m, explicit in [(0, 5, False), (0, 0, False), (0, 5, True), (3, 0, True), (0, 0, True)]:
+        q, k, _ = qkv(pe, n=n, m=m)
+        given = {"q_positions": positions(n), "k_positions": positions(m)} if explicit else {}
+        terms = pe.score_terms(q, k, **given)
+        assert terms.keys() == want.keys()
+        for term, value in terms.items():
+            assert value.shape == (*want[term].shape[:-2], n, m), term
+            assert value.dtype == want[term].dtype, term
+        assert pe.scores(q, k, **given).shape == (1, pe.heads, n, m)
+        if explicit:
+            bias = pe.score_bias(tokens(n), tokens(m))
+            assert (bias is None) == (want_bias is None)
+            assert bias is None or bias.shape == (*want_bias.shape[:-2], n, m)
+            rotated_q, rotated_k = pe.rotate(q, k, positions(n), positions(m))
+            assert rotated_q.shape == q.shape and rotated_k.shape == k.shape
+            assert pe.rotate_keys(k, positions(m)).shape == k.shape

@@ -391,7 +391,8 @@ def check_axis_positions(
             f"{name} must have shape [{axes}, batch, {length}] (one row per position axis) "
             f"or [batch, {length}, {axes}] (coordinates), got {list(positions.shape)}"
         )
-    flat = check_positions(positions.reshape(-1, length), length, None, name, device)
+    rows = positions.shape[0] * positions.shape[1]  # (-1 cannot be read off 0 elements)
+    flat = check_positions(positions.reshape(rows, length), length, None, name, device)
     assert flat is not None
     if batch is not None and positions.shape[1] not in (1, batch):
         raise ValueError(f"{name} has batch {positions.shape[1]}, inputs have batch {batch}")
