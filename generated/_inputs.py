@@ -119,6 +119,16 @@ def check_one_input(x: Tensor, head_dim: int, name: str, heads: int | None = Non
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+def check_strided(tensor: Tensor, name: str) -> None:
+    """Raise ValueError naming ``name`` unless the tensor has the dense (strided) layout
+    every path reads: a sparse or MKLDNN one failed deep inside torch."""
+    if tensor.layout != torch.strided:
+        raise ValueError(
+            f"{name} must be a dense tensor (torch.strided layout), got {tensor.layout}: "
+            "convert it with .to_dense()"
+        )
+
+
 def check_float_dtype(tensor: Tensor, name: str) -> None:
     """Raise ValueError naming ``name`` unless the tensor is in one of ``FLOAT_DTYPES``."""
     if tensor.dtype not in FLOAT_DTYPES:
@@ -134,6 +144,7 @@ def check_embed_input(x: Tensor, model_dim: int | None) -> None:
     features = "features" if model_dim is None else str(model_dim)
     if not isinstance(x, Tensor):
         raise ValueError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    check_strided(x, "x")
     if x.dim() != 3 or model_dim not in (None, x.shape[-1]):
         raise ValueError(f"x must have shape [batch, seq, {features}], got {list(x.shape)}")
     check_float_dtype(x, "x")
@@ -144,6 +155,7 @@ def _attention_input_shape(name: str, tensor: Tensor) -> torch.Size:
     is a floating-point tensor of rank 4."""
     if not isinstance(tensor, Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    check_strided(tensor, name)
     shape = tensor.shape
     if len(shape) != 4:
         raise ValueError(f"{name} must have shape [batch, heads, seq, head_dim], got {list(shape)}")
@@ -168,6 +180,7 @@ def check_positions(
         return None
     if not isinstance(positions, Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(positions).__name__}")
+    check_strided(positions, name)
     if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
         raise ValueError(f"{name} must hold integer positions (int64), got {positions.dtype}")
     if positions.dtype == torch.uint64:  # past 2^63 it would wrap to negative int64 values
@@ -385,6 +398,7 @@ def check_axis_positions(
     """
     if axes == 1 or not isinstance(positions, Tensor) or positions.dim() != 3:
         return None
+    check_strided(positions, name)
     axes_first = positions.shape[0] == axes and positions.shape[-1] == length
     if not axes_first and positions.shape[-1] == axes and positions.shape[1] == length:
         positions = positions.movedim(-1, 0)  # coordinates [batch, length, axes]

@@ -37,6 +37,7 @@ from torch import Tensor, nn
 
 from ._attention import PositionalAttention
 from ._inputs import (
+    FLOAT_DTYPES,
     cache_get,
     cache_put,
     check_embed_input,
@@ -138,6 +139,10 @@ class Floater(PositionalAttention):
         Fixed-step classic RK4 with 1 step(s) of size step / 1
         between positions; differentiable with respect to every parameter.
         """
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"count must be an int >= 0, got {count!r}")
+        if dtype not in FLOAT_DTYPES:
+            raise ValueError(f"dtype must be float16, bfloat16, float32 or float64, got {dtype!r}")
         if self.max_positions is not None and count > self.max_positions:
             raise ValueError(
                 f"position {count - 1} is past the integration horizon of "

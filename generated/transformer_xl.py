@@ -320,17 +320,18 @@ class TransformerXl(PositionalAttention):
         index, table_rows = self._relative_layout(
             q_positions, k_positions, n, m, device, "query_minus_key"
         )
-        kept = self._kept_relative_rows(torch.float32, device)  # compared with the parameters once
+        dtype = torch.promote_types(self.r_r_bias.dtype, torch.float32)  # float64 stays
+        kept = self._kept_relative_rows(dtype, device)  # compared with the parameters once
         rows = self._reused_relative_rows(
             kept,
             "relative",
             table_rows,
             None,
-            torch.float32,
+            dtype,
             device,
             None,
         )
-        term = self._global_position(index, rows, torch.float32)
+        term = self._global_position(index, rows, dtype)
         return term * self.scale
 
     def _global_position(self, index: Tensor, rows: Tensor, dtype: torch.dtype) -> Tensor:

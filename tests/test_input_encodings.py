@@ -703,3 +703,23 @@ def test_not_unique_claims_have_counterexamples() -> None:
     out = grid.embed(torch.ones(1, 25, 4, dtype=F64), grid=(5, 5))
     torch.testing.assert_close(out[0, 6], out[0, 12])  # two interior cells coincide
     assert make("nope").embed(x) is x  # no position reaches the input at all
+
+
+@pytest.mark.parametrize(
+    ("arguments", "named"),
+    [
+        ((-1,), "count"),
+        ((2.5,), "count"),
+        ((None,), "count"),
+        ((True,), "count"),
+        ((3, torch.int64), "dtype"),
+        ((3, torch.bool), "dtype"),
+    ],
+)
+def test_floater_trajectory_names_a_bad_argument(arguments: tuple, named: str) -> None:
+    """count must be an int >= 0 and dtype a float dtype: -1 had given [0, 512]
+    silently, the others TypeError or RuntimeError from inside torch."""
+    pe = make("floater", model_dim=8)
+    with pytest.raises(ValueError, match=f"^{named} must be"):
+        pe.trajectory(*arguments)
+    assert pe.trajectory(0).shape == (0, 8)

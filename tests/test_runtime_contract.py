@@ -622,3 +622,48 @@ def test_no_queries_or_no_keys_give_empty_terms_biases_and_rotations(name: str) 
             rotated_q, rotated_k = pe.rotate(q, k, positions(n), positions(m))
             assert rotated_q.shape == q.shape and rotated_k.shape == k.shape
             assert pe.rotate_keys(k, positions(m)).shape == k.shape
+
+
+def test_sparse_and_mkldnn_arguments_are_named() -> None:
+    """Each tensor argument in a layout other than torch.strided is a ValueError naming
+    it (they had raised NotImplementedError or RuntimeError from inside aten)."""
+    pe = make("t5")
+    q, k, v = qkv(pe, n=4, m=4)
+    positions = torch.arange(4)
+    calls = {
+        "q": lambda: pe(q.to_sparse(), k, v),
+        "k_positions": lambda: pe(q, k, v, k_positions=positions.to_sparse()),
+        "attn_mask": lambda: pe(q, k, v, attn_mask=torch.ones(4, 4, dtype=torch.bool).to_sparse()),
+        "document_ids": lambda: pe(
+            q, k, v, document_ids=torch.zeros(4, dtype=torch.long).to_sparse()
+        ),
+        "q_positions": lambda: pe.score_bias(positions.to_sparse(), positions),
+    }
+    if torch.backends.mkldnn.is_available():
+        calls["v"] = lambda: pe(q, k, v.to_mkldnn())
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=f"{name} must be a dense tensor"):
+            call()
+    rope, absolute = make("rope"), make("learned_absolute")
+    with pytest.raises(ValueError, match="^positions must be a dense tensor"):
+        rope.rotate_keys(k, positions.to_sparse())
+    with pytest.raises(ValueError, match="x must be a dense tensor"):
+        absolute.embed(torch.randn(1, 4, absolute.model_dim).to_sparse())
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_float64_modules_score_bias_is_its_float64_position_term(name: str) -> None:
+    """score_bias of a float64 module is float64 and equals score_terms' position-only
+    term (Transformer-XL's was float32, 4e-9 off it)."""
+    pe = make(name).double()
+    positions = torch.arange(4)
+    bias = pe.score_bias(positions, positions)
+    if bias is None:
+        return
+    assert bias.dtype == F64
+    q, k, _ = qkv(pe, n=4, m=4, dtype=F64)
+    term = pe.score_terms(q, k, q_positions=positions, k_positions=positions).get(
+        "position_position"
+    )
+    if term is not None and not pe.position_bias_inside_scale:
+        torch.testing.assert_close(bias, term, rtol=1e-12, atol=1e-12)

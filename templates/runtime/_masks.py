@@ -16,7 +16,13 @@ from torch import Tensor
 
 from ._distances import default_distances
 from ._first_order import first_order_only
-from ._inputs import FLOAT_DTYPES, MAX_POSITION, positions_or_default, positive_int
+from ._inputs import (
+    FLOAT_DTYPES,
+    MAX_POSITION,
+    check_strided,
+    positions_or_default,
+    positive_int,
+)
 
 
 def masked_softmax(logits: Tensor) -> Tensor:
@@ -126,6 +132,7 @@ def check_document_ids(
     name = "document_ids"
     if not isinstance(document_ids, Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(document_ids).__name__}")
+    check_strided(document_ids, name)
     if (
         document_ids.is_floating_point()
         or document_ids.is_complex()
@@ -423,6 +430,7 @@ def check_attn_mask(attn_mask: Tensor | None, q: Tensor, m: int) -> Tensor | Non
         return None
     if not isinstance(attn_mask, Tensor):
         raise ValueError(f"attn_mask must be a torch.Tensor, got {type(attn_mask).__name__}")
+    check_strided(attn_mask, "attn_mask")
     if attn_mask.dtype != torch.bool and attn_mask.dtype not in FLOAT_DTYPES:
         raise ValueError(
             f"attn_mask must be bool, float16, bfloat16, float32 or float64, got {attn_mask.dtype}"
