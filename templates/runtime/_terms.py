@@ -370,8 +370,7 @@ class AttentionTerms(nn.Module):
         (an EMA copy) compares its parameters as any module outside a block does."""
         state = self.__dict__.copy()
         state["_cache"] = {}
-        if self.has_rotation:
-            state.update(self._fresh_rotary_tables())
+        state.update(self._fresh_rotary_tables())
         state.pop("_frozen_block", None)  # the class's None
         return state
 
