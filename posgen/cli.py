@@ -425,6 +425,7 @@ def explain(name_or_spec: str, spec_dir: Path) -> None:
     default=None,
     help="Write to this file instead of stdout (never over a file posgen did not write).",
 )
+@reports_spec_errors
 def schema(out_file: Path | None) -> None:
     """Print the JSON Schema of the spec format (for editor completion).
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,8 @@ def test_weights_values_and_dtypes_are_a_usage_error(tmp_path: Path) -> None:
         "int": (torch.ones(8, dtype=torch.int64), "has dtype int64"),
         "sparse": (slopes.to_sparse(), "a dense (strided) one is needed"),
         "meta": (torch.empty(8, device="meta"), "meta device"),
+        # finite in float64, +inf once loaded into the float32 module
+        "past_float32": (slopes.double().index_fill_(0, torch.tensor([0]), 1e300), "past what"),
     }
     for name, (value, message) in cases.items():
         path = tmp_path / f"{name}.pt"
@@ -68,6 +71,9 @@ def test_weights_values_and_dtypes_are_a_usage_error(tmp_path: Path) -> None:
         assert "slopes" in result.output and message in result.output, (name, result.output)
         assert "Traceback" not in result.output and "REFUTED" not in result.output, name
         assert len(result.output.strip().splitlines()[-1]) > 0
+    os.mkfifo(tmp_path / "pipe.pt")  # refused before torch.load would block on it
+    result = runner.invoke(main, ["check", ALIBI_LEARNED, "--weights", str(tmp_path / "pipe.pt")])
+    assert result.exit_code == 2 and "not a regular file" in result.output, result.output
     fine = tmp_path / "float64.pt"
     torch.save({"slopes": slopes.double()}, fine)  # another real floating dtype is taken
     result = runner.invoke(

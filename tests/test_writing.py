@@ -664,3 +664,40 @@ def test_a_full_run_keeps_a_standalone_module_in_its_folder(tmp_path: Path) -> N
     assert result.exit_code == 0, result.output
     assert single.read_bytes() == before
     assert not (out / "gone.py").exists()
+
+
+def test_a_named_pipe_in_the_output_folder_is_left_alone(tmp_path: Path) -> None:
+    """A pipe named like a module (stale-file pruning reads every *.py's header) is not
+    opened: generate and --check had blocked on it for ever."""
+    out = tmp_path / "gen"
+    assert invoke("generate", str(SPECS), "--out", str(out)).exit_code == 0
+    os.mkfifo(out / "pipe.py")
+    check = subprocess.run(
+        [sys.executable, "-m", "posgen", "generate", str(SPECS), "--out", str(out), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert not writing.is_generated(out / "pipe.py")
+    assert not writing.is_standalone(out / "pipe.py")
+    assert stat.S_ISFIFO((out / "pipe.py").lstat().st_mode)
+
+
+def test_a_dangling_link_as_the_output_folder_is_refused_alike(tmp_path: Path) -> None:
+    """--check had called every module missing ("run posgen generate"), and generate
+    then failed to create the folder: both now refuse the link, exit 2."""
+    out = tmp_path / "gen"
+    out.symlink_to(tmp_path / "nowhere")
+    for extra in ((), ("--check",)):
+        result = invoke("generate", str(SPECS), "--out", str(out), *extra)
+        assert result.exit_code == 2, result.output
+        assert "symbolic link to a missing folder" in one_error_line(result)
+    assert not (tmp_path / "nowhere").exists()
+
+
+def test_schema_reports_a_write_error_in_one_line(tmp_path: Path) -> None:
+    """schema was the one command whose OSError came out as a traceback."""
+    result = invoke("schema", "--out", str(tmp_path / ("a" * 300) / "schema.json"))
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output

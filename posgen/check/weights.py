@@ -12,6 +12,7 @@ takes (a real floating dtype for a floating parameter): ``check_fit``.
 from __future__ import annotations
 
 import re
+import stat
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,6 +27,12 @@ class WeightsError(ValueError):
 
 def load_weights(path: Path) -> dict[str, Tensor]:
     """The state_dict stored in ``path`` (tensors only)."""
+    try:
+        regular = stat.S_ISREG(path.stat().st_mode)
+    except OSError as error:
+        raise WeightsError(f"{path}: cannot read weights: {_reason(error)}") from None
+    if not regular:  # a named pipe would block torch.load for ever
+        raise WeightsError(f"{path}: cannot read weights: not a regular file")
     try:
         with warnings.catch_warnings():  # e.g. a pickle protocol torch.save does not use
             warnings.simplefilter("ignore")
@@ -105,11 +112,21 @@ def value_problem(value: Tensor, like: Tensor) -> str | None:
     if not (value.is_floating_point() or value.is_complex()):
         return None
     # widened first: torch has no isfinite for some narrow dtypes (float8_e4m3fn)
-    finite = torch.isfinite(value.to(torch.complex128 if value.is_complex() else torch.float64))
+    wide = torch.complex128 if value.is_complex() else torch.float64
+    finite = torch.isfinite(value.to(wide))
     if not bool(finite.all()):
         bad = int((~finite).sum())
         plural = "s" if bad > 1 else ""
         return f"has {bad} non-finite value{plural} (NaN or ±inf); finite values are needed"
+    # and in the module's dtype, which loading casts to (1e300 is inf in float32)
+    kept = torch.isfinite(value.to(like.dtype).to(wide))
+    if not bool(kept.all()):
+        bad = int((~kept).sum())
+        plural = "s" if bad > 1 else ""
+        return (
+            f"has {bad} value{plural} past what the module's {_dtype_name(like)} holds "
+            "(±inf once loaded); finite values are needed"
+        )
     return None
 
 

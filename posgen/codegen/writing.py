@@ -105,6 +105,15 @@ class Drift:
         )
 
 
+def _is_regular_file(path: Path) -> bool:
+    """Whether ``path`` itself (not a link's target) is a regular file: posgen opens
+    nothing else (a named pipe would block an open or a read for ever)."""
+    try:
+        return stat.S_ISREG(path.lstat().st_mode)
+    except OSError:
+        return False
+
+
 def is_generated(path: Path) -> bool:
     """Whether a file carries the posgen header (only such files are ever replaced or removed).
 
@@ -112,6 +121,8 @@ def is_generated(path: Path) -> bool:
     (``GENERATED_HEADERS``), so bytes past the header that are not UTF-8 (a damaged
     generated module) leave it posgen's, to be replaced."""
     headers = [header.encode("utf-8") for header in GENERATED_HEADERS]
+    if not _is_regular_file(path):  # a pipe would block the read for ever
+        return False
     try:
         with path.open("rb") as handle:
             start = handle.read(max(len(header) for header in headers))
@@ -123,6 +134,8 @@ def is_generated(path: Path) -> bool:
 def is_standalone(path: Path) -> bool:
     """Whether a file posgen wrote is a ``--standalone`` module: a file of its own, which
     a full run into its folder keeps (it is no stale part of the generated tree)."""
+    if not _is_regular_file(path):
+        return False
     try:
         with path.open("r", encoding="utf-8") as handle:
             header = [handle.readline() for _ in range(3)]
@@ -132,7 +145,13 @@ def is_standalone(path: Path) -> bool:
 
 
 def _check_folder(out_dir: Path) -> None:
-    """Raise OutputError when ``out_dir`` exists but is not a folder."""
+    """Raise OutputError when ``out_dir`` exists but is not a folder, or is a symbolic
+    link to nothing (``generate`` could not create the folder there)."""
+    if out_dir.is_symlink() and not out_dir.exists():
+        raise OutputError(
+            f"{out_dir} is a symbolic link to a missing folder: --out needs a folder "
+            "(create its target, or remove the link)"
+        )
     if out_dir.exists() and not out_dir.is_dir():
         raise OutputError(f"{out_dir} is a file, not a folder: --out needs a folder")
 
