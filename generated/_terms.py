@@ -376,7 +376,7 @@ class AttentionTerms(nn.Module):
         state.pop("_frozen_block", None)  # the class's None
         return state
 
-    def _fresh_rotary_tables(self) -> dict[str, Any]:
+    def _fresh_rotary_tables(self) -> dict[str, object]:
         """The tables a rotation keeps across calls, as a new module has them (the
         rotation block's); none without a rotation."""
         return {}

@@ -29,8 +29,6 @@ Usage::
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor
 
@@ -145,7 +143,7 @@ class RopeMrope(PositionalAttention):
         for name, value in self._fresh_rotary_tables().items():  # empty until a call
             setattr(self, name, value)
 
-    def _fresh_rotary_tables(self) -> dict[str, Any]:
+    def _fresh_rotary_tables(self) -> dict[str, object]:
         """The tables a rotation keeps across calls, empty as a new module has them (and
         a copy: ``__getstate__`` puts these in place of the grown ones, which reached
         64 MiB for one call at position 65535).

@@ -25,8 +25,6 @@ Usage::
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor
 
@@ -132,7 +130,7 @@ class RopeRandomized(PositionalAttention):
         # draws the training positions; set it (a CPU torch.Generator) to make them seeded
         self.position_generator: torch.Generator | None = None
 
-    def _fresh_rotary_tables(self) -> dict[str, Any]:
+    def _fresh_rotary_tables(self) -> dict[str, object]:
         """The tables a rotation keeps across calls, empty as a new module has them (and
         a copy: ``__getstate__`` puts these in place of the grown ones, which reached
         64 MiB for one call at position 65535).

@@ -31,8 +31,6 @@ Usage::
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor, nn
 
@@ -136,7 +134,7 @@ class RopeSsmax(PositionalAttention):
         # s: [heads], the rate each head's factor grows with ln(i + 1)
         self.query_scale_per_head = nn.Parameter(torch.full((self.heads,), 0.43))
 
-    def _fresh_rotary_tables(self) -> dict[str, Any]:
+    def _fresh_rotary_tables(self) -> dict[str, object]:
         """The tables a rotation keeps across calls, empty as a new module has them (and
         a copy: ``__getstate__`` puts these in place of the grown ones, which reached
         64 MiB for one call at position 65535).

@@ -30,9 +30,9 @@ class LearnedTable(SpecModel):
 
     kind: Literal["learned"]
     max_positions: int = Field(
-        ge=1,
+        ge=2,  # one row holds no distance: nothing to learn or check between positions
         le=MAX_TABLE_ROWS,
-        description=f"rows of the table, 1 to {MAX_TABLE_ROWS:,} (2^21): the table holds "
+        description=f"rows of the table, 2 to {MAX_TABLE_ROWS:,} (2^21): the table holds "
         "max_positions x model_dim trained floats (GPT-2 1024, BERT 512)",
     )
     init_std: float = init_std(0.02)
@@ -179,9 +179,9 @@ class OdeTable(SpecModel):
     )
     initial: Literal["learned", "zero"]
     max_positions: int = Field(
-        ge=1,
+        ge=2,  # one position holds no distance: nothing to integrate or check
         le=MAX_ODE_POSITIONS,
-        description=f"integration horizon, required, 1 to {MAX_ODE_POSITIONS:,} (2^16): "
+        description=f"integration horizon, required, 2 to {MAX_ODE_POSITIONS:,} (2^16): "
         "integrating to position i takes i x steps_per_position steps and keeps i x "
         "model_dim floats (and, with autograd, every intermediate state), so the cost of "
         "any position the caller passes is bounded by this",
