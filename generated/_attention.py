@@ -48,7 +48,7 @@ from ._masks import (
     masked_softmax,
     pair_documents,
 )
-from ._numerics import autocast_dtype, autocast_off
+from ._numerics import autocast_off, in_autocast_dtype
 from ._sdpa_backend import SdpaBackend
 
 # "auto" runs sdpa for calls of at most this many queries (decode steps, a few
@@ -161,8 +161,7 @@ class PositionalAttention(SdpaBackend, FlexBackend):
             document_ids=document_ids,
         )
         if backend != "eager":  # under autocast, the dtype SDPA returns there
-            dtype = autocast_dtype(out.dtype, out.device.type)
-            out = out if dtype == out.dtype else out.to(dtype)  # (a no-op .to costs 1 us)
+            out = in_autocast_dtype(out)
         return out.transpose(1, 2) if layout == "bnhd" else out
 
     def _attend(

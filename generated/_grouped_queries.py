@@ -49,7 +49,7 @@ from torch import Tensor
 
 from ._inputs import repeat_kv
 from ._masks import masked_softmax
-from ._numerics import autocast_dtype, autocast_off
+from ._numerics import autocast_off, in_autocast_dtype
 
 # Devices where a few grouped queries take the two batched matmuls
 # (``grouped_queries_serve``): the CPU, measured (see the module docstring). On CUDA
@@ -159,8 +159,7 @@ def grouped_query_attention(
     device = q.device.type
     with autocast_off(device):
         out = _grouped_query_attention(q, k, v, mask, scale, every_row_reads)
-    dtype = autocast_dtype(out.dtype, device)
-    return out if dtype == out.dtype else out.to(dtype)  # (a no-op .to costs 1 us)
+    return in_autocast_dtype(out)
 
 
 def _grouped_query_attention(

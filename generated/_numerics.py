@@ -38,6 +38,14 @@ def autocast_dtype(dtype: torch.dtype, device_type: str) -> torch.dtype:
     return dtype
 
 
+def in_autocast_dtype(x: Tensor) -> Tensor:
+    """x in the dtype SDPA would have returned it in under the current autocast state
+    (``autocast_dtype``); x itself where that is its dtype (a no-op ``.to`` costs about
+    1 us of a decode step)."""
+    dtype = autocast_dtype(x.dtype, x.device.type)
+    return x if dtype == x.dtype else x.to(dtype)
+
+
 def flush_denormals() -> bool:
     """Flush float32/float64 denormals to zero on the CPU threads torch computes on;
     True if every thread now does.

@@ -111,23 +111,27 @@ def value_problem(value: Tensor, like: Tensor) -> str | None:
         return f"has dtype {_dtype_name(value)}; the module's is {_dtype_name(like)}"
     if not (value.is_floating_point() or value.is_complex()):
         return None
-    # widened first: torch has no isfinite for some narrow dtypes (float8_e4m3fn)
-    wide = torch.complex128 if value.is_complex() else torch.float64
-    finite = torch.isfinite(value.to(wide))
-    if not bool(finite.all()):
-        bad = int((~finite).sum())
-        plural = "s" if bad > 1 else ""
-        return f"has {bad} non-finite value{plural} (NaN or ±inf); finite values are needed"
-    # and in the module's dtype, which loading casts to (1e300 is inf in float32)
-    kept = torch.isfinite(value.to(like.dtype).to(wide))
-    if not bool(kept.all()):
-        bad = int((~kept).sum())
-        plural = "s" if bad > 1 else ""
+    bad = _non_finite_count(value)
+    if bad:
+        return f"has {bad} non-finite value{_plural(bad)} (NaN or ±inf); finite values are needed"
+    bad = _non_finite_count(value.to(like.dtype))  # as loaded (1e300 is inf in float32)
+    if bad:
         return (
-            f"has {bad} value{plural} past what the module's {_dtype_name(like)} holds "
+            f"has {bad} value{_plural(bad)} past what the module's {_dtype_name(like)} holds "
             "(±inf once loaded); finite values are needed"
         )
     return None
+
+
+def _non_finite_count(value: Tensor) -> int:
+    """NaN and ±inf entries of a floating or complex tensor, counted after widening
+    (torch has no isfinite for some narrow dtypes, float8_e4m3fn)."""
+    wide = torch.complex128 if value.is_complex() else torch.float64
+    return int((~torch.isfinite(value.to(wide))).sum())
+
+
+def _plural(count: int) -> str:
+    return "s" if count > 1 else ""
 
 
 def _dtype_name(tensor: Tensor) -> str:
