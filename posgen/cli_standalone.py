@@ -50,7 +50,8 @@ def generate_standalone(
 
 def _check_module_name(out: Path) -> None:
     """The file is imported by its stem: refuse one Python cannot import by name, or one
-    that would shadow a standard-library or required module beside the user's code."""
+    that would shadow a standard-library module, or one torch or posgen imports or that is
+    installed, beside the user's code."""
     stem = out.stem
     if not stem.isidentifier() or keyword.iskeyword(stem):
         raise UsageError(
@@ -59,8 +60,8 @@ def _check_module_name(out: Path) -> None:
         )
     if stem in RESERVED_MODULE_NAMES:
         raise UsageError(
-            f"--out {out}: a module named {stem!r} would shadow the standard-library or "
-            "required module of that name; choose another name"
+            f"--out {out}: a module named {stem!r} would shadow the standard-library "
+            "module of that name, or the one torch or posgen imports; choose another name"
         )
     installed = _installed_elsewhere(stem, out)
     if installed is not None:

@@ -992,6 +992,36 @@ def test_a_deadline_that_strikes_inside_a_finalizer_strikes_again(capfd) -> None
     assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
 
 
+@pytest.mark.skipif(not deadline.enforceable(), reason="needs SIGALRM on the main thread")
+def test_a_deadline_waits_for_an_import_to_finish(tmp_path, monkeypatch) -> None:
+    """The limit struck inside torch's lazy import of sympy (the first compile of the
+    ``backends`` property): the half-run module broke ``backends`` for every later spec in
+    the process. It now strikes once the import is done, and the module is whole."""
+    import time
+
+    name = "posgen_test_slow_to_import"
+    (tmp_path / f"{name}.py").write_text(
+        "import time\nuntil = time.monotonic() + 0.3\nwhile time.monotonic() < until:\n"
+        "    pass\ncomplete = True\n",
+        encoding="utf-8",
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    imported_at = None
+    started = time.monotonic()
+    try:
+        with pytest.raises(deadline.OutOfTime), deadline.hard_deadline(0.05):
+            importlib.import_module(name)
+            imported_at = time.monotonic() - started
+            while time.monotonic() - started < 3.0:
+                pass
+        assert imported_at is not None and imported_at >= 0.3, imported_at
+        assert time.monotonic() - started < imported_at + 1.0  # struck soon after
+        assert sys.modules[name].complete
+    finally:
+        sys.modules.pop(name, None)
+
+
 # ------------------------------------------- near the tolerances (mutation round 2)
 
 

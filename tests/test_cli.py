@@ -235,15 +235,18 @@ def test_schema_help_says_what_it_replaces(run) -> None:
 @pytest.mark.parametrize(
     ("file_name", "says"),
     [
-        ("torch.py", "would shadow the standard-library or required module"),
-        ("json.py", "would shadow the standard-library or required module"),
+        ("torch.py", "would shadow the standard-library module of that name, or the one"),
+        ("json.py", "would shadow the standard-library module of that name, or the one"),
         ("t5-attention.py", "is not a name Python can import"),
         ("class.py", "is not a name Python can import"),
-        # installed modules torch and posgen import: beside the user's code the file
-        # would be imported in their place (torch itself then fails to import)
-        ("typing_extensions.py", "a module named 'typing_extensions' is installed"),
-        ("yaml.py", "a module named 'yaml' is installed"),
-        ("pydantic.py", "a module named 'pydantic' is installed"),
+        # modules torch and posgen import: beside the user's code the file would be
+        # imported in their place (torch itself then fails to import)
+        ("typing_extensions.py", "the one torch or posgen imports"),
+        ("yaml.py", "the one torch or posgen imports"),
+        ("pydantic.py", "the one torch or posgen imports"),
+        # any other installed module: shadowing it may break the user's own imports
+        ("pytest.py", "a module named 'pytest' is installed"),
+        ("matplotlib.py", "a module named 'matplotlib' is installed"),
     ],
 )
 def test_standalone_refuses_a_file_that_cannot_be_imported_as_itself(

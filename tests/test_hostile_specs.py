@@ -146,6 +146,70 @@ def test_every_package_the_runtime_imports_is_a_reserved_module_name() -> None:
 
 
 @pytest.mark.parametrize(
+    "name", ["typing_extensions", "sympy", "filelock", "networkx", "jinja2", "fsspec", "yaml"]
+)
+def test_a_package_torch_or_posgen_imports_is_refused_as_a_spec_name(name: str) -> None:
+    """A spec named after a package that ``import torch`` loads gave a module that,
+    with generated/ as the working directory, broke ``import torch``; it is refused."""
+    from posgen.spec.model.spec import spec_name_problem
+
+    problem = spec_name_problem(name)
+    assert problem is not None and "torch or posgen imports" in problem, problem
+
+
+def test_a_spec_named_after_a_dependency_would_break_import_torch(tmp_path: Path) -> None:
+    """Why the names above are refused, shown on this environment: a file
+    ``typing_extensions.py`` in the working directory makes ``import torch`` fail (one
+    named sympy or jinja2 breaks torch.compile later, where torch imports them lazily);
+    and every distribution that torch and posgen require (transitively, extras left out)
+    has its modules in the refused list."""
+    import importlib.metadata as metadata
+    import sys
+
+    from packaging.requirements import Requirement
+
+    from posgen.spec.model import RESERVED_MODULE_NAMES
+
+    (tmp_path / "typing_extensions.py").write_text(
+        "raise ImportError('shadowed')\n", encoding="utf-8"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", "import torch"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode != 0 and "shadowed" in result.stderr, result.stderr[-500:]
+
+    seen: set[str] = set()
+    pending = ["torch", "posgen"]
+    while pending:
+        distribution = pending.pop()
+        if distribution in seen:
+            continue
+        seen.add(distribution)
+        for line in metadata.requires(distribution) or []:
+            requirement = Requirement(line)
+            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+                pending.append(requirement.name.lower())
+    for distribution in seen - {"posgen"}:
+        top_level = metadata.distribution(distribution).read_text("top_level.txt")
+        files = metadata.files(distribution) or []
+        modules = set((top_level or "").split()) | {
+            file.parts[0].removesuffix(".py")
+            for file in files
+            if len(file.parts) > 1 or file.suffix == ".py"
+        }
+        modules = {
+            module
+            for module in modules
+            if module.isidentifier() and not module.endswith((".dist-info", "__pycache__"))
+        }
+        assert modules & RESERVED_MODULE_NAMES, (distribution, modules)
+
+
+@pytest.mark.parametrize(
     "name", ["tomllib", "annotationlib", "compression", "distutils", "telnetlib"]
 )
 def test_a_standard_module_of_any_supported_python_is_reserved(name: str) -> None:

@@ -9,6 +9,10 @@ wall time it raises ``OutOfTime`` inside the running code, from a SIGALRM handle
 budget)" outcome. The signal is delivered between Python bytecodes, so a single torch
 operation still finishes first (each is bounded by the position span).
 
+The limit never strikes inside an import (a module half-executed would stay broken in
+``sys.modules`` for the rest of the process): it is put off, ``RETRY_SECONDS`` at a time,
+until the import is done.
+
 A raise the running code cannot see, because the signal landed in a garbage-collector
 callback or a ``__del__`` (Python prints such exceptions as "Exception ignored in" and
 goes on), is not lost: the handler arms the timer again before it raises, so the limit
@@ -44,7 +48,22 @@ def enforceable() -> bool:
 
 def _raise_out_of_time(signum: int, frame: FrameType | None) -> None:
     signal.setitimer(signal.ITIMER_REAL, RETRY_SECONDS)  # again, should this raise be lost
+    if _inside_import(frame):
+        return  # strike once the import is done: a half-run import poisons the process
     raise OutOfTime
+
+
+def _inside_import(frame: FrameType | None) -> bool:
+    """Whether ``frame`` runs (at any depth) under the import machinery: a module's body
+    being executed, or the finders and loaders of ``importlib._bootstrap``. An exception
+    there would leave a module half-initialised in ``sys.modules`` (torch imports sympy
+    lazily, inside the first compile), and every later import of it in this process
+    would fail."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib._bootstrap"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 @contextmanager

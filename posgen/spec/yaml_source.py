@@ -137,6 +137,14 @@ class _Builder:
             if not isinstance(key_node, ScalarNode):
                 raise self.fail(key_node, path, "mapping keys must be plain strings")
             key = key_node.value
+            if _has_surrogate(key):
+                raise self.fail(
+                    key_node,
+                    path,
+                    f"mapping key {ascii(key)} holds "
+                    "a lone surrogate (\\ud800-\\udfff), which is not a character; keys are "
+                    "field names",
+                )
             key_path = (*path, key)
             if key in result:
                 first_line, first_col = self.loaded.key_positions[key_path]
@@ -178,6 +186,12 @@ class _Builder:
                 )
             return value
         return text
+
+
+def _has_surrogate(text: str) -> bool:
+    """Whether ``text`` holds a lone surrogate code point (YAML's "\\udc80" escape makes
+    one), which no UTF-8 text can carry."""
+    return any("\ud800" <= character <= "\udfff" for character in text)
 
 
 def _text_start(node: ScalarNode, source_lines: list[str]) -> Position | None:

@@ -87,13 +87,49 @@ STDLIB_ON_OTHER_VERSIONS = frozenset(
         "xdrlib",
     }
 )
-# Names a generated module must not take: copied beside other code, it would shadow them
-# (the standard library of any supported Python, and every package the runtime imports:
-# torch, and triton for the CUDA kernels). ``__main__`` is always the running script, so
-# a module of that name cannot be imported.
+# The top-level modules that ``import torch`` and ``import posgen`` load from their
+# required dependencies (torch's: filelock, typing_extensions, setuptools, sympy with
+# mpmath, networkx, jinja2 with markupsafe, fsspec; posgen's: pydantic and its parts, yaml,
+# click, hypothesis with sortedcontainers), and the optional ones torch imports when they
+# are installed (numpy, optree, opt_einsum, the CUDA wheels under ``nvidia``). A fixed list,
+# not the environment's: whether a spec is valid must not depend on what is installed.
+DEPENDENCY_MODULE_NAMES = frozenset(
+    {
+        "filelock",
+        "typing_extensions",
+        "setuptools",
+        "pkg_resources",
+        "_distutils_hack",
+        "sympy",
+        "mpmath",
+        "networkx",
+        "jinja2",
+        "markupsafe",
+        "fsspec",
+        "numpy",
+        "optree",
+        "opt_einsum",
+        "nvidia",
+        "pydantic",
+        "pydantic_core",
+        "annotated_types",
+        "typing_inspection",
+        "yaml",
+        "click",
+        "hypothesis",
+        "sortedcontainers",
+        "exceptiongroup",
+    }
+)
+# Names a generated module must not take: copied beside other code, or run with its folder
+# as the working directory, it would shadow them (the standard library of any supported
+# Python, every package the runtime imports: torch, and triton for the CUDA kernels, and
+# the packages those import). ``__main__`` is always the running script, so a module of
+# that name cannot be imported.
 RESERVED_MODULE_NAMES = (
     frozenset(sys.stdlib_module_names)
     | STDLIB_ON_OTHER_VERSIONS
+    | DEPENDENCY_MODULE_NAMES
     | {"torch", "triton", "posgen", "generated", "__main__"}
 )
 
@@ -280,8 +316,8 @@ class Spec(SpecModel):
         if name in RESERVED_MODULE_NAMES:
             raise PydanticCustomError(
                 "module_name",
-                "'{name}' is the name of a standard-library or required module; a generated "
-                "module of that name would shadow it",
+                "'{name}' is the name of a standard-library module or of one that torch or "
+                "posgen imports; a generated module of that name would shadow it",
                 {"name": name},
             )
         problem = reserved_name_problem(name)
