@@ -107,7 +107,10 @@ def spec_path(name_or_path: str, spec_dir: Path) -> Path:
     if not name_or_path:
         raise UsageError("an empty spec name or path: name a spec (rope) or a file (x.yaml)")
     if is_spec_path(name_or_path):
-        return Path(name_or_path)
+        path = Path(name_or_path)
+        if not path.exists() and not path.is_symlink():  # named as given: Path drops "./"
+            raise UsageError(f"no such spec file: {name_or_path}")
+        return path
     folders = [spec_folder(spec_dir)]
     if folders[0] == DEFAULT_SPECS:
         folders.append(catalogue_dir())

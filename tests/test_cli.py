@@ -57,6 +57,16 @@ def test_explain_renders_the_decomposition(run, name: str) -> None:
     assert run("explain", f"specs/{name}.yaml").output == result.output
 
 
+@pytest.mark.parametrize("argument", ["./nosuch", "nosuch/", "./missing.yaml"])
+def test_explain_names_a_missing_file_as_given(run, tmp_path, monkeypatch, argument) -> None:
+    """A path argument that is not there is a usage error naming it as typed: pathlib
+    printed ``./nosuch`` as ``nosuch``, in a loader error that read as a spec error."""
+    monkeypatch.chdir(tmp_path)
+    result = run("explain", argument)
+    assert result.exit_code == 2
+    assert f"no such spec file: {argument}" in result.output, result.output
+
+
 def test_explain_t5_in_words(run) -> None:
     output = run("explain", "t5").output
     assert "table[bucket(j - i), h], t5 log buckets: 32 bidirectional, max_distance 128" in output
