@@ -21,11 +21,14 @@ from posgen.spec.diagnostics import SpecError, quoted
 from posgen.spec.loader import SPEC_SUFFIXES, load_spec
 from posgen.spec.model import spec_name_problem
 
+COMMENT_COLUMN = 34
+"""Where the scaffold's field comments start (0-based)."""
+
 SCAFFOLD = """\
 # yaml-language-server: $schema=schema.json
 # A new positional encoding. Every field is described in docs/reference.md; run
 # `posgen validate` after each change and `posgen check` to test the claims below.
-name: {name}                      # module name (= file name), lower_case words
+{name_line}# module name (= file name), lower_case words
 title: {title}
 references:                       # the paper(s): author, year, title, arXiv id
   - "Author et al. YEAR, Title, arXiv:XXXX.XXXXX"
@@ -64,7 +67,9 @@ def scaffold_text(name: str, source: Path | None) -> str:
     """The text of a new spec called ``name``: the commented scaffold, or ``source`` renamed."""
     if source is None:
         title = json.dumps(f"{name}: a new positional encoding")  # a quoted YAML scalar
-        return SCAFFOLD.format(name=name, title=title)
+        # the comment in the column of the others, or one space past a long name
+        name_line = f"name: {name} ".ljust(COMMENT_COLUMN)
+        return SCAFFOLD.format(name_line=name_line, title=title)
     text = source.read_text(encoding="utf-8")
     load_spec(source)  # a valid spec, so its text is one YAML mapping with a name
     start, end = _name_value_span(text)

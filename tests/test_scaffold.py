@@ -31,6 +31,21 @@ def test_the_blank_scaffold_validates_and_checks(runner: CliRunner, tmp_path: Pa
     assert check.exit_code == 0, check.output
 
 
+@pytest.mark.parametrize("name", ["x", "gauss_bias", "a" * 27, "a" * 28, "a" * 64])
+def test_the_scaffold_comments_line_up_whatever_the_name(
+    runner: CliRunner, tmp_path: Path, name: str
+) -> None:
+    """The ``name:`` line's comment starts in the column of the others (the scaffold
+    padded it for a name of 6 characters), or one space past a name too long for it."""
+    assert runner.invoke(main, ["new", name]).exit_code == 0
+    lines = (tmp_path / "specs" / f"{name}.yaml").read_text(encoding="utf-8").splitlines()
+    name_line = next(line for line in lines if line.startswith("name:"))
+    references_line = next(line for line in lines if line.startswith("references:"))
+    column = references_line.index("#")
+    expected = max(column, len(f"name: {name} "))
+    assert name_line.index("#") == expected, name_line
+
+
 def test_from_copies_an_existing_spec_under_the_new_name(runner: CliRunner, tmp_path: Path) -> None:
     result = runner.invoke(main, ["new", "alibi_inside", "--from", str(SPECS / "alibi.yaml")])
     assert result.exit_code == 0, result.output
