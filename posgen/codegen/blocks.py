@@ -64,7 +64,9 @@ class Block(Rendered):
         """Positions reach this block's part of attention only as key minus query
         position, so adding one constant to every query and key position changes none of
         its logits (the runtime's flag of that name). False unless a block says so:
-        rotations, absolute and contextual terms and FIRE read positions themselves."""
+        rotations, untied absolute and contextual terms and FIRE read positions
+        themselves. Input-level tables say so: they act before attention, which then
+        reads no position."""
         return self.reads_differences_only
 
     @property
