@@ -16,14 +16,14 @@ states:
   chosen with ``layer``: ``rope`` as above (Gemma 3's sliding layers with
   ``rope_local_base_freq``), or ``nope`` (``nope_llama4`` with the config's
   ``floor_scale`` and ``attn_scale`` where Llama 4 tunes the temperature);
-- BLOOM (``n_head``, ``hidden_size``) and MPT with ``attn_config.alibi`` (power-of-two
-  head counts, ``alibi_bias_max`` 8): ``alibi``;
+- BLOOM (``n_head``, ``hidden_size``) and MPT (``n_heads``, ``d_model``, ``alibi_bias_max``
+  8, ``attn_config.softmax_scale`` as the logit scale): ``alibi``;
 - the T5 family (``relative_attention_num_buckets``, ``relative_attention_max_distance``,
   ``num_heads``, ``d_kv``; the model_types of ``T5_FAMILIES``): ``t5``, the encoder's
   self-attention (the notes give the decoder's ``t5_decoder``).
 
-A setting the catalogue cannot express (an unknown ``rope_scaling`` type, MPT's slopes
-for a head count that is not a power of two, logit soft-capping, DeepSeek's latent
+A setting the catalogue cannot express (an unknown ``rope_scaling`` type, MPT's
+``alibi_bias_max`` other than 8 or ``alibi`` false, logit soft-capping, DeepSeek's latent
 attention, LongT5's local attention) is an error that names it, never a spec that is
 silently different from the model; so is a rotary ``model_type`` whose pairing from-hf
 does not know, unless ``pairing`` states it, and T5's buckets in a ``model_type`` whose
@@ -50,7 +50,7 @@ from typing import Any
 
 import yaml
 
-from posgen.hf_config import ConfigError, Settings
+from posgen.hf_config import REQUIRED, ConfigError, Settings
 from posgen.hf_families import (
     BASE_KEYS,
     FAMILIES,
@@ -390,7 +390,7 @@ def _rotary(
     if axes is not None:
         rotate["axes"] = axes
     if _SAME_SCHEDULE.get(schedule, schedule) != "default":
-        rotate["frequencies"] = _frequencies(schedule, scaling, config, rotated)
+        rotate["frequencies"] = _frequencies(schedule, scaling, config, rotated, family)
         if schedule == "dynamic":
             spec["claims"].pop("relative", None)  # the base follows the call's length
     return spec
@@ -554,7 +554,7 @@ def _truncated_fraction(key: str, fraction: float, head_dim: int) -> float:
 
 
 def _frequencies(
-    kind: str, scaling: Settings, config: Settings, rotated: _Rotated
+    kind: str, scaling: Settings, config: Settings, rotated: _Rotated, family: Family
 ) -> dict[str, Any]:
     """The spec's ``frequencies`` for a Hugging Face ``rope_scaling`` (same defaults)."""
     if kind == "linear":
@@ -576,7 +576,7 @@ def _frequencies(
             "original_max_positions": scaling.positive_int("original_max_position_embeddings"),
         }
     if kind in ("longrope", "su"):
-        return _longrope(scaling, config, rotated)
+        return _longrope(scaling, config, rotated, family.original_max_positions)
     raise ConfigError(f"rope_scaling type {kind!r} has no frequency schedule in posgen")
 
 
@@ -605,10 +605,19 @@ def _yarn(scaling: Settings, config: Settings) -> dict[str, Any]:
     return frequencies
 
 
-def _longrope(scaling: Settings, config: Settings, rotated: _Rotated) -> dict[str, Any]:
-    if config.has("original_max_position_embeddings"):
-        # Phi-3 states the trained length at the top level; factor is the extension
-        original = config.positive_int("original_max_position_embeddings")
+def _longrope(
+    scaling: Settings, config: Settings, rotated: _Rotated, default_original: int | None
+) -> dict[str, Any]:
+    """LongRoPE as Hugging Face's: with a top-level original_max_position_embeddings
+    (Phi-3 states the trained length there, and Phi3Config sets 4096 where the config
+    leaves it out: ``default_original``), the factor is max_position_embeddings over
+    it; else the original length is max_position_embeddings and the factor
+    rope_scaling's."""
+    key = "original_max_position_embeddings"
+    if config.has(key) or default_original is not None:
+        original = config.positive_int(
+            key, REQUIRED if default_original is None else default_original
+        )
         factor = config.positive_int("max_position_embeddings") / original
     else:
         original = config.positive_int("max_position_embeddings")
@@ -648,17 +657,41 @@ def _alibi(config: Settings, spec: dict[str, Any], model: str) -> dict[str, Any]
 
 
 def _mpt(config: Settings, spec: dict[str, Any]) -> dict[str, Any]:
+    """MPT's ALiBi: ``build_mpt_alibi_tensor`` with alibi_bias_max 8 gives ALiBi's slopes
+    for every head count (for a count that is not a power of two, its odd then even
+    slopes of the next power of two are the paper's recipe), added after the logit
+    scale ``attn_config.softmax_scale`` (default 1/sqrt(d_model / n_heads)).
+    ``attn_config.alibi`` defaults to true (MptAttentionConfig); Hugging Face's MptModel
+    adds ALiBi with alibi_bias_max 8 whatever the two say, MosaicML's own code follows
+    them: a config that sets either otherwise is refused."""
     attention = config.section("attn_config")
-    if not attention.flag("alibi", False):
-        raise ConfigError("attn_config.alibi is false: this MPT uses no ALiBi bias")
-    heads = _heads(config, "n_heads")
-    bias_max = attention.positive_number("alibi_bias_max", 8.0)
-    if heads & (heads - 1) or bias_max != 8:
+    if not attention.flag("alibi", True):
         raise ConfigError(
-            f"MPT's slopes for {heads} heads (alibi_bias_max {bias_max:g}) differ from "
-            "alibi_geometric"
+            "attn_config.alibi is false: MosaicML's MPT then uses no ALiBi bias (learned "
+            "position embeddings), while Hugging Face's MptModel adds ALiBi whatever it "
+            "says, so from-hf does not guess which of the two this model is"
         )
-    return _alibi(config, spec, "MPT")
+    bias_max = attention.positive_number("alibi_bias_max", 8.0)
+    if bias_max != 8:
+        raise ConfigError(
+            f"attn_config.alibi_bias_max {bias_max:g}: MosaicML's MPT then has slopes "
+            "2^(-alibi_bias_max * h / heads), not alibi_geometric's (8), while Hugging Face's "
+            "MptModel uses 8 whatever it says, so from-hf does not guess which of the two "
+            "this model is"
+        )
+    spec = _alibi(config, spec, "MPT")
+    if attention.has("softmax_scale"):
+        scale = attention.positive_number("softmax_scale")
+        factor = 1.0 / (scale * scale * spec["defaults"]["head_dim"])
+        if not MIN_SCALE_FACTOR <= factor <= MAX_SCALE_FACTOR:
+            raise ConfigError(
+                f"attn_config.softmax_scale: {scale:g} gives the logit scale "
+                f"1/sqrt({factor:g} * head_dim), and a spec's scale.factor is in "
+                f"[{MIN_SCALE_FACTOR:g}, {MAX_SCALE_FACTOR:g}]"
+            )
+        if factor != 1.0:
+            spec["scale"] = {"kind": "inv_sqrt_head_dim", "factor": factor}
+    return spec
 
 
 def _t5(model_type: str, config: Settings, spec: dict[str, Any], chosen: _Layer) -> dict[str, Any]:

@@ -161,7 +161,8 @@ def _projected(layer: Any, part: str, hidden_states: Tensor) -> Tensor:
     split; OLMo's ``clip_qkv``, q, k and v clamped to [-clip, clip]; a norm as wide as a
     head (Qwen3, Gemma 3) or Llama 4's weightless ``qk_norm`` (q and k of its RoPE
     layers) on the split heads; StableLM's ``q_layernorm``/``k_layernorm`` (a LayerNorm
-    per head, ``qk_layernorm``) on [B, H, N, D]."""
+    per head, ``qk_layernorm``) on [B, H, N, D]; Falcon-H1's keys times its
+    ``key_multiplier``."""
     batch, n = hidden_states.shape[:2]
     x = getattr(layer, f"{part}_proj")(hidden_states)  # [B, N, heads * D]
     norm = getattr(layer, f"{part}_norm", None)
@@ -179,7 +180,9 @@ def _projected(layer: Any, part: str, hidden_states: Tensor) -> Tensor:
         x = norm(x)
     x = x.transpose(1, 2)  # [B, heads, N, D]
     per_head = getattr(layer, f"{part}_layernorm", None) if part != "v" else None
-    return x if per_head is None else per_head(x)
+    x = x if per_head is None else per_head(x)
+    multiplier = getattr(layer, "key_multiplier", None) if part == "k" else None
+    return x if multiplier is None else x * multiplier  # Falcon-H1's keys
 
 
 def _posgen_attention_forward(

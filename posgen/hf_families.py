@@ -93,6 +93,10 @@ class Family:
     # rope_scaling.type values its configuration class rewrites before the code reads
     # them (Phi3Config: the older "su" and "yarn" mean longrope); rope_type is kept
     type_rewrites: tuple[tuple[str, str], ...] = ()
+    # the top-level original_max_position_embeddings when left out (Phi3Config: 4096),
+    # which LongRoPE then reads (the factor is max_position_embeddings over it); None:
+    # the configuration class sets none, and LongRoPE takes rope_scaling's factor
+    original_max_positions: int | None = None
 
 
 def _rope_flag_layers(config: Settings) -> list[LayerKind]:
@@ -199,7 +203,11 @@ FAMILIES: dict[str, Family] = {
         layers=_gemma3_layers,
     ),  # fmt: skip
     "phi": Family("half", fraction=0.5),
-    "phi3": Family("half", type_rewrites=(("su", "longrope"), ("yarn", "longrope"))),
+    "phi3": Family(
+        "half",
+        type_rewrites=(("su", "longrope"), ("yarn", "longrope")),
+        original_max_positions=4096,
+    ),  # fmt: skip
     "gpt_neox": Family(
         "half", fraction=0.25, rope_keys=RopeKeys("rotary_emb_base", "rotary_pct", True)
     ),

@@ -36,6 +36,26 @@ from torch import Tensor, nn
 #: the attribute that holds the layer's index until its first forward has been checked
 UNCHECKED = "_posgen_unchecked_index"
 
+#: what a layer that looks like Llama's may hold beside its projections, which
+#: posgen.hf applies (norms before the module) or which holds nothing the forward uses
+_APPLIED_PARTS = frozenset(
+    ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm", "qk_norm")
+    + ("q_layernorm", "k_layernorm", "rotary_emb", "attention_dropout")
+)
+
+#: parts of layers posgen.hf cannot run, with what they do (any other unknown part is
+#: refused too, by its name)
+_UNAPPLIED_PARTS = {
+    "sinks": "attention sinks (GPT-OSS: a learned logit per head joins every row's softmax)",
+    "query_layernorm": "a weighted norm of q and k after the rotation (HunYuan), which "
+    "does not commute with it",
+    "key_layernorm": "a weighted norm of q and k after the rotation (HunYuan), which does "
+    "not commute with it",
+    "attn_sub_norm": "a norm of the attention's output before o_proj (BitNet)",
+    "lambda_q1": "differential attention (DiffLlama: one softmax less another)",
+    "dt_proj": "a dynamic mask made from the values (Doge)",
+}
+
 #: position terms no Llama-family layer has, by the module flag that marks them
 _TERMS_BEYOND_ROTATION = {
     "has_position_bias": "a position bias",
@@ -56,6 +76,7 @@ def check_llama_family_layer(
             f"layer {index} caps its logits (attn_logit_softcapping {cap:g}); posgen's "
             "attention does not"
         )
+    _refuse_unapplied_parts(attention, index)
     setattr(attention, UNCHECKED, index if strict else None)
     if not strict:
         return
@@ -78,6 +99,24 @@ def check_llama_family_layer(
             f"layer {index} {'scales' if tuned else 'does not scale'} its queries by "
             f"position (Llama 4's attention temperature tuning), encoding({index}) "
             f"{'does not' if tuned else 'does'}: take the layer's spec from `posgen from-hf`"
+        )
+
+
+def _refuse_unapplied_parts(attention: nn.Module, index: int) -> None:
+    """ValueError where the layer holds a submodule or parameter of its own that
+    posgen.hf would leave out of its attention (GPT-OSS's sinks, HunYuan's norms after
+    the rotation, BitNet's output norm, DiffLlama's and Doge's): the forward would run
+    without it, silently another model, whatever ``strict`` says."""
+    parts = [name for name, _ in attention.named_children()]
+    parts += [name for name, _ in attention.named_parameters(recurse=False)]
+    for name in parts:
+        if name in _APPLIED_PARTS or name == "posgen":
+            continue
+        what = _UNAPPLIED_PARTS.get(name, "a part posgen.hf does not know")
+        raise ValueError(
+            f"layer {index} ({type(attention).__name__}) has {name}: {what}; posgen.hf "
+            "runs the projections, the query and key norms before the rotation and the "
+            "attention, and would leave it out"
         )
 
 
@@ -105,6 +144,13 @@ def layer_rotates(attention: nn.Module) -> tuple[bool | None, str]:
     if any(cls.__name__ == "Cohere2Attention" for cls in type(attention).__mro__):
         sliding = getattr(attention, "sliding_window", None) is not None
         return sliding, "is a sliding layer" if sliding else "is a full layer (no positions)"
+    if any(cls.__name__ == "Exaone4Attention" for cls in type(attention).__mro__):
+        # rotates where the model has no window, else on its sliding layers only
+        windowless = getattr(attention, "sliding_window", None) is None
+        sliding = bool(getattr(attention, "is_sliding", False))
+        if windowless or sliding:
+            return True, "is a sliding layer" if sliding else "rotates (no sliding window)"
+        return False, "is a full layer of a model with sliding layers (no positions)"
     return None, ""
 
 

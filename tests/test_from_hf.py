@@ -69,10 +69,12 @@ def test_settings_the_spec_language_cannot_state_are_named(tmp_path: Path) -> No
     no_factor = transformers.LlamaConfig().to_dict()
     no_factor["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0}
     mpt = {"model_type": "mpt", "n_heads": 12, "d_model": 768, "attn_config": {"alibi": True}}
+    bias_max = {**mpt, "attn_config": {"alibi_bias_max": 16}}
     cases = [
         (scaled, "rope_scaling type 'wobbly'"),
         (no_factor, "rope_scaling.low_freq_factor: missing; it must be a finite positive"),
-        (mpt, "MPT's slopes for 12 heads"),
+        (bias_max, "attn_config.alibi_bias_max 16: MosaicML's MPT then has slopes"),
+        ({**mpt, "attn_config": {"alibi": False}}, "attn_config.alibi is false"),
     ]
     cases.append(({"model_type": "bert"}, "no position settings"))
     for index, (config, message) in enumerate(cases):
@@ -188,6 +190,37 @@ def test_rope_scaling_configs_give_hugging_faces_frequencies(kind: str, tmp_path
         zero = torch.zeros(1, dtype=torch.long)
         q, _ = pe.rotate(ones, ones, zero, zero)
         assert float(q[0, 0, 0, 0]) == pytest.approx(attention, rel=1e-12)
+
+
+def test_a_phi3_config_without_its_original_length_takes_phi3s_default(tmp_path: Path) -> None:
+    """Phi3Config sets original_max_position_embeddings 4096 where config.json leaves it
+    out, so LongRoPE switches to the long factors past 4096 and scales by
+    sqrt(1 + ln(16384 / 4096) / ln 4096); from-hf took max_position_embeddings as the
+    original length and factor 1 (scores 0.14 apart at short positions, 1.15 at long
+    ones). Phi3RotaryEmbedding and apply_rotary_pos_emb, float64."""
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding, apply_rotary_pos_emb
+
+    scaling = {"type": "longrope", "short_factor": [1.0 + k / 10 for k in range(8)],
+               "long_factor": [2.0 + k for k in range(8)]}  # fmt: skip
+    config = {"model_type": "phi3", "hidden_size": 64, "num_attention_heads": 4,
+              "max_position_embeddings": 16384, "rope_scaling": scaling}  # fmt: skip
+    path = tmp_path / "phi3.json"
+    path.write_text(json.dumps(config), encoding="utf-8")
+    out = tmp_path / "phi3_positions.yaml"
+    result = CliRunner().invoke(main, ["from-hf", str(path), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    pe = encoding_class(module_from_spec(out))().double()
+    hf_config = transformers.Phi3Config(**{**config, "rope_scaling": dict(scaling)})
+    rotary = Phi3RotaryEmbedding(hf_config).double()
+    generator = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 4, 6, 16, dtype=torch.float64, generator=generator) for _ in "qk")
+    for start in (0, 4100):  # the short factors, then the long ones
+        positions = torch.arange(start, start + 6)
+        cos, sin = rotary(q, positions[None])
+        rotated_q, rotated_k = apply_rotary_pos_emb(q, k, cos.double(), sin.double())
+        expected = rotated_q @ rotated_k.transpose(-1, -2) / 4
+        got = pe.scores(q, k, q_positions=positions, k_positions=positions)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_an_mrope_config_gives_m_rope_axes(tmp_path: Path) -> None:
@@ -496,6 +529,48 @@ def test_a_umt5_spec_gives_umt5s_encoder_bias(tmp_path: Path) -> None:
         torch.testing.assert_close(
             pe.score_bias(positions, positions), reference.compute_bias(90, 90)[0]
         )
+
+
+@pytest.mark.parametrize(
+    ("heads", "attn_config"),
+    [
+        (6, {}),  # no attn_config: alibi true
+        (8, {"attn_pdrop": 0.0}),  # alibi left out: true
+        (12, {"softmax_scale": 0.3}),
+        (4, {"alibi": True, "alibi_bias_max": 8, "softmax_scale": 0.3}),
+    ],
+)
+def test_an_mpt_spec_gives_mpt_attention(
+    heads: int, attn_config: dict[str, Any], tmp_path: Path
+) -> None:
+    """MPT's slopes (build_mpt_alibi_tensor: the odd, then the even slopes of the next
+    power of two) are ALiBi's for any head count; attn_config.alibi defaults to true
+    and softmax_scale, where set, is the logit scale: MptAttention's weights, float64
+    (it takes its softmax in float32)."""
+    from transformers.models.mpt.modeling_mpt import MptAttention, build_mpt_alibi_tensor
+
+    config = {"model_type": "mpt", "n_heads": heads, "d_model": 8 * heads, "max_seq_len": 16}
+    if attn_config:
+        config["attn_config"] = attn_config
+    cls = encoding_class(module_from_spec(_from_hf(_Dict(config), tmp_path, "mpt_positions")))
+    pe = cls().double()
+    hf_config = transformers.MptConfig(**config)
+    torch.manual_seed(0)
+    layer = MptAttention(hf_config).double().eval()
+    hidden = torch.randn(2, 9, 8 * heads, dtype=torch.float64)
+    causal = torch.ones(9, 9, dtype=torch.bool).triu(1)[None, None]
+    with torch.no_grad():
+        _, expected = layer(hidden, build_mpt_alibi_tensor(heads, 16), attention_mask=causal)
+        q, k, _ = layer.Wqkv(hidden).view(2, 9, 3, heads, 8).permute(2, 0, 3, 1, 4)
+        scores = pe.scores(q, k).masked_fill(causal, float("-inf"))
+    torch.testing.assert_close(scores.softmax(-1), expected.double(), rtol=1e-5, atol=1e-6)
+
+
+class _Dict(dict):  # type: ignore[type-arg]
+    """A hand-written config.json (``to_dict`` gives it as it is)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self)
 
 
 T5_REFUSED = [

@@ -211,3 +211,70 @@ def test_llama_output_attentions_is_refused() -> None:
         with pytest.raises(ValueError, match="output_attentions"):
             model(ids)
         assert model(ids, output_attentions=False).attentions is None
+
+
+SMALL = dict(
+    vocab_size=61, hidden_size=64, intermediate_size=64, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, num_hidden_layers=2, rope_theta=10000.0,
+    attn_implementation="eager",
+)  # fmt: skip
+UNAPPLIED = {
+    "gpt_oss": ({"num_local_experts": 2, "num_experts_per_tok": 1, "rope_scaling": None}, "sinks"),
+    "hunyuan_v1_dense": ({"rope_scaling": None}, "query_layernorm: a weighted norm"),
+    "bitnet": ({}, "attn_sub_norm: a norm of the attention's output"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", list(UNAPPLIED))
+def test_a_layer_with_parts_posgen_does_not_run_is_refused(family: str) -> None:
+    """GPT-OSS's attention sinks, HunYuan's q and k norms after the rotation and
+    BitNet's norm of the attention's output sit in Llama-shaped layers: run without
+    them the logits were another model's (0.3 to 0.7 apart, with strict=True too), so
+    they are refused by name, strict or not."""
+    extra, message = UNAPPLIED[family]
+    config = transformers.AutoConfig.for_model(family, **SMALL, **extra)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    for strict in (True, False):
+        with pytest.raises(ValueError, match=f"layer 0 .* has {message}"):
+            use_posgen_attention(model, lambda layer: Rope(heads=4, head_dim=16), strict=strict)
+
+
+def _logits_before_and_after(model: torch.nn.Module, encoding: object) -> tuple[torch.Tensor, ...]:
+    ids = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = model(ids).logits
+        use_posgen_attention(model, encoding)  # type: ignore[arg-type]
+        return model(ids).logits, expected
+
+
+def test_falcon_h1_keys_take_their_multiplier() -> None:
+    """Falcon-H1 multiplies its keys by key_multiplier before rotating them (left out,
+    the logits were 0.013 apart)."""
+    config = transformers.FalconH1Config(
+        **SMALL, key_multiplier=3.0, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8,
+        mamba_d_state=8, mamba_n_groups=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    got, expected = _logits_before_and_after(model, lambda layer: Rope(heads=4, head_dim=16))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_exaone4_full_layers_have_no_positions() -> None:
+    """EXAONE 4 hands every layer cos and sin but rotates only its sliding layers where
+    it has a window: a rotation on the full layer is refused (it was accepted, 0.19
+    apart), and NoPE there gives the model's logits."""
+    from generated.nope import Nope
+
+    config = transformers.Exaone4Config(
+        **SMALL, sliding_window=4, layer_types=["sliding_attention", "full_attention"]
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with pytest.raises(ValueError, match="layer 1 is a full layer .* but encoding.1. rotates"):
+        use_posgen_attention(model, lambda layer: Rope(heads=4, head_dim=16))
+    got, expected = _logits_before_and_after(
+        model, lambda layer: Nope(heads=4, head_dim=16) if layer else Rope(heads=4, head_dim=16)
+    )
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
