@@ -261,29 +261,35 @@ def test_conditions_turn_where_the_formula_says() -> None:
 
 
 @pytest.mark.parametrize(
-    ("expr", "verdict", "shown"),
+    ("expr", "verdict", "shown", "turn"),
     [
-        ("-abs(i - j) + where(sqrt(i) > 1000, 5, 0)", "REFUTED: fails", "shift c = 1000001"),
-        ("-abs(i - j) + where(i / 1000000 > 10, 5, 0)", "REFUTED: fails", "shift c = 10000001"),
+        ("-abs(i - j) + where(sqrt(i) > 1000, 5, 0)", "REFUTED: fails", "|Δ| 5 >", 10**6),
+        ("-abs(i - j) + where(i / 1000000 > 10, 5, 0)", "REFUTED: fails", "|Δ| 5 >", 10**7),
         # a constant all logits share widened the tolerance to about 10 and hid the 5
-        ("1000000 - abs(i - j) + where(j > 1000000, 5, 0)", "REFUTED: fails", "|Δ| 5 >"),
+        ("1000000 - abs(i - j) + where(j > 1000000, 5, 0)", "REFUTED: fails", "|Δ| 5 >", 10**6),
         (
             "-abs(i - j) + where(sqrt(i) > 100000, 5, 0)",
             "limited: holds",
             "turns at shift 10000000001",
+            None,
         ),
     ],
 )
 def test_a_threshold_no_number_names_is_found(
-    tmp_path: Path, expr: str, verdict: str, shown: str
+    tmp_path: Path, expr: str, verdict: str, shown: str, turn: int | None
 ) -> None:
     """Thresholds reached through a function or a quotient of the expression's numbers
     (no number of theirs is that large), and a change hidden under a large constant:
-    each was confirmed relative."""
+    each was confirmed relative. The counterexample's shift carries a position from at
+    or below the condition's turn (position ``turn``, by hand) to past it."""
     spec = expr_bias_spec(tmp_path, "threshold", expr, claims="relative: true")
     relative = _verdicts(str(spec), "--only", "relative", "--max-examples", "10")["relative"]
     assert relative["verdict"] == verdict, relative
     assert shown in relative["evidence"], relative
+    if turn is not None:
+        example = relative["counterexample"]
+        positions = example["q_positions"] + example["k_positions"]
+        assert any(p <= turn < p + example["shift"] for p in positions), example
 
 
 BAND_AT_PARAMETER = "-abs(i - j) + where(abs(i - p * 1000) < 0.5, 1, 0)"

@@ -134,11 +134,13 @@ def test_the_default_curve_is_every_distance_and_a_far_one_is_sampled() -> None:
     assert int(far[-1]) == (1 << 16) - 1 and bool((far[1:] > far[:-1]).all())
 
 
-def test_a_randomized_training_range_is_no_length_for_decay() -> None:
-    """Randomized positions change only training: the module judged is plain RoPE past
-    max_positions (4096), so decay's curve stays at the span (RoPE's RoFormer bound
-    rises by 0.002 from [2048, 4096) to [4096, 8192), a property of RoPE, not of it)."""
-    assert decay_reach(_probe(ROOT / "specs" / "rope_randomized.yaml")) == (512, [])
+def test_a_randomized_training_range_is_reached_but_not_doubled() -> None:
+    """Training draws positions from [0, 4096): decay's curve covers every distance a
+    training sequence has, but not twice the range (past it the module extrapolates,
+    and RoPE's RoFormer bound rises by 0.002 from [2048, 4096) to [4096, 8192), a
+    property of RoPE, not of the training range); tests/test_check_soundness.py
+    judges claims over it."""
+    assert decay_reach(_probe(ROOT / "specs" / "rope_randomized.yaml")) == (4096, [])
     assert decay_reach(_probe(ROOT / "specs" / "rope_yarn.yaml"))[0] == 8192
 
 

@@ -5,8 +5,9 @@ r = 0, 1, …, R - 1 (``decay_curve``); a rotation without a bias uses the RoFor
 (1/(d/2)) Σ_j |S_j| on the frequencies measured from the module instead. The reach R is
 the span, or twice every length the spec names where that is farther (``decay_reach``:
 ``posgen.check.lengths``, and the numbers an expression bias compares or combines with a
-distance, such as the 1000 of ``abs(i - j) > 1000``), at most ``MAX_DECAY_REACH`` and
-never past a table; a length the curve does not reach makes a claim that held "limited".
+distance, such as the 1000 of ``abs(i - j) > 1000``), or a randomized-positions range
+itself (the distances training sees), at most ``MAX_DECAY_REACH`` and never past a
+table; a length the curve does not reach makes a claim that held "limited".
 The curve is averaged over log windows of distance, [0, 1), [1, 2), [2, 4), [4, 8), …
 up to R (``distance_windows``, ``window_means``); past the span, a window wider than
 ``WINDOW_SAMPLES`` distances is averaged over that many evenly spaced ones
@@ -149,26 +150,57 @@ def _meets_distance(node: ast.AST) -> bool:
 
 
 def decay_reach(probe: Probe) -> tuple[int, list[Length]]:
-    """(R, the named lengths short of it): the curve's distances are [0, R), R the span
-    or 2 × every length the spec names (``spec_lengths`` and ``distance_lengths``) where
-    farther, at most ``MAX_DECAY_REACH`` (``CONTEXTUAL_DECAY_REACH`` for a contextual
-    form) and at most a table's end; the lengths L with 2L past R, below the table's end,
-    are ones the curve does not reach past (a claim that held is then limited).
+    """(R, the lengths short of it): the curve's distances are [0, R), R the span, 2 ×
+    every length the spec names (``spec_lengths`` and ``distance_lengths``) and every
+    randomized-positions range (``training_ranges``) where farther, at most
+    ``MAX_DECAY_REACH`` (``CONTEXTUAL_DECAY_REACH`` for a contextual form) and at most a
+    table's end; the lengths whose distance (``decay_distance``) lies past R, below the
+    table's end, are ones the curve does not reach (a claim that held is then limited).
 
-    A randomized-positions range (``positions: {kind: randomized}``) is no such length:
-    it changes only the positions drawn in training, and the module judged (evaluation
-    mode, the plain range) scores no distance differently past it."""
+    A randomized-positions range L (``positions: {kind: randomized}``) is the length of
+    the sequences the model is trained to serve: training draws positions from [0, L),
+    so it sees every distance below L, and a decay it relies on must hold there (the
+    span alone would judge only the first 512). Its reach is L, not 2L: the evaluated
+    module scores no distance differently past L (it is where training ends, not where
+    the module changes), and a distance past L is extrapolation, which ``extrapolates``
+    judges from L on."""
     evaluated = probe.spec.model_copy(update={"positions": None})
     lengths = spec_lengths(evaluated, probe.expression_parameters()) + distance_lengths(probe)
+    lengths += training_ranges(probe)
     ceiling = math.inf if probe.limit is None else float(probe.limit)
     cap = MAX_DECAY_REACH if keys_independent(probe) else CONTEXTUAL_DECAY_REACH
-    wanted = max([0.0, *(min(2 * length.value, ceiling) for length in lengths)])
+    wanted = max([0.0, *(min(decay_distance(length), ceiling) for length in lengths)])
     reach = max(probe.span, min(math.ceil(wanted), cap))
     short = sorted(
-        (length for length in lengths if min(2 * length.value, ceiling) > reach),
+        (length for length in lengths if min(decay_distance(length), ceiling) > reach),
         key=lambda length: length.value,
     )
     return reach, short
+
+
+TRAINING_RANGE = "the randomized positions' range"
+
+
+def training_ranges(probe: Probe) -> list[Length]:
+    """The randomized-positions range of the spec (``positions.max_positions``), as a
+    ``Length`` whose curve reaches the range itself (``decay_distance``)."""
+    return [
+        Length(float(value), f"{TRAINING_RANGE} {value}")
+        for value in stated(probe.spec.positions, "max_positions")
+    ]
+
+
+def decay_distance(length: Length) -> float:
+    """How far the curve must reach for ``length``: a randomized training range L is
+    every distance below L (L); any other length, twice it (past where it acts)."""
+    return length.value if length.source.startswith(TRAINING_RANGE) else 2 * length.value
+
+
+def _reach_text(length: Length) -> str:
+    """What a length asks of the curve, in evidence text."""
+    if length.source.startswith(TRAINING_RANGE):
+        return length.describe()
+    return f"2 × {length.describe()}"
 
 
 def decay_curve(
@@ -294,7 +326,7 @@ def decay(probe: Probe, claimed: bool | None) -> Outcome:
     over = " over windows" if bound_route else " over heads and query positions"
     extent = ""
     if reach > span:  # the curve goes past the span, to twice the lengths named
-        extent = f"; distances up to {reach - 1}, twice every length the spec names"
+        extent = f"; distances up to {reach - 1}, {_reach_reason(probe)}"
         if len(distances) < reach:
             most = BOUND_WINDOW_SAMPLES if bound_route else WINDOW_SAMPLES
             extent += (
@@ -307,7 +339,7 @@ def decay(probe: Probe, claimed: bool | None) -> Outcome:
     )
     if not short:
         return Outcome("decay", "claim", claimed, True, evidence, curve=shown)
-    named = ", ".join(f"2 × {length.describe()}" for length in short[:3])
+    named = ", ".join(_reach_text(length) for length in short[:3])
     return Outcome(
         "decay",
         "claim",
@@ -318,6 +350,15 @@ def decay(probe: Probe, claimed: bool | None) -> Outcome:
         curve=shown,
         limited_to=f"r < {reach}",
     )
+
+
+def _reach_reason(probe: Probe) -> str:
+    """Why the curve goes past the span, in evidence text."""
+    if training_ranges(probe):
+        return (
+            "every distance of the randomized training range and twice every length the spec names"
+        )
+    return "twice every length the spec names"
 
 
 def _falls(

@@ -1,14 +1,17 @@
 """The ``relative`` claim: shifting every position by c leaves the logits unchanged.
 
-hypothesis draws a few query and key positions in the first half of the span, a shift
-c ≥ 1 (up to half the span, or far: past four times every length the spec names,
-``posgen.check.lengths``: ``original_max_positions`` of a rope scaling or a query scale,
-a query scale's ``floor_scale``, and the numbers of an expression bias that meet a
-position, such as the 300000 of ``where(i > 300000, 1, 0)``; at least to 2^16, at most
-to 2^24, and never past a table) and a seed for random content (projected q and k, or
-token embeddings through embed on the input route); then every run tries the same fixed
-shifts, each power of two up to the far reach and each length named (and one past it)
-within it (``fixed_shifts``). The float64 logits at the shifted positions must equal the
+hypothesis draws a few query and key positions in the first half of the span or out to
+``wide_positions`` (twice every length the spec names and every number an expression
+bias compares or combines with a distance, so a break only between a query and a far key
+is seen), a shift c ≥ 1 (up to half the span, or far: past four times every length the
+spec names, ``posgen.check.lengths``: ``original_max_positions`` of a rope scaling or a
+query scale, a query scale's ``floor_scale``, and the numbers of an expression bias that
+meet a position, such as the 300000 of ``where(i > 300000, 1, 0)``; at least to 2^16, at
+most to 2^24, and never past a table) and a seed for random content (projected q and k,
+or token embeddings through embed on the input route); then every run tries the same
+fixed shifts, each power of two up to the far reach and each length named (and one past
+it) within it, and queries and keys at 0 and at each far distance (``fixed_shifts``,
+``wide_distances``). The float64 logits at the shifted positions must equal the
 unshifted ones within a tolerance that grows with the largest position (NaN logits, or
 an infinite one that the shift changes, refute it). Where a length lies past the far
 reach (beyond the 2^24 cap, and not past a table's end), no shift crosses it: a claim
@@ -26,6 +29,7 @@ import torch
 from hypothesis import strategies as st
 from torch import Tensor
 
+from posgen.check.decay import distance_lengths
 from posgen.check.lengths import Length, spec_lengths
 from posgen.check.probe import Probe, input_unreachable
 from posgen.check.search import (
@@ -47,6 +51,7 @@ MAX_SHIFT = 1 << 24  # ... and at most this far (float64 angles stay exact to ~1
 EPSILON = 2.0**-52  # float64's
 SHOWN_LENGTHS = 3  # lengths past the reach named in the evidence
 MAX_NAMED_LENGTHS = 64  # lengths tried exactly (``named_shifts``)
+MAX_WIDE = 1 << 20  # positions (and so distances) drawn reach at most this far
 
 
 def far_shift(probe: Probe, near: int, lengths: Iterable[Length]) -> int:
@@ -84,6 +89,20 @@ def named_shifts(lengths: Iterable[Length], reach: int) -> list[int]:
     return sorted(found)
 
 
+def wide_positions(probe: Probe, near: int, lengths: Iterable[Length]) -> int:
+    """How far the drawn positions reach, and with them the distances between a query
+    and a key: past twice every length the spec names (``spec_lengths``) and every
+    length an expression bias compares or combines with a distance
+    (``decay.distance_lengths``: the 300 of ``where(abs(i - j) > 300, i, 0)``, which
+    breaks the claim only for keys more than 300 from their query), at least the span,
+    at most ``MAX_WIDE``, and below half a table's end (so shifts reach the other half)."""
+    wanted = [float(probe.span), *(2 * length.value for length in lengths)]
+    wide = math.ceil(min(max(wanted), float(MAX_WIDE)))
+    if probe.limit is not None:
+        wide = min(wide, probe.limit // 2)
+    return max(wide, near)
+
+
 def relative(probe: Probe, claimed: bool | None) -> Outcome:
     """Judge or measure ``relative`` for one probe."""
     unreachable = input_unreachable(probe, "relative", claimed, need_explicit=True)
@@ -91,32 +110,38 @@ def relative(probe: Probe, claimed: bool | None) -> Outcome:
         return unreachable
     limit = probe.span // 2
     lengths = spec_lengths(probe.spec, probe.expression_parameters())
+    wide = wide_positions(probe, limit, [*lengths, *distance_lengths(probe)])
     reach = far_shift(probe, limit, lengths)
+    if probe.limit is not None:  # every drawn position + shift stays below the table's end
+        reach = max(1, min(reach, probe.limit - wide))
     named = named_shifts(lengths, reach)
+    position = st.one_of(st.integers(0, limit - 1), st.integers(0, wide - 1))
 
     @st.composite
     def examples(draw: st.DrawFn) -> Example:
         n = draw(st.integers(1, 3))
         m = draw(st.integers(1, 4))
-        q_pos = draw(st.lists(st.integers(0, limit - 1), min_size=n, max_size=n))
-        k_pos = draw(st.lists(st.integers(0, limit - 1), min_size=m, max_size=m))
+        q_pos = draw(st.lists(position, min_size=n, max_size=n))
+        k_pos = draw(st.lists(position, min_size=m, max_size=m))
         shift = draw(st.one_of(st.integers(1, limit), st.integers(1, reach)))
         return q_pos, k_pos, shift, draw(SEEDS)
 
     def check(example: Example) -> float:
         return _shifted_logits_agree(probe, example)
 
-    search = run_search(check, examples(), probe.budget, fixed_shifts(limit, reach, named))
+    scan = fixed_shifts(limit, reach, named, wide_distances(probe, limit, wide))
+    search = run_search(check, examples(), probe.budget, scan)
     if search.violation is not None:
         return failed("relative", "claim", claimed, search)
     extra = [c for c in named if c & (c - 1) and c != reach]  # not a power of two
     at_lengths = f", and c = {short_list(extra)} at the lengths the spec names" if extra else ""
+    far_apart = f", positions up to {wide - 1}" if wide > limit else ""
     evidence = (
         f"logits unchanged under {search.examples} shifts of random content, float64: "
-        f"random ones (c ≤ {limit}, and far ones up to {reach}) and c = 1, 2, 4, … "
-        f"{reach}{at_lengths}"
+        f"random ones (c ≤ {limit}, and far ones up to {reach}{far_apart}) and c = 1, 2, "
+        f"4, … {reach}{at_lengths}"
     )
-    beyond = past_reach(probe, limit, reach, lengths)
+    beyond = past_reach(probe, wide, reach, lengths)
     if not beyond:
         return Outcome("relative", "claim", claimed, True, evidence)
     shown = [length.describe() for length in beyond[:SHOWN_LENGTHS]]
@@ -134,25 +159,46 @@ def relative(probe: Probe, claimed: bool | None) -> Outcome:
     )
 
 
+def wide_distances(probe: Probe, limit: int, wide: int) -> list[int]:
+    """The distances the scan tries past the near positions: each power of two from
+    ``limit`` up to ``wide`` and each length of ``decay.distance_lengths`` within it
+    (⌊L⌋ and ⌊L⌋ + 1: just past a threshold such as ``abs(i - j) > 300``)."""
+    found = {wide - 1}
+    distance = 1
+    while distance < wide:
+        if distance >= limit:
+            found.add(distance)
+        distance *= 2
+    for length in distance_lengths(probe):
+        found.update(d for d in (math.floor(length.value), math.floor(length.value) + 1))
+    return sorted(d for d in found if limit <= d < wide)
+
+
 def fixed_shifts(
-    limit: int, reach: int, named: Iterable[int] = ()
+    limit: int, reach: int, named: Iterable[int] = (), distances: Iterable[int] = ()
 ) -> Callable[[], Iterable[Example]]:
     """The examples every run tries after the random ones, whatever its budget: the
     queries at 0 and limit - 1 against keys at 0, limit / 2 and limit - 1, shifted by
     every power of two up to ``reach``, by ``reach`` itself and by the ``named`` shifts
     (at the lengths the spec names), in ascending order (a budget of a few random
     examples may draw no far shift, a switch such as LongRoPE's at 4096 shows only past
-    it, and a narrow band at a named position between two powers of two)."""
+    it, and a narrow band at a named position between two powers of two); then, for
+    each of ``distances`` d (past the near positions), queries and keys at 0 and d,
+    shifted by 1 and by ``reach`` (a change only between a query and a far key)."""
     shifts = {reach, *named}
     shift = 1
     while shift < reach:
         shifts.add(shift)
         shift *= 2
+    far = list(distances)
 
     def scan() -> Iterable[Example]:
         queries, keys = sorted({0, limit - 1}), sorted({0, limit // 2, limit - 1})
         for shift in sorted(shifts):
             yield queries, keys, shift, 0
+        for distance in far:
+            for shift in sorted({1, reach}):
+                yield [0, distance], [0, distance], shift, 0
 
     return scan
 

@@ -9,7 +9,8 @@ collision. What is compared depends on the route (``Probe``):
 * scores that depend on j - i only (a Toeplitz matrix, ``shift_invariant_scores``: over
   the whole span and in windows far out, past every length the spec names): distances,
   not positions (``unique_distances``); the distances reach past every ``max_distance``
-  the spec states and are sampled log-spaced past ``EXACT_DISTANCES``;
+  the spec states and every number an expression bias compares or combines with a
+  distance (a period), and are sampled log-spaced past ``EXACT_DISTANCES``;
 * other scores (absolute positions): position m as a query (its row) and as a key (its
   column) of the position-only scores, in every head.
 """
@@ -25,6 +26,7 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 from posgen.check.contract import F64
+from posgen.check.decay import distance_lengths
 from posgen.check.lengths import Length, spec_lengths
 from posgen.check.probe import Probe, input_unreachable, stated
 from posgen.check.search import (
@@ -315,7 +317,7 @@ def toeplitz_windows(probe: Probe, window: int, lengths: Iterable[Length]) -> li
     if any(value > MAX_NAMED_POSITION for value in values):
         return None
     # the distance route reads query R and keys up to 2R (``unique_distances``)
-    distances = max([probe.budget.span] + [2 * d for d in stated(probe.spec, "max_distance")])
+    distances = distance_reach(probe)
     wanted = [float(TOEPLITZ_REACH), 2 * float(distances), *(4 * value for value in values)]
     reach = math.ceil(min(max(wanted), float(MAX_TOEPLITZ_REACH)))
     starts = set()
@@ -337,18 +339,43 @@ def _same_scores(a: Tensor, b: Tensor) -> bool:
     return bool(same.all())
 
 
+def distance_reach(probe: Probe) -> int:
+    """R of ``unique_distances``: the span, or 2 × every ``max_distance`` the spec states
+    and every length an expression bias compares or combines with a distance
+    (``decay.distance_lengths``: the 1500 of ``(j - i + 100000) % 1500``, whose scores
+    repeat every 1500 distances) where farther; at most half a table, at most 2^40."""
+    lengths = [*stated(probe.spec, "max_distance"), *(x.value for x in distance_lengths(probe))]
+    reach = max([probe.budget.span] + [math.ceil(2 * length) for length in lengths])
+    if probe.limit is not None:
+        reach = min(reach, probe.limit // 2)
+    return min(reach, 1 << 40)
+
+
+def named_distances(probe: Probe, reach: int) -> list[int]:
+    """Distances ±⌊L⌋ and ±(⌊L⌋ + 1) for each length L of ``decay.distance_lengths``
+    within ``reach``: a period L repeats distance 0 at L, which the log-spaced sample
+    past ``EXACT_DISTANCES`` need not hit."""
+    found: set[int] = set()
+    for length in distance_lengths(probe):
+        for value in (math.floor(length.value), math.floor(length.value) + 1):
+            if value < reach:
+                found.update((value, -value))
+    return sorted(found)
+
+
 def unique_distances(probe: Probe) -> tuple[Search, str]:
     """Relative scores: distinct distances k - q must get distinct position scores.
 
-    Distances run over (-R, R) with R = max(span, 2 × every max_distance the spec states),
-    so the range reaches past any clip or bucket range the spec declares; past
-    EXACT_DISTANCES they are sampled log-spaced (``distance_sample``).
+    Distances run over (-R, R) (``distance_reach``: the span, or 2 × every max_distance
+    the spec states and every length an expression bias compares or combines with a
+    distance, where farther), so the range reaches past any clip, bucket range or period
+    the spec declares; past EXACT_DISTANCES they are sampled log-spaced
+    (``distance_sample``), with each such length (``named_distances``) added.
     """
-    reach = max([probe.budget.span] + [2 * d for d in stated(probe.spec, "max_distance")])
-    if probe.limit is not None:
-        reach = min(reach, probe.limit // 2)
-    reach = min(reach, 1 << 40)
-    distances = distance_sample(reach)
+    reach = distance_reach(probe)
+    distances = sorted(
+        {*distance_sample(reach), *named_distances(probe, reach)}, key=lambda d: (abs(d), d < 0)
+    )
     keys = torch.tensor(distances) + reach
     row = probe.position_scores(torch.tensor([reach]), keys)[:, 0, :]  # [heads, D]
     scale = row.abs().amax(dim=0)  # [D]
@@ -396,7 +423,8 @@ def unique_distances(probe: Probe) -> tuple[Search, str]:
         if reach <= EXACT_DISTANCES
         else (
             f", every one in (-{EXACT_DISTANCES}, {EXACT_DISTANCES}) and "
-            f"{count - 2 * EXACT_DISTANCES + 1} log-spaced past it"
+            f"{count - 2 * EXACT_DISTANCES + 1} past it (log-spaced, and at the lengths "
+            "the spec names)"
         )
     )
     return search, f"position scores of distinct distances in (-{reach}, {reach}){sampled}"
