@@ -600,7 +600,8 @@ def _yarn(scaling: Settings, config: Settings) -> dict[str, Any]:
     for key in ("mscale", "mscale_all_dim"):
         if scaling.has(key):
             frequencies[key] = scaling.non_negative_number(key)
-    if not scaling.flag("truncate", True):
+    # Hugging Face reads rope_scaling.get("truncate", True): null is falsy there
+    if scaling.values.get("truncate", True) is None or not scaling.flag("truncate", True):
         frequencies["truncate"] = False
     return frequencies
 

@@ -154,6 +154,13 @@ SCALINGS = {
          "beta_fast": 16.0, "beta_slow": 2.0, "mscale": 0.9, "mscale_all_dim": 0.5},
         {},
     ),
+    # null is falsy where Hugging Face reads truncate (.get("truncate", True)): no
+    # rounding of the correction range, not the default's
+    "yarn_truncate_null": (
+        {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 2048,
+         "truncate": None},
+        {},
+    ),
     "llama3": (
         {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
          "original_max_position_embeddings": 8192},
@@ -174,15 +181,16 @@ def test_rope_scaling_configs_give_hugging_faces_frequencies(kind: str, tmp_path
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     scaling, extra = SCALINGS[kind]
-    partial = {"partial_rotary_factor": 0.5} if kind == "yarn" else {}
+    partial = {"partial_rotary_factor": 0.5} if kind.startswith("yarn") else {}
     config = transformers.LlamaConfig(
         hidden_size=64, num_attention_heads=4, rope_scaling=scaling, **extra, **partial
     )
     cls = encoding_class(module_from_spec(_from_hf(config, tmp_path, f"scaled_{kind}")))
     module = __import__("sys").modules[cls.__module__]
-    rotary_dim = 8 if kind == "yarn" else 16
+    rotary_dim = 8 if kind.startswith("yarn") else 16
     for length in (100, 5000, 70000):
-        expected, attention = ROPE_INIT_FUNCTIONS[kind](config, "cpu", seq_len=length)
+        initial = ROPE_INIT_FUNCTIONS[scaling["rope_type"]]
+        expected, attention = initial(config, "cpu", seq_len=length)
         got = module._inverse_frequencies(rotary_dim, torch.tensor(length), torch.device("cpu"))
         torch.testing.assert_close(got, expected.double(), rtol=2e-6, atol=0)
         pe = cls().double()
