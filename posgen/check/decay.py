@@ -6,8 +6,10 @@ r = 0, 1, …, R - 1 (``decay_curve``); a rotation without a bias uses the RoFor
 the span, or twice every length the spec names where that is farther (``decay_reach``:
 ``posgen.check.lengths``, and the numbers an expression bias compares or combines with a
 distance, such as the 1000 of ``abs(i - j) > 1000``), or a randomized-positions range
-itself (the distances training sees), at most ``MAX_DECAY_REACH`` and never past a
-table; a length the curve does not reach makes a claim that held "limited".
+itself (the distances training sees), or twice the distance at which a rotation turns
+back (``rotation_return``: θ_k = 2π(k + 1)/1000 at 1000, where the bound is back at its
+maximum), at most ``MAX_DECAY_REACH`` and never past a table; a length the curve does not
+reach makes a claim that held "limited".
 The curve is averaged over log windows of distance, [0, 1), [1, 2), [2, 4), [4, 8), …
 up to R (``distance_windows``, ``window_means``); past the span, a window wider than
 ``WINDOW_SAMPLES`` distances is averaged over that many evenly spaced ones
@@ -41,6 +43,7 @@ from posgen.check.lengths import (
     length_of,
     spec_lengths,
 )
+from posgen.check.periods import turns_back
 from posgen.check.probe import Probe, input_unreachable, stated
 from posgen.check.search import SEEDS, Search, Violation, fmt, run_search
 from posgen.check.verdicts import Outcome, failed, jsonable
@@ -149,7 +152,7 @@ def _meets_distance(node: ast.AST) -> bool:
     return any(_reads_position(operand) for operand in operands)
 
 
-def decay_reach(probe: Probe) -> tuple[int, list[Length]]:
+def decay_reach(probe: Probe, returns: list[Length] | None = None) -> tuple[int, list[Length]]:
     """(R, the lengths short of it): the curve's distances are [0, R), R the span, 2 ×
     every length the spec names (``spec_lengths`` and ``distance_lengths``) and every
     randomized-positions range (``training_ranges``) where farther, at most
@@ -163,10 +166,15 @@ def decay_reach(probe: Probe) -> tuple[int, list[Length]]:
     span alone would judge only the first 512). Its reach is L, not 2L: the evaluated
     module scores no distance differently past L (it is where training ends, not where
     the module changes), and a distance past L is extrapolation, which ``extrapolates``
-    judges from L on."""
+    judges from L on.
+
+    A rotation's return d (``rotation_return``; ``returns`` where already found) is a
+    length too: the RoFormer bound is back near its maximum at d, so the curve reaches
+    2d, past the return and over what follows it."""
     evaluated = probe.spec.model_copy(update={"positions": None})
     lengths = spec_lengths(evaluated, probe.expression_parameters()) + distance_lengths(probe)
     lengths += training_ranges(probe)
+    lengths += rotation_return(probe) if returns is None else returns
     ceiling = math.inf if probe.limit is None else float(probe.limit)
     cap = MAX_DECAY_REACH if keys_independent(probe) else CONTEXTUAL_DECAY_REACH
     wanted = max([0.0, *(min(decay_distance(length), ceiling) for length in lengths)])
@@ -179,6 +187,51 @@ def decay_reach(probe: Probe) -> tuple[int, list[Length]]:
 
 
 TRAINING_RANGE = "the randomized positions' range"
+RETURN = "the rotation's return"
+# R_d turns every pair to within this angle of a whole turn: the RoFormer bound at d is
+# then at least cos(0.1) > 99.5 % of its maximum, its value at distance 0
+RETURN_ANGLE = 0.1
+
+
+def rotation_return(probe: Probe) -> list[Length]:
+    """The first distance d ≤ ``MAX_DECAY_REACH`` at which the rotation turns back:
+    every angle of R_1 (``Probe.rotation_angles``, the ones the RoFormer bound is formed
+    of) times d within ``RETURN_ANGLE`` of a whole turn (``periods.turns_back``, exact),
+    as a ``Length`` the curve must reach twice (``decay_distance``); none for a route
+    without a rotation, or where no d up to the cap turns back.
+
+    There the bound (1/(d/2)) Σ_j |S_j| climbs back to within 0.5 % of its maximum, and
+    where d is a period (θ_k = 2π(k + 1)/1000 at d = 1000) the curve repeats: over
+    [d, 2d) it is the curve over [0, d) again, so a curve reaching 2d shows the window
+    means rise; the checks read only the span before (a bound that fell over [0, 512)
+    and climbed back to its maximum at 1000 was confirmed to decay).
+
+    Not the longest wavelength 2π/θ_min itself: RoPE's (47117 at base 10^4, d 64) is no
+    return (the other pairs are far from a whole turn there), and past about 4096 its
+    bound is flat (3.39, 3.39, 3.35, 3.44: random phases), so a curve made to reach it
+    would judge noise, refuting RoFormer's claim on a rise of 0.06 %."""
+    if probe.route != "rotation":
+        return []
+    angles = probe.rotation_angles()
+    if angles.numel() == 0:
+        return []
+    # a return, not the start: the fastest pair has made a whole turn (below that, every
+    # angle is within RETURN_ANGLE of 0 only while the curve has not left its maximum)
+    start = math.ceil((2 * math.pi - RETURN_ANGLE) / float(angles.max()))
+    found = turns_back(
+        angles,
+        MAX_DECAY_REACH,
+        lambda distances: torch.full_like(distances, RETURN_ANGLE),
+        1,
+        start,
+    )
+    return [
+        Length(
+            float(d),
+            f"{RETURN} to within {RETURN_ANGLE} of a whole turn on every pair at distance {d}",
+        )
+        for d in found
+    ]
 
 
 def training_ranges(probe: Probe) -> list[Length]:
@@ -267,7 +320,8 @@ def decay(probe: Probe, claimed: bool | None) -> Outcome:
     if unreachable is not None:
         return unreachable
     span = probe.span
-    reach, short = decay_reach(probe)
+    returns = rotation_return(probe)
+    reach, short = decay_reach(probe, returns)
     windows = distance_windows(reach)
     top = (probe.limit or 2 * reach) - 1
     bound_route = probe.route == "rotation" and probe.spec.bias is None
@@ -322,11 +376,14 @@ def decay(probe: Probe, claimed: bool | None) -> Outcome:
     if search.violation is not None:
         outcome = failed("decay", "claim", claimed, search)
         outcome.curve = shown
+        if returns:  # why the curve went that far: the rotation turns back
+            outcome.evidence += f" (distances up to {reach - 1}, for {_reach_text(returns[0])})"
         return outcome
     over = " over windows" if bound_route else " over heads and query positions"
     extent = ""
     if reach > span:  # the curve goes past the span, to twice the lengths named
-        extent = f"; distances up to {reach - 1}, {_reach_reason(probe)}"
+        returned = [length for length in returns if length not in short]
+        extent = f"; distances up to {reach - 1}, {_reach_reason(probe, returned)}"
         if len(distances) < reach:
             most = BOUND_WINDOW_SAMPLES if bound_route else WINDOW_SAMPLES
             extent += (
@@ -352,13 +409,16 @@ def decay(probe: Probe, claimed: bool | None) -> Outcome:
     )
 
 
-def _reach_reason(probe: Probe) -> str:
-    """Why the curve goes past the span, in evidence text."""
+def _reach_reason(probe: Probe, lengths: list[Length]) -> str:
+    """Why the curve goes past the span, in evidence text (``lengths``: those the
+    curve reached)."""
+    reason = "twice every length the spec names"
     if training_ranges(probe):
-        return (
-            "every distance of the randomized training range and twice every length the spec names"
-        )
-    return "twice every length the spec names"
+        reason = f"every distance of the randomized training range and {reason}"
+    returns = [length for length in lengths if length.source.startswith(RETURN)]
+    if returns:
+        reason += f", and twice {returns[0].describe()}"
+    return reason
 
 
 def _falls(

@@ -5,7 +5,10 @@ collision closest to the origin, so a claim of ``false`` is only confirmed by an
 collision. What is compared depends on the route (``Probe``):
 
 * input: the table rows p_m and p_n (relative tolerance: a tiny table is no collision);
-* rotation: the rotations R_m and R_n, on the query and the key output of rotate;
+* rotation: the rotations R_m and R_n, on the query and the key output of rotate, and
+  past the span R_0 against R_d for every d up to 2^24 at which the angles of R_1 turn
+  back to a whole turn (``posgen.check.periods``: a period repeats every position, so
+  positions m and m + d collide however far past the span d lies);
 * scores that depend on j - i only (a Toeplitz matrix, ``shift_invariant_scores``: over
   the whole span and in windows far out, past every length the spec names): distances,
   not positions (``unique_distances``); the distances reach past every ``max_distance``
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from hypothesis import strategies as st
@@ -28,6 +31,14 @@ from torch import Tensor
 from posgen.check.contract import F64
 from posgen.check.decay import distance_lengths
 from posgen.check.lengths import Length, spec_lengths
+from posgen.check.periods import (
+    ANGLE_SLACK,
+    PERIOD_REACH,
+    linear_reach,
+    measured_angles,
+    rotations_at,
+    turns_back,
+)
 from posgen.check.probe import Probe, input_unreachable, stated
 from posgen.check.search import (
     EXACT_DISTANCES,
@@ -53,6 +64,9 @@ class _Compared:
     features: Tensor  # [span, width]: one row per position
     what: str
     span: int
+    # pairs past the span for the scan to judge after the span's, and what they are
+    beyond: list[Pair] = field(default_factory=list)
+    beyond_what: str = ""
 
 
 def unique(probe: Probe, claimed: bool | None) -> Outcome:
@@ -60,7 +74,7 @@ def unique(probe: Probe, claimed: bool | None) -> Outcome:
     unreachable = input_unreachable(probe, "unique", claimed)
     if unreachable is not None:
         return unreachable
-    search, what = _unique(probe)
+    search, what, beyond = _unique(probe)
     if search.violation is not None:
         return failed("unique", "claim", claimed, search)
     return Outcome(
@@ -69,12 +83,13 @@ def unique(probe: Probe, claimed: bool | None) -> Outcome:
         claimed,
         True,
         f"no collision of {what} in {search.examples} examples (hypothesis and a scan); "
-        f"smallest gap {fmt(search.worst)}",
+        f"smallest gap {fmt(search.worst)}{beyond}",
     )
 
 
-def _unique(probe: Probe) -> tuple[Search, str]:
-    """The search for a collision along the probe's route, and what was compared."""
+def _unique(probe: Probe) -> tuple[Search, str, str]:
+    """The search for a collision along the probe's route, what was compared, and what
+    past the span (evidence text, "" where nothing)."""
     span = probe.limit if probe.limit is not None else probe.span
     span = min(span, 4096)
     if probe.route == "input":
@@ -82,16 +97,16 @@ def _unique(probe: Probe) -> tuple[Search, str]:
     elif probe.route == "rotation":
         compared = _rotations(probe, span)
     elif shift_invariant_scores(probe, span):
-        return unique_distances(probe)
+        return (*unique_distances(probe), "")
     else:
         compared = _score_rows_and_columns(probe, span)
     size = compared.span
     pairs = st.tuples(st.integers(0, size - 1), st.integers(0, size - 1)).filter(
         lambda t: t[0] != t[1]
     )
-    scan = _nearest_pairs(compared.features, size)
+    scan = _nearest_pairs(compared.features, size, compared.beyond)
     search = run_search(compared.check, pairs, probe.budget, scan)
-    return search, f"{compared.what} for positions [0, {size})"
+    return search, f"{compared.what} for positions [0, {size})", compared.beyond_what
 
 
 def _table_rows(probe: Probe, span: int) -> _Compared:
@@ -139,15 +154,23 @@ def _rotation_distance(probe: Probe) -> Callable[[int, int], tuple[float, bool]]
 
 
 def _rotations(probe: Probe, span: int) -> _Compared:
-    """Rotation route: R_m on the query and the key side; one rotated vector per m."""
+    """Rotation route: R_m on the query and the key side; one rotated vector per m; and
+    R_0 against R_d at each period candidate d past the span (``rotation_periods``)."""
     rotation = _rotation_distance(probe)
+    periods, searched = rotation_periods(probe)
 
     def check(example: Pair) -> float:
         m, n = example
         distance, same = rotation(m, n)
         if same:
+            period = (
+                f": R_{n} = R_0, a period of the rotation (every m and m + {n} collide)"
+                if m == 0 and n in periods
+                else ""
+            )
             raise Violation(
-                f"positions {m} and {n} get the same rotation (|R_{m} - R_{n}| = {fmt(distance)})",
+                f"positions {m} and {n} get the same rotation (|R_{m} - R_{n}| = "
+                f"{fmt(distance)}){period}",
                 positions=[m, n],
                 distance=distance,
             )
@@ -158,7 +181,58 @@ def _rotations(probe: Probe, span: int) -> _Compared:
     x = x[:, :, :1].expand(1, 1, span, probe.head_dim)
     positions = torch.arange(span)
     features, _ = probe.pe64.rotate(x.contiguous(), x.contiguous(), positions, positions)
-    return _Compared(check, features[0, 0], "R_m", span)
+    beyond = [(0, d) for d in periods]
+    return _Compared(check, features[0, 0], "R_m", span, beyond, searched)
+
+
+# R_0 is compared with R_d at the first PERIOD_CANDIDATES period candidates d (each one
+# a period of the measured angles: the module's own rule decides)
+PERIOD_CANDIDATES = 64
+
+
+def rotation_periods(probe: Probe) -> tuple[list[int], str]:
+    """(the candidates d ≤ 2^24 at which R_d may equal R_0 = I, ascending; what was
+    searched, for the evidence).
+
+    Positions m and n collide exactly where R_{n-m} = I for a rotation with R_m = R_1^m,
+    so an exact search for the periods of the angles of R_1 (``periods.turns_back``, on
+    the query and the key side) covers every pair of positions up to the reach, not
+    only the span's. The reach is ``PERIOD_REACH`` (2^24, where float32 positions stop
+    being integers), below a table's end, and below the first power of two where R_m is
+    not R_1^m (``periods.linear_reach``: dynamic NTK, LongRoPE; past it only the span's
+    positions are compared).
+
+    The tolerance on the angles comes from the route's own rule (``_rotation_distance``:
+    R_d equals R_0 where |R_0 - R_d| ≤ 64·eps·head_dim·(1 + d), which covers the float64
+    error of the angles d·θ_k, at most a few eps·d·π each): |R_0 - R_d| ≥ 2√2·|sin(r/2)|
+    ≥ 0.9·|r| for the residual r of any pair, so a d the rule calls equal has every
+    residual within 2·64·eps·head_dim·(1 + d); ``ANGLE_SLACK``·(1 + d) more covers the
+    error of the measured angles times d. The filter is therefore never tighter than
+    the rule, and each candidate it lets through is judged by the rule on the module.
+    """
+    reach = PERIOD_REACH if probe.limit is None else min(PERIOD_REACH, probe.limit - 1)
+    reach, switch = linear_reach(probe, reach)
+    rule = 2 * 64 * EPS64 * probe.head_dim
+
+    def tolerance(distances: Tensor) -> Tensor:
+        return (rule + ANGLE_SLACK) * (1 + distances)
+
+    query, key = rotations_at(probe, 1)
+    found: set[int] = set()
+    for side in (query,) if torch.equal(query, key) else (query, key):
+        found.update(turns_back(measured_angles(side), reach, tolerance, PERIOD_CANDIDATES))
+    periods = sorted(found)[:PERIOD_CANDIDATES]
+    if periods:
+        searched = (
+            f"; R_d ≠ R_0 by the same rule at each of the {len(periods)} d up to {reach} "
+            f"where the angles of R_1 come within float64 error of a whole turn (the first "
+            f"{periods[0]})"
+        )
+    else:
+        searched = f"; no period: no d up to {reach} turns every angle of R_1 back to a whole turn"
+    if switch is not None:
+        searched += f" (sought no further: R_m is not R_1^m at m = {switch})"
+    return periods, searched
 
 
 def _score_rows_and_columns(probe: Probe, span: int) -> _Compared:
@@ -205,9 +279,12 @@ def _score_rows_and_columns(probe: Probe, span: int) -> _Compared:
 SCAN_CANDIDATES = 4096
 
 
-def _nearest_pairs(features: Tensor, span: int) -> Callable[[], Iterable[Pair]]:
+def _nearest_pairs(
+    features: Tensor, span: int, beyond: Iterable[Pair] = ()
+) -> Callable[[], Iterable[Pair]]:
     """The scan: every near pair of rows, those that look equal first and each group
-    closest to position 0 first, for the route's check to judge; then the closest pair.
+    closest to position 0 first, for the route's check to judge; then the closest pair;
+    then the pairs ``beyond`` the span (a rotation's period candidates), in order.
 
     A pair is near where the squared distance of its rows, from their Gram matrix, is
     within 1e-9 of the larger squared norm: loose, because that difference cancels, so
@@ -225,6 +302,7 @@ def _nearest_pairs(features: Tensor, span: int) -> Callable[[], Iterable[Pair]]:
         if not bool(near.any()):
             flat = int(gram.argmin())
             yield (flat // span, flat % span)
+            yield from beyond
             return
         later, earlier = near.T.nonzero().unbind(1)  # ordered by b, then a: from 0 out
         gaps = torch.cat(
@@ -240,6 +318,7 @@ def _nearest_pairs(features: Tensor, span: int) -> Callable[[], Iterable[Pair]]:
             yield int(earlier[index]), int(later[index])
         closest = int(gaps.argmin())
         yield int(earlier[closest]), int(later[closest])
+        yield from beyond
 
     return scan
 
