@@ -23,6 +23,7 @@ from posgen.check.unique import rotation_periods
 from posgen.check.verdicts import Outcome
 from posgen.spec.loader import load_spec
 from tests.conftest import ROOT
+from tests.reference.formulas import first_rise, roformer_bound, window_means
 
 BUDGET = Budget(max_examples=10, seed=0, seconds=60.0, spec_seconds=120.0)
 PAIRS = 32  # specs/rope.yaml: head_dim 64
@@ -57,31 +58,6 @@ def _thetas(scale: float) -> list[float]:
 def _off_turn(d: int, theta: float) -> float:
     """How far d·θ is from a whole turn, in plain Python."""
     return abs(math.remainder(d * theta, 2 * math.pi))
-
-
-def _roformer_bound(thetas: list[float], reach: int) -> list[float]:
-    """(1/(d/2)) Σ_j |Σ_{k<j} e^{i r θ_k}| at r = 0 .. reach - 1, in Python complex."""
-    values = []
-    for r in range(reach):
-        total, partial = 0j, 0.0
-        for theta in thetas:
-            total += complex(math.cos(r * theta), math.sin(r * theta))
-            partial += abs(total)
-        values.append(partial / len(thetas))
-    return values
-
-
-def _window_means(values: list[float], reach: int) -> list[float]:
-    """Means over [0, 1), [1, 2), [2, 4), …, [2^k, reach), by hand."""
-    edges = [0, 1]
-    while edges[-1] * 2 < reach:
-        edges.append(edges[-1] * 2)
-    edges.append(reach)
-    return [sum(values[a:b]) / (b - a) for a, b in zip(edges, edges[1:], strict=False)]
-
-
-def _first_rise(means: list[float]) -> int | None:
-    return next((k for k in range(len(means) - 1) if means[k + 1] > means[k]), None)
 
 
 # --------------------------------------------------------------------------- unique
@@ -185,11 +161,11 @@ def test_decay_reaches_past_the_rotation_s_return(
     """The bound falls over the span and comes back at 1000 (997): its first return,
     by the formula. The curve now reaches twice that, and the window means rise."""
     thetas = _thetas(scale)
-    curve = _roformer_bound(thetas, 2 * back)
+    curve = roformer_bound(thetas, 2 * back)
     assert curve[back] > 0.995 * curve[0]  # back at its maximum
-    assert _first_rise(_window_means(curve[:512], 512)) is None  # the span alone: decays
-    means = _window_means(curve, 2 * back)
-    rise = _first_rise(means)
+    assert first_rise(window_means(curve[:512], 512)) is None  # the span alone: decays
+    means = window_means(curve, 2 * back)
+    rise = first_rise(means)
     assert rise == 9  # [256, 512) -> [512, 1024)
     # the first return (every pair within 0.1 of a whole turn, the fastest past one)
     first = next(

@@ -18,6 +18,7 @@ from posgen.check.search import Budget
 from posgen.check.verdicts import Outcome
 from posgen.spec.loader import load_spec
 from tests.conftest import ROOT, expr_bias_spec
+from tests.reference.formulas import first_rise, roformer_bound, window_means
 
 BUDGET = Budget(max_examples=10, seed=0, seconds=60.0, spec_seconds=120.0)
 RANDOMIZED = "positions: {kind: randomized, max_positions: 4096}\n"
@@ -25,19 +26,6 @@ RANDOMIZED = "positions: {kind: randomized, max_positions: 4096}\n"
 
 def _outcome(path: Path, name: str) -> Outcome:
     return check_loaded(load_spec(path), BUDGET, only=[name]).outcome(name)
-
-
-def _window_means(values: list[float], reach: int) -> list[float]:
-    """Means over [0, 1), [1, 2), [2, 4), …, [2^k, reach), by hand."""
-    edges = [0, 1]
-    while edges[-1] * 2 < reach:
-        edges.append(edges[-1] * 2)
-    edges.append(reach)
-    return [sum(values[a:b]) / (b - a) for a, b in zip(edges, edges[1:], strict=False)]
-
-
-def _first_rise(means: list[float]) -> int | None:
-    return next((k for k in range(len(means) - 1) if means[k + 1] > means[k]), None)
 
 
 # ------------------------------------------------------------------ decay: training range
@@ -49,8 +37,8 @@ def test_decay_is_judged_over_a_randomized_training_range(tmp_path: Path) -> Non
     the claim was confirmed; it is refuted at the first window that rises."""
     expr = "cos(sqrt(abs(i - j)) / 8)"
     curve = [math.cos(math.sqrt(r) / 8) for r in range(4096)]
-    assert _first_rise(_window_means(curve[:512], 512)) is None  # the span alone: decays
-    rise = _first_rise(_window_means(curve, 4096))
+    assert first_rise(window_means(curve[:512], 512)) is None  # the span alone: decays
+    rise = first_rise(window_means(curve, 4096))
     assert rise == 10  # [512, 1024) -> [1024, 2048)
 
     plain = expr_bias_spec(tmp_path, "cos_root", expr, "decay: true")
@@ -64,17 +52,9 @@ def test_decay_is_judged_over_a_randomized_training_range(tmp_path: Path) -> Non
     assert "[512, 1024) to [1024, 2048)" in outcome.evidence
 
 
-def _roformer_bound(base: float, dim: int, reach: int) -> list[float]:
-    """(1/(d/2)) Σ_j |Σ_{k<j} e^{i r θ_k}|, θ_k = base^(-2k/d), in Python complex."""
-    thetas = [base ** (-2 * k / dim) for k in range(dim // 2)]
-    values = []
-    for r in range(reach):
-        total, partial = 0j, 0.0
-        for theta in thetas:
-            total += complex(math.cos(r * theta), math.sin(r * theta))
-            partial += abs(total)
-        values.append(partial / (dim // 2))
-    return values
+def _rope_bound(base: float, dim: int, reach: int) -> list[float]:
+    """RoFormer's bound for θ_k = base^(-2k/d), k < d/2."""
+    return roformer_bound([base ** (-2 * k / dim) for k in range(dim // 2)], reach)
 
 
 def test_rotary_decay_reaches_the_training_range_but_not_past_it(tmp_path: Path) -> None:
@@ -88,8 +68,8 @@ def test_rotary_decay_reaches_the_training_range_but_not_past_it(tmp_path: Path)
     outcome = _outcome(ROOT / "specs" / "rope_randomized.yaml", "decay")
     assert outcome.verdict == "confirmed: holds", outcome.evidence
     assert outcome.curve is not None
-    expected = _window_means(_roformer_bound(10000.0, 64, 4096), 4096)
-    assert _first_rise(expected) is None
+    expected = window_means(_rope_bound(10000.0, 64, 4096), 4096)
+    assert first_rise(expected) is None
     torch.testing.assert_close(
         torch.tensor(outcome.curve["means"]), torch.tensor(expected), rtol=1e-9, atol=0
     )
@@ -101,8 +81,8 @@ def test_rotary_decay_reaches_the_training_range_but_not_past_it(tmp_path: Path)
         ),
         encoding="utf-8",
     )
-    means = _window_means(_roformer_bound(500.0, 64, 4096), 4096)
-    assert _first_rise(means[:10]) is None and _first_rise(means) == 9
+    means = window_means(_rope_bound(500.0, 64, 4096), 4096)
+    assert first_rise(means[:10]) is None and first_rise(means) == 9
     outcome = _outcome(low, "decay")
     assert outcome.verdict == "REFUTED: fails", outcome.evidence
     assert outcome.counterexample is not None and outcome.counterexample["window"] == 9

@@ -691,3 +691,33 @@ def scalable_softmax_attention(
     sharpened = logits * (s[:, None, None] * torch.log(n)[:, None])  # [B, H, N, M]
     weights = torch.softmax(sharpened.masked_fill(~allowed, -math.inf), dim=-1)
     return weights @ v
+
+
+# ----------------------------------------------------------- decay curves (posgen check)
+
+
+def roformer_bound(thetas: list[float], reach: int) -> list[float]:
+    """RoFormer's decay bound (Su et al. 2021, section 3.4.3) at r = 0 .. reach - 1:
+    (1/(d/2)) Σ_j |Σ_{k<j} e^{i r θ_k}|, over the pairs' angles θ_k, in Python complex."""
+    values = []
+    for r in range(reach):
+        total, partial = 0j, 0.0
+        for theta in thetas:
+            total += complex(math.cos(r * theta), math.sin(r * theta))
+            partial += abs(total)
+        values.append(partial / len(thetas))
+    return values
+
+
+def window_means(values: list[float], reach: int) -> list[float]:
+    """Means of ``values`` over the log windows [0, 1), [1, 2), [2, 4), …, [2^k, reach)."""
+    edges = [0, 1]
+    while edges[-1] * 2 < reach:
+        edges.append(edges[-1] * 2)
+    edges.append(reach)
+    return [sum(values[a:b]) / (b - a) for a, b in zip(edges, edges[1:], strict=False)]
+
+
+def first_rise(means: list[float]) -> int | None:
+    """The first window whose successor's mean is higher, or None (the means fall)."""
+    return next((k for k in range(len(means) - 1) if means[k + 1] > means[k]), None)
