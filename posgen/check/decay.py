@@ -103,6 +103,14 @@ def curve_distances(
     return torch.cat(parts)
 
 
+def threshold_distances(lengths: list[Length]) -> list[int]:
+    """⌊L⌋ and ⌊L⌋ + 1 for each length L, ascending: the distances on either side of a
+    threshold such as ``abs(i - j) > 300`` (or a period, repeated at L), which a
+    log-spaced sample of distances need not hit."""
+    floors = {math.floor(length.value) for length in lengths}
+    return sorted(floors | {d + 1 for d in floors})
+
+
 def distance_lengths(probe: Probe) -> list[Length]:
     """The lengths of distance an expression bias names, which ``spec_lengths`` leaves
     out for an expression of j - i (no shift moves it): the constant operands (each

@@ -29,7 +29,7 @@ import torch
 from hypothesis import strategies as st
 from torch import Tensor
 
-from posgen.check.decay import distance_lengths
+from posgen.check.decay import distance_lengths, threshold_distances
 from posgen.check.lengths import Length, spec_lengths
 from posgen.check.probe import Probe, input_unreachable
 from posgen.check.search import (
@@ -110,7 +110,8 @@ def relative(probe: Probe, claimed: bool | None) -> Outcome:
         return unreachable
     limit = probe.span // 2
     lengths = spec_lengths(probe.spec, probe.expression_parameters())
-    wide = wide_positions(probe, limit, [*lengths, *distance_lengths(probe)])
+    expression_lengths = distance_lengths(probe)
+    wide = wide_positions(probe, limit, [*lengths, *expression_lengths])
     reach = far_shift(probe, limit, lengths)
     if probe.limit is not None:  # every drawn position + shift stays below the table's end
         reach = max(1, min(reach, probe.limit - wide))
@@ -129,7 +130,7 @@ def relative(probe: Probe, claimed: bool | None) -> Outcome:
     def check(example: Example) -> float:
         return _shifted_logits_agree(probe, example)
 
-    scan = fixed_shifts(limit, reach, named, wide_distances(probe, limit, wide))
+    scan = fixed_shifts(limit, reach, named, wide_distances(expression_lengths, limit, wide))
     search = run_search(check, examples(), probe.budget, scan)
     if search.violation is not None:
         return failed("relative", "claim", claimed, search)
@@ -159,18 +160,18 @@ def relative(probe: Probe, claimed: bool | None) -> Outcome:
     )
 
 
-def wide_distances(probe: Probe, limit: int, wide: int) -> list[int]:
+def wide_distances(lengths: list[Length], limit: int, wide: int) -> list[int]:
     """The distances the scan tries past the near positions: each power of two from
-    ``limit`` up to ``wide`` and each length of ``decay.distance_lengths`` within it
-    (⌊L⌋ and ⌊L⌋ + 1: just past a threshold such as ``abs(i - j) > 300``)."""
+    ``limit`` up to ``wide`` and, within it, either side of each of ``lengths`` (those of
+    ``decay.distance_lengths``; ``decay.threshold_distances``: just past a threshold
+    such as ``abs(i - j) > 300``)."""
     found = {wide - 1}
     distance = 1
     while distance < wide:
         if distance >= limit:
             found.add(distance)
         distance *= 2
-    for length in distance_lengths(probe):
-        found.update(d for d in (math.floor(length.value), math.floor(length.value) + 1))
+    found.update(threshold_distances(lengths))
     return sorted(d for d in found if limit <= d < wide)
 
 

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 from posgen.check.contract import F64
-from posgen.check.decay import distance_lengths
+from posgen.check.decay import distance_lengths, threshold_distances
 from posgen.check.lengths import Length, spec_lengths
 from posgen.check.periods import (
     ANGLE_SLACK,
@@ -396,7 +396,7 @@ def toeplitz_windows(probe: Probe, window: int, lengths: Iterable[Length]) -> li
     if any(value > MAX_NAMED_POSITION for value in values):
         return None
     # the distance route reads query R and keys up to 2R (``unique_distances``)
-    distances = distance_reach(probe)
+    distances = distance_reach(probe, distance_lengths(probe))
     wanted = [float(TOEPLITZ_REACH), 2 * float(distances), *(4 * value for value in values)]
     reach = math.ceil(min(max(wanted), float(MAX_TOEPLITZ_REACH)))
     starts = set()
@@ -418,28 +418,25 @@ def _same_scores(a: Tensor, b: Tensor) -> bool:
     return bool(same.all())
 
 
-def distance_reach(probe: Probe) -> int:
+def distance_reach(probe: Probe, expression_lengths: list[Length]) -> int:
     """R of ``unique_distances``: the span, or 2 × every ``max_distance`` the spec states
     and every length an expression bias compares or combines with a distance
     (``decay.distance_lengths``: the 1500 of ``(j - i + 100000) % 1500``, whose scores
-    repeat every 1500 distances) where farther; at most half a table, at most 2^40."""
-    lengths = [*stated(probe.spec, "max_distance"), *(x.value for x in distance_lengths(probe))]
+    repeat every 1500 distances: ``expression_lengths``) where farther; at most half a
+    table, at most 2^40."""
+    lengths = [*stated(probe.spec, "max_distance"), *(x.value for x in expression_lengths)]
     reach = max([probe.budget.span] + [math.ceil(2 * length) for length in lengths])
     if probe.limit is not None:
         reach = min(reach, probe.limit // 2)
     return min(reach, 1 << 40)
 
 
-def named_distances(probe: Probe, reach: int) -> list[int]:
-    """Distances ±⌊L⌋ and ±(⌊L⌋ + 1) for each length L of ``decay.distance_lengths``
-    within ``reach``: a period L repeats distance 0 at L, which the log-spaced sample
-    past ``EXACT_DISTANCES`` need not hit."""
-    found: set[int] = set()
-    for length in distance_lengths(probe):
-        for value in (math.floor(length.value), math.floor(length.value) + 1):
-            if value < reach:
-                found.update((value, -value))
-    return sorted(found)
+def named_distances(expression_lengths: list[Length], reach: int) -> list[int]:
+    """Distances ±⌊L⌋ and ±(⌊L⌋ + 1) (``decay.threshold_distances``) for each length L
+    of ``decay.distance_lengths`` within ``reach``: a period L repeats distance 0 at L,
+    which the log-spaced sample past ``EXACT_DISTANCES`` need not hit."""
+    found = [d for d in threshold_distances(expression_lengths) if d < reach]
+    return sorted({*found, *(-d for d in found)})
 
 
 def unique_distances(probe: Probe) -> tuple[Search, str]:
@@ -451,9 +448,11 @@ def unique_distances(probe: Probe) -> tuple[Search, str]:
     the spec declares; past EXACT_DISTANCES they are sampled log-spaced
     (``distance_sample``), with each such length (``named_distances``) added.
     """
-    reach = distance_reach(probe)
+    expression_lengths = distance_lengths(probe)
+    reach = distance_reach(probe, expression_lengths)
     distances = sorted(
-        {*distance_sample(reach), *named_distances(probe, reach)}, key=lambda d: (abs(d), d < 0)
+        {*distance_sample(reach), *named_distances(expression_lengths, reach)},
+        key=lambda d: (abs(d), d < 0),
     )
     keys = torch.tensor(distances) + reach
     row = probe.position_scores(torch.tensor([reach]), keys)[:, 0, :]  # [heads, D]
