@@ -19,6 +19,11 @@ goes on), is not lost: the handler arms the timer again before it raises, so the
 strikes again ``RETRY_SECONDS`` later, and inside the block ``OutOfTime`` never reaches
 ``sys.unraisablehook``'s printout.
 
+Code that catches the strike and raises an error of its own (hypothesis does: an
+``OutOfTime`` in the middle of drawing an example ends that example early, and its replay
+check then raises ``FlakyStrategyDefinition``) still ends with ``OutOfTime``: once the
+limit has struck, any ``Exception`` leaving the block becomes ``OutOfTime``, chained to it.
+
 Signals need the main thread of a POSIX process: elsewhere (a worker thread, Windows)
 the limit is not enforced and only the soft budget applies.
 """
@@ -46,13 +51,6 @@ def enforceable() -> bool:
     return hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
 
 
-def _raise_out_of_time(signum: int, frame: FrameType | None) -> None:
-    signal.setitimer(signal.ITIMER_REAL, RETRY_SECONDS)  # again, should this raise be lost
-    if _inside_import(frame):
-        return  # strike once the import is done: a half-run import poisons the process
-    raise OutOfTime
-
-
 def _inside_import(frame: FrameType | None) -> bool:
     """Whether ``frame`` runs (at any depth) under the import machinery: a module's body
     being executed, or the finders and loaders of ``importlib._bootstrap``. An exception
@@ -66,18 +64,37 @@ def _inside_import(frame: FrameType | None) -> bool:
     return False
 
 
+class _Strikes:
+    """The SIGALRM handler of one ``hard_deadline`` block, and whether it has struck."""
+
+    def __init__(self) -> None:
+        self.struck = False
+
+    def handle(self, signum: int, frame: FrameType | None) -> None:
+        signal.setitimer(signal.ITIMER_REAL, RETRY_SECONDS)  # again, should this be lost
+        if _inside_import(frame):
+            return  # strike once the import is done: a half-run import poisons the process
+        self.struck = True
+        raise OutOfTime
+
+
 @contextmanager
 def hard_deadline(seconds: float) -> Iterator[None]:
     """Raise ``OutOfTime`` in the block once ``seconds`` of wall time have passed."""
     if not enforceable():
         yield
         return
-    previous = signal.signal(signal.SIGALRM, _raise_out_of_time)
+    strikes = _Strikes()
+    previous = signal.signal(signal.SIGALRM, strikes.handle)
     previous_hook = sys.unraisablehook
     sys.unraisablehook = _quiet_about_out_of_time(previous_hook)
     signal.setitimer(signal.ITIMER_REAL, max(seconds, 1e-3))
     try:
         yield
+    except Exception as error:
+        if strikes.struck:  # the strike, caught and re-raised as something else
+            raise OutOfTime from error
+        raise
     finally:
         while True:  # a strike between these lines would skip the rest: disarm again
             try:
