@@ -73,6 +73,11 @@ def _property_of(path: Path) -> str | None:
 # --------------------------------------------------------------------------- the catalogue
 
 
+# claims of the catalogue that check can test only in part: past the switch of a
+# schedule that follows the call's length, the rotation is not R_1^m
+TESTED_IN_PART = {("rope_dynamic_ntk", "unique"), ("rope_longrope", "unique")}
+
+
 @pytest.mark.parametrize("path", sorted(SPECS.glob("*.yaml")), ids=lambda p: p.stem)
 def test_every_claim_in_the_catalogue_holds(path: Path) -> None:
     report = report_for(path)
@@ -88,7 +93,10 @@ def test_every_claim_in_the_catalogue_holds(path: Path) -> None:
             assert outcome.evidence.startswith("cannot check: "), outcome.evidence
         elif claimed is not None:
             assert outcome.holds is claimed, f"{claim}: {outcome.evidence}"
-            assert outcome.verdict.startswith("confirmed: ")
+            if (path.stem, claim) in TESTED_IN_PART:
+                assert outcome.verdict == "limited: holds", outcome.evidence
+            else:
+                assert outcome.verdict.startswith("confirmed: "), outcome.evidence
         else:  # unclaimed: measured, or out of time on a loaded machine (FLOATER's ODE)
             assert outcome.verdict.startswith(("measured: ", "n/a", "inconclusive (time"))
 

@@ -67,6 +67,8 @@ class _Compared:
     # pairs past the span for the scan to judge after the span's, and what they are
     beyond: list[Pair] = field(default_factory=list)
     beyond_what: str = ""
+    # pairs of positions compared only up to this one (a rotation not R_1^m past a switch)
+    compared_up_to: int | None = None
 
 
 def unique(probe: Probe, claimed: bool | None) -> Outcome:
@@ -74,22 +76,30 @@ def unique(probe: Probe, claimed: bool | None) -> Outcome:
     unreachable = input_unreachable(probe, "unique", claimed)
     if unreachable is not None:
         return unreachable
-    search, what, beyond = _unique(probe)
+    search, what, beyond, up_to = _unique(probe)
     if search.violation is not None:
         return failed("unique", "claim", claimed, search)
+    evidence = (
+        f"no collision of {what} in {search.examples} examples (hypothesis and a scan); "
+        f"smallest gap {fmt(search.worst)}{beyond}"
+    )
+    if up_to is None:
+        return Outcome("unique", "claim", claimed, True, evidence)
     return Outcome(
         "unique",
         "claim",
         claimed,
         True,
-        f"no collision of {what} in {search.examples} examples (hypothesis and a scan); "
-        f"smallest gap {fmt(search.worst)}{beyond}",
+        f"tested only for positions up to {up_to}: past it the rotation is not R_1^m, so "
+        f"two positions farther out that collide go unseen; {evidence}",
+        limited_to=f"m ≤ {up_to}",
     )
 
 
-def _unique(probe: Probe) -> tuple[Search, str, str]:
-    """The search for a collision along the probe's route, what was compared, and what
-    past the span (evidence text, "" where nothing)."""
+def _unique(probe: Probe) -> tuple[Search, str, str, int | None]:
+    """The search for a collision along the probe's route; what was compared; what past
+    the span (evidence text, "" where nothing); the position up to which alone pairs
+    were compared (None: every position the module takes)."""
     span = probe.limit if probe.limit is not None else probe.span
     span = min(span, 4096)
     if probe.route == "input":
@@ -97,7 +107,7 @@ def _unique(probe: Probe) -> tuple[Search, str, str]:
     elif probe.route == "rotation":
         compared = _rotations(probe, span)
     elif shift_invariant_scores(probe, span):
-        return (*unique_distances(probe), "")
+        return (*unique_distances(probe), "", None)
     else:
         compared = _score_rows_and_columns(probe, span)
     size = compared.span
@@ -106,7 +116,8 @@ def _unique(probe: Probe) -> tuple[Search, str, str]:
     )
     scan = _nearest_pairs(compared.features, size, compared.beyond)
     search = run_search(compared.check, pairs, probe.budget, scan)
-    return search, f"{compared.what} for positions [0, {size})", compared.beyond_what
+    what = f"{compared.what} for positions [0, {size})"
+    return search, what, compared.beyond_what, compared.compared_up_to
 
 
 def _table_rows(probe: Probe, span: int) -> _Compared:
@@ -157,7 +168,7 @@ def _rotations(probe: Probe, span: int) -> _Compared:
     """Rotation route: R_m on the query and the key side; one rotated vector per m; and
     R_0 against R_d at each period candidate d past the span (``rotation_periods``)."""
     rotation = _rotation_distance(probe)
-    periods, searched = rotation_periods(probe)
+    periods, searched, up_to = rotation_periods(probe)
 
     def check(example: Pair) -> float:
         m, n = example
@@ -182,7 +193,8 @@ def _rotations(probe: Probe, span: int) -> _Compared:
     positions = torch.arange(span)
     features, _ = probe.pe64.rotate(x.contiguous(), x.contiguous(), positions, positions)
     beyond = [(0, d) for d in periods]
-    return _Compared(check, features[0, 0], "R_m", span, beyond, searched)
+    up_to = None if up_to is None else max(up_to, span - 1)  # the span's pairs, directly
+    return _Compared(check, features[0, 0], "R_m", span, beyond, searched, up_to)
 
 
 # R_0 is compared with R_d at the first PERIOD_CANDIDATES period candidates d (each one
@@ -190,9 +202,9 @@ def _rotations(probe: Probe, span: int) -> _Compared:
 PERIOD_CANDIDATES = 64
 
 
-def rotation_periods(probe: Probe) -> tuple[list[int], str]:
+def rotation_periods(probe: Probe) -> tuple[list[int], str, int | None]:
     """(the candidates d ≤ 2^24 at which R_d may equal R_0 = I, ascending; what was
-    searched, for the evidence).
+    searched, for the evidence; the reach, where R_m stops being R_1^m, or None).
 
     Positions m and n collide exactly where R_{n-m} = I for a rotation with R_m = R_1^m,
     so an exact search for the periods of the angles of R_1 (``periods.turns_back``, on
@@ -200,7 +212,7 @@ def rotation_periods(probe: Probe) -> tuple[list[int], str]:
     only the span's. The reach is ``PERIOD_REACH`` (2^24, where float32 positions stop
     being integers), below a table's end, and below the first power of two where R_m is
     not R_1^m (``periods.linear_reach``: dynamic NTK, LongRoPE; past it only the span's
-    positions are compared).
+    positions are compared, and a claim that holds is "limited").
 
     The tolerance on the angles comes from the route's own rule (``_rotation_distance``:
     R_d equals R_0 where |R_0 - R_d| ≤ 64·eps·head_dim·(1 + d), which covers the float64
@@ -232,7 +244,7 @@ def rotation_periods(probe: Probe) -> tuple[list[int], str]:
         searched = f"; no period: no d up to {reach} turns every angle of R_1 back to a whole turn"
     if switch is not None:
         searched += f" (sought no further: R_m is not R_1^m at m = {switch})"
-    return periods, searched
+    return periods, searched, None if switch is None else reach
 
 
 def _score_rows_and_columns(probe: Probe, span: int) -> _Compared:
