@@ -967,9 +967,10 @@ def test_a_single_slow_example_is_stopped_at_the_hard_deadline(tmp_path) -> None
     report = check_loaded(load_spec(path), budget, only=["extrapolates", "unique"])
     spent = time.perf_counter() - started
     limit = budget.spec_seconds + 2 * (GRACE_SECONDS + GRACE_FACTOR * budget.seconds)
-    # + the module build and one torch op: 3 s of slack on a loaded 2-core VM, where
-    # one run took 5.7-5.9 s against a limit of 4.5 s (unstopped, the ODE takes minutes)
-    assert spent < limit + 3.0, spent
+    # + the module build and one torch op, on a 2-core VM: unloaded, 5.7-5.9 s against a
+    # limit of 4.5 s; with two more jobs on it, 9.x s. Unstopped, the ODE takes minutes,
+    # so twice the limit plus 5 s still tells a stopped run from one that was not
+    assert spent < 2 * limit + 5.0, spent
     verdicts = {o.name: o.verdict for o in report.outcomes}
     assert "inconclusive (time budget)" in verdicts.values(), verdicts
     stopped = next(o for o in report.outcomes if o.inconclusive)
