@@ -8,7 +8,8 @@ Score decomposition for query i and key j, scale 1/sqrt(head_dim):
     content_content    keep      q_i . k_j
     content_position   drop      0
     position_content   drop      0
-    position_position  bias      -slope_h * |i - j|, slopes: alibi_geometric
+    position_position  bias      -slope_h * |i - j|, slopes: alibi_geometric (after the
+                                 scale)
 
 References:
     - Press, Smith and Lewis 2022, Train Short, Test Long: Attention with Linear Biases

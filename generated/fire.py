@@ -9,7 +9,8 @@ Score decomposition for query i and key j, scale 1/sqrt(head_dim):
     content_position   drop      0
     position_content   drop      0
     position_position  bias      f(psi(max(i - j, 0)) / psi(max(i, L)))_h, FIRE: psi(x) =
-                                 log(c x + 1), MLP 1 -> 32 -> heads, c and L trained
+                                 log(c x + 1), MLP 1 -> 32 -> heads, c and L trained (after
+                                 the scale)
 
 References:
     - Li, You, Bhojanapalli, Li, Rawat, Reddi, Ye, Chern, Yu, Kumar and Sanghai 2023,

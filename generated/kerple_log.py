@@ -9,7 +9,7 @@ Score decomposition for query i and key j, scale 1/sqrt(head_dim):
     content_position   drop      0
     position_content   drop      0
     position_position  bias      -r1_h * log(1 + r2_h * |i - j|), KERPLE-log, r1 and r2
-                                 trained (> 0)
+                                 trained (> 0) (after the scale)
 
 References:
     - Chi, Fan, Ramadge and Rudnicky 2022, KERPLE: Kernelized Relative Positional

@@ -9,7 +9,7 @@ Score decomposition for query i and key j, scale 1/sqrt(head_dim):
     content_position   drop      0
     position_content   drop      0
     position_position  bias      -r1_h * |i - j|^r2_h, KERPLE-power, r1 and r2 trained (0 <
-                                 r2 <= 2)
+                                 r2 <= 2) (after the scale)
 
 References:
     - Chi, Fan, Ramadge and Rudnicky 2022, KERPLE: Kernelized Relative Positional

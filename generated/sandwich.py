@@ -9,7 +9,8 @@ Score decomposition for query i and key j, scale 1/sqrt(head_dim):
     content_position   drop      0
     position_content   drop      0
     position_position  bias      sum_{k=1}^{64} cos((i - j) / 10000^(2k / 128)), less 64,
-                                 divided by 8h/H for head h = 1 .. H, Sandwich
+                                 divided by 8h/H for head h = 1 .. H, Sandwich (after the
+                                 scale)
 
 References:
     - Chi, Fan, Rudnicky and Ramadge 2023, Dissecting Transformer Length Extrapolation

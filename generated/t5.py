@@ -9,7 +9,7 @@ Score decomposition for query i and key j, scale none (logits are not scaled):
     content_position   drop      0
     position_content   drop      0
     position_position  bias      table[bucket(j - i), h], t5 log buckets: 32 bidirectional,
-                                 max_distance 128
+                                 max_distance 128 (after the scale)
 
 References:
     - Raffel et al. 2020, Exploring the Limits of Transfer Learning with a Unified

@@ -239,7 +239,9 @@ def term_lines(spec: Spec) -> list[TermLine]:
         text = absolute["position_position"] if pp == "absolute" else "0"
         lines.append(TermLine("position_position", str(pp), text))
     else:
-        lines.append(TermLine("position_position", "bias", _bias_formula(bias)))
+        where = "inside" if bias.placement == "before_scale" else "after"
+        formula = f"{_bias_formula(bias)} ({where} the scale)"
+        lines.append(TermLine("position_position", "bias", formula))
     return lines
 
 

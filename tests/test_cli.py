@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from posgen.cli import main
 from posgen.spec.model import Spec
-from tests.conftest import ROOT, spec_names
+from tests.conftest import ROOT, SPECS, spec_names
 
 
 @pytest.fixture()
@@ -71,6 +71,21 @@ def test_explain_t5_in_words(run) -> None:
     output = run("explain", "t5").output
     assert "table[bucket(j - i), h], t5 log buckets: 32 bidirectional, max_distance 128" in output
     assert "scale: none" in output
+
+
+def test_explain_says_where_a_bias_meets_the_scale(run, tmp_path) -> None:
+    """A bias inside the 1/sqrt(d) scale and one after it give logits sqrt(d) apart in the
+    bias; explain (and the docstring, which quotes it) said the same words for both."""
+    after = run("explain", "alibi").output
+    assert "-slope_h * |i - j|, slopes: alibi_geometric (after the scale)" in after
+    text = (SPECS / "alibi.yaml").read_text(encoding="utf-8")
+    inside = text.replace("name: alibi\n", "name: alibi_inside\n")
+    inside = inside.replace("placement: after_scale", "placement: before_scale")
+    assert inside.count("before_scale") == 1
+    path = tmp_path / "alibi_inside.yaml"
+    path.write_text(inside, encoding="utf-8")
+    output = run("explain", str(path)).output
+    assert "-slope_h * |i - j|, slopes: alibi_geometric (inside the scale)" in output
 
 
 def test_explain_states_a_query_scale(run) -> None:
