@@ -32,6 +32,7 @@ from posgen.cli_paths import (
     find_spec,
     paths_or_names,
     spec_files,
+    spec_path,
 )
 from posgen.cli_standalone import generate_standalone
 from posgen.codegen.writing import (
@@ -93,7 +94,9 @@ def generate(
     registry as it is (run a full generate to refresh it). With no SPECS and no
     ./specs folder, it is a usage error (list, explain and check fall back to the
     built-in catalogue; generate does not write it into the current directory
-    unasked), except with --standalone NAME, which then takes NAME from the catalogue.
+    unasked). A spec named rather than given as a file (alibi, not specs/alibi.yaml),
+    and --standalone NAME without SPECS, are looked up as explain looks them up: in
+    ./specs, then in the catalogue.
 
     Only changed files are written, each in full to a temporary file and then renamed,
     the registry last; the modes are those ordinary file creation gives (the umask).
@@ -108,7 +111,12 @@ def generate(
         posgen generate --standalone t5 --out t5_attention.py
     """
     full = all(path.is_dir() for path in specs)
-    loaded = load_specs(spec_files(specs, catalogue=standalone is not None))
+    if standalone is not None and not specs:  # looked up as explain looks it up
+        named = [spec_path(standalone, DEFAULT_SPECS)]
+        loaded = load_specs(named)
+        standalone = loaded[0].spec.name
+    else:
+        loaded = load_specs(spec_files(paths_or_names(specs), catalogue=standalone is not None))
     try:
         if standalone is not None:
             generate_standalone(loaded, standalone, out_dir, check or show_diff, show_diff)

@@ -130,3 +130,29 @@ def test_cli_standalone_refuses_bad_targets(tmp_path: Path) -> None:
         assert "Traceback" not in result.output
     assert mine.read_text() == "x = 1\n"
     assert not (tmp_path / "x.py").exists()
+
+
+def test_catalogue_names_reach_generate_from_a_project_with_its_own_specs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In a project whose ./specs holds only its own specs, ``--standalone alibi`` and
+    ``generate alibi`` take alibi from the catalogue, as ``explain alibi`` does; they
+    said "no spec named 'alibi'; known: mine" and "no such spec file: alibi"."""
+    from click.testing import CliRunner
+
+    from posgen.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "specs").mkdir()
+    mine = (SPECS / "nope.yaml").read_text(encoding="utf-8").replace("name: nope\n", "name: mine\n")
+    (tmp_path / "specs" / "mine.yaml").write_text(mine, encoding="utf-8")
+    runner = CliRunner()
+    result = runner.invoke(main, ["generate", "--standalone", "alibi", "--out", "alibi_pe.py"])
+    assert result.exit_code == 0, result.output
+    assert _import_file(tmp_path / "alibi_pe.py").Alibi.__name__ == "Alibi"
+    result = runner.invoke(main, ["generate", "alibi", "mine"])  # a subset run, by name
+    assert result.exit_code == 0, result.output
+    assert {"alibi.py", "mine.py"} <= {path.name for path in (tmp_path / "generated").iterdir()}
+    assert not (tmp_path / "generated" / "__init__.py").exists()  # no registry: a subset
+    result = runner.invoke(main, ["generate", "--standalone", "nosuch", "--out", "x.py"])
+    assert result.exit_code == 2 and "no spec named 'nosuch'" in result.output, result.output
