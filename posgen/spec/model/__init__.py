@@ -70,6 +70,7 @@ from posgen.spec.model.inputs import (
     TableInput,
 )
 from posgen.spec.model.kinds import (
+    forms_at,
     keyword_forms,
     kind_tags,
     kinds_at,
@@ -266,6 +267,7 @@ __all__ = [
     "keyword_forms",
     "kind_tags",
     "kinds_at",
+    "forms_at",
     "words_at",
     "plain_text",
     "python_name_problem",

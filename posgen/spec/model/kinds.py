@@ -9,6 +9,8 @@ import types
 import typing
 from typing import Annotated, Any
 
+from pydantic import Discriminator
+
 from posgen.spec.model.base import SpecModel
 from posgen.spec.model.spec import Spec
 
@@ -85,6 +87,28 @@ def words_at(path: tuple[str | int, ...], data: Any = None) -> list[str]:
             if typing.get_origin(alternative) is typing.Literal:
                 words.extend(a for a in typing.get_args(alternative) if isinstance(a, str))
     return list(dict.fromkeys(words))
+
+
+def forms_at(path: tuple[str | int, ...], data: Any = None) -> str | None:
+    """The forms a term field at ``path`` takes, as its tagged union lists them ("keep,
+    rotate": a keyword, or a mapping with that single key), or None where the field is
+    no such union. For the message of a required term that is missing, whose ``Literal``
+    words alone (``words_at``) leave out the mapping forms."""
+    if not path or not isinstance(path[-1], str):
+        return None
+    annotations: list[Any] = [Spec]
+    node = data
+    for part in path[:-1]:
+        annotations = [inner for a in annotations for inner in _field_types(a, part, node)]
+        node = _child(node, part)
+    for annotation in annotations:
+        for model in _alternatives(annotation):
+            field = model.model_fields.get(path[-1]) if _is_model(model) else None
+            for marker in [] if field is None else field.metadata:
+                allowed = (getattr(marker, "custom_error_context", None) or {}).get("allowed")
+                if isinstance(marker, Discriminator) and allowed:
+                    return str(allowed)
+    return None
 
 
 def _child(node: Any, part: str | int) -> Any:
