@@ -89,3 +89,27 @@ def test_the_repr_names_every_size_given() -> None:
     pe = generated_class("sinusoidal")(heads=4, head_dim=16, model_dim=32)
     assert "heads=4, head_dim=16, model_dim=32, scale=0.25" in repr(pe)
     assert "value_dim" not in repr(generated_class("shaw")(heads=4, head_dim=16))
+
+
+def test_a_module_built_in_float64_holds_its_init_exactly(tmp_path) -> None:
+    """An expression parameter's init (the value after softplus) is exact in a module
+    built under a float64 default dtype, as the docs say, for references written from the
+    spec; ``.double()`` of a float32 module widens the float32 value."""
+    from posgen.codegen.inmemory import encoding_class, module_from_spec
+    from tests.conftest import expr_bias_spec
+
+    params = "{a: {shape: [], init: 1.5, positive: true}, b: {shape: [heads], init: 0.1}}"
+    path = expr_bias_spec(tmp_path, "penalty", "-a * log(1 + abs(i - j)) + b[h]", params=params)
+    cls = encoding_class(module_from_spec(path))
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        pe = cls()
+    finally:
+        torch.set_default_dtype(default)
+    assert torch.nn.functional.softplus(pe.expr_a).item() == 1.5
+    assert pe.expr_b.tolist() == [0.1, 0.1]
+    widened = cls().double()
+    assert torch.nn.functional.softplus(widened.expr_a).item() != 1.5  # float32's value
+    q, k, v = (torch.randn(1, 2, 5, 8, dtype=torch.float64) for _ in range(3))
+    assert pe(q, k, v, causal=True).dtype == torch.float64
