@@ -41,11 +41,18 @@ def test_weights_that_do_not_fit_are_a_usage_error(tmp_path: Path) -> None:
     state = generated_class("t5")().state_dict()
     wrong_shape = {"relative_attention_bias.weight": torch.zeros(16, 8)}
     extra = {**state, "other.weight": torch.zeros(1)}
+    state_one = torch.zeros(1)
     cases = {
         "shape.pt": (wrong_shape, "is [16, 8], the module's is [32, 8]"),
         "extra.pt": (extra, "unexpected other.weight"),
         "empty.pt": ({}, "missing relative_attention_bias.weight"),
         "not_a_dict.pt": (torch.zeros(3), "expected a state_dict"),
+        # a whole layer's state_dict: the encoding's keys under "pe."
+        "layer.pt": (
+            {**{f"pe.{key}": value for key, value in state.items()}, "proj.weight": state_one},
+            "every key the module has is there under the prefix 'pe.': save "
+            "{k.removeprefix('pe.'): v for k, v in state.items() if k.startswith('pe.')}",
+        ),
     }
     for name, (content, message) in cases.items():
         path = tmp_path / name

@@ -80,7 +80,25 @@ def check_fit(module: nn.Module, weights: Mapping[str, Tensor], path: Path) -> N
         elif (problem := value_problem(weights[key], state[key])) is not None:
             problems.append(f"{key} {problem}")
     if problems:
-        raise WeightsError(f"{path} does not fit the module: {'; '.join(problems)}")
+        hint = _prefix_hint(set(expected), set(given))
+        raise WeightsError(f"{path} does not fit the module: {'; '.join(problems)}{hint}")
+
+
+def _prefix_hint(expected: set[str], given: set[str]) -> str:
+    """Advice where ``given`` holds every expected key under one prefix (a whole layer's
+    or model's state_dict, ``pe.expr_m`` for ``expr_m``), else ``""``."""
+    if not expected or expected <= given:
+        return ""
+    anchor = min(expected)
+    for key in sorted(given):
+        prefix = key.removesuffix(anchor)
+        if prefix != key and prefix.endswith(".") and {prefix + e for e in expected} <= given:
+            return (
+                f" (every key the module has is there under the prefix {prefix!r}: save "
+                f"{{k.removeprefix({prefix!r}): v for k, v in state.items() if "
+                f"k.startswith({prefix!r})}}, or the encoding's own state_dict())"
+            )
+    return ""
 
 
 def value_problem(value: Tensor, like: Tensor) -> str | None:
