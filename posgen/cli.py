@@ -201,7 +201,8 @@ def new(name: str, source: str | None, out_file: Path | None) -> None:
     generated code or Python already uses). EXISTING is a file path when it ends in .yaml
     or .yml or holds a path separator, and otherwise a spec name (./specs, then the
     built-in catalogue). The text is validated first; an existing file is never
-    overwritten.
+    overwritten. Where the spec's folder has no schema.json, the JSON Schema its first
+    line names (``posgen schema``) is written there too, for editor completion.
 
     \b
     Example:
@@ -221,6 +222,13 @@ def new(name: str, source: str | None, out_file: Path | None) -> None:
     except (ScaffoldError, OSError) as error:
         raise UsageError(str(error)) from None
     say(f"wrote {written}: edit it, then `posgen validate {written}` and `posgen check {written}`")
+    schema_file = written.parent / "schema.json"  # the file the spec's first line names
+    if not schema_file.exists() and not schema_file.is_symlink():
+        try:
+            write_atomically(schema_file, _schema_text().encode("utf-8"))
+        except OSError as error:
+            raise UsageError(f"cannot write {schema_file}: {error}") from None
+        say(f"wrote {schema_file}: the JSON Schema its first line names (editor completion)")
 
 
 @main.command(name="from-hf")
@@ -447,7 +455,7 @@ def schema(out_file: Path | None) -> None:
     Example:
         posgen schema --out specs/schema.json
     """
-    text = json.dumps(Spec.model_json_schema(), indent=2, sort_keys=True) + "\n"
+    text = _schema_text()
     if out_file is None:
         say(text, nl=False)
         return
@@ -460,6 +468,11 @@ def schema(out_file: Path | None) -> None:
         write_atomically(out_file, text.encode("utf-8"))  # whole or not at all
     except OutputError as error:
         file_error(error)
+
+
+def _schema_text() -> str:
+    """The JSON Schema of the spec format, as ``posgen schema`` prints it."""
+    return json.dumps(Spec.model_json_schema(), indent=2, sort_keys=True) + "\n"
 
 
 _SCHEMA_TITLE = "Spec"  # the title of the schema `posgen schema` writes

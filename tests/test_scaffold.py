@@ -144,3 +144,22 @@ def test_out_must_be_the_spec_file_of_name(runner: CliRunner, tmp_path: Path, ou
     written = runner.invoke(main, ["new", "my_idea", "--out", "sub/my_idea.yml"])
     assert written.exit_code == 0, written.output
     assert load_spec(tmp_path / "sub" / "my_idea.yml").spec.name == "my_idea"
+
+
+def test_new_writes_the_schema_its_first_line_names(runner: CliRunner, tmp_path: Path) -> None:
+    """The scaffold starts ``# yaml-language-server: $schema=schema.json``; no such file
+    was written, so an editor found none. ``new`` now writes it beside the spec where
+    there is none, and leaves a schema.json that is there alone."""
+    first = runner.invoke(main, ["new", "my_bias"])
+    assert first.exit_code == 0, first.output
+    spec_text = (tmp_path / "specs" / "my_bias.yaml").read_text(encoding="utf-8")
+    assert spec_text.startswith("# yaml-language-server: $schema=schema.json\n")
+    schema = tmp_path / "specs" / "schema.json"
+    printed = runner.invoke(main, ["schema"]).output
+    assert schema.read_text(encoding="utf-8") == printed
+    assert json.loads(printed)["title"] == "Spec"
+    schema.write_text("my own schema\n", encoding="utf-8")
+    second = runner.invoke(main, ["new", "other", "--from", "alibi"])
+    assert second.exit_code == 0, second.output
+    assert schema.read_text(encoding="utf-8") == "my own schema\n"
+    assert "schema.json" not in second.output
