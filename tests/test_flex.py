@@ -333,3 +333,32 @@ def test_flex_kernel_options_shrink_tiles_where_the_defaults_overflow_shared_mem
     q = SimpleNamespace(device=torch.device(device), shape=(1, 1, 1, width))
     small = {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 1}
     assert options(q, score_mod) == (small if small_tiles else None)
+
+
+def test_the_unfused_cpu_flex_call_gives_no_warning() -> None:
+    """flex on the CPU runs unfused on purpose (``flex_compile = False``, documented);
+    torch's once-per-process advice to compile printed a screenful on the first call. In
+    a fresh process, where that warning has not yet been given, every UserWarning is an
+    error."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    script = (
+        "import torch\n"
+        "from generated.alibi import Alibi\n"
+        "pe = Alibi(heads=4, head_dim=8)\n"
+        "q = torch.randn(1, 4, 6, 8)\n"
+        "print(tuple(pe(q, q, q, backend='flex').shape))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-W", "error::UserWarning", "-c", script],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "(1, 4, 6, 8)"

@@ -9,6 +9,7 @@ backward).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -237,6 +238,11 @@ def _recompile_room() -> Any:
     return config.patch(**{name: max(getattr(config, name), FLEX_RECOMPILE_LIMIT)})
 
 
+UNFUSED_FLEX_WARNING = "flex_attention called without torch.compile"
+"""The start of the warning torch gives once per process on an unfused flex call, which
+posgen makes on purpose (the CPU's default, ``flex_compile = False``)."""
+
+
 def run_flex(
     q: Tensor,
     k: Tensor,
@@ -274,7 +280,9 @@ def run_flex(
         q, k, v = (own_buffer_on_cpu(t) for t in (q, k, v))
         result = flex_attention(q, k, v, kernel_options=options, **keywords)
     elif not compiled:  # the unfused implementation (exact, materialises the scores)
-        result = flex_attention(q, k, v, **keywords)
+        with warnings.catch_warnings():  # chosen, and documented: torch's advice is noise
+            warnings.filterwarnings("ignore", UNFUSED_FLEX_WARNING, UserWarning)
+            result = flex_attention(q, k, v, **keywords)
     else:
         function = _COMPILED_FLEX.get("flex")
         if function is None:
