@@ -137,3 +137,21 @@ def test_unique_sees_a_period_past_the_span(tmp_path: Path) -> None:
 
     denied = expr_bias_spec(tmp_path, "far_period_denied", expr, "unique: false")
     assert _outcome(denied, "unique").verdict == "confirmed: fails"
+
+
+def test_backends_fails_a_bias_that_overflows_within_the_span(tmp_path: Path) -> None:
+    """0.01·exp(|i − j|) in float32: exp(d) itself passes float32's largest value
+    (3.4e38) at d = 89, so a causal call's first infinite logit, and NaN row, is query 89's
+    (its key 0). backends drew calls of at most 9 positions and said "holds" while a call
+    of 200 tokens gave NaN rows; it now makes one call over the whole span first."""
+    path = expr_bias_spec(tmp_path, "blows_up", "0.01 * exp(abs(i - j))")
+    report = check_loaded(load_spec(path), Budget(max_examples=5, span=256), only=["backends"])
+    outcome = report.outcome("backends")
+    assert outcome.holds is False, outcome.evidence
+    # the first causal query whose bias overflows: where exp(d) passes float32's largest
+    largest = float(torch.finfo(torch.float32).max)
+    first = next(d for d in range(256) if math.exp(d) > largest)
+    assert f"first at query {first}," in outcome.evidence, outcome.evidence
+    finite = expr_bias_spec(tmp_path, "stays_finite", "0.01 * exp(abs(i - j) / 100)")
+    report = check_loaded(load_spec(finite), Budget(max_examples=5, span=256), only=["backends"])
+    assert report.outcome("backends").holds is True

@@ -68,6 +68,9 @@ def backends(probe: Probe) -> Outcome:
     unreachable = input_unreachable(probe, "backends")
     if unreachable is not None:
         return unreachable
+    overflow = _overflow_in_span(probe)
+    if overflow is not None:
+        return Outcome("backends", "block", None, False, overflow)
     names = _backend_names(probe)
     skipped = _skipped(probe)
     longest = min(9, probe.span)  # never past a table
@@ -96,6 +99,36 @@ def backends(probe: Probe) -> Outcome:
         f"equals an explicit key ≤ query mask and softmax(scores + own mask) "
         f"v{note}",
     )
+
+
+# the widest call _overflow_in_span makes: its bias alone is [heads, N, N] float32
+OVERFLOW_SPAN = 1024
+
+
+def _overflow_in_span(probe: Probe) -> str | None:
+    """Why eager's float32 output is not finite on the whole span, or None: one call of
+    N = M = the span (at most ``OVERFLOW_SPAN``), default positions, causal and not. The
+    agreement search below draws short calls (at most 9 positions), which a bias that
+    overflows float32 only at distance 94 (``0.01 * exp(abs(i - j))``) never reaches:
+    every backend then agreed on NaN-free short calls while a call of 200 tokens gave
+    NaN rows."""
+    span = min(probe.span, OVERFLOW_SPAN)
+    content = probe.content(generator(probe.budget.seed), span, span, dtype=torch.float32)
+    positions = torch.arange(span) if probe.through_embed else None
+    for causal in (True, False):
+        out = probe.forward(
+            probe.pe32, content, positions, positions, causal=causal, backend="eager"
+        )
+        finite = torch.isfinite(out).flatten(end_dim=-3).all(dim=(0, -1))  # [N]
+        if not bool(finite.all()):
+            row = int((~finite).nonzero()[0, 0])
+            return (
+                f"eager's float32 output is not finite over the span: a call of N = M = "
+                f"{span} positions (default positions, causal={causal}) gives NaN or inf "
+                f"first at query {row}, where every backend agrees on calls of a few "
+                "positions (logits past float32's range, or a bias that is not finite)"
+            )
+    return None
 
 
 def _backends_agree(probe: Probe, names: list[str], example: BackendExample) -> float:
