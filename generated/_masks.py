@@ -267,9 +267,11 @@ def document_spans(
     M - N + i's): from the first such key to the last. Keys outside are masked for every
     query of the span, so packed documents cost each chunk only its own documents' keys.
 
-    document_ids: validated int64 [M] or [batch, M], or None (spans unchanged). The
-    queries are keys themselves, so no span is left empty. One read of the ids per call
-    (a host sync): eager mode with several spans only; otherwise the spans as given.
+    document_ids: validated int64 [M] or [batch, M], or None (spans unchanged). A span's
+    keys need not hold its queries' own keys (``position_spans`` narrows them by
+    position first): a span none of whose keys shares a document with its queries keeps
+    its keys (its mask hides them all). One read of the ids per call (a host sync):
+    eager mode with several spans only; otherwise the spans as given.
     """
     if document_ids is None or len(spans) < 2 or torch.compiler.is_compiling():
         return spans
@@ -282,8 +284,11 @@ def document_spans(
     for i0, i1, lo, hi in spans:
         keys = codes[:, lo:hi].contiguous()  # [B, hi - lo]
         shared = torch.isin(keys, codes[:, m - n + i0 : m - n + i1].reshape(-1)).any(0)
-        at = shared.nonzero().squeeze(1)  # the keys' offsets from lo, in order
-        bounds.append(torch.stack([at[0], at[-1]]) + lo)
+        shared = shared.to(torch.uint8)  # [hi - lo]: 1 where a key shares a document
+        # argmax gives the first 1, or 0 where there is none: then (lo, hi) stay
+        first = shared.argmax()
+        last = (hi - lo - 1) - shared.flip(0).argmax()
+        bounds.append(torch.stack([first, last]) + lo)
     firsts_and_lasts = torch.stack(bounds).tolist()  # one sync for every span
     return [
         (i0, i1, first, last + 1)

@@ -66,6 +66,36 @@ def test_spans_stay_as_given_for_one_span_no_documents_or_while_compiling(
     assert masks.document_spans(spans, DOCUMENTS, N, M) == spans
 
 
+def test_a_span_whose_keys_hold_none_of_its_documents_keeps_its_keys() -> None:
+    """``position_spans`` may narrow a span to keys that exclude its queries' own: queries
+    12-17 (documents 1 and 2) at position 0 read, causally, key 0 alone (document 0). The
+    span keeps its key (the mask hides it), where ``at[0]`` of no shared key raised
+    IndexError."""
+    spans = [(0, 6, 0, 6), (6, 12, 0, 12), (12, 18, 0, 1), (18, 24, 0, 24)]
+    assert masks.document_spans(spans, DOCUMENTS, N, M) == [
+        (0, 6, 0, 6),
+        (6, 12, 0, 12),
+        (12, 18, 0, 1),  # as given
+        (18, 24, 17, 24),
+    ]
+
+
+# queries 12-17 (documents 1 and 2) at position 0: causally they read key 0 (document 0)
+# alone, so each of their rows is masked throughout
+EARLY_QUERIES = torch.arange(N).masked_fill((torch.arange(N) >= 12) & (torch.arange(N) < 18), 0)
+
+
+@pytest.mark.usefixtures("chunks_of_6")
+@pytest.mark.parametrize("name", ["nope", "rope", "alibi", "t5", "shaw"])
+def test_a_chunk_reading_no_key_of_its_documents_matches_eager(name: str) -> None:
+    """A chunk whose queries' positions reach no key of their documents: sdpa equals the
+    oracle (fully masked rows are zeros), where ``document_spans`` raised IndexError."""
+    torch.manual_seed(0)
+    pe = generated_class(name)(heads=4, head_dim=8).double()
+    options = {"causal": True, "q_positions": EARLY_QUERIES, "document_ids": DOCUMENTS}
+    assert_sdpa_matches_eager(pe, N, M, 2, **options)
+
+
 def _spy_spans(monkeypatch: pytest.MonkeyPatch, pe: torch.nn.Module) -> list[list[tuple]]:
     """The spans of each ``_sdpa_in_chunks`` call of pe's class (each call still runs)."""
     return spy_method(monkeypatch, type(pe), "_sdpa_in_chunks", lambda q, k, v, s, *_, **__: s)
