@@ -602,7 +602,9 @@ class SdpaRelative(SdpaChunks):
         """The relative terms of each span of ``_sdpa_relative_in_chunks`` at its
         positions, from factors made once per call, where they serve: eager mode with no
         gradient and no position bias; else None (each chunk then builds its terms at
-        its positions). Each chunk used to project every key it reads again.
+        its positions). Each chunk used to project every key it reads again. None too
+        where there are no factors (a relative value-side term with no relative logit
+        term).
 
         Terms clipped at K = ``relative_clip`` (``clipped_span_terms``) read the 2K + 1
         rows of their table at every position (``_clipped_relative_factors``). 2-core
@@ -625,7 +627,9 @@ class SdpaRelative(SdpaChunks):
         clip = self.relative_clip
         if clip is not None:
             clipped = self._clipped_relative_factors(q, heads_k, dtype)
-            return None if clipped is None else clipped_span_terms(clipped, clip, spans)
+            # none (a value-side term alone): nothing to gather, the chunks' own path
+            # serves (``clipped_span_terms`` of no factors has no batch or heads)
+            return clipped_span_terms(clipped, clip, spans) if clipped else None
         bounds = span_distance_bounds(spans, q_positions, k_positions)
         diagonals = ranged_diagonals(bounds, q.shape[2], k.shape[2])
         if diagonals is None:
