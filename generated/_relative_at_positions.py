@@ -181,13 +181,22 @@ class PositionedParts:
         scratch: Any,
     ) -> None:
         """dS of the span [B, H, r, w] added into each projection's gradient (``grads``,
-        [B, H, N or M, K] each, or [H, K] for a "global" part; None where that part
-        needs none) at the rows its pairs read."""
+        [B, H, N or M, K] each, [H, K] for a "global" part, [B, H, M] for a "content"
+        one; None where that part needs none) at the rows its pairs read. A "content"
+        part (one value per key, u . k_j: ``TrainedBand``'s terms beside a query-side
+        one) is read by every query of the span, so its keys' gradient is dS summed over
+        the queries."""
         i0, i1, lo, hi = span
         entry = self.entry(span)
         batch, heads, rows, width = grad_logits.shape
         for side, diagonal, grad in zip(self.sides, self.diagonals, grads, strict=True):
             if grad is None:
+                continue
+            if side == "content":  # [B or 1, H, M]: read as scores[:, :, lo:hi] per query
+                per_key = grad_logits.sum(-2)  # [B, H, w]
+                grad[:, :, lo:hi] += (
+                    per_key.sum(0, keepdim=True) if grad.shape[0] < batch else per_key
+                )
                 continue
             assert diagonal is not None  # a query-side, key-side or global part
             read = diagonal[entry].unsqueeze(1)  # [1 or B, 1, r, w]: the row each pair read

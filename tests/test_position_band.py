@@ -251,6 +251,41 @@ def test_grouped_queries_and_float32(monkeypatch) -> None:
     assert served == [True]
 
 
+@pytest.mark.parametrize("rotate", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_global_content_term_beside_one_projection_trains(
+    rotate: bool, causal: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """BERT relative_key (one query-side projection) with a global position_content term
+    u . k_j (a "content" part, one value per key), with and without RoPE on the content:
+    a training step at explicit positions reads the band span by span
+    (``TrainedBand``), and its backward adds dS summed over each span's queries into the
+    content part's keys, where ``PositionedParts.add_gradient`` asserted every part had
+    a diagonal. Gradients into q, k, v, the table and u equal the oracle's."""
+    global_term = "  position_content:\n    global: {placement: before_scale, init_std: 0.3}\n"
+    edits = [
+        ("max_distance: 511", "max_distance: 2"),
+        ("  position_content: drop\n", global_term),
+    ]
+    if rotate:
+        edits.append(
+            (
+                "  content_content: keep\n",
+                "  content_content:\n    rotate: {base: 100, pairing: half}\n",
+            )
+        )
+    name = "bert_relative_key_global" + ("_rope" if rotate else "")
+    torch.manual_seed(3)
+    pe = spec_variant("bert_relative_key", *edits, name=name)(heads=4, head_dim=8).double()
+    with torch.no_grad():
+        for parameter in pe.parameters():
+            parameter.normal_(std=0.3)
+    serve_short(monkeypatch, pe)
+    by_span = spy_calls(monkeypatch, runtime_modules(pe), "TrainedBand", lambda *args: 1)
+    assert_sdpa_matches_eager(pe, N, M, 2, causal=causal, **CASES["stride 2"])
+    assert by_span == [1]
+
+
 def t5_module(name: str = "t5") -> torch.nn.Module:
     """The catalogue's T5 bias (32 buckets, clipped at 128), 4 heads of width 8, float64,
     with a table drawn from a normal distribution (its zeros would hide a wrong row);
