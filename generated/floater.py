@@ -188,9 +188,15 @@ class Floater(PositionalAttention):
 
     def _position_table(self, positions: Tensor | None, x: Tensor) -> Tensor:
         """p(t_i) for each position: [seq | batch, seq, model_dim]."""
+        given = "positions" if positions is not None else "positions (the default)"
         if positions is None:
             positions = torch.arange(x.shape[1], device=x.device)
         count = int(positions.max()) + 1 if positions.numel() else 1
+        if self.max_positions is not None and count > self.max_positions:
+            raise ValueError(
+                f"{given}: position {count - 1} is past the integration horizon of "
+                f"{self.max_positions} positions; this encoding cannot extrapolate past it"
+            )
         dtype = compute_dtype(x)
         if torch.is_grad_enabled():
             states = self.trajectory(count, dtype)  # differentiable: integrated afresh

@@ -127,8 +127,9 @@ class HierarchicalAbsolute(PositionalAttention):
             and int(positions.max()) >= self.max_positions
         ):
             raise ValueError(
-                f"position {int(positions.max())} is out of range: the hierarchical table "
-                f"covers {self.max_positions} = {self.base_positions}^2 positions"
+                f"positions: position {int(positions.max())} is out of range: the "
+                f"hierarchical table covers {self.max_positions} = {self.base_positions}^2 "
+                "positions"
             )
         high = torch.div(positions, self.base_positions, rounding_mode="floor")  # i
         low = positions - high * self.base_positions  # j

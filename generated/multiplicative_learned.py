@@ -127,7 +127,8 @@ class MultiplicativeLearned(PositionalAttention):
             and int(positions.max()) >= self.max_positions
         ):
             raise ValueError(
-                f"position {int(positions.max())} is out of range for the learned table "
-                f"of {self.max_positions} positions; this encoding cannot extrapolate"
+                f"positions: position {int(positions.max())} is out of range for the "
+                f"learned table of {self.max_positions} positions; this encoding cannot "
+                "extrapolate"
             )
         return self.position_embeddings(positions)

@@ -122,8 +122,8 @@ class TupeA(PositionalAttention):
         device, dtype = q.device, q.dtype
         q_pos = positions_or_default(q_positions, m - n, n, device)
         k_pos = positions_or_default(k_positions, 0, m, device)
-        self._check_untied_range(q_positions, m)
-        self._check_untied_range(k_positions, m)
+        self._check_untied_range(q_positions, m, "q_positions")
+        self._check_untied_range(k_positions, m, "k_positions")
         kept_query, kept_key = self._kept_untied_rows(device) or (None, None)
         default = q_positions is None and k_positions is None and kept_query is not None
         q_rows, k_rows = self._untied_rows_read(q_pos, k_pos, n, m, default, 1)  # row 0: a slot
@@ -175,18 +175,19 @@ class TupeA(PositionalAttention):
         n, m = q_positions.shape[-1], k_positions.shape[-1]
         return self._position_bias(q_positions, k_positions, n, m, device)
 
-    def _check_untied_range(self, positions: Tensor | None, m: int) -> None:
-        """ValueError for a position past the table: the largest explicit position (read
-        from the device, in eager mode), or M - 1 for the defaults (known on the host)."""
+    def _check_untied_range(self, positions: Tensor | None, m: int, name: str) -> None:
+        """ValueError naming the argument ``name`` (q_positions or k_positions) for a
+        position past the table: the largest explicit position (read from the device, in
+        eager mode), or M - 1 for the defaults (known on the host)."""
         if positions is None:
-            largest = m - 1
+            largest, given = m - 1, f"{name} (the default, from {m} keys)"
         elif positions.numel() and not torch.compiler.is_compiling():
-            largest = int(positions.max())
+            largest, given = int(positions.max()), name
         else:
             return
         if largest >= self.max_positions:
             raise ValueError(
-                f"position {largest} is out of range for the untied position "
+                f"{given}: position {largest} is out of range for the untied position "
                 f"table of {self.max_positions} positions; this encoding cannot extrapolate"
             )
 
@@ -251,8 +252,8 @@ class TupeA(PositionalAttention):
     ) -> Tensor:
         q_pos = positions_or_default(q_positions, m - n, n, device)
         k_pos = positions_or_default(k_positions, 0, m, device)
-        self._check_untied_range(q_positions, m)
-        self._check_untied_range(k_positions, m)
+        self._check_untied_range(q_positions, m, "q_positions")
+        self._check_untied_range(k_positions, m, "k_positions")
         kept_query, kept_key = self._kept_untied_rows(device) or (None, None)
         default = q_positions is None and k_positions is None and kept_query is not None
         q_rows, k_rows = self._untied_rows_read(q_pos, k_pos, n, m, default, 1)  # row 0: a slot

@@ -153,6 +153,9 @@ def assert_embed_contract(
         with pytest.raises(ValueError):
             call()
             pytest.fail(f"{label} was accepted")
+    if bad_position is not None:  # the message names the argument
+        with pytest.raises(ValueError, match=r"^positions: position \d+ is "):
+            bad["position out of range"]()
     parameters = dict(pe.named_parameters())
     if parameters:
         pe.zero_grad()

@@ -369,6 +369,27 @@ def test_positions_past_the_table_raise(name: str) -> None:
     pe(q, long_k[:, :, :512], long_k[:, :, :512])  # the last row is still fine
 
 
+@pytest.mark.parametrize("name", ["tupe_a", "tupe_r"])
+def test_positions_past_the_table_name_the_argument(name: str) -> None:
+    """Every ValueError for bad input names its argument: a position past the untied
+    table says whether q_positions or k_positions (or, at default positions, which
+    default) held it, on every backend and in ``score_bias``; the message once began
+    "position 100004 is out of range" with no argument named."""
+    pe = generated_class(name)(heads=HEADS, head_dim=HEAD_DIM, model_dim=MODEL_DIM)
+    q = torch.randn(1, HEADS, 2, HEAD_DIM)
+    near, far = torch.tensor([0, 1]), torch.tensor([3, 100004])
+    for backend in ("eager", "sdpa"):
+        with pytest.raises(ValueError, match=r"^k_positions: position 100004 is out of range"):
+            pe(q, q, q, backend=backend, q_positions=near, k_positions=far)
+        with pytest.raises(ValueError, match=r"^q_positions: position 100004 is out of range"):
+            pe(q, q, q, backend=backend, q_positions=far, k_positions=near)
+        long_k = torch.randn(1, HEADS, 513, HEAD_DIM)
+        with pytest.raises(ValueError, match=r"^q_positions \(the default, from 513 keys\)"):
+            pe(q, long_k, long_k, backend=backend)
+    with pytest.raises(ValueError, match=r"^k_positions: position 100004"):
+        pe.score_bias(near, far)
+
+
 def test_parameters_are_named_for_checkpoints_and_trained() -> None:
     pe = generated_class("tupe_r")(heads=HEADS, head_dim=HEAD_DIM, model_dim=MODEL_DIM)
     shapes = {name: tuple(p.shape) for name, p in pe.named_parameters()}
