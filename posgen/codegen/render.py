@@ -5,11 +5,12 @@ posgen's header as ``generated/_NAME.py``), one module per spec (importing what 
 from the runtime's modules), and the registry. ``render_standalone`` inlines the whole
 runtime into one module instead, its modules in the order of their imports.
 
-The gate parses and compiles every rendered file and allows only imports of torch, the
-standard-library ``collections.abc``, ``contextlib``, ``math``, ``typing`` and
-``warnings``, ``__future__``, (in a package) the sibling runtime modules and, lazily
-inside the runtime's optional Triton kernels, ``triton``, so a template bug cannot ship
-a module that fails to import or reaches for anything else.
+The gate parses and compiles every rendered file, refuses a class that defines a method
+name twice, and allows only imports of torch, the standard-library ``collections.abc``,
+``contextlib``, ``math``, ``typing`` and ``warnings``, ``__future__``, (in a package)
+the sibling runtime modules and, lazily inside the runtime's optional Triton kernels,
+``triton``, so a template bug cannot ship a module that fails to import, silently
+replaces one of its methods, or reaches for anything else.
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ def check_source(source: str, filename: str, relative_ok: bool = False) -> None:
         compile(tree, filename, "exec")
     except SyntaxError as error:
         raise SourceGateError(f"{filename}: generated code does not compile: {error}") from None
+    _check_unique_methods(tree, filename)
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
@@ -108,6 +110,36 @@ def check_source(source: str, filename: str, relative_ok: bool = False) -> None:
         for name in names:
             if name not in ALLOWED_IMPORTS:
                 raise SourceGateError(f"{filename}: generated code imports {name!r}")
+
+
+def _check_unique_methods(tree: ast.Module, filename: str) -> None:
+    """SourceGateError for a class that defines a method name twice: the later ``def``
+    silently replaces the earlier (two blocks that each rendered ``_relative_terms``
+    once dropped CoPE's term). A property's setter or deleter and ``typing.overload``
+    stubs reuse a name on purpose and are allowed."""
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ClassDef):
+            continue
+        seen: set[str] = set()
+        for item in node.body:
+            if not isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            if any(_reuses_name(decorator) for decorator in item.decorator_list):
+                continue
+            if item.name in seen:
+                raise SourceGateError(
+                    f"{filename}:{item.lineno}: class {node.name} defines {item.name!r} "
+                    "twice (the later definition would replace the earlier)"
+                )
+            seen.add(item.name)
+
+
+def _reuses_name(decorator: ast.expr) -> bool:
+    """A decorator that redefines a name on purpose: ``@x.setter``, ``@x.deleter``,
+    ``@overload`` / ``@typing.overload``."""
+    if isinstance(decorator, ast.Attribute):
+        return decorator.attr in ("setter", "deleter", "overload")
+    return isinstance(decorator, ast.Name) and decorator.id == "overload"
 
 
 def _tidy(source: str) -> str:
