@@ -292,6 +292,10 @@ class AttentionTerms(nn.Module):
     length_sets_frequencies: bool = False
     #: content-dependent relative terms enter the logits
     has_relative_terms: bool = False
+    #: CoPE's content_position is the only position term (no position bias, untied or
+    #: global content term beside it): the sdpa backend's counted node
+    #: (``_sdpa_counted``), which forms the content logits and CoPE's term alone, serves
+    counted_terms_alone: bool = False
     #: a value-side term is added to the output (needs the attention weights)
     has_value_term: bool = False
     #: every relative term (and the value-side term) reads one table row for all key

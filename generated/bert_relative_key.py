@@ -95,6 +95,7 @@ class BertRelativeKey(PositionalAttention):
     has_rotation = False
     length_sets_frequencies = False
     has_relative_terms = True
+    counted_terms_alone = False
     has_value_term = False
     relative_clip = 511
     shift_invariant = True

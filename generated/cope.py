@@ -65,6 +65,7 @@ class Cope(PositionalAttention):
     has_rotation = False
     length_sets_frequencies = False
     has_relative_terms = True
+    counted_terms_alone = True
     has_value_term = False
     relative_clip = None
     shift_invariant = False
@@ -87,6 +88,18 @@ class Cope(PositionalAttention):
         return self.cope_positions
 
     def _relative_terms(
+        self,
+        q: Tensor,
+        k: Tensor,
+        q_positions: Tensor | None,
+        k_positions: Tensor | None,
+        dtype: torch.dtype,
+        documents: tuple[Tensor, Tensor] | None = None,
+    ) -> dict[str, Tensor]:
+        """CoPE's content_position, the module's one relative term (``_contextual_terms``)."""
+        return self._contextual_terms(q, k, q_positions, k_positions, dtype, documents)
+
+    def _contextual_terms(
         self,
         q: Tensor,
         k: Tensor,

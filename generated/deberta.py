@@ -115,6 +115,7 @@ class Deberta(PositionalAttention):
     has_rotation = False
     length_sets_frequencies = False
     has_relative_terms = True
+    counted_terms_alone = False
     has_value_term = False
     relative_clip = 512
     shift_invariant = True

@@ -128,6 +128,7 @@ class DebertaAbsoluteInput(PositionalAttention):
     has_rotation = False
     length_sets_frequencies = False
     has_relative_terms = True
+    counted_terms_alone = False
     has_value_term = False
     relative_clip = 512
     shift_invariant = True

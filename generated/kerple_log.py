@@ -77,6 +77,7 @@ class KerpleLog(PositionalAttention):
     has_rotation = False
     length_sets_frequencies = False
     has_relative_terms = False
+    counted_terms_alone = False
     has_value_term = False
     relative_clip = None
     shift_invariant = True

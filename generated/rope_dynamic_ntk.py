@@ -151,6 +151,7 @@ class RopeDynamicNtk(PositionalAttention):
     has_rotation = True
     length_sets_frequencies = True
     has_relative_terms = False
+    counted_terms_alone = False
     has_value_term = False
     relative_clip = None
     shift_invariant = False

@@ -116,6 +116,7 @@ class RopeNtk(PositionalAttention):
     has_rotation = True
     length_sets_frequencies = False
     has_relative_terms = False
+    counted_terms_alone = False
     has_value_term = False
     relative_clip = None
     shift_invariant = False

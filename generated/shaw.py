@@ -97,6 +97,7 @@ class Shaw(PositionalAttention):
     has_rotation = False
     length_sets_frequencies = False
     has_relative_terms = True
+    counted_terms_alone = False
     has_value_term = True
     relative_clip = 16
     shift_invariant = True

@@ -124,6 +124,7 @@ class TransformerXl(PositionalAttention):
     has_rotation = False
     length_sets_frequencies = False
     has_relative_terms = True
+    counted_terms_alone = False
     has_value_term = False
     relative_clip = None
     shift_invariant = True

@@ -121,6 +121,7 @@ class TupeR(PositionalAttention):
     has_rotation = False
     length_sets_frequencies = False
     has_relative_terms = False
+    counted_terms_alone = False
     has_value_term = False
     relative_clip = None
     shift_invariant = False

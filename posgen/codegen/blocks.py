@@ -371,6 +371,9 @@ class ContextualPlan(Block):
     template: ClassVar[str] = "blocks/cope.jinja"
     max_positions: int
     init_std: float
+    # a global content term beside it: the relative block renders ``_relative_terms``,
+    # which adds this block's ``_contextual_terms`` (a class has one method of a name)
+    beside_relative: bool = False
 
 
 # --------------------------------------------------------------------------- biases
@@ -579,11 +582,16 @@ class UntiedPlan(Block):
     projection_bias: bool
     first_token_reset: bool  # TUPE's [CLS] reset: a leading table row, per-head constants
     bias: SlopeBiasPlan | TableBiasPlan | None = None
+    # other terms read q or k (relative, global or CoPE terms): they read them unfolded
+    beside_content_terms: bool = False
 
     @property
     def folds(self) -> bool:
-        """No bias beside it: the term folds into extra features of q and k (sdpa)."""
-        return self.bias is None
+        """No bias beside it and no term that reads q or k: the term folds into extra
+        features of q and k (sdpa, flex). A relative, global or CoPE term computed from
+        the folded q' = [q, p U_q] and k' = [k, p U_k] would read head_dim + extra
+        features against its head_dim rows (flex raised a shape error)."""
+        return self.bias is None and not self.beside_content_terms
 
     @property
     def position_bias_finite(self) -> bool:
@@ -766,6 +774,9 @@ class RelativePlan(Block):
     values: ValueTermPlan | None
     projections: tuple[ProjectionPlan, ...]  # in the order key, query, relative
     renders_score_bias: bool  # its global position term is the module's position-only bias
+    # CoPE beside it (a global content term): ``_relative_terms`` adds CoPE's
+    # content_position (``_contextual_terms``, the contextual block's)
+    contextual: bool = False
 
     @property
     def position_only(self) -> RelativeTermPlan | None:
@@ -778,6 +789,8 @@ class RelativePlan(Block):
         names = {term.term for term in self.terms}
         if self.global_content is not None:
             names.add("position_content")
+        if self.contextual:
+            names.add("content_position")
         return tuple(sorted(names))
 
     @property

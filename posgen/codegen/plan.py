@@ -383,7 +383,9 @@ def _bias_plan(bias: AnyBias, untied: UntiedPositions | None) -> BiasBlock:
     )
 
 
-def _untied_plan(untied: UntiedPositions, bias: BiasBlock | None) -> UntiedPlan:
+def _untied_plan(
+    untied: UntiedPositions, bias: BiasBlock | None, beside_content_terms: bool
+) -> UntiedPlan:
     table = untied.table
     if bias is not None and not isinstance(bias, (SlopeBiasPlan, TableBiasPlan)):
         raise PlanError("a bias beside an untied term is linear_slopes or learned_table")
@@ -397,6 +399,7 @@ def _untied_plan(untied: UntiedPositions, bias: BiasBlock | None) -> UntiedPlan:
         projection_bias=untied.projection_bias,
         first_token_reset=untied.first_token == "reset",
         bias=bias,
+        beside_content_terms=beside_content_terms,
     )
 
 
@@ -516,6 +519,7 @@ def _relative_plan(spec: Spec, has_bias: bool) -> RelativePlan | None:
         values=values,
         projections=_projection_plans(terms),
         renders_score_bias=any(t.side == "global" for t in terms) and not has_bias,
+        contextual=spec.contextual is not None,
     )
 
 
@@ -540,19 +544,22 @@ def _blocks(spec: Spec) -> tuple[Block, ...]:
         blocks.append(_complex_order_plan(form))
     if spec.rotation is not None:
         blocks.append(rotation_plan(spec.rotation))
+    bias = _bias_plan(spec.bias, spec.untied) if spec.bias is not None else None
+    relative = _relative_plan(spec, has_bias=bias is not None or spec.untied is not None)
     if spec.contextual is not None:
         blocks.append(
             ContextualPlan(
                 max_positions=spec.contextual.max_positions,
                 init_std=float(spec.contextual.init_std),
+                beside_relative=relative is not None,
             )
         )
-    bias = _bias_plan(spec.bias, spec.untied) if spec.bias is not None else None
     if bias is not None:
         blocks.append(bias)
     if spec.untied is not None:
-        blocks.append(_untied_plan(spec.untied, bias))
-    relative = _relative_plan(spec, has_bias=bias is not None or spec.untied is not None)
+        # relative, global and CoPE terms read q and k: the untied term must not fold
+        content_terms = relative is not None or spec.contextual is not None
+        blocks.append(_untied_plan(spec.untied, bias, content_terms))
     if relative is not None:
         blocks.append(relative)
     if spec.positions is not None:  # last: no parameters, so init order is unchanged
@@ -633,6 +640,13 @@ def _flags(blocks: tuple[Block, ...]) -> tuple[tuple[str, FlagValue], ...]:
         (
             "has_relative_terms",
             relative is not None or any(isinstance(b, ContextualPlan) for b in blocks),
+        ),
+        # CoPE with no other position term: the counted node adds no other term
+        (
+            "counted_terms_alone",
+            any(isinstance(b, ContextualPlan) for b in blocks)
+            and not has_position_bias
+            and relative is None,
         ),
         ("has_value_term", relative is not None and relative.values is not None),
         ("relative_clip", _relative_clip(relative)),

@@ -203,9 +203,10 @@ class SdpaRelative(SdpaChunks):
         where a chunk's call has the documents' rule in ``attn_mask`` instead of
         ``document_ids``.
 
-        CoPE (``_counted_position_table``), in eager mode on the CPU, past a decode
-        step's queries and with no attn_mask that trains
-        (``counted_position_attention_serves``): one node over chunks of queries
+        CoPE (``_counted_position_table``) as the only position term
+        (``counted_terms_alone``: the node adds no bias, untied or global term), in
+        eager mode on the CPU, past a decode step's queries and with no attn_mask that
+        trains (``counted_position_attention_serves``): one node over chunks of queries
         (``_sdpa_counted``). Clipped terms at sorted explicit positions with no
         attn_mask, window, documents or position bias: the clipped path with its band
         found by position (``_clipped_at_positions``, CPU). Else at
@@ -242,6 +243,7 @@ class SdpaRelative(SdpaChunks):
         mask_needs_no_grad = not (torch.is_grad_enabled() and mask_trains)
         if (
             table is not None
+            and self.counted_terms_alone  # the node forms no other position term
             and documents is None  # a chunk's call of _sdpa_relative_in_chunks
             and counted_position_attention_serves(q, m, mask_needs_no_grad)
         ):
