@@ -96,18 +96,6 @@ class Cope(PositionalAttention):
         dtype: torch.dtype,
         documents: tuple[Tensor, Tensor] | None = None,
     ) -> dict[str, Tensor]:
-        """CoPE's content_position, the module's one relative term (``_contextual_terms``)."""
-        return self._contextual_terms(q, k, q_positions, k_positions, dtype, documents)
-
-    def _contextual_terms(
-        self,
-        q: Tensor,
-        k: Tensor,
-        q_positions: Tensor | None,
-        k_positions: Tensor | None,
-        dtype: torch.dtype,
-        documents: tuple[Tensor, Tensor] | None = None,
-    ) -> dict[str, Tensor]:
         """content_position = (1 - w) q_i . e[floor p_ij] + w q_i . e[ceil p_ij].
 
         q: [B, H, N, D], k: [B, H_kv, M, D] (H_kv dividing H). p_ij = sum of the gates
