@@ -20,6 +20,7 @@ from pydantic_core import ErrorDetails
 from posgen.spec.bounded_file import FileRule, RefusedFile, read_bounded
 from posgen.spec.diagnostics import Diagnostic, SpecError, closest_name, dotted_path, quoted
 from posgen.spec.model import (
+    FORM_SHAPES,
     Spec,
     forms_at,
     keyword_forms,
@@ -323,11 +324,11 @@ def _message(item: ErrorDetails, path: FieldPath = (), data: object = None) -> s
     context = item.get("ctx") or {}
     given = item.get("input")
     if kind == "missing":
-        forms = forms_at(path, data)
-        words = words_at(path, data)
+        forms = forms_at(path, data)  # a term: its keywords and its mappings
+        words = [] if forms is not None else words_at(path, data)
         allowed = f"; allowed: {_either(words)}" if words else ""
         if forms is not None:
-            allowed = f"; allowed: one of {forms} (a keyword, or a mapping with that single key)"
+            allowed = f"; allowed: one of {forms} {FORM_SHAPES}"
         return _MISSING_HINTS.get(path, f"required field is missing{allowed}")
     if kind == "literal_error":
         hint = ""

@@ -27,6 +27,7 @@ package re-exports every public name.
 from posgen.spec.model.base import (
     BASE_WHY,
     EPS_WHY,
+    FORM_SHAPES,
     MAX_BASE,
     MAX_EXPR_INIT,
     MAX_GRID_KERNEL,
@@ -181,6 +182,7 @@ __all__ = [
     "DistanceIndex",
     "DynamicNtkFrequencies",
     "EPS_WHY",
+    "FORM_SHAPES",
     "ExprBias",
     "ExprFrequencies",
     "ExprParam",

@@ -148,6 +148,10 @@ def cross_field_error(at: str, message: str) -> PydanticCustomError:
     return PydanticCustomError("cross_field", "{message}", {"message": message, "at": at})
 
 
+FORM_SHAPES = "(a keyword, or a mapping with that single key)"
+"""How a term's forms are written, in the messages that list them."""
+
+
 def tagged(*tags: str, what: str, leading: tuple[str, str] | None = None) -> Discriminator:
     """Discriminate a term written as a bare keyword or as a single-key mapping.
 
@@ -175,7 +179,6 @@ def tagged(*tags: str, what: str, leading: tuple[str, str] | None = None) -> Dis
     return Discriminator(
         tag_of,
         custom_error_type="invalid_form",
-        custom_error_message=f"{what} must be one of: {listing} (a keyword, or a mapping "
-        "with that single key)",
+        custom_error_message=f"{what} must be one of: {listing} {FORM_SHAPES}",
         custom_error_context={"allowed": listing},
     )

@@ -58,11 +58,7 @@ def kinds_at(path: tuple[str | int, ...], data: Any = None) -> list[str]:
     ``data``, the spec's parsed YAML, picks among a union's models the ones whose
     fields hold the mapping's keys there (an untied term's ``bias`` allows fewer kinds
     than a bias term's)."""
-    annotations: list[Any] = [Spec]
-    node = data
-    for part in path:
-        annotations = [inner for a in annotations for inner in _field_types(a, part, node)]
-        node = _child(node, part)
+    annotations = _annotations_at(path, data)
     tags: set[str] = set()
     for annotation in annotations:
         for model in _alternatives(annotation):
@@ -76,11 +72,7 @@ def words_at(path: tuple[str | int, ...], data: Any = None) -> list[str]:
     """The words (``Literal`` values) a field of the spec allows, at ``path`` as in
     ``kinds_at``, in their declared order; empty where the field takes no fixed word.
     For the message of a required field that is missing."""
-    annotations: list[Any] = [Spec]
-    node = data
-    for part in path:
-        annotations = [inner for a in annotations for inner in _field_types(a, part, node)]
-        node = _child(node, part)
+    annotations = _annotations_at(path, data)
     words: list[str] = []
     for annotation in annotations:
         for alternative in _alternatives(annotation):
@@ -96,11 +88,7 @@ def forms_at(path: tuple[str | int, ...], data: Any = None) -> str | None:
     words alone (``words_at``) leave out the mapping forms."""
     if not path or not isinstance(path[-1], str):
         return None
-    annotations: list[Any] = [Spec]
-    node = data
-    for part in path[:-1]:
-        annotations = [inner for a in annotations for inner in _field_types(a, part, node)]
-        node = _child(node, part)
+    annotations = _annotations_at(path[:-1], data)
     for annotation in annotations:
         for model in _alternatives(annotation):
             field = model.model_fields.get(path[-1]) if _is_model(model) else None
@@ -109,6 +97,17 @@ def forms_at(path: tuple[str | int, ...], data: Any = None) -> str | None:
                 if isinstance(marker, Discriminator) and allowed:
                     return str(allowed)
     return None
+
+
+def _annotations_at(path: tuple[str | int, ...], data: Any) -> list[Any]:
+    """The annotations a field at ``path`` may have (``_field_types`` from the top, step
+    by step along the parsed YAML ``data``)."""
+    annotations: list[Any] = [Spec]
+    node = data
+    for part in path:
+        annotations = [inner for a in annotations for inner in _field_types(a, part, node)]
+        node = _child(node, part)
+    return annotations
 
 
 def _child(node: Any, part: str | int) -> Any:
