@@ -220,9 +220,7 @@ class Floater(PositionalAttention):
         if cached is not None and not parameters_unchanged(self, cached[1]):
             cached = None  # edited through .data since: integrate afresh
         states = None if cached is None else cached[0]
-        if states is None or states.shape[0] < count:
-            if self.max_positions is not None and count > self.max_positions:
-                self.trajectory(count, dtype)  # raises the horizon ValueError
+        if states is None or states.shape[0] < count:  # count within the horizon (checked)
             weights = self._dynamics_weights(dtype)
             if states is None:
                 states = self.trajectory(1, dtype)
