@@ -33,9 +33,10 @@ import torch
 from torch import Tensor
 
 from ._attention import PositionalAttention
+from ._caches import cache_get, cache_put
 from ._distances import distance_span_vector, expand_distance_bias
 from ._flex import flex_positions
-from ._inputs import cache_get, cache_put, score_bias_positions
+from ._inputs import score_bias_positions
 from ._masks import relative_positions
 from ._opaque import own_buffer_on_cpu
 

@@ -40,8 +40,9 @@ import torch
 from torch import Tensor, nn
 
 from ._attention import PositionalAttention
+from ._caches import cache_get, cache_put
 from ._distances import diagonal_rows, monotone_index_ends
-from ._inputs import cache_get, cache_put, repeat_kv
+from ._inputs import repeat_kv
 from ._masks import relative_positions
 from ._opaque import own_buffer_on_cpu
 from ._terms import RelativeFactors, rows_projection

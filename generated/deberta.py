@@ -48,8 +48,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ._attention import PositionalAttention
+from ._caches import cache_get, cache_put
 from ._distances import diagonal_rows, monotone_index_ends
-from ._inputs import cache_get, cache_put, positive_int, repeat_kv
+from ._inputs import positive_int, repeat_kv
 from ._masks import relative_positions
 from ._terms import RelativeFactors, rows_projection
 

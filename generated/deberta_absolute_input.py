@@ -52,15 +52,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ._attention import PositionalAttention
+from ._caches import cache_get, cache_put
 from ._distances import diagonal_rows, monotone_index_ends
-from ._inputs import (
-    cache_get,
-    cache_put,
-    check_embed_input,
-    check_positions,
-    positive_int,
-    repeat_kv,
-)
+from ._inputs import check_embed_input, check_positions, positive_int, repeat_kv
 from ._masks import relative_positions
 from ._terms import RelativeFactors, rows_projection
 

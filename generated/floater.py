@@ -36,18 +36,10 @@ import torch
 from torch import Tensor, nn
 
 from ._attention import PositionalAttention
-from ._inputs import (
-    FLOAT_DTYPES,
-    cache_get,
-    cache_put,
-    check_embed_input,
-    check_positions,
-    parameter_snapshot,
-    parameter_states,
-    parameters_unchanged,
-    positive_int,
-)
+from ._caches import cache_get, cache_put
+from ._inputs import FLOAT_DTYPES, check_embed_input, check_positions, positive_int
 from ._numerics import compute_dtype
+from ._parameter_snapshots import parameter_snapshot, parameter_states, parameters_unchanged
 
 __all__ = ["Floater"]
 

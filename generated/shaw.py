@@ -38,9 +38,10 @@ import torch
 from torch import Tensor, nn
 
 from ._attention import PositionalAttention
+from ._caches import cache_get, cache_put
 from ._distances import diagonal_rows, monotone_index_ends
 from ._few_queries import few_queries
-from ._inputs import cache_get, cache_put, positive_int
+from ._inputs import positive_int
 from ._masks import relative_positions
 from ._opaque import own_buffer_on_cpu
 from ._terms import RelativeFactors, rows_projection

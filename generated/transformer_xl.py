@@ -42,15 +42,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ._attention import PositionalAttention
+from ._caches import arange_view, cache_get, cache_put
 from ._distances import distance_rows_at_positions
-from ._inputs import (
-    arange_view,
-    cache_get,
-    cache_put,
-    positive_int,
-    repeat_kv,
-    score_bias_positions,
-)
+from ._inputs import positive_int, repeat_kv, score_bias_positions
 from ._masks import relative_positions
 from ._terms import RelativeFactors, content_projection, global_rows_projection, rows_projection
 

@@ -51,8 +51,9 @@ import torch
 from torch import Tensor, nn
 
 from ._attention import PositionalAttention
+from ._caches import cache_get, cache_put
 from ._distances import distance_span_vector
-from ._inputs import cache_get, cache_put, positions_or_default, positive_int, score_bias_positions
+from ._inputs import positions_or_default, positive_int, score_bias_positions
 from ._masks import relative_positions
 
 __all__ = ["TupeR"]

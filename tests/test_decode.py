@@ -367,7 +367,7 @@ def test_a_position_verdict_dies_with_its_tensor() -> None:
     one's id gets no verdict of the dead one's (checked by moving a verdict under
     another tensor's id, as id reuse would), nor one after an edit in place; and in a
     loop where new positions may take freed ids, every call matches the eager oracle."""
-    verdicts = importlib.import_module("generated._inputs").TensorVerdicts()
+    verdicts = importlib.import_module("generated._tensor_verdicts").TensorVerdicts()
     first, second = torch.arange(3), torch.arange(3)
     verdicts.put(("default",), (first,), True)
     assert verdicts.get(("default",), (first,)) is True
@@ -587,9 +587,9 @@ def test_verdicts_keep_no_copy_of_a_large_tensor_and_trust_versions_off_the_cpu(
     above ``VERDICT_SNAPSHOT_MAX_ELEMENTS``; on a device whose values are not compared
     (CUDA: the comparison would be a sync), a kept verdict trusts the version counter
     and still sees new data put under the same tensor (``t.data = other``)."""
-    inputs = importlib.import_module("generated._inputs")
-    verdicts = inputs.TensorVerdicts()
-    monkeypatch.setattr(inputs, "VERDICT_SNAPSHOT_MAX_ELEMENTS", 4)
+    runtime = importlib.import_module("generated._tensor_verdicts")
+    verdicts = runtime.TensorVerdicts()
+    monkeypatch.setattr(runtime, "VERDICT_SNAPSHOT_MAX_ELEMENTS", 4)
     small, large = torch.arange(4), torch.arange(5)
     verdicts.put(("default",), (small,), True)
     verdicts.put(("default",), (large,), True)
@@ -597,7 +597,7 @@ def test_verdicts_keep_no_copy_of_a_large_tensor_and_trust_versions_off_the_cpu(
     assert verdicts.get(("default",), (large,)) is None
     small.data[0] = 7
     assert verdicts.get(("default",), (small,)) is None
-    monkeypatch.setattr(inputs, "VALUE_CHECKED_VERDICT_DEVICES", set())
+    monkeypatch.setattr(runtime, "VALUE_CHECKED_VERDICT_DEVICES", set())
     verdicts.put(("default",), (large,), True)
     large.data[0] = 7  # unseen: only the version counter speaks for the values
     assert verdicts.get(("default",), (large,)) is True
@@ -609,7 +609,7 @@ def test_a_verdict_on_a_view_holds_for_the_same_slice_taken_again() -> None:
     """A view is known by its base and its place in it: the same slice taken anew (a
     mask cut to the keys in each layer) finds the verdict, another slice of the base
     does not, and an edit in place of the base (through any view) drops it."""
-    verdicts = importlib.import_module("generated._inputs").TensorVerdicts()
+    verdicts = importlib.import_module("generated._tensor_verdicts").TensorVerdicts()
     mask = torch.ones(2, 1, 5, 9, dtype=torch.bool)
     verdicts.put(("live",), (mask[..., :7],), True)
     assert verdicts.get(("live",), (mask[..., :7],)) is True

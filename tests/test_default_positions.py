@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from tests.conftest import generated_class, head_dim_for, spec_names, spy_calls, spy_method
 
 inputs_module = importlib.import_module("generated._inputs")
+defaults_module = importlib.import_module("generated._position_defaults")
 sdpa_backend = importlib.import_module("generated._sdpa_backend")
 
 
@@ -176,7 +177,7 @@ def test_a_far_shift_costs_what_a_near_one_does(shift: int) -> None:
     pe = generated_class("alibi")(heads=4, head_dim=8).double()
     q, k, v = _qkv(n, m, 8, seed=3)
     keys = torch.arange(m) + shift
-    kept = vars(inputs_module)["_KEPT_RANGES"]
+    kept = vars(defaults_module)["_KEPT_RANGES"]
     kept.clear()
     got = pe(q, k, v, causal=True, q_positions=keys[m - n :], k_positions=keys)
     assert torch.equal(got, pe(q, k, v, causal=True))
@@ -237,7 +238,7 @@ def test_randomized_positions_are_not_drawn_when_positions_are_given() -> None:
     ],
 )
 def test_the_default_verdict_compares_every_row(q_positions, k_positions, n, m, want) -> None:
-    assert inputs_module.position_verdict(q_positions, k_positions, n, m).default is want
+    assert defaults_module.position_verdict(q_positions, k_positions, n, m).default is want
 
 
 @pytest.mark.parametrize(
@@ -268,7 +269,7 @@ def test_the_default_verdict_compares_every_row(q_positions, k_positions, n, m, 
     ],
 )
 def test_shifted_defaults_are_one_constant_per_row(q_positions, k_positions, n, m, want) -> None:
-    got = inputs_module.position_verdict(q_positions, k_positions, n, m, shifted=True).default
+    got = defaults_module.position_verdict(q_positions, k_positions, n, m, shifted=True).default
     assert got is want
 
 
@@ -305,7 +306,7 @@ DOCUMENTS = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2])  # keys 0-2, 3-4, 5-7
 def test_shifted_defaults_with_documents_are_one_constant_per_document(
     q_positions, k_positions, documents, want
 ) -> None:
-    got = inputs_module.position_verdict(
+    got = defaults_module.position_verdict(
         q_positions, k_positions, 3, 8, shifted=True, document_ids=documents
     )
     assert got.default is want
@@ -313,7 +314,7 @@ def test_shifted_defaults_with_documents_are_one_constant_per_document(
 
 def test_positions_are_left_as_given_while_compiling(monkeypatch) -> None:
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert not inputs_module.position_verdict(torch.arange(3), torch.arange(3), 3, 3).default
+    assert not defaults_module.position_verdict(torch.arange(3), torch.arange(3), 3, 3).default
 
 
 LEFT_PADDING = (0, 3, 5)  # each batch row's padding, before its tokens
@@ -346,7 +347,9 @@ def test_a_left_padded_batch_reads_the_defaults_on_the_keys_it_keeps(hard: str, 
     q_positions = positions[:, m - n :]
 
     def default(q_pos: torch.Tensor, k_pos: torch.Tensor, attn_mask: torch.Tensor, shifted: bool):
-        verdict = inputs_module.position_verdict(q_pos, k_pos, n, m, shifted, None, True, attn_mask)
+        verdict = defaults_module.position_verdict(
+            q_pos, k_pos, n, m, shifted, None, True, attn_mask
+        )
         return verdict.default
 
     assert default(q_positions, positions, mask, True)
@@ -491,8 +494,8 @@ def test_the_range_screen_agrees_with_the_definition(data: st.DataObject) -> Non
     want = _defaults_by_definition(q_rows, k_rows, n, m, shifted)
     with pytest.MonkeyPatch.context() as patch:
         if general:
-            patch.setattr(inputs_module, "EXACT_DEFAULT_DEVICES", set())
-        got = inputs_module.position_verdict(q_positions, k_positions, n, m, shifted, None, True)
+            patch.setattr(defaults_module, "EXACT_DEFAULT_DEVICES", set())
+        got = defaults_module.position_verdict(q_positions, k_positions, n, m, shifted, None, True)
     assert got.default is want
     # the same read tells whether no key comes after a query where queries are given:
     # the bounds' test where the positions are not exactly the defaults (which take the
@@ -575,11 +578,11 @@ def test_positions_ruled_out_by_their_range_skip_the_general_test(monkeypatch) -
     """A decode step's positions two apart (keys evicted from a cache) are told apart
     from the defaults by their range alone: no general test (``_default_flag``); and an
     out-of-range position in the same read still raises, naming its argument."""
-    calls = spy_calls(monkeypatch, [inputs_module], "_default_flag", lambda *_: 1)
+    calls = spy_calls(monkeypatch, [defaults_module], "_default_flag", lambda *_: 1)
     keys = torch.arange(0, 1024, 2)
-    assert not inputs_module.position_verdict(keys[-1:], keys, 1, 512, True, None, True).default
+    assert not defaults_module.position_verdict(keys[-1:], keys, 1, 512, True, None, True).default
     assert calls == []
     bad = keys.clone()
     bad[7] = -1
     with pytest.raises(ValueError, match="k_positions must lie in"):
-        inputs_module.position_verdict(bad[-1:], bad, 1, 512, True, None, True)
+        defaults_module.position_verdict(bad[-1:], bad, 1, 512, True, None, True)

@@ -22,7 +22,7 @@ from tests.conftest import (
 runtime = importlib.import_module("generated._sdpa_backend")
 chunks = importlib.import_module("generated._sdpa_chunks")
 distances = importlib.import_module("generated._distances")
-inputs = importlib.import_module("generated._inputs")
+caches = importlib.import_module("generated._caches")
 NAMES = ["alibi", "t5", "t5_decoder"]
 
 
@@ -139,15 +139,15 @@ def test_arange_views_are_the_ranges_and_share_one_kept_vector() -> None:
     cache: dict = {}
     device = torch.device("cpu")
     for descending in (False, True):
-        first = inputs.arange_view(cache, -16, 16, device, descending)  # a reach of 16
+        first = caches.arange_view(cache, -16, 16, device, descending)  # a reach of 16
         storages = [first.untyped_storage().data_ptr()]
         for start, stop in [(0, 1), (0, 5), (-3, 4), (2, 9), (-16, 1), (5, 5), (0, 0), (7, 17)]:
-            got = inputs.arange_view(cache, start, stop, device, descending)
+            got = caches.arange_view(cache, start, stop, device, descending)
             want = torch.arange(start, stop)
             assert torch.equal(got, want.flip(0) if descending else want), (start, stop)
             storages.append(got.untyped_storage().data_ptr())
         assert len(set(storages)) == 1  # all within the reach of 16
-        wider = inputs.arange_view(cache, -20, 30, device, descending)
+        wider = caches.arange_view(cache, -20, 30, device, descending)
         assert torch.equal(
             wider, torch.arange(-20, 30).flip(0) if descending else torch.arange(-20, 30)
         )

@@ -279,7 +279,7 @@ def test_module_parameters_lists_what_parameters_yields() -> None:
     parameters in ``Module.parameters()``'s order, each once: own before children's,
     depth first, a parameter shared by two children (tied weights) at its first place,
     and none for an empty slot."""
-    from generated._inputs import module_parameters
+    from generated._parameter_snapshots import module_parameters
 
     shared = torch.nn.Parameter(torch.zeros(2))
     inner = torch.nn.Linear(2, 2)

@@ -74,7 +74,7 @@ def test_floater_trajectory_cached_under_inference_mode_is_not_reused_for_traini
 @pytest.mark.parametrize("name", ["alibi", "t5", "t5_decoder", "shaw", "transformer_xl", "tupe_r"])
 def test_decode_loop_keeps_a_bounded_cache(name: str) -> None:
     pe = make(name)
-    limit = importlib.import_module("generated._inputs").CACHE_SIZE
+    limit = importlib.import_module("generated._caches").CACHE_SIZE
     q = torch.randn(1, pe.heads, 1, pe.head_dim)
     for m in range(1, 40):
         k = torch.randn(1, pe.heads, m, pe.head_dim)
@@ -522,7 +522,7 @@ def test_floater_sees_an_edit_through_data() -> None:
 
 def test_floater_cache_stays_bounded() -> None:
     pe = make("floater", model_dim=8)
-    limit = importlib.import_module("generated._inputs").CACHE_SIZE
+    limit = importlib.import_module("generated._caches").CACHE_SIZE
     with torch.no_grad():
         for _ in range(limit + 3):
             pe.dynamics_out.bias.add_(0.1)  # a new version each time

@@ -10,16 +10,17 @@ from tests.conftest import ROOT, RUNTIME_FILES
 
 RUNTIME = ROOT / "templates" / "runtime"
 
-# upper-case names a runtime module may import from a sibling: constants, and the
-# kernels' shared cache (mutated in place, never rebound). Any other upper-case name is
-# a setting, read only in the module that defines it (docs/design.md §4), so that
-# setting it there takes effect.
+# upper-case names a runtime module may import from a sibling: constants, the kernels'
+# shared cache and the kept verdicts on positions (each mutated in place, never
+# rebound). Any other upper-case name is a setting, read only in the module that
+# defines it (docs/design.md §4), so that setting it there takes effect.
 SHARED_CONSTANTS = {
     "BACKENDS",
     "MAX_POSITION",
     "FLOAT_DTYPES",
     "FUSED_ROTATION_DTYPES",
     "TRITON_CACHE",
+    "POSITION_VERDICTS",
 }
 
 

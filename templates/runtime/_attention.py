@@ -31,7 +31,6 @@ from ._inputs import (
     Rotated,
     check_attention_inputs,
     check_flag,
-    position_verdict,
     repeat_kv,
     to_bhnd,
     under_function_transform,
@@ -47,6 +46,7 @@ from ._masks import (
     pair_documents,
 )
 from ._numerics import autocast_off, in_autocast_dtype
+from ._position_defaults import position_verdict
 from ._sdpa_backend import SdpaBackend
 
 # "auto" runs sdpa for calls of at most this many queries (decode steps, a few

@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._inputs import arange_view, cache_get, cache_put, kept_over_reach, under_function_transform
+from ._caches import arange_view, cache_get, cache_put, kept_over_reach
+from ._inputs import under_function_transform
 from ._numerics import autocast_dtype
 from ._triton import power_of_two_at_least
 

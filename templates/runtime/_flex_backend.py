@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._caches import cache_get, cache_put
 from ._distance_kernel import (
     RelativeRows,
     attend_fused,
@@ -23,12 +24,7 @@ from ._distance_kernel import (
     fused_distance_attention_serves,
 )
 from ._flex import flex_mask_mod, flex_positions, flex_relative_terms, flex_score_mod, run_flex
-from ._inputs import (
-    Rotated,
-    cache_get,
-    cache_put,
-    repeat_kv,
-)
+from ._inputs import Rotated, repeat_kv
 from ._masks import (
     pair_documents,
     sum_into_new,

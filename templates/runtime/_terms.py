@@ -18,24 +18,17 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from ._caches import cache_get, cache_put, kept_over_reach
 from ._devices import check_argument_devices
 from ._distances import distance_span_vector, distance_span_with_zero
 from ._inputs import (
     Rotated,
-    cache_get,
-    cache_put,
     check_attention_inputs,
     check_axis_positions,
     check_embed_input,
     check_one_input,
     check_position_pair,
     check_positions,
-    count_optimizer_steps,
-    frozen_block,
-    kept_over_reach,
-    parameter_snapshot,
-    parameter_states,
-    parameters_unchanged,
     positive_int,
     repeat_kv,
     score_bias_positions,
@@ -43,6 +36,13 @@ from ._inputs import (
     under_function_transform,
 )
 from ._numerics import autocast_off, compute_dtype
+from ._parameter_snapshots import (
+    count_optimizer_steps,
+    frozen_block,
+    parameter_snapshot,
+    parameter_states,
+    parameters_unchanged,
+)
 from ._query_scale import scaled_queries
 
 # Whether ``_reused_relative_rows`` keeps projected relative rows across calls without
