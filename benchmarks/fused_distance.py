@@ -35,7 +35,8 @@ from attention_backends import (  # noqa: E402
     write_results,
 )
 
-import generated._distance_kernel as runtime  # noqa: E402
+import generated._fused_distance as runtime  # noqa: E402
+from generated._triton import TRITON_CACHE  # noqa: E402
 
 CLIP = 128  # the clipped vector's K
 
@@ -57,7 +58,7 @@ def tuned_tiles() -> str:
     """The autotuner's choice per kernel, as far as it has chosen."""
     found = []
     for name in ("forward", "key_grad", "query_grad"):
-        kernel = runtime.TRITON_CACHE.get(f"attention_tuned:{name}")
+        kernel = TRITON_CACHE.get(f"attention_tuned:{name}")
         best = getattr(kernel, "best_config", None)
         if best is not None:
             found.append(f"{name}: {best}")

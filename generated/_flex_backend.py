@@ -4,7 +4,7 @@
 masks as a block mask, so no [B, H, N, M] tensor is formed.
 
 A bias of j - i alone at default positions goes through posgen's fused Triton kernel
-(``_distance_kernel``) where ``FUSED_DISTANCE_ROUTES`` lists the device for its form,
+(``_fused_distance``) where ``FUSED_DISTANCE_ROUTES`` lists the device for its form,
 relative-table terms where ``FUSED_RELATIVE_DEVICES`` does,
 and a trained table clipped at a distance (T5's) can take its gradient from a band and
 two triangles (``_trained_bias``) where ``CLIPPED_BIAS_FLEX_DEVICES`` says.
@@ -18,14 +18,14 @@ import torch
 from torch import Tensor
 
 from ._caches import cache_get, cache_put
-from ._distance_kernel import (
+from ._flex import flex_mask_mod, flex_positions, flex_relative_terms, flex_score_mod, run_flex
+from ._fused_distance import (
     RelativeRows,
     attend_fused,
     distance_attention_forward,
     fused_distance_attention,
     fused_distance_attention_serves,
 )
-from ._flex import flex_mask_mod, flex_positions, flex_relative_terms, flex_score_mod, run_flex
 from ._inputs import Rotated, repeat_kv
 from ._masks import (
     pair_documents,

@@ -487,8 +487,9 @@ def interpret_distance_kernels(
     monkeypatch: pytest.MonkeyPatch, pe: torch.nn.Module | None = None
 ) -> None:
     """Serve CPU tensors in ``pe``'s runtime (default: generated/'s) with the fused
-    attention kernels (``_distance_kernel``) defined afresh under TRITON_INTERPRET=1 for
-    the test, every route of the flex backend to them open to the CPU."""
+    attention kernels (``_distance_kernel``, launched by ``_fused_distance``) defined
+    afresh under TRITON_INTERPRET=1 for the test, every route of the flex backend to
+    them open to the CPU."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     open_distance_kernels_to_cpu(monkeypatch, pe)
     from triton.runtime import interpreter

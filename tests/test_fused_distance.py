@@ -23,8 +23,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import generated._distance_kernel as runtime
+import generated._distance_kernel as kernels_source
 import generated._flex_backend as flex_backend
+import generated._fused_distance as runtime
 from tests.conftest import (
     bias_kind,
     generated_class,
@@ -222,7 +223,7 @@ def test_what_the_autotuner_zeroes_is_never_an_input(interpreted, bias_trains, m
     ]
     out, _ = runtime.fused_relative_attention(q, k, v, 0.3, *terms)
     out.sum().backward()
-    kernels = runtime._distance_attention_kernels()
+    kernels = kernels_source.distance_attention_kernels()
     resets = {"query_grad": ["grad_bias_ptr", "grad_rows_ptr"], "key_grad": ["grad_rows_ptr"]}
     for name, reset in resets.items():
         for _, args, meta in [launch for launch in launches if launch[0] == name]:

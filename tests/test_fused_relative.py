@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 import torch
 
-import generated._distance_kernel as runtime
 import generated._flex_backend as flex_backend
+import generated._fused_distance as runtime
 from generated._terms import RelativePart
 from tests.conftest import (
     generated_class,

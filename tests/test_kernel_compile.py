@@ -107,7 +107,7 @@ def compiling(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     ``"launches"``."""
     open_distance_kernels_to_cpu(monkeypatch)
     set_runtime(monkeypatch, "FUSED_DISTANCE_TRAINED_DEVICES", {"cpu"})
-    kernels = runtime_value("_distance_attention_kernels")()
+    kernels = runtime_value("distance_attention_kernels")()
     launches: Launches = []
     runtime_value("TRITON_CACHE")["attention"] = {name: Launch(name, launches) for name in kernels}
     return {"kernels": kernels, "launches": launches}
