@@ -242,7 +242,8 @@ def _recompile_room() -> Any:
 
 UNFUSED_FLEX_WARNING = "flex_attention called without torch.compile"
 """The start of the warning torch gives once per process on an unfused flex call, which
-posgen makes on purpose (the CPU's default, ``flex_compile = False``)."""
+posgen makes on purpose (the CPU's default: ``flex_compile = None`` compiles on CUDA
+only)."""
 
 
 def run_flex(
