@@ -10,6 +10,9 @@ eager oracle in float64, outputs and the gradients into q, k, v and every parame
   method twice.
 - An untied term beside relative, global or CoPE terms: flex folded it into extra
   features of q and k before those terms read them (a shape error).
+- xPos beside a term that reads q or k alone (a relative term, the global content
+  term, CoPE): its reference point, the middle of the call's key positions, did not
+  cancel there, so a query's output changed with the keys a call held (refused now).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 
 from posgen.codegen.inmemory import encoding_class, module_from_spec
 from posgen.codegen.render import SourceGateError, check_source
+from posgen.spec.diagnostics import SpecError
 from tests.conftest import generated_class, run_backend, spy_method
 
 F64 = torch.float64
@@ -197,3 +201,89 @@ def test_source_gate_refuses_a_method_defined_twice() -> None:
         "    @x.setter\n    def x(self, value):\n        pass\n"
     )
     check_source(setter, "setter.py")
+
+
+XPOS_SPEC = SPEC.replace(
+    "  content_content: keep\n",
+    "  content_content:\n"
+    "    rotate: {{base: 10000, pairing: half, position_scale: {{kind: xpos, scale_base: 4}}}}\n",
+)
+VALUE_TERM = "values: {relative: {sign: key_minus_query, heads: shared}}\n"
+GLOBAL_POSITION = "global: {sign: query_minus_key, projection: none, placement: before_scale}"
+KEY_RELATIVE = "relative: {sign: query_minus_key, projection: none, placement: before_scale}"
+
+
+def _xpos_path(name: str, cp: str, pc: str, pp: str, extra: str = "") -> Path:
+    """A spec rotating with xPos (scale_base 4) beside the given terms."""
+    relative = ""  # a value term reads the index alone
+    if "relative" in cp + pc or pp.startswith("global"):
+        relative = RELATIVE_SECTION
+    elif extra:
+        relative = RELATIVE_SECTION.split("  table:")[0]
+    cp, pc, pp = (term if term == "drop" else f"{{{term}}}" for term in (cp, pc, pp))
+    text = XPOS_SPEC.format(name=name, relative=relative, cp=cp, pc=pc, pp=pp)
+    path = Path(_FOLDER.name) / f"{name}.yaml"
+    path.write_text(text.replace("claims:", f"{extra}claims:"), encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("name", "terms", "reader"),
+    [
+        ("xpos_query_relative", (CLIPPED_RELATIVE, "drop", "drop"), "content_position"),
+        ("xpos_key_relative", ("drop", KEY_RELATIVE, "drop"), "position_content"),
+        ("xpos_global_content", ("drop", GLOBAL_BEFORE, "drop"), "position_content"),
+        ("xpos_cope", (COPE, "drop", "drop"), "content_position"),
+    ],
+)
+def test_xpos_beside_a_term_that_reads_q_or_k_alone_is_refused(
+    name: str, terms: tuple[str, str, str], reader: str
+) -> None:
+    """xPos scales q and k about the middle of each call's key positions (c); c cancels
+    in q·k but not in q·R, k·R, u·k_j or CoPE's q·e, which then changed with the keys a
+    call held: a prefill of 6 tokens differed from the first 6 rows of a call of 12 by
+    up to 0.49 in float64. Such a spec is refused, naming position_scale and the term."""
+    with pytest.raises(SpecError) as refused:
+        module_from_spec(_xpos_path(name, *terms))
+    message = str(refused.value)
+    assert "terms.content_content.rotate.position_scale" in message
+    assert f"terms.{reader} reads q or k alone" in message
+
+
+@pytest.mark.parametrize(
+    ("name", "terms", "extra"),
+    [
+        ("xpos_alibi", ("drop", "drop", ALIBI_LEARNED), ""),
+        ("xpos_t5", ("drop", "drop", T5), ""),
+        ("xpos_global_position", ("drop", "drop", GLOBAL_POSITION), ""),
+        ("xpos_values", ("drop", "drop", "drop"), VALUE_TERM),
+    ],
+)
+def test_xpos_beside_terms_of_positions_alone_keeps_a_causal_prefix(
+    name: str, terms: tuple[str, str, str], extra: str
+) -> None:
+    """Beside terms that read positions alone (a bias, the global position term, a
+    relative value term) xPos's reference point cancels: under a causal mask a prefill's
+    rows, a decode step and a step over a cache of rotated keys equal the rows of the
+    whole call, on eager and sdpa."""
+    torch.manual_seed(0)
+    pe = encoding_class(module_from_spec(_xpos_path(name, *terms, extra)))(heads=4, head_dim=8)
+    pe = pe.double()
+    with torch.no_grad():
+        for parameter in pe.parameters():
+            parameter.add_(0.3 * torch.randn_like(parameter))
+    generator = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 4, 12, 8, generator=generator, dtype=F64) for _ in range(3))
+    step = {"q_positions": torch.tensor([6]), "k_positions": torch.arange(7), "causal": True}
+    with torch.no_grad():
+        for backend in ("eager", "sdpa"):
+            whole = pe(q, k, v, causal=True, backend=backend)
+            prefill = pe(q[:, :, :6], k[:, :, :6], v[:, :, :6], causal=True, backend=backend)
+            one = pe(q[:, :, 6:7], k[:, :, :7], v[:, :, :7], backend=backend, **step)
+            rotated = pe.rotate_keys(k[:, :, :7], torch.arange(7))
+            cached = pe(
+                q[:, :, 6:7], rotated, v[:, :, :7], backend=backend, keys_rotated=True, **step
+            )
+            torch.testing.assert_close(prefill, whole[:, :, :6], rtol=1e-10, atol=1e-12)
+            torch.testing.assert_close(one, whole[:, :, 6:7], rtol=1e-10, atol=1e-12)
+            torch.testing.assert_close(cached, whole[:, :, 6:7], rtol=1e-10, atol=1e-12)

@@ -462,6 +462,25 @@ class Spec(SpecModel):
                 "axes (M-RoPE, axial RoPE) gives each token one per axis: use one or the "
                 "other",
             )
+        readers = self._single_side_readers()
+        if rotation.position_scale is not None and readers:
+            raise cross_field_error(
+                f"{at}.position_scale",
+                "xPos scales q and k about the middle of each call's key positions, a "
+                f"factor that cancels only in q·k; {readers[0]} reads q or k alone, so "
+                "its logits would change with the keys a call holds (a prefill, a decode "
+                "step, a cache of rotated keys): drop position_scale or that term",
+            )
+
+    def _single_side_readers(self) -> list[str]:
+        """The terms that read the (rotated) q or k alone, not as q·k: relative terms
+        (q·R, k·R), the global content term (u·k_j) and CoPE's (q·e)."""
+        readers = []
+        for term in ("content_position", "position_content"):
+            value = getattr(self.terms, term)
+            if isinstance(value, (RelativeTerm, GlobalContentTerm, ContextualTerm)):
+                readers.append(f"terms.{term}")
+        return readers
 
     def _check_bias(self) -> None:
         """Per-head sizes of a bias against defaults.heads."""
