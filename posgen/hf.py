@@ -199,8 +199,10 @@ def _posgen_attention_forward(
     hidden_states: [B, N, hidden]; HF's own cos/sin (``position_embeddings``) are not
     used: the posgen module forms its position terms from ``position_ids``. Masking is
     HF's: its 4-D mask where the layer gets one (it holds the causal part, windows and
-    chunks, as HF's own attention reads it), else causal attention (HF's SDPA layers
-    get no mask without padding). Under torch.compile, where the module cannot read
+    chunks, as HF's own attention reads it), else causal attention by token order (HF's
+    SDPA layers get no mask without padding): by position where each row's positions
+    increase, else, for packed sequences whose positions restart, a lower-triangular
+    mask (``_token_order_mask``). Under torch.compile, where the module cannot read
     the positions to see that no key lies ahead of a query, a second causal mask would
     be formed and applied per layer for nothing. Attention dropout in training and
     ``output_attentions`` raise ValueError (``_refuse_what_posgen_does_not_do``).
@@ -234,14 +236,19 @@ def _posgen_attention_forward(
             (m, q.device),
             lambda: _cached_key_positions(mask, positions, cache_position, m),
         )
+    given_mask = mask
+    if mask is None and m == n and given is not None:  # HF's SDPA: causal by token order
+        given_mask = _shared_by_layers(
+            (given,), (m, q.device), lambda: _token_order_mask(positions), _LAST_ORDER_MASK
+        )
     out = self.posgen(
         q,
         k,
         v,
         q_positions=positions,
         k_positions=k_positions,
-        causal=mask is None,
-        attn_mask=mask,
+        causal=given_mask is None,
+        attn_mask=given_mask,
         keys_rotated=True,
     )  # [B, H, N, D]
     out = out.transpose(1, 2).reshape(batch, n, -1)
@@ -411,6 +418,28 @@ _LAST_LAYER_POSITIONS: list[Any] = []
 # The same for the mask that ``_four_d`` made from HF's: [stamps, shape, the mask],
 # let go once HF's mask is freed (it is as large as that mask).
 _LAST_MASK: list[Any] = []
+# The same for the mask of causal attention by token order (``_token_order_mask``).
+_LAST_ORDER_MASK: list[Any] = []
+
+
+def _token_order_mask(positions: Tensor) -> Tensor | None:
+    """The mask of causal attention by token order where ``position_ids`` (int64 [N] or
+    [B, N], no padding mask) would not give it: None where each row's positions
+    increase (causal by position is then causal by order: plain sequences, a prompt
+    at an offset), else bool [N, N], key j allowed for query i where j <= i. That is
+    what HF's own SDPA layers do without a mask (``is_causal``), for packed sequences
+    whose positions restart at each document (``DataCollatorWithFlattening``'s
+    padding-free batches), where a causal mask by position let a query read the later
+    tokens of an earlier document. One read of the positions (a host sync on a GPU),
+    shared by the layers of a forward; under torch.compile, which cannot read them,
+    always the mask."""
+    n = positions.shape[-1]
+    if n < 2:
+        return None
+    if not torch.compiler.is_compiling():
+        if bool((positions[..., 1:] > positions[..., :-1]).all()):  # one read
+            return None
+    return torch.ones(n, n, dtype=torch.bool, device=positions.device).tril()
 
 
 def _forget_the_mask_of_a_freed_input() -> None:

@@ -189,3 +189,41 @@ def test_a_bias_on_llama_weights_decodes_alike_under_eager_and_sdpa_masks() -> N
     assert torch.equal(runs["eager"].sequences, runs["sdpa"].sequences)
     for eager, sdpa in zip(runs["eager"].logits, runs["sdpa"].logits, strict=True):
         torch.testing.assert_close(sdpa, eager, rtol=1e-5, atol=1e-5)
+
+
+class _RecordingRope(Rope):
+    """Rope that records how each call masks (``causal``, whether a mask was given)."""
+
+    calls: list[tuple[bool, bool]] = []
+
+    def forward(self, *args: object, **kwargs: object) -> torch.Tensor:
+        self.calls.append((bool(kwargs.get("causal")), kwargs.get("attn_mask") is not None))
+        return super().forward(*args, **kwargs)
+
+
+def test_packed_sequences_without_a_mask_stay_causal_by_token_order() -> None:
+    """Two documents packed into one row with positions restarting at each (the
+    padding-free batches of DataCollatorWithFlattening), under SDPA: HF hands the layers
+    no mask and attends causally by token order. A causal mask by position let token 0
+    read the second document (logits 0.15-0.30 off, and changing the second document
+    moved token 0's). Logits and every parameter's gradient now match HF's own; rows
+    whose positions increase keep the plain causal call, with no mask."""
+    reference = _tiny_llama(attention="sdpa")
+    model = _tiny_llama(attention="sdpa")
+    _RecordingRope.calls = []
+    use_posgen_attention(model, lambda layer: _RecordingRope(heads=4, head_dim=16))
+    ids = torch.randint(1, 97, (1, 12), generator=torch.Generator().manual_seed(3))
+    packed = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5]])
+    for positions, masked in ((packed, True), (torch.arange(3, 15)[None], False)):
+        _RecordingRope.calls.clear()
+        outputs = {}
+        for name, m in (("hf", reference), ("posgen", model)):
+            m.zero_grad()
+            result = m(ids, position_ids=positions, labels=ids)
+            result.loss.backward()
+            grads = [p.grad.clone() for p in m.parameters()]
+            outputs[name] = (result.logits.detach(), grads)
+        torch.testing.assert_close(outputs["posgen"][0], outputs["hf"][0], rtol=1e-5, atol=1e-5)
+        for got, want in zip(outputs["posgen"][1], outputs["hf"][1], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+        assert _RecordingRope.calls == [(not masked, masked)] * 2  # one call per layer
