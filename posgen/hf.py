@@ -236,9 +236,9 @@ def _posgen_attention_forward(
             (m, q.device),
             lambda: _cached_key_positions(mask, positions, cache_position, m),
         )
-    given_mask = mask
+    call_mask = mask
     if mask is None and m == n and given is not None:  # HF's SDPA: causal by token order
-        given_mask = _shared_by_layers(
+        call_mask = _shared_by_layers(
             (given,), (m, q.device), lambda: _token_order_mask(positions), _LAST_ORDER_MASK
         )
     out = self.posgen(
@@ -247,8 +247,8 @@ def _posgen_attention_forward(
         v,
         q_positions=positions,
         k_positions=k_positions,
-        causal=given_mask is None,
-        attn_mask=given_mask,
+        causal=call_mask is None,
+        attn_mask=call_mask,
         keys_rotated=True,
     )  # [B, H, N, D]
     out = out.transpose(1, 2).reshape(batch, n, -1)
