@@ -6,8 +6,9 @@
 Score decomposition for query i and key j, scale 1/sqrt(head_dim):
 
     content_content    keep      q_i . k_j
-    content_position   contextual CoPE: q_i . e[p_ij] interpolated, p_ij = sum over keys t >=
-                                 j (up to i) of sigmoid(s_it), clamped below 16
+    content_position   contextual CoPE: q_i . e[p_ij] interpolated (after the scale), p_ij =
+                                 sum over keys t >= j (up to i) of sigmoid(s_it), s_it the
+                                 scaled logit q_i . k_t, clamped below 16
     position_content   drop      0
     position_position  drop      0
 

@@ -212,8 +212,9 @@ def term_lines(spec: Spec) -> list[TermLine]:
                 TermLine(
                     term,
                     "contextual",
-                    "CoPE: q_i . e[p_ij] interpolated, p_ij = sum over keys t >= j (up to i) "
-                    f"of sigmoid(s_it), clamped below {spec.contextual.max_positions}",
+                    "CoPE: q_i . e[p_ij] interpolated (after the scale), p_ij = sum over "
+                    "keys t >= j (up to i) of sigmoid(s_it), s_it the scaled logit q_i . k_t, "
+                    f"clamped below {spec.contextual.max_positions}",
                 )
             )
             continue
