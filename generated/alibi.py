@@ -102,9 +102,10 @@ class Alibi(PositionalAttention):
         super().__init__(heads, head_dim, scale_factor=1.0)
         # the arguments as given: reset_parameters builds a module of them
         self._arguments = {"heads": heads, "head_dim": head_dim}
-        # [heads]; fixed by the alibi_geometric recipe, not trained (the bias recomputes
-        # them in its own dtype; this buffer is for inspection and sets that dtype).
-        slopes = torch.tensor(_alibi_slopes(self.heads), dtype=torch.float32)
+        # [heads] in torch's default dtype; fixed by the alibi_geometric recipe, not trained
+        # (the bias recomputes them in its own dtype; this buffer is for inspection and sets
+        # that dtype).
+        slopes = torch.tensor(_alibi_slopes(self.heads))
         self.register_buffer("slopes", slopes, persistent=False)
 
     def _flex_bias(

@@ -98,8 +98,8 @@ class AlibiLearned(PositionalAttention):
         super().__init__(heads, head_dim, scale_factor=1.0)
         # the arguments as given: reset_parameters builds a module of them
         self._arguments = {"heads": heads, "head_dim": head_dim}
-        # trained slopes, initialised from ALiBi's geometric recipe
-        slopes = torch.tensor(_alibi_slopes(self.heads), dtype=torch.float32)
+        # trained slopes in torch's default dtype, initialised from ALiBi's geometric recipe
+        slopes = torch.tensor(_alibi_slopes(self.heads))
         self.slopes = nn.Parameter(slopes)
 
     def _flex_bias(

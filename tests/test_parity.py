@@ -148,6 +148,25 @@ def test_alibi_slopes_for_every_head_count() -> None:
         torch.testing.assert_close(slopes, expected, atol=0, rtol=2**-23, msg=f"heads={heads}")
 
 
+@pytest.mark.parametrize("name", ["alibi", "alibi_learned"])
+def test_alibi_built_under_a_float64_default_holds_its_slopes_in_float64(name: str) -> None:
+    """A module built under a float64 default dtype (as a float64 reference is) holds
+    its slopes in float64, as parameters are made in torch's default dtype: they were
+    float32 whatever the default, so with 12 heads (slopes that are not powers of two)
+    the bias was off the float64 formula by float32 rounding."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(F64)
+    try:
+        pe = generated_class(name)(heads=12, head_dim=8)
+    finally:
+        torch.set_default_dtype(default)
+    assert pe.slopes.dtype == F64
+    torch.testing.assert_close(pe.slopes, torch.tensor(ref.alibi_slopes(12), dtype=F64))
+    positions = torch.arange(0, 300, 7)
+    bias = pe.score_bias(positions, positions)
+    torch.testing.assert_close(bias, ref.alibi_bias(12, positions, positions), rtol=1e-15, atol=0)
+
+
 @pytest.mark.parametrize("heads", [1, 3, 8, 12])
 def test_alibi_bias_and_attention_match_reference(heads: int) -> None:
     pe = generated_class("alibi")(heads=heads, head_dim=8)
