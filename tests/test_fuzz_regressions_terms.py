@@ -53,11 +53,10 @@ EXPR = (
     "params: {s: {shape: [heads], init: 0.5}}, placement: before_scale}"
 )
 CLIPPED_RELATIVE = "relative: {sign: query_minus_key, projection: none, placement: before_scale}"
-RELATIVE_SECTION = """\
-relative:
-  index: {kind: clip, max_distance: 2}
-  table: {kind: learned, width: head_dim, heads: shared, init_std: 0.3}
-"""
+RELATIVE_INDEX = "relative:\n  index: {kind: clip, max_distance: 2}\n"  # a value term's
+RELATIVE_SECTION = (
+    RELATIVE_INDEX + "  table: {kind: learned, width: head_dim, heads: shared, init_std: 0.3}\n"
+)
 
 SPEC = """\
 name: {name}
@@ -215,11 +214,11 @@ KEY_RELATIVE = "relative: {sign: query_minus_key, projection: none, placement: b
 
 def _xpos_path(name: str, cp: str, pc: str, pp: str, extra: str = "") -> Path:
     """A spec rotating with xPos (scale_base 4) beside the given terms."""
-    relative = ""  # a value term reads the index alone
+    relative = ""
     if "relative" in cp + pc or pp.startswith("global"):
         relative = RELATIVE_SECTION
-    elif extra:
-        relative = RELATIVE_SECTION.split("  table:")[0]
+    elif extra:  # a value term reads the index alone
+        relative = RELATIVE_INDEX
     cp, pc, pp = (term if term == "drop" else f"{{{term}}}" for term in (cp, pc, pp))
     text = XPOS_SPEC.format(name=name, relative=relative, cp=cp, pc=pc, pp=pp)
     path = Path(_FOLDER.name) / f"{name}.yaml"
