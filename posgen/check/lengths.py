@@ -86,7 +86,10 @@ def bound_names(
     """The values an expression's names take in a module of ``heads`` heads: each
     parameter at ``parameters`` (as the module reads them), by default at its ``init``;
     ``heads``; ``h`` head by head."""
-    values: dict[str, Sequence[float]] = {name: (p.init,) for name, p in bias.params.items()}
+    values: dict[str, Sequence[float]] = {
+        name: p.initial if isinstance(p.initial, tuple) else (p.initial,)
+        for name, p in bias.params.items()
+    }
     values.update(parameters or {})
     values.update(heads=(float(heads),), h=tuple(float(head) for head in range(heads)))
     return values

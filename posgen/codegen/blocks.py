@@ -507,9 +507,16 @@ class ExprParamPlan:
 
     name: str
     per_head: bool
-    raw_init: float  # the stored value: init, or softplus^-1(init) for a positive one
+    # the stored value: init, or softplus^-1(init) for a positive one; or one per head
+    raw_init: float | tuple[float, ...]
     positive: bool
     bounds: tuple[float, float] | None
+
+    @property
+    def listed(self) -> str:
+        """The module constant that holds the initial value of each head, where the spec
+        lists them; else ''."""
+        return f"EXPR_INIT_{self.name.upper()}" if isinstance(self.raw_init, tuple) else ""
 
 
 @dataclass(frozen=True)

@@ -80,6 +80,7 @@ from posgen.spec.model import (
     DepthwiseConvTable,
     DistanceIndex,
     ExprBias,
+    ExprParam,
     FireBias,
     FloorLogQueryScale,
     GlobalContentTerm,
@@ -309,6 +310,19 @@ def _inverse_softplus(value: float) -> float:
     return value + math.log(-math.expm1(-value))
 
 
+def _raw_initial(param: ExprParam) -> float | tuple[float, ...]:
+    """The value a parameter is stored at (softplus^-1 of a positive one's init), or one
+    per head where the spec lists them."""
+
+    def stored(value: float) -> float:
+        return float(_inverse_softplus(value) if param.positive else value)
+
+    initial = param.initial
+    return (
+        tuple(stored(value) for value in initial) if isinstance(initial, tuple) else stored(initial)
+    )
+
+
 def _expr_plan(bias: ExprBias, inside_scale: bool) -> ExprBiasPlan:
     parsed = bias.parsed()
     steps, result = render_steps(parsed)
@@ -317,7 +331,7 @@ def _expr_plan(bias: ExprBias, inside_scale: bool) -> ExprBiasPlan:
         ExprParamPlan(
             name=identifier(name),
             per_head=param.per_head,
-            raw_init=float(_inverse_softplus(param.init) if param.positive else param.init),
+            raw_init=_raw_initial(param),
             positive=param.positive,
             bounds=(float(param.bounds[0]), float(param.bounds[1])) if param.bounds else None,
         )

@@ -18,7 +18,7 @@ import ast
 import copy
 import math
 import struct
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 _INF = math.inf
@@ -49,23 +49,36 @@ def _exact(x: float) -> float:
     return x
 
 
+ParamValues = Mapping[str, float | Sequence[float]]
+"""Each parameter's value: one for every head, or one per head (indexed by h)."""
+
+
+def values_at_head(params: ParamValues, h: int) -> dict[str, float]:
+    """Each parameter's value at head ``h``: its own where it has one per head."""
+    return {
+        name: float(value) if isinstance(value, (int, float)) else float(value[h])
+        for name, value in params.items()
+    }
+
+
 def first_non_finite(
     tree: ast.Expression,
-    params: Mapping[str, float],
+    params: ParamValues,
     positions: Iterable[int],
     heads: Iterable[int],
 ) -> NonFinite | None:
     """The first (i, j, h) over ``positions`` x ``positions`` x ``heads`` at which the
     expression is NaN or infinite, with ``params`` (name -> value, one for every head of
-    a per-head parameter): in float64 first, then with every step in float32 (a
+    a per-head parameter or one per head): in float64 first, then with every step in float32 (a
     module's default dtype); None where it is finite in both."""
     points = list(positions)
     for float32 in (False, True):
         for h in heads:
+            at_head = values_at_head(params, h)
             for i in points:
                 for j in points:
                     names = {"i": i, "j": j, "h": h}
-                    value = expression_value(tree, names, params, float32=float32)
+                    value = expression_value(tree, names, at_head, float32=float32)
                     if not math.isfinite(value):
                         return NonFinite(i, j, h, value, float32)
     return None
@@ -279,7 +292,7 @@ class NonFiniteGradient(NamedTuple):
 
 def first_non_finite_gradient(
     tree: ast.Expression,
-    params: Mapping[str, float],
+    params: ParamValues,
     trained: Iterable[str],
     positions: Iterable[int],
     heads: Iterable[int],
@@ -302,10 +315,11 @@ def first_non_finite_gradient(
     head_list = list(heads)
     for float32 in (False, True):
         for h in head_list:
+            at_head = values_at_head(params, h)
             for i in points:
                 for j in points:
                     names = {"i": i, "j": j, "h": h}
-                    backward = _backward(tree, names, params, needs, float32)
+                    backward = _backward(tree, names, at_head, needs, float32)
                     for name, gradient in backward.gradients.items():
                         if not math.isfinite(gradient):
                             return backward.problem(i, j, h, name, gradient, float32)

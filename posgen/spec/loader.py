@@ -234,7 +234,9 @@ def _diagnostics(error: ValidationError, loaded: LoadedYaml, shown: str) -> list
         context = item.get("ctx") or {}
         kind = item["type"]
         if kind == "cross_field":
-            path = path + tuple(str(context["at"]).split("."))
+            # a part of digits is a list index (init.2); no field or name is all digits
+            at = str(context["at"]).split(".")
+            path = path + tuple(int(part) if part.isdigit() else part for part in at)
         if kind == "expr":
             path = (*path, "expr")
             line, col = _expr_position(loaded, path, int(context.get("offset", 0)))

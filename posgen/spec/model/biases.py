@@ -47,6 +47,11 @@ read as the spec's defaults.heads."""
 CHECKED_EDGE_HEADS = 8
 """... and at some head h where the expression reads h: every head where the spec has
 at most twice this many, else the first and the last this many."""
+MAX_EXPR_INIT_HEADS = 128
+"""The most initial values a per-head expression parameter lists (one per head): each
+head with values of its own is checked for finiteness on its own."""
+ExprInit = Annotated[float, Field(ge=-MAX_EXPR_INIT, le=MAX_EXPR_INIT)]
+"""An expression parameter's initial value or bound."""
 
 
 def checked_heads(heads: int) -> list[int]:
@@ -258,20 +263,21 @@ class SandwichBias(SpecModel):
 class ExprParam(SpecModel):
     """A trained parameter of an expression bias: one per head, or one scalar.
 
-    ``positive``: stored unconstrained and read through softplus (init is the value
-    after softplus); ``bounds``: read clamped to [lo, hi].
+    ``init``: the initial value, or for a ``[heads]`` parameter a list of one per head
+    (as many as ``defaults.heads``; a module built with another head count raises
+    ``ValueError``). ``positive``: stored unconstrained and read through softplus (init
+    is the value after softplus); ``bounds``: read clamped to [lo, hi].
     """
 
     shape: list[Literal["heads"]] = Field(
         max_length=1, description="[heads] (one value per head, read as name[h]) or [] (scalar)"
     )
-    init: float = Field(
-        ge=-MAX_EXPR_INIT,
-        le=MAX_EXPR_INIT,
-        description=f"initial value, within ±{MAX_EXPR_INIT:g}",
+    init: ExprInit | list[ExprInit] = Field(
+        description=f"initial value, within ±{MAX_EXPR_INIT:g}; for a [heads] parameter also "
+        f"a list of one per head (defaults.heads of them, at most {MAX_EXPR_INIT_HEADS})",
     )
     positive: bool = False
-    bounds: list[Annotated[float, Field(ge=-MAX_EXPR_INIT, le=MAX_EXPR_INIT)]] | None = Field(
+    bounds: list[ExprInit] | None = Field(
         None,
         min_length=2,
         max_length=2,
@@ -280,25 +286,47 @@ class ExprParam(SpecModel):
 
     @model_validator(mode="after")
     def _check_init(self) -> ExprParam:
-        if self.positive and self.init < 1e-6:
-            raise cross_field_error(
-                "init", f"a positive parameter needs init ≥ 1e-6 (got {self.init!r})"
-            )
+        if isinstance(self.init, list):
+            if not self.per_head:
+                raise cross_field_error(
+                    "init", "a list of initial values needs shape [heads] (one per head)"
+                )
+            if not 1 <= len(self.init) <= MAX_EXPR_INIT_HEADS:
+                raise cross_field_error(
+                    "init",
+                    f"a list of initial values holds 1 to {MAX_EXPR_INIT_HEADS} (one per head),"
+                    f" got {len(self.init)}: for more heads, spread one init in the expression",
+                )
+        for at, value in self._initial_values():
+            if self.positive and value < 1e-6:
+                raise cross_field_error(
+                    at, f"a positive parameter needs init ≥ 1e-6 (got {value!r})"
+                )
         if self.bounds is not None:
             lo, hi = self.bounds
             if not lo < hi:
                 raise cross_field_error(
                     "bounds", f"bounds must be [lo, hi] with lo < hi (got {self.bounds})"
                 )
-            if not lo <= self.init <= hi:
-                raise cross_field_error(
-                    "init", f"init {self.init!r} lies outside bounds {self.bounds}"
-                )
+            for at, value in self._initial_values():
+                if not lo <= value <= hi:
+                    raise cross_field_error(at, f"init {value!r} lies outside bounds {self.bounds}")
         return self
+
+    def _initial_values(self) -> list[tuple[str, float]]:
+        """(path, value) of each initial value: ``init``, or ``init.K`` per head."""
+        if isinstance(self.init, list):
+            return [(f"init.{index}", value) for index, value in enumerate(self.init)]
+        return [("init", self.init)]
 
     @property
     def per_head(self) -> bool:
         return bool(self.shape)
+
+    @property
+    def initial(self) -> float | tuple[float, ...]:
+        """The initial value, or one per head (a tuple) where the spec lists them."""
+        return tuple(self.init) if isinstance(self.init, list) else self.init
 
 
 class ExprBias(SpecModel):
@@ -354,14 +382,12 @@ class ExprBias(SpecModel):
         NaN or infinitely steep where it is not selected, say); None where both are
         finite."""
         parsed = self.parsed()
-        initial = {name: param.init for name, param in self.params.items()}
+        initial: dict[str, float | tuple[float, ...]] = {
+            name: param.initial for name, param in self.params.items()
+        }
         initial["heads"] = float(heads)  # read as a name, like the parameters
-        bad = first_non_finite(
-            parsed.tree,
-            initial,
-            positions=range(CHECKED_POSITIONS),
-            heads=checked_heads(heads) if parsed.uses_h else (0,),
-        )
+        at = self._heads_to_check(parsed.uses_h, heads)
+        bad = first_non_finite(parsed.tree, initial, positions=range(CHECKED_POSITIONS), heads=at)
         at_heads = f", heads = {heads} (defaults.heads)" if parsed.uses_heads else ""
         if bad is not None:
             precision = " in float32 (finite in float64)" if bad.float32 else ""
@@ -376,9 +402,27 @@ class ExprBias(SpecModel):
             initial,
             trained=parsed.params,
             positions=range(CHECKED_POSITIONS),
-            heads=checked_heads(heads) if parsed.uses_h else (0,),
+            heads=at,
         )
         return None if steep is None else gradient_problem(steep, at_heads)
+
+    def _heads_to_check(self, uses_h: bool, heads: int) -> list[int]:
+        """The heads ``finiteness_problem`` evaluates: where every parameter starts from
+        one value, the heads of ``checked_heads`` if the expression reads h, else head 0;
+        where some list one value per head (as many as ``heads``), every head that differs
+        from those before it, in its values or, if the expression reads h, in h."""
+        lists = [param.initial for param in self.params.values()]
+        per_head = [values for values in lists if isinstance(values, tuple)]
+        if not per_head:
+            return checked_heads(heads) if uses_h else [0]
+        seen: set[tuple[float, ...]] = set()
+        distinct = []
+        for head in range(heads):
+            key = tuple(values[head] for values in per_head) + ((head,) if uses_h else ())
+            if key not in seen:
+                seen.add(key)
+                distinct.append(head)
+        return distinct
 
     def parsed(self) -> Parsed:
         """The checked expression (validated already, so this cannot fail)."""

@@ -502,6 +502,13 @@ class Spec(SpecModel):
         if isinstance(bias, FireBias) and bias.hidden * heads > MAX_TABLE_ELEMENTS:
             raise cross_field_error(f"{at}.hidden", "the MLP is too large for these heads")
         if isinstance(bias, ExprBias):
+            for name, param in bias.params.items():
+                if isinstance(param.init, list) and len(param.init) != heads:
+                    raise cross_field_error(
+                        f"{at}.params.{name}.init",
+                        f"{len(param.init)} initial values for {heads} heads (defaults.heads): "
+                        "give one per head",
+                    )
             problem = bias.finiteness_problem(heads)
             if problem is not None:
                 raise cross_field_error(f"{at}.expr", problem)
