@@ -37,7 +37,13 @@ from torch import Tensor, nn
 
 from ._attention import PositionalAttention
 from ._caches import cache_get, cache_put
-from ._inputs import FLOAT_DTYPES, check_embed_input, check_positions, positive_int
+from ._inputs import (
+    FLOAT_DTYPES,
+    check_embed_input,
+    check_positions,
+    positive_int,
+    table_reach_error,
+)
 from ._numerics import compute_dtype
 from ._parameter_snapshots import parameter_snapshot, parameter_states, parameters_unchanged
 
@@ -137,10 +143,8 @@ class Floater(PositionalAttention):
         if dtype not in FLOAT_DTYPES:
             raise ValueError(f"dtype must be float16, bfloat16, float32 or float64, got {dtype!r}")
         if self.max_positions is not None and count > self.max_positions:
-            raise ValueError(
-                f"position {count - 1} is past the integration horizon of "
-                f"{self.max_positions} positions; this encoding cannot extrapolate past it"
-            )
+            horizon = f"the integration horizon of {self.max_positions} positions"
+            raise table_reach_error(f"count {count}", count - 1, horizon)
         weights = self._dynamics_weights(dtype)
         p = torch.zeros(self.model_dim, dtype=dtype, device=weights[0].device)
         return self._integrate(p.unsqueeze(0), count, weights)
@@ -186,10 +190,8 @@ class Floater(PositionalAttention):
             positions = torch.arange(x.shape[1], device=x.device)
         count = int(positions.max()) + 1 if positions.numel() else 1
         if self.max_positions is not None and count > self.max_positions:
-            raise ValueError(
-                f"{given}: position {count - 1} is past the integration horizon of "
-                f"{self.max_positions} positions; this encoding cannot extrapolate past it"
-            )
+            horizon = f"the integration horizon of {self.max_positions} positions"
+            raise table_reach_error(given, count - 1, horizon)
         dtype = compute_dtype(x)
         if torch.is_grad_enabled():
             states = self.trajectory(count, dtype)  # differentiable: integrated afresh

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from ._attention import PositionalAttention
-from ._inputs import check_embed_input, check_positions, positive_int
+from ._inputs import check_embed_input, check_positions, check_table_reach, positive_int
 
 __all__ = ["HierarchicalAbsolute"]
 
@@ -114,24 +114,12 @@ class HierarchicalAbsolute(PositionalAttention):
 
     def _position_table(self, positions: Tensor | None, x: Tensor) -> Tensor:
         """q_(i*n + j) = alpha u_i + (1 - alpha) u_j: [seq | batch, seq, model_dim]."""
-        length = x.shape[1]
+        table = (
+            f"the hierarchical table of {self.max_positions} = {self.base_positions}^2 positions"
+        )
+        check_table_reach(positions, x.shape[1], self.max_positions, table)
         if positions is None:
-            if length > self.max_positions:
-                raise ValueError(
-                    f"sequence length {length} exceeds the {self.max_positions} = "
-                    f"{self.base_positions}^2 positions the hierarchical table covers"
-                )
-            positions = torch.arange(length, device=x.device)
-        elif (
-            positions.numel()
-            and not torch.compiler.is_compiling()
-            and int(positions.max()) >= self.max_positions
-        ):
-            raise ValueError(
-                f"positions: position {int(positions.max())} is out of range: the "
-                f"hierarchical table covers {self.max_positions} = {self.base_positions}^2 "
-                "positions"
-            )
+            positions = torch.arange(x.shape[1], device=x.device)
         high = torch.div(positions, self.base_positions, rounding_mode="floor")  # i
         low = positions - high * self.base_positions  # j
         u = self.position_embeddings.weight  # [n, model_dim]

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from ._attention import PositionalAttention
-from ._inputs import check_embed_input, check_positions, positive_int
+from ._inputs import check_embed_input, check_positions, check_table_reach, positive_int
 
 __all__ = ["LearnedAbsolute"]
 
@@ -109,22 +109,8 @@ class LearnedAbsolute(PositionalAttention):
 
     def _position_table(self, positions: Tensor | None, x: Tensor) -> Tensor:
         """p for each position: [seq, model_dim] or [batch, seq, model_dim]."""
-        length = x.shape[1]
+        table = f"the learned table of {self.max_positions} positions"
+        check_table_reach(positions, x.shape[1], self.max_positions, table)
         if positions is None:
-            if length > self.max_positions:
-                raise ValueError(
-                    f"sequence length {length} exceeds the learned table's "
-                    f"{self.max_positions} positions; this encoding cannot extrapolate"
-                )
-            positions = torch.arange(length, device=x.device)
-        elif (
-            positions.numel()
-            and not torch.compiler.is_compiling()
-            and int(positions.max()) >= self.max_positions
-        ):
-            raise ValueError(
-                f"positions: position {int(positions.max())} is out of range for the "
-                f"learned table of {self.max_positions} positions; this encoding cannot "
-                "extrapolate"
-            )
+            positions = torch.arange(x.shape[1], device=x.device)
         return self.position_embeddings(positions)

@@ -45,7 +45,13 @@ import torch
 from torch import Tensor, nn
 
 from ._attention import PositionalAttention
-from ._inputs import positions_or_default, positive_int, repeat_kv, score_bias_positions
+from ._inputs import (
+    check_table_reach,
+    positions_or_default,
+    positive_int,
+    repeat_kv,
+    score_bias_positions,
+)
 
 __all__ = ["TupeA"]
 
@@ -180,17 +186,8 @@ class TupeA(PositionalAttention):
         """ValueError naming the argument ``name`` (q_positions or k_positions) for a
         position past the table: the largest explicit position (read from the device, in
         eager mode), or M - 1 for the defaults (known on the host)."""
-        if positions is None:
-            largest, given = m - 1, f"{name} (the default, from {m} keys)"
-        elif positions.numel() and not torch.compiler.is_compiling():
-            largest, given = int(positions.max()), name
-        else:
-            return
-        if largest >= self.max_positions:
-            raise ValueError(
-                f"{given}: position {largest} is out of range for the untied position "
-                f"table of {self.max_positions} positions; this encoding cannot extrapolate"
-            )
+        table = f"the untied position table of {self.max_positions} positions"
+        check_table_reach(positions, m, self.max_positions, table, name, counted="keys")
 
     def _untied_rows(self, rows_index: Tensor, projection: nn.Linear) -> Tensor:
         """[..., L] int64 table rows -> [..., L, heads, head_dim] projected rows, in

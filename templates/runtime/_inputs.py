@@ -254,6 +254,36 @@ def exact_positions_dtype(
     return dtype
 
 
+def table_reach_error(given: str, position: int, table: str) -> ValueError:
+    """The error for a position past a table of positions (an encoding that cannot
+    extrapolate): ``given`` names the argument, ``table`` the table and its size."""
+    return ValueError(
+        f"{given}: position {position} is out of range for {table}; this encoding cannot "
+        "extrapolate"
+    )
+
+
+def check_table_reach(
+    positions: Tensor | None,
+    length: int,
+    size: int,
+    table: str,
+    name: str = "positions",
+    counted: str = "tokens",
+) -> None:
+    """ValueError (``table_reach_error``) for a position at or past ``size``: the largest
+    of ``positions`` (read from the device, in eager mode only), or ``length`` - 1 for
+    the default positions 0 .. length - 1 (known on the host) of ``length`` ``counted``."""
+    if positions is None:
+        largest, given = length - 1, f"{name} (the default, from {length} {counted})"
+    elif positions.numel() and not torch.compiler.is_compiling():
+        largest, given = int(positions.max()), name
+    else:
+        return
+    if largest >= size:
+        raise table_reach_error(given, largest, table)
+
+
 def position_reach(positions: Tensor, limit: int) -> int:
     """The largest of ``positions`` (non-empty) plus one where all lie in [0, limit), else
     0: one read of their range (a host sync on a GPU), kept for the same tensor while
