@@ -416,6 +416,20 @@ def query_scale_description(spec: Spec) -> str | None:
     return f"q_i * tau(i) before any term reads it, tau(i) = {tau} ({note})"
 
 
+def positions_description(spec: Spec) -> str | None:
+    """How positions are numbered where a call gives none, if not 0 .. M - 1 (randomized
+    positions), in words (``posgen explain``, module docstrings); else None."""
+    if spec.positions is None:
+        return None
+    last = spec.positions.max_positions - 1
+    return (
+        "without positions given, a training call (module.train()) numbers its M keys by a "
+        f"sorted random subset of 0 .. {last}, drawn afresh each call (sample_positions), "
+        "its N queries taking the last N (Ruoss et al. 2023); an evaluation call by "
+        "0 .. M - 1 (Ruoss et al.'s code draws there too: pass sample_positions(M))"
+    )
+
+
 def explanation(spec: Spec) -> list[str]:
     """The decomposition of a spec in words, as printed by ``posgen explain``."""
     lines = [f"{spec.name}: {spec.title}", ""]
@@ -427,6 +441,9 @@ def explanation(spec: Spec) -> list[str]:
     queries = query_scale_description(spec)
     if queries is not None:
         lines.append(f"queries: {queries}")
+    numbered = positions_description(spec)
+    if numbered is not None:
+        lines.append(f"positions: {numbered}")
     lines.append("")
     for row in term_lines(spec):
         lines.append(f"  {row.term:<18} {row.form:<9} {row.formula}")

@@ -148,6 +148,10 @@ if __name__ == "__main__":
         recorded.update({name: collect(generated_class(name)) for name in sys.argv[2:]})
         write_golden(recorded)
         print(f"recorded {', '.join(sys.argv[2:])} again in {GOLDEN_FILE}")
-    else:
+    elif not sys.argv[1:]:
         write_golden(collect_all())
         print(f"wrote {GOLDEN_FILE} ({GOLDEN_FILE.stat().st_size} bytes)")
+    else:  # anything else (--help, a typo) records nothing
+        sys.exit(
+            f"usage: python -m tests.golden [--add-new | --rerecord NAME [NAME ...]]\n{__doc__}"
+        )

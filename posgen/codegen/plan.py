@@ -67,6 +67,7 @@ from posgen.codegen.rotation_plan import rotation_plan
 from posgen.describe import (
     TermLine,
     input_description,
+    positions_description,
     query_scale_description,
     scale_description,
     term_lines,
@@ -216,6 +217,7 @@ class ModulePlan:
     decomposition_lines: tuple[str, ...]
     input_lines: tuple[str, ...]
     query_scale_lines: tuple[str, ...]  # the query scale in words, or ()
+    positions_lines: tuple[str, ...]  # default positions in words where not 0 .. M - 1, or ()
     scale_text: str
     heads: int
     head_dim: int
@@ -723,6 +725,9 @@ def build_plan(spec: Spec, spec_file: str, spec_sha256: str) -> ModulePlan:
         input_lines=tuple(docstring_lines(input_description(spec) or "", DOCSTRING_WIDTH - 4)),
         query_scale_lines=tuple(
             docstring_lines(query_scale_description(spec) or "", DOCSTRING_WIDTH - 4)
+        ),
+        positions_lines=tuple(
+            docstring_lines(positions_description(spec) or "", DOCSTRING_WIDTH - 4)
         ),
         scale_text=" ".join(docstring_lines(scale_description(spec), 10_000)),
         heads=spec.defaults.heads,
