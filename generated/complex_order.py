@@ -115,7 +115,9 @@ class ComplexOrder(PositionalAttention):
         # per-feature fallbacks, used when embed gets no per-token frequency / phase:
         # omega_d = base^(-d / model_dim) (a geometric spread, as sinusoids), theta_d = 0
         exponents = torch.arange(self.model_dim, dtype=torch.float64) / self.model_dim
-        self.frequency = nn.Parameter((FREQUENCY_BASE**-exponents).float())  # [model_dim]
+        # in torch's default dtype, as every parameter: float64 under a float64 default
+        frequency = FREQUENCY_BASE**-exponents
+        self.frequency = nn.Parameter(frequency.to(torch.get_default_dtype()))  # [model_dim]
         self.phase = nn.Parameter(torch.zeros(self.model_dim))  # [model_dim]
 
     def embed(

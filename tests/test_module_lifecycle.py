@@ -113,3 +113,21 @@ def test_a_module_built_in_float64_holds_its_init_exactly(tmp_path) -> None:
     assert torch.nn.functional.softplus(widened.expr_a).item() != 1.5  # float32's value
     q, k, v = (torch.randn(1, 2, 5, 8, dtype=torch.float64) for _ in range(3))
     assert pe(q, k, v, causal=True).dtype == torch.float64
+
+
+@pytest.mark.parametrize("name", spec_names())
+def test_a_module_built_in_float64_holds_every_tensor_in_float64(name: str) -> None:
+    """Parameters and buffers take torch's default dtype, so that a float64 reference
+    built from the spec computes in float64 throughout (complex_order's frequencies and
+    ALiBi's slopes were float32 whatever the default)."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        pe = generated_class(name)()
+    finally:
+        torch.set_default_dtype(default)
+    tensors = [*pe.named_parameters(), *pe.named_buffers()]
+    narrow = [
+        (key, t.dtype) for key, t in tensors if t.is_floating_point() and t.dtype != torch.float64
+    ]
+    assert not narrow, narrow
