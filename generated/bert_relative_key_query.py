@@ -24,6 +24,7 @@ Used by:
 
 Weights:
     distance_embedding.weight [rows, head_dim]: the relative table R.
+    Row clip(r, -511, 511) + 511 holds the distance r of each term's formula.
     Hugging Face ``BertSelfAttention.distance_embedding.weight`` copies in directly
     (relative_key and relative_key_query, with clip max_distance =
     max_position_embeddings - 1).

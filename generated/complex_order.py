@@ -6,12 +6,12 @@
 Score decomposition for query i and key j, scale 1/sqrt(head_dim):
 
     content_content    keep      q_i . k_j
-    content_position   absolute  inside Re/Im of r_i e^(i(omega_i pos_i + theta_i))
-                                 (position as a phase)
-    position_content   absolute  inside Re/Im of r_i e^(i(omega_i pos_i + theta_i))
-                                 (position as a phase)
-    position_position  absolute  inside Re/Im of r_i e^(i(omega_i pos_i + theta_i))
-                                 (position as a phase)
+    content_position   absolute  inside Re/Im of r e^(I (omega pos + theta)) per feature,
+                                 I^2 = -1 (position as a phase)
+    position_content   absolute  inside Re/Im of r e^(I (omega pos + theta)) per feature,
+                                 I^2 = -1 (position as a phase)
+    position_position  absolute  inside Re/Im of r e^(I (omega pos + theta)) per feature,
+                                 I^2 = -1 (position as a phase)
 
 Input-level positions (``embed``):
     (r cos(omega pos + theta), r sin(omega pos + theta)), learned per-feature omega,

@@ -30,7 +30,7 @@ Used by:
 Weights:
     position_conv.weight [model_dim, 1, k, k] and position_conv.bias [model_dim]:
     a depthwise torch.nn.Conv2d, the layout of CPVT's PEG ``proj`` (and of
-    Twins-PCPVT's ``PosConv.proj``): copy those weights directly.
+    Twins-PCPVT's ``PosConv.proj.0``): copy those weights directly.
 
 Usage::
 

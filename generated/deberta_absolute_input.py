@@ -5,7 +5,9 @@
 
 Score decomposition for query i and key j, scale 1/sqrt(3 * head_dim):
 
-    content_content    keep      q_i . k_j
+    content_content    keep      x_i Wq Wk^T x_j^T; with the three absolute terms below it
+                                 is q_i . k_j, q and k projected from embed's x + p (q_i,
+                                 k_j below are those)
     content_position   relative  x_i Wq Wk^T p_j^T (via the input table) + q_i . W_k
                                  R[logbucket(i - j)], deberta log buckets: 256, max_distance
                                  512 (learned layer-normed table, inside the scale)

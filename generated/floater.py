@@ -5,7 +5,9 @@
 
 Score decomposition for query i and key j, scale 1/sqrt(head_dim):
 
-    content_content    keep      q_i . k_j
+    content_content    keep      x_i Wq Wk^T x_j^T; with the three absolute terms below it
+                                 is q_i . k_j, q and k projected from embed's x + p (q_i,
+                                 k_j below are those)
     content_position   absolute  x_i Wq Wk^T p_j^T (via the input table)
     position_content   absolute  p_i Wq Wk^T x_j^T (via the input table)
     position_position  absolute  p_i Wq Wk^T p_j^T (via the input table)
@@ -21,8 +23,9 @@ References:
 Weights:
     dynamics_in [hidden, model_dim + 1] and dynamics_out [model_dim, hidden + 1]
     (torch.nn.Linear, the last input column being the time t) are the two layers
-    of h, as the authors' ``Linear_t`` layers of ``flow_func_linear``;
-    initial_position [model_dim] is p_0 when it is learned.
+    of h, as the authors' ``Linear_t`` layers of ``flow_func_linear`` (their
+    weights give the same h where the spec's activation and hidden width are
+    theirs); initial_position [model_dim] is p_0 when it is learned.
 
 Usage::
 

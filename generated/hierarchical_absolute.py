@@ -5,14 +5,16 @@
 
 Score decomposition for query i and key j, scale 1/sqrt(head_dim):
 
-    content_content    keep      q_i . k_j
+    content_content    keep      x_i Wq Wk^T x_j^T; with the three absolute terms below it
+                                 is q_i . k_j, q and k projected from embed's x + p (q_i,
+                                 k_j below are those)
     content_position   absolute  x_i Wq Wk^T p_j^T (via the input table)
     position_content   absolute  p_i Wq Wk^T x_j^T (via the input table)
     position_position  absolute  p_i Wq Wk^T p_j^T (via the input table)
 
 Input-level positions (``embed``):
-    x_i + p_i, hierarchical table (512 trained rows serve 262144 positions: p_(i*512+j)
-    = 0.4 u_i + 0.6 u_j)
+    x_i + p_i, hierarchical table (512 trained rows u (a basis) serve 262144 positions:
+    p_(a*512+b) = 0.4 u_a + 0.6 u_b)
 
 References:
     - Su 2020, Hierarchical decomposition of position encodings, letting BERT handle

@@ -5,7 +5,9 @@
 
 Score decomposition for query i and key j, scale 1/sqrt(head_dim):
 
-    content_content    keep      q_i . k_j
+    content_content    keep      x_i Wq Wk^T x_j^T; with the three absolute terms below it
+                                 is q_i . k_j, q and k projected from embed's x + p (q_i,
+                                 k_j below are those)
     content_position   absolute  x_i Wq Wk^T p_j^T (via the input table)
     position_content   absolute  p_i Wq Wk^T x_j^T (via the input table)
     position_position  absolute  p_i Wq Wk^T p_j^T (via the input table)

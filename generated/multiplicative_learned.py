@@ -25,8 +25,8 @@ References:
       embedding)
 
 Weights:
-    position_embeddings.weight [max_positions, model_dim]: copy GPT-2
-    ``wpe.weight`` or BERT ``embeddings.position_embeddings.weight``.
+    position_embeddings.weight [max_positions, model_dim]: a gain per position and
+    feature (x * p); an additive table (GPT-2's ``wpe``) is not one.
 
 Usage::
 

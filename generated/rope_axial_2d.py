@@ -7,8 +7,8 @@ Score decomposition for query i and key j, scale 1/sqrt(head_dim):
 
     content_content    rotate    (R_i q_i) . (R_j k_j) = q_i R_(j-i) k_j, interleaved
                                  pairing, theta_k = 100^(-2k/(d_rot/2)); axial over 2
-                                 position axes: the pairs in 2 equal shares, share a turning
-                                 with axis a, k < d_rot/4
+                                 position axes (positions [2, ..., N]): the pairs in 2 equal
+                                 shares, share a (theta_k, k < d_rot/4) turning with axis a
     content_position   drop      0
     position_content   drop      0
     position_position  drop      0
@@ -20,7 +20,9 @@ References:
 Usage::
 
     pe = RopeAxial2d()
-    out = pe(q, k, v, causal=True)  # q, k, v: [batch, heads, seq, head_dim]
+    positions = pe.grid_positions(height, width)  # (column, row) of each patch
+    out = pe(q, k, v, q_positions=positions, k_positions=positions)
+    # q, k, v: [batch, heads, height * width, head_dim]
 """
 
 from __future__ import annotations

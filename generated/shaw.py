@@ -10,9 +10,10 @@ Score decomposition for query i and key j, scale 1/sqrt(head_dim):
                                  scale)
     position_content   drop      0
     position_position  drop      0
-    values             relative  z_i = sum_j a_ij (v_j + R^V[index(j - i)]) (shared learned
-                                 table); formed from the attention weights, so backend auto
-                                 runs eager and sdpa forms the weights a second time
+    values             relative  z_i = sum_j a_ij (v_j + R^V[clip(j - i, -16, 16)]) (shared
+                                 learned table); a_ij the attention weights, which SDPA does
+                                 not return: backend auto takes sdpa on the CPU, which forms
+                                 them a second time, and eager on CUDA
 
 References:
     - Shaw, Uszkoreit & Vaswani 2018, Self-Attention with Relative Position
@@ -23,8 +24,8 @@ Used by:
 
 Weights:
     distance_embedding.weight [rows, head_dim]: the relative table R.
-    value_embedding.weight [rows, value_dim] (or [rows, heads * value_dim] per
-    head): the value-side table R^V.
+    Row clip(r, -16, 16) + 16 holds the distance r of each term's formula.
+    value_embedding.weight [rows, value_dim]: the value-side table R^V, shared by the heads.
 
 Usage::
 

@@ -170,8 +170,11 @@ def values_description(spec: Spec) -> str:
         return "plain"
     reader = spec.values.relative
     r = "j - i" if reader.sign == "key_minus_query" else "i - j"
+    index = spec.relative.index
+    if isinstance(index, ClipIndex):
+        r = f"clip({r}, -{index.max_distance}, {index.max_distance})"
     sharing = "per-head" if reader.heads == "per_head" else "shared"
-    return f"relative: z_i = sum_j a_ij (v_j + R^V[index({r})]) ({sharing} learned table)"
+    return f"relative: z_i = sum_j a_ij (v_j + R^V[{r}]) ({sharing} learned table)"
 
 
 def value_lines(spec: Spec) -> list[TermLine]:
@@ -180,8 +183,8 @@ def value_lines(spec: Spec) -> list[TermLine]:
         return []
     text = values_description(spec).removeprefix("relative: ")
     text += (
-        "; formed from the attention weights, so backend auto runs eager and sdpa "
-        "forms the weights a second time"
+        "; a_ij the attention weights, which SDPA does not return: backend auto takes "
+        "sdpa on the CPU, which forms them a second time, and eager on CUDA"
     )
     return [TermLine("values", "relative", text)]
 
@@ -200,6 +203,9 @@ def term_lines(spec: Spec) -> list[TermLine]:
                 f"{frequency_text(rotation)}{rotary_share(spec)}{rotation_extras(rotation)}",
             )
         )
+    elif spec.input is not None and _input_term_texts(spec) == _ADDED:
+        # q and k come from embed's x + p: q_i . k_j holds the three absolute terms too
+        lines.append(TermLine("content_content", "keep", _ADDED_CONTENT))
     else:
         lines.append(TermLine("content_content", "keep", "q_i . k_j"))
     absolute = _input_term_texts(spec)
@@ -288,8 +294,9 @@ def rotation_extras(rotation: Rotation) -> str:
     elif isinstance(rotation.axes, AxialAxes):
         count = rotation.axes.count
         parts.append(
-            f"axial over {count} position axes: the pairs in {count} equal shares, share a "
-            f"turning with axis a, k < d_rot/{2 * count}"
+            f"axial over {count} position axes (positions [{count}, ..., N]): the pairs in "
+            f"{count} equal shares, share a (theta_k, k < d_rot/{2 * count}) turning with "
+            "axis a"
         )
     return "".join(f"; {part}" for part in parts)
 
@@ -318,7 +325,10 @@ def _input_term_texts(spec: Spec) -> dict[str, str]:
     """How the input-level positions reach the three position terms, in words."""
     form = spec.input
     if isinstance(form, ComplexOrderInput):
-        text = "inside Re/Im of r_i e^(i(omega_i pos_i + theta_i)) (position as a phase)"
+        text = (
+            "inside Re/Im of r e^(I (omega pos + theta)) per feature, I^2 = -1 "
+            "(position as a phase)"
+        )
         return dict.fromkeys(("content_position", "position_content", "position_position"), text)
     if form is not None and form.table.kind == "depthwise_conv":
         text = (
@@ -329,11 +339,19 @@ def _input_term_texts(spec: Spec) -> dict[str, str]:
     if form is not None and form.kind == "multiply":
         text = "inside (x_i * p_i) Wq Wk^T (x_j * p_j)^T (input product, not a separate sum)"
         return dict.fromkeys(("content_position", "position_content", "position_position"), text)
-    return {
-        "content_position": "x_i Wq Wk^T p_j^T (via the input table)",
-        "position_content": "p_i Wq Wk^T x_j^T (via the input table)",
-        "position_position": "p_i Wq Wk^T p_j^T (via the input table)",
-    }
+    return dict(_ADDED)
+
+
+_ADDED = {
+    "content_position": "x_i Wq Wk^T p_j^T (via the input table)",
+    "position_content": "p_i Wq Wk^T x_j^T (via the input table)",
+    "position_position": "p_i Wq Wk^T p_j^T (via the input table)",
+}
+"""The absolute terms of a table added to the input."""
+_ADDED_CONTENT = (
+    "x_i Wq Wk^T x_j^T; with the three absolute terms below it is q_i . k_j, q and k "
+    "projected from embed's x + p (q_i, k_j below are those)"
+)
 
 
 def input_description(spec: Spec) -> str | None:
@@ -367,8 +385,8 @@ def input_description(spec: Spec) -> str | None:
     elif table.kind == "hierarchical":
         n = table.base_positions
         detail = (
-            f"{n} trained rows serve {n * n} positions: p_(i*{n}+j) = "
-            f"{_number(table.alpha)} u_i + {_number(1 - table.alpha)} u_j"
+            f"{n} trained rows u (a basis) serve {n * n} positions: p_(a*{n}+b) = "
+            f"{_number(table.alpha)} u_a + {_number(1 - table.alpha)} u_b"
         )
     elif table.kind == "ode":
         detail = (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -9,11 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from posgen.cli import main
 from posgen.spec.model import Spec
-from tests.conftest import ROOT, SPECS, spec_names
+from tests.conftest import ROOT, SPECS, generated_class, spec_names
 
 
 @pytest.fixture()
@@ -106,7 +108,10 @@ def test_explain_axial_rope_states_each_axis_share_of_the_pairs(run) -> None:
     k < d_rot/4 (RoPE-ViT's recipe, as the module computes it), not base^(-2k/d_rot)."""
     output = " ".join(run("explain", "rope_axial_2d").output.split())
     assert "theta_k = 100^(-2k/(d_rot/2))" in output
-    assert "the pairs in 2 equal shares, share a turning with axis a, k < d_rot/4" in output
+    assert (
+        "axial over 2 position axes (positions [2, ..., N]): the pairs in 2 equal shares, "
+        "share a (theta_k, k < d_rot/4) turning with axis a" in output
+    )
 
 
 def test_only_bert_layout_tables_claim_berts_checkpoint() -> None:
@@ -331,3 +336,23 @@ def test_a_reader_that_stops_early_ends_the_diff_quietly(tmp_path: Path) -> None
         stderr = process.stderr.read().decode()
         assert process.wait(timeout=120) == 1
     assert stderr == ""
+
+
+def test_explain_states_the_value_term_index_and_the_backend_auto_takes(run) -> None:
+    """Shaw's value term reads R^V at the key term's clipped index, and auto takes sdpa on
+    the CPU (``_auto_backend``), not eager as the line once said."""
+    output = " ".join(run("explain", "shaw").output.split())
+    assert "R^V[clip(j - i, -16, 16)]" in output and "index(" not in output
+    docstring = " ".join((importlib.import_module("generated.shaw").__doc__ or "").split())
+    assert "backend auto takes sdpa on the CPU" in docstring
+    shaw = generated_class("shaw")(heads=2, head_dim=8)
+    q = torch.randn(1, 2, 3, 8)
+    assert shaw._auto_backend(q) == "sdpa"
+
+
+def test_a_gain_table_does_not_claim_an_additive_checkpoint() -> None:
+    """A table that multiplies x is a gain: copying GPT-2's additive wpe into it would
+    scale the tokens by ~0.02, so its docstring names no such checkpoint."""
+    gain = importlib.import_module("generated.multiplicative_learned").__doc__ or ""
+    added = importlib.import_module("generated.learned_absolute").__doc__ or ""
+    assert "copy GPT-2" in added and "copy GPT-2" not in gain and "a gain per position" in gain

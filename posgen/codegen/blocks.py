@@ -624,6 +624,11 @@ class RelativeIndex(Rendered):
 
     rows_are_distances: ClassVar[bool] = False  # rows are the distances themselves
 
+    @property
+    def row_text(self) -> str:
+        """Which row a distance reads, for the docstring's weights (or '')."""
+        return ""
+
 
 @dataclass(frozen=True)
 class ClipIndexPlan(RelativeIndex):
@@ -632,6 +637,11 @@ class ClipIndexPlan(RelativeIndex):
     template: ClassVar[str] = "blocks/clip_index.jinja"
     max_distance: int
     rows: int
+
+    @property
+    def row_text(self) -> str:
+        k = self.max_distance
+        return f"Row clip(r, -{k}, {k}) + {k} holds the distance r of each term's formula."
 
 
 @dataclass(frozen=True)

@@ -226,6 +226,11 @@ class ModulePlan:
     blocks: tuple[Block, ...]
     flags: tuple[tuple[str, FlagValue], ...]  # PositionalAttention's composition flags
 
+    @property
+    def patch_grid(self) -> bool:
+        """2-D axial RoPE: the usage example passes ``grid_positions``."""
+        return any(isinstance(block, RotationPlan) and block.patch_grid for block in self.blocks)
+
 
 # --------------------------------------------------------------------------- builders
 #
