@@ -159,3 +159,17 @@ def test_a_curve_that_is_not_finite_is_reported_as_such(tmp_path: Path) -> None:
 def test_the_planted_false_decay_claims_are_refuted(name: str) -> None:
     outcome = _outcome(FALSE_CLAIMS / f"{name}.yaml", "decay")
     assert outcome.verdict == "REFUTED: fails", outcome.evidence
+
+
+def test_a_curve_that_falls_at_every_distance_decays_however_far_it_reaches(
+    tmp_path: Path,
+) -> None:
+    """-(i - j)^4 / 10^6 falls strictly between every pair of windows. Windows near 0
+    (means 0, -1e-06, -4.9e-05, ...) were compared within 1e-9 of the whole curve's
+    largest value (-6e18 at distance 2e6), so they counted as equal and the claim was
+    refuted with 8 strict falls of 21; each pair is now compared at its own size, and
+    the evidence joins them by >."""
+    path = expr_bias_spec(tmp_path, "quartic", "-(i - j) ** 4 / 1000000", "decay: true")
+    outcome = _outcome(path, "decay")
+    assert outcome.verdict == "confirmed: holds", outcome.evidence
+    assert "0 > -1e-06 > " in outcome.evidence and " = " not in outcome.evidence

@@ -399,7 +399,7 @@ def decay(probe: Probe, claimed: bool | None) -> Outcome:
                 "spaced distances"
             )
     evidence = (
-        f"{label} on log windows of distance: {_chain(curve, means)} "
+        f"{label} on log windows of distance: {_chain(means)} "
         f"({search.examples} examples{over}{extent})"
     )
     if not short:
@@ -465,10 +465,9 @@ def _falls(
             value=value,
             **details,
         )
-    tol = 1e-9 * (1.0 + float(curve.abs().max()))
     for window in range(len(windows) - 1):
         a, b = windows[window], windows[window + 1]
-        if means[window + 1] > means[window] + tol:
+        if means[window + 1] > means[window] + _tolerance(means[window], means[window + 1]):
             raise Violation(
                 f"{where}{label} rises from distance window [{a[0]}, {a[1]}) to "
                 f"[{b[0]}, {b[1]}): mean {fmt(means[window])} -> "
@@ -476,14 +475,14 @@ def _falls(
                 window=window,
                 **details,
             )
-    if means[-1] >= means[0] - tol:
+    if means[-1] >= means[0] - _tolerance(means[0], means[-1]):
         raise Violation(
             f"{where}{label} does not fall: mean {fmt(means[0])} at distance 0, "
             f"{fmt(means[-1])} over [{windows[-1][0]}, {windows[-1][1]}){shown}",
             **details,
         )
     pairs = len(windows) - 1
-    falls = sum(1 for x, y in zip(means, means[1:], strict=False) if y < x - tol)
+    falls = sum(1 for x, y in zip(means, means[1:], strict=False) if y < x - _tolerance(x, y))
     if 2 * falls < pairs:
         raise Violation(
             f"{where}{label} falls strictly between only {falls} of {pairs} adjacent "
@@ -493,21 +492,28 @@ def _falls(
     return min(x - y for x, y in zip(means, means[1:], strict=False))
 
 
-def _chain(curve: Tensor, means: list[float]) -> str:
+def _chain(means: list[float]) -> str:
     """The window means joined by >, < or = (honest: = where equal within tolerance)."""
-    scale = max(abs(m) for m in means)
-    tidy = [0.0 if abs(m) <= 1e-12 * scale else m for m in means]  # q · k = 0 round-off
-    tol = 1e-9 * (1.0 + float(curve.abs().max()))
+    # q · k = 0 round-off shown as 0: tiny beside the largest mean and in itself
+    zero = min(1e-12 * max(abs(m) for m in means), 1e-9)
+    tidy = [0.0 if abs(m) <= zero else m for m in means]
     chain = fmt(tidy[0])
     for before, after in zip(tidy, tidy[1:], strict=False):
-        chain += _relation(before, after, tol) + fmt(after)
+        chain += _relation(before, after) + fmt(after)
     return chain
 
 
-def _relation(before: float, after: float, tol: float) -> str:
-    """How two window means compare: " > " falls, " < " rises, " = " within ``tol``."""
-    if after < before - tol:
+def _tolerance(before: float, after: float) -> float:
+    """How far apart two window means may lie and still count as equal: 1e-9 of the
+    larger (plus 1e-9 near 0), round-off of their own size; a tolerance taken from the
+    whole curve's largest value joined -1e-6 and -4.9e-5 as equal beside -6e18."""
+    return 1e-9 * (1.0 + max(abs(before), abs(after)))
+
+
+def _relation(before: float, after: float) -> str:
+    """How two window means compare: " > " falls, " < " rises, " = " within tolerance."""
+    if after < before - _tolerance(before, after):
         return " > "
-    if after > before + tol:
+    if after > before + _tolerance(before, after):
         return " < "
     return " = "
