@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -36,6 +37,7 @@ from posgen.cli_paths import (
 )
 from posgen.cli_standalone import generate_standalone
 from posgen.codegen.writing import (
+    REGISTRY_FILE,
     NotOurs,
     OutputError,
     compare,
@@ -91,12 +93,14 @@ def generate(
     modules (_attention.py, _masks.py, ...) and the registry __init__.py, and removes
     stale files that carry posgen's header. Naming spec files is a subset run: it
     writes those modules and the runtime only, never removes a file and leaves the
-    registry as it is (run a full generate to refresh it). With no SPECS and no
-    ./specs folder, it is a usage error (list, explain and check fall back to the
-    built-in catalogue; generate does not write it into the current directory
-    unasked). A spec named rather than given as a file (alibi, not specs/alibi.yaml),
-    and --standalone NAME without SPECS, are looked up as explain looks them up: in
-    ./specs, then in the catalogue.
+    registry as it is (run a full generate to refresh it); into a folder without a
+    registry it writes one of those modules, so that the folder is a package (a full
+    run, which writes what the specs folder holds, then removes modules of other
+    specs). With no SPECS and no ./specs folder, it is a usage error (list, explain and
+    check fall back to the built-in catalogue; generate does not write it into the
+    current directory unasked). A spec named rather than given as a file (alibi, not
+    specs/alibi.yaml), and --standalone NAME without SPECS, are looked up as explain
+    looks them up: in ./specs, then in the catalogue.
 
     Only changed files are written, each in full to a temporary file and then renamed,
     the registry last; the modes are those ordinary file creation gives (the umask).
@@ -121,9 +125,13 @@ def generate(
         if standalone is not None:
             generate_standalone(loaded, standalone, out_dir, check or show_diff, show_diff)
             return
-        tree = render_tree(loaded, with_registry=full)
+        # a subset run into a folder without a registry writes one (of the modules it
+        # writes), so that the folder is a package: a namespace folder loses to any
+        # other ``generated`` package on sys.path (an editable install of posgen's own)
+        registry = full or not (out_dir / REGISTRY_FILE).exists()
+        tree = render_tree(loaded, with_registry=registry)
         if check or show_diff:
-            _report_drift(out_dir, tree, full, show_diff)
+            _report_drift(out_dir, tree, full, show_diff, _generate_command(specs, out_dir))
         drift = write_tree(out_dir, tree, prune=full)
     except (OutputError, OSError) as error:
         file_error(error)
@@ -136,7 +144,17 @@ def generate(
     say(f"{out_dir}: {len(tree)} files, {len(drift.lines())} written or removed.")
 
 
-def _report_drift(out_dir: Path, tree: dict[str, str], full: bool, show_diff: bool) -> None:
+def _generate_command(specs: tuple[Path, ...], out_dir: Path) -> str:
+    """The ``posgen generate`` that brings ``out_dir`` up to date with ``specs``."""
+    words = ["posgen", "generate", *(str(path) for path in specs)]
+    if out_dir != DEFAULT_OUT:
+        words += ["--out", str(out_dir)]
+    return shlex.join(words)
+
+
+def _report_drift(
+    out_dir: Path, tree: dict[str, str], full: bool, show_diff: bool, command: str
+) -> None:
     """``generate --check`` / ``--diff``: print the drift and exit (0 clean, 1 drifted).
 
     A file in the way that posgen did not write is no drift that ``posgen generate``
@@ -153,7 +171,7 @@ def _report_drift(out_dir: Path, tree: dict[str, str], full: bool, show_diff: bo
         sys.exit(0)
     for line in drift.lines():
         say(line)
-    say(f"{out_dir} is out of date: run `posgen generate`.", err=True)
+    say(f"{out_dir} is out of date: run `{command}`.", err=True)
     sys.exit(1)
 
 
@@ -161,16 +179,18 @@ def _report_drift(out_dir: Path, tree: dict[str, str], full: bool, show_diff: bo
 @click.argument("specs", nargs=-1, required=True, type=GivenPath())
 @reports_spec_errors
 def validate(specs: tuple[Path, ...]) -> None:
-    """Validate SPECS (files or directories) and report every error.
+    """Validate SPECS (files, directories, or names looked up as explain looks them up:
+    in ./specs, then the catalogue) and report every error.
 
     \b
     Example:
         posgen validate specs/
         posgen validate my_idea.yaml
+        posgen validate alibi
     """
     from posgen.spec.diagnostics import printable
 
-    loaded = load_specs(spec_files(specs))
+    loaded = load_specs(spec_files(paths_or_names(specs)))
     for item in loaded:
         say(f"ok  {printable(item.display_path)}")
 

@@ -67,6 +67,14 @@ def test_weights_that_do_not_fit_are_a_usage_error(tmp_path: Path) -> None:
     error_line = result.stderr.strip().splitlines()[-1]
     assert "not a file of tensors that torch.save wrote (UnpicklingError: " in error_line
     assert "weights_only" not in result.stderr
+    # a whole module pickled: torch's advice (allow-list the class) is for code; the
+    # command takes its state_dict
+    whole = tmp_path / "module.pt"
+    torch.save(generated_class("t5")(), whole)
+    result = runner.invoke(main, ["check", T5_SPEC, "--weights", str(whole)])
+    assert result.exit_code == 2, result.output
+    assert "save module.state_dict(), not the module" in result.stderr
+    assert "add_safe_globals" not in result.stderr
     two = runner.invoke(
         main, ["check", T5_SPEC, str(SPECS / "alibi.yaml"), "--weights", str(garbage)]
     )

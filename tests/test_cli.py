@@ -356,3 +356,13 @@ def test_a_gain_table_does_not_claim_an_additive_checkpoint() -> None:
     gain = importlib.import_module("generated.multiplicative_learned").__doc__ or ""
     added = importlib.import_module("generated.learned_absolute").__doc__ or ""
     assert "copy GPT-2" in added and "copy GPT-2" not in gain and "a gain per position" in gain
+
+
+def test_validate_takes_spec_names_as_the_other_commands_do(run) -> None:
+    """``validate alibi`` looks the name up as check and explain do (it said "no such
+    spec file"); a name that is no spec is a usage error naming it."""
+    result = run("validate", "alibi", "specs/rope.yaml")
+    assert result.exit_code == 0, result.output
+    assert "ok  specs/alibi.yaml" in result.output and "ok  specs/rope.yaml" in result.output
+    missing = run("validate", "no_such_encoding")
+    assert missing.exit_code == 2 and "no spec named 'no_such_encoding'" in missing.output

@@ -635,14 +635,29 @@ def test_generating_one_spec_keeps_every_other_module_and_the_registry(
     assert snapshot(repo / "generated") == snapshot(GENERATED)
 
 
-def test_a_subset_into_a_fresh_folder_writes_those_modules_and_the_runtime(
+def test_a_subset_into_a_fresh_folder_writes_those_modules_the_runtime_and_a_registry(
     tmp_path: Path,
 ) -> None:
-    result = invoke(
-        "generate", str(SPECS / "t5.yaml"), str(SPECS / "alibi.yaml"), "--out", str(tmp_path)
-    )
+    """Without a registry the folder would be a namespace package, which loses to any
+    other ``generated`` package on sys.path (an editable install of posgen's own): the
+    project's ``from generated.NAME import ...`` then failed or loaded posgen's copy."""
+    out = tmp_path / "generated"
+    specs = (str(SPECS / "t5.yaml"), str(SPECS / "alibi.yaml"))
+    check = invoke("generate", *specs, "--out", str(out), "--check")
+    assert check.exit_code == 1 and "missing: __init__.py" in check.stdout
+    assert f"run `posgen generate {specs[0]} {specs[1]} --out {out}`" in check.stderr
+    result = invoke("generate", *specs, "--out", str(out))
     assert result.exit_code == 0
-    assert sorted(snapshot(tmp_path)) == [*RUNTIME_FILES, "alibi.py", "t5.py"]
+    assert sorted(snapshot(out)) == sorted([*RUNTIME_FILES, "__init__.py", "alibi.py", "t5.py"])
+    code = "import generated as g; print(g.__file__, g.T5.__name__, g.Alibi.__name__)"
+    ran = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
+    )
+    assert ran.stdout.split() == [str(out / "__init__.py"), "T5", "Alibi"]
+    # a registry there already is left as it is by a later subset run
+    registry = (out / "__init__.py").read_bytes()
+    assert invoke("generate", str(SPECS / "rope.yaml"), "--out", str(out)).exit_code == 0
+    assert (out / "__init__.py").read_bytes() == registry and (out / "rope.py").exists()
 
 
 def test_generate_help_says_what_a_subset_run_does() -> None:

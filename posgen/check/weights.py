@@ -58,7 +58,14 @@ def _reason(error: Exception) -> str:
     text = str(error)
     found = re.search(r"WeightsUnpickler error:\s*(\S[^\n]*)", text)
     if found is not None:
-        return found.group(1).strip()
+        text = found.group(1).strip()
+    # torch's advice to allow-list a class is for code: a pickled object (a whole
+    # module, say) is no state_dict, which is what the command takes
+    pickled = re.match(r"(Unsupported global: GLOBAL \S+)", text)
+    if pickled is not None:
+        return f"{pickled.group(1)}; save module.state_dict(), not the module"
+    if found is not None:
+        return text
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     return lines[0] if lines else "no reason given"
 
