@@ -15,6 +15,7 @@ from posgen.spec.model import (
     ComplexOrderInput,
     ExprBias,
     ExprFrequencies,
+    ExprParam,
     FireBias,
     FloorLogQueryScale,
     GlobalContentTerm,
@@ -82,8 +83,8 @@ def _bias_formula(bias: AnyBias) -> str:
             )
         )
     if isinstance(bias, ExprBias):
-        names = ", ".join(bias.params) or "none"
-        return f"{bias.expr} (expression; trained parameters: {names})"
+        names = ", ".join(_parameter_text(name, param) for name, param in bias.params.items())
+        return f"{bias.expr} (expression; trained parameters: {names or 'none'})"
     index = bias.index
     relative = "j - i" if index.sign == "key_minus_query" else "i - j"
     direction = "bidirectional" if index.bidirectional else "unidirectional"
@@ -91,6 +92,18 @@ def _bias_formula(bias: AnyBias) -> str:
         f"table[bucket({relative}), h], {index.recipe} log buckets: {index.buckets} "
         f"{direction}, max_distance {index.max_distance}"
     )
+
+
+def _parameter_text(name: str, param: ExprParam) -> str:
+    """An expression parameter and how it is read: ``a = softplus(stored)``, clamped."""
+    reads = []
+    if param.positive:
+        reads.append("softplus of the stored value")
+    if param.bounds is not None:
+        reads.append(f"clamped to [{_number(param.bounds[0])}, {_number(param.bounds[1])}]")
+    if isinstance(param.init, list):
+        reads.append("a start per head")
+    return f"{name} ({', '.join(reads)})" if reads else name
 
 
 def _table_length(untied: UntiedPositions) -> int:

@@ -366,3 +366,13 @@ def test_validate_takes_spec_names_as_the_other_commands_do(run) -> None:
     assert "ok  specs/alibi.yaml" in result.output and "ok  specs/rope.yaml" in result.output
     missing = run("validate", "no_such_encoding")
     assert missing.exit_code == 2 and "no spec named 'no_such_encoding'" in missing.output
+
+
+def test_explain_says_how_each_expression_parameter_is_read(run) -> None:
+    """A positive parameter is read through softplus and a bounded one clamped: the
+    formula alone (-r1[h] * ...) hid both."""
+    output = " ".join(run("explain", "tests/specs/expr/kerple_log_expr.yaml").output.split())
+    assert (
+        "trained parameters: r1 (softplus of the stored value), r2 (softplus of the stored "
+        "value, clamped to [0.01, 10])" in output
+    )
