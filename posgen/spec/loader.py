@@ -316,6 +316,8 @@ _KNOWN_TAGS = _FORM_TAGS | kind_tags()
 _MISSING_HINTS: dict[FieldPath, str] = {
     ("claims",): "required: state unique, relative, decay, extrapolates (true/false), e.g. "
     "claims: {relative: true, decay: true}",
+    ("scale",): "required: none (no scale, as T5) or inv_sqrt_head_dim (1/sqrt(head_dim)), "
+    "or {kind: inv_sqrt_head_dim, factor: F} for 1/sqrt(F * head_dim)",
 }
 """Messages for required fields whose plain "required field is missing" says too little."""
 
