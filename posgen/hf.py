@@ -510,7 +510,7 @@ def _cached_key_positions(
     the last query where the cache holds fewer keys than that (a window's cache
     drops the oldest: HF's sliding-window layers keep the window, not the sequence).
     Tested against a full forward with windows, left, right and inner padding, and
-    dynamic and static caches fed in chunks (tests/test_hf_review.py).
+    dynamic and static caches fed in chunks (tests/test_hf_windows_and_refusals.py).
     """
     n = mask.shape[-2]
     kept = kept_by_mask(mask[:, 0]).any(-2).to(torch.int64)  # [B, M]: kept by some query

@@ -4,6 +4,9 @@ refuses attention dropout in training and ``output_attentions`` as BLOOM's does.
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -132,6 +135,21 @@ def test_cached_key_positions_count_back_from_the_last_kept_query() -> None:
     kept = torch.tensor([[1, 1, 1, 1, 1, 0, 0, 0]], dtype=torch.bool)[:, None, None, :]
     got = _cached_key_positions(kept, torch.tensor([4]), torch.tensor([4]), 8)
     assert got.tolist() == [[0, 1, 2, 3, 4, 0, 0, 0]]
+
+
+def test_every_test_file_posgen_cites_exists() -> None:
+    """A docstring that says where a behaviour is tested names a file that is there:
+    ``_cached_key_positions`` cited tests/test_hf_review.py, which never existed (its
+    tests are this file's). Every ``tests/....py`` path in posgen's sources is checked."""
+    root = Path(__file__).resolve().parent.parent
+    cited = {
+        (source.relative_to(root).as_posix(), match)
+        for source in sorted((root / "posgen").rglob("*.py"))
+        for match in re.findall(r"tests/[\w/]+\.py", source.read_text(encoding="utf-8"))
+    }
+    assert ("posgen/hf.py", "tests/test_hf_windows_and_refusals.py") in cited
+    missing = sorted((source, path) for source, path in cited if not (root / path).is_file())
+    assert not missing, f"cited test files that do not exist: {missing}"
 
 
 def test_layers_share_cached_key_positions_only_for_the_same_position_ids() -> None:
