@@ -8,26 +8,31 @@ weights run under another encoding, which is how an idea is tried on a real
 architecture. The families, found by the layers' structure or class:
 
 - Llama family (Llama, Mistral, Qwen2 and others whose ``self_attn`` has
-  ``q_proj``/``k_proj``/``v_proj``/``o_proj`` and receives ``position_ids``): matching
-  spec ``rope`` (half pairing, the model's ``rope_theta``), or the layer's spec from
-  ``posgen from-hf``. Keys are cached rotated: a decode step rotates its new keys once
-  (``rotate_keys``) and attends with ``keys_rotated=True``. The layer's own query and
-  key norms are applied before the module (``q_norm``/``k_norm`` per head as Qwen3 and
-  Gemma 3 do, or over the whole projection as OLMo 2 and OLMoE do; StableLM's
-  ``qk_layernorm``, a LayerNorm per head; Llama 4's ``qk_norm``, which the model
-  applies after rotating, is the same before it: a rotation keeps the norm), and so is
-  OLMo's and OLMoE's ``clip_qkv`` (q, k and v clamped after any such norm). Sliding
-  windows and Llama 4's chunks arrive in HF's 4-D mask. M-RoPE models (Qwen2-VL,
-  Qwen3-VL) run while their three position axes agree (text): HF hands a layer only
-  the axes' cos and sin, so a forward whose axes differ is refused. What the adapter
-  cannot reproduce is refused by ``use_posgen_attention`` (logit soft-capping), and
-  so, with ``strict``, is a module that would not give the layer's own positions: by
-  kind when attached, and by value at the layer's first forward, where its rotation
-  must match the layer's own modeling code (``posgen.hf_strict``). Attention dropout
-  in training (``attention_dropout`` above 0) and ``output_attentions`` are refused at
-  the forward, as BLOOM's are. Keys from the cache are numbered back from the last
-  query that is not padding over the keys the mask keeps, so a window's cache, which
-  drops the oldest keys, and a window that masks them give them their own positions.
+  ``q_proj``/``k_proj``/``v_proj``/``o_proj``): matching spec ``rope`` (half pairing,
+  the model's ``rope_theta``), or the layer's spec from ``posgen from-hf``. Positions
+  are the ``position_ids`` the layer receives, or, where the model hands its layers
+  none (Llama 4, Cohere 2), those the model's rotary embedding module turned into the
+  layers' cos and sin (a forward hook keeps them), so packed documents and
+  ``generate``'s chunked prefill rotate as HF does; Llama 4's NoPE layers scale their
+  queries by ``cache_position``, as HF's temperature tuning does. Keys are cached
+  rotated: a decode step rotates its new keys once (``rotate_keys``) and attends with
+  ``keys_rotated=True``. The layer's own query and key norms are applied before the
+  module (``q_norm``/``k_norm`` per head as Qwen3 and Gemma 3 do, or over the whole
+  projection as OLMo 2 and OLMoE do; StableLM's ``qk_layernorm``, a LayerNorm per
+  head; Llama 4's ``qk_norm``, which the model applies after rotating, is the same
+  before it: a rotation keeps the norm), and so is OLMo's and OLMoE's ``clip_qkv`` (q,
+  k and v clamped after any such norm). Sliding windows and Llama 4's chunks arrive in
+  HF's 4-D mask. M-RoPE models (Qwen2-VL, Qwen3-VL) run while their three position
+  axes agree (text): HF hands a layer only the axes' cos and sin, so a forward whose
+  axes differ is refused. What the adapter cannot reproduce is refused by
+  ``use_posgen_attention`` (logit soft-capping), and so, with ``strict``, is a module
+  that would not give the layer's own positions: by kind when attached, and by value
+  at the layer's first forward, where its rotation must match the layer's own modeling
+  code (``posgen.hf_strict``). Attention dropout in training (``attention_dropout``
+  above 0) and ``output_attentions`` are refused at the forward, as BLOOM's are. Keys
+  from the cache are numbered back from the last query that is not padding over the
+  keys the mask keeps, so a window's cache, which drops the oldest keys, and a window
+  that masks them give them their own positions.
 - BLOOM (``BloomAttention``: fused ``query_key_value`` laid out [.., heads, 3,
   head_dim], ``dense`` output): matching spec ``alibi`` (``generated.alibi.Alibi`` with
   the model's head count; BLOOM's slopes are ALiBi's for every head count). The model's
@@ -106,7 +111,8 @@ def use_posgen_attention(
         _check_encoding(attention, module, index, strict)
         attention.posgen = module
         attention.forward = types.MethodType(forward, attention)
-    _watch_position_axes(model)
+    rotary_layers = [layer for layer, forward in layers if forward is _posgen_attention_forward]
+    _watch_rotary_embeddings(model, rotary_layers)
     return model
 
 
@@ -197,12 +203,16 @@ def _posgen_attention_forward(
     """The attention of a Llama-family layer with posgen's encoding and attention.
 
     hidden_states: [B, N, hidden]; HF's own cos/sin (``position_embeddings``) are not
-    used: the posgen module forms its position terms from ``position_ids``. Masking is
-    HF's: its 4-D mask where the layer gets one (it holds the causal part, windows and
-    chunks, as HF's own attention reads it), else causal attention by token order (HF's
-    SDPA layers get no mask without padding): by position where each row's positions
-    increase, else, for packed sequences whose positions restart, a lower-triangular
-    mask (``_token_order_mask``). Under torch.compile, where the module cannot read
+    used: the posgen module forms its position terms from ``position_ids``, the layer's
+    own, or where the model hands its layers none (Llama 4, Cohere 2) those its rotary
+    embedding module made ``position_embeddings`` from (``_rotary_positions``), else
+    ``cache_position``; a Llama 4 NoPE layer that tunes its temperature numbers its
+    queries by ``cache_position``, as HF's temperature does (``_temperature_by_slot``).
+    Masking is HF's: its 4-D mask where the layer gets one (it holds the causal part,
+    windows and chunks, as HF's own attention reads it), else causal attention by token
+    order (HF's SDPA layers get no mask without padding): by position where each row's
+    positions increase, else, for packed sequences whose positions restart, a
+    lower-triangular mask (``_token_order_mask``). Under torch.compile, where the module cannot read
     the positions to see that no key lies ahead of a query, a second causal mask would
     be formed and applied per layer for nothing. Attention dropout in training and
     ``output_attentions`` raise ValueError (``_refuse_what_posgen_does_not_do``).
@@ -213,6 +223,10 @@ def _posgen_attention_forward(
     v = _projected(self, "v", hidden_states)  # [B, H_kv, N, D]
     _refuse_what_posgen_does_not_do(self, kwargs)
     given = kwargs.get("position_ids")
+    if given is None:  # Llama 4, Cohere 2: the positions the model rotated by
+        given = _rotary_positions(self, position_embeddings, batch, n)
+    if _temperature_by_slot(self):
+        given = None  # HF's temperature reads cache_position, not position_ids
     positions = given if given is not None else cache_position
     if positions is None:
         positions = torch.arange(n)
@@ -277,30 +291,121 @@ def _refuse_what_posgen_does_not_do(layer: Any, kwargs: dict[str, Any]) -> None:
         raise ValueError("posgen.hf does not return attention weights: output_attentions=False")
 
 
-def _watch_position_axes(model: nn.Module) -> None:
-    """Refuse, at each forward, M-RoPE position axes that differ (Qwen2-VL, Qwen2.5-VL,
-    Qwen3-VL: position_ids [3, B, N], text, height and width).
+def _watch_rotary_embeddings(model: nn.Module, layers: list[nn.Module]) -> None:
+    """Hook each ``*RotaryEmbedding`` module of ``model`` (once per module) and link each
+    of ``layers`` (its Llama-family attention layers) to the nearest one.
 
-    HF turns those positions into cos and sin in the model's rotary embedding module
-    and hands its layers only those (per axis, or Qwen3-VL's already dealt out over the
-    pairs), so the adapter rotates by the layers' one-axis positions: right while the
-    axes agree (text), wrong at an image's or a video's tokens. A forward pre-hook on
-    each ``*RotaryEmbedding`` module compares the axes of the positions it gets, once
-    per forward and in eager mode only: a compiled graph reads no values on the host,
-    so under torch.compile the axes are not checked. Hooked once per module."""
-    for module in model.modules():
-        hooked = getattr(module, _AXES_WATCHED, False)
-        if type(module).__name__.endswith("RotaryEmbedding") and not hooked:
+    HF's rotary embedding module turns the model's ``position_ids`` into the cos and sin
+    (Llama 4: ``freqs_cis``) every layer rotates by. Some models hand their layers only
+    those, not the positions (Llama 4's and Cohere 2's decoder layers call ``self_attn``
+    without ``position_ids``; Qwen2-VL's text layers where the positions have three
+    axes), so a layer would fall back to ``cache_position``, which agrees with the
+    model's positions only up to a constant per row: packed documents, whose positions
+    restart, and ``generate``'s chunked prefill of a padded batch rotated otherwise
+    than HF. Two hooks therefore watch the positions the module receives:
+
+    - a forward pre-hook refuses M-RoPE axes that differ (``_refuse_distinct_axes``);
+    - a forward hook records them (``_record_positions``) on the first tensor of the
+      module's output, which the layers receive as ``position_embeddings`` (exact under
+      gradient checkpointing, whose recomputation hands the layer that same tensor),
+      and on the module itself, for a layer handed a copy of it (accelerate's hooks
+      move it to a layer on another device).
+
+    A layer reads them through ``_rotary_positions``. Its rotary module is the one
+    whose parent holds the layer (the longest such name: a multimodal model's language
+    model, not its vision tower), kept in the layer's ``__dict__``, not as a submodule
+    (it is the model's, and its parameters are not the layer's)."""
+    rotary = {
+        name: module
+        for name, module in model.named_modules()
+        if type(module).__name__.endswith("RotaryEmbedding")
+    }
+    for module in rotary.values():
+        if not getattr(module, _POSITIONS_WATCHED, False):
             module.register_forward_pre_hook(_refuse_distinct_axes, with_kwargs=True)
-            setattr(module, _AXES_WATCHED, True)
+            module.register_forward_hook(_record_positions, with_kwargs=True)
+            setattr(module, _POSITIONS_WATCHED, True)
+    names = {id(module): name for name, module in model.named_modules()}
+    for layer in layers:
+        holders = [other for other in rotary if names[id(layer)].startswith(_parent(other))]
+        if holders:
+            nearest = max(holders, key=lambda other: len(_parent(other)))
+            layer.__dict__[_ROTARY_MODULE] = rotary[nearest]
 
 
-_AXES_WATCHED = "_posgen_watches_position_axes"
+def _parent(name: str) -> str:
+    """The dotted prefix of a submodule's parent: "model." of "model.rotary_emb", "" at
+    the top."""
+    return name.rpartition(".")[0] + "." if "." in name else ""
+
+
+_POSITIONS_WATCHED = "_posgen_watches_positions"
+# the attribute, on a rotary module's output and on the module, that holds the
+# position_ids it last turned into cos and sin (``_record_positions``)
+_POSITIONS_SEEN = "_posgen_position_ids"
+# the key, in an attention layer's __dict__, of the rotary module it reads them from
+_ROTARY_MODULE = "_posgen_rotary_module"
+
+
+def _record_positions(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+) -> None:
+    """Keep the position_ids the rotary embedding module was called with, on its
+    output's first tensor and on the module (``_watch_rotary_embeddings``)."""
+    positions = args[1] if len(args) > 1 else kwargs.get("position_ids")
+    if not isinstance(positions, Tensor):
+        return  # a vision tower's rotary module takes no positions
+    module.__dict__[_POSITIONS_SEEN] = positions
+    first = output[0] if isinstance(output, tuple | list) and output else output
+    if isinstance(first, Tensor):
+        setattr(first, _POSITIONS_SEEN, positions)
+
+
+def _rotary_positions(layer: Any, position_embeddings: Any, batch: int, n: int) -> Tensor | None:
+    """int64 [B or 1, N]: the position_ids the model's rotary embedding module made the
+    layer's ``position_embeddings`` from, for a layer the model hands no
+    ``position_ids`` (``_watch_rotary_embeddings``); None where none fit the layer's
+    B x N tokens (a layer called on its own: ``cache_position`` then serves).
+
+    Read from ``position_embeddings`` itself where it is the module's output, else from
+    the module's last forward (the embeddings were copied: moved to another device).
+    M-RoPE's [axes, B, N] gives its first axis: the axes agree, or the forward was
+    refused (``_refuse_distinct_axes``)."""
+    first = position_embeddings
+    if isinstance(first, tuple | list):
+        first = first[0] if first else None
+    positions = getattr(first, _POSITIONS_SEEN, None) if isinstance(first, Tensor) else None
+    if positions is None:
+        rotary = layer.__dict__.get(_ROTARY_MODULE)
+        positions = None if rotary is None else rotary.__dict__.get(_POSITIONS_SEEN)
+    if not isinstance(positions, Tensor):
+        return None
+    if positions.dim() == 3:
+        positions = positions[0]
+    if positions.dim() != 2 or positions.shape[-1] != n or positions.shape[0] not in (1, batch):
+        return None
+    return positions
+
+
+def _temperature_by_slot(layer: Any) -> bool:
+    """Whether the layer scales its queries by ``cache_position``: Llama 4's NoPE layers
+    with ``attn_temperature_tuning``, whose factor HF computes from the cache positions
+    (a token's slot in the sequence, padding counted), not from ``position_ids``;
+    HF's own test of the setting, truthiness and ``not use_rope``."""
+    tuning = getattr(layer, "attn_temperature_tuning", False)
+    return bool(tuning) and not getattr(layer, "use_rope", True)
 
 
 def _refuse_distinct_axes(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """ValueError where the rotary embedding's position_ids [axes, B, N] differ across
-    their axes (``_watch_position_axes``)."""
+    their axes (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: text, height and width).
+
+    HF turns those positions into cos and sin in the model's rotary embedding module
+    and hands its layers only those (per axis, or Qwen3-VL's already dealt out over the
+    pairs), so the adapter rotates by one axis: right while the axes agree (text),
+    wrong at an image's or a video's tokens. Compared once per forward and in eager
+    mode only: a compiled graph reads no values on the host, so under torch.compile the
+    axes are not checked."""
     positions = args[1] if len(args) > 1 else kwargs.get("position_ids")
     if torch.compiler.is_compiling() or not isinstance(positions, Tensor):
         return

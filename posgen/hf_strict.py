@@ -224,9 +224,8 @@ def _compare_rotations(
 
     Compared per batch row: the logit of each kept token i with the row's last kept
     token a, <R(p_i) x_i, R(p_a) x_a>, as a fraction of |x_i| |x_a|. Logits see only
-    that, so positions that differ by a constant per row (Llama 4 hands its layers no
-    position_ids: the adapter rotates at cache positions, HF at the kept tokens' count)
-    agree, and padded tokens, which both mask, are left out. The bound per token: 4
+    that, so positions that differ by a constant per row agree, and padded tokens,
+    which both mask, are left out. The bound per token: 4
     ulps of the dtype the model hands cos and sin in, plus 16 float32 ulps of angles as
     large as p_i and p_a (the two compute p·θ in their own order).
 

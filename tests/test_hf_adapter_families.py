@@ -8,6 +8,7 @@ layer is refused by name."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -201,6 +202,103 @@ def test_greedy_generation_with_a_cache_and_left_padding_gives_the_same_tokens(
             model.forward = torch.compile(model.forward, fullgraph=True, backend="eager")
         got = model.generate(ids, **options)
     assert torch.equal(got, expected)
+
+
+def _cohere2_and_its_encodings(tmp_path: Path) -> tuple[Any, Any]:
+    config = transformers.Cohere2Config(num_hidden_layers=4, **TINY)
+    names = ("cohere2_rope", "cohere2_nope")  # sliding RoPE layers 0-2, a full NoPE layer 3
+    return _model_with_two_kinds_of_layer(
+        transformers.Cohere2ForCausalLM, config, tmp_path, names, 3
+    )
+
+
+def _logits_and_gradients(model: Any, ids: torch.Tensor, positions: torch.Tensor) -> list[Any]:
+    """The logits of one training step of ``model`` on ``ids`` at ``positions``, then
+    every parameter's gradient of its loss, in the parameters' order."""
+    model.train()
+    model.zero_grad()
+    result = model(ids, position_ids=positions, labels=ids)
+    result.loss.backward()
+    return [result.logits.detach()] + [parameter.grad for parameter in model.parameters()]
+
+
+@pytest.mark.parametrize("family", ["llama4", "cohere2"])
+def test_layers_handed_no_position_ids_rotate_by_the_models_packed_positions(
+    family: str, tmp_path: Path
+) -> None:
+    """Llama 4's and Cohere 2's decoder layers call self_attn without position_ids;
+    the model rotates by those its rotary embedding module turned into cos and sin
+    (``freqs_cis``). Two documents packed in each row, positions restarting at each,
+    past Llama 4's chunk of 4 and its temperature steps of 4 (which HF numbers by
+    cache_position, not position_ids): posgen's logits and every gradient of a
+    training step are HF's own. The adapter rotated by cache_position, 0.1 off in the
+    logits, and the strict check refused the first forward."""
+    build = {"llama4": _llama4_and_its_encodings, "cohere2": _cohere2_and_its_encodings}
+    reference, encoding = build[family](tmp_path)
+    model = copy.deepcopy(reference)
+    use_posgen_attention(model, encoding)
+    ids = torch.randint(1, 61, (2, 12), generator=torch.Generator().manual_seed(3))
+    packed = torch.tensor(
+        [[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6], [5, 6, 7, 8, 0, 1, 2, 3, 4, 5, 6, 7]]
+    )
+    with torch.no_grad():  # the first forward: the strict check by value sees packed positions
+        got, expected = (
+            model(ids, position_ids=packed).logits,
+            reference(ids, position_ids=packed).logits,
+        )
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert all(layer.__dict__[UNCHECKED] is None for layer in posgen_layers(model))
+    got_step = _logits_and_gradients(model, ids, packed)
+    expected_step = _logits_and_gradients(reference, ids, packed)
+    for got_tensor, expected_tensor in zip(got_step, expected_step, strict=True):
+        torch.testing.assert_close(got_tensor, expected_tensor, rtol=1e-5, atol=1e-5)
+
+
+def test_llama4_layers_handed_a_copy_of_the_embeddings_read_the_rotary_modules_positions(
+    tmp_path: Path,
+) -> None:
+    """A layer handed a copy of the rotary embedding module's output (accelerate's hooks
+    move it to a layer on another device) finds the positions on the module: packed
+    positions give HF's logits."""
+    reference, encoding = _llama4_and_its_encodings(tmp_path)
+    model = copy.deepcopy(reference)
+    use_posgen_attention(model, encoding)
+
+    def copied(layer: Any, args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        return args, {**kwargs, "position_embeddings": kwargs["position_embeddings"].clone()}
+
+    for layer in model.model.layers:
+        layer.register_forward_pre_hook(copied, with_kwargs=True)
+    ids = torch.randint(1, 61, (1, 12), generator=torch.Generator().manual_seed(3))
+    packed = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]])
+    with torch.no_grad():
+        got = model(ids, position_ids=packed).logits
+        expected = reference(ids, position_ids=packed).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_llama4_generation_with_a_chunked_prefill_gives_hfs_scores(tmp_path: Path) -> None:
+    """``generate(prefill_chunk_size=4)`` on a batch with a row left-padded by 3: HF
+    passes its prefill chunks position_ids equal to cache_position and its decode
+    steps the kept tokens' count, and rotates by those; each step's scores are HF's
+    own (they were 0.05 to 0.5 off when the adapter rotated by cache_position)."""
+    reference, encoding = _llama4_and_its_encodings(tmp_path)
+    model = copy.deepcopy(reference)
+    use_posgen_attention(model, encoding)
+    ids = torch.randint(1, 61, (2, 14), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    options = dict(
+        attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+        prefill_chunk_size=4, output_scores=True, return_dict_in_generate=True,
+    )  # fmt: skip
+    with torch.no_grad():
+        got, expected = model.generate(ids, **options), reference.generate(ids, **options)
+    torch.testing.assert_close(
+        torch.stack(got.scores), torch.stack(expected.scores), rtol=1e-5, atol=1e-5
+    )
+    assert torch.equal(got.sequences, expected.sequences)
 
 
 def _refusal(model: Any, encoding: Any, **options: bool) -> str:
