@@ -8,7 +8,7 @@ in two steps:
   says so: ``use_rope``, Cohere 2's full layers), a position term the layer does not
   have (a bias, content-dependent relative terms, a value-side term), and a query scale
   by position (Llama 4's temperature tuning on its NoPE layers) on a layer without one,
-  or none where the layer has it;
+  or none where the layer has it (an ``attn_scale`` of 0 scales by exactly 1: none);
 - at the layer's first forward outside torch.compile, by value: the layer receives its
   rotation from the model (``position_embeddings``: cos and sin, or Llama 4's complex
   ``freqs_cis``), so a random probe rotated at that forward's positions by the layer's
@@ -92,14 +92,23 @@ def check_llama_family_layer(
                 f"layer {index} has no position term but its rotation, encoding({index}) "
                 f"adds {term} (strict=False runs it on the model's weights on purpose)"
             )
-    # Llama 4 scales the queries of its NoPE layers by position (temperature tuning)
-    tuned = rotates is False and bool(getattr(attention, "attn_temperature_tuning", False))
+    tuned = rotates is False and _scales_queries(attention)
     if tuned != bool(getattr(module, "has_query_scale", tuned)):
         raise ValueError(
             f"layer {index} {'scales' if tuned else 'does not scale'} its queries by "
             f"position (Llama 4's attention temperature tuning), encoding({index}) "
             f"{'does not' if tuned else 'does'}: take the layer's spec from `posgen from-hf`"
         )
+
+
+def _scales_queries(attention: nn.Module) -> bool:
+    """Whether a layer without a rotation scales its queries by position: Llama 4's
+    attention temperature tuning, 1 + attn_scale * ln(1 + floor((i + 1) / floor_scale)),
+    where ``attn_temperature_tuning`` is true (HF tests its truth) and ``attn_scale`` is
+    not 0. With ``attn_scale`` 0 the factor is exactly 1 at every position: no scale,
+    which is what the plain ``nope`` from-hf writes for such a layer states."""
+    tuning = bool(getattr(attention, "attn_temperature_tuning", False))
+    return tuning and getattr(attention, "attn_scale", None) != 0
 
 
 def _refuse_unapplied_parts(attention: nn.Module, index: int) -> None:

@@ -301,6 +301,41 @@ def test_llama4_generation_with_a_chunked_prefill_gives_hfs_scores(tmp_path: Pat
     assert torch.equal(got.sequences, expected.sequences)
 
 
+def _llama4_through_from_hf_specs(
+    tmp_path: Path, config: Any, from_hf_config: dict[str, Any]
+) -> tuple[Any, Any, Any]:
+    """The tiny Llama 4 of ``config``, a deep copy of it routed (strictly) through the
+    specs ``posgen from-hf`` writes from ``from_hf_config`` for its RoPE layer 0 and NoPE
+    layer 3, and the NoPE layer's class."""
+    rope = from_hf_class(from_hf_config, tmp_path, "llama4_rope", "--layer", "0")
+    nope = from_hf_class(from_hf_config, tmp_path, "llama4_nope", "--layer", "3")
+    torch.manual_seed(0)
+    reference = transformers.Llama4ForCausalLM(config).eval()
+    model = copy.deepcopy(reference)
+    use_posgen_attention(model, lambda index: nope() if index == 3 else rope())
+    return reference, model, nope
+
+
+def _logits_of_both(reference: Any, model: Any, length: int = 13) -> tuple[Any, Any]:
+    ids = torch.randint(1, 61, (2, length), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        return model(ids).logits, reference(ids).logits
+
+
+def test_llama4_with_attn_scale_0_runs_its_plain_nope_layer_strictly(tmp_path: Path) -> None:
+    """attn_scale 0 with temperature tuning on scales every query by exactly 1: from-hf
+    writes plain ``nope`` for the NoPE layer, and strict mode, which refused that very
+    spec (the layer "scales its queries by position"), runs it to HF's logits."""
+    config = transformers.Llama4TextConfig(
+        num_hidden_layers=4, head_dim=8, attention_chunk_size=4, floor_scale=4,
+        attn_scale=0.0, intermediate_size_mlp=64, **TINY,
+    )  # fmt: skip
+    reference, model, nope = _llama4_through_from_hf_specs(tmp_path, config, config.to_dict())
+    assert not nope.has_query_scale
+    got, expected = _logits_of_both(reference, model)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 def _refusal(model: Any, encoding: Any, **options: bool) -> str:
     with pytest.raises(ValueError) as caught:
         use_posgen_attention(model, encoding, **options)
