@@ -43,6 +43,7 @@ argument that applies it.
 
 from __future__ import annotations
 
+import math
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -139,14 +140,15 @@ def spec_from_config(
 def _language_model(config: dict[str, Any]) -> tuple[Settings, str]:
     """The settings of the language model and its ``model_type``: a multimodal config's
     ``text_config`` (Llama 4, Gemma 3, Qwen2-VL) over the top level, where it holds the
-    rotary settings or names a family."""
+    rotary settings or names a family; a message names such a key ``text_config.KEY``."""
     settings = Settings(config)
     model_type = settings.word("model_type", "")
-    text = settings.section("text_config").values
-    text_type = Settings(text, "text_config.").word("model_type", "")
-    text_type = text_type or TEXT_MODEL_TYPES.get(model_type, "")
-    if text and "rope_theta" not in config and ("rope_theta" in text or text_type in FAMILIES):
-        return Settings({**config, **text}), text_type or model_type
+    text = settings.section("text_config")
+    text_type = text.word("model_type", "") or TEXT_MODEL_TYPES.get(model_type, "")
+    held = text.values
+    if held and "rope_theta" not in config and ("rope_theta" in held or text_type in FAMILIES):
+        # each key of the language model named where the file has it: text_config.KEY
+        return settings.overlaid("text_config"), text_type or model_type
     return settings, model_type
 
 
@@ -158,7 +160,7 @@ def _refuse_soft_capping(config: Settings, default: float | None) -> None:
     if (stated and config.has(key)) or (not stated and default is not None):
         cap = config.positive_number(key) if stated else default
         raise ConfigError(
-            f"attn_logit_softcapping {cap:g}: the model caps its logits (cap * tanh(logits / "
+            f"{config.path(key)} {cap:g}: the model caps its logits (cap * tanh(logits / "
             "cap)) and posgen's attention does not, so no spec gives this model's attention"
         )
 
@@ -190,12 +192,13 @@ def _family(model_type: str, config: Settings, pairing: Pairing | None) -> Famil
     for key, what in UNREAD_KEYS.items():
         if config.has(key):
             raise ConfigError(
-                f"{key}: model_type {model_type!r} sets it ({what}), and from-hf reads it "
-                "only for the families it knows"
+                f"{config.path(key)}: model_type {model_type!r} sets it ({what}), and "
+                "from-hf reads it only for the families it knows"
             )
     if config.has("layer_types") and len(set(config.words("layer_types"))) > 1:
         raise ConfigError(
-            f"model_type {model_type!r} has layers of several kinds (layer_types), and "
+            f"model_type {model_type!r} has layers of several kinds "
+            f"({config.path('layer_types')}), and "
             "from-hf does not know which of them rotate in this family"
         )
     return Family(pairing)
@@ -244,7 +247,7 @@ def _note_masks(family: Family, config: Settings, chosen: _Layer) -> None:
             f"Llama 4's RoPE layers attend within chunks of {chunk} positions (a mask, not a "
             f"position term): call the module with document_ids=positions // {chunk}"
         )
-        if config.flag("use_qk_norm", True):
+        if config.truth("use_qk_norm", True):  # HF tests its truth
             chosen.notes.append(
                 "Llama 4 normalises each head of q and k on its RoPE layers (use_qk_norm: "
                 "x / sqrt(mean(x^2) + rms_norm_eps), no weight); a rotation keeps that norm, "
@@ -310,25 +313,45 @@ def _scale_factor(family: Family, config: Settings, head_dim: int) -> float | No
         return None
     if not MIN_SCALE_FACTOR <= factor <= MAX_SCALE_FACTOR:
         raise ConfigError(
-            f"{family.scale}: gives the logit scale 1/sqrt({factor:g} * head_dim), and a "
-            f"spec's scale.factor is in [{MIN_SCALE_FACTOR:g}, {MAX_SCALE_FACTOR:g}]"
+            f"{config.path(family.scale)}: gives the logit scale 1/sqrt({factor:g} * "
+            f"head_dim), and a spec's scale.factor is in [{MIN_SCALE_FACTOR:g}, "
+            f"{MAX_SCALE_FACTOR:g}]"
         )
     return None if factor == 1.0 else factor
 
 
 def _nope(family: Family, config: Settings, catalogue: Path) -> dict[str, Any]:
     """A NoPE layer: ``nope``, or ``nope_llama4`` with the config's floor_scale and
-    attn_scale where Llama 4 tunes the attention temperature (attn_temperature_tuning)."""
-    tuned = family.llama4_attention and config.flag("attn_temperature_tuning", True)
+    attn_scale where Llama 4 tunes the attention temperature (attn_temperature_tuning,
+    which Hugging Face tests for truth: Scout's config states 4). An attn_scale of 0
+    scales every query by exactly 1, which is plain ``nope``."""
+    tuned = family.llama4_attention and config.truth("attn_temperature_tuning", True)
     attn_scale = config.non_negative_number("attn_scale", 0.1) if tuned else 0.0
     spec = _catalogue(catalogue, "nope_llama4" if attn_scale > 0 else "nope")
     if attn_scale > 0:
         spec["query_scale"] = {
             "kind": "llama4",
-            "floor_scale": config.positive_int("floor_scale", 8192),
+            "floor_scale": _floor_scale(config),
             "attn_scale": attn_scale,
         }
     return spec
+
+
+def _floor_scale(config: Settings) -> int:
+    """Llama 4's ``floor_scale`` (default 8192), the positions per step of its
+    temperature, floor((i + 1) / floor_scale): an integer, or a float of an integral
+    value (4.0), which Hugging Face divides by alike. A fractional one steps at uneven
+    positions, which posgen's query scale (a whole count of positions per step) does
+    not state: refused, saying so."""
+    key = "floor_scale"
+    stated = config.values.get(key)
+    if isinstance(stated, float) and math.isfinite(stated) and not stated.is_integer():
+        raise ConfigError(
+            f"{config.path(key)}: {stated:g} is not a whole number; Hugging Face's "
+            f"temperature steps at floor((i + 1) / {stated:g}), and posgen's llama4 query "
+            "scale steps every floor_scale positions, a positive integer"
+        )
+    return config.whole_number(key, 8192)
 
 
 _HIDDEN_KEYS = ("hidden_size", "n_embd")
@@ -344,7 +367,8 @@ def _stated(config: Settings, keys: tuple[str, ...], what: str) -> str:
     """The first of ``keys`` that the config sets; ConfigError naming them all if none."""
     key = config.first_set(*keys)
     if not config.has(key):
-        raise ConfigError(f"the config states no {what} ({' / '.join(keys)})")
+        named = " / ".join(config.path(each) for each in keys)
+        raise ConfigError(f"the config states no {what} ({named})")
     return key
 
 
@@ -360,7 +384,7 @@ def _head_dim(config: Settings, heads: int, hidden_keys: tuple[str, ...]) -> int
     key = _stated(config, hidden_keys, "hidden size")
     hidden = config.positive_int(key)
     if hidden < heads:
-        raise ConfigError(f"{key} {hidden} is smaller than the head count {heads}")
+        raise ConfigError(f"{config.path(key)} {hidden} is smaller than the head count {heads}")
     return hidden // heads
 
 
@@ -432,13 +456,13 @@ def _schedule(family: Family, config: Settings, scaling: Settings) -> str:
         stated["type"] = dict(family.type_rewrites).get(stated["type"], stated["type"])
     if not stated:
         raise ConfigError(
-            "rope_scaling: states neither rope_type nor type, and Hugging Face's rotary "
-            "embedding looks the type up (a KeyError without one): set rope_type "
+            f"{config.path('rope_scaling')}: states neither rope_type nor type, and Hugging "
+            "Face's rotary embedding looks the type up (a KeyError without one): set rope_type "
             '("default" for plain RoPE) or make rope_scaling null'
         )
     if len({_SAME_SCHEDULE.get(kind, kind) for kind in stated.values()}) > 1:
         raise ConfigError(
-            f"rope_scaling.type {stated['type']!r} and rope_scaling.rope_type "
+            f"{scaling.path('type')} {stated['type']!r} and {scaling.path('rope_type')} "
             f"{stated['rope_type']!r} disagree, and Hugging Face settles that per family: "
             "LlamaConfig and most others copy type over rope_type (type wins), Gemma's, "
             "Phi-3's, Cohere's and Falcon's read rope_type (rope_type wins); make them agree "
@@ -461,7 +485,7 @@ def _mrope_axes(family: Family, scaling: Settings, rotated: _Rotated) -> dict[st
     elif stated is not None and stated != (layout == "interleaved"):
         runs = "deals them out in turn" if layout == "interleaved" else "lays them in runs"
         raise ConfigError(
-            f"rope_scaling.{key}: {str(stated).lower()}, but this family's modeling code "
+            f"{scaling.path(key)}: {str(stated).lower()}, but this family's modeling code "
             f"{runs}, whatever the key says"
         )
     if scaling.has("mrope_section"):
@@ -474,7 +498,7 @@ def _mrope_axes(family: Family, scaling: Settings, rotated: _Rotated) -> dict[st
         return None
     if sum(sections) != rotated.pairs:
         raise ConfigError(
-            f"{scaling.prefix}mrope_section: {stated_as} sums to {sum(sections)}; the "
+            f"{scaling.path('mrope_section')}: {stated_as} sums to {sum(sections)}; the "
             f"sections split the rotated pairs, so they must sum to {rotated}"
         )
     return {"kind": "sections", "sections": sections, "layout": layout}
@@ -497,8 +521,8 @@ def _scaling(family: Family, config: Settings) -> Settings:
     scaling = config.section("rope_scaling")
     if family.rope_keys is not None and not family.rope_keys.scaling and scaling.values:
         raise ConfigError(
-            "rope_scaling: this family's modeling code applies no scaling (it reads no "
-            "rope_scaling); leave it out"
+            f"{config.path('rope_scaling')}: this family's modeling code applies no scaling "
+            "(it reads no rope_scaling); leave it out"
         )
     return scaling
 
@@ -515,8 +539,8 @@ def _refuse_unread(
         if stated != value:
             uses = f"{read} ({value:g})" if read else f"{value:g}, whatever the config says"
             raise ConfigError(
-                f"{key}: {stated:g} is not the {what} this family's modeling code turns by, "
-                f"{uses}: it reads no {key}; make them agree or leave {key} out"
+                f"{config.path(key)}: {stated:g} is not the {what} this family's modeling "
+                f"code turns by, {uses}: it reads no {key}; make them agree or leave {key} out"
             )
 
 
@@ -530,11 +554,12 @@ def _rotated_fraction(family: Family, config: Settings, head_dim: int) -> float:
         fraction = config.positive_number(key, family.fraction)
         if own is not None:
             _refuse_unread(config, FRACTION_KEYS, own, fraction, "rotated share")
-        return _truncated_fraction(key, fraction, head_dim)
+        return _truncated_fraction(config.path(key), fraction, head_dim)
     features = config.positive_int(family.rotary_dim_key, 64)
     if features > head_dim or features % 2:
         raise ConfigError(
-            f"{family.rotary_dim_key}: must be even and at most head_dim {head_dim}, got {features}"
+            f"{config.path(family.rotary_dim_key)}: must be even and at most head_dim "
+            f"{head_dim}, got {features}"
         )
     return features / head_dim
 
@@ -641,7 +666,7 @@ def _per_pair(scaling: Settings, key: str, rotated: _Rotated) -> list[float]:
     factors = scaling.positive_numbers(key)
     if len(factors) != rotated.pairs:
         raise ConfigError(
-            f"{scaling.prefix}{key}: has {len(factors)} entries; longrope needs one per "
+            f"{scaling.path(key)}: has {len(factors)} entries; longrope needs one per "
             f"rotated pair: {rotated}"
         )
     return factors

@@ -1,10 +1,11 @@
 """Typed reads of a Hugging Face ``config.json`` for ``posgen from-hf``.
 
 Every value from-hf uses is read through ``Settings``: a reader returns the value, the
-default when the key is absent or null, or raises ``ConfigError`` naming the key
-(``rope_scaling.factor``) and what it allows. Counts and lengths are positive integers,
-never booleans; bases, factors and fractions are finite positive numbers; sections are
-mappings.
+default when the key is absent or null, or raises ``ConfigError`` naming the key by its
+place in the file (``rope_scaling.factor``, a multimodal config's
+``text_config.rope_theta``) and what it allows. Counts and lengths are positive
+integers, never booleans; bases, factors and fractions are finite positive numbers;
+sections are mappings.
 """
 
 from __future__ import annotations
@@ -97,6 +98,21 @@ def _bit(value: Any) -> int | None:
     )
 
 
+def _whole_number(value: Any) -> int | None:
+    """``value`` as an int if it is an integer >= 1 or a float of such an integral value
+    (4.0; a JSON writer may give a count as a float), never a boolean, else None."""
+    if isinstance(value, float) and value.is_integer() and value >= 1:
+        return int(value)
+    return _positive_int(value)
+
+
+def _truth(value: Any) -> bool | None:
+    """``value`` as the truth Python's ``if`` reads in it, for true, false and integers
+    (0 is false; Llama 4 Scout's config states ``"attn_temperature_tuning": 4``), never
+    a string, a float or anything else a config may hold by mistake, else None."""
+    return bool(value) if isinstance(value, int) else None
+
+
 def _word(value: Any) -> str | None:
     """``value`` if it is a JSON string, else None."""
     return value if isinstance(value, str) else None
@@ -114,12 +130,39 @@ def _mapping(value: Any) -> dict[str, Any] | None:
 
 class Settings:
     """Typed reads of one JSON object of a config: each reader returns the value, the
-    default when the key is absent or null, or raises ConfigError naming the key (with
-    ``prefix``, as in ``rope_scaling.factor``) and what it allows."""
+    default when the key is absent or null, or raises ConfigError naming the key by
+    its path in the file (``path``: ``prefix`` and the key, as in
+    ``rope_scaling.factor``) and what it allows.
 
-    def __init__(self, values: Mapping[str, Any], prefix: str = "") -> None:
+    ``origins`` gives, for a key laid over these values from a section
+    (``overlaid``), the path of that section (``text_config.``), so the message names
+    the key where the file has it."""
+
+    def __init__(
+        self, values: Mapping[str, Any], prefix: str = "", origins: Mapping[str, str] | None = None
+    ) -> None:
         self.values = values
         self.prefix = prefix
+        self.origins = dict(origins or {})
+
+    def path(self, key: str) -> str:
+        """Where ``key`` is in the config file, as messages name it:
+        ``rope_scaling.factor``, or ``text_config.rope_theta`` for a multimodal
+        config's language model."""
+        return f"{self.prefix}{self.origins.get(key, '')}{key}"
+
+    def overlaid(self, key: str) -> Settings:
+        """These settings with the section at ``key`` laid over them (its keys win), each
+        of its keys named by its path in that section (``text_config.rope_theta``)."""
+        section = self.section(key)
+        where = f"{self.path(key)[len(self.prefix) :]}."
+        origins = {**self.origins, **dict.fromkeys(section.values, where)}
+        return Settings({**self.values, **section.values}, self.prefix, origins)
+
+    def replaced(self, key: str, value: Any) -> Settings:
+        """These settings with ``key`` set to ``value`` (None: as if absent), its path
+        unchanged."""
+        return Settings({**self.values, key: value}, self.prefix, self.origins)
 
     def has(self, key: str) -> bool:
         """Whether ``key`` is set (present and not null)."""
@@ -136,16 +179,23 @@ class Settings:
         value = self.values.get(key)
         if value is None:
             if isinstance(default, _Required):
-                raise ConfigError(f"{self.prefix}{key}: missing; it must be {allowed}")
+                raise ConfigError(f"{self.path(key)}: missing; it must be {allowed}")
             return default
         converted = read(value)
         if converted is None:
-            raise ConfigError(f"{self.prefix}{key}: must be {allowed}, got {_shown(value)}")
+            raise ConfigError(f"{self.path(key)}: must be {allowed}, got {_shown(value)}")
         return converted
 
     def positive_int(self, key: str, default: int | _Required = REQUIRED) -> int:
         """A count or a length: an integer >= 1, never a boolean."""
         return self._read(key, default, "a positive integer (not a boolean)", _positive_int)
+
+    def whole_number(self, key: str, default: int | _Required = REQUIRED) -> int:
+        """A count where Hugging Face's code divides by the value and a float of an
+        integral value (4.0) counts as that integer (Llama 4's ``floor_scale``): an
+        integer >= 1, never a boolean."""
+        allowed = "a positive integer (4 or 4.0, not a boolean)"
+        return self._read(key, default, allowed, _whole_number)
 
     def positive_number(self, key: str, default: float | _Required = REQUIRED) -> float:
         """A base, factor or fraction: a finite number > 0, never a boolean."""
@@ -181,8 +231,14 @@ class Settings:
         """true or false (never 0, 1 or a string)."""
         return self._read(key, default, "true or false", _flag)
 
+    def truth(self, key: str, default: bool) -> bool:
+        """A setting Hugging Face's code tests only for truth (``if config.key``): true,
+        false or an integer (0 is false), never a string (``"false"`` would be true)."""
+        allowed = "true, false or an integer (0: false), as Hugging Face tests its truth"
+        return self._read(key, default, allowed, _truth)
+
     def section(self, key: str) -> Settings:
         """The JSON object at ``key`` (absent or null: an empty one)."""
         empty: dict[str, Any] = {}
         values = self._read(key, empty, "a mapping (a JSON object) or null", _mapping)
-        return Settings(values, f"{self.prefix}{key}.")
+        return Settings(values, f"{self.path(key)}.")

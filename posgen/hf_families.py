@@ -108,7 +108,8 @@ def _rope_flag_layers(config: Settings) -> list[LayerKind]:
         count = config.positive_int("num_hidden_layers", len(flags))
         if len(flags) < count:
             raise ConfigError(
-                f"no_rope_layers: lists {len(flags)} layers, num_hidden_layers is {count}"
+                f"{config.path('no_rope_layers')}: lists {len(flags)} layers, "
+                f"{config.path('num_hidden_layers')} is {count}"
             )
     else:
         count = config.positive_int("num_hidden_layers")
@@ -121,7 +122,7 @@ def _llama4_layers(config: Settings) -> list[LayerKind]:
     """Llama 4: as ``_rope_flag_layers``, and an empty ``no_rope_layers`` (Scout's
     published config) is the default every-4th pattern, as Llama4TextConfig reads it."""
     if config.values.get("no_rope_layers") == []:
-        config = Settings({**config.values, "no_rope_layers": None}, config.prefix)
+        config = config.replaced("no_rope_layers", None)
     return _rope_flag_layers(config)
 
 
@@ -135,11 +136,14 @@ def _layer_types(config: Settings, pattern: int) -> list[str]:
         count = config.positive_int("num_hidden_layers", len(types))
         if len(types) != count:
             raise ConfigError(
-                f"layer_types: lists {len(types)} layers, num_hidden_layers is {count}"
+                f"{config.path('layer_types')}: lists {len(types)} layers, "
+                f"{config.path('num_hidden_layers')} is {count}"
             )
         for index, kind in enumerate(types):
             if kind not in allowed:
-                raise ConfigError(f"layer_types[{index}]: must be one of {allowed}, got {kind!r}")
+                raise ConfigError(
+                    f"{config.path('layer_types')}[{index}]: must be one of {allowed}, got {kind!r}"
+                )
         return types
     count = config.positive_int("num_hidden_layers")
     pattern = config.positive_int("sliding_window_pattern", pattern)

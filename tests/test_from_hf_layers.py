@@ -22,6 +22,7 @@ from posgen.cli import main
 from posgen.codegen.inmemory import encoding_class, module_from_spec
 from posgen.spec.loader import load_spec
 from posgen.spec.model import Spec
+from posgen.spec.model.query_scale import FloorLogQueryScale
 from tests.conftest import from_hf_class, from_hf_spec, llama4_layer_and_module
 
 transformers = pytest.importorskip("transformers")
@@ -123,6 +124,32 @@ def test_a_llama4_nope_layer_gives_the_configs_temperature_tuning(tmp_path: Path
     untuned = {**config.to_dict()}
     untuned["text_config"] = {**untuned["text_config"], "attn_temperature_tuning": False}
     assert _spec(untuned, tmp_path, "--layer", "3").query_scale is None
+
+
+@pytest.mark.parametrize(
+    ("stated", "query_scale"),
+    [
+        ({"attn_temperature_tuning": 4}, (4, 0.3)),  # Llama 4 Scout's config: truthy
+        ({"attn_temperature_tuning": 0}, None),
+        ({"floor_scale": 4.0}, (4, 0.3)),  # an integral float, as HF divides by it
+        ({"floor_scale": 8.0, "attn_scale": 0.1}, (8, 0.1)),
+        ({"attn_scale": 0}, None),  # a factor of exactly 1: plain NoPE
+    ],
+)
+def test_llama4_temperature_settings_are_read_as_hugging_face_reads_them(
+    stated: dict[str, Any], query_scale: tuple[int, float] | None, tmp_path: Path
+) -> None:
+    """The NoPE layer's spec from a multimodal config whose text_config states these
+    (floor_scale 4 and attn_scale 0.3 otherwise): HF tests attn_temperature_tuning
+    for truth and divides by floor_scale, so 4 is on, 0 off, 4.0 is 4."""
+    config = {"model_type": "llama4", "text_config": {**LLAMA4_TEXT, **stated}}
+    got = _spec(config, tmp_path, "--layer", "3").query_scale
+    if query_scale is None:
+        assert got is None
+    else:
+        assert isinstance(got, FloorLogQueryScale)
+        assert (got.floor_scale, got.attn_scale) == query_scale
+        assert type(got.floor_scale) is int
 
 
 def test_smollm3_and_cohere2_layers_take_their_kind(tmp_path: Path) -> None:
@@ -280,6 +307,21 @@ REFUSED = [
     ({"model_type": "qwen3_vl_text", **LLAMA_LIKE, "rope_scaling": {"rope_type": "default",
       "mrope_section": [4, 2, 2], "mrope_interleaved": False}}, (),
      "rope_scaling.mrope_interleaved: false, but this family's modeling code deals them out"),
+    # Llama 4's temperature settings, named where a multimodal config holds them
+    ({"model_type": "llama4", "text_config": {**LLAMA_LIKE, "num_hidden_layers": 4,
+      "attn_temperature_tuning": "false"}}, ("--layer", "3"),
+     "text_config.attn_temperature_tuning: must be true, false or an integer (0: false), "
+     'as Hugging Face tests its truth, got "false"'),
+    ({"model_type": "llama4", "text_config": {**LLAMA_LIKE, "num_hidden_layers": 4,
+      "floor_scale": 4.5}}, ("--layer", "3"),
+     "text_config.floor_scale: 4.5 is not a whole number; Hugging Face's temperature steps "
+     "at floor((i + 1) / 4.5)"),
+    ({"model_type": "llama4", "text_config": {**LLAMA_LIKE, "num_hidden_layers": 4,
+      "no_rope_layers": [1, 1]}}, ("--layer", "0"),
+     "text_config.no_rope_layers: lists 2 layers, text_config.num_hidden_layers is 4"),
+    ({"model_type": "llama4", "text_config": {**LLAMA_LIKE, "num_hidden_layers": 4,
+      "rope_scaling": {"rope_type": "llama3", "factor": "4"}}}, ("--layer", "0"),
+     'text_config.rope_scaling.factor: must be a finite positive number, got "4"'),
 ]  # fmt: skip
 
 

@@ -322,6 +322,23 @@ def _logits_of_both(reference: Any, model: Any, length: int = 13) -> tuple[Any, 
         return model(ids).logits, reference(ids).logits
 
 
+def test_llama4_scouts_temperature_settings_give_hfs_logits(tmp_path: Path) -> None:
+    """Llama 4 Scout's published config states ``"attn_temperature_tuning": 4``, which
+    HF tests for truth, and a JSON writer may give ``floor_scale`` as 4.0, which HF
+    divides by alike: from-hf reads both from a multimodal config's text_config (it
+    refused the 4), and 13 positions (temperature steps at 3, 7 and 11) give HF's own
+    logits."""
+    config = transformers.Llama4TextConfig(
+        num_hidden_layers=4, head_dim=8, attention_chunk_size=4, floor_scale=4.0,
+        attn_scale=0.3, attn_temperature_tuning=4, intermediate_size_mlp=64, **TINY,
+    )  # fmt: skip
+    scout = {"model_type": "llama4", "text_config": config.to_dict()}
+    reference, model, nope = _llama4_through_from_hf_specs(tmp_path, config, scout)
+    assert nope.has_query_scale
+    got, expected = _logits_of_both(reference, model)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_llama4_with_attn_scale_0_runs_its_plain_nope_layer_strictly(tmp_path: Path) -> None:
     """attn_scale 0 with temperature tuning on scales every query by exactly 1: from-hf
     writes plain ``nope`` for the NoPE layer, and strict mode, which refused that very
