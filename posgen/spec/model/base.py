@@ -1,5 +1,6 @@
-"""The spec models' base class, the bounds every number field is checked against, and
-the discriminator of terms written as a bare keyword or a single-key mapping.
+"""The spec models' base classes (and that of a mapping that may be written as its kind
+alone), the bounds every number field is checked against, and the discriminator of terms
+written as a bare keyword or a single-key mapping.
 """
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    GetJsonSchemaHandler,
     ModelWrapValidatorHandler,
     ValidationError,
     model_validator,
 )
-from pydantic_core import ErrorDetails, InitErrorDetails, PydanticCustomError
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import CoreSchema, ErrorDetails, InitErrorDetails, PydanticCustomError
 from pydantic_core.core_schema import ErrorType
 
 from posgen.spec.diagnostics import closest_name, quoted
@@ -93,6 +96,43 @@ class SpecModel(BaseModel):
                 )
             )
         raise ValidationError.from_exception_data(cls.__name__, errors)
+
+
+class KeywordModel(SpecModel):
+    """A spec model with a ``kind`` field whose whole mapping may be written as that kind
+    alone: ``scale: none`` is ``scale: {kind: none}``, the other fields at their defaults.
+
+    The keyword is read as that mapping before validation, and the model's JSON Schema
+    (``posgen schema``) takes either form: ``anyOf`` the kinds as keywords and the
+    mapping, so that an editor accepts what the loader accepts.
+    """
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_keyword(cls, data: Any) -> Any:
+        return {"kind": data} if isinstance(data, str) else data
+
+    @classmethod
+    def keywords(cls) -> list[str]:
+        """The kinds that stand for a whole mapping, in their declared order."""
+        return [a for a in get_args(cls.model_fields["kind"].annotation) if isinstance(a, str)]
+
+    @classmethod
+    def __get_pydantic_json_schema__(
+        cls, core_schema: CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
+        mapping = dict(handler(core_schema))  # the mapping's schema, this definition
+        keyword = {
+            "type": "string",
+            "enum": cls.keywords(),
+            "description": "the kind alone, for {kind: ...} with the other fields at their "
+            "defaults",
+        }
+        # the title and description are the whole definition's, shown for either form
+        shared: JsonSchemaValue = {
+            key: mapping.pop(key) for key in ("title", "description") if key in mapping
+        }
+        return {**shared, "anyOf": [keyword, mapping]}
 
 
 _BUILT_IN_ERRORS = frozenset(get_args(ErrorType))

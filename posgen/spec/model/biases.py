@@ -8,7 +8,7 @@ import ast
 import builtins
 import keyword
 import math
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
@@ -33,6 +33,7 @@ from posgen.spec.model.base import (
     MAX_BASE,
     MAX_EXPR_INIT,
     MIN_EPS,
+    KeywordModel,
     SpecModel,
     cross_field_error,
     expression_error,
@@ -486,7 +487,7 @@ class BiasTerm(SpecModel):
         return "bias"
 
 
-class TableNorm(SpecModel):
+class TableNorm(KeywordModel):
     """Normalisation of the untied table rows before their projections.
 
     ``none``: the projections see p_i itself (the formula as printed in Ke et al. 2021);
@@ -495,11 +496,6 @@ class TableNorm(SpecModel):
 
     kind: Literal["none", "layer_norm"]
     eps: float = Field(1e-5, ge=MIN_EPS, le=0.1, description=EPS_WHY)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _from_keyword(cls, data: Any) -> Any:
-        return {"kind": data} if isinstance(data, str) else data
 
 
 class UntiedPositions(SpecModel):

@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 from pydantic import Discriminator
 
-from posgen.spec.model.base import SpecModel
+from posgen.spec.model.base import KeywordModel, SpecModel
 from posgen.spec.model.spec import Spec
 
 
@@ -42,11 +42,7 @@ def keyword_forms(class_name: str) -> list[str]:
     (``scale: none`` for ``{kind: none}``), sorted; empty where it takes a mapping only."""
     for model in _spec_models():
         if model.__name__ == class_name:
-            validators = model.__pydantic_decorators__.model_validators
-            if "_from_keyword" not in validators:
-                return []
-            field = model.model_fields["kind"]
-            return sorted(a for a in typing.get_args(field.annotation) if isinstance(a, str))
+            return sorted(model.keywords()) if issubclass(model, KeywordModel) else []
     return []
 
 

@@ -8,7 +8,7 @@ import builtins
 import keyword
 import re
 import sys
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, Tag, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -17,6 +17,7 @@ from posgen.spec.diagnostics import quoted
 from posgen.spec.model.base import (
     MAX_TABLE_ELEMENTS,
     MAX_TABLE_ROWS,
+    KeywordModel,
     SpecModel,
     cross_field_error,
     tagged,
@@ -157,7 +158,7 @@ def python_name_problem(name: str) -> str | None:
     return None
 
 
-class Scale(SpecModel):
+class Scale(KeywordModel):
     """Logit scale: ``none`` (T5) or 1/sqrt(factor · head_dim) (Vaswani et al. 2017)."""
 
     kind: Literal["none", "inv_sqrt_head_dim"]
@@ -169,11 +170,6 @@ class Scale(SpecModel):
         "(DeBERTa 3, TUPE 2): 1e-308 makes the logits overflow to NaN, 1e308 makes the scale "
         "0 so that attention ignores the content",
     )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _from_keyword(cls, data: Any) -> Any:
-        return {"kind": data} if isinstance(data, str) else data
 
     @model_validator(mode="after")
     def _factor_needs_a_scale(self) -> Scale:
