@@ -4,7 +4,8 @@ names it), takes every spec the loader takes and refuses the values of a wrong f
 The model reads some values in a short form (``scale: none`` for ``scale: {kind: none}``);
 a schema that did not show them marked every catalogue spec as wrong in an editor. The
 rules the model's own validators check (across fields, expressions, free text, reserved
-names) are beyond the schema, so invalid specs are checked where they fail on a form only.
+names) are mostly beyond the schema, so invalid specs are checked where they fail on a
+form, and on the few rules of one field that the schema states too.
 """
 
 from __future__ import annotations
@@ -132,3 +133,20 @@ def test_the_wrong_forms_include_unknown_fields_wrong_types_and_wrong_keywords()
         "query_scale_keyword.yaml",  # a keyword where only a mapping belongs
         "bad_term_form.yaml",  # a term's keyword that is not one of its forms
     } <= names
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "double__underscore.yaml",  # a name is lower-case words joined by single underscores
+        "odd_relative_buckets.yaml",  # symmetric log buckets: an even count
+        "sandwich_odd_dim.yaml",  # Sandwich's d' is even
+        "hierarchical_alpha_half.yaml",  # a hierarchical table's alpha is not 0.5
+        "untied_sinusoidal_table.yaml",  # an untied table is a learned one
+    ],
+)
+def test_the_schema_states_the_model_rules_of_one_field(name: str) -> None:
+    data = _parsed(INVALID / name)
+    types = _model_error_types(data)
+    assert types and types <= MODEL_RULES  # refused by a rule of the model's own
+    assert _schema_errors(data) != []

@@ -243,7 +243,10 @@ class SandwichBias(SpecModel):
 
     kind: Literal["sandwich"]
     dim: int = Field(
-        ge=2, le=4096, description="d', the (even) sinusoid width the bias sums over, 2 to 4096"
+        ge=2,
+        le=4096,
+        description="d', the (even) sinusoid width the bias sums over, 2 to 4096",
+        json_schema_extra={"multipleOf": 2},  # even: checked by _even
     )
     base: float = Field(10000.0, gt=1, le=MAX_BASE, description=BASE_WHY)
     per_head: Literal["same", "divided"] = Field(
@@ -513,7 +516,8 @@ class UntiedPositions(SpecModel):
     code does (query row wins where both hold).
     """
 
-    table: AbsoluteTable
+    # any kind of table, so that _learned_only names the kind given; the schema says learned
+    table: AbsoluteTable = Field(json_schema_extra={"properties": {"kind": {"const": "learned"}}})
     norm: TableNorm
     projection_bias: bool
     first_token: Literal["shared", "reset"]

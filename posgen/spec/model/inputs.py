@@ -78,6 +78,7 @@ class HierarchicalTable(SpecModel):
         gt=0,
         lt=1,
         description="weight of u_i in q = alpha u_i + (1 - alpha) u_j, in (0, 1), not 0.5",
+        json_schema_extra={"not": {"const": 0.5}},  # checked by _check_alpha
     )
     init_std: float = init_std(0.02)
 

@@ -60,6 +60,7 @@ class SymmetricLogBuckets(SpecModel):
         le=1 << 16,
         description="position_buckets, 4 to 65,536 (DeBERTa-v3 256): the table has "
         "2 x buckets rows",
+        json_schema_extra={"multipleOf": 2},  # even: checked by _check_ranges
     )
     max_distance: int = Field(
         ge=2,

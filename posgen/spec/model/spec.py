@@ -279,7 +279,16 @@ class Claims(SpecModel):
 class Spec(SpecModel):
     """One positional encoding: its metadata and its row of the decomposition table."""
 
-    name: Annotated[str, Field(min_length=1, max_length=64)]
+    # the pattern shows the schema's readers MODULE_NAME, which _module_name checks (with
+    # its own message; a Field pattern would replace it with pydantic's)
+    name: Annotated[
+        str,
+        Field(
+            min_length=1,
+            max_length=64,
+            json_schema_extra={"pattern": f"^{MODULE_NAME.pattern}$"},
+        ),
+    ]
     title: Text
     references: list[Text] = Field(
         min_length=1, max_length=32, description="1 to 32 references, one line each"
