@@ -117,7 +117,8 @@ def test_wheel_install_finds_its_templates(tmp_path: Path) -> None:
     )
     assert gen.returncode == 0, gen.stderr
     assert (tmp_path / "gen" / "t5.py").read_text().count("class T5(PositionalAttention)") == 1
-    assert sorted(path.name for path in (tmp_path / "gen").glob("_*.py")) == RUNTIME_FILES
+    written = sorted(path.name for path in (tmp_path / "gen").glob("*.py"))
+    assert written == sorted([*RUNTIME_FILES, "__init__.py", "t5.py"])  # a registry: new folder
     _installed_wheel_finds_its_catalogue(tmp_path / "site", tmp_path / "elsewhere")
 
 
