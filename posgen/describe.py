@@ -216,7 +216,7 @@ def term_lines(spec: Spec) -> list[TermLine]:
                 f"{frequency_text(rotation)}{rotary_share(spec)}{rotation_extras(rotation)}",
             )
         )
-    elif spec.input is not None and _input_term_texts(spec) == _ADDED:
+    elif _adds_a_table(spec):
         # q and k come from embed's x + p: q_i . k_j holds the three absolute terms too
         lines.append(TermLine("content_content", "keep", _ADDED_CONTENT))
     else:
@@ -331,6 +331,18 @@ def rotary_share(spec: Spec) -> str:
         f", partial: rotates the {rotation.rotary_dims.layout} {fraction * 100:g}% of each "
         f"head ({rotated} of {head_dim} features at the default head_dim), the rest pass "
         "through"
+    )
+
+
+def _adds_a_table(spec: Spec) -> bool:
+    """Whether the input is x + p for a table p of positions (not a convolution of the
+    tokens, a product or complex order): the three absolute terms of ``_ADDED``."""
+    form = spec.input
+    return (
+        form is not None
+        and not isinstance(form, ComplexOrderInput)
+        and form.kind == "add"
+        and form.table.kind != "depthwise_conv"
     )
 
 

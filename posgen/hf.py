@@ -223,10 +223,10 @@ def _posgen_attention_forward(
     v = _projected(self, "v", hidden_states)  # [B, H_kv, N, D]
     _refuse_what_posgen_does_not_do(self, kwargs)
     given = kwargs.get("position_ids")
-    if given is None:  # Llama 4, Cohere 2: the positions the model rotated by
-        given = _rotary_positions(self, position_embeddings, batch, n)
     if _temperature_by_slot(self):
         given = None  # HF's temperature reads cache_position, not position_ids
+    elif given is None:  # Llama 4, Cohere 2: the positions the model rotated by
+        given = _rotary_positions(self, position_embeddings, batch, n)
     positions = given if given is not None else cache_position
     if positions is None:
         positions = torch.arange(n)
