@@ -22,6 +22,7 @@ from posgen.spec.diagnostics import Diagnostic, SpecError, closest_name, dotted_
 from posgen.spec.model import (
     FORM_SHAPES,
     Spec,
+    description_at,
     forms_at,
     keyword_forms,
     kind_tags,
@@ -271,15 +272,24 @@ def _data_path(loc: tuple[str | int, ...], data: object) -> FieldPath:
     """Drop union tags from a pydantic location, keeping the keys that exist in data."""
     path: list[str | int] = []
     current = data
+    tag_skipped = False  # the tag of the dict at hand is dropped once: its field may follow
     for part in loc:
-        if isinstance(current, dict) and current.get("kind") == part and _is_tag(str(part)):
+        if (
+            isinstance(current, dict)
+            and not tag_skipped
+            and current.get("kind") == part
+            and _is_tag(str(part))
+        ):
+            tag_skipped = True
             continue  # a union tag that is also a field name (kind: expr has a key expr)
         if isinstance(current, dict) and part in current:
             path.append(part)
             current = current[part]
+            tag_skipped = False
         elif isinstance(current, list) and isinstance(part, int) and part < len(current):
             path.append(part)
             current = current[part]
+            tag_skipped = False
         elif isinstance(current, dict) and isinstance(part, str) and not _is_tag(part):
             path.append(part)  # a missing field: name it
             current = None
@@ -331,6 +341,9 @@ def _message(item: ErrorDetails, path: FieldPath = (), data: object = None) -> s
         forms = forms_at(path, data)  # a term: its keywords and its mappings
         words = [] if forms is not None else words_at(path, data)
         allowed = f"; allowed: {_either(words)}" if words else ""
+        description = None if words or forms is not None else description_at(path, data)
+        if description:
+            allowed = f"; {description}"
         if forms is not None:
             allowed = f"; allowed: one of {forms} {FORM_SHAPES}"
         return _MISSING_HINTS.get(path, f"required field is missing{allowed}")

@@ -72,6 +72,7 @@ from posgen.spec.model.inputs import (
     TableInput,
 )
 from posgen.spec.model.kinds import (
+    description_at,
     forms_at,
     keyword_forms,
     kind_tags,
@@ -267,6 +268,7 @@ __all__ = [
     "YarnFrequencies",
     "attention_factor_of",
     "cross_field_error",
+    "description_at",
     "init_std",
     "keyword_forms",
     "kind_tags",

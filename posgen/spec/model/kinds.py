@@ -95,6 +95,22 @@ def forms_at(path: tuple[str | int, ...], data: Any = None) -> str | None:
     return None
 
 
+def description_at(path: tuple[str | int, ...], data: Any = None) -> str | None:
+    """The ``description`` of the model field at ``path`` (as in ``kinds_at``), or None
+    where the field has none. For the message of a required field that is missing and
+    takes no fixed word: what it is and the values it allows."""
+    if not path or not isinstance(path[-1], str):
+        return None
+    for annotation in _annotations_at(path[:-1], data):
+        for model in _alternatives(annotation):
+            if not _is_model(model):
+                continue
+            for name, field in model.model_fields.items():
+                if (field.alias or name) == path[-1] and field.description:
+                    return field.description
+    return None
+
+
 def _annotations_at(path: tuple[str | int, ...], data: Any) -> list[Any]:
     """The annotations a field at ``path`` may have (``_field_types`` from the top, step
     by step along the parsed YAML ``data``)."""

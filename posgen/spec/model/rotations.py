@@ -26,7 +26,7 @@ MAX_CONTEXT = 1 << 24
 """Largest original context length (published: 2,048 to 131,072)."""
 
 _FACTOR_WHY = (
-    f"context-extension factor, in [1, {MAX_SCALING_FACTOR:g}]: positions (or the longest "
+    f"context-extension factor, in [1, {MAX_SCALING_FACTOR:,.0f}]: positions (or the longest "
     "wavelengths) are stretched this many times; a factor below 1 shrinks the context and "
     "a factor of 0 or less has no meaning"
 )
