@@ -214,7 +214,8 @@ def validate(specs: tuple[Path, ...]) -> None:
 )
 @reports_spec_errors
 def new(name: str, source: str | None, out_file: Path | None) -> None:
-    """Write a new spec NAME: a commented scaffold, or a copy of an existing spec.
+    """Write a new spec NAME: a commented scaffold, or a copy of an existing spec (its
+    ``models`` list emptied: no model uses the new encoding yet).
 
     NAME must be a spec name (lower-case ASCII words of letters and digits joined by
     single underscores, starting with a letter, at most 64 characters, not a name that

@@ -72,19 +72,30 @@ def scaffold_text(name: str, source: Path | None) -> str:
         return SCAFFOLD.format(name_line=name_line, title=title)
     text = source.read_text(encoding="utf-8")
     load_spec(source)  # a valid spec, so its text is one YAML mapping with a name
-    start, end = _name_value_span(text)
+    models = _top_level_spans(text, "models")
+    if models is not None:  # the copy is a new encoding: no model uses it yet
+        key_end, _, value_end = models
+        text = text[:key_end] + ": []" + text[value_end:]
+    spans = _top_level_spans(text, "name")
+    assert spans is not None, "a valid spec has a name"
+    _, start, end = spans
     return text[:start] + name + text[end:]  # a spec name is a plain YAML scalar
 
 
-def _name_value_span(text: str) -> tuple[int, int]:
-    """The character offsets of the top-level ``name`` value in a spec's text, in
-    whatever style it is written (plain, quoted, inside a flow mapping)."""
+def _top_level_spans(text: str, key: str) -> tuple[int, int, int] | None:
+    """Character offsets in a spec's text of the top-level ``key``: where the key ends,
+    where its value starts and where the value ends, in whatever style they are written
+    (plain, quoted, a flow or block collection; a block list ends at its last item, not
+    at the comments after it); None where the spec has no ``key``."""
     document = yaml.compose(text, Loader=yaml.SafeLoader)
     assert isinstance(document, yaml.MappingNode)
-    for key, value in document.value:
-        if key.value == "name":
-            return value.start_mark.index, value.end_mark.index
-    raise AssertionError("a valid spec has a name")
+    for key_node, value in document.value:
+        if key_node.value == key:
+            end = value.end_mark.index
+            if isinstance(value, yaml.SequenceNode) and not value.flow_style and value.value:
+                end = value.value[-1].end_mark.index
+            return key_node.end_mark.index, value.start_mark.index, end
+    return None
 
 
 def write_scaffold(name: str, out: Path, source: Path | None) -> Path:

@@ -52,7 +52,10 @@ def test_from_copies_an_existing_spec_under_the_new_name(runner: CliRunner, tmp_
     copied = load_spec(tmp_path / "specs" / "alibi_inside.yaml").spec
     original = load_spec(SPECS / "alibi.yaml").spec
     assert copied.name == "alibi_inside"
-    assert copied.model_dump(exclude={"name"}) == original.model_dump(exclude={"name"})
+    assert original.models and copied.models == []  # no model uses the new encoding yet
+    assert copied.model_dump(exclude={"name", "models"}) == original.model_dump(
+        exclude={"name", "models"}
+    )
 
 
 @pytest.mark.parametrize(
@@ -62,6 +65,7 @@ def test_from_copies_an_existing_spec_under_the_new_name(runner: CliRunner, tmp_
         'name: "alibi"',
         "name:    alibi",
         "flow",  # the whole spec as one flow mapping (JSON)
+        "block models",  # models as a block list with comments after it
     ],
 )
 def test_from_renames_a_name_written_in_any_style(
@@ -71,6 +75,10 @@ def test_from_renames_a_name_written_in_any_style(
     if written == "flow":
         text = json.dumps(yaml.safe_load(text)) + "\n"  # JSON is a YAML flow mapping
         assert text.startswith('{"name": "alibi"')
+    elif written == "block models":
+        listed = "models: [BLOOM, MPT-7B, BloombergGPT, Baichuan-13B]\n"
+        assert text.count(listed) == 1
+        text = text.replace(listed, "models:\n  - BLOOM\n  - MPT-7B  # 7B\n\n# kept\n")
     else:
         text = text.replace("name: alibi\n", written + "\n")
     source = tmp_path / "theirs" / "alibi.yaml"
@@ -80,8 +88,13 @@ def test_from_renames_a_name_written_in_any_style(
     assert result.exit_code == 0, result.output
     copied = load_spec(tmp_path / "specs" / "alibi_copy.yaml").spec
     original = load_spec(SPECS / "alibi.yaml").spec
-    assert copied.name == "alibi_copy"
-    assert copied.model_dump(exclude={"name"}) == original.model_dump(exclude={"name"})
+    assert copied.name == "alibi_copy" and copied.models == []
+    assert copied.model_dump(exclude={"name", "models"}) == original.model_dump(
+        exclude={"name", "models"}
+    )
+    if written == "block models":
+        copied_text = (tmp_path / "specs" / "alibi_copy.yaml").read_text(encoding="utf-8")
+        assert "models: []  # 7B\n\n# kept\ndefaults:" in copied_text
 
 
 def test_new_refuses_to_overwrite_and_bad_names(runner: CliRunner, tmp_path: Path) -> None:
