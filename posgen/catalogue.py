@@ -13,22 +13,35 @@ def term_word(value: object) -> str:
 
 
 def encoding_rows(specs: Sequence[Spec]) -> list[str]:
-    """A header, a rule, and per encoding its terms in short, title and models."""
-    name_width = max([18, *(len(spec.name) for spec in specs)])
-    header = (
-        f"{'name':<{name_width}} {'cc':<7} {'cp':<9} {'pc':<9} {'pp':<9} {'values':<9} "
-        "title / used by"
-    )
-    lines = [header, "-" * len(header)]
-    indent = name_width + 1 + 8 + 10 * 4
-    for spec in specs:
-        terms = spec.terms
-        lines.append(
-            f"{spec.name:<{name_width}} {term_word(terms.content_content):<7} "
-            f"{term_word(terms.content_position):<9} {term_word(terms.position_content):<9} "
-            f"{term_word(terms.position_position):<9} {term_word(spec.values):<9} "
-            f"{spec.title}"
-        )
+    """A header, a rule, and per encoding its terms in short, title and models; each
+    column as wide as its longest word (``contextual``) and one space."""
+    rows = [
+        [
+            spec.name,
+            term_word(spec.terms.content_content),
+            term_word(spec.terms.content_position),
+            term_word(spec.terms.position_content),
+            term_word(spec.terms.position_position),
+            term_word(spec.values),
+        ]
+        for spec in specs
+    ]
+    header = ["name", "cc", "cp", "pc", "pp", "values"]
+    minimum = [18, 7, 9, 9, 9, 9]  # the widths of a catalogue of short words
+    widths = [
+        max([least, len(title), *(len(row[column]) for row in rows)])
+        for column, (least, title) in enumerate(zip(minimum, header, strict=True))
+    ]
+
+    def line(cells: Sequence[str], last: str) -> str:
+        padded = (f"{cell:<{width}}" for cell, width in zip(cells, widths, strict=True))
+        return " ".join(padded) + f" {last}"
+
+    top = line(header, "title / used by")
+    lines = [top, "-" * len(top)]
+    indent = sum(widths) + len(widths)
+    for spec, row in zip(specs, rows, strict=True):
+        lines.append(line(row, spec.title))
         if spec.models:
             lines.append(f"{'':<{indent}}used by: {', '.join(spec.models)}")
     return lines

@@ -41,6 +41,20 @@ def test_list_shows_every_encoding_with_terms_and_models(run) -> None:
     assert "used by: BLOOM, MPT" in result.output
 
 
+def test_list_columns_line_up_whatever_the_longest_word(run) -> None:
+    lines = run("list").output.splitlines()
+    header, rows = lines[0], [line for line in lines[2:] if not line.startswith(" ")]
+    starts = [header.index(f" {word} ") + 1 for word in ("cc", "cp", "pc", "pp", "values")]
+    starts.append(header.index("title"))
+    cope = next(row for row in rows if row.startswith("cope "))
+    assert "contextual" in cope.split()  # the longest term word of the catalogue
+    for row in rows:
+        for start in starts:  # each cell starts at its column, after a space
+            assert row[start - 1] == " " and row[start] != " ", (row, start)
+    used_by = [line for line in lines[2:] if line.lstrip().startswith("used by:")]
+    assert used_by and {len(line) - len(line.lstrip()) for line in used_by} == {starts[-1]}
+
+
 def test_list_by_model(run) -> None:
     result = run("list", "--models")
     assert result.exit_code == 0
