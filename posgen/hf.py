@@ -78,7 +78,9 @@ SUPPORTED = "Llama-family self_attn (q_proj, k_proj, v_proj, o_proj) or BLOOM's 
 def use_posgen_attention(
     model: nn.Module, encoding: Callable[[int], nn.Module], *, strict: bool = True
 ) -> nn.Module:
-    """Route every attention layer of ``model`` through ``encoding(layer_index)``.
+    """Route every attention layer of ``model`` through ``encoding(layer_index)``; a
+    multimodal model's vision or audio tower keeps its own attention (the layer index
+    counts the language model's layers).
 
     ``encoding`` builds one posgen module per layer (call it with the layer index; return
     the same module for every layer to share one). Returns ``model``, changed in place;
@@ -117,15 +119,29 @@ def use_posgen_attention(
 
 
 def _attention_layers(model: nn.Module) -> list[tuple[nn.Module, Callable[..., Any]]]:
-    """The model's self-attention layers, in order, each with its posgen forward."""
+    """The model's self-attention layers, in order, each with its posgen forward; a
+    multimodal model's vision or audio tower (``_in_a_tower``) keeps its own."""
     wanted = ("q_proj", "k_proj", "v_proj", "o_proj")
     layers: list[tuple[nn.Module, Callable[..., Any]]] = []
     for name, module in model.named_modules():
+        if _in_a_tower(name):
+            continue
         if _is_bloom_attention(module):
             layers.append((module, _posgen_bloom_attention_forward))
         elif name.endswith("self_attn") and all(hasattr(module, part) for part in wanted):
             layers.append((module, _posgen_attention_forward))
     return layers
+
+
+_TOWER_PREFIXES = ("vision", "visual", "audio", "image", "video", "speech")
+
+
+def _in_a_tower(name: str) -> bool:
+    """Whether the submodule ``name`` lies in a multimodal model's encoder of another
+    modality (Llama 4's and Mllama's ``vision_model``, Qwen-VL's ``visual``, LLaVA's and
+    Gemma 3's ``vision_tower``, ``audio_tower``): its layers, bidirectional over patches
+    with 2-D rotations of their own and another forward signature, are no decoder's."""
+    return any(part.startswith(_TOWER_PREFIXES) for part in name.split("."))
 
 
 def _is_bloom_attention(module: nn.Module) -> bool:

@@ -457,3 +457,43 @@ def test_each_family_runs_with_its_from_hf_spec_under_the_strict_check(
     assert all(layer.__dict__[UNCHECKED] is None for layer in posgen_layers(model))
     kept = mask.bool()
     torch.testing.assert_close(got[kept], expected[kept], rtol=1e-5, atol=1e-5)
+
+
+def test_a_multimodal_models_vision_tower_keeps_its_own_attention(tmp_path: Path) -> None:
+    """Llama4ForConditionalGeneration: its vision encoder's layers are also ``self_attn``
+    with q/k/v/o projections, but bidirectional over patches with 2-D rotations of
+    their own. Only the language model's layers are routed (indices 0, 1), its logits
+    stay HF's, and the vision tower's output is unchanged."""
+    from transformers.models.llama4 import configuration_llama4 as llama4
+
+    text = llama4.Llama4TextConfig(
+        num_hidden_layers=2, head_dim=8, intermediate_size_mlp=64, **TINY
+    )  # fmt: skip
+    vision = llama4.Llama4VisionConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=128,
+        image_size=28, patch_size=14, vision_output_dim=32, projector_input_dim=32,
+        projector_output_dim=32,  # the pixel shuffle's 4 x 32 features into the projector
+    )  # fmt: skip
+    config = llama4.Llama4Config(text_config=text, vision_config=vision)
+    rope = from_hf_class(config.to_dict(), tmp_path, "llama4_text_rope", "--layer", "0")
+    torch.manual_seed(0)
+    model = transformers.Llama4ForConditionalGeneration(config).eval()
+    ids = torch.randint(1, 61, (2, 9), generator=torch.Generator().manual_seed(3))
+    pixels = torch.randn(1, 3, 28, 28, generator=torch.Generator().manual_seed(4))
+    indices: list[int] = []
+
+    def encoding(index: int) -> torch.nn.Module:
+        indices.append(index)
+        return rope()
+
+    with torch.no_grad():
+        expected = model(ids).logits
+        seen_before = model.vision_model(pixels).last_hidden_state
+        use_posgen_attention(model, encoding)
+        got = model(ids).logits
+        seen_after = model.vision_model(pixels).last_hidden_state
+    assert indices == [0, 1]
+    routed = [name for name, module in model.named_modules() if hasattr(module, "posgen")]
+    assert routed and all(name.startswith("language_model.") for name in routed)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(seen_after, seen_before)
