@@ -8,7 +8,8 @@ in two steps:
   says so: ``use_rope``, Cohere 2's full layers), a position term the layer does not
   have (a bias, content-dependent relative terms, a value-side term), and a query scale
   by position (Llama 4's temperature tuning on its NoPE layers) on a layer without one,
-  or none where the layer has it (an ``attn_scale`` of 0 scales by exactly 1: none);
+  or none where the layer has it (an ``attn_scale`` of 0 scales by exactly 1: none),
+  and where both have one, its factors at a few positions by value;
 - at the layer's first forward outside torch.compile, by value: the layer receives its
   rotation from the model (``position_embeddings``: cos and sin, or Llama 4's complex
   ``freqs_cis``), so a random probe rotated at that forward's positions by the layer's
@@ -98,6 +99,34 @@ def check_llama_family_layer(
             f"layer {index} {'scales' if tuned else 'does not scale'} its queries by "
             f"position (Llama 4's attention temperature tuning), encoding({index}) "
             f"{'does not' if tuned else 'does'}: take the layer's spec from `posgen from-hf`"
+        )
+    if tuned:
+        _check_temperature_values(attention, module, index)
+
+
+def _check_temperature_values(attention: nn.Module, module: Any, index: int) -> None:
+    """ValueError where the module's query factors are not the layer's temperature
+    1 + attn_scale * ln(1 + floor((i + 1) / floor_scale)) (HF's, in float32) within
+    1e-6, at positions on both sides of its first steps and far out: another
+    ``floor_scale`` or ``attn_scale`` (Scout's 8192 and 0.1) would change the logits."""
+    layer: Any = attention  # HF's Llama4TextAttention: plain attributes, not submodules
+    floor_scale, attn_scale = float(layer.floor_scale), float(layer.attn_scale)
+    steps = torch.arange(0, 5, dtype=torch.float64) * floor_scale  # [5]
+    positions = torch.cat([steps[1:] - 1, steps, torch.tensor([2.0**20, 2.0**24])])
+    positions = positions.to(torch.int64).clamp(min=0).unique()  # [P]
+    tau = torch.log(torch.floor((positions.float() + 1.0) / floor_scale) + 1.0)
+    expected = (tau * attn_scale + 1.0).double()  # [P], as HF forms it
+    probe = torch.ones(1, module.heads, len(positions), module.head_dim, dtype=torch.float64)
+    with torch.no_grad():
+        got = module.scale_queries(probe, positions)[0, :, :, 0]  # [H, P]
+    differs = ((got - expected).abs() > 1e-6 * expected).any(dim=0)  # [P]
+    if bool(differs.any()):
+        first = int(differs.nonzero()[0])
+        raise ValueError(
+            f"layer {index} scales its queries by {float(expected[first]):.6g} at position "
+            f"{int(positions[first])} (floor_scale {floor_scale:g}, attn_scale "
+            f"{attn_scale:g}), encoding({index}) by {float(got[0, first]):.6g}: take the "
+            "layer's spec from `posgen from-hf`"
         )
 
 

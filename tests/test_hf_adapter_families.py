@@ -385,6 +385,31 @@ def test_a_module_that_cannot_reproduce_a_layer_is_refused_by_name(tmp_path: Pat
     llama4 = transformers.Llama4ForCausalLM(llama4_config)
     message = _refusal(llama4, lambda index: nope(4, 8) if index == 3 else rope(4, 8))
     assert "layer 3 scales its queries by position" in message
+    scout = generated_class("nope_llama4")  # floor_scale 8192, attn_scale 0.1: Scout's
+    for floor_scale, attn_scale, at, layer_factor, module_factor in [
+        (4, 0.1, 3, "1.06931", "1"),  # another step: the first ends at position 3
+        (8192, 0.3, 8191, "1.20794", "1.06931"),  # another growth per step
+    ]:
+        other = transformers.Llama4TextConfig(
+            num_hidden_layers=4, head_dim=8, intermediate_size_mlp=64, floor_scale=floor_scale,
+            attn_scale=attn_scale, **TINY,
+        )  # fmt: skip
+        message = _refusal(
+            transformers.Llama4ForCausalLM(other),
+            lambda index: scout(4, 8) if index == 3 else rope(4, 8),
+        )
+        assert (
+            f"layer 3 scales its queries by {layer_factor} at position {at} (floor_scale "
+            f"{floor_scale}, attn_scale {attn_scale}), encoding(3) by {module_factor}"
+        ) in message
+    same = transformers.Llama4TextConfig(
+        num_hidden_layers=4, head_dim=8, intermediate_size_mlp=64, floor_scale=8192,
+        attn_scale=0.1, **TINY,
+    )  # fmt: skip
+    use_posgen_attention(  # Scout's own settings pass
+        transformers.Llama4ForCausalLM(same),
+        lambda index: scout(4, 8) if index == 3 else rope(4, 8),
+    )
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
