@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from ._attention import PositionalAttention
+from ._bounded import clamp_toward_range
 from ._distances import bias_read_per_distance, default_distances, expand_distance_bias
 from ._flex import flex_positions
 from ._inputs import score_bias_positions
@@ -154,9 +155,10 @@ class KerpleLog(PositionalAttention):
         return bias
 
     def _kernel_parameters(self, device) -> tuple[Tensor, Tensor]:
-        """r1 and r2 [heads] in the bias dtype (float32, or float64), clamped."""
+        """r1 and r2 [heads] in the bias dtype (float32, or float64), clamped (a value
+        outside its range still gets the gradient that brings it back)."""
         r1 = self.r1.to(device)
         dtype = torch.promote_types(r1.dtype, torch.float32)
-        r1 = r1.to(dtype).clamp(min=KERPLE_EPS)
-        r2 = self.r2.to(device=device, dtype=dtype).clamp(min=KERPLE_EPS)
+        r1 = clamp_toward_range(r1.to(dtype), KERPLE_EPS)
+        r2 = clamp_toward_range(self.r2.to(device=device, dtype=dtype), KERPLE_EPS)
         return r1, r2

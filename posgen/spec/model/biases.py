@@ -285,7 +285,8 @@ class ExprParam(SpecModel):
         None,
         min_length=2,
         max_length=2,
-        description=f"[lo, hi], each within ±{MAX_EXPR_INIT:g}: the value is read clamped",
+        description=f"[lo, hi], each within ±{MAX_EXPR_INIT:g}: the value is read clamped "
+        "(with the gradient that brings a value outside them back)",
     )
 
     @model_validator(mode="after")
