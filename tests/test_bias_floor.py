@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from generated import ENCODINGS, parameters_frozen
 from generated import _distances as distances
-from tests.conftest import HostReads, runtime_modules, set_runtime, spy_calls
+from tests.conftest import HostReads, generated_class, runtime_modules, set_runtime, spy_calls
 
 FLOOR = distances.BIAS_FLOOR
 
@@ -622,3 +622,35 @@ def test_a_causal_bias_per_pair_is_floored_only_where_its_rows_are_steep(
     spread = float(distances.content_spread(q, k, pe.scale).max())
     lowest = min(lowest_finite(mask) for mask in masks)
     assert (lowest >= -FLOOR - spread) if steep else lowest == pytest.approx(-0.25 * 2 * (keys - 1))
+
+
+@pytest.mark.parametrize("trains", [False, True])
+def test_a_row_far_from_zero_keeps_its_keys_apart_under_the_floor(trains: bool) -> None:
+    """KERPLE-power at r1 = 1, r2 = 2 with queries 2^15 positions after their keys: each
+    row's bias lies near -2^30, where a float32's spacing (128) outgrew the floor's
+    depth, so top - depth rounded back to the top and raised every key to it (sdpa 3.4
+    off, the r1 gradient 1.5e8 off). The float32 sdpa output and gradients equal the
+    float64 eager ones (the bias's magnitude drowns the content logits in float32, so
+    each row is its nearest key's value)."""
+    pe = generated_class("kerple_power")(heads=4, head_dim=16)
+    with torch.no_grad():
+        pe.r1.fill_(1.0)
+        pe.r2.fill_(2.0)
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 40, 16, generator=generator) for _ in range(3))
+    positions = dict(q_positions=torch.arange(40) + 2**15, k_positions=torch.arange(40))
+
+    def run(module: torch.nn.Module, dtype: torch.dtype, backend: str) -> list[torch.Tensor]:
+        inputs = [t.to(dtype).requires_grad_(trains) for t in (q, k, v)]
+        with torch.set_grad_enabled(trains):
+            out = module.to(dtype)(*inputs, backend=backend, **positions)
+        if not trains:
+            return [out.detach()]
+        weights = torch.linspace(-1, 1, out.numel(), dtype=dtype).view_as(out)
+        grads = torch.autograd.grad((out * weights).sum(), [*inputs, module.r1, module.r2])
+        return [out.detach(), *grads]
+
+    want = run(pe, torch.float64, "eager")
+    got = run(pe, torch.float32, "sdpa")
+    for got_one, want_one in zip(got, want, strict=True):
+        torch.testing.assert_close(got_one.double(), want_one, rtol=1e-5, atol=1e-5)

@@ -328,6 +328,13 @@ BIAS_FLOOR_MOST_SPREAD = 40.0
 # their bias, as with no floor).
 BIAS_FLOOR_DEEP = 105.0
 
+# The floor also sits at least this fraction of the top's magnitude below it: 128
+# float32 spacings, so that top - depth does not round back to the top, which would
+# raise every key of the row to it (from |top| = 2^30 for BIAS_FLOOR, where a float32's
+# spacing is 128). A row that far from 0 then reads its keys above the floor exactly
+# and the rest with weight 0.
+BIAS_FLOOR_RELATIVE = 2.0**-16
+
 
 def bias_floor_serves(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the sdpa backend floors a bias for SDPA in ``dtype`` on ``device``."""
@@ -478,7 +485,11 @@ def _floor_under(top: Tensor, spread: Tensor) -> Tensor:
     else ``top - BIAS_FLOOR_DEEP - spread`` (either way no floored key's weight was or
     becomes more than e^-BIAS_FLOOR of the row's largest), detached, with NaN and +inf
     as -inf (no floor)."""
-    floor = top.detach() - _floor_depth(spread)
+    top = top.detach()
+    # far from 0 a float32 top's spacing outgrows the depth (128 at 2^30: KERPLE-power's
+    # -|i - j|^2 at distance 2^15), and top - depth rounded back to top raised every key
+    depth = torch.maximum(_floor_depth(spread), top.abs() * BIAS_FLOOR_RELATIVE)
+    floor = top - depth
     return floor.nan_to_num(nan=-math.inf, posinf=-math.inf, neginf=-math.inf)
 
 
