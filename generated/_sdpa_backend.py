@@ -357,20 +357,23 @@ class SdpaBackend(SdpaRelative):
                 return out
         vec = self._scaled_distance_bias(n, m, q.device)  # [H, N + M - 1]
         spread, flushed = self._distance_floor_or_flush(q, k, v, vec)
-        vec = _distances_masked(_floored_distances(vec, m, spread), n, m, causal, window)
+        if attn_mask is not None:  # it may hide distance 0, the entry the floor sits under
+            spread = None
+        full = _distances_masked(_floored_distances(vec, m, spread), n, m, causal, window)
         if self.distance_bias_at_most_zero:  # the shift would be 0: every row reads r = 0
-            vec = vec if vec.dtype == q.dtype else vec.to(q.dtype)  # [H, N + M - 1]
+            vec = full if full.dtype == q.dtype else full.to(q.dtype)  # [H, N + M - 1]
         else:
-            vec = half_precision_bias(vec, q.dtype)  # [H, N + M - 1]
+            vec = half_precision_bias(full, q.dtype)  # [H, N + M - 1]
         # no mask removes distance 0, so with a finite entry there every row reads a key
         # (an expression's -inf needs the fully-masked-row care)
         reads = self._every_row_reads(True, causal, window, False, attn_mask)
-        if flushed:  # a few queries: their rows of the vector as one mask, in query order
-            mask = vec[None, :, None, :] if n == 1 else expand_distance_bias(vec, n, m)[None]
-            mask = bias_with_attn_mask(mask, attn_mask)  # [B or 1, H, N, M]
-            return grouped_query_attention(q, k, v, mask, self.scale, every_row_reads=reads)
-        if n == 1:  # one query (a decode step): the vector is its row, in key order
-            mask = bias_with_attn_mask(vec[None, :, None, :], attn_mask)  # [B or 1, H, 1, M]
+        if flushed or n == 1:  # a few queries, a decode step: their rows as one mask
+            rows = full if attn_mask is not None else vec  # [H, N + M - 1]
+            mask = rows[None, :, None, :] if n == 1 else expand_distance_bias(rows, n, m)[None]
+            if attn_mask is not None:  # shifted by the largest entry each row reads
+                mask = half_precision_bias(bias_with_attn_mask(mask, attn_mask), q.dtype)
+            if flushed:  # [B or 1, H, N, M], in query order
+                return grouped_query_attention(q, k, v, mask, self.scale, every_row_reads=reads)
             return scaled_dot_product(q, k, v, mask, self.scale, every_row_reads=reads)
         if not (causal or window is not None or vec.requires_grad):
             spans = [(0, n, 0, m)]  # nothing to skip: one call over every key

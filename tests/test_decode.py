@@ -618,3 +618,34 @@ def test_a_verdict_on_a_view_holds_for_the_same_slice_taken_again() -> None:
     assert verdicts.get(("live",), (mask[..., :7].view(torch.uint8),)) is None  # another dtype
     mask[0, 0, 0, 0] = False
     assert verdicts.get(("live",), (mask[..., :7],)) is None
+
+
+@pytest.mark.parametrize("name", ["alibi", "alibi_learned", "kerple_power"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_step_whose_mask_hides_the_newest_keys_reads_the_rest_exactly(
+    name: str, dtype: torch.dtype
+) -> None:
+    """One query at the default position M - 1 with an attn_mask hiding the newest 250
+    of 300 keys (distance 0 among them): the floor under the bias sat under the entry
+    at distance 0, which no key it reads has, and raised every key read to it (bf16
+    0.8 off for ALiBi, 1.7 for KERPLE-power); a half-precision vector was shifted by
+    that entry too. sdpa is as close to the float64 truth as eager is."""
+    torch.manual_seed(0)
+    pe = generated_class(name)(heads=4, head_dim=16)
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, 1, 16, generator=generator)
+    k, v = (torch.randn(1, 4, 300, 16, generator=generator) for _ in "kv")
+    mask = torch.ones(1, 1, 1, 300, dtype=torch.bool)
+    mask[..., -250:] = False
+    with torch.no_grad():
+        truth = copy.deepcopy(pe).double()(
+            q.double(), k.double(), v.double(), attn_mask=mask, backend="eager"
+        )
+        inputs = (q.to(dtype), k.to(dtype), v.to(dtype))
+        eager, sdpa = (
+            pe.to(dtype)(*inputs, attn_mask=mask, backend=backend).double()
+            for backend in ("eager", "sdpa")
+        )
+    eager_error = float((eager - truth).abs().max())
+    tolerance = 1e-5 if dtype == torch.float32 else 4 * max(eager_error, 2**-8)
+    assert float((sdpa - truth).abs().max()) <= tolerance, (eager_error, tolerance)
