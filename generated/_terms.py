@@ -24,6 +24,9 @@ from ._caches import cache_get, cache_put, kept_over_reach
 from ._devices import check_argument_devices
 from ._distances import distance_span_vector, distance_span_with_zero
 from ._inputs import (
+    MAX_HEAD_DIM,
+    MAX_HEADS,
+    MAX_WIDTH,
     Rotated,
     check_attention_inputs,
     check_axis_positions,
@@ -325,8 +328,13 @@ class AttentionTerms(nn.Module):
 
     def __init__(self, heads: int, head_dim: int, scale_factor: float | None) -> None:
         super().__init__()
-        self.heads = positive_int(heads, "heads")
-        self.head_dim = positive_int(head_dim, "head_dim")
+        self.heads = positive_int(heads, "heads", MAX_HEADS)
+        self.head_dim = positive_int(head_dim, "head_dim", MAX_HEAD_DIM)
+        if heads * head_dim > MAX_WIDTH:
+            raise ValueError(
+                f"heads * head_dim must be at most {MAX_WIDTH:,}, got {heads} * {head_dim} = "
+                f"{heads * head_dim:,}"
+            )
         self.scale = 1.0 if scale_factor is None else 1.0 / math.sqrt(scale_factor * self.head_dim)
         self._cache: dict[tuple[Any, ...], Any] = {}  # see cache_put
 

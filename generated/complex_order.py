@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 from ._attention import PositionalAttention
 from ._inputs import (
+    MAX_MODEL_DIM,
     check_embed_input,
     check_float_dtype,
     check_positions,
@@ -111,7 +112,7 @@ class ComplexOrder(PositionalAttention):
         super().__init__(heads, head_dim, scale_factor=1.0)
         # the arguments as given: reset_parameters builds a module of them
         self._arguments = {"heads": heads, "head_dim": head_dim, "model_dim": model_dim}
-        self.model_dim = positive_int(model_dim, "model_dim")
+        self.model_dim = positive_int(model_dim, "model_dim", MAX_MODEL_DIM)
         # per-feature fallbacks, used when embed gets no per-token frequency / phase:
         # omega_d = base^(-d / model_dim) (a geometric spread, as sinusoids), theta_d = 0
         exponents = torch.arange(self.model_dim, dtype=torch.float64) / self.model_dim

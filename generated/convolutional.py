@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ._attention import PositionalAttention
-from ._inputs import check_embed_input, check_positions, positive_int
+from ._inputs import MAX_MODEL_DIM, check_embed_input, check_positions, positive_int
 from ._numerics import compute_dtype
 
 __all__ = ["Convolutional"]
@@ -96,7 +96,7 @@ class Convolutional(PositionalAttention):
         super().__init__(heads, head_dim, scale_factor=1.0)
         # the arguments as given: reset_parameters builds a module of them
         self._arguments = {"heads": heads, "head_dim": head_dim, "model_dim": model_dim}
-        self.model_dim = positive_int(model_dim, "model_dim")
+        self.model_dim = positive_int(model_dim, "model_dim", MAX_MODEL_DIM)
         # depthwise: one kernel per feature; weight [model_dim, 1, kernel_size]
         self.position_conv = nn.Conv1d(
             self.model_dim,

@@ -50,7 +50,7 @@ from torch import Tensor, nn
 from ._attention import PositionalAttention
 from ._caches import cache_get, cache_put
 from ._distances import diagonal_rows, monotone_index_ends
-from ._inputs import positive_int, repeat_kv
+from ._inputs import MAX_MODEL_DIM, positive_int, repeat_kv
 from ._masks import relative_positions
 from ._terms import RelativeFactors, rows_projection
 
@@ -131,7 +131,7 @@ class Deberta(PositionalAttention):
         super().__init__(heads, head_dim, scale_factor=3.0)
         # the arguments as given: reset_parameters builds a module of them
         self._arguments = {"heads": heads, "head_dim": head_dim, "model_dim": model_dim}
-        self.model_dim = positive_int(model_dim, "model_dim")
+        self.model_dim = positive_int(model_dim, "model_dim", MAX_MODEL_DIM)
         # [rows, model_dim]; projected into the heads by each term's projection.
         self.rel_embeddings = nn.Embedding(RELATIVE_ROWS, self.model_dim)
         nn.init.normal_(self.rel_embeddings.weight, mean=0.0, std=0.02)

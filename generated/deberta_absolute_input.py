@@ -56,7 +56,14 @@ from torch import Tensor, nn
 from ._attention import PositionalAttention
 from ._caches import cache_get, cache_put
 from ._distances import diagonal_rows, monotone_index_ends
-from ._inputs import check_embed_input, check_positions, check_table_reach, positive_int, repeat_kv
+from ._inputs import (
+    MAX_MODEL_DIM,
+    check_embed_input,
+    check_positions,
+    check_table_reach,
+    positive_int,
+    repeat_kv,
+)
 from ._masks import relative_positions
 from ._terms import RelativeFactors, rows_projection
 
@@ -139,7 +146,7 @@ class DebertaAbsoluteInput(PositionalAttention):
         super().__init__(heads, head_dim, scale_factor=3.0)
         # the arguments as given: reset_parameters builds a module of them
         self._arguments = {"heads": heads, "head_dim": head_dim, "model_dim": model_dim}
-        self.model_dim = positive_int(model_dim, "model_dim")
+        self.model_dim = positive_int(model_dim, "model_dim", MAX_MODEL_DIM)
         self.max_positions = MAX_POSITIONS
         # [max_positions, model_dim]; the layout of GPT-2 `wpe.weight` and BERT
         # `embeddings.position_embeddings.weight`: copy either directly.

@@ -42,6 +42,7 @@ from ._attention import PositionalAttention
 from ._caches import cache_get, cache_put
 from ._inputs import (
     FLOAT_DTYPES,
+    MAX_MODEL_DIM,
     check_embed_input,
     check_positions,
     positive_int,
@@ -99,7 +100,7 @@ class Floater(PositionalAttention):
         super().__init__(heads, head_dim, scale_factor=1.0)
         # the arguments as given: reset_parameters builds a module of them
         self._arguments = {"heads": heads, "head_dim": head_dim, "model_dim": model_dim}
-        self.model_dim = positive_int(model_dim, "model_dim")
+        self.model_dim = positive_int(model_dim, "model_dim", MAX_MODEL_DIM)
         self.max_positions = MAX_POSITIONS
         self.hidden = 512
         # h(p, t) = W_out [act(W_in [p; t] + b_in); t] + b_out, t the last input column

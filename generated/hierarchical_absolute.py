@@ -39,7 +39,13 @@ import torch
 from torch import Tensor, nn
 
 from ._attention import PositionalAttention
-from ._inputs import check_embed_input, check_positions, check_table_reach, positive_int
+from ._inputs import (
+    MAX_MODEL_DIM,
+    check_embed_input,
+    check_positions,
+    check_table_reach,
+    positive_int,
+)
 
 __all__ = ["HierarchicalAbsolute"]
 
@@ -89,7 +95,7 @@ class HierarchicalAbsolute(PositionalAttention):
         super().__init__(heads, head_dim, scale_factor=1.0)
         # the arguments as given: reset_parameters builds a module of them
         self._arguments = {"heads": heads, "head_dim": head_dim, "model_dim": model_dim}
-        self.model_dim = positive_int(model_dim, "model_dim")
+        self.model_dim = positive_int(model_dim, "model_dim", MAX_MODEL_DIM)
         self.base_positions = BASE_POSITIONS
         self.max_positions = BASE_POSITIONS * BASE_POSITIONS
         self.alpha = HIERARCHY_ALPHA

@@ -39,7 +39,13 @@ import torch
 from torch import Tensor, nn
 
 from ._attention import PositionalAttention
-from ._inputs import check_embed_input, check_positions, check_table_reach, positive_int
+from ._inputs import (
+    MAX_MODEL_DIM,
+    check_embed_input,
+    check_positions,
+    check_table_reach,
+    positive_int,
+)
 
 __all__ = ["LearnedAbsolute"]
 
@@ -88,7 +94,7 @@ class LearnedAbsolute(PositionalAttention):
         super().__init__(heads, head_dim, scale_factor=1.0)
         # the arguments as given: reset_parameters builds a module of them
         self._arguments = {"heads": heads, "head_dim": head_dim, "model_dim": model_dim}
-        self.model_dim = positive_int(model_dim, "model_dim")
+        self.model_dim = positive_int(model_dim, "model_dim", MAX_MODEL_DIM)
         self.max_positions = MAX_POSITIONS
         # [max_positions, model_dim]; the layout of GPT-2 `wpe.weight` and BERT
         # `embeddings.position_embeddings.weight`: copy either directly.

@@ -35,7 +35,13 @@ import torch
 from torch import Tensor
 
 from ._attention import PositionalAttention
-from ._inputs import check_embed_input, check_positions, positions_or_default, positive_int
+from ._inputs import (
+    MAX_MODEL_DIM,
+    check_embed_input,
+    check_positions,
+    positions_or_default,
+    positive_int,
+)
 
 __all__ = ["MultiplicativeSinusoidal"]
 
@@ -95,7 +101,7 @@ class MultiplicativeSinusoidal(PositionalAttention):
         super().__init__(heads, head_dim, scale_factor=1.0)
         # the arguments as given: reset_parameters builds a module of them
         self._arguments = {"heads": heads, "head_dim": head_dim, "model_dim": model_dim}
-        self.model_dim = positive_int(model_dim, "model_dim")
+        self.model_dim = positive_int(model_dim, "model_dim", MAX_MODEL_DIM)
         if self.model_dim % 2:
             raise ValueError(f"sinusoidal tables need an even model_dim, got {self.model_dim}")
 

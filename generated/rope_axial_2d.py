@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from ._attention import PositionalAttention
-from ._inputs import positive_int
+from ._inputs import MAX_GRID_PATCHES, positive_int
 from ._numerics import compute_dtype
 from ._position_axes import angles_by_axis
 from ._rotation import apply_rotation, cos_and_sin, spread_over_features
@@ -169,6 +169,11 @@ class RopeAxial2d(PositionalAttention):
         first half of the pairs turns with the column (x) and the second with the row (y),
         as Heo et al.'s axial layout. Pass them as q_positions and k_positions."""
         count = positive_int(height, "height") * positive_int(width, "width")
+        if count > MAX_GRID_PATCHES:
+            raise ValueError(
+                f"height * width must be at most {MAX_GRID_PATCHES:,} patches, got "
+                f"{height} * {width}"
+            )
         index = torch.arange(count, device=device)
         return torch.stack((index % width, index // width)).unsqueeze(1)  # [2, 1, H * W]
 

@@ -42,7 +42,7 @@ from ._attention import PositionalAttention
 from ._caches import cache_get, cache_put
 from ._distances import diagonal_rows, monotone_index_ends
 from ._few_queries import few_queries
-from ._inputs import positive_int
+from ._inputs import MAX_HEAD_DIM, positive_int
 from ._masks import relative_positions
 from ._opaque import own_buffer_on_cpu
 from ._terms import RelativeFactors, rows_projection
@@ -119,7 +119,7 @@ class Shaw(PositionalAttention):
         nn.init.normal_(self.distance_embedding.weight, mean=0.0, std=0.02)
         if value_dim is None:
             value_dim = self.head_dim
-        self.value_dim = positive_int(value_dim, "value_dim")
+        self.value_dim = positive_int(value_dim, "value_dim", MAX_HEAD_DIM)
         # R^V: [rows, value_dim], added to the values by the attention weights.
         self.value_embedding = nn.Embedding(RELATIVE_ROWS, self.value_dim)
         nn.init.normal_(self.value_embedding.weight, mean=0.0, std=0.02)

@@ -44,7 +44,7 @@ from torch import Tensor, nn
 from ._attention import PositionalAttention
 from ._caches import arange_view, cache_get, cache_put
 from ._distances import distance_rows_at_positions
-from ._inputs import positive_int, repeat_kv, score_bias_positions
+from ._inputs import MAX_MODEL_DIM, positive_int, repeat_kv, score_bias_positions
 from ._masks import relative_positions
 from ._terms import RelativeFactors, content_projection, global_rows_projection, rows_projection
 
@@ -133,7 +133,7 @@ class TransformerXl(PositionalAttention):
         super().__init__(heads, head_dim, scale_factor=1.0)
         # the arguments as given: reset_parameters builds a module of them
         self._arguments = {"heads": heads, "head_dim": head_dim, "model_dim": model_dim}
-        self.model_dim = positive_int(model_dim, "model_dim")
+        self.model_dim = positive_int(model_dim, "model_dim", MAX_MODEL_DIM)
         if self.model_dim % 2:
             raise ValueError(f"sinusoidal tables need an even model_dim, got {self.model_dim}")
         # W_R, a projection of its own for the relative rows (no bias).

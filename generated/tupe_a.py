@@ -46,6 +46,7 @@ from torch import Tensor, nn
 
 from ._attention import PositionalAttention
 from ._inputs import (
+    MAX_MODEL_DIM,
     check_table_reach,
     positions_or_default,
     positive_int,
@@ -100,7 +101,7 @@ class TupeA(PositionalAttention):
         super().__init__(heads, head_dim, scale_factor=2.0)
         # the arguments as given: reset_parameters builds a module of them
         self._arguments = {"heads": heads, "head_dim": head_dim, "model_dim": model_dim}
-        self.model_dim = positive_int(model_dim, "model_dim")
+        self.model_dim = positive_int(model_dim, "model_dim", MAX_MODEL_DIM)
         self.max_positions = UNTIED_MAX_POSITIONS
         # p: [max_positions + 1, model_dim], a table of its own (never added to the input);
         # row 0 is the first token's slot and position t reads row t + 1.

@@ -53,7 +53,13 @@ from torch import Tensor, nn
 from ._attention import PositionalAttention
 from ._caches import cache_get, cache_put
 from ._distances import distance_span_vector
-from ._inputs import check_table_reach, positions_or_default, positive_int, score_bias_positions
+from ._inputs import (
+    MAX_MODEL_DIM,
+    check_table_reach,
+    positions_or_default,
+    positive_int,
+    score_bias_positions,
+)
 from ._masks import relative_positions
 
 __all__ = ["TupeR"]
@@ -137,7 +143,7 @@ class TupeR(PositionalAttention):
         super().__init__(heads, head_dim, scale_factor=2.0)
         # the arguments as given: reset_parameters builds a module of them
         self._arguments = {"heads": heads, "head_dim": head_dim, "model_dim": model_dim}
-        self.model_dim = positive_int(model_dim, "model_dim")
+        self.model_dim = positive_int(model_dim, "model_dim", MAX_MODEL_DIM)
         # [buckets + 1, heads]: the buckets, then one spare row used by the first-token reset.
         self.relative_attention_bias = nn.Embedding(BUCKETS + 1, self.heads)
         nn.init.normal_(self.relative_attention_bias.weight, mean=0.0, std=1.0)

@@ -191,6 +191,22 @@ def test_constructor_rejects_bad_sizes(name: str, argument: str) -> None:
     for value in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match=argument):
             cls(**{argument: value})
+    # sizes no model has, refused at once rather than built for minutes or gigabytes
+    with pytest.raises(ValueError, match=f"^{argument} must be at most 4,096, got 268,435,456$"):
+        cls(**{argument: 2**28})
+    with pytest.raises(ValueError, match="heads \\* head_dim must be at most 131,072"):
+        cls(heads=64, head_dim=4096)
+
+
+def test_other_sizes_are_bounded_too() -> None:
+    with pytest.raises(ValueError, match="^model_dim must be at most 65,536, got 1,048,576$"):
+        generated_class("learned_absolute")(model_dim=2**20)
+    with pytest.raises(ValueError, match="^value_dim must be at most 4,096, got 1,048,576$"):
+        generated_class("shaw")(value_dim=2**20)
+    grid = generated_class("rope_axial_2d").grid_positions
+    with pytest.raises(ValueError, match="height \\* width must be at most 2,147,483,648"):
+        grid(2**40, 2**40)
+    assert grid(2, 3).tolist() == [[[0, 1, 2, 0, 1, 2]], [[0, 0, 0, 1, 1, 1]]]
 
 
 @pytest.mark.parametrize("name", NAMES)

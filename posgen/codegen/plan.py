@@ -197,6 +197,7 @@ class ConstructorArgument:
     annotation: str  # a type written in the template's own words: "int" or "int | None"
     default: int | None
     doc: str
+    most: str = "MAX_MODEL_DIM"  # the runtime's constant bounding it
 
 
 #: a composition flag's value: a switch, a distance, attribute names, or None (unset)
@@ -704,7 +705,7 @@ def _arguments(spec: Spec, blocks: tuple[Block, ...]) -> tuple[ConstructorArgume
     relative = next((b for b in blocks if isinstance(b, RelativePlan)), None)
     if relative is not None and relative.values is not None:
         doc = "width of v and of the value-side table (default head_dim)."
-        arguments.append(ConstructorArgument("value_dim", "int | None", None, doc))
+        arguments.append(ConstructorArgument("value_dim", "int | None", None, doc, "MAX_HEAD_DIM"))
     return tuple(arguments)
 
 

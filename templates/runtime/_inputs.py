@@ -28,10 +28,27 @@ MAX_POSITION = 2**53 - 1
 Rotated = Literal["none", "keys", "both"]
 
 
-def positive_int(value: int, name: str) -> int:
-    """``value`` if it is a positive int (not a bool), else ValueError naming ``name``."""
+# The largest sizes a constructor takes: four times a spec's own bounds for heads and
+# head_dim (published models: up to 128 heads of up to 256 features), a width of heads
+# times head_dim up to 2^17 (published: up to about 25,600), a spec's bound for model_dim.
+# Past them a module's tables would take gigabytes (DeBERTa's rows are heads * head_dim
+# wide) or its construction minutes (ALiBi's slopes are a Python list per head).
+MAX_HEADS = 4096
+MAX_HEAD_DIM = 4096
+MAX_WIDTH = 1 << 17
+MAX_MODEL_DIM = 1 << 16
+# The most patches ``grid_positions`` lays out (a 46,340-square grid): past it the
+# positions alone would take 32 GiB.
+MAX_GRID_PATCHES = 1 << 31
+
+
+def positive_int(value: int, name: str, most: int | None = None) -> int:
+    """``value`` if it is a positive int (not a bool) of at most ``most`` (where given),
+    else ValueError naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if most is not None and value > most:
+        raise ValueError(f"{name} must be at most {most:,}, got {value:,}")
     return value
 
 
