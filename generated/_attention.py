@@ -300,7 +300,9 @@ class PositionalAttention(SdpaBackend, FlexBackend):
         n, m = q.shape[2], k.shape[2]
         with autocast_off(q.device.type):
             documents = pair_documents(document_ids, n, m)
-            terms = self._score_terms_exact(q, k, q_positions, k_positions, rotated, documents)
+            terms = self._score_terms_exact(
+                q, k, q_positions, k_positions, rotated, documents, attn_mask
+            )
             logits = terms.pop("content_content")
             for term in terms.values():
                 logits = logits + term  # [B, H, N, M]

@@ -135,7 +135,9 @@ class FlexBackend(AttentionTerms):
                 relative_fn = flex_relative_terms(clipped, width, dtype, q.device, positions)
             else:  # dense: the [B, H, N, M] terms, captured
                 documents = pair_documents(document_ids, n, k.shape[2])
-                terms = self._relative_terms(q, heads_k, q_positions, k_positions, dtype, documents)
+                terms = self._relative_terms(
+                    q, heads_k, q_positions, k_positions, dtype, documents, attn_mask
+                )
                 parts = list(terms.values())
                 added = sum_into_new(parts) if parts else None
         trains_terms = self._trains_terms()

@@ -57,6 +57,7 @@ from ._inputs import positions_or_default, repeat_kv
 from ._masks import (
     apply_masks,
     attention_allowed,
+    attn_mask_reads,
     attn_mask_span,
     block_fresh,
     causal_allowed,
@@ -123,10 +124,11 @@ def counting_query_chunks(
     mask_row_bytes: int = 0,
 ) -> list[Span]:
     """``reachable_query_chunks`` for terms that count keys (CoPE: every key at or before
-    a query's position in its document, masked or not): each span reaches to the last
-    key its queries count as well. A window, causal or not, can leave out of a span, at
-    explicit positions, a key that its queries count (a later key at an earlier
-    position, before the window); their counts then missed its gate."""
+    a query's position in its document that its attn_mask lets it read, inside its
+    window or not): each span reaches to the last key its queries count as well. A
+    window, causal or not, can leave out of a span, at explicit positions, a key that
+    its queries count (a later key at an earlier position, before the window); their
+    counts then missed its gate."""
     spans = reachable_query_chunks(
         n, m, device_type, causal, window, document_ids, q_positions, k_positions, mask_row_bytes
     )
@@ -147,24 +149,16 @@ def span_masks(
     causal: bool,
     attn_mask: Tensor | None,
     window: int | None,
-    document_ids: Tensor | None,
-    keys_reversed: bool = False,
+    documents: tuple[Tensor, Tensor] | None,
 ) -> SpanMasks:
     """(span, its terms) -> the terms with the span's masks joined (in place where the
     terms have the full shape): -inf where the causal mask or window forbids a pair by
     position, where packed documents differ or a bool ``attn_mask`` is False, plus a float
-    one. Span (i0, i1, lo, hi): queries i0 .. i1 - 1 against keys lo .. hi - 1 (of the
-    keys in reversed order, the latest first, where ``keys_reversed``); q_positions: [N]
-    or [B, N]; k_positions: [M] or [B, M]; document_ids: the keys' documents (the
-    queries are the last N keys)."""
+    one. Span (i0, i1, lo, hi): queries i0 .. i1 - 1 against keys lo .. hi - 1, in the
+    order the keys' tensors hold them (``_sdpa_counted``'s: reversed); q_positions: [N]
+    or [B, N]; k_positions: [M] or [B, M]; documents: the queries' and the keys'
+    documents (``pair_documents``), or None."""
     n, m = q_positions.shape[-1], k_positions.shape[-1]
-    documents = pair_documents(document_ids, n, m)
-    if keys_reversed:
-        k_positions = k_positions.flip(-1)
-        if documents is not None:
-            documents = (documents[0], documents[1].flip(-1))
-        if attn_mask is not None and attn_mask.shape[-1] == m:
-            attn_mask = attn_mask.flip(-1)
 
     def masked(span: Span, terms: Tensor) -> Tensor:
         i0, i1, lo, hi = span
@@ -375,7 +369,9 @@ class SdpaRelative(SdpaChunks):
             if documents is None:
                 documents = pair_documents(document_ids, n, m)
             # k with its own heads: each term repeats the keys it reads per query head
-            by_name = self._relative_terms(q, k, q_positions, k_positions, dtype, documents)
+            by_name = self._relative_terms(
+                q, k, q_positions, k_positions, dtype, documents, attn_mask
+            )
             parts = list(by_name.values())
         if self.has_position_bias:
             bias = self._position_bias(q_positions, k_positions, n, m, q.device)
@@ -477,7 +473,9 @@ class SdpaRelative(SdpaChunks):
         # the defaults: the queries are the last N of the keys 0 .. M - 1
         q_positions = positions_or_default(q_positions, m - n, n, q.device)
         k_positions = positions_or_default(k_positions, 0, m, q.device)
-        masked = span_masks(q_positions, k_positions, causal, attn_mask, window, document_ids)
+        masked = span_masks(
+            q_positions, k_positions, causal, attn_mask, window, pair_documents(document_ids, n, m)
+        )
         # no autograd here: each chunk's terms are gathered into buffers the chunks reuse
         at_positions = self._terms_at_positions(q, k, v, attn_mask, spans, q_positions, k_positions)
         if at_positions is None:
@@ -539,7 +537,8 @@ class SdpaRelative(SdpaChunks):
         """CoPE's attention as one node over chunks of queries, keys in reversed order
         (``counted_position_attention``): each chunk over the keys it may read or count
         (a key is counted where it is at or before the query's position, in its
-        document), so that its counts are exact -> [B, H, N, value_dim]."""
+        document, and ``attn_mask`` lets the query read it), so that its counts are
+        exact -> [B, H, N, value_dim]."""
         n, m = q.shape[2], k.shape[2]
         dtype = compute_dtype(q)
         heads = q.shape[1]
@@ -548,14 +547,14 @@ class SdpaRelative(SdpaChunks):
             n, m, "cpu", causal, window, document_ids, q_positions, k_positions, row_bytes
         )
         q_positions = positions_or_default(q_positions, m - n, n, q.device)
-        k_positions = positions_or_default(k_positions, 0, m, q.device)
-        masked = span_masks(
-            q_positions, k_positions, causal, attn_mask, window, document_ids, keys_reversed=True
-        )
-        reversed_positions = k_positions.flip(-1)
+        # the keys' positions, documents and attn_mask columns reversed, as the keys
+        reversed_positions = positions_or_default(k_positions, 0, m, q.device).flip(-1)
         documents = pair_documents(document_ids, n, m)
         if documents is not None:
-            documents = (documents[0], documents[1].flip(-1))  # the keys' reversed
+            documents = (documents[0], documents[1].flip(-1))
+        if attn_mask is not None and attn_mask.shape[-1] == m:
+            attn_mask = attn_mask.flip(-1)
+        masked = span_masks(q_positions, reversed_positions, causal, attn_mask, window, documents)
 
         def counted(span: Span) -> Tensor:
             i0, i1, lo, hi = span
@@ -564,7 +563,10 @@ class SdpaRelative(SdpaChunks):
             if documents is not None:
                 span_documents = (documents[0][..., i0:i1], documents[1][..., lo:hi])
                 allowed = allowed & same_document(span_documents)
-            return allowed  # [r, w] or [B, 1, r, w]
+            span_mask = attn_mask_span(attn_mask, n, m, *span)
+            if span_mask is not None:  # a key the mask hides from the query counts 0
+                allowed = allowed & attn_mask_reads(span_mask)
+            return allowed  # [r, w], [B, 1, r, w], or as the mask broadcasts: [B, H, r, w]
 
         # the spans over the reversed keys: keys lo .. hi - 1 are m - hi .. m - lo - 1 there
         reversed_spans = [(i0, i1, m - hi, m - lo) for i0, i1, lo, hi in spans]

@@ -948,12 +948,15 @@ class AttentionTerms(nn.Module):
         k_positions: Tensor | None,
         dtype: torch.dtype,
         documents: tuple[Tensor, Tensor] | None = None,
+        attn_mask: Tensor | None = None,
     ) -> dict[str, Tensor]:
         """The terms that depend on q and k, each as it enters the logits; k may have
         grouped-query heads (each term repeats the keys it reads). documents:
         the queries' and the keys' documents (``pair_documents``) where packed, for
         terms that read keys other than the pair's own (CoPE counts only its
-        document's keys); None: one document."""
+        document's keys); None: one document. attn_mask: the call's (checked,
+        broadcastable to [B, H, N, M]) for such terms too (CoPE counts only the keys it
+        lets the query read); the caller still applies it to the logits."""
         return {}
 
     def _value_term(
@@ -1027,6 +1030,7 @@ class AttentionTerms(nn.Module):
         k_positions: Tensor | None,
         rotated: Rotated = "none",
         documents: tuple[Tensor, Tensor] | None = None,
+        attn_mask: Tensor | None = None,
     ) -> dict[str, Tensor]:
         q, k = self._rotate_for_attention(q, k, q_positions, k_positions, rotated)
         k = repeat_kv(k, q.shape[1] // k.shape[1])  # [B, H, M, D]
@@ -1041,7 +1045,9 @@ class AttentionTerms(nn.Module):
                 bias = bias * self.scale
             terms["position_position"] = bias
         if self.has_relative_terms:
-            terms.update(self._relative_terms(q, k, q_positions, k_positions, dtype, documents))
+            terms.update(
+                self._relative_terms(q, k, q_positions, k_positions, dtype, documents, attn_mask)
+            )
         return terms
 
     def scores(

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from ._attention import PositionalAttention
 from ._grouped_queries import scores_per_query_head
-from ._masks import causal_allowed, same_document
+from ._masks import attn_mask_reads, causal_allowed, same_document
 from ._numerics import autocast_off
 
 __all__ = ["Cope"]
@@ -96,14 +96,18 @@ class Cope(PositionalAttention):
         k_positions: Tensor | None,
         dtype: torch.dtype,
         documents: tuple[Tensor, Tensor] | None = None,
+        attn_mask: Tensor | None = None,
     ) -> dict[str, Tensor]:
         """content_position = (1 - w) q_i . e[floor p_ij] + w q_i . e[ceil p_ij].
 
         q: [B, H, N, D], k: [B, H_kv, M, D] (H_kv dividing H). p_ij = sum of the gates
-        sigmoid(q_i . k_t * scale) over keys t from j on, counting only keys at or before
-        the query (CoPE is causal: later keys have gate 0 whatever ``causal`` says) and,
-        with packed ``documents``, in the query's document (so a packed document counts
-        as it would alone), clamped to max_positions - 1; w = p_ij - floor p_ij.
+        sigmoid(q_i . k_t * scale) over keys t from j on, clamped to max_positions - 1,
+        where a key's gate counts only if it is at or before the query (CoPE is causal:
+        later keys have gate 0 whatever ``causal`` says), in the query's document with
+        packed ``documents`` (so a packed document counts as it would alone), and read by
+        the query under ``attn_mask`` (checked, broadcastable to [B, H, N, M];
+        ``attn_mask_reads``: a masked key's gate is 0, as in the paper's code and
+        x-transformers'); w = p_ij - floor p_ij.
         """
         # with autocast off, as ``score_terms`` builds every term: the sdpa backend's
         # calls too, in float32 (float64 for float64 inputs)
@@ -119,6 +123,8 @@ class Cope(PositionalAttention):
                 if documents is not None:
                     visible = visible & same_document(documents)  # [N, M] or [B, 1, N, M]
                 gates = gates * visible.to(dtype)
+            if attn_mask is not None:  # broadcastable to [B, H, N, M]
+                gates = gates * attn_mask_reads(attn_mask).to(dtype)
             counted = gates.flip(-1).cumsum(-1).flip(-1).clamp(max=COPE_MAX_POSITIONS - 1)
             # NaN logits: rows NaN anyway
             counted = counted.nan_to_num(nan=COPE_MAX_POSITIONS - 1)

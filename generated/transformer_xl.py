@@ -198,9 +198,10 @@ class TransformerXl(PositionalAttention):
         k_positions: Tensor | None,
         dtype: torch.dtype,
         documents: tuple[Tensor, Tensor] | None = None,
+        attn_mask: Tensor | None = None,
     ) -> dict[str, Tensor]:
         """The terms that read relative positions, each as it enters the logits (each
-        pair's from its own positions: ``documents`` change nothing).
+        pair's from its own positions: ``documents`` and ``attn_mask`` change nothing).
 
         Content-dependent terms are [B, H, N, M]; position-only ones [H, N, M] (or
         [B, H, N, M] for batched positions). k: [B, H_kv, M, D], H_kv dividing H.

@@ -8,13 +8,16 @@ table e [P, D] at a position counted by gates of the content logits:
     u_ij = (1 - f) q_i . e[floor c_ij] + f q_i . e[ceil c_ij],   f = c_ij - floor c_ij
     out_i = sum_j softmax_j(s_ij + u_ij + masks) v_j
 
-(visible: key position at or before the query's, and in its document where packed). A
-row's count reads only its own row's logits, so the queries run in chunks, each over
-every key it may read or count. With the keys in reversed order (the latest first) the
-count is a prefix sum, made in place (``Tensor.cumsum_``) in buffers the chunks reuse;
-the softmax is blind to the key order. Writing E_p = q_i . e_p, the term is
-u = base[floor c] + c slope[floor c], with slope_p = E_(p+1) - E_p (0 at P - 1, where the
-count is clamped) and base_p = E_p - p slope_p: two gathers from [B, H, r, P] tables.
+(visible: key position at or before the query's, in its document where packed, and read
+by the query under the attn_mask: a masked key's gate counts 0, as the paper's code,
+which adds the mask's log to the logits before the sigmoid, and x-transformers', called
+on the masked logits, give). A row's count reads only its own row's logits, so the
+queries run in chunks, each over every key it may read or count. With the keys in
+reversed order (the latest first) the count is a prefix sum, made in place
+(``Tensor.cumsum_``) in buffers the chunks reuse; the softmax is blind to the key order.
+Writing E_p = q_i . e_p, the term is u = base[floor c] + c slope[floor c], with
+slope_p = E_(p+1) - E_p (0 at P - 1, where the count is clamped) and
+base_p = E_p - p slope_p: two gathers from [B, H, r, P] tables.
 
 Counts only grow along the reversed keys, and the softmax is blind to a constant per
 row. So each chunk sums the gates a block of keys at a time from the first key some row
@@ -65,7 +68,8 @@ COUNTED_POSITION_DEVICES: set[str] = {"cpu"}
 
 #: a span's logits with its masks joined, keys reversed: (span, logits) -> masked logits
 ReversedMasks = Callable[[Span, Tensor], Tensor]
-#: a span's counted keys, keys reversed: span -> bool [B or 1, 1, rows, keys]
+#: a span's counted keys, keys reversed: span -> bool broadcastable to
+#: [B, H, rows, keys] ([rows, keys], [B, 1, rows, keys], or as an attn_mask broadcasts)
 CountedKeys = Callable[[Span], Tensor]
 
 
@@ -189,12 +193,12 @@ def _counts(
 ) -> tuple[int, int]:
     """The counts c = min(prefix sum of the counted gates sigmoid(s), last) of a chunk's
     logits s [G, r, w] (reversed keys) into ``counts``, and the gates into ``gates``
-    where given; counted: bool [r, w] or [B, 1, r, w]. Returns (a, b): before column a
-    no row counts a key (every count is 0; left unwritten), from b on every count is
-    ``last`` (unwritten too). The gates are summed ``COUNT_BLOCK`` keys at a time from a
-    on, until every row's count is ``last``: a causal chunk of 64 queries usually needs
-    one block of its keys (a count reaches P - 1 = 15 some 30 keys back where gates
-    are near 1/2). A host sync per block."""
+    where given; counted: bool broadcastable to [B, H, r, w] (G = B x H). Returns
+    (a, b): before column a no row counts a key (every count is 0; left unwritten), from
+    b on every count is ``last`` (unwritten too). The gates are summed ``COUNT_BLOCK``
+    keys at a time from a on, until every row's count is ``last``: a causal chunk of 64
+    queries usually needs one block of its keys (a count reaches P - 1 = 15 some 30 keys
+    back where gates are near 1/2). A host sync per block."""
     rows, width = logits.shape[1], logits.shape[2]
     counted_by_some = counted.reshape(-1, width).any(0)  # [w]
     first, some = torch.stack([counted_by_some.byte().argmax(), counted_by_some.any()]).tolist()

@@ -458,6 +458,16 @@ def check_attn_mask(attn_mask: Tensor | None, q: Tensor, m: int) -> Tensor | Non
     return attn_mask.to(q.device)
 
 
+def attn_mask_reads(attn_mask: Tensor) -> Tensor:
+    """True where a checked attn_mask (``check_attn_mask``) lets the query read the key:
+    a bool mask's True entries, a float mask's entries above half its dtype's lowest
+    value (-inf masks, and so does a finite entry as hard as Hugging Face's finfo.min,
+    whose softmax weight is 0). Bool, the mask's shape."""
+    if attn_mask.dtype == torch.bool:
+        return attn_mask
+    return attn_mask > torch.finfo(attn_mask.dtype).min / 2
+
+
 def attn_mask_span(
     attn_mask: Tensor | None, n: int, m: int, i0: int, i1: int, lo: int, hi: int
 ) -> Tensor | None:

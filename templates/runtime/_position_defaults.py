@@ -17,6 +17,7 @@ from torch import Tensor
 
 from ._caches import arange_view
 from ._inputs import MAX_POSITION, check_position_values, outside_position_range
+from ._masks import attn_mask_reads
 from ._tensor_verdicts import POSITION_VERDICTS
 
 
@@ -316,10 +317,7 @@ def _default_flag_on_read_keys(
     key's offset ([M] / [batch, M]) that constant or the key unread, and every query
     reading some key (a row masked whole would weigh its masked keys alike, positions
     and all). A 0-d bool tensor, no host read."""
-    if attn_mask.dtype == torch.bool:
-        reads = attn_mask
-    else:  # -inf, or a finite mask as hard as Hugging Face's finfo.min
-        reads = attn_mask > torch.finfo(attn_mask.dtype).min / 2
+    reads = attn_mask_reads(attn_mask)  # -inf, or as hard as Hugging Face's finfo.min, masks
     every_query_reads = reads.any(-1).all()
     if reads.dim() == 4:  # [batch or 1, heads or 1, N or 1, M or 1]: per batch row
         key_read = reads.flatten(1, 2).any(1)  # [batch or 1, M or 1]
