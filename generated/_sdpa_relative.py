@@ -40,6 +40,8 @@ from ._counted_positions import (
     CountedChunks,
     counted_position_attention,
     counted_position_attention_serves,
+    counting_order,
+    keys_reordered,
 )
 from ._distances import half_precision_bias
 from ._few_queries import (
@@ -538,22 +540,44 @@ class SdpaRelative(SdpaChunks):
         (``counted_position_attention``): each chunk over the keys it may read or count
         (a key is counted where it is at or before the query's position, in its
         document, and ``attn_mask`` lets the query read it), so that its counts are
-        exact -> [B, H, N, value_dim]."""
+        exact -> [B, H, N, value_dim].
+
+        The count takes the keys in position order (``counting_order``): at explicit
+        positions stored otherwise within a document (a ring buffer's cache), the keys,
+        values, their positions, documents and attn_mask columns are reordered by
+        position first, reversed in the same copy (the softmax is blind to the key
+        order), and the chunks are then not narrowed to their documents' keys."""
         n, m = q.shape[2], k.shape[2]
         dtype = compute_dtype(q)
         heads = q.shape[1]
+        documents = pair_documents(document_ids, n, m)
+        order = None if k_positions is None else counting_order(k_positions, documents)
+        if order is not None:  # the positions in order, for the spans
+            assert k_positions is not None
+            k_positions = keys_reordered(k_positions.reshape(-1, m), order, 1)
+            document_ids = None  # the spans keep every key; the masks hold the documents
         row_bytes = q.shape[0] * heads * m * dtype.itemsize  # one query's row of a buffer
         spans = counting_query_chunks(
             n, m, "cpu", causal, window, document_ids, q_positions, k_positions, row_bytes
         )
         q_positions = positions_or_default(q_positions, m - n, n, q.device)
-        # the keys' positions, documents and attn_mask columns reversed, as the keys
+        # the keys reversed (the latest first), in the count's order: their positions,
+        # documents and attn_mask columns too
+        reversed_order = None if order is None else order.flip(-1)  # of the keys as given
+
+        def reversed_keys(t: Tensor, dim: int) -> Tensor:
+            """t as given, its keys along ``dim`` reversed in the count's order."""
+            if reversed_order is None:
+                return t.flip(dim)
+            return keys_reordered(t, reversed_order, dim)
+
+        # (the positions, put in order above, reversed alone)
         reversed_positions = positions_or_default(k_positions, 0, m, q.device).flip(-1)
-        documents = pair_documents(document_ids, n, m)
         if documents is not None:
-            documents = (documents[0], documents[1].flip(-1))
+            documents = (documents[0], reversed_keys(documents[1].reshape(-1, m), 1))
         if attn_mask is not None and attn_mask.shape[-1] == m:
-            attn_mask = attn_mask.flip(-1)
+            four_dims = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+            attn_mask = reversed_keys(four_dims, 3)
         masked = span_masks(q_positions, reversed_positions, causal, attn_mask, window, documents)
 
         def counted(span: Span) -> Tensor:
@@ -572,8 +596,8 @@ class SdpaRelative(SdpaChunks):
         reversed_spans = [(i0, i1, m - hi, m - lo) for i0, i1, lo, hi in spans]
         chunks = CountedChunks(reversed_spans, masked, counted, self.scale)
         groups = heads // k.shape[1]
-        keys = repeat_kv(k.to(dtype), groups).flip(2)  # [B, H, M, D], the latest first
-        values = repeat_kv(v.to(dtype), groups).flip(2)
+        keys = reversed_keys(repeat_kv(k.to(dtype), groups), 2)  # [B, H, M, D], the latest first
+        values = reversed_keys(repeat_kv(v.to(dtype), groups), 2)
         out = counted_position_attention(q.to(dtype), keys, values, table.to(dtype), chunks)
         return out.to(v.dtype)
 

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from ._attention import PositionalAttention
+from ._counted_positions import counts_by_position
 from ._grouped_queries import scores_per_query_head
 from ._masks import attn_mask_reads, causal_allowed, same_document
 from ._numerics import autocast_off
@@ -101,7 +102,9 @@ class Cope(PositionalAttention):
         """content_position = (1 - w) q_i . e[floor p_ij] + w q_i . e[ceil p_ij].
 
         q: [B, H, N, D], k: [B, H_kv, M, D] (H_kv dividing H). p_ij = sum of the gates
-        sigmoid(q_i . k_t * scale) over keys t from j on, clamped to max_positions - 1,
+        sigmoid(q_i . k_t * scale) over keys t from j on in position order (equal
+        positions in storage order: ``counts_by_position``; the order the keys are
+        stored in, a ring buffer's, changes nothing), clamped to max_positions - 1,
         where a key's gate counts only if it is at or before the query (CoPE is causal:
         later keys have gate 0 whatever ``causal`` says), in the query's document with
         packed ``documents`` (so a packed document counts as it would alone), and read by
@@ -125,7 +128,9 @@ class Cope(PositionalAttention):
                 gates = gates * visible.to(dtype)
             if attn_mask is not None:  # broadcastable to [B, H, N, M]
                 gates = gates * attn_mask_reads(attn_mask).to(dtype)
-            counted = gates.flip(-1).cumsum(-1).flip(-1).clamp(max=COPE_MAX_POSITIONS - 1)
+            # over the keys from j on in position order (a stable sort at explicit
+            # positions: equal ones in storage order), however the keys are stored
+            counted = counts_by_position(gates, k_positions).clamp(max=COPE_MAX_POSITIONS - 1)
             # NaN logits: rows NaN anyway
             counted = counted.nan_to_num(nan=COPE_MAX_POSITIONS - 1)
             per_row = torch.matmul(q, self.cope_positions.to(dtype).t())  # [B, H, N, P]

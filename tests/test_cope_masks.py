@@ -1,10 +1,12 @@
-"""CoPE's count under an attn_mask, on every path (the eager oracle, the sdpa backend's
-counted node and its dense terms), against an independent float64 formula and
-x-transformers' Attend with its CoPE.
+"""CoPE's count under an attn_mask and at keys stored out of position order, on every
+path (the eager oracle, the sdpa backend's counted node and its dense terms), against
+an independent float64 formula and x-transformers' Attend with its CoPE.
 
 The reference semantics (Golovneva et al. 2024, arXiv:2405.18719: the paper's code adds
 the mask's log to the logits before the sigmoid; x-transformers calls its CoPE on the
-logits masked with -max): a key the query may not attend to has gate 0."""
+logits masked with -max): a key the query may not attend to has gate 0, and the count
+p_ij sums the gates of the keys between key j and the query in position order, however
+the keys are stored (a ring-buffer cache)."""
 
 from __future__ import annotations
 
@@ -111,12 +113,20 @@ def _reference_and_grads(
     return out.detach(), [*(leaves[key].grad for key in "qkv"), table.grad]
 
 
+def _ring(m: int, shift: int) -> torch.Tensor:
+    """Positions 0 .. m - 1 stored from slot ``shift`` on, as a ring-buffer cache
+    holds them (slots [shift .. m - 1, 0 .. shift - 1])."""
+    return torch.arange(m).roll(-shift)
+
+
 N, M = 12, 16
 MASK = torch.rand(BATCH, 1, N, M, generator=torch.Generator().manual_seed(4)) > 0.3
 ADDITIVE = torch.randn(HEADS, N, M, generator=torch.Generator().manual_seed(5), dtype=F64)
 ADDITIVE = ADDITIVE.masked_fill(ADDITIVE < -0.6, float("-inf"))  # per head
 HIDDEN = torch.ones(M, dtype=torch.bool)
 HIDDEN[5:9] = False  # keys 5 .. 8 hidden from every query: [M]
+RING = _ring(M, 6)
+SHUFFLED = torch.stack([RING, torch.randperm(M, generator=torch.Generator().manual_seed(6))])
 DOCUMENTS = torch.tensor([0] * 7 + [1] * 9)
 CASES: dict[str, dict[str, Any]] = {
     "bool mask": {"attn_mask": MASK},
@@ -125,11 +135,28 @@ CASES: dict[str, dict[str, Any]] = {
     "additive mask causal": {"attn_mask": ADDITIVE, "causal": True},
     "hidden keys causal": {"attn_mask": HIDDEN, "causal": True},
     "documents and mask causal": {"attn_mask": MASK, "document_ids": DOCUMENTS, "causal": True},
+    "ring positions": {"k_positions": RING},
+    "ring positions causal": {"k_positions": RING, "causal": True},
+    "shuffled batched positions causal": {
+        "k_positions": SHUFFLED,
+        "q_positions": torch.stack([torch.arange(4, 16), torch.arange(2, 14)]),
+        "causal": True,
+    },
+    "ring positions and mask causal": {"k_positions": RING, "attn_mask": MASK, "causal": True},
+    # positions restarting at each document, stored out of order within the second
+    "shuffled documents causal": {
+        "k_positions": torch.cat([torch.arange(7), _ring(9, 4)]),
+        "document_ids": DOCUMENTS,
+        "attn_mask": HIDDEN,
+        "causal": True,
+    },
 }
 #: "node": the sdpa backend's counted node (eager mode, CPU, >= COUNTED_MIN_QUERIES
 #: queries), in chunks of 4 queries and count blocks of 4 keys; "dense": the sdpa
-#: backend's dense terms in chunks of 4 queries (as on CUDA or under torch.compile)
-PATHS = ("eager", "node", "dense")
+#: backend's dense terms in chunks of 4 queries (as on CUDA or under torch.compile);
+#: "flex": the flex backend, its score_mod reading the dense terms
+PATHS = ("eager", "node", "dense", "flex")
+BACKEND_OF = {"eager": "eager", "node": "sdpa", "dense": "sdpa", "flex": "flex"}
 
 
 @pytest.fixture
@@ -156,7 +183,7 @@ def _run(
         runs = spy_calls(
             patch, runtime_modules(), "counted_position_attention", lambda *a, **_: True
         )
-        got = run_backend(pe, inputs, "eager" if path == "eager" else "sdpa", **options)
+        got = run_backend(pe, inputs, BACKEND_OF[path], **options)
     assert bool(runs) == (path == "node"), path
     return got
 
@@ -188,6 +215,13 @@ FEW = 4  # queries, the last 4 of the 16 keys' (fewer than COUNTED_MIN_QUERIES)
 FEW_CASES: dict[str, dict[str, Any]] = {
     "bool mask causal": {"attn_mask": MASK[..., -FEW:, :], "causal": True},
     "additive mask": {"attn_mask": ADDITIVE[..., -FEW:, :]},
+    "ring positions": {"k_positions": RING},
+    # queries at the latest positions, 12 .. 15: the keys they count wrap around the ring
+    "ring positions causal": {
+        "k_positions": RING,
+        "q_positions": torch.arange(M - FEW, M),
+        "causal": True,
+    },
 }
 
 
@@ -231,6 +265,31 @@ def test_a_mask_of_finfo_min_counts_as_a_bool_mask(monkeypatch: pytest.MonkeyPat
         _assert_matches(got, want, path)
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_the_output_does_not_depend_on_the_keys_storage_order(
+    path: str, small_chunks: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same keys, values and positions (and attn_mask columns) stored in another
+    order (a ring buffer's, then a random one): the same output and gradients (those of
+    k and v permuted alike), and ``scores`` with its key columns permuted."""
+    pe, inputs = _cope(), _inputs(N, M)
+    options = {"attn_mask": MASK, "causal": True, "q_positions": torch.arange(4, 16)}
+    want = _run(pe, inputs, path, monkeypatch, **options)
+    for order in (RING, torch.randperm(M, generator=torch.Generator().manual_seed(7))):
+        stored = {**inputs, "k": inputs["k"][:, :, order], "v": inputs["v"][:, :, order]}
+        at = {**options, "k_positions": order, "attn_mask": MASK[..., order]}
+        out, grads = _run(pe, stored, path, monkeypatch, **at)
+        inverse = order.argsort()
+        grads = [grads[0], grads[1][:, :, inverse], grads[2][:, :, inverse], grads[3]]
+        _assert_matches((out, grads), want, f"{path}, keys stored as {order.tolist()}")
+        with torch.no_grad():
+            scores = pe.scores(inputs["q"], inputs["k"], q_positions=torch.arange(4, 16))
+            permuted = pe.scores(
+                inputs["q"], stored["k"], q_positions=torch.arange(4, 16), k_positions=order
+            )
+        torch.testing.assert_close(permuted, scores[..., order], rtol=1e-12, atol=1e-12)
+
+
 def test_masked_keys_count_as_in_x_transformers() -> None:
     """x-transformers' Attend with its CoPE, causal, under a padding-like key mask (each
     batch row's own keys hidden from every query, as left padding and a hidden span
@@ -252,7 +311,7 @@ def test_masked_keys_count_as_in_x_transformers() -> None:
     keys[:, 30:40] = False  # a span hidden from every query
     want, _ = reference(q, k, v, mask=keys)
     live = (keys[:, None, :] & torch.ones(n, n, dtype=torch.bool).tril()).any(-1)  # [B, N]
-    for backend in ("eager", "sdpa"):
+    for backend in ("eager", "sdpa", "flex"):
         got = pe(q, k, v, causal=True, attn_mask=keys[:, None, None, :], backend=backend)
         torch.testing.assert_close(got[live[:, None].expand(-1, heads, -1)],
                                    want[live[:, None].expand(-1, heads, -1)],

@@ -11,10 +11,13 @@ table e [P, D] at a position counted by gates of the content logits:
 (visible: key position at or before the query's, in its document where packed, and read
 by the query under the attn_mask: a masked key's gate counts 0, as the paper's code,
 which adds the mask's log to the logits before the sigmoid, and x-transformers', called
-on the masked logits, give). A row's count reads only its own row's logits, so the
+on the masked logits, give; t >= j: at or after key j in position order, keys at equal
+positions in storage order). A row's count reads only its own row's logits, so the
 queries run in chunks, each over every key it may read or count. With the keys in
-reversed order (the latest first) the count is a prefix sum, made in place
-(``Tensor.cumsum_``) in buffers the chunks reuse; the softmax is blind to the key order.
+reversed position order (the latest first: reversed, or where explicit positions are
+stored otherwise, a ring buffer's, reordered by ``counting_order``) the count is a
+prefix sum, made in place (``Tensor.cumsum_``) in buffers the chunks reuse; the softmax
+is blind to the key order.
 Writing E_p = q_i . e_p, the term is u = base[floor c] + c slope[floor c], with
 slope_p = E_(p+1) - E_p (0 at P - 1, where the count is clamped) and
 base_p = E_p - p slope_p: two gathers from [B, H, r, P] tables.
@@ -102,7 +105,7 @@ def counted_position_attention(
     """CoPE attention (see the module docstring) -> [B, H, N, value_dim] in q's dtype.
 
     q: [B, H, N, D]; keys, values: [B, H, M, D] and [B, H, M, value_dim], every head,
-    the latest key first (``flip(2)`` of the keys in order), in q's dtype; table: e,
+    the latest key first (the keys in position order, reversed), in q's dtype; table: e,
     [P, D]. The spans partition the queries, each over the reversed keys it may read or
     count (the latest key at or before each query's position, back to the earliest it
     may read)."""
@@ -123,6 +126,60 @@ def counted_position_attention_serves(q: Tensor, m: int, masks_need_no_grad: boo
         and masks_need_no_grad
         and not torch.compiler.is_compiling()
     )
+
+
+def counts_by_position(gates: Tensor, k_positions: Tensor | None) -> Tensor:
+    """The count of each key j, sum of the gates [B, H, N, M] over the keys t at or after
+    j in position order (of k_positions [M] or [B, M]; None: the defaults 0 .. M - 1,
+    storage order): [B, H, N, M], unclamped. A stable sort, so keys at equal positions
+    count in storage order; a ring buffer's keys, stored out of position order, count as
+    they would in order (storage order is no part of the formula)."""
+    if k_positions is None:  # the defaults: storage order is position order
+        return gates.flip(-1).cumsum(-1).flip(-1)
+    order = k_positions.argsort(dim=-1, stable=True).view(-1, 1, 1, gates.shape[-1])
+    order = order.expand_as(gates)  # [B, H, N, M]: key of each place in position order
+    in_order = gates.gather(-1, order).flip(-1).cumsum(-1).flip(-1)
+    return torch.zeros_like(in_order).scatter(-1, order, in_order)  # back in storage order
+
+
+def counting_order(k_positions: Tensor, documents: tuple[Tensor, Tensor] | None) -> Tensor | None:
+    """The order in which ``counted_position_attention`` takes the keys at explicit
+    positions k_positions ([M] or [B, M]): by position (a stable sort: equal positions
+    in storage order), each packed document's keys apart (``documents``: the queries'
+    and the keys' documents, ``pair_documents``; a count reads only its own document's
+    keys): [M], or [B, M] where the positions or documents differ per batch row. None
+    where storage order is that already for every document's keys (increasing
+    positions, restarting at each document or not): the keys need no reordering. One
+    host read."""
+    positions = k_positions.reshape(-1, k_positions.shape[-1])  # [B or 1, M]
+    order = positions.argsort(dim=-1, stable=True)
+    apart = None  # [B or 1, M - 1]: neighbours in ``order`` of different documents
+    if documents is not None:
+        key_documents = documents[1].reshape(-1, positions.shape[-1])
+        positions, key_documents = torch.broadcast_tensors(positions, key_documents)
+        order = order.expand_as(positions)
+        by_document = key_documents.gather(-1, order).argsort(dim=-1, stable=True)
+        order = order.gather(-1, by_document)  # by document, by position within each
+        ordered = key_documents.gather(-1, order)
+        apart = ordered[..., 1:] != ordered[..., :-1]
+    stored = order[..., 1:] > order[..., :-1]
+    if apart is not None:
+        stored = stored | apart
+    if bool(stored.all()):
+        return None
+    return order[0] if order.shape[0] == 1 else order
+
+
+def keys_reordered(t: Tensor, order: Tensor, dim: int) -> Tensor:
+    """t with its keys, along ``dim``, read at ``order`` ([M], or [B, M] per batch row:
+    t's first dim, B or 1, is then its batch): positions and documents [B or 1, M]
+    (dim 1), an attn_mask [B or 1, H or 1, N or 1, M] (dim 3), keys and values
+    [B, H, M, D] (dim 2)."""
+    if order.dim() == 1:
+        return t.index_select(dim, order)
+    shape = (order.shape[0], *t.shape[1:])
+    index = order.view(order.shape[0], *([1] * (dim - 1)), -1, *([1] * (t.dim() - dim - 1)))
+    return t.expand(shape).gather(dim, index.expand(shape))
 
 
 def _position_tables(queries: Tensor, table: Tensor) -> tuple[Tensor, Tensor]:
