@@ -411,8 +411,9 @@ def test_a_left_padded_batch_equals_each_row_alone(monkeypatch, name: str, hard:
 
 
 def test_counted_positions_keep_a_left_padded_batch_as_given(monkeypatch) -> None:
-    """CoPE counts gates over keys between key and query, masked ones among them, so
-    their positions can move what it counts: a left-padded batch keeps its positions."""
+    """CoPE's counted positions keep a left-padded batch's positions as given
+    (``position_verdict`` reads no attn_mask for them; the keys the mask hides count 0,
+    tests/test_cope_masks.py, so the defaults' paths are all this forgoes)."""
     pe = generated_class("cope")(heads=4, head_dim=8).double()
     seen = spy_method(
         monkeypatch, type(pe), "_sdpa_attention", lambda q, k, v, qp, kp, *_, **__: qp

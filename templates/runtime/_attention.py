@@ -211,8 +211,9 @@ class PositionalAttention(SdpaBackend, FlexBackend):
                 document_ids,
                 True,
                 # keys the mask leaves unread may sit anywhere (a left-padded batch),
-                # except where counted positions read them or their positions set the
-                # rotation's frequencies
+                # except where their positions set the rotation's frequencies, and for
+                # CoPE's counted positions, kept as given (a key the mask hides counts
+                # 0 there, so this forgoes only the defaults' paths)
                 None
                 if self._counted_position_table() is not None or self.length_sets_frequencies
                 else attn_mask,
