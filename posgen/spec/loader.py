@@ -290,10 +290,23 @@ def _data_path(loc: tuple[str | int, ...], data: object) -> FieldPath:
             path.append(part)
             current = current[part]
             tag_skipped = False
-        elif isinstance(current, dict) and isinstance(part, str) and not _is_tag(part):
+        elif (
+            isinstance(current, dict)
+            and isinstance(part, str)
+            and _names_a_field(part, tag_skipped)
+        ):
             path.append(part)  # a missing field: name it
             current = None
     return tuple(path)
+
+
+def _names_a_field(part: str, tag_skipped: bool) -> bool:
+    """Whether a location part that is no key of the YAML mapping at hand names one of
+    its fields (then missing): not a union tag, unless the mapping's own tag was just
+    dropped (``kind: expr`` without its ``expr``), and no validator label."""
+    if part.startswith(("function-", "literal[")):
+        return False
+    return tag_skipped or not _is_tag(part)
 
 
 def _is_tag(part: str) -> bool:
