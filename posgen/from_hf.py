@@ -109,7 +109,7 @@ def spec_from_config(
     known = FAMILIES.get(model_type)
     _refuse_soft_capping(settings, known.soft_capping if known is not None else None)
     if layer is not None and settings.has("num_hidden_layers"):
-        _check_layer_index(layer, settings.positive_int("num_hidden_layers"))
+        _check_layer_index(layer, settings.layer_count())
     chosen = _Layer(index=layer)
     if model_type in FAMILIES or settings.has("rope_theta"):
         family = _family(model_type, settings, pairing)
@@ -300,6 +300,12 @@ def _rotary_family_spec(
     return spec
 
 
+def _inverse_square(scale: float) -> float:
+    """1 / scale², inf where it overflows (a scale of 1e-170: its square is 0)."""
+    inverse = 1.0 / scale  # a positive float: at most inf, never a division by 0
+    return inverse * inverse
+
+
 def _scale_factor(family: Family, config: Settings, head_dim: int) -> float | None:
     """The spec's scale.factor f, where the model's scale 1/sqrt(f · head_dim) is not
     1/sqrt(head_dim): Gemma's 1/sqrt(query_pre_attn_scalar), Granite's
@@ -308,7 +314,7 @@ def _scale_factor(family: Family, config: Settings, head_dim: int) -> float | No
         factor = config.positive_number("query_pre_attn_scalar", 256.0) / head_dim
     elif family.scale == "attention_multiplier":
         multiplier = config.positive_number("attention_multiplier", 1.0)
-        factor = 1.0 / (multiplier * multiplier * head_dim)
+        factor = _inverse_square(multiplier) / head_dim
     else:
         return None
     if not MIN_SCALE_FACTOR <= factor <= MAX_SCALE_FACTOR:
@@ -468,7 +474,11 @@ def _schedule(family: Family, config: Settings, scaling: Settings) -> str:
             "Phi-3's, Cohere's and Falcon's read rope_type (rope_type wins); make them agree "
             "or leave one out"
         )
-    return stated.get("rope_type") or stated["type"]
+    kind = stated.get("rope_type") or stated.get("type")
+    if not kind:  # "" (false to Hugging Face's `or`): neither names a schedule
+        key = "rope_type" if "rope_type" in stated else "type"
+        raise ConfigError(f"{scaling.path(key)}: must name a schedule, got {stated[key]!r}")
+    return kind
 
 
 def _mrope_axes(family: Family, scaling: Settings, rotated: _Rotated) -> dict[str, Any] | None:
@@ -568,6 +578,8 @@ def _truncated_fraction(key: str, fraction: float, head_dim: int) -> float:
     """Hugging Face rotates int(head_dim * fraction) features (truncated, its frequencies
     base^(-2k / that width)); posgen's specs round fraction * head_dim. The fraction of
     exactly those features, or ConfigError where they are odd or fewer than 2."""
+    if not head_dim * fraction <= head_dim:  # inf (1e308) or past head_dim: no int() of it
+        raise ConfigError(f"{key}: must be a fraction of head_dim in (0, 1], got {fraction:g}")
     features = int(head_dim * fraction)
     if features % 2 or features < 2:
         raise ConfigError(
@@ -708,7 +720,7 @@ def _mpt(config: Settings, spec: dict[str, Any]) -> dict[str, Any]:
     spec = _alibi(config, spec, "MPT")
     if attention.has("softmax_scale"):
         scale = attention.positive_number("softmax_scale")
-        factor = 1.0 / (scale * scale * spec["defaults"]["head_dim"])
+        factor = _inverse_square(scale) / spec["defaults"]["head_dim"]
         if not MIN_SCALE_FACTOR <= factor <= MAX_SCALE_FACTOR:
             raise ConfigError(
                 f"attn_config.softmax_scale: {scale:g} gives the logit scale "

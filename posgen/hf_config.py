@@ -53,6 +53,17 @@ def _positive_int(value: Any) -> int | None:
     return None
 
 
+MAX_LAYERS = 4096
+"""The most layers a config may state (published models: up to 126): the per-layer kinds
+are a list as long as the count."""
+
+
+def _layer_count(value: Any) -> int | None:
+    """``value`` if it is an integer from 1 to ``MAX_LAYERS`` (never a boolean), else None."""
+    count = _positive_int(value)
+    return count if count is not None and count <= MAX_LAYERS else None
+
+
 def _finite(value: Any) -> float | None:
     """``value`` as a float if it is a finite JSON number (never a boolean), else None."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -189,6 +200,11 @@ class Settings:
     def positive_int(self, key: str, default: int | _Required = REQUIRED) -> int:
         """A count or a length: an integer >= 1, never a boolean."""
         return self._read(key, default, "a positive integer (not a boolean)", _positive_int)
+
+    def layer_count(self, default: int | _Required = REQUIRED) -> int:
+        """``num_hidden_layers``: an integer from 1 to ``MAX_LAYERS``, never a boolean."""
+        allowed = f"a positive integer of at most {MAX_LAYERS:,} (not a boolean)"
+        return self._read("num_hidden_layers", default, allowed, _layer_count)
 
     def whole_number(self, key: str, default: int | _Required = REQUIRED) -> int:
         """A count where Hugging Face's code divides by the value and a float of an

@@ -105,14 +105,14 @@ def _rope_flag_layers(config: Settings) -> list[LayerKind]:
     layer (default 4) is NoPE, as the configuration classes build it."""
     if config.has("no_rope_layers"):
         flags = config.bits("no_rope_layers")
-        count = config.positive_int("num_hidden_layers", len(flags))
+        count = config.layer_count(len(flags))
         if len(flags) < count:
             raise ConfigError(
                 f"{config.path('no_rope_layers')}: lists {len(flags)} layers, "
                 f"{config.path('num_hidden_layers')} is {count}"
             )
     else:
-        count = config.positive_int("num_hidden_layers")
+        count = config.layer_count()
         interval = config.positive_int("no_rope_layer_interval", 4)
         flags = [int((index + 1) % interval != 0) for index in range(count)]
     return [LayerKind.ROTARY if flag else LayerKind.NOPE for flag in flags[:count]]
@@ -133,7 +133,7 @@ def _layer_types(config: Settings, pattern: int) -> list[str]:
     allowed = ("sliding_attention", "full_attention")
     if config.has("layer_types"):
         types = config.words("layer_types")
-        count = config.positive_int("num_hidden_layers", len(types))
+        count = config.layer_count(len(types))
         if len(types) != count:
             raise ConfigError(
                 f"{config.path('layer_types')}: lists {len(types)} layers, "
@@ -145,7 +145,7 @@ def _layer_types(config: Settings, pattern: int) -> list[str]:
                     f"{config.path('layer_types')}[{index}]: must be one of {allowed}, got {kind!r}"
                 )
         return types
-    count = config.positive_int("num_hidden_layers")
+    count = config.layer_count()
     pattern = config.positive_int("sliding_window_pattern", pattern)
     return [allowed[0] if (index + 1) % pattern else allowed[1] for index in range(count)]
 

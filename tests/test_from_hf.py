@@ -131,6 +131,37 @@ MALFORMED = [
     ({"model_type": "bloom", "n_head": 8, "hidden_size": 4}, "hidden_size 4 is smaller than"),
     ({"model_type": ["llama"]}, "model_type: must be a string"),
     ({"model_type": "x y"}, "invalid NAME 'x y_positions'"),
+    # numbers whose arithmetic overflowed or divided by an underflowed 0, a false type
+    (
+        {"model_type": "mpt", "n_heads": 8, "d_model": 64,
+         "attn_config": {"alibi": True, "softmax_scale": 1e-170}},
+        "attn_config.softmax_scale: 1e-170 gives the logit scale 1/sqrt(inf * head_dim)",
+    ),
+    (
+        {"model_type": "granite", "num_attention_heads": 8, "hidden_size": 64,
+         "attention_multiplier": 1e-170},
+        "attention_multiplier: gives the logit scale 1/sqrt(inf * head_dim)",
+    ),
+    (
+        {**LLAMA, "partial_rotary_factor": 1e308},
+        "partial_rotary_factor: must be a fraction of head_dim in (0, 1], got 1e+308",
+    ),
+    (
+        {**LLAMA, "rope_scaling": {"rope_type": "", "factor": 2.0}},
+        "rope_scaling.rope_type: must name a schedule, got ''",
+    ),
+    # a layer count whose per-layer list would never finish
+    (
+        {"model_type": "llama4_text", "num_attention_heads": 8, "hidden_size": 512,
+         "head_dim": 64, "num_hidden_layers": 100000000, "no_rope_layers": []},
+        "num_hidden_layers: must be a positive integer of at most 4,096 (not a boolean), "
+        "got 100000000",
+    ),
+    (
+        {"model_type": "gemma3_text", "num_attention_heads": 8, "hidden_size": 512,
+         "num_hidden_layers": 10**11},
+        "num_hidden_layers: must be a positive integer of at most 4,096",
+    ),
 ]  # fmt: skip
 
 
