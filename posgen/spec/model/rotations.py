@@ -107,16 +107,17 @@ class YarnFrequencies(SpecModel):
     original_max_positions: int = Field(ge=2, le=MAX_CONTEXT, description=_ORIGINAL_MAX_WHY)
     beta_fast: float = Field(
         32.0,
-        gt=0,
+        ge=1e-3,
         le=1e4,
-        description="rotations above which a pair is not interpolated, in (0, 10^4] (paper: 32)",
+        description="rotations above which a pair is not interpolated, in [0.001, 10^4] "
+        "(paper: 32)",
     )
     beta_slow: float = Field(
         1.0,
-        gt=0,
+        ge=1e-3,
         le=1e4,
-        description="rotations below which a pair "
-        "is fully interpolated, in (0, 10^4], below beta_fast (paper: 1)",
+        description="rotations below which a pair is fully interpolated, in [0.001, 10^4], "
+        "below beta_fast (paper: 1; a subnormal one made the ramp's bound infinite)",
     )
     attention_factor: float | None = Field(None, gt=0, le=10, description=_ATTENTION_FACTOR_WHY)
     mscale: float | None = Field(
@@ -177,7 +178,9 @@ MAX_LONGROPE_PAIRS = 4096
 """Longest LongRoPE factor list (one per rotated pair; published heads have 32 to 64)."""
 
 
-_PairFactor = Annotated[float, Field(gt=0, le=1e6)]
+# a pair's LongRoPE factor (published: 1 to about 60); one of 1e-309 made theta / f
+# infinite, so the module gave NaN
+_PairFactor = Annotated[float, Field(ge=1e-3, le=1e6)]
 
 
 class LongRopeFrequencies(SpecModel):
@@ -194,13 +197,13 @@ class LongRopeFrequencies(SpecModel):
     short_factor: list[_PairFactor] = Field(
         min_length=1,
         max_length=MAX_LONGROPE_PAIRS,
-        description="per-pair rescale factors, in (0, 10^6], one per rotated pair",
+        description="per-pair rescale factors, in [0.001, 10^6], one per rotated pair",
     )
     long_factor: list[_PairFactor] = Field(
         min_length=1,
         max_length=MAX_LONGROPE_PAIRS,
         description="per-pair rescale factors past original_max, one per rotated pair, each "
-        "in (0, 10^6]",
+        "in [0.001, 10^6]",
     )
     original_max_positions: int = Field(ge=2, le=MAX_CONTEXT, description=_ORIGINAL_MAX_WHY)
     factor: float = Field(ge=1, le=MAX_SCALING_FACTOR, description=_FACTOR_WHY)
