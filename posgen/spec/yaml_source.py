@@ -331,6 +331,12 @@ def text_position(text: str, offset: int) -> Position:
 _OTHER_LINE_BREAK = re.compile("\r(?!\n)|[\x85\u2028\u2029]")
 
 
+# Characters that look like a space (no-break, the typographic spaces, zero-width ones)
+# and that YAML reads as text: after a colon one turns "key: value" into a plain scalar,
+# and YAML reports the error where the mapping breaks, often lines later
+_SPACE_LOOKALIKE = re.compile("[\u00a0\u1680\u2000-\u200b\u202f\u205f\u3000]")
+
+
 def _reject_other_line_breaks(text: str, source_name: str) -> None:
     """Refuse a raw line break other than LF or CR LF: PyYAML would count it as a new
     line, so every position after it would be off by one line."""
@@ -372,8 +378,16 @@ def load_yaml(text: str, source_name: str) -> LoadedYaml:
         _reject_forbidden_events(text, source_name)
         nodes = list(yaml.compose_all(text, Loader=yaml.SafeLoader))
     except yaml.MarkedYAMLError as error:
-        line, col = _mark_position(error.problem_mark or error.context_mark)
+        mark = error.problem_mark or error.context_mark
+        line, col = _mark_position(mark)
         problem = error.problem or str(error)
+        lookalike = _SPACE_LOOKALIKE.search(text, 0, mark.index + 1 if mark else len(text))
+        if lookalike is not None:  # the likely cause, often lines before the error
+            line, col = text_position(text, lookalike.start())
+            problem = (
+                f"{problem}; a raw U+{ord(lookalike.group()):04X} here looks like a space "
+                "but is not one to YAML: write a plain space"
+            )
         raise YamlError(
             Diagnostic(source_name, line, col, "<document>", f"invalid YAML: {problem}")
         ) from None
