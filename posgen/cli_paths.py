@@ -114,6 +114,8 @@ def spec_path(name_or_path: str, spec_dir: Path) -> Path:
     folders = [spec_folder(spec_dir)]
     if folders[0] == DEFAULT_SPECS:
         folders.append(catalogue_dir())
+    elif not folders[0].is_dir():
+        raise UsageError(f"--specs {spec_dir}: no such folder (to look up spec {name_or_path!r})")
     for folder in folders:
         candidates = [folder / f"{name_or_path}{suffix}" for suffix in SPEC_SUFFIXES]
         found = [candidate for candidate in candidates if candidate.exists()]

@@ -55,6 +55,16 @@ def test_list_columns_line_up_whatever_the_longest_word(run) -> None:
     assert used_by and {len(line) - len(line.lstrip()) for line in used_by} == {starts[-1]}
 
 
+def test_a_spec_looked_up_in_a_missing_folder_says_the_folder_is_missing(
+    run, tmp_path: Path
+) -> None:
+    result = run("explain", "alibi", "--specs", str(tmp_path / "nowhere"))
+    assert result.exit_code == 2
+    assert f"--specs {tmp_path / 'nowhere'}: no such folder (to look up spec 'alibi')" in (
+        result.output
+    )
+
+
 def test_list_by_model(run) -> None:
     result = run("list", "--models")
     assert result.exit_code == 0
