@@ -137,7 +137,9 @@ class _DirectionalBias(torch.autograd.Function):
             grad_out, q, k, v, out, lse, spans, distance_chunk_views(vec, n), scale, True
         )
         trained = [p for p in parameters if p.requires_grad]
-        directions = iter(_directions(ctx.vector_of, trained))
+        all_directions = _directions(ctx.vector_of, trained)
+        passes = iter(_passing_signs(ctx.vector_of, trained, all_directions))
+        directions = iter(all_directions)
         delta = (grad_out * out).sum(-1)  # [B, H, N]: δ_i = dO_i . O_i
         grads: list[Tensor | None] = []
         for parameter in parameters:
@@ -152,7 +154,9 @@ class _DirectionalBias(torch.autograd.Function):
                     part.masked_fill_(vec == float("-inf"), 0.0)
                     sums = _weighted_dS_sums(q, k, v, vec, part, lse, grad_out, delta, spans, scale)
                     per_head += sign * sums
-            grads.append(_per_parameter(per_head, parameter))
+            grad = _per_parameter(per_head, parameter)
+            up, down = next(passes)  # where a positive (negative) gradient goes through
+            grads.append(torch.where(grad > 0, grad * up, torch.where(grad < 0, grad * down, grad)))
         return dq, dk, dv, None, None, None, *grads
 
 
@@ -207,6 +211,33 @@ def _rows_reading(weights: Tensor, n: int) -> Tensor:
     counts = F.pad((weights > 0).cumsum(-1), (1, 0))  # [H, N + M]: positives before t
     first = torch.arange(n - 1, -1, -1, device=weights.device)  # [N]
     return counts[:, first + m] > counts[:, first]
+
+
+def _passing_signs(
+    vector_of: Callable[[], Tensor], trained: list[Tensor], directions: list[Tensor]
+) -> list[tuple[Tensor, Tensor]]:
+    """For each trained scalar set θ_p, (up, down) of its shape, 1 where the vector's graph
+    passes a positive (negative) gradient to θ_p and 0 where it stops it: a scalar read
+    through ``clamp_toward_range`` and lying outside its range passes only the gradient
+    that moves it back, which the directions (w at the clamped value, a linearisation)
+    cannot say. Pulling w (-w) back through the graph gives θ_p's entry h the gradient
+    s_h Σ_t (∂vec_ht/∂c_h)² (its negative) at the clamp c_h, s_h > 0 from the readings
+    before it (softplus), so that pull is zero exactly where the clamp stops a gradient of
+    that sign (or where w is zero, and with it the gradient)."""
+    with torch.enable_grad():
+        vec = vector_of()  # [H, N + M - 1], with its graph
+        passes = []
+        for parameter, direction in zip(trained, directions, strict=True):
+            pulls = []
+            for sign in (1.0, -1.0):
+                (pull,) = torch.autograd.grad(
+                    vec, parameter, sign * direction, retain_graph=True, allow_unused=True
+                )
+                pulls.append(torch.zeros_like(parameter) if pull is None else pull.detach())
+            passes.append(
+                ((pulls[0] != 0).to(parameter.dtype), (pulls[1] != 0).to(parameter.dtype))
+            )
+    return passes
 
 
 def _per_parameter(per_head: Tensor, parameter: Tensor) -> Tensor:

@@ -190,17 +190,38 @@ def test_trained_scalars_per_head_take_the_directional_path(
     assert route == [(2, 4, n, 8)]
 
 
-def test_a_head_whose_scalar_is_clamped_gets_zero_from_the_path(monkeypatch) -> None:
-    """KERPLE reads r2 clamped at 0.01: a head with r2 below it has a direction of 0,
-    so its rows read no weight; r2's gradient there is 0, as the oracle's."""
-    pe = generated_class("kerple_log")(heads=4, head_dim=8).double()
+@pytest.mark.parametrize("variant", ["log", "power"])
+def test_a_head_whose_scalar_is_clamped_gets_only_the_gradient_back_in(
+    monkeypatch, variant: str
+) -> None:
+    """KERPLE reads r2 clamped at 0.01 (power: and at 2): a head with r2 outside gets
+    the gradient at the bound where a descent step moves it back toward the range and 0
+    where it would move it further out (``clamp_toward_range``), which the path's
+    directions, taken at the clamped value, cannot say alone (``_passing_signs``). Both
+    signs of the loss: the path's gradients equal the oracle's, and the outside heads'
+    are 0 for one sign and not for the other."""
+    pe = generated_class(f"kerple_{variant}")(heads=4, head_dim=8).double()
     with torch.no_grad():
         pe.r2[1] = -0.5
+        pe.r2[3] = 2.5 if variant == "power" else pe.r2[3]
+    outside = [1, 3] if variant == "power" else [1]
     set_runtime(monkeypatch, "DIRECTIONAL_BIAS_MIN_KEYS", {False: 64, True: 64}, pe)
     route = spy_query_shapes(monkeypatch, pe, "directional_bias_attention")
-    assert_sdpa_matches_eager(pe, 70, 70, 4)
+    generator = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 4, 70, 8, generator=generator, dtype=torch.float64) for _ in "qkv")
+    stopped = {head: set() for head in outside}
+    for sign in (1.0, -1.0):
+        grads = {}
+        for backend in ("eager", "sdpa"):
+            pe.zero_grad()
+            (sign * pe(q, k, v, backend=backend)).sin().sum().backward()
+            grads[backend] = (pe.r1.grad.clone(), pe.r2.grad.clone())
+        for got, want in zip(grads["sdpa"], grads["eager"], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
+        for head in outside:
+            stopped[head].add(float(grads["sdpa"][1][head]) == 0.0)
     assert route
-    assert pe.r2.grad is not None and float(pe.r2.grad[1]) == 0.0
+    assert all(flags == {True, False} for flags in stopped.values()), stopped
 
 
 def test_a_bias_inside_the_scale_is_scaled_on_the_directional_path(monkeypatch) -> None:

@@ -17,6 +17,9 @@ RUNTIME = ROOT / "templates" / "runtime"
 SHARED_CONSTANTS = {
     "BACKENDS",
     "MAX_POSITION",
+    "MAX_HEADS",
+    "MAX_HEAD_DIM",
+    "MAX_WIDTH",
     "FLOAT_DTYPES",
     "FUSED_ROTATION_DTYPES",
     "TRITON_CACHE",

@@ -26,13 +26,20 @@ from torch import Tensor
 
 
 class _ClampTowardRange(torch.autograd.Function):
-    """``clamp_toward_range``'s forward and backward."""
+    """``clamp_toward_range``'s forward and backward (with ``setup_context`` and a
+    generated vmap rule, so torch.func's grad and vmap take it)."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx: Any, value: Tensor, low: float | None, high: float | None) -> Tensor:
+    def forward(value: Tensor, low: float | None, high: float | None) -> Tensor:
+        return value.clamp(low, high)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        value, low, high = inputs
         ctx.save_for_backward(value)
         ctx.low, ctx.high = low, high
-        return value.clamp(low, high)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
