@@ -197,7 +197,7 @@ def test_a_head_whose_scalar_is_clamped_gets_only_the_gradient_back_in(
     """KERPLE reads r2 clamped at 0.01 (power: and at 2): a head with r2 outside gets
     the gradient at the bound where a descent step moves it back toward the range and 0
     where it would move it further out (``clamp_toward_range``), which the path's
-    directions, taken at the clamped value, cannot say alone (``_passing_signs``). Both
+    directions, taken at the clamped value, cannot say alone (``_directions_and_passes``). Both
     signs of the loss: the path's gradients equal the oracle's, and the outside heads'
     are 0 for one sign and not for the other."""
     pe = generated_class(f"kerple_{variant}")(heads=4, head_dim=8).double()

@@ -135,9 +135,7 @@ class _DirectionalBias(torch.autograd.Function):
             grad_out, q, k, v, out, lse, spans, distance_chunk_views(vec, n), scale, True
         )
         trained = [p for p in parameters if p.requires_grad]
-        all_directions = _directions(ctx.vector_of, trained)
-        passes = iter(_passing_signs(ctx.vector_of, trained, all_directions))
-        directions = iter(all_directions)
+        directions = iter(_directions_and_passes(ctx.vector_of, trained))
         delta = (grad_out * out).sum(-1)  # [B, H, N]: δ_i = dO_i . O_i
         grads: list[Tensor | None] = []
         for parameter in parameters:
@@ -145,7 +143,7 @@ class _DirectionalBias(torch.autograd.Function):
                 grads.append(None)
                 continue
             per_head = vec.new_zeros(vec.shape[0])  # [H]
-            direction = next(directions)
+            direction, up, down = next(directions)
             for sign in (1.0, -1.0):
                 part = direction.mul(sign).clamp_(min=0)  # [H, N + M - 1]: w+ or w-
                 if bool(part.any()):
@@ -153,28 +151,51 @@ class _DirectionalBias(torch.autograd.Function):
                     sums = _weighted_dS_sums(q, k, v, vec, part, lse, grad_out, delta, spans, scale)
                     per_head += sign * sums
             grad = _per_parameter(per_head, parameter)
-            up, down = next(passes)  # where a positive (negative) gradient goes through
+            # up (down): where a positive (negative) gradient goes through to the parameter
             grads.append(torch.where(grad > 0, grad * up, torch.where(grad < 0, grad * down, grad)))
         return dq, dk, dv, None, None, None, *grads
 
 
-def _directions(vector_of: Callable[[], Tensor], trained: list[Tensor]) -> list[Tensor]:
-    """w_p = ∂vec/∂θ_p for each trained scalar set θ_p (entry h reaching row h, or a
-    0-D scalar every row), [H, N + M - 1] each: the vector's graph differentiated
-    forward (J 1) as the reverse-mode gradient, with respect to a probe u, of Jᵀu."""
+def _directions_and_passes(
+    vector_of: Callable[[], Tensor], trained: list[Tensor]
+) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """For each trained scalar set θ_p, (w_p, up, down), from one build of the vector's
+    graph.
+
+    w_p = ∂vec/∂θ_p [H, N + M - 1] (entry h reaching row h, or a 0-D scalar every row):
+    the graph differentiated forward (J 1) as the reverse-mode gradient, with respect to a
+    probe u, of Jᵀu.
+
+    up (down), of θ_p's shape, is 1 where the graph passes a positive (negative) gradient
+    to θ_p and 0 where it stops it: a scalar read through ``clamp_toward_range`` and lying
+    outside its range passes only the gradient that moves it back, which w (taken at the
+    clamped value, a linearisation) cannot say. Pulling w (-w) back through the graph
+    gives θ_p's entry h the gradient s_h Σ_t (∂vec_ht/∂c_h)² (its negative) at the clamp
+    c_h, s_h > 0 from the readings before it (softplus), so that pull is zero exactly
+    where the clamp stops a gradient of that sign (or where w is zero, and with it the
+    gradient)."""
     with torch.enable_grad():
         vec = vector_of()  # [H, N + M - 1], with its graph
         probe = torch.zeros_like(vec, requires_grad=True)
         pulled = torch.autograd.grad(vec, trained, probe, create_graph=True, allow_unused=True)
-        directions = []
+        found = []
         for parameter, back in zip(trained, pulled, strict=True):
             if back is None or not back.requires_grad:  # the vector does not move with it
-                directions.append(torch.zeros_like(vec))
-                continue
-            ones = torch.ones_like(parameter)
-            (forward,) = torch.autograd.grad(back, probe, ones, retain_graph=True)
-            directions.append(forward.detach())
-    return directions
+                direction = torch.zeros_like(vec)
+            else:
+                ones = torch.ones_like(parameter)
+                (forward,) = torch.autograd.grad(back, probe, ones, retain_graph=True)
+                direction = forward.detach()
+            passes = []
+            for sign in (1.0, -1.0):
+                (pull,) = torch.autograd.grad(
+                    vec, parameter, sign * direction, retain_graph=True, allow_unused=True
+                )
+                passes.append(
+                    torch.zeros_like(parameter) if pull is None else (pull != 0).to(parameter.dtype)
+                )
+            found.append((direction, passes[0], passes[1]))
+    return found
 
 
 def _weighted_dS_sums(
@@ -209,33 +230,6 @@ def _rows_reading(weights: Tensor, n: int) -> Tensor:
     counts = F.pad((weights > 0).cumsum(-1), (1, 0))  # [H, N + M]: positives before t
     first = torch.arange(n - 1, -1, -1, device=weights.device)  # [N]
     return counts[:, first + m] > counts[:, first]
-
-
-def _passing_signs(
-    vector_of: Callable[[], Tensor], trained: list[Tensor], directions: list[Tensor]
-) -> list[tuple[Tensor, Tensor]]:
-    """For each trained scalar set θ_p, (up, down) of its shape, 1 where the vector's graph
-    passes a positive (negative) gradient to θ_p and 0 where it stops it: a scalar read
-    through ``clamp_toward_range`` and lying outside its range passes only the gradient
-    that moves it back, which the directions (w at the clamped value, a linearisation)
-    cannot say. Pulling w (-w) back through the graph gives θ_p's entry h the gradient
-    s_h Σ_t (∂vec_ht/∂c_h)² (its negative) at the clamp c_h, s_h > 0 from the readings
-    before it (softplus), so that pull is zero exactly where the clamp stops a gradient of
-    that sign (or where w is zero, and with it the gradient)."""
-    with torch.enable_grad():
-        vec = vector_of()  # [H, N + M - 1], with its graph
-        passes = []
-        for parameter, direction in zip(trained, directions, strict=True):
-            pulls = []
-            for sign in (1.0, -1.0):
-                (pull,) = torch.autograd.grad(
-                    vec, parameter, sign * direction, retain_graph=True, allow_unused=True
-                )
-                pulls.append(torch.zeros_like(parameter) if pull is None else pull.detach())
-            passes.append(
-                ((pulls[0] != 0).to(parameter.dtype), (pulls[1] != 0).to(parameter.dtype))
-            )
-    return passes
 
 
 def _per_parameter(per_head: Tensor, parameter: Tensor) -> Tensor:
