@@ -249,6 +249,22 @@ def llama4_layer_and_module(
     return expected, got
 
 
+def cope_beside_x_transformers(
+    heads: int, dim: int, max_pos: int = 16
+) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """x-transformers' CoPE (table drawn from N(0, 1)) and the generated cope module
+    holding the same table, for the tests that compare the two; skips without
+    x-transformers."""
+    xt = pytest.importorskip("x_transformers.x_transformers")
+    reference = xt.CoPE(dim=dim, heads=heads, max_pos=max_pos)
+    with torch.no_grad():
+        reference.pos_emb.normal_()
+    pe = generated_class("cope")(heads=heads, head_dim=dim)
+    with torch.no_grad():
+        pe.cope_positions.copy_(reference.pos_emb)
+    return reference, pe
+
+
 def run_backend(
     pe: torch.nn.Module, inputs: dict[str, torch.Tensor], backend: str, **options: object
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:

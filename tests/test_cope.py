@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from tests.conftest import generated_class, runtime_modules
+from tests.conftest import cope_beside_x_transformers, generated_class, runtime_modules
 
 F64 = torch.float64
 
@@ -44,15 +44,9 @@ def test_cope_term_matches_the_formula_in_float64() -> None:
 
 
 def test_cope_attention_matches_x_transformers() -> None:
-    xt = pytest.importorskip("x_transformers.x_transformers")
     torch.manual_seed(0)
     heads, dim, n = 4, 16, 12
-    reference = xt.CoPE(dim=dim, heads=heads, max_pos=16)
-    with torch.no_grad():
-        reference.pos_emb.normal_()
-    pe = generated_class("cope")(heads=heads, head_dim=dim)
-    with torch.no_grad():
-        pe.cope_positions.copy_(reference.pos_emb)
+    reference, pe = cope_beside_x_transformers(heads, dim)
     q, k, v = (torch.randn(2, heads, n, dim) for _ in range(3))
     scale = dim**-0.5
     sim = (q @ k.transpose(-1, -2)) * scale

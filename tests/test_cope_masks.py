@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.conftest import (
+    cope_beside_x_transformers,
     generated_class,
     run_backend,
     runtime_modules,
@@ -294,17 +295,11 @@ def test_masked_keys_count_as_in_x_transformers() -> None:
     """x-transformers' Attend with its CoPE, causal, under a padding-like key mask (each
     batch row's own keys hidden from every query, as left padding and a hidden span
     are): the same output, float32, on every row that reads some key."""
-    xt = pytest.importorskip("x_transformers.x_transformers")
     attend = pytest.importorskip("x_transformers.attend")
     torch.manual_seed(0)
     heads, dim, n = 4, 16, 64
-    cope = xt.CoPE(dim=dim, heads=heads, max_pos=16)
-    with torch.no_grad():
-        cope.pos_emb.normal_()
+    cope, pe = cope_beside_x_transformers(heads, dim)
     reference = attend.Attend(causal=True, cope=cope)
-    pe = generated_class("cope")(heads=heads, head_dim=dim)
-    with torch.no_grad():
-        pe.cope_positions.copy_(cope.pos_emb)
     q, k, v = (torch.randn(2, heads, n, dim) for _ in range(3))
     keys = torch.ones(2, n, dtype=torch.bool)  # [B, M]: True = attend
     keys[0, :5] = False  # left padding
