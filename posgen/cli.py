@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from posgen.hf_families import Pairing
 
 from posgen.catalogue import encoding_rows, model_rows
+from posgen.check.deadline import GRACE_FACTOR, GRACE_SECONDS, MIN_SHARE_SECONDS
 from posgen.cli_errors import file_error, reports_spec_errors
 from posgen.cli_output import UsageError, say
 from posgen.cli_paths import (
@@ -594,8 +595,9 @@ def _property_names() -> tuple[str, ...]:
     type=FiniteFloatRange(1, 36000),
     default=45.0,
     show_default=True,
-    help="Seconds per spec, shared by its "
-    "properties: each gets at most what is left divided by the properties left.",
+    help="Seconds per spec, shared by its properties: each gets what is left divided by the "
+    f"properties left, but at least {MIN_SHARE_SECONDS:g} s, and is stopped "
+    f"{GRACE_FACTOR:.0%} + {GRACE_SECONDS:g} s past its share.",
 )
 @click.option(
     "--weights",

@@ -952,7 +952,7 @@ def test_a_single_slow_example_is_stopped_at_the_hard_deadline(tmp_path) -> None
     its share plus the grace, and the slow ones say "inconclusive (time budget)"."""
     import time
 
-    from posgen.check.runner import GRACE_FACTOR, GRACE_SECONDS
+    from posgen.check.deadline import GRACE_FACTOR, GRACE_SECONDS
 
     text = (SPECS / "floater.yaml").read_text(encoding="utf-8")
     slow = text.replace("steps_per_position: 1", "steps_per_position: 1024").replace(

@@ -41,6 +41,13 @@ from typing import Any
 RETRY_SECONDS = 0.05
 """How soon the limit strikes again after a raise that was swallowed."""
 
+GRACE_FACTOR, GRACE_SECONDS = 0.25, 0.5
+"""A property's hard limit past its soft budget: budget * (1 + factor) + seconds."""
+
+MIN_SHARE_SECONDS = 0.2
+"""The least soft budget a property gets, whatever is left of its spec's (light enough
+for the CLI's help to read without importing torch)."""
+
 
 class OutOfTime(BaseException):
     """A property ran past its hard time limit (raised by ``hard_deadline``)."""

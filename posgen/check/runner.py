@@ -6,9 +6,11 @@ judged where stated, measured where not) and the building-block checks
 (``BLOCK_CHECKS``: only where the block is present, n/a elsewhere). Each property gets at
 most ``Budget.seconds`` and a fair share of what is left of ``Budget.spec_seconds``; a
 property that stopped drawing says so in its evidence. That share is a soft budget (no
-new examples); ``GRACE`` past it a hard deadline stops the property mid-example
-(``deadline.hard_deadline``) and its verdict is "inconclusive (time budget)", so a spec
-takes at most ``spec_seconds`` plus ``GRACE`` per property. An exception inside a
+new examples), at least ``MIN_SHARE_SECONDS``; ``GRACE`` past it a hard deadline stops the
+property mid-example (``deadline.hard_deadline``) and its verdict is "inconclusive (time
+budget)", so a spec takes at most the larger of ``spec_seconds`` and
+``MIN_SHARE_SECONDS`` per property, plus ``GRACE`` per property and the last torch
+operation each was in (the deadline strikes between Python bytecodes). An exception inside a
 property is an ERROR outcome, never a traceback. Everything runs on one thread: the tensors are
 small, and oversubscribed threads made it 10-20x slower.
 
@@ -29,7 +31,13 @@ from torch import Tensor
 
 from posgen.check.agreement import backends, bf16, kv_cache
 from posgen.check.buckets import buckets
-from posgen.check.deadline import OutOfTime, hard_deadline
+from posgen.check.deadline import (
+    GRACE_FACTOR,
+    GRACE_SECONDS,
+    MIN_SHARE_SECONDS,
+    OutOfTime,
+    hard_deadline,
+)
 from posgen.check.decay import decay
 from posgen.check.extrapolates import extrapolates
 from posgen.check.probe import Probe
@@ -70,7 +78,6 @@ BLOCK_CHECKS: dict[str, Callable[[Probe], Outcome]] = {
     "kv_cache": kv_cache,
 }
 PROPERTIES = CLAIMS + BLOCKS
-GRACE_FACTOR, GRACE_SECONDS = 0.25, 0.5  # hard deadline = share * (1 + factor) + seconds
 ROUTE_SHARE = 0.1  # of spec_seconds, for reading the table the route line describes
 
 
@@ -140,7 +147,7 @@ def _check_loaded(
         began = time.perf_counter()
         # the per-spec cap: what is left of spec_seconds, shared by the properties left
         left = budget.spec_seconds - (began - started)
-        share = max(0.2, left / (len(wanted) - done))
+        share = max(MIN_SHARE_SECONDS, left / (len(wanted) - done))
         probe.budget = replace(budget, seconds=min(budget.seconds, share), timed_out=False)
         limit = probe.budget.seconds * (1 + GRACE_FACTOR) + GRACE_SECONDS
         outcome = _run_property(probe, name, _claimed(loaded, name), limit)
