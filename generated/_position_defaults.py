@@ -325,7 +325,8 @@ def _default_flag_on_read_keys(
         key_read = reads.flatten(1, 2).any(1)  # [batch or 1, M or 1]
     else:  # [heads or 1, N or 1, M or 1] or [N or 1, M or 1]: alike in every row
         key_read = reads.reshape(-1, reads.shape[-1]).any(0)  # [M or 1]
-    if q_offsets is None:  # the queries at the defaults: every row's constant is 0
+    if q_offsets is None or q_offsets.shape[-1] == 0:  # the queries at the defaults (or
+        # none, N = 0: q_offsets[..., -1:] would be empty): every row's constant is 0
         constant = torch.zeros((), dtype=k_offsets.dtype, device=k_offsets.device)
         checks = []
     else:

@@ -8,7 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import assert_sdpa_matches_eager, runtime_modules, spec_variant
+from tests.conftest import (
+    assert_sdpa_matches_eager,
+    generated_class,
+    runtime_modules,
+    spec_variant,
+)
 
 
 def chunks_of(monkeypatch: pytest.MonkeyPatch, pe: torch.nn.Module, size: int) -> None:
@@ -72,3 +77,25 @@ def test_a_relative_value_term_alone_at_explicit_positions(monkeypatch, causal: 
     options = {"causal": causal, "q_positions": positions, "k_positions": positions}
     assert_no_grad_sdpa_matches_eager(pe, 12, 12, 2, **options)
     assert_sdpa_matches_eager(pe, 12, 12, 2, **options)
+
+
+@pytest.mark.parametrize("name", ["nope", "alibi", "rope", "t5"])
+@pytest.mark.parametrize("q_positions", [None, torch.zeros(0, dtype=torch.long)])
+def test_no_queries_with_key_positions_and_an_attn_mask(name: str, q_positions) -> None:
+    """N = 0 with k_positions and an attn_mask: the test of the defaults over the keys the
+    mask reads compared each key's offset with the last query's, an empty slice, and
+    raised RuntimeError (sizes 9 and 0) on every backend, eager included. The output is
+    empty, and the gradients into k and v are zeros."""
+    pe = generated_class(name)(heads=4, head_dim=8).double()
+    q = torch.randn(2, 4, 0, 8, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 2, 9, 8, dtype=torch.float64, requires_grad=True) for _ in "kv")
+    masks = (torch.ones(9, dtype=torch.bool), torch.zeros(1, 1, 1, 9, dtype=torch.float64))
+    for attn_mask in masks:
+        options = {"k_positions": 3 * torch.arange(9), "attn_mask": attn_mask}
+        if q_positions is not None:
+            options["q_positions"] = q_positions
+        for backend in ("eager", "sdpa", "flex", "auto"):
+            out = pe(q, k, v, backend=backend, **options)
+            assert out.shape == (2, 4, 0, 8)
+            grads = torch.autograd.grad(out.sum(), (k, v))
+            assert all(torch.equal(grad, torch.zeros_like(grad)) for grad in grads)
