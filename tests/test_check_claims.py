@@ -164,11 +164,14 @@ def test_a_threshold_an_expression_names_refutes_a_relative_claim(
 
 @pytest.mark.parametrize("claim", ["true", "false"])
 def test_a_threshold_past_the_shift_cap_limits_the_verdict(tmp_path: Path, claim: str) -> None:
-    """17000000 (a product: a literal is at most 10^6) lies past the 2^24 cap on shifts:
-    no shift crosses it, so the claim is neither confirmed nor refuted, the evidence
-    names the number, and the run exits 0 either way (it said "confirmed: holds", and a
-    claim of false was refuted)."""
-    expr = "-abs(i - j) + where(i > 1000000 * 17, 1, 0)"
+    """18000000 (a product: a literal is at most 10^6) lies past the 2^24 cap on shifts
+    plus the 2^20 positions drawn: no shifted position crosses it, so the claim is
+    neither confirmed nor refuted, the evidence names the number, and the run exits 0
+    either way (it said "confirmed: holds", and a
+    claim of false was refuted). At 1000000 * 17, below 2^24 + 2^20, a query at 2^18
+    shifted by 2^24 crosses it: refuted (its step of 1 hid under the former tolerance,
+    1e-11 per unit of spread 2^18 and position 2^24, 44)."""
+    expr = "-abs(i - j) + where(i > 1000000 * 18, 1, 0)"
     spec = expr_bias_spec(tmp_path, "past_cap", expr, claims=f"relative: {claim}")
     args = ["check", str(spec), "--only", "relative", "--max-examples", "10"]
     result = CliRunner().invoke(main, [*args, "--json"])
@@ -177,7 +180,7 @@ def test_a_threshold_past_the_shift_cap_limits_the_verdict(tmp_path: Path, claim
     assert record["verdict"] == "limited: holds", record
     assert record["ok"] is True and record["limited_to"] == f"c ≤ {1 << 24}", record
     assert "tested only up to c = 16777216" in record["evidence"], record
-    assert "1000000 * 17 = 17000000" in record["evidence"], record
+    assert "1000000 * 18 = 18000000" in record["evidence"], record
     table = CliRunner().invoke(main, args)
     assert table.exit_code == 0, table.output
     assert "confirmed" not in table.output and "tested only in part" in table.output

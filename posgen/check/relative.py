@@ -12,7 +12,8 @@ or token embeddings through embed on the input route); then every run tries the 
 fixed shifts, each power of two up to the far reach and each length named (and one past
 it) within it, and queries and keys at 0 and at each far distance (``fixed_shifts``,
 ``wide_distances``). The float64 logits at the shifted positions must equal the
-unshifted ones within a tolerance that grows with the largest position (NaN logits, or
+unshifted ones within a tolerance of each head's own (``shift_tolerance``: 256 eps per
+unit of the head's logit spread and of the largest position; NaN logits, or
 an infinite one that the shift changes, refute it). Where a length lies past the far
 reach (beyond the 2^24 cap, and not past a table's end), no shift crosses it: a claim
 that held is then "limited", neither confirmed nor refuted, and the evidence names the
@@ -212,21 +213,17 @@ def _shifted_logits_agree(probe: Probe, example: Example) -> float:
     before = probe.logits(content, q, k)
     after = probe.logits(content, q + shift, k + shift)
     top = max(q_pos + k_pos) + shift
-    finite = before[torch.isfinite(before)]
-    largest = float(finite.abs().max()) if finite.numel() else 0.0
-    # rounding that grows with the positions scales with how far a head's logits
-    # spread, not with a constant they share (which softmax ignores, and which
-    # hid a change of 5 under 1000000 - abs(i - j)); each value's own rounding with it
-    tol = 1e-11 * (1.0 + head_spread(before)) * (1.0 + top) + 64 * EPSILON * largest
+    tol = shift_tolerance(before, top)  # [H], one per head
     # equal infinities agree; NaN, or an infinity on one side only, never does
     delta = torch.where(before == after, 0.0, (after - before).abs()).nan_to_num(math.inf)
-    if float(delta.max()) > tol:
-        _, h, i, j = (int(x) for x in divmod_index(int(delta.argmax()), delta.shape))
+    excess = delta - tol.view(1, -1, 1, 1)
+    if float(excess.max()) > 0:
+        _, h, i, j = (int(x) for x in divmod_index(int(excess.argmax()), delta.shape))
         raise Violation(
             f"query positions {q_pos}, key positions {k_pos}, shift c = {shift}: "
             f"head {h} logit[{i}, {j}] {fmt(float(before[0, h, i, j]))} -> "
-            f"{fmt(float(after[0, h, i, j]))} (|Δ| {fmt(float(delta.max()))} > "
-            f"tol {fmt(tol)})",
+            f"{fmt(float(after[0, h, i, j]))} (|Δ| {fmt(float(delta[0, h, i, j]))} > "
+            f"tol {fmt(float(tol[h]))})",
             q_positions=q_pos,
             k_positions=k_pos,
             shift=shift,
@@ -234,16 +231,37 @@ def _shifted_logits_agree(probe: Probe, example: Example) -> float:
             values=[float(before[0, h, i, j]), float(after[0, h, i, j])],
             content_seed=example_seed,
         )
-    return tol - float(delta.max())
+    return -float(excess.max())
 
 
-def head_spread(logits: Tensor) -> float:
-    """The widest range (max − min) of one head's finite logits in [1, H, N, M]."""
+# float64 rounding that grows with the positions, per unit of a head's logit spread and
+# of the largest position: 256 eps. The catalogue's relative encodings need at most
+# 1.5 eps (RoPE's angles at 2^24); the former 1e-11 (45036 eps) let a step of 0.005 in
+# one logit at positions past 3 * 10^6 through as rounding.
+POSITION_ROUNDING = 256 * EPSILON
+
+
+def shift_tolerance(logits: Tensor, top: int) -> Tensor:
+    """How far each head's shifted logits may move and still count as unchanged, [H]:
+    rounding that grows with the positions, scaled by how far that head's logits spread
+    (not a constant they share, which softmax ignores, and which hid a change of 5 under
+    1000000 - abs(i - j)), plus each value's own rounding. Head by head: the rounding
+    of one head's logits is of their own size, and a head of large logits hid a break
+    of 0.5 in a head of small ones."""
+    finite = torch.isfinite(logits)
+    largest = torch.where(finite, logits.abs(), 0.0).amax(dim=(0, 2, 3))  # [H]
+    spreads = head_spreads(logits)
+    return POSITION_ROUNDING * (1.0 + spreads) * (1.0 + top) + 64 * EPSILON * largest
+
+
+def head_spreads(logits: Tensor) -> Tensor:
+    """The range (max − min) of each head's finite logits in [1, H, N, M], [H] (0 for a
+    head with none)."""
     finite = torch.isfinite(logits)
     high = torch.where(finite, logits, -math.inf).amax(dim=(0, 2, 3))  # [H]
     low = torch.where(finite, logits, math.inf).amin(dim=(0, 2, 3))
-    ranges = (high - low)[finite.any(dim=3).any(dim=2).any(dim=0)]  # heads with a finite one
-    return float(ranges.max()) if ranges.numel() else 0.0
+    some = finite.any(dim=3).any(dim=2).any(dim=0)  # heads with a finite logit
+    return torch.where(some, high - low, 0.0)
 
 
 def divmod_index(flat: int, shape: torch.Size) -> list[int]:

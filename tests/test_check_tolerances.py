@@ -1,0 +1,83 @@
+"""The checker's tolerances are float64 rounding, not room for a real change: a break in
+one logit of 0.005 far out, or of 0.5 in one head beside a head of large logits, is
+refuted, with a counterexample whose change the formula itself gives (plain Python
+floats); the true claims beside them still hold."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from posgen.check.runner import check_loaded
+from posgen.check.search import Budget
+from posgen.check.verdicts import Outcome
+from posgen.spec.loader import load_spec
+from tests.conftest import expr_bias_spec
+
+BUDGET = Budget(max_examples=20, seed=0, seconds=60.0, spec_seconds=120.0)
+FAR = 3_000_000
+
+
+def _outcome(path: Path, name: str) -> Outcome:
+    return check_loaded(load_spec(path), BUDGET, only=[name]).outcome(name)
+
+
+def _far_step(i: float, j: float, h: int) -> float:
+    return -abs(i - j) + (0.005 if j > FAR else 0.0)
+
+
+def _past_cap(i: float, j: float, h: int) -> float:
+    return -abs(i - j) + (1.0 if i > 17_000_000 else 0.0)
+
+
+def _head_step(i: float, j: float, h: int) -> float:
+    return -1e6 * abs(i - j) if h < 0.5 else (0.5 if j > FAR else 0.0)
+
+
+@pytest.mark.parametrize(
+    ("name", "expr", "bias"),
+    [
+        # one head; the old tolerance at c = 3 * 10^6 was 1e-11 · 257 · 3e6 ≈ 0.0077
+        ("far_step", "-abs(i - j) + 0.005 * where(j > 3 * 1000000, 1, 0)", _far_step),
+        # head 0's logits spread 10^6 per position, which set head 1's tolerance
+        (
+            "head_step",
+            "where(h < 0.5, -1000000 * abs(i - j), 0.5 * where(j > 3 * 1000000, 1, 0))",
+            _head_step,
+        ),
+        # 17000000 lies past the 2^24 cap on shifts, but a query at 2^18 shifted by 2^24
+        # crosses it: a step of 1 under a tolerance of 1e-11 · 2^18 · 2^24 ≈ 44
+        ("past_cap", "-abs(i - j) + where(i > 1000000 * 17, 1, 0)", _past_cap),
+    ],
+)
+def test_a_small_far_break_refutes_relative(
+    tmp_path: Path, name: str, expr: str, bias: Callable[[float, float, int], float]
+) -> None:
+    path = expr_bias_spec(tmp_path, name, expr, "relative: true")
+    outcome = _outcome(path, "relative")
+    assert outcome.verdict == "REFUTED: fails", outcome.evidence
+    found = outcome.counterexample
+    assert found is not None
+    head, shift = found["head"], found["shift"]
+    # the change the counterexample shows is the formula's, at some query and key
+    before, after = found["values"]
+    changes = {
+        bias(i + shift, j + shift, head) - bias(i, j, head)
+        for i in found["q_positions"]
+        for j in found["k_positions"]
+    }
+    assert any(abs((after - before) - change) < 1e-9 for change in changes), (found, changes)
+    assert abs(after - before) >= 0.005
+
+
+def test_relative_biases_still_hold_far_out(tmp_path: Path) -> None:
+    """The same shifts, without the break: confirmed (their float64 logits are exact)."""
+    for name, expr in [
+        ("far_plain", "-abs(i - j)"),
+        ("head_plain", "where(h < 0.5, -1000000 * abs(i - j), 0.5 * where(j > i, 1, 0))"),
+    ]:
+        path = expr_bias_spec(tmp_path, name, expr, "relative: true")
+        outcome = _outcome(path, "relative")
+        assert outcome.verdict == "confirmed: holds", outcome.evidence
