@@ -1,7 +1,8 @@
 """The checker's tolerances are float64 rounding, not room for a real change: a break in
 one logit of 0.005 far out, or of 0.5 in one head beside a head of large logits, is
 refuted, with a counterexample whose change the formula itself gives (plain Python
-floats); the true claims beside them still hold."""
+floats); and decay judges the first queries of a score of absolute positions too. The
+true claims beside them still hold."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from posgen.check.search import Budget
 from posgen.check.verdicts import Outcome
 from posgen.spec.loader import load_spec
 from tests.conftest import expr_bias_spec
+from tests.reference.formulas import first_rise, window_means
 
 BUDGET = Budget(max_examples=20, seed=0, seconds=60.0, spec_seconds=120.0)
 FAR = 3_000_000
@@ -81,3 +83,44 @@ def test_relative_biases_still_hold_far_out(tmp_path: Path) -> None:
         path = expr_bias_spec(tmp_path, name, expr, "relative: true")
         outcome = _outcome(path, "relative")
         assert outcome.verdict == "confirmed: holds", outcome.evidence
+
+
+# ------------------------------------------------------------ decay: the first queries
+
+
+def _early_rise(i: int, j: int) -> float:
+    return abs(i - j) if i < 400 else -abs(i - j)
+
+
+def test_decay_judges_the_first_queries_of_absolute_scores(tmp_path: Path) -> None:
+    """A score of absolute positions that falls at query 511 (where the curve was read)
+    and rises with distance at every query below 400: the claim was confirmed. The
+    counterexample's query rises by the formula's own window means."""
+    expr = "where(i < 400, abs(i - j), -abs(i - j))"
+    full = [_early_rise(511, 511 - r) for r in range(512)]
+    assert first_rise(window_means(full, 512)) is None  # query 511: decays
+    path = expr_bias_spec(tmp_path, "early_rise", expr, "decay: true")
+    outcome = _outcome(path, "decay")
+    assert outcome.verdict == "REFUTED: fails", outcome.evidence
+    found = outcome.counterexample
+    assert found is not None
+    query = found["query"]
+    assert query < 400
+    width = 1 << ((query + 1).bit_length() - 1)
+    means = window_means([_early_rise(query, query - r) for r in range(width)], width)
+    assert found["means"] == pytest.approx(means, abs=1e-9)
+    assert first_rise(means) == found["window"]
+
+
+@pytest.mark.parametrize(
+    "expr",
+    [
+        "-abs(i - j)",
+        "-maximum(abs(i - j) - 8, 0)",  # flat over its first windows, then falls
+        "-abs(i - j) + 0.001 * i",  # absolute, but the same curve shape at every query
+    ],
+)
+def test_decay_still_holds_where_every_query_falls(tmp_path: Path, expr: str) -> None:
+    path = expr_bias_spec(tmp_path, "falls", expr, "decay: true")
+    outcome = _outcome(path, "decay")
+    assert outcome.verdict == "confirmed: holds", outcome.evidence

@@ -17,7 +17,9 @@ up to R (``distance_windows``, ``window_means``); past the span, a window wider 
 (a NaN or an infinity refutes it, at the first distance where it is not), no window
 mean rises over the previous one, the last is below the first, and at least half of the
 adjacent windows fall strictly. hypothesis draws the head, the query position (up to
-the table's end) and the content's seed; the curve shown is checked too. ``posgen plot``
+the table's end) and the content's seed; the curve shown is checked too. A query before
+R - 1 (``early_queries``, drawn and scanned) is judged over the whole windows its keys
+fill, by the first part of the rule: no window mean rises. ``posgen plot``
 draws the same curve and window means, up to its own ``--distance``. A long curve is
 evaluated a chunk of distances at a time (``distance_chunk``), which bounds its memory
 and lets the runner's hard deadline stop it between chunks.
@@ -345,18 +347,33 @@ def decay(probe: Probe, claimed: bool | None) -> Outcome:
             return bound
         return decay_curve(probe, head, query, example_seed, distances=distances)
 
+    # a query before reach - 1 has a curve of its own over the keys before it (scores
+    # of absolute positions depend on the query): no window of it may rise
+    early = [] if bound_route else early_queries(reach)
+    queries = st.integers(reach - 1, max(reach - 1, top))
+    if early:
+        queries = st.one_of(queries, st.integers(early[0], reach - 2))
+
     @st.composite
     def examples(draw: st.DrawFn) -> Example:
-        return (
-            draw(st.integers(0, heads - 1)),
-            draw(st.integers(reach - 1, max(reach - 1, top))),
-            draw(SEEDS),
-        )
+        return (draw(st.integers(0, heads - 1)), draw(queries), draw(SEEDS))
 
     def check(example: Example) -> float:
-        return _falls(example, curve_of(example), windows, distances, bound_route)
+        head, query, example_seed = example
+        if query >= reach - 1:
+            return _falls(example, curve_of(example), windows, distances, bound_route)
+        # the whole windows its keys fill: distances 0 … W - 1, W the largest power of
+        # two within query + 1, sampled past the span as the curve at reach - 1 is
+        width = 1 << ((query + 1).bit_length() - 1)
+        near_windows = distance_windows(width)
+        near = curve_distances(near_windows, span, samples)
+        curve = decay_curve(probe, head, query, example_seed, distances=near)
+        return _falls(example, curve, near_windows, near, False, rises_only=True)
 
-    search = run_search(check, examples(), probe.budget)
+    def scan() -> list[Example]:
+        return [(head, query, probe.budget.seed) for query in early for head in range(heads)]
+
+    search = run_search(check, examples(), probe.budget, scan if early else None)
     shown_example = (0, reach - 1, probe.budget.seed)  # the curve shown: judged too
     label, curve = curve_of(shown_example)
     if search.violation is None:
@@ -417,6 +434,30 @@ def decay(probe: Probe, claimed: bool | None) -> Outcome:
     )
 
 
+# an early query has at least the windows [0, 1), [1, 2), [2, 4)
+FIRST_EARLY_QUERY = 3
+
+
+def early_queries(reach: int) -> list[int]:
+    """The queries before reach - 1 that ``decay``'s scan judges after hypothesis (which
+    draws them too): 2^k - 1 from ``FIRST_EARLY_QUERY`` on, whose keys fill whole
+    windows, from distance 0 to 2^k - 1.
+
+    Where the position-only scores depend on the query (absolute positions), the curve
+    at reach - 1 says nothing of the curve of a query early in the sequence (every
+    sequence starts at position 0): ``where(i < 400, abs(i - j), -abs(i - j))`` falls at
+    query 511 and rises at every query below 400. Such a curve is judged by the rule's
+    first part only, no window mean rises (its windows stop at the query, and a few
+    flat ones there are no rise); for scores of j - i it is the curve at reach - 1 over
+    its first windows, already judged."""
+    found = []
+    query = FIRST_EARLY_QUERY
+    while query < reach - 1:
+        found.append(query)
+        query = 2 * query + 1
+    return found
+
+
 def _reach_reason(probe: Probe, lengths: list[Length]) -> str:
     """Why the curve goes past the span, in evidence text (``lengths``: those the
     curve reached)."""
@@ -435,12 +476,13 @@ def _falls(
     windows: list[Window],
     distances: Tensor,
     bound_route: bool,
+    rises_only: bool = False,
 ) -> float:
     """The smallest fall between adjacent window means of ``label_curve`` (the curve of
     ``example`` at ``distances``), or a Violation: first where the curve is not finite
     (NaN or ±inf, at the first such distance: a mean of it says nothing of a fall), then
     by the rule (no rise, the last below the first, at least half of the adjacent
-    windows falling strictly)."""
+    windows falling strictly; ``rises_only``: no rise alone, an early query's curve)."""
     head, query, _ = example
     label, curve = label_curve  # at ``distances``
     means = window_means(curve, windows, distances)
@@ -475,6 +517,8 @@ def _falls(
                 window=window,
                 **details,
             )
+    if rises_only:
+        return min(x - y for x, y in zip(means, means[1:], strict=False))
     if means[-1] >= means[0] - _tolerance(means[0], means[-1]):
         raise Violation(
             f"{where}{label} does not fall: mean {fmt(means[0])} at distance 0, "
