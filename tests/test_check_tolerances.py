@@ -6,6 +6,7 @@ true claims beside them still hold."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -124,3 +125,36 @@ def test_decay_still_holds_where_every_query_falls(tmp_path: Path, expr: str) ->
     path = expr_bias_spec(tmp_path, "falls", expr, "decay: true")
     outcome = _outcome(path, "decay")
     assert outcome.verdict == "confirmed: holds", outcome.evidence
+
+
+# ------------------------------------------------------------ unique: head by head
+
+
+def test_unique_compares_each_head_at_its_own_scale(tmp_path: Path) -> None:
+    """Head 0, 10^6 cos(j - i), is even in the distance; head 1, 10^-7 (j - i), tells
+    every distance apart (±10^-7 at d = ±1: 200 % of its own size). 10^-12 of head 0's
+    scores was the tolerance of both heads, so d = -1 and 1 were called the same."""
+    expr = "where(h < 0.5, 1000000 * cos(j - i), 0.0000001 * (j - i))"
+    low = [1e-7 * d for d in (-1, 1)]
+    assert abs(low[0] - low[1]) > 1e4 * 2.0**-52 * max(map(abs, low))  # far past rounding
+    assert 1e6 * math.cos(1) * 1e-12 > abs(low[0] - low[1])  # head 0's old tolerance
+    path = expr_bias_spec(tmp_path, "head_scales", expr, "unique: true")
+    outcome = _outcome(path, "unique")
+    assert outcome.verdict == "confirmed: holds", outcome.evidence
+
+
+def test_a_period_split_over_heads_still_collides(tmp_path: Path) -> None:
+    """sin and cos of 2π d / 1000 in two heads: d and d + 1000 collide (sin(π) is
+    1.2e-16, not 0: the head's own rounding, not a difference)."""
+    turn = 2 * math.pi / 1000
+    angle = f"{2 * math.pi!r} * (j - i) / 1000"
+    expr = f"where(h < 0.5, sin({angle}), cos({angle}))"
+    path = expr_bias_spec(tmp_path, "split_period", expr, "unique: true")
+    outcome = _outcome(path, "unique")
+    assert outcome.verdict == "REFUTED: fails", outcome.evidence
+    found = outcome.counterexample
+    assert found is not None
+    d1, d2 = found["distances"]
+    assert abs(d1 - d2) % 1000 == 0
+    for d, values in zip((d1, d2), found["values"], strict=True):
+        assert values == pytest.approx([math.sin(turn * d), math.cos(turn * d)], abs=1e-12)

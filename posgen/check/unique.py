@@ -252,6 +252,7 @@ def _score_rows_and_columns(probe: Probe, span: int) -> _Compared:
     column (as a key) of the position-only scores."""
     span = score_span(probe, span)
     scores = probe.score_matrix(span)  # [heads, span, span]
+    head_scale = _head_scale(scores.reshape(scores.shape[0], -1))
 
     def check(example: Pair) -> float:
         m, n = example
@@ -263,12 +264,15 @@ def _score_rows_and_columns(probe: Probe, span: int) -> _Compared:
                     "or inf), as a query or as a key: they tell no position apart",
                     positions=[position],
                 )
-        gap = max(
-            float((scores[:, m, :] - scores[:, n, :]).abs().max()),
-            float((scores[:, :, m] - scores[:, :, n]).abs().max()),
+        gaps = torch.maximum(
+            (scores[:, m, :] - scores[:, n, :]).abs().amax(dim=-1),
+            (scores[:, :, m] - scores[:, :, n]).abs().amax(dim=-1),
+        )  # [heads]
+        sizes = torch.maximum(
+            scores[:, m, :].abs().amax(dim=-1), scores[:, :, m].abs().amax(dim=-1)
         )
-        size = max(float(scores[:, m, :].abs().max()), float(scores[:, :, m].abs().max()))
-        if gap <= 1e-12 * size:  # relative: tiny tables are not collisions
+        gap = float(gaps.max())
+        if bool((gaps <= same_tolerance(sizes, head_scale)).all()):  # head by head
             raise Violation(
                 f"positions {m} and {n} get the same position scores, as a query and "
                 f"as a key, against every position in [0, {span}) in every head",
@@ -468,7 +472,7 @@ def unique_distances(probe: Probe) -> tuple[Search, str]:
     )
     keys = torch.tensor(distances) + reach
     row = probe.position_scores(torch.tensor([reach]), keys)[:, 0, :]  # [heads, D]
-    scale = row.abs().amax(dim=0)  # [D]
+    head_scale = _head_scale(row)
     count = len(distances)
 
     def check(example: Pair) -> float:
@@ -487,9 +491,9 @@ def unique_distances(probe: Probe) -> tuple[Search, str]:
                     keys=[reach + distance],
                     values=[scores.tolist()],
                 )
-        gap = float((a - b).abs().max())
-        size = max(float(scale[i1]), float(scale[i2]))
-        if gap <= 1e-12 * size:  # relative: a tiny table is not a collision
+        gaps = (a - b).abs()
+        gap = float(gaps.max())
+        if bool((gaps <= same_tolerance(torch.maximum(a.abs(), b.abs()), head_scale)).all()):
             raise Violation(
                 f"distances k - q = {d1} and {d2} get the same position score in every head "
                 f"(head 0: {fmt(float(a[0]))} and {fmt(float(b[0]))}; e.g. query {reach}, "
@@ -507,7 +511,7 @@ def unique_distances(probe: Probe) -> tuple[Search, str]:
         first = draw(st.integers(0, count - 2))  # (the list starts at distance 0)
         return first, first + draw(st.integers(1, count - 1 - first))
 
-    search = run_search(check, pairs(), probe.budget, _first_repeat(row))
+    search = run_search(check, pairs(), probe.budget, _first_repeat(row, head_scale))
     sampled = (
         ""
         if reach <= EXACT_DISTANCES
@@ -520,10 +524,32 @@ def unique_distances(probe: Probe) -> tuple[Search, str]:
     return search, f"position scores of distinct distances in (-{reach}, {reach}){sampled}"
 
 
-def _first_repeat(row: Tensor) -> Callable[[], Iterable[Pair]]:
+# Two scores of one head are the same where they differ by at most this share of the
+# larger (relative: a tiny table is not a collision) plus SAME_ROUNDING of the head's
+# largest score (rounding: sin(2π) is -2.4e-16, not 0). Head by head: a head of scores
+# near 10^6 made 1e-12 of them the tolerance of a head of scores near 10^-7, and
+# distances that head told apart by 200 % were called the same.
+SAME_SHARE = 1e-12
+SAME_ROUNDING = 64 * EPS64
+
+
+def _head_scale(scores: Tensor) -> Tensor:
+    """The largest finite |score| of each head, [heads] (scores [heads, …])."""
+    finite = torch.isfinite(scores)
+    return torch.where(finite, scores.abs(), 0.0).amax(dim=-1)
+
+
+def same_tolerance(larger: Tensor, head_scale: Tensor) -> Tensor:
+    """How far two scores of a head may differ and still be the same, per head: the
+    share ``SAME_SHARE`` of the larger of the two (``larger``, [heads, …]) plus
+    ``SAME_ROUNDING`` of the head's largest score (``head_scale``, [heads])."""
+    floor = SAME_ROUNDING * head_scale
+    return SAME_SHARE * larger + floor.view(-1, *([1] * (larger.dim() - 1)))
+
+
+def _first_repeat(row: Tensor, head_scale: Tensor) -> Callable[[], Iterable[Pair]]:
     """The scan over distances (row [heads, D], ordered by |d|): the repeat closest to
-    distance 0, by the check's own rule
-    (every head's scores within 1e-12 of the pair's larger score), or nothing.
+    distance 0, by the check's own rule (``same_tolerance``, head by head), or nothing.
 
     Exhaustive without comparing all pairs: two distances can only repeat where their
     scores in one head (the most varied) are within the loosest tolerance of each other,
@@ -536,10 +562,10 @@ def _first_repeat(row: Tensor) -> Callable[[], Iterable[Pair]]:
             bad = int(unfinished[0])
             yield (bad, bad + 1) if bad + 1 < row.shape[1] else (bad - 1, bad)
             return
-        scale = row.abs().amax(dim=0)  # [D]
-        loose = 1e-12 * float(scale.max())
         distinct = [scores.unique().numel() for scores in row.unbind(0)]
         head = distinct.index(max(distinct))
+        # the most the rule lets two scores of this head differ
+        loose = (SAME_SHARE + SAME_ROUNDING) * float(head_scale[head])
         ranked, order = row[head].sort()  # [D]
         lower = torch.searchsorted(ranked, ranked - loose)  # each window [lower, upper)
         upper = torch.searchsorted(ranked, ranked + loose, right=True)
@@ -552,8 +578,9 @@ def _first_repeat(row: Tensor) -> Callable[[], Iterable[Pair]]:
                 continue
             a = order[start].expand(width)
             b = order[int(lower[start]) : int(upper[start])]
-            gap = (row[:, a] - row[:, b]).abs().amax(dim=0)  # [width]
-            repeat = (a != b) & (gap <= 1e-12 * torch.maximum(scale[a], scale[b]))
+            gaps = (row[:, a] - row[:, b]).abs()  # [heads, width]
+            larger = torch.maximum(row[:, a].abs(), row[:, b].abs())
+            repeat = (a != b) & (gaps <= same_tolerance(larger, head_scale)).all(dim=0)
             for i, j in zip(a[repeat].tolist(), b[repeat].tolist(), strict=True):
                 key = (max(i, j), min(i, j))
                 if best is None or key < best:
