@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ._bounded import bounded_read_tensors
 from ._chunked_flash import unit_rows
 from ._clipped_relative import clipped_relative_serves
 from ._directional_bias import directional_bias_attention, directional_bias_serves
@@ -545,7 +546,19 @@ class SdpaBackend(SdpaRelative):
         by_distance = self.bias_by_distance and default
         spread = self._floor_spread(q, k)  # [H, N, 1] or None
 
+        # values read through clamp_toward_range, made once in the call's graph for every
+        # chunk's mask (BoundedReads); eager mode, with a gradient
+        reads: dict[Any, Any] = {}
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            reads = self._bounded_reads(q.device)
+
         def chunk_mask(i0: int, i1: int, lo: int, hi: int, out: Tensor | None = None) -> Tensor:
+            with self.sharing_bounded_reads(reads):
+                return chunk_mask_of_reads(i0, i1, lo, hi, out)
+
+        def chunk_mask_of_reads(
+            i0: int, i1: int, lo: int, hi: int, out: Tensor | None = None
+        ) -> Tensor:
             rows = None if q_positions is None else q_positions[..., i0:i1]
             if rows is None:  # the default: the queries are the last N keys
                 rows = torch.arange(m - n + i0, m - n + i1, device=q.device)
@@ -575,9 +588,11 @@ class SdpaBackend(SdpaRelative):
                 out,
             )
 
-        # what the masks are built from that may train: the module's parameters and a
-        # float attn_mask
-        inputs: list[Tensor] = [p for p in self.parameters() if p.requires_grad]
+        # what the masks are built from that may train: the module's parameters (those
+        # under the shared reads through the reads) and a float attn_mask
+        under_reads = {id(p) for p in self._bounded_parameters()} if reads else set()
+        inputs = [p for p in self.parameters() if p.requires_grad and id(p) not in under_reads]
+        inputs += bounded_read_tensors(reads)
         if attn_mask is not None and attn_mask.requires_grad:
             inputs.append(attn_mask)
         every_row_reads = default and attn_mask is None and self.position_bias_finite

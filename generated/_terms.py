@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from ._bounded import BoundedReads
 from ._caches import cache_get, cache_put, kept_over_reach
 from ._devices import check_argument_devices
 from ._distances import distance_span_vector, distance_span_with_zero
@@ -251,7 +252,7 @@ def _one_position(positions: Tensor) -> Tensor:
     return positions.new_zeros(*positions.shape[:-1], 1)
 
 
-class AttentionTerms(nn.Module):
+class AttentionTerms(BoundedReads):
     """The flags, hooks and term-by-term logits of an encoding (see the module
     docstring); ``PositionalAttention`` adds the backends and ``forward``."""
 

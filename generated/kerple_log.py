@@ -156,7 +156,17 @@ class KerpleLog(PositionalAttention):
 
     def _kernel_parameters(self, device) -> tuple[Tensor, Tensor]:
         """r1 and r2 [heads] in the bias dtype (float32, or float64), clamped (a value
-        outside its range still gets the gradient that brings it back)."""
+        outside its range still gets the gradient that brings it back); made once for
+        every chunk of a chunked call (``BoundedReads``)."""
+        return self._bounded_read(("kerple", device), self._clamped_kernel_parameters, device)
+
+    def _bounded_reads(self, device) -> dict[Any, Any]:
+        return {("kerple", device): self._clamped_kernel_parameters(device)}
+
+    def _bounded_parameters(self) -> list[Tensor]:
+        return [self.r1, self.r2]
+
+    def _clamped_kernel_parameters(self, device) -> tuple[Tensor, Tensor]:
         r1 = self.r1.to(device)
         dtype = torch.promote_types(r1.dtype, torch.float32)
         r1 = clamp_toward_range(r1.to(dtype), KERPLE_EPS)

@@ -17,7 +17,13 @@ import pytest
 import torch
 
 from posgen.codegen.inmemory import encoding_class, module_from_spec
-from tests.conftest import expr_bias_spec, generated_class
+from tests.conftest import (
+    expr_bias_spec,
+    generated_class,
+    runtime_modules,
+    set_runtime,
+    spy_calls,
+)
 
 HEADS, N, D = 4, 9, 8
 
@@ -106,3 +112,61 @@ def test_an_expression_parameter_outside_its_bounds_gets_the_gradient_back_in(
         for head in seen:
             seen[head].add(float(pe.expr_r.grad[head]) != 0.0)
     assert all(flags == {True, False} for flags in seen.values()), seen
+
+
+BOUNDED_EXPRESSIONS = {
+    # of j - i, and of i and j apart (a positive parameter beside the bounded one)
+    "distance": ("-r[h] * abs(i - j)", "{r: {shape: [heads], init: 0.5, bounds: [0.1, 2.0]}}"),
+    "positions": (
+        "-r[h] * abs(i - j) + s * i / 64",
+        "{r: {shape: [heads], init: 0.5, bounds: [0.1, 2.0]}, s: {shape: [], init: 0.3, "
+        "positive: true}}",
+    ),
+}
+
+
+def _bounded_module(name: str, folder: Path) -> torch.nn.Module:
+    """KERPLE (``kerple_log``, ``kerple_power``) or an expression of BOUNDED_EXPRESSIONS,
+    4 heads, float64, with values outside their range in heads 0 and 1."""
+    if name.startswith("kerple"):
+        pe = generated_class(name)(heads=HEADS, head_dim=D).double()
+        with torch.no_grad():
+            pe.r1.copy_(torch.tensor([-0.1, 0.7, 1.2, 0.3]))
+            pe.r2.copy_(torch.tensor([0.5, -0.4, 0.8, 0.9]))
+        return pe
+    expr, params = BOUNDED_EXPRESSIONS[name]
+    spec = expr_bias_spec(folder, f"bounded_{name}", expr, heads=HEADS, params=params)
+    pe = encoding_class(module_from_spec(spec))(heads=HEADS, head_dim=D).double()
+    with torch.no_grad():
+        pe.expr_r.copy_(torch.tensor([0.05, 3.0, 0.5, 1.0]))
+    return pe
+
+
+@pytest.mark.parametrize("route", ["loop", "recomputed"])
+@pytest.mark.parametrize("name", ["kerple_log", "kerple_power", "distance", "positions"])
+def test_a_call_built_in_chunks_judges_the_whole_gradient_of_a_clamped_value(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, name: str, route: str
+) -> None:
+    """sdpa builds the bias of explicit positions one query at a time here (the chunk
+    loop, or the node that rebuilds each chunk's mask in its backward): the clamped
+    values are read once for the call, so a value outside its range gets the whole
+    gradient where it points back in, as on eager, not the sum of the chunks' parts
+    that do (KERPLE-log, r1 = -0.1: -1.053 against eager's -0.972)."""
+    pe = _bounded_module(name, tmp_path)
+    set_runtime(monkeypatch, "SDPA_QUERY_CHUNK", {"cpu": 1}, pe)
+    set_runtime(
+        monkeypatch, "RECOMPUTED_MASK_MIN_KEYS", 1 if route == "recomputed" else 1 << 30, pe
+    )
+    nodes = spy_calls(monkeypatch, runtime_modules(pe), "recomputed_mask_attention", lambda *a: 1)
+    q, k, v, weights = _inputs()
+    positions = 5 * torch.arange(N)  # keys spread out: a bias read per pair
+    options = {"causal": True, "q_positions": positions, "k_positions": positions}
+    for sign in (1.0, -1.0):
+        grads = []
+        for backend in ("eager", "sdpa"):
+            pe.zero_grad()
+            (sign * pe(q, k, v, backend=backend, **options) * weights).sum().backward()
+            grads.append([p.grad.clone() for p in pe.parameters()])
+        for eager, sdpa in zip(*grads, strict=True):
+            torch.testing.assert_close(sdpa, eager, rtol=1e-9, atol=1e-12)
+    assert (len(nodes) > 0) == (route == "recomputed")

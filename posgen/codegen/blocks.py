@@ -553,6 +553,13 @@ class ExprBiasPlan(Block):
         name[h] (a view [H, 1, 1], so entry h reaches only head h's row)."""
         return tuple(f"expr_{param.name}" for param in self.params) if self.of_difference else ()
 
+    @property
+    def reads_bounded(self) -> bool:
+        """A parameter is read through ``clamp_toward_range`` (it has ``bounds``): a
+        chunked call then reads the parameters once for all its chunks (the runtime's
+        ``BoundedReads``)."""
+        return any(param.bounds is not None for param in self.params)
+
 
 PositionBiasPlan = SlopeBiasPlan | KerplePlan | FirePlan | SandwichPlan | ExprBiasPlan
 
