@@ -589,7 +589,9 @@ class SdpaBackend(SdpaRelative):
         # what the masks are built from that may train: the module's parameters (those
         # under the shared reads through the reads) and a float attn_mask
         under_reads = {id(p) for p in self._bounded_parameters()} if reads else set()
-        inputs = [p for p in self.parameters() if p.requires_grad and id(p) not in under_reads]
+        inputs: list[Tensor] = [
+            p for p in self.parameters() if p.requires_grad and id(p) not in under_reads
+        ]
         inputs += bounded_read_tensors(reads)
         if attn_mask is not None and attn_mask.requires_grad:
             inputs.append(attn_mask)
