@@ -551,6 +551,8 @@ class SdpaBackend(SdpaRelative):
             reads = self._bounded_reads(q.device)
 
         def chunk_mask(i0: int, i1: int, lo: int, hi: int, out: Tensor | None = None) -> Tensor:
+            if not reads:  # (no state set: nothing for torch.compile to trace)
+                return chunk_mask_of_reads(i0, i1, lo, hi, out)
             with self.sharing_bounded_reads(reads):
                 return chunk_mask_of_reads(i0, i1, lo, hi, out)
 
