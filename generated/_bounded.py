@@ -77,7 +77,7 @@ class BoundedReads(nn.Module):
     have mixed signs got their negative parts' sum, where the eager oracle judges their
     total (KERPLE-log, r1 = -0.1, explicit positions, one query per chunk: -1.053
     against -0.972). Blocks whose parameters are read so list every read a call can
-    make (``_bounded_reads``) and read through ``_bounded_read``; the sdpa backend's
+    make (``_bounded_read_calls``) and read through ``_bounded_read``; the sdpa backend's
     chunk loop makes them once in the call's graph, builds every chunk's mask with
     them (``sharing_bounded_reads``, in the backward's rebuilt masks too) and passes
     them, not the parameters under them (``_bounded_parameters``), to the node that
@@ -88,19 +88,24 @@ class BoundedReads(nn.Module):
     #: the reads a chunked call shares while its masks are built, or None
     _shared_bounded_reads: dict[Any, Any] | None = None
 
+    def _bounded_read_calls(self, device: torch.device) -> list[tuple[Callable[..., Any], tuple]]:
+        """Every read this module makes through ``clamp_toward_range`` in a call on
+        ``device``, as (the method that makes it, its arguments): [] where it makes none."""
+        return []
+
     def _bounded_reads(self, device: torch.device) -> dict[Any, Any]:
-        """Every value this module reads through ``clamp_toward_range`` on ``device`` in
-        a call, by the key ``_bounded_read`` takes: {} where it reads none."""
-        return {}
+        """The reads of ``_bounded_read_calls``, made now, by their keys."""
+        calls = self._bounded_read_calls(device)
+        return {_read_key(make, args): make(*args) for make, args in calls}
 
     def _bounded_parameters(self) -> list[Tensor]:
         """The parameters ``_bounded_reads`` are made from (and that nothing else reads)."""
         return []
 
-    def _bounded_read(self, key: Any, make: Callable[..., Any], *args: Any) -> Any:
-        """The read ``key``, shared by a chunked call where it is made once, else
-        ``make(*args)``."""
+    def _bounded_read(self, make: Callable[..., Any], *args: Any) -> Any:
+        """``make(*args)``, or its value made once for a chunked call that shares it."""
         shared = self._shared_bounded_reads
+        key = _read_key(make, args)
         if shared is not None and key in shared:
             return shared[key]
         return make(*args)
@@ -114,6 +119,11 @@ class BoundedReads(nn.Module):
             yield
         finally:
             self._shared_bounded_reads = previous
+
+
+def _read_key(make: Callable[..., Any], args: tuple) -> tuple:
+    """A read's key: the name of the method that makes it and its arguments."""
+    return (make.__name__, *args)
 
 
 def bounded_read_tensors(reads: dict[Any, Any]) -> list[Tensor]:

@@ -11,6 +11,7 @@ on the CPU avoids SDPA's math kernel (``_trained_bias``, ``_directional_bias``).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -553,9 +554,8 @@ class SdpaBackend(SdpaRelative):
             reads = self._bounded_reads(q.device)
 
         def chunk_mask(i0: int, i1: int, lo: int, hi: int, out: Tensor | None = None) -> Tensor:
-            if not reads:  # (no state set: nothing for torch.compile to trace)
-                return chunk_mask_of_reads(i0, i1, lo, hi, out)
-            with self.sharing_bounded_reads(reads):
+            # (no reads, no state set on the module: nothing for torch.compile to trace)
+            with self.sharing_bounded_reads(reads) if reads else contextlib.nullcontext():
                 return chunk_mask_of_reads(i0, i1, lo, hi, out)
 
         def chunk_mask_of_reads(

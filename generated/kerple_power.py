@@ -158,10 +158,10 @@ class KerplePower(PositionalAttention):
         """r1 and r2 [heads] in the bias dtype (float32, or float64), clamped (a value
         outside its range still gets the gradient that brings it back); made once for
         every chunk of a chunked call (``BoundedReads``)."""
-        return self._bounded_read(("kerple", device), self._clamped_kernel_parameters, device)
+        return self._bounded_read(self._clamped_kernel_parameters, device)
 
-    def _bounded_reads(self, device) -> dict[Any, Any]:
-        return {("kerple", device): self._clamped_kernel_parameters(device)}
+    def _bounded_read_calls(self, device) -> list[tuple[Any, tuple]]:
+        return [(self._clamped_kernel_parameters, (device,))]
 
     def _bounded_parameters(self) -> list[Tensor]:
         return [self.r1, self.r2]
